@@ -1,0 +1,357 @@
+//! Build-time code generation for Tessera services.
+//!
+//! [`ServiceGenerator`] plugs into `prost_build` and emits, for every service
+//! in a `.proto` file, a typed async client (`FooClient`), a server trait
+//! (`Foo`) whose methods the application implements, a dispatcher
+//! (`FooServer<T>`) that the Tessera RPC server routes requests to, and a
+//! static descriptor (`FOO_DESCRIPTOR`) listing the methods and their ids.
+//!
+//! Method ids are the 32-bit FNV-1a hash of the method's path
+//! (`/package.Service/Method`): they are stable across builds and
+//! independent of method order, so adding a method never renumbers the
+//! others. Two methods of one service that hash alike fail the build.
+//!
+//! Use [`configure`] from a `build.rs`:
+//!
+//! ```no_run
+//! tessera_rpc_build::configure()
+//!     .compile_protos(&["proto/echo.proto"], &["proto"])
+//!     .unwrap();
+//! ```
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use prost_build::{Method, Service};
+
+/// A `prost_build::Config` with Tessera's service generator installed and
+/// every `bytes` field generated as `bytes::Bytes` (so decoded payloads share
+/// the receive buffer instead of being copied into a `Vec`).
+pub fn configure() -> prost_build::Config {
+    let mut config = prost_build::Config::new();
+    config.service_generator(Box::new(ServiceGenerator::default()));
+    config.bytes(["."]);
+    config
+}
+
+/// The 32-bit FNV-1a hash of a method path: the method's id on the wire.
+///
+/// `tessera_rpc::method_id` computes the same function at run time; a test
+/// there checks the generated ids against it.
+pub const fn method_id(path: &str) -> u32 {
+    let bytes = path.as_bytes();
+    let mut hash: u32 = 0x811c_9dc5;
+    let mut i = 0;
+    while i < bytes.len() {
+        hash ^= bytes[i] as u32;
+        hash = hash.wrapping_mul(0x0100_0193);
+        i += 1;
+    }
+    hash
+}
+
+/// Emits Tessera clients, server traits and dispatchers.
+#[derive(Debug, Default)]
+pub struct ServiceGenerator {
+    _private: (),
+}
+
+impl prost_build::ServiceGenerator for ServiceGenerator {
+    fn generate(&mut self, service: Service, buf: &mut String) {
+        // Writing into a String cannot fail.
+        let _ = generate_service(&service, buf);
+    }
+}
+
+fn full_name(service: &Service) -> String {
+    if service.package.is_empty() {
+        service.proto_name.clone()
+    } else {
+        format!("{}.{}", service.package, service.proto_name)
+    }
+}
+
+fn upper_snake(name: &str) -> String {
+    let mut out = String::new();
+    for (i, ch) in name.chars().enumerate() {
+        if ch.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.extend(ch.to_uppercase());
+    }
+    out
+}
+
+fn doc_lines(comments: &prost_build::Comments, indent: &str, buf: &mut String) {
+    for line in comments.leading.iter().flat_map(|c| c.lines()) {
+        let line = line.trim_end();
+        if line.is_empty() {
+            let _ = writeln!(buf, "{indent}///");
+        } else {
+            let _ = writeln!(buf, "{indent}/// {}", line.trim_start());
+        }
+    }
+}
+
+fn check_methods(service: &Service, full: &str) {
+    let mut seen: HashMap<u32, &str> = HashMap::new();
+    for method in &service.methods {
+        if method.client_streaming || method.server_streaming {
+            panic!(
+                "tessera-rpc-build: {full}.{} is a streaming method; Tessera services are unary",
+                method.proto_name
+            );
+        }
+        let path = format!("/{full}/{}", method.proto_name);
+        if let Some(other) = seen.insert(method_id(&path), &method.proto_name) {
+            panic!(
+                "tessera-rpc-build: methods {other} and {} of {full} have the same id; rename one",
+                method.proto_name
+            );
+        }
+    }
+}
+
+fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
+    let full = full_name(service);
+    check_methods(service, &full);
+    let name = &service.name;
+    let descriptor = format!("{}_DESCRIPTOR", upper_snake(name));
+
+    // Descriptor.
+    writeln!(
+        buf,
+        "/// Descriptor of `{full}`: its methods and their wire ids."
+    )?;
+    writeln!(
+        buf,
+        "pub static {descriptor}: ::tessera_rpc::ServiceDescriptor = ::tessera_rpc::ServiceDescriptor {{"
+    )?;
+    writeln!(buf, "    name: \"{full}\",")?;
+    writeln!(buf, "    methods: &[")?;
+    for method in &service.methods {
+        let path = format!("/{full}/{}", method.proto_name);
+        writeln!(
+            buf,
+            "        ::tessera_rpc::MethodDescriptor {{ name: \"{}\", path: \"{path}\", id: {:#010x} }},",
+            method.proto_name,
+            method_id(&path)
+        )?;
+    }
+    writeln!(buf, "    ],")?;
+    writeln!(buf, "}};")?;
+
+    // Client.
+    doc_lines(&service.comments, "", buf);
+    if !service.comments.leading.is_empty() {
+        writeln!(buf, "///")?;
+    }
+    writeln!(
+        buf,
+        "/// Typed client of `{full}` over a Tessera [`::tessera_rpc::Channel`]."
+    )?;
+    writeln!(buf, "#[derive(Debug, Clone)]")?;
+    writeln!(buf, "pub struct {name}Client {{")?;
+    writeln!(buf, "    channel: ::tessera_rpc::Channel,")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "impl {name}Client {{")?;
+    writeln!(buf, "    /// A client that sends its calls over `channel`.")?;
+    writeln!(
+        buf,
+        "    pub fn new(channel: ::tessera_rpc::Channel) -> Self {{"
+    )?;
+    writeln!(buf, "        Self {{ channel }}")?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "    /// The channel this client sends on.")?;
+    writeln!(
+        buf,
+        "    pub fn channel(&self) -> &::tessera_rpc::Channel {{"
+    )?;
+    writeln!(buf, "        &self.channel")?;
+    writeln!(buf, "    }}")?;
+    for (index, method) in service.methods.iter().enumerate() {
+        generate_client_method(method, index, &descriptor, buf)?;
+    }
+    writeln!(buf, "}}")?;
+
+    // Server trait.
+    doc_lines(&service.comments, "", buf);
+    if !service.comments.leading.is_empty() {
+        writeln!(buf, "///")?;
+    }
+    writeln!(
+        buf,
+        "/// Server side of `{full}`: implement it and serve it with [`{name}Server`]."
+    )?;
+    writeln!(
+        buf,
+        "pub trait {name}: ::core::marker::Send + ::core::marker::Sync + 'static {{"
+    )?;
+    for method in &service.methods {
+        doc_lines(&method.comments, "    ", buf);
+        if method.comments.leading.is_empty() {
+            writeln!(buf, "    /// Handles `{}`.", method.proto_name)?;
+        }
+        writeln!(
+            buf,
+            "    fn {}(&self, context: ::tessera_rpc::RequestContext, request: {}) -> impl ::core::future::Future<Output = ::core::result::Result<{}, ::tessera_rpc::Status>> + ::core::marker::Send;",
+            method.name, method.input_type, method.output_type
+        )?;
+    }
+    writeln!(buf, "}}")?;
+
+    // Dispatcher.
+    writeln!(
+        buf,
+        "/// Routes Tessera requests for `{full}` to a [`{name}`] implementation."
+    )?;
+    writeln!(buf, "pub struct {name}Server<T> {{")?;
+    writeln!(buf, "    inner: ::std::sync::Arc<T>,")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "impl<T> {name}Server<T> {{")?;
+    writeln!(buf, "    /// Serves `inner`.")?;
+    writeln!(buf, "    pub fn new(inner: T) -> Self {{")?;
+    writeln!(
+        buf,
+        "        Self {{ inner: ::std::sync::Arc::new(inner) }}"
+    )?;
+    writeln!(buf, "    }}")?;
+    writeln!(
+        buf,
+        "    /// Serves an implementation that is shared with other owners."
+    )?;
+    writeln!(
+        buf,
+        "    pub fn from_arc(inner: ::std::sync::Arc<T>) -> Self {{"
+    )?;
+    writeln!(buf, "        Self {{ inner }}")?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "impl<T> ::core::clone::Clone for {name}Server<T> {{")?;
+    writeln!(buf, "    fn clone(&self) -> Self {{")?;
+    writeln!(
+        buf,
+        "        Self {{ inner: ::std::sync::Arc::clone(&self.inner) }}"
+    )?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "impl<T> ::core::fmt::Debug for {name}Server<T> {{")?;
+    writeln!(
+        buf,
+        "    fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {{"
+    )?;
+    writeln!(buf, "        f.write_str(\"{name}Server\")")?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "}}")?;
+    writeln!(
+        buf,
+        "impl<T: {name}> ::tessera_rpc::Service for {name}Server<T> {{"
+    )?;
+    writeln!(
+        buf,
+        "    fn descriptor(&self) -> &'static ::tessera_rpc::ServiceDescriptor {{"
+    )?;
+    writeln!(buf, "        &{descriptor}")?;
+    writeln!(buf, "    }}")?;
+    writeln!(
+        buf,
+        "    fn call(&self, method_id: u32, context: ::tessera_rpc::RequestContext, body: ::tessera_rpc::codegen::Bytes) -> ::tessera_rpc::codegen::BoxFuture<'static, ::core::result::Result<::tessera_rpc::codegen::Bytes, ::tessera_rpc::Status>> {{"
+    )?;
+    writeln!(
+        buf,
+        "        let inner = ::std::sync::Arc::clone(&self.inner);"
+    )?;
+    writeln!(buf, "        match method_id {{")?;
+    for method in &service.methods {
+        let path = format!("/{full}/{}", method.proto_name);
+        writeln!(
+            buf,
+            "            {:#010x} => ::std::boxed::Box::pin(async move {{",
+            method_id(&path)
+        )?;
+        writeln!(
+            buf,
+            "                let request = ::tessera_rpc::codegen::decode_request::<{}>(body)?;",
+            method.input_type
+        )?;
+        writeln!(
+            buf,
+            "                let response = inner.{}(context, request).await?;",
+            method.name
+        )?;
+        writeln!(
+            buf,
+            "                ::core::result::Result::Ok(::tessera_rpc::codegen::encode_response(&response))"
+        )?;
+        writeln!(buf, "            }}),")?;
+    }
+    writeln!(
+        buf,
+        "            other => ::tessera_rpc::codegen::unimplemented(\"{full}\", other),"
+    )?;
+    writeln!(buf, "        }}")?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "}}")?;
+    Ok(())
+}
+
+fn generate_client_method(
+    method: &Method,
+    index: usize,
+    descriptor: &str,
+    buf: &mut String,
+) -> std::fmt::Result {
+    doc_lines(&method.comments, "    ", buf);
+    if method.comments.leading.is_empty() {
+        writeln!(
+            buf,
+            "    /// Calls `{}` with the channel's default deadline.",
+            method.proto_name
+        )?;
+    }
+    writeln!(
+        buf,
+        "    pub async fn {}(&self, request: {}) -> ::core::result::Result<{}, ::tessera_rpc::RpcError> {{",
+        method.name, method.input_type, method.output_type
+    )?;
+    writeln!(
+        buf,
+        "        self.channel.unary(&{descriptor}.methods[{index}], &request, &::tessera_rpc::CallOptions::default()).await"
+    )?;
+    writeln!(buf, "    }}")?;
+    writeln!(
+        buf,
+        "    /// Calls `{}` with per-call options (for example a deadline).",
+        method.proto_name
+    )?;
+    writeln!(
+        buf,
+        "    pub async fn {}_with_options(&self, request: {}, options: &::tessera_rpc::CallOptions) -> ::core::result::Result<{}, ::tessera_rpc::RpcError> {{",
+        method.name, method.input_type, method.output_type
+    )?;
+    writeln!(
+        buf,
+        "        self.channel.unary(&{descriptor}.methods[{index}], &request, options).await"
+    )?;
+    writeln!(buf, "    }}")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_id_is_fnv1a_32() {
+        // Reference values of FNV-1a 32.
+        assert_eq!(method_id(""), 0x811c_9dc5);
+        assert_eq!(method_id("a"), 0xe40c_292c);
+        assert_eq!(method_id("foobar"), 0xbf9c_f968);
+    }
+
+    #[test]
+    fn upper_snake_of_camel_case() {
+        assert_eq!(upper_snake("ParameterServer"), "PARAMETER_SERVER");
+        assert_eq!(upper_snake("Echo"), "ECHO");
+    }
+}

@@ -1,0 +1,365 @@
+//! The client side: a [`Channel`] to one server address.
+//!
+//! A channel holds at most one connection (a *link*) and multiplexes any
+//! number of outstanding calls over it: each call gets a fresh request id,
+//! registers a one-shot slot in the link's pending table, sends its request,
+//! and waits for the reader task to fill the slot with the response of the
+//! same id. A broken link fails every outstanding call at once; the next call
+//! dials a new one.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tessera_transport::{Message, MessageReceiver, MessageSender};
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use crate::wire::{Kind, RpcHeader};
+use crate::{ChannelConfig, Code, MethodDescriptor, RpcError, Status};
+
+/// Per-call options.
+#[derive(Debug, Clone, Default)]
+pub struct CallOptions {
+    /// This call's deadline, counted from when it is issued; `None` uses the
+    /// channel's request timeout Tr.
+    pub timeout: Option<Duration>,
+}
+
+impl CallOptions {
+    /// Options with a deadline of `timeout` from now.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Self {
+            timeout: Some(timeout),
+        }
+    }
+}
+
+/// A client channel to one server. Cheap to clone: clones share the
+/// connection.
+#[derive(Debug, Clone)]
+pub struct Channel {
+    inner: Arc<ChannelInner>,
+}
+
+#[derive(Debug)]
+struct ChannelInner {
+    addr: String,
+    config: ChannelConfig,
+    current: Mutex<Option<Arc<Link>>>,
+    connecting: tokio::sync::Mutex<()>,
+    next_request_id: AtomicU64,
+}
+
+type Reply = Result<(RpcHeader, Bytes), RpcError>;
+
+/// One connection and the calls outstanding on it.
+#[derive(Debug)]
+struct Link {
+    sender: MessageSender,
+    shared: Arc<LinkShared>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Debug)]
+struct LinkShared {
+    addr: String,
+    closed: AtomicBool,
+    pending: Mutex<PendingTable>,
+}
+
+#[derive(Debug, Default)]
+struct PendingTable {
+    /// Set once the link is dead; no call may register after that.
+    closed_reason: Option<String>,
+    calls: HashMap<u64, oneshot::Sender<Reply>>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl Link {
+    fn is_usable(&self) -> bool {
+        !self.shared.closed.load(Ordering::Acquire) && !self.sender.is_closed()
+    }
+}
+
+impl LinkShared {
+    fn pending(&self) -> MutexGuard<'_, PendingTable> {
+        // A panic while holding this lock cannot leave the table inconsistent
+        // (every operation is a single insert or remove), so poisoning is ignored.
+        self.pending
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn fail_all(&self, reason: String) {
+        self.closed.store(true, Ordering::Release);
+        let calls = {
+            let mut table = self.pending();
+            table.closed_reason = Some(reason.clone());
+            std::mem::take(&mut table.calls)
+        };
+        for (_, slot) in calls {
+            let _ = slot.send(Err(RpcError::ConnectionLost {
+                addr: self.addr.clone(),
+                reason: reason.clone(),
+            }));
+        }
+    }
+}
+
+/// Removes a call's pending slot if the call is abandoned (deadline, or the
+/// caller dropped the future), so the table never leaks.
+struct PendingGuard<'a> {
+    shared: &'a LinkShared,
+    request_id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.pending().calls.remove(&self.request_id);
+    }
+}
+
+impl Channel {
+    /// A channel to `addr` that connects now, within the connection timeout.
+    pub async fn connect(addr: impl Into<String>, config: ChannelConfig) -> Result<Self, RpcError> {
+        let channel = Self::lazy(addr, config);
+        let deadline = Instant::now() + channel.inner.config.connect_timeout();
+        channel.link(deadline).await?;
+        Ok(channel)
+    }
+
+    /// A channel to `addr` that connects on its first call (and reconnects
+    /// on the first call after a connection broke).
+    pub fn lazy(addr: impl Into<String>, config: ChannelConfig) -> Self {
+        Self {
+            inner: Arc::new(ChannelInner {
+                addr: addr.into(),
+                config,
+                current: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                next_request_id: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// The server address.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// The channel's configuration.
+    pub fn config(&self) -> &ChannelConfig {
+        &self.inner.config
+    }
+
+    /// Calls a unary method: encodes `request`, sends it, waits for the
+    /// response within the deadline and decodes it.
+    pub async fn unary<Req, Resp>(
+        &self,
+        method: &'static MethodDescriptor,
+        request: &Req,
+        options: &CallOptions,
+    ) -> Result<Resp, RpcError>
+    where
+        Req: prost::Message,
+        Resp: prost::Message + Default,
+    {
+        let timeout = options
+            .timeout
+            .unwrap_or_else(|| self.inner.config.request_timeout());
+        let body = Bytes::from(request.encode_to_vec());
+        let span = tracing::debug_span!("rpc.call", method = method.path, addr = %self.inner.addr);
+        let started = Instant::now();
+        let result = self
+            .call_raw(method.id, body, started + timeout, timeout)
+            .instrument(span)
+            .await
+            .and_then(|body| Resp::decode(body).map_err(RpcError::from));
+        let code = match &result {
+            Ok(_) => Code::Ok,
+            Err(err) => err.code(),
+        };
+        metrics::counter!("tessera_rpc_client_calls_total", "method" => method.path, "code" => code_label(code))
+            .increment(1);
+        metrics::histogram!("tessera_rpc_client_latency_seconds", "method" => method.path)
+            .record(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// Sends an already encoded request body and returns the raw response
+    /// body. `timeout` is only used to report which deadline expired.
+    pub async fn call_raw(
+        &self,
+        method_id: u32,
+        body: Bytes,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Bytes, RpcError> {
+        let link = self.link(deadline).await?;
+        let request_id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let (slot, reply) = oneshot::channel();
+        {
+            let mut table = link.shared.pending();
+            if let Some(reason) = &table.closed_reason {
+                return Err(RpcError::ConnectionLost {
+                    addr: self.inner.addr.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            table.calls.insert(request_id, slot);
+        }
+        let _guard = PendingGuard {
+            shared: &link.shared,
+            request_id,
+        };
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let header = RpcHeader::request(method_id, request_id, Some(remaining));
+        let message = Message::from_parts([Bytes::copy_from_slice(&header.encode()), body]);
+        let exchange = async {
+            link.sender
+                .send(message)
+                .await
+                .map_err(|source| RpcError::Send {
+                    addr: self.inner.addr.clone(),
+                    source,
+                })?;
+            match reply.await {
+                Ok(reply) => reply,
+                // The reader dropped the slot without answering: it is gone.
+                Err(_) => Err(RpcError::ConnectionLost {
+                    addr: self.inner.addr.clone(),
+                    reason: "connection reader stopped".into(),
+                }),
+            }
+        };
+        let (header, body) = match tokio::time::timeout_at(deadline.into(), exchange).await {
+            Ok(result) => result?,
+            Err(_) => return Err(RpcError::DeadlineExceeded(timeout)),
+        };
+        if header.status == Code::Ok.as_u16() {
+            Ok(body)
+        } else {
+            Err(RpcError::Status(Status::new(
+                Code::from_u16(header.status),
+                String::from_utf8_lossy(&body).into_owned(),
+            )))
+        }
+    }
+
+    fn current_link(&self) -> Option<Arc<Link>> {
+        let current = self
+            .inner
+            .current
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        current.as_ref().filter(|link| link.is_usable()).cloned()
+    }
+
+    async fn link(&self, deadline: Instant) -> Result<Arc<Link>, RpcError> {
+        if let Some(link) = self.current_link() {
+            return Ok(link);
+        }
+        // One dialer at a time; the others wait for its result.
+        let _connecting = self.inner.connecting.lock().await;
+        if let Some(link) = self.current_link() {
+            return Ok(link);
+        }
+        let timeout = self
+            .inner
+            .config
+            .connect_timeout()
+            .min(deadline.saturating_duration_since(Instant::now()));
+        let addr = self.inner.addr.clone();
+        let connection = match tokio::time::timeout(
+            timeout,
+            tessera_transport::connect(&self.inner.config.transport, &addr),
+        )
+        .await
+        {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(source)) => {
+                metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
+                return Err(RpcError::Connect { addr, source });
+            }
+            Err(_) => {
+                metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
+                return Err(RpcError::ConnectTimeout { addr, timeout });
+            }
+        };
+        let shared = Arc::new(LinkShared {
+            addr: addr.clone(),
+            closed: AtomicBool::new(false),
+            pending: Mutex::new(PendingTable::default()),
+        });
+        let reader = tokio::spawn(read_responses(connection.receiver, Arc::clone(&shared)));
+        let link = Arc::new(Link {
+            sender: connection.sender,
+            shared,
+            reader,
+        });
+        *self
+            .inner
+            .current
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Arc::clone(&link));
+        tracing::debug!(%addr, "connected");
+        Ok(link)
+    }
+}
+
+async fn read_responses(mut receiver: MessageReceiver, shared: Arc<LinkShared>) {
+    let reason = loop {
+        match receiver.recv().await {
+            Ok(Some(message)) => match RpcHeader::decode(&message) {
+                Ok((header, body)) if header.kind == Kind::Response => {
+                    let slot = shared.pending().calls.remove(&header.request_id);
+                    match slot {
+                        Some(slot) => {
+                            let _ = slot.send(Ok((header, body)));
+                        }
+                        // The caller gave up (deadline) before the answer came.
+                        None => metrics::counter!("tessera_rpc_client_late_responses_total")
+                            .increment(1),
+                    }
+                }
+                Ok(_) => break "server sent a request on a client connection".to_owned(),
+                Err(err) => break format!("malformed response: {err}"),
+            },
+            Ok(None) => break "closed by the server".to_owned(),
+            Err(err) => break err.to_string(),
+        }
+    };
+    tracing::debug!(addr = %shared.addr, %reason, "connection ended");
+    shared.fail_all(reason);
+}
+
+/// A `'static` label for a code (metrics labels must not allocate per call).
+pub(crate) fn code_label(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+        _ => "unknown",
+    }
+}

@@ -1,0 +1,98 @@
+use std::time::Duration;
+
+use tessera_transport::{ConfigError, TransportError};
+
+use crate::{Code, Status};
+
+/// Why a call failed, as seen by the client.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RpcError {
+    /// The server answered with an error status.
+    #[error("server returned {0}")]
+    Status(#[from] Status),
+    /// No connection could be established within the connection timeout.
+    #[error("connecting to {addr} timed out after {timeout:?}")]
+    ConnectTimeout {
+        /// The server's address.
+        addr: String,
+        /// The timeout that expired (Tc, or less if the deadline was nearer).
+        timeout: Duration,
+    },
+    /// Establishing the connection failed.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// The server's address.
+        addr: String,
+        /// The transport's reason.
+        source: TransportError,
+    },
+    /// The call's deadline passed before a response arrived.
+    #[error("deadline of {0:?} exceeded")]
+    DeadlineExceeded(Duration),
+    /// The connection broke while the call was outstanding.
+    #[error("connection to {addr} lost: {reason}")]
+    ConnectionLost {
+        /// The server's address.
+        addr: String,
+        /// What ended the connection.
+        reason: String,
+    },
+    /// The request could not be handed to the transport.
+    #[error("request to {addr} not sent: {source}")]
+    Send {
+        /// The server's address.
+        addr: String,
+        /// The transport's reason.
+        source: TransportError,
+    },
+    /// The response body is not a valid message of the expected type.
+    #[error("response does not decode: {0}")]
+    Decode(#[from] prost::DecodeError),
+}
+
+impl RpcError {
+    /// The status code that best describes the failure.
+    pub fn code(&self) -> Code {
+        match self {
+            RpcError::Status(status) => status.code(),
+            RpcError::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            RpcError::ConnectTimeout { .. }
+            | RpcError::Connect { .. }
+            | RpcError::ConnectionLost { .. }
+            | RpcError::Send { .. } => Code::Unavailable,
+            RpcError::Decode(_) => Code::Internal,
+        }
+    }
+
+    /// Whether the request may not have reached the server at all (a
+    /// connection-level failure), as opposed to a failure reported by it.
+    pub fn is_connection_failure(&self) -> bool {
+        matches!(
+            self,
+            RpcError::ConnectTimeout { .. } | RpcError::Connect { .. } | RpcError::Send { .. }
+        )
+    }
+}
+
+/// Why a server could not be built or run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// Two registered methods share a wire id.
+    #[error("method {new} collides with {existing} (both have id {id:#010x})")]
+    DuplicateMethod {
+        /// The method already registered.
+        existing: &'static str,
+        /// The method being added.
+        new: &'static str,
+        /// Their common id.
+        id: u32,
+    },
+    /// The listener could not be bound.
+    #[error(transparent)]
+    Bind(TransportError),
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}

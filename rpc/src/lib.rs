@@ -1,0 +1,31 @@
+//! Tessera's RPC layer (the paper's Archon, §7).
+//!
+//! Services are defined in `.proto` files; `tessera-rpc-build` generates for
+//! each a typed client over a [`Channel`] and a server trait whose
+//! implementation is served by a [`Server`]. Messages travel over
+//! `tessera-transport` as one frame each: a fixed [`wire::RpcHeader`]
+//! followed by the protobuf body.
+//!
+//! This layer owns request ids, matching responses to callers, deadlines
+//! (connection timeout and request timeout, separately), status codes and
+//! graceful shutdown. It never names a transport implementation detail: it
+//! sees only whole messages.
+
+mod channel;
+pub mod codegen;
+mod config;
+mod context;
+mod descriptor;
+mod error;
+mod server;
+mod status;
+pub mod wire;
+
+pub use channel::{CallOptions, Channel};
+pub use config::{ChannelConfig, ServerConfig};
+pub use context::RequestContext;
+pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id};
+pub use error::{RpcError, ServerError};
+pub use server::{Server, ServerBuilder, Service};
+pub use status::{Code, Status};
+pub use tessera_transport::{TransportConfig, TransportKind};

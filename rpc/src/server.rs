@@ -1,0 +1,309 @@
+//! The server side: routes requests to generated service dispatchers.
+//!
+//! Each connection gets a task that reads requests; each request runs in its
+//! own task, so many requests of one connection are served concurrently and
+//! answered in completion order (the client matches them by request id).
+//! A request whose deadline has passed is dropped unanswered: the caller has
+//! stopped waiting for it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tessera_transport::{Connection, Listener, Message, MessageSender};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::channel::code_label;
+use crate::wire::{Kind, RpcHeader};
+use crate::{
+    Code, MethodDescriptor, RequestContext, ServerConfig, ServerError, ServiceDescriptor, Status,
+};
+
+/// Longest error message sent back to a caller; longer ones are cut.
+const MAX_ERROR_MESSAGE: usize = 4096;
+
+/// A service a [`Server`] can route to. Implemented by the dispatchers that
+/// `tessera-rpc-build` generates (`FooServer<T>`); rarely by hand.
+pub trait Service: Send + Sync + 'static {
+    /// The service's name and methods.
+    fn descriptor(&self) -> &'static ServiceDescriptor;
+
+    /// Decodes `body` as the request of `method_id`, runs the handler and
+    /// returns the encoded response.
+    fn call(
+        &self,
+        method_id: u32,
+        context: RequestContext,
+        body: Bytes,
+    ) -> BoxFuture<'static, Result<Bytes, Status>>;
+}
+
+#[derive(Clone)]
+struct Route {
+    service: Arc<dyn Service>,
+    method: &'static MethodDescriptor,
+}
+
+/// Collects services, then binds a [`Server`].
+pub struct ServerBuilder {
+    config: ServerConfig,
+    routes: HashMap<u32, Route>,
+}
+
+impl std::fmt::Debug for ServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerBuilder")
+            .field("config", &self.config)
+            .field("methods", &self.routes.len())
+            .finish()
+    }
+}
+
+impl ServerBuilder {
+    /// A builder with `config`.
+    pub fn new(config: ServerConfig) -> Self {
+        Self {
+            config,
+            routes: HashMap::new(),
+        }
+    }
+
+    /// Adds a service. Fails if one of its method ids is already taken.
+    pub fn add_service<S: Service>(mut self, service: S) -> Result<Self, ServerError> {
+        let service: Arc<dyn Service> = Arc::new(service);
+        let descriptor = service.descriptor();
+        for method in descriptor.methods {
+            if let Some(existing) = self.routes.get(&method.id) {
+                return Err(ServerError::DuplicateMethod {
+                    existing: existing.method.path,
+                    new: method.path,
+                    id: method.id,
+                });
+            }
+            self.routes.insert(
+                method.id,
+                Route {
+                    service: Arc::clone(&service),
+                    method,
+                },
+            );
+        }
+        Ok(self)
+    }
+
+    /// Binds `addr` ("host:port"; port 0 picks a free port).
+    pub async fn bind(self, addr: &str) -> Result<Server, ServerError> {
+        self.config.validate()?;
+        let listener = tessera_transport::listen(&self.config.transport, addr)
+            .await
+            .map_err(ServerError::Bind)?;
+        let local_addr = listener.local_addr().map_err(ServerError::Bind)?;
+        Ok(Server {
+            routes: Arc::new(self.routes),
+            listener,
+            local_addr,
+            config: self.config,
+        })
+    }
+}
+
+/// A bound RPC server.
+pub struct Server {
+    routes: Arc<HashMap<u32, Route>>,
+    listener: Listener,
+    local_addr: SocketAddr,
+    config: ServerConfig,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("local_addr", &self.local_addr)
+            .field("methods", &self.routes.len())
+            .finish()
+    }
+}
+
+impl Server {
+    /// A builder.
+    pub fn builder(config: ServerConfig) -> ServerBuilder {
+        ServerBuilder::new(config)
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves until `shutdown` completes, then shuts down gracefully: stops
+    /// accepting connections and reading new requests, lets in-flight
+    /// requests finish and send their responses (for at most
+    /// `shutdown_grace_ms`), then closes every connection.
+    pub async fn serve_with_shutdown(self, shutdown: impl Future<Output = ()>) {
+        let tracker = TaskTracker::new();
+        let stop = CancellationToken::new();
+        let abort = CancellationToken::new();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok(connection) => {
+                        metrics::counter!("tessera_rpc_server_connections_total").increment(1);
+                        tracker.spawn(serve_connection(
+                            connection,
+                            Arc::clone(&self.routes),
+                            stop.clone(),
+                            abort.clone(),
+                            tracker.clone(),
+                        ));
+                    }
+                    Err(err) => {
+                        // Usually a transient resource shortage (EMFILE):
+                        // back off briefly instead of spinning.
+                        tracing::warn!(%err, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                },
+            }
+        }
+        drop(self.listener);
+        stop.cancel();
+        tracker.close();
+        let grace = Duration::from_millis(self.config.shutdown_grace_ms);
+        if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+            tracing::warn!(
+                remaining = tracker.len(),
+                "shutdown grace period over; dropping unfinished requests"
+            );
+            // Handlers drop their work (and their hold on the connections,
+            // which then close) as soon as they are next polled.
+            abort.cancel();
+            tracker.wait().await;
+        }
+    }
+}
+
+async fn serve_connection(
+    connection: Connection,
+    routes: Arc<HashMap<u32, Route>>,
+    stop: CancellationToken,
+    abort: CancellationToken,
+    tracker: TaskTracker,
+) {
+    let peer = connection.peer_addr();
+    let Connection {
+        sender,
+        mut receiver,
+        ..
+    } = connection;
+    loop {
+        let message = tokio::select! {
+            biased;
+            () = stop.cancelled() => break,
+            message = receiver.recv() => message,
+        };
+        let message = match message {
+            Ok(Some(message)) => message,
+            Ok(None) => break,
+            Err(err) => {
+                tracing::debug!(%peer, %err, "closing connection after a transport error");
+                break;
+            }
+        };
+        let (header, body) = match RpcHeader::decode(&message) {
+            Ok((header, body)) if header.kind == Kind::Request => (header, body),
+            Ok(_) => {
+                tracing::warn!(%peer, "client sent a response; closing the connection");
+                metrics::counter!("tessera_rpc_server_protocol_errors_total").increment(1);
+                break;
+            }
+            Err(err) => {
+                // The frame arrived whole but its header is garbage: the
+                // peer does not speak this protocol. Closing is the only
+                // safe answer, since its request id cannot be trusted.
+                tracing::warn!(%peer, %err, "malformed request header; closing the connection");
+                metrics::counter!("tessera_rpc_server_protocol_errors_total").increment(1);
+                break;
+            }
+        };
+        let received = Instant::now();
+        let Some(route) = routes.get(&header.method).cloned() else {
+            let status =
+                Status::unimplemented(format!("no method with id {:#010x}", header.method));
+            respond(&sender, &header, "unknown", Err(status), received).await;
+            continue;
+        };
+        let context = RequestContext {
+            method: route.method.path,
+            request_id: header.request_id,
+            deadline: header.deadline().map(|remaining| received + remaining),
+            peer,
+        };
+        let sender = sender.clone();
+        let abort = abort.clone();
+        tracker.spawn(async move {
+            let deadline = context.deadline;
+            let call = AssertUnwindSafe(route.service.call(header.method, context, body)).catch_unwind();
+            let bounded = async {
+                match deadline {
+                    Some(deadline) => tokio::time::timeout_at(deadline.into(), call).await.ok(),
+                    None => Some(call.await),
+                }
+            };
+            let outcome = tokio::select! {
+                () = abort.cancelled() => return,
+                outcome = bounded => outcome,
+            };
+            let Some(outcome) = outcome else {
+                metrics::counter!("tessera_rpc_server_deadline_dropped_total", "method" => route.method.path)
+                    .increment(1);
+                return;
+            };
+            let result = outcome.unwrap_or_else(|_| {
+                tracing::error!(method = route.method.path, "handler panicked");
+                Err(Status::internal("handler panicked"))
+            });
+            respond(&sender, &header, route.method.path, result, received).await;
+        });
+    }
+}
+
+async fn respond(
+    sender: &MessageSender,
+    request: &RpcHeader,
+    method: &'static str,
+    result: Result<Bytes, Status>,
+    received: Instant,
+) {
+    let (code, body) = match result {
+        Ok(body) => (Code::Ok, body),
+        Err(status) => {
+            let mut text = status.message().to_owned();
+            if text.len() > MAX_ERROR_MESSAGE {
+                let mut cut = MAX_ERROR_MESSAGE;
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                text.truncate(cut);
+            }
+            (status.code(), Bytes::from(text))
+        }
+    };
+    metrics::counter!("tessera_rpc_server_requests_total", "method" => method, "code" => code_label(code))
+        .increment(1);
+    metrics::histogram!("tessera_rpc_server_handling_seconds", "method" => method)
+        .record(received.elapsed().as_secs_f64());
+    let header = RpcHeader::response(request, code.as_u16());
+    let message = Message::from_parts([Bytes::copy_from_slice(&header.encode()), body]);
+    if let Err(err) = sender.send(message).await {
+        tracing::debug!(%err, method, "response not sent; connection closed");
+    }
+}

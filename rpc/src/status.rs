@@ -1,0 +1,161 @@
+use std::fmt;
+
+/// Status codes, numbered as gRPC numbers them so that a status maps
+/// one-to-one onto a gRPC status when the same handlers are served over gRPC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u16)]
+pub enum Code {
+    /// Success.
+    Ok = 0,
+    /// The caller cancelled the call.
+    Cancelled = 1,
+    /// An error that fits no other code.
+    Unknown = 2,
+    /// The request is malformed or its arguments are wrong.
+    InvalidArgument = 3,
+    /// The deadline passed before the call completed.
+    DeadlineExceeded = 4,
+    /// A named entity (table, key) does not exist.
+    NotFound = 5,
+    /// The entity to create already exists.
+    AlreadyExists = 6,
+    /// The caller may not do this.
+    PermissionDenied = 7,
+    /// A resource (memory, a quota) is exhausted.
+    ResourceExhausted = 8,
+    /// The system is not in a state that allows the operation (for example
+    /// a key sent to a server that does not host its shard).
+    FailedPrecondition = 9,
+    /// The operation was aborted (for example by a conflict).
+    Aborted = 10,
+    /// An argument is outside the valid range.
+    OutOfRange = 11,
+    /// The method is not implemented by this server.
+    Unimplemented = 12,
+    /// An invariant of the server broke.
+    Internal = 13,
+    /// The service is unavailable: retrying elsewhere or later may help.
+    Unavailable = 14,
+    /// Data was lost or corrupted.
+    DataLoss = 15,
+    /// The caller is not authenticated.
+    Unauthenticated = 16,
+}
+
+impl Code {
+    /// The code for a wire value; unknown values become [`Code::Unknown`].
+    pub fn from_u16(value: u16) -> Code {
+        match value {
+            0 => Code::Ok,
+            1 => Code::Cancelled,
+            3 => Code::InvalidArgument,
+            4 => Code::DeadlineExceeded,
+            5 => Code::NotFound,
+            6 => Code::AlreadyExists,
+            7 => Code::PermissionDenied,
+            8 => Code::ResourceExhausted,
+            9 => Code::FailedPrecondition,
+            10 => Code::Aborted,
+            11 => Code::OutOfRange,
+            12 => Code::Unimplemented,
+            13 => Code::Internal,
+            14 => Code::Unavailable,
+            15 => Code::DataLoss,
+            16 => Code::Unauthenticated,
+            _ => Code::Unknown,
+        }
+    }
+
+    /// The wire value.
+    pub fn as_u16(self) -> u16 {
+        self as u16
+    }
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// An error status returned by a handler and carried back to the caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct Status {
+    code: Code,
+    message: String,
+}
+
+impl Status {
+    /// A status with `code` and a human-readable `message`.
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The status code.
+    pub fn code(&self) -> Code {
+        self.code
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// [`Code::InvalidArgument`].
+    pub fn invalid_argument(message: impl Into<String>) -> Self {
+        Self::new(Code::InvalidArgument, message)
+    }
+
+    /// [`Code::NotFound`].
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(Code::NotFound, message)
+    }
+
+    /// [`Code::FailedPrecondition`].
+    pub fn failed_precondition(message: impl Into<String>) -> Self {
+        Self::new(Code::FailedPrecondition, message)
+    }
+
+    /// [`Code::Unimplemented`].
+    pub fn unimplemented(message: impl Into<String>) -> Self {
+        Self::new(Code::Unimplemented, message)
+    }
+
+    /// [`Code::Internal`].
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(Code::Internal, message)
+    }
+
+    /// [`Code::Unavailable`].
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(Code::Unavailable, message)
+    }
+
+    /// [`Code::DeadlineExceeded`].
+    pub fn deadline_exceeded(message: impl Into<String>) -> Self {
+        Self::new(Code::DeadlineExceeded, message)
+    }
+
+    /// [`Code::ResourceExhausted`].
+    pub fn resource_exhausted(message: impl Into<String>) -> Self {
+        Self::new(Code::ResourceExhausted, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_round_trips_through_its_wire_value() {
+        for value in 0..=16u16 {
+            assert_eq!(Code::from_u16(value).as_u16(), value);
+        }
+        assert_eq!(Code::from_u16(999), Code::Unknown);
+    }
+}

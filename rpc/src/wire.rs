@@ -1,0 +1,240 @@
+//! Tessera's RPC wire format, as a sans-IO codec.
+//!
+//! Every RPC message is one transport message: a fixed 24-byte header
+//! followed by the body. For a request, and for a response whose status is
+//! `Ok`, the body is the protobuf-encoded message; for an error response it
+//! is the status message in UTF-8.
+//!
+//! ```text
+//!  0      1        2     3      4         6          8          12             16           24
+//!  magic  version  kind  flags  status    reserved   method id  deadline (µs)  request id
+//!  u8     u8       u8    u8     u16 LE    u16        u32 LE     u32 LE         u64 LE
+//! ```
+//!
+//! The deadline is the *remaining* time in microseconds when the request was
+//! sent (0 = none), so clocks need not be synchronised; it saturates at
+//! about 71 minutes.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+/// First byte of every header.
+pub const MAGIC: u8 = 0x54;
+/// The wire format version this build speaks.
+pub const VERSION: u8 = 1;
+/// Bytes of the fixed header.
+pub const HEADER_LEN: usize = 24;
+
+/// Whether a message is a request or a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A call from a client.
+    Request = 0,
+    /// The answer to a request with the same request id.
+    Response = 1,
+}
+
+/// The fixed header in front of every RPC message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RpcHeader {
+    /// Request or response.
+    pub kind: Kind,
+    /// Reserved for future use; sent as 0, ignored on receipt.
+    pub flags: u8,
+    /// Status code of a response ([`crate::Code`] as u16); 0 in requests.
+    pub status: u16,
+    /// Id of the method called ([`crate::method_id`]).
+    pub method: u32,
+    /// Remaining deadline in microseconds when sent; 0 = no deadline.
+    pub deadline_micros: u32,
+    /// Caller-chosen id that the response echoes.
+    pub request_id: u64,
+}
+
+/// A header that could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The message is shorter than the fixed header.
+    #[error("message of {0} bytes is shorter than the {HEADER_LEN}-byte RPC header")]
+    TooShort(usize),
+    /// The first byte is not [`MAGIC`].
+    #[error("bad magic byte {0:#04x}")]
+    BadMagic(u8),
+    /// The version is not one this build speaks.
+    #[error("unsupported wire version {0}")]
+    UnsupportedVersion(u8),
+    /// The kind byte is neither request nor response.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+}
+
+impl RpcHeader {
+    /// A request header.
+    pub fn request(method: u32, request_id: u64, deadline: Option<Duration>) -> Self {
+        Self {
+            kind: Kind::Request,
+            flags: 0,
+            status: 0,
+            method,
+            deadline_micros: deadline.map_or(0, encode_deadline),
+            request_id,
+        }
+    }
+
+    /// A response header answering `request`.
+    pub fn response(request: &RpcHeader, status: u16) -> Self {
+        Self {
+            kind: Kind::Response,
+            flags: 0,
+            status,
+            method: request.method,
+            deadline_micros: 0,
+            request_id: request.request_id,
+        }
+    }
+
+    /// The remaining deadline carried by this header, if any.
+    pub fn deadline(&self) -> Option<Duration> {
+        (self.deadline_micros != 0).then(|| Duration::from_micros(u64::from(self.deadline_micros)))
+    }
+
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0] = MAGIC;
+        out[1] = VERSION;
+        out[2] = self.kind as u8;
+        out[3] = self.flags;
+        out[4..6].copy_from_slice(&self.status.to_le_bytes());
+        out[8..12].copy_from_slice(&self.method.to_le_bytes());
+        out[12..16].copy_from_slice(&self.deadline_micros.to_le_bytes());
+        out[16..24].copy_from_slice(&self.request_id.to_le_bytes());
+        out
+    }
+
+    /// Splits a received message into its header and body. The body shares
+    /// the message's storage.
+    pub fn decode(message: &Bytes) -> Result<(RpcHeader, Bytes), WireError> {
+        let Some(raw) = message.get(..HEADER_LEN) else {
+            return Err(WireError::TooShort(message.len()));
+        };
+        if raw[0] != MAGIC {
+            return Err(WireError::BadMagic(raw[0]));
+        }
+        if raw[1] != VERSION {
+            return Err(WireError::UnsupportedVersion(raw[1]));
+        }
+        let kind = match raw[2] {
+            0 => Kind::Request,
+            1 => Kind::Response,
+            other => return Err(WireError::UnknownKind(other)),
+        };
+        let header = RpcHeader {
+            kind,
+            flags: raw[3],
+            status: u16::from_le_bytes([raw[4], raw[5]]),
+            method: u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
+            deadline_micros: u32::from_le_bytes([raw[12], raw[13], raw[14], raw[15]]),
+            request_id: u64::from_le_bytes([
+                raw[16], raw[17], raw[18], raw[19], raw[20], raw[21], raw[22], raw[23],
+            ]),
+        };
+        Ok((header, message.slice(HEADER_LEN..)))
+    }
+}
+
+/// Remaining time as wire microseconds: at least 1 (0 means "none"), at most
+/// `u32::MAX`.
+fn encode_deadline(remaining: Duration) -> u32 {
+    u32::try_from(remaining.as_micros())
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn request_round_trip_with_body() {
+        let header = RpcHeader::request(0xdead_beef, 42, Some(Duration::from_millis(40)));
+        let mut wire = header.encode().to_vec();
+        wire.extend_from_slice(b"body");
+        let (decoded, body) = RpcHeader::decode(&Bytes::from(wire)).unwrap();
+        assert_eq!(decoded, header);
+        assert_eq!(decoded.deadline(), Some(Duration::from_millis(40)));
+        assert_eq!(&body[..], b"body");
+    }
+
+    #[test]
+    fn response_echoes_method_and_request_id() {
+        let request = RpcHeader::request(7, 99, None);
+        let response = RpcHeader::response(&request, 5);
+        assert_eq!(
+            (
+                response.kind,
+                response.method,
+                response.request_id,
+                response.status
+            ),
+            (Kind::Response, 7, 99, 5)
+        );
+        assert_eq!(request.deadline(), None);
+    }
+
+    #[test]
+    fn deadlines_saturate_and_never_encode_as_none() {
+        assert_eq!(encode_deadline(Duration::from_nanos(1)), 1);
+        assert_eq!(encode_deadline(Duration::from_secs(1 << 40)), u32::MAX);
+    }
+
+    #[test]
+    fn malformed_headers_are_rejected() {
+        assert_eq!(
+            RpcHeader::decode(&Bytes::from_static(b"short")),
+            Err(WireError::TooShort(5))
+        );
+        let mut wire = RpcHeader::request(1, 1, None).encode();
+        wire[0] = 0;
+        assert_eq!(
+            RpcHeader::decode(&Bytes::copy_from_slice(&wire)),
+            Err(WireError::BadMagic(0))
+        );
+        let mut wire = RpcHeader::request(1, 1, None).encode();
+        wire[1] = 9;
+        assert_eq!(
+            RpcHeader::decode(&Bytes::copy_from_slice(&wire)),
+            Err(WireError::UnsupportedVersion(9))
+        );
+        let mut wire = RpcHeader::request(1, 1, None).encode();
+        wire[2] = 7;
+        assert_eq!(
+            RpcHeader::decode(&Bytes::copy_from_slice(&wire)),
+            Err(WireError::UnknownKind(7))
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_without_panicking(data in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = RpcHeader::decode(&Bytes::from(data));
+        }
+
+        #[test]
+        fn any_header_round_trips(
+            response in any::<bool>(), flags in any::<u8>(), status in any::<u16>(),
+            method in any::<u32>(), deadline_micros in any::<u32>(), request_id in any::<u64>(),
+        ) {
+            let header = RpcHeader {
+                kind: if response { Kind::Response } else { Kind::Request },
+                flags, status, method, deadline_micros, request_id,
+            };
+            let (decoded, body) = RpcHeader::decode(&Bytes::copy_from_slice(&header.encode())).unwrap();
+            prop_assert_eq!(decoded, header);
+            prop_assert!(body.is_empty());
+        }
+    }
+}

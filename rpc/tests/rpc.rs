@@ -1,0 +1,399 @@
+//! End-to-end tests of the RPC layer over TCP on loopback, using services
+//! generated from `tests/proto/echo.proto`.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tessera_rpc::{
+    CallOptions, Channel, ChannelConfig, Code, RequestContext, RpcError, Server, ServerConfig,
+    ServerError, Status, method_id,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+#[allow(clippy::all, missing_docs, dead_code)]
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/tessera.test.v1.rs"));
+}
+use generated::*;
+
+struct EchoImpl;
+
+impl Echo for EchoImpl {
+    async fn echo(
+        &self,
+        context: RequestContext,
+        request: EchoRequest,
+    ) -> Result<EchoResponse, Status> {
+        if request.delay_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(u64::from(request.delay_ms))).await;
+        }
+        Ok(EchoResponse {
+            payload: request.payload,
+            request_id: context.request_id,
+        })
+    }
+
+    async fn fail(
+        &self,
+        _context: RequestContext,
+        request: FailRequest,
+    ) -> Result<FailResponse, Status> {
+        Err(Status::new(
+            Code::from_u16(request.code as u16),
+            request.message,
+        ))
+    }
+}
+
+#[derive(Default)]
+struct CounterImpl {
+    value: AtomicU64,
+}
+
+impl Counter for CounterImpl {
+    async fn increment(
+        &self,
+        _context: RequestContext,
+        _request: IncrementRequest,
+    ) -> Result<IncrementResponse, Status> {
+        Ok(IncrementResponse {
+            value: self.value.fetch_add(1, Ordering::SeqCst) + 1,
+        })
+    }
+}
+
+struct Running {
+    addr: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.task.await.unwrap();
+    }
+}
+
+async fn start(config: ServerConfig) -> Running {
+    let server = Server::builder(config)
+        .add_service(EchoServer::new(EchoImpl))
+        .unwrap()
+        .add_service(CounterServer::new(CounterImpl::default()))
+        .unwrap()
+        .bind("127.0.0.1:0")
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve_with_shutdown(async {
+        let _ = stopped.await;
+    }));
+    Running {
+        addr,
+        stop: Some(stop),
+        task,
+    }
+}
+
+#[test]
+fn generated_method_ids_are_the_runtime_hash_of_the_path() {
+    for descriptor in [&ECHO_DESCRIPTOR, &COUNTER_DESCRIPTOR] {
+        for method in descriptor.methods {
+            assert_eq!(method.id, method_id(method.path), "{}", method.path);
+            assert_eq!(method.path, format!("/{}/{}", descriptor.name, method.name));
+        }
+    }
+    assert_eq!(ECHO_DESCRIPTOR.name, "tessera.test.v1.Echo");
+    assert_eq!(COUNTER_DESCRIPTOR.methods.len(), 1);
+}
+
+#[tokio::test]
+async fn two_generated_services_are_served_and_called_end_to_end() {
+    let server = start(ServerConfig::default()).await;
+    let channel = Channel::connect(&server.addr, ChannelConfig::default())
+        .await
+        .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let counter = CounterClient::new(channel);
+    let response = echo
+        .echo(EchoRequest {
+            payload: Bytes::from_static(b"hello"),
+            delay_ms: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&response.payload[..], b"hello");
+    assert_eq!(
+        counter.increment(IncrementRequest {}).await.unwrap().value,
+        1
+    );
+    assert_eq!(
+        counter.increment(IncrementRequest {}).await.unwrap().value,
+        2
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn handler_status_reaches_the_caller() {
+    let server = start(ServerConfig::default()).await;
+    let echo = EchoClient::new(Channel::lazy(&server.addr, ChannelConfig::default()));
+    let err = echo
+        .fail(FailRequest {
+            code: Code::NotFound.as_u16().into(),
+            message: "no such table".into(),
+        })
+        .await
+        .unwrap_err();
+    match err {
+        RpcError::Status(status) => {
+            assert_eq!(status.code(), Code::NotFound);
+            assert_eq!(status.message(), "no such table");
+        }
+        other => panic!("expected a status, got {other:?}"),
+    }
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn concurrent_calls_on_one_connection_are_matched_by_request_id() {
+    let server = start(ServerConfig::default()).await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    // Later calls have shorter delays, so responses come back out of order.
+    let calls = (0..64u32).map(|i| {
+        let echo = echo.clone();
+        async move {
+            let payload = Bytes::from(format!("call-{i}"));
+            let response = echo
+                .echo(EchoRequest {
+                    payload: payload.clone(),
+                    delay_ms: (64 - i) % 8 * 5,
+                })
+                .await
+                .unwrap();
+            assert_eq!(response.payload, payload);
+            response.request_id
+        }
+    });
+    let mut ids = futures::future::join_all(calls).await;
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 64, "every call had its own request id");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn deadline_exceeded_is_reported_and_the_channel_stays_usable() {
+    let server = start(ServerConfig::default()).await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::new(),
+                delay_ms: 2_000,
+            },
+            &CallOptions::with_timeout(Duration::from_millis(50)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, RpcError::DeadlineExceeded(d) if d == Duration::from_millis(50)),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    let ok = echo
+        .echo(EchoRequest {
+            payload: Bytes::from_static(b"after"),
+            delay_ms: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&ok.payload[..], b"after");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn large_payloads_round_trip() {
+    let server = start(ServerConfig::default()).await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    let payload = Bytes::from((0..8 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+    let response = echo
+        .echo(EchoRequest {
+            payload: payload.clone(),
+            delay_ms: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(response.payload, payload);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn server_gone_fails_outstanding_and_new_calls() {
+    let server = start(ServerConfig {
+        shutdown_grace_ms: 50,
+        ..ServerConfig::default()
+    })
+    .await;
+    let addr = server.addr.clone();
+    let echo = EchoClient::new(
+        Channel::connect(&addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    let slow = {
+        let echo = echo.clone();
+        tokio::spawn(async move {
+            echo.echo_with_options(
+                EchoRequest {
+                    payload: Bytes::new(),
+                    delay_ms: 10_000,
+                },
+                &CallOptions::with_timeout(Duration::from_secs(30)),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.shutdown().await;
+    let err = slow.await.unwrap().unwrap_err();
+    assert!(matches!(err, RpcError::ConnectionLost { .. }), "{err:?}");
+    assert_eq!(err.code(), Code::Unavailable);
+    let err = echo
+        .echo(EchoRequest {
+            payload: Bytes::new(),
+            delay_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert!(err.is_connection_failure(), "{err:?}");
+}
+
+#[tokio::test]
+async fn graceful_shutdown_answers_in_flight_requests() {
+    let server = start(ServerConfig::default()).await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    let in_flight = {
+        let echo = echo.clone();
+        tokio::spawn(async move {
+            echo.echo(EchoRequest {
+                payload: Bytes::from_static(b"finish me"),
+                delay_ms: 200,
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.shutdown().await;
+    assert_eq!(&in_flight.await.unwrap().unwrap().payload[..], b"finish me");
+}
+
+#[tokio::test]
+async fn nothing_listening_is_a_connection_failure() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    let err = Channel::connect(&addr, ChannelConfig::default())
+        .await
+        .unwrap_err();
+    assert!(err.is_connection_failure(), "{err:?}");
+}
+
+#[tokio::test]
+async fn unknown_method_gets_unimplemented() {
+    let server = start(ServerConfig::default()).await;
+    let channel = Channel::connect(&server.addr, ChannelConfig::default())
+        .await
+        .unwrap();
+    let err = channel
+        .call_raw(
+            method_id("/no.Such/Method"),
+            Bytes::new(),
+            std::time::Instant::now() + Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented, "{err:?}");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn undecodable_request_body_gets_invalid_argument() {
+    let server = start(ServerConfig::default()).await;
+    let channel = Channel::connect(&server.addr, ChannelConfig::default())
+        .await
+        .unwrap();
+    let err = channel
+        .call_raw(
+            ECHO_DESCRIPTOR.methods[0].id,
+            Bytes::from_static(&[0xff, 0xff, 0xff]),
+            std::time::Instant::now() + Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn garbage_frame_closes_only_that_connection() {
+    let server = start(ServerConfig::default()).await;
+    let mut raw = tokio::net::TcpStream::connect(&server.addr).await.unwrap();
+    let garbage = b"definitely not a tessera header";
+    raw.write_all(&(garbage.len() as u32).to_le_bytes())
+        .await
+        .unwrap();
+    raw.write_all(garbage).await.unwrap();
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_secs(5), raw.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    assert_eq!(read, 0, "server closed the connection");
+    // Other clients are unaffected.
+    let counter = CounterClient::new(
+        Channel::connect(&server.addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        counter.increment(IncrementRequest {}).await.unwrap().value,
+        1
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn registering_a_service_twice_is_refused() {
+    let err = Server::builder(ServerConfig::default())
+        .add_service(CounterServer::new(CounterImpl::default()))
+        .unwrap()
+        .add_service(CounterServer::from_arc(Arc::new(CounterImpl::default())))
+        .unwrap_err();
+    assert!(matches!(err, ServerError::DuplicateMethod { .. }), "{err}");
+}

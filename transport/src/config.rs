@@ -1,0 +1,187 @@
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Which transport carries the messages.
+///
+/// Parsed from the `transport` setting of every component. Values that are
+/// not (yet) supported are rejected with an error naming the setting and the
+/// allowed values rather than being silently mapped to something else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// Length-prefixed frames over TCP (tokio).
+    #[default]
+    Tcp,
+}
+
+impl TransportKind {
+    /// The values accepted for the `transport` setting.
+    pub const ALLOWED: &'static [&'static str] = &["tcp"];
+
+    /// The canonical name of this kind.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = ConfigError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        match value {
+            "tcp" => Ok(TransportKind::Tcp),
+            "rdma" | "auto" => Err(ConfigError::Invalid {
+                key: "transport",
+                reason: format!(
+                    "`{value}` is not available in this build yet (allowed: {})",
+                    TransportKind::ALLOWED.join(", ")
+                ),
+            }),
+            other => Err(ConfigError::Invalid {
+                key: "transport",
+                reason: format!(
+                    "unknown transport `{other}` (allowed: {})",
+                    TransportKind::ALLOWED.join(", ")
+                ),
+            }),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TransportKind {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = String::deserialize(deserializer)?;
+        value.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for TransportKind {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+/// A configuration value that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The setting `key` has a value that is not allowed.
+    #[error("invalid value for `{key}`: {reason}")]
+    Invalid {
+        /// The name of the setting.
+        key: &'static str,
+        /// Why the value was refused.
+        reason: String,
+    },
+}
+
+/// Settings of the transport layer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransportConfig {
+    /// Which transport to use. Default `tcp`: it works on every host.
+    pub kind: TransportKind,
+    /// Largest message accepted or sent, in bytes. Default 64 MiB: large
+    /// enough for a Fetch response of a few hundred thousand 64-dim rows, and
+    /// small enough that a hostile length prefix cannot make a server
+    /// allocate unbounded memory (the size is checked before allocating).
+    pub max_message_size: u64,
+    /// Messages that may wait in a connection's send queue before `send`
+    /// waits. Default 1024: deep enough to keep the socket busy while a
+    /// writer batches, shallow enough to push back on a runaway producer.
+    pub send_queue_depth: usize,
+    /// Most bytes the TCP writer gathers into one `writev`. Default 1 MiB:
+    /// batches many small messages into one system call without delaying the
+    /// first of them behind megabytes of others.
+    pub write_batch_bytes: usize,
+    /// Initial capacity of a connection's receive buffer. Default 64 KiB:
+    /// many small messages are read with one `read`, and a message that fits
+    /// is handed out as a slice of it without a copy.
+    pub read_buffer_bytes: usize,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        Self {
+            kind: TransportKind::Tcp,
+            max_message_size: 64 << 20,
+            send_queue_depth: 1024,
+            write_batch_bytes: 1 << 20,
+            read_buffer_bytes: 64 << 10,
+        }
+    }
+}
+
+impl TransportConfig {
+    /// Largest value allowed for `max_message_size` (the TCP frame length is
+    /// a u32).
+    pub const MAX_MESSAGE_SIZE_LIMIT: u64 = u32::MAX as u64;
+
+    /// Checks every setting; the error names the offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_message_size == 0 || self.max_message_size > Self::MAX_MESSAGE_SIZE_LIMIT {
+            return Err(ConfigError::Invalid {
+                key: "max_message_size",
+                reason: format!(
+                    "{} is outside 1..={}",
+                    self.max_message_size,
+                    Self::MAX_MESSAGE_SIZE_LIMIT
+                ),
+            });
+        }
+        if self.send_queue_depth == 0 {
+            return Err(ConfigError::Invalid {
+                key: "send_queue_depth",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if self.write_batch_bytes == 0 {
+            return Err(ConfigError::Invalid {
+                key: "write_batch_bytes",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if self.read_buffer_bytes < 64 {
+            return Err(ConfigError::Invalid {
+                key: "read_buffer_bytes",
+                reason: format!("{} is below the minimum of 64", self.read_buffer_bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_transport_names_the_setting_and_allowed_values() {
+        let err = "udp".parse::<TransportKind>().unwrap_err().to_string();
+        assert!(err.contains("`transport`"), "{err}");
+        assert!(err.contains("allowed: tcp"), "{err}");
+        let err = "rdma".parse::<TransportKind>().unwrap_err().to_string();
+        assert!(err.contains("not available"), "{err}");
+    }
+
+    #[test]
+    fn defaults_validate_and_zero_limits_do_not() {
+        TransportConfig::default().validate().unwrap();
+        let config = TransportConfig {
+            max_message_size: 0,
+            ..TransportConfig::default()
+        };
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("max_message_size"), "{err}");
+    }
+}

@@ -1,0 +1,48 @@
+use std::io;
+
+/// Errors of the transport layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// Establishing a connection to `addr` failed.
+    #[error("connect to {addr}: {source}")]
+    Connect {
+        /// The address that was dialled.
+        addr: String,
+        /// The underlying I/O error.
+        source: io::Error,
+    },
+    /// Binding a listener on `addr` failed.
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        /// The address that was bound.
+        addr: String,
+        /// The underlying I/O error.
+        source: io::Error,
+    },
+    /// An I/O error on an established connection.
+    #[error("transport I/O error: {0}")]
+    Io(#[from] io::Error),
+    /// A peer announced (or a caller tried to send) a message larger than the
+    /// configured limit. The connection is closed: the frame boundary is lost.
+    #[error("message of {len} bytes exceeds the maximum message size of {max} bytes")]
+    MessageTooLarge {
+        /// The announced or attempted size.
+        len: u64,
+        /// The configured limit (`max_message_size`).
+        max: u64,
+    },
+    /// The peer closed the connection in the middle of a message.
+    #[error(
+        "peer closed the connection in the middle of a {expected}-byte message ({received} bytes received)"
+    )]
+    Truncated {
+        /// Size of the frame being received.
+        expected: u64,
+        /// Bytes of it that arrived before the close.
+        received: u64,
+    },
+    /// The connection is closed (locally or by a previous error).
+    #[error("connection closed")]
+    Closed,
+}

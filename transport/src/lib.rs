@@ -1,0 +1,22 @@
+//! Tessera's transport layer (the paper's ByteExpress, §4–§6).
+//!
+//! The transport moves *whole messages* between two endpoints. It knows
+//! nothing about RPCs, methods or replicas: the RPC layer above it frames a
+//! header and a protobuf body into a [`Message`] and hands it to a
+//! [`MessageSender`]; the peer's [`MessageReceiver`] yields the same bytes as
+//! one contiguous [`bytes::Bytes`].
+//!
+//! Today the only implementation is TCP ([`tcp`]); RDMA arrives behind the
+//! same API, chosen by [`TransportKind`] in the configuration, so the RPC layer
+//! is written once.
+
+mod config;
+mod connection;
+mod error;
+mod message;
+pub mod tcp;
+
+pub use config::{ConfigError, TransportConfig, TransportKind};
+pub use connection::{Connection, Listener, MessageReceiver, MessageSender, connect, listen};
+pub use error::TransportError;
+pub use message::Message;
