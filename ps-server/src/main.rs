@@ -1,0 +1,117 @@
+//! `ps-server`: runs one parameter-server process.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use tessera_ps_server::{Mode, PsServer, PsServerConfig};
+use tessera_rpc::TransportKind;
+
+/// Serve shards of embedding tables over Tessera RPC.
+#[derive(Debug, Parser)]
+#[command(name = "ps-server", version)]
+struct Cli {
+    /// TOML configuration file; without it, built-in defaults are used.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override `listen`.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Override `transport`.
+    #[arg(long)]
+    transport: Option<TransportKind>,
+    /// Override `mode`.
+    #[arg(long, value_enum)]
+    mode: Option<Mode>,
+    /// Override `num_shards`.
+    #[arg(long)]
+    num_shards: Option<u32>,
+    /// Override `shards` (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    shards: Option<Vec<u32>>,
+    /// Override `replica_group`.
+    #[arg(long)]
+    replica_group: Option<u32>,
+    /// Override `seed`.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!("{err}");
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("ps-server: {err}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    let mut config = match &cli.config {
+        Some(path) => PsServerConfig::load(path)?,
+        None => PsServerConfig::default(),
+    };
+    if let Some(listen) = cli.listen {
+        config.listen = listen;
+    }
+    if let Some(transport) = cli.transport {
+        config.transport = transport;
+    }
+    if let Some(mode) = cli.mode {
+        config.mode = mode;
+    }
+    if let Some(num_shards) = cli.num_shards {
+        config.num_shards = num_shards;
+    }
+    if let Some(shards) = cli.shards {
+        config.shards = shards;
+    }
+    if let Some(group) = cli.replica_group {
+        config.replica_group = group;
+    }
+    if let Some(seed) = cli.seed {
+        config.seed = seed;
+    }
+    config.validate()?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let server = PsServer::bind(&config).await?;
+        server.serve(shutdown_signal()).await;
+        tracing::info!("ps-server stopped");
+        Ok(())
+    })
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        }
+        _ => {
+            // Without signal handlers the process can still be killed; wait
+            // on Ctrl-C through tokio's portable path instead.
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

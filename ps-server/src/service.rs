@@ -1,0 +1,103 @@
+//! The `ParameterServer` RPC service over a [`Store`].
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_proto::v1::{
+    self, FetchRequest, FetchResponse, HealthRequest, HealthResponse, PushRequest, PushResponse,
+    TableInfo,
+};
+use tessera_rpc::{RequestContext, Status};
+
+use crate::config::Mode;
+use crate::store::{Store, StoreError};
+
+impl From<StoreError> for Status {
+    fn from(err: StoreError) -> Self {
+        let message = err.to_string();
+        match err {
+            StoreError::UnknownTable(_) => Status::not_found(message),
+            StoreError::GradientLength { .. } => Status::invalid_argument(message),
+            StoreError::ShardNotHosted { .. }
+            | StoreError::WrongShard { .. }
+            | StoreError::InferenceMode => Status::failed_precondition(message),
+        }
+    }
+}
+
+/// Serves Fetch, Push and Health from a shared [`Store`].
+#[derive(Debug, Clone)]
+pub struct PsService {
+    store: Arc<Store>,
+    replica_group: u32,
+}
+
+impl PsService {
+    /// A service over `store`, reporting `replica_group` in Health.
+    pub fn new(store: Arc<Store>, replica_group: u32) -> Self {
+        Self {
+            store,
+            replica_group,
+        }
+    }
+}
+
+impl v1::ParameterServer for PsService {
+    async fn fetch(
+        &self,
+        _context: RequestContext,
+        request: FetchRequest,
+    ) -> Result<FetchResponse, Status> {
+        let (dim, values) = self
+            .store
+            .fetch(&request.table, request.shard, &request.keys)?;
+        Ok(FetchResponse {
+            dim,
+            values: Bytes::from(values),
+        })
+    }
+
+    async fn push(
+        &self,
+        _context: RequestContext,
+        request: PushRequest,
+    ) -> Result<PushResponse, Status> {
+        let applied = self.store.push(
+            &request.table,
+            request.shard,
+            &request.keys,
+            &request.gradients,
+        )?;
+        Ok(PushResponse {
+            applied: u32::try_from(applied).unwrap_or(u32::MAX),
+        })
+    }
+
+    async fn health(
+        &self,
+        _context: RequestContext,
+        _request: HealthRequest,
+    ) -> Result<HealthResponse, Status> {
+        let mut tables: Vec<TableInfo> = self
+            .store
+            .tables()
+            .map(|t| TableInfo {
+                name: t.config().name.clone(),
+                dim: t.config().dim,
+                rows: t.rows(),
+            })
+            .collect();
+        tables.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(HealthResponse {
+            serving: true,
+            num_shards: self.store.num_shards(),
+            shards: self.store.hosted().to_vec(),
+            replica_group: self.replica_group,
+            mode: match self.store.mode() {
+                Mode::Training => v1::Mode::Training,
+                Mode::Inference => v1::Mode::Inference,
+            } as i32,
+            tables,
+        })
+    }
+}

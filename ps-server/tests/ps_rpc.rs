@@ -1,0 +1,260 @@
+//! The parameter server over RPC, in-process and as a binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tessera_proto::rows::{get_f32s, put_f32s};
+use tessera_proto::sharding::shard_for_key;
+use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient, PushRequest};
+use tessera_ps_server::{Mode, PsServer, PsServerConfig, TableConfig};
+use tessera_rpc::{Channel, ChannelConfig, Code};
+use tokio::sync::oneshot;
+
+async fn start(
+    mode: Mode,
+) -> (
+    ParameterServerClient,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let config = PsServerConfig {
+        listen: "127.0.0.1:0".into(),
+        mode,
+        num_shards: 2,
+        shards: vec![1],
+        tables: vec![TableConfig {
+            name: "emb".into(),
+            dim: 4,
+            learning_rate: 0.1,
+            init_scale: 0.5,
+        }],
+        ..PsServerConfig::default()
+    };
+    let server = PsServer::bind(&config).await.unwrap();
+    let addr = server.local_addr().to_string();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve(async {
+        let _ = stopped.await;
+    }));
+    let channel = Channel::connect(addr, ChannelConfig::default())
+        .await
+        .unwrap();
+    (ParameterServerClient::new(channel), stop, task)
+}
+
+fn shard1_keys(n: usize) -> Vec<u64> {
+    (0..)
+        .filter(|&k| shard_for_key(k, 2) == 1)
+        .take(n)
+        .collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    let mut out = vec![0f32; bytes.len() / 4];
+    assert!(get_f32s(bytes, &mut out));
+    out
+}
+
+#[tokio::test]
+async fn fetch_push_fetch_over_rpc() {
+    let (client, stop, task) = start(Mode::Training).await;
+    let keys = shard1_keys(3);
+    let before = client
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: 1,
+            keys: keys.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(before.dim, 4);
+    let before = f32s(&before.values);
+    assert_eq!(before.len(), 12);
+    let mut grads = Vec::new();
+    put_f32s(&mut grads, &[1.0; 12]);
+    let pushed = client
+        .push(PushRequest {
+            table: "emb".into(),
+            shard: 1,
+            keys: keys.clone(),
+            gradients: Bytes::from(grads),
+        })
+        .await
+        .unwrap();
+    assert_eq!(pushed.applied, 3);
+    let after = client
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: 1,
+            keys,
+        })
+        .await
+        .unwrap();
+    let after = f32s(&after.values);
+    for (b, a) in before.iter().zip(&after) {
+        assert_eq!(*a, b - 0.1);
+    }
+    let health = client.health(HealthRequest {}).await.unwrap();
+    assert!(health.serving);
+    assert_eq!(health.shards, vec![1]);
+    assert_eq!(health.tables[0].rows, 3);
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving() {
+    let (client, stop, task) = start(Mode::Training).await;
+    let keys = shard1_keys(2);
+    let cases = [
+        (
+            client
+                .fetch(FetchRequest {
+                    table: "missing".into(),
+                    shard: 1,
+                    keys: keys.clone(),
+                })
+                .await
+                .map(|_| ()),
+            Code::NotFound,
+            "no table named `missing`",
+        ),
+        (
+            client
+                .push(PushRequest {
+                    table: "emb".into(),
+                    shard: 1,
+                    keys: keys.clone(),
+                    gradients: Bytes::from(vec![0u8; 12]),
+                })
+                .await
+                .map(|_| ()),
+            Code::InvalidArgument,
+            "expected 32 gradient bytes",
+        ),
+        (
+            client
+                .fetch(FetchRequest {
+                    table: "emb".into(),
+                    shard: 0,
+                    keys: keys.clone(),
+                })
+                .await
+                .map(|_| ()),
+            Code::FailedPrecondition,
+            "shard 0 is not hosted",
+        ),
+        (
+            client
+                .fetch(FetchRequest {
+                    table: "emb".into(),
+                    shard: 1,
+                    keys: vec![(0..).find(|&k| shard_for_key(k, 2) == 0).unwrap()],
+                })
+                .await
+                .map(|_| ()),
+            Code::FailedPrecondition,
+            "belongs to shard 0",
+        ),
+    ];
+    for (result, code, text) in cases {
+        let err = result.unwrap_err();
+        assert_eq!(err.code(), code, "{err}");
+        assert!(err.to_string().contains(text), "{err}");
+    }
+    let ok = client
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: 1,
+            keys,
+        })
+        .await
+        .unwrap();
+    assert_eq!(ok.values.len(), 32);
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn inference_server_serves_zeros_and_refuses_push() {
+    let (client, stop, task) = start(Mode::Inference).await;
+    let keys = shard1_keys(2);
+    let rows = client
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: 1,
+            keys: keys.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(f32s(&rows.values), vec![0.0; 8]);
+    let err = client
+        .push(PushRequest {
+            table: "emb".into(),
+            shard: 1,
+            keys,
+            gradients: Bytes::from(vec![0u8; 32]),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+#[test]
+fn binary_refuses_a_bad_config_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "transport = \"rdma-over-pigeons\"\n").unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("transport") && stderr.contains("allowed: tcp"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn binary_serves_and_stops_on_sigterm() {
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let healthy = runtime.block_on(async {
+        for _ in 0..200 {
+            if let Ok(channel) =
+                Channel::connect(format!("127.0.0.1:{port}"), ChannelConfig::default()).await
+            {
+                if let Ok(health) = ParameterServerClient::new(channel)
+                    .health(HealthRequest {})
+                    .await
+                {
+                    return health.serving;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        false
+    });
+    assert!(healthy, "ps-server never became healthy");
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "{exit:?}");
+}
