@@ -55,12 +55,15 @@ pub enum StoreError {
     InferenceMode,
 }
 
+/// The rows of one (table, shard): key -> row of `dim` values.
+type ShardRows = DashMap<u64, Box<[f32]>>;
+
 /// One embedding table's rows on this server.
 #[derive(Debug)]
 pub struct Table {
     config: TableConfig,
     init_base: u64,
-    shards: HashMap<u32, DashMap<u64, Box<[f32]>>>,
+    shards: HashMap<u32, ShardRows>,
 }
 
 impl Table {
@@ -151,7 +154,7 @@ impl Store {
         table: &str,
         shard: u32,
         keys: &[u64],
-    ) -> Result<(&Table, &DashMap<u64, Box<[f32]>>), StoreError> {
+    ) -> Result<(&Table, &ShardRows), StoreError> {
         let table_ref = self
             .tables
             .get(table)
