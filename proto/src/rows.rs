@@ -28,7 +28,10 @@ pub fn get_f32s(bytes: &[u8], out: &mut [f32]) -> bool {
 
 /// The number of f32 in `bytes`, if it is a whole number of them.
 pub fn f32_count(bytes: &[u8]) -> Option<usize> {
-    bytes.len().is_multiple_of(F32_BYTES).then_some(bytes.len() / F32_BYTES)
+    bytes
+        .len()
+        .is_multiple_of(F32_BYTES)
+        .then_some(bytes.len() / F32_BYTES)
 }
 
 #[cfg(test)]

@@ -237,13 +237,11 @@ fn binary_serves_and_stops_on_sigterm() {
         for _ in 0..200 {
             if let Ok(channel) =
                 Channel::connect(format!("127.0.0.1:{port}"), ChannelConfig::default()).await
-            {
-                if let Ok(health) = ParameterServerClient::new(channel)
+                && let Ok(health) = ParameterServerClient::new(channel)
                     .health(HealthRequest {})
                     .await
-                {
-                    return health.serving;
-                }
+            {
+                return health.serving;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
