@@ -1,0 +1,225 @@
+//! The worker's parameter-server client: Fetch and Push over every shard.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytes::Bytes;
+use futures::future::try_join_all;
+use tessera_proto::rows::put_f32s;
+use tessera_proto::v1::{
+    FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
+};
+use tessera_rpc::{Channel, RpcError};
+
+use crate::config::{ConfigError, WorkerConfig};
+use crate::plan::{FetchPlan, MergeError, PushPlan};
+
+/// Rows returned by a Fetch, in the caller's key order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rows {
+    dim: usize,
+    values: Vec<f32>,
+}
+
+impl Rows {
+    /// Values per row.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.values.len().checked_div(self.dim).unwrap_or(0)
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Row `i` (for the caller's `keys[i]`).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[i * self.dim..(i + 1) * self.dim]
+    }
+
+    /// All values, row after row.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+}
+
+/// Why a worker call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A sub-request to a shard failed.
+    #[error("shard {shard} at {addr}: {source}")]
+    Rpc {
+        /// The shard.
+        shard: u32,
+        /// The server called.
+        addr: String,
+        /// The RPC error.
+        source: RpcError,
+    },
+    /// The shards' answers do not fit together.
+    #[error(transparent)]
+    Merge(#[from] MergeError),
+    /// `gradients.len()` is not `keys.len() * dim`.
+    #[error("{gradients} gradient values do not match {keys} keys of dim {dim}")]
+    GradientLength {
+        /// Keys passed.
+        keys: usize,
+        /// Dimension passed.
+        dim: usize,
+        /// Gradient values passed.
+        gradients: usize,
+    },
+}
+
+/// A client of a sharded, replicated parameter server.
+///
+/// Fetch: keys are deduplicated, split by shard (see
+/// `tessera_proto::sharding`), sent as one sub-request per shard
+/// concurrently, to one replica per shard chosen round-robin, and merged in
+/// the caller's order. Push: gradients of repeated keys are summed, split by
+/// shard, and sent to *every* replica of each shard, so replica groups stay
+/// in step until primary/replica forwarding replaces this.
+#[derive(Debug)]
+pub struct PsClient {
+    num_shards: u32,
+    /// `replicas[shard]`: clients of the servers hosting that shard.
+    replicas: Vec<Vec<ParameterServerClient>>,
+    servers: Vec<ParameterServerClient>,
+    next_replica: AtomicUsize,
+}
+
+impl PsClient {
+    /// A client for the servers in `config`. Connections are made lazily, on
+    /// first use.
+    pub fn new(config: &WorkerConfig) -> Result<Self, WorkerError> {
+        config.validate()?;
+        let channel_config = config.channel_config();
+        let mut by_address: HashMap<&str, ParameterServerClient> = HashMap::new();
+        let mut servers = Vec::new();
+        let mut replicas = vec![Vec::new(); config.num_shards as usize];
+        for server in &config.servers {
+            let client = by_address
+                .entry(server.address.as_str())
+                .or_insert_with(|| {
+                    let client = ParameterServerClient::new(Channel::lazy(
+                        &server.address,
+                        channel_config.clone(),
+                    ));
+                    servers.push(client.clone());
+                    client
+                })
+                .clone();
+            for &shard in &server.shards {
+                replicas[shard as usize].push(client.clone());
+            }
+        }
+        Ok(Self {
+            num_shards: config.num_shards,
+            replicas,
+            servers,
+            next_replica: AtomicUsize::new(0),
+        })
+    }
+
+    /// Total shards.
+    pub fn num_shards(&self) -> u32 {
+        self.num_shards
+    }
+
+    fn pick(&self, shard: u32) -> &ParameterServerClient {
+        let replicas = &self.replicas[shard as usize];
+        &replicas[self.next_replica.fetch_add(1, Ordering::Relaxed) % replicas.len()]
+    }
+
+    /// The rows of `keys` in `table`, in the order of `keys`.
+    pub async fn fetch(&self, table: &str, keys: &[u64]) -> Result<Rows, WorkerError> {
+        let plan = FetchPlan::new(keys, self.num_shards);
+        let calls = plan.groups().iter().map(|group| {
+            let client = self.pick(group.shard);
+            let request = FetchRequest {
+                table: table.to_owned(),
+                shard: group.shard,
+                keys: group.keys.clone(),
+            };
+            async move {
+                client
+                    .fetch(request)
+                    .await
+                    .map(|response| (response.dim, response.values))
+                    .map_err(|source| WorkerError::Rpc {
+                        shard: group.shard,
+                        addr: client.channel().addr().to_owned(),
+                        source,
+                    })
+            }
+        });
+        let answers: Vec<(u32, Bytes)> = try_join_all(calls).await?;
+        let (dim, values) = plan.merge(&answers)?;
+        Ok(Rows { dim, values })
+    }
+
+    /// Applies `gradients` (`keys.len() * dim` values, row i for `keys[i]`)
+    /// to `table`. Gradients of repeated keys are summed first.
+    pub async fn push(
+        &self,
+        table: &str,
+        keys: &[u64],
+        gradients: &[f32],
+        dim: usize,
+    ) -> Result<(), WorkerError> {
+        let plan = PushPlan::new(keys, gradients, dim, self.num_shards).ok_or(
+            WorkerError::GradientLength {
+                keys: keys.len(),
+                dim,
+                gradients: gradients.len(),
+            },
+        )?;
+        let mut calls = Vec::new();
+        for (group, sums) in &plan.groups {
+            let mut wire = Vec::new();
+            put_f32s(&mut wire, sums);
+            let wire = Bytes::from(wire);
+            for client in &self.replicas[group.shard as usize] {
+                let request = PushRequest {
+                    table: table.to_owned(),
+                    shard: group.shard,
+                    keys: group.keys.clone(),
+                    gradients: wire.clone(),
+                };
+                let shard = group.shard;
+                calls.push(async move {
+                    client
+                        .push(request)
+                        .await
+                        .map_err(|source| WorkerError::Rpc {
+                            shard,
+                            addr: client.channel().addr().to_owned(),
+                            source,
+                        })
+                });
+            }
+        }
+        try_join_all(calls).await?;
+        Ok(())
+    }
+
+    /// Health of every server, in configuration order.
+    pub async fn health(&self) -> Vec<(String, Result<HealthResponse, RpcError>)> {
+        let calls = self.servers.iter().map(|client| async move {
+            (
+                client.channel().addr().to_owned(),
+                client.health(HealthRequest {}).await,
+            )
+        });
+        futures::future::join_all(calls).await
+    }
+}

@@ -1,0 +1,250 @@
+//! Configuration of a worker: where the shards are, how to call them, and
+//! the load the `worker` binary generates.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tessera_rpc::{ChannelConfig, TransportConfig, TransportKind};
+
+/// One ps-server as the worker sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerEndpoint {
+    /// `host:port`.
+    pub address: String,
+    /// Shards it hosts.
+    pub shards: Vec<u32>,
+    /// Its replica group (failure domain). Default 0.
+    #[serde(default)]
+    pub replica_group: u32,
+}
+
+/// The load the `worker` binary generates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkloadConfig {
+    /// Table to fetch from and push to. Default `embeddings` (the
+    /// ps-server's default table).
+    pub table: String,
+    /// How long to run, in seconds. Default 10.
+    pub duration_secs: f64,
+    /// Keys per request (before deduplication). Default 512: a typical
+    /// ranker request touches hundreds of features.
+    pub batch_keys: usize,
+    /// Requests kept outstanding at once. Default 8: enough to keep every
+    /// shard busy on a small cluster without measuring only queueing.
+    pub concurrency: usize,
+    /// Keys are drawn uniformly from `0..key_space`. Default 1,000,000.
+    pub key_space: u64,
+    /// Seed of the key generator, for repeatable runs. Default 1.
+    pub seed: u64,
+}
+
+impl Default for WorkloadConfig {
+    fn default() -> Self {
+        Self {
+            table: "embeddings".into(),
+            duration_secs: 10.0,
+            batch_keys: 512,
+            concurrency: 8,
+            key_space: 1_000_000,
+            seed: 1,
+        }
+    }
+}
+
+/// Configuration of a worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Transport: `tcp` (`rdma` and `auto` arrive with the RDMA transport).
+    pub transport: TransportKind,
+    /// Connection timeout Tc in milliseconds (see `tessera_rpc::ChannelConfig`).
+    pub connect_timeout_ms: u64,
+    /// Request timeout Tr in milliseconds (see `tessera_rpc::ChannelConfig`).
+    pub request_timeout_ms: u64,
+    /// Largest RPC message in bytes. Default 64 MiB.
+    pub max_message_size: u64,
+    /// Total number of shards of the model. Default 1.
+    pub num_shards: u32,
+    /// The ps-servers. Every shard needs at least one.
+    pub servers: Vec<ServerEndpoint>,
+    /// The generated load.
+    pub workload: WorkloadConfig,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        let channel = ChannelConfig::default();
+        Self {
+            transport: TransportKind::Tcp,
+            connect_timeout_ms: channel.connect_timeout_ms,
+            request_timeout_ms: channel.request_timeout_ms,
+            max_message_size: channel.transport.max_message_size,
+            num_shards: 1,
+            servers: vec![ServerEndpoint {
+                address: "127.0.0.1:7070".into(),
+                shards: vec![0],
+                replica_group: 0,
+            }],
+            workload: WorkloadConfig::default(),
+        }
+    }
+}
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this configuration.
+    #[error("config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message, which names the line and key.
+        source: toml::de::Error,
+    },
+    /// A value is not allowed.
+    #[error("invalid value for `{key}`: {reason}")]
+    Invalid {
+        /// The setting, with its position (`servers[1].shards[0]`).
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+impl WorkerConfig {
+    /// Reads and validates a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let config: Self = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every setting; the error names the offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.num_shards == 0 {
+            return Err(invalid("num_shards", "must be at least 1"));
+        }
+        let mut covered = HashSet::new();
+        for (i, server) in self.servers.iter().enumerate() {
+            if server.address.is_empty() {
+                return Err(invalid(
+                    format!("servers[{i}].address"),
+                    "must not be empty",
+                ));
+            }
+            for (j, &shard) in server.shards.iter().enumerate() {
+                if shard >= self.num_shards {
+                    return Err(invalid(
+                        format!("servers[{i}].shards[{j}]"),
+                        format!(
+                            "shard {shard} does not exist (num_shards = {})",
+                            self.num_shards
+                        ),
+                    ));
+                }
+                covered.insert(shard);
+            }
+        }
+        if let Some(missing) = (0..self.num_shards).find(|s| !covered.contains(s)) {
+            return Err(invalid(
+                "servers",
+                format!("no server hosts shard {missing}"),
+            ));
+        }
+        let w = &self.workload;
+        if !(w.duration_secs.is_finite() && w.duration_secs > 0.0) {
+            return Err(invalid(
+                "workload.duration_secs",
+                "must be a positive number",
+            ));
+        }
+        if w.batch_keys == 0 {
+            return Err(invalid("workload.batch_keys", "must be at least 1"));
+        }
+        if w.concurrency == 0 {
+            return Err(invalid("workload.concurrency", "must be at least 1"));
+        }
+        if w.key_space == 0 {
+            return Err(invalid("workload.key_space", "must be at least 1"));
+        }
+        self.channel_config()
+            .validate()
+            .map_err(|err| invalid("transport", err.to_string()))
+    }
+
+    /// The RPC channel settings this configuration implies.
+    pub fn channel_config(&self) -> ChannelConfig {
+        ChannelConfig {
+            connect_timeout_ms: self.connect_timeout_ms,
+            request_timeout_ms: self.request_timeout_ms,
+            transport: TransportConfig {
+                kind: self.transport,
+                max_message_size: self.max_message_size,
+                ..TransportConfig::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_uncovered_shards_are_not() {
+        WorkerConfig::default().validate().unwrap();
+        let config = WorkerConfig {
+            num_shards: 2,
+            ..WorkerConfig::default()
+        };
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`servers`") && err.contains("shard 1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (text, key) in [
+            ("transport = \"smoke-signals\"", "transport"),
+            ("[workload]\nconcurrency = 0", "workload.concurrency"),
+            (
+                "[[servers]]\naddress = \"a:1\"\nshards = [3]",
+                "servers[0].shards[0]",
+            ),
+        ] {
+            let err = match toml::from_str::<WorkerConfig>(text) {
+                Ok(config) => config.validate().unwrap_err().to_string(),
+                Err(err) => err.to_string(),
+            };
+            assert!(err.contains(key), "{text:?}: {err}");
+        }
+    }
+}

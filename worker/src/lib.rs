@@ -1,0 +1,11 @@
+//! The Tessera worker: a client that fetches embedding rows from, and pushes
+//! gradients to, a sharded parameter server ([`PsClient`]), and the load
+//! generators of the `worker` binary ([`workload`]).
+
+pub mod client;
+pub mod config;
+pub mod plan;
+pub mod workload;
+
+pub use client::{PsClient, Rows, WorkerError};
+pub use config::{ServerEndpoint, WorkerConfig, WorkloadConfig};

@@ -1,0 +1,290 @@
+//! Splitting a request by shard and merging the answers, without I/O.
+//!
+//! A caller's keys may repeat and may span every shard. A plan deduplicates
+//! them, groups the unique keys by shard (one sub-request per shard), and
+//! remembers where each of the caller's keys landed, so the answers can be
+//! merged back in the caller's order.
+
+use std::collections::HashMap;
+
+use tessera_proto::rows::F32_BYTES;
+use tessera_proto::sharding::shard_for_key;
+
+/// The unique keys of one shard, in first-seen order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardKeys {
+    /// The shard.
+    pub shard: u32,
+    /// Its keys, each once.
+    pub keys: Vec<u64>,
+}
+
+/// Where a caller's key is answered: sub-request `group`, row `row`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    group: u32,
+    row: u32,
+}
+
+/// A deduplicated, shard-split Fetch.
+#[derive(Debug, Clone)]
+pub struct FetchPlan {
+    groups: Vec<ShardKeys>,
+    slots: Vec<Slot>,
+}
+
+/// Why answers could not be merged.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MergeError {
+    /// A sub-response holds the wrong number of bytes.
+    #[error(
+        "shard {shard} answered {got} bytes for {keys} keys of dim {dim} (expected {expected})"
+    )]
+    Length {
+        /// The shard.
+        shard: u32,
+        /// Keys asked of it.
+        keys: usize,
+        /// Dimension.
+        dim: usize,
+        /// Bytes expected.
+        expected: usize,
+        /// Bytes received.
+        got: usize,
+    },
+    /// Shards disagree on the table's dimension.
+    #[error("shard {shard} reports dim {got}, other shards dim {expected}")]
+    Dimension {
+        /// The shard.
+        shard: u32,
+        /// Dimension of the first answer.
+        expected: usize,
+        /// Its dimension.
+        got: usize,
+    },
+    /// The number of answers is not the number of sub-requests.
+    #[error("expected {expected} shard answers, got {got}")]
+    Count {
+        /// Sub-requests.
+        expected: usize,
+        /// Answers.
+        got: usize,
+    },
+}
+
+fn group_keys<'a>(
+    keys: impl IntoIterator<Item = &'a u64>,
+    num_shards: u32,
+) -> (Vec<ShardKeys>, Vec<Slot>, HashMap<u64, Slot>) {
+    let mut groups: Vec<ShardKeys> = Vec::new();
+    let mut group_of_shard: HashMap<u32, u32> = HashMap::new();
+    let mut seen: HashMap<u64, Slot> = HashMap::new();
+    let mut slots = Vec::new();
+    for &key in keys {
+        let slot = *seen.entry(key).or_insert_with(|| {
+            let shard = shard_for_key(key, num_shards);
+            let group = *group_of_shard.entry(shard).or_insert_with(|| {
+                groups.push(ShardKeys {
+                    shard,
+                    keys: Vec::new(),
+                });
+                // At most num_shards groups, which is a u32.
+                (groups.len() - 1) as u32
+            });
+            let keys = &mut groups[group as usize].keys;
+            keys.push(key);
+            Slot {
+                group,
+                row: (keys.len() - 1) as u32,
+            }
+        });
+        slots.push(slot);
+    }
+    (groups, slots, seen)
+}
+
+impl FetchPlan {
+    /// Plans a Fetch of `keys` over `num_shards` shards.
+    pub fn new(keys: &[u64], num_shards: u32) -> Self {
+        let (groups, slots, _) = group_keys(keys, num_shards);
+        Self { groups, slots }
+    }
+
+    /// One sub-request per shard touched.
+    pub fn groups(&self) -> &[ShardKeys] {
+        &self.groups
+    }
+
+    /// Unique keys in the plan.
+    pub fn unique_keys(&self) -> usize {
+        self.groups.iter().map(|g| g.keys.len()).sum()
+    }
+
+    /// Merges the sub-responses (`(dim, values)` per group, in group order)
+    /// into rows in the caller's order: `keys.len() * dim` values.
+    pub fn merge<B: AsRef<[u8]>>(
+        &self,
+        answers: &[(u32, B)],
+    ) -> Result<(usize, Vec<f32>), MergeError> {
+        if answers.len() != self.groups.len() {
+            return Err(MergeError::Count {
+                expected: self.groups.len(),
+                got: answers.len(),
+            });
+        }
+        let dim = answers.first().map_or(0, |(dim, _)| *dim as usize);
+        for (group, (answer_dim, values)) in self.groups.iter().zip(answers) {
+            let got_dim = *answer_dim as usize;
+            if got_dim != dim {
+                return Err(MergeError::Dimension {
+                    shard: group.shard,
+                    expected: dim,
+                    got: got_dim,
+                });
+            }
+            let expected = group.keys.len() * dim * F32_BYTES;
+            let got = values.as_ref().len();
+            if got != expected {
+                return Err(MergeError::Length {
+                    shard: group.shard,
+                    keys: group.keys.len(),
+                    dim,
+                    expected,
+                    got,
+                });
+            }
+        }
+        let row_bytes = dim * F32_BYTES;
+        let mut out = Vec::with_capacity(self.slots.len() * dim);
+        for slot in &self.slots {
+            let values = answers[slot.group as usize].1.as_ref();
+            let start = slot.row as usize * row_bytes;
+            out.extend(
+                values[start..start + row_bytes]
+                    .chunks_exact(F32_BYTES)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        }
+        Ok((dim, out))
+    }
+}
+
+/// A deduplicated, shard-split Push: gradients of repeated keys are summed.
+#[derive(Debug, Clone)]
+pub struct PushPlan {
+    /// One sub-request per shard touched: its keys and their summed
+    /// gradients (`keys.len() * dim` values).
+    pub groups: Vec<(ShardKeys, Vec<f32>)>,
+}
+
+impl PushPlan {
+    /// Plans a Push of `gradients` (`keys.len() * dim` values, row i for
+    /// keys\[i\]). Returns `None` if the lengths disagree.
+    pub fn new(keys: &[u64], gradients: &[f32], dim: usize, num_shards: u32) -> Option<Self> {
+        if dim == 0 || gradients.len() != keys.len() * dim {
+            return None;
+        }
+        let (groups, slots, _) = group_keys(keys, num_shards);
+        let mut sums: Vec<Vec<f32>> = groups
+            .iter()
+            .map(|g| vec![0f32; g.keys.len() * dim])
+            .collect();
+        for (slot, grad) in slots.iter().zip(gradients.chunks_exact(dim)) {
+            let start = slot.row as usize * dim;
+            for (sum, g) in sums[slot.group as usize][start..start + dim]
+                .iter_mut()
+                .zip(grad)
+            {
+                *sum += g;
+            }
+        }
+        Some(Self {
+            groups: groups.into_iter().zip(sums).collect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use tessera_proto::rows::put_f32s;
+
+    /// A fake shard: the row of key k is [k, k + 0.5].
+    fn answer(group: &ShardKeys) -> (u32, Vec<u8>) {
+        let mut out = Vec::new();
+        for &k in &group.keys {
+            put_f32s(&mut out, &[k as f32, k as f32 + 0.5]);
+        }
+        (2, out)
+    }
+
+    #[test]
+    fn duplicates_are_fetched_once_and_merged_in_caller_order() {
+        let keys = [5u64, 9, 5, 1, 9, 9, 100];
+        let plan = FetchPlan::new(&keys, 3);
+        assert_eq!(plan.unique_keys(), 4);
+        for group in plan.groups() {
+            for &k in &group.keys {
+                assert_eq!(shard_for_key(k, 3), group.shard);
+            }
+        }
+        let answers: Vec<_> = plan.groups().iter().map(answer).collect();
+        let (dim, rows) = plan.merge(&answers).unwrap();
+        assert_eq!(dim, 2);
+        let expected: Vec<f32> = keys
+            .iter()
+            .flat_map(|&k| [k as f32, k as f32 + 0.5])
+            .collect();
+        assert_eq!(rows, expected);
+    }
+
+    #[test]
+    fn wrong_answers_are_refused() {
+        let plan = FetchPlan::new(&[1, 2, 3, 4, 5, 6], 2);
+        let mut answers: Vec<_> = plan.groups().iter().map(answer).collect();
+        answers[0].1.pop();
+        assert!(matches!(
+            plan.merge(&answers),
+            Err(MergeError::Length { .. })
+        ));
+        let mut answers: Vec<_> = plan.groups().iter().map(answer).collect();
+        answers[1].0 = 3;
+        assert!(matches!(
+            plan.merge(&answers),
+            Err(MergeError::Dimension { .. })
+        ));
+        assert!(matches!(
+            plan.merge::<Vec<u8>>(&[]),
+            Err(MergeError::Count { .. })
+        ));
+    }
+
+    #[test]
+    fn push_sums_gradients_of_repeated_keys() {
+        let plan = PushPlan::new(&[7, 8, 7], &[1.0, 2.0, 10.0, 20.0, 0.5, 0.25], 2, 1).unwrap();
+        assert_eq!(plan.groups.len(), 1);
+        let (group, grads) = &plan.groups[0];
+        assert_eq!(group.keys, vec![7, 8]);
+        assert_eq!(grads, &vec![1.5, 2.25, 10.0, 20.0]);
+        assert!(PushPlan::new(&[1], &[1.0], 2, 1).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn merge_reproduces_every_key_in_order(
+            keys in proptest::collection::vec(0u64..50, 0..200),
+            shards in 1u32..8,
+        ) {
+            let plan = FetchPlan::new(&keys, shards);
+            let unique: std::collections::HashSet<_> = keys.iter().collect();
+            prop_assert_eq!(plan.unique_keys(), unique.len());
+            prop_assert!(plan.groups().len() <= shards as usize);
+            let answers: Vec<_> = plan.groups().iter().map(answer).collect();
+            let (_, rows) = plan.merge(&answers).unwrap();
+            let expected: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, k as f32 + 0.5]).collect();
+            prop_assert_eq!(rows, expected);
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! The worker client against an in-process cluster of 2 shards x 2 replica
+//! groups.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+
+use tessera_proto::rows::get_f32s;
+use tessera_proto::sharding::shard_for_key;
+use tessera_proto::v1::{FetchRequest, ParameterServerClient};
+use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
+use tessera_rpc::{Channel, ChannelConfig};
+use tessera_worker::workload::{self, WorkloadKind};
+use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig, WorkerError, WorkloadConfig};
+use tokio::sync::oneshot;
+
+struct Cluster {
+    config: WorkerConfig,
+    stops: Vec<oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+async fn cluster() -> Cluster {
+    let mut servers = Vec::new();
+    let mut stops = Vec::new();
+    let mut tasks = Vec::new();
+    for group in 0..2 {
+        for shard in 0..2 {
+            let config = PsServerConfig {
+                listen: "127.0.0.1:0".into(),
+                num_shards: 2,
+                shards: vec![shard],
+                replica_group: group,
+                tables: vec![TableConfig {
+                    name: "emb".into(),
+                    dim: 8,
+                    learning_rate: 0.5,
+                    init_scale: 0.1,
+                }],
+                ..PsServerConfig::default()
+            };
+            let server = PsServer::bind(&config).await.unwrap();
+            servers.push(ServerEndpoint {
+                address: server.local_addr().to_string(),
+                shards: vec![shard],
+                replica_group: group,
+            });
+            let (stop, stopped) = oneshot::channel::<()>();
+            tasks.push(tokio::spawn(server.serve(async {
+                let _ = stopped.await;
+            })));
+            stops.push(stop);
+        }
+    }
+    Cluster {
+        config: WorkerConfig {
+            num_shards: 2,
+            servers,
+            workload: WorkloadConfig {
+                table: "emb".into(),
+                duration_secs: 0.5,
+                batch_keys: 64,
+                concurrency: 2,
+                key_space: 10_000,
+                seed: 3,
+            },
+            ..WorkerConfig::default()
+        },
+        stops,
+        tasks,
+    }
+}
+
+impl Cluster {
+    async fn stop(self) {
+        for stop in self.stops {
+            let _ = stop.send(());
+        }
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+    }
+
+    /// Reads `key` directly from the server at `index`.
+    async fn direct(&self, index: usize, key: u64) -> Vec<f32> {
+        let server = &self.config.servers[index];
+        let client = ParameterServerClient::new(
+            Channel::connect(&server.address, ChannelConfig::default())
+                .await
+                .unwrap(),
+        );
+        let response = client
+            .fetch(FetchRequest {
+                table: "emb".into(),
+                shard: server.shards[0],
+                keys: vec![key],
+            })
+            .await
+            .unwrap();
+        let mut out = vec![0f32; 8];
+        assert!(get_f32s(&response.values, &mut out));
+        out
+    }
+}
+
+#[tokio::test]
+async fn fetch_merges_shards_in_caller_order_with_duplicates() {
+    let cluster = cluster().await;
+    let client = PsClient::new(&cluster.config).unwrap();
+    let keys = [11u64, 4, 11, 900, 4, 77, 3];
+    assert!(keys.iter().any(|&k| shard_for_key(k, 2) == 0));
+    assert!(keys.iter().any(|&k| shard_for_key(k, 2) == 1));
+    let rows = client.fetch("emb", &keys).await.unwrap();
+    assert_eq!((rows.len(), rows.dim()), (keys.len(), 8));
+    for (i, &key) in keys.iter().enumerate() {
+        // Server index = group * 2 + shard; group 0 answers for itself.
+        let direct = cluster.direct(shard_for_key(key, 2) as usize, key).await;
+        assert_eq!(rows.row(i), &direct[..], "key {key} at position {i}");
+    }
+    assert_eq!(rows.row(0), rows.row(2));
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn push_sums_duplicates_and_reaches_every_replica() {
+    let cluster = cluster().await;
+    let client = PsClient::new(&cluster.config).unwrap();
+    let keys = [5u64, 6, 5];
+    let before = client.fetch("emb", &keys).await.unwrap();
+    let mut gradients = vec![0.0f32; 3 * 8];
+    gradients[..8].fill(1.0);
+    gradients[8..16].fill(2.0);
+    gradients[16..].fill(3.0);
+    client.push("emb", &keys, &gradients, 8).await.unwrap();
+    for (position, key, total) in [(0usize, 5u64, 4.0f32), (1, 6, 2.0)] {
+        let shard = shard_for_key(key, 2) as usize;
+        for group in 0..2 {
+            let row = cluster.direct(group * 2 + shard, key).await;
+            let expected: Vec<f32> = before
+                .row(position)
+                .iter()
+                .map(|w| w - 0.5 * total)
+                .collect();
+            assert_eq!(row, expected, "key {key} on replica group {group}");
+        }
+    }
+    let err = client
+        .push("emb", &keys, &gradients[..8], 8)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, WorkerError::GradientLength { .. }));
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn workloads_run_without_errors() {
+    let cluster = cluster().await;
+    let client = Arc::new(PsClient::new(&cluster.config).unwrap());
+    for kind in [WorkloadKind::Ranker, WorkloadKind::Trainer] {
+        let report = workload::run(kind, Arc::clone(&client), &cluster.config.workload).await;
+        assert!(report.iterations > 0, "{report:?}");
+        assert_eq!(report.errors, 0, "{:?}", report.first_error);
+        assert_eq!(report.fetch.count, report.iterations);
+        assert_eq!(report.push.is_some(), kind == WorkloadKind::Trainer);
+        let table = report.to_string();
+        assert!(table.contains("p999 ms"), "{table}");
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_stopped_shard_fails_fetches_with_its_shard_and_address() {
+    let mut cluster = cluster().await;
+    // Keep only replica group 0; stop its shard-1 server.
+    cluster.config.servers.truncate(2);
+    let client = PsClient::new(&cluster.config).unwrap();
+    let key = (0..).find(|&k| shard_for_key(k, 2) == 1).unwrap();
+    client.fetch("emb", &[key]).await.unwrap();
+    let stop = cluster.stops.remove(1);
+    let _ = stop.send(());
+    cluster.tasks.remove(1).await.unwrap();
+    let err = client.fetch("emb", &[key]).await.unwrap_err();
+    match &err {
+        WorkerError::Rpc { shard, addr, .. } => {
+            assert_eq!(*shard, 1);
+            assert_eq!(addr, &cluster.config.servers[1].address);
+        }
+        other => panic!("expected an RPC error, got {other:?}"),
+    }
+    cluster.stop().await;
+}
