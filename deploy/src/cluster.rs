@@ -1,0 +1,330 @@
+//! Starting, watching and stopping the ps-server processes of a local
+//! cluster.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tessera_ps_server::PsServerConfig;
+use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
+use tokio::process::{Child, Command};
+
+use crate::config::ClusterConfig;
+
+/// Why the cluster could not be started or stopped cleanly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LaunchError {
+    /// The ps-server binary was not found.
+    #[error("ps-server binary not found (looked at {looked:?}); build it with `cargo build --bins` or set ps_server_bin")]
+    BinaryNotFound {
+        /// Paths tried.
+        looked: Vec<PathBuf>,
+    },
+    /// A file in the run directory could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A process could not be started.
+    #[error("cannot start {what}: {source}")]
+    Spawn {
+        /// Which server.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A server exited during startup.
+    #[error("{what} exited during startup ({status}); see {log}")]
+    EarlyExit {
+        /// Which server.
+        what: String,
+        /// Its exit status.
+        status: String,
+        /// Its log file.
+        log: PathBuf,
+    },
+    /// Servers did not become healthy in time.
+    #[error("servers not healthy after {timeout:?}: {unhealthy}")]
+    Unhealthy {
+        /// The startup timeout.
+        timeout: Duration,
+        /// Which servers, and the last error of each.
+        unhealthy: String,
+    },
+    /// The worker client could not be built from the generated config.
+    #[error(transparent)]
+    Worker(#[from] tessera_worker::WorkerError),
+    /// Servers had to be killed because they did not stop in time.
+    #[error("{0} server(s) did not stop within the stop timeout and were killed")]
+    Killed(usize),
+}
+
+/// One running ps-server process.
+#[derive(Debug)]
+pub struct ServerProcess {
+    /// Replica group.
+    pub group: u32,
+    /// Hosted shard.
+    pub shard: u32,
+    /// `host:port`.
+    pub address: String,
+    /// Its log file.
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl ServerProcess {
+    fn name(&self) -> String {
+        format!("ps-server group {} shard {} ({})", self.group, self.shard, self.address)
+    }
+}
+
+/// A running local cluster.
+#[derive(Debug)]
+pub struct Cluster {
+    servers: Vec<ServerProcess>,
+    worker_config: WorkerConfig,
+    run_dir: PathBuf,
+    stop_timeout: Duration,
+}
+
+/// Finds the ps-server binary.
+pub fn find_ps_server(config: &ClusterConfig) -> Result<PathBuf, LaunchError> {
+    let mut looked = Vec::new();
+    let explicit = std::env::var_os("TESSERA_PS_SERVER_BIN")
+        .map(PathBuf::from)
+        .or_else(|| config.ps_server_bin.clone());
+    if let Some(path) = explicit {
+        if path.is_file() {
+            return Ok(path);
+        }
+        return Err(LaunchError::BinaryNotFound { looked: vec![path] });
+    }
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        // Next to `tessera`, or one level up when run from cargo's deps/.
+        for candidate in [dir.join("ps-server"), dir.join("../ps-server")] {
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+            looked.push(candidate);
+        }
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("ps-server");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+        looked.push(PathBuf::from("$PATH/ps-server"));
+    }
+    Err(LaunchError::BinaryNotFound { looked })
+}
+
+fn free_port(host: &str) -> Result<u16, std::io::Error> {
+    // The port is released before the server binds it; on loopback the
+    // window for another process to take it is small, and a server that
+    // loses the race exits and is reported.
+    let probe = std::net::TcpListener::bind((host, 0))?;
+    Ok(probe.local_addr()?.port())
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), LaunchError> {
+    std::fs::write(path, text).map_err(|source| LaunchError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+impl Cluster {
+    /// Starts every server of `config`, writing their configs and logs into
+    /// `run_dir`, and waits until all are healthy. On failure, whatever was
+    /// started is stopped again.
+    pub async fn start(config: &ClusterConfig, run_dir: &Path) -> Result<Self, LaunchError> {
+        let binary = find_ps_server(config)?;
+        std::fs::create_dir_all(run_dir).map_err(|source| LaunchError::Write {
+            path: run_dir.to_owned(),
+            source,
+        })?;
+        let mut cluster = Cluster {
+            servers: Vec::new(),
+            worker_config: WorkerConfig::default(),
+            run_dir: run_dir.to_owned(),
+            stop_timeout: Duration::from_millis(config.stop_timeout_ms),
+        };
+        match cluster.spawn_all(config, &binary).await {
+            Ok(()) => Ok(cluster),
+            Err(err) => {
+                let _ = cluster.stop().await;
+                Err(err)
+            }
+        }
+    }
+
+    async fn spawn_all(&mut self, config: &ClusterConfig, binary: &Path) -> Result<(), LaunchError> {
+        let mut endpoints = Vec::new();
+        for group in 0..config.replica_groups {
+            for shard in 0..config.num_shards {
+                let index = group * config.num_shards + shard;
+                let port = if config.base_port == 0 {
+                    free_port(&config.host).map_err(|source| LaunchError::Spawn {
+                        what: "a port probe".into(),
+                        source,
+                    })?
+                } else {
+                    // Validation guarantees base_port + index <= 65535.
+                    config.base_port + index as u16
+                };
+                let address = format!("{}:{port}", config.host);
+                let server_config = PsServerConfig {
+                    listen: address.clone(),
+                    transport: config.transport,
+                    mode: config.mode,
+                    seed: config.seed,
+                    num_shards: config.num_shards,
+                    shards: vec![shard],
+                    replica_group: group,
+                    tables: config.tables.clone(),
+                    ..PsServerConfig::default()
+                };
+                let stem = format!("ps-g{group}-s{shard}");
+                let config_path = self.run_dir.join(format!("{stem}.toml"));
+                let text = toml::to_string(&server_config).map_err(|err| LaunchError::Write {
+                    path: config_path.clone(),
+                    source: std::io::Error::other(err),
+                })?;
+                write_file(&config_path, &text)?;
+                let log = self.run_dir.join(format!("{stem}.log"));
+                let log_file = std::fs::File::create(&log).map_err(|source| LaunchError::Write {
+                    path: log.clone(),
+                    source,
+                })?;
+                let what = format!("ps-server group {group} shard {shard} ({address})");
+                let child = Command::new(binary)
+                    .arg("--config")
+                    .arg(&config_path)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(log_file)
+                    .kill_on_drop(true)
+                    .spawn()
+                    .map_err(|source| LaunchError::Spawn { what, source })?;
+                endpoints.push(ServerEndpoint {
+                    address: address.clone(),
+                    shards: vec![shard],
+                    replica_group: group,
+                });
+                self.servers.push(ServerProcess {
+                    group,
+                    shard,
+                    address,
+                    log,
+                    child,
+                });
+            }
+        }
+        self.worker_config = WorkerConfig {
+            transport: config.transport,
+            num_shards: config.num_shards,
+            servers: endpoints,
+            ..WorkerConfig::default()
+        };
+        if let Some(table) = config.tables.first() {
+            self.worker_config.workload.table = table.name.clone();
+        }
+        self.wait_healthy(Duration::from_millis(config.startup_timeout_ms)).await?;
+        let worker_path = self.run_dir.join("worker.toml");
+        let text = toml::to_string(&self.worker_config).map_err(|err| LaunchError::Write {
+            path: worker_path.clone(),
+            source: std::io::Error::other(err),
+        })?;
+        // Written last: its presence tells scripts the cluster is up.
+        write_file(&worker_path, &text)?;
+        Ok(())
+    }
+
+    async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), LaunchError> {
+        let client = PsClient::new(&self.worker_config)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            for server in &mut self.servers {
+                if let Ok(Some(status)) = server.child.try_wait() {
+                    return Err(LaunchError::EarlyExit {
+                        what: server.name(),
+                        status: status.to_string(),
+                        log: server.log.clone(),
+                    });
+                }
+            }
+            let health = client.health().await;
+            let unhealthy: Vec<String> = health
+                .iter()
+                .filter_map(|(addr, result)| match result {
+                    Ok(h) if h.serving => None,
+                    Ok(_) => Some(format!("{addr}: not serving yet")),
+                    Err(err) => Some(format!("{addr}: {err}")),
+                })
+                .collect();
+            if unhealthy.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(LaunchError::Unhealthy {
+                    timeout,
+                    unhealthy: unhealthy.join("; "),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The servers.
+    pub fn servers(&self) -> &[ServerProcess] {
+        &self.servers
+    }
+
+    /// A worker configuration that reaches every server.
+    pub fn worker_config(&self) -> &WorkerConfig {
+        &self.worker_config
+    }
+
+    /// The run directory (server configs, logs, `worker.toml`).
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+
+    /// Stops every server: SIGTERM (graceful shutdown), then SIGKILL for
+    /// those still running after the stop timeout.
+    pub async fn stop(mut self) -> Result<(), LaunchError> {
+        for server in &self.servers {
+            if let Some(pid) = server.child.id().and_then(|id| i32::try_from(id).ok()) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + self.stop_timeout;
+        let mut killed = 0;
+        for server in &mut self.servers {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(remaining, server.child.wait()).await {
+                Ok(_) => {}
+                Err(_) => {
+                    tracing::warn!(server = %server.name(), "did not stop in time; killing");
+                    let _ = server.child.kill().await;
+                    killed += 1;
+                }
+            }
+        }
+        if killed > 0 {
+            return Err(LaunchError::Killed(killed));
+        }
+        Ok(())
+    }
+}

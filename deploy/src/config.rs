@@ -1,0 +1,189 @@
+//! The launcher's cluster description.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tessera_ps_server::{Mode, TableConfig};
+use tessera_rpc::TransportKind;
+
+/// A local cluster: `num_shards` shards in each of `replica_groups` replica
+/// groups, one ps-server process per (group, shard), on one host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Address the servers listen on. Default `127.0.0.1`: a local cluster
+    /// is not exposed to the network.
+    pub host: String,
+    /// First port; server `i` (group-major order) listens on
+    /// `base_port + i`. Default 0: pick free ports, so that two clusters
+    /// (or a cluster and a test run) never collide.
+    pub base_port: u16,
+    /// Shards of the model. Default 2.
+    pub num_shards: u32,
+    /// Replica groups; each holds every shard. Default 2: the smallest
+    /// layout that exercises both sharding and replication.
+    pub replica_groups: u32,
+    /// Transport of servers and workers: `tcp`.
+    pub transport: TransportKind,
+    /// `training` or `inference`. Default `training`.
+    pub mode: Mode,
+    /// Row initialiser seed, the same for every replica. Default 42.
+    pub seed: u64,
+    /// How long servers may take to become healthy, in milliseconds.
+    /// Default 20000 ms: a cold start of a debug build on a loaded 2-core
+    /// host takes a few seconds.
+    pub startup_timeout_ms: u64,
+    /// How long servers may take to stop after SIGTERM before they are
+    /// killed, in milliseconds. Default 10000 ms (longer than the servers'
+    /// own 5 s shutdown grace).
+    pub stop_timeout_ms: u64,
+    /// The ps-server binary. Default: `ps-server` next to `tessera`, else
+    /// on `PATH` (the environment variable `TESSERA_PS_SERVER_BIN` overrides).
+    pub ps_server_bin: Option<PathBuf>,
+    /// Tables. Default: one table `embeddings` of dimension 32.
+    pub tables: Vec<TableConfig>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            base_port: 0,
+            num_shards: 2,
+            replica_groups: 2,
+            transport: TransportKind::Tcp,
+            mode: Mode::Training,
+            seed: 42,
+            startup_timeout_ms: 20_000,
+            stop_timeout_ms: 10_000,
+            ps_server_bin: None,
+            tables: vec![TableConfig {
+                name: "embeddings".into(),
+                dim: 32,
+                learning_rate: 0.01,
+                init_scale: 0.01,
+            }],
+        }
+    }
+}
+
+/// A cluster description that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this configuration.
+    #[error("config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message, which names the line and key.
+        source: toml::de::Error,
+    },
+    /// A value is not allowed.
+    #[error("invalid value for `{key}`: {reason}")]
+    Invalid {
+        /// The setting.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Most servers one launcher starts on one host.
+pub const MAX_SERVERS: u32 = 256;
+
+impl ClusterConfig {
+    /// Reads and validates a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let config: Self = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Number of server processes.
+    pub fn servers(&self) -> u32 {
+        self.num_shards.saturating_mul(self.replica_groups)
+    }
+
+    /// Checks every setting; the error names the offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, reason: String| ConfigError::Invalid {
+            key: key.to_owned(),
+            reason,
+        };
+        if self.num_shards == 0 {
+            return Err(invalid("num_shards", "must be at least 1".into()));
+        }
+        if self.replica_groups == 0 {
+            return Err(invalid("replica_groups", "must be at least 1".into()));
+        }
+        if self.servers() > MAX_SERVERS {
+            return Err(invalid(
+                "num_shards",
+                format!("num_shards x replica_groups = {} exceeds {MAX_SERVERS} processes", self.servers()),
+            ));
+        }
+        if self.base_port != 0 && u32::from(self.base_port) + self.servers() > 65_536 {
+            return Err(invalid("base_port", format!("{} leaves no room for {} servers", self.base_port, self.servers())));
+        }
+        if self.host.is_empty() {
+            return Err(invalid("host", "must not be empty".into()));
+        }
+        if self.startup_timeout_ms == 0 {
+            return Err(invalid("startup_timeout_ms", "must be at least 1".into()));
+        }
+        // The tables are checked by the ps-server's own validation, with
+        // the same keys.
+        let probe = tessera_ps_server::PsServerConfig {
+            tables: self.tables.clone(),
+            ..tessera_ps_server::PsServerConfig::default()
+        };
+        probe.validate().map_err(|err| match err {
+            tessera_ps_server::ConfigError::Invalid { key, reason } => ConfigError::Invalid { key, reason },
+            other => invalid("tables", other.to_string()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_example_is_valid_and_equals_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("local/cluster.toml");
+        let config = ClusterConfig::load(&path).unwrap();
+        assert_eq!(config, ClusterConfig::default());
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (text, key) in [
+            ("replica_groups = 0", "replica_groups"),
+            ("transport = \"tin-cans\"", "transport"),
+            ("[[tables]]\nname = \"t\"\ndim = 0", "tables[0].dim"),
+            ("base_port = 65535", "base_port"),
+        ] {
+            let err = match toml::from_str::<ClusterConfig>(text) {
+                Ok(config) => config.validate().unwrap_err().to_string(),
+                Err(err) => err.to_string(),
+            };
+            assert!(err.contains(key), "{text:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! The `tessera` launcher: starts a cluster of ps-server processes on one
+//! host ([`Cluster`]), and the end-to-end demo.
+
+pub mod cluster;
+pub mod config;
+
+pub use cluster::{Cluster, LaunchError};
+pub use config::ClusterConfig;

@@ -1,0 +1,201 @@
+//! `tessera`: the launcher.
+//!
+//! - `tessera up --config FILE` starts n shards x r replica groups of
+//!   ps-server processes on one host, waits until they are healthy, writes a
+//!   matching `worker.toml`, and stops them all on Ctrl-C or SIGTERM.
+//! - `tessera demo` starts the default cluster, runs a trainer and then a
+//!   ranker against it, prints the results, and shuts everything down.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use tessera_deploy::{Cluster, ClusterConfig};
+use tessera_worker::PsClient;
+use tessera_worker::workload::{self, WorkloadKind, format_table};
+
+/// Tessera's launcher.
+#[derive(Debug, Parser)]
+#[command(name = "tessera", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start a local cluster and keep it running until Ctrl-C.
+    Up {
+        /// Cluster description (TOML); built-in defaults without it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Where server configs, logs and worker.toml go (default: a fresh
+        /// temporary directory, removed on exit).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+    },
+    /// Start the default cluster, run a trainer and a ranker, print results.
+    Demo {
+        /// Seconds each workload runs.
+        #[arg(long, default_value_t = 10.0)]
+        duration_secs: f64,
+        /// Cluster description (TOML); built-in defaults without it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Print the built-in cluster configuration as TOML.
+    PrintConfig,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = tokio::runtime::Runtime::new()
+        .map_err(|err| err.into())
+        .and_then(|runtime| runtime.block_on(run(Cli::parse())));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("tessera: {err}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error>;
+
+fn load(path: Option<&PathBuf>) -> Result<ClusterConfig, BoxError> {
+    Ok(match path {
+        Some(path) => ClusterConfig::load(path)?,
+        None => ClusterConfig::default(),
+    })
+}
+
+async fn run(cli: Cli) -> Result<(), BoxError> {
+    match cli.command {
+        Command::Up { config, run_dir } => up(load(config.as_ref())?, run_dir).await,
+        Command::Demo { duration_secs, config } => demo(load(config.as_ref())?, duration_secs).await,
+        Command::PrintConfig => {
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{}", toml::to_string(&ClusterConfig::default())?);
+            }
+            Ok(())
+        }
+    }
+}
+
+#[allow(clippy::print_stdout)]
+fn print_cluster(cluster: &Cluster) {
+    println!("| server | replica group | shard | address |");
+    println!("|--------|---------------|-------|---------|");
+    for (i, server) in cluster.servers().iter().enumerate() {
+        println!("| {i} | {} | {} | {} |", server.group, server.shard, server.address);
+    }
+}
+
+#[allow(clippy::print_stdout)]
+async fn up(config: ClusterConfig, run_dir: Option<PathBuf>) -> Result<(), BoxError> {
+    let temp;
+    let dir = match run_dir {
+        Some(dir) => dir,
+        None => {
+            temp = tempfile::Builder::new().prefix("tessera-run-").tempdir()?;
+            temp.path().to_owned()
+        }
+    };
+    let cluster = Cluster::start(&config, &dir).await?;
+    print_cluster(&cluster);
+    println!(
+        "{} ps-server(s) healthy; worker config: {}",
+        cluster.servers().len(),
+        dir.join("worker.toml").display()
+    );
+    println!("Press Ctrl-C to stop.");
+    wait_for_stop_signal().await;
+    println!("stopping...");
+    cluster.stop().await?;
+    println!("all servers stopped");
+    Ok(())
+}
+
+#[allow(clippy::print_stdout)]
+async fn demo(config: ClusterConfig, duration_secs: f64) -> Result<(), BoxError> {
+    if !(duration_secs.is_finite() && duration_secs > 0.0) {
+        return Err("--duration-secs must be a positive number".into());
+    }
+    let temp = tempfile::Builder::new().prefix("tessera-demo-").tempdir()?;
+    println!(
+        "starting {} shards x {} replica groups on {} over {}...",
+        config.num_shards, config.replica_groups, config.host, config.transport
+    );
+    let cluster = Cluster::start(&config, temp.path()).await?;
+    print_cluster(&cluster);
+    let mut worker_config = cluster.worker_config().clone();
+    worker_config.workload.duration_secs = duration_secs;
+    let outcome = async {
+        let client = Arc::new(PsClient::new(&worker_config)?);
+        let mut reports = Vec::new();
+        for kind in [WorkloadKind::Trainer, WorkloadKind::Ranker] {
+            println!("running {kind:?} for {duration_secs} s...");
+            reports.push(workload::run(kind, Arc::clone(&client), &worker_config.workload).await);
+        }
+        Ok::<_, BoxError>(reports)
+    }
+    .await;
+    let stopped = cluster.stop().await;
+    let reports = outcome?;
+    stopped?;
+    let w = &worker_config.workload;
+    println!();
+    println!(
+        "Tessera demo: {} keys/request (uniform over {}), {} outstanding requests, table `{}`, transport {}",
+        w.batch_keys, w.key_space, w.concurrency, w.table, worker_config.transport
+    );
+    print!("{}", format_table(&reports));
+    for report in &reports {
+        println!(
+            "{:?}: {} iterations in {:.1} s ({:.0}/s), {} rows fetched, {} errors",
+            report.kind,
+            report.iterations,
+            report.elapsed.as_secs_f64(),
+            report.throughput(),
+            report.rows_fetched,
+            report.errors
+        );
+        if let Some(err) = &report.first_error {
+            println!("  first error: {err}");
+        }
+    }
+    let failed = reports.iter().any(|r| r.iterations == 0 || r.errors > 0);
+    if failed {
+        return Err("the demo saw errors (see above)".into());
+    }
+    println!("all servers stopped; demo finished");
+    Ok(())
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn wait_for_stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+        (Ok(mut int), Ok(mut term)) => {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

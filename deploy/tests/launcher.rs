@@ -1,0 +1,135 @@
+//! The `tessera` launcher as a user runs it: `up` starts and stops a 2x2
+//! cluster of real ps-server processes; `demo` prints its table.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tessera_proto::sharding::shard_for_key;
+use tessera_worker::{PsClient, WorkerConfig};
+
+/// The ps-server binary of this build: next to `tessera`. `cargo test
+/// --workspace` builds it (ps-server has integration tests); when this
+/// package is tested alone it is built here, and the reason is printed.
+fn ps_server_bin() -> PathBuf {
+    let path = Path::new(env!("CARGO_BIN_EXE_tessera")).with_file_name("ps-server");
+    if !path.is_file() {
+        eprintln!("{} missing: building it with cargo", path.display());
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "tessera-ps-server", "--bin", "ps-server"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    assert!(path.is_file(), "no ps-server at {}", path.display());
+    path
+}
+
+fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !path.is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("launcher exited early: {status}");
+        }
+        assert!(Instant::now() < deadline, "cluster not up after {timeout:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn up_starts_and_stops_a_2x2_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "num_shards = 2\nreplica_groups = 2\n[[tables]]\nname = \"emb\"\ndim = 4\n",
+    )
+    .unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_file(&run_dir.join("worker.toml"), &mut launcher, Duration::from_secs(60));
+
+    let worker = WorkerConfig::load(&run_dir.join("worker.toml")).unwrap();
+    assert_eq!(worker.num_shards, 2);
+    assert_eq!(worker.servers.len(), 4);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let client = PsClient::new(&worker).unwrap();
+        let health = client.health().await;
+        assert_eq!(health.len(), 4);
+        let mut layout: Vec<(u32, Vec<u32>)> = health
+            .into_iter()
+            .map(|(addr, h)| {
+                let h = h.unwrap_or_else(|e| panic!("{addr}: {e}"));
+                assert!(h.serving);
+                (h.replica_group, h.shards)
+            })
+            .collect();
+        layout.sort();
+        assert_eq!(layout, vec![(0, vec![0]), (0, vec![1]), (1, vec![0]), (1, vec![1])]);
+        let keys: Vec<u64> = (0..100).collect();
+        assert!(keys.iter().any(|&k| shard_for_key(k, 2) == 1));
+        let rows = client.fetch("emb", &keys).await.unwrap();
+        assert_eq!((rows.len(), rows.dim()), (100, 4));
+    });
+
+    let status = Command::new("kill")
+        .args(["-INT", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(exit) = launcher.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "launcher did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(exit.success(), "{exit}");
+    for server in &worker.servers {
+        assert!(
+            std::net::TcpStream::connect(&server.address).is_err(),
+            "{} still accepts connections",
+            server.address
+        );
+    }
+}
+
+#[test]
+fn demo_prints_its_table_and_exits_zero() {
+    let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["demo", "--duration-secs", "1"])
+        .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    for needle in ["| trainer  | fetch", "| trainer  | push", "| ranker   | fetch", "demo finished"] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+}
+
+#[test]
+fn up_refuses_a_bad_config_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(&config, "replica_groups = 0\n").unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["up", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("replica_groups"), "{stderr}");
+}
