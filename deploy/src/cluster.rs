@@ -18,7 +18,9 @@ use crate::config::ClusterConfig;
 #[non_exhaustive]
 pub enum LaunchError {
     /// The ps-server binary was not found.
-    #[error("ps-server binary not found (looked at {looked:?}); build it with `cargo build --bins` or set ps_server_bin")]
+    #[error(
+        "ps-server binary not found (looked at {looked:?}); build it with `cargo build --bins` or set ps_server_bin"
+    )]
     BinaryNotFound {
         /// Paths tried.
         looked: Vec<PathBuf>,
@@ -81,7 +83,10 @@ pub struct ServerProcess {
 
 impl ServerProcess {
     fn name(&self) -> String {
-        format!("ps-server group {} shard {} ({})", self.group, self.shard, self.address)
+        format!(
+            "ps-server group {} shard {} ({})",
+            self.group, self.shard, self.address
+        )
     }
 }
 
@@ -169,7 +174,11 @@ impl Cluster {
         }
     }
 
-    async fn spawn_all(&mut self, config: &ClusterConfig, binary: &Path) -> Result<(), LaunchError> {
+    async fn spawn_all(
+        &mut self,
+        config: &ClusterConfig,
+        binary: &Path,
+    ) -> Result<(), LaunchError> {
         let mut endpoints = Vec::new();
         for group in 0..config.replica_groups {
             for shard in 0..config.num_shards {
@@ -203,10 +212,11 @@ impl Cluster {
                 })?;
                 write_file(&config_path, &text)?;
                 let log = self.run_dir.join(format!("{stem}.log"));
-                let log_file = std::fs::File::create(&log).map_err(|source| LaunchError::Write {
-                    path: log.clone(),
-                    source,
-                })?;
+                let log_file =
+                    std::fs::File::create(&log).map_err(|source| LaunchError::Write {
+                        path: log.clone(),
+                        source,
+                    })?;
                 let what = format!("ps-server group {group} shard {shard} ({address})");
                 let child = Command::new(binary)
                     .arg("--config")
@@ -240,7 +250,8 @@ impl Cluster {
         if let Some(table) = config.tables.first() {
             self.worker_config.workload.table = table.name.clone();
         }
-        self.wait_healthy(Duration::from_millis(config.startup_timeout_ms)).await?;
+        self.wait_healthy(Duration::from_millis(config.startup_timeout_ms))
+            .await?;
         let worker_path = self.run_dir.join("worker.toml");
         let text = toml::to_string(&self.worker_config).map_err(|err| LaunchError::Write {
             path: worker_path.clone(),

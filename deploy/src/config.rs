@@ -135,11 +135,21 @@ impl ClusterConfig {
         if self.servers() > MAX_SERVERS {
             return Err(invalid(
                 "num_shards",
-                format!("num_shards x replica_groups = {} exceeds {MAX_SERVERS} processes", self.servers()),
+                format!(
+                    "num_shards x replica_groups = {} exceeds {MAX_SERVERS} processes",
+                    self.servers()
+                ),
             ));
         }
         if self.base_port != 0 && u32::from(self.base_port) + self.servers() > 65_536 {
-            return Err(invalid("base_port", format!("{} leaves no room for {} servers", self.base_port, self.servers())));
+            return Err(invalid(
+                "base_port",
+                format!(
+                    "{} leaves no room for {} servers",
+                    self.base_port,
+                    self.servers()
+                ),
+            ));
         }
         if self.host.is_empty() {
             return Err(invalid("host", "must not be empty".into()));
@@ -154,7 +164,9 @@ impl ClusterConfig {
             ..tessera_ps_server::PsServerConfig::default()
         };
         probe.validate().map_err(|err| match err {
-            tessera_ps_server::ConfigError::Invalid { key, reason } => ConfigError::Invalid { key, reason },
+            tessera_ps_server::ConfigError::Invalid { key, reason } => {
+                ConfigError::Invalid { key, reason }
+            }
             other => invalid("tables", other.to_string()),
         })
     }

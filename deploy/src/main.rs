@@ -83,7 +83,10 @@ fn load(path: Option<&PathBuf>) -> Result<ClusterConfig, BoxError> {
 async fn run(cli: Cli) -> Result<(), BoxError> {
     match cli.command {
         Command::Up { config, run_dir } => up(load(config.as_ref())?, run_dir).await,
-        Command::Demo { duration_secs, config } => demo(load(config.as_ref())?, duration_secs).await,
+        Command::Demo {
+            duration_secs,
+            config,
+        } => demo(load(config.as_ref())?, duration_secs).await,
         Command::PrintConfig => {
             #[allow(clippy::print_stdout)]
             {
@@ -99,7 +102,10 @@ fn print_cluster(cluster: &Cluster) {
     println!("| server | replica group | shard | address |");
     println!("|--------|---------------|-------|---------|");
     for (i, server) in cluster.servers().iter().enumerate() {
-        println!("| {i} | {} | {} | {} |", server.group, server.shard, server.address);
+        println!(
+            "| {i} | {} | {} | {} |",
+            server.group, server.shard, server.address
+        );
     }
 }
 
@@ -187,7 +193,10 @@ async fn demo(config: ClusterConfig, duration_secs: f64) -> Result<(), BoxError>
 /// Completes on SIGINT or SIGTERM.
 async fn wait_for_stop_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
         (Ok(mut int), Ok(mut term)) => {
             tokio::select! {
                 _ = int.recv() => {}

@@ -32,7 +32,10 @@ fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration
         if let Some(status) = child.try_wait().unwrap() {
             panic!("launcher exited early: {status}");
         }
-        assert!(Instant::now() < deadline, "cluster not up after {timeout:?}");
+        assert!(
+            Instant::now() < deadline,
+            "cluster not up after {timeout:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -56,7 +59,11 @@ fn up_starts_and_stops_a_2x2_cluster() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    wait_for_file(&run_dir.join("worker.toml"), &mut launcher, Duration::from_secs(60));
+    wait_for_file(
+        &run_dir.join("worker.toml"),
+        &mut launcher,
+        Duration::from_secs(60),
+    );
 
     let worker = WorkerConfig::load(&run_dir.join("worker.toml")).unwrap();
     assert_eq!(worker.num_shards, 2);
@@ -75,7 +82,10 @@ fn up_starts_and_stops_a_2x2_cluster() {
             })
             .collect();
         layout.sort();
-        assert_eq!(layout, vec![(0, vec![0]), (0, vec![1]), (1, vec![0]), (1, vec![1])]);
+        assert_eq!(
+            layout,
+            vec![(0, vec![0]), (0, vec![1]), (1, vec![0]), (1, vec![1])]
+        );
         let keys: Vec<u64> = (0..100).collect();
         assert!(keys.iter().any(|&k| shard_for_key(k, 2) == 1));
         let rows = client.fetch("emb", &keys).await.unwrap();
@@ -113,8 +123,17 @@ fn demo_prints_its_table_and_exits_zero() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    for needle in ["| trainer  | fetch", "| trainer  | push", "| ranker   | fetch", "demo finished"] {
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for needle in [
+        "| trainer  | fetch",
+        "| trainer  | push",
+        "| ranker   | fetch",
+        "demo finished",
+    ] {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }
 }

@@ -1,0 +1,7 @@
+//! Generates the benchmark's echo service.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto/bench.proto");
+    tessera_rpc_build::configure().compile_protos(&["proto/bench.proto"], &["proto"])?;
+    Ok(())
+}
