@@ -1,6 +1,11 @@
 //! The `tessera` launcher as a user runs it: `up` starts and stops a 2x2
 //! cluster of real ps-server processes; `demo` prints its table.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    missing_docs
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
