@@ -1,0 +1,44 @@
+//! Arbitrary Fetch and Push requests against a small store: whatever a
+//! client sends, the server answers or refuses, and never panics.
+#![no_main]
+
+use std::sync::OnceLock;
+
+use bytes::Bytes;
+use libfuzzer_sys::fuzz_target;
+use prost::Message;
+use tessera_proto::v1::{FetchRequest, PushRequest};
+use tessera_ps_server::{PsServerConfig, Store, TableConfig};
+
+fn store() -> &'static Store {
+    static STORE: OnceLock<Store> = OnceLock::new();
+    STORE.get_or_init(|| {
+        Store::new(&PsServerConfig {
+            num_shards: 2,
+            shards: vec![0, 1],
+            tables: vec![TableConfig {
+                name: "t".into(),
+                dim: 4,
+                learning_rate: 0.1,
+                init_scale: 0.1,
+            }],
+            ..PsServerConfig::default()
+        })
+    })
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&which, body)) = data.split_first() else {
+        return;
+    };
+    let body = Bytes::copy_from_slice(body);
+    if which % 2 == 0 {
+        if let Ok(request) = FetchRequest::decode(body) {
+            if let Ok((dim, values)) = store().fetch(&request.table, request.shard, &request.keys) {
+                assert_eq!(values.len(), request.keys.len() * dim as usize * 4);
+            }
+        }
+    } else if let Ok(request) = PushRequest::decode(body) {
+        let _ = store().push(&request.table, request.shard, &request.keys, &request.gradients);
+    }
+});
