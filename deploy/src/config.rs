@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+pub use tessera_config::ConfigError;
+use tessera_config::{Validate, invalid};
 use tessera_ps_server::{Mode, TableConfig};
 use tessera_rpc::TransportKind;
 
@@ -67,70 +69,28 @@ impl Default for ClusterConfig {
     }
 }
 
-/// A cluster description that cannot be used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this configuration.
-    #[error("config file {path}: {source}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// The parser's message, which names the line and key.
-        source: toml::de::Error,
-    },
-    /// A value is not allowed.
-    #[error("invalid value for `{key}`: {reason}")]
-    Invalid {
-        /// The setting.
-        key: String,
-        /// Why.
-        reason: String,
-    },
-}
-
 /// Most servers one launcher starts on one host.
 pub const MAX_SERVERS: u32 = 256;
 
 impl ClusterConfig {
     /// Reads and validates a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let config: Self = toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.display().to_string(),
-            source,
-        })?;
-        config.validate()?;
-        Ok(config)
+        tessera_config::load(path)
     }
 
     /// Number of server processes.
     pub fn servers(&self) -> u32 {
         self.num_shards.saturating_mul(self.replica_groups)
     }
+}
 
-    /// Checks every setting; the error names the offending key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &str, reason: String| ConfigError::Invalid {
-            key: key.to_owned(),
-            reason,
-        };
+impl Validate for ClusterConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.num_shards == 0 {
-            return Err(invalid("num_shards", "must be at least 1".into()));
+            return Err(invalid("num_shards", "must be at least 1"));
         }
         if self.replica_groups == 0 {
-            return Err(invalid("replica_groups", "must be at least 1".into()));
+            return Err(invalid("replica_groups", "must be at least 1"));
         }
         if self.servers() > MAX_SERVERS {
             return Err(invalid(
@@ -152,10 +112,10 @@ impl ClusterConfig {
             ));
         }
         if self.host.is_empty() {
-            return Err(invalid("host", "must not be empty".into()));
+            return Err(invalid("host", "must not be empty"));
         }
         if self.startup_timeout_ms == 0 {
-            return Err(invalid("startup_timeout_ms", "must be at least 1".into()));
+            return Err(invalid("startup_timeout_ms", "must be at least 1"));
         }
         // The tables are checked by the ps-server's own validation, with
         // the same keys.

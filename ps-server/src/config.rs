@@ -4,6 +4,8 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+pub use tessera_config::ConfigError;
+use tessera_config::{Validate, invalid};
 use tessera_rpc::{ServerConfig, TransportConfig, TransportKind};
 
 /// How a server fills rows it has never seen.
@@ -97,43 +99,6 @@ impl Default for PsServerConfig {
     }
 }
 
-/// A configuration that cannot be used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this configuration.
-    #[error("config file {path}: {source}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// The parser's message, which names the line and key.
-        source: toml::de::Error,
-    },
-    /// A value is not allowed.
-    #[error("invalid value for `{key}`: {reason}")]
-    Invalid {
-        /// The setting, with its position (`tables[1].dim`).
-        key: String,
-        /// Why.
-        reason: String,
-    },
-}
-
-fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        reason: reason.into(),
-    }
-}
-
 /// Most values per row: beyond this a single row would be larger than any
 /// sane embedding and a Fetch of a few keys could exceed message limits.
 pub const MAX_DIM: u32 = 65_536;
@@ -141,20 +106,28 @@ pub const MAX_DIM: u32 = 65_536;
 impl PsServerConfig {
     /// Reads and validates a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let config: Self = toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.display().to_string(),
-            source,
-        })?;
-        config.validate()?;
-        Ok(config)
+        tessera_config::load(path)
     }
 
-    /// Checks every setting; the error names the offending key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// The RPC server settings this configuration implies.
+    pub fn server_config(&self) -> ServerConfig {
+        ServerConfig {
+            shutdown_grace_ms: self.shutdown_grace_ms,
+            transport: self.transport_config(),
+        }
+    }
+
+    fn transport_config(&self) -> TransportConfig {
+        TransportConfig {
+            kind: self.transport,
+            max_message_size: self.max_message_size,
+            ..TransportConfig::default()
+        }
+    }
+}
+
+impl Validate for PsServerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.num_shards == 0 {
             return Err(invalid("num_shards", "must be at least 1"));
         }
@@ -212,26 +185,7 @@ impl PsServerConfig {
                 ));
             }
         }
-        self.transport_config()
-            .validate()
-            .map_err(|err| invalid("transport", err.to_string()))?;
-        Ok(())
-    }
-
-    /// The RPC server settings this configuration implies.
-    pub fn server_config(&self) -> ServerConfig {
-        ServerConfig {
-            shutdown_grace_ms: self.shutdown_grace_ms,
-            transport: self.transport_config(),
-        }
-    }
-
-    fn transport_config(&self) -> TransportConfig {
-        TransportConfig {
-            kind: self.transport,
-            max_message_size: self.max_message_size,
-            ..TransportConfig::default()
-        }
+        self.server_config().validate()
     }
 }
 

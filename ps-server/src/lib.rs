@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tessera_proto::v1::ParameterServerServer;
-use tessera_rpc::{Server, ServerError};
+use tessera_rpc::{Server, ServerError, Validate};
 
 pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
 pub use service::PsService;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tessera_ps_server::{Mode, PsServer, PsServerConfig};
-use tessera_rpc::TransportKind;
+use tessera_rpc::{TransportKind, Validate};
 
 /// Serve shards of embedding tables over Tessera RPC.
 #[derive(Debug, Parser)]

@@ -1,7 +1,8 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tessera_transport::{ConfigError, TransportConfig};
+use tessera_config::{ConfigError, Validate, invalid};
+use tessera_transport::TransportConfig;
 
 /// Settings of a client [`crate::Channel`].
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -42,20 +43,15 @@ impl ChannelConfig {
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
     }
+}
 
-    /// Checks every setting; the error names the offending key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+impl Validate for ChannelConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.connect_timeout_ms == 0 {
-            return Err(ConfigError::Invalid {
-                key: "connect_timeout_ms",
-                reason: "must be at least 1".into(),
-            });
+            return Err(invalid("connect_timeout_ms", "must be at least 1"));
         }
         if self.request_timeout_ms == 0 {
-            return Err(ConfigError::Invalid {
-                key: "request_timeout_ms",
-                reason: "must be at least 1".into(),
-            });
+            return Err(invalid("request_timeout_ms", "must be at least 1"));
         }
         self.transport.validate()
     }
@@ -83,9 +79,8 @@ impl Default for ServerConfig {
     }
 }
 
-impl ServerConfig {
-    /// Checks every setting; the error names the offending key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+impl Validate for ServerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         self.transport.validate()
     }
 }

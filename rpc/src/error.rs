@@ -1,6 +1,7 @@
 use std::time::Duration;
 
-use tessera_transport::{ConfigError, TransportError};
+use tessera_config::ConfigError;
+use tessera_transport::TransportError;
 
 use crate::{Code, Status};
 

@@ -28,4 +28,5 @@ pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id};
 pub use error::{RpcError, ServerError};
 pub use server::{Server, ServerBuilder, Service};
 pub use status::{Code, Status};
+pub use tessera_config::{ConfigError, Validate};
 pub use tessera_transport::{TransportConfig, TransportKind};

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use tessera_config::Validate;
 use tessera_transport::{Connection, Listener, Message, MessageSender};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

@@ -2,6 +2,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+pub use tessera_config::ConfigError;
+use tessera_config::{Validate, invalid};
 
 /// Which transport carries the messages.
 ///
@@ -40,20 +42,20 @@ impl FromStr for TransportKind {
     fn from_str(value: &str) -> Result<Self, Self::Err> {
         match value {
             "tcp" => Ok(TransportKind::Tcp),
-            "rdma" | "auto" => Err(ConfigError::Invalid {
-                key: "transport",
-                reason: format!(
+            "rdma" | "auto" => Err(invalid(
+                "transport",
+                format!(
                     "`{value}` is not available in this build yet (allowed: {})",
                     TransportKind::ALLOWED.join(", ")
                 ),
-            }),
-            other => Err(ConfigError::Invalid {
-                key: "transport",
-                reason: format!(
+            )),
+            other => Err(invalid(
+                "transport",
+                format!(
                     "unknown transport `{other}` (allowed: {})",
                     TransportKind::ALLOWED.join(", ")
                 ),
-            }),
+            )),
         }
     }
 }
@@ -69,20 +71,6 @@ impl Serialize for TransportKind {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(self.as_str())
     }
-}
-
-/// A configuration value that failed validation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The setting `key` has a value that is not allowed.
-    #[error("invalid value for `{key}`: {reason}")]
-    Invalid {
-        /// The name of the setting.
-        key: &'static str,
-        /// Why the value was refused.
-        reason: String,
-    },
 }
 
 /// Settings of the transport layer.
@@ -126,36 +114,31 @@ impl TransportConfig {
     /// Largest value allowed for `max_message_size` (the TCP frame length is
     /// a u32).
     pub const MAX_MESSAGE_SIZE_LIMIT: u64 = u32::MAX as u64;
+}
 
-    /// Checks every setting; the error names the offending key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+impl Validate for TransportConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.max_message_size == 0 || self.max_message_size > Self::MAX_MESSAGE_SIZE_LIMIT {
-            return Err(ConfigError::Invalid {
-                key: "max_message_size",
-                reason: format!(
+            return Err(invalid(
+                "max_message_size",
+                format!(
                     "{} is outside 1..={}",
                     self.max_message_size,
                     Self::MAX_MESSAGE_SIZE_LIMIT
                 ),
-            });
+            ));
         }
         if self.send_queue_depth == 0 {
-            return Err(ConfigError::Invalid {
-                key: "send_queue_depth",
-                reason: "must be at least 1".into(),
-            });
+            return Err(invalid("send_queue_depth", "must be at least 1"));
         }
         if self.write_batch_bytes == 0 {
-            return Err(ConfigError::Invalid {
-                key: "write_batch_bytes",
-                reason: "must be at least 1".into(),
-            });
+            return Err(invalid("write_batch_bytes", "must be at least 1"));
         }
         if self.read_buffer_bytes < 64 {
-            return Err(ConfigError::Invalid {
-                key: "read_buffer_bytes",
-                reason: format!("{} is below the minimum of 64", self.read_buffer_bytes),
-            });
+            return Err(invalid(
+                "read_buffer_bytes",
+                format!("{} is below the minimum of 64", self.read_buffer_bytes),
+            ));
         }
         Ok(())
     }

@@ -9,7 +9,7 @@ use tessera_proto::rows::put_f32s;
 use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
-use tessera_rpc::{Channel, RpcError};
+use tessera_rpc::{Channel, RpcError, Validate};
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};

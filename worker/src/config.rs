@@ -5,6 +5,8 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+pub use tessera_config::ConfigError;
+use tessera_config::{Validate, invalid};
 use tessera_rpc::{ChannelConfig, TransportConfig, TransportKind};
 
 /// One ps-server as the worker sees it.
@@ -93,60 +95,28 @@ impl Default for WorkerConfig {
     }
 }
 
-/// A configuration that cannot be used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this configuration.
-    #[error("config file {path}: {source}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// The parser's message, which names the line and key.
-        source: toml::de::Error,
-    },
-    /// A value is not allowed.
-    #[error("invalid value for `{key}`: {reason}")]
-    Invalid {
-        /// The setting, with its position (`servers[1].shards[0]`).
-        key: String,
-        /// Why.
-        reason: String,
-    },
-}
-
-fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        reason: reason.into(),
-    }
-}
-
 impl WorkerConfig {
     /// Reads and validates a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let config: Self = toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.display().to_string(),
-            source,
-        })?;
-        config.validate()?;
-        Ok(config)
+        tessera_config::load(path)
     }
 
-    /// Checks every setting; the error names the offending key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// The RPC channel settings this configuration implies.
+    pub fn channel_config(&self) -> ChannelConfig {
+        ChannelConfig {
+            connect_timeout_ms: self.connect_timeout_ms,
+            request_timeout_ms: self.request_timeout_ms,
+            transport: TransportConfig {
+                kind: self.transport,
+                max_message_size: self.max_message_size,
+                ..TransportConfig::default()
+            },
+        }
+    }
+}
+
+impl Validate for WorkerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.num_shards == 0 {
             return Err(invalid("num_shards", "must be at least 1"));
         }
@@ -193,22 +163,7 @@ impl WorkerConfig {
         if w.key_space == 0 {
             return Err(invalid("workload.key_space", "must be at least 1"));
         }
-        self.channel_config()
-            .validate()
-            .map_err(|err| invalid("transport", err.to_string()))
-    }
-
-    /// The RPC channel settings this configuration implies.
-    pub fn channel_config(&self) -> ChannelConfig {
-        ChannelConfig {
-            connect_timeout_ms: self.connect_timeout_ms,
-            request_timeout_ms: self.request_timeout_ms,
-            transport: TransportConfig {
-                kind: self.transport,
-                max_message_size: self.max_message_size,
-                ..TransportConfig::default()
-            },
-        }
+        self.channel_config().validate()
     }
 }
 

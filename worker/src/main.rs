@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use tessera_rpc::TransportKind;
+use tessera_rpc::{TransportKind, Validate};
 use tessera_worker::workload::{self, WorkloadKind};
 use tessera_worker::{PsClient, WorkerConfig};
 
