@@ -127,7 +127,7 @@ async fn up(config: ClusterConfig, run_dir: Option<PathBuf>) -> Result<(), BoxEr
         dir.join("worker.toml").display()
     );
     println!("Press Ctrl-C to stop.");
-    wait_for_stop_signal().await;
+    tessera_rpc::shutdown_signal().await;
     println!("stopping...");
     cluster.stop().await?;
     println!("all servers stopped");
@@ -188,23 +188,4 @@ async fn demo(config: ClusterConfig, duration_secs: f64) -> Result<(), BoxError>
     }
     println!("all servers stopped; demo finished");
     Ok(())
-}
-
-/// Completes on SIGINT or SIGTERM.
-async fn wait_for_stop_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut int), Ok(mut term)) => {
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

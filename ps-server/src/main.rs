@@ -89,29 +89,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let server = PsServer::bind(&config).await?;
-        server.serve(shutdown_signal()).await;
+        server.serve(tessera_rpc::shutdown_signal()).await;
         tracing::info!("ps-server stopped");
         Ok(())
     })
-}
-
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut int), Ok(mut term)) => {
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
-            }
-        }
-        _ => {
-            // Without signal handlers the process can still be killed; wait
-            // on Ctrl-C through tokio's portable path instead.
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

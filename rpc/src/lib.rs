@@ -26,7 +26,7 @@ pub use config::{ChannelConfig, ServerConfig};
 pub use context::RequestContext;
 pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id};
 pub use error::{RpcError, ServerError};
-pub use server::{Server, ServerBuilder, Service};
+pub use server::{Server, ServerBuilder, Service, shutdown_signal};
 pub use status::{Code, Status};
 pub use tessera_config::{ConfigError, Validate};
 pub use tessera_transport::{TransportConfig, TransportKind};

@@ -308,3 +308,24 @@ async fn respond(
         tracing::debug!(%err, method, "response not sent; connection closed");
     }
 }
+
+/// Completes when the process receives SIGINT (Ctrl-C) or SIGTERM: the
+/// usual trigger of [`Server::serve_with_shutdown`] in a server binary.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut interrupt), Ok(mut terminate)) => {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+        }
+        _ => {
+            // Without signal handlers, fall back to tokio's portable Ctrl-C.
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
