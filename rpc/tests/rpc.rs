@@ -22,6 +22,10 @@ use generated::*;
 
 struct EchoImpl;
 
+/// Echo calls whose delay of exactly `SLOW_MARKER_MS` ran to completion.
+static SLOW_MARKER_COMPLETED: AtomicU64 = AtomicU64::new(0);
+const SLOW_MARKER_MS: u32 = 777;
+
 impl Echo for EchoImpl {
     async fn echo(
         &self,
@@ -30,6 +34,9 @@ impl Echo for EchoImpl {
     ) -> Result<EchoResponse, Status> {
         if request.delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(u64::from(request.delay_ms))).await;
+        }
+        if request.delay_ms == SLOW_MARKER_MS {
+            SLOW_MARKER_COMPLETED.fetch_add(1, Ordering::SeqCst);
         }
         Ok(EchoResponse {
             payload: request.payload,
@@ -224,6 +231,36 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable() {
         .await
         .unwrap();
     assert_eq!(&ok.payload[..], b"after");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn server_drops_work_whose_deadline_has_passed() {
+    let server = start(ServerConfig::default()).await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, ChannelConfig::default())
+            .await
+            .unwrap(),
+    );
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::new(),
+                delay_ms: SLOW_MARKER_MS,
+            },
+            &CallOptions::with_timeout(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    // Well past the handler's own delay: had the server kept the work, it
+    // would have finished by now.
+    tokio::time::sleep(Duration::from_millis(u64::from(SLOW_MARKER_MS) + 300)).await;
+    assert_eq!(
+        SLOW_MARKER_COMPLETED.load(Ordering::SeqCst),
+        0,
+        "the server abandoned the handler"
+    );
     server.shutdown().await;
 }
 
