@@ -14,6 +14,10 @@ mod config;
 mod connection;
 mod error;
 mod message;
+// The allocator is one of the two places allowed `unsafe` (with the verbs
+// providers): mapping memory and handing out raw object addresses.
+#[allow(unsafe_code)]
+pub mod pool;
 pub mod tcp;
 
 pub use config::{ConfigError, TransportConfig, TransportKind};

@@ -1,0 +1,337 @@
+//! The shared state of a pool: per-class free lists and blocks, dedicated
+//! mappings, accounting.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::config::PoolConfig;
+use super::hook::{Access, RegistrationHook};
+use super::os;
+use super::page_map::{self, GRANULE};
+use super::region::Region;
+use super::size_class::{class_count, class_size};
+use super::{PoolError, PoolStats};
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the lists consistent (pushes, pops and
+    // moves of whole entries), so a poisoned lock is safe to keep using.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+// Regions are boxed because the page map points at them: their address must
+// not change when the vectors holding them grow.
+#[allow(clippy::vec_box)]
+#[derive(Debug, Default)]
+struct ClassLists {
+    free: Vec<usize>,
+    blocks: Vec<Box<Region>>,
+}
+
+#[allow(clippy::vec_box)]
+#[derive(Debug, Default)]
+struct DedicatedCache {
+    by_len: HashMap<usize, Vec<Box<Region>>>,
+    bytes: u64,
+}
+
+/// The state shared by a pool's handles and buffers.
+pub(crate) struct PoolInner {
+    id: u64,
+    pub(crate) config: PoolConfig,
+    access: Access,
+    hook: Arc<dyn RegistrationHook>,
+    classes: Vec<Mutex<ClassLists>>,
+    dedicated: Mutex<DedicatedCache>,
+    registered: AtomicU64,
+    peak_registered: AtomicU64,
+    registrations: AtomicU64,
+    in_use: AtomicI64,
+    peak_in_use: AtomicI64,
+}
+
+impl std::fmt::Debug for PoolInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolInner")
+            .field("id", &self.id)
+            .field("name", &self.config.name)
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+impl PoolInner {
+    pub(crate) fn new(config: PoolConfig, access: Access, hook: Arc<dyn RegistrationHook>) -> Self {
+        let classes = (0..class_count(config.max_class_size))
+            .map(|_| Mutex::new(ClassLists::default()))
+            .collect();
+        Self {
+            id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+            config,
+            access,
+            hook,
+            classes,
+            dedicated: Mutex::new(DedicatedCache::default()),
+            registered: AtomicU64::new(0),
+            peak_registered: AtomicU64::new(0),
+            registrations: AtomicU64::new(0),
+            in_use: AtomicI64::new(0),
+            peak_in_use: AtomicI64::new(0),
+        }
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub(crate) fn class_count(&self) -> usize {
+        self.classes.len()
+    }
+
+    /// Objects of `class` a thread keeps before giving some back.
+    pub(crate) fn thread_cache_limit(&self, class: usize) -> usize {
+        (self.config.thread_cache_bytes / class_size(class)).clamp(2, 1024)
+    }
+
+    /// Adds a thread's accumulated change of bytes in use.
+    pub(crate) fn account_in_use(&self, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let now = self.in_use.fetch_add(delta, Ordering::Relaxed) + delta;
+        self.peak_in_use.fetch_max(now, Ordering::Relaxed);
+        metrics::gauge!("tessera_pool_in_use_bytes", "pool" => self.config.name.clone())
+            .set(now as f64);
+    }
+
+    /// Reserves `len` registered bytes under the ceiling, evicting cached
+    /// dedicated mappings if that makes room.
+    fn reserve(&self, len: usize) -> Result<(), PoolError> {
+        let len = len as u64;
+        let ceiling = self.config.max_registered_bytes;
+        for attempt in 0..2 {
+            let before = self.registered.fetch_add(len, Ordering::AcqRel);
+            if before + len <= ceiling {
+                let now = before + len;
+                self.peak_registered.fetch_max(now, Ordering::Relaxed);
+                metrics::gauge!("tessera_pool_registered_bytes", "pool" => self.config.name.clone()).set(now as f64);
+                return Ok(());
+            }
+            self.registered.fetch_sub(len, Ordering::AcqRel);
+            if attempt == 0 {
+                self.drain_dedicated_cache();
+            }
+        }
+        Err(PoolError::CeilingExceeded {
+            requested: len,
+            registered: self.registered.load(Ordering::Relaxed),
+            ceiling,
+        })
+    }
+
+    /// Obtains `len` zeroed bytes aligned to `align` from the OS, registers
+    /// them and maps them in the page map.
+    fn acquire(&self, len: usize, align: usize) -> Result<Box<Region>, PoolError> {
+        self.reserve(len)?;
+        let Some(memory) = os::map_aligned(len, align) else {
+            self.registered.fetch_sub(len as u64, Ordering::AcqRel);
+            return Err(PoolError::OutOfMemory { len });
+        };
+        let base = memory.as_ptr() as usize;
+        let keys = match self.hook.register(base, len, self.access) {
+            Ok(keys) => keys,
+            Err(err) => {
+                os::unmap(base, len);
+                self.registered.fetch_sub(len as u64, Ordering::AcqRel);
+                return Err(PoolError::Registration(err));
+            }
+        };
+        self.registrations.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("tessera_pool_registrations_total", "pool" => self.config.name.clone())
+            .increment(1);
+        let region = Box::new(Region {
+            base,
+            len,
+            keys,
+            access: self.access,
+            pool_id: self.id,
+        });
+        page_map::insert(base, len, &*region);
+        Ok(region)
+    }
+
+    /// Unmaps, deregisters and frees a region.
+    #[allow(clippy::boxed_local)] // the box is what the page map pointed at
+    fn release(&self, region: Box<Region>) {
+        page_map::remove(region.base, region.len);
+        self.hook.deregister(region.base, region.len, &region.keys);
+        // No buffer refers to the region any more: blocks are released only
+        // when all their objects are free, dedicated regions only when their
+        // buffer is gone.
+        os::unmap(region.base, region.len);
+        let now = self
+            .registered
+            .fetch_sub(region.len as u64, Ordering::AcqRel)
+            - region.len as u64;
+        metrics::gauge!("tessera_pool_registered_bytes", "pool" => self.config.name.clone())
+            .set(now as f64);
+    }
+
+    /// Moves up to `count` free objects of `class` into `out`, growing the
+    /// pool by one block if none is free.
+    pub(crate) fn take_batch(
+        &self,
+        class: usize,
+        count: usize,
+        out: &mut Vec<usize>,
+    ) -> Result<(), PoolError> {
+        let mut lists = lock(&self.classes[class]);
+        if lists.free.is_empty() {
+            let block_size = self.config.block_size;
+            let region = self.acquire(block_size, block_size)?;
+            let size = class_size(class);
+            let base = region.base;
+            // Pushed in reverse so that objects are handed out in address order.
+            lists
+                .free
+                .extend((0..block_size / size).rev().map(|i| base + i * size));
+            lists.blocks.push(region);
+        }
+        let keep = lists.free.len().saturating_sub(count);
+        out.extend(lists.free.drain(keep..));
+        Ok(())
+    }
+
+    /// Returns objects of `class` to the shared list.
+    pub(crate) fn give_back(&self, class: usize, objects: impl Iterator<Item = usize>) {
+        lock(&self.classes[class]).free.extend(objects);
+    }
+
+    /// Allocates a dedicated mapping of at least `len` bytes (rounded up to
+    /// the granule), reusing a cached one of the same size if there is one.
+    pub(crate) fn alloc_dedicated(
+        self: &Arc<Self>,
+        len: usize,
+    ) -> Result<super::PoolBuf, PoolError> {
+        let rounded = len
+            .checked_next_multiple_of(GRANULE)
+            .ok_or(PoolError::TooLarge { len })?;
+        let cached = {
+            let mut cache = lock(&self.dedicated);
+            let region = cache.by_len.get_mut(&rounded).and_then(Vec::pop);
+            if region.is_some() {
+                cache.bytes -= rounded as u64;
+            }
+            region
+        };
+        let region = match cached {
+            Some(region) => region,
+            None => self.acquire(rounded, GRANULE)?,
+        };
+        self.account_in_use(rounded as i64);
+        let ptr = NonNull::new(region.base as *mut u8).ok_or(PoolError::OutOfMemory { len })?;
+        Ok(super::PoolBuf::new(
+            ptr,
+            len,
+            rounded,
+            usize::MAX,
+            Some(region),
+            Arc::clone(self),
+        ))
+    }
+
+    /// Takes back a dedicated mapping: cached for reuse, or released when the
+    /// cache is full.
+    pub(crate) fn free_dedicated(&self, region: Box<Region>) {
+        let len = region.len;
+        self.account_in_use(-(len as i64));
+        let mut cache = lock(&self.dedicated);
+        if cache.bytes + len as u64 <= self.config.dedicated_cache_bytes {
+            cache.bytes += len as u64;
+            cache.by_len.entry(len).or_default().push(region);
+        } else {
+            drop(cache);
+            self.release(region);
+        }
+    }
+
+    fn drain_dedicated_cache(&self) {
+        let regions: Vec<Box<Region>> = {
+            let mut cache = lock(&self.dedicated);
+            cache.bytes = 0;
+            cache.by_len.drain().flat_map(|(_, v)| v).collect()
+        };
+        for region in regions {
+            self.release(region);
+        }
+    }
+
+    /// Releases every block whose objects are all free in the shared lists,
+    /// and every cached dedicated mapping. Returns the bytes released.
+    pub(crate) fn trim(&self) -> u64 {
+        let before = self.registered.load(Ordering::Acquire);
+        self.drain_dedicated_cache();
+        let block_size = self.config.block_size;
+        for (class, lists) in self.classes.iter().enumerate() {
+            let mut lists = lock(lists);
+            if lists.blocks.is_empty() {
+                continue;
+            }
+            let per_block = block_size / class_size(class);
+            let mut free_per_block: HashMap<usize, usize> = HashMap::new();
+            for &object in &lists.free {
+                *free_per_block
+                    .entry(object & !(block_size - 1))
+                    .or_default() += 1;
+            }
+            let empty: Vec<usize> = free_per_block
+                .into_iter()
+                .filter(|&(_, free)| free == per_block)
+                .map(|(base, _)| base)
+                .collect();
+            if empty.is_empty() {
+                continue;
+            }
+            lists
+                .free
+                .retain(|object| !empty.contains(&(object & !(block_size - 1))));
+            let (released, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut lists.blocks)
+                .into_iter()
+                .partition(|r| empty.contains(&r.base));
+            lists.blocks = kept;
+            drop(lists);
+            for region in released {
+                self.release(region);
+            }
+        }
+        before.saturating_sub(self.registered.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        PoolStats {
+            registered_bytes: self.registered.load(Ordering::Relaxed),
+            peak_registered_bytes: self.peak_registered.load(Ordering::Relaxed),
+            in_use_bytes: self.in_use.load(Ordering::Relaxed).max(0) as u64,
+            peak_in_use_bytes: self.peak_in_use.load(Ordering::Relaxed).max(0) as u64,
+            registrations: self.registrations.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // No buffer is alive (each holds an Arc), so every block can go.
+        self.drain_dedicated_cache();
+        for lists in &self.classes {
+            let blocks = std::mem::take(&mut lock(lists).blocks);
+            for region in blocks {
+                self.release(region);
+            }
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Memory straight from the kernel: anonymous private mappings.
+//!
+//! The pool maps its blocks itself instead of going through the global
+//! allocator: an anonymous mapping is zero-filled lazily, page by page, so a
+//! fresh 4 MiB block costs no resident memory until it is written, and it
+//! can be aligned to its own size (which makes finding a block from an
+//! object pointer a mask).
+
+use std::ptr::NonNull;
+
+/// Maps `len` bytes aligned to `align` (both multiples of the page size,
+/// `align` a power of two). The memory reads as zeros.
+pub(crate) fn map_aligned(len: usize, align: usize) -> Option<NonNull<u8>> {
+    let over = len.checked_add(align)?;
+    // SAFETY: an anonymous private mapping with no address hint has no
+    // preconditions; the result is checked against MAP_FAILED.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            over,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return None;
+    }
+    let start = raw as usize;
+    let aligned = start.next_multiple_of(align);
+    let head = aligned - start;
+    let tail = over - head - len;
+    if head > 0 {
+        // SAFETY: [start, aligned) is the unused head of the mapping made
+        // above; nothing refers to it.
+        unsafe { libc::munmap(raw, head) };
+    }
+    if tail > 0 {
+        // SAFETY: [aligned + len, start + over) is the unused tail of the
+        // same mapping.
+        unsafe { libc::munmap((aligned + len) as *mut libc::c_void, tail) };
+    }
+    NonNull::new(aligned as *mut u8)
+}
+
+/// Unmaps memory returned by [`map_aligned`] with the same `len`.
+pub(crate) fn unmap(ptr: usize, len: usize) {
+    // SAFETY: callers pass a range obtained from `map_aligned` that no
+    // buffer refers to any more.
+    unsafe { libc::munmap(ptr as *mut libc::c_void, len) };
+}

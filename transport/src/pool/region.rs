@@ -1,0 +1,44 @@
+//! A registered region: one block of a size class, or one dedicated mapping.
+
+use super::hook::{Access, RegisteredRegion};
+
+/// Pool memory obtained from the OS and registered.
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub(crate) base: usize,
+    pub(crate) len: usize,
+    pub(crate) keys: RegisteredRegion,
+    pub(crate) access: Access,
+    pub(crate) pool_id: u64,
+}
+
+/// Facts about the registered region that contains an address: what a
+/// transport needs to put the address in a work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// First byte of the region.
+    pub base: usize,
+    /// Its length.
+    pub len: usize,
+    /// Local key.
+    pub lkey: u32,
+    /// Remote key.
+    pub rkey: u32,
+    /// What peers may do to it.
+    pub access: Access,
+    /// The pool it belongs to.
+    pub pool_id: u64,
+}
+
+impl Region {
+    pub(crate) fn info(&self) -> RegionInfo {
+        RegionInfo {
+            base: self.base,
+            len: self.len,
+            lkey: self.keys.lkey,
+            rkey: self.keys.rkey,
+            access: self.access,
+            pool_id: self.pool_id,
+        }
+    }
+}
