@@ -2,11 +2,16 @@
 //! the ratio to a baseline measured in the same run (timings on shared
 //! machines are noisy; ratios travel better than absolute numbers).
 //!
+//! - `alloc`: allocation and free rates and peak memory of Tessera's
+//!   registered-memory pool against the system allocator, mimalloc and
+//!   rpmalloc (the paper's Figure 4); see `tessera_benches::alloc`.
 //! - `rpc-latency`: round-trip latency of a Tessera unary call over TCP on
 //!   loopback, one call outstanding, for several payload sizes, against the
 //!   floor any RPC stack pays: a bare length-prefixed echo over a tokio
 //!   `TcpStream` with no framework at all.
 
+use std::path::PathBuf;
+use std::process::Command as Process;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -31,6 +36,29 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Allocator rates and peak memory: pool vs system, mimalloc, rpmalloc.
+    Alloc {
+        /// A short smoke run (fewer operations, one repetition).
+        #[arg(long)]
+        quick: bool,
+        /// Write `alloc.json` and `alloc.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Thread counts to run.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2])]
+        threads: Vec<usize>,
+        /// Repetitions per cell; the median is reported.
+        #[arg(long)]
+        repeat: Option<usize>,
+    },
+    /// One allocator measurement in this process (used by `alloc`).
+    #[command(hide = true)]
+    AllocChild {
+        /// `tessera-pool` or `system`.
+        system: String,
+        /// Workload, threads and operations per thread.
+        args: Vec<String>,
+    },
     /// Unary call latency vs a bare TCP echo.
     RpcLatency {
         /// Measured round trips per payload size.
@@ -169,10 +197,129 @@ async fn rpc_latency(iterations: u32, sizes: &[usize]) -> Result<(), BoxError> {
 
 fn main() -> Result<(), BoxError> {
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async {
-        match cli.command {
-            Command::RpcLatency { iterations, sizes } => rpc_latency(iterations, &sizes).await,
+    match cli.command {
+        Command::Alloc {
+            quick,
+            out,
+            threads,
+            repeat,
+        } => alloc::compare(quick, out, &threads, repeat.unwrap_or(if quick { 1 } else { 3 })),
+        Command::AllocChild { system, args } => alloc::child(&system, &args),
+        Command::RpcLatency { iterations, sizes } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(rpc_latency(iterations, &sizes))
         }
-    })
+    }
+}
+
+mod alloc {
+    use super::*;
+    use tessera_benches::alloc::{GlobalAllocator, PoolAllocator, Row, Workload, parse_child_args, run};
+
+    const SYSTEMS: [&str; 4] = ["tessera-pool", "system", "mimalloc", "rpmalloc"];
+
+    #[allow(clippy::print_stdout)]
+    pub(super) fn child(system: &str, args: &[String]) -> Result<(), BoxError> {
+        let (workload, threads, ops) = parse_child_args(args)?;
+        let row = match system {
+            "tessera-pool" => run(PoolAllocator::new()?, system, workload, threads, ops),
+            "system" => run(GlobalAllocator, system, workload, threads, ops),
+            other => return Err(format!("unknown system {other}").into()),
+        };
+        println!("{}", serde_json::to_string(&row)?);
+        Ok(())
+    }
+
+    fn measure(system: &str, workload: Workload, threads: usize, ops: usize) -> Result<Row, BoxError> {
+        let exe = std::env::current_exe()?;
+        let args = [workload.name().to_owned(), threads.to_string(), ops.to_string()];
+        let mut command = match system {
+            "mimalloc" => Process::new(exe.with_file_name("alloc-mimalloc")),
+            "rpmalloc" => Process::new(exe.with_file_name("alloc-rpmalloc")),
+            _ => {
+                let mut c = Process::new(&exe);
+                c.args(["alloc-child", system]);
+                c
+            }
+        };
+        let output = command.args(&args).output()?;
+        if !output.status.success() {
+            return Err(format!(
+                "{system} {workload:?} x{threads} failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        Ok(serde_json::from_slice(&output.stdout)?)
+    }
+
+    fn median(mut values: Vec<f64>) -> f64 {
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied().unwrap_or(0.0)
+    }
+
+    #[allow(clippy::print_stdout)]
+    pub(super) fn compare(quick: bool, out: Option<PathBuf>, threads: &[usize], repeat: usize) -> Result<(), BoxError> {
+        let mut rows: Vec<Row> = Vec::new();
+        for workload in [Workload::Large, Workload::Small] {
+            let ops = match (workload, quick) {
+                (Workload::Large, false) => 200_000,
+                (Workload::Small, false) => 2_000_000,
+                (Workload::Large, true) => 10_000,
+                (Workload::Small, true) => 100_000,
+            };
+            for &n in threads {
+                for system in SYSTEMS {
+                    let runs = (0..repeat.max(1))
+                        .map(|_| measure(system, workload, n, ops))
+                        .collect::<Result<Vec<Row>, BoxError>>()?;
+                    rows.push(Row {
+                        system: system.to_owned(),
+                        workload,
+                        threads: n,
+                        ops_per_sec: median(runs.iter().map(|r| r.ops_per_sec).collect()),
+                        peak_bytes: median(runs.iter().map(|r| r.peak_bytes as f64).collect()) as u64,
+                    });
+                }
+            }
+        }
+        let table = markdown(&rows, repeat);
+        print!("{table}");
+        if let Some(dir) = out {
+            std::fs::create_dir_all(&dir)?;
+            let json = serde_json::json!({ "bench": "alloc", "rows": rows });
+            std::fs::write(dir.join("alloc.json"), serde_json::to_string_pretty(&json)?)?;
+            std::fs::write(dir.join("alloc.md"), &table)?;
+        }
+        Ok(())
+    }
+
+    fn markdown(rows: &[Row], repeat: usize) -> String {
+        let mut out = format!(
+            "alloc: operations (allocations + frees) per second and peak RSS, median of {repeat} run(s) each\n\n"
+        );
+        out.push_str("| workload | threads | system | ops/s | vs rpmalloc | vs system | peak MiB | peak vs rpmalloc |\n");
+        out.push_str("|---|---:|---|---:|---:|---:|---:|---:|\n");
+        for row in rows {
+            let find = |system: &str| {
+                rows.iter()
+                    .find(|r| r.system == system && r.workload == row.workload && r.threads == row.threads)
+            };
+            let ratio = |other: Option<&Row>, f: fn(&Row) -> f64| {
+                other.map_or("-".to_owned(), |o| format!("{:.2}", f(row) / f(o).max(f64::EPSILON)))
+            };
+            out.push_str(&format!(
+                "| {} | {} | {} | {:.0} | {} | {} | {:.1} | {} |\n",
+                row.workload.name(),
+                row.threads,
+                row.system,
+                row.ops_per_sec,
+                ratio(find("rpmalloc"), |r| r.ops_per_sec),
+                ratio(find("system"), |r| r.ops_per_sec),
+                row.peak_bytes as f64 / (1 << 20) as f64,
+                ratio(find("rpmalloc"), |r| r.peak_bytes as f64),
+            ));
+        }
+        out
+    }
 }

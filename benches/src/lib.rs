@@ -1,0 +1,3 @@
+//! Workloads shared by the `tessera-bench` binaries.
+
+pub mod alloc;
