@@ -154,25 +154,38 @@ fn resident_kib(field: &str) -> u64 {
 
 /// Runs `workload` on `threads` threads for `ops_per_thread` allocations
 /// each, and measures it.
-pub fn run<A: Allocator>(allocator: A, system: &str, workload: Workload, threads: usize, ops_per_thread: usize) -> Row {
-    let rss_before = resident_kib("VmRSS:");
-    let allocator = Arc::new(allocator);
+pub fn run<A: Allocator>(
+    allocator: A,
+    system: &str,
+    workload: Workload,
+    threads: usize,
+    ops_per_thread: usize,
+) -> Row {
     let threads = threads.max(1);
     // Thread i hands buffers to thread i+1; with one thread, to a helper.
     let parties = threads.max(2);
-    let (senders, receivers): (Vec<_>, Vec<_>) = (0..parties).map(|_| mpsc::channel::<A::Buf>()).unzip();
+    // Sizes and slots are drawn before the baseline RSS is taken, so the
+    // peak measures the allocator and its working set, not the script.
+    let scripts: Vec<(Vec<usize>, Vec<usize>)> = (0..parties)
+        .map(|index| {
+            let mut rng = XorShift(0x9e37_79b9_7f4a_7c15 ^ (index as u64 + 1) * 0x1234_5677);
+            let ops = if index < threads { ops_per_thread } else { 0 };
+            let sizes = (0..ops).map(|_| workload.draw(&mut rng)).collect();
+            let slots = (0..ops).map(|_| rng.next() as usize).collect();
+            (sizes, slots)
+        })
+        .collect();
+    let rss_before = resident_kib("VmRSS:");
+    let allocator = Arc::new(allocator);
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..parties).map(|_| mpsc::channel::<A::Buf>()).unzip();
     let barrier = Arc::new(Barrier::new(parties + 1));
     let mut handles = Vec::new();
-    for (index, receiver) in receivers.into_iter().enumerate() {
+    for ((index, receiver), (sizes, slots)) in receivers.into_iter().enumerate().zip(scripts) {
         let allocator = Arc::clone(&allocator);
         let barrier = Arc::clone(&barrier);
         let next = senders[(index + 1) % parties].clone();
-        let working = index < threads;
         handles.push(std::thread::spawn(move || {
-            let mut rng = XorShift(0x9e37_79b9_7f4a_7c15 ^ (index as u64 + 1) * 0x1234_5677);
-            let ops = if working { ops_per_thread } else { 0 };
-            let sizes: Vec<usize> = (0..ops).map(|_| workload.draw(&mut rng)).collect();
-            let slots: Vec<usize> = (0..ops).map(|_| rng.next() as usize).collect();
             let mut live: Vec<A::Buf> = Vec::with_capacity(workload.working_set());
             let mut count = 0u64;
             barrier.wait();
@@ -253,7 +266,13 @@ mod tests {
         for threads in [1, 2] {
             let row = run(GlobalAllocator, "system", Workload::Small, threads, 5_000);
             assert!(row.ops_per_sec > 0.0);
-            let row = run(PoolAllocator::new().unwrap(), "tessera-pool", Workload::Large, threads, 500);
+            let row = run(
+                PoolAllocator::new().unwrap(),
+                "tessera-pool",
+                Workload::Large,
+                threads,
+                500,
+            );
             assert!(row.ops_per_sec > 0.0);
         }
     }

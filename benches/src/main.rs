@@ -203,7 +203,12 @@ fn main() -> Result<(), BoxError> {
             out,
             threads,
             repeat,
-        } => alloc::compare(quick, out, &threads, repeat.unwrap_or(if quick { 1 } else { 3 })),
+        } => alloc::compare(
+            quick,
+            out,
+            &threads,
+            repeat.unwrap_or(if quick { 1 } else { 3 }),
+        ),
         Command::AllocChild { system, args } => alloc::child(&system, &args),
         Command::RpcLatency { iterations, sizes } => {
             let runtime = tokio::runtime::Runtime::new()?;
@@ -214,7 +219,9 @@ fn main() -> Result<(), BoxError> {
 
 mod alloc {
     use super::*;
-    use tessera_benches::alloc::{GlobalAllocator, PoolAllocator, Row, Workload, parse_child_args, run};
+    use tessera_benches::alloc::{
+        GlobalAllocator, PoolAllocator, Row, Workload, parse_child_args, run,
+    };
 
     const SYSTEMS: [&str; 4] = ["tessera-pool", "system", "mimalloc", "rpmalloc"];
 
@@ -230,9 +237,18 @@ mod alloc {
         Ok(())
     }
 
-    fn measure(system: &str, workload: Workload, threads: usize, ops: usize) -> Result<Row, BoxError> {
+    fn measure(
+        system: &str,
+        workload: Workload,
+        threads: usize,
+        ops: usize,
+    ) -> Result<Row, BoxError> {
         let exe = std::env::current_exe()?;
-        let args = [workload.name().to_owned(), threads.to_string(), ops.to_string()];
+        let args = [
+            workload.name().to_owned(),
+            threads.to_string(),
+            ops.to_string(),
+        ];
         let mut command = match system {
             "mimalloc" => Process::new(exe.with_file_name("alloc-mimalloc")),
             "rpmalloc" => Process::new(exe.with_file_name("alloc-rpmalloc")),
@@ -259,7 +275,12 @@ mod alloc {
     }
 
     #[allow(clippy::print_stdout)]
-    pub(super) fn compare(quick: bool, out: Option<PathBuf>, threads: &[usize], repeat: usize) -> Result<(), BoxError> {
+    pub(super) fn compare(
+        quick: bool,
+        out: Option<PathBuf>,
+        threads: &[usize],
+        repeat: usize,
+    ) -> Result<(), BoxError> {
         let mut rows: Vec<Row> = Vec::new();
         for workload in [Workload::Large, Workload::Small] {
             let ops = match (workload, quick) {
@@ -278,7 +299,8 @@ mod alloc {
                         workload,
                         threads: n,
                         ops_per_sec: median(runs.iter().map(|r| r.ops_per_sec).collect()),
-                        peak_bytes: median(runs.iter().map(|r| r.peak_bytes as f64).collect()) as u64,
+                        peak_bytes: median(runs.iter().map(|r| r.peak_bytes as f64).collect())
+                            as u64,
                     });
                 }
             }
@@ -302,11 +324,14 @@ mod alloc {
         out.push_str("|---|---:|---|---:|---:|---:|---:|---:|\n");
         for row in rows {
             let find = |system: &str| {
-                rows.iter()
-                    .find(|r| r.system == system && r.workload == row.workload && r.threads == row.threads)
+                rows.iter().find(|r| {
+                    r.system == system && r.workload == row.workload && r.threads == row.threads
+                })
             };
             let ratio = |other: Option<&Row>, f: fn(&Row) -> f64| {
-                other.map_or("-".to_owned(), |o| format!("{:.2}", f(row) / f(o).max(f64::EPSILON)))
+                other.map_or("-".to_owned(), |o| {
+                    format!("{:.2}", f(row) / f(o).max(f64::EPSILON))
+                })
             };
             out.push_str(&format!(
                 "| {} | {} | {} | {:.0} | {} | {} | {:.1} | {} |\n",

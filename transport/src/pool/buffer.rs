@@ -2,7 +2,6 @@
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -21,7 +20,7 @@ pub struct PoolBuf {
     capacity: usize,
     class: usize,
     dedicated: Option<Box<Region>>,
-    pool: Arc<PoolInner>,
+    pool: &'static PoolInner,
 }
 
 // SAFETY: a PoolBuf exclusively owns its memory (no other PoolBuf or cache
@@ -38,7 +37,7 @@ impl PoolBuf {
         capacity: usize,
         class: usize,
         dedicated: Option<Box<Region>>,
-        pool: Arc<PoolInner>,
+        pool: &'static PoolInner,
     ) -> Self {
         Self {
             ptr,
@@ -86,15 +85,18 @@ impl PoolBuf {
 impl Deref for PoolBuf {
     type Target = [u8];
 
+    #[inline]
     fn deref(&self) -> &[u8] {
         // SAFETY: `ptr` points to `capacity >= len` bytes of pool memory that
         // this buffer owns exclusively and that are initialised (see the
-        // type's docs); the memory outlives `self` (the Arc keeps the pool).
+        // type's docs); a block with a live object is never released, so the
+        // memory outlives `self`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl DerefMut for PoolBuf {
+    #[inline]
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `deref`, and `&mut self` makes the access unique.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
@@ -124,10 +126,11 @@ impl std::fmt::Debug for PoolBuf {
 }
 
 impl Drop for PoolBuf {
+    #[inline]
     fn drop(&mut self) {
         match self.dedicated.take() {
             Some(region) => self.pool.free_dedicated(region),
-            None => super::thread_cache::free(&self.pool, self.class, self.ptr.as_ptr() as usize),
+            None => super::thread_cache::free(self.pool, self.class, self.ptr.as_ptr() as usize),
         }
     }
 }

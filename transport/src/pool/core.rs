@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::config::PoolConfig;
@@ -31,6 +31,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 struct ClassLists {
     free: Vec<usize>,
     blocks: Vec<Box<Region>>,
+    /// Not yet handed-out part of the newest block: objects are carved from
+    /// `next` up to `end` on demand, so a fresh block costs no list entries
+    /// (a 4 MiB block of 16-byte objects would otherwise need 262,144).
+    next: usize,
+    end: usize,
 }
 
 #[allow(clippy::vec_box)]
@@ -53,6 +58,12 @@ pub(crate) struct PoolInner {
     registrations: AtomicU64,
     in_use: AtomicI64,
     peak_in_use: AtomicI64,
+    /// Objects a thread keeps per class before giving half back.
+    cache_limits: Vec<usize>,
+    closed: AtomicBool,
+    registered_gauge: metrics::Gauge,
+    in_use_gauge: metrics::Gauge,
+    registrations_counter: metrics::Counter,
 }
 
 impl std::fmt::Debug for PoolInner {
@@ -67,9 +78,14 @@ impl std::fmt::Debug for PoolInner {
 
 impl PoolInner {
     pub(crate) fn new(config: PoolConfig, access: Access, hook: Arc<dyn RegistrationHook>) -> Self {
-        let classes = (0..class_count(config.max_class_size))
+        let count = class_count(config.max_class_size);
+        let classes = (0..count)
             .map(|_| Mutex::new(ClassLists::default()))
             .collect();
+        let cache_limits = (0..count)
+            .map(|class| (config.thread_cache_bytes / class_size(class)).clamp(4, 1024))
+            .collect();
+        let name = config.name.clone();
         Self {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             config,
@@ -82,7 +98,24 @@ impl PoolInner {
             registrations: AtomicU64::new(0),
             in_use: AtomicI64::new(0),
             peak_in_use: AtomicI64::new(0),
+            cache_limits,
+            closed: AtomicBool::new(false),
+            registered_gauge: metrics::gauge!("tessera_pool_registered_bytes", "pool" => name.clone()),
+            in_use_gauge: metrics::gauge!("tessera_pool_in_use_bytes", "pool" => name.clone()),
+            registrations_counter: metrics::counter!("tessera_pool_registrations_total", "pool" => name),
         }
+    }
+
+    /// Whether every handle of the pool is gone.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Called when the last handle goes: from now on freed memory goes
+    /// straight back to the OS as soon as whole blocks are free.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        self.trim();
     }
 
     pub(crate) fn id(&self) -> u64 {
@@ -95,7 +128,7 @@ impl PoolInner {
 
     /// Objects of `class` a thread keeps before giving some back.
     pub(crate) fn thread_cache_limit(&self, class: usize) -> usize {
-        (self.config.thread_cache_bytes / class_size(class)).clamp(2, 1024)
+        self.cache_limits[class]
     }
 
     /// Adds a thread's accumulated change of bytes in use.
@@ -105,8 +138,7 @@ impl PoolInner {
         }
         let now = self.in_use.fetch_add(delta, Ordering::Relaxed) + delta;
         self.peak_in_use.fetch_max(now, Ordering::Relaxed);
-        metrics::gauge!("tessera_pool_in_use_bytes", "pool" => self.config.name.clone())
-            .set(now as f64);
+        self.in_use_gauge.set(now as f64);
     }
 
     /// Reserves `len` registered bytes under the ceiling, evicting cached
@@ -119,7 +151,7 @@ impl PoolInner {
             if before + len <= ceiling {
                 let now = before + len;
                 self.peak_registered.fetch_max(now, Ordering::Relaxed);
-                metrics::gauge!("tessera_pool_registered_bytes", "pool" => self.config.name.clone()).set(now as f64);
+                self.registered_gauge.set(now as f64);
                 return Ok(());
             }
             self.registered.fetch_sub(len, Ordering::AcqRel);
@@ -152,8 +184,7 @@ impl PoolInner {
             }
         };
         self.registrations.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("tessera_pool_registrations_total", "pool" => self.config.name.clone())
-            .increment(1);
+        self.registrations_counter.increment(1);
         let region = Box::new(Region {
             base,
             len,
@@ -178,8 +209,7 @@ impl PoolInner {
             .registered
             .fetch_sub(region.len as u64, Ordering::AcqRel)
             - region.len as u64;
-        metrics::gauge!("tessera_pool_registered_bytes", "pool" => self.config.name.clone())
-            .set(now as f64);
+        self.registered_gauge.set(now as f64);
     }
 
     /// Moves up to `count` free objects of `class` into `out`, growing the
@@ -190,20 +220,29 @@ impl PoolInner {
         count: usize,
         out: &mut Vec<usize>,
     ) -> Result<(), PoolError> {
+        let size = class_size(class);
         let mut lists = lock(&self.classes[class]);
-        if lists.free.is_empty() {
-            let block_size = self.config.block_size;
-            let region = self.acquire(block_size, block_size)?;
-            let size = class_size(class);
-            let base = region.base;
-            // Pushed in reverse so that objects are handed out in address order.
-            lists
-                .free
-                .extend((0..block_size / size).rev().map(|i| base + i * size));
-            lists.blocks.push(region);
-        }
         let keep = lists.free.len().saturating_sub(count);
         out.extend(lists.free.drain(keep..));
+        let mut missing = count.saturating_sub(out.len());
+        while missing > 0 {
+            if lists.next + size > lists.end {
+                if !out.is_empty() {
+                    break;
+                }
+                let block_size = self.config.block_size;
+                let region = self.acquire(block_size, block_size)?;
+                lists.next = region.base;
+                lists.end = region.base + block_size - block_size % size;
+                lists.blocks.push(region);
+            }
+            let available = (lists.end - lists.next) / size;
+            let take = missing.min(available);
+            let start = lists.next;
+            out.extend((0..take).map(|i| start + i * size));
+            lists.next += take * size;
+            missing -= take;
+        }
         Ok(())
     }
 
@@ -214,10 +253,7 @@ impl PoolInner {
 
     /// Allocates a dedicated mapping of at least `len` bytes (rounded up to
     /// the granule), reusing a cached one of the same size if there is one.
-    pub(crate) fn alloc_dedicated(
-        self: &Arc<Self>,
-        len: usize,
-    ) -> Result<super::PoolBuf, PoolError> {
+    pub(crate) fn alloc_dedicated(&'static self, len: usize) -> Result<super::PoolBuf, PoolError> {
         let rounded = len
             .checked_next_multiple_of(GRANULE)
             .ok_or(PoolError::TooLarge { len })?;
@@ -241,7 +277,7 @@ impl PoolInner {
             rounded,
             usize::MAX,
             Some(region),
-            Arc::clone(self),
+            self,
         ))
     }
 
@@ -251,7 +287,7 @@ impl PoolInner {
         let len = region.len;
         self.account_in_use(-(len as i64));
         let mut cache = lock(&self.dedicated);
-        if cache.bytes + len as u64 <= self.config.dedicated_cache_bytes {
+        if !self.is_closed() && cache.bytes + len as u64 <= self.config.dedicated_cache_bytes {
             cache.bytes += len as u64;
             cache.by_len.entry(len).or_default().push(region);
         } else {
@@ -276,14 +312,29 @@ impl PoolInner {
     pub(crate) fn trim(&self) -> u64 {
         let before = self.registered.load(Ordering::Acquire);
         self.drain_dedicated_cache();
+        for class in 0..self.classes.len() {
+            self.trim_class(class);
+        }
+        before.saturating_sub(self.registered.load(Ordering::Acquire))
+    }
+
+    /// Releases the blocks of `class` whose objects are all free in the
+    /// shared list.
+    pub(crate) fn trim_class(&self, class: usize) {
         let block_size = self.config.block_size;
-        for (class, lists) in self.classes.iter().enumerate() {
-            let mut lists = lock(lists);
+        {
+            let mut lists = lock(&self.classes[class]);
             if lists.blocks.is_empty() {
-                continue;
+                return;
             }
-            let per_block = block_size / class_size(class);
+            let size = class_size(class);
+            let per_block = block_size / size;
             let mut free_per_block: HashMap<usize, usize> = HashMap::new();
+            // The uncarved rest of the newest block is free too.
+            if lists.next < lists.end {
+                let bump_block = lists.next & !(block_size - 1);
+                *free_per_block.entry(bump_block).or_default() += (lists.end - lists.next) / size;
+            }
             for &object in &lists.free {
                 *free_per_block
                     .entry(object & !(block_size - 1))
@@ -295,7 +346,7 @@ impl PoolInner {
                 .map(|(base, _)| base)
                 .collect();
             if empty.is_empty() {
-                continue;
+                return;
             }
             lists
                 .free
@@ -304,12 +355,15 @@ impl PoolInner {
                 .into_iter()
                 .partition(|r| empty.contains(&r.base));
             lists.blocks = kept;
+            if lists.end > 0 && empty.contains(&((lists.end - 1) & !(block_size - 1))) {
+                lists.next = 0;
+                lists.end = 0;
+            }
             drop(lists);
             for region in released {
                 self.release(region);
             }
         }
-        before.saturating_sub(self.registered.load(Ordering::Acquire))
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
@@ -319,19 +373,6 @@ impl PoolInner {
             in_use_bytes: self.in_use.load(Ordering::Relaxed).max(0) as u64,
             peak_in_use_bytes: self.peak_in_use.load(Ordering::Relaxed).max(0) as u64,
             registrations: self.registrations.load(Ordering::Relaxed),
-        }
-    }
-}
-
-impl Drop for PoolInner {
-    fn drop(&mut self) {
-        // No buffer is alive (each holds an Arc), so every block can go.
-        self.drain_dedicated_cache();
-        for lists in &self.classes {
-            let blocks = std::mem::take(&mut lock(lists).blocks);
-            for region in blocks {
-                self.release(region);
-            }
         }
     }
 }

@@ -102,9 +102,28 @@ pub struct PoolStats {
 }
 
 /// A pool of registered memory. Cheap to clone; clones share the pool.
+///
+/// Buffers refer to their pool's shared state without reference counting
+/// (a shared counter touched by every allocation and free on every thread
+/// costs more than the rest of the allocation path): that state — a few
+/// kilobytes of lists — lives for the rest of the process. The memory does
+/// not: when the last handle is dropped the pool releases every block with
+/// no object in use, and the rest as buffers come back.
 #[derive(Debug, Clone)]
 pub struct Pool {
-    inner: Arc<core::PoolInner>,
+    handle: Arc<PoolHandle>,
+}
+
+#[derive(Debug)]
+struct PoolHandle {
+    inner: &'static core::PoolInner,
+}
+
+impl Drop for PoolHandle {
+    fn drop(&mut self) {
+        thread_cache::flush(self.inner);
+        self.inner.close();
+    }
 }
 
 impl Pool {
@@ -115,28 +134,36 @@ impl Pool {
         hook: Arc<dyn RegistrationHook>,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
+        let inner: &'static core::PoolInner =
+            Box::leak(Box::new(core::PoolInner::new(config, access, hook)));
         Ok(Self {
-            inner: Arc::new(core::PoolInner::new(config, access, hook)),
+            handle: Arc::new(PoolHandle { inner }),
         })
+    }
+
+    fn inner(&self) -> &'static core::PoolInner {
+        self.handle.inner
     }
 
     /// The pool's id (unique in the process).
     pub fn id(&self) -> u64 {
-        self.inner.id()
+        self.inner().id()
     }
 
     /// The pool's configuration.
     pub fn config(&self) -> &PoolConfig {
-        &self.inner.config
+        &self.inner().config
     }
 
     /// A buffer of `len` bytes (its contents are whatever the memory held).
+    #[inline]
     pub fn alloc(&self, len: usize) -> Result<PoolBuf, PoolError> {
-        if len > self.inner.config.max_class_size {
-            return self.inner.alloc_dedicated(len);
+        let inner = self.inner();
+        if len > inner.config.max_class_size {
+            return inner.alloc_dedicated(len);
         }
         let class = size_class::class_of(len);
-        let address = thread_cache::alloc(&self.inner, class)?;
+        let address = thread_cache::alloc(inner, class)?;
         let ptr = NonNull::new(address as *mut u8).ok_or(PoolError::OutOfMemory { len })?;
         Ok(PoolBuf::new(
             ptr,
@@ -144,7 +171,7 @@ impl Pool {
             size_class::class_size(class),
             class,
             None,
-            Arc::clone(&self.inner),
+            inner,
         ))
     }
 
@@ -157,20 +184,20 @@ impl Pool {
 
     /// The pool's accounting.
     pub fn stats(&self) -> PoolStats {
-        self.inner.stats()
+        self.inner().stats()
     }
 
     /// Returns the calling thread's cached objects and pending accounting to
     /// the pool (threads do this on exit by themselves).
     pub fn flush_thread_cache(&self) {
-        thread_cache::flush(&self.inner);
+        thread_cache::flush(self.inner());
     }
 
     /// Releases (deregisters and unmaps) every block with no object in use
     /// and every cached dedicated mapping; returns the bytes released.
     /// Objects held in threads' caches keep their blocks.
     pub fn trim(&self) -> u64 {
-        self.inner.trim()
+        self.inner().trim()
     }
 }
 

@@ -8,6 +8,7 @@ const LINEAR_CLASSES: usize = LINEAR_LIMIT / MIN_SIZE; // 16..=128: 8 classes
 const STEPS_PER_DOUBLING: usize = 4;
 
 /// The class index of an allocation of `size` bytes (`size >= 1`).
+#[inline]
 pub fn class_of(size: usize) -> usize {
     let size = size.max(1);
     if size <= LINEAR_LIMIT {
@@ -21,6 +22,7 @@ pub fn class_of(size: usize) -> usize {
 }
 
 /// The object size of class `class`.
+#[inline]
 pub fn class_size(class: usize) -> usize {
     if class < LINEAR_CLASSES {
         return (class + 1) * MIN_SIZE;

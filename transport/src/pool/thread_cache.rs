@@ -8,7 +8,6 @@
 //! A thread's caches go back to their pools when the thread exits.
 
 use std::cell::RefCell;
-use std::sync::{Arc, Weak};
 
 use super::PoolError;
 use super::core::PoolInner;
@@ -16,7 +15,7 @@ use super::size_class::class_size;
 
 struct Entry {
     pool_id: u64,
-    pool: Weak<PoolInner>,
+    pool: &'static PoolInner,
     classes: Vec<Vec<usize>>,
     /// Bytes allocated minus freed by this thread since the last flush.
     in_use_delta: i64,
@@ -39,16 +38,14 @@ struct ThreadCaches {
 }
 
 impl ThreadCaches {
-    fn entry(&mut self, pool: &Arc<PoolInner>) -> &mut Entry {
+    fn entry(&mut self, pool: &'static PoolInner) -> &mut Entry {
         let id = pool.id();
         if let Some(index) = self.entries.iter().position(|e| e.pool_id == id) {
             return &mut self.entries[index];
         }
-        // Forget caches of pools that are gone (their memory is unmapped).
-        self.entries.retain(|e| e.pool.strong_count() > 0);
         self.entries.push(Entry {
             pool_id: id,
-            pool: Arc::downgrade(pool),
+            pool,
             classes: vec![Vec::new(); pool.class_count()],
             in_use_delta: 0,
         });
@@ -60,9 +57,8 @@ impl ThreadCaches {
 impl Drop for ThreadCaches {
     fn drop(&mut self) {
         for entry in &mut self.entries {
-            if let Some(pool) = entry.pool.upgrade() {
-                entry.flush(&pool);
-            }
+            let pool = entry.pool;
+            entry.flush(pool);
         }
     }
 }
@@ -72,7 +68,8 @@ thread_local! {
 }
 
 /// Takes an object of `class` for the calling thread.
-pub(crate) fn alloc(pool: &Arc<PoolInner>, class: usize) -> Result<usize, PoolError> {
+#[inline]
+pub(crate) fn alloc(pool: &'static PoolInner, class: usize) -> Result<usize, PoolError> {
     let size = class_size(class) as i64;
     let cached = CACHES.try_with(|caches| {
         let Ok(mut caches) = caches.try_borrow_mut() else {
@@ -105,8 +102,17 @@ pub(crate) fn alloc(pool: &Arc<PoolInner>, class: usize) -> Result<usize, PoolEr
 }
 
 /// Returns an object of `class` from the calling thread.
-pub(crate) fn free(pool: &Arc<PoolInner>, class: usize, object: usize) {
+#[inline]
+pub(crate) fn free(pool: &'static PoolInner, class: usize, object: usize) {
     let size = class_size(class) as i64;
+    if pool.is_closed() {
+        // The pool's handles are gone: give memory straight back so that
+        // its blocks can be released.
+        pool.give_back(class, std::iter::once(object));
+        pool.account_in_use(-size);
+        pool.trim_class(class);
+        return;
+    }
     let cached = CACHES.try_with(|caches| {
         let Ok(mut caches) = caches.try_borrow_mut() else {
             return false;
@@ -131,12 +137,16 @@ pub(crate) fn free(pool: &Arc<PoolInner>, class: usize, object: usize) {
 
 /// Returns the calling thread's cached objects of `pool` and its pending
 /// accounting to the pool.
-pub(crate) fn flush(pool: &Arc<PoolInner>) {
+pub(crate) fn flush(pool: &'static PoolInner) {
     let _ = CACHES.try_with(|caches| {
         if let Ok(mut caches) = caches.try_borrow_mut() {
             let id = pool.id();
-            if let Some(entry) = caches.entries.iter_mut().find(|e| e.pool_id == id) {
-                entry.flush(pool);
+            if let Some(index) = caches.entries.iter().position(|e| e.pool_id == id) {
+                caches.entries[index].flush(pool);
+                // A closed pool's entry is not needed again.
+                if pool.is_closed() {
+                    caches.entries.swap_remove(index);
+                }
             }
         }
     });
