@@ -168,7 +168,7 @@ pub fn run<A: Allocator>(
     // peak measures the allocator and its working set, not the script.
     let scripts: Vec<(Vec<usize>, Vec<usize>)> = (0..parties)
         .map(|index| {
-            let mut rng = XorShift(0x9e37_79b9_7f4a_7c15 ^ (index as u64 + 1) * 0x1234_5677);
+            let mut rng = XorShift(0x9e37_79b9_7f4a_7c15 ^ ((index as u64 + 1) * 0x1234_5677));
             let ops = if index < threads { ops_per_thread } else { 0 };
             let sizes = (0..ops).map(|_| workload.draw(&mut rng)).collect();
             let slots = (0..ops).map(|_| rng.next() as usize).collect();
