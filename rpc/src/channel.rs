@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_transport::{Message, MessageReceiver, MessageSender};
+use tessera_transport::{Message, MessageReceiver, MessageSender, Transport};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -48,6 +48,7 @@ pub struct Channel {
 struct ChannelInner {
     addr: String,
     config: ChannelConfig,
+    transport: Transport,
     current: Mutex<Option<Arc<Link>>>,
     connecting: tokio::sync::Mutex<()>,
     next_request_id: AtomicU64,
@@ -128,21 +129,37 @@ impl Drop for PendingGuard<'_> {
 }
 
 impl Channel {
-    /// A channel to `addr` that connects now, within the connection timeout.
+    /// A channel to `addr` that connects now, within the connection timeout,
+    /// over a transport of its own (see [`Channel::with_transport`] to share
+    /// one).
     pub async fn connect(addr: impl Into<String>, config: ChannelConfig) -> Result<Self, RpcError> {
-        let channel = Self::lazy(addr, config);
+        let channel = Self::lazy(addr, config)?;
         let deadline = Instant::now() + channel.inner.config.connect_timeout();
         channel.link(deadline).await?;
         Ok(channel)
     }
 
     /// A channel to `addr` that connects on its first call (and reconnects
-    /// on the first call after a connection broke).
-    pub fn lazy(addr: impl Into<String>, config: ChannelConfig) -> Self {
+    /// on the first call after a connection broke), over a transport of its
+    /// own built from `config.transport`.
+    pub fn lazy(addr: impl Into<String>, config: ChannelConfig) -> Result<Self, RpcError> {
+        let transport = Transport::new(config.transport.clone())?;
+        Ok(Self::with_transport(addr, config, transport))
+    }
+
+    /// A lazily connecting channel over a shared `transport` (its pools are
+    /// process-lived: share one transport among a process's channels rather
+    /// than creating one per channel). `config.transport` is not used.
+    pub fn with_transport(
+        addr: impl Into<String>,
+        config: ChannelConfig,
+        transport: Transport,
+    ) -> Self {
         Self {
             inner: Arc::new(ChannelInner {
                 addr: addr.into(),
                 config,
+                transport,
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 next_request_id: AtomicU64::new(1),
@@ -175,7 +192,8 @@ impl Channel {
         let timeout = options
             .timeout
             .unwrap_or_else(|| self.inner.config.request_timeout());
-        let body = Bytes::from(request.encode_to_vec());
+        let body = crate::codegen::encode_to_pool(request, self.inner.transport.send_pool())
+            .map_err(|err| RpcError::Memory(err.to_string()))?;
         let span = tracing::debug_span!("rpc.call", method = method.path, addr = %self.inner.addr);
         let started = Instant::now();
         let result = self
@@ -222,7 +240,14 @@ impl Channel {
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
         let header = RpcHeader::request(method_id, request_id, Some(remaining));
-        let message = Message::from_parts([Bytes::copy_from_slice(&header.encode()), body]);
+        let header = self
+            .inner
+            .transport
+            .send_pool()
+            .alloc_copy(&header.encode())
+            .map_err(|err| RpcError::Memory(err.to_string()))?
+            .freeze();
+        let message = Message::from_parts([header, body]);
         let exchange = async {
             link.sender
                 .send(message)
@@ -278,22 +303,18 @@ impl Channel {
             .connect_timeout()
             .min(deadline.saturating_duration_since(Instant::now()));
         let addr = self.inner.addr.clone();
-        let connection = match tokio::time::timeout(
-            timeout,
-            tessera_transport::connect(&self.inner.config.transport, &addr),
-        )
-        .await
-        {
-            Ok(Ok(connection)) => connection,
-            Ok(Err(source)) => {
-                metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
-                return Err(RpcError::Connect { addr, source });
-            }
-            Err(_) => {
-                metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
-                return Err(RpcError::ConnectTimeout { addr, timeout });
-            }
-        };
+        let connection =
+            match tokio::time::timeout(timeout, self.inner.transport.connect(&addr)).await {
+                Ok(Ok(connection)) => connection,
+                Ok(Err(source)) => {
+                    metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
+                    return Err(RpcError::Connect { addr, source });
+                }
+                Err(_) => {
+                    metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
+                    return Err(RpcError::ConnectTimeout { addr, timeout });
+                }
+            };
         let shared = Arc::new(LinkShared {
             addr: addr.clone(),
             closed: AtomicBool::new(false),

@@ -4,6 +4,7 @@
 
 pub use bytes::Bytes;
 pub use futures::future::BoxFuture;
+use tessera_transport::pool::{Pool, PoolError};
 
 use crate::Status;
 
@@ -15,9 +16,26 @@ pub fn decode_request<T: prost::Message + Default>(body: Bytes) -> Result<T, Sta
         .map_err(|err| Status::invalid_argument(format!("request does not decode: {err}")))
 }
 
-/// Encodes a response body.
-pub fn encode_response<T: prost::Message>(response: &T) -> Bytes {
-    Bytes::from(response.encode_to_vec())
+/// Encodes a message into a buffer of `pool` (the transport's send pool),
+/// so that it goes out from registered memory.
+pub fn encode_to_pool<T: prost::Message>(message: &T, pool: &Pool) -> Result<Bytes, PoolError> {
+    let len = message.encoded_len();
+    let mut buf = pool.alloc(len)?;
+    buf.set_len(len);
+    let mut out: &mut [u8] = &mut buf;
+    // The buffer holds exactly `encoded_len` bytes, which is all `encode`
+    // needs; it cannot run out of room.
+    if message.encode(&mut out).is_err() {
+        return Err(PoolError::TooLarge { len });
+    }
+    Ok(buf.freeze())
+}
+
+/// Encodes a response body into the send pool; a pool that cannot give
+/// memory is reported to the caller as `ResourceExhausted`.
+pub fn encode_response<T: prost::Message>(response: &T, pool: &Pool) -> Result<Bytes, Status> {
+    encode_to_pool(response, pool)
+        .map_err(|err| Status::resource_exhausted(format!("cannot encode the response: {err}")))
 }
 
 /// The answer to a method id that the service does not have.

@@ -1,6 +1,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use tessera_transport::pool::Pool;
+
 /// What a handler knows about the call it serves.
 #[derive(Debug, Clone)]
 pub struct RequestContext {
@@ -13,6 +15,9 @@ pub struct RequestContext {
     pub deadline: Option<Instant>,
     /// The caller's address.
     pub peer: SocketAddr,
+    /// The transport's send pool: a handler that builds a large `bytes`
+    /// field (a Fetch response) builds it here, in registered memory.
+    pub send_pool: Pool,
 }
 
 impl RequestContext {

@@ -47,9 +47,22 @@ pub enum RpcError {
         /// The transport's reason.
         source: TransportError,
     },
+    /// No send-pool memory for the request.
+    #[error("no buffer memory for the request: {0}")]
+    Memory(String),
+    /// The channel's configuration is invalid (boxed: it is rare, and a
+    /// small error keeps every call's `Result` small).
+    #[error(transparent)]
+    Config(Box<ConfigError>),
     /// The response body is not a valid message of the expected type.
     #[error("response does not decode: {0}")]
     Decode(#[from] prost::DecodeError),
+}
+
+impl From<ConfigError> for RpcError {
+    fn from(err: ConfigError) -> Self {
+        RpcError::Config(Box::new(err))
+    }
 }
 
 impl RpcError {
@@ -63,6 +76,8 @@ impl RpcError {
             | RpcError::ConnectionLost { .. }
             | RpcError::Send { .. } => Code::Unavailable,
             RpcError::Decode(_) => Code::Internal,
+            RpcError::Memory(_) => Code::ResourceExhausted,
+            RpcError::Config(_) => Code::InvalidArgument,
         }
     }
 

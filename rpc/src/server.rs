@@ -17,7 +17,8 @@ use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use tessera_config::Validate;
-use tessera_transport::{Connection, Listener, Message, MessageSender};
+use tessera_transport::pool::Pool;
+use tessera_transport::{Connection, Listener, Message, MessageSender, Transport};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -56,6 +57,7 @@ struct Route {
 pub struct ServerBuilder {
     config: ServerConfig,
     routes: HashMap<u32, Route>,
+    transport: Option<Transport>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -73,7 +75,15 @@ impl ServerBuilder {
         Self {
             config,
             routes: HashMap::new(),
+            transport: None,
         }
+    }
+
+    /// Serves over a shared `transport` instead of one built from the
+    /// configuration (`config.transport` is then not used).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = Some(transport);
+        self
     }
 
     /// Adds a service. Fails if one of its method ids is already taken.
@@ -102,12 +112,15 @@ impl ServerBuilder {
     /// Binds `addr` ("host:port"; port 0 picks a free port).
     pub async fn bind(self, addr: &str) -> Result<Server, ServerError> {
         self.config.validate()?;
-        let listener = tessera_transport::listen(&self.config.transport, addr)
-            .await
-            .map_err(ServerError::Bind)?;
+        let transport = match self.transport {
+            Some(transport) => transport,
+            None => Transport::new(self.config.transport.clone())?,
+        };
+        let listener = transport.listen(addr).await.map_err(ServerError::Bind)?;
         let local_addr = listener.local_addr().map_err(ServerError::Bind)?;
         Ok(Server {
             routes: Arc::new(self.routes),
+            send_pool: transport.send_pool().clone(),
             listener,
             local_addr,
             config: self.config,
@@ -118,6 +131,7 @@ impl ServerBuilder {
 /// A bound RPC server.
 pub struct Server {
     routes: Arc<HashMap<u32, Route>>,
+    send_pool: Pool,
     listener: Listener,
     local_addr: SocketAddr,
     config: ServerConfig,
@@ -161,6 +175,7 @@ impl Server {
                         tracker.spawn(serve_connection(
                             connection,
                             Arc::clone(&self.routes),
+                            self.send_pool.clone(),
                             stop.clone(),
                             abort.clone(),
                             tracker.clone(),
@@ -195,6 +210,7 @@ impl Server {
 async fn serve_connection(
     connection: Connection,
     routes: Arc<HashMap<u32, Route>>,
+    send_pool: Pool,
     stop: CancellationToken,
     abort: CancellationToken,
     tracker: TaskTracker,
@@ -239,7 +255,15 @@ async fn serve_connection(
         let Some(route) = routes.get(&header.method).cloned() else {
             let status =
                 Status::unimplemented(format!("no method with id {:#010x}", header.method));
-            respond(&sender, &header, "unknown", Err(status), received).await;
+            respond(
+                &sender,
+                &send_pool,
+                &header,
+                "unknown",
+                Err(status),
+                received,
+            )
+            .await;
             continue;
         };
         let context = RequestContext {
@@ -247,8 +271,10 @@ async fn serve_connection(
             request_id: header.request_id,
             deadline: header.deadline().map(|remaining| received + remaining),
             peer,
+            send_pool: send_pool.clone(),
         };
         let sender = sender.clone();
+        let send_pool = send_pool.clone();
         let abort = abort.clone();
         tracker.spawn(async move {
             let deadline = context.deadline;
@@ -272,13 +298,14 @@ async fn serve_connection(
                 tracing::error!(method = route.method.path, "handler panicked");
                 Err(Status::internal("handler panicked"))
             });
-            respond(&sender, &header, route.method.path, result, received).await;
+            respond(&sender, &send_pool, &header, route.method.path, result, received).await;
         });
     }
 }
 
 async fn respond(
     sender: &MessageSender,
+    send_pool: &Pool,
     request: &RpcHeader,
     method: &'static str,
     result: Result<Bytes, Status>,
@@ -303,7 +330,16 @@ async fn respond(
     metrics::histogram!("tessera_rpc_server_handling_seconds", "method" => method)
         .record(received.elapsed().as_secs_f64());
     let header = RpcHeader::response(request, code.as_u16());
-    let message = Message::from_parts([Bytes::copy_from_slice(&header.encode()), body]);
+    let header = match send_pool.alloc_copy(&header.encode()) {
+        Ok(buf) => buf.freeze(),
+        Err(err) => {
+            // Without memory for 24 bytes there is nothing to answer with;
+            // the caller's deadline will report the failure.
+            tracing::warn!(%err, method, "no send-pool memory for a response header");
+            return;
+        }
+    };
+    let message = Message::from_parts([header, body]);
     if let Err(err) = sender.send(message).await {
         tracing::debug!(%err, method, "response not sent; connection closed");
     }

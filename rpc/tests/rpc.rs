@@ -11,6 +11,8 @@ use tessera_rpc::{
     CallOptions, Channel, ChannelConfig, Code, RequestContext, RpcError, Server, ServerConfig,
     ServerError, Status, method_id,
 };
+use tessera_rpc::{Transport, TransportConfig};
+use tessera_transport::pool::lookup;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
@@ -25,6 +27,8 @@ struct EchoImpl;
 /// Echo calls whose delay of exactly `SLOW_MARKER_MS` ran to completion.
 static SLOW_MARKER_COMPLETED: AtomicU64 = AtomicU64::new(0);
 const SLOW_MARKER_MS: u32 = 777;
+/// Pool id of the memory the last payload of 3s was decoded from.
+static LAST_REQUEST_PAYLOAD_POOL: AtomicU64 = AtomicU64::new(0);
 
 impl Echo for EchoImpl {
     async fn echo(
@@ -34,6 +38,12 @@ impl Echo for EchoImpl {
     ) -> Result<EchoResponse, Status> {
         if request.delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(u64::from(request.delay_ms))).await;
+        }
+        // Payloads of 3s come from the zero-copy test only (tests share this
+        // process under `cargo test`).
+        if request.payload.first() == Some(&3) {
+            let pool = lookup(request.payload.as_ptr() as usize).map_or(0, |r| r.pool_id);
+            LAST_REQUEST_PAYLOAD_POOL.store(pool, Ordering::SeqCst);
         }
         if request.delay_ms == SLOW_MARKER_MS {
             SLOW_MARKER_COMPLETED.fetch_add(1, Ordering::SeqCst);
@@ -151,7 +161,7 @@ async fn two_generated_services_are_served_and_called_end_to_end() {
 #[tokio::test]
 async fn handler_status_reaches_the_caller() {
     let server = start(ServerConfig::default()).await;
-    let echo = EchoClient::new(Channel::lazy(&server.addr, ChannelConfig::default()));
+    let echo = EchoClient::new(Channel::lazy(&server.addr, ChannelConfig::default()).unwrap());
     let err = echo
         .fail(FailRequest {
             code: Code::NotFound.as_u16().into(),
@@ -433,4 +443,52 @@ async fn registering_a_service_twice_is_refused() {
         .add_service(CounterServer::from_arc(Arc::new(CounterImpl::default())))
         .unwrap_err();
     assert!(matches!(err, ServerError::DuplicateMethod { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn decoded_bytes_fields_point_into_the_receive_pool() {
+    let server_transport = Transport::new(TransportConfig::default()).unwrap();
+    let server = Server::builder(ServerConfig::default())
+        .transport(server_transport.clone())
+        .add_service(EchoServer::new(EchoImpl))
+        .unwrap()
+        .bind("127.0.0.1:0")
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve_with_shutdown(async {
+        let _ = stopped.await;
+    }));
+    let client_transport = Transport::new(TransportConfig::default()).unwrap();
+    let echo = EchoClient::new(Channel::with_transport(
+        addr,
+        ChannelConfig::default(),
+        client_transport.clone(),
+    ));
+    for size in [100usize, 200_000] {
+        let payload = Bytes::from(vec![3u8; size]);
+        let response = echo
+            .echo(EchoRequest {
+                payload: payload.clone(),
+                delay_ms: 0,
+            })
+            .await
+            .unwrap();
+        assert_eq!(response.payload, payload);
+        assert_eq!(
+            LAST_REQUEST_PAYLOAD_POOL.load(Ordering::SeqCst),
+            server_transport.recv_pool().id(),
+            "the handler saw the payload in the server's receive pool: decoded without a copy"
+        );
+        let region =
+            lookup(response.payload.as_ptr() as usize).expect("response payload in pool memory");
+        assert_eq!(
+            region.pool_id,
+            client_transport.recv_pool().id(),
+            "{size}-byte response copied"
+        );
+    }
+    let _ = stop.send(());
+    task.await.unwrap();
 }

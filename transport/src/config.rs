@@ -5,6 +5,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 
+use crate::pool::PoolConfig;
+
 /// Which transport carries the messages.
 ///
 /// Parsed from the `transport` setting of every component. Values that are
@@ -92,10 +94,16 @@ pub struct TransportConfig {
     /// batches many small messages into one system call without delaying the
     /// first of them behind megabytes of others.
     pub write_batch_bytes: usize,
-    /// Initial capacity of a connection's receive buffer. Default 64 KiB:
-    /// many small messages are read with one `read`, and a message that fits
-    /// is handed out as a slice of it without a copy.
+    /// Size of the pool buffers a connection reads into. Default 64 KiB:
+    /// many small messages are read with one `read` and handed out as
+    /// slices of that buffer without a copy; a message larger than half of
+    /// it is read straight into a buffer of its own size.
     pub read_buffer_bytes: usize,
+    /// The pool that outgoing messages are encoded into (local access only).
+    pub send_pool: PoolConfig,
+    /// The pool that incoming messages are received into (remotely writable
+    /// on RDMA).
+    pub recv_pool: PoolConfig,
 }
 
 impl Default for TransportConfig {
@@ -106,6 +114,8 @@ impl Default for TransportConfig {
             send_queue_depth: 1024,
             write_batch_bytes: 1 << 20,
             read_buffer_bytes: 64 << 10,
+            send_pool: PoolConfig::named("send"),
+            recv_pool: PoolConfig::named("recv"),
         }
     }
 }
@@ -140,8 +150,17 @@ impl Validate for TransportConfig {
                 format!("{} is below the minimum of 64", self.read_buffer_bytes),
             ));
         }
-        Ok(())
+        prefixed("send_pool", self.send_pool.validate())?;
+        prefixed("recv_pool", self.recv_pool.validate())
     }
+}
+
+/// Puts `table.` in front of the key an error names.
+fn prefixed(table: &str, result: Result<(), ConfigError>) -> Result<(), ConfigError> {
+    result.map_err(|err| match err {
+        ConfigError::Invalid { key, reason } => invalid(format!("{table}.{key}"), reason),
+        other => other,
+    })
 }
 
 #[cfg(test)]

@@ -1,10 +1,101 @@
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use bytes::Bytes;
+use tessera_config::{ConfigError, Validate};
 use tokio::sync::mpsc;
 
+use crate::pool::{Access, CountingHook, Pool};
 use crate::tcp::{self, TcpReceiver};
 use crate::{Message, TransportConfig, TransportError, TransportKind};
+
+/// A transport instance: its configuration and its registered-memory pools.
+///
+/// Create one per process (or per NIC context) and share it: every
+/// connection made through it receives into its receive pool, and the layers
+/// above encode outgoing messages into its send pool. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Transport {
+    inner: Arc<TransportInner>,
+}
+
+#[derive(Debug)]
+struct TransportInner {
+    config: TransportConfig,
+    send_pool: Pool,
+    recv_pool: Pool,
+}
+
+impl Transport {
+    /// A transport with `config`. TCP needs no NIC registration, so its
+    /// pools use a counting hook.
+    pub fn new(config: TransportConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let send_pool = Pool::new(
+            config.send_pool.clone(),
+            Access::LocalOnly,
+            Arc::new(CountingHook::new()),
+        )?;
+        let recv_pool = Pool::new(
+            config.recv_pool.clone(),
+            Access::RemoteWrite,
+            Arc::new(CountingHook::new()),
+        )?;
+        Ok(Self {
+            inner: Arc::new(TransportInner {
+                config,
+                send_pool,
+                recv_pool,
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TransportConfig {
+        &self.inner.config
+    }
+
+    /// The pool outgoing messages are built in (local access only).
+    pub fn send_pool(&self) -> &Pool {
+        &self.inner.send_pool
+    }
+
+    /// The pool incoming messages are received into.
+    pub fn recv_pool(&self) -> &Pool {
+        &self.inner.recv_pool
+    }
+
+    /// Dials `addr` ("host:port").
+    pub async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
+        match self.inner.config.kind {
+            TransportKind::Tcp => {
+                let stream = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .map_err(|source| TransportError::Connect {
+                        addr: addr.to_owned(),
+                        source,
+                    })?;
+                self.tcp_connection(stream)
+            }
+        }
+    }
+
+    /// Listens on `addr` ("host:port"; port 0 picks a free one).
+    pub async fn listen(&self, addr: &str) -> Result<Listener, TransportError> {
+        match self.inner.config.kind {
+            TransportKind::Tcp => Ok(Listener {
+                inner: ListenerInner::Tcp(tcp::bind(addr).await?),
+                transport: self.clone(),
+            }),
+        }
+    }
+
+    fn tcp_connection(&self, stream: tokio::net::TcpStream) -> Result<Connection, TransportError> {
+        let config = &self.inner.config;
+        let (tx, rx, peer) = tcp::setup(config, self.inner.recv_pool.clone(), stream)?;
+        Ok(Connection::tcp(config, tx, rx, peer))
+    }
+}
 
 /// An established connection: a cloneable sending half and a receiving half.
 #[derive(Debug)]
@@ -21,30 +112,7 @@ impl Connection {
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer
     }
-}
 
-/// Dials `addr` ("host:port") with the configured transport.
-pub async fn connect(config: &TransportConfig, addr: &str) -> Result<Connection, TransportError> {
-    match config.kind {
-        TransportKind::Tcp => {
-            let (tx, rx, peer) = tcp::connect(config, addr).await?;
-            Ok(Connection::tcp(config, tx, rx, peer))
-        }
-    }
-}
-
-/// Listens on `addr` ("host:port"; port 0 picks a free one) with the
-/// configured transport.
-pub async fn listen(config: &TransportConfig, addr: &str) -> Result<Listener, TransportError> {
-    match config.kind {
-        TransportKind::Tcp => Ok(Listener {
-            inner: ListenerInner::Tcp(tcp::bind(addr).await?),
-            config: config.clone(),
-        }),
-    }
-}
-
-impl Connection {
     fn tcp(
         config: &TransportConfig,
         tx: mpsc::Sender<Message>,
@@ -68,7 +136,7 @@ impl Connection {
 #[derive(Debug)]
 pub struct Listener {
     inner: ListenerInner,
-    config: TransportConfig,
+    transport: Transport,
 }
 
 #[derive(Debug)]
@@ -82,8 +150,7 @@ impl Listener {
         match &self.inner {
             ListenerInner::Tcp(listener) => {
                 let (stream, _) = listener.accept().await?;
-                let (tx, rx, peer) = tcp::setup(&self.config, stream)?;
-                Ok(Connection::tcp(&self.config, tx, rx, peer))
+                self.transport.tcp_connection(stream)
             }
         }
     }
@@ -142,7 +209,8 @@ enum ReceiverInner {
 }
 
 impl MessageReceiver {
-    /// The next whole message; `Ok(None)` when the peer closed cleanly.
+    /// The next whole message; `Ok(None)` when the peer closed cleanly. The
+    /// message lies in the transport's receive pool.
     ///
     /// After an error the connection is unusable and every later call
     /// returns [`TransportError::Closed`].

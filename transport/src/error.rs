@@ -42,6 +42,9 @@ pub enum TransportError {
         /// Bytes of it that arrived before the close.
         received: u64,
     },
+    /// No pool memory could be had for a message.
+    #[error("no buffer memory: {0}")]
+    Memory(String),
     /// The connection is closed (locally or by a previous error).
     #[error("connection closed")]
     Closed,

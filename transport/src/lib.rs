@@ -20,7 +20,8 @@ mod message;
 pub mod pool;
 pub mod tcp;
 
-pub use config::{ConfigError, TransportConfig, TransportKind};
-pub use connection::{Connection, Listener, MessageReceiver, MessageSender, connect, listen};
+pub use config::{TransportConfig, TransportKind};
+pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};
 pub use error::TransportError;
 pub use message::Message;
+pub use tessera_config::ConfigError;

@@ -2,13 +2,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use bytes::Bytes;
-use tessera_transport::{Message, TransportConfig, TransportError, connect, listen};
+use tessera_transport::pool::lookup;
+use tessera_transport::{Message, Transport, TransportConfig, TransportError};
 use tokio::io::AsyncWriteExt;
 
 #[tokio::test]
 async fn messages_arrive_whole_and_in_order() {
     let config = TransportConfig::default();
-    let listener = listen(&config, "127.0.0.1:0").await.unwrap();
+    let transport = Transport::new(config.clone()).unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let server = tokio::spawn(async move {
         let mut conn = listener.accept().await.unwrap();
@@ -18,7 +20,7 @@ async fn messages_arrive_whole_and_in_order() {
         }
         got
     });
-    let conn = connect(&config, &addr).await.unwrap();
+    let conn = transport.connect(&addr).await.unwrap();
     let big = Bytes::from(vec![7u8; 3 << 20]);
     for i in 0..100u32 {
         let message = Message::from_parts([
@@ -34,6 +36,14 @@ async fn messages_arrive_whole_and_in_order() {
     drop(conn);
     let got = server.await.unwrap();
     assert_eq!(got.len(), 100);
+    for message in &got {
+        let region = lookup(message.as_ptr() as usize).expect("received into pool memory");
+        assert_eq!(
+            region.pool_id,
+            transport.recv_pool().id(),
+            "no copy out of the receive pool"
+        );
+    }
     for (i, message) in got.iter().enumerate() {
         assert_eq!(&message[..4], &(i as u32).to_le_bytes());
         if i == 50 {
@@ -50,13 +60,14 @@ async fn oversized_send_is_refused_and_connection_stays_usable() {
         max_message_size: 1024,
         ..TransportConfig::default()
     };
-    let listener = listen(&config, "127.0.0.1:0").await.unwrap();
+    let transport = Transport::new(config.clone()).unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let server = tokio::spawn(async move {
         let mut conn = listener.accept().await.unwrap();
         conn.receiver.recv().await.unwrap()
     });
-    let conn = connect(&config, &addr).await.unwrap();
+    let conn = transport.connect(&addr).await.unwrap();
     let err = conn
         .sender
         .send(Message::from(vec![0u8; 1025]))
@@ -82,7 +93,8 @@ async fn hostile_length_prefix_closes_the_connection_with_an_error() {
         max_message_size: 1024,
         ..TransportConfig::default()
     };
-    let listener = listen(&config, "127.0.0.1:0").await.unwrap();
+    let transport = Transport::new(config.clone()).unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut conn = listener.accept().await.unwrap();
@@ -101,7 +113,8 @@ async fn hostile_length_prefix_closes_the_connection_with_an_error() {
 #[tokio::test]
 async fn peer_closing_mid_frame_is_reported_as_truncation() {
     let config = TransportConfig::default();
-    let listener = listen(&config, "127.0.0.1:0").await.unwrap();
+    let transport = Transport::new(config.clone()).unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut conn = listener.accept().await.unwrap();
@@ -119,4 +132,49 @@ async fn peer_closing_mid_frame_is_reported_as_truncation() {
         ),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn frames_of_every_size_arrive_intact_across_buffer_boundaries() {
+    // A small read buffer forces frames to straddle buffers and large ones
+    // to take the dedicated path.
+    let config = TransportConfig {
+        read_buffer_bytes: 256,
+        ..TransportConfig::default()
+    };
+    let transport = Transport::new(config).unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let sizes: Vec<usize> = (0..300).map(|i| (i * 37) % 700).collect();
+    let expected = sizes.clone();
+    let server = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        while let Some(message) = conn.receiver.recv().await.unwrap() {
+            got.push(message);
+        }
+        got
+    });
+    let conn = transport.connect(&addr).await.unwrap();
+    for (i, &size) in sizes.iter().enumerate() {
+        conn.sender
+            .send(Message::from(vec![(i % 251) as u8; size]))
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let got = server.await.unwrap();
+    assert_eq!(got.iter().map(|m| m.len()).collect::<Vec<_>>(), expected);
+    for (i, message) in got.iter().enumerate() {
+        assert!(
+            message.iter().all(|&b| b == (i % 251) as u8),
+            "message {i} corrupted"
+        );
+        if !message.is_empty() {
+            assert_eq!(
+                lookup(message.as_ptr() as usize).map(|r| r.pool_id),
+                Some(transport.recv_pool().id())
+            );
+        }
+    }
 }

@@ -9,7 +9,7 @@ use tessera_proto::rows::put_f32s;
 use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
-use tessera_rpc::{Channel, RpcError, Validate};
+use tessera_rpc::{Channel, RpcError, Transport, Validate};
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
@@ -103,6 +103,10 @@ impl PsClient {
     pub fn new(config: &WorkerConfig) -> Result<Self, WorkerError> {
         config.validate()?;
         let channel_config = config.channel_config();
+        // One transport (and so one pair of pools) for all the worker's
+        // channels.
+        let transport =
+            Transport::new(channel_config.transport.clone()).map_err(WorkerError::Config)?;
         let mut by_address: HashMap<&str, ParameterServerClient> = HashMap::new();
         let mut servers = Vec::new();
         let mut replicas = vec![Vec::new(); config.num_shards as usize];
@@ -110,9 +114,10 @@ impl PsClient {
             let client = by_address
                 .entry(server.address.as_str())
                 .or_insert_with(|| {
-                    let client = ParameterServerClient::new(Channel::lazy(
+                    let client = ParameterServerClient::new(Channel::with_transport(
                         &server.address,
                         channel_config.clone(),
+                        transport.clone(),
                     ));
                     servers.push(client.clone());
                     client

@@ -269,6 +269,7 @@ fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
             "            {:#010x} => ::std::boxed::Box::pin(async move {{",
             method_id(&path)
         )?;
+        writeln!(buf, "                let pool = context.send_pool.clone();")?;
         writeln!(
             buf,
             "                let request = ::tessera_rpc::codegen::decode_request::<{}>(body)?;",
@@ -281,7 +282,7 @@ fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
         )?;
         writeln!(
             buf,
-            "                ::core::result::Result::Ok(::tessera_rpc::codegen::encode_response(&response))"
+            "                ::tessera_rpc::codegen::encode_response(&response, &pool)"
         )?;
         writeln!(buf, "            }}),")?;
     }

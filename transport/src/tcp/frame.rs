@@ -22,6 +22,23 @@ pub fn encode_frame_header(len: usize, max: u64) -> Result<[u8; FRAME_HEADER_LEN
     Ok((len as u32).to_le_bytes())
 }
 
+/// The body length announced by the prefix at the front of `buf`, or `None`
+/// if fewer than [`FRAME_HEADER_LEN`] bytes are there. Fails if the length
+/// exceeds `max`: nothing may be allocated for such a frame.
+pub fn body_len(buf: &[u8], max: u64) -> Result<Option<usize>, TransportError> {
+    let Some(prefix) = buf.get(..FRAME_HEADER_LEN) else {
+        return Ok(None);
+    };
+    let mut len_bytes = [0u8; FRAME_HEADER_LEN];
+    len_bytes.copy_from_slice(prefix);
+    let len = u64::from(u32::from_le_bytes(len_bytes));
+    if len > max {
+        return Err(TransportError::MessageTooLarge { len, max });
+    }
+    // `len <= u32::MAX`, which fits in usize on every supported target.
+    Ok(Some(len as usize))
+}
+
 /// Splits whole frames off the front of a receive buffer.
 #[derive(Debug, Clone)]
 pub struct FrameDecoder {
@@ -39,17 +56,10 @@ impl FrameDecoder {
     ///
     /// The returned frame shares `buf`'s storage: no copy.
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Bytes>, TransportError> {
-        let Some(prefix) = buf.get(..FRAME_HEADER_LEN) else {
+        let Some(len) = body_len(buf, self.max)? else {
             return Ok(None);
         };
-        let mut len_bytes = [0u8; FRAME_HEADER_LEN];
-        len_bytes.copy_from_slice(prefix);
-        let len = u64::from(u32::from_le_bytes(len_bytes));
-        if len > self.max {
-            return Err(TransportError::MessageTooLarge { len, max: self.max });
-        }
-        // `len <= max <= u32::MAX`, so it fits in usize on every supported target.
-        let total = FRAME_HEADER_LEN + len as usize;
+        let total = FRAME_HEADER_LEN + len;
         if buf.len() < total {
             buf.reserve(total - buf.len());
             return Ok(None);

@@ -11,37 +11,29 @@ mod frame;
 use std::io::IoSlice;
 use std::net::SocketAddr;
 
-use bytes::{Bytes, BytesMut};
+use std::collections::VecDeque;
+
+use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::pool::{Pool, PoolBuf};
 use tokio::sync::mpsc;
 
-pub use frame::{FRAME_HEADER_LEN, FrameDecoder, encode_frame_header};
+pub use frame::{FRAME_HEADER_LEN, FrameDecoder, body_len, encode_frame_header};
 
 use crate::{Message, TransportConfig, TransportError};
 
 /// Most `iovec`s handed to one `writev` (Linux's `IOV_MAX` is 1024).
 const MAX_IOVECS: usize = 512;
 
-/// Dials `addr` over TCP.
-pub(crate) async fn connect(
-    config: &TransportConfig,
-    addr: &str,
-) -> Result<(mpsc::Sender<Message>, TcpReceiver, SocketAddr), TransportError> {
-    let stream = TcpStream::connect(addr)
-        .await
-        .map_err(|source| TransportError::Connect {
-            addr: addr.to_owned(),
-            source,
-        })?;
-    setup(config, stream)
-}
-
 /// Wraps an established stream: sets `TCP_NODELAY` (RPCs are latency bound and
-/// the writer batches on its own) and starts the writer task.
+/// the writer batches on its own) and starts the writer task. Incoming
+/// messages are read into buffers of `recv_pool`.
 pub(crate) fn setup(
     config: &TransportConfig,
+    recv_pool: Pool,
     stream: TcpStream,
 ) -> Result<(mpsc::Sender<Message>, TcpReceiver, SocketAddr), TransportError> {
     stream.set_nodelay(true)?;
@@ -57,9 +49,13 @@ pub(crate) fn setup(
     ));
     let receiver = TcpReceiver {
         read,
-        buf: BytesMut::with_capacity(config.read_buffer_bytes),
-        decoder: FrameDecoder::new(config.max_message_size),
-        read_buffer_bytes: config.read_buffer_bytes,
+        pool: recv_pool,
+        chunk: None,
+        start: 0,
+        end: 0,
+        ready: VecDeque::new(),
+        max_message_size: config.max_message_size,
+        chunk_size: config.read_buffer_bytes,
         failed: false,
     };
     Ok((tx, receiver, peer))
@@ -145,12 +141,25 @@ async fn write_all_vectored(
 }
 
 /// The receiving half of a TCP connection.
+///
+/// Reads go into pool buffers of `chunk_size` bytes. When a read completes
+/// one or more frames, the buffer is frozen and each frame is handed out as
+/// a slice of it (no copy); the start of a following, incomplete frame moves
+/// to the next buffer (at most one read's worth of bytes). A frame larger
+/// than half a buffer gets a pool buffer of its own size, and its body is
+/// read straight into it.
 #[derive(Debug)]
 pub(crate) struct TcpReceiver {
     read: OwnedReadHalf,
-    buf: BytesMut,
-    decoder: FrameDecoder,
-    read_buffer_bytes: usize,
+    pool: Pool,
+    /// The buffer being filled; bytes `start..end` are received and unparsed.
+    chunk: Option<PoolBuf>,
+    start: usize,
+    end: usize,
+    /// Whole frames already split off, in order.
+    ready: VecDeque<Bytes>,
+    max_message_size: u64,
+    chunk_size: usize,
     failed: bool,
 }
 
@@ -160,30 +169,143 @@ impl TcpReceiver {
             return Err(TransportError::Closed);
         }
         let result = self.recv_inner().await;
-        if result.is_err() {
-            self.failed = true;
+        match &result {
+            Ok(Some(frame)) => {
+                metrics::counter!("tessera_transport_messages_received_total", "transport" => "tcp").increment(1);
+                metrics::counter!("tessera_transport_bytes_received_total", "transport" => "tcp")
+                    .increment(frame.len() as u64);
+            }
+            Ok(None) => {}
+            Err(_) => self.failed = true,
         }
         result
     }
 
+    fn alloc(&self, len: usize) -> Result<PoolBuf, TransportError> {
+        let mut buf = self
+            .pool
+            .alloc(len)
+            .map_err(|err| TransportError::Memory(err.to_string()))?;
+        buf.set_len(len);
+        Ok(buf)
+    }
+
     async fn recv_inner(&mut self) -> Result<Option<Bytes>, TransportError> {
         loop {
-            if let Some(frame) = self.decoder.decode(&mut self.buf)? {
-                metrics::counter!("tessera_transport_messages_received_total", "transport" => "tcp")
-                    .increment(1);
-                metrics::counter!("tessera_transport_bytes_received_total", "transport" => "tcp")
-                    .increment(frame.len() as u64);
+            if let Some(frame) = self.ready.pop_front() {
                 return Ok(Some(frame));
             }
-            if self.buf.capacity() - self.buf.len() < self.read_buffer_bytes / 4 {
-                self.buf.reserve(self.read_buffer_bytes);
+            if let Some(chunk) = &self.chunk
+                && let Some(len) = body_len(&chunk[self.start..self.end], self.max_message_size)?
+            {
+                let have = self.end - self.start;
+                if have >= FRAME_HEADER_LEN + len {
+                    self.split_frames()?;
+                    continue;
+                }
+                if len > self.chunk_size / 2 {
+                    return self.read_large(len).await.map(Some);
+                }
+                if self.start + FRAME_HEADER_LEN + len > self.chunk_size {
+                    self.compact();
+                }
             }
-            if self.read.read_buf(&mut self.buf).await? == 0 {
-                return match self.decoder.end_of_stream(&self.buf) {
-                    None => Ok(None),
-                    Some(err) => Err(err),
-                };
+            let chunk = match &mut self.chunk {
+                Some(chunk) => chunk,
+                None => self.chunk.insert(self.alloc(self.chunk_size)?),
+            };
+            if self.end == chunk.len() {
+                // A full buffer always holds a whole frame, a frame that goes
+                // the large path, or a partial one not at the front.
+                if self.start == 0 {
+                    return Err(TransportError::Memory(
+                        "receive buffer full without a whole frame".into(),
+                    ));
+                }
+                self.compact();
+                continue;
             }
+            let Some(chunk) = self.chunk.as_mut() else {
+                continue;
+            };
+            let read = self.read.read(&mut chunk[self.end..]).await?;
+            if read == 0 {
+                let have = self.end - self.start;
+                if have == 0 {
+                    return Ok(None);
+                }
+                let expected = self
+                    .chunk
+                    .as_ref()
+                    .and_then(|c| body_len(&c[self.start..self.end], u64::MAX).ok().flatten())
+                    .map_or(FRAME_HEADER_LEN as u64, |len| len as u64);
+                return Err(TransportError::Truncated {
+                    expected,
+                    received: have.saturating_sub(FRAME_HEADER_LEN) as u64,
+                });
+            }
+            self.end += read;
         }
+    }
+
+    /// Moves the unparsed bytes to the front of the current buffer.
+    fn compact(&mut self) {
+        if let Some(chunk) = &mut self.chunk {
+            chunk.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+
+    /// Freezes the current buffer, queues every whole frame in it as a
+    /// slice, and moves the incomplete rest (if any) to a fresh buffer.
+    fn split_frames(&mut self) -> Result<(), TransportError> {
+        let Some(chunk) = self.chunk.take() else {
+            return Ok(());
+        };
+        let shared = chunk.freeze();
+        let mut pos = self.start;
+        while let Some(len) = body_len(&shared[pos..self.end], self.max_message_size)? {
+            if self.end - pos < FRAME_HEADER_LEN + len {
+                break;
+            }
+            self.ready
+                .push_back(shared.slice(pos + FRAME_HEADER_LEN..pos + FRAME_HEADER_LEN + len));
+            pos += FRAME_HEADER_LEN + len;
+        }
+        let rest = self.end - pos;
+        self.start = 0;
+        self.end = rest;
+        if rest > 0 {
+            let mut fresh = self.alloc(self.chunk_size)?;
+            fresh[..rest].copy_from_slice(&shared[pos..pos + rest]);
+            self.chunk = Some(fresh);
+        }
+        Ok(())
+    }
+
+    /// Reads a frame of `len` body bytes into a buffer of its own.
+    async fn read_large(&mut self, len: usize) -> Result<Bytes, TransportError> {
+        let mut body = self.alloc(len)?;
+        let mut got = 0;
+        if let Some(chunk) = &self.chunk {
+            let have = self.end - self.start - FRAME_HEADER_LEN;
+            let from = self.start + FRAME_HEADER_LEN;
+            body[..have].copy_from_slice(&chunk[from..from + have]);
+            got = have;
+        }
+        self.start = 0;
+        self.end = 0;
+        while got < len {
+            let read = self.read.read(&mut body[got..]).await?;
+            if read == 0 {
+                return Err(TransportError::Truncated {
+                    expected: len as u64,
+                    received: got as u64,
+                });
+            }
+            got += read;
+        }
+        Ok(body.freeze())
     }
 }
