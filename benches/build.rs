@@ -2,6 +2,6 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/bench.proto");
-    tessera_rpc_build::configure().compile_protos(&["proto/bench.proto"], &["proto"])?;
+    tessera_rpc_build::compile_protos(&["proto/bench.proto"], &["proto"])?;
     Ok(())
 }

@@ -2,6 +2,6 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=ps.proto");
-    tessera_rpc_build::configure().compile_protos(&["ps.proto"], &["."])?;
+    tessera_rpc_build::compile_protos(&["ps.proto"], &["."])?;
     Ok(())
 }

@@ -12,6 +12,18 @@ pub fn put_f32s(out: &mut Vec<u8>, values: &[f32]) {
     }
 }
 
+/// Writes `values` as little-endian f32 into `out`, which must hold exactly
+/// `values.len() * 4` bytes; returns `false` (writing nothing) otherwise.
+pub fn write_f32s(out: &mut [u8], values: &[f32]) -> bool {
+    if out.len() != values.len() * F32_BYTES {
+        return false;
+    }
+    for (chunk, value) in out.chunks_exact_mut(F32_BYTES).zip(values) {
+        chunk.copy_from_slice(&value.to_le_bytes());
+    }
+    true
+}
+
 /// Decodes little-endian f32 from `bytes` into `out` (which must hold
 /// exactly `bytes.len() / 4` values).
 ///
@@ -45,6 +57,9 @@ mod tests {
             let mut wire = Vec::new();
             put_f32s(&mut wire, &values);
             prop_assert_eq!(f32_count(&wire), Some(values.len()));
+            let mut written = vec![0u8; wire.len()];
+            prop_assert!(write_f32s(&mut written, &values));
+            prop_assert_eq!(&written, &wire);
             let mut back = vec![0f32; values.len()];
             prop_assert!(get_f32s(&wire, &mut back));
             for (a, b) in values.iter().zip(&back) {
@@ -57,6 +72,7 @@ mod tests {
     fn length_mismatch_is_refused() {
         let mut out = [0f32; 2];
         assert!(!get_f32s(&[0u8; 7], &mut out));
+        assert!(!write_f32s(&mut [0u8; 7], &out));
         assert_eq!(f32_count(&[0u8; 7]), None);
     }
 }

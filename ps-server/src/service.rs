@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use tessera_proto::v1::{
     self, FetchRequest, FetchResponse, HealthRequest, HealthResponse, PushRequest, PushResponse,
     TableInfo,
@@ -18,6 +17,7 @@ impl From<StoreError> for Status {
         match err {
             StoreError::UnknownTable(_) => Status::not_found(message),
             StoreError::GradientLength { .. } => Status::invalid_argument(message),
+            StoreError::OutputLength { .. } => Status::internal(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode => Status::failed_precondition(message),
@@ -45,15 +45,22 @@ impl PsService {
 impl v1::ParameterServer for PsService {
     async fn fetch(
         &self,
-        _context: RequestContext,
+        context: RequestContext,
         request: FetchRequest,
     ) -> Result<FetchResponse, Status> {
-        let (dim, values) = self
-            .store
-            .fetch(&request.table, request.shard, &request.keys)?;
+        // The rows are written straight into a send-pool buffer, which then
+        // goes out as its own part of the response: no copy after this one.
+        let len = request.keys.len() * self.store.row_bytes(&request.table)?;
+        let mut values = context.send_pool.alloc(len).map_err(|err| {
+            Status::resource_exhausted(format!("no memory for {len} bytes of rows: {err}"))
+        })?;
+        values.set_len(len);
+        let dim =
+            self.store
+                .fetch_into(&request.table, request.shard, &request.keys, &mut values)?;
         Ok(FetchResponse {
             dim,
-            values: Bytes::from(values),
+            values: values.freeze(),
         })
     }
 

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use dashmap::DashMap;
-use tessera_proto::rows::{F32_BYTES, put_f32s};
+use tessera_proto::rows::{F32_BYTES, write_f32s};
 use tessera_proto::sharding::{shard_for_key, splitmix64};
 
 use crate::config::{Mode, PsServerConfig, TableConfig};
@@ -48,6 +48,14 @@ pub enum StoreError {
         /// Bytes expected.
         expected: usize,
         /// Bytes received.
+        got: usize,
+    },
+    /// The output buffer of a fetch has the wrong size (a caller bug).
+    #[error("fetch output holds {got} bytes, {expected} needed")]
+    OutputLength {
+        /// Bytes needed.
+        expected: usize,
+        /// Bytes given.
         got: usize,
     },
     /// Pushes are refused in inference mode.
@@ -177,34 +185,64 @@ impl Store {
         Ok((table_ref, map))
     }
 
-    /// The rows of `keys`, in order, as little-endian f32 (`keys.len() * dim`
-    /// values), and the dimension.
-    pub fn fetch(
+    /// Bytes of one row of `table` on the wire.
+    pub fn row_bytes(&self, table: &str) -> Result<usize, StoreError> {
+        self.tables
+            .get(table)
+            .map(|t| t.config.dim as usize * F32_BYTES)
+            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))
+    }
+
+    /// Writes the rows of `keys`, in order, as little-endian f32 into `out`
+    /// (exactly `keys.len() * row_bytes(table)` bytes: the caller allocates
+    /// it, in the send pool, so the response goes out from there without a
+    /// copy). Returns the dimension.
+    pub fn fetch_into(
         &self,
         table: &str,
         shard: u32,
         keys: &[u64],
-    ) -> Result<(u32, Vec<u8>), StoreError> {
+        out: &mut [u8],
+    ) -> Result<u32, StoreError> {
         let (table, map) = self.shard_map(table, shard, keys)?;
         let dim = table.config.dim;
         let row_bytes = dim as usize * F32_BYTES;
-        let mut out = Vec::with_capacity(keys.len() * row_bytes);
-        for &key in keys {
+        if out.len() != keys.len() * row_bytes {
+            return Err(StoreError::OutputLength {
+                expected: keys.len() * row_bytes,
+                got: out.len(),
+            });
+        }
+        for (&key, slot) in keys.iter().zip(out.chunks_exact_mut(row_bytes)) {
             // The read guard is dropped before the entry below takes the
             // segment's write lock.
-            let found = map.get(&key).map(|row| put_f32s(&mut out, &row)).is_some();
+            let found = map.get(&key).map(|row| write_f32s(slot, &row)).is_some();
             if found {
                 continue;
             }
             match self.mode {
                 Mode::Training => {
                     let row = map.entry(key).or_insert_with(|| table.initial_row(key));
-                    put_f32s(&mut out, &row);
+                    write_f32s(slot, &row);
                 }
-                Mode::Inference => out.resize(out.len() + row_bytes, 0),
+                Mode::Inference => slot.fill(0),
             }
         }
         metrics::counter!("tessera_ps_fetch_keys_total").increment(keys.len() as u64);
+        Ok(dim)
+    }
+
+    /// The rows of `keys`, in order, as little-endian f32 in a new vector,
+    /// and the dimension (for tests and tools; the server uses
+    /// [`Store::fetch_into`]).
+    pub fn fetch(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+    ) -> Result<(u32, Vec<u8>), StoreError> {
+        let mut out = vec![0u8; keys.len() * self.row_bytes(table)?];
+        let dim = self.fetch_into(table, shard, keys, &mut out)?;
         Ok((dim, out))
     }
 
@@ -249,7 +287,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tessera_proto::rows::get_f32s;
+    use tessera_proto::rows::{get_f32s, put_f32s};
 
     fn config(mode: Mode) -> PsServerConfig {
         PsServerConfig {

@@ -177,8 +177,13 @@ impl Channel {
         &self.inner.config
     }
 
-    /// Calls a unary method: encodes `request`, sends it, waits for the
-    /// response within the deadline and decodes it.
+    /// The send pool of the channel's transport (requests are encoded there).
+    pub fn send_pool(&self) -> &tessera_transport::pool::Pool {
+        self.inner.transport.send_pool()
+    }
+
+    /// Calls a unary method: encodes `request` (whole) into the send pool,
+    /// sends it, waits for the response within the deadline and decodes it.
     pub async fn unary<Req, Resp>(
         &self,
         method: &'static MethodDescriptor,
@@ -189,11 +194,26 @@ impl Channel {
         Req: prost::Message,
         Resp: prost::Message + Default,
     {
+        let body = crate::codegen::encode_to_pool(request, self.send_pool())
+            .map_err(|err| RpcError::Memory(err.to_string()))?;
+        self.unary_message(method, Message::from(body), options)
+            .await
+    }
+
+    /// Calls a unary method with an already encoded request body (the
+    /// generated clients encode large `bytes` fields as parts of their own).
+    pub async fn unary_message<Resp>(
+        &self,
+        method: &'static MethodDescriptor,
+        body: Message,
+        options: &CallOptions,
+    ) -> Result<Resp, RpcError>
+    where
+        Resp: prost::Message + Default,
+    {
         let timeout = options
             .timeout
             .unwrap_or_else(|| self.inner.config.request_timeout());
-        let body = crate::codegen::encode_to_pool(request, self.inner.transport.send_pool())
-            .map_err(|err| RpcError::Memory(err.to_string()))?;
         let span = tracing::debug_span!("rpc.call", method = method.path, addr = %self.inner.addr);
         let started = Instant::now();
         let result = self
@@ -217,7 +237,7 @@ impl Channel {
     pub async fn call_raw(
         &self,
         method_id: u32,
-        body: Bytes,
+        body: Message,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
@@ -247,7 +267,8 @@ impl Channel {
             .alloc_copy(&header.encode())
             .map_err(|err| RpcError::Memory(err.to_string()))?
             .freeze();
-        let message = Message::from_parts([header, body]);
+        let message =
+            Message::from_parts(std::iter::once(header).chain(body.parts().iter().cloned()));
         let exchange = async {
             link.sender
                 .send(message)

@@ -44,7 +44,7 @@ pub trait Service: Send + Sync + 'static {
         method_id: u32,
         context: RequestContext,
         body: Bytes,
-    ) -> BoxFuture<'static, Result<Bytes, Status>>;
+    ) -> BoxFuture<'static, Result<Message, Status>>;
 }
 
 #[derive(Clone)]
@@ -308,7 +308,7 @@ async fn respond(
     send_pool: &Pool,
     request: &RpcHeader,
     method: &'static str,
-    result: Result<Bytes, Status>,
+    result: Result<Message, Status>,
     received: Instant,
 ) {
     let (code, body) = match result {
@@ -322,7 +322,7 @@ async fn respond(
                 }
                 text.truncate(cut);
             }
-            (status.code(), Bytes::from(text))
+            (status.code(), Message::from(Bytes::from(text)))
         }
     };
     metrics::counter!("tessera_rpc_server_requests_total", "method" => method, "code" => code_label(code))
@@ -339,7 +339,7 @@ async fn respond(
             return;
         }
     };
-    let message = Message::from_parts([header, body]);
+    let message = Message::from_parts(std::iter::once(header).chain(body.parts().iter().cloned()));
     if let Err(err) = sender.send(message).await {
         tracing::debug!(%err, method, "response not sent; connection closed");
     }

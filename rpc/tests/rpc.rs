@@ -378,7 +378,7 @@ async fn unknown_method_gets_unimplemented() {
     let err = channel
         .call_raw(
             method_id("/no.Such/Method"),
-            Bytes::new(),
+            tessera_transport::Message::new(),
             std::time::Instant::now() + Duration::from_secs(5),
             Duration::from_secs(5),
         )
@@ -397,7 +397,7 @@ async fn undecodable_request_body_gets_invalid_argument() {
     let err = channel
         .call_raw(
             ECHO_DESCRIPTOR.methods[0].id,
-            Bytes::from_static(&[0xff, 0xff, 0xff]),
+            tessera_transport::Message::from(Bytes::from_static(&[0xff, 0xff, 0xff])),
             std::time::Instant::now() + Duration::from_secs(5),
             Duration::from_secs(5),
         )

@@ -11,27 +11,110 @@
 //! independent of method order, so adding a method never renumbers the
 //! others. Two methods of one service that hash alike fail the build.
 //!
-//! Use [`configure`] from a `build.rs`:
+//! Large `bytes` fields are sent without being copied into the encoded
+//! message: [`compile_protos`] reads the descriptors first, and for every
+//! request and response type with top-level `bytes` fields the generated
+//! code encodes the rest of the message, then appends each such field's key
+//! and length followed by the field's own buffer as a separate part of the
+//! transport message (protobuf accepts fields in any order). The transport
+//! writes the parts with one vectored write.
+//!
+//! Use [`compile_protos`] from a `build.rs`:
 //!
 //! ```no_run
-//! tessera_rpc_build::configure()
-//!     .compile_protos(&["proto/echo.proto"], &["proto"])
-//!     .unwrap();
+//! tessera_rpc_build::compile_protos(&["proto/echo.proto"], &["proto"]).unwrap();
 //! ```
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::path::Path;
 
 use prost_build::{Method, Service};
+use prost_types::FileDescriptorSet;
+use prost_types::field_descriptor_proto::{Label, Type};
 
 /// A `prost_build::Config` with Tessera's service generator installed and
 /// every `bytes` field generated as `bytes::Bytes` (so decoded payloads share
 /// the receive buffer instead of being copied into a `Vec`).
+///
+/// Code generated this way encodes messages whole; [`compile_protos`] also
+/// sends large `bytes` fields without copying them.
 pub fn configure() -> prost_build::Config {
     let mut config = prost_build::Config::new();
     config.service_generator(Box::new(ServiceGenerator::default()));
     config.bytes(["."]);
     config
+}
+
+/// Compiles `protos` (searching `includes`) with Tessera's generator, with
+/// zero-copy encoding of top-level `bytes` fields of request and response
+/// types.
+pub fn compile_protos(
+    protos: &[impl AsRef<Path>],
+    includes: &[impl AsRef<Path>],
+) -> std::io::Result<()> {
+    let mut config = prost_build::Config::new();
+    config.bytes(["."]);
+    let fds = config.load_fds(protos, includes)?;
+    config.service_generator(Box::new(ServiceGenerator {
+        bytes_fields: bytes_fields(&fds),
+    }));
+    config.compile_fds(fds)
+}
+
+/// Top-level singular `bytes` fields of every top-level message, keyed by
+/// the message's full proto name (`.package.Message`): (tag, Rust field name).
+fn bytes_fields(fds: &FileDescriptorSet) -> HashMap<String, Vec<(i32, String)>> {
+    let mut out = HashMap::new();
+    for file in &fds.file {
+        let package = file.package();
+        for message in &file.message_type {
+            let full = if package.is_empty() {
+                format!(".{}", message.name())
+            } else {
+                format!(".{package}.{}", message.name())
+            };
+            let fields: Vec<(i32, String)> = message
+                .field
+                .iter()
+                .filter(|f| {
+                    f.r#type() == Type::Bytes
+                        && f.label() != Label::Repeated
+                        && f.oneof_index.is_none()
+                })
+                .map(|f| (f.number(), rust_field_name(f.name())))
+                .collect();
+            out.insert(full, fields);
+        }
+    }
+    out
+}
+
+/// The name prost gives a field: snake case, raw identifier for keywords.
+fn rust_field_name(proto: &str) -> String {
+    let mut snake = String::new();
+    for (i, ch) in proto.chars().enumerate() {
+        if ch.is_uppercase() {
+            if i > 0 {
+                snake.push('_');
+            }
+            snake.extend(ch.to_lowercase());
+        } else {
+            snake.push(ch);
+        }
+    }
+    const KEYWORDS: &[&str] = &[
+        "as", "async", "await", "break", "const", "continue", "crate", "dyn", "else", "enum",
+        "extern", "false", "fn", "for", "if", "impl", "in", "let", "loop", "match", "mod", "move",
+        "mut", "pub", "ref", "return", "self", "static", "struct", "super", "trait", "true",
+        "type", "unsafe", "use", "where", "while", "abstract", "become", "box", "do", "final",
+        "macro", "override", "priv", "typeof", "unsized", "virtual", "yield", "try", "gen",
+    ];
+    if KEYWORDS.contains(&snake.as_str()) {
+        format!("r#{snake}")
+    } else {
+        snake
+    }
 }
 
 /// The 32-bit FNV-1a hash of a method path: the method's id on the wire.
@@ -53,13 +136,44 @@ pub const fn method_id(path: &str) -> u32 {
 /// Emits Tessera clients, server traits and dispatchers.
 #[derive(Debug, Default)]
 pub struct ServiceGenerator {
-    _private: (),
+    /// Zero-copy `bytes` fields per message (empty without descriptors).
+    bytes_fields: HashMap<String, Vec<(i32, String)>>,
 }
 
 impl prost_build::ServiceGenerator for ServiceGenerator {
     fn generate(&mut self, service: Service, buf: &mut String) {
         // Writing into a String cannot fail.
-        let _ = generate_service(&service, buf);
+        let _ = generate_service(&service, &self.bytes_fields, buf);
+    }
+}
+
+/// Code that turns the owned message `value` into transport message parts:
+/// the message without its large `bytes` fields, then each field by itself.
+fn encode_parts_expr(
+    value: &str,
+    proto_type: &str,
+    bytes_fields: &HashMap<String, Vec<(i32, String)>>,
+    pool: &str,
+    map_err: &str,
+) -> String {
+    match bytes_fields
+        .get(proto_type)
+        .filter(|fields| !fields.is_empty())
+    {
+        None => format!(
+            "::tessera_rpc::codegen::encode_parts(&{value}, ::std::vec::Vec::new(), {pool}){map_err}"
+        ),
+        Some(fields) => {
+            let mut code = format!("{{ let mut head = {value}; let fields = ::std::vec![");
+            for (tag, name) in fields {
+                let _ = write!(code, "({tag}u32, ::core::mem::take(&mut head.{name})),");
+            }
+            let _ = write!(
+                code,
+                "]; ::tessera_rpc::codegen::encode_parts(&head, fields, {pool}){map_err} }}"
+            );
+            code
+        }
     }
 }
 
@@ -112,7 +226,11 @@ fn check_methods(service: &Service, full: &str) {
     }
 }
 
-fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
+fn generate_service(
+    service: &Service,
+    bytes_fields: &HashMap<String, Vec<(i32, String)>>,
+    buf: &mut String,
+) -> std::fmt::Result {
     let full = full_name(service);
     check_methods(service, &full);
     let name = &service.name;
@@ -170,7 +288,7 @@ fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
     writeln!(buf, "        &self.channel")?;
     writeln!(buf, "    }}")?;
     for (index, method) in service.methods.iter().enumerate() {
-        generate_client_method(method, index, &descriptor, buf)?;
+        generate_client_method(method, index, &descriptor, bytes_fields, buf)?;
     }
     writeln!(buf, "}}")?;
 
@@ -255,7 +373,7 @@ fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
     writeln!(buf, "    }}")?;
     writeln!(
         buf,
-        "    fn call(&self, method_id: u32, context: ::tessera_rpc::RequestContext, body: ::tessera_rpc::codegen::Bytes) -> ::tessera_rpc::codegen::BoxFuture<'static, ::core::result::Result<::tessera_rpc::codegen::Bytes, ::tessera_rpc::Status>> {{"
+        "    fn call(&self, method_id: u32, context: ::tessera_rpc::RequestContext, body: ::tessera_rpc::codegen::Bytes) -> ::tessera_rpc::codegen::BoxFuture<'static, ::core::result::Result<::tessera_rpc::codegen::Message, ::tessera_rpc::Status>> {{"
     )?;
     writeln!(
         buf,
@@ -282,7 +400,14 @@ fn generate_service(service: &Service, buf: &mut String) -> std::fmt::Result {
         )?;
         writeln!(
             buf,
-            "                ::tessera_rpc::codegen::encode_response(&response, &pool)"
+            "                {}",
+            encode_parts_expr(
+                "response",
+                &method.output_proto_type,
+                bytes_fields,
+                "&pool",
+                ".map_err(::tessera_rpc::codegen::response_encode_error)"
+            )
         )?;
         writeln!(buf, "            }}),")?;
     }
@@ -300,6 +425,7 @@ fn generate_client_method(
     method: &Method,
     index: usize,
     descriptor: &str,
+    bytes_fields: &HashMap<String, Vec<(i32, String)>>,
     buf: &mut String,
 ) -> std::fmt::Result {
     doc_lines(&method.comments, "    ", buf);
@@ -317,7 +443,8 @@ fn generate_client_method(
     )?;
     writeln!(
         buf,
-        "        self.channel.unary(&{descriptor}.methods[{index}], &request, &::tessera_rpc::CallOptions::default()).await"
+        "        self.{}_with_options(request, &::tessera_rpc::CallOptions::default()).await",
+        method.name
     )?;
     writeln!(buf, "    }}")?;
     writeln!(
@@ -330,12 +457,28 @@ fn generate_client_method(
         "    pub async fn {}_with_options(&self, request: {}, options: &::tessera_rpc::CallOptions) -> ::core::result::Result<{}, ::tessera_rpc::RpcError> {{",
         method.name, method.input_type, method.output_type
     )?;
+    writeln!(buf, "        let pool = self.channel.send_pool();")?;
     writeln!(
         buf,
-        "        self.channel.unary(&{descriptor}.methods[{index}], &request, options).await"
+        "        let body = {}?;",
+        encode_parts_expr(
+            "request",
+            &method.input_proto_type,
+            bytes_fields,
+            pool_ref(),
+            ".map_err(::tessera_rpc::codegen::request_encode_error)"
+        )
+    )?;
+    writeln!(
+        buf,
+        "        self.channel.unary_message(&{descriptor}.methods[{index}], body, options).await"
     )?;
     writeln!(buf, "    }}")?;
     Ok(())
+}
+
+fn pool_ref() -> &'static str {
+    "pool"
 }
 
 #[cfg(test)]
