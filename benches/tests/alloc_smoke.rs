@@ -8,13 +8,26 @@ use std::process::Command;
 fn quick_alloc_run_writes_a_row_per_system_and_workload() {
     let dir = tempfile::tempdir().unwrap();
     let output = Command::new(env!("CARGO_BIN_EXE_tessera-bench"))
-        .args(["alloc", "--quick", "--threads", "1", "--repeat", "1", "--out"])
+        .args([
+            "alloc",
+            "--quick",
+            "--threads",
+            "1",
+            "--repeat",
+            "1",
+            "--out",
+        ])
         .arg(dir.path())
         .output()
         .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("alloc.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("alloc.json")).unwrap())
+            .unwrap();
     assert_eq!(json["bench"], "alloc");
     let rows = json["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 8);
@@ -30,5 +43,8 @@ fn quick_alloc_run_writes_a_row_per_system_and_workload() {
         }
     }
     let markdown = std::fs::read_to_string(dir.path().join("alloc.md")).unwrap();
-    assert!(markdown.contains("| large | 1 | tessera-pool |"), "{markdown}");
+    assert!(
+        markdown.contains("| large | 1 | tessera-pool |"),
+        "{markdown}"
+    );
 }

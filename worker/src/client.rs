@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use futures::future::try_join_all;
-use tessera_proto::rows::put_f32s;
+use tessera_proto::rows::write_f32s;
 use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
@@ -68,6 +68,9 @@ pub enum WorkerError {
     /// The shards' answers do not fit together.
     #[error(transparent)]
     Merge(#[from] MergeError),
+    /// No send-pool memory for the gradients.
+    #[error("no buffer memory for gradients: {0}")]
+    Memory(String),
     /// `gradients.len()` is not `keys.len() * dim`.
     #[error("{gradients} gradient values do not match {keys} keys of dim {dim}")]
     GradientLength {
@@ -95,6 +98,7 @@ pub struct PsClient {
     replicas: Vec<Vec<ParameterServerClient>>,
     servers: Vec<ParameterServerClient>,
     next_replica: AtomicUsize,
+    transport: Transport,
 }
 
 impl PsClient {
@@ -132,6 +136,7 @@ impl PsClient {
             replicas,
             servers,
             next_replica: AtomicUsize::new(0),
+            transport,
         })
     }
 
@@ -190,9 +195,17 @@ impl PsClient {
         )?;
         let mut calls = Vec::new();
         for (group, sums) in &plan.groups {
-            let mut wire = Vec::new();
-            put_f32s(&mut wire, sums);
-            let wire = Bytes::from(wire);
+            // Built once in the send pool and shared by every replica's
+            // request: each sends it from there as a part of its own.
+            let len = sums.len() * tessera_proto::rows::F32_BYTES;
+            let mut buf = self
+                .transport
+                .send_pool()
+                .alloc(len)
+                .map_err(|err| WorkerError::Memory(err.to_string()))?;
+            buf.set_len(len);
+            write_f32s(&mut buf, sums);
+            let wire = buf.freeze();
             for client in &self.replicas[group.shard as usize] {
                 let request = PushRequest {
                     table: table.to_owned(),
