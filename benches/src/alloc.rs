@@ -277,3 +277,24 @@ mod tests {
         }
     }
 }
+
+/// `main` of a child process whose global allocator is `system`: runs the
+/// workload named by the command line through `Vec<u8>` and prints its row
+/// as JSON.
+#[allow(clippy::print_stdout, clippy::print_stderr)]
+pub fn global_allocator_child(system: &str) -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = parse_child_args(&args)
+        .map(|(workload, threads, ops)| run(GlobalAllocator, system, workload, threads, ops))
+        .and_then(|row| serde_json::to_string(&row).map_err(|e| e.to_string()));
+    match result {
+        Ok(json) => {
+            println!("{json}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("alloc-{system}: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
