@@ -246,6 +246,27 @@ pub fn parse_child_args(args: &[String]) -> Result<(Workload, usize, usize), Str
     Ok((workload, threads, ops))
 }
 
+/// `main` of a child process whose global allocator is `system`: runs the
+/// workload named by the command line through `Vec<u8>` and prints its row
+/// as JSON.
+#[allow(clippy::print_stdout, clippy::print_stderr)]
+pub fn global_allocator_child(system: &str) -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = parse_child_args(&args)
+        .map(|(workload, threads, ops)| run(GlobalAllocator, system, workload, threads, ops))
+        .and_then(|row| serde_json::to_string(&row).map_err(|e| e.to_string()));
+    match result {
+        Ok(json) => {
+            println!("{json}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("alloc-{system}: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,27 +295,6 @@ mod tests {
                 500,
             );
             assert!(row.ops_per_sec > 0.0);
-        }
-    }
-}
-
-/// `main` of a child process whose global allocator is `system`: runs the
-/// workload named by the command line through `Vec<u8>` and prints its row
-/// as JSON.
-#[allow(clippy::print_stdout, clippy::print_stderr)]
-pub fn global_allocator_child(system: &str) -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = parse_child_args(&args)
-        .map(|(workload, threads, ops)| run(GlobalAllocator, system, workload, threads, ops))
-        .and_then(|row| serde_json::to_string(&row).map_err(|e| e.to_string()));
-    match result {
-        Ok(json) => {
-            println!("{json}");
-            std::process::ExitCode::SUCCESS
-        }
-        Err(err) => {
-            eprintln!("alloc-{system}: {err}");
-            std::process::ExitCode::FAILURE
         }
     }
 }
