@@ -62,6 +62,7 @@ pub(crate) struct PoolInner {
     cache_limits: Vec<usize>,
     closed: AtomicBool,
     registered_gauge: metrics::Gauge,
+    peak_registered_gauge: metrics::Gauge,
     in_use_gauge: metrics::Gauge,
     registrations_counter: metrics::Counter,
 }
@@ -101,6 +102,7 @@ impl PoolInner {
             cache_limits,
             closed: AtomicBool::new(false),
             registered_gauge: metrics::gauge!("tessera_pool_registered_bytes", "pool" => name.clone()),
+            peak_registered_gauge: metrics::gauge!("tessera_pool_peak_registered_bytes", "pool" => name.clone()),
             in_use_gauge: metrics::gauge!("tessera_pool_in_use_bytes", "pool" => name.clone()),
             registrations_counter: metrics::counter!("tessera_pool_registrations_total", "pool" => name),
         }
@@ -150,7 +152,11 @@ impl PoolInner {
             let before = self.registered.fetch_add(len, Ordering::AcqRel);
             if before + len <= ceiling {
                 let now = before + len;
-                self.peak_registered.fetch_max(now, Ordering::Relaxed);
+                let peak = self
+                    .peak_registered
+                    .fetch_max(now, Ordering::Relaxed)
+                    .max(now);
+                self.peak_registered_gauge.set(peak as f64);
                 self.registered_gauge.set(now as f64);
                 return Ok(());
             }
