@@ -276,3 +276,28 @@ fn invalid_configs_name_their_key() {
         assert_eq!(err.key(), Some(key));
     }
 }
+
+#[test]
+fn a_dropped_pool_releases_memory_cached_by_other_threads_when_they_exit() {
+    let (pool, hook) = pool();
+    let bufs: Vec<PoolBuf> = (0..100).map(|_| pool.alloc(1000).unwrap()).collect();
+    let (freed, wait_freed) = std::sync::mpsc::channel::<()>();
+    let (go, wait_go) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::spawn(move || {
+        // Freed here, so the objects sit in this thread's cache...
+        drop(bufs);
+        freed.send(()).unwrap();
+        wait_go.recv().unwrap();
+    });
+    wait_freed.recv().unwrap();
+    drop(pool);
+    assert!(hook.registered_bytes() > 0, "...which keeps their block");
+    go.send(()).unwrap();
+    worker.join().unwrap();
+    assert_eq!(
+        hook.registered_bytes(),
+        0,
+        "the exiting thread's flush released it"
+    );
+    assert_eq!(hook.registrations(), hook.deregistrations());
+}

@@ -29,6 +29,10 @@ impl Entry {
             }
         }
         pool.account_in_use(std::mem::take(&mut self.in_use_delta));
+        if pool.is_closed() {
+            // The pool's handles are gone: let whole free blocks go.
+            pool.trim();
+        }
     }
 }
 
