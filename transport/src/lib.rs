@@ -19,6 +19,10 @@ mod message;
 #[allow(unsafe_code)]
 pub mod pool;
 pub mod tcp;
+// The verbs providers are the other place allowed `unsafe`: a software
+// RNIC writes into registered memory the way a NIC's DMA would.
+#[allow(unsafe_code)]
+pub mod verbs;
 
 pub use config::{TransportConfig, TransportKind};
 pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};

@@ -1,0 +1,262 @@
+//! The verbs layer under the RDMA engine: a small provider trait over RC
+//! queue pairs, and its providers.
+//!
+//! The engine (a later step of the RDMA transport) is written against
+//! [`Device`], [`CompletionQueue`] and [`QueuePair`] only. Two providers
+//! implement them:
+//!
+//! - `soft` ([`soft::SoftFabric`]): a software RNIC with the semantics the
+//!   engine relies on — SEND consumes a posted receive (none posted is a
+//!   receiver-not-ready error, counted), WRITE and WRITE_WITH_IMM land in the
+//!   peer's registered memory after rkey, access and bounds checks,
+//!   completions come per QP in posting order, unsignalled work requests
+//!   complete silently, a QP in error flushes what is outstanding — and
+//!   seeded fault injection. This step runs between threads of one process.
+//! - `ibverbs` (rdma-sys): to come, behind the same trait.
+//!
+//! The types here are plain data mirroring `ibv_send_wr`, `ibv_recv_wr`,
+//! `ibv_wc` and the QP attributes exchanged at connection setup, so a real
+//! provider maps them one to one.
+
+pub mod soft;
+
+use std::sync::Arc;
+
+use crate::pool::RegistrationHook;
+
+/// What a connection setup exchanges about a queue pair (out of band).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpEndpoint {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Local identifier (InfiniBand) or 0 (RoCE).
+    pub lid: u16,
+    /// Global identifier (RoCE address).
+    pub gid: [u8; 16],
+    /// Initial packet sequence number.
+    pub psn: u32,
+    /// Which device (fabric node) the QP lives on; the soft provider's way
+    /// of routing, 0 for real devices.
+    pub node: u64,
+}
+
+/// A scatter/gather entry: `len` bytes at `addr` in memory registered with
+/// `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    /// First byte.
+    pub addr: usize,
+    /// Bytes.
+    pub len: u32,
+    /// Local key of the region holding them.
+    pub lkey: u32,
+}
+
+/// A send-queue operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// Two-sided: consumes a receive posted by the peer.
+    Send,
+    /// One-sided write into `remote_addr` (registered by the peer with `rkey`).
+    Write {
+        /// Destination address in the peer's memory.
+        remote_addr: usize,
+        /// The peer's remote key for it.
+        rkey: u32,
+    },
+    /// A write that also consumes a peer receive and delivers `imm`.
+    WriteWithImm {
+        /// Destination address in the peer's memory.
+        remote_addr: usize,
+        /// The peer's remote key for it.
+        rkey: u32,
+        /// The immediate value the peer's completion carries.
+        imm: u32,
+    },
+}
+
+/// A send work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub op: SendOp,
+    /// The local data, gathered in order.
+    pub sges: Vec<Sge>,
+    /// Whether a successful completion is reported (errors always are).
+    pub signaled: bool,
+}
+
+/// A receive work request: one buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming SEND lands.
+    pub sge: Sge,
+}
+
+/// How a work request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WcStatus {
+    /// Done.
+    Success,
+    /// A local gather/scatter entry is not registered memory (bad lkey or
+    /// out of bounds).
+    LocalProtectionError,
+    /// An incoming message is longer than the posted receive buffer.
+    LocalLengthError,
+    /// The peer refused a one-sided access (rkey, access right or bounds).
+    RemoteAccessError,
+    /// The peer had no receive posted (receiver not ready).
+    ReceiverNotReady,
+    /// The peer stopped answering (transport retries exhausted).
+    RetryExceeded,
+    /// The peer could not complete the operation (for example its receive
+    /// buffer was too small).
+    RemoteOperationError,
+    /// Flushed because the QP is in the error state.
+    Flushed,
+}
+
+/// What kind of work a completion is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WcKind {
+    /// A send-queue work request.
+    Send,
+    /// A receive consumed by a SEND.
+    Recv,
+    /// A receive consumed by a WRITE_WITH_IMM (carries the immediate).
+    RecvWithImm(u32),
+}
+
+/// A work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// Kind.
+    pub kind: WcKind,
+    /// Bytes received (receives only).
+    pub byte_len: u32,
+    /// The queue pair it belongs to.
+    pub qpn: u32,
+}
+
+/// Queue pair states (RESET -> INIT -> RTR -> RTS, or ERROR).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    /// Created, not connected.
+    Reset,
+    /// Ready to send (connected).
+    ReadyToSend,
+    /// Failed: outstanding and new work requests are flushed.
+    Error,
+}
+
+/// Queue sizes of a QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Send queue depth: work requests posted and not yet completed.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per work request.
+    pub max_sge: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        Self {
+            max_send_wr: 32,
+            max_recv_wr: 64,
+            max_sge: 4,
+        }
+    }
+}
+
+/// Errors of the verbs layer (returned by calls, as opposed to the
+/// statuses of work completions).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerbsError {
+    /// No device can be opened (no RNIC, or no kernel support).
+    #[error("no RDMA device: {0}")]
+    NoDevice(String),
+    /// More work requests than the queue has room for.
+    #[error("{queue} queue full: {posted} posted of {depth}")]
+    QueueFull {
+        /// `send` or `recv`.
+        queue: &'static str,
+        /// Outstanding requests, including this post.
+        posted: u32,
+        /// The queue's depth.
+        depth: u32,
+    },
+    /// A work request is malformed (too many SGEs, empty SEND gather list...).
+    #[error("invalid work request: {0}")]
+    InvalidRequest(String),
+    /// The peer QP does not exist (or is not reachable).
+    #[error("no queue pair {qpn} on node {node}")]
+    UnknownPeer {
+        /// The node asked for.
+        node: u64,
+        /// The QP number asked for.
+        qpn: u32,
+    },
+    /// The operation needs another QP state.
+    #[error("queue pair {qpn} is in state {state:?}")]
+    WrongState {
+        /// The QP.
+        qpn: u32,
+        /// Its state.
+        state: QpState,
+    },
+}
+
+/// A completion queue.
+pub trait CompletionQueue: Send + Sync {
+    /// Moves up to `max` completions into `out`; returns how many.
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize;
+    /// The queue as `Any`, so that a provider can recover its own type from
+    /// the trait object it is handed back in [`Device::create_qp`].
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
+}
+
+/// An RC queue pair.
+pub trait QueuePair: Send + Sync {
+    /// Its number.
+    fn qpn(&self) -> u32;
+    /// What the peer needs to connect to it.
+    fn endpoint(&self) -> QpEndpoint;
+    /// Connects to `remote` (INIT -> RTR -> RTS).
+    fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError>;
+    /// Posts a list of send work requests with one doorbell.
+    fn post_send(&self, wrs: &[SendWr]) -> Result<(), VerbsError>;
+    /// Posts a list of receive work requests with one doorbell.
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError>;
+    /// The current state.
+    fn state(&self) -> QpState;
+}
+
+/// An opened RNIC (context and protection domain).
+pub trait Device: Send + Sync {
+    /// A name for logs.
+    fn name(&self) -> &str;
+    /// The hook that registers pool memory with this device's protection
+    /// domain (give it to the transport's pools).
+    fn registration_hook(&self) -> Arc<dyn RegistrationHook>;
+    /// A completion queue of `depth` entries.
+    fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError>;
+    /// An RC queue pair whose completions go to `send_cq` and `recv_cq`.
+    fn create_qp(
+        &self,
+        send_cq: Arc<dyn CompletionQueue>,
+        recv_cq: Arc<dyn CompletionQueue>,
+        caps: QpCaps,
+    ) -> Result<Arc<dyn QueuePair>, VerbsError>;
+}

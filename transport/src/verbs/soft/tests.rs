@@ -1,0 +1,511 @@
+use std::sync::Arc;
+
+use super::*;
+use crate::pool::{Access, Pool, PoolBuf, PoolConfig};
+use crate::verbs::{
+    CompletionQueue, Device, QpCaps, QpState, QueuePair, RecvWr, SendOp, SendWr, Sge, WcKind,
+    WcStatus, WorkCompletion,
+};
+
+/// One side of a connection: a device, its pools, a connected QP and its CQs.
+struct Side {
+    device: SoftDevice,
+    send_pool: Pool,
+    recv_pool: Pool,
+    qp: Arc<dyn QueuePair>,
+    send_cq: Arc<dyn CompletionQueue>,
+    recv_cq: Arc<dyn CompletionQueue>,
+}
+
+impl Side {
+    fn new(fabric: &SoftFabric, name: &str, faults: SoftFaults, caps: QpCaps) -> Self {
+        let device = fabric.open(name, faults);
+        let hook = device.registration_hook();
+        let send_pool = Pool::new(
+            PoolConfig::named(format!("{name}-send")),
+            Access::LocalOnly,
+            hook.clone(),
+        )
+        .unwrap();
+        let recv_pool = Pool::new(
+            PoolConfig::named(format!("{name}-recv")),
+            Access::RemoteWrite,
+            hook,
+        )
+        .unwrap();
+        let send_cq = device.create_cq(64).unwrap();
+        let recv_cq = device.create_cq(64).unwrap();
+        let qp = device
+            .create_qp(send_cq.clone(), recv_cq.clone(), caps)
+            .unwrap();
+        Self {
+            device,
+            send_pool,
+            recv_pool,
+            qp,
+            send_cq,
+            recv_cq,
+        }
+    }
+
+    fn poll_send(&self) -> Vec<WorkCompletion> {
+        let mut out = Vec::new();
+        self.send_cq.poll(&mut out, 1024);
+        out
+    }
+
+    fn poll_recv(&self) -> Vec<WorkCompletion> {
+        let mut out = Vec::new();
+        self.recv_cq.poll(&mut out, 1024);
+        out
+    }
+}
+
+fn sge(buf: &PoolBuf) -> Sge {
+    Sge {
+        addr: buf.as_ptr() as usize,
+        len: buf.len() as u32,
+        lkey: buf.region().unwrap().lkey,
+    }
+}
+
+fn pair_with(faults: SoftFaults, caps: QpCaps) -> (Side, Side) {
+    let fabric = SoftFabric::new();
+    let a = Side::new(&fabric, "a", faults, caps);
+    let b = Side::new(&fabric, "b", SoftFaults::default(), caps);
+    a.qp.connect(&b.qp.endpoint()).unwrap();
+    b.qp.connect(&a.qp.endpoint()).unwrap();
+    (a, b)
+}
+
+fn pair() -> (Side, Side) {
+    pair_with(SoftFaults::default(), QpCaps::default())
+}
+
+fn send(wr_id: u64, buf: &PoolBuf) -> SendWr {
+    SendWr {
+        wr_id,
+        op: SendOp::Send,
+        sges: vec![sge(buf)],
+        signaled: true,
+    }
+}
+
+fn filled(pool: &Pool, len: usize, byte: u8) -> PoolBuf {
+    let mut buf = pool.alloc(len).unwrap();
+    buf.fill(byte);
+    buf
+}
+
+#[test]
+fn send_lands_in_the_first_posted_receive() {
+    let (a, b) = pair();
+    let first = filled(&b.recv_pool, 64, 0);
+    let second = filled(&b.recv_pool, 64, 0);
+    b.qp.post_recv(&[
+        RecvWr {
+            wr_id: 1,
+            sge: sge(&first),
+        },
+        RecvWr {
+            wr_id: 2,
+            sge: sge(&second),
+        },
+    ])
+    .unwrap();
+    let data = filled(&a.send_pool, 40, 7);
+    a.qp.post_send(&[send(10, &data)]).unwrap();
+    let sent = a.poll_send();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(
+        (sent[0].wr_id, sent[0].status, sent[0].kind),
+        (10, WcStatus::Success, WcKind::Send)
+    );
+    let received = b.poll_recv();
+    assert_eq!(received.len(), 1);
+    assert_eq!(
+        (received[0].wr_id, received[0].status, received[0].byte_len),
+        (1, WcStatus::Success, 40)
+    );
+    assert!(first[..40].iter().all(|&x| x == 7) && first[40..].iter().all(|&x| x == 0));
+    assert!(second.iter().all(|&x| x == 0));
+}
+
+#[test]
+fn send_without_a_receive_is_receiver_not_ready_and_fails_the_qp() {
+    let (a, b) = pair();
+    let data = filled(&a.send_pool, 8, 1);
+    a.qp.post_send(&[send(1, &data), send(2, &data)]).unwrap();
+    let sent = a.poll_send();
+    assert_eq!(
+        sent.iter().map(|c| c.status).collect::<Vec<_>>(),
+        [WcStatus::ReceiverNotReady, WcStatus::Flushed]
+    );
+    assert_eq!(b.device.stats().rnr_events, 1);
+    assert_eq!(a.qp.state(), QpState::Error);
+    // Later work is flushed, receives too.
+    a.qp.post_send(&[send(3, &data)]).unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::Flushed);
+    let mine = filled(&a.recv_pool, 8, 0);
+    a.qp.post_recv(&[RecvWr {
+        wr_id: 4,
+        sge: sge(&mine),
+    }])
+    .unwrap();
+    assert_eq!(a.poll_recv()[0].status, WcStatus::Flushed);
+}
+
+#[test]
+fn write_lands_in_remote_memory_without_consuming_a_receive() {
+    let (a, b) = pair();
+    let target = filled(&b.recv_pool, 4096, 0);
+    let region = target.region().unwrap();
+    let posted = filled(&b.recv_pool, 16, 0);
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 9,
+        sge: sge(&posted),
+    }])
+    .unwrap();
+    let data = filled(&a.send_pool, 1000, 5);
+    a.qp.post_send(&[SendWr {
+        wr_id: 1,
+        op: SendOp::Write {
+            remote_addr: target.as_ptr() as usize + 100,
+            rkey: region.rkey,
+        },
+        sges: vec![sge(&data)],
+        signaled: true,
+    }])
+    .unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::Success);
+    assert!(target[100..1100].iter().all(|&x| x == 5));
+    assert!(target[..100].iter().chain(&target[1100..]).all(|&x| x == 0));
+    assert!(
+        b.poll_recv().is_empty(),
+        "a plain WRITE is invisible to the receiver"
+    );
+}
+
+#[test]
+fn write_with_immediate_consumes_a_receive_and_delivers_the_immediate() {
+    let (a, b) = pair();
+    let target = filled(&b.recv_pool, 300_000, 0);
+    let rkey = target.region().unwrap().rkey;
+    let posted = filled(&b.recv_pool, 16, 0);
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 77,
+        sge: sge(&posted),
+    }])
+    .unwrap();
+    let first = filled(&a.send_pool, 200_000, 1);
+    let second = filled(&a.send_pool, 100_000, 2);
+    a.qp.post_send(&[SendWr {
+        wr_id: 1,
+        op: SendOp::WriteWithImm {
+            remote_addr: target.as_ptr() as usize,
+            rkey,
+            imm: 0xfeed,
+        },
+        sges: vec![sge(&first), sge(&second)],
+        signaled: true,
+    }])
+    .unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::Success);
+    let received = b.poll_recv();
+    assert_eq!(received.len(), 1);
+    assert_eq!(
+        (received[0].wr_id, received[0].kind, received[0].byte_len),
+        (77, WcKind::RecvWithImm(0xfeed), 300_000)
+    );
+    assert!(target[..200_000].iter().all(|&x| x == 1) && target[200_000..].iter().all(|&x| x == 2));
+    assert!(
+        posted.iter().all(|&x| x == 0),
+        "the data went to the WRITE's address, not the receive buffer"
+    );
+}
+
+#[test]
+fn one_sided_access_checks_rkey_rights_and_bounds() {
+    let data_len = 64;
+    for case in ["local-only memory", "out of bounds", "unknown rkey"] {
+        let (a, b) = pair();
+        let writable = filled(&b.recv_pool, 128, 0);
+        let local_only = filled(&b.send_pool, 128, 0);
+        let (addr, rkey) = match case {
+            "local-only memory" => (
+                local_only.as_ptr() as usize,
+                local_only.region().unwrap().rkey,
+            ),
+            "out of bounds" => {
+                let region = writable.region().unwrap();
+                (region.base + region.len - data_len / 2, region.rkey)
+            }
+            _ => (writable.as_ptr() as usize, 0xdead),
+        };
+        let data = filled(&a.send_pool, data_len, 9);
+        a.qp.post_send(&[SendWr {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: addr,
+                rkey,
+            },
+            sges: vec![sge(&data)],
+            signaled: true,
+        }])
+        .unwrap();
+        assert_eq!(
+            a.poll_send()[0].status,
+            WcStatus::RemoteAccessError,
+            "{case}"
+        );
+        assert_eq!(a.qp.state(), QpState::Error, "{case}");
+        assert_eq!(b.device.stats().remote_access_errors, 1, "{case}");
+        assert!(
+            local_only.iter().chain(writable.iter()).all(|&x| x == 0),
+            "{case}: nothing written"
+        );
+    }
+}
+
+#[test]
+fn unregistered_local_memory_is_a_local_protection_error() {
+    let (a, b) = pair();
+    let posted = filled(&b.recv_pool, 64, 0);
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 1,
+        sge: sge(&posted),
+    }])
+    .unwrap();
+    let stack = [0u8; 16];
+    a.qp.post_send(&[SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sges: vec![Sge {
+            addr: stack.as_ptr() as usize,
+            len: 16,
+            lkey: 0x100,
+        }],
+        signaled: true,
+    }])
+    .unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::LocalProtectionError);
+}
+
+#[test]
+fn a_receive_too_small_fails_both_sides() {
+    let (a, b) = pair();
+    let small = filled(&b.recv_pool, 8, 0);
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 1,
+        sge: sge(&small),
+    }])
+    .unwrap();
+    let data = filled(&a.send_pool, 64, 3);
+    a.qp.post_send(&[send(1, &data)]).unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::RemoteOperationError);
+    assert_eq!(b.poll_recv()[0].status, WcStatus::LocalLengthError);
+    assert_eq!(b.qp.state(), QpState::Error);
+}
+
+#[test]
+fn unsignalled_requests_complete_silently_and_the_queue_depth_holds() {
+    let caps = QpCaps {
+        max_send_wr: 8,
+        ..QpCaps::default()
+    };
+    let (a, b) = pair_with(SoftFaults::default(), caps);
+    let target = filled(&b.recv_pool, 64, 0);
+    let rkey = target.region().unwrap().rkey;
+    let data = filled(&a.send_pool, 8, 1);
+    let write = |wr_id: u64, signaled: bool| SendWr {
+        wr_id,
+        op: SendOp::Write {
+            remote_addr: target.as_ptr() as usize,
+            rkey,
+        },
+        sges: vec![sge(&data)],
+        signaled,
+    };
+    // A batch of 8 with only the last signalled: one completion.
+    let batch: Vec<SendWr> = (0..8).map(|i| write(i, i == 7)).collect();
+    a.qp.post_send(&batch).unwrap();
+    let err = a.qp.post_send(&[write(8, true)]).unwrap_err();
+    assert!(
+        matches!(err, crate::verbs::VerbsError::QueueFull { depth: 8, .. }),
+        "{err}"
+    );
+    let completions = a.poll_send();
+    assert_eq!(completions.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [7]);
+    // Polling that completion freed all eight slots.
+    a.qp.post_send(&(8..16).map(|i| write(i, i == 15)).collect::<Vec<_>>())
+        .unwrap();
+    assert_eq!(a.poll_send().len(), 1);
+}
+
+#[test]
+fn completions_arrive_in_posting_order_even_when_delayed() {
+    let faults = SoftFaults {
+        seed: 42,
+        delay_per_million: 500_000,
+        max_delay_polls: 3,
+        ..SoftFaults::default()
+    };
+    let (a, b) = pair_with(faults, QpCaps::default());
+    let target = filled(&b.recv_pool, 64, 0);
+    let rkey = target.region().unwrap().rkey;
+    let data = filled(&a.send_pool, 8, 1);
+    let wrs: Vec<SendWr> = (0..20)
+        .map(|i| SendWr {
+            wr_id: i,
+            op: SendOp::Write {
+                remote_addr: target.as_ptr() as usize,
+                rkey,
+            },
+            sges: vec![sge(&data)],
+            signaled: true,
+        })
+        .collect();
+    a.qp.post_send(&wrs).unwrap();
+    let mut seen = Vec::new();
+    let mut empty_polls = 0;
+    while seen.len() < 20 {
+        let got = a.poll_send();
+        if got.is_empty() {
+            empty_polls += 1;
+        }
+        seen.extend(got.iter().map(|c| c.wr_id));
+        assert!(empty_polls < 100, "completions never arrived");
+    }
+    assert_eq!(seen, (0..20).collect::<Vec<_>>());
+    assert!(empty_polls > 0, "the seed delayed some completions");
+}
+
+#[test]
+fn a_dead_peer_fails_sends_and_flushes_its_receives() {
+    let (a, b) = pair();
+    let posted: Vec<PoolBuf> = (0..3).map(|_| filled(&b.recv_pool, 16, 0)).collect();
+    let wrs: Vec<RecvWr> = posted
+        .iter()
+        .enumerate()
+        .map(|(i, p)| RecvWr {
+            wr_id: i as u64,
+            sge: sge(p),
+        })
+        .collect();
+    b.qp.post_recv(&wrs).unwrap();
+    b.device.kill();
+    let flushed = b.poll_recv();
+    assert_eq!(flushed.len(), 3);
+    assert!(flushed.iter().all(|c| c.status == WcStatus::Flushed));
+    let data = filled(&a.send_pool, 8, 1);
+    a.qp.post_send(&[send(1, &data)]).unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::RetryExceeded);
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn injected_faults_replay_from_the_seed() {
+    let run = |seed: u64| {
+        let faults = SoftFaults {
+            seed,
+            qp_error_per_million: 100_000,
+            ..SoftFaults::default()
+        };
+        let (a, b) = pair_with(
+            faults,
+            QpCaps {
+                max_send_wr: 1024,
+                ..QpCaps::default()
+            },
+        );
+        let target = filled(&b.recv_pool, 64, 0);
+        let rkey = target.region().unwrap().rkey;
+        let data = filled(&a.send_pool, 8, 1);
+        let wrs: Vec<SendWr> = (0..200)
+            .map(|i| SendWr {
+                wr_id: i,
+                op: SendOp::Write {
+                    remote_addr: target.as_ptr() as usize,
+                    rkey,
+                },
+                sges: vec![sge(&data)],
+                signaled: true,
+            })
+            .collect();
+        a.qp.post_send(&wrs).unwrap();
+        let first_failure = a
+            .poll_send()
+            .iter()
+            .position(|c| c.status != WcStatus::Success);
+        (first_failure, a.device.stats().injected_qp_errors)
+    };
+    let (failure, injected) = run(7);
+    assert!(failure.is_some() && injected == 1, "{failure:?} {injected}");
+    assert_eq!(run(7), (failure, injected), "same seed, same fault");
+}
+
+#[test]
+fn queue_pairs_work_across_threads() {
+    let (a, b) = pair();
+    let rounds = 1000u64;
+    // Receives are posted before anything can arrive (the engine's credits
+    // guarantee this; here the echo side reposts before it replies).
+    let bufs: Vec<PoolBuf> = (0..8).map(|_| filled(&b.recv_pool, 64, 0)).collect();
+    let wrs: Vec<RecvWr> = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, buf)| RecvWr {
+            wr_id: i as u64,
+            sge: sge(buf),
+        })
+        .collect();
+    b.qp.post_recv(&wrs).unwrap();
+    let b_thread = std::thread::spawn(move || {
+        let mut echoed = 0;
+        while echoed < rounds {
+            for completion in b.poll_recv() {
+                assert_eq!(completion.status, WcStatus::Success);
+                let buf = &bufs[completion.wr_id as usize];
+                let reply = b
+                    .send_pool
+                    .alloc_copy(&buf[..completion.byte_len as usize])
+                    .unwrap();
+                b.qp.post_recv(&[wrs[completion.wr_id as usize]]).unwrap();
+                b.qp.post_send(&[send(echoed, &reply)]).unwrap();
+                assert_eq!(
+                    b.poll_send().pop().map(|c| c.status),
+                    Some(WcStatus::Success)
+                );
+                echoed += 1;
+            }
+            std::thread::yield_now();
+        }
+        b
+    });
+    let inbox = filled(&a.recv_pool, 64, 0);
+    for round in 0..rounds {
+        a.qp.post_recv(&[RecvWr {
+            wr_id: round,
+            sge: sge(&inbox),
+        }])
+        .unwrap();
+        let message = filled(&a.send_pool, 32, (round % 251) as u8);
+        a.qp.post_send(&[send(round, &message)]).unwrap();
+        assert_eq!(
+            a.poll_send().pop().map(|c| c.status),
+            Some(WcStatus::Success),
+            "round {round}"
+        );
+        let reply = loop {
+            if let Some(c) = a.poll_recv().pop() {
+                break c;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!((reply.status, reply.byte_len), (WcStatus::Success, 32));
+        assert!(inbox[..32].iter().all(|&x| x == (round % 251) as u8));
+    }
+    let b = b_thread.join().unwrap();
+    assert_eq!(b.device.stats().rnr_events, 0);
+    assert_eq!(a.device.stats().rnr_events, 0);
+}
