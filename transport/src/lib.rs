@@ -18,6 +18,7 @@ mod message;
 // providers): mapping memory and handing out raw object addresses.
 #[allow(unsafe_code)]
 pub mod pool;
+pub mod rdma;
 pub mod tcp;
 // The verbs providers are the other place allowed `unsafe`: a software
 // RNIC writes into registered memory the way a NIC's DMA would.

@@ -1,0 +1,152 @@
+//! The work-request ring of one engine (§5.4.1).
+//!
+//! As deep as the QP's send queue, and split into three parts: *in flight*
+//! (posted, completion not yet seen), *pending* (queued, not yet posted) and
+//! *free*. [`WorkRequestRing::take_batch`] moves as many pending requests as
+//! there are free slots into flight for one `post_send` (doorbell batching)
+//! and signals only the last of them; its completion retires every request
+//! posted before it. The ring never has more requests in flight than the
+//! send queue holds, so a post can never fail for lack of room.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use crate::verbs::SendWr;
+
+/// A work request and the buffers it reads from, which must live until it
+/// has completed.
+#[derive(Debug)]
+pub struct RingEntry {
+    /// The request (its `wr_id` and `signaled` are set by the ring).
+    pub wr: SendWr,
+    /// Buffers the request's scatter/gather entries point into.
+    pub keep: Vec<Bytes>,
+}
+
+/// The ring.
+#[derive(Debug)]
+pub struct WorkRequestRing {
+    depth: usize,
+    in_flight: VecDeque<(u64, Vec<Bytes>)>,
+    pending: VecDeque<RingEntry>,
+    next_wr_id: u64,
+}
+
+impl WorkRequestRing {
+    /// A ring for a send queue of `depth` entries.
+    pub fn new(depth: usize) -> Self {
+        Self {
+            depth: depth.max(1),
+            in_flight: VecDeque::new(),
+            pending: VecDeque::new(),
+            next_wr_id: 1,
+        }
+    }
+
+    /// Requests posted and not yet retired.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Requests waiting to be posted.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Free slots: room for more requests in flight.
+    pub fn free(&self) -> usize {
+        self.depth - self.in_flight.len()
+    }
+
+    /// Queues a request.
+    pub fn push(&mut self, entry: RingEntry) {
+        self.pending.push_back(entry);
+    }
+
+    /// The next batch to post: as many pending requests as fit, with fresh
+    /// ids, only the last one signalled. `None` if nothing can be posted.
+    pub fn take_batch(&mut self) -> Option<Vec<SendWr>> {
+        let count = self.pending.len().min(self.free());
+        if count == 0 {
+            return None;
+        }
+        let mut batch = Vec::with_capacity(count);
+        for i in 0..count {
+            let Some(mut entry) = self.pending.pop_front() else {
+                break;
+            };
+            entry.wr.wr_id = self.next_wr_id;
+            entry.wr.signaled = i + 1 == count;
+            self.next_wr_id += 1;
+            self.in_flight.push_back((entry.wr.wr_id, entry.keep));
+            batch.push(entry.wr);
+        }
+        Some(batch)
+    }
+
+    /// A signalled request completed: retires it and everything posted
+    /// before it (their buffers are released). Returns how many retired.
+    pub fn complete(&mut self, wr_id: u64) -> usize {
+        let mut retired = 0;
+        while let Some((id, _)) = self.in_flight.front() {
+            if *id > wr_id {
+                break;
+            }
+            self.in_flight.pop_front();
+            retired += 1;
+        }
+        retired
+    }
+
+    /// Drops everything (the QP failed).
+    pub fn clear(&mut self) {
+        self.in_flight.clear();
+        self.pending.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::SendOp;
+
+    fn entry() -> RingEntry {
+        RingEntry {
+            wr: SendWr {
+                wr_id: 0,
+                op: SendOp::Send,
+                sges: Vec::new(),
+                signaled: false,
+            },
+            keep: vec![Bytes::from_static(b"x")],
+        }
+    }
+
+    #[test]
+    fn batches_fill_free_slots_and_signal_only_the_last() {
+        let mut ring = WorkRequestRing::new(4);
+        for _ in 0..6 {
+            ring.push(entry());
+        }
+        let batch = ring.take_batch().unwrap();
+        assert_eq!(batch.len(), 4);
+        assert_eq!(
+            batch.iter().map(|w| w.signaled).collect::<Vec<_>>(),
+            [false, false, false, true]
+        );
+        assert_eq!((ring.in_flight(), ring.pending(), ring.free()), (4, 2, 0));
+        assert!(
+            ring.take_batch().is_none(),
+            "never more in flight than the queue holds"
+        );
+        // The signalled completion retires the whole batch.
+        assert_eq!(ring.complete(batch[3].wr_id), 4);
+        let next = ring.take_batch().unwrap();
+        assert_eq!(next.len(), 2);
+        assert!(next[1].signaled && !next[0].signaled);
+        assert!(next[0].wr_id > batch[3].wr_id);
+        assert_eq!(ring.complete(next[1].wr_id), 2);
+        assert_eq!((ring.in_flight(), ring.pending(), ring.free()), (0, 0, 4));
+    }
+}
