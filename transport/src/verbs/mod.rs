@@ -12,12 +12,15 @@
 //!   completions come per QP in posting order, unsignalled work requests
 //!   complete silently, a QP in error flushes what is outstanding — and
 //!   seeded fault injection. This step runs between threads of one process.
-//! - `ibverbs` (rdma-sys): to come, behind the same trait.
+//! - `ibverbs` ([`ibverbs::IbvDevice`], rdma-sys over libibverbs, cargo
+//!   feature `ibverbs`, on by default): real RNICs and Soft-RoCE.
 //!
 //! The types here are plain data mirroring `ibv_send_wr`, `ibv_recv_wr`,
 //! `ibv_wc` and the QP attributes exchanged at connection setup, so a real
 //! provider maps them one to one.
 
+#[cfg(feature = "ibverbs")]
+pub mod ibverbs;
 pub mod soft;
 
 use std::sync::Arc;
