@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use rdma_sys::*;
 
 use super::{
-    CompletionQueue, Device, QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr, VerbsError, WcKind,
-    WcStatus, WorkCompletion,
+    CompletionQueue, Device, QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr,
+    VerbsError, WcKind, WcStatus, WorkCompletion,
 };
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
 
@@ -100,7 +100,12 @@ impl IbvDevice {
             // is a NUL-terminated library-owned string.
             let (device, device_name) = unsafe {
                 let device = *list.add(i);
-                (device, CStr::from_ptr(ibv_get_device_name(device)).to_string_lossy().into_owned())
+                (
+                    device,
+                    CStr::from_ptr(ibv_get_device_name(device))
+                        .to_string_lossy()
+                        .into_owned(),
+                )
             };
             if name.is_none_or(|wanted| wanted == device_name) {
                 chosen = Some((device, device_name));
@@ -156,7 +161,9 @@ impl IbvDevice {
         }
         // SAFETY: every bit pattern of the union is a valid [u8; 16].
         context.gid = unsafe { gid.raw };
-        Ok(Self { ctx: Arc::new(context) })
+        Ok(Self {
+            ctx: Arc::new(context),
+        })
     }
 }
 
@@ -167,7 +174,12 @@ struct IbvRegistration {
 }
 
 impl RegistrationHook for IbvRegistration {
-    fn register(&self, addr: usize, len: usize, access: Access) -> Result<RegisteredRegion, RegistrationError> {
+    fn register(
+        &self,
+        addr: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<RegisteredRegion, RegistrationError> {
         let mut flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
         if access.allows_remote_write() {
             flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
@@ -247,7 +259,9 @@ impl CompletionQueue for IbvCq {
                     ibv_wc_opcode::IBV_WC_RECV => WcKind::Recv,
                     // SAFETY: for this opcode the union holds the immediate.
                     ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => {
-                        WcKind::RecvWithImm(u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }))
+                        WcKind::RecvWithImm(u32::from_be(unsafe {
+                            wc.imm_data_invalidated_rkey_union.imm_data
+                        }))
                     }
                     // A failed completion's opcode is undefined; receives
                     // are told apart by the engine through their wr_id.
@@ -297,7 +311,12 @@ impl Drop for IbvQp {
 }
 
 impl IbvQp {
-    fn modify(&self, attr: &mut ibv_qp_attr, mask: ibv_qp_attr_mask, step: &str) -> Result<(), VerbsError> {
+    fn modify(
+        &self,
+        attr: &mut ibv_qp_attr,
+        mask: ibv_qp_attr_mask,
+        step: &str,
+    ) -> Result<(), VerbsError> {
         // SAFETY: `qp` is alive and `attr` a valid attribute block.
         if unsafe { ibv_modify_qp(self.qp, attr, mask.0 as i32) } != 0 {
             return Err(VerbsError::InvalidRequest(os_error(step)));
@@ -333,7 +352,8 @@ impl QueuePair for IbvQp {
         attr.qp_state = ibv_qp_state::IBV_QPS_INIT;
         attr.pkey_index = 0;
         attr.port_num = ctx.port;
-        attr.qp_access_flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        attr.qp_access_flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+            | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
         self.modify(
             &mut attr,
             ibv_qp_attr_mask::IBV_QP_STATE
@@ -410,13 +430,19 @@ impl QueuePair for IbvQp {
             .collect();
         // SAFETY: ibv_send_wr is plain data (pointers and integers); zeroed
         // is a valid start, and every field used is set below.
-        let mut list: Vec<ibv_send_wr> = (0..wrs.len()).map(|_| unsafe { std::mem::zeroed() }).collect();
+        let mut list: Vec<ibv_send_wr> = (0..wrs.len())
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
         for (i, wr) in wrs.iter().enumerate() {
             let entry = &mut list[i];
             entry.wr_id = wr.wr_id;
             entry.sg_list = sges[i].as_mut_ptr();
             entry.num_sge = sges[i].len() as i32;
-            entry.send_flags = if wr.signaled { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            entry.send_flags = if wr.signaled {
+                ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
             match wr.op {
                 SendOp::Send => entry.opcode = ibv_wr_opcode::IBV_WR_SEND,
                 SendOp::Write { remote_addr, rkey } => {
@@ -426,13 +452,19 @@ impl QueuePair for IbvQp {
                         rkey,
                     };
                 }
-                SendOp::WriteWithImm { remote_addr, rkey, imm } => {
+                SendOp::WriteWithImm {
+                    remote_addr,
+                    rkey,
+                    imm,
+                } => {
                     entry.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
                     entry.wr.rdma = rdma_t {
                         remote_addr: remote_addr as u64,
                         rkey,
                     };
-                    entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t { imm_data: imm.to_be() };
+                    entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t {
+                        imm_data: imm.to_be(),
+                    };
                 }
             }
         }
@@ -511,7 +543,15 @@ impl Device for IbvDevice {
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
         // SAFETY: the context is open; no channel or context pointer is used.
-        let cq = unsafe { ibv_create_cq(self.ctx.ctx, depth as i32, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        let cq = unsafe {
+            ibv_create_cq(
+                self.ctx.ctx,
+                depth as i32,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
         if cq.is_null() {
             return Err(VerbsError::InvalidRequest(os_error("ibv_create_cq")));
         }
@@ -528,8 +568,14 @@ impl Device for IbvDevice {
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
         let foreign = || VerbsError::InvalidRequest("completion queue of another provider".into());
-        let send_cq = send_cq.into_any().downcast::<IbvCq>().map_err(|_| foreign())?;
-        let recv_cq = recv_cq.into_any().downcast::<IbvCq>().map_err(|_| foreign())?;
+        let send_cq = send_cq
+            .into_any()
+            .downcast::<IbvCq>()
+            .map_err(|_| foreign())?;
+        let recv_cq = recv_cq
+            .into_any()
+            .downcast::<IbvCq>()
+            .map_err(|_| foreign())?;
         // SAFETY: ibv_qp_init_attr is plain data; zeroed is a valid start.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.cq;
@@ -581,8 +627,12 @@ mod tests {
         let pool = Pool::new(PoolConfig::named("ibv-test"), Access::RemoteWrite, hook).unwrap();
         let cq_a = device.create_cq(64).unwrap();
         let cq_b = device.create_cq(64).unwrap();
-        let a = device.create_qp(cq_a.clone(), cq_a.clone(), QpCaps::default()).unwrap();
-        let b = device.create_qp(cq_b.clone(), cq_b.clone(), QpCaps::default()).unwrap();
+        let a = device
+            .create_qp(cq_a.clone(), cq_a.clone(), QpCaps::default())
+            .unwrap();
+        let b = device
+            .create_qp(cq_b.clone(), cq_b.clone(), QpCaps::default())
+            .unwrap();
         a.connect(&b.endpoint()).unwrap();
         b.connect(&a.endpoint()).unwrap();
         let mut inbox = pool.alloc(4096).unwrap();
@@ -593,8 +643,17 @@ mod tests {
             len: buf.len() as u32,
             lkey: buf.region().unwrap().lkey,
         };
-        b.post_recv(&[RecvWr { wr_id: 1, sge: sge(&inbox) }, RecvWr { wr_id: 2, sge: sge(&inbox) }])
-            .unwrap();
+        b.post_recv(&[
+            RecvWr {
+                wr_id: 1,
+                sge: sge(&inbox),
+            },
+            RecvWr {
+                wr_id: 2,
+                sge: sge(&inbox),
+            },
+        ])
+        .unwrap();
         let message = pool.alloc_copy(&[7u8; 100]).unwrap();
         let data = pool.alloc_copy(&[9u8; 8192]).unwrap();
         a.post_send(&[
@@ -624,7 +683,10 @@ mod tests {
         }
         assert_eq!(got.len(), 3, "{got:?}");
         assert!(got.iter().all(|c| c.status == WcStatus::Success), "{got:?}");
-        assert!(got.iter().any(|c| c.kind == WcKind::RecvWithImm(42) && c.byte_len == 8192));
+        assert!(
+            got.iter()
+                .any(|c| c.kind == WcKind::RecvWithImm(42) && c.byte_len == 8192)
+        );
         assert!(target.iter().all(|&x| x == 9));
         assert!(inbox[..100].iter().all(|&x| x == 7));
     }
