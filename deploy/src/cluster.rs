@@ -196,6 +196,7 @@ impl Cluster {
                 let server_config = PsServerConfig {
                     listen: address.clone(),
                     transport: config.transport,
+                    rdma: config.rdma.clone(),
                     mode: config.mode,
                     seed: config.seed,
                     num_shards: config.num_shards,
@@ -243,6 +244,7 @@ impl Cluster {
         }
         self.worker_config = WorkerConfig {
             transport: config.transport,
+            rdma: config.rdma.clone(),
             num_shards: config.num_shards,
             servers: endpoints,
             ..WorkerConfig::default()

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 use tessera_ps_server::{Mode, TableConfig};
-use tessera_rpc::TransportKind;
+use tessera_rpc::{RdmaConfig, TransportKind};
 
 /// A local cluster: `num_shards` shards in each of `replica_groups` replica
 /// groups, one ps-server process per (group, shard), on one host.
@@ -25,8 +25,12 @@ pub struct ClusterConfig {
     /// Replica groups; each holds every shard. Default 2: the smallest
     /// layout that exercises both sharding and replication.
     pub replica_groups: u32,
-    /// Transport of servers and workers: `tcp`.
+    /// Transport of servers and workers: `tcp` or `rdma`.
     pub transport: TransportKind,
+    /// RDMA settings passed to servers and workers (`[rdma]`). The soft
+    /// provider works within one process in this version, so a cluster of
+    /// processes needs `ibverbs` for RDMA.
+    pub rdma: RdmaConfig,
     /// `training` or `inference`. Default `training`.
     pub mode: Mode,
     /// Row initialiser seed, the same for every replica. Default 42.
@@ -54,6 +58,7 @@ impl Default for ClusterConfig {
             num_shards: 2,
             replica_groups: 2,
             transport: TransportKind::Tcp,
+            rdma: RdmaConfig::default(),
             mode: Mode::Training,
             seed: 42,
             startup_timeout_ms: 20_000,

@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
-use tessera_rpc::{ServerConfig, TransportConfig, TransportKind};
+use tessera_rpc::{RdmaConfig, ServerConfig, TransportConfig, TransportKind};
 
 /// How a server fills rows it has never seen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
@@ -67,6 +67,10 @@ pub struct PsServerConfig {
     pub num_shards: u32,
     /// Shards this server hosts. Default `[0]`.
     pub shards: Vec<u32>,
+    /// RDMA settings (`[rdma]`: `provider = "ibverbs" | "soft"`, device,
+    /// port, queue depths, small-message limit, fragment size), used when
+    /// `transport = "rdma"`.
+    pub rdma: RdmaConfig,
     /// Replica group (failure domain) of this server. Default 0.
     pub replica_group: u32,
     /// How long in-flight requests may finish on shutdown, in milliseconds.
@@ -87,6 +91,7 @@ impl Default for PsServerConfig {
             seed: 42,
             num_shards: 1,
             shards: vec![0],
+            rdma: RdmaConfig::default(),
             replica_group: 0,
             shutdown_grace_ms: 5000,
             tables: vec![TableConfig {
@@ -121,6 +126,7 @@ impl PsServerConfig {
         TransportConfig {
             kind: self.transport,
             max_message_size: self.max_message_size,
+            rdma: self.rdma.clone(),
             ..TransportConfig::default()
         }
     }

@@ -143,7 +143,12 @@ impl Channel {
     /// on the first call after a connection broke), over a transport of its
     /// own built from `config.transport`.
     pub fn lazy(addr: impl Into<String>, config: ChannelConfig) -> Result<Self, RpcError> {
-        let transport = Transport::new(config.transport.clone())?;
+        let addr = addr.into();
+        let transport =
+            Transport::new(config.transport.clone()).map_err(|source| RpcError::Connect {
+                addr: addr.clone(),
+                source,
+            })?;
         Ok(Self::with_transport(addr, config, transport))
     }
 

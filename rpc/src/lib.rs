@@ -29,4 +29,4 @@ pub use error::{RpcError, ServerError};
 pub use server::{Server, ServerBuilder, Service, shutdown_signal};
 pub use status::{Code, Status};
 pub use tessera_config::{ConfigError, Validate};
-pub use tessera_transport::{Transport, TransportConfig, TransportKind};
+pub use tessera_transport::{RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind};

@@ -114,7 +114,7 @@ impl ServerBuilder {
         self.config.validate()?;
         let transport = match self.transport {
             Some(transport) => transport,
-            None => Transport::new(self.config.transport.clone())?,
+            None => Transport::new(self.config.transport.clone()).map_err(ServerError::Bind)?,
         };
         let listener = transport.listen(addr).await.map_err(ServerError::Bind)?;
         let local_addr = listener.local_addr().map_err(ServerError::Bind)?;

@@ -492,3 +492,108 @@ async fn decoded_bytes_fields_point_into_the_receive_pool() {
     let _ = stop.send(());
     task.await.unwrap();
 }
+
+/// The same RPC layer over the RDMA transport with the soft provider.
+mod over_rdma_soft {
+    use super::*;
+    use tessera_transport::{RdmaConfig, RdmaProvider, TransportKind};
+
+    fn soft() -> TransportConfig {
+        TransportConfig {
+            kind: TransportKind::Rdma,
+            rdma: RdmaConfig {
+                provider: RdmaProvider::Soft,
+                ..RdmaConfig::default()
+            },
+            ..TransportConfig::default()
+        }
+    }
+
+    async fn start_soft() -> (Running, ChannelConfig) {
+        let server = start(ServerConfig {
+            transport: soft(),
+            ..ServerConfig::default()
+        })
+        .await;
+        let client = ChannelConfig {
+            transport: soft(),
+            ..ChannelConfig::default()
+        };
+        (server, client)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn services_concurrent_calls_and_large_payloads() {
+        let (server, config) = start_soft().await;
+        let channel = Channel::connect(&server.addr, config).await.unwrap();
+        let echo = EchoClient::new(channel.clone());
+        let counter = CounterClient::new(channel);
+        assert_eq!(
+            counter.increment(IncrementRequest {}).await.unwrap().value,
+            1
+        );
+        let calls = (0..64u32).map(|i| {
+            let echo = echo.clone();
+            async move {
+                // Sizes on both sides of the small-message limit.
+                let payload = Bytes::from(vec![
+                    (i % 251) as u8;
+                    [10, 5000, 9000, 300_000][i as usize % 4]
+                ]);
+                let response = echo
+                    .echo(EchoRequest {
+                        payload: payload.clone(),
+                        delay_ms: (64 - i) % 4,
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(response.payload, payload);
+            }
+        });
+        futures::future::join_all(calls).await;
+        let big = Bytes::from(vec![5u8; 8 << 20]);
+        let response = echo
+            .echo(EchoRequest {
+                payload: big.clone(),
+                delay_ms: 0,
+            })
+            .await
+            .unwrap();
+        assert_eq!(response.payload, big);
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn statuses_deadlines_and_server_gone() {
+        let (server, config) = start_soft().await;
+        let echo = EchoClient::new(Channel::connect(&server.addr, config).await.unwrap());
+        let err = echo
+            .fail(FailRequest {
+                code: Code::NotFound.as_u16().into(),
+                message: "nope".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        let err = echo
+            .echo_with_options(
+                EchoRequest {
+                    payload: Bytes::new(),
+                    delay_ms: 2_000,
+                },
+                &CallOptions::with_timeout(Duration::from_millis(50)),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded);
+        server.shutdown().await;
+        let err = echo
+            .echo(EchoRequest {
+                payload: Bytes::new(),
+                delay_ms: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    }
+}

@@ -18,16 +18,19 @@ pub enum TransportKind {
     /// Length-prefixed frames over TCP (tokio).
     #[default]
     Tcp,
+    /// RC queue pairs through a verbs provider (see [`RdmaConfig`]).
+    Rdma,
 }
 
 impl TransportKind {
     /// The values accepted for the `transport` setting.
-    pub const ALLOWED: &'static [&'static str] = &["tcp"];
+    pub const ALLOWED: &'static [&'static str] = &["tcp", "rdma"];
 
     /// The canonical name of this kind.
     pub fn as_str(self) -> &'static str {
         match self {
             TransportKind::Tcp => "tcp",
+            TransportKind::Rdma => "rdma",
         }
     }
 }
@@ -44,7 +47,8 @@ impl FromStr for TransportKind {
     fn from_str(value: &str) -> Result<Self, Self::Err> {
         match value {
             "tcp" => Ok(TransportKind::Tcp),
-            "rdma" | "auto" => Err(invalid(
+            "rdma" => Ok(TransportKind::Rdma),
+            "auto" => Err(invalid(
                 "transport",
                 format!(
                     "`{value}` is not available in this build yet (allowed: {})",
@@ -104,6 +108,80 @@ pub struct TransportConfig {
     /// The pool that incoming messages are received into (remotely writable
     /// on RDMA).
     pub recv_pool: PoolConfig,
+    /// Settings of the RDMA transport (used when `kind = "rdma"`).
+    pub rdma: RdmaConfig,
+}
+
+/// Which verbs provider the RDMA transport uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RdmaProvider {
+    /// libibverbs: real RNICs and Soft-RoCE. The default, because the soft
+    /// provider must only ever be chosen on purpose.
+    #[default]
+    Ibverbs,
+    /// The software RNIC (for hosts without RDMA; within one process in
+    /// this version).
+    Soft,
+}
+
+/// Settings of the RDMA transport.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RdmaConfig {
+    /// `ibverbs` or `soft`. Default `ibverbs`.
+    pub provider: RdmaProvider,
+    /// Device name (ibverbs); default: the first device.
+    pub device: Option<String>,
+    /// Port of the device. Default 1 (the first port).
+    pub port: u8,
+    /// GID table index (RoCE). Default 0.
+    pub gid_index: u8,
+    /// Send queue depth, and the engine's work-request ring. Default 32
+    /// (the paper's).
+    pub send_queue_depth: u32,
+    /// Receive queue depth d (credits are returned in batches of d/2).
+    /// Default 64: twice the send depth, so a peer's full ring of SENDs
+    /// never waits for credits on an idle receiver.
+    pub recv_queue_depth: u32,
+    /// Messages up to this size go by SEND. Default 8 KiB.
+    pub small_message_limit: usize,
+    /// Largest WRITE fragment of a large message. Default 64 KiB
+    /// (provisional, until the fragment benchmark picks it).
+    pub fragment_size: usize,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        Self {
+            provider: RdmaProvider::Ibverbs,
+            device: None,
+            port: 1,
+            gid_index: 0,
+            send_queue_depth: 32,
+            recv_queue_depth: 64,
+            small_message_limit: 8 << 10,
+            fragment_size: 64 << 10,
+        }
+    }
+}
+
+impl Validate for RdmaConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.send_queue_depth < 2 {
+            return Err(invalid("send_queue_depth", "must be at least 2"));
+        }
+        if self.recv_queue_depth < 4 {
+            return Err(invalid("recv_queue_depth", "must be at least 4"));
+        }
+        if self.small_message_limit == 0 {
+            return Err(invalid("small_message_limit", "must be at least 1"));
+        }
+        if self.fragment_size < 4096 {
+            return Err(invalid("fragment_size", "must be at least 4096"));
+        }
+        Ok(())
+    }
 }
 
 impl Default for TransportConfig {
@@ -116,6 +194,7 @@ impl Default for TransportConfig {
             read_buffer_bytes: 64 << 10,
             send_pool: PoolConfig::named("send"),
             recv_pool: PoolConfig::named("recv"),
+            rdma: RdmaConfig::default(),
         }
     }
 }
@@ -151,7 +230,8 @@ impl Validate for TransportConfig {
             ));
         }
         prefixed("send_pool", self.send_pool.validate())?;
-        prefixed("recv_pool", self.recv_pool.validate())
+        prefixed("recv_pool", self.recv_pool.validate())?;
+        prefixed("rdma", self.rdma.validate())
     }
 }
 
@@ -171,9 +251,13 @@ mod tests {
     fn unknown_transport_names_the_setting_and_allowed_values() {
         let err = "udp".parse::<TransportKind>().unwrap_err().to_string();
         assert!(err.contains("`transport`"), "{err}");
-        assert!(err.contains("allowed: tcp"), "{err}");
-        let err = "rdma".parse::<TransportKind>().unwrap_err().to_string();
+        assert!(err.contains("allowed: tcp, rdma"), "{err}");
+        let err = "auto".parse::<TransportKind>().unwrap_err().to_string();
         assert!(err.contains("not available"), "{err}");
+        assert_eq!(
+            "rdma".parse::<TransportKind>().unwrap(),
+            TransportKind::Rdma
+        );
     }
 
     #[test]

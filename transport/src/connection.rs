@@ -2,12 +2,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_config::{ConfigError, Validate};
+use tessera_config::Validate;
 use tokio::sync::mpsc;
 
-use crate::pool::{Access, CountingHook, Pool};
+use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
+use crate::rdma::connection::{RdmaChannels, establish};
 use crate::tcp::{self, TcpReceiver};
-use crate::{Message, TransportConfig, TransportError, TransportKind};
+use crate::verbs::Device;
+use crate::{Message, RdmaProvider, TransportConfig, TransportError, TransportKind};
 
 /// A transport instance: its configuration and its registered-memory pools.
 ///
@@ -19,33 +21,75 @@ pub struct Transport {
     inner: Arc<TransportInner>,
 }
 
-#[derive(Debug)]
 struct TransportInner {
     config: TransportConfig,
     send_pool: Pool,
     recv_pool: Pool,
+    /// The RDMA device (kind `rdma` only).
+    device: Option<Arc<dyn Device>>,
+}
+
+impl std::fmt::Debug for TransportInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransportInner")
+            .field("kind", &self.config.kind)
+            .field("device", &self.device.as_ref().map(|d| d.name().to_owned()))
+            .finish()
+    }
+}
+
+/// Opens the RDMA device `config` names.
+fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportError> {
+    let rdma = &config.rdma;
+    match rdma.provider {
+        RdmaProvider::Soft => {
+            let fabric = crate::verbs::soft::SoftFabric::process();
+            Ok(Arc::new(
+                fabric.open("soft", crate::verbs::soft::SoftFaults::default()),
+            ))
+        }
+        #[cfg(feature = "ibverbs")]
+        RdmaProvider::Ibverbs => crate::verbs::ibverbs::IbvDevice::open(
+            rdma.device.as_deref(),
+            rdma.port,
+            rdma.gid_index,
+        )
+        .map(|device| Arc::new(device) as Arc<dyn Device>)
+        .map_err(|err| TransportError::Rdma(err.to_string())),
+        #[cfg(not(feature = "ibverbs"))]
+        RdmaProvider::Ibverbs => Err(TransportError::Rdma(
+            "this build has no ibverbs provider".into(),
+        )),
+    }
 }
 
 impl Transport {
     /// A transport with `config`. TCP needs no NIC registration, so its
-    /// pools use a counting hook.
-    pub fn new(config: TransportConfig) -> Result<Self, ConfigError> {
+    /// pools use a counting hook; RDMA opens the configured device (an
+    /// error if there is none) and registers the pools with it.
+    pub fn new(config: TransportConfig) -> Result<Self, TransportError> {
         config.validate()?;
+        let (device, hook): (Option<Arc<dyn Device>>, Arc<dyn RegistrationHook>) = match config.kind
+        {
+            TransportKind::Tcp => (None, Arc::new(CountingHook::new())),
+            TransportKind::Rdma => {
+                let device = open_device(&config)?;
+                let hook = device.registration_hook();
+                (Some(device), hook)
+            }
+        };
         let send_pool = Pool::new(
             config.send_pool.clone(),
             Access::LocalOnly,
-            Arc::new(CountingHook::new()),
+            Arc::clone(&hook),
         )?;
-        let recv_pool = Pool::new(
-            config.recv_pool.clone(),
-            Access::RemoteWrite,
-            Arc::new(CountingHook::new()),
-        )?;
+        let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
         Ok(Self {
             inner: Arc::new(TransportInner {
                 config,
                 send_pool,
                 recv_pool,
+                device,
             }),
         })
     }
@@ -65,29 +109,64 @@ impl Transport {
         &self.inner.recv_pool
     }
 
-    /// Dials `addr` ("host:port").
+    /// Dials `addr` ("host:port"). For RDMA, `addr` is the peer's
+    /// handshake listener.
     pub async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|source| TransportError::Connect {
+                addr: addr.to_owned(),
+                source,
+            })?;
         match self.inner.config.kind {
-            TransportKind::Tcp => {
-                let stream = tokio::net::TcpStream::connect(addr)
-                    .await
-                    .map_err(|source| TransportError::Connect {
-                        addr: addr.to_owned(),
-                        source,
-                    })?;
-                self.tcp_connection(stream)
-            }
+            TransportKind::Tcp => self.tcp_connection(stream),
+            TransportKind::Rdma => self.rdma_connection(stream, true).await,
         }
+    }
+
+    async fn rdma_connection(
+        &self,
+        stream: tokio::net::TcpStream,
+        dialer: bool,
+    ) -> Result<Connection, TransportError> {
+        let Some(device) = &self.inner.device else {
+            return Err(TransportError::Rdma("transport has no RDMA device".into()));
+        };
+        stream.set_nodelay(true)?;
+        let peer = stream.peer_addr()?;
+        let config = &self.inner.config;
+        let RdmaChannels {
+            sender,
+            receiver,
+            driver,
+        } = establish(
+            device,
+            config,
+            (self.inner.send_pool.clone(), self.inner.recv_pool.clone()),
+            stream,
+            dialer,
+        )
+        .await?;
+        Ok(Connection {
+            sender: MessageSender {
+                queue: sender,
+                max_message_size: config.max_message_size,
+                wake: Some(driver),
+            },
+            receiver: MessageReceiver {
+                inner: ReceiverInner::Rdma(receiver),
+            },
+            peer,
+        })
     }
 
     /// Listens on `addr` ("host:port"; port 0 picks a free one).
     pub async fn listen(&self, addr: &str) -> Result<Listener, TransportError> {
-        match self.inner.config.kind {
-            TransportKind::Tcp => Ok(Listener {
-                inner: ListenerInner::Tcp(tcp::bind(addr).await?),
-                transport: self.clone(),
-            }),
-        }
+        // Both kinds listen on TCP: RDMA for its connection handshake.
+        Ok(Listener {
+            inner: ListenerInner::Tcp(tcp::bind(addr).await?),
+            transport: self.clone(),
+        })
     }
 
     fn tcp_connection(&self, stream: tokio::net::TcpStream) -> Result<Connection, TransportError> {
@@ -123,6 +202,7 @@ impl Connection {
             sender: MessageSender {
                 queue: tx,
                 max_message_size: config.max_message_size,
+                wake: None,
             },
             receiver: MessageReceiver {
                 inner: ReceiverInner::Tcp(rx),
@@ -150,7 +230,10 @@ impl Listener {
         match &self.inner {
             ListenerInner::Tcp(listener) => {
                 let (stream, _) = listener.accept().await?;
-                self.transport.tcp_connection(stream)
+                match self.transport.inner.config.kind {
+                    TransportKind::Tcp => self.transport.tcp_connection(stream),
+                    TransportKind::Rdma => self.transport.rdma_connection(stream, false).await,
+                }
             }
         }
     }
@@ -169,6 +252,8 @@ impl Listener {
 pub struct MessageSender {
     queue: mpsc::Sender<Message>,
     max_message_size: u64,
+    /// The RDMA driver thread, woken when a message is queued.
+    wake: Option<std::thread::Thread>,
 }
 
 impl MessageSender {
@@ -188,7 +273,11 @@ impl MessageSender {
         self.queue
             .send(message)
             .await
-            .map_err(|_| TransportError::Closed)
+            .map_err(|_| TransportError::Closed)?;
+        if let Some(driver) = &self.wake {
+            driver.unpark();
+        }
+        Ok(())
     }
 
     /// Whether the connection's writer has stopped (error or shutdown).
@@ -206,6 +295,7 @@ pub struct MessageReceiver {
 #[derive(Debug)]
 enum ReceiverInner {
     Tcp(TcpReceiver),
+    Rdma(mpsc::Receiver<Result<Bytes, TransportError>>),
 }
 
 impl MessageReceiver {
@@ -217,6 +307,7 @@ impl MessageReceiver {
     pub async fn recv(&mut self) -> Result<Option<Bytes>, TransportError> {
         match &mut self.inner {
             ReceiverInner::Tcp(rx) => rx.recv().await,
+            ReceiverInner::Rdma(rx) => rx.recv().await.transpose(),
         }
     }
 }

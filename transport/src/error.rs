@@ -45,7 +45,20 @@ pub enum TransportError {
     /// No pool memory could be had for a message.
     #[error("no buffer memory: {0}")]
     Memory(String),
+    /// The configuration is invalid (boxed: rare, and it keeps every
+    /// transport result small).
+    #[error(transparent)]
+    Config(Box<tessera_config::ConfigError>),
+    /// The RDMA device, queue pair or engine failed.
+    #[error("rdma: {0}")]
+    Rdma(String),
     /// The connection is closed (locally or by a previous error).
     #[error("connection closed")]
     Closed,
+}
+
+impl From<tessera_config::ConfigError> for TransportError {
+    fn from(err: tessera_config::ConfigError) -> Self {
+        TransportError::Config(Box::new(err))
+    }
 }

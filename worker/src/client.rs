@@ -68,6 +68,9 @@ pub enum WorkerError {
     /// The shards' answers do not fit together.
     #[error(transparent)]
     Merge(#[from] MergeError),
+    /// The transport could not be set up (for example no RDMA device).
+    #[error("transport: {0}")]
+    Transport(String),
     /// No send-pool memory for the gradients.
     #[error("no buffer memory for gradients: {0}")]
     Memory(String),
@@ -109,8 +112,8 @@ impl PsClient {
         let channel_config = config.channel_config();
         // One transport (and so one pair of pools) for all the worker's
         // channels.
-        let transport =
-            Transport::new(channel_config.transport.clone()).map_err(WorkerError::Config)?;
+        let transport = Transport::new(channel_config.transport.clone())
+            .map_err(|err| WorkerError::Transport(err.to_string()))?;
         let mut by_address: HashMap<&str, ParameterServerClient> = HashMap::new();
         let mut servers = Vec::new();
         let mut replicas = vec![Vec::new(); config.num_shards as usize];

@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
-use tessera_rpc::{ChannelConfig, TransportConfig, TransportKind};
+use tessera_rpc::{ChannelConfig, RdmaConfig, TransportConfig, TransportKind};
 
 /// One ps-server as the worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +68,10 @@ pub struct WorkerConfig {
     pub request_timeout_ms: u64,
     /// Largest RPC message in bytes. Default 64 MiB.
     pub max_message_size: u64,
+    /// RDMA settings (`[rdma]`: `provider = "ibverbs" | "soft"`, device,
+    /// port, queue depths, small-message limit, fragment size), used when
+    /// `transport = "rdma"`.
+    pub rdma: RdmaConfig,
     /// Total number of shards of the model. Default 1.
     pub num_shards: u32,
     /// The ps-servers. Every shard needs at least one.
@@ -84,6 +88,7 @@ impl Default for WorkerConfig {
             connect_timeout_ms: channel.connect_timeout_ms,
             request_timeout_ms: channel.request_timeout_ms,
             max_message_size: channel.transport.max_message_size,
+            rdma: RdmaConfig::default(),
             num_shards: 1,
             servers: vec![ServerEndpoint {
                 address: "127.0.0.1:7070".into(),
@@ -109,6 +114,7 @@ impl WorkerConfig {
             transport: TransportConfig {
                 kind: self.transport,
                 max_message_size: self.max_message_size,
+                rdma: self.rdma.clone(),
                 ..TransportConfig::default()
             },
         }

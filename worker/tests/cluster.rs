@@ -8,7 +8,7 @@ use tessera_proto::rows::get_f32s;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
-use tessera_rpc::{Channel, ChannelConfig};
+use tessera_rpc::{Channel, ChannelConfig, RdmaConfig, RdmaProvider, TransportKind};
 use tessera_worker::workload::{self, WorkloadKind};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig, WorkerError, WorkloadConfig};
 use tokio::sync::oneshot;
@@ -20,6 +20,17 @@ struct Cluster {
 }
 
 async fn cluster() -> Cluster {
+    cluster_over(TransportKind::Tcp).await
+}
+
+fn soft_rdma() -> RdmaConfig {
+    RdmaConfig {
+        provider: RdmaProvider::Soft,
+        ..RdmaConfig::default()
+    }
+}
+
+async fn cluster_over(transport: TransportKind) -> Cluster {
     let mut servers = Vec::new();
     let mut stops = Vec::new();
     let mut tasks = Vec::new();
@@ -30,6 +41,8 @@ async fn cluster() -> Cluster {
                 num_shards: 2,
                 shards: vec![shard],
                 replica_group: group,
+                transport,
+                rdma: soft_rdma(),
                 tables: vec![TableConfig {
                     name: "emb".into(),
                     dim: 8,
@@ -53,6 +66,8 @@ async fn cluster() -> Cluster {
     }
     Cluster {
         config: WorkerConfig {
+            transport,
+            rdma: soft_rdma(),
             num_shards: 2,
             servers,
             workload: WorkloadConfig {
@@ -185,6 +200,26 @@ async fn a_stopped_shard_fails_fetches_with_its_shard_and_address() {
             assert_eq!(addr, &cluster.config.servers[1].address);
         }
         other => panic!("expected an RPC error, got {other:?}"),
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_push_and_workloads_over_rdma_soft() {
+    let cluster = cluster_over(TransportKind::Rdma).await;
+    let client = Arc::new(PsClient::new(&cluster.config).unwrap());
+    let keys = [11u64, 4, 11, 900, 4, 77, 3];
+    let before = client.fetch("emb", &keys).await.unwrap();
+    assert_eq!((before.len(), before.dim()), (keys.len(), 8));
+    assert_eq!(before.row(0), before.row(2));
+    client.push("emb", &keys[..1], &[1.0; 8], 8).await.unwrap();
+    let after = client.fetch("emb", &keys[..1]).await.unwrap();
+    let expected: Vec<f32> = before.row(0).iter().map(|w| w - 0.5).collect();
+    assert_eq!(after.row(0), &expected[..]);
+    for kind in [WorkloadKind::Ranker, WorkloadKind::Trainer] {
+        let report = workload::run(kind, Arc::clone(&client), &cluster.config.workload).await;
+        assert!(report.iterations > 0, "{report:?}");
+        assert_eq!(report.errors, 0, "{:?}", report.first_error);
     }
     cluster.stop().await;
 }

@@ -186,6 +186,12 @@ impl Engine {
         }
     }
 
+    /// Adds credits granted by the peer outside the control header (its
+    /// initial receive depth, learned at connection setup).
+    pub fn grant_credits(&mut self, credits: u16) {
+        self.credits.returned(credits);
+    }
+
     /// Counters.
     pub fn stats(&self) -> EngineStats {
         self.stats

@@ -6,6 +6,7 @@
 //! ([`credits`]). The I/O driver that runs engines on I/O threads, the
 //! connection handshake and the `transport = "rdma"` setting come next.
 
+pub mod connection;
 pub mod control;
 pub mod credits;
 pub mod engine;

@@ -81,6 +81,13 @@ impl SoftFabric {
         Self::default()
     }
 
+    /// The fabric shared by every soft device of this process (what the
+    /// transport uses, so that its connections can reach each other).
+    pub fn process() -> Self {
+        static PROCESS: std::sync::OnceLock<SoftFabric> = std::sync::OnceLock::new();
+        PROCESS.get_or_init(SoftFabric::new).clone()
+    }
+
     /// Opens a device (an RNIC with its protection domain) on the fabric.
     pub fn open(&self, name: impl Into<String>, faults: SoftFaults) -> SoftDevice {
         let node = self.inner.next_node.fetch_add(1, Ordering::Relaxed) + 1;

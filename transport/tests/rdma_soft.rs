@@ -1,0 +1,111 @@
+//! The RDMA transport over the soft provider, through the same API as TCP.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use bytes::Bytes;
+use tessera_transport::pool::lookup;
+use tessera_transport::{
+    Message, RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind,
+};
+
+fn soft_config() -> TransportConfig {
+    TransportConfig {
+        kind: TransportKind::Rdma,
+        rdma: RdmaConfig {
+            provider: RdmaProvider::Soft,
+            ..RdmaConfig::default()
+        },
+        ..TransportConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_of_every_size_cross_and_land_in_the_receive_pool() {
+    let server = Transport::new(soft_config()).unwrap();
+    let client = Transport::new(soft_config()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let sizes: Vec<usize> = vec![0, 1, 100, 8 << 10, (8 << 10) + 1, 100_000, 1 << 20, 5 << 20];
+    let expected = sizes.clone();
+    let recv_pool = server.recv_pool().id();
+    let echo = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        while got.len() < expected.len() {
+            let message = conn.receiver.recv().await.unwrap().expect("message");
+            if !message.is_empty() {
+                assert_eq!(
+                    lookup(message.as_ptr() as usize).map(|r| r.pool_id),
+                    Some(recv_pool)
+                );
+            }
+            got.push(message.len());
+            conn.sender.send(Message::from(message)).await.unwrap();
+        }
+        got.sort_unstable();
+        got
+    });
+    let mut conn = client.connect(&addr).await.unwrap();
+    for (i, &len) in sizes.iter().enumerate() {
+        let mut buf = client.send_pool().alloc(len).unwrap();
+        buf.fill((i % 251) as u8);
+        conn.sender.send(Message::from(buf.freeze())).await.unwrap();
+    }
+    let mut back: Vec<Bytes> = Vec::new();
+    for _ in 0..sizes.len() {
+        back.push(conn.receiver.recv().await.unwrap().expect("echo"));
+    }
+    let mut got = echo.await.unwrap();
+    let mut want = sizes.clone();
+    want.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, want);
+    for message in &back {
+        let i = sizes.iter().position(|&s| s == message.len()).unwrap();
+        assert!(
+            message.iter().all(|&b| b == (i % 251) as u8),
+            "{}-byte echo corrupted",
+            message.len()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_one_side_ends_the_other_cleanly() {
+    let server = Transport::new(soft_config()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let accept = tokio::spawn(async move { listener.accept().await.unwrap() });
+    let client = Transport::new(soft_config()).unwrap();
+    let conn = client.connect(&addr).await.unwrap();
+    let mut server_side = accept.await.unwrap();
+    conn.sender
+        .send(Message::from(Bytes::from_static(b"last words")))
+        .await
+        .unwrap();
+    let got = server_side.receiver.recv().await.unwrap().unwrap();
+    assert_eq!(&got[..], b"last words");
+    drop(conn);
+    let end = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        server_side.receiver.recv(),
+    )
+    .await
+    .expect("the peer's close is noticed");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+}
+
+#[tokio::test]
+async fn ibverbs_without_a_device_is_a_clear_error() {
+    let config = TransportConfig {
+        kind: TransportKind::Rdma,
+        ..TransportConfig::default()
+    };
+    match Transport::new(config) {
+        Ok(_) => eprintln!("an RDMA device exists here: nothing to check"),
+        Err(err) => {
+            let text = err.to_string();
+            assert!(text.contains("rdma"), "{text}");
+            eprintln!("as expected without a device: {text}");
+        }
+    }
+}
