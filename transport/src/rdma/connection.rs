@@ -168,10 +168,10 @@ pub(crate) async fn establish(
     let (command_tx, command_rx) = mpsc::channel(send_queue_depth);
     let (event_tx, event_rx) = mpsc::channel(1024);
     let driver = Driver {
-        engine,
         qp,
         send_cq,
         recv_cq,
+        engine,
         commands: command_rx,
         events: event_tx,
         control,
@@ -186,11 +186,13 @@ pub(crate) async fn establish(
     })
 }
 
+// Field order is drop order: the queue pair goes before the engine, so no
+// buffer the engine owns is freed while the NIC could still write into it.
 struct Driver {
-    engine: Engine,
     qp: Arc<dyn QueuePair>,
     send_cq: Arc<dyn CompletionQueue>,
     recv_cq: Arc<dyn CompletionQueue>,
+    engine: Engine,
     commands: mpsc::Receiver<Message>,
     events: mpsc::Sender<Result<Bytes, TransportError>>,
     control: std::net::TcpStream,

@@ -226,14 +226,15 @@ impl Engine {
             return;
         }
         self.failed = true;
-        self.ring.clear();
+        // Buffers the NIC may still touch (posted receives, destinations
+        // handed to the peer, data of requests in flight) stay owned until
+        // the engine is dropped, which its owner does only after the queue
+        // pair is destroyed: freeing them now could let a late WRITE land
+        // in memory the pool has handed to someone else.
         self.outbox.clear();
         self.control.clear();
         self.awaiting_cts.clear();
         self.writing.clear();
-        self.incoming.clear();
-        self.recv_slots.iter_mut().for_each(|slot| *slot = None);
-        self.spare.clear();
         self.events.push_back(EngineEvent::Failed(error));
     }
 

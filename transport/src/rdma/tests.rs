@@ -11,10 +11,11 @@ use crate::verbs::soft::{SoftDevice, SoftFabric, SoftFaults};
 use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, WorkCompletion};
 
 /// One side: engine, device, QP and completion queues.
+// Field order is drop order: the QP before the engine that owns its buffers.
 struct Side {
+    qp: Arc<dyn QueuePair>,
     engine: Engine,
     device: SoftDevice,
-    qp: Arc<dyn QueuePair>,
     send_cq: Arc<dyn CompletionQueue>,
     recv_cq: Arc<dyn CompletionQueue>,
     send_pool: Pool,
@@ -59,9 +60,9 @@ impl Side {
             config.recv_queue_depth,
         );
         Self {
+            qp,
             engine,
             device,
-            qp,
             send_cq,
             recv_cq,
             send_pool,

@@ -1,6 +1,6 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use super::cq::{Pending, SoftCq};
 use super::device::{DeviceInner, Fault};
@@ -32,6 +32,12 @@ pub(crate) struct SoftQpInner {
     send_outstanding: Arc<AtomicU32>,
     send_cq: Arc<SoftCq>,
     recv_cq: Arc<SoftCq>,
+    /// Held shared by a peer while it writes into memory addressed through
+    /// this QP, and exclusively when the QP is destroyed: once destruction
+    /// returns, no peer write into this side's buffers is under way or can
+    /// start (the soft counterpart of a NIC that stops DMA when the QP is
+    /// destroyed).
+    dma: RwLock<()>,
 }
 
 impl SoftQpInner {
@@ -55,6 +61,7 @@ impl SoftQpInner {
             send_outstanding: Arc::new(AtomicU32::new(0)),
             send_cq,
             recv_cq,
+            dma: RwLock::new(()),
         }
     }
 
@@ -153,12 +160,15 @@ impl SoftQpInner {
         let Some(peer_device) = peer_device else {
             return WcStatus::RetryExceeded;
         };
-        let Some(peer) = peer_device
-            .qp(remote.qpn)
-            .filter(|qp| qp.state() == QpState::ReadyToSend)
-        else {
+        let Some(peer) = peer_device.qp(remote.qpn) else {
             return WcStatus::RetryExceeded;
         };
+        // Checked under the peer's DMA guard, so the peer cannot be torn
+        // down between the check and the copy.
+        let _dma = peer.dma.read().unwrap_or_else(|p| p.into_inner());
+        if peer.state() != QpState::ReadyToSend {
+            return WcStatus::RetryExceeded;
+        }
         let status = match wr.op {
             SendOp::Send => {
                 let Some(recv) = take_recv_or_rnr(device, &peer_device, &peer) else {
@@ -280,6 +290,14 @@ fn copy_gather(gather: &[(usize, usize)], dest: usize) {
 #[derive(Debug)]
 pub struct SoftQp {
     pub(crate) inner: Arc<SoftQpInner>,
+}
+
+impl Drop for SoftQp {
+    fn drop(&mut self) {
+        // Wait out writes in progress and refuse new ones.
+        let _guard = self.inner.dma.write().unwrap_or_else(|p| p.into_inner());
+        self.inner.enter_error();
+    }
 }
 
 impl SoftQp {

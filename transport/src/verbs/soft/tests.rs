@@ -509,3 +509,28 @@ fn queue_pairs_work_across_threads() {
     assert_eq!(b.device.stats().rnr_events, 0);
     assert_eq!(a.device.stats().rnr_events, 0);
 }
+
+#[test]
+fn a_destroyed_queue_pair_accepts_no_more_writes() {
+    let (a, b) = pair();
+    let target = filled(&b.recv_pool, 64, 0);
+    let rkey = target.region().unwrap().rkey;
+    let Side { qp: b_qp, .. } = b;
+    drop(b_qp);
+    let data = filled(&a.send_pool, 8, 1);
+    a.qp.post_send(&[SendWr {
+        wr_id: 1,
+        op: SendOp::Write {
+            remote_addr: target.as_ptr() as usize,
+            rkey,
+        },
+        sges: vec![sge(&data)],
+        signaled: true,
+    }])
+    .unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::RetryExceeded);
+    assert!(
+        target.iter().all(|&x| x == 0),
+        "nothing landed after the QP was destroyed"
+    );
+}
