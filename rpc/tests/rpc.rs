@@ -496,17 +496,9 @@ async fn decoded_bytes_fields_point_into_the_receive_pool() {
 /// The same RPC layer over the RDMA transport with the soft provider.
 mod over_rdma_soft {
     use super::*;
-    use tessera_transport::{RdmaConfig, RdmaProvider, TransportKind};
 
     fn soft() -> TransportConfig {
-        TransportConfig {
-            kind: TransportKind::Rdma,
-            rdma: RdmaConfig {
-                provider: RdmaProvider::Soft,
-                ..RdmaConfig::default()
-            },
-            ..TransportConfig::default()
-        }
+        TransportConfig::soft_rdma()
     }
 
     async fn start_soft() -> (Running, ChannelConfig) {

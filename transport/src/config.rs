@@ -203,6 +203,19 @@ impl TransportConfig {
     /// Largest value allowed for `max_message_size` (the TCP frame length is
     /// a u32).
     pub const MAX_MESSAGE_SIZE_LIMIT: u64 = u32::MAX as u64;
+
+    /// The defaults with `kind = "rdma"` over the soft provider (hosts
+    /// without an RNIC, tests).
+    pub fn soft_rdma() -> Self {
+        Self {
+            kind: TransportKind::Rdma,
+            rdma: RdmaConfig {
+                provider: RdmaProvider::Soft,
+                ..RdmaConfig::default()
+            },
+            ..Self::default()
+        }
+    }
 }
 
 impl Validate for TransportConfig {

@@ -3,19 +3,10 @@
 
 use bytes::Bytes;
 use tessera_transport::pool::lookup;
-use tessera_transport::{
-    Message, RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind,
-};
+use tessera_transport::{Message, Transport, TransportConfig, TransportKind};
 
 fn soft_config() -> TransportConfig {
-    TransportConfig {
-        kind: TransportKind::Rdma,
-        rdma: RdmaConfig {
-            provider: RdmaProvider::Soft,
-            ..RdmaConfig::default()
-        },
-        ..TransportConfig::default()
-    }
+    TransportConfig::soft_rdma()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -567,15 +567,8 @@ impl Device for IbvDevice {
         recv_cq: Arc<dyn CompletionQueue>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
-        let foreign = || VerbsError::InvalidRequest("completion queue of another provider".into());
-        let send_cq = send_cq
-            .into_any()
-            .downcast::<IbvCq>()
-            .map_err(|_| foreign())?;
-        let recv_cq = recv_cq
-            .into_any()
-            .downcast::<IbvCq>()
-            .map_err(|_| foreign())?;
+        let send_cq = crate::verbs::downcast_cq::<IbvCq>(send_cq)?;
+        let recv_cq = crate::verbs::downcast_cq::<IbvCq>(recv_cq)?;
         // SAFETY: ibv_qp_init_attr is plain data; zeroed is a valid start.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.cq;

@@ -263,3 +263,13 @@ pub trait Device: Send + Sync {
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError>;
 }
+
+/// Recovers a provider's own completion queue type from a trait object
+/// handed back to it (in [`Device::create_qp`]).
+pub(crate) fn downcast_cq<T: std::any::Any + Send + Sync>(
+    cq: Arc<dyn CompletionQueue>,
+) -> Result<Arc<T>, VerbsError> {
+    cq.into_any()
+        .downcast::<T>()
+        .map_err(|_| VerbsError::InvalidRequest("completion queue of another provider".into()))
+}

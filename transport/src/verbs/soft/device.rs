@@ -293,15 +293,8 @@ impl Device for SoftDevice {
         recv_cq: Arc<dyn CompletionQueue>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
-        let foreign = || VerbsError::InvalidRequest("completion queue of another provider".into());
-        let send_cq = send_cq
-            .into_any()
-            .downcast::<SoftCq>()
-            .map_err(|_| foreign())?;
-        let recv_cq = recv_cq
-            .into_any()
-            .downcast::<SoftCq>()
-            .map_err(|_| foreign())?;
+        let send_cq = crate::verbs::downcast_cq::<SoftCq>(send_cq)?;
+        let recv_cq = crate::verbs::downcast_cq::<SoftCq>(recv_cq)?;
         let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed);
         let qp = Arc::new(SoftQpInner::new(
             qpn,
