@@ -34,7 +34,8 @@ use crate::{Message, TransportConfig, TransportError};
 /// Version of the RDMA connection protocol (handshake and control header).
 pub const PROTOCOL_VERSION: u16 = 1;
 const HELLO_MAGIC: &[u8; 4] = b"TSRD";
-const HELLO_LEN: usize = 64;
+/// Bytes of a hello.
+pub const HELLO_LEN: usize = 64;
 
 /// What each side tells the other at connection setup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +65,8 @@ impl Hello {
         out
     }
 
-    fn decode(raw: &[u8; HELLO_LEN]) -> Result<Self, TransportError> {
+    /// Decodes a hello; anything but the Tessera RDMA handshake is refused.
+    pub fn decode(raw: &[u8; HELLO_LEN]) -> Result<Self, TransportError> {
         if &raw[0..4] != HELLO_MAGIC {
             return Err(TransportError::Rdma(
                 "peer does not speak the Tessera RDMA handshake".into(),
