@@ -163,10 +163,7 @@ impl Transport {
     /// Listens on `addr` ("host:port"; port 0 picks a free one).
     pub async fn listen(&self, addr: &str) -> Result<Listener, TransportError> {
         // Both kinds listen on TCP: RDMA for its connection handshake.
-        Ok(Listener {
-            inner: ListenerInner::Tcp(tcp::bind(addr).await?),
-            transport: self.clone(),
-        })
+        Listener::new(tcp::bind(addr).await?, self.clone())
     }
 
     fn tcp_connection(&self, stream: tokio::net::TcpStream) -> Result<Connection, TransportError> {
@@ -216,33 +213,114 @@ impl Connection {
 #[derive(Debug)]
 pub struct Listener {
     inner: ListenerInner,
-    transport: Transport,
+    local_addr: SocketAddr,
 }
 
 #[derive(Debug)]
 enum ListenerInner {
-    Tcp(tokio::net::TcpListener),
+    Tcp {
+        listener: tokio::net::TcpListener,
+        transport: Transport,
+    },
+    /// RDMA: a task accepts TCP connections and runs each handshake in a
+    /// task of its own, so a slow or silent client never holds up the
+    /// others; finished connections queue here.
+    Handshaking {
+        ready: tokio::sync::Mutex<mpsc::Receiver<Connection>>,
+        _acceptor: AbortOnDrop,
+    },
 }
 
+/// Stops the accepting task when the listener goes away.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// How long an incoming RDMA handshake may take. 10 s: far longer than a
+/// handshake on a loaded host, short enough that silent peers do not pile up.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Listener {
+    fn new(
+        listener: tokio::net::TcpListener,
+        transport: Transport,
+    ) -> Result<Self, TransportError> {
+        let local_addr = listener.local_addr()?;
+        let inner = match transport.inner.config.kind {
+            TransportKind::Tcp => ListenerInner::Tcp {
+                listener,
+                transport,
+            },
+            TransportKind::Rdma => {
+                let (tx, rx) = mpsc::channel(64);
+                let acceptor = tokio::spawn(accept_rdma(listener, transport, tx));
+                ListenerInner::Handshaking {
+                    ready: tokio::sync::Mutex::new(rx),
+                    _acceptor: AbortOnDrop(acceptor),
+                }
+            }
+        };
+        Ok(Self { inner, local_addr })
+    }
+
     /// Waits for the next connection.
     pub async fn accept(&self) -> Result<Connection, TransportError> {
         match &self.inner {
-            ListenerInner::Tcp(listener) => {
+            ListenerInner::Tcp {
+                listener,
+                transport,
+            } => {
                 let (stream, _) = listener.accept().await?;
-                match self.transport.inner.config.kind {
-                    TransportKind::Tcp => self.transport.tcp_connection(stream),
-                    TransportKind::Rdma => self.transport.rdma_connection(stream, false).await,
-                }
+                transport.tcp_connection(stream)
             }
+            ListenerInner::Handshaking { ready, .. } => ready
+                .lock()
+                .await
+                .recv()
+                .await
+                .ok_or(TransportError::Closed),
         }
     }
 
     /// The address actually bound (useful after binding port 0).
     pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
-        match &self.inner {
-            ListenerInner::Tcp(listener) => Ok(listener.local_addr()?),
-        }
+        Ok(self.local_addr)
+    }
+}
+
+async fn accept_rdma(
+    listener: tokio::net::TcpListener,
+    transport: Transport,
+    ready: mpsc::Sender<Connection>,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(err) => {
+                tracing::warn!(%err, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let transport = transport.clone();
+        let ready = ready.clone();
+        tokio::spawn(async move {
+            let peer = stream.peer_addr().ok();
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, transport.rdma_connection(stream, false))
+                .await
+            {
+                Ok(Ok(connection)) => {
+                    let _ = ready.send(connection).await;
+                }
+                Ok(Err(err)) => tracing::warn!(?peer, %err, "rdma handshake failed"),
+                Err(_) => tracing::warn!(?peer, "rdma handshake timed out"),
+            }
+        });
     }
 }
 

@@ -100,3 +100,19 @@ async fn ibverbs_without_a_device_is_a_clear_error() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_does_not_hold_up_other_handshakes() {
+    let server = Transport::new(soft_config()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    // Connects over TCP and never says hello.
+    let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let client = Transport::new(soft_config()).unwrap();
+    let dial = tokio::spawn(async move { client.connect(&addr).await.map(|_| ()) });
+    let accepted = tokio::time::timeout(std::time::Duration::from_secs(5), listener.accept())
+        .await
+        .expect("the second client is accepted while the first stays silent");
+    assert!(accepted.is_ok());
+    dial.await.unwrap().unwrap();
+}
