@@ -20,17 +20,21 @@ pub enum TransportKind {
     Tcp,
     /// RC queue pairs through a verbs provider (see [`RdmaConfig`]).
     Rdma,
+    /// RDMA where the configured provider has a device and the peer speaks
+    /// it, else TCP; the log says which and why.
+    Auto,
 }
 
 impl TransportKind {
     /// The values accepted for the `transport` setting.
-    pub const ALLOWED: &'static [&'static str] = &["tcp", "rdma"];
+    pub const ALLOWED: &'static [&'static str] = &["tcp", "rdma", "auto"];
 
     /// The canonical name of this kind.
     pub fn as_str(self) -> &'static str {
         match self {
             TransportKind::Tcp => "tcp",
             TransportKind::Rdma => "rdma",
+            TransportKind::Auto => "auto",
         }
     }
 }
@@ -48,13 +52,7 @@ impl FromStr for TransportKind {
         match value {
             "tcp" => Ok(TransportKind::Tcp),
             "rdma" => Ok(TransportKind::Rdma),
-            "auto" => Err(invalid(
-                "transport",
-                format!(
-                    "`{value}` is not available in this build yet (allowed: {})",
-                    TransportKind::ALLOWED.join(", ")
-                ),
-            )),
+            "auto" => Ok(TransportKind::Auto),
             other => Err(invalid(
                 "transport",
                 format!(
@@ -264,9 +262,11 @@ mod tests {
     fn unknown_transport_names_the_setting_and_allowed_values() {
         let err = "udp".parse::<TransportKind>().unwrap_err().to_string();
         assert!(err.contains("`transport`"), "{err}");
-        assert!(err.contains("allowed: tcp, rdma"), "{err}");
-        let err = "auto".parse::<TransportKind>().unwrap_err().to_string();
-        assert!(err.contains("not available"), "{err}");
+        assert!(err.contains("allowed: tcp, rdma, auto"), "{err}");
+        assert_eq!(
+            "auto".parse::<TransportKind>().unwrap(),
+            TransportKind::Auto
+        );
         assert_eq!(
             "rdma".parse::<TransportKind>().unwrap(),
             TransportKind::Rdma

@@ -77,6 +77,20 @@ impl Transport {
                 let hook = device.registration_hook();
                 (Some(device), hook)
             }
+            TransportKind::Auto => match open_device(&config) {
+                Ok(device) => {
+                    tracing::info!(
+                        device = device.name(),
+                        "transport auto: RDMA device available; RDMA with peers that speak it"
+                    );
+                    let hook = device.registration_hook();
+                    (Some(device), hook)
+                }
+                Err(err) => {
+                    tracing::info!(%err, "transport auto: using TCP");
+                    (None, Arc::new(CountingHook::new()))
+                }
+            },
         };
         let send_pool = Pool::new(
             config.send_pool.clone(),
@@ -121,6 +135,32 @@ impl Transport {
         match self.inner.config.kind {
             TransportKind::Tcp => self.tcp_connection(stream),
             TransportKind::Rdma => self.rdma_connection(stream, true).await,
+            TransportKind::Auto if self.inner.device.is_none() => self.tcp_connection(stream),
+            TransportKind::Auto => {
+                match tokio::time::timeout(
+                    AUTO_HANDSHAKE_TIMEOUT,
+                    self.rdma_connection(stream, true),
+                )
+                .await
+                {
+                    Ok(Ok(connection)) => Ok(connection),
+                    outcome => {
+                        let why = match outcome {
+                            Ok(Err(err)) => err.to_string(),
+                            _ => "handshake timed out".to_owned(),
+                        };
+                        tracing::warn!(%addr, %why, "transport auto: RDMA not possible with this peer; falling back to TCP");
+                        let stream =
+                            tokio::net::TcpStream::connect(addr)
+                                .await
+                                .map_err(|source| TransportError::Connect {
+                                    addr: addr.to_owned(),
+                                    source,
+                                })?;
+                        self.tcp_connection(stream)
+                    }
+                }
+            }
         }
     }
 
@@ -251,12 +291,17 @@ impl Listener {
         transport: Transport,
     ) -> Result<Self, TransportError> {
         let local_addr = listener.local_addr()?;
-        let inner = match transport.inner.config.kind {
-            TransportKind::Tcp => ListenerInner::Tcp {
+        let rdma = match transport.inner.config.kind {
+            TransportKind::Tcp => false,
+            TransportKind::Rdma => true,
+            TransportKind::Auto => transport.inner.device.is_some(),
+        };
+        let inner = match rdma {
+            false => ListenerInner::Tcp {
                 listener,
                 transport,
             },
-            TransportKind::Rdma => {
+            true => {
                 let (tx, rx) = mpsc::channel(64);
                 let acceptor = tokio::spawn(accept_rdma(listener, transport, tx));
                 ListenerInner::Handshaking {
@@ -293,6 +338,28 @@ impl Listener {
     }
 }
 
+/// How long a dialer in `auto` mode waits for an RDMA handshake before it
+/// falls back to TCP. 1 s: a handshake takes milliseconds; a TCP-only peer
+/// either closes at once or waits for a frame that never comes.
+const AUTO_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether the first bytes a peer sent are an RDMA hello (as opposed to a
+/// TCP frame), without consuming them.
+async fn speaks_rdma(stream: &tokio::net::TcpStream) -> Result<bool, TransportError> {
+    let mut magic = [0u8; 4];
+    loop {
+        let seen = stream.peek(&mut magic).await?;
+        if seen == 0 {
+            return Err(TransportError::Closed);
+        }
+        if seen == magic.len() {
+            return Ok(&magic == crate::rdma::connection::HELLO_MAGIC);
+        }
+        // Fewer bytes so far: wait for the rest of the magic.
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
 async fn accept_rdma(
     listener: tokio::net::TcpListener,
     transport: Transport,
@@ -311,9 +378,16 @@ async fn accept_rdma(
         let ready = ready.clone();
         tokio::spawn(async move {
             let peer = stream.peer_addr().ok();
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, transport.rdma_connection(stream, false))
-                .await
-            {
+            let handshake = async {
+                if transport.inner.config.kind == TransportKind::Auto
+                    && !speaks_rdma(&stream).await?
+                {
+                    tracing::debug!(?peer, "transport auto: peer speaks TCP");
+                    return transport.tcp_connection(stream);
+                }
+                transport.rdma_connection(stream, false).await
+            };
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
                 Ok(Ok(connection)) => {
                     let _ = ready.send(connection).await;
                 }

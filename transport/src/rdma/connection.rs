@@ -33,7 +33,8 @@ use crate::{Message, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
 pub const PROTOCOL_VERSION: u16 = 1;
-const HELLO_MAGIC: &[u8; 4] = b"TSRD";
+/// First bytes of every hello (how an `auto` listener tells RDMA from TCP).
+pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
 pub const HELLO_LEN: usize = 64;
 
