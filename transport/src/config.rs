@@ -147,6 +147,10 @@ pub struct RdmaConfig {
     /// Largest WRITE fragment of a large message. Default 64 KiB
     /// (provisional, until the fragment benchmark picks it).
     pub fragment_size: usize,
+    /// Faults the soft provider injects (`[rdma.soft_faults]`: `seed`,
+    /// `rnr_per_million`, `qp_error_per_million`, `delay_per_million`,
+    /// `max_delay_polls`), for fault drills. Default: none.
+    pub soft_faults: crate::verbs::soft::SoftFaults,
 }
 
 impl Default for RdmaConfig {
@@ -160,6 +164,7 @@ impl Default for RdmaConfig {
             recv_queue_depth: 64,
             small_message_limit: 8 << 10,
             fragment_size: 64 << 10,
+            soft_faults: crate::verbs::soft::SoftFaults::default(),
         }
     }
 }

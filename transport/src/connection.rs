@@ -44,9 +44,7 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
     match rdma.provider {
         RdmaProvider::Soft => {
             let fabric = crate::verbs::soft::SoftFabric::process();
-            Ok(Arc::new(
-                fabric.open("soft", crate::verbs::soft::SoftFaults::default()),
-            ))
+            Ok(Arc::new(fabric.open("soft", rdma.soft_faults)))
         }
         #[cfg(feature = "ibverbs")]
         RdmaProvider::Ibverbs => crate::verbs::ibverbs::IbvDevice::open(

@@ -189,3 +189,49 @@ async fn auto_without_a_device_is_tcp() {
         assert_eq!(exchange(server, client).await.len(), 20_000);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_injected_qp_error_fails_the_connection_with_a_clear_error() {
+    let mut faulty = TransportConfig::soft_rdma();
+    faulty.rdma.soft_faults.seed = 11;
+    faulty.rdma.soft_faults.qp_error_per_million = 50_000;
+    let server = Transport::new(TransportConfig::soft_rdma()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let accept = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        // Read until the connection ends, one way or the other.
+        let mut received = 0usize;
+        loop {
+            match conn.receiver.recv().await {
+                Ok(Some(_)) => received += 1,
+                Ok(None) | Err(_) => return received,
+            }
+        }
+    });
+    let client = Transport::new(faulty).unwrap();
+    let mut conn = client.connect(&addr).await.unwrap();
+    for _ in 0..500 {
+        if conn
+            .sender
+            .send(Message::from(Bytes::from(vec![1u8; 30_000])))
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    let err = tokio::time::timeout(std::time::Duration::from_secs(10), conn.receiver.recv())
+        .await
+        .expect("the failure is reported, no hang")
+        .expect_err("the injected QP error surfaces as an error");
+    assert!(
+        err.to_string().contains("rdma: work request failed"),
+        "{err}"
+    );
+    let received = tokio::time::timeout(std::time::Duration::from_secs(10), accept)
+        .await
+        .expect("the peer notices too")
+        .unwrap();
+    assert!(received < 500, "{received}");
+}

@@ -9,7 +9,9 @@ use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, VerbsError};
 
 /// Faults a soft device injects, each with a probability in millionths,
 /// drawn from a generator seeded with `seed` (so a failing test replays).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// All zero by default: no faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SoftFaults {
     /// Seed of the fault generator.
     pub seed: u64,
