@@ -91,6 +91,19 @@ fn send(wr_id: u64, buf: &PoolBuf) -> SendWr {
     }
 }
 
+/// A WRITE of all of `data` to the start of `target`.
+fn write_wr(wr_id: u64, target: &PoolBuf, data: &PoolBuf, signaled: bool) -> SendWr {
+    SendWr {
+        wr_id,
+        op: SendOp::Write {
+            remote_addr: target.as_ptr() as usize,
+            rkey: target.region().unwrap().rkey,
+        },
+        sges: vec![sge(data)],
+        signaled,
+    }
+}
+
 fn filled(pool: &Pool, len: usize, byte: u8) -> PoolBuf {
     let mut buf = pool.alloc(len).unwrap();
     buf.fill(byte);
@@ -352,19 +365,8 @@ fn completions_arrive_in_posting_order_even_when_delayed() {
     };
     let (a, b) = pair_with(faults, QpCaps::default());
     let target = filled(&b.recv_pool, 64, 0);
-    let rkey = target.region().unwrap().rkey;
     let data = filled(&a.send_pool, 8, 1);
-    let wrs: Vec<SendWr> = (0..20)
-        .map(|i| SendWr {
-            wr_id: i,
-            op: SendOp::Write {
-                remote_addr: target.as_ptr() as usize,
-                rkey,
-            },
-            sges: vec![sge(&data)],
-            signaled: true,
-        })
-        .collect();
+    let wrs: Vec<SendWr> = (0..20).map(|i| write_wr(i, &target, &data, true)).collect();
     a.qp.post_send(&wrs).unwrap();
     let mut seen = Vec::new();
     let mut empty_polls = 0;
@@ -419,18 +421,9 @@ fn injected_faults_replay_from_the_seed() {
             },
         );
         let target = filled(&b.recv_pool, 64, 0);
-        let rkey = target.region().unwrap().rkey;
         let data = filled(&a.send_pool, 8, 1);
         let wrs: Vec<SendWr> = (0..200)
-            .map(|i| SendWr {
-                wr_id: i,
-                op: SendOp::Write {
-                    remote_addr: target.as_ptr() as usize,
-                    rkey,
-                },
-                sges: vec![sge(&data)],
-                signaled: true,
-            })
+            .map(|i| write_wr(i, &target, &data, true))
             .collect();
         a.qp.post_send(&wrs).unwrap();
         let first_failure = a
