@@ -111,7 +111,7 @@ pub struct EngineStats {
     /// Times sending waited for credits.
     pub credit_stalls: u64,
     /// Message parts copied into the send pool because they were not in
-    /// registered memory.
+    /// memory registered with this engine's device.
     pub fallback_copies: u64,
     /// Explicit credit-return messages sent.
     pub credit_messages: u64,
@@ -261,8 +261,12 @@ impl Engine {
             });
         }
         let mut parts = Vec::with_capacity(message.parts().len());
+        // Only this engine's pools are registered with its device: memory of
+        // any other pool (another transport's, keys from another device) is
+        // as foreign to the NIC as unregistered memory.
+        let own = [self.send_pool.id(), self.recv_pool.id()];
         for part in message.parts() {
-            if lookup(part.as_ptr() as usize).is_some() {
+            if lookup(part.as_ptr() as usize).is_some_and(|region| own.contains(&region.pool_id)) {
                 parts.push(part.clone());
             } else {
                 self.stats.fallback_copies += 1;

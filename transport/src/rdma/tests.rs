@@ -391,3 +391,29 @@ fn unregistered_parts_are_copied_once_into_the_send_pool() {
     assert!(b.received[0].iter().all(|&x| x == 7));
     assert!(b.received[1].iter().all(|&x| x == 8));
 }
+
+#[test]
+fn buffers_of_another_devices_pool_are_copied_not_posted_with_a_foreign_key() {
+    let config = EngineConfig::default();
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    // Registered memory, but with another hook (as a TCP transport's pool
+    // is): its keys mean nothing to this device.
+    let foreign = Pool::new(
+        PoolConfig::named("foreign"),
+        Access::LocalOnly,
+        Arc::new(crate::pool::CountingHook::new()),
+    )
+    .unwrap();
+    a.engine.send(message(&foreign, 100, 3)).unwrap();
+    a.engine.send(message(&foreign, 100_000, 4)).unwrap();
+    pump(&mut a, &mut b);
+    assert!(
+        a.failure.is_none() && b.failure.is_none(),
+        "{:?} {:?}",
+        a.failure,
+        b.failure
+    );
+    assert_eq!(a.engine.stats().fallback_copies, 2);
+    check(&b.received[0], 100, 3);
+    check(&b.received[1], 100_000, 4);
+}
