@@ -44,7 +44,10 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
     match rdma.provider {
         RdmaProvider::Soft => {
             let fabric = crate::verbs::soft::SoftFabric::process();
-            Ok(Arc::new(fabric.open("soft", rdma.soft_faults)))
+            fabric
+                .open("soft", rdma.soft_faults)
+                .map(|device| Arc::new(device) as Arc<dyn Device>)
+                .map_err(|err| TransportError::Rdma(err.to_string()))
         }
         #[cfg(feature = "ibverbs")]
         RdmaProvider::Ibverbs => crate::verbs::ibverbs::IbvDevice::open(

@@ -176,12 +176,24 @@ impl PoolInner {
     /// them and maps them in the page map.
     fn acquire(&self, len: usize, align: usize) -> Result<Box<Region>, PoolError> {
         self.reserve(len)?;
-        let Some(memory) = os::map_aligned(len, align) else {
+        let (memory, shared) = if self.hook.shares_memory() {
+            match os::map_shared_aligned(len, align) {
+                Some((memory, fd)) => (Some(memory), Some(fd)),
+                None => (None, None),
+            }
+        } else {
+            (os::map_aligned(len, align), None)
+        };
+        let Some(memory) = memory else {
             self.registered.fetch_sub(len as u64, Ordering::AcqRel);
             return Err(PoolError::OutOfMemory { len });
         };
         let base = memory.as_ptr() as usize;
-        let keys = match self.hook.register(base, len, self.access) {
+        let registered = match shared {
+            Some(fd) => self.hook.register_shared(base, len, self.access, fd),
+            None => self.hook.register(base, len, self.access),
+        };
+        let keys = match registered {
             Ok(keys) => keys,
             Err(err) => {
                 os::unmap(base, len);

@@ -57,6 +57,27 @@ pub trait RegistrationHook: Send + Sync + 'static {
 
     /// Deregisters a region returned by `register` for the same range.
     fn deregister(&self, addr: usize, len: usize, region: &RegisteredRegion);
+
+    /// Whether this NIC needs pool memory it can share with other processes
+    /// (the soft provider, whose peers in other processes write into it
+    /// directly). The pool then backs its blocks with memfds and registers
+    /// them through [`RegistrationHook::register_shared`].
+    fn shares_memory(&self) -> bool {
+        false
+    }
+
+    /// Registers `len` bytes at `addr`, a shared mapping of all of
+    /// `memory`; the hook keeps the descriptor as long as it needs it.
+    fn register_shared(
+        &self,
+        addr: usize,
+        len: usize,
+        access: Access,
+        memory: std::os::fd::OwnedFd,
+    ) -> Result<RegisteredRegion, RegistrationError> {
+        drop(memory);
+        self.register(addr, len, access)
+    }
 }
 
 /// A hook that registers nothing but counts calls and hands out distinct

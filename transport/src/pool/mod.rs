@@ -37,7 +37,7 @@ mod buffer;
 mod config;
 mod core;
 mod hook;
-mod os;
+pub(crate) mod os;
 mod page_map;
 mod region;
 mod size_class;

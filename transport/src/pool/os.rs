@@ -6,6 +6,7 @@
 //! can be aligned to its own size (which makes finding a block from an
 //! object pointer a mask).
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 /// Maps `len` bytes aligned to `align` (both multiples of the page size,
@@ -49,4 +50,51 @@ pub(crate) fn unmap(ptr: usize, len: usize) {
     // SAFETY: callers pass a range obtained from `map_aligned` that no
     // buffer refers to any more.
     unsafe { libc::munmap(ptr as *mut libc::c_void, len) };
+}
+
+/// A memfd of `len` zero bytes (memory another process can map once it
+/// holds the descriptor).
+pub(crate) fn memfd(name: &str, len: usize) -> std::io::Result<OwnedFd> {
+    use std::io;
+    let name =
+        std::ffi::CString::new(name).map_err(|_| io::Error::other("memfd name with a NUL byte"))?;
+    // SAFETY: `name` is a valid NUL-terminated string.
+    let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let size = libc::off_t::try_from(len)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "memfd too large"))?;
+    // SAFETY: `fd` is an open memfd.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Like [`map_aligned`], but the memory is a shared mapping of a fresh
+/// memfd, returned with it (for providers that share registered memory with
+/// other processes). Released with [`unmap`].
+pub(crate) fn map_shared_aligned(len: usize, align: usize) -> Option<(NonNull<u8>, OwnedFd)> {
+    let fd = memfd("tessera-pool", len).ok()?;
+    let reserved = map_aligned(len, align)?;
+    // SAFETY: MAP_FIXED over the range reserved just above (ours alone)
+    // replaces it with a shared mapping of the memfd, which is `len` long.
+    let raw = unsafe {
+        libc::mmap(
+            reserved.as_ptr().cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        unmap(reserved.as_ptr() as usize, len);
+        return None;
+    }
+    Some((reserved, fd))
 }

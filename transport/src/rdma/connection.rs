@@ -2,10 +2,11 @@
 //! one engine.
 //!
 //! **Handshake.** The dialer connects over TCP to the listener's address;
-//! each side creates its queue pair, posts its receives, then sends a
-//! [`Hello`] (protocol version, QP number, LID/GID, PSN, receive depth,
-//! message limit) and reads the peer's. A different version is refused with
-//! a clear error. The TCP connection stays open as the liveness channel:
+//! each side creates its queue pair and posts its receives. The dialer sends
+//! a [`Hello`] (protocol version, QP number, LID/GID, PSN, receive depth,
+//! message limit); the listener connects its QP to it and answers with its
+//! own; the dialer connects and confirms with one byte, after which both
+//! may send. A different version is refused with a clear error. The TCP connection stays open as the liveness channel:
 //! when either side goes away, the other sees it close (the keepalive
 //! issue adds periodic sequence numbers on the QP itself).
 //!
@@ -32,11 +33,13 @@ use crate::verbs::{CompletionQueue, Device, QpCaps, QpEndpoint, QueuePair, WorkC
 use crate::{Message, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// First bytes of every hello (how an `auto` listener tells RDMA from TCP).
 pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
 pub const HELLO_LEN: usize = 64;
+/// The dialer's last handshake byte: its QP is connected too.
+const READY: u8 = 0x52;
 
 /// What each side tells the other at connection setup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,22 +152,42 @@ pub(crate) async fn establish(
         recv_depth: config.recv_queue_depth,
         max_message: max_message_size,
     };
+    // Three legs, so that neither side sends before the other's QP is
+    // connected (a SEND into a QP that is not ready is lost, and an RC QP
+    // retries it until it gives up): the listener connects before it
+    // answers, the dialer confirms once it has connected too.
     let mut raw = [0u8; HELLO_LEN];
-    if dialer {
+    let check = |raw: &[u8; HELLO_LEN]| -> Result<Hello, TransportError> {
+        let theirs = Hello::decode(raw)?;
+        if theirs.version != PROTOCOL_VERSION {
+            return Err(TransportError::Rdma(format!(
+                "peer speaks RDMA protocol version {}, this build {PROTOCOL_VERSION}",
+                theirs.version
+            )));
+        }
+        Ok(theirs)
+    };
+    let theirs = if dialer {
         stream.write_all(&mine.encode()).await?;
         stream.read_exact(&mut raw).await?;
+        let theirs = check(&raw)?;
+        qp.connect(&theirs.endpoint).map_err(rdma)?;
+        stream.write_all(&[READY]).await?;
+        theirs
     } else {
         stream.read_exact(&mut raw).await?;
+        let theirs = check(&raw)?;
+        qp.connect(&theirs.endpoint).map_err(rdma)?;
         stream.write_all(&mine.encode()).await?;
-    }
-    let theirs = Hello::decode(&raw)?;
-    if theirs.version != PROTOCOL_VERSION {
-        return Err(TransportError::Rdma(format!(
-            "peer speaks RDMA protocol version {}, this build {PROTOCOL_VERSION}",
-            theirs.version
-        )));
-    }
-    qp.connect(&theirs.endpoint).map_err(rdma)?;
+        let mut ready = [0u8; 1];
+        stream.read_exact(&mut ready).await?;
+        if ready[0] != READY {
+            return Err(TransportError::Rdma(
+                "peer did not confirm the RDMA connection".into(),
+            ));
+        }
+        theirs
+    };
     engine.grant_credits(u16::try_from(theirs.recv_depth).unwrap_or(u16::MAX));
     let control = stream.into_std()?;
     control.set_nonblocking(true)?;

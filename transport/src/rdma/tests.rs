@@ -29,7 +29,7 @@ struct Side {
 
 impl Side {
     fn new(fabric: &SoftFabric, name: &str, config: &EngineConfig, faults: SoftFaults) -> Self {
-        let device = fabric.open(name, faults);
+        let device = fabric.open(name, faults).unwrap();
         let hook = device.registration_hook();
         let send_pool = Pool::new(
             PoolConfig::named(format!("{name}-send")),

@@ -11,7 +11,8 @@
 //!   peer's registered memory after rkey, access and bounds checks,
 //!   completions come per QP in posting order, unsignalled work requests
 //!   complete silently, a QP in error flushes what is outstanding — and
-//!   seeded fault injection. This step runs between threads of one process.
+//!   seeded fault injection; between threads of one process and between
+//!   processes of one host (shared memory).
 //! - `ibverbs` ([`ibverbs::IbvDevice`], rdma-sys over libibverbs, cargo
 //!   feature `ibverbs`, on by default): real RNICs and Soft-RoCE.
 //!

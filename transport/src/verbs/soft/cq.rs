@@ -2,7 +2,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::verbs::{CompletionQueue, WorkCompletion};
+use super::rings::{CqRing, RingCompletion};
+use crate::verbs::{CompletionQueue, VerbsError, WorkCompletion};
 
 /// A completion waiting in a soft CQ.
 #[derive(Debug)]
@@ -15,16 +16,28 @@ pub(crate) struct Pending {
     pub(crate) frees: Option<(u32, Arc<AtomicU32>)>,
 }
 
-/// A software completion queue.
-#[derive(Debug, Default)]
+/// A software completion queue: a ring in shared memory into which peers
+/// (in this process or another) push receive completions, and a local queue
+/// for what the owner's own QPs complete (sends, flushes).
+#[derive(Debug)]
 pub struct SoftCq {
+    pub(crate) id: u32,
+    pub(crate) ring: CqRing,
     queue: Mutex<VecDeque<Pending>>,
 }
 
 impl SoftCq {
-    /// An empty queue.
-    pub fn new() -> Self {
-        Self::default()
+    /// A queue whose shared ring holds `depth` completions (rounded up to a
+    /// power of two).
+    pub fn with_depth(depth: u32) -> Result<Self, VerbsError> {
+        static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+        let ring = CqRing::create(depth)
+            .map_err(|e| VerbsError::NoDevice(format!("soft NIC shared memory: {e}")))?;
+        Ok(Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            ring,
+            queue: Mutex::new(VecDeque::new()),
+        })
     }
 
     pub(crate) fn push(&self, pending: Pending) {
@@ -34,9 +47,33 @@ impl SoftCq {
             .push_back(pending);
     }
 
+    /// Moves what peers pushed into the local queue, behind what is there.
+    fn drain_ring(&self, queue: &mut VecDeque<Pending>) {
+        while let Some(RingCompletion {
+            completion,
+            delay_polls,
+        }) = self.ring.pop()
+        {
+            queue.push_back(Pending {
+                completion,
+                delay_polls,
+                frees: None,
+            });
+        }
+    }
+
+    /// Takes in what peers pushed so far (before the owner adds completions
+    /// that must come after them, such as flushes).
+    pub(crate) fn collect(&self) {
+        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain_ring(&mut queue);
+    }
+
     /// Completions queued (visible or delayed).
     pub fn len(&self) -> usize {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).len()
+        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain_ring(&mut queue);
+        queue.len()
     }
 
     /// Whether no completion is queued.
@@ -48,6 +85,7 @@ impl SoftCq {
 impl CompletionQueue for SoftCq {
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
         let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain_ring(&mut queue);
         let mut taken = 0;
         while taken < max {
             let Some(head) = queue.front_mut() else {

@@ -1,9 +1,12 @@
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
+use super::agent::{self, Answer, Request};
 use super::cq::SoftCq;
 use super::qp::{SoftQp, SoftQpInner};
+use super::rings::{MemoryRegion, REGION_SLOTS, RegionTable};
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
 use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, VerbsError};
 
@@ -38,23 +41,6 @@ pub struct SoftStats {
     pub bytes_moved: u64,
 }
 
-/// A registered memory region as the soft NIC sees it.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct MemoryRegion {
-    pub(crate) addr: usize,
-    pub(crate) len: usize,
-    pub(crate) access: Access,
-}
-
-impl MemoryRegion {
-    pub(crate) fn contains(&self, addr: usize, len: usize) -> bool {
-        addr >= self.addr
-            && addr
-                .checked_add(len)
-                .is_some_and(|end| end <= self.addr + self.len)
-    }
-}
-
 /// The network that soft devices are attached to.
 #[derive(Debug, Clone, Default)]
 pub struct SoftFabric {
@@ -65,6 +51,9 @@ pub struct SoftFabric {
 pub(crate) struct FabricInner {
     devices: Mutex<HashMap<u64, Weak<DeviceInner>>>,
     next_node: AtomicU64,
+    /// Whether devices of other processes are reachable (through their
+    /// agents): the process fabric.
+    pub(crate) host_wide: bool,
 }
 
 impl FabricInner {
@@ -83,29 +72,55 @@ impl SoftFabric {
         Self::default()
     }
 
-    /// The fabric shared by every soft device of this process (what the
-    /// transport uses, so that its connections can reach each other).
+    /// The fabric of every soft device of this process, and through it of
+    /// the other processes of this host: what the transport uses. The
+    /// first call starts this process's agent (which hands this process's
+    /// shared memory to peers) and raises the open-file limit (every pool
+    /// block is a memfd).
     pub fn process() -> Self {
         static PROCESS: std::sync::OnceLock<SoftFabric> = std::sync::OnceLock::new();
-        PROCESS.get_or_init(SoftFabric::new).clone()
+        PROCESS
+            .get_or_init(|| {
+                super::shm::raise_open_file_limit();
+                let inner = Arc::new(FabricInner {
+                    host_wide: true,
+                    ..FabricInner::default()
+                });
+                if let Err(err) = agent::start(Arc::clone(&inner)) {
+                    tracing::warn!(%err, "soft NIC agent did not start: peers in other processes cannot reach this one");
+                }
+                SoftFabric { inner }
+            })
+            .clone()
     }
 
     /// Opens a device (an RNIC with its protection domain) on the fabric.
-    pub fn open(&self, name: impl Into<String>, faults: SoftFaults) -> SoftDevice {
-        let node = self.inner.next_node.fetch_add(1, Ordering::Relaxed) + 1;
+    pub fn open(
+        &self,
+        name: impl Into<String>,
+        faults: SoftFaults,
+    ) -> Result<SoftDevice, VerbsError> {
+        let counter = self.inner.next_node.fetch_add(1, Ordering::Relaxed) + 1;
+        // Node ids are unique on the host: the pid names the process (and
+        // its agent), the counter the device.
+        let node = (u64::from(std::process::id()) << 32) | (counter & 0xffff_ffff);
+        let table = RegionTable::create()
+            .map_err(|e| VerbsError::NoDevice(format!("soft NIC shared memory: {e}")))?;
         let inner = Arc::new(DeviceInner {
             node,
             name: name.into(),
             fabric: Arc::clone(&self.inner),
-            regions: RwLock::new(HashMap::new()),
-            next_key: AtomicU32::new(0x100),
+            table,
+            slots: Mutex::new(SlotAllocator {
+                free: (0..REGION_SLOTS).rev().collect(),
+                generation: vec![0; REGION_SLOTS],
+            }),
+            region_fds: Mutex::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
+            cqs: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new(0x10),
             faults,
             rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ node),
-            dead: AtomicBool::new(false),
-            rnr_events: AtomicU64::new(0),
-            remote_access_errors: AtomicU64::new(0),
             injected_qp_errors: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
         });
@@ -114,8 +129,16 @@ impl SoftFabric {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(node, Arc::downgrade(&inner));
-        SoftDevice { inner }
+        Ok(SoftDevice { inner })
     }
+}
+
+/// Free region slots and each slot's generation (so a reused slot gets a
+/// new key).
+#[derive(Debug)]
+struct SlotAllocator {
+    free: Vec<usize>,
+    generation: Vec<u32>,
 }
 
 /// A soft RNIC.
@@ -129,15 +152,17 @@ pub(crate) struct DeviceInner {
     pub(crate) node: u64,
     name: String,
     pub(crate) fabric: Arc<FabricInner>,
-    regions: RwLock<HashMap<u32, MemoryRegion>>,
-    next_key: AtomicU32,
+    /// Registered regions and the counters peers update (shared memory).
+    pub(crate) table: RegionTable,
+    slots: Mutex<SlotAllocator>,
+    /// The memfd behind each region registered from shared memory, for
+    /// peers in other processes.
+    region_fds: Mutex<HashMap<u32, OwnedFd>>,
     qps: Mutex<HashMap<u32, Weak<SoftQpInner>>>,
+    cqs: Mutex<HashMap<u32, Weak<SoftCq>>>,
     next_qpn: AtomicU32,
     faults: SoftFaults,
     rng: Mutex<u64>,
-    dead: AtomicBool,
-    pub(crate) rnr_events: AtomicU64,
-    pub(crate) remote_access_errors: AtomicU64,
     pub(crate) injected_qp_errors: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
 }
@@ -153,11 +178,51 @@ pub(crate) enum Fault {
 impl DeviceInner {
     /// The region `key` names, if registered.
     pub(crate) fn region(&self, key: u32) -> Option<MemoryRegion> {
-        self.regions
-            .read()
+        self.table.lookup(key)
+    }
+
+    /// What this device's agent hands a peer in another process.
+    pub(crate) fn answer(&self, request: Request) -> Option<Answer> {
+        let plain = |fd: Option<OwnedFd>| {
+            fd.map(|fd| Answer {
+                fd,
+                base: 0,
+                len: 0,
+            })
+        };
+        match request {
+            Request::Table => plain(agent::dup(self.table.fd())),
+            Request::Region(key) => {
+                let region = self.table.lookup(key)?;
+                let fds = self.region_fds.lock().unwrap_or_else(|p| p.into_inner());
+                Some(Answer {
+                    fd: fds.get(&key)?.try_clone().ok()?,
+                    base: region.addr as u64,
+                    len: region.len as u64,
+                })
+            }
+            Request::Qp(qpn) => {
+                let qp = self.qp(qpn)?;
+                plain(agent::dup(qp.segment.fd()))
+            }
+            Request::Cq(id) => {
+                let cq = self
+                    .cqs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&id)
+                    .and_then(Weak::upgrade)?;
+                plain(agent::dup(cq.ring.fd()))
+            }
+        }
+    }
+
+    /// Makes `cq` reachable by peers in other processes.
+    pub(crate) fn adopt_cq(&self, cq: &Arc<SoftCq>) {
+        self.cqs
+            .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .copied()
+            .insert(cq.id, Arc::downgrade(cq));
     }
 
     pub(crate) fn qp(&self, qpn: u32) -> Option<Arc<SoftQpInner>> {
@@ -166,10 +231,6 @@ impl DeviceInner {
             .unwrap_or_else(|p| p.into_inner())
             .get(&qpn)
             .and_then(Weak::upgrade)
-    }
-
-    pub(crate) fn is_dead(&self) -> bool {
-        self.dead.load(Ordering::Acquire)
     }
 
     /// Rolls the dice for `fault`; for `Delay`, the number of polls (0 = none).
@@ -208,8 +269,8 @@ impl SoftDevice {
     /// Event counters.
     pub fn stats(&self) -> SoftStats {
         SoftStats {
-            rnr_events: self.inner.rnr_events.load(Ordering::Relaxed),
-            remote_access_errors: self.inner.remote_access_errors.load(Ordering::Relaxed),
+            rnr_events: self.inner.table.rnr_events(),
+            remote_access_errors: self.inner.table.remote_access_errors(),
             injected_qp_errors: self.inner.injected_qp_errors.load(Ordering::Relaxed),
             bytes_moved: self.inner.bytes_moved.load(Ordering::Relaxed),
         }
@@ -218,7 +279,7 @@ impl SoftDevice {
     /// Simulates the host dying: every QP of this device goes to error, and
     /// peers' operations towards it fail with `RetryExceeded`.
     pub fn kill(&self) {
-        self.inner.dead.store(true, Ordering::Release);
+        self.inner.table.mark_dead();
         let qps: Vec<Arc<SoftQpInner>> = self
             .inner
             .qps
@@ -233,8 +294,10 @@ impl SoftDevice {
     }
 
     /// Creates a soft completion queue (the concrete type, for tests).
-    pub fn create_soft_cq(&self) -> Arc<SoftCq> {
-        Arc::new(SoftCq::new())
+    pub fn create_soft_cq(&self) -> Result<Arc<SoftCq>, VerbsError> {
+        let cq = Arc::new(SoftCq::with_depth(1024)?);
+        self.inner.adopt_cq(&cq);
+        Ok(cq)
     }
 }
 
@@ -245,6 +308,43 @@ struct SoftRegistration {
     device: Arc<DeviceInner>,
 }
 
+impl SoftRegistration {
+    fn publish(
+        &self,
+        region: MemoryRegion,
+        memory: Option<OwnedFd>,
+    ) -> Result<RegisteredRegion, RegistrationError> {
+        let key = {
+            let mut slots = self.device.slots.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(slot) = slots.free.pop() else {
+                return Err(RegistrationError {
+                    len: region.len,
+                    reason: format!("soft NIC region table full ({REGION_SLOTS} regions)"),
+                });
+            };
+            let generation = &mut slots.generation[slot];
+            *generation = (*generation + 1) & 0xf_ffff;
+            if *generation == 0 {
+                *generation = 1;
+            }
+            RegionTable::key(slot, *generation)
+        };
+        if let Some(fd) = memory {
+            self.device
+                .region_fds
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key, fd);
+        }
+        self.device.table.publish(key, region);
+        Ok(RegisteredRegion {
+            lkey: key,
+            rkey: key,
+            handle: u64::from(key),
+        })
+    }
+}
+
 impl RegistrationHook for SoftRegistration {
     fn register(
         &self,
@@ -252,25 +352,36 @@ impl RegistrationHook for SoftRegistration {
         len: usize,
         access: Access,
     ) -> Result<RegisteredRegion, RegistrationError> {
-        let key = self.device.next_key.fetch_add(1, Ordering::Relaxed);
-        self.device
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, MemoryRegion { addr, len, access });
-        Ok(RegisteredRegion {
-            lkey: key,
-            rkey: key,
-            handle: u64::from(key),
-        })
+        self.publish(MemoryRegion { addr, len, access }, None)
+    }
+
+    fn shares_memory(&self) -> bool {
+        true
+    }
+
+    fn register_shared(
+        &self,
+        addr: usize,
+        len: usize,
+        access: Access,
+        memory: OwnedFd,
+    ) -> Result<RegisteredRegion, RegistrationError> {
+        self.publish(MemoryRegion { addr, len, access }, Some(memory))
     }
 
     fn deregister(&self, _addr: usize, _len: usize, region: &RegisteredRegion) {
+        let key = region.lkey;
+        self.device.table.retire(key);
         self.device
-            .regions
-            .write()
+            .region_fds
+            .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&region.lkey);
+            .remove(&key);
+        let slot = (key & 0xfff) as usize;
+        let mut slots = self.device.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slot < REGION_SLOTS {
+            slots.free.push(slot);
+        }
     }
 }
 
@@ -285,8 +396,10 @@ impl Device for SoftDevice {
         })
     }
 
-    fn create_cq(&self, _depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
-        Ok(Arc::new(SoftCq::new()))
+    fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
+        let cq = Arc::new(SoftCq::with_depth(depth)?);
+        self.inner.adopt_cq(&cq);
+        Ok(cq)
     }
 
     fn create_qp(
@@ -304,7 +417,7 @@ impl Device for SoftDevice {
             caps,
             send_cq,
             recv_cq,
-        ));
+        )?);
         self.inner
             .qps
             .lock()

@@ -19,12 +19,27 @@
 //! ready, QP errors, delayed completions; and on demand a dead peer
 //! ([`SoftDevice::kill`]).
 //!
-//! This step works between threads of one process. Cross-process operation
-//! (memory shared through memfd) is still to come.
+//! **Across processes.** Everything a peer's NIC touches lives in shared
+//! memory (memfds): registered pool memory (the pool backs its blocks with
+//! memfds for this provider), each QP's receive queue, state and DMA guard,
+//! each CQ's ring of completions pushed by peers, and each device's table
+//! of registered regions with the counters peers update. Node ids carry the
+//! pid; each process runs an agent on the abstract unix socket
+//! `tessera-soft-<pid>` that hands those memfds to peers (SCM_RIGHTS) when
+//! they connect a QP or first touch a region. From then on a SEND or WRITE
+//! from another process is a copy by the sender's thread straight into this
+//! process's memory, and its completion a push into this process's CQ ring:
+//! the receiving CPU takes no part until it polls, as with a NIC. Devices
+//! of [`SoftFabric::process`] reach other processes; a [`SoftFabric::new`]
+//! fabric is private to the process (tests).
 
+mod agent;
 mod cq;
 mod device;
+mod peer;
 mod qp;
+mod rings;
+mod shm;
 
 pub use cq::SoftCq;
 pub use device::{SoftDevice, SoftFabric, SoftFaults, SoftStats};

@@ -1,23 +1,29 @@
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
 use super::cq::{Pending, SoftCq};
 use super::device::{DeviceInner, Fault};
-use crate::pool::Access;
+use super::peer::{Peer, PeerMemory};
+use super::rings::{QpSegment, RingCompletion, STATE_ERROR, STATE_READY, STATE_RESET};
 use crate::verbs::{
     QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr, VerbsError, WcKind, WcStatus,
     WorkCompletion,
 };
 
+/// How long a destroyed QP waits for a peer still copying into it (only a
+/// peer that died mid-copy takes that long).
+const DMA_DRAIN_LIMIT: Duration = Duration::from_secs(1);
+
 #[derive(Debug)]
-struct QpShared {
-    state: QpState,
+struct QpLocal {
     remote: Option<QpEndpoint>,
-    recvs: VecDeque<RecvWr>,
+    peer: Option<Arc<Peer>>,
     /// Unsignalled requests since the last completion; the next completion
     /// frees their send-queue slots too.
     unsignaled_run: u32,
+    /// Whether the receives were flushed after the QP entered error.
+    flushed: bool,
 }
 
 /// A soft RC queue pair.
@@ -26,18 +32,14 @@ pub(crate) struct SoftQpInner {
     qpn: u32,
     device: Weak<DeviceInner>,
     caps: QpCaps,
-    shared: Mutex<QpShared>,
+    /// State, DMA guard and receive queue, in memory peers share.
+    pub(crate) segment: Arc<QpSegment>,
+    local: Mutex<QpLocal>,
     /// Send-queue slots in use (posted and not yet freed by a polled
     /// completion).
     send_outstanding: Arc<AtomicU32>,
     send_cq: Arc<SoftCq>,
-    recv_cq: Arc<SoftCq>,
-    /// Held shared by a peer while it writes into memory addressed through
-    /// this QP, and exclusively when the QP is destroyed: once destruction
-    /// returns, no peer write into this side's buffers is under way or can
-    /// start (the soft counterpart of a NIC that stops DMA when the QP is
-    /// destroyed).
-    dma: RwLock<()>,
+    pub(crate) recv_cq: Arc<SoftCq>,
 }
 
 impl SoftQpInner {
@@ -47,85 +49,91 @@ impl SoftQpInner {
         caps: QpCaps,
         send_cq: Arc<SoftCq>,
         recv_cq: Arc<SoftCq>,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, VerbsError> {
+        if let Some(device) = device.upgrade() {
+            device.adopt_cq(&recv_cq);
+        }
+        let segment = QpSegment::create(caps.max_recv_wr, recv_cq.id)
+            .map_err(|e| VerbsError::NoDevice(format!("soft NIC shared memory: {e}")))?;
+        Ok(Self {
             qpn,
             device,
             caps,
-            shared: Mutex::new(QpShared {
-                state: QpState::Reset,
+            segment: Arc::new(segment),
+            local: Mutex::new(QpLocal {
                 remote: None,
-                recvs: VecDeque::new(),
+                peer: None,
                 unsignaled_run: 0,
+                flushed: false,
             }),
             send_outstanding: Arc::new(AtomicU32::new(0)),
             send_cq,
             recv_cq,
-            dma: RwLock::new(()),
-        }
+        })
     }
 
-    fn shared(&self) -> MutexGuard<'_, QpShared> {
-        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    fn local(&self) -> MutexGuard<'_, QpLocal> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The state; a QP that a peer put in error is flushed when seen.
     fn state(&self) -> QpState {
-        self.shared().state
+        match self.segment.state() {
+            STATE_RESET => QpState::Reset,
+            STATE_READY => QpState::ReadyToSend,
+            _ => {
+                self.flush();
+                QpState::Error
+            }
+        }
     }
 
     fn delay(&self) -> u32 {
         self.device.upgrade().map_or(0, |d| d.roll(Fault::Delay))
     }
 
-    fn push_recv_completion(&self, wr_id: u64, status: WcStatus, kind: WcKind, byte_len: u32) {
-        self.recv_cq.push(Pending {
-            completion: WorkCompletion {
-                wr_id,
-                status,
-                kind,
-                byte_len,
-                qpn: self.qpn,
-            },
-            delay_polls: self.delay(),
-            frees: None,
-        });
-    }
-
     /// Moves the QP to the error state and flushes its posted receives.
     pub(crate) fn enter_error(&self) {
-        let flushed: Vec<RecvWr> = {
-            let mut shared = self.shared();
-            if shared.state == QpState::Error {
-                return;
-            }
-            shared.state = QpState::Error;
-            shared.recvs.drain(..).collect()
-        };
-        for wr in flushed {
-            self.push_recv_completion(wr.wr_id, WcStatus::Flushed, WcKind::Recv, 0);
-        }
+        self.segment.set_state(STATE_ERROR);
+        self.flush();
     }
 
-    /// Takes the oldest posted receive; `None` if there is none or the QP
-    /// is not ready.
-    fn take_recv(&self) -> Option<RecvWr> {
-        let mut shared = self.shared();
-        if shared.state != QpState::ReadyToSend {
-            return None;
+    /// Flushes the posted receives (once).
+    fn flush(&self) {
+        {
+            let mut local = self.local();
+            if local.flushed {
+                return;
+            }
+            local.flushed = true;
         }
-        shared.recvs.pop_front()
+        // Completions peers pushed before come first.
+        self.recv_cq.collect();
+        while let Some(wr) = self.segment.take_recv() {
+            self.recv_cq.push(Pending {
+                completion: WorkCompletion {
+                    wr_id: wr.wr_id,
+                    status: WcStatus::Flushed,
+                    kind: WcKind::Recv,
+                    byte_len: 0,
+                    qpn: self.qpn,
+                },
+                delay_polls: 0,
+                frees: None,
+            });
+        }
     }
 
     /// Records the outcome of one send work request.
     fn complete_send(&self, wr: &SendWr, status: WcStatus) {
-        let mut shared = self.shared();
-        let slots = shared.unsignaled_run + 1;
+        let mut local = self.local();
+        let slots = local.unsignaled_run + 1;
         if status == WcStatus::Success && !wr.signaled {
-            shared.unsignaled_run += 1;
+            local.unsignaled_run += 1;
             return;
         }
-        shared.unsignaled_run = 0;
-        drop(shared);
+        local.unsignaled_run = 0;
+        drop(local);
         self.send_cq.push(Pending {
             completion: WorkCompletion {
                 wr_id: wr.wr_id,
@@ -140,7 +148,13 @@ impl SoftQpInner {
     }
 
     /// Runs one send work request against the peer; returns its status.
-    fn execute(&self, device: &DeviceInner, remote: QpEndpoint, wr: &SendWr) -> WcStatus {
+    fn execute(
+        &self,
+        device: &DeviceInner,
+        peer: &Peer,
+        remote: QpEndpoint,
+        wr: &SendWr,
+    ) -> WcStatus {
         if device.roll(Fault::QpError) > 0 {
             device.injected_qp_errors.fetch_add(1, Ordering::Relaxed);
             return WcStatus::RetryExceeded;
@@ -156,61 +170,81 @@ impl SoftQpInner {
             }
             total += len;
         }
-        let peer_device = device.fabric.device(remote.node).filter(|d| !d.is_dead());
-        let Some(peer_device) = peer_device else {
+        let Some(memory) = peer.memory() else {
             return WcStatus::RetryExceeded;
         };
-        let Some(peer) = peer_device.qp(remote.qpn) else {
-            return WcStatus::RetryExceeded;
-        };
-        // Checked under the peer's DMA guard, so the peer cannot be torn
-        // down between the check and the copy.
-        let _dma = peer.dma.read().unwrap_or_else(|p| p.into_inner());
-        if peer.state() != QpState::ReadyToSend {
+        // Inside the peer's DMA guard, so the peer cannot tear the QP down
+        // (and free the memory behind it) between the checks and the copy.
+        if !peer.qp.begin_dma() {
             return WcStatus::RetryExceeded;
         }
-        let status = match wr.op {
+        let status = self.execute_guarded(device, peer, &memory, remote, wr, &gather, total);
+        peer.qp.end_dma();
+        if status == WcStatus::Success {
+            device
+                .bytes_moved
+                .fetch_add(total as u64, Ordering::Relaxed);
+        }
+        status
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn execute_guarded(
+        &self,
+        device: &DeviceInner,
+        peer: &Peer,
+        memory: &PeerMemory<'_>,
+        remote: QpEndpoint,
+        wr: &SendWr,
+        gather: &[(usize, usize)],
+        total: usize,
+    ) -> WcStatus {
+        let complete_peer = |wr_id: u64, status: WcStatus, kind: WcKind, byte_len: u32| {
+            let pushed = peer.cq().push(RingCompletion {
+                completion: WorkCompletion {
+                    wr_id,
+                    status,
+                    kind,
+                    byte_len,
+                    qpn: remote.qpn,
+                },
+                delay_polls: device.roll(Fault::Delay),
+            });
+            if !pushed {
+                // Completion queue overrun: the peer's QP fails.
+                peer.qp.set_state(STATE_ERROR);
+            }
+            pushed
+        };
+        let fail_peer = |wr_id: u64, status: WcStatus| {
+            complete_peer(wr_id, status, WcKind::Recv, 0);
+            peer.qp.set_state(STATE_ERROR);
+            WcStatus::RemoteOperationError
+        };
+        match wr.op {
             SendOp::Send => {
-                let Some(recv) = take_recv_or_rnr(device, &peer_device, &peer) else {
+                let Some(recv) = take_recv_or_rnr(device, memory, &peer.qp) else {
                     return WcStatus::ReceiverNotReady;
                 };
-                let fits = peer_device
-                    .region(recv.sge.lkey)
-                    .is_some_and(|r| r.contains(recv.sge.addr, recv.sge.len as usize));
-                if !fits {
-                    peer.push_recv_completion(
-                        recv.wr_id,
-                        WcStatus::LocalProtectionError,
-                        WcKind::Recv,
-                        0,
-                    );
-                    peer.enter_error();
-                    return WcStatus::RemoteOperationError;
-                }
                 if total > recv.sge.len as usize {
-                    peer.push_recv_completion(
-                        recv.wr_id,
-                        WcStatus::LocalLengthError,
-                        WcKind::Recv,
-                        0,
-                    );
-                    peer.enter_error();
+                    return fail_peer(recv.wr_id, WcStatus::LocalLengthError);
+                }
+                let Some(target) = memory.resolve(recv.sge.lkey, recv.sge.addr, total, false)
+                else {
+                    return fail_peer(recv.wr_id, WcStatus::LocalProtectionError);
+                };
+                copy_gather(gather, target.addr);
+                if !complete_peer(recv.wr_id, WcStatus::Success, WcKind::Recv, total as u32) {
                     return WcStatus::RemoteOperationError;
                 }
-                copy_gather(&gather, recv.sge.addr);
-                peer.push_recv_completion(
-                    recv.wr_id,
-                    WcStatus::Success,
-                    WcKind::Recv,
-                    total as u32,
-                );
                 WcStatus::Success
             }
             SendOp::Write { remote_addr, rkey } => {
-                if !remote_writable(&peer_device, rkey, remote_addr, total) {
+                let Some(target) = memory.resolve(rkey, remote_addr, total, true) else {
+                    memory.table().count_remote_access_error();
                     return WcStatus::RemoteAccessError;
-                }
-                copy_gather(&gather, remote_addr);
+                };
+                copy_gather(gather, target.addr);
                 WcStatus::Success
             }
             SendOp::WriteWithImm {
@@ -218,34 +252,33 @@ impl SoftQpInner {
                 rkey,
                 imm,
             } => {
-                if !remote_writable(&peer_device, rkey, remote_addr, total) {
+                let Some(target) = memory.resolve(rkey, remote_addr, total, true) else {
+                    memory.table().count_remote_access_error();
                     return WcStatus::RemoteAccessError;
-                }
+                };
                 // The responder needs a receive before it accepts the data.
-                let Some(recv) = take_recv_or_rnr(device, &peer_device, &peer) else {
+                let Some(recv) = take_recv_or_rnr(device, memory, &peer.qp) else {
                     return WcStatus::ReceiverNotReady;
                 };
-                copy_gather(&gather, remote_addr);
-                peer.push_recv_completion(
+                copy_gather(gather, target.addr);
+                if !complete_peer(
                     recv.wr_id,
                     WcStatus::Success,
                     WcKind::RecvWithImm(imm),
                     total as u32,
-                );
+                ) {
+                    return WcStatus::RemoteOperationError;
+                }
                 WcStatus::Success
             }
-        };
-        device
-            .bytes_moved
-            .fetch_add(total as u64, Ordering::Relaxed);
-        status
+        }
     }
 }
 
 fn take_recv_or_rnr(
     device: &DeviceInner,
-    peer_device: &DeviceInner,
-    peer: &SoftQpInner,
+    memory: &PeerMemory<'_>,
+    peer: &QpSegment,
 ) -> Option<RecvWr> {
     let recv = if device.roll(Fault::Rnr) > 0 {
         None
@@ -253,21 +286,9 @@ fn take_recv_or_rnr(
         peer.take_recv()
     };
     if recv.is_none() {
-        peer_device.rnr_events.fetch_add(1, Ordering::Relaxed);
+        memory.table().count_rnr();
     }
     recv
-}
-
-fn remote_writable(peer_device: &DeviceInner, rkey: u32, addr: usize, len: usize) -> bool {
-    let ok = peer_device
-        .region(rkey)
-        .is_some_and(|r| r.access == Access::RemoteWrite && r.contains(addr, len));
-    if !ok {
-        peer_device
-            .remote_access_errors
-            .fetch_add(1, Ordering::Relaxed);
-    }
-    ok
 }
 
 /// Copies the gather list to consecutive bytes at `dest`.
@@ -275,12 +296,15 @@ fn copy_gather(gather: &[(usize, usize)], dest: usize) {
     let mut at = dest;
     for &(src, len) in gather {
         // SAFETY: the source range lies in a region registered with the
-        // local device and the destination range in a region registered
-        // with the peer device (both checked just before); registered pool
-        // memory stays mapped while registered, and memory named by a posted
-        // work request stays registered until the request completes (the
-        // verbs contract the transport keeps by owning its buffers). `copy`
-        // tolerates overlap (a QP writing into its own memory).
+        // local device (checked before; memory named by a posted work
+        // request stays registered until the request completes, the verbs
+        // contract the transport keeps by owning its buffers). The
+        // destination range was checked against the peer's registration and
+        // lies in this process's address space: the peer's own memory when
+        // it lives in this process, else a shared mapping of it that
+        // `Target` keeps alive; the peer's DMA guard is held, so it cannot
+        // free that memory meanwhile. `copy` tolerates overlap (a QP
+        // writing into its own memory).
         unsafe { std::ptr::copy(src as *const u8, at as *mut u8, len) };
         at += len;
     }
@@ -294,9 +318,15 @@ pub struct SoftQp {
 
 impl Drop for SoftQp {
     fn drop(&mut self) {
-        // Wait out writes in progress and refuse new ones.
-        let _guard = self.inner.dma.write().unwrap_or_else(|p| p.into_inner());
-        self.inner.enter_error();
+        // Refuse new writes and wait out those in progress.
+        self.inner.segment.set_state(STATE_ERROR);
+        if !self.inner.segment.wait_dma_idle(DMA_DRAIN_LIMIT) {
+            tracing::warn!(
+                qpn = self.inner.qpn,
+                "a peer did not leave the DMA guard of a destroyed soft QP"
+            );
+        }
+        self.inner.flush();
     }
 }
 
@@ -308,7 +338,7 @@ impl SoftQp {
 
     /// Receives posted and not yet consumed.
     pub fn recvs_posted(&self) -> usize {
-        self.inner.shared().recvs.len()
+        self.inner.segment.posted()
     }
 }
 
@@ -329,15 +359,23 @@ impl QueuePair for SoftQp {
     }
 
     fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError> {
-        let mut shared = self.inner.shared();
-        if shared.state != QpState::Reset {
+        let state = self.inner.state();
+        if state != QpState::Reset {
             return Err(VerbsError::WrongState {
                 qpn: self.inner.qpn,
-                state: shared.state,
+                state,
             });
         }
-        shared.remote = Some(*remote);
-        shared.state = QpState::ReadyToSend;
+        let device = self.inner.device.upgrade().ok_or(VerbsError::UnknownPeer {
+            node: remote.node,
+            qpn: remote.qpn,
+        })?;
+        let peer = Peer::resolve(&device, remote)?;
+        let mut local = self.inner.local();
+        local.remote = Some(*remote);
+        local.peer = Some(Arc::new(peer));
+        drop(local);
+        self.inner.segment.set_state(STATE_READY);
         Ok(())
     }
 
@@ -354,15 +392,15 @@ impl QueuePair for SoftQp {
                 inner.caps.max_sge
             )));
         }
-        let remote = {
-            let shared = inner.shared();
-            if shared.state == QpState::Reset {
-                return Err(VerbsError::WrongState {
-                    qpn: inner.qpn,
-                    state: shared.state,
-                });
-            }
-            shared.remote
+        if inner.state() == QpState::Reset {
+            return Err(VerbsError::WrongState {
+                qpn: inner.qpn,
+                state: QpState::Reset,
+            });
+        }
+        let (remote, peer) = {
+            let local = inner.local();
+            (local.remote, local.peer.clone())
         };
         let n = u32::try_from(wrs.len()).unwrap_or(u32::MAX);
         let depth = inner.caps.max_send_wr;
@@ -381,9 +419,9 @@ impl QueuePair for SoftQp {
         }
         let device = inner.device.upgrade();
         for wr in wrs {
-            let status = match (&device, remote, inner.state()) {
-                (Some(device), Some(remote), QpState::ReadyToSend) => {
-                    inner.execute(device, remote, wr)
+            let status = match (&device, &peer, remote, inner.state()) {
+                (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
+                    inner.execute(device, peer, remote, wr)
                 }
                 _ => WcStatus::Flushed,
             };
@@ -397,23 +435,43 @@ impl QueuePair for SoftQp {
 
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError> {
         let inner = &self.inner;
-        let mut shared = inner.shared();
-        if shared.state == QpState::Error {
-            drop(shared);
+        if inner.state() == QpState::Error {
             for wr in wrs {
-                inner.push_recv_completion(wr.wr_id, WcStatus::Flushed, WcKind::Recv, 0);
+                inner.recv_cq.push(Pending {
+                    completion: WorkCompletion {
+                        wr_id: wr.wr_id,
+                        status: WcStatus::Flushed,
+                        kind: WcKind::Recv,
+                        byte_len: 0,
+                        qpn: inner.qpn,
+                    },
+                    delay_polls: 0,
+                    frees: None,
+                });
             }
             return Ok(());
         }
+        // One poster at a time: the local lock makes the owner the ring's
+        // single producer.
+        let _local = inner.local();
+        let posted = inner.segment.posted();
         let depth = inner.caps.max_recv_wr as usize;
-        if shared.recvs.len() + wrs.len() > depth {
+        if posted + wrs.len() > depth {
             return Err(VerbsError::QueueFull {
                 queue: "recv",
-                posted: u32::try_from(shared.recvs.len() + wrs.len()).unwrap_or(u32::MAX),
+                posted: u32::try_from(posted + wrs.len()).unwrap_or(u32::MAX),
                 depth: inner.caps.max_recv_wr,
             });
         }
-        shared.recvs.extend(wrs.iter().copied());
+        for wr in wrs {
+            if !inner.segment.push_recv(wr) {
+                return Err(VerbsError::QueueFull {
+                    queue: "recv",
+                    posted: u32::try_from(posted + wrs.len()).unwrap_or(u32::MAX),
+                    depth: inner.caps.max_recv_wr,
+                });
+            }
+        }
         Ok(())
     }
 

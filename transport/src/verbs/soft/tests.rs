@@ -19,7 +19,7 @@ struct Side {
 
 impl Side {
     fn new(fabric: &SoftFabric, name: &str, faults: SoftFaults, caps: QpCaps) -> Self {
-        let device = fabric.open(name, faults);
+        let device = fabric.open(name, faults).unwrap();
         let hook = device.registration_hook();
         let send_pool = Pool::new(
             PoolConfig::named(format!("{name}-send")),

@@ -1,0 +1,210 @@
+//! How soft NICs in different processes of one host reach each other's
+//! shared memory: each process runs an agent on an abstract unix socket
+//! named after its pid, which hands out memfds (SCM_RIGHTS) of its
+//! devices' region tables, registered regions, QP segments and completion
+//! rings. A peer maps them and from then on reads and writes them directly;
+//! the agent takes no part in the data path.
+//!
+//! `nix` provides `sendmsg`/`recvmsg` with typed control messages, which
+//! keeps the cmsg buffer arithmetic out of this crate.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Arc;
+
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+
+use super::device::FabricInner;
+
+/// What a peer asks an agent for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Request {
+    /// A device's region table (and shared counters).
+    Table,
+    /// One registered region's memory.
+    Region(u32),
+    /// A QP's segment.
+    Qp(u32),
+    /// A completion queue's ring.
+    Cq(u32),
+}
+
+impl Request {
+    fn encode(self, node: u64) -> [u8; 16] {
+        let (op, id) = match self {
+            Request::Table => (1u32, 0u32),
+            Request::Region(key) => (2, key),
+            Request::Qp(qpn) => (3, qpn),
+            Request::Cq(id) => (4, id),
+        };
+        let mut out = [0u8; 16];
+        out[0..4].copy_from_slice(&op.to_le_bytes());
+        out[4..8].copy_from_slice(&id.to_le_bytes());
+        out[8..16].copy_from_slice(&node.to_le_bytes());
+        out
+    }
+
+    fn decode(raw: &[u8; 16]) -> Option<(Self, u64)> {
+        let op = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+        let id = u32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]);
+        let mut node = [0u8; 8];
+        node.copy_from_slice(&raw[8..16]);
+        let request = match op {
+            1 => Request::Table,
+            2 => Request::Region(id),
+            3 => Request::Qp(id),
+            4 => Request::Cq(id),
+            _ => return None,
+        };
+        Some((request, u64::from_le_bytes(node)))
+    }
+}
+
+/// An agent's answer: the memfd, and for a region its base address (in the
+/// owner's address space) and length.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub(crate) fd: OwnedFd,
+    pub(crate) base: u64,
+    pub(crate) len: u64,
+}
+
+/// The process that owns `node` (node ids carry the pid in their high half).
+pub(crate) fn node_pid(node: u64) -> u32 {
+    (node >> 32) as u32
+}
+
+fn socket_name(pid: u32) -> String {
+    format!("tessera-soft-{pid}")
+}
+
+/// Starts this process's agent for `fabric` (once).
+pub(crate) fn start(fabric: Arc<FabricInner>) -> io::Result<()> {
+    let addr = SocketAddr::from_abstract_name(socket_name(std::process::id()))?;
+    let listener = UnixListener::bind_addr(&addr)?;
+    std::thread::Builder::new()
+        .name("tessera-soft-agent".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let fabric = Arc::clone(&fabric);
+                let spawned = std::thread::Builder::new()
+                    .name("tessera-soft-agent-conn".into())
+                    .spawn(move || serve(&fabric, stream));
+                if let Err(err) = spawned {
+                    tracing::warn!(%err, "soft NIC agent could not serve a peer");
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn serve(fabric: &FabricInner, mut stream: UnixStream) {
+    let mut raw = [0u8; 16];
+    while stream.read_exact(&mut raw).is_ok() {
+        let answer = Request::decode(&raw).and_then(|(request, node)| {
+            let device = fabric.device(node)?;
+            device.answer(request)
+        });
+        if reply(&stream, answer.as_ref()).is_err() {
+            return;
+        }
+    }
+}
+
+fn reply(stream: &UnixStream, answer: Option<&Answer>) -> io::Result<()> {
+    let mut out = [0u8; 24];
+    let Some(answer) = answer else {
+        out[0..4].copy_from_slice(&1u32.to_le_bytes());
+        return (&*stream).write_all(&out);
+    };
+    out[8..16].copy_from_slice(&answer.base.to_le_bytes());
+    out[16..24].copy_from_slice(&answer.len.to_le_bytes());
+    let fds = [answer.fd.as_raw_fd()];
+    let control = [ControlMessage::ScmRights(&fds)];
+    let iov = [IoSlice::new(&out)];
+    let sent = sendmsg::<()>(stream.as_raw_fd(), &iov, &control, MsgFlags::empty(), None)
+        .map_err(io::Error::from)?;
+    if sent < out.len() {
+        (&*stream).write_all(&out[sent..])?;
+    }
+    Ok(())
+}
+
+/// A connection to another process's agent.
+#[derive(Debug)]
+pub(crate) struct AgentClient {
+    stream: UnixStream,
+}
+
+impl AgentClient {
+    /// Connects to the agent of the process that owns `node`.
+    pub(crate) fn connect(node: u64) -> io::Result<Self> {
+        let addr = SocketAddr::from_abstract_name(socket_name(node_pid(node)))?;
+        Ok(Self {
+            stream: UnixStream::connect_addr(&addr)?,
+        })
+    }
+
+    /// Asks for `request` on `node`.
+    pub(crate) fn ask(&mut self, node: u64, request: Request) -> io::Result<Answer> {
+        self.stream.write_all(&request.encode(node))?;
+        let mut raw = [0u8; 24];
+        let mut space = nix::cmsg_space!([RawFd; 1]);
+        let mut iov = [IoSliceMut::new(&mut raw)];
+        let (got, fd) = {
+            let message = recvmsg::<()>(
+                self.stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(io::Error::from)?;
+            let mut fd = None;
+            for control in message.cmsgs().map_err(io::Error::from)? {
+                if let ControlMessageOwned::ScmRights(fds) = control {
+                    for raw_fd in fds {
+                        // SAFETY: the kernel installed this descriptor in
+                        // our table for this message; nothing else owns it.
+                        let owned = unsafe { OwnedFd::from_raw_fd(raw_fd) };
+                        fd.get_or_insert(owned);
+                    }
+                }
+            }
+            (message.bytes, fd)
+        };
+        if got == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the peer's soft NIC agent went away",
+            ));
+        }
+        if got < raw.len() {
+            self.stream.read_exact(&mut raw[got..])?;
+        }
+        let status = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+        let u64_at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&raw[i..i + 8]);
+            u64::from_le_bytes(b)
+        };
+        match (status, fd) {
+            (0, Some(fd)) => Ok(Answer {
+                fd,
+                base: u64_at(8),
+                len: u64_at(16),
+            }),
+            _ => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("node {node:#x} has no {request:?}"),
+            )),
+        }
+    }
+}
+
+/// A duplicate of `fd` to hand out.
+pub(crate) fn dup(fd: BorrowedFd<'_>) -> Option<OwnedFd> {
+    fd.try_clone_to_owned().ok()
+}

@@ -1,0 +1,118 @@
+//! The soft RDMA transport between two processes: the peer is a
+//! `tessera-echo` child, so every WRITE and SEND lands in another process's
+//! memory through the shared mappings of the soft NIC.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tessera_transport::{Message, Transport, TransportConfig};
+
+struct EchoChild {
+    child: Child,
+    addr: String,
+}
+
+impl EchoChild {
+    fn start() -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera-echo"))
+            .args(["--transport", "rdma-soft", "--listen", "127.0.0.1:0"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start tessera-echo");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .expect("tessera-echo prints its address")
+            .to_string();
+        Self { child, addr }
+    }
+}
+
+impl Drop for EchoChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_of_every_size_cross_to_another_process_and_back() {
+    let echo = EchoChild::start();
+    let client = Transport::new(TransportConfig::soft_rdma()).unwrap();
+    let mut conn = client.connect(&echo.addr).await.unwrap();
+    let sizes = [
+        0usize,
+        1,
+        31,
+        8 << 10,
+        (8 << 10) + 1,
+        65_536,
+        100_000,
+        1 << 20,
+        (3 << 20) + 7,
+        16 << 20,
+    ];
+    for round in 0..3 {
+        for (i, &len) in sizes.iter().enumerate() {
+            let mut buf = client.send_pool().alloc(len).unwrap();
+            let seed = (round * 31 + i) as u8;
+            for (j, byte) in buf.iter_mut().enumerate() {
+                *byte = seed.wrapping_add((j % 253) as u8);
+            }
+            conn.sender.send(Message::from(buf.freeze())).await.unwrap();
+        }
+        for (i, &len) in sizes.iter().enumerate() {
+            let back: Bytes = tokio::time::timeout(Duration::from_secs(20), conn.receiver.recv())
+                .await
+                .expect("echo within 20 s")
+                .unwrap()
+                .expect("echo");
+            assert_eq!(back.len(), len, "echo {i} of round {round}");
+            let seed = (round * 31 + i) as u8;
+            assert!(
+                back.iter()
+                    .enumerate()
+                    .all(|(j, &b)| b == seed.wrapping_add((j % 253) as u8)),
+                "{len}-byte echo corrupted"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_process_that_dies_fails_the_connection_without_a_hang() {
+    let mut echo = EchoChild::start();
+    let client = Transport::new(TransportConfig::soft_rdma()).unwrap();
+    let mut conn = client.connect(&echo.addr).await.unwrap();
+    conn.sender
+        .send(Message::from(Bytes::from_static(b"ping")))
+        .await
+        .unwrap();
+    let back = conn.receiver.recv().await.unwrap().unwrap();
+    assert_eq!(&back[..], b"ping");
+    echo.child.kill().unwrap();
+    echo.child.wait().unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let _ = conn
+                .sender
+                .send(Message::from(Bytes::from_static(b"anyone?")))
+                .await;
+            match conn.receiver.recv().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the connection ends within 10 s of the peer's death");
+    assert!(matches!(end, Ok(None) | Err(_)), "{end:?}");
+}
