@@ -28,8 +28,8 @@ pub struct ClusterConfig {
     /// Transport of servers and workers: `tcp` or `rdma`.
     pub transport: TransportKind,
     /// RDMA settings passed to servers and workers (`[rdma]`). The soft
-    /// provider works within one process in this version, so a cluster of
-    /// processes needs `ibverbs` for RDMA.
+    /// provider works between the processes of one host (no device);
+    /// `ibverbs` needs an RDMA device.
     pub rdma: RdmaConfig,
     /// `training` or `inference`. Default `training`.
     pub mode: Mode,

@@ -12,8 +12,9 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use tessera_deploy::{Cluster, ClusterConfig};
+use tessera_rpc::{RdmaProvider, TransportKind};
 use tessera_worker::PsClient;
-use tessera_worker::workload::{self, WorkloadKind, format_table};
+use tessera_worker::workload::{self, WorkloadKind, WorkloadReport, format_comparison};
 
 /// Tessera's launcher.
 #[derive(Debug, Parser)]
@@ -21,6 +22,39 @@ use tessera_worker::workload::{self, WorkloadKind, format_table};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// A transport the demo runs over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DemoTransport {
+    Tcp,
+    RdmaSoft,
+    Rdma,
+    Auto,
+}
+
+impl DemoTransport {
+    fn label(self) -> &'static str {
+        match self {
+            DemoTransport::Tcp => "tcp",
+            DemoTransport::RdmaSoft => "rdma-soft",
+            DemoTransport::Rdma => "rdma",
+            DemoTransport::Auto => "auto",
+        }
+    }
+
+    /// `config` switched to this transport.
+    fn apply(self, mut config: ClusterConfig) -> ClusterConfig {
+        config.transport = match self {
+            DemoTransport::Tcp => TransportKind::Tcp,
+            DemoTransport::RdmaSoft | DemoTransport::Rdma => TransportKind::Rdma,
+            DemoTransport::Auto => TransportKind::Auto,
+        };
+        if self == DemoTransport::RdmaSoft {
+            config.rdma.provider = RdmaProvider::Soft;
+        }
+        config
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -35,11 +69,17 @@ enum Command {
         #[arg(long)]
         run_dir: Option<PathBuf>,
     },
-    /// Start the default cluster, run a trainer and a ranker, print results.
+    /// Start the default cluster, run a trainer and a ranker, print results;
+    /// once per transport.
     Demo {
         /// Seconds each workload runs.
         #[arg(long, default_value_t = 10.0)]
         duration_secs: f64,
+        /// Transports to run the demo over, one cluster each, in order:
+        /// `tcp`, `rdma-soft` (the software RNIC, between the processes of
+        /// this host), `rdma` (the config's provider), `auto`.
+        #[arg(long, value_delimiter = ',', default_value = "tcp,rdma-soft")]
+        transports: Vec<DemoTransport>,
         /// Cluster description (TOML); built-in defaults without it.
         #[arg(long)]
         config: Option<PathBuf>,
@@ -85,8 +125,9 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
         Command::Up { config, run_dir } => up(load(config.as_ref())?, run_dir).await,
         Command::Demo {
             duration_secs,
+            transports,
             config,
-        } => demo(load(config.as_ref())?, duration_secs).await,
+        } => demo(load(config.as_ref())?, duration_secs, &transports).await,
         Command::PrintConfig => {
             #[allow(clippy::print_stdout)]
             {
@@ -135,13 +176,72 @@ async fn up(config: ClusterConfig, run_dir: Option<PathBuf>) -> Result<(), BoxEr
 }
 
 #[allow(clippy::print_stdout)]
-async fn demo(config: ClusterConfig, duration_secs: f64) -> Result<(), BoxError> {
+async fn demo(
+    config: ClusterConfig,
+    duration_secs: f64,
+    transports: &[DemoTransport],
+) -> Result<(), BoxError> {
     if !(duration_secs.is_finite() && duration_secs > 0.0) {
         return Err("--duration-secs must be a positive number".into());
     }
-    let temp = tempfile::Builder::new().prefix("tessera-demo-").tempdir()?;
+    if transports.is_empty() {
+        return Err("--transports names no transport".into());
+    }
+    let mut runs = Vec::new();
+    for &transport in transports {
+        let reports = demo_once(transport.apply(config.clone()), duration_secs).await?;
+        runs.push((transport.label().to_string(), reports));
+    }
+    let w = tessera_worker::WorkloadConfig::default();
+    println!();
     println!(
-        "starting {} shards x {} replica groups on {} over {}...",
+        "Tessera demo: {} shards x {} replica groups, {} keys/request (uniform over {}), {} outstanding requests, {} s per workload",
+        config.num_shards,
+        config.replica_groups,
+        w.batch_keys,
+        w.key_space,
+        w.concurrency,
+        duration_secs
+    );
+    print!("{}", format_comparison(&runs));
+    let mut failed = false;
+    for (label, reports) in &runs {
+        for report in reports {
+            println!(
+                "{label} {:?}: {} iterations in {:.1} s ({:.0}/s), {} rows fetched, {} errors",
+                report.kind,
+                report.iterations,
+                report.elapsed.as_secs_f64(),
+                report.throughput(),
+                report.rows_fetched,
+                report.errors
+            );
+            if let Some(err) = &report.first_error {
+                println!("  first error: {err}");
+            }
+            failed |= report.iterations == 0 || report.errors > 0;
+        }
+    }
+    if failed {
+        return Err("the demo saw errors (see above)".into());
+    }
+    println!("all servers stopped; demo finished");
+    Ok(())
+}
+
+/// Starts the cluster `config` describes, runs both workloads, stops it.
+#[allow(clippy::print_stdout)]
+async fn demo_once(
+    config: ClusterConfig,
+    duration_secs: f64,
+) -> Result<Vec<WorkloadReport>, BoxError> {
+    let temp = tempfile::Builder::new().prefix("tessera-demo-").tempdir()?;
+    let provider = match config.transport {
+        TransportKind::Tcp => String::new(),
+        _ => format!(" (provider {:?})", config.rdma.provider),
+    };
+    println!(
+        "starting {} shards x {} replica groups on {} over {}{provider}...",
         config.num_shards, config.replica_groups, config.host, config.transport
     );
     let cluster = Cluster::start(&config, temp.path()).await?;
@@ -161,31 +261,5 @@ async fn demo(config: ClusterConfig, duration_secs: f64) -> Result<(), BoxError>
     let stopped = cluster.stop().await;
     let reports = outcome?;
     stopped?;
-    let w = &worker_config.workload;
-    println!();
-    println!(
-        "Tessera demo: {} keys/request (uniform over {}), {} outstanding requests, table `{}`, transport {}",
-        w.batch_keys, w.key_space, w.concurrency, w.table, worker_config.transport
-    );
-    print!("{}", format_table(&reports));
-    for report in &reports {
-        println!(
-            "{:?}: {} iterations in {:.1} s ({:.0}/s), {} rows fetched, {} errors",
-            report.kind,
-            report.iterations,
-            report.elapsed.as_secs_f64(),
-            report.throughput(),
-            report.rows_fetched,
-            report.errors
-        );
-        if let Some(err) = &report.first_error {
-            println!("  first error: {err}");
-        }
-    }
-    let failed = reports.iter().any(|r| r.iterations == 0 || r.errors > 0);
-    if failed {
-        return Err("the demo saw errors (see above)".into());
-    }
-    println!("all servers stopped; demo finished");
-    Ok(())
+    Ok(reports)
 }

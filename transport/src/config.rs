@@ -118,8 +118,8 @@ pub enum RdmaProvider {
     /// provider must only ever be chosen on purpose.
     #[default]
     Ibverbs,
-    /// The software RNIC (for hosts without RDMA; within one process in
-    /// this version).
+    /// The software RNIC (for hosts without RDMA: between threads and
+    /// processes of one host, over shared memory).
     Soft,
 }
 

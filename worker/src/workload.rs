@@ -125,12 +125,48 @@ pub fn format_table(reports: &[WorkloadReport]) -> String {
     let header = [
         "workload", "op", "ops/s", "p50 ms", "p99 ms", "p999 ms", "errors",
     ];
-    let rows: Vec<[String; 7]> = reports
+    let rows: Vec<Vec<String>> = reports
         .iter()
         .flat_map(WorkloadReport::table_rows)
+        .map(Vec::from)
         .collect();
-    let mut widths = header.map(str::len);
-    for row in &rows {
+    render_table(&header, &rows, 2)
+}
+
+/// The same table for runs of the same workloads over different transports
+/// (or any other label), one block of rows per run.
+pub fn format_comparison(runs: &[(String, Vec<WorkloadReport>)]) -> String {
+    let header = [
+        "transport",
+        "workload",
+        "op",
+        "ops/s",
+        "p50 ms",
+        "p99 ms",
+        "p999 ms",
+        "errors",
+    ];
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .flat_map(|(label, reports)| {
+            reports
+                .iter()
+                .flat_map(WorkloadReport::table_rows)
+                .map(|row| {
+                    let mut cells = vec![label.clone()];
+                    cells.extend(row);
+                    cells
+                })
+        })
+        .collect();
+    render_table(&header, &rows, 3)
+}
+
+/// A markdown table; the first `left` columns are left-aligned, the rest
+/// (numbers) right-aligned.
+fn render_table(header: &[&str], rows: &[Vec<String>], left: usize) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.len());
         }
@@ -142,7 +178,7 @@ pub fn format_table(reports: &[WorkloadReport]) -> String {
             .zip(&widths)
             .enumerate()
             .map(|(i, (c, w))| {
-                if i < 2 {
+                if i < left {
                     format!("{c:<w$}")
                 } else {
                     format!("{c:>w$}")
@@ -151,10 +187,10 @@ pub fn format_table(reports: &[WorkloadReport]) -> String {
             .collect();
         out.push_str(&format!("| {} |\n", parts.join(" | ")));
     };
-    line(&header, &mut out);
+    line(header, &mut out);
     let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
     out.push_str(&format!("|-{}-|\n", rule.join("-|-")));
-    for row in &rows {
+    for row in rows {
         let cells: Vec<&str> = row.iter().map(String::as_str).collect();
         line(&cells, &mut out);
     }
