@@ -1,3 +1,4 @@
 //! Workloads shared by the `tessera-bench` binaries.
 
 pub mod alloc;
+pub mod transport;

@@ -5,6 +5,9 @@
 //! - `alloc`: allocation and free rates and peak memory of Tessera's
 //!   registered-memory pool against the system allocator, mimalloc and
 //!   rpmalloc (the paper's Figure 4); see `tessera_benches::alloc`.
+//! - `transport`: the transport alone between two processes, RDMA over
+//!   the soft RNIC against TCP, with memcpy bandwidth as the ceiling (the
+//!   paper's Figures 8 and 9); see `tessera_benches::transport`.
 //! - `rpc-latency`: round-trip latency of a Tessera unary call over TCP on
 //!   loopback, one call outstanding, for several payload sizes, against the
 //!   floor any RPC stack pays: a bare length-prefixed echo over a tokio
@@ -17,6 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use hdrhistogram::Histogram;
+use tessera_benches::transport;
 use tessera_rpc::{Channel, ChannelConfig, RequestContext, Server, ServerConfig, Status};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -58,6 +62,37 @@ enum Command {
         system: String,
         /// Workload, threads and operations per thread.
         args: Vec<String>,
+    },
+    /// Transport latency and throughput: rdma-soft vs tcp, two processes.
+    Transport {
+        /// A short smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Write `transport.json` and `transport.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Measured round trips per latency size.
+        #[arg(long)]
+        iterations: Option<u32>,
+        /// Latency message sizes in bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![32usize, 256, 1024, 4096, 16384])]
+        sizes: Vec<usize>,
+        /// Seconds per throughput run.
+        #[arg(long)]
+        throughput_secs: Option<f64>,
+        /// Messages outstanding in the throughput runs.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// RDMA fragment sizes to measure throughput with (the first one is
+        /// used for latency).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![65536u32, 8192, 16384, 32768, 131072])]
+        fragment_sizes: Vec<u32>,
+    },
+    /// The server process of `transport`.
+    #[command(hide = true)]
+    TransportServer {
+        /// `tcp` or `rdma-soft:<fragment size>`.
+        kind: String,
     },
     /// Unary call latency vs a bare TCP echo.
     RpcLatency {
@@ -210,6 +245,51 @@ fn main() -> Result<(), BoxError> {
             repeat.unwrap_or(if quick { 1 } else { 3 }),
         ),
         Command::AllocChild { system, args } => alloc::child(&system, &args),
+        Command::Transport {
+            quick,
+            out,
+            iterations,
+            sizes,
+            throughput_secs,
+            concurrency,
+            fragment_sizes,
+        } => {
+            let plan = transport::Plan {
+                iterations: iterations.unwrap_or(if quick { 200 } else { 5000 }),
+                sizes,
+                throughput_secs: throughput_secs.unwrap_or(if quick { 0.5 } else { 3.0 }),
+                throughput_size: 1 << 20,
+                concurrency,
+                fragment_sizes,
+            };
+            let runtime = tokio::runtime::Runtime::new()?;
+            let rows = runtime
+                .block_on(transport::run(&plan))
+                .map_err(|e| e.to_string())?;
+            let table = transport::markdown(&rows, &plan);
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{table}");
+            }
+            if let Some(dir) = out {
+                std::fs::create_dir_all(&dir)?;
+                let mut json = String::new();
+                for row in &rows {
+                    json.push_str(&serde_json::to_string(row)?);
+                    json.push('\n');
+                }
+                std::fs::write(dir.join("transport.json"), json)?;
+                std::fs::write(dir.join("transport.md"), &table)?;
+            }
+            Ok(())
+        }
+        Command::TransportServer { kind } => {
+            let kind = transport::Kind::parse(&kind).map_err(|e| e.to_string())?;
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime
+                .block_on(transport::serve(kind))
+                .map_err(|e| e.to_string().into())
+        }
         Command::RpcLatency { iterations, sizes } => {
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(rpc_latency(iterations, &sizes))
