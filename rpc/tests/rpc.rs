@@ -1,5 +1,6 @@
-//! End-to-end tests of the RPC layer over TCP on loopback, using services
-//! generated from `tests/proto/echo.proto`.
+//! End-to-end tests of the RPC layer, using services generated from
+//! `tests/proto/echo.proto`: every case runs over TCP on loopback and over
+//! RDMA with the soft provider (`tcp::` and `rdma_soft::` in test names).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::Arc;
@@ -119,6 +120,20 @@ async fn start(config: ServerConfig) -> Running {
     }
 }
 
+fn server_config(transport: &TransportConfig) -> ServerConfig {
+    ServerConfig {
+        transport: transport.clone(),
+        ..ServerConfig::default()
+    }
+}
+
+fn channel_config(transport: &TransportConfig) -> ChannelConfig {
+    ChannelConfig {
+        transport: transport.clone(),
+        ..ChannelConfig::default()
+    }
+}
+
 #[test]
 fn generated_method_ids_are_the_runtime_hash_of_the_path() {
     for descriptor in [&ECHO_DESCRIPTOR, &COUNTER_DESCRIPTOR] {
@@ -131,10 +146,9 @@ fn generated_method_ids_are_the_runtime_hash_of_the_path() {
     assert_eq!(COUNTER_DESCRIPTOR.methods.len(), 1);
 }
 
-#[tokio::test]
-async fn two_generated_services_are_served_and_called_end_to_end() {
-    let server = start(ServerConfig::default()).await;
-    let channel = Channel::connect(&server.addr, ChannelConfig::default())
+async fn two_generated_services_are_served_and_called_end_to_end(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
         .await
         .unwrap();
     let echo = EchoClient::new(channel.clone());
@@ -158,10 +172,9 @@ async fn two_generated_services_are_served_and_called_end_to_end() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn handler_status_reaches_the_caller() {
-    let server = start(ServerConfig::default()).await;
-    let echo = EchoClient::new(Channel::lazy(&server.addr, ChannelConfig::default()).unwrap());
+async fn handler_status_reaches_the_caller(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let echo = EchoClient::new(Channel::lazy(&server.addr, channel_config(&t)).unwrap());
     let err = echo
         .fail(FailRequest {
             code: Code::NotFound.as_u16().into(),
@@ -179,11 +192,10 @@ async fn handler_status_reaches_the_caller() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn concurrent_calls_on_one_connection_are_matched_by_request_id() {
-    let server = start(ServerConfig::default()).await;
+async fn concurrent_calls_on_one_connection_are_matched_by_request_id(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
     let echo = EchoClient::new(
-        Channel::connect(&server.addr, ChannelConfig::default())
+        Channel::connect(&server.addr, channel_config(&t))
             .await
             .unwrap(),
     );
@@ -210,11 +222,10 @@ async fn concurrent_calls_on_one_connection_are_matched_by_request_id() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn deadline_exceeded_is_reported_and_the_channel_stays_usable() {
-    let server = start(ServerConfig::default()).await;
+async fn deadline_exceeded_is_reported_and_the_channel_stays_usable(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
     let echo = EchoClient::new(
-        Channel::connect(&server.addr, ChannelConfig::default())
+        Channel::connect(&server.addr, channel_config(&t))
             .await
             .unwrap(),
     );
@@ -244,11 +255,10 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn server_drops_work_whose_deadline_has_passed() {
-    let server = start(ServerConfig::default()).await;
+async fn server_drops_work_whose_deadline_has_passed(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
     let echo = EchoClient::new(
-        Channel::connect(&server.addr, ChannelConfig::default())
+        Channel::connect(&server.addr, channel_config(&t))
             .await
             .unwrap(),
     );
@@ -274,11 +284,10 @@ async fn server_drops_work_whose_deadline_has_passed() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn large_payloads_round_trip() {
-    let server = start(ServerConfig::default()).await;
+async fn large_payloads_round_trip(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
     let echo = EchoClient::new(
-        Channel::connect(&server.addr, ChannelConfig::default())
+        Channel::connect(&server.addr, channel_config(&t))
             .await
             .unwrap(),
     );
@@ -294,19 +303,14 @@ async fn large_payloads_round_trip() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn server_gone_fails_outstanding_and_new_calls() {
+async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
     let server = start(ServerConfig {
         shutdown_grace_ms: 50,
-        ..ServerConfig::default()
+        ..server_config(&t)
     })
     .await;
     let addr = server.addr.clone();
-    let echo = EchoClient::new(
-        Channel::connect(&addr, ChannelConfig::default())
-            .await
-            .unwrap(),
-    );
+    let echo = EchoClient::new(Channel::connect(&addr, channel_config(&t)).await.unwrap());
     let slow = {
         let echo = echo.clone();
         tokio::spawn(async move {
@@ -335,11 +339,10 @@ async fn server_gone_fails_outstanding_and_new_calls() {
     assert!(err.is_connection_failure(), "{err:?}");
 }
 
-#[tokio::test]
-async fn graceful_shutdown_answers_in_flight_requests() {
-    let server = start(ServerConfig::default()).await;
+async fn graceful_shutdown_answers_in_flight_requests(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
     let echo = EchoClient::new(
-        Channel::connect(&server.addr, ChannelConfig::default())
+        Channel::connect(&server.addr, channel_config(&t))
             .await
             .unwrap(),
     );
@@ -358,21 +361,19 @@ async fn graceful_shutdown_answers_in_flight_requests() {
     assert_eq!(&in_flight.await.unwrap().unwrap().payload[..], b"finish me");
 }
 
-#[tokio::test]
-async fn nothing_listening_is_a_connection_failure() {
+async fn nothing_listening_is_a_connection_failure(t: TransportConfig) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     drop(listener);
-    let err = Channel::connect(&addr, ChannelConfig::default())
+    let err = Channel::connect(&addr, channel_config(&t))
         .await
         .unwrap_err();
     assert!(err.is_connection_failure(), "{err:?}");
 }
 
-#[tokio::test]
-async fn unknown_method_gets_unimplemented() {
-    let server = start(ServerConfig::default()).await;
-    let channel = Channel::connect(&server.addr, ChannelConfig::default())
+async fn unknown_method_gets_unimplemented(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
         .await
         .unwrap();
     let err = channel
@@ -388,10 +389,9 @@ async fn unknown_method_gets_unimplemented() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn undecodable_request_body_gets_invalid_argument() {
-    let server = start(ServerConfig::default()).await;
-    let channel = Channel::connect(&server.addr, ChannelConfig::default())
+async fn undecodable_request_body_gets_invalid_argument(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
         .await
         .unwrap();
     let err = channel
@@ -407,9 +407,8 @@ async fn undecodable_request_body_gets_invalid_argument() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn garbage_frame_closes_only_that_connection() {
-    let server = start(ServerConfig::default()).await;
+async fn garbage_frame_closes_only_that_connection(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
     let mut raw = tokio::net::TcpStream::connect(&server.addr).await.unwrap();
     let garbage = b"definitely not a tessera header";
     raw.write_all(&(garbage.len() as u32).to_le_bytes())
@@ -424,7 +423,7 @@ async fn garbage_frame_closes_only_that_connection() {
     assert_eq!(read, 0, "server closed the connection");
     // Other clients are unaffected.
     let counter = CounterClient::new(
-        Channel::connect(&server.addr, ChannelConfig::default())
+        Channel::connect(&server.addr, channel_config(&t))
             .await
             .unwrap(),
     );
@@ -445,10 +444,9 @@ async fn registering_a_service_twice_is_refused() {
     assert!(matches!(err, ServerError::DuplicateMethod { .. }), "{err}");
 }
 
-#[tokio::test]
-async fn decoded_bytes_fields_point_into_the_receive_pool() {
-    let server_transport = Transport::new(TransportConfig::default()).unwrap();
-    let server = Server::builder(ServerConfig::default())
+async fn decoded_bytes_fields_point_into_the_receive_pool(t: TransportConfig) {
+    let server_transport = Transport::new(t.clone()).unwrap();
+    let server = Server::builder(server_config(&t))
         .transport(server_transport.clone())
         .add_service(EchoServer::new(EchoImpl))
         .unwrap()
@@ -460,10 +458,10 @@ async fn decoded_bytes_fields_point_into_the_receive_pool() {
     let task = tokio::spawn(server.serve_with_shutdown(async {
         let _ = stopped.await;
     }));
-    let client_transport = Transport::new(TransportConfig::default()).unwrap();
+    let client_transport = Transport::new(t.clone()).unwrap();
     let echo = EchoClient::new(Channel::with_transport(
         addr,
-        ChannelConfig::default(),
+        channel_config(&t),
         client_transport.clone(),
     ));
     for size in [100usize, 200_000] {
@@ -493,99 +491,117 @@ async fn decoded_bytes_fields_point_into_the_receive_pool() {
     task.await.unwrap();
 }
 
-/// The same RPC layer over the RDMA transport with the soft provider.
-mod over_rdma_soft {
-    use super::*;
-
-    fn soft() -> TransportConfig {
-        TransportConfig::soft_rdma()
-    }
-
-    async fn start_soft() -> (Running, ChannelConfig) {
-        let server = start(ServerConfig {
-            transport: soft(),
-            ..ServerConfig::default()
+async fn services_concurrent_calls_and_large_payloads(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let config = channel_config(&t);
+    let channel = Channel::connect(&server.addr, config).await.unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let counter = CounterClient::new(channel);
+    assert_eq!(
+        counter.increment(IncrementRequest {}).await.unwrap().value,
+        1
+    );
+    let calls = (0..64u32).map(|i| {
+        let echo = echo.clone();
+        async move {
+            // Sizes on both sides of the small-message limit.
+            let payload = Bytes::from(vec![
+                (i % 251) as u8;
+                [10, 5000, 9000, 300_000][i as usize % 4]
+            ]);
+            let response = echo
+                .echo(EchoRequest {
+                    payload: payload.clone(),
+                    delay_ms: (64 - i) % 4,
+                })
+                .await
+                .unwrap();
+            assert_eq!(response.payload, payload);
+        }
+    });
+    futures::future::join_all(calls).await;
+    let big = Bytes::from(vec![5u8; 8 << 20]);
+    let response = echo
+        .echo(EchoRequest {
+            payload: big.clone(),
+            delay_ms: 0,
         })
-        .await;
-        let client = ChannelConfig {
-            transport: soft(),
-            ..ChannelConfig::default()
-        };
-        (server, client)
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn services_concurrent_calls_and_large_payloads() {
-        let (server, config) = start_soft().await;
-        let channel = Channel::connect(&server.addr, config).await.unwrap();
-        let echo = EchoClient::new(channel.clone());
-        let counter = CounterClient::new(channel);
-        assert_eq!(
-            counter.increment(IncrementRequest {}).await.unwrap().value,
-            1
-        );
-        let calls = (0..64u32).map(|i| {
-            let echo = echo.clone();
-            async move {
-                // Sizes on both sides of the small-message limit.
-                let payload = Bytes::from(vec![
-                    (i % 251) as u8;
-                    [10, 5000, 9000, 300_000][i as usize % 4]
-                ]);
-                let response = echo
-                    .echo(EchoRequest {
-                        payload: payload.clone(),
-                        delay_ms: (64 - i) % 4,
-                    })
-                    .await
-                    .unwrap();
-                assert_eq!(response.payload, payload);
-            }
-        });
-        futures::future::join_all(calls).await;
-        let big = Bytes::from(vec![5u8; 8 << 20]);
-        let response = echo
-            .echo(EchoRequest {
-                payload: big.clone(),
-                delay_ms: 0,
-            })
-            .await
-            .unwrap();
-        assert_eq!(response.payload, big);
-        server.shutdown().await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn statuses_deadlines_and_server_gone() {
-        let (server, config) = start_soft().await;
-        let echo = EchoClient::new(Channel::connect(&server.addr, config).await.unwrap());
-        let err = echo
-            .fail(FailRequest {
-                code: Code::NotFound.as_u16().into(),
-                message: "nope".into(),
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), Code::NotFound);
-        let err = echo
-            .echo_with_options(
-                EchoRequest {
-                    payload: Bytes::new(),
-                    delay_ms: 2_000,
-                },
-                &CallOptions::with_timeout(Duration::from_millis(50)),
-            )
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), Code::DeadlineExceeded);
-        server.shutdown().await;
-        let err = echo
-            .echo(EchoRequest {
-                payload: Bytes::new(),
-                delay_ms: 0,
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    }
+        .await
+        .unwrap();
+    assert_eq!(response.payload, big);
+    server.shutdown().await;
 }
+
+async fn statuses_deadlines_and_server_gone(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let config = channel_config(&t);
+    let echo = EchoClient::new(Channel::connect(&server.addr, config).await.unwrap());
+    let err = echo
+        .fail(FailRequest {
+            code: Code::NotFound.as_u16().into(),
+            message: "nope".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::new(),
+                delay_ms: 2_000,
+            },
+            &CallOptions::with_timeout(Duration::from_millis(50)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    server.shutdown().await;
+    let err = echo
+        .echo(EchoRequest {
+            payload: Bytes::new(),
+            delay_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+}
+
+/// Every case runs over TCP and over RDMA with the soft provider.
+macro_rules! over_both_transports {
+    ($($case:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::TransportConfig::default()).await;
+                }
+            )*
+        }
+        mod rdma_soft {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::TransportConfig::soft_rdma()).await;
+                }
+            )*
+        }
+    };
+}
+
+over_both_transports!(
+    two_generated_services_are_served_and_called_end_to_end,
+    handler_status_reaches_the_caller,
+    concurrent_calls_on_one_connection_are_matched_by_request_id,
+    deadline_exceeded_is_reported_and_the_channel_stays_usable,
+    server_drops_work_whose_deadline_has_passed,
+    large_payloads_round_trip,
+    server_gone_fails_outstanding_and_new_calls,
+    graceful_shutdown_answers_in_flight_requests,
+    nothing_listening_is_a_connection_failure,
+    unknown_method_gets_unimplemented,
+    undecodable_request_body_gets_invalid_argument,
+    garbage_frame_closes_only_that_connection,
+    decoded_bytes_fields_point_into_the_receive_pool,
+    services_concurrent_calls_and_large_payloads,
+    statuses_deadlines_and_server_gone,
+);

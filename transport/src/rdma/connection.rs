@@ -175,7 +175,15 @@ pub(crate) async fn establish(
         stream.write_all(&[READY]).await?;
         theirs
     } else {
-        stream.read_exact(&mut raw).await?;
+        // A stranger (a TCP-transport client, a port scanner) is turned
+        // away at its first bytes rather than at the handshake timeout.
+        stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
+        if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
+            return Err(TransportError::Rdma(
+                "peer does not speak the Tessera RDMA handshake".into(),
+            ));
+        }
+        stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
         let theirs = check(&raw)?;
         qp.connect(&theirs.endpoint).map_err(rdma)?;
         stream.write_all(&mine.encode()).await?;
