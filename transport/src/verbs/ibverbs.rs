@@ -8,8 +8,12 @@
 //!
 //! libibverbs objects are safe to use from several threads (the library
 //! locks internally unless thread domains say otherwise), which is what the
-//! `Send`/`Sync` implementations below rely on. Thread domains per I/O
-//! thread come with the I/O-thread step of the RDMA transport.
+//! `Send`/`Sync` implementations below rely on. Where the device supports
+//! them (`ibv_alloc_td`), each QP is created in a thread domain of its own
+//! (a parent domain over the PD), since one driver thread posts to it: the
+//! provider then skips its locks and gives the QP its own doorbell; a
+//! per-QP guard keeps a second poster from racing. Devices without thread
+//! domains get a plain QP.
 
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex};
@@ -292,13 +296,66 @@ impl CompletionQueue for IbvCq {
 #[derive(Debug)]
 pub struct IbvQp {
     qp: *mut ibv_qp,
+    /// The thread domain the QP was created in, where the device has them.
+    domain: Option<ThreadDomain>,
+    /// Held while posting when the QP lives in a thread domain: the device
+    /// then takes no locks of its own and relies on one poster at a time.
+    /// Uncontended (one driver thread posts), it costs one atomic.
+    post_guard: Mutex<()>,
     ctx: Arc<Context>,
     state: Mutex<QpState>,
     psn: u32,
     _cqs: (Arc<IbvCq>, Arc<IbvCq>),
 }
 
-// SAFETY: posting to a QP is thread-safe in libibverbs.
+/// A thread domain and the parent domain that puts the protection domain
+/// and it together (§6.2: a QP created on it has its own doorbell and
+/// skips libibverbs' locks, so I/O threads do not contend).
+#[derive(Debug)]
+struct ThreadDomain {
+    td: *mut ibv_td,
+    parent: *mut ibv_pd,
+}
+
+impl ThreadDomain {
+    /// A thread domain on `ctx`, or `None` where the device has none.
+    fn allocate(ctx: &Context) -> Option<Self> {
+        // SAFETY: plain data; zeroed (comp_mask 0) is the default request.
+        let mut td_attr: ibv_td_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open; rdma-sys returns None (EOPNOTSUPP)
+        // when the provider lacks the operation.
+        let td = unsafe { ibv_alloc_td(ctx.ctx, &mut td_attr) }.filter(|td| !td.is_null())?;
+        // SAFETY: plain data; pd and td are set, no allocator callbacks.
+        let mut pd_attr: ibv_parent_domain_init_attr = unsafe { std::mem::zeroed() };
+        pd_attr.pd = ctx.pd;
+        pd_attr.td = td;
+        // SAFETY: the PD and TD are alive and `pd_attr` is fully set.
+        let parent = unsafe { ibv_alloc_parent_domain(ctx.ctx, &mut pd_attr) }
+            .filter(|pd| !pd.is_null());
+        match parent {
+            Some(parent) => Some(Self { td, parent }),
+            None => {
+                // SAFETY: `td` was allocated above and is used by nothing.
+                unsafe { ibv_dealloc_td(td) };
+                None
+            }
+        }
+    }
+}
+
+impl Drop for ThreadDomain {
+    fn drop(&mut self) {
+        // SAFETY: dropped after the QP created on the parent domain was
+        // destroyed (field order in `IbvQp`'s drop), parent before TD.
+        unsafe {
+            ibv_dealloc_pd(self.parent);
+            ibv_dealloc_td(self.td);
+        }
+    }
+}
+
+// SAFETY: posting to a QP is thread-safe in libibverbs, and for a QP in a
+// thread domain (where it is not) `post_guard` serialises the posts.
 unsafe impl Send for IbvQp {}
 // SAFETY: as above.
 unsafe impl Sync for IbvQp {}
@@ -307,6 +364,8 @@ impl Drop for IbvQp {
     fn drop(&mut self) {
         // SAFETY: the QP was created in `create_qp` and is destroyed once.
         unsafe { ibv_destroy_qp(self.qp) };
+        // Its thread domain goes after it.
+        drop(self.domain.take());
     }
 }
 
@@ -474,8 +533,10 @@ impl QueuePair for IbvQp {
             list[i].next = next;
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        let _one_poster = self.post_guard.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `list` and `sges` outlive the call (the library copies
-        // work requests into the send queue before returning).
+        // work requests into the send queue before returning); one thread
+        // posts at a time (the guard), as a thread domain requires.
         let rc = unsafe { ibv_post_send(self.qp, list.as_mut_ptr(), &mut bad) };
         if rc != 0 {
             self.fail();
@@ -514,6 +575,7 @@ impl QueuePair for IbvQp {
             list[i].next = next;
         }
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        let _one_poster = self.post_guard.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: as for post_send.
         let rc = unsafe { ibv_post_recv(self.qp, list.as_mut_ptr(), &mut bad) };
         if rc != 0 {
@@ -582,15 +644,25 @@ impl Device for IbvDevice {
             max_recv_sge: 1,
             max_inline_data: 0,
         };
-        // SAFETY: the PD and both CQs are alive; `init` is fully set.
-        let qp = unsafe { ibv_create_qp(self.ctx.pd, &mut init) };
+        let domain = ThreadDomain::allocate(&self.ctx);
+        let pd = domain.as_ref().map_or(self.ctx.pd, |d| d.parent);
+        // SAFETY: the PD (or the parent domain over it) and both CQs are
+        // alive; `init` is fully set.
+        let qp = unsafe { ibv_create_qp(pd, &mut init) };
         if qp.is_null() {
             return Err(VerbsError::InvalidRequest(os_error("ibv_create_qp")));
         }
+        tracing::debug!(
+            thread_domain = domain.is_some(),
+            "ibverbs QP created{}",
+            if domain.is_some() { " in its own thread domain" } else { "" }
+        );
         // SAFETY: `qp` was just created.
         let qpn = unsafe { (*qp).qp_num };
         Ok(Arc::new(IbvQp {
             qp,
+            domain,
+            post_guard: Mutex::new(()),
             ctx: Arc::clone(&self.ctx),
             state: Mutex::new(QpState::Reset),
             psn: qpn.wrapping_mul(2_654_435_761) & 0x00ff_ffff,
