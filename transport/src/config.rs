@@ -123,6 +123,17 @@ pub enum RdmaProvider {
     Soft,
 }
 
+/// How an idle RDMA I/O thread waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Polling {
+    /// Sleep until a completion or a message to send arrives.
+    #[default]
+    Event,
+    /// Poll up to `spin_polls` empty rounds, then sleep.
+    Busy,
+}
+
 /// Settings of the RDMA transport.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -144,9 +155,46 @@ pub struct RdmaConfig {
     pub recv_queue_depth: u32,
     /// Messages up to this size go by SEND. Default 8 KiB.
     pub small_message_limit: usize,
-    /// Largest WRITE fragment of a large message. Default 64 KiB
-    /// (provisional, until the fragment benchmark picks it).
+    /// Largest WRITE fragment of a large message, and the unit the fragment
+    /// scheduler interleaves sockets by. Default 64 KiB: the fastest in
+    /// `tessera-bench transport` (8 KiB–128 KiB swept).
     pub fragment_size: usize,
+    /// I/O threads; each owns one completion queue and the engines assigned
+    /// to it round robin. Default 2: one engine thread per core on small
+    /// hosts leaves the rest to the application; raise on big servers.
+    pub io_threads: usize,
+    /// How an idle I/O thread waits: `event` (sleeps until a completion or
+    /// a message to send; an idle server uses no CPU) or `busy` (polls up
+    /// to `spin_polls` empty rounds before sleeping: lower latency, a core
+    /// spent). Default `event`.
+    pub polling: Polling,
+    /// Empty polling rounds before a `busy` thread sleeps. Default 20000
+    /// (tens of microseconds to a few milliseconds, by host).
+    pub spin_polls: u32,
+    /// Logical connections to one address share one queue pair (§6.1).
+    /// Default true; false gives every `connect` a QP of its own.
+    pub multiplex: bool,
+    /// Send window: bytes posted and not completed per engine (§6.3); 0
+    /// turns it off. Default 0: the window is for incast-prone fleets on
+    /// lossless fabrics, where it keeps PFC quiet; the paper's deployment
+    /// uses a few to tens of KiB.
+    pub window_bytes: usize,
+    /// Whether the window adapts to completion delay (never above
+    /// `window_bytes`). Default false.
+    pub window_adaptive: bool,
+    /// Completion delay above which an adaptive window shrinks, in
+    /// microseconds. Default 100.
+    pub window_target_delay_us: u64,
+    /// Keepalive write interval, in milliseconds. Default 1000.
+    pub keepalive_interval_ms: u64,
+    /// A peer whose keepalive stands still this long is dead, in
+    /// milliseconds; 0 turns keepalive off. Default 10000: ten intervals,
+    /// far above scheduling hiccups, well below the minute an operator
+    /// would otherwise wait.
+    pub keepalive_timeout_ms: u64,
+    /// Entries of each I/O thread's completion queue. Default 32768: room
+    /// for the receives of 256 QPs at the default depth, plus sends.
+    pub cq_depth: u32,
     /// Faults the soft provider injects (`[rdma.soft_faults]`: `seed`,
     /// `rnr_per_million`, `qp_error_per_million`, `delay_per_million`,
     /// `max_delay_polls`), for fault drills. Default: none.
@@ -164,6 +212,16 @@ impl Default for RdmaConfig {
             recv_queue_depth: 64,
             small_message_limit: 8 << 10,
             fragment_size: 64 << 10,
+            io_threads: 2,
+            polling: Polling::Event,
+            spin_polls: 20_000,
+            multiplex: true,
+            window_bytes: 0,
+            window_adaptive: false,
+            window_target_delay_us: 100,
+            keepalive_interval_ms: 1000,
+            keepalive_timeout_ms: 10_000,
+            cq_depth: 32768,
             soft_faults: crate::verbs::soft::SoftFaults::default(),
         }
     }
@@ -180,8 +238,28 @@ impl Validate for RdmaConfig {
         if self.small_message_limit == 0 {
             return Err(invalid("small_message_limit", "must be at least 1"));
         }
-        if self.fragment_size < 4096 {
-            return Err(invalid("fragment_size", "must be at least 4096"));
+        if self.fragment_size < 1024 {
+            return Err(invalid("fragment_size", "must be at least 1024"));
+        }
+        if self.io_threads == 0 || self.io_threads > 256 {
+            return Err(invalid("io_threads", "must be between 1 and 256"));
+        }
+        if self.window_bytes != 0 && self.window_bytes < 1024 {
+            return Err(invalid("window_bytes", "must be 0 (off) or at least 1024"));
+        }
+        if self.keepalive_timeout_ms != 0 && self.keepalive_interval_ms == 0 {
+            return Err(invalid("keepalive_interval_ms", "must be at least 1"));
+        }
+        if self.keepalive_timeout_ms != 0
+            && self.keepalive_timeout_ms < 2 * self.keepalive_interval_ms
+        {
+            return Err(invalid(
+                "keepalive_timeout_ms",
+                "must be 0 (off) or at least twice keepalive_interval_ms",
+            ));
+        }
+        if self.cq_depth < 256 {
+            return Err(invalid("cq_depth", "must be at least 256"));
         }
         Ok(())
     }

@@ -6,7 +6,9 @@ use tessera_config::Validate;
 use tokio::sync::mpsc;
 
 use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
-use crate::rdma::connection::{RdmaChannels, establish};
+use crate::rdma::Role;
+use crate::rdma::connection::{HANDSHAKE_TIMEOUT, RdmaRuntime};
+use crate::rdma::io::RdmaSender;
 use crate::tcp::{self, TcpReceiver};
 use crate::verbs::Device;
 use crate::{Message, RdmaProvider, TransportConfig, TransportError, TransportKind};
@@ -25,15 +27,19 @@ struct TransportInner {
     config: TransportConfig,
     send_pool: Pool,
     recv_pool: Pool,
-    /// The RDMA device (kind `rdma` only).
-    device: Option<Arc<dyn Device>>,
+    /// The RDMA device and I/O threads (kind `rdma`, or `auto` with a
+    /// device).
+    rdma: Option<Arc<RdmaRuntime>>,
 }
 
 impl std::fmt::Debug for TransportInner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransportInner")
             .field("kind", &self.config.kind)
-            .field("device", &self.device.as_ref().map(|d| d.name().to_owned()))
+            .field(
+                "device",
+                &self.rdma.as_ref().map(|r| r.device_name().to_owned()),
+            )
             .finish()
     }
 }
@@ -99,12 +105,20 @@ impl Transport {
             Arc::clone(&hook),
         )?;
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
+        let rdma = match device {
+            Some(device) => Some(Arc::new(RdmaRuntime::new(
+                device,
+                &config,
+                (send_pool.clone(), recv_pool.clone()),
+            )?)),
+            None => None,
+        };
         Ok(Self {
             inner: Arc::new(TransportInner {
                 config,
                 send_pool,
                 recv_pool,
-                device,
+                rdma,
             }),
         })
     }
@@ -125,25 +139,26 @@ impl Transport {
     }
 
     /// Dials `addr` ("host:port"). For RDMA, `addr` is the peer's
-    /// handshake listener.
+    /// handshake listener, and the connection is a logical socket on the
+    /// queue pair to that address (a new one the first time).
     pub async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
-        let stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|source| TransportError::Connect {
-                addr: addr.to_owned(),
-                source,
-            })?;
-        match self.inner.config.kind {
-            TransportKind::Tcp => self.tcp_connection(stream),
-            TransportKind::Rdma => self.rdma_connection(stream, true).await,
-            TransportKind::Auto if self.inner.device.is_none() => self.tcp_connection(stream),
-            TransportKind::Auto => {
-                match tokio::time::timeout(
-                    AUTO_HANDSHAKE_TIMEOUT,
-                    self.rdma_connection(stream, true),
-                )
+        let tcp = || async {
+            let stream = tokio::net::TcpStream::connect(addr)
                 .await
-                {
+                .map_err(|source| TransportError::Connect {
+                    addr: addr.to_owned(),
+                    source,
+                })?;
+            self.tcp_connection(stream)
+        };
+        match (self.inner.config.kind, &self.inner.rdma) {
+            (TransportKind::Tcp, _) | (TransportKind::Auto, None) => tcp().await,
+            (TransportKind::Rdma, Some(rdma)) => rdma.connect(addr).await,
+            (TransportKind::Rdma, None) => {
+                Err(TransportError::Rdma("transport has no RDMA device".into()))
+            }
+            (TransportKind::Auto, Some(rdma)) => {
+                match tokio::time::timeout(AUTO_HANDSHAKE_TIMEOUT, rdma.connect(addr)).await {
                     Ok(Ok(connection)) => Ok(connection),
                     outcome => {
                         let why = match outcome {
@@ -151,54 +166,11 @@ impl Transport {
                             _ => "handshake timed out".to_owned(),
                         };
                         tracing::warn!(%addr, %why, "transport auto: RDMA not possible with this peer; falling back to TCP");
-                        let stream =
-                            tokio::net::TcpStream::connect(addr)
-                                .await
-                                .map_err(|source| TransportError::Connect {
-                                    addr: addr.to_owned(),
-                                    source,
-                                })?;
-                        self.tcp_connection(stream)
+                        tcp().await
                     }
                 }
             }
         }
-    }
-
-    async fn rdma_connection(
-        &self,
-        stream: tokio::net::TcpStream,
-        dialer: bool,
-    ) -> Result<Connection, TransportError> {
-        let Some(device) = &self.inner.device else {
-            return Err(TransportError::Rdma("transport has no RDMA device".into()));
-        };
-        stream.set_nodelay(true)?;
-        let peer = stream.peer_addr()?;
-        let config = &self.inner.config;
-        let RdmaChannels {
-            sender,
-            receiver,
-            driver,
-        } = establish(
-            device,
-            config,
-            (self.inner.send_pool.clone(), self.inner.recv_pool.clone()),
-            stream,
-            dialer,
-        )
-        .await?;
-        Ok(Connection {
-            sender: MessageSender {
-                queue: sender,
-                max_message_size: config.max_message_size,
-                wake: Some(driver),
-            },
-            receiver: MessageReceiver {
-                inner: ReceiverInner::Rdma(receiver),
-            },
-            peer,
-        })
     }
 
     /// Listens on `addr` ("host:port"; port 0 picks a free one).
@@ -230,6 +202,24 @@ impl Connection {
         self.peer
     }
 
+    pub(crate) fn rdma(
+        sender: RdmaSender,
+        receiver: mpsc::Receiver<Result<Bytes, TransportError>>,
+        max_message_size: u64,
+        peer: SocketAddr,
+    ) -> Self {
+        Connection {
+            sender: MessageSender {
+                inner: SenderInner::Rdma(sender),
+                max_message_size,
+            },
+            receiver: MessageReceiver {
+                inner: ReceiverInner::Rdma(receiver),
+            },
+            peer,
+        }
+    }
+
     fn tcp(
         config: &TransportConfig,
         tx: mpsc::Sender<Message>,
@@ -238,9 +228,8 @@ impl Connection {
     ) -> Self {
         Connection {
             sender: MessageSender {
-                queue: tx,
+                inner: SenderInner::Tcp(tx),
                 max_message_size: config.max_message_size,
-                wake: None,
             },
             receiver: MessageReceiver {
                 inner: ReceiverInner::Tcp(rx),
@@ -282,10 +271,6 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// How long an incoming RDMA handshake may take. 10 s: far longer than a
-/// handshake on a loaded host, short enough that silent peers do not pile up.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
 impl Listener {
     fn new(
         listener: tokio::net::TcpListener,
@@ -295,7 +280,7 @@ impl Listener {
         let rdma = match transport.inner.config.kind {
             TransportKind::Tcp => false,
             TransportKind::Rdma => true,
-            TransportKind::Auto => transport.inner.device.is_some(),
+            TransportKind::Auto => transport.inner.rdma.is_some(),
         };
         let inner = match rdma {
             false => ListenerInner::Tcp {
@@ -379,19 +364,26 @@ async fn accept_rdma(
         let ready = ready.clone();
         tokio::spawn(async move {
             let peer = stream.peer_addr().ok();
+            let Some(rdma) = transport.inner.rdma.clone() else {
+                return;
+            };
             let handshake = async {
                 if transport.inner.config.kind == TransportKind::Auto
                     && !speaks_rdma(&stream).await?
                 {
                     tracing::debug!(?peer, "transport auto: peer speaks TCP");
-                    return transport.tcp_connection(stream);
+                    let connection = transport.tcp_connection(stream)?;
+                    let _ = ready.send(connection).await;
+                    return Ok(());
                 }
-                transport.rdma_connection(stream, false).await
+                // The sockets the peer opens on this engine come to the
+                // listener's queue from the I/O thread.
+                rdma.establish(stream, Role::Acceptor, Some(ready.clone()))
+                    .await
+                    .map(|_| ())
             };
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-                Ok(Ok(connection)) => {
-                    let _ = ready.send(connection).await;
-                }
+                Ok(Ok(())) => {}
                 Ok(Err(err)) => tracing::warn!(?peer, %err, "rdma handshake failed"),
                 Err(_) => tracing::warn!(?peer, "rdma handshake timed out"),
             }
@@ -403,10 +395,16 @@ async fn accept_rdma(
 /// ordered send queue.
 #[derive(Debug, Clone)]
 pub struct MessageSender {
-    queue: mpsc::Sender<Message>,
+    inner: SenderInner,
     max_message_size: u64,
-    /// The RDMA driver thread, woken when a message is queued.
-    wake: Option<std::thread::Thread>,
+}
+
+#[derive(Debug, Clone)]
+enum SenderInner {
+    /// The TCP writer task's queue.
+    Tcp(mpsc::Sender<Message>),
+    /// A socket on an RDMA engine.
+    Rdma(RdmaSender),
 }
 
 impl MessageSender {
@@ -423,19 +421,21 @@ impl MessageSender {
                 max: self.max_message_size,
             });
         }
-        self.queue
-            .send(message)
-            .await
-            .map_err(|_| TransportError::Closed)?;
-        if let Some(driver) = &self.wake {
-            driver.unpark();
+        match &self.inner {
+            SenderInner::Tcp(queue) => queue
+                .send(message)
+                .await
+                .map_err(|_| TransportError::Closed),
+            SenderInner::Rdma(socket) => socket.send(message).await,
         }
-        Ok(())
     }
 
     /// Whether the connection's writer has stopped (error or shutdown).
     pub fn is_closed(&self) -> bool {
-        self.queue.is_closed()
+        match &self.inner {
+            SenderInner::Tcp(queue) => queue.is_closed(),
+            SenderInner::Rdma(socket) => socket.is_closed(),
+        }
     }
 }
 

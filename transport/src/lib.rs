@@ -25,7 +25,7 @@ pub mod tcp;
 #[allow(unsafe_code)]
 pub mod verbs;
 
-pub use config::{RdmaConfig, RdmaProvider, TransportConfig, TransportKind};
+pub use config::{Polling, RdmaConfig, RdmaProvider, TransportConfig, TransportKind};
 pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};
 pub use error::TransportError;
 pub use message::Message;

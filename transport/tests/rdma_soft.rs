@@ -199,7 +199,13 @@ async fn an_injected_qp_error_fails_the_connection_with_a_clear_error() {
     let listener = server.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let accept = tokio::spawn(async move {
-        let mut conn = listener.accept().await.unwrap();
+        // The QP may fail before the socket's `Open` gets through, and then
+        // the listener never hears of it (nothing to notice, nothing held).
+        let Ok(Ok(mut conn)) =
+            tokio::time::timeout(std::time::Duration::from_secs(2), listener.accept()).await
+        else {
+            return 0;
+        };
         // Read until the connection ends, one way or the other.
         let mut received = 0usize;
         loop {
@@ -225,9 +231,12 @@ async fn an_injected_qp_error_fails_the_connection_with_a_clear_error() {
         .await
         .expect("the failure is reported, no hang")
         .expect_err("the injected QP error surfaces as an error");
+    // Our own failed work request, or the peer's: its sends into a QP in
+    // error fail too, and it hangs up first.
+    let reason = err.to_string();
     assert!(
-        err.to_string().contains("rdma: work request failed"),
-        "{err}"
+        reason.contains("rdma: work request failed") || reason.contains("rdma: peer closed"),
+        "{reason}"
     );
     let received = tokio::time::timeout(std::time::Duration::from_secs(10), accept)
         .await

@@ -60,6 +60,22 @@ impl PoolBuf {
         self.len = len.min(self.capacity);
     }
 
+    /// The 8 bytes at `offset` (8-aligned within the buffer) read as one
+    /// atomic word: for memory a NIC writes into while the buffer is held
+    /// (a keepalive slot). `None` if out of bounds or misaligned.
+    pub fn load_u64(&self, offset: usize) -> Option<u64> {
+        let end = offset.checked_add(8)?;
+        let addr = self.ptr.as_ptr() as usize + offset;
+        if end > self.len || !addr.is_multiple_of(8) {
+            return None;
+        }
+        // SAFETY: in bounds and 8-aligned (checked); the buffer is live
+        // pool memory. A peer's NIC may store to it concurrently, which an
+        // atomic load tolerates (it sees the old or the new word).
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) };
+        Some(word.load(std::sync::atomic::Ordering::Acquire))
+    }
+
     /// The registered region the buffer lies in (keys, access rights).
     /// Always `Some` for a live buffer; an `Option` only because the lookup
     /// goes through the process-wide map.

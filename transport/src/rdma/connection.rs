@@ -1,43 +1,45 @@
-//! RDMA connections: the out-of-band handshake and the thread that drives
-//! one engine.
+//! RDMA connections: the out-of-band handshake, and the runtime that owns a
+//! transport's I/O threads and its table of engines.
 //!
 //! **Handshake.** The dialer connects over TCP to the listener's address;
-//! each side creates its queue pair and posts its receives. The dialer sends
-//! a [`Hello`] (protocol version, QP number, LID/GID, PSN, receive depth,
-//! message limit); the listener connects its QP to it and answers with its
-//! own; the dialer connects and confirms with one byte, after which both
-//! may send. A different version is refused with a clear error. The TCP connection stays open as the liveness channel:
-//! when either side goes away, the other sees it close (the keepalive
-//! issue adds periodic sequence numbers on the QP itself).
+//! each side creates its queue pair (on the completion queue of the I/O
+//! thread it will run on) and posts its receives. The dialer sends a
+//! [`Hello`] (protocol version, QP number, LID/GID, PSN, receive depth and
+//! receive-buffer size, message limit, keepalive slot); the listener
+//! connects its QP to it and answers with its own; the dialer connects and
+//! confirms with one byte, after which both may send. A different version
+//! is refused with a clear error. The TCP connection stays open: its
+//! closing tells the other side at once that the peer went away (keepalive
+//! covers hosts that vanish without closing it).
 //!
-//! **Driver.** In this step each connection has its own driver thread that
-//! feeds the engine with messages to send and completions, posts what it
-//! emits, and hands received messages to the async side through a channel;
-//! when idle it spins briefly, then parks with a growing timeout (up to
-//! 1 ms). Shared I/O threads with one CQ each, event mode and QP
-//! multiplexing are the next issue's.
+//! **Connection table** (§6.1). With `multiplex` on, a transport keeps one
+//! engine per remote address: `connect` opens a new logical socket on it,
+//! or dials and sets one up first (concurrent connects to the same address
+//! wait for the same setup). An engine that fails leaves the table, and the
+//! next `connect` dials afresh.
 
-use std::collections::VecDeque;
-use std::io::Read;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{OnceCell, mpsc, oneshot};
 
-use super::engine::{Engine, EngineConfig, EngineEvent};
+use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role};
+use super::io::{Attached, Command, IoThread};
+use super::window::WindowConfig;
 use crate::pool::Pool;
-use crate::verbs::{CompletionQueue, Device, QpCaps, QpEndpoint, QueuePair, WorkCompletion};
-use crate::{Message, TransportConfig, TransportError};
+use crate::verbs::{Device, QpCaps, QpEndpoint};
+use crate::{Connection, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// First bytes of every hello (how an `auto` listener tells RDMA from TCP).
 pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
-pub const HELLO_LEN: usize = 64;
+pub const HELLO_LEN: usize = 96;
 /// The dialer's last handshake byte: its QP is connected too.
 const READY: u8 = 0x52;
 
@@ -50,8 +52,13 @@ pub struct Hello {
     pub endpoint: QpEndpoint,
     /// Receives the sender has posted (the peer's initial credits).
     pub recv_depth: u32,
+    /// Bytes of each of the sender's receive buffers.
+    pub recv_buffer: u32,
     /// Largest message the sender accepts.
     pub max_message: u64,
+    /// Where the peer writes its keepalive (address, rkey), if the sender
+    /// runs keepalive.
+    pub keepalive_slot: Option<(u64, u32)>,
 }
 
 impl Hello {
@@ -66,6 +73,12 @@ impl Hello {
         out[36..40].copy_from_slice(&self.recv_depth.to_le_bytes());
         out[40..48].copy_from_slice(&self.endpoint.node.to_le_bytes());
         out[48..56].copy_from_slice(&self.max_message.to_le_bytes());
+        out[56..60].copy_from_slice(&self.recv_buffer.to_le_bytes());
+        if let Some((addr, rkey)) = self.keepalive_slot {
+            out[60..64].copy_from_slice(&1u32.to_le_bytes());
+            out[64..72].copy_from_slice(&addr.to_le_bytes());
+            out[72..76].copy_from_slice(&rkey.to_le_bytes());
+        }
         out
     }
 
@@ -95,251 +108,297 @@ impl Hello {
             },
             recv_depth: u32_at(36),
             max_message: u64_at(48),
+            recv_buffer: u32_at(56),
+            keepalive_slot: (u32_at(60) & 1 == 1).then(|| (u64_at(64), u32_at(72))),
         })
     }
 }
 
-/// What the async side keeps of an RDMA connection.
-pub(crate) struct RdmaChannels {
-    pub(crate) sender: mpsc::Sender<Message>,
-    pub(crate) receiver: mpsc::Receiver<Result<Bytes, TransportError>>,
-    pub(crate) driver: std::thread::Thread,
+/// How long an incoming RDMA handshake may take. 10 s: far longer than a
+/// handshake on a loaded host, short enough that silent peers do not pile up.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The RDMA side of a transport: device, I/O threads, engine table.
+pub(crate) struct RdmaRuntime {
+    device: Arc<dyn Device>,
+    config: TransportConfig,
+    pools: (Pool, Pool),
+    threads: Vec<IoThread>,
+    next_thread: AtomicUsize,
+    table: Mutex<HashMap<String, Arc<OnceCell<EngineRef>>>>,
 }
 
-/// Sets up an RDMA connection over the handshake stream `stream` and starts
-/// its driver.
-pub(crate) async fn establish(
-    device: &Arc<dyn Device>,
-    transport: &TransportConfig,
-    (send_pool, recv_pool): (Pool, Pool),
-    mut stream: TcpStream,
-    dialer: bool,
-) -> Result<RdmaChannels, TransportError> {
-    let config = &transport.rdma;
-    let max_message_size = transport.max_message_size;
-    let send_queue_depth = transport.send_queue_depth;
-    let rdma = |e: crate::verbs::VerbsError| TransportError::Rdma(e.to_string());
-    let send_cq = device
-        .create_cq(config.send_queue_depth * 2)
-        .map_err(rdma)?;
-    let recv_cq = device
-        .create_cq(config.recv_queue_depth * 2)
-        .map_err(rdma)?;
-    let caps = QpCaps {
-        max_send_wr: config.send_queue_depth,
-        max_recv_wr: config.recv_queue_depth,
-        max_sge: 4,
-    };
-    let qp = device
-        .create_qp(Arc::clone(&send_cq), Arc::clone(&recv_cq), caps)
-        .map_err(rdma)?;
-    let engine_config = EngineConfig {
-        send_queue_depth: config.send_queue_depth,
-        recv_queue_depth: config.recv_queue_depth,
-        small_message_limit: config.small_message_limit,
-        fragment_size: config.fragment_size,
-        max_sge: caps.max_sge,
-        max_message_size,
-    };
-    let mut engine = Engine::new(engine_config, send_pool, recv_pool, 0);
-    // Receives go up before the peer can learn of them.
-    if let Some(wrs) = engine.poll_recv_post() {
-        qp.post_recv(&wrs).map_err(rdma)?;
+impl std::fmt::Debug for RdmaRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaRuntime")
+            .field("device", &self.device.name())
+            .field("io_threads", &self.threads.len())
+            .finish_non_exhaustive()
     }
-    let mine = Hello {
-        version: PROTOCOL_VERSION,
-        endpoint: qp.endpoint(),
-        recv_depth: config.recv_queue_depth,
-        max_message: max_message_size,
-    };
-    // Three legs, so that neither side sends before the other's QP is
-    // connected (a SEND into a QP that is not ready is lost, and an RC QP
-    // retries it until it gives up): the listener connects before it
-    // answers, the dialer confirms once it has connected too.
-    let mut raw = [0u8; HELLO_LEN];
-    let check = |raw: &[u8; HELLO_LEN]| -> Result<Hello, TransportError> {
-        let theirs = Hello::decode(raw)?;
-        if theirs.version != PROTOCOL_VERSION {
-            return Err(TransportError::Rdma(format!(
-                "peer speaks RDMA protocol version {}, this build {PROTOCOL_VERSION}",
-                theirs.version
-            )));
-        }
-        Ok(theirs)
-    };
-    let theirs = if dialer {
-        stream.write_all(&mine.encode()).await?;
-        stream.read_exact(&mut raw).await?;
-        let theirs = check(&raw)?;
-        qp.connect(&theirs.endpoint).map_err(rdma)?;
-        stream.write_all(&[READY]).await?;
-        theirs
-    } else {
-        // A stranger (a TCP-transport client, a port scanner) is turned
-        // away at its first bytes rather than at the handshake timeout.
-        stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
-        if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
-            return Err(TransportError::Rdma(
-                "peer does not speak the Tessera RDMA handshake".into(),
-            ));
-        }
-        stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
-        let theirs = check(&raw)?;
-        qp.connect(&theirs.endpoint).map_err(rdma)?;
-        stream.write_all(&mine.encode()).await?;
-        let mut ready = [0u8; 1];
-        stream.read_exact(&mut ready).await?;
-        if ready[0] != READY {
-            return Err(TransportError::Rdma(
-                "peer did not confirm the RDMA connection".into(),
-            ));
-        }
-        theirs
-    };
-    engine.grant_credits(u16::try_from(theirs.recv_depth).unwrap_or(u16::MAX));
-    let control = stream.into_std()?;
-    control.set_nonblocking(true)?;
-    let (command_tx, command_rx) = mpsc::channel(send_queue_depth);
-    let (event_tx, event_rx) = mpsc::channel(1024);
-    let driver = Driver {
-        qp,
-        send_cq,
-        recv_cq,
-        engine,
-        commands: command_rx,
-        events: event_tx,
-        control,
-    };
-    let handle = std::thread::Builder::new()
-        .name("tessera-rdma".into())
-        .spawn(move || driver.run())?;
-    Ok(RdmaChannels {
-        sender: command_tx,
-        receiver: event_rx,
-        driver: handle.thread().clone(),
-    })
 }
 
-// Field order is drop order: the queue pair goes before the engine, so no
-// buffer the engine owns is freed while the NIC could still write into it.
-struct Driver {
-    qp: Arc<dyn QueuePair>,
-    send_cq: Arc<dyn CompletionQueue>,
-    recv_cq: Arc<dyn CompletionQueue>,
-    engine: Engine,
-    commands: mpsc::Receiver<Message>,
-    events: mpsc::Sender<Result<Bytes, TransportError>>,
-    control: std::net::TcpStream,
+/// An engine in the table.
+#[derive(Clone)]
+pub(crate) struct EngineRef {
+    io: IoThread,
+    qpn: u32,
+    alive: Arc<AtomicBool>,
 }
 
-/// Received messages held back while the application's queue is full.
-const BACKLOG_LIMIT: usize = 256;
-
-impl Driver {
-    fn run(mut self) {
-        let mut backlog: VecDeque<Bytes> = VecDeque::new();
-        let mut completions: Vec<WorkCompletion> = Vec::with_capacity(64);
-        let mut senders_gone = false;
-        let mut idle_rounds: u32 = 0;
-        let mut failure: Option<String> = None;
-        loop {
-            let mut progress = false;
-            while !senders_gone {
-                match self.commands.try_recv() {
-                    Ok(message) => {
-                        progress = true;
-                        if let Err(err) = self.engine.send(message) {
-                            failure = Some(err.to_string());
-                        }
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => senders_gone = true,
-                }
-            }
-            if let Some(wrs) = self.engine.poll_recv_post() {
-                progress = true;
-                if let Err(err) = self.qp.post_recv(&wrs) {
-                    failure = Some(err.to_string());
-                }
-            }
-            while let Some(batch) = self.engine.poll_transmit() {
-                progress = true;
-                if let Err(err) = self.qp.post_send(&batch) {
-                    failure = Some(err.to_string());
-                    break;
-                }
-            }
-            completions.clear();
-            self.send_cq.poll(&mut completions, 64);
-            // Stop taking receives while the application is behind: credits
-            // then stop flowing back and the peer waits.
-            if backlog.len() < BACKLOG_LIMIT {
-                self.recv_cq.poll(&mut completions, 64);
-            }
-            for completion in &completions {
-                self.engine.handle_completion(completion);
-                progress = true;
-            }
-            while let Some(event) = self.engine.poll_event() {
-                match event {
-                    EngineEvent::Message(bytes) => backlog.push_back(bytes),
-                    EngineEvent::Failed(err) => failure = Some(err.to_string()),
-                }
-            }
-            while let Some(message) = backlog.pop_front() {
-                match self.events.try_send(Ok(message)) {
-                    Ok(()) => progress = true,
-                    Err(mpsc::error::TrySendError::Full(Ok(message))) => {
-                        backlog.push_front(message);
-                        break;
-                    }
-                    Err(_) => {
-                        // The application dropped its receiver.
-                        backlog.clear();
-                        break;
-                    }
-                }
-            }
-            if let Some(reason) = failure.take() {
-                tracing::debug!(%reason, "rdma connection failed");
-                let _ = self.events.try_send(Err(TransportError::Rdma(reason)));
-                break;
-            }
-            let peer_gone = !progress && self.peer_closed();
-            if peer_gone && backlog.is_empty() {
-                break;
-            }
-            if senders_gone && self.events.is_closed() && self.engine.is_idle() {
-                break;
-            }
-            if progress {
-                idle_rounds = 0;
-            } else {
-                idle_rounds = idle_rounds.saturating_add(1);
-                if idle_rounds < 256 {
-                    std::hint::spin_loop();
-                } else if idle_rounds < 512 {
-                    std::thread::yield_now();
-                } else {
-                    let micros = u64::from((idle_rounds - 511).min(1000));
-                    std::thread::park_timeout(Duration::from_micros(micros));
-                }
-            }
-        }
-        let _ = self.control.shutdown(std::net::Shutdown::Both);
+impl RdmaRuntime {
+    /// Starts the I/O threads of a transport.
+    pub(crate) fn new(
+        device: Arc<dyn Device>,
+        config: &TransportConfig,
+        pools: (Pool, Pool),
+    ) -> Result<Self, TransportError> {
+        let rdma = &config.rdma;
+        let threads = (0..rdma.io_threads)
+            .map(|i| {
+                let cq = device
+                    .create_cq(rdma.cq_depth)
+                    .map_err(|e| TransportError::Rdma(e.to_string()))?;
+                IoThread::start(format!("tessera-io-{i}"), cq, rdma.polling, rdma.spin_polls)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            device,
+            config: config.clone(),
+            pools,
+            threads,
+            next_thread: AtomicUsize::new(0),
+            table: Mutex::new(HashMap::new()),
+        })
     }
 
-    /// Whether the peer closed the handshake connection (its liveness
-    /// channel).
-    fn peer_closed(&mut self) -> bool {
-        let mut byte = [0u8; 1];
-        match self.control.read(&mut byte) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => false,
-            Err(_) => true,
-        }
+    /// The device's name.
+    pub(crate) fn device_name(&self) -> &str {
+        self.device.name()
     }
+
+    fn thread(&self) -> &IoThread {
+        let i = self.next_thread.fetch_add(1, Ordering::Relaxed) % self.threads.len();
+        &self.threads[i]
+    }
+
+    /// A new logical connection to `addr`, on the engine already connected
+    /// there if multiplexing is on.
+    pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
+        if !self.config.rdma.multiplex {
+            let engine = self.dial(addr).await?;
+            return open_socket(&engine).await;
+        }
+        for _ in 0..3 {
+            let cell = {
+                let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+                Arc::clone(table.entry(addr.to_owned()).or_default())
+            };
+            let engine = cell.get_or_try_init(|| self.dial(addr)).await?;
+            if engine.alive.load(Ordering::Acquire) {
+                match open_socket(engine).await {
+                    Ok(connection) => return Ok(connection),
+                    // Refused: the peer is up but does not listen.
+                    Err(err @ TransportError::Connect { .. }) => return Err(err),
+                    Err(err) => tracing::debug!(%addr, %err, "engine went away; dialing again"),
+                }
+            }
+            // A dead engine leaves the table (unless someone replaced it).
+            let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+            if table.get(addr).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                table.remove(addr);
+            }
+        }
+        Err(TransportError::Rdma(format!(
+            "could not set up an RDMA connection to {addr}"
+        )))
+    }
+
+    async fn dial(&self, addr: &str) -> Result<EngineRef, TransportError> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|source| TransportError::Connect {
+                addr: addr.to_owned(),
+                source,
+            })?;
+        self.establish(stream, Role::Dialer, None).await
+    }
+
+    /// Runs the handshake on `stream` and hands the engine to an I/O
+    /// thread. `accepts` receives the sockets the peer opens.
+    pub(crate) async fn establish(
+        &self,
+        mut stream: TcpStream,
+        role: Role,
+        accepts: Option<mpsc::Sender<Connection>>,
+    ) -> Result<EngineRef, TransportError> {
+        stream.set_nodelay(true)?;
+        let peer = stream.peer_addr()?;
+        let rdma = &self.config.rdma;
+        let io = self.thread().clone();
+        let failed = |e: crate::verbs::VerbsError| TransportError::Rdma(e.to_string());
+        let caps = QpCaps {
+            max_send_wr: rdma.send_queue_depth,
+            max_recv_wr: rdma.recv_queue_depth,
+            max_sge: 4,
+        };
+        let qp = self
+            .device
+            .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps)
+            .map_err(failed)?;
+        let engine_config = EngineConfig {
+            send_queue_depth: rdma.send_queue_depth,
+            recv_queue_depth: rdma.recv_queue_depth,
+            small_message_limit: rdma.small_message_limit,
+            fragment_size: rdma.fragment_size,
+            max_sge: caps.max_sge,
+            max_message_size: self.config.max_message_size,
+            window: WindowConfig {
+                max_bytes: rdma.window_bytes,
+                adaptive: rdma.window_adaptive,
+                target_delay: Duration::from_micros(rdma.window_target_delay_us),
+            },
+            keepalive: (rdma.keepalive_timeout_ms > 0).then(|| KeepaliveConfig {
+                interval: Duration::from_millis(rdma.keepalive_interval_ms),
+                timeout: Duration::from_millis(rdma.keepalive_timeout_ms),
+            }),
+            rts_ahead: 4,
+        };
+        let mut engine = Engine::new(
+            engine_config,
+            self.pools.0.clone(),
+            self.pools.1.clone(),
+            role,
+            Instant::now(),
+        )
+        .map_err(|e| TransportError::Rdma(e.to_string()))?;
+        // Receives go up before the peer can learn of them.
+        if let Some(wrs) = engine.poll_recv_post() {
+            qp.post_recv(&wrs).map_err(failed)?;
+        }
+        let mine = Hello {
+            version: PROTOCOL_VERSION,
+            endpoint: qp.endpoint(),
+            recv_depth: rdma.recv_queue_depth,
+            recv_buffer: u32::try_from(engine.recv_buffer_size()).unwrap_or(u32::MAX),
+            max_message: self.config.max_message_size,
+            keepalive_slot: engine.keepalive_slot(),
+        };
+        // Three legs, so that neither side sends before the other's QP is
+        // connected (a SEND into a QP that is not ready is lost, and an RC
+        // QP retries it until it gives up): the listener connects before it
+        // answers, the dialer confirms once it has connected too.
+        let mut raw = [0u8; HELLO_LEN];
+        let check = |raw: &[u8; HELLO_LEN]| -> Result<Hello, TransportError> {
+            let theirs = Hello::decode(raw)?;
+            if theirs.version != PROTOCOL_VERSION {
+                return Err(TransportError::Rdma(format!(
+                    "peer speaks RDMA protocol version {}, this build {PROTOCOL_VERSION}",
+                    theirs.version
+                )));
+            }
+            Ok(theirs)
+        };
+        let theirs = match role {
+            Role::Dialer => {
+                stream.write_all(&mine.encode()).await?;
+                stream.read_exact(&mut raw).await?;
+                let theirs = check(&raw)?;
+                qp.connect(&theirs.endpoint).map_err(failed)?;
+                stream.write_all(&[READY]).await?;
+                theirs
+            }
+            Role::Acceptor => {
+                // A stranger (a TCP-transport client, a port scanner) is
+                // turned away at its first bytes rather than at the
+                // handshake timeout.
+                stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
+                if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
+                    return Err(TransportError::Rdma(
+                        "peer does not speak the Tessera RDMA handshake".into(),
+                    ));
+                }
+                stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
+                let theirs = check(&raw)?;
+                qp.connect(&theirs.endpoint).map_err(failed)?;
+                theirs
+            }
+        };
+        let info = PeerInfo {
+            recv_depth: theirs.recv_depth,
+            recv_buffer: theirs.recv_buffer,
+            keepalive_slot: theirs.keepalive_slot,
+        };
+        // The dialer's QP is connected (it sent READY): it may send. The
+        // acceptor's engine may not before the dialer confirms, or its
+        // first write would hit a QP that is not ready.
+        if role == Role::Dialer {
+            engine.peer_ready(info, Instant::now());
+        }
+        let qpn = qp.qpn();
+        let alive = Arc::new(AtomicBool::new(true));
+        let (stop, stopped) = oneshot::channel::<()>();
+        // The engine runs before the acceptor answers: the dialer may send
+        // (open a socket) the moment it has the answer, and the I/O thread
+        // must know the QP by then (it receives at once, sends once ready).
+        let attached = Attached {
+            qp,
+            engine,
+            peer,
+            alive: Arc::clone(&alive),
+            accepts,
+            _control: stop,
+            max_message_size: self.config.max_message_size,
+            send_queue_depth: self.config.send_queue_depth,
+        };
+        if !io.submit(Command::Attach(Box::new(attached))) {
+            return Err(TransportError::Rdma("I/O thread stopped".into()));
+        }
+        if role == Role::Acceptor {
+            let confirmed = async {
+                stream.write_all(&mine.encode()).await?;
+                let mut ready = [0u8; 1];
+                stream.read_exact(&mut ready).await?;
+                if ready[0] != READY {
+                    return Err(TransportError::Rdma(
+                        "peer did not confirm the RDMA connection".into(),
+                    ));
+                }
+                Ok(())
+            };
+            if let Err(err) = confirmed.await {
+                io.submit(Command::PeerClosed { qpn });
+                return Err(err);
+            }
+            io.submit(Command::PeerReady { qpn, info });
+        }
+        // The handshake connection is the peer's liveness line: when it
+        // closes, the engine fails at once.
+        let watcher = io.clone();
+        tokio::spawn(async move {
+            let mut stream = stream;
+            let mut byte = [0u8; 1];
+            tokio::select! {
+                _ = stream.read(&mut byte) => {
+                    watcher.submit(Command::PeerClosed { qpn });
+                }
+                _ = stopped => {}
+            }
+        });
+        Ok(EngineRef { io, qpn, alive })
+    }
+}
+
+async fn open_socket(engine: &EngineRef) -> Result<Connection, TransportError> {
+    let (reply, opened) = oneshot::channel();
+    if !engine.io.submit(Command::Open {
+        qpn: engine.qpn,
+        reply,
+    }) {
+        return Err(TransportError::Rdma("I/O thread stopped".into()));
+    }
+    opened
+        .await
+        .map_err(|_| TransportError::Rdma("I/O thread stopped".into()))?
 }
 
 #[cfg(test)]
@@ -358,9 +417,16 @@ mod tests {
                 node: 42,
             },
             recv_depth: 64,
+            recv_buffer: 8216,
             max_message: 64 << 20,
+            keepalive_slot: Some((0x7f00_0000_1000, 77)),
         };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
+        let without = Hello {
+            keepalive_slot: None,
+            ..hello
+        };
+        assert_eq!(Hello::decode(&without.encode()).unwrap(), without);
         let mut raw = hello.encode();
         raw[0] = b'X';
         assert!(Hello::decode(&raw).is_err());

@@ -1,15 +1,17 @@
 //! The engine's control header: every SEND starts with it.
 //!
 //! ```text
-//!  0      1     2           4         8              16       20     24
-//!  magic  kind  credits     msg id    addr / size    rkey     0
-//!  u8     u8    u16 LE      u32 LE    u64 LE         u32 LE   u32
+//!  0      1     2           4         8              16       20         24
+//!  magic  kind  credits     msg id    addr / size    rkey     socket
+//!  u8     u8    u16 LE      u32 LE    u64 LE         u32 LE   u32 LE
 //! ```
 //!
 //! `credits` returns receive credits to the peer on every SEND (piggy-back);
-//! `Data` is followed by the message itself; `Rts` asks for a destination of
-//! `size` bytes for message `msg id`; `Cts` answers with `addr` and `rkey`;
-//! `Credit` only returns credits.
+//! `Data` is followed by a message of `socket`; `Rts` asks for a destination
+//! of `size` bytes for message `msg id` of `socket`; `Cts` answers with
+//! `addr` and `rkey`; `Credit` only returns credits; `Open` and `Close`
+//! start and end a logical socket on the engine's queue pair, `Accept` and
+//! `Refuse` answer an `Open`.
 
 /// First byte of every control header.
 pub const MAGIC: u8 = 0xbe;
@@ -35,6 +37,14 @@ pub enum ControlKind {
     },
     /// Only returns credits.
     Credit,
+    /// The sender opened logical socket `socket`.
+    Open,
+    /// The sender closed logical socket `socket` (after its last message).
+    Close,
+    /// The acceptor took socket `socket` (a listener has it).
+    Accept,
+    /// The acceptor refused socket `socket` (no listener).
+    Refuse,
 }
 
 /// A decoded control header.
@@ -46,6 +56,8 @@ pub struct ControlHeader {
     pub credits: u16,
     /// The large message this is about (0 for `Data` and `Credit`).
     pub msg_id: u32,
+    /// The logical socket it belongs to (0 for engine-level messages).
+    pub socket: u32,
 }
 
 /// A header that does not parse.
@@ -73,12 +85,17 @@ impl ControlHeader {
             ControlKind::Rts { size } => (2, size, 0),
             ControlKind::Cts { addr, rkey } => (3, addr, rkey),
             ControlKind::Credit => (4, 0, 0),
+            ControlKind::Open => (5, 0, 0),
+            ControlKind::Close => (6, 0, 0),
+            ControlKind::Accept => (7, 0, 0),
+            ControlKind::Refuse => (8, 0, 0),
         };
         out[1] = kind;
         out[2..4].copy_from_slice(&self.credits.to_le_bytes());
         out[4..8].copy_from_slice(&self.msg_id.to_le_bytes());
         out[8..16].copy_from_slice(&a.to_le_bytes());
         out[16..20].copy_from_slice(&b.to_le_bytes());
+        out[20..24].copy_from_slice(&self.socket.to_le_bytes());
         out
     }
 
@@ -99,12 +116,17 @@ impl ControlHeader {
             2 => ControlKind::Rts { size: a },
             3 => ControlKind::Cts { addr: a, rkey: b },
             4 => ControlKind::Credit,
+            5 => ControlKind::Open,
+            6 => ControlKind::Close,
+            7 => ControlKind::Accept,
+            8 => ControlKind::Refuse,
             other => return Err(ControlError::UnknownKind(other)),
         };
         Ok(Self {
             kind,
             credits: u16::from_le_bytes([raw[2], raw[3]]),
             msg_id: u32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]),
+            socket: u32::from_le_bytes([raw[20], raw[21], raw[22], raw[23]]),
         })
     }
 }
@@ -124,11 +146,16 @@ mod tests {
                 rkey: 0x1234,
             },
             ControlKind::Credit,
+            ControlKind::Open,
+            ControlKind::Close,
+            ControlKind::Accept,
+            ControlKind::Refuse,
         ] {
             let header = ControlHeader {
                 kind,
                 credits: 17,
                 msg_id: 99,
+                socket: 0x8000_0007,
             };
             assert_eq!(ControlHeader::decode(&header.encode()), Ok(header));
         }

@@ -1,39 +1,80 @@
-//! The RDMA engine (§5.4): one per RC queue pair, as a sans-IO state
-//! machine.
+//! The RDMA engine (§5.4, §6.1, §6.3, §7.2): one per RC queue pair, as a
+//! sans-IO state machine carrying many logical sockets.
 //!
-//! The engine takes messages to send ([`Engine::send`]) and work
-//! completions ([`Engine::handle_completion`]), and emits batches of work
-//! requests to post ([`Engine::poll_transmit`], [`Engine::poll_recv_post`])
-//! and received messages or failures ([`Engine::poll_event`]). It never
-//! calls the verbs itself, so tests drive it step by step.
+//! The engine takes messages to send ([`Engine::send`]), work completions
+//! ([`Engine::handle_completion`]) and the passing of time
+//! ([`Engine::handle_timeout`]); it emits batches of work requests to post
+//! ([`Engine::poll_transmit`], [`Engine::poll_recv_post`]), events
+//! ([`Engine::poll_event`]) and when it next needs the time
+//! ([`Engine::poll_timeout`]). It never calls the verbs itself and never
+//! reads a clock, so tests drive it step by step.
 //!
-//! - **Small messages** (at most `small_message_limit` bytes) go by SEND:
-//!   the control header and the message's own buffers as scatter/gather
-//!   entries, into a receive buffer that then *becomes* the received message.
+//! - **Sockets** (§6.1, QP multiplexing): logical connections on one QP.
+//!   The dialer opens them ([`Engine::open_socket`]); the peer learns of
+//!   each from an `Open` control message ([`EngineEvent::Opened`]) and
+//!   answers `Accept` or `Refuse` (nobody listens); the opener sends only
+//!   after `Accept`. Closing one half sends `Close` after its last message
+//!   and disturbs no other socket.
+//! - **Small messages** (at most `small_message_limit` bytes, and what the
+//!   peer's receive buffers and the window hold) go by SEND: the control
+//!   header and the message's own buffers as scatter/gather entries, into a
+//!   receive buffer that then *becomes* the received message.
 //! - **Large messages** (§5.3.2): a request to send (RTS) with the size; the
 //!   receiver allocates the destination from its receive pool and answers
 //!   clear to send (CTS) with address and rkey; the sender WRITEs fragments
 //!   of at most `fragment_size` bytes to consecutive addresses, the last as
 //!   WRITE_WITH_IMM carrying the message id. The receiver learns of the
-//!   message from that completion alone and hands the buffer on as is.
-//! - Every SEND and WRITE_WITH_IMM spends a receive credit
-//!   ([`ReceiveCredits`]); work requests go through a [`WorkRequestRing`]
-//!   as deep as the send queue.
-//!
-//! Small messages are delivered in order, large ones when their last
-//! fragment lands, so a small message may overtake a large one sent before
-//! it (the RPC layer matches responses by id and does not care).
+//!   message from that completion alone and hands the buffer on as is. A
+//!   socket asks for up to `rts_ahead` destinations ahead, so round trips
+//!   overlap with writing.
+//! - **Fragment scheduler**: each socket queues its messages; whenever the
+//!   ring has room, sockets with work take turns, round robin, one fragment
+//!   (a SEND, an RTS or one WRITE of at most S bytes) per turn. Between two
+//!   turns of one socket, each other socket sends at most one fragment: a
+//!   small message waits behind at most (n−1)·S bytes of n−1 other
+//!   sockets, never behind a whole large message. Engine-level control
+//!   messages (CTS, credit returns, keepalives) go first; they are tiny.
+//! - **Order**: per socket, messages are delivered in the order sent: a
+//!   socket sends a small message or `Close` only once its large messages
+//!   are fully written, and RC delivers in posting order.
+//! - **Receive credits** ([`ReceiveCredits`]): every SEND and
+//!   WRITE_WITH_IMM spends one; the last credit is kept for CTS and credit
+//!   returns.
+//! - **Send window** ([`SendWindow`], §6.3): bytes posted and not completed
+//!   stay within the window, checked before each fragment; fragments and
+//!   small messages are capped to the window's maximum so that one always
+//!   fits.
+//! - **Keepalive** (§7.2): every `interval` the engine WRITEs a growing
+//!   sequence number into an 8-byte slot the peer registered (a one-sided
+//!   write: it needs no receive credit, so a peer whose application has
+//!   stopped reading still proves it is alive). If the engine's own slot
+//!   does not change for `timeout`, the peer is dead: the engine fails with
+//!   [`EngineError::PeerDead`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::control::{ControlHeader, ControlKind, HEADER_LEN};
 use super::credits::ReceiveCredits;
 use super::ring::{RingEntry, WorkRequestRing};
+use super::window::{SendWindow, WindowConfig};
 use crate::Message;
 use crate::pool::{Pool, PoolBuf, lookup};
 use crate::verbs::{RecvWr, SendOp, SendWr, Sge, WcKind, WcStatus, WorkCompletion};
+
+/// A logical socket on an engine.
+pub type SocketId = u32;
+
+/// Keepalive settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeepaliveConfig {
+    /// How often the sequence number is written.
+    pub interval: Duration,
+    /// How long the peer's number may stand still before it is dead.
+    pub timeout: Duration,
+}
 
 /// Settings of an engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +93,14 @@ pub struct EngineConfig {
     pub max_sge: u32,
     /// Largest message accepted from the peer. Default 64 MiB.
     pub max_message_size: u64,
+    /// The send window. Default off.
+    pub window: WindowConfig,
+    /// Keepalive; `None` turns it off. Default off (the transport turns it
+    /// on from its config).
+    pub keepalive: Option<KeepaliveConfig>,
+    /// Large messages per socket whose destination is asked for ahead of
+    /// writing. Default 4.
+    pub rts_ahead: usize,
 }
 
 impl Default for EngineConfig {
@@ -63,8 +112,32 @@ impl Default for EngineConfig {
             fragment_size: 64 << 10,
             max_sge: 4,
             max_message_size: 64 << 20,
+            window: WindowConfig::default(),
+            keepalive: None,
+            rts_ahead: 4,
         }
     }
+}
+
+/// Which end of the connection an engine is (socket ids of the acceptor
+/// have the high bit set, so both ends may open sockets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Dialed the connection.
+    Dialer,
+    /// Accepted it.
+    Acceptor,
+}
+
+/// What the peer told at connection setup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// Receives it has posted (the initial credits).
+    pub recv_depth: u32,
+    /// Bytes of each of its receive buffers.
+    pub recv_buffer: u32,
+    /// Its keepalive slot (address, rkey), if it runs keepalive.
+    pub keepalive_slot: Option<(u64, u32)>,
 }
 
 /// Why an engine stopped.
@@ -88,13 +161,39 @@ pub enum EngineError {
         /// The limit.
         max: u64,
     },
+    /// The socket is not open (never opened, or closed by either end).
+    #[error("socket {0:#x} is not open")]
+    SocketClosed(SocketId),
+    /// The peer's keepalive stopped.
+    #[error("peer dead: no keepalive for {0:?}")]
+    PeerDead(Duration),
+    /// The peer closed its handshake connection (it went away).
+    #[error("peer closed the connection")]
+    PeerClosed,
 }
 
 /// What the engine has for its owner.
 #[derive(Debug)]
 pub enum EngineEvent {
-    /// A whole message arrived (in receive-pool memory).
-    Message(Bytes),
+    /// The peer opened a socket: answer with [`Engine::accept_socket`] or
+    /// [`Engine::refuse_socket`].
+    Opened(SocketId),
+    /// The peer accepted a socket this end opened: it may carry messages.
+    Accepted(SocketId),
+    /// The peer refused a socket this end opened (nobody listens).
+    Refused(SocketId),
+    /// A whole message arrived on a socket (in receive-pool memory).
+    Message {
+        /// The socket.
+        socket: SocketId,
+        /// The message.
+        bytes: Bytes,
+    },
+    /// The peer closed its half of a socket (after its last message).
+    Closed(SocketId),
+    /// A message of the socket is wholly on its way (its last fragment
+    /// queued for posting): room for one more in the socket's send queue.
+    Sent(SocketId),
     /// The engine failed; nothing more will happen on it.
     Failed(EngineError),
 }
@@ -108,13 +207,23 @@ pub struct EngineStats {
     pub large_sent: u64,
     /// Messages received.
     pub received: u64,
+    /// Payload bytes sent.
+    pub bytes_sent: u64,
+    /// Payload bytes received.
+    pub bytes_received: u64,
     /// Times sending waited for credits.
     pub credit_stalls: u64,
+    /// Times sending waited for room in the send window.
+    pub window_stalls: u64,
     /// Message parts copied into the send pool because they were not in
     /// memory registered with this engine's device.
     pub fallback_copies: u64,
     /// Explicit credit-return messages sent.
     pub credit_messages: u64,
+    /// Keepalive writes sent.
+    pub keepalives_sent: u64,
+    /// Messages dropped because their socket was closed.
+    pub orphan_messages: u64,
 }
 
 #[derive(Debug)]
@@ -124,82 +233,214 @@ struct Outgoing {
 }
 
 #[derive(Debug)]
+enum Item {
+    Message(Outgoing),
+    Close,
+}
+
+#[derive(Debug)]
 struct LargeSend {
     msg_id: u32,
     message: Outgoing,
-    addr: u64,
-    rkey: u32,
+    dest: Option<(u64, u32)>,
     offset: usize,
+}
+
+/// The sending half of a socket.
+#[derive(Debug, Default)]
+struct SocketTx {
+    queue: VecDeque<Item>,
+    large: VecDeque<LargeSend>,
+    scheduled: bool,
+}
+
+#[derive(Debug)]
+enum Control {
+    Cts { msg_id: u32, addr: u64, rkey: u32 },
+    Open(SocketId),
+    Accept(SocketId),
+    Refuse(SocketId),
+    Keepalive,
+}
+
+/// What one socket's turn produced.
+enum Turn {
+    Fragment,
+    Blocked,
+    NoCredit,
+    NoWindow,
+    Done,
+}
+
+#[derive(Debug)]
+struct Keepalive {
+    config: KeepaliveConfig,
+    slot: PoolBuf,
+    peer_slot: Option<(u64, u32)>,
+    seq: u64,
+    next_send: Option<Instant>,
+    last_seen: u64,
+    last_advance: Instant,
 }
 
 /// One engine (see the module docs).
 #[derive(Debug)]
 pub struct Engine {
     config: EngineConfig,
+    role: Role,
     send_pool: Pool,
     recv_pool: Pool,
     ring: WorkRequestRing,
     credits: ReceiveCredits,
-    outbox: VecDeque<Outgoing>,
-    control: VecDeque<(u32, ControlKind)>,
-    awaiting_cts: HashMap<u32, Outgoing>,
-    writing: VecDeque<LargeSend>,
-    incoming: HashMap<u32, PoolBuf>,
+    window: SendWindow,
+    /// Largest small message the peer can take (its buffers, the window).
+    small_limit: usize,
+    /// Largest WRITE fragment (capped to the window).
+    fragment_size: usize,
+    control: VecDeque<Control>,
+    sockets: HashMap<SocketId, SocketTx>,
+    /// Sockets messages may arrive on.
+    open: HashSet<SocketId>,
+    active: VecDeque<SocketId>,
+    awaiting_cts: HashMap<u32, SocketId>,
+    incoming: HashMap<u32, (SocketId, PoolBuf)>,
     recv_slots: Vec<Option<PoolBuf>>,
     consumed_slots: Vec<usize>,
     spare: Vec<PoolBuf>,
     receives_posted: bool,
+    peer_ready: bool,
+    keepalive: Option<Keepalive>,
     events: VecDeque<EngineEvent>,
     next_msg_id: u32,
+    next_socket: SocketId,
     failed: bool,
     stats: EngineStats,
+    /// Every socket-level fragment queued: (socket, bytes). Tests check the
+    /// scheduler's fairness bound against it.
+    #[cfg(test)]
+    pub(crate) fragment_log: Vec<(SocketId, usize)>,
 }
 
+const ACCEPTOR_BIT: SocketId = 1 << 31;
+const KEEPALIVE_SLOT_LEN: usize = 8;
+
 impl Engine {
-    /// An engine whose peer has `peer_recv_depth` receives posted at start
-    /// (exchanged at connection setup).
+    /// An engine; it posts its receives at once but sends nothing before
+    /// [`Engine::peer_ready`].
     pub fn new(
         config: EngineConfig,
         send_pool: Pool,
         recv_pool: Pool,
-        peer_recv_depth: u32,
-    ) -> Self {
-        Self {
+        role: Role,
+        now: Instant,
+    ) -> Result<Self, EngineError> {
+        let keepalive = match config.keepalive {
+            Some(ka) => {
+                let mut slot = Self::alloc(&recv_pool, KEEPALIVE_SLOT_LEN)?;
+                slot.fill(0);
+                Some(Keepalive {
+                    config: ka,
+                    slot,
+                    peer_slot: None,
+                    seq: 0,
+                    next_send: None,
+                    last_seen: 0,
+                    last_advance: now,
+                })
+            }
+            None => None,
+        };
+        let fragment_size = match config.window.max_bytes {
+            0 => config.fragment_size,
+            max => config.fragment_size.min(max).max(1),
+        };
+        let small_limit = match config.window.max_bytes {
+            0 => config.small_message_limit,
+            max => config
+                .small_message_limit
+                .min(max.saturating_sub(HEADER_LEN)),
+        };
+        let largest_request = fragment_size.max(small_limit + HEADER_LEN);
+        Ok(Self {
             ring: WorkRequestRing::new(config.send_queue_depth as usize),
-            credits: ReceiveCredits::new(peer_recv_depth, config.recv_queue_depth),
+            credits: ReceiveCredits::new(0, config.recv_queue_depth),
+            window: SendWindow::new(config.window, largest_request),
+            small_limit,
+            fragment_size,
             recv_slots: (0..config.recv_queue_depth).map(|_| None).collect(),
-            config,
+            role,
             send_pool,
             recv_pool,
-            outbox: VecDeque::new(),
             control: VecDeque::new(),
+            sockets: HashMap::new(),
+            open: HashSet::new(),
+            active: VecDeque::new(),
             awaiting_cts: HashMap::new(),
-            writing: VecDeque::new(),
             incoming: HashMap::new(),
             consumed_slots: Vec::new(),
             spare: Vec::new(),
             receives_posted: false,
+            peer_ready: false,
+            keepalive,
             events: VecDeque::new(),
             next_msg_id: 1,
+            next_socket: 1,
             failed: false,
             stats: EngineStats::default(),
-        }
+            #[cfg(test)]
+            fragment_log: Vec::new(),
+            config,
+        })
     }
 
-    /// Adds credits granted by the peer outside the control header (its
-    /// initial receive depth, learned at connection setup).
-    pub fn grant_credits(&mut self, credits: u16) {
-        self.credits.returned(credits);
+    /// Bytes of each receive buffer (the peer's small-message bound).
+    pub fn recv_buffer_size(&self) -> usize {
+        HEADER_LEN + self.config.small_message_limit
+    }
+
+    /// The slot the peer writes its keepalive into (address, rkey).
+    pub fn keepalive_slot(&self) -> Option<(u64, u32)> {
+        let slot = &self.keepalive.as_ref()?.slot;
+        Some((slot.as_ptr() as u64, slot.region()?.rkey))
+    }
+
+    /// The connection is set up: the peer's receives are posted (its
+    /// initial credits) and what it told is known.
+    pub fn peer_ready(&mut self, peer: PeerInfo, now: Instant) {
+        self.credits
+            .returned(u16::try_from(peer.recv_depth).unwrap_or(u16::MAX));
+        let peer_small = (peer.recv_buffer as usize).saturating_sub(HEADER_LEN);
+        self.small_limit = self.small_limit.min(peer_small);
+        if let Some(ka) = &mut self.keepalive {
+            ka.peer_slot = peer.keepalive_slot;
+            ka.next_send = ka.peer_slot.map(|_| now);
+            ka.last_advance = now;
+        }
+        self.peer_ready = true;
     }
 
     /// Counters.
     pub fn stats(&self) -> EngineStats {
-        self.stats
+        EngineStats {
+            window_stalls: self.window.stalls(),
+            ..self.stats
+        }
     }
 
     /// Work requests in flight on the send queue.
     pub fn in_flight(&self) -> usize {
         self.ring.in_flight()
+    }
+
+    /// Bytes of posted work requests not yet completed (what the send
+    /// window bounds), and the window's current bound.
+    pub fn window_usage(&self) -> (usize, usize) {
+        (self.window.in_flight(), self.window.limit())
+    }
+
+    /// Sockets open for sending.
+    pub fn open_sockets(&self) -> usize {
+        self.sockets.len()
     }
 
     /// Whether the engine has failed.
@@ -209,16 +450,13 @@ impl Engine {
 
     /// Whether everything queued has been sent and completed.
     pub fn is_idle(&self) -> bool {
-        self.outbox.is_empty()
-            && self.control.is_empty()
-            && self.awaiting_cts.is_empty()
-            && self.writing.is_empty()
+        self.control.is_empty()
+            && self
+                .sockets
+                .values()
+                .all(|s| s.queue.is_empty() && s.large.is_empty())
             && self.ring.in_flight() == 0
             && self.ring.pending() == 0
-    }
-
-    fn recv_buffer_size(&self) -> usize {
-        HEADER_LEN + self.config.small_message_limit
     }
 
     fn fail(&mut self, error: EngineError) {
@@ -231,10 +469,10 @@ impl Engine {
         // the engine is dropped, which its owner does only after the queue
         // pair is destroyed: freeing them now could let a late WRITE land
         // in memory the pool has handed to someone else.
-        self.outbox.clear();
         self.control.clear();
+        self.sockets.clear();
+        self.active.clear();
         self.awaiting_cts.clear();
-        self.writing.clear();
         self.events.push_back(EngineEvent::Failed(error));
     }
 
@@ -246,12 +484,74 @@ impl Engine {
         Ok(buf)
     }
 
-    /// Queues a message. Parts outside registered memory are copied into the
-    /// send pool (and counted); small messages with more parts than fit in
-    /// one work request are gathered into one buffer.
-    pub fn send(&mut self, message: Message) -> Result<(), EngineError> {
+    /// Opens a socket (its `Open` goes to the peer before its first
+    /// message).
+    pub fn open_socket(&mut self) -> Result<SocketId, EngineError> {
         if self.failed {
             return Err(EngineError::Protocol("engine has failed".into()));
+        }
+        let id = loop {
+            let candidate = match self.role {
+                Role::Dialer => self.next_socket & !ACCEPTOR_BIT,
+                Role::Acceptor => self.next_socket | ACCEPTOR_BIT,
+            };
+            self.next_socket = self.next_socket.wrapping_add(1).max(1);
+            if candidate & !ACCEPTOR_BIT != 0
+                && !self.open.contains(&candidate)
+                && !self.sockets.contains_key(&candidate)
+            {
+                break candidate;
+            }
+        };
+        self.sockets.insert(id, SocketTx::default());
+        self.open.insert(id);
+        self.control.push_back(Control::Open(id));
+        Ok(id)
+    }
+
+    /// Takes a socket the peer opened (it may carry messages now).
+    pub fn accept_socket(&mut self, socket: SocketId) {
+        if self.open.contains(&socket) {
+            self.control.push_back(Control::Accept(socket));
+        }
+    }
+
+    /// Turns away a socket the peer opened.
+    pub fn refuse_socket(&mut self, socket: SocketId) {
+        if self.open.remove(&socket) {
+            self.sockets.remove(&socket);
+            self.control.push_back(Control::Refuse(socket));
+        }
+    }
+
+    /// Closes the sending half of a socket: its queued messages still go,
+    /// then `Close` (the peer's end of file). Messages from the peer are
+    /// still delivered until it closes its half.
+    pub fn close_socket(&mut self, socket: SocketId) {
+        if let Some(tx) = self.sockets.get_mut(&socket) {
+            tx.queue.push_back(Item::Close);
+            self.schedule(socket);
+        }
+    }
+
+    fn schedule(&mut self, socket: SocketId) {
+        if let Some(tx) = self.sockets.get_mut(&socket)
+            && !tx.scheduled
+        {
+            tx.scheduled = true;
+            self.active.push_back(socket);
+        }
+    }
+
+    /// Queues a message on a socket. Parts outside registered memory are
+    /// copied into the send pool (and counted); small messages with more
+    /// parts than fit in one work request are gathered into one buffer.
+    pub fn send(&mut self, socket: SocketId, message: Message) -> Result<(), EngineError> {
+        if self.failed {
+            return Err(EngineError::Protocol("engine has failed".into()));
+        }
+        if !self.sockets.contains_key(&socket) {
+            return Err(EngineError::SocketClosed(socket));
         }
         let len = message.len();
         if len as u64 > self.config.max_message_size {
@@ -266,6 +566,9 @@ impl Engine {
         // as foreign to the NIC as unregistered memory.
         let own = [self.send_pool.id(), self.recv_pool.id()];
         for part in message.parts() {
+            if part.is_empty() {
+                continue;
+            }
             if lookup(part.as_ptr() as usize).is_some_and(|region| own.contains(&region.pool_id)) {
                 parts.push(part.clone());
             } else {
@@ -278,8 +581,7 @@ impl Engine {
                 );
             }
         }
-        if len <= self.config.small_message_limit && parts.len() + 1 > self.config.max_sge as usize
-        {
+        if len <= self.small_limit && parts.len() + 1 > self.config.max_sge as usize {
             let mut joined = Self::alloc(&self.send_pool, len)?;
             let mut at = 0;
             for part in &parts {
@@ -288,7 +590,10 @@ impl Engine {
             }
             parts = vec![joined.freeze()];
         }
-        self.outbox.push_back(Outgoing { parts, len });
+        if let Some(tx) = self.sockets.get_mut(&socket) {
+            tx.queue.push_back(Item::Message(Outgoing { parts, len }));
+        }
+        self.schedule(socket);
         Ok(())
     }
 
@@ -306,12 +611,14 @@ impl Engine {
         &mut self,
         kind: ControlKind,
         msg_id: u32,
+        socket: SocketId,
         payload: &[Bytes],
     ) -> Result<(), EngineError> {
         let header = ControlHeader {
             kind,
             credits: self.credits.take_returnable(),
             msg_id,
+            socket,
         };
         let header = self
             .send_pool
@@ -320,13 +627,16 @@ impl Engine {
             .freeze();
         let mut keep = Vec::with_capacity(payload.len() + 1);
         let mut sges = Vec::with_capacity(payload.len() + 1);
+        let mut bytes = 0;
         for part in std::iter::once(&header).chain(payload) {
             let sge = Self::sge(part)
                 .ok_or_else(|| EngineError::Memory("unregistered send buffer".into()))?;
+            bytes += part.len();
             sges.push(sge);
             keep.push(part.clone());
         }
         self.credits.spend();
+        self.window.add(bytes);
         self.ring.push(RingEntry {
             wr: SendWr {
                 wr_id: 0,
@@ -335,17 +645,175 @@ impl Engine {
                 signaled: false,
             },
             keep,
+            bytes,
         });
         Ok(())
     }
 
-    /// Queues the next fragment of the large message at the front of
-    /// `writing`. Returns `false` if it could not (no credit for the last).
-    fn push_fragment(&mut self) -> Result<bool, EngineError> {
-        let max_sge = self.config.max_sge as usize;
-        let fragment_size = self.config.fragment_size;
-        let Some(transfer) = self.writing.front() else {
+    /// The first engine-level control message that its credit and the
+    /// window allow (a keepalive needs no credit and may pass an `Open`
+    /// waiting for one).
+    fn push_control(&mut self) -> Result<bool, EngineError> {
+        let credits = &self.credits;
+        let position = self.control.iter().position(|control| match control {
+            Control::Keepalive => true,
+            Control::Open(_) | Control::Accept(_) | Control::Refuse(_) => credits.can_send_data(),
+            Control::Cts { .. } => credits.can_send_control(),
+        });
+        let Some(position) = position else {
             return Ok(false);
+        };
+        let bytes = match self.control[position] {
+            Control::Keepalive => KEEPALIVE_SLOT_LEN,
+            _ => HEADER_LEN,
+        };
+        if !self.window.admit(bytes) {
+            return Ok(false);
+        }
+        let Some(control) = self.control.remove(position) else {
+            return Ok(false);
+        };
+        match control {
+            Control::Cts { msg_id, addr, rkey } => {
+                self.push_send(ControlKind::Cts { addr, rkey }, msg_id, 0, &[])?;
+            }
+            Control::Open(socket) => self.push_send(ControlKind::Open, 0, socket, &[])?,
+            Control::Accept(socket) => self.push_send(ControlKind::Accept, 0, socket, &[])?,
+            Control::Refuse(socket) => self.push_send(ControlKind::Refuse, 0, socket, &[])?,
+            Control::Keepalive => self.push_keepalive()?,
+        }
+        Ok(true)
+    }
+
+    fn push_keepalive(&mut self) -> Result<(), EngineError> {
+        let Some(ka) = &mut self.keepalive else {
+            return Ok(());
+        };
+        let Some((addr, rkey)) = ka.peer_slot else {
+            return Ok(());
+        };
+        ka.seq += 1;
+        let source = self
+            .send_pool
+            .alloc_copy(&ka.seq.to_le_bytes())
+            .map_err(|e| EngineError::Memory(e.to_string()))?
+            .freeze();
+        let sge = Self::sge(&source)
+            .ok_or_else(|| EngineError::Memory("unregistered keepalive".into()))?;
+        self.window.add(KEEPALIVE_SLOT_LEN);
+        self.stats.keepalives_sent += 1;
+        self.ring.push(RingEntry {
+            wr: SendWr {
+                wr_id: 0,
+                op: SendOp::Write {
+                    remote_addr: addr as usize,
+                    rkey,
+                },
+                sges: vec![sge],
+                signaled: false,
+            },
+            keep: vec![source],
+            bytes: KEEPALIVE_SLOT_LEN,
+        });
+        Ok(())
+    }
+
+    /// One fragment of `socket`'s work (see the module docs).
+    fn socket_turn(&mut self, socket: SocketId) -> Result<Turn, EngineError> {
+        let small_limit = self.small_limit;
+        let rts_ahead = self.config.rts_ahead.max(1);
+        let Some(tx) = self.sockets.get(&socket) else {
+            return Ok(Turn::Done);
+        };
+        let front_large_waits = tx.large.front().is_some_and(|l| l.dest.is_none());
+        // Ask for the next destination ahead, so its round trip overlaps.
+        let next_is_large =
+            matches!(tx.queue.front(), Some(Item::Message(m)) if m.len > small_limit);
+        if next_is_large && tx.large.len() < rts_ahead {
+            if !self.credits.can_send_data() {
+                self.stats.credit_stalls += 1;
+                return Ok(Turn::NoCredit);
+            }
+            if !self.window.admit(HEADER_LEN) {
+                return Ok(Turn::NoWindow);
+            }
+            let Some(tx) = self.sockets.get_mut(&socket) else {
+                return Ok(Turn::Done);
+            };
+            let Some(Item::Message(message)) = tx.queue.pop_front() else {
+                return Ok(Turn::Done);
+            };
+            let msg_id = self.next_msg_id;
+            self.next_msg_id = self.next_msg_id.wrapping_add(1).max(1);
+            let size = message.len as u64;
+            tx.large.push_back(LargeSend {
+                msg_id,
+                message,
+                dest: None,
+                offset: 0,
+            });
+            self.awaiting_cts.insert(msg_id, socket);
+            self.push_send(ControlKind::Rts { size }, msg_id, socket, &[])?;
+            return Ok(Turn::Fragment);
+        }
+        if tx.large.front().is_some_and(|l| l.dest.is_some()) {
+            return self.push_fragment(socket);
+        }
+        if front_large_waits {
+            return Ok(Turn::Blocked);
+        }
+        match tx.queue.front() {
+            None => Ok(Turn::Done),
+            Some(Item::Message(m)) if m.len <= small_limit => {
+                if !self.credits.can_send_data() {
+                    self.stats.credit_stalls += 1;
+                    return Ok(Turn::NoCredit);
+                }
+                if !self.window.admit(HEADER_LEN + m.len) {
+                    return Ok(Turn::NoWindow);
+                }
+                let Some(tx) = self.sockets.get_mut(&socket) else {
+                    return Ok(Turn::Done);
+                };
+                let Some(Item::Message(message)) = tx.queue.pop_front() else {
+                    return Ok(Turn::Done);
+                };
+                self.push_send(ControlKind::Data, 0, socket, &message.parts)?;
+                self.events.push_back(EngineEvent::Sent(socket));
+                self.stats.small_sent += 1;
+                self.stats.bytes_sent += message.len as u64;
+                Ok(Turn::Fragment)
+            }
+            // A large message behind `rts_ahead` others: wait for writing.
+            Some(Item::Message(_)) => Ok(Turn::Blocked),
+            Some(Item::Close) => {
+                if !self.credits.can_send_data() {
+                    self.stats.credit_stalls += 1;
+                    return Ok(Turn::NoCredit);
+                }
+                if !self.window.admit(HEADER_LEN) {
+                    return Ok(Turn::NoWindow);
+                }
+                self.sockets.remove(&socket);
+                self.push_send(ControlKind::Close, 0, socket, &[])?;
+                Ok(Turn::Done)
+            }
+        }
+    }
+
+    /// The next WRITE fragment of `socket`'s first large message.
+    fn push_fragment(&mut self, socket: SocketId) -> Result<Turn, EngineError> {
+        let max_sge = self.config.max_sge as usize;
+        let fragment_size = self.fragment_size;
+        let can_finish = self.credits.can_send_data();
+        let Some(tx) = self.sockets.get_mut(&socket) else {
+            return Ok(Turn::Done);
+        };
+        let Some(transfer) = tx.large.front_mut() else {
+            return Ok(Turn::Done);
+        };
+        let Some((addr, rkey)) = transfer.dest else {
+            return Ok(Turn::Blocked);
         };
         let remaining = transfer.message.len - transfer.offset;
         let mut sges = Vec::new();
@@ -372,30 +840,32 @@ impl Engine {
         }
         let length: usize = sges.iter().map(|s| s.len as usize).sum();
         let last = length == remaining;
-        if last && !self.credits.can_send_data() {
+        if last && !can_finish {
             self.stats.credit_stalls += 1;
-            return Ok(false);
+            return Ok(Turn::NoCredit);
         }
-        let remote_addr = transfer.addr as usize + transfer.offset;
+        if !self.window.admit(length) {
+            return Ok(Turn::NoWindow);
+        }
+        let remote_addr = addr as usize + transfer.offset;
         let op = if last {
             SendOp::WriteWithImm {
                 remote_addr,
-                rkey: transfer.rkey,
+                rkey,
                 imm: transfer.msg_id,
             }
         } else {
-            SendOp::Write {
-                remote_addr,
-                rkey: transfer.rkey,
-            }
+            SendOp::Write { remote_addr, rkey }
         };
+        transfer.offset += length;
         if last {
+            let done = tx.large.pop_front();
+            self.events.push_back(EngineEvent::Sent(socket));
             self.credits.spend();
-            self.writing.pop_front();
             self.stats.large_sent += 1;
-        } else if let Some(front) = self.writing.front_mut() {
-            front.offset += length;
+            self.stats.bytes_sent += done.map_or(0, |d| d.message.len as u64);
         }
+        self.window.add(length);
         self.ring.push(RingEntry {
             wr: SendWr {
                 wr_id: 0,
@@ -404,65 +874,64 @@ impl Engine {
                 signaled: false,
             },
             keep,
+            bytes: length,
         });
-        Ok(true)
+        Ok(Turn::Fragment)
     }
 
     fn fill_ring(&mut self) -> Result<(), EngineError> {
+        if !self.peer_ready {
+            return Ok(());
+        }
         let mut pushed_send = false;
         while self.ring.pending() < self.ring.free() {
-            if !self.control.is_empty() && self.credits.can_send_control() {
-                if let Some((msg_id, kind)) = self.control.pop_front() {
-                    self.push_send(kind, msg_id, &[])?;
+            if !self.control.is_empty() && self.push_control()? {
+                pushed_send = true;
+                continue;
+            }
+            let Some(socket) = self.active.pop_front() else {
+                break;
+            };
+            #[cfg(test)]
+            let before = self.window.in_flight();
+            let turn = self.socket_turn(socket)?;
+            #[cfg(test)]
+            if matches!(turn, Turn::Fragment) {
+                let bytes = self.window.in_flight() - before;
+                self.fragment_log.push((socket, bytes));
+            }
+            match turn {
+                Turn::Fragment => {
                     pushed_send = true;
+                    self.active.push_back(socket);
                 }
-                continue;
+                Turn::Blocked | Turn::Done => {
+                    if let Some(tx) = self.sockets.get_mut(&socket) {
+                        tx.scheduled = false;
+                    }
+                }
+                Turn::NoCredit | Turn::NoWindow => {
+                    // Its turn is kept: it goes first once room returns.
+                    self.active.push_front(socket);
+                    break;
+                }
             }
-            if !self.writing.is_empty() && self.push_fragment()? {
-                continue;
-            }
-            let Some(next) = self.outbox.front() else {
-                break;
-            };
-            if !self.credits.can_send_data() {
-                self.stats.credit_stalls += 1;
-                break;
-            }
-            let small = next.len <= self.config.small_message_limit;
-            let Some(message) = self.outbox.pop_front() else {
-                break;
-            };
-            if small {
-                self.push_send(ControlKind::Data, 0, &message.parts)?;
-                self.stats.small_sent += 1;
-            } else {
-                let msg_id = self.next_msg_id;
-                self.next_msg_id = self.next_msg_id.wrapping_add(1).max(1);
-                self.push_send(
-                    ControlKind::Rts {
-                        size: message.len as u64,
-                    },
-                    msg_id,
-                    &[],
-                )?;
-                self.awaiting_cts.insert(msg_id, message);
-            }
-            pushed_send = true;
         }
         // Owed credits with no SEND to carry them: a message of their own.
         if !pushed_send
             && self.credits.owes_batch()
             && self.credits.can_send_control()
             && self.ring.pending() < self.ring.free()
+            && self.window.admit(HEADER_LEN)
         {
-            self.push_send(ControlKind::Credit, 0, &[])?;
+            self.push_send(ControlKind::Credit, 0, 0, &[])?;
             self.stats.credit_messages += 1;
         }
         Ok(())
     }
 
     /// The next batch of send work requests to post with one `post_send`.
-    pub fn poll_transmit(&mut self) -> Option<Vec<SendWr>> {
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<Vec<SendWr>> {
         if self.failed {
             return None;
         }
@@ -470,7 +939,7 @@ impl Engine {
             self.fail(err);
             return None;
         }
-        self.ring.take_batch()
+        self.ring.take_batch(now)
     }
 
     /// Receive work requests to post: the whole queue at start, then
@@ -528,8 +997,59 @@ impl Engine {
         self.events.pop_front()
     }
 
+    /// The peer's handshake connection closed: it is gone.
+    pub fn handle_peer_closed(&mut self) {
+        self.fail(EngineError::PeerClosed);
+    }
+
+    /// When [`Engine::handle_timeout`] should next be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.failed || !self.peer_ready {
+            return None;
+        }
+        let ka = self.keepalive.as_ref()?;
+        let deadline = ka.last_advance + ka.config.timeout;
+        Some(ka.next_send.map_or(deadline, |next| next.min(deadline)))
+    }
+
+    /// Time has passed: sends a keepalive when due, and fails the engine if
+    /// the peer's stood still for the timeout.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.failed || !self.peer_ready {
+            return;
+        }
+        let Some(ka) = &mut self.keepalive else {
+            return;
+        };
+        let seen = ka.slot.load_u64(0).unwrap_or(0);
+        if seen != ka.last_seen {
+            ka.last_seen = seen;
+            ka.last_advance = now;
+        }
+        if let Some(next) = ka.next_send
+            && now >= next
+        {
+            let after = next + ka.config.interval;
+            ka.next_send = Some(if after <= now {
+                now + ka.config.interval
+            } else {
+                after
+            });
+            if !self.control.iter().any(|c| matches!(c, Control::Keepalive)) {
+                self.control.push_back(Control::Keepalive);
+            }
+        }
+        let Some(ka) = &self.keepalive else {
+            return;
+        };
+        let silent = now.saturating_duration_since(ka.last_advance);
+        if silent > ka.config.timeout {
+            self.fail(EngineError::PeerDead(silent));
+        }
+    }
+
     /// Feeds a work completion of this engine's QP.
-    pub fn handle_completion(&mut self, completion: &WorkCompletion) {
+    pub fn handle_completion(&mut self, completion: &WorkCompletion, now: Instant) {
         if self.failed {
             return;
         }
@@ -539,7 +1059,11 @@ impl Engine {
         }
         match completion.kind {
             WcKind::Send => {
-                self.ring.complete(completion.wr_id);
+                let retired = self.ring.complete(completion.wr_id);
+                let delay = retired
+                    .posted_at
+                    .map(|at| now.saturating_duration_since(at));
+                self.window.retire(retired.bytes, delay, now);
             }
             WcKind::Recv | WcKind::RecvWithImm(_) => {
                 let slot = completion.wr_id as usize;
@@ -558,15 +1082,24 @@ impl Engine {
         }
     }
 
+    fn deliver(&mut self, socket: SocketId, bytes: Bytes) {
+        if !self.open.contains(&socket) {
+            self.stats.orphan_messages += 1;
+            return;
+        }
+        self.stats.received += 1;
+        self.stats.bytes_received += bytes.len() as u64;
+        self.events
+            .push_back(EngineEvent::Message { socket, bytes });
+    }
+
     fn received(&mut self, completion: &WorkCompletion, buf: PoolBuf) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.spare.push(buf);
-            let message = self.incoming.remove(&msg_id).ok_or_else(|| {
+            let (socket, message) = self.incoming.remove(&msg_id).ok_or_else(|| {
                 EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
             })?;
-            self.stats.received += 1;
-            self.events
-                .push_back(EngineEvent::Message(message.freeze()));
+            self.deliver(socket, message.freeze());
             return Ok(());
         }
         let len = completion.byte_len as usize;
@@ -575,9 +1108,8 @@ impl Engine {
         self.credits.returned(header.credits);
         match header.kind {
             ControlKind::Data => {
-                self.stats.received += 1;
                 let message = buf.freeze().slice(HEADER_LEN..len);
-                self.events.push_back(EngineEvent::Message(message));
+                self.deliver(header.socket, message);
             }
             ControlKind::Rts { size } => {
                 self.spare.push(buf);
@@ -592,32 +1124,62 @@ impl Engine {
                     .region()
                     .ok_or_else(|| EngineError::Memory("destination outside the pool".into()))?;
                 let addr = dest.as_ptr() as u64;
-                self.incoming.insert(header.msg_id, dest);
-                self.control.push_back((
-                    header.msg_id,
-                    ControlKind::Cts {
-                        addr,
-                        rkey: region.rkey,
-                    },
-                ));
+                self.incoming.insert(header.msg_id, (header.socket, dest));
+                self.control.push_back(Control::Cts {
+                    msg_id: header.msg_id,
+                    addr,
+                    rkey: region.rkey,
+                });
             }
             ControlKind::Cts { addr, rkey } => {
                 self.spare.push(buf);
-                let message = self.awaiting_cts.remove(&header.msg_id).ok_or_else(|| {
+                let socket = self.awaiting_cts.remove(&header.msg_id).ok_or_else(|| {
                     EngineError::Protocol(format!(
                         "clear to send for unknown message {}",
                         header.msg_id
                     ))
                 })?;
-                self.writing.push_back(LargeSend {
-                    msg_id: header.msg_id,
-                    message,
-                    addr,
-                    rkey,
-                    offset: 0,
-                });
+                if let Some(tx) = self.sockets.get_mut(&socket)
+                    && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == header.msg_id)
+                {
+                    transfer.dest = Some((addr, rkey));
+                    self.schedule(socket);
+                }
             }
             ControlKind::Credit => self.spare.push(buf),
+            ControlKind::Open => {
+                self.spare.push(buf);
+                let socket = header.socket;
+                let theirs = match self.role {
+                    Role::Dialer => socket & ACCEPTOR_BIT != 0,
+                    Role::Acceptor => socket & ACCEPTOR_BIT == 0,
+                };
+                if !theirs || socket & !ACCEPTOR_BIT == 0 || self.open.contains(&socket) {
+                    return Err(EngineError::Protocol(format!(
+                        "peer opened socket {socket:#x}, which is not its to open"
+                    )));
+                }
+                self.open.insert(socket);
+                self.sockets.insert(socket, SocketTx::default());
+                self.events.push_back(EngineEvent::Opened(socket));
+            }
+            ControlKind::Accept => {
+                self.spare.push(buf);
+                self.events.push_back(EngineEvent::Accepted(header.socket));
+            }
+            ControlKind::Refuse => {
+                self.spare.push(buf);
+                self.open.remove(&header.socket);
+                self.sockets.remove(&header.socket);
+                self.events.push_back(EngineEvent::Refused(header.socket));
+            }
+            ControlKind::Close => {
+                self.spare.push(buf);
+                let socket = header.socket;
+                if self.open.remove(&socket) {
+                    self.events.push_back(EngineEvent::Closed(socket));
+                }
+            }
         }
         Ok(())
     }

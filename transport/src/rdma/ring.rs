@@ -9,6 +9,7 @@
 //! send queue holds, so a post can never fail for lack of room.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use bytes::Bytes;
 
@@ -22,13 +23,36 @@ pub struct RingEntry {
     pub wr: SendWr,
     /// Buffers the request's scatter/gather entries point into.
     pub keep: Vec<Bytes>,
+    /// Bytes it puts on the wire (what the send window counts).
+    pub bytes: usize,
+}
+
+/// A posted request awaiting retirement.
+#[derive(Debug)]
+struct InFlight {
+    wr_id: u64,
+    /// Held until retired: the NIC reads from these buffers.
+    _keep: Vec<Bytes>,
+    bytes: usize,
+    posted_at: Instant,
+}
+
+/// What one completion retired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retired {
+    /// Requests retired.
+    pub count: usize,
+    /// Their bytes.
+    pub bytes: usize,
+    /// When the completed (signalled) request was posted.
+    pub posted_at: Option<Instant>,
 }
 
 /// The ring.
 #[derive(Debug)]
 pub struct WorkRequestRing {
     depth: usize,
-    in_flight: VecDeque<(u64, Vec<Bytes>)>,
+    in_flight: VecDeque<InFlight>,
     pending: VecDeque<RingEntry>,
     next_wr_id: u64,
 }
@@ -64,9 +88,15 @@ impl WorkRequestRing {
         self.pending.push_back(entry);
     }
 
-    /// The next batch to post: as many pending requests as fit, with fresh
-    /// ids, only the last one signalled. `None` if nothing can be posted.
-    pub fn take_batch(&mut self) -> Option<Vec<SendWr>> {
+    /// Bytes of the requests in flight.
+    pub fn in_flight_bytes(&self) -> usize {
+        self.in_flight.iter().map(|e| e.bytes).sum()
+    }
+
+    /// The next batch to post at `now`: as many pending requests as fit,
+    /// with fresh ids, only the last one signalled. `None` if nothing can
+    /// be posted.
+    pub fn take_batch(&mut self, now: Instant) -> Option<Vec<SendWr>> {
         let count = self.pending.len().min(self.free());
         if count == 0 {
             return None;
@@ -79,22 +109,35 @@ impl WorkRequestRing {
             entry.wr.wr_id = self.next_wr_id;
             entry.wr.signaled = i + 1 == count;
             self.next_wr_id += 1;
-            self.in_flight.push_back((entry.wr.wr_id, entry.keep));
+            self.in_flight.push_back(InFlight {
+                wr_id: entry.wr.wr_id,
+                _keep: entry.keep,
+                bytes: entry.bytes,
+                posted_at: now,
+            });
             batch.push(entry.wr);
         }
         Some(batch)
     }
 
     /// A signalled request completed: retires it and everything posted
-    /// before it (their buffers are released). Returns how many retired.
-    pub fn complete(&mut self, wr_id: u64) -> usize {
-        let mut retired = 0;
-        while let Some((id, _)) = self.in_flight.front() {
-            if *id > wr_id {
+    /// before it (their buffers are released).
+    pub fn complete(&mut self, wr_id: u64) -> Retired {
+        let mut retired = Retired {
+            count: 0,
+            bytes: 0,
+            posted_at: None,
+        };
+        while let Some(front) = self.in_flight.front() {
+            if front.wr_id > wr_id {
                 break;
             }
+            if front.wr_id == wr_id {
+                retired.posted_at = Some(front.posted_at);
+            }
+            retired.bytes += front.bytes;
+            retired.count += 1;
             self.in_flight.pop_front();
-            retired += 1;
         }
         retired
     }
@@ -120,6 +163,7 @@ mod tests {
                 signaled: false,
             },
             keep: vec![Bytes::from_static(b"x")],
+            bytes: 100,
         }
     }
 
@@ -129,24 +173,28 @@ mod tests {
         for _ in 0..6 {
             ring.push(entry());
         }
-        let batch = ring.take_batch().unwrap();
+        let now = Instant::now();
+        let batch = ring.take_batch(now).unwrap();
         assert_eq!(batch.len(), 4);
         assert_eq!(
             batch.iter().map(|w| w.signaled).collect::<Vec<_>>(),
             [false, false, false, true]
         );
         assert_eq!((ring.in_flight(), ring.pending(), ring.free()), (4, 2, 0));
+        assert_eq!(ring.in_flight_bytes(), 400);
         assert!(
-            ring.take_batch().is_none(),
+            ring.take_batch(now).is_none(),
             "never more in flight than the queue holds"
         );
         // The signalled completion retires the whole batch.
-        assert_eq!(ring.complete(batch[3].wr_id), 4);
-        let next = ring.take_batch().unwrap();
+        let retired = ring.complete(batch[3].wr_id);
+        assert_eq!((retired.count, retired.bytes), (4, 400));
+        assert_eq!(retired.posted_at, Some(now));
+        let next = ring.take_batch(now).unwrap();
         assert_eq!(next.len(), 2);
         assert!(next[1].signaled && !next[0].signaled);
         assert!(next[0].wr_id > batch[3].wr_id);
-        assert_eq!(ring.complete(next[1].wr_id), 2);
+        assert_eq!(ring.complete(next[1].wr_id).count, 2);
         assert_eq!((ring.in_flight(), ring.pending(), ring.free()), (0, 0, 4));
     }
 }

@@ -1,12 +1,15 @@
 //! The engine driven step by step over soft queue pairs.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::*;
 use crate::Message;
 use crate::pool::{Access, Pool, PoolConfig};
+use crate::rdma::engine::{KeepaliveConfig, PeerInfo, Role, SocketId};
+use crate::rdma::window::WindowConfig;
 use crate::verbs::soft::{SoftDevice, SoftFabric, SoftFaults};
 use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, WorkCompletion};
 
@@ -20,15 +23,54 @@ struct Side {
     recv_cq: Arc<dyn CompletionQueue>,
     send_pool: Pool,
     recv_pool: Pool,
+    /// Messages as they arrived, with their socket.
+    arrivals: Vec<(SocketId, Bytes)>,
     received: Vec<Bytes>,
+    opened: Vec<SocketId>,
+    accepted: Vec<SocketId>,
+    refused: Vec<SocketId>,
+    closed: Vec<SocketId>,
     failure: Option<EngineError>,
     posts: usize,
     posted_wrs: usize,
     max_in_flight: usize,
+    max_window_use: usize,
+    qp_caps_recv: u32,
+}
+
+/// A clock the tests move by hand.
+#[derive(Clone, Copy)]
+struct Clock {
+    start: Instant,
+    elapsed: Duration,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    fn now(&self) -> Instant {
+        self.start + self.elapsed
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.elapsed += by;
+    }
 }
 
 impl Side {
-    fn new(fabric: &SoftFabric, name: &str, config: &EngineConfig, faults: SoftFaults) -> Self {
+    fn new(
+        fabric: &SoftFabric,
+        name: &str,
+        config: &EngineConfig,
+        faults: SoftFaults,
+        role: Role,
+        now: Instant,
+    ) -> Self {
         let device = fabric.open(name, faults).unwrap();
         let hook = device.registration_hook();
         let send_pool = Pool::new(
@@ -57,8 +99,10 @@ impl Side {
             config.clone(),
             send_pool.clone(),
             recv_pool.clone(),
-            config.recv_queue_depth,
-        );
+            role,
+            now,
+        )
+        .unwrap();
         Self {
             qp,
             engine,
@@ -67,26 +111,46 @@ impl Side {
             recv_cq,
             send_pool,
             recv_pool,
+            arrivals: Vec::new(),
             received: Vec::new(),
+            opened: Vec::new(),
+            accepted: Vec::new(),
+            refused: Vec::new(),
+            closed: Vec::new(),
             failure: None,
             posts: 0,
             posted_wrs: 0,
             max_in_flight: 0,
+            max_window_use: 0,
+            qp_caps_recv: config.recv_queue_depth,
         }
     }
 
-    /// One round of the driver loop; returns whether anything happened.
-    fn step(&mut self, poll_recv: bool) -> bool {
+    fn info(&self) -> PeerInfo {
+        PeerInfo {
+            recv_depth: self.qp_caps_recv,
+            recv_buffer: self.engine.recv_buffer_size() as u32,
+            keepalive_slot: self.engine.keepalive_slot(),
+        }
+    }
+
+    /// One round of the driver loop at `now`; returns whether anything
+    /// happened.
+    fn step_at(&mut self, poll_recv: bool, now: Instant) -> bool {
         let mut progress = false;
+        self.engine.handle_timeout(now);
         if let Some(wrs) = self.engine.poll_recv_post() {
             self.qp
                 .post_recv(&wrs)
                 .expect("receive queue never overflows");
             progress = true;
         }
-        while let Some(batch) = self.engine.poll_transmit() {
+        while let Some(batch) = self.engine.poll_transmit(now) {
             self.posts += 1;
             self.posted_wrs += batch.len();
+            let (used, limit) = self.engine.window_usage();
+            assert!(used <= limit, "window exceeded: {used} > {limit}");
+            self.max_window_use = self.max_window_use.max(used);
             self.qp
                 .post_send(&batch)
                 .expect("the ring never overflows the send queue");
@@ -99,34 +163,58 @@ impl Side {
             self.recv_cq.poll(&mut completions, 64);
         }
         for completion in &completions {
-            self.engine.handle_completion(completion);
+            self.engine.handle_completion(completion, now);
             progress = true;
         }
         while let Some(event) = self.engine.poll_event() {
             match event {
-                EngineEvent::Message(bytes) => self.received.push(bytes),
+                EngineEvent::Message { socket, bytes } => {
+                    self.received.push(bytes.clone());
+                    self.arrivals.push((socket, bytes));
+                }
+                EngineEvent::Opened(socket) => self.opened.push(socket),
+                EngineEvent::Accepted(socket) => self.accepted.push(socket),
+                EngineEvent::Refused(socket) => self.refused.push(socket),
+                EngineEvent::Closed(socket) => self.closed.push(socket),
+                EngineEvent::Sent(_) => {}
                 EngineEvent::Failed(err) => self.failure = Some(err),
             }
             progress = true;
         }
         progress
     }
+
+    fn step(&mut self, poll_recv: bool) -> bool {
+        self.step_at(poll_recv, Instant::now())
+    }
 }
 
 fn connected(config: &EngineConfig, faults: SoftFaults) -> (Side, Side) {
+    connected_at(config, faults, Instant::now())
+}
+
+fn connected_at(config: &EngineConfig, faults: SoftFaults, now: Instant) -> (Side, Side) {
     let fabric = SoftFabric::new();
-    let a = Side::new(&fabric, "a", config, faults);
-    let b = Side::new(&fabric, "b", config, SoftFaults::default());
+    let mut a = Side::new(&fabric, "a", config, faults, Role::Dialer, now);
+    let mut b = Side::new(
+        &fabric,
+        "b",
+        config,
+        SoftFaults::default(),
+        Role::Acceptor,
+        now,
+    );
     a.qp.connect(&b.qp.endpoint()).unwrap();
     b.qp.connect(&a.qp.endpoint()).unwrap();
     // As at connection setup: both sides post their receives before either
     // learns the other's credits.
-    let mut a = a;
-    let mut b = b;
     for side in [&mut a, &mut b] {
         let wrs = side.engine.poll_recv_post().unwrap();
         side.qp.post_recv(&wrs).unwrap();
     }
+    let (info_a, info_b) = (a.info(), b.info());
+    a.engine.peer_ready(info_b, now);
+    b.engine.peer_ready(info_a, now);
     (a, b)
 }
 
@@ -140,6 +228,17 @@ fn pump(a: &mut Side, b: &mut Side) {
         }
     }
     panic!("no quiescence");
+}
+
+/// `a` opens a socket, `b` accepts it, `a` learns of that.
+fn open(a: &mut Side, b: &mut Side) -> SocketId {
+    let socket = a.engine.open_socket().unwrap();
+    pump(a, b);
+    assert!(b.opened.contains(&socket));
+    b.engine.accept_socket(socket);
+    pump(a, b);
+    assert!(a.accepted.contains(&socket));
+    socket
 }
 
 fn message(pool: &Pool, len: usize, seed: u8) -> Message {
@@ -165,12 +264,15 @@ fn check(received: &Bytes, len: usize, seed: u8) {
 fn small_messages_of_every_size_arrive_intact_and_in_order() {
     let config = EngineConfig::default();
     let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
     let sizes: Vec<usize> = (0..=config.small_message_limit)
         .step_by(97)
         .chain([config.small_message_limit])
         .collect();
     for (i, &len) in sizes.iter().enumerate() {
-        a.engine.send(message(&a.send_pool, len, i as u8)).unwrap();
+        a.engine
+            .send(socket, message(&a.send_pool, len, i as u8))
+            .unwrap();
     }
     pump(&mut a, &mut b);
     assert!(
@@ -198,6 +300,7 @@ fn small_messages_of_every_size_arrive_intact_and_in_order() {
 fn large_messages_up_to_64_mib_arrive_intact_in_their_own_buffer() {
     let config = EngineConfig::default();
     let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
     let sizes = [
         config.small_message_limit + 1,
         config.fragment_size - 1,
@@ -208,7 +311,9 @@ fn large_messages_up_to_64_mib_arrive_intact_in_their_own_buffer() {
         64 << 20,
     ];
     for (i, &len) in sizes.iter().enumerate() {
-        a.engine.send(message(&a.send_pool, len, i as u8)).unwrap();
+        a.engine
+            .send(socket, message(&a.send_pool, len, i as u8))
+            .unwrap();
     }
     pump(&mut a, &mut b);
     assert!(
@@ -238,13 +343,16 @@ fn interleaved_sizes_in_both_directions() {
         ..EngineConfig::default()
     };
     let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
     let sizes: Vec<usize> = (0..200)
         .map(|i| [0usize, 10, 1024, 1025, 5000, 70_000, 300_000][i % 7] + i)
         .collect();
     for (i, &len) in sizes.iter().enumerate() {
-        a.engine.send(message(&a.send_pool, len, i as u8)).unwrap();
+        a.engine
+            .send(socket, message(&a.send_pool, len, i as u8))
+            .unwrap();
         b.engine
-            .send(message(&b.send_pool, len, (i + 100) as u8))
+            .send(socket, message(&b.send_pool, len, (i + 100) as u8))
             .unwrap();
     }
     pump(&mut a, &mut b);
@@ -275,8 +383,11 @@ fn the_ring_never_overflows_and_batches_doorbells() {
         ..EngineConfig::default()
     };
     let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
     for i in 0..500 {
-        a.engine.send(message(&a.send_pool, 100, i as u8)).unwrap();
+        a.engine
+            .send(socket, message(&a.send_pool, 100, i as u8))
+            .unwrap();
     }
     pump(&mut a, &mut b);
     assert_eq!(b.received.len(), 500);
@@ -298,9 +409,10 @@ fn a_flood_from_one_side_never_hits_receiver_not_ready() {
         ..EngineConfig::default()
     };
     let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
     for i in 0..2_000 {
         a.engine
-            .send(message(&a.send_pool, 64 + i % 2000, i as u8))
+            .send(socket, message(&a.send_pool, 64 + i % 2000, i as u8))
             .unwrap();
     }
     for round in 0..1_000_000 {
@@ -340,9 +452,10 @@ fn a_qp_error_mid_transfer_fails_both_engines_without_hanging_or_leaking() {
         ..EngineConfig::default()
     };
     let (mut a, mut b) = connected(&config, faults);
+    let socket = open(&mut a, &mut b);
     for i in 0..50 {
         a.engine
-            .send(message(&a.send_pool, 200_000, i as u8))
+            .send(socket, message(&a.send_pool, 200_000, i as u8))
             .unwrap();
     }
     pump(&mut a, &mut b);
@@ -383,8 +496,13 @@ fn a_qp_error_mid_transfer_fails_both_engines_without_hanging_or_leaking() {
 fn unregistered_parts_are_copied_once_into_the_send_pool() {
     let config = EngineConfig::default();
     let (mut a, mut b) = connected(&config, SoftFaults::default());
-    a.engine.send(Message::from(vec![7u8; 100])).unwrap();
-    a.engine.send(Message::from(vec![8u8; 100_000])).unwrap();
+    let socket = open(&mut a, &mut b);
+    a.engine
+        .send(socket, Message::from(vec![7u8; 100]))
+        .unwrap();
+    a.engine
+        .send(socket, Message::from(vec![8u8; 100_000]))
+        .unwrap();
     pump(&mut a, &mut b);
     assert_eq!(a.engine.stats().fallback_copies, 2);
     assert_eq!(b.received.len(), 2);
@@ -396,6 +514,7 @@ fn unregistered_parts_are_copied_once_into_the_send_pool() {
 fn buffers_of_another_devices_pool_are_copied_not_posted_with_a_foreign_key() {
     let config = EngineConfig::default();
     let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
     // Registered memory, but with another hook (as a TCP transport's pool
     // is): its keys mean nothing to this device.
     let foreign = Pool::new(
@@ -404,8 +523,10 @@ fn buffers_of_another_devices_pool_are_copied_not_posted_with_a_foreign_key() {
         Arc::new(crate::pool::CountingHook::new()),
     )
     .unwrap();
-    a.engine.send(message(&foreign, 100, 3)).unwrap();
-    a.engine.send(message(&foreign, 100_000, 4)).unwrap();
+    a.engine.send(socket, message(&foreign, 100, 3)).unwrap();
+    a.engine
+        .send(socket, message(&foreign, 100_000, 4))
+        .unwrap();
     pump(&mut a, &mut b);
     assert!(
         a.failure.is_none() && b.failure.is_none(),
@@ -416,4 +537,265 @@ fn buffers_of_another_devices_pool_are_copied_not_posted_with_a_foreign_key() {
     assert_eq!(a.engine.stats().fallback_copies, 2);
     check(&b.received[0], 100, 3);
     check(&b.received[1], 100_000, 4);
+}
+
+/// Runs both sides on a clock moved by hand, `rounds` rounds of `tick`.
+fn run_for(
+    a: &mut Side,
+    b: &mut Side,
+    clock: &mut Clock,
+    rounds: usize,
+    tick: Duration,
+    b_runs: bool,
+) {
+    for _ in 0..rounds {
+        clock.advance(tick);
+        a.step_at(true, clock.now());
+        if b_runs {
+            b.step_at(true, clock.now());
+        }
+    }
+}
+
+#[test]
+fn a_hundred_sockets_with_interleaved_sizes_arrive_intact_and_in_per_socket_order() {
+    let config = EngineConfig {
+        small_message_limit: 2048,
+        fragment_size: 16 << 10,
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let sockets: Vec<SocketId> = (0..100).map(|_| open(&mut a, &mut b)).collect();
+    let sizes = [0usize, 7, 2048, 2049, 30_000, 100, 200_000, 5000];
+    // Message j of socket i: size sizes[(i + j) % 8], seed from (i, j).
+    let per_socket = 6;
+    for j in 0..per_socket {
+        for (i, &socket) in sockets.iter().enumerate() {
+            let len = sizes[(i + j) % sizes.len()] + i;
+            a.engine
+                .send(socket, message(&a.send_pool, len, (i * 7 + j) as u8))
+                .unwrap();
+        }
+    }
+    pump(&mut a, &mut b);
+    assert!(
+        a.failure.is_none() && b.failure.is_none(),
+        "{:?} {:?}",
+        a.failure,
+        b.failure
+    );
+    assert_eq!(b.arrivals.len(), 100 * per_socket);
+    for (i, &socket) in sockets.iter().enumerate() {
+        let got: Vec<&Bytes> = b
+            .arrivals
+            .iter()
+            .filter(|(s, _)| *s == socket)
+            .map(|(_, m)| m)
+            .collect();
+        assert_eq!(got.len(), per_socket, "socket {i}");
+        for (j, message) in got.iter().enumerate() {
+            check(message, sizes[(i + j) % sizes.len()] + i, (i * 7 + j) as u8);
+        }
+    }
+    assert_eq!(b.device.stats().rnr_events, 0);
+}
+
+#[test]
+fn the_scheduler_gives_each_socket_a_turn_per_fragment_of_the_others() {
+    let fragment = 8 << 10;
+    let config = EngineConfig {
+        fragment_size: fragment,
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let large: Vec<SocketId> = (0..4).map(|_| open(&mut a, &mut b)).collect();
+    let small = open(&mut a, &mut b);
+    a.engine.fragment_log.clear();
+    for &socket in &large {
+        a.engine
+            .send(socket, message(&a.send_pool, 1 << 20, 1))
+            .unwrap();
+    }
+    for i in 0..40 {
+        a.engine
+            .send(small, message(&a.send_pool, 512, i as u8))
+            .unwrap();
+    }
+    pump(&mut a, &mut b);
+    assert_eq!(b.arrivals.len(), 44);
+    let log = &a.engine.fragment_log;
+    let n = 5;
+    // Between two turns of the small socket, each other socket sends at
+    // most one fragment: at most (n - 1) * S bytes (plus their headers).
+    let bound = (n - 1) * (fragment + super::control::HEADER_LEN);
+    let turns: Vec<usize> = log
+        .iter()
+        .enumerate()
+        .filter(|(_, (s, _))| *s == small)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(turns.len(), 40);
+    for pair in turns.windows(2) {
+        let between: usize = log[pair[0] + 1..pair[1]].iter().map(|(_, b)| b).sum();
+        assert!(
+            between <= bound,
+            "{between} bytes of other sockets between two turns (bound {bound})"
+        );
+    }
+    // The small messages did not wait for the large ones to finish: the
+    // last one went while large fragments were still being sent.
+    let last_small = *turns.last().unwrap();
+    let large_after = log[last_small..]
+        .iter()
+        .filter(|(s, _)| *s != small)
+        .count();
+    assert!(
+        large_after > 100,
+        "small messages interleaved, {large_after} large fragments after the last"
+    );
+    // No fragment is larger than S.
+    assert!(
+        log.iter()
+            .all(|(_, bytes)| *bytes <= fragment + super::control::HEADER_LEN)
+    );
+}
+
+#[test]
+fn the_send_window_is_never_exceeded_and_makes_senders_wait() {
+    let window = 16 << 10;
+    let config = EngineConfig {
+        window: WindowConfig {
+            max_bytes: window,
+            ..WindowConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let sockets: Vec<SocketId> = (0..3).map(|_| open(&mut a, &mut b)).collect();
+    for i in 0..60 {
+        let len = [100usize, 20_000, 50_000, 16_000, 300_000][i % 5];
+        a.engine
+            .send(sockets[i % 3], message(&a.send_pool, len, i as u8))
+            .unwrap();
+    }
+    // `step` asserts the bound after every post.
+    pump(&mut a, &mut b);
+    assert_eq!(b.arrivals.len(), 60);
+    assert!(a.max_window_use <= window);
+    assert!(
+        a.max_window_use > window / 2,
+        "the window was used: {}",
+        a.max_window_use
+    );
+    assert!(
+        a.engine.stats().window_stalls > 0,
+        "senders waited for the window"
+    );
+    // Fragments were capped to the window.
+    assert!(
+        a.engine
+            .fragment_log
+            .iter()
+            .all(|(_, bytes)| *bytes <= window)
+    );
+}
+
+#[test]
+fn an_adaptive_window_stays_within_its_maximum() {
+    let config = EngineConfig {
+        window: WindowConfig {
+            max_bytes: 32 << 10,
+            adaptive: true,
+            target_delay: Duration::from_nanos(1),
+        },
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
+    for i in 0..40 {
+        a.engine
+            .send(socket, message(&a.send_pool, 70_000, i as u8))
+            .unwrap();
+    }
+    pump(&mut a, &mut b);
+    assert_eq!(b.arrivals.len(), 40);
+    let (_, limit) = a.engine.window_usage();
+    assert!(limit <= 32 << 10);
+    assert!(a.max_window_use <= 32 << 10);
+}
+
+#[test]
+fn keepalive_tolerates_a_pause_shorter_than_the_timeout_and_catches_a_dead_peer() {
+    let keepalive = KeepaliveConfig {
+        interval: Duration::from_millis(10),
+        timeout: Duration::from_millis(100),
+    };
+    let config = EngineConfig {
+        keepalive: Some(keepalive),
+        ..EngineConfig::default()
+    };
+    let mut clock = Clock::new();
+    let (mut a, mut b) = connected_at(&config, SoftFaults::default(), clock.now());
+    let tick = Duration::from_millis(1);
+    // Both run for a second: no failure.
+    run_for(&mut a, &mut b, &mut clock, 1000, tick, true);
+    assert!(a.failure.is_none() && b.failure.is_none());
+    assert!(a.engine.stats().keepalives_sent >= 90);
+    // b pauses for 80 ms (less than the timeout), then resumes.
+    run_for(&mut a, &mut b, &mut clock, 80, tick, false);
+    run_for(&mut a, &mut b, &mut clock, 200, tick, true);
+    assert!(
+        a.failure.is_none(),
+        "a pause shorter than the timeout is not death: {:?}",
+        a.failure
+    );
+    // b dies: a notices within the timeout plus one interval.
+    let mut waited = Duration::ZERO;
+    while a.failure.is_none() && waited < Duration::from_secs(1) {
+        run_for(&mut a, &mut b, &mut clock, 1, tick, false);
+        waited += tick;
+    }
+    assert!(
+        matches!(a.failure, Some(EngineError::PeerDead(_))),
+        "{:?}",
+        a.failure
+    );
+    assert!(
+        waited <= keepalive.timeout + keepalive.interval + tick,
+        "noticed after {waited:?}"
+    );
+}
+
+#[test]
+fn a_refused_or_closed_socket_leaves_the_others_alone() {
+    let config = EngineConfig::default();
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let keep = open(&mut a, &mut b);
+    let refused = a.engine.open_socket().unwrap();
+    pump(&mut a, &mut b);
+    b.engine.refuse_socket(refused);
+    pump(&mut a, &mut b);
+    assert_eq!(a.refused, [refused]);
+    assert!(
+        a.engine
+            .send(refused, message(&a.send_pool, 10, 1))
+            .is_err()
+    );
+    let closing = open(&mut a, &mut b);
+    a.engine
+        .send(closing, message(&a.send_pool, 100_000, 2))
+        .unwrap();
+    a.engine.close_socket(closing);
+    a.engine.send(keep, message(&a.send_pool, 10, 3)).unwrap();
+    pump(&mut a, &mut b);
+    assert_eq!(b.closed, [closing]);
+    // The closing socket's last message still arrived, before its close.
+    let got: Vec<SocketId> = b.arrivals.iter().map(|(s, _)| *s).collect();
+    assert!(got.contains(&closing) && got.contains(&keep));
+    // The other socket still works both ways.
+    b.engine.send(keep, message(&b.send_pool, 20, 4)).unwrap();
+    pump(&mut a, &mut b);
+    assert_eq!(a.arrivals.len(), 1);
+    check(&a.arrivals[0].1, 20, 4);
+    assert!(a.failure.is_none() && b.failure.is_none());
 }

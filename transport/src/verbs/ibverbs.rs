@@ -330,8 +330,8 @@ impl ThreadDomain {
         pd_attr.pd = ctx.pd;
         pd_attr.td = td;
         // SAFETY: the PD and TD are alive and `pd_attr` is fully set.
-        let parent = unsafe { ibv_alloc_parent_domain(ctx.ctx, &mut pd_attr) }
-            .filter(|pd| !pd.is_null());
+        let parent =
+            unsafe { ibv_alloc_parent_domain(ctx.ctx, &mut pd_attr) }.filter(|pd| !pd.is_null());
         match parent {
             Some(parent) => Some(Self { td, parent }),
             None => {
@@ -655,7 +655,11 @@ impl Device for IbvDevice {
         tracing::debug!(
             thread_domain = domain.is_some(),
             "ibverbs QP created{}",
-            if domain.is_some() { " in its own thread domain" } else { "" }
+            if domain.is_some() {
+                " in its own thread domain"
+            } else {
+                ""
+            }
         );
         // SAFETY: `qp` was just created.
         let qpn = unsafe { (*qp).qp_num };

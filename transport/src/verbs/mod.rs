@@ -229,6 +229,18 @@ pub trait CompletionQueue: Send + Sync {
     /// The queue as `Any`, so that a provider can recover its own type from
     /// the trait object it is handed back in [`Device::create_qp`].
     fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
+    /// Event mode, step one: asks to be woken by the next completion or
+    /// [`CompletionQueue::wake`]. The caller then polls once more and calls
+    /// [`CompletionQueue::wait`] only if that found nothing, so no
+    /// completion slips between the last poll and the sleep.
+    fn arm(&self) {}
+    /// Event mode, step two: sleeps until a completion arrives, `wake` is
+    /// called, or `timeout` passes (spurious returns allowed).
+    fn wait(&self, timeout: std::time::Duration) {
+        std::thread::sleep(timeout.min(std::time::Duration::from_micros(50)));
+    }
+    /// Wakes a thread sleeping in `wait` (from any thread).
+    fn wake(&self) {}
 }
 
 /// An RC queue pair.

@@ -24,6 +24,8 @@ pub struct SoftCq {
     pub(crate) id: u32,
     pub(crate) ring: CqRing,
     queue: Mutex<VecDeque<Pending>>,
+    /// The wake sequence `arm` saw.
+    armed_at: AtomicU32,
 }
 
 impl SoftCq {
@@ -37,6 +39,7 @@ impl SoftCq {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             ring,
             queue: Mutex::new(VecDeque::new()),
+            armed_at: AtomicU32::new(0),
         })
     }
 
@@ -111,5 +114,28 @@ impl CompletionQueue for SoftCq {
 
     fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
         self
+    }
+
+    fn arm(&self) {
+        self.armed_at.store(self.ring.arm(), Ordering::Relaxed);
+    }
+
+    fn wait(&self, timeout: std::time::Duration) {
+        // Completions of the owner's own sends go to the local queue
+        // without a wake-up: the owner's thread made them.
+        let has_local = !self
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
+        if has_local {
+            return;
+        }
+        self.ring
+            .wait(self.armed_at.load(Ordering::Relaxed), timeout);
+    }
+
+    fn wake(&self) {
+        self.ring.wake();
     }
 }

@@ -120,7 +120,7 @@ impl SoftFabric {
             cqs: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new(0x10),
             faults,
-            rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ node),
+            rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ (node & 0xffff_ffff)),
             injected_qp_errors: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
         });

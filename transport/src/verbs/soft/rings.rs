@@ -430,6 +430,10 @@ struct CqHeader {
     capacity: AtomicU64,
     enqueue: AtomicU64,
     dequeue: AtomicU64,
+    /// Non-zero while the owner sleeps (or is about to) in `wait`.
+    armed: AtomicU32,
+    /// Futex word bumped by wakers.
+    wake_seq: AtomicU32,
 }
 
 #[repr(C)]
@@ -536,7 +540,39 @@ impl CqRing {
         slot.qpn.store(c.qpn, Ordering::Relaxed);
         slot.delay.store(entry.delay_polls, Ordering::Relaxed);
         slot.seq.store(position.wrapping_add(1), Ordering::Release);
+        self.wake();
         true
+    }
+
+    /// The owner is about to sleep: returns the wake sequence to wait on.
+    /// The owner must poll once more after arming and sleep only if that
+    /// found nothing.
+    pub(crate) fn arm(&self) -> u32 {
+        let header = self.header();
+        header.armed.store(1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        header.wake_seq.load(Ordering::Acquire)
+    }
+
+    /// Sleeps until woken after `armed_at` (from [`CqRing::arm`]) or
+    /// `timeout`, then disarms.
+    pub(crate) fn wait(&self, armed_at: u32, timeout: std::time::Duration) {
+        let header = self.header();
+        futex_wait(&header.wake_seq, armed_at, timeout);
+        header.armed.store(0, Ordering::Relaxed);
+    }
+
+    /// Wakes the owner if it sleeps (from any thread or process).
+    pub(crate) fn wake(&self) {
+        let header = self.header();
+        // Pairs with the fence in `arm`: whatever the caller published
+        // before (a completion, a command) is seen by the owner's last
+        // look, or the owner is seen armed here.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if header.armed.load(Ordering::Relaxed) != 0 {
+            header.wake_seq.fetch_add(1, Ordering::AcqRel);
+            futex_wake(&header.wake_seq);
+        }
     }
 
     /// Takes the oldest completion (the owner only, one at a time).
@@ -570,6 +606,46 @@ impl CqRing {
             .dequeue
             .store(position.wrapping_add(1), Ordering::Relaxed);
         Some(entry)
+    }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout` (a shared
+/// futex: the word may live in memory another process maps).
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: std::time::Duration) {
+    let spec = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: `word` is a live, aligned 32-bit atomic; FUTEX_WAIT only
+    // reads it and sleeps; `spec` outlives the call. Spurious returns
+    // (EAGAIN, EINTR, timeout) are fine: callers re-check their queues.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &spec as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every sleeper on `word`.
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned 32-bit atomic; FUTEX_WAKE does not
+    // touch memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
     }
 }
 

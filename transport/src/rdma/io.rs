@@ -1,0 +1,581 @@
+//! I/O threads (§6.2) and the connection table (§6.1): the thin driver
+//! around the sans-IO engines.
+//!
+//! A transport runs `rdma.io_threads` I/O threads. Each owns one completion
+//! queue and the engines assigned to it (round robin); it polls its CQ in
+//! batches and dispatches completions by QP number, so I/O threads share
+//! nothing on the data path. The async side talks to a thread through an
+//! unbounded command queue plus a wake-up of its CQ
+//! ([`CompletionQueue::wake`]), so no tokio worker ever blocks on it; what
+//! the thread has for the async side goes through per-socket tokio
+//! channels.
+//!
+//! An idle thread in `event` mode arms its CQ and sleeps until a completion
+//! (from any process, for the soft NIC) or a command wakes it, or the next
+//! keepalive is due: an idle server uses no CPU. In `busy` mode it first
+//! polls `spin_polls` empty rounds.
+//!
+//! Backpressure: a socket whose application does not read keeps its
+//! messages in a backlog here; while an engine's sockets hold more than
+//! [`BACKLOG_LIMIT`] messages, it stops reposting receives, so its credits
+//! stop flowing back and the peer waits. On the sending side each socket
+//! holds `send_queue_depth` permits, returned as its messages are wholly
+//! handed to the NIC.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::engine::{Engine, EngineEvent, PeerInfo, SocketId};
+use crate::verbs::{CompletionQueue, QueuePair, WorkCompletion};
+use crate::{Connection, Message, Polling, TransportError};
+
+/// Received messages held per engine before it stops reposting receives.
+pub(crate) const BACKLOG_LIMIT: usize = 256;
+
+/// Completions kept for QPs not yet attached (a bound against completions
+/// of QPs that will never be).
+const ORPHAN_LIMIT: usize = 4096;
+
+/// Longest sleep of an idle I/O thread: it notices a transport that went
+/// away (its command queue closed) at least this often.
+const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// What the async side asks of an I/O thread.
+pub(crate) enum Command {
+    /// Run a freshly connected engine.
+    Attach(Box<Attached>),
+    /// Open a socket on an engine (dialer side).
+    Open {
+        qpn: u32,
+        reply: oneshot::Sender<Result<Connection, TransportError>>,
+    },
+    /// Send a message on a socket.
+    Send {
+        qpn: u32,
+        socket: SocketId,
+        message: Message,
+    },
+    /// Every sender of a socket is gone: close its sending half.
+    Close { qpn: u32, socket: SocketId },
+    /// The peer confirmed the connection: the engine may send.
+    PeerReady { qpn: u32, info: PeerInfo },
+    /// The peer's handshake connection closed.
+    PeerClosed { qpn: u32 },
+}
+
+/// A connected engine and what goes with it.
+pub(crate) struct Attached {
+    // Field order is drop order: the QP before the engine that owns the
+    // buffers it may write into.
+    pub(crate) qp: Arc<dyn QueuePair>,
+    pub(crate) engine: Engine,
+    pub(crate) peer: SocketAddr,
+    pub(crate) alive: Arc<AtomicBool>,
+    /// Where sockets the peer opens go (acceptor side).
+    pub(crate) accepts: Option<mpsc::Sender<Connection>>,
+    /// Dropped with the engine: ends the task watching the handshake
+    /// connection (which closes it, telling the peer).
+    pub(crate) _control: oneshot::Sender<()>,
+    pub(crate) max_message_size: u64,
+    pub(crate) send_queue_depth: usize,
+}
+
+/// A handle on one I/O thread.
+#[derive(Clone)]
+pub(crate) struct IoThread {
+    commands: mpsc::UnboundedSender<Command>,
+    cq: Arc<dyn CompletionQueue>,
+}
+
+impl std::fmt::Debug for IoThread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoThread").finish_non_exhaustive()
+    }
+}
+
+impl IoThread {
+    /// Starts a thread polling `cq`.
+    pub(crate) fn start(
+        name: String,
+        cq: Arc<dyn CompletionQueue>,
+        polling: Polling,
+        spin_polls: u32,
+    ) -> Result<Self, TransportError> {
+        let (commands, queue) = mpsc::unbounded_channel();
+        let worker = Worker {
+            cq: Arc::clone(&cq),
+            queue,
+            engines: HashMap::new(),
+            orphans: HashMap::new(),
+            polling,
+            spin_polls,
+            self_handle: None,
+        };
+        let handle = Self { commands, cq };
+        let mut worker = worker;
+        worker.self_handle = Some(handle.downgrade());
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || worker.run())?;
+        Ok(handle)
+    }
+
+    fn downgrade(&self) -> WeakIoThread {
+        WeakIoThread {
+            commands: self.commands.downgrade(),
+            cq: Arc::clone(&self.cq),
+        }
+    }
+
+    /// The thread's completion queue (QPs of its engines complete on it).
+    pub(crate) fn cq(&self) -> &Arc<dyn CompletionQueue> {
+        &self.cq
+    }
+
+    /// Queues a command and wakes the thread; false if it has stopped.
+    pub(crate) fn submit(&self, command: Command) -> bool {
+        let queued = self.commands.send(command).is_ok();
+        self.cq.wake();
+        queued
+    }
+}
+
+/// What the thread keeps of its own handle (to build senders without
+/// keeping itself alive).
+struct WeakIoThread {
+    commands: mpsc::WeakUnboundedSender<Command>,
+    cq: Arc<dyn CompletionQueue>,
+}
+
+impl WeakIoThread {
+    fn upgrade(&self) -> Option<IoThread> {
+        Some(IoThread {
+            commands: self.commands.upgrade()?,
+            cq: Arc::clone(&self.cq),
+        })
+    }
+}
+
+/// Closes a socket's sending half when its last sender goes.
+#[derive(Debug)]
+pub(crate) struct SocketCloser {
+    io: IoThread,
+    qpn: u32,
+    socket: SocketId,
+}
+
+impl Drop for SocketCloser {
+    fn drop(&mut self) {
+        self.io.submit(Command::Close {
+            qpn: self.qpn,
+            socket: self.socket,
+        });
+    }
+}
+
+/// The sending side of an RDMA socket, as [`crate::MessageSender`] holds it.
+#[derive(Debug, Clone)]
+pub(crate) struct RdmaSender {
+    io: IoThread,
+    qpn: u32,
+    socket: SocketId,
+    permits: Arc<Semaphore>,
+    _closer: Arc<SocketCloser>,
+}
+
+impl RdmaSender {
+    pub(crate) async fn send(&self, message: Message) -> Result<(), TransportError> {
+        let permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| TransportError::Closed)?;
+        permit.forget();
+        let queued = self.io.submit(Command::Send {
+            qpn: self.qpn,
+            socket: self.socket,
+            message,
+        });
+        if queued {
+            Ok(())
+        } else {
+            Err(TransportError::Closed)
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.permits.is_closed()
+    }
+}
+
+struct SocketSlot {
+    deliver: Option<mpsc::Sender<Result<Bytes, TransportError>>>,
+    backlog: VecDeque<Result<Bytes, TransportError>>,
+    permits: Arc<Semaphore>,
+    /// The peer closed its half: drop `deliver` once the backlog is out.
+    rx_closed: bool,
+    /// Our half is closed (every sender gone).
+    tx_closed: bool,
+}
+
+struct EngineSlot {
+    attached: Attached,
+    sockets: HashMap<SocketId, SocketSlot>,
+    /// Sockets this end opened, waiting for the peer's answer.
+    opening: HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
+}
+
+struct Worker {
+    cq: Arc<dyn CompletionQueue>,
+    queue: mpsc::UnboundedReceiver<Command>,
+    engines: HashMap<u32, EngineSlot>,
+    /// Completions of QPs not (yet) attached, replayed on attach.
+    orphans: HashMap<u32, Vec<WorkCompletion>>,
+    polling: Polling,
+    spin_polls: u32,
+    self_handle: Option<WeakIoThread>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        let mut completions: Vec<WorkCompletion> = Vec::with_capacity(64);
+        let mut idle_rounds: u32 = 0;
+        let mut next_timer: Option<Instant> = None;
+        loop {
+            let mut progress = false;
+            // Commands.
+            loop {
+                match self.queue.try_recv() {
+                    Ok(command) => {
+                        progress = true;
+                        self.handle_command(command);
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        // No transport and no sender refers to this thread.
+                        return;
+                    }
+                }
+            }
+            // Completions, dispatched by QP number.
+            completions.clear();
+            self.cq.poll(&mut completions, 64);
+            let now = Instant::now();
+            for completion in &completions {
+                progress = true;
+                self.dispatch(completion, now);
+            }
+            // Timers.
+            if next_timer.is_some_and(|at| now >= at) {
+                for slot in self.engines.values_mut() {
+                    slot.attached.engine.handle_timeout(now);
+                }
+                next_timer = None;
+                progress = true;
+            }
+            // Each engine: post, collect events, deliver.
+            let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
+            for (qpn, slot) in self.engines.iter_mut() {
+                if Self::drive(*qpn, slot, io.as_ref()) {
+                    progress = true;
+                }
+            }
+            drop(io);
+            // A failed engine goes once its sockets have their error.
+            self.engines.retain(|_, slot| {
+                !slot.attached.engine.is_failed()
+                    || slot.sockets.values().any(|s| !s.backlog.is_empty())
+            });
+            if next_timer.is_none() {
+                next_timer = self
+                    .engines
+                    .values()
+                    .filter_map(|slot| slot.attached.engine.poll_timeout())
+                    .min();
+            }
+            if progress {
+                idle_rounds = 0;
+                continue;
+            }
+            idle_rounds = idle_rounds.saturating_add(1);
+            if self.polling == Polling::Busy && idle_rounds < self.spin_polls {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Sleep: arm, look once more, then wait.
+            self.cq.arm();
+            if !self.queue.is_empty() {
+                continue;
+            }
+            let mut late: Vec<WorkCompletion> = Vec::new();
+            if self.cq.poll(&mut late, 64) > 0 {
+                let now = Instant::now();
+                for completion in &late {
+                    self.dispatch(completion, now);
+                }
+                continue;
+            }
+            let now = Instant::now();
+            let sleep = next_timer
+                .map_or(MAX_SLEEP, |at| at.saturating_duration_since(now))
+                .min(MAX_SLEEP);
+            if !sleep.is_zero() {
+                self.cq.wait(sleep);
+            }
+        }
+    }
+
+    /// Hands a completion to its engine (or keeps it until the engine is
+    /// attached).
+    fn dispatch(&mut self, completion: &WorkCompletion, now: Instant) {
+        match self.engines.get_mut(&completion.qpn) {
+            Some(slot) => slot.attached.engine.handle_completion(completion, now),
+            None => {
+                // Mostly flushes of QPs already gone; a QP about to be
+                // attached has its few here for a moment.
+                let held: usize = self.orphans.values().map(Vec::len).sum();
+                if held >= ORPHAN_LIMIT {
+                    self.orphans.clear();
+                }
+                self.orphans
+                    .entry(completion.qpn)
+                    .or_default()
+                    .push(*completion);
+            }
+        }
+    }
+
+    /// Posts what the engine has, and hands its events on. Returns whether
+    /// anything happened.
+    fn drive(qpn: u32, slot: &mut EngineSlot, io: Option<&IoThread>) -> bool {
+        let mut progress = false;
+        let now = Instant::now();
+        let backlog: usize = slot.sockets.values().map(|s| s.backlog.len()).sum();
+        let EngineSlot {
+            attached,
+            sockets,
+            opening,
+        } = slot;
+        if backlog < BACKLOG_LIMIT
+            && let Some(wrs) = attached.engine.poll_recv_post()
+        {
+            progress = true;
+            if let Err(err) = attached.qp.post_recv(&wrs) {
+                tracing::warn!(%err, "posting receives failed");
+            }
+        }
+        while let Some(batch) = attached.engine.poll_transmit(now) {
+            progress = true;
+            if let Err(err) = attached.qp.post_send(&batch) {
+                tracing::warn!(%err, "posting sends failed");
+                break;
+            }
+        }
+        while let Some(event) = attached.engine.poll_event() {
+            progress = true;
+            match event {
+                EngineEvent::Message { socket, bytes } => {
+                    if let Some(s) = sockets.get_mut(&socket)
+                        && s.deliver.is_some()
+                    {
+                        s.backlog.push_back(Ok(bytes));
+                    }
+                }
+                EngineEvent::Sent(socket) => {
+                    if let Some(s) = sockets.get(&socket) {
+                        s.permits.add_permits(1);
+                    }
+                }
+                EngineEvent::Opened(socket) => {
+                    let accepted = match (io, &attached.accepts) {
+                        (Some(io), Some(accepts)) => {
+                            let connection = new_socket(io, qpn, socket, attached, sockets);
+                            accepts.try_send(connection).is_ok()
+                        }
+                        _ => false,
+                    };
+                    if accepted {
+                        attached.engine.accept_socket(socket);
+                    } else {
+                        tracing::debug!(peer = %attached.peer, "no listener takes the socket: refused");
+                        sockets.remove(&socket);
+                        attached.engine.refuse_socket(socket);
+                    }
+                }
+                EngineEvent::Accepted(socket) => {
+                    if let (Some(reply), Some(io)) = (opening.remove(&socket), io) {
+                        let connection = new_socket(io, qpn, socket, attached, sockets);
+                        // A caller that gave up drops the connection, which
+                        // closes the socket again.
+                        let _ = reply.send(Ok(connection));
+                    }
+                }
+                EngineEvent::Refused(socket) => {
+                    if let Some(reply) = opening.remove(&socket) {
+                        let _ = reply.send(Err(TransportError::Connect {
+                            addr: attached.peer.to_string(),
+                            source: std::io::Error::new(
+                                std::io::ErrorKind::ConnectionRefused,
+                                "the peer has no listener for new connections",
+                            ),
+                        }));
+                    }
+                }
+                EngineEvent::Closed(socket) => {
+                    if let Some(s) = sockets.get_mut(&socket) {
+                        s.rx_closed = true;
+                    }
+                }
+                EngineEvent::Failed(err) => {
+                    attached.alive.store(false, Ordering::Release);
+                    for (_, reply) in opening.drain() {
+                        let _ = reply.send(Err(TransportError::Rdma(err.to_string())));
+                    }
+                    tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
+                    for s in sockets.values_mut() {
+                        s.permits.close();
+                        if s.deliver.is_some() && !s.rx_closed {
+                            s.backlog
+                                .push_back(Err(TransportError::Rdma(err.to_string())));
+                            s.rx_closed = true;
+                        }
+                    }
+                }
+            }
+        }
+        // Deliver what the applications can take.
+        for s in sockets.values_mut() {
+            while let Some(item) = s.backlog.pop_front() {
+                let Some(deliver) = &s.deliver else {
+                    s.backlog.clear();
+                    break;
+                };
+                match deliver.try_send(item) {
+                    Ok(()) => progress = true,
+                    Err(mpsc::error::TrySendError::Full(item)) => {
+                        s.backlog.push_front(item);
+                        break;
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                        // The application dropped its receiver.
+                        s.deliver = None;
+                        s.backlog.clear();
+                        break;
+                    }
+                }
+            }
+            if s.rx_closed && s.backlog.is_empty() {
+                s.deliver = None;
+            }
+        }
+        sockets.retain(|_, s| !(s.tx_closed && s.deliver.is_none()));
+        progress
+    }
+
+    fn handle_command(&mut self, command: Command) {
+        match command {
+            Command::Attach(attached) => {
+                let qpn = attached.qp.qpn();
+                let mut slot = EngineSlot {
+                    attached: *attached,
+                    sockets: HashMap::new(),
+                    opening: HashMap::new(),
+                };
+                let now = Instant::now();
+                for completion in self.orphans.remove(&qpn).unwrap_or_default() {
+                    slot.attached.engine.handle_completion(&completion, now);
+                }
+                self.engines.insert(qpn, slot);
+            }
+            Command::Open { qpn, reply } => match self.engines.get_mut(&qpn) {
+                Some(slot) => match slot.attached.engine.open_socket() {
+                    Ok(socket) => {
+                        slot.opening.insert(socket, reply);
+                    }
+                    Err(err) => {
+                        let _ = reply.send(Err(TransportError::Rdma(err.to_string())));
+                    }
+                },
+                None => {
+                    let _ = reply.send(Err(TransportError::Rdma(
+                        "the queue pair to this peer failed".into(),
+                    )));
+                }
+            },
+            Command::Send {
+                qpn,
+                socket,
+                message,
+            } => {
+                if let Some(slot) = self.engines.get_mut(&qpn)
+                    && let Err(err) = slot.attached.engine.send(socket, message)
+                {
+                    tracing::debug!(%err, "rdma send refused");
+                    if let Some(s) = slot.sockets.get(&socket) {
+                        // The message never went: its permit comes back.
+                        s.permits.add_permits(1);
+                    }
+                }
+            }
+            Command::Close { qpn, socket } => {
+                if let Some(slot) = self.engines.get_mut(&qpn) {
+                    slot.attached.engine.close_socket(socket);
+                    if let Some(s) = slot.sockets.get_mut(&socket) {
+                        s.tx_closed = true;
+                    }
+                }
+            }
+            Command::PeerReady { qpn, info } => {
+                if let Some(slot) = self.engines.get_mut(&qpn) {
+                    slot.attached.engine.peer_ready(info, Instant::now());
+                }
+            }
+            Command::PeerClosed { qpn } => {
+                if let Some(slot) = self.engines.get_mut(&qpn) {
+                    slot.attached.engine.handle_peer_closed();
+                }
+            }
+        }
+    }
+}
+
+/// Sets up socket `socket` of engine `qpn` and returns its connection.
+fn new_socket(
+    io: &IoThread,
+    qpn: u32,
+    socket: SocketId,
+    attached: &Attached,
+    sockets: &mut HashMap<SocketId, SocketSlot>,
+) -> Connection {
+    let depth = attached.send_queue_depth.max(1);
+    let (deliver, receiver) = mpsc::channel(depth);
+    let permits = Arc::new(Semaphore::new(depth));
+    sockets.insert(
+        socket,
+        SocketSlot {
+            deliver: Some(deliver),
+            backlog: VecDeque::new(),
+            permits: Arc::clone(&permits),
+            rx_closed: false,
+            tx_closed: false,
+        },
+    );
+    let sender = RdmaSender {
+        io: io.clone(),
+        qpn,
+        socket,
+        permits,
+        _closer: Arc::new(SocketCloser {
+            io: io.clone(),
+            qpn,
+            socket,
+        }),
+    };
+    Connection::rdma(sender, receiver, attached.max_message_size, attached.peer)
+}
