@@ -138,6 +138,11 @@ impl Transport {
         &self.inner.recv_pool
     }
 
+    /// Counters of the RDMA side (`None` without one).
+    pub fn rdma_stats(&self) -> Option<crate::rdma::RdmaStats> {
+        self.inner.rdma.as_ref().map(|rdma| rdma.stats())
+    }
+
     /// Dials `addr` ("host:port"). For RDMA, `addr` is the peer's
     /// handshake listener, and the connection is a logical socket on the
     /// queue pair to that address (a new one the first time).

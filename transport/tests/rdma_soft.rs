@@ -244,3 +244,73 @@ async fn an_injected_qp_error_fails_the_connection_with_a_clear_error() {
         .unwrap();
     assert!(received < 500, "{received}");
 }
+
+async fn connects_share_qps(multiplex: bool) -> (u64, u64) {
+    let mut config = TransportConfig::soft_rdma();
+    config.rdma.multiplex = multiplex;
+    let server = Transport::new(config.clone()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let echo = tokio::spawn(async move {
+        loop {
+            let Ok(mut conn) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                while let Ok(Some(message)) = conn.receiver.recv().await {
+                    if conn.sender.send(Message::from(message)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let client = Transport::new(config).unwrap();
+    let mut conns = Vec::new();
+    for _ in 0..20 {
+        conns.push(client.connect(&addr).await.unwrap());
+    }
+    // Every socket works, and closing some does not disturb the others.
+    for (i, conn) in conns.iter_mut().enumerate() {
+        let len = [10usize, 9000, 300_000][i % 3];
+        conn.sender
+            .send(Message::from(Bytes::from(vec![i as u8; len])))
+            .await
+            .unwrap();
+    }
+    for (i, conn) in conns.iter_mut().enumerate() {
+        let back = conn.receiver.recv().await.unwrap().unwrap();
+        assert_eq!(back.len(), [10usize, 9000, 300_000][i % 3]);
+        assert!(back.iter().all(|&b| b == i as u8));
+    }
+    // The counters are brought up to date every 100 ms.
+    let mut stats = client.rdma_stats().unwrap();
+    let started = std::time::Instant::now();
+    while stats.sockets_open < 20 && started.elapsed() < std::time::Duration::from_secs(2) {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        stats = client.rdma_stats().unwrap();
+    }
+    let qps = stats.qps_open;
+    conns.truncate(10);
+    for (i, conn) in conns.iter_mut().enumerate() {
+        conn.sender
+            .send(Message::from(Bytes::from(vec![i as u8; 100])))
+            .await
+            .unwrap();
+        assert_eq!(conn.receiver.recv().await.unwrap().unwrap().len(), 100);
+    }
+    echo.abort();
+    (qps, stats.sockets_open)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_to_one_address_share_one_queue_pair() {
+    let (qps, sockets) = connects_share_qps(true).await;
+    assert_eq!((qps, sockets), (1, 20));
+    let (qps, sockets) = connects_share_qps(false).await;
+    assert_eq!(
+        (qps, sockets),
+        (20, 20),
+        "one QP per connection without multiplexing"
+    );
+}

@@ -10,6 +10,35 @@ use std::time::Duration;
 use bytes::Bytes;
 use tessera_transport::{Message, Transport, TransportConfig};
 
+/// Keepalive every 50 ms, dead after 600 ms of silence.
+const KEEPALIVE: (u64, u64) = (50, 600);
+
+fn keepalive_config() -> TransportConfig {
+    let mut config = TransportConfig::soft_rdma();
+    config.rdma.keepalive_interval_ms = KEEPALIVE.0;
+    config.rdma.keepalive_timeout_ms = KEEPALIVE.1;
+    config
+}
+
+fn signal(child: &Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+async fn ping(conn: &mut tessera_transport::Connection) -> Result<(), String> {
+    conn.sender
+        .send(Message::from(Bytes::from_static(b"ping")))
+        .await
+        .map_err(|e| e.to_string())?;
+    match tokio::time::timeout(Duration::from_secs(5), conn.receiver.recv()).await {
+        Ok(Ok(Some(back))) if &back[..] == b"ping" => Ok(()),
+        other => Err(format!("{other:?}")),
+    }
+}
+
 struct EchoChild {
     child: Child,
     addr: String,
@@ -17,8 +46,13 @@ struct EchoChild {
 
 impl EchoChild {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tessera-echo"))
             .args(["--transport", "rdma-soft", "--listen", "127.0.0.1:0"])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -115,4 +149,73 @@ async fn a_peer_process_that_dies_fails_the_connection_without_a_hang() {
     .await
     .expect("the connection ends within 10 s of the peer's death");
     assert!(matches!(end, Ok(None) | Err(_)), "{end:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_paused_for_less_than_the_keepalive_timeout_is_not_declared_dead() {
+    let echo = EchoChild::start_with(&["--keepalive", "50,600"]);
+    let client = Transport::new(keepalive_config()).unwrap();
+    let mut conn = client.connect(&echo.addr).await.unwrap();
+    ping(&mut conn).await.unwrap();
+    signal(&echo.child, "-STOP");
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    signal(&echo.child, "-CONT");
+    ping(&mut conn)
+        .await
+        .expect("the connection survives a short pause");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    ping(&mut conn).await.unwrap();
+    let stats = client.rdma_stats().unwrap();
+    assert_eq!(stats.keepalive_failures, 0);
+    assert!(stats.keepalives_sent > 5, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_frozen_past_the_keepalive_timeout_is_declared_dead() {
+    // SIGSTOP keeps its TCP connection open: only keepalive can tell.
+    let echo = EchoChild::start_with(&["--keepalive", "50,600"]);
+    let client = Transport::new(keepalive_config()).unwrap();
+    let mut conn = client.connect(&echo.addr).await.unwrap();
+    ping(&mut conn).await.unwrap();
+    signal(&echo.child, "-STOP");
+    let stopped = std::time::Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(5), conn.receiver.recv())
+        .await
+        .expect("declared dead within 5 s");
+    let waited = stopped.elapsed();
+    signal(&echo.child, "-CONT");
+    let err = end.expect_err("a dead peer is an error");
+    assert!(err.to_string().contains("peer dead"), "{err}");
+    let timeout = Duration::from_millis(KEEPALIVE.1);
+    // The last keepalive landed up to one interval before the stop.
+    assert!(
+        waited + Duration::from_millis(KEEPALIVE.0) >= timeout,
+        "declared dead after {waited:?}, before the timeout"
+    );
+    // Scheduling slack: one interval plus the I/O thread's wake-up.
+    assert!(
+        waited <= timeout + Duration::from_millis(KEEPALIVE.0 + 400),
+        "declared dead only after {waited:?}"
+    );
+    assert_eq!(client.rdma_stats().unwrap().keepalive_failures, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_killed_with_sigkill_is_detected_within_the_keepalive_timeout() {
+    let mut echo = EchoChild::start_with(&["--keepalive", "50,600"]);
+    let client = Transport::new(keepalive_config()).unwrap();
+    let mut conn = client.connect(&echo.addr).await.unwrap();
+    ping(&mut conn).await.unwrap();
+    echo.child.kill().unwrap();
+    let killed = std::time::Instant::now();
+    echo.child.wait().unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), conn.receiver.recv())
+        .await
+        .expect("detected within 5 s");
+    assert!(end.is_err(), "{end:?}");
+    assert!(
+        killed.elapsed() <= Duration::from_millis(KEEPALIVE.1 + 400),
+        "detected after {:?}",
+        killed.elapsed()
+    );
 }

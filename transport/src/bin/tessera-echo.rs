@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! tessera-echo [--transport tcp|rdma-soft|rdma|auto] [--listen ADDR]
+//!              [--keepalive INTERVAL_MS,TIMEOUT_MS]
 //! ```
 //!
 //! Prints `listening on ADDR` once it accepts connections, and exits when
@@ -19,23 +20,35 @@ use std::process::ExitCode;
 use tessera_transport::{Message, Transport, TransportConfig, TransportKind};
 
 fn usage() -> ExitCode {
-    eprintln!("usage: tessera-echo [--transport tcp|rdma-soft|rdma|auto] [--listen ADDR]");
+    eprintln!(
+        "usage: tessera-echo [--transport tcp|rdma-soft|rdma|auto] [--listen ADDR] [--keepalive INTERVAL_MS,TIMEOUT_MS]"
+    );
     ExitCode::from(2)
 }
 
 fn main() -> ExitCode {
     let mut transport = "tcp".to_string();
     let mut listen = "127.0.0.1:0".to_string();
+    let mut keepalive: Option<(u64, u64)> = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let value = args.next();
         match (arg.as_str(), value) {
             ("--transport", Some(v)) => transport = v,
             ("--listen", Some(v)) => listen = v,
+            ("--keepalive", Some(v)) => {
+                let parsed = v
+                    .split_once(',')
+                    .and_then(|(i, t)| Some((i.parse().ok()?, t.parse().ok()?)));
+                match parsed {
+                    Some(pair) => keepalive = Some(pair),
+                    None => return usage(),
+                }
+            }
             _ => return usage(),
         }
     }
-    let config = match transport.as_str() {
+    let mut config = match transport.as_str() {
         "tcp" => TransportConfig::default(),
         "rdma-soft" => TransportConfig::soft_rdma(),
         "rdma" => TransportConfig {
@@ -48,6 +61,10 @@ fn main() -> ExitCode {
         },
         _ => return usage(),
     };
+    if let Some((interval, timeout)) = keepalive {
+        config.rdma.keepalive_interval_ms = interval;
+        config.rdma.keepalive_timeout_ms = timeout;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

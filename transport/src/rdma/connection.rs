@@ -176,6 +176,28 @@ impl RdmaRuntime {
         self.device.name()
     }
 
+    /// Counters summed over the I/O threads (brought up to date every
+    /// 100 ms and whenever an engine comes or goes).
+    pub(crate) fn stats(&self) -> super::RdmaStats {
+        let mut total = super::RdmaStats::default();
+        for thread in &self.threads {
+            let s = thread.stats();
+            let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            total.qps_open += get(&s.qps_open);
+            total.sockets_open += get(&s.sockets_open);
+            total.bytes_sent += get(&s.bytes_sent);
+            total.bytes_received += get(&s.bytes_received);
+            total.messages_sent += get(&s.messages_sent);
+            total.messages_received += get(&s.messages_received);
+            total.credit_stalls += get(&s.credit_stalls);
+            total.window_stalls += get(&s.window_stalls);
+            total.keepalives_sent += get(&s.keepalives_sent);
+            total.keepalive_failures += get(&s.keepalive_failures);
+            total.engines_failed += get(&s.engines_failed);
+        }
+        total
+    }
+
     fn thread(&self) -> &IoThread {
         let i = self.next_thread.fetch_add(1, Ordering::Relaxed) % self.threads.len();
         &self.threads[i]

@@ -25,7 +25,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -91,6 +91,7 @@ pub(crate) struct Attached {
 pub(crate) struct IoThread {
     commands: mpsc::UnboundedSender<Command>,
     cq: Arc<dyn CompletionQueue>,
+    stats: Arc<IoStats>,
 }
 
 impl std::fmt::Debug for IoThread {
@@ -108,6 +109,7 @@ impl IoThread {
         spin_polls: u32,
     ) -> Result<Self, TransportError> {
         let (commands, queue) = mpsc::unbounded_channel();
+        let stats = Arc::new(IoStats::default());
         let worker = Worker {
             cq: Arc::clone(&cq),
             queue,
@@ -116,8 +118,14 @@ impl IoThread {
             polling,
             spin_polls,
             self_handle: None,
+            stats: Arc::clone(&stats),
+            last_metrics: Instant::now(),
         };
-        let handle = Self { commands, cq };
+        let handle = Self {
+            commands,
+            cq,
+            stats,
+        };
         let mut worker = worker;
         worker.self_handle = Some(handle.downgrade());
         std::thread::Builder::new()
@@ -130,7 +138,13 @@ impl IoThread {
         WeakIoThread {
             commands: self.commands.downgrade(),
             cq: Arc::clone(&self.cq),
+            stats: Arc::clone(&self.stats),
         }
+    }
+
+    /// The thread's counters.
+    pub(crate) fn stats(&self) -> &IoStats {
+        &self.stats
     }
 
     /// The thread's completion queue (QPs of its engines complete on it).
@@ -151,6 +165,7 @@ impl IoThread {
 struct WeakIoThread {
     commands: mpsc::WeakUnboundedSender<Command>,
     cq: Arc<dyn CompletionQueue>,
+    stats: Arc<IoStats>,
 }
 
 impl WeakIoThread {
@@ -158,6 +173,7 @@ impl WeakIoThread {
         Some(IoThread {
             commands: self.commands.upgrade()?,
             cq: Arc::clone(&self.cq),
+            stats: Arc::clone(&self.stats),
         })
     }
 }
@@ -224,7 +240,103 @@ struct SocketSlot {
     tx_closed: bool,
 }
 
+/// Per-engine metrics (labelled by peer address) and the last counters
+/// they were brought up to date with.
+struct EngineMetrics {
+    last: super::engine::EngineStats,
+    bytes_sent: metrics::Counter,
+    bytes_received: metrics::Counter,
+    messages_sent: metrics::Counter,
+    messages_received: metrics::Counter,
+    credit_stalls: metrics::Counter,
+    window_stalls: metrics::Counter,
+    keepalives_sent: metrics::Counter,
+    ring_occupancy: metrics::Histogram,
+}
+
+impl EngineMetrics {
+    fn new(peer: &SocketAddr) -> Self {
+        let peer = peer.to_string();
+        Self {
+            last: super::engine::EngineStats::default(),
+            bytes_sent: metrics::counter!("tessera_rdma_bytes_sent_total", "peer" => peer.clone()),
+            bytes_received: metrics::counter!("tessera_rdma_bytes_received_total", "peer" => peer.clone()),
+            messages_sent: metrics::counter!("tessera_rdma_messages_sent_total", "peer" => peer.clone()),
+            messages_received: metrics::counter!("tessera_rdma_messages_received_total", "peer" => peer.clone()),
+            credit_stalls: metrics::counter!("tessera_rdma_credit_stalls_total", "peer" => peer.clone()),
+            window_stalls: metrics::counter!("tessera_rdma_window_stalls_total", "peer" => peer.clone()),
+            keepalives_sent: metrics::counter!("tessera_rdma_keepalives_sent_total", "peer" => peer.clone()),
+            ring_occupancy: metrics::histogram!("tessera_rdma_ring_occupancy", "peer" => peer),
+        }
+    }
+
+    /// Brings the metrics and the thread's totals up to `now`'s counters.
+    fn update(&mut self, engine: &Engine, totals: &IoStats) {
+        let now = engine.stats();
+        let last = std::mem::replace(&mut self.last, now);
+        let sent = (now.small_sent + now.large_sent) - (last.small_sent + last.large_sent);
+        let pairs = [
+            (
+                &self.bytes_sent,
+                &totals.bytes_sent,
+                now.bytes_sent - last.bytes_sent,
+            ),
+            (
+                &self.bytes_received,
+                &totals.bytes_received,
+                now.bytes_received - last.bytes_received,
+            ),
+            (&self.messages_sent, &totals.messages_sent, sent),
+            (
+                &self.messages_received,
+                &totals.messages_received,
+                now.received - last.received,
+            ),
+            (
+                &self.credit_stalls,
+                &totals.credit_stalls,
+                now.credit_stalls - last.credit_stalls,
+            ),
+            (
+                &self.window_stalls,
+                &totals.window_stalls,
+                now.window_stalls - last.window_stalls,
+            ),
+            (
+                &self.keepalives_sent,
+                &totals.keepalives_sent,
+                now.keepalives_sent - last.keepalives_sent,
+            ),
+        ];
+        for (counter, total, delta) in pairs {
+            if delta > 0 {
+                counter.increment(delta);
+                total.fetch_add(delta, Ordering::Relaxed);
+            }
+        }
+        self.ring_occupancy.record(engine.in_flight() as f64);
+    }
+}
+
+/// Counters of one I/O thread (summed over a transport's threads by
+/// [`crate::Transport::rdma_stats`]).
+#[derive(Debug, Default)]
+pub(crate) struct IoStats {
+    pub(crate) qps_open: AtomicU64,
+    pub(crate) sockets_open: AtomicU64,
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) bytes_received: AtomicU64,
+    pub(crate) messages_sent: AtomicU64,
+    pub(crate) messages_received: AtomicU64,
+    pub(crate) credit_stalls: AtomicU64,
+    pub(crate) window_stalls: AtomicU64,
+    pub(crate) keepalives_sent: AtomicU64,
+    pub(crate) keepalive_failures: AtomicU64,
+    pub(crate) engines_failed: AtomicU64,
+}
+
 struct EngineSlot {
+    metrics: EngineMetrics,
     attached: Attached,
     sockets: HashMap<SocketId, SocketSlot>,
     /// Sockets this end opened, waiting for the peer's answer.
@@ -240,9 +352,29 @@ struct Worker {
     polling: Polling,
     spin_polls: u32,
     self_handle: Option<WeakIoThread>,
+    stats: Arc<IoStats>,
+    last_metrics: Instant,
 }
 
+/// How often an I/O thread brings its metrics up to date.
+const METRICS_INTERVAL: Duration = Duration::from_millis(100);
+
 impl Worker {
+    /// Metrics of every engine, and the thread's gauges.
+    fn update_metrics(&mut self) {
+        for slot in self.engines.values_mut() {
+            slot.metrics.update(&slot.attached.engine, &self.stats);
+        }
+        let sockets: usize = self.engines.values().map(|s| s.sockets.len()).sum();
+        self.stats
+            .qps_open
+            .store(self.engines.len() as u64, Ordering::Relaxed);
+        self.stats
+            .sockets_open
+            .store(sockets as u64, Ordering::Relaxed);
+        self.last_metrics = Instant::now();
+    }
+
     fn run(mut self) {
         let mut completions: Vec<WorkCompletion> = Vec::with_capacity(64);
         let mut idle_rounds: u32 = 0;
@@ -288,10 +420,22 @@ impl Worker {
             }
             drop(io);
             // A failed engine goes once its sockets have their error.
+            let stats = &self.stats;
+            let before = self.engines.len();
             self.engines.retain(|_, slot| {
-                !slot.attached.engine.is_failed()
-                    || slot.sockets.values().any(|s| !s.backlog.is_empty())
+                let keep = !slot.attached.engine.is_failed()
+                    || slot.sockets.values().any(|s| !s.backlog.is_empty());
+                if !keep {
+                    slot.metrics.update(&slot.attached.engine, stats);
+                }
+                keep
             });
+            if self.engines.len() != before
+                || self.engines.len() as u64 != self.stats.qps_open.load(Ordering::Relaxed)
+                || now.saturating_duration_since(self.last_metrics) >= METRICS_INTERVAL
+            {
+                self.update_metrics();
+            }
             if next_timer.is_none() {
                 next_timer = self
                     .engines
@@ -361,6 +505,7 @@ impl Worker {
             attached,
             sockets,
             opening,
+            ..
         } = slot;
         if backlog < BACKLOG_LIMIT
             && let Some(wrs) = attached.engine.poll_recv_post()
@@ -434,6 +579,17 @@ impl Worker {
                 }
                 EngineEvent::Failed(err) => {
                     attached.alive.store(false, Ordering::Release);
+                    metrics::counter!("tessera_rdma_engine_failures_total").increment(1);
+                    if matches!(err, super::engine::EngineError::PeerDead(_)) {
+                        tracing::warn!(peer = %attached.peer, %err, "rdma peer declared dead");
+                        metrics::counter!("tessera_rdma_keepalive_failures_total").increment(1);
+                        if let Some(io) = io {
+                            io.stats.keepalive_failures.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    if let Some(io) = io {
+                        io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
+                    }
                     for (_, reply) in opening.drain() {
                         let _ = reply.send(Err(TransportError::Rdma(err.to_string())));
                     }
@@ -483,6 +639,7 @@ impl Worker {
             Command::Attach(attached) => {
                 let qpn = attached.qp.qpn();
                 let mut slot = EngineSlot {
+                    metrics: EngineMetrics::new(&attached.peer),
                     attached: *attached,
                     sockets: HashMap::new(),
                     opening: HashMap::new(),

@@ -25,3 +25,32 @@ pub use window::{SendWindow, WindowConfig};
 
 #[cfg(test)]
 mod tests;
+
+/// Counters of a transport's RDMA side, summed over its I/O threads
+/// ([`crate::Transport::rdma_stats`]). The same figures go to the `metrics`
+/// registry per peer (`tessera_rdma_*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RdmaStats {
+    /// Queue pairs (engines) running.
+    pub qps_open: u64,
+    /// Logical sockets on them.
+    pub sockets_open: u64,
+    /// Payload bytes sent.
+    pub bytes_sent: u64,
+    /// Payload bytes received.
+    pub bytes_received: u64,
+    /// Messages sent.
+    pub messages_sent: u64,
+    /// Messages received.
+    pub messages_received: u64,
+    /// Times a sender waited for receive credits.
+    pub credit_stalls: u64,
+    /// Times a sender waited for room in the send window.
+    pub window_stalls: u64,
+    /// Keepalive writes sent.
+    pub keepalives_sent: u64,
+    /// Peers declared dead by keepalive.
+    pub keepalive_failures: u64,
+    /// Engines that failed (any reason).
+    pub engines_failed: u64,
+}
