@@ -87,12 +87,53 @@ enum Command {
         /// used for latency).
         #[arg(long, value_delimiter = ',', default_values_t = vec![65536u32, 8192, 16384, 32768, 131072])]
         fragment_sizes: Vec<u32>,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
+    /// RDMA throughput vs fragment size, 1 KiB to 64 KiB (Figure 10).
+    Fragment {
+        #[command(flatten)]
+        common: EngineBenchArgs,
+        /// Fragment sizes in bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1024u32, 2048, 4096, 8192, 16384, 32768, 65536])]
+        sizes: Vec<u32>,
+    },
+    /// Small-flow latency next to 0..8 large flows on one QP, with and
+    /// without fragmentation (Figure 13).
+    Hol {
+        #[command(flatten)]
+        common: EngineBenchArgs,
+        /// Numbers of concurrent large flows.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 1, 2, 4, 8])]
+        large: Vec<usize>,
+    },
+    /// Many senders towards one receiver, send window off and on
+    /// (Figure 15, Table 4).
+    Incast {
+        #[command(flatten)]
+        common: EngineBenchArgs,
+        /// Senders, each with its own engine.
+        #[arg(long, default_value_t = 8)]
+        senders: usize,
+        /// Window sizes in bytes (0 = off).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 4096, 8192, 16384])]
+        windows: Vec<usize>,
+    },
+    /// 512-byte message rate vs number of QPs (Figure 11).
+    Qps {
+        #[command(flatten)]
+        common: EngineBenchArgs,
+        /// QP counts.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4, 8, 16, 32, 64, 128, 256])]
+        qps: Vec<usize>,
     },
     /// The server process of `transport`.
     #[command(hide = true)]
     TransportServer {
         /// `tcp` or `rdma-soft:<fragment size>`.
         kind: String,
+        #[command(flatten)]
+        tuning: TuningArgs,
     },
     /// Unary call latency vs a bare TCP echo.
     RpcLatency {
@@ -103,6 +144,96 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_values_t = vec![64usize, 4096, 65536, 1 << 20])]
         sizes: Vec<usize>,
     },
+}
+
+/// What the engine benchmarks share.
+#[derive(Debug, Clone, clap::Args)]
+struct EngineBenchArgs {
+    /// A short smoke run.
+    #[arg(long)]
+    quick: bool,
+    /// Write `<bench>.json` (one row per line) and `<bench>.md` here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Seconds per measurement (default 2, quick 0.3).
+    #[arg(long)]
+    secs: Option<f64>,
+    /// Round trips per latency measurement (hol; default 3000, quick 100).
+    #[arg(long)]
+    iterations: Option<u32>,
+    #[command(flatten)]
+    tuning: TuningArgs,
+}
+
+impl EngineBenchArgs {
+    fn secs(&self) -> f64 {
+        self.secs.unwrap_or(if self.quick { 0.3 } else { 2.0 })
+    }
+
+    fn iterations(&self) -> u32 {
+        self.iterations
+            .unwrap_or(if self.quick { 100 } else { 3000 })
+    }
+
+    #[allow(clippy::print_stdout)]
+    fn report(&self, bench: &str, table: &str, rows: &[serde_json::Value]) -> Result<(), BoxError> {
+        print!("{table}");
+        if let Some(dir) = &self.out {
+            std::fs::create_dir_all(dir)?;
+            let mut json = String::new();
+            for row in rows {
+                json.push_str(&serde_json::to_string(row)?);
+                json.push('\n');
+            }
+            std::fs::write(dir.join(format!("{bench}.json")), json)?;
+            std::fs::write(dir.join(format!("{bench}.md")), table)?;
+        }
+        Ok(())
+    }
+}
+
+fn run_engine_bench(
+    common: &EngineBenchArgs,
+    bench: &str,
+    future: impl std::future::Future<
+        Output = Result<Vec<serde_json::Value>, tessera_benches::transport::BoxError>,
+    >,
+    title: String,
+    columns: &[&str],
+) -> Result<(), BoxError> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    let rows = runtime.block_on(future).map_err(|e| e.to_string())?;
+    let table = tessera_benches::engine::markdown(&title, &rows, columns);
+    common.report(bench, &table, &rows)
+}
+
+/// I/O thread settings of the RDMA side of a benchmark.
+#[derive(Debug, Clone, clap::Args)]
+struct TuningArgs {
+    /// `event` or `busy` polling of the RDMA I/O threads.
+    #[arg(long, default_value = "busy")]
+    polling: String,
+    /// Spin budget of event polling, microseconds.
+    #[arg(long, default_value_t = 50)]
+    spin_us: u64,
+    /// RDMA I/O threads per process.
+    #[arg(long, default_value_t = 1)]
+    io_threads: usize,
+}
+
+impl TuningArgs {
+    fn tuning(&self) -> Result<transport::Tuning, BoxError> {
+        let polling = match self.polling.as_str() {
+            "busy" => tessera_transport::Polling::Busy,
+            "event" => tessera_transport::Polling::Event,
+            other => return Err(format!("--polling {other}: allowed: event, busy").into()),
+        };
+        Ok(transport::Tuning {
+            polling,
+            spin_us: self.spin_us,
+            io_threads: self.io_threads.max(1),
+        })
+    }
 }
 
 struct EchoService;
@@ -253,8 +384,10 @@ fn main() -> Result<(), BoxError> {
             throughput_secs,
             concurrency,
             fragment_sizes,
+            tuning,
         } => {
             let plan = transport::Plan {
+                tuning: tuning.tuning()?,
                 iterations: iterations.unwrap_or(if quick { 200 } else { 5000 }),
                 sizes,
                 throughput_secs: throughput_secs.unwrap_or(if quick { 0.5 } else { 3.0 }),
@@ -283,11 +416,85 @@ fn main() -> Result<(), BoxError> {
             }
             Ok(())
         }
-        Command::TransportServer { kind } => {
+        Command::Fragment { common, sizes } => {
+            let tuning = common.tuning.tuning()?;
+            let secs = common.secs();
+            run_engine_bench(
+                &common,
+                "fragment",
+                tessera_benches::engine::fragment(&sizes, secs, &tuning),
+                format!(
+                    "fragment: 1 MiB messages, 8 outstanding, {secs} s per size, rdma-soft between two processes"
+                ),
+                &["fragment_bytes", "gbytes_per_sec", "p50_us", "p99_us"],
+            )
+        }
+        Command::Hol { common, large } => {
+            let tuning = common.tuning.tuning()?;
+            let iterations = common.iterations();
+            run_engine_bench(
+                &common,
+                "hol",
+                tessera_benches::engine::hol(&large, iterations, &tuning),
+                format!(
+                    "hol: 512 B round trips ({iterations}) on a QP shared with N flows of 1 MiB messages (4 outstanding each); fragmentation = 64 KiB fragments, none = one WRITE per message"
+                ),
+                &[
+                    "fragmentation",
+                    "large_flows",
+                    "qps_open",
+                    "p50_us",
+                    "p99_us",
+                    "mean_us",
+                ],
+            )
+        }
+        Command::Incast {
+            common,
+            senders,
+            windows,
+        } => {
+            let tuning = common.tuning.tuning()?;
+            let secs = common.secs();
+            run_engine_bench(
+                &common,
+                "incast",
+                tessera_benches::engine::incast(senders, &windows, secs, &tuning),
+                format!(
+                    "incast: {senders} senders (own engine each) -> 1 receiver, 20-50 KiB messages, 4 outstanding per sender, {secs} s; peak in flight = sum of the senders' peaks"
+                ),
+                &[
+                    "senders",
+                    "window_bytes",
+                    "goodput_gbytes_per_sec",
+                    "p50_us",
+                    "p99_us",
+                    "peak_inflight_bytes",
+                    "bound_bytes",
+                    "peak_inflight_per_sender_max",
+                ],
+            )
+        }
+        Command::Qps { common, qps } => {
+            let tuning = common.tuning.tuning()?;
+            let secs = common.secs();
+            run_engine_bench(
+                &common,
+                "qps",
+                tessera_benches::engine::qps(&qps, secs, &tuning),
+                format!(
+                    "qps: 512 B messages, 4 outstanding per QP, {secs} s per point, {} I/O threads per process",
+                    tuning.io_threads
+                ),
+                &["qps", "qps_open", "msgs_per_sec"],
+            )
+        }
+        Command::TransportServer { kind, tuning } => {
             let kind = transport::Kind::parse(&kind).map_err(|e| e.to_string())?;
+            let tuning = tuning.tuning()?;
             let runtime = tokio::runtime::Runtime::new()?;
             runtime
-                .block_on(transport::serve(kind))
+                .block_on(transport::serve(kind, &tuning))
                 .map_err(|e| e.to_string().into())
         }
         Command::RpcLatency { iterations, sizes } => {

@@ -25,9 +25,12 @@ use tessera_transport::{Connection, Message, Transport, TransportConfig};
 /// Boxed error of the benchmark.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-const ECHO: u8 = 0;
-const ACK: u8 = 1;
-const ACK_LEN: usize = 32;
+/// First byte of a message the server echoes whole.
+pub const ECHO: u8 = 0;
+/// First byte of a message the server answers with 32 bytes.
+pub const ACK: u8 = 1;
+/// Bytes of an acknowledgement.
+pub const ACK_LEN: usize = 32;
 
 /// A transport under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,12 +54,15 @@ impl Kind {
     }
 
     /// The transport configuration it stands for.
-    pub fn config(self) -> TransportConfig {
+    pub fn config(self, tuning: &Tuning) -> TransportConfig {
         match self {
             Kind::Tcp => TransportConfig::default(),
             Kind::RdmaSoft { fragment_size } => {
                 let mut config = TransportConfig::soft_rdma();
                 config.rdma.fragment_size = fragment_size as usize;
+                config.rdma.polling = tuning.polling;
+                config.rdma.spin_us = tuning.spin_us;
+                config.rdma.io_threads = tuning.io_threads;
                 config
             }
         }
@@ -79,6 +85,35 @@ impl Kind {
             }),
             _ => Err(format!("unknown transport {arg}").into()),
         }
+    }
+}
+
+/// How the RDMA side's I/O threads run (both processes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// Event or busy polling.
+    pub polling: tessera_transport::Polling,
+    /// Spin budget of event mode, microseconds.
+    pub spin_us: u64,
+    /// I/O threads per process.
+    pub io_threads: usize,
+}
+
+impl Tuning {
+    /// Command-line form for the server process.
+    pub fn args(&self) -> Vec<String> {
+        let polling = match self.polling {
+            tessera_transport::Polling::Busy => "busy",
+            _ => "event",
+        };
+        vec![
+            "--polling".into(),
+            polling.into(),
+            "--spin-us".into(),
+            self.spin_us.to_string(),
+            "--io-threads".into(),
+            self.io_threads.to_string(),
+        ]
     }
 }
 
@@ -122,17 +157,23 @@ pub struct Plan {
     /// RDMA fragment sizes to run throughput with (the first is used for
     /// latency).
     pub fragment_sizes: Vec<u32>,
+    /// I/O thread settings of the RDMA runs.
+    pub tuning: Tuning,
 }
 
-struct Server {
+/// A benchmark server process (`tessera-bench transport-server`).
+pub struct Server {
     child: Child,
-    addr: String,
+    /// Its address.
+    pub addr: String,
 }
 
 impl Server {
-    fn start(kind: Kind) -> Result<Self, BoxError> {
+    /// Starts one serving `kind` with `tuning`.
+    pub fn start(kind: Kind, tuning: &Tuning) -> Result<Self, BoxError> {
         let mut child = Command::new(std::env::current_exe()?)
             .args(["transport-server", &kind.arg()])
+            .args(tuning.args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
@@ -165,8 +206,8 @@ impl Drop for Server {
 
 /// The server side: echo or acknowledge every message until stdin closes.
 #[allow(clippy::print_stdout)]
-pub async fn serve(kind: Kind) -> Result<(), BoxError> {
-    let transport = Transport::new(kind.config())?;
+pub async fn serve(kind: Kind, tuning: &Tuning) -> Result<(), BoxError> {
+    let transport = Transport::new(kind.config(tuning))?;
     let listener = transport.listen("127.0.0.1:0").await?;
     println!("listening on {}", listener.local_addr()?);
     let stdin_closed = tokio::task::spawn_blocking(|| {
@@ -202,19 +243,23 @@ pub async fn serve(kind: Kind) -> Result<(), BoxError> {
     }
 }
 
-fn histogram() -> Result<Histogram<u64>, BoxError> {
+/// A histogram of nanoseconds.
+pub fn histogram() -> Result<Histogram<u64>, BoxError> {
     Ok(Histogram::new_with_bounds(1, 60_000_000_000, 3)?)
 }
 
-fn nanos(d: Duration) -> u64 {
+/// `d` in nanoseconds, at least 1.
+pub fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1)
 }
 
-fn us(ns: f64) -> f64 {
+/// Nanoseconds as microseconds.
+pub fn us(ns: f64) -> f64 {
     ns / 1000.0
 }
 
-async fn recv(conn: &mut Connection) -> Result<Bytes, BoxError> {
+/// The next message, within 30 s.
+pub async fn recv(conn: &mut Connection) -> Result<Bytes, BoxError> {
     match tokio::time::timeout(Duration::from_secs(30), conn.receiver.recv()).await {
         Ok(Ok(Some(message))) => Ok(message),
         Ok(Ok(None)) => Err("server closed the connection".into()),
@@ -223,7 +268,8 @@ async fn recv(conn: &mut Connection) -> Result<Bytes, BoxError> {
     }
 }
 
-fn payload(transport: &Transport, size: usize, mode: u8) -> Result<Bytes, BoxError> {
+/// A `size`-byte message in `transport`'s send pool, first byte `mode`.
+pub fn payload(transport: &Transport, size: usize, mode: u8) -> Result<Bytes, BoxError> {
     let mut buf = transport.send_pool().alloc(size)?;
     for (i, byte) in buf.iter_mut().enumerate() {
         *byte = (i % 251) as u8;
@@ -275,7 +321,9 @@ fn fragment_of(kind: Kind) -> Option<u32> {
     }
 }
 
-async fn throughput(
+/// Throughput of `size`-byte messages, `concurrency` outstanding, for
+/// `secs`, each answered with an acknowledgement.
+pub async fn throughput(
     transport: &Transport,
     conn: &mut Connection,
     kind: Kind,
@@ -370,8 +418,8 @@ pub async fn run(plan: &Plan) -> Result<Vec<Row>, BoxError> {
             .map(|&fragment_size| Kind::RdmaSoft { fragment_size }),
     );
     for kind in kinds {
-        let server = Server::start(kind)?;
-        let transport = Transport::new(kind.config())?;
+        let server = Server::start(kind, &plan.tuning)?;
+        let transport = Transport::new(kind.config(&plan.tuning))?;
         let mut conn = transport.connect(&server.addr).await?;
         let latency_run = match kind {
             Kind::Tcp => true,
@@ -412,8 +460,14 @@ pub fn markdown(rows: &[Row], plan: &Plan) -> String {
     };
     let mut out = format!(
         "transport: two processes on loopback; latency = one message outstanding, {} round trips per size; \
-         throughput = {} B messages, {} outstanding, {} s, 32-byte answers\n\n",
-        plan.iterations, plan.throughput_size, plan.concurrency, plan.throughput_secs
+         throughput = {} B messages, {} outstanding, {} s, 32-byte answers; rdma I/O threads: {} per process, {:?} polling, spin {} µs\n\n",
+        plan.iterations,
+        plan.throughput_size,
+        plan.concurrency,
+        plan.throughput_secs,
+        plan.tuning.io_threads,
+        plan.tuning.polling,
+        plan.tuning.spin_us
     );
     out.push_str("| size B | tcp p50 µs | tcp p99 µs | tcp mean µs | rdma-soft p50 µs | rdma-soft p99 µs | rdma-soft mean µs | p50 rdma/tcp |\n");
     out.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|\n");

@@ -127,10 +127,11 @@ pub enum RdmaProvider {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Polling {
-    /// Sleep until a completion or a message to send arrives.
+    /// Poll for `spin_us`, then sleep until a completion or a message to
+    /// send arrives.
     #[default]
     Event,
-    /// Poll up to `spin_polls` empty rounds, then sleep.
+    /// Never sleep.
     Busy,
 }
 
@@ -163,14 +164,16 @@ pub struct RdmaConfig {
     /// to it round robin. Default 2: one engine thread per core on small
     /// hosts leaves the rest to the application; raise on big servers.
     pub io_threads: usize,
-    /// How an idle I/O thread waits: `event` (sleeps until a completion or
-    /// a message to send; an idle server uses no CPU) or `busy` (polls up
-    /// to `spin_polls` empty rounds before sleeping: lower latency, a core
-    /// spent). Default `event`.
+    /// How an idle I/O thread waits: `event` (keeps polling `spin_us`
+    /// after its last work, then sleeps until a completion or a message to
+    /// send: an idle server uses no CPU) or `busy` (never sleeps: lowest
+    /// latency, a core per I/O thread spent). Default `event`.
     pub polling: Polling,
-    /// Empty polling rounds before a `busy` thread sleeps. Default 20000
-    /// (tens of microseconds to a few milliseconds, by host).
-    pub spin_polls: u32,
+    /// The spin budget: microseconds an `event` thread keeps polling after
+    /// its last work before it sleeps. Default 50: the answer to a small
+    /// request on a fabric comes within it (no sleep and wake-up on the
+    /// critical path), and a thread with nothing to do stops spinning soon.
+    pub spin_us: u64,
     /// Logical connections to one address share one queue pair (§6.1).
     /// Default true; false gives every `connect` a QP of its own.
     pub multiplex: bool,
@@ -214,7 +217,7 @@ impl Default for RdmaConfig {
             fragment_size: 64 << 10,
             io_threads: 2,
             polling: Polling::Event,
-            spin_polls: 20_000,
+            spin_us: 50,
             multiplex: true,
             window_bytes: 0,
             window_adaptive: false,

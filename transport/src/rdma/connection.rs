@@ -158,7 +158,12 @@ impl RdmaRuntime {
                 let cq = device
                     .create_cq(rdma.cq_depth)
                     .map_err(|e| TransportError::Rdma(e.to_string()))?;
-                IoThread::start(format!("tessera-io-{i}"), cq, rdma.polling, rdma.spin_polls)
+                IoThread::start(
+                    format!("tessera-io-{i}"),
+                    cq,
+                    rdma.polling,
+                    Duration::from_micros(rdma.spin_us),
+                )
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
@@ -194,6 +199,8 @@ impl RdmaRuntime {
             total.keepalives_sent += get(&s.keepalives_sent);
             total.keepalive_failures += get(&s.keepalive_failures);
             total.engines_failed += get(&s.engines_failed);
+            total.peak_in_flight_bytes =
+                total.peak_in_flight_bytes.max(get(&s.peak_in_flight_bytes));
         }
         total
     }

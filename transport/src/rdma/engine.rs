@@ -215,6 +215,8 @@ pub struct EngineStats {
     pub credit_stalls: u64,
     /// Times sending waited for room in the send window.
     pub window_stalls: u64,
+    /// Most bytes posted and not yet completed at once.
+    pub peak_in_flight_bytes: u64,
     /// Message parts copied into the send pool because they were not in
     /// memory registered with this engine's device.
     pub fallback_copies: u64,
@@ -423,6 +425,7 @@ impl Engine {
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             window_stalls: self.window.stalls(),
+            peak_in_flight_bytes: self.window.peak() as u64,
             ..self.stats
         }
     }

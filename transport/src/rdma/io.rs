@@ -10,10 +10,11 @@
 //! the thread has for the async side goes through per-socket tokio
 //! channels.
 //!
-//! An idle thread in `event` mode arms its CQ and sleeps until a completion
-//! (from any process, for the soft NIC) or a command wakes it, or the next
-//! keepalive is due: an idle server uses no CPU. In `busy` mode it first
-//! polls `spin_polls` empty rounds.
+//! A thread in `event` mode that finds nothing to do keeps polling for
+//! `spin_us` (the answer to what it just sent often comes within it),
+//! then arms its CQ and sleeps until a completion (from any process, for
+//! the soft NIC) or a command wakes it, or the next keepalive is due: an
+//! idle server uses no CPU. In `busy` mode it never sleeps.
 //!
 //! Backpressure: a socket whose application does not read keeps its
 //! messages in a backlog here; while an engine's sockets hold more than
@@ -106,7 +107,7 @@ impl IoThread {
         name: String,
         cq: Arc<dyn CompletionQueue>,
         polling: Polling,
-        spin_polls: u32,
+        spin: Duration,
     ) -> Result<Self, TransportError> {
         let (commands, queue) = mpsc::unbounded_channel();
         let stats = Arc::new(IoStats::default());
@@ -116,7 +117,7 @@ impl IoThread {
             engines: HashMap::new(),
             orphans: HashMap::new(),
             polling,
-            spin_polls,
+            spin,
             self_handle: None,
             stats: Arc::clone(&stats),
             last_metrics: Instant::now(),
@@ -315,6 +316,9 @@ impl EngineMetrics {
             }
         }
         self.ring_occupancy.record(engine.in_flight() as f64);
+        totals
+            .peak_in_flight_bytes
+            .fetch_max(now.peak_in_flight_bytes, Ordering::Relaxed);
     }
 }
 
@@ -333,6 +337,7 @@ pub(crate) struct IoStats {
     pub(crate) keepalives_sent: AtomicU64,
     pub(crate) keepalive_failures: AtomicU64,
     pub(crate) engines_failed: AtomicU64,
+    pub(crate) peak_in_flight_bytes: AtomicU64,
 }
 
 struct EngineSlot {
@@ -350,7 +355,7 @@ struct Worker {
     /// Completions of QPs not (yet) attached, replayed on attach.
     orphans: HashMap<u32, Vec<WorkCompletion>>,
     polling: Polling,
-    spin_polls: u32,
+    spin: Duration,
     self_handle: Option<WeakIoThread>,
     stats: Arc<IoStats>,
     last_metrics: Instant,
@@ -378,6 +383,7 @@ impl Worker {
     fn run(mut self) {
         let mut completions: Vec<WorkCompletion> = Vec::with_capacity(64);
         let mut idle_rounds: u32 = 0;
+        let mut last_work = Instant::now();
         let mut next_timer: Option<Instant> = None;
         loop {
             let mut progress = false;
@@ -445,12 +451,27 @@ impl Worker {
             }
             if progress {
                 idle_rounds = 0;
+                last_work = now;
                 continue;
             }
-            idle_rounds = idle_rounds.saturating_add(1);
-            if self.polling == Polling::Busy && idle_rounds < self.spin_polls {
-                std::hint::spin_loop();
-                continue;
+            idle_rounds = idle_rounds.wrapping_add(1);
+            match self.polling {
+                // Never sleeps; lets other threads run now and then.
+                Polling::Busy => {
+                    if idle_rounds.is_multiple_of(1024) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                    continue;
+                }
+                // Keeps polling a moment after activity (the answer to what
+                // was just sent often comes within it), then sleeps.
+                Polling::Event if now.saturating_duration_since(last_work) < self.spin => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                Polling::Event => {}
             }
             // Sleep: arm, look once more, then wait.
             self.cq.arm();

@@ -53,4 +53,6 @@ pub struct RdmaStats {
     pub keepalive_failures: u64,
     /// Engines that failed (any reason).
     pub engines_failed: u64,
+    /// Most bytes one engine had posted and not completed at once.
+    pub peak_in_flight_bytes: u64,
 }

@@ -52,6 +52,7 @@ pub struct SendWindow {
     cwnd: usize,
     fragment: usize,
     in_flight: usize,
+    peak: usize,
     adaptive: Option<Duration>,
     last_decrease: Option<Instant>,
     stalls: u64,
@@ -70,6 +71,7 @@ impl SendWindow {
             cwnd: max,
             fragment: fragment.max(1),
             in_flight: 0,
+            peak: 0,
             adaptive: config.adaptive.then_some(config.target_delay),
             last_decrease: None,
             stalls: 0,
@@ -112,6 +114,13 @@ impl SendWindow {
     /// `bytes` were posted.
     pub fn add(&mut self, bytes: usize) {
         self.in_flight += bytes;
+        self.peak = self.peak.max(self.in_flight);
+    }
+
+    /// The most bytes ever in flight at once (tracked with the window off
+    /// too: what the engine injected into the network at its peak).
+    pub fn peak(&self) -> usize {
+        self.peak
     }
 
     /// `bytes` completed; `delay` is the completed request's post-to-
