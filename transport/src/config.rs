@@ -195,6 +195,17 @@ pub struct RdmaConfig {
     /// far above scheduling hiccups, well below the minute an operator
     /// would otherwise wait.
     pub keepalive_timeout_ms: u64,
+    /// Shared receive queues (§6.2.2): each I/O thread posts one queue of
+    /// `srq_depth` receives that all its QPs take from, instead of a queue
+    /// of `recv_queue_depth` per QP. Memory no longer grows with the number
+    /// of peers, but there is no per-peer bound any more: receive credits
+    /// are off, a burst from many peers can find the queue empty, and the
+    /// sender's QP then retries after a receiver-not-ready NAK (counted in
+    /// `rnr_events`) instead of waiting for credits. Default false.
+    pub srq: bool,
+    /// Receives of each shared receive queue. Default 4096: the receive
+    /// queues of 64 dedicated-mode QPs.
+    pub srq_depth: u32,
     /// Entries of each I/O thread's completion queue. Default 32768: room
     /// for the receives of 256 QPs at the default depth, plus sends.
     pub cq_depth: u32,
@@ -224,6 +235,8 @@ impl Default for RdmaConfig {
             window_target_delay_us: 100,
             keepalive_interval_ms: 1000,
             keepalive_timeout_ms: 10_000,
+            srq: false,
+            srq_depth: 4096,
             cq_depth: 32768,
             soft_faults: crate::verbs::soft::SoftFaults::default(),
         }
@@ -260,6 +273,9 @@ impl Validate for RdmaConfig {
                 "keepalive_timeout_ms",
                 "must be 0 (off) or at least twice keepalive_interval_ms",
             ));
+        }
+        if self.srq && self.srq_depth < 16 {
+            return Err(invalid("srq_depth", "must be at least 16"));
         }
         if self.cq_depth < 256 {
             return Err(invalid("cq_depth", "must be at least 256"));

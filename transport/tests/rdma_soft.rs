@@ -314,3 +314,109 @@ async fn connects_to_one_address_share_one_queue_pair() {
         "one QP per connection without multiplexing"
     );
 }
+
+/// `clients` transports (one engine each) flood one server with `messages`
+/// messages each over 2 sockets, while the server's application stalls for
+/// `stall` after the first; returns the server's counters once all arrived
+/// intact.
+async fn incast(
+    server_config: TransportConfig,
+    clients: usize,
+    messages: usize,
+    stall: std::time::Duration,
+) -> tessera_transport::rdma::RdmaStats {
+    let server = Transport::new(server_config).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let expected = clients * messages;
+    let sink = tokio::spawn(async move {
+        let (count_tx, mut count_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok(mut conn) = listener.accept().await else {
+                    return;
+                };
+                let count_tx = count_tx.clone();
+                tokio::spawn(async move {
+                    let mut first_one = true;
+                    while let Ok(Some(message)) = conn.receiver.recv().await {
+                        let first = message.first().copied().unwrap_or(0);
+                        assert!(message.iter().all(|&b| b == first), "corrupted");
+                        if count_tx.send(message.len()).is_err() {
+                            return;
+                        }
+                        if std::mem::take(&mut first_one) {
+                            // The application falls behind for a moment.
+                            tokio::time::sleep(stall).await;
+                        }
+                    }
+                });
+            }
+        });
+        let mut got = 0;
+        while got < expected {
+            count_rx.recv().await.unwrap();
+            got += 1;
+        }
+        accept.abort();
+        got
+    });
+    let senders: Vec<_> = (0..clients)
+        .map(|c| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let client = Transport::new(TransportConfig::soft_rdma()).unwrap();
+                let conns = [
+                    client.connect(&addr).await.unwrap(),
+                    client.connect(&addr).await.unwrap(),
+                ];
+                for i in 0..messages {
+                    let len = [64usize, 1000, 8000, 30_000][i % 4];
+                    conns[i % 2]
+                        .sender
+                        .send(Message::from(Bytes::from(vec![(c * 31 + i) as u8; len])))
+                        .await
+                        .unwrap();
+                }
+                // Keep the connections until the server has everything.
+                conns
+            })
+        })
+        .collect();
+    let mut keep = Vec::new();
+    for sender in senders {
+        keep.push(sender.await.unwrap());
+    }
+    let got = tokio::time::timeout(std::time::Duration::from_secs(30), sink)
+        .await
+        .expect("everything arrives")
+        .unwrap();
+    assert_eq!(got, expected);
+    server.rdma_stats().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedicated_receive_queues_never_see_receiver_not_ready_under_incast() {
+    let mut config = TransportConfig::soft_rdma();
+    // Few receives per QP, so credits run out again and again, and short
+    // delivery queues, so the stalled application holds the receives back.
+    config.rdma.recv_queue_depth = 8;
+    config.send_queue_depth = 16;
+    let stats = incast(config, 4, 400, std::time::Duration::from_millis(100)).await;
+    assert_eq!(stats.rnr_events, 0, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_receive_queue_carries_an_incast_and_counts_receiver_not_ready() {
+    let mut config = TransportConfig::soft_rdma();
+    config.rdma.srq = true;
+    // Far fewer shared receives than the senders' rings hold: bursts find
+    // the queue empty, and their SENDs are retried.
+    config.rdma.srq_depth = 16;
+    config.rdma.io_threads = 1;
+    // Short delivery queues: the stalled application's messages pile up in
+    // the transport, which then stops reposting shared receives.
+    config.send_queue_depth = 16;
+    let stats = incast(config, 4, 400, std::time::Duration::from_millis(100)).await;
+    assert!(stats.rnr_events > 0, "{stats:?}");
+}

@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OnceCell, mpsc, oneshot};
 
 use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role};
-use super::io::{Attached, Command, IoThread};
+use super::io::{Attached, Command, IoThread, SharedReceives};
 use super::window::WindowConfig;
 use crate::pool::Pool;
 use crate::verbs::{Device, QpCaps, QpEndpoint};
@@ -59,6 +59,8 @@ pub struct Hello {
     /// Where the peer writes its keepalive (address, rkey), if the sender
     /// runs keepalive.
     pub keepalive_slot: Option<(u64, u32)>,
+    /// The sender's receives come from a shared receive queue.
+    pub shared_receives: bool,
 }
 
 impl Hello {
@@ -74,11 +76,16 @@ impl Hello {
         out[40..48].copy_from_slice(&self.endpoint.node.to_le_bytes());
         out[48..56].copy_from_slice(&self.max_message.to_le_bytes());
         out[56..60].copy_from_slice(&self.recv_buffer.to_le_bytes());
+        let mut flags = 0u32;
         if let Some((addr, rkey)) = self.keepalive_slot {
-            out[60..64].copy_from_slice(&1u32.to_le_bytes());
+            flags |= 1;
             out[64..72].copy_from_slice(&addr.to_le_bytes());
             out[72..76].copy_from_slice(&rkey.to_le_bytes());
         }
+        if self.shared_receives {
+            flags |= 2;
+        }
+        out[60..64].copy_from_slice(&flags.to_le_bytes());
         out
     }
 
@@ -110,6 +117,7 @@ impl Hello {
             max_message: u64_at(48),
             recv_buffer: u32_at(56),
             keepalive_slot: (u32_at(60) & 1 == 1).then(|| (u64_at(64), u32_at(72))),
+            shared_receives: u32_at(60) & 2 == 2,
         })
     }
 }
@@ -153,14 +161,23 @@ impl RdmaRuntime {
         pools: (Pool, Pool),
     ) -> Result<Self, TransportError> {
         let rdma = &config.rdma;
+        let failed = |e: crate::verbs::VerbsError| TransportError::Rdma(e.to_string());
         let threads = (0..rdma.io_threads)
             .map(|i| {
-                let cq = device
-                    .create_cq(rdma.cq_depth)
-                    .map_err(|e| TransportError::Rdma(e.to_string()))?;
+                let cq = device.create_cq(rdma.cq_depth).map_err(failed)?;
+                let shared = match rdma.srq {
+                    true => Some(SharedReceives::new(
+                        device.create_srq(rdma.srq_depth).map_err(failed)?,
+                        pools.1.clone(),
+                        super::control::HEADER_LEN + rdma.small_message_limit,
+                        rdma.srq_depth,
+                    )?),
+                    false => None,
+                };
                 IoThread::start(
                     format!("tessera-io-{i}"),
                     cq,
+                    shared,
                     rdma.polling,
                     Duration::from_micros(rdma.spin_us),
                 )
@@ -201,6 +218,9 @@ impl RdmaRuntime {
             total.engines_failed += get(&s.engines_failed);
             total.peak_in_flight_bytes =
                 total.peak_in_flight_bytes.max(get(&s.peak_in_flight_bytes));
+        }
+        if let Some(rnr) = self.device.rnr_events() {
+            total.rnr_events = rnr;
         }
         total
     }
@@ -269,11 +289,20 @@ impl RdmaRuntime {
             max_send_wr: rdma.send_queue_depth,
             max_recv_wr: rdma.recv_queue_depth,
             max_sge: 4,
+            // The peer may use a shared receive queue; with dedicated ones
+            // credits make a receiver-not-ready impossible anyway.
+            rnr_retry: 7,
         };
-        let qp = self
-            .device
-            .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps)
-            .map_err(failed)?;
+        let qp = match io.srq() {
+            Some(srq) => {
+                self.device
+                    .create_qp_on_srq(Arc::clone(io.cq()), Arc::clone(io.cq()), srq, caps)
+            }
+            None => self
+                .device
+                .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps),
+        }
+        .map_err(failed)?;
         let engine_config = EngineConfig {
             send_queue_depth: rdma.send_queue_depth,
             recv_queue_depth: rdma.recv_queue_depth,
@@ -291,6 +320,7 @@ impl RdmaRuntime {
                 timeout: Duration::from_millis(rdma.keepalive_timeout_ms),
             }),
             rts_ahead: 4,
+            shared_receives: rdma.srq,
         };
         let mut engine = Engine::new(
             engine_config,
@@ -307,10 +337,11 @@ impl RdmaRuntime {
         let mine = Hello {
             version: PROTOCOL_VERSION,
             endpoint: qp.endpoint(),
-            recv_depth: rdma.recv_queue_depth,
+            recv_depth: if rdma.srq { 0 } else { rdma.recv_queue_depth },
             recv_buffer: u32::try_from(engine.recv_buffer_size()).unwrap_or(u32::MAX),
             max_message: self.config.max_message_size,
             keepalive_slot: engine.keepalive_slot(),
+            shared_receives: rdma.srq,
         };
         // Three legs, so that neither side sends before the other's QP is
         // connected (a SEND into a QP that is not ready is lost, and an RC
@@ -356,6 +387,7 @@ impl RdmaRuntime {
             recv_depth: theirs.recv_depth,
             recv_buffer: theirs.recv_buffer,
             keepalive_slot: theirs.keepalive_slot,
+            shared_receives: theirs.shared_receives,
         };
         // The dialer's QP is connected (it sent READY): it may send. The
         // acceptor's engine may not before the dialer confirms, or its
@@ -449,6 +481,7 @@ mod tests {
             recv_buffer: 8216,
             max_message: 64 << 20,
             keepalive_slot: Some((0x7f00_0000_1000, 77)),
+            shared_receives: true,
         };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
         let without = Hello {

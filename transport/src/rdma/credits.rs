@@ -13,6 +13,12 @@
 /// Both halves of the credit accounting of one engine.
 #[derive(Debug, Clone)]
 pub struct ReceiveCredits {
+    /// The peer takes receives from a shared receive queue: there is no
+    /// per-peer bound to respect (it retries on receiver-not-ready).
+    peer_shared: bool,
+    /// Our receives come from a shared receive queue: nothing to count or
+    /// return.
+    own_shared: bool,
     /// SENDs the peer can take now.
     peer_credits: u32,
     /// Our receives consumed and not yet reposted.
@@ -27,11 +33,27 @@ impl ReceiveCredits {
     /// receive queue of `local_depth`.
     pub fn new(peer_depth: u32, local_depth: u32) -> Self {
         Self {
+            peer_shared: false,
+            own_shared: false,
             peer_credits: peer_depth,
             consumed: 0,
             unreturned: 0,
             batch: (local_depth / 2).max(1),
         }
+    }
+
+    /// Our receives come from a shared receive queue (see the module docs
+    /// of the SRQ option): nothing is counted or returned.
+    pub fn set_own_shared(&mut self) {
+        self.own_shared = true;
+        self.consumed = 0;
+        self.unreturned = 0;
+    }
+
+    /// The peer's receives come from a shared receive queue: sending is not
+    /// bounded by credits.
+    pub fn set_peer_shared(&mut self) {
+        self.peer_shared = true;
     }
 
     /// Credits available for sending.
@@ -42,12 +64,12 @@ impl ReceiveCredits {
     /// Whether a data message (small SEND, request to send, or the final
     /// WRITE_WITH_IMM) may be sent: one credit always stays in reserve.
     pub fn can_send_data(&self) -> bool {
-        self.peer_credits >= 2
+        self.peer_shared || self.peer_credits >= 2
     }
 
     /// Whether a control message (clear to send, credit return) may be sent.
     pub fn can_send_control(&self) -> bool {
-        self.peer_credits >= 1
+        self.peer_shared || self.peer_credits >= 1
     }
 
     /// Spends one credit.
@@ -62,7 +84,9 @@ impl ReceiveCredits {
 
     /// One of our receives was consumed.
     pub fn consumed(&mut self) {
-        self.consumed += 1;
+        if !self.own_shared {
+            self.consumed += 1;
+        }
     }
 
     /// How many receives to repost now (a whole batch, or none).

@@ -101,6 +101,10 @@ pub struct EngineConfig {
     /// Large messages per socket whose destination is asked for ahead of
     /// writing. Default 4.
     pub rts_ahead: usize,
+    /// Receives come from a shared receive queue the owner runs (handed in
+    /// with [`Engine::handle_shared_receive`]); the engine posts none and
+    /// returns no credits. Default false.
+    pub shared_receives: bool,
 }
 
 impl Default for EngineConfig {
@@ -115,6 +119,7 @@ impl Default for EngineConfig {
             window: WindowConfig::default(),
             keepalive: None,
             rts_ahead: 4,
+            shared_receives: false,
         }
     }
 }
@@ -138,6 +143,8 @@ pub struct PeerInfo {
     pub recv_buffer: u32,
     /// Its keepalive slot (address, rkey), if it runs keepalive.
     pub keepalive_slot: Option<(u64, u32)>,
+    /// Its receives come from a shared receive queue (no credits).
+    pub shared_receives: bool,
 }
 
 /// Why an engine stopped.
@@ -363,9 +370,13 @@ impl Engine {
                 .min(max.saturating_sub(HEADER_LEN)),
         };
         let largest_request = fragment_size.max(small_limit + HEADER_LEN);
+        let mut credits = ReceiveCredits::new(0, config.recv_queue_depth);
+        if config.shared_receives {
+            credits.set_own_shared();
+        }
         Ok(Self {
             ring: WorkRequestRing::new(config.send_queue_depth as usize),
-            credits: ReceiveCredits::new(0, config.recv_queue_depth),
+            credits,
             window: SendWindow::new(config.window, largest_request),
             small_limit,
             fragment_size,
@@ -411,6 +422,9 @@ impl Engine {
     pub fn peer_ready(&mut self, peer: PeerInfo, now: Instant) {
         self.credits
             .returned(u16::try_from(peer.recv_depth).unwrap_or(u16::MAX));
+        if peer.shared_receives {
+            self.credits.set_peer_shared();
+        }
         let peer_small = (peer.recv_buffer as usize).saturating_sub(HEADER_LEN);
         self.small_limit = self.small_limit.min(peer_small);
         if let Some(ka) = &mut self.keepalive {
@@ -948,7 +962,7 @@ impl Engine {
     /// Receive work requests to post: the whole queue at start, then
     /// batches of d/2 as receives are consumed.
     pub fn poll_recv_post(&mut self) -> Option<Vec<RecvWr>> {
-        if self.failed {
+        if self.failed || self.config.shared_receives {
             return None;
         }
         let slots: Vec<usize> = if self.receives_posted {
@@ -1068,6 +1082,11 @@ impl Engine {
                     .map(|at| now.saturating_duration_since(at));
                 self.window.retire(retired.bytes, delay, now);
             }
+            WcKind::Recv | WcKind::RecvWithImm(_) if self.config.shared_receives => {
+                self.fail(EngineError::Protocol(
+                    "a shared receive came without its buffer".into(),
+                ));
+            }
             WcKind::Recv | WcKind::RecvWithImm(_) => {
                 let slot = completion.wr_id as usize;
                 let Some(buf) = self.recv_slots.get_mut(slot).and_then(Option::take) else {
@@ -1082,6 +1101,22 @@ impl Engine {
                     self.fail(err);
                 }
             }
+        }
+    }
+
+    /// Feeds a receive completion of the shared receive queue for this
+    /// engine's QP, with the buffer it landed in (the owner of the queue
+    /// maps `wr_id` to it).
+    pub fn handle_shared_receive(&mut self, completion: &WorkCompletion, buf: PoolBuf) {
+        if self.failed {
+            return;
+        }
+        if completion.status != WcStatus::Success {
+            self.fail(EngineError::Completion(completion.status));
+            return;
+        }
+        if let Err(err) = self.received(completion, buf) {
+            self.fail(err);
         }
     }
 

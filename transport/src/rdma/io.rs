@@ -33,7 +33,10 @@ use bytes::Bytes;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::engine::{Engine, EngineEvent, PeerInfo, SocketId};
-use crate::verbs::{CompletionQueue, QueuePair, WorkCompletion};
+use crate::pool::{Pool, PoolBuf};
+use crate::verbs::{
+    CompletionQueue, QueuePair, RecvWr, Sge, SharedReceiveQueue, WcKind, WorkCompletion,
+};
 use crate::{Connection, Message, Polling, TransportError};
 
 /// Received messages held per engine before it stops reposting receives.
@@ -87,11 +90,89 @@ pub(crate) struct Attached {
     pub(crate) send_queue_depth: usize,
 }
 
+/// An I/O thread's shared receive queue and the buffers posted on it.
+pub(crate) struct SharedReceives {
+    srq: Arc<dyn SharedReceiveQueue>,
+    pool: Pool,
+    buffer: usize,
+    /// Buffer of each posted receive, by `wr_id`.
+    slots: Vec<Option<PoolBuf>>,
+    /// Slots whose receive was consumed, to post again.
+    free: Vec<usize>,
+}
+
+impl SharedReceives {
+    /// A queue of `depth` receives of `buffer` bytes from `pool`, posted.
+    pub(crate) fn new(
+        srq: Arc<dyn SharedReceiveQueue>,
+        pool: Pool,
+        buffer: usize,
+        depth: u32,
+    ) -> Result<Self, TransportError> {
+        let mut this = Self {
+            srq,
+            pool,
+            buffer,
+            slots: (0..depth).map(|_| None).collect(),
+            free: (0..depth as usize).collect(),
+        };
+        this.repost()?;
+        Ok(this)
+    }
+
+    /// Posts a fresh buffer in every free slot, with one doorbell.
+    fn repost(&mut self) -> Result<(), TransportError> {
+        if self.free.is_empty() {
+            return Ok(());
+        }
+        let mut wrs = Vec::with_capacity(self.free.len());
+        while let Some(slot) = self.free.pop() {
+            let mut buf = match self.pool.alloc(self.buffer) {
+                Ok(buf) => buf,
+                Err(err) => {
+                    // Try again next time; post what was allocated.
+                    self.free.push(slot);
+                    tracing::warn!(%err, "no memory for shared receives");
+                    break;
+                }
+            };
+            buf.set_len(self.buffer);
+            let region = buf
+                .region()
+                .ok_or_else(|| TransportError::Rdma("receive buffer outside the pool".into()))?;
+            wrs.push(RecvWr {
+                wr_id: slot as u64,
+                sge: Sge {
+                    addr: buf.as_ptr() as usize,
+                    len: u32::try_from(buf.len()).unwrap_or(u32::MAX),
+                    lkey: region.lkey,
+                },
+            });
+            self.slots[slot] = Some(buf);
+        }
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        self.srq
+            .post_recv(&wrs)
+            .map_err(|e| TransportError::Rdma(e.to_string()))
+    }
+
+    /// The buffer a receive completion landed in (its slot is reposted).
+    fn take(&mut self, wr_id: u64) -> Option<PoolBuf> {
+        let slot = usize::try_from(wr_id).ok()?;
+        let buf = self.slots.get_mut(slot)?.take()?;
+        self.free.push(slot);
+        Some(buf)
+    }
+}
+
 /// A handle on one I/O thread.
 #[derive(Clone)]
 pub(crate) struct IoThread {
     commands: mpsc::UnboundedSender<Command>,
     cq: Arc<dyn CompletionQueue>,
+    srq: Option<Arc<dyn SharedReceiveQueue>>,
     stats: Arc<IoStats>,
 }
 
@@ -106,12 +187,15 @@ impl IoThread {
     pub(crate) fn start(
         name: String,
         cq: Arc<dyn CompletionQueue>,
+        shared: Option<SharedReceives>,
         polling: Polling,
         spin: Duration,
     ) -> Result<Self, TransportError> {
         let (commands, queue) = mpsc::unbounded_channel();
         let stats = Arc::new(IoStats::default());
+        let srq = shared.as_ref().map(|s| Arc::clone(&s.srq));
         let worker = Worker {
+            shared,
             cq: Arc::clone(&cq),
             queue,
             engines: HashMap::new(),
@@ -125,6 +209,7 @@ impl IoThread {
         let handle = Self {
             commands,
             cq,
+            srq,
             stats,
         };
         let mut worker = worker;
@@ -139,8 +224,15 @@ impl IoThread {
         WeakIoThread {
             commands: self.commands.downgrade(),
             cq: Arc::clone(&self.cq),
+            srq: self.srq.clone(),
             stats: Arc::clone(&self.stats),
         }
+    }
+
+    /// The thread's shared receive queue (QPs of its engines take from it),
+    /// if it runs one.
+    pub(crate) fn srq(&self) -> Option<Arc<dyn SharedReceiveQueue>> {
+        self.srq.clone()
     }
 
     /// The thread's counters.
@@ -166,6 +258,7 @@ impl IoThread {
 struct WeakIoThread {
     commands: mpsc::WeakUnboundedSender<Command>,
     cq: Arc<dyn CompletionQueue>,
+    srq: Option<Arc<dyn SharedReceiveQueue>>,
     stats: Arc<IoStats>,
 }
 
@@ -174,6 +267,7 @@ impl WeakIoThread {
         Some(IoThread {
             commands: self.commands.upgrade()?,
             cq: Arc::clone(&self.cq),
+            srq: self.srq.clone(),
             stats: Arc::clone(&self.stats),
         })
     }
@@ -350,6 +444,7 @@ struct EngineSlot {
 
 struct Worker {
     cq: Arc<dyn CompletionQueue>,
+    shared: Option<SharedReceives>,
     queue: mpsc::UnboundedReceiver<Command>,
     engines: HashMap<u32, EngineSlot>,
     /// Completions of QPs not (yet) attached, replayed on attach.
@@ -408,6 +503,21 @@ impl Worker {
             for completion in &completions {
                 progress = true;
                 self.dispatch(completion, now);
+            }
+            // Shared receives are not reposted while the applications are
+            // behind: senders then meet receiver-not-ready and retry (the
+            // shared queue's backpressure, as credits are a dedicated one's).
+            let backlog: usize = self
+                .engines
+                .values()
+                .flat_map(|e| e.sockets.values())
+                .map(|s| s.backlog.len())
+                .sum();
+            if backlog < BACKLOG_LIMIT
+                && let Some(shared) = &mut self.shared
+                && let Err(err) = shared.repost()
+            {
+                tracing::warn!(%err, "reposting shared receives failed");
             }
             // Timers.
             if next_timer.is_some_and(|at| now >= at) {
@@ -500,7 +610,7 @@ impl Worker {
     /// attached).
     fn dispatch(&mut self, completion: &WorkCompletion, now: Instant) {
         match self.engines.get_mut(&completion.qpn) {
-            Some(slot) => slot.attached.engine.handle_completion(completion, now),
+            Some(slot) => Self::deliver_completion(&mut self.shared, slot, completion, now),
             None => {
                 // Mostly flushes of QPs already gone; a QP about to be
                 // attached has its few here for a moment.
@@ -513,6 +623,29 @@ impl Worker {
                     .or_default()
                     .push(*completion);
             }
+        }
+    }
+
+    /// Feeds `completion` to its engine; a receive of the shared receive
+    /// queue comes with its buffer.
+    fn deliver_completion(
+        shared: &mut Option<SharedReceives>,
+        slot: &mut EngineSlot,
+        completion: &WorkCompletion,
+        now: Instant,
+    ) {
+        let engine = &mut slot.attached.engine;
+        match (shared, completion.kind) {
+            (Some(shared), WcKind::Recv | WcKind::RecvWithImm(_)) => {
+                match shared.take(completion.wr_id) {
+                    Some(buf) => engine.handle_shared_receive(completion, buf),
+                    None => tracing::warn!(
+                        wr_id = completion.wr_id,
+                        "completion for an unknown shared receive"
+                    ),
+                }
+            }
+            _ => engine.handle_completion(completion, now),
         }
     }
 
@@ -667,7 +800,7 @@ impl Worker {
                 };
                 let now = Instant::now();
                 for completion in self.orphans.remove(&qpn).unwrap_or_default() {
-                    slot.attached.engine.handle_completion(&completion, now);
+                    Self::deliver_completion(&mut self.shared, &mut slot, &completion, now);
                 }
                 self.engines.insert(qpn, slot);
             }

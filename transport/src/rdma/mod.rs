@@ -55,4 +55,8 @@ pub struct RdmaStats {
     pub engines_failed: u64,
     /// Most bytes one engine had posted and not completed at once.
     pub peak_in_flight_bytes: u64,
+    /// Receiver-not-ready events on this transport's device (SENDs that
+    /// found no receive posted; 0 with dedicated receive queues, where
+    /// credits prevent them), where the provider counts them.
+    pub rnr_events: u64,
 }

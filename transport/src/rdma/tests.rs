@@ -91,6 +91,7 @@ impl Side {
             max_send_wr: config.send_queue_depth,
             max_recv_wr: config.recv_queue_depth,
             max_sge: config.max_sge,
+            rnr_retry: 0,
         };
         let qp = device
             .create_qp(send_cq.clone(), recv_cq.clone(), caps)
@@ -131,6 +132,7 @@ impl Side {
             recv_depth: self.qp_caps_recv,
             recv_buffer: self.engine.recv_buffer_size() as u32,
             keepalive_slot: self.engine.keepalive_slot(),
+            shared_receives: false,
         }
     }
 

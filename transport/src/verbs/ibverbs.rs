@@ -22,7 +22,7 @@ use rdma_sys::*;
 
 use super::{
     CompletionQueue, Device, QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr,
-    VerbsError, WcKind, WcStatus, WorkCompletion,
+    SharedReceiveQueue, VerbsError, WcKind, WcStatus, WorkCompletion,
 };
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
 
@@ -305,7 +305,73 @@ pub struct IbvQp {
     ctx: Arc<Context>,
     state: Mutex<QpState>,
     psn: u32,
+    rnr_retry: u8,
     _cqs: (Arc<IbvCq>, Arc<IbvCq>),
+    _srq: Option<Arc<IbvSrq>>,
+}
+
+/// An ibverbs shared receive queue.
+#[derive(Debug)]
+pub struct IbvSrq {
+    srq: *mut ibv_srq,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: posting to an SRQ is thread-safe in libibverbs; the pointer is
+// freed only in Drop.
+unsafe impl Send for IbvSrq {}
+// SAFETY: as above.
+unsafe impl Sync for IbvSrq {}
+
+impl Drop for IbvSrq {
+    fn drop(&mut self) {
+        // SAFETY: created in `create_srq`, destroyed once, after every QP
+        // on it (they hold an `Arc` of it).
+        unsafe { ibv_destroy_srq(self.srq) };
+    }
+}
+
+impl SharedReceiveQueue for IbvSrq {
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut sges: Vec<ibv_sge> = wrs
+            .iter()
+            .map(|wr| ibv_sge {
+                addr: wr.sge.addr as u64,
+                length: wr.sge.len,
+                lkey: wr.sge.lkey,
+            })
+            .collect();
+        // SAFETY: plain data; every field used is set below.
+        let mut list: Vec<ibv_recv_wr> = (0..wrs.len())
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        for (i, wr) in wrs.iter().enumerate() {
+            list[i].wr_id = wr.wr_id;
+            list[i].sg_list = &mut sges[i];
+            list[i].num_sge = 1;
+        }
+        for i in 0..list.len() - 1 {
+            let next: *mut ibv_recv_wr = &mut list[i + 1];
+            list[i].next = next;
+        }
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: `list` and `sges` outlive the call; the SRQ is alive.
+        let rc = unsafe { ibv_post_srq_recv(self.srq, list.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(VerbsError::InvalidRequest(format!(
+                "ibv_post_srq_recv: {}",
+                std::io::Error::from_raw_os_error(rc)
+            )));
+        }
+        Ok(())
+    }
+
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
 }
 
 /// A thread domain and the parent domain that puts the protection domain
@@ -454,7 +520,7 @@ impl QueuePair for IbvQp {
         attr.sq_psn = self.psn;
         attr.timeout = 14;
         attr.retry_cnt = 7;
-        attr.rnr_retry = 7;
+        attr.rnr_retry = self.rnr_retry;
         attr.max_rd_atomic = 1;
         self.modify(
             &mut attr,
@@ -629,6 +695,45 @@ impl Device for IbvDevice {
         recv_cq: Arc<dyn CompletionQueue>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        self.new_qp(send_cq, recv_cq, None, caps)
+    }
+
+    fn create_srq(&self, depth: u32) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
+        // SAFETY: plain data; the fields used are set below.
+        let mut attr: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+        attr.attr.max_wr = depth;
+        attr.attr.max_sge = 1;
+        // SAFETY: the PD is alive and `attr` is set.
+        let srq = unsafe { ibv_create_srq(self.ctx.pd, &mut attr) };
+        if srq.is_null() {
+            return Err(VerbsError::InvalidRequest(os_error("ibv_create_srq")));
+        }
+        Ok(Arc::new(IbvSrq {
+            srq,
+            _ctx: Arc::clone(&self.ctx),
+        }))
+    }
+
+    fn create_qp_on_srq(
+        &self,
+        send_cq: Arc<dyn CompletionQueue>,
+        recv_cq: Arc<dyn CompletionQueue>,
+        srq: Arc<dyn SharedReceiveQueue>,
+        caps: QpCaps,
+    ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        let srq = crate::verbs::downcast_srq::<IbvSrq>(srq)?;
+        self.new_qp(send_cq, recv_cq, Some(srq), caps)
+    }
+}
+
+impl IbvDevice {
+    fn new_qp(
+        &self,
+        send_cq: Arc<dyn CompletionQueue>,
+        recv_cq: Arc<dyn CompletionQueue>,
+        srq: Option<Arc<IbvSrq>>,
+        caps: QpCaps,
+    ) -> Result<Arc<dyn QueuePair>, VerbsError> {
         let send_cq = crate::verbs::downcast_cq::<IbvCq>(send_cq)?;
         let recv_cq = crate::verbs::downcast_cq::<IbvCq>(recv_cq)?;
         // SAFETY: ibv_qp_init_attr is plain data; zeroed is a valid start.
@@ -637,6 +742,9 @@ impl Device for IbvDevice {
         init.recv_cq = recv_cq.cq;
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0;
+        if let Some(srq) = &srq {
+            init.srq = srq.srq;
+        }
         init.cap = ibv_qp_cap {
             max_send_wr: caps.max_send_wr,
             max_recv_wr: caps.max_recv_wr,
@@ -670,7 +778,9 @@ impl Device for IbvDevice {
             ctx: Arc::clone(&self.ctx),
             state: Mutex::new(QpState::Reset),
             psn: qpn.wrapping_mul(2_654_435_761) & 0x00ff_ffff,
+            rnr_retry: caps.rnr_retry.min(7),
             _cqs: (send_cq, recv_cq),
+            _srq: srq,
         }))
     }
 }

@@ -171,6 +171,12 @@ pub struct QpCaps {
     pub max_recv_wr: u32,
     /// Scatter/gather entries per work request.
     pub max_sge: u32,
+    /// Times a SEND that finds no receive posted is retried (after a short
+    /// wait) before it fails with receiver-not-ready; 7 means without end
+    /// (the InfiniBand convention). 0 with dedicated receive queues, where
+    /// credits make an RNR impossible and one that happens is a bug to
+    /// surface; 7 on a shared receive queue, which has no per-peer bound.
+    pub rnr_retry: u8,
 }
 
 impl Default for QpCaps {
@@ -179,8 +185,18 @@ impl Default for QpCaps {
             max_send_wr: 32,
             max_recv_wr: 64,
             max_sge: 4,
+            rnr_retry: 0,
         }
     }
+}
+
+/// A shared receive queue (§6.2.2): receives that any QP created on it
+/// consumes.
+pub trait SharedReceiveQueue: Send + Sync {
+    /// Posts a list of receive work requests with one doorbell.
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError>;
+    /// The queue as `Any` (see [`CompletionQueue::into_any`]).
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
 }
 
 /// Errors of the verbs layer (returned by calls, as opposed to the
@@ -275,6 +291,43 @@ pub trait Device: Send + Sync {
         recv_cq: Arc<dyn CompletionQueue>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError>;
+    /// A shared receive queue of `depth` receives.
+    fn create_srq(&self, depth: u32) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
+        let _ = depth;
+        Err(VerbsError::InvalidRequest(format!(
+            "{} has no shared receive queues",
+            self.name()
+        )))
+    }
+    /// An RC queue pair that takes its receives from `srq`.
+    fn create_qp_on_srq(
+        &self,
+        send_cq: Arc<dyn CompletionQueue>,
+        recv_cq: Arc<dyn CompletionQueue>,
+        srq: Arc<dyn SharedReceiveQueue>,
+        caps: QpCaps,
+    ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        let _ = (send_cq, recv_cq, srq, caps);
+        Err(VerbsError::InvalidRequest(format!(
+            "{} has no shared receive queues",
+            self.name()
+        )))
+    }
+    /// Receiver-not-ready events seen by this device (SENDs that found no
+    /// receive posted), where the provider counts them.
+    fn rnr_events(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Recovers a provider's own completion queue type from a trait object
+/// handed back to it (in [`Device::create_qp`]).
+pub(crate) fn downcast_srq<T: std::any::Any + Send + Sync>(
+    srq: Arc<dyn SharedReceiveQueue>,
+) -> Result<Arc<T>, VerbsError> {
+    srq.into_any()
+        .downcast::<T>()
+        .map_err(|_| VerbsError::InvalidRequest("shared receive queue of another provider".into()))
 }
 
 /// Recovers a provider's own completion queue type from a trait object

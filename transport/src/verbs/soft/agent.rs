@@ -29,6 +29,8 @@ pub(crate) enum Request {
     Qp(u32),
     /// A completion queue's ring.
     Cq(u32),
+    /// A shared receive queue's ring.
+    Srq(u32),
 }
 
 impl Request {
@@ -38,6 +40,7 @@ impl Request {
             Request::Region(key) => (2, key),
             Request::Qp(qpn) => (3, qpn),
             Request::Cq(id) => (4, id),
+            Request::Srq(id) => (5, id),
         };
         let mut out = [0u8; 16];
         out[0..4].copy_from_slice(&op.to_le_bytes());
@@ -56,6 +59,7 @@ impl Request {
             2 => Request::Region(id),
             3 => Request::Qp(id),
             4 => Request::Cq(id),
+            5 => Request::Srq(id),
             _ => return None,
         };
         Some((request, u64::from_le_bytes(node)))

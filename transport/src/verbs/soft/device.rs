@@ -7,8 +7,9 @@ use super::agent::{self, Answer, Request};
 use super::cq::SoftCq;
 use super::qp::{SoftQp, SoftQpInner};
 use super::rings::{MemoryRegion, REGION_SLOTS, RegionTable};
+use super::srq::SoftSrq;
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
-use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, VerbsError};
+use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, SharedReceiveQueue, VerbsError};
 
 /// Faults a soft device injects, each with a probability in millionths,
 /// drawn from a generator seeded with `seed` (so a failing test replays).
@@ -118,6 +119,7 @@ impl SoftFabric {
             region_fds: Mutex::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
             cqs: Mutex::new(HashMap::new()),
+            srqs: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new(0x10),
             faults,
             rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ (node & 0xffff_ffff)),
@@ -160,6 +162,7 @@ pub(crate) struct DeviceInner {
     region_fds: Mutex<HashMap<u32, OwnedFd>>,
     qps: Mutex<HashMap<u32, Weak<SoftQpInner>>>,
     cqs: Mutex<HashMap<u32, Weak<SoftCq>>>,
+    srqs: Mutex<HashMap<u32, Weak<SoftSrq>>>,
     next_qpn: AtomicU32,
     faults: SoftFaults,
     rng: Mutex<u64>,
@@ -205,6 +208,10 @@ impl DeviceInner {
                 let qp = self.qp(qpn)?;
                 plain(agent::dup(qp.segment.fd()))
             }
+            Request::Srq(id) => {
+                let srq = self.srq(id)?;
+                plain(agent::dup(srq.segment.fd()))
+            }
             Request::Cq(id) => {
                 let cq = self
                     .cqs
@@ -215,6 +222,15 @@ impl DeviceInner {
                 plain(agent::dup(cq.ring.fd()))
             }
         }
+    }
+
+    /// The shared receive queue `id`, if alive.
+    pub(crate) fn srq(&self, id: u32) -> Option<Arc<SoftSrq>> {
+        self.srqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .and_then(Weak::upgrade)
     }
 
     /// Makes `cq` reachable by peers in other processes.
@@ -408,6 +424,47 @@ impl Device for SoftDevice {
         recv_cq: Arc<dyn CompletionQueue>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        self.new_qp(send_cq, recv_cq, None, caps)
+    }
+
+    fn create_srq(&self, depth: u32) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
+        static NEXT_SRQ: AtomicU32 = AtomicU32::new(1);
+        let srq = Arc::new(SoftSrq::new(
+            NEXT_SRQ.fetch_add(1, Ordering::Relaxed),
+            depth,
+        )?);
+        self.inner
+            .srqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(srq.id, Arc::downgrade(&srq));
+        Ok(srq)
+    }
+
+    fn create_qp_on_srq(
+        &self,
+        send_cq: Arc<dyn CompletionQueue>,
+        recv_cq: Arc<dyn CompletionQueue>,
+        srq: Arc<dyn SharedReceiveQueue>,
+        caps: QpCaps,
+    ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        let srq = crate::verbs::downcast_srq::<SoftSrq>(srq)?;
+        self.new_qp(send_cq, recv_cq, Some(srq), caps)
+    }
+
+    fn rnr_events(&self) -> Option<u64> {
+        Some(self.inner.table.rnr_events())
+    }
+}
+
+impl SoftDevice {
+    fn new_qp(
+        &self,
+        send_cq: Arc<dyn CompletionQueue>,
+        recv_cq: Arc<dyn CompletionQueue>,
+        srq: Option<Arc<SoftSrq>>,
+        caps: QpCaps,
+    ) -> Result<Arc<dyn QueuePair>, VerbsError> {
         let send_cq = crate::verbs::downcast_cq::<SoftCq>(send_cq)?;
         let recv_cq = crate::verbs::downcast_cq::<SoftCq>(recv_cq)?;
         let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed);
@@ -417,6 +474,7 @@ impl Device for SoftDevice {
             caps,
             send_cq,
             recv_cq,
+            srq,
         )?);
         self.inner
             .qps

@@ -40,10 +40,12 @@ mod peer;
 mod qp;
 mod rings;
 mod shm;
+mod srq;
 
 pub use cq::SoftCq;
 pub use device::{SoftDevice, SoftFabric, SoftFaults, SoftStats};
 pub use qp::SoftQp;
+pub use srq::SoftSrq;
 
 #[cfg(test)]
 mod tests;

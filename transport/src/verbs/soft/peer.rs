@@ -17,6 +17,9 @@ use crate::verbs::{QpEndpoint, VerbsError};
 #[derive(Debug)]
 pub(crate) struct Peer {
     pub(crate) qp: Arc<QpSegment>,
+    /// Where its receives come from: its own ring, or its shared receive
+    /// queue's.
+    pub(crate) recvs: Arc<QpSegment>,
     cq: PeerCq,
     device: PeerDevice,
 }
@@ -42,7 +45,12 @@ impl Peer {
         };
         if let Some(device) = local.fabric.device(remote.node) {
             let qp = device.qp(remote.qpn).ok_or_else(unknown)?;
+            let recvs = match qp.segment.srq() {
+                0 => Arc::clone(&qp.segment),
+                id => Arc::clone(&device.srq(id).ok_or_else(unknown)?.segment),
+            };
             return Ok(Self {
+                recvs,
                 qp: Arc::clone(&qp.segment),
                 cq: PeerCq::Local(Arc::clone(&qp.recv_cq)),
                 device: PeerDevice::Local(Arc::downgrade(&device)),
@@ -68,8 +76,19 @@ impl Peer {
             .ask(Request::Cq(qp.recv_cq()))
             .and_then(|answer| CqRing::open(answer.fd))
             .map_err(|e| failed("completion queue", e))?;
+        let qp = Arc::new(qp);
+        let recvs = match qp.srq() {
+            0 => Arc::clone(&qp),
+            id => Arc::new(
+                device
+                    .ask(Request::Srq(id))
+                    .and_then(|answer| QpSegment::open(answer.fd))
+                    .map_err(|e| failed("shared receive queue", e))?,
+            ),
+        };
         Ok(Self {
-            qp: Arc::new(qp),
+            recvs,
+            qp,
             cq: PeerCq::Remote(cq),
             device: PeerDevice::Remote(device),
         })

@@ -6,6 +6,7 @@ use super::cq::{Pending, SoftCq};
 use super::device::{DeviceInner, Fault};
 use super::peer::{Peer, PeerMemory};
 use super::rings::{QpSegment, RingCompletion, STATE_ERROR, STATE_READY, STATE_RESET};
+use super::srq::SoftSrq;
 use crate::verbs::{
     QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr, VerbsError, WcKind, WcStatus,
     WorkCompletion,
@@ -40,6 +41,8 @@ pub(crate) struct SoftQpInner {
     send_outstanding: Arc<AtomicU32>,
     send_cq: Arc<SoftCq>,
     pub(crate) recv_cq: Arc<SoftCq>,
+    /// The shared receive queue its receives come from, if any.
+    srq: Option<Arc<SoftSrq>>,
 }
 
 impl SoftQpInner {
@@ -49,11 +52,13 @@ impl SoftQpInner {
         caps: QpCaps,
         send_cq: Arc<SoftCq>,
         recv_cq: Arc<SoftCq>,
+        srq: Option<Arc<SoftSrq>>,
     ) -> Result<Self, VerbsError> {
         if let Some(device) = device.upgrade() {
             device.adopt_cq(&recv_cq);
         }
-        let segment = QpSegment::create(caps.max_recv_wr, recv_cq.id)
+        let srq_id = srq.as_ref().map_or(0, |s| s.id);
+        let segment = QpSegment::create(caps.max_recv_wr, recv_cq.id, srq_id)
             .map_err(|e| VerbsError::NoDevice(format!("soft NIC shared memory: {e}")))?;
         Ok(Self {
             qpn,
@@ -69,6 +74,7 @@ impl SoftQpInner {
             send_outstanding: Arc::new(AtomicU32::new(0)),
             send_cq,
             recv_cq,
+            srq,
         })
     }
 
@@ -109,6 +115,10 @@ impl SoftQpInner {
         }
         // Completions peers pushed before come first.
         self.recv_cq.collect();
+        // A shared receive queue's receives belong to every QP on it.
+        if self.srq.is_some() {
+            return;
+        }
         while let Some(wr) = self.segment.take_recv() {
             self.recv_cq.push(Pending {
                 completion: WorkCompletion {
@@ -223,7 +233,8 @@ impl SoftQpInner {
         };
         match wr.op {
             SendOp::Send => {
-                let Some(recv) = take_recv_or_rnr(device, memory, &peer.qp) else {
+                let Some(recv) = take_recv_or_rnr(device, memory, &peer.recvs, self.caps.rnr_retry)
+                else {
                     return WcStatus::ReceiverNotReady;
                 };
                 if total > recv.sge.len as usize {
@@ -257,7 +268,8 @@ impl SoftQpInner {
                     return WcStatus::RemoteAccessError;
                 };
                 // The responder needs a receive before it accepts the data.
-                let Some(recv) = take_recv_or_rnr(device, memory, &peer.qp) else {
+                let Some(recv) = take_recv_or_rnr(device, memory, &peer.recvs, self.caps.rnr_retry)
+                else {
                     return WcStatus::ReceiverNotReady;
                 };
                 copy_gather(gather, target.addr);
@@ -275,20 +287,45 @@ impl SoftQpInner {
     }
 }
 
+/// Longest a SEND keeps retrying when its QP's `rnr_retry` is 7 ("without
+/// end"): far above any repost delay of a live receiver, and bounded so a
+/// dead one cannot stall the sender's thread for long.
+const RNR_RETRY_FOREVER: Duration = Duration::from_millis(500);
+/// Wait between two tries after a receiver-not-ready NAK.
+const RNR_BACKOFF: Duration = Duration::from_micros(20);
+
+/// A receive from `recvs`, retried `rnr_retry` times (7: until
+/// [`RNR_RETRY_FOREVER`]) while none is posted; every miss is a counted
+/// receiver-not-ready event.
 fn take_recv_or_rnr(
     device: &DeviceInner,
     memory: &PeerMemory<'_>,
-    peer: &QpSegment,
+    recvs: &QpSegment,
+    rnr_retry: u8,
 ) -> Option<RecvWr> {
-    let recv = if device.roll(Fault::Rnr) > 0 {
-        None
-    } else {
-        peer.take_recv()
-    };
-    if recv.is_none() {
+    let started = std::time::Instant::now();
+    let mut tries: u8 = 0;
+    loop {
+        let recv = if device.roll(Fault::Rnr) > 0 {
+            None
+        } else {
+            recvs.take_recv()
+        };
+        if recv.is_some() {
+            return recv;
+        }
         memory.table().count_rnr();
+        let again = match rnr_retry {
+            0 => false,
+            7.. => started.elapsed() < RNR_RETRY_FOREVER,
+            n => tries < n,
+        };
+        if !again {
+            return None;
+        }
+        tries = tries.saturating_add(1);
+        std::thread::sleep(RNR_BACKOFF);
     }
-    recv
 }
 
 /// Copies the gather list to consecutive bytes at `dest`.
@@ -435,6 +472,11 @@ impl QueuePair for SoftQp {
 
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError> {
         let inner = &self.inner;
+        if inner.srq.is_some() {
+            return Err(VerbsError::InvalidRequest(
+                "this QP takes its receives from a shared receive queue".into(),
+            ));
+        }
         if inner.state() == QpState::Error {
             for wr in wrs {
                 inner.recv_cq.push(Pending {

@@ -265,7 +265,8 @@ struct QpHeader {
     /// Peers copying into this QP's memory right now (the DMA guard).
     writers: AtomicU32,
     recv_cq: AtomicU32,
-    _pad: AtomicU32,
+    /// The shared receive queue its receives come from (0: its own).
+    srq: AtomicU32,
     /// Next receive a sender takes.
     head: AtomicU64,
     /// Next free slot the owner posts into.
@@ -290,7 +291,7 @@ pub(crate) struct QpSegment {
 impl QpSegment {
     const HEADER: usize = size_of::<QpHeader>();
 
-    pub(crate) fn create(recv_depth: u32, recv_cq: u32) -> io::Result<Self> {
+    pub(crate) fn create(recv_depth: u32, recv_cq: u32, srq: u32) -> io::Result<Self> {
         let capacity = (recv_depth.max(1) as usize).next_power_of_two();
         let segment = Segment::create(
             "tessera-soft-qp",
@@ -301,6 +302,7 @@ impl QpSegment {
         )?;
         let this = Self { segment, capacity };
         this.header().recv_cq.store(recv_cq, Ordering::Release);
+        this.header().srq.store(srq, Ordering::Release);
         Ok(this)
     }
 
@@ -330,6 +332,11 @@ impl QpSegment {
 
     pub(crate) fn state(&self) -> u32 {
         self.header().state.load(Ordering::SeqCst)
+    }
+
+    /// The shared receive queue its receives come from (0: its own ring).
+    pub(crate) fn srq(&self) -> u32 {
+        self.header().srq.load(Ordering::Acquire)
     }
 
     /// Moves to `state`; returns the previous one.
@@ -740,7 +747,7 @@ mod tests {
 
     #[test]
     fn a_segment_opened_from_its_fd_shares_memory_and_refuses_strangers() {
-        let qp = QpSegment::create(8, 3).unwrap();
+        let qp = QpSegment::create(8, 3, 0).unwrap();
         let peer = QpSegment::open(qp.fd().try_clone_to_owned().unwrap()).unwrap();
         let wr = RecvWr {
             wr_id: 5,

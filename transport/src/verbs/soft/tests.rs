@@ -527,3 +527,117 @@ fn a_destroyed_queue_pair_accepts_no_more_writes() {
         "nothing landed after the QP was destroyed"
     );
 }
+
+#[test]
+fn qps_on_a_shared_receive_queue_take_from_it_and_misses_are_counted() {
+    let fabric = SoftFabric::new();
+    let server = fabric.open("srq-server", SoftFaults::default()).unwrap();
+    let pool = Pool::new(
+        PoolConfig::named("srq-recv"),
+        Access::RemoteWrite,
+        server.registration_hook(),
+    )
+    .unwrap();
+    let srq = server.create_srq(4).unwrap();
+    let cq = server.create_cq(64).unwrap();
+    let on_srq = |_: usize| {
+        server
+            .create_qp_on_srq(cq.clone(), cq.clone(), srq.clone(), QpCaps::default())
+            .unwrap()
+    };
+    let (s1, s2) = (on_srq(1), on_srq(2));
+    let c1 = Side::new(&fabric, "c1", SoftFaults::default(), QpCaps::default());
+    let c2 = Side::new(
+        &fabric,
+        "c2",
+        SoftFaults::default(),
+        QpCaps {
+            rnr_retry: 3,
+            ..QpCaps::default()
+        },
+    );
+    for (client, qp) in [(&c1, &s1), (&c2, &s2)] {
+        client.qp.connect(&qp.endpoint()).unwrap();
+        qp.connect(&client.qp.endpoint()).unwrap();
+    }
+    assert!(
+        s1.post_recv(&[RecvWr {
+            wr_id: 0,
+            sge: Sge {
+                addr: 0,
+                len: 0,
+                lkey: 0
+            }
+        }])
+        .is_err(),
+        "a QP on an SRQ has no receive queue of its own"
+    );
+    let buffers: Vec<PoolBuf> = (0..4).map(|_| filled(&pool, 64, 0)).collect();
+    let wrs: Vec<RecvWr> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| RecvWr {
+            wr_id: i as u64,
+            sge: sge(b),
+        })
+        .collect();
+    srq.post_recv(&wrs).unwrap();
+    // Both clients' SENDs land in the one queue, completing on their QPs.
+    let data = filled(&c1.send_pool, 16, 7);
+    c1.qp.post_send(&[send(1, &data), send(2, &data)]).unwrap();
+    let data2 = filled(&c2.send_pool, 16, 8);
+    c2.qp
+        .post_send(&[send(1, &data2), send(2, &data2)])
+        .unwrap();
+    assert!(c1.poll_send().iter().all(|c| c.status == WcStatus::Success));
+    assert!(c2.poll_send().iter().all(|c| c.status == WcStatus::Success));
+    let mut got = Vec::new();
+    cq.poll(&mut got, 64);
+    let mut qpns: Vec<u32> = got.iter().map(|c| c.qpn).collect();
+    qpns.sort_unstable();
+    let mut want = vec![s1.qpn(), s1.qpn(), s2.qpn(), s2.qpn()];
+    want.sort_unstable();
+    assert_eq!(qpns, want);
+    assert_eq!(server.rnr_events(), Some(0));
+    // The queue is empty now: with no retry the SEND fails at once; with
+    // three retries it fails after four counted misses.
+    c1.qp.post_send(&[send(3, &data)]).unwrap();
+    assert_eq!(c1.poll_send()[0].status, WcStatus::ReceiverNotReady);
+    assert_eq!(server.rnr_events(), Some(1));
+    c2.qp.post_send(&[send(3, &data2)]).unwrap();
+    assert_eq!(c2.poll_send()[0].status, WcStatus::ReceiverNotReady);
+    assert_eq!(server.rnr_events(), Some(5));
+}
+
+#[test]
+fn a_send_retried_after_receiver_not_ready_lands_once_a_receive_is_posted() {
+    let fabric = SoftFabric::new();
+    let caps = QpCaps {
+        rnr_retry: 7,
+        ..QpCaps::default()
+    };
+    let (a, b) = {
+        let a = Side::new(&fabric, "a", SoftFaults::default(), caps);
+        let b = Side::new(&fabric, "b", SoftFaults::default(), caps);
+        a.qp.connect(&b.qp.endpoint()).unwrap();
+        b.qp.connect(&a.qp.endpoint()).unwrap();
+        (a, b)
+    };
+    let target = filled(&b.recv_pool, 64, 0);
+    let posted = sge(&target);
+    let b_qp = Arc::clone(&b.qp);
+    let poster = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        b_qp.post_recv(&[RecvWr {
+            wr_id: 9,
+            sge: posted,
+        }])
+        .unwrap();
+    });
+    let data = filled(&a.send_pool, 8, 3);
+    a.qp.post_send(&[send(1, &data)]).unwrap();
+    poster.join().unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::Success);
+    assert_eq!(b.poll_recv()[0].wr_id, 9);
+    assert!(b.device.stats().rnr_events >= 1, "the misses were counted");
+}
