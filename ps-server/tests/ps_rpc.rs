@@ -1,4 +1,5 @@
-//! The parameter server over RPC, in-process and as a binary.
+//! The parameter server over RPC, in-process and as a binary; the RPC cases
+//! run over TCP and over RDMA with the soft provider (`tcp::`, `rdma_soft::`).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::time::Duration;
@@ -8,11 +9,48 @@ use tessera_proto::rows::{get_f32s, put_f32s};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient, PushRequest};
 use tessera_ps_server::{Mode, PsServer, PsServerConfig, TableConfig};
-use tessera_rpc::{Channel, ChannelConfig, Code};
+use tessera_rpc::{
+    Channel, ChannelConfig, Code, RdmaConfig, RdmaProvider, TransportConfig, TransportKind,
+};
 use tokio::sync::oneshot;
+
+/// Which transport a case runs over.
+#[derive(Clone, Copy)]
+enum Over {
+    Tcp,
+    RdmaSoft,
+}
+
+impl Over {
+    fn kind(self) -> TransportKind {
+        match self {
+            Over::Tcp => TransportKind::Tcp,
+            Over::RdmaSoft => TransportKind::Rdma,
+        }
+    }
+
+    fn rdma(self) -> RdmaConfig {
+        RdmaConfig {
+            provider: RdmaProvider::Soft,
+            ..RdmaConfig::default()
+        }
+    }
+
+    fn channel(self) -> ChannelConfig {
+        ChannelConfig {
+            transport: TransportConfig {
+                kind: self.kind(),
+                rdma: self.rdma(),
+                ..TransportConfig::default()
+            },
+            ..ChannelConfig::default()
+        }
+    }
+}
 
 async fn start(
     mode: Mode,
+    over: Over,
 ) -> (
     ParameterServerClient,
     oneshot::Sender<()>,
@@ -21,6 +59,8 @@ async fn start(
     let config = PsServerConfig {
         listen: "127.0.0.1:0".into(),
         mode,
+        transport: over.kind(),
+        rdma: over.rdma(),
         num_shards: 2,
         shards: vec![1],
         tables: vec![TableConfig {
@@ -37,9 +77,7 @@ async fn start(
     let task = tokio::spawn(server.serve(async {
         let _ = stopped.await;
     }));
-    let channel = Channel::connect(addr, ChannelConfig::default())
-        .await
-        .unwrap();
+    let channel = Channel::connect(addr, over.channel()).await.unwrap();
     (ParameterServerClient::new(channel), stop, task)
 }
 
@@ -56,9 +94,8 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
     out
 }
 
-#[tokio::test]
-async fn fetch_push_fetch_over_rpc() {
-    let (client, stop, task) = start(Mode::Training).await;
+async fn fetch_push_fetch_over_rpc(over: Over) {
+    let (client, stop, task) = start(Mode::Training, over).await;
     let keys = shard1_keys(3);
     let before = client
         .fetch(FetchRequest {
@@ -103,9 +140,8 @@ async fn fetch_push_fetch_over_rpc() {
     task.await.unwrap();
 }
 
-#[tokio::test]
-async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving() {
-    let (client, stop, task) = start(Mode::Training).await;
+async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving(over: Over) {
+    let (client, stop, task) = start(Mode::Training, over).await;
     let keys = shard1_keys(2);
     let cases = [
         (
@@ -176,9 +212,8 @@ async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving() {
     task.await.unwrap();
 }
 
-#[tokio::test]
-async fn inference_server_serves_zeros_and_refuses_push() {
-    let (client, stop, task) = start(Mode::Inference).await;
+async fn inference_server_serves_zeros_and_refuses_push(over: Over) {
+    let (client, stop, task) = start(Mode::Inference, over).await;
     let keys = shard1_keys(2);
     let rows = client
         .fetch(FetchRequest {
@@ -255,4 +290,84 @@ fn binary_serves_and_stops_on_sigterm() {
     assert!(status.success());
     let exit = child.wait().unwrap();
     assert!(exit.success(), "{exit:?}");
+}
+
+/// Every RPC case runs over TCP and over RDMA with the soft provider.
+macro_rules! over_both_transports {
+    ($($case:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Over::Tcp).await;
+                }
+            )*
+        }
+        mod rdma_soft {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Over::RdmaSoft).await;
+                }
+            )*
+        }
+    };
+}
+
+over_both_transports!(
+    fetch_push_fetch_over_rpc,
+    bad_requests_get_clear_statuses_and_the_server_keeps_serving,
+    inference_server_serves_zeros_and_refuses_push,
+);
+
+#[test]
+fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ps.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\ntransport = \"rdma\"\nnum_shards = 2\nshards = [1]\n[rdma]\nprovider = \"soft\"\n[[tables]]\nname = \"emb\"\ndim = 4\n"
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let rows = runtime.block_on(async {
+        for _ in 0..200 {
+            if let Ok(channel) =
+                Channel::connect(format!("127.0.0.1:{port}"), Over::RdmaSoft.channel()).await
+            {
+                let client = ParameterServerClient::new(channel);
+                if let Ok(rows) = client
+                    .fetch(FetchRequest {
+                        table: "emb".into(),
+                        shard: 1,
+                        keys: shard1_keys(3),
+                    })
+                    .await
+                {
+                    return Some(rows.values.len());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        None
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(
+        rows,
+        Some(3 * 4 * 4),
+        "three rows of four f32 over RDMA from another process"
+    );
 }
