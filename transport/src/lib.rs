@@ -6,9 +6,10 @@
 //! [`MessageSender`]; the peer's [`MessageReceiver`] yields the same bytes as
 //! one contiguous [`bytes::Bytes`].
 //!
-//! Today the only implementation is TCP ([`tcp`]); RDMA arrives behind the
-//! same API, chosen by [`TransportKind`] in the configuration, so the RPC layer
-//! is written once.
+//! Two implementations sit behind the same API, chosen by [`TransportKind`]
+//! in the configuration, so the RPC layer is written once: TCP ([`tcp`]) and
+//! RDMA ([`rdma`]: engines on RC queue pairs, driven by I/O threads, over
+//! the verbs providers in [`verbs`]).
 
 mod config;
 mod connection;

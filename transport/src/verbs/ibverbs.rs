@@ -217,6 +217,12 @@ impl RegistrationHook for IbvRegistration {
 #[derive(Debug)]
 pub struct IbvCq {
     cq: *mut ibv_cq,
+    /// Where the CQ announces a completion after `ibv_req_notify_cq`
+    /// (event mode).
+    channel: *mut ibv_comp_channel,
+    /// Wakes a thread sleeping in `wait` on behalf of `wake`.
+    wake_fd: std::os::fd::OwnedFd,
+    armed: std::sync::atomic::AtomicBool,
     _ctx: Arc<Context>,
 }
 
@@ -227,8 +233,12 @@ unsafe impl Sync for IbvCq {}
 
 impl Drop for IbvCq {
     fn drop(&mut self) {
-        // SAFETY: QPs using this CQ hold an Arc to it, so none is left.
-        unsafe { ibv_destroy_cq(self.cq) };
+        // SAFETY: QPs using this CQ hold an Arc to it, so none is left;
+        // the channel goes after the CQ that reports to it.
+        unsafe {
+            ibv_destroy_cq(self.cq);
+            ibv_destroy_comp_channel(self.channel);
+        }
     }
 }
 
@@ -289,6 +299,61 @@ impl CompletionQueue for IbvCq {
 
     fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
         self
+    }
+
+    fn arm(&self) {
+        use std::sync::atomic::Ordering;
+        self.armed.store(true, Ordering::SeqCst);
+        // SAFETY: the CQ is alive. A failure leaves the thread to wake at
+        // its timeout, which `wait` callers bound.
+        unsafe { ibv_req_notify_cq(self.cq, 0) };
+    }
+
+    fn wait(&self, timeout: std::time::Duration) {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        // SAFETY: the channel is alive for as long as the CQ.
+        let channel_fd = unsafe { (*self.channel).fd };
+        let mut fds = [
+            libc::pollfd {
+                fd: channel_fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake_fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let millis = i32::try_from(timeout.as_millis().max(1)).unwrap_or(i32::MAX);
+        // SAFETY: `fds` is a valid array of two pollfds for the call.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, millis) };
+        if ready > 0 && fds[0].revents & libc::POLLIN != 0 {
+            let mut cq: *mut ibv_cq = std::ptr::null_mut();
+            let mut context: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the channel reported an event; out pointers valid.
+            if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut context) } == 0 {
+                // SAFETY: every event taken is acknowledged, on its CQ.
+                unsafe { ibv_ack_cq_events(cq, 1) };
+            }
+        }
+        if ready > 0 && fds[1].revents & libc::POLLIN != 0 {
+            let mut counter = [0u8; 8];
+            // SAFETY: reading 8 bytes into a buffer of 8 resets the eventfd.
+            unsafe { libc::read(self.wake_fd.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
+        }
+        self.armed.store(false, Ordering::SeqCst);
+    }
+
+    fn wake(&self) {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        if self.armed.load(Ordering::SeqCst) {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writing 8 bytes to an eventfd adds to its counter.
+            unsafe { libc::write(self.wake_fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
     }
 }
 
@@ -670,21 +735,40 @@ impl Device for IbvDevice {
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
-        // SAFETY: the context is open; no channel or context pointer is used.
-        let cq = unsafe {
-            ibv_create_cq(
-                self.ctx.ctx,
-                depth as i32,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        if cq.is_null() {
-            return Err(VerbsError::InvalidRequest(os_error("ibv_create_cq")));
+        // SAFETY: the context is open.
+        let channel = unsafe { ibv_create_comp_channel(self.ctx.ctx) };
+        if channel.is_null() {
+            return Err(VerbsError::InvalidRequest(os_error(
+                "ibv_create_comp_channel",
+            )));
         }
+        // SAFETY: the context and channel are alive; no context pointer.
+        let cq =
+            unsafe { ibv_create_cq(self.ctx.ctx, depth as i32, std::ptr::null_mut(), channel, 0) };
+        if cq.is_null() {
+            let err = os_error("ibv_create_cq");
+            // SAFETY: created above, used by nothing.
+            unsafe { ibv_destroy_comp_channel(channel) };
+            return Err(VerbsError::InvalidRequest(err));
+        }
+        // SAFETY: eventfd has no memory preconditions; checked below.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            let err = os_error("eventfd");
+            // SAFETY: created above, used by nothing.
+            unsafe {
+                ibv_destroy_cq(cq);
+                ibv_destroy_comp_channel(channel);
+            }
+            return Err(VerbsError::InvalidRequest(err));
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let wake_fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
         Ok(Arc::new(IbvCq {
             cq,
+            channel,
+            wake_fd,
+            armed: std::sync::atomic::AtomicBool::new(false),
             _ctx: Arc::clone(&self.ctx),
         }))
     }
