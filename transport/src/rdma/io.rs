@@ -507,17 +507,18 @@ impl Worker {
             // Shared receives are not reposted while the applications are
             // behind: senders then meet receiver-not-ready and retry (the
             // shared queue's backpressure, as credits are a dedicated one's).
-            let backlog: usize = self
-                .engines
-                .values()
-                .flat_map(|e| e.sockets.values())
-                .map(|s| s.backlog.len())
-                .sum();
-            if backlog < BACKLOG_LIMIT
-                && let Some(shared) = &mut self.shared
-                && let Err(err) = shared.repost()
-            {
-                tracing::warn!(%err, "reposting shared receives failed");
+            if let Some(shared) = &mut self.shared {
+                let backlog: usize = self
+                    .engines
+                    .values()
+                    .flat_map(|e| e.sockets.values())
+                    .map(|s| s.backlog.len())
+                    .sum();
+                if backlog < BACKLOG_LIMIT
+                    && let Err(err) = shared.repost()
+                {
+                    tracing::warn!(%err, "reposting shared receives failed");
+                }
             }
             // Timers.
             if next_timer.is_some_and(|at| now >= at) {
