@@ -426,6 +426,9 @@ pub async fn run(plan: &Plan) -> Result<Vec<Row>, BoxError> {
             Kind::RdmaSoft { fragment_size } => fragment_size == first_fragment,
         };
         if latency_run {
+            // Warm the connection up first (first touches of pool memory
+            // and of the peer's mappings, thread wake-ups settling).
+            latency(&transport, &mut conn, kind, 32, plan.iterations.min(2000)).await?;
             for &size in &plan.sizes {
                 rows.push(latency(&transport, &mut conn, kind, size, plan.iterations).await?);
             }

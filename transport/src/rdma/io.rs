@@ -567,9 +567,12 @@ impl Worker {
             }
             idle_rounds = idle_rounds.wrapping_add(1);
             match self.polling {
-                // Never sleeps; lets other threads run now and then.
+                // Never sleeps; yields the core every few empty rounds, so
+                // the application threads it serves (which must run for
+                // anything to happen) are not kept waiting for a time
+                // slice.
                 Polling::Busy => {
-                    if idle_rounds.is_multiple_of(1024) {
+                    if idle_rounds.is_multiple_of(16) {
                         std::thread::yield_now();
                     } else {
                         std::hint::spin_loop();
@@ -579,7 +582,11 @@ impl Worker {
                 // Keeps polling a moment after activity (the answer to what
                 // was just sent often comes within it), then sleeps.
                 Polling::Event if now.saturating_duration_since(last_work) < self.spin => {
-                    std::hint::spin_loop();
+                    if idle_rounds.is_multiple_of(16) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                     continue;
                 }
                 Polling::Event => {}
