@@ -544,6 +544,7 @@ impl Worker {
                     || slot.sockets.values().any(|s| !s.backlog.is_empty());
                 if !keep {
                     slot.metrics.update(&slot.attached.engine, stats);
+                    metrics::gauge!("tessera_rdma_qps_open").decrement(1.0);
                 }
                 keep
             });
@@ -677,11 +678,12 @@ impl Worker {
                 tracing::warn!(%err, "posting receives failed");
             }
         }
-        while let Some(batch) = attached.engine.poll_transmit(now) {
+        // One batch per engine per round: completions (the answers to what
+        // was sent) are polled between batches.
+        if let Some(batch) = attached.engine.poll_transmit(now) {
             progress = true;
             if let Err(err) = attached.qp.post_send(&batch) {
                 tracing::warn!(%err, "posting sends failed");
-                break;
             }
         }
         while let Some(event) = attached.engine.poll_event() {
@@ -811,6 +813,7 @@ impl Worker {
                     Self::deliver_completion(&mut self.shared, &mut slot, &completion, now);
                 }
                 self.engines.insert(qpn, slot);
+                metrics::gauge!("tessera_rdma_qps_open").increment(1.0);
             }
             Command::Open { qpn, reply } => match self.engines.get_mut(&qpn) {
                 Some(slot) => match slot.attached.engine.open_socket() {

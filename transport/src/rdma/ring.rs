@@ -3,8 +3,8 @@
 //! As deep as the QP's send queue, and split into three parts: *in flight*
 //! (posted, completion not yet seen), *pending* (queued, not yet posted) and
 //! *free*. [`WorkRequestRing::take_batch`] moves as many pending requests as
-//! there are free slots into flight for one `post_send` (doorbell batching)
-//! and signals only the last of them; its completion retires every request
+//! there are free slots (at most [`MAX_BATCH`]) into flight for one
+//! `post_send` (doorbell batching) and signals only the last of them; its completion retires every request
 //! posted before it. The ring never has more requests in flight than the
 //! send queue holds, so a post can never fail for lack of room.
 
@@ -14,6 +14,12 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use crate::verbs::SendWr;
+
+/// Most requests posted with one doorbell. A NIC starts on the first ones
+/// at once anyway, and a soft NIC (which copies in the posting thread)
+/// returns to polling completions between batches: a batch of eight 64 KiB
+/// fragments keeps an answer waiting for at most half a MiB of copying.
+pub const MAX_BATCH: usize = 8;
 
 /// A work request and the buffers it reads from, which must live until it
 /// has completed.
@@ -97,7 +103,7 @@ impl WorkRequestRing {
     /// with fresh ids, only the last one signalled. `None` if nothing can
     /// be posted.
     pub fn take_batch(&mut self, now: Instant) -> Option<Vec<SendWr>> {
-        let count = self.pending.len().min(self.free());
+        let count = self.pending.len().min(self.free()).min(MAX_BATCH);
         if count == 0 {
             return None;
         }
