@@ -58,7 +58,7 @@ use bytes::Bytes;
 
 use super::control::{ControlHeader, ControlKind, HEADER_LEN};
 use super::credits::ReceiveCredits;
-use super::ring::{RingEntry, WorkRequestRing};
+use super::ring::{MAX_BATCH, RingEntry, WorkRequestRing};
 use super::window::{SendWindow, WindowConfig};
 use crate::Message;
 use crate::pool::{Pool, PoolBuf, lookup};
@@ -901,7 +901,10 @@ impl Engine {
             return Ok(());
         }
         let mut pushed_send = false;
-        while self.ring.pending() < self.ring.free() {
+        // Schedule no more than one doorbell batch ahead: a fragment queued
+        // in the ring is out of the scheduler's hands, so a small message of
+        // another socket would wait behind all of them.
+        while self.ring.pending() < self.ring.free().min(MAX_BATCH) {
             if !self.control.is_empty() && self.push_control()? {
                 pushed_send = true;
                 continue;

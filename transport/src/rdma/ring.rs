@@ -17,9 +17,9 @@ use crate::verbs::SendWr;
 
 /// Most requests posted with one doorbell. A NIC starts on the first ones
 /// at once anyway, and a soft NIC (which copies in the posting thread)
-/// returns to polling completions between batches: a batch of sixteen
-/// 64 KiB fragments keeps an answer waiting for at most a MiB of copying.
-pub const MAX_BATCH: usize = 16;
+/// returns to polling completions between batches: a batch of eight 64 KiB
+/// fragments keeps an answer waiting for at most half a MiB of copying.
+pub const MAX_BATCH: usize = 8;
 
 /// A work request and the buffers it reads from, which must live until it
 /// has completed.
