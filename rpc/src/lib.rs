@@ -17,6 +17,7 @@ mod config;
 mod context;
 mod descriptor;
 mod error;
+pub mod policy;
 mod server;
 mod status;
 pub mod wire;
