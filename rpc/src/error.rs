@@ -57,6 +57,9 @@ pub enum RpcError {
     /// The response body is not a valid message of the expected type.
     #[error("response does not decode: {0}")]
     Decode(#[from] prost::DecodeError),
+    /// A replica set had no replica left to try.
+    #[error("no replica available: {0}")]
+    NoReplica(String),
 }
 
 impl From<ConfigError> for RpcError {
@@ -74,7 +77,8 @@ impl RpcError {
             RpcError::ConnectTimeout { .. }
             | RpcError::Connect { .. }
             | RpcError::ConnectionLost { .. }
-            | RpcError::Send { .. } => Code::Unavailable,
+            | RpcError::Send { .. }
+            | RpcError::NoReplica(_) => Code::Unavailable,
             RpcError::Decode(_) => Code::Internal,
             RpcError::Memory(_) => Code::ResourceExhausted,
             RpcError::Config(_) => Code::InvalidArgument,
@@ -86,7 +90,10 @@ impl RpcError {
     pub fn is_connection_failure(&self) -> bool {
         matches!(
             self,
-            RpcError::ConnectTimeout { .. } | RpcError::Connect { .. } | RpcError::Send { .. }
+            RpcError::ConnectTimeout { .. }
+                | RpcError::Connect { .. }
+                | RpcError::Send { .. }
+                | RpcError::NoReplica(_)
         )
     }
 }

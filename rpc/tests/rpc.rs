@@ -605,3 +605,145 @@ over_both_transports!(
     services_concurrent_calls_and_large_payloads,
     statuses_deadlines_and_server_gone,
 );
+
+mod replica_set {
+    use super::*;
+    use tessera_rpc::policy::{QuarantineConfig, RetryBudgetConfig, RetryPolicyConfig};
+    use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
+
+    fn dead_addr() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        addr
+    }
+
+    fn echo_body(delay_ms: u32) -> tessera_transport::Message {
+        let request = EchoRequest {
+            payload: Bytes::from_static(b"hello"),
+            delay_ms,
+        };
+        tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&request)))
+    }
+
+    fn config(replicas: Vec<ReplicaEndpoint>) -> ReplicaSetConfig {
+        ReplicaSetConfig {
+            replicas,
+            local_domain: "zone-a".into(),
+            channel: ChannelConfig {
+                connect_timeout_ms: 200,
+                request_timeout_ms: 150,
+                ..ChannelConfig::default()
+            },
+            retry: RetryPolicyConfig {
+                probability: 1.0,
+                ..RetryPolicyConfig::default()
+            },
+            quarantine: QuarantineConfig {
+                max_connect_failures: 2,
+                ..QuarantineConfig::default()
+            },
+            seed: Some(11),
+            ..ReplicaSetConfig::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_fail_over_from_a_dead_replica_which_is_then_quarantined() {
+        let server = start(ServerConfig::default()).await;
+        let dead = dead_addr();
+        let set = ReplicaSet::new(
+            config(vec![
+                // The dead one is in the caller's own domain: preferred.
+                ReplicaEndpoint {
+                    addr: dead.clone(),
+                    domain: "zone-a".into(),
+                },
+                ReplicaEndpoint {
+                    addr: server.addr.clone(),
+                    domain: "zone-b".into(),
+                },
+            ]),
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        for _ in 0..20 {
+            let body = set
+                .call_raw(method, echo_body(0), false, Duration::from_secs(2))
+                .await
+                .expect("a healthy replica answers");
+            let response: EchoResponse = prost::Message::decode(body).unwrap();
+            assert_eq!(&response.payload[..], b"hello");
+        }
+        let quarantined = set.quarantined();
+        assert_eq!(quarantined.len(), 1, "{quarantined:?}");
+        assert_eq!(quarantined[0].node, dead);
+        set.clear_quarantine();
+        assert!(set.quarantined().is_empty());
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_attempt_is_retried_only_when_safe_and_the_budget_caps_retries() {
+        let slow = start(ServerConfig::default()).await;
+        let slow2 = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                budget: RetryBudgetConfig {
+                    max_tokens: 2.0,
+                    reserve_per_sec: 0.0,
+                    ..RetryBudgetConfig::default()
+                },
+                ..config(vec![
+                    ReplicaEndpoint {
+                        addr: slow.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                    ReplicaEndpoint {
+                        addr: slow2.addr.clone(),
+                        domain: "zone-b".into(),
+                    },
+                ])
+            },
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        // Each attempt times out at 150 ms (the server takes 400).
+        let started = std::time::Instant::now();
+        let err = set
+            .call_raw(method, echo_body(400), false, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RpcError::DeadlineExceeded(_)), "{err:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(350),
+            "not idempotent: one attempt only ({:?})",
+            started.elapsed()
+        );
+        // Safe to retry: a second attempt on the other replica, within the
+        // budget of two tokens.
+        let started = std::time::Instant::now();
+        let err = set
+            .call_raw(method, echo_body(400), true, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RpcError::DeadlineExceeded(_)), "{err:?}");
+        assert!(
+            started.elapsed() >= Duration::from_millis(290),
+            "{:?}",
+            started.elapsed()
+        );
+        // The budget is spent now: the next call gets one attempt.
+        let started = std::time::Instant::now();
+        set.call_raw(method, echo_body(400), true, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_millis(350),
+            "budget exhausted: no retry ({:?})",
+            started.elapsed()
+        );
+        slow.shutdown().await;
+        slow2.shutdown().await;
+    }
+}

@@ -67,11 +67,15 @@ impl ReplicaSelector {
     }
 
     /// Picks a replica for the next attempt: among those `eligible` says
-    /// yes to (not quarantined, not tried already), preferring the local
-    /// domain. `None` if none is eligible.
-    pub fn pick(&self, eligible: impl Fn(&Replica) -> bool, rng: &mut impl Rng) -> Option<usize> {
+    /// yes to (given each index and replica: not quarantined, not tried
+    /// already), preferring the local domain. `None` if none is eligible.
+    pub fn pick(
+        &self,
+        eligible: impl Fn(usize, &Replica) -> bool,
+        rng: &mut impl Rng,
+    ) -> Option<usize> {
         let candidates: Vec<usize> = (0..self.replicas.len())
-            .filter(|&i| eligible(&self.replicas[i]))
+            .filter(|&i| eligible(i, &self.replicas[i]))
             .collect();
         let local: Vec<usize> = candidates
             .iter()
@@ -148,15 +152,17 @@ mod tests {
         let selector = set();
         let mut rng = StdRng::seed_from_u64(3);
         for _ in 0..100 {
-            let i = selector.pick(|_| true, &mut rng).unwrap();
+            let i = selector.pick(|_, _| true, &mut rng).unwrap();
             assert_eq!(selector.replicas()[i].domain, "zone-a");
         }
         // Zone a down: zone b serves.
         for _ in 0..100 {
-            let i = selector.pick(|r| r.domain != "zone-a", &mut rng).unwrap();
+            let i = selector
+                .pick(|_, r| r.domain != "zone-a", &mut rng)
+                .unwrap();
             assert_eq!(selector.replicas()[i].domain, "zone-b");
         }
-        assert_eq!(selector.pick(|_| false, &mut rng), None);
+        assert_eq!(selector.pick(|_, _| false, &mut rng), None);
     }
 
     #[test]
@@ -171,7 +177,7 @@ mod tests {
             selector.finish(1, Duration::from_millis(1));
         }
         let picks: Vec<usize> = (0..1000)
-            .map(|_| selector.pick(|_| true, &mut rng).unwrap())
+            .map(|_| selector.pick(|_, _| true, &mut rng).unwrap())
             .collect();
         assert!(
             picks.iter().all(|&i| i == 0),
@@ -181,7 +187,7 @@ mod tests {
         for _ in 0..20 {
             selector.start(0);
         }
-        assert_eq!(selector.pick(|_| true, &mut rng), Some(1));
+        assert_eq!(selector.pick(|_, _| true, &mut rng), Some(1));
         // Across a domain of three, the slowest is never picked (it loses
         // every pairing) and the others share the traffic.
         let mut three = ReplicaSelector::new(
@@ -198,7 +204,7 @@ mod tests {
         }
         let mut counts = [0usize; 3];
         for _ in 0..3000 {
-            counts[three.pick(|_| true, &mut rng).unwrap()] += 1;
+            counts[three.pick(|_, _| true, &mut rng).unwrap()] += 1;
         }
         assert_eq!(counts[2], 0, "{counts:?}");
         assert!(counts[0] > 0 && counts[1] > 0, "{counts:?}");
@@ -217,7 +223,7 @@ mod tests {
         // drawn, so both are picked.
         let mut seen = [false; 2];
         for _ in 0..100 {
-            seen[selector.pick(|_| true, &mut rng).unwrap()] = true;
+            seen[selector.pick(|_, _| true, &mut rng).unwrap()] = true;
         }
         assert_eq!(seen, [true, true]);
     }
