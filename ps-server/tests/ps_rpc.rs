@@ -371,3 +371,76 @@ fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
         "three rows of four f32 over RDMA from another process"
     );
 }
+
+#[test]
+fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() {
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ps.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\ntransport = \"rdma\"\nnum_shards = 2\nshards = [1]\n[rdma]\nprovider = \"soft\"\nkeepalive_interval_ms = 50\nkeepalive_timeout_ms = 500\n[[tables]]\nname = \"emb\"\ndim = 4\n"
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut channel_config = Over::RdmaSoft.channel();
+    channel_config.transport.rdma.keepalive_interval_ms = 50;
+    channel_config.transport.rdma.keepalive_timeout_ms = 500;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let outcome = runtime.block_on(async {
+        let mut client = None;
+        for _ in 0..200 {
+            if let Ok(channel) =
+                Channel::connect(format!("127.0.0.1:{port}"), channel_config.clone()).await
+            {
+                let c = ParameterServerClient::new(channel);
+                if c.health(HealthRequest {}).await.is_ok() {
+                    client = Some(c);
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let client = client.expect("ps-server became healthy");
+        // Freeze it: its TCP connections stay open, only keepalive can tell.
+        let stop = std::process::Command::new("kill")
+            .args(["-STOP", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(stop.success());
+        let started = std::time::Instant::now();
+        let result = client
+            .fetch_with_options(
+                FetchRequest {
+                    table: "emb".into(),
+                    shard: 1,
+                    keys: shard1_keys(1),
+                },
+                &tessera_rpc::CallOptions::with_timeout(Duration::from_secs(10)),
+            )
+            .await;
+        (result.map(|_| ()), started.elapsed())
+    });
+    let _ = std::process::Command::new("kill")
+        .args(["-CONT", &child.id().to_string()])
+        .status();
+    let _ = child.kill();
+    let _ = child.wait();
+    let (result, waited) = outcome;
+    let err = result.expect_err("a frozen server does not answer");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(
+        waited < Duration::from_secs(3),
+        "failed after {waited:?}: at keepalive (0.5 s), long before the 10 s deadline"
+    );
+}
