@@ -418,6 +418,21 @@ fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() 
             .status()
             .unwrap();
         assert!(stop.success());
+        // The signal takes effect asynchronously: wait until the process is
+        // seen stopped (state `T` in /proc), or a request could still be
+        // answered in between.
+        let stat = format!("/proc/{}/stat", child.id());
+        for _ in 0..1000 {
+            let state = std::fs::read_to_string(&stat).unwrap_or_default();
+            let stopped = state
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                == Some("T");
+            if stopped {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let started = std::time::Instant::now();
         let result = client
             .fetch_with_options(
