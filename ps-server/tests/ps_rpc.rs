@@ -320,8 +320,10 @@ over_both_transports!(
     inference_server_serves_zeros_and_refuses_push,
 );
 
-#[test]
-fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
+/// A `ps-server` process serving shard 1 of 2 over rdma-soft, with extra
+/// `[rdma]` settings; its port, and the directory of its config (kept
+/// alive by the caller).
+fn spawn_soft_ps_server(extra_rdma: &str) -> (std::process::Child, u16, tempfile::TempDir) {
     let port = {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().port()
@@ -331,16 +333,22 @@ fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
     std::fs::write(
         &path,
         format!(
-            "listen = \"127.0.0.1:{port}\"\ntransport = \"rdma\"\nnum_shards = 2\nshards = [1]\n[rdma]\nprovider = \"soft\"\n[[tables]]\nname = \"emb\"\ndim = 4\n"
+            "listen = \"127.0.0.1:{port}\"\ntransport = \"rdma\"\nnum_shards = 2\nshards = [1]\n[rdma]\nprovider = \"soft\"\n{extra_rdma}[[tables]]\nname = \"emb\"\ndim = 4\n"
         ),
     )
     .unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
         .arg("--config")
         .arg(&path)
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    (child, port, dir)
+}
+
+#[test]
+fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
+    let (mut child, port, _dir) = spawn_soft_ps_server("");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let rows = runtime.block_on(async {
         for _ in 0..200 {
@@ -374,25 +382,8 @@ fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
 
 #[test]
 fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() {
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ps.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\ntransport = \"rdma\"\nnum_shards = 2\nshards = [1]\n[rdma]\nprovider = \"soft\"\nkeepalive_interval_ms = 50\nkeepalive_timeout_ms = 500\n[[tables]]\nname = \"emb\"\ndim = 4\n"
-        ),
-    )
-    .unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
-        .arg("--config")
-        .arg(&path)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut child, port, _dir) =
+        spawn_soft_ps_server("keepalive_interval_ms = 50\nkeepalive_timeout_ms = 500\n");
     let mut channel_config = Over::RdmaSoft.channel();
     channel_config.transport.rdma.keepalive_interval_ms = 50;
     channel_config.transport.rdma.keepalive_timeout_ms = 500;

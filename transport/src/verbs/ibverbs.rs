@@ -375,6 +375,49 @@ pub struct IbvQp {
     _srq: Option<Arc<IbvSrq>>,
 }
 
+/// Receive work requests as libibverbs takes them: a linked list whose
+/// entries point at their scatter/gather entries. Both live in vectors
+/// whose heap buffers do not move when the struct does, so the pointers
+/// stay valid for as long as it lives.
+struct RecvList {
+    _sges: Vec<ibv_sge>,
+    list: Vec<ibv_recv_wr>,
+}
+
+impl RecvList {
+    /// The list for `wrs` (not empty).
+    fn new(wrs: &[RecvWr]) -> Self {
+        let mut sges: Vec<ibv_sge> = wrs
+            .iter()
+            .map(|wr| ibv_sge {
+                addr: wr.sge.addr as u64,
+                length: wr.sge.len,
+                lkey: wr.sge.lkey,
+            })
+            .collect();
+        // SAFETY: plain data (integers and pointers); zeroed is a valid
+        // value, and every field used is set below.
+        let mut list: Vec<ibv_recv_wr> = (0..wrs.len())
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        for (i, wr) in wrs.iter().enumerate() {
+            list[i].wr_id = wr.wr_id;
+            list[i].sg_list = &mut sges[i];
+            list[i].num_sge = 1;
+        }
+        for i in 1..list.len() {
+            let next: *mut ibv_recv_wr = &mut list[i];
+            list[i - 1].next = next;
+        }
+        Self { _sges: sges, list }
+    }
+
+    /// The first entry, for a post call.
+    fn head(&mut self) -> *mut ibv_recv_wr {
+        self.list.as_mut_ptr()
+    }
+}
+
 /// An ibverbs shared receive queue.
 #[derive(Debug)]
 pub struct IbvSrq {
@@ -401,30 +444,11 @@ impl SharedReceiveQueue for IbvSrq {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<ibv_sge> = wrs
-            .iter()
-            .map(|wr| ibv_sge {
-                addr: wr.sge.addr as u64,
-                length: wr.sge.len,
-                lkey: wr.sge.lkey,
-            })
-            .collect();
-        // SAFETY: plain data; every field used is set below.
-        let mut list: Vec<ibv_recv_wr> = (0..wrs.len())
-            .map(|_| unsafe { std::mem::zeroed() })
-            .collect();
-        for (i, wr) in wrs.iter().enumerate() {
-            list[i].wr_id = wr.wr_id;
-            list[i].sg_list = &mut sges[i];
-            list[i].num_sge = 1;
-        }
-        for i in 0..list.len() - 1 {
-            let next: *mut ibv_recv_wr = &mut list[i + 1];
-            list[i].next = next;
-        }
+        let mut list = RecvList::new(wrs);
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: `list` and `sges` outlive the call; the SRQ is alive.
-        let rc = unsafe { ibv_post_srq_recv(self.srq, list.as_mut_ptr(), &mut bad) };
+        // SAFETY: `list` (and the entries it points to) outlives the call;
+        // the SRQ is alive.
+        let rc = unsafe { ibv_post_srq_recv(self.srq, list.head(), &mut bad) };
         if rc != 0 {
             return Err(VerbsError::InvalidRequest(format!(
                 "ibv_post_srq_recv: {}",
@@ -683,32 +707,12 @@ impl QueuePair for IbvQp {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<ibv_sge> = wrs
-            .iter()
-            .map(|wr| ibv_sge {
-                addr: wr.sge.addr as u64,
-                length: wr.sge.len,
-                lkey: wr.sge.lkey,
-            })
-            .collect();
-        let mut list: Vec<ibv_recv_wr> = wrs
-            .iter()
-            .enumerate()
-            .map(|(i, wr)| ibv_recv_wr {
-                wr_id: wr.wr_id,
-                next: std::ptr::null_mut(),
-                sg_list: &mut sges[i],
-                num_sge: 1,
-            })
-            .collect();
-        for i in 0..list.len() - 1 {
-            let next: *mut ibv_recv_wr = &mut list[i + 1];
-            list[i].next = next;
-        }
+        let mut list = RecvList::new(wrs);
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         let _one_poster = self.post_guard.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: as for post_send.
-        let rc = unsafe { ibv_post_recv(self.qp, list.as_mut_ptr(), &mut bad) };
+        // SAFETY: `list` (and the entries it points to) outlives the call;
+        // one thread posts at a time (the guard).
+        let rc = unsafe { ibv_post_recv(self.qp, list.head(), &mut bad) };
         if rc != 0 {
             return Err(VerbsError::InvalidRequest(format!(
                 "ibv_post_recv: {}",
