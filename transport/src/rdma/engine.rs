@@ -455,11 +455,6 @@ impl Engine {
         (self.window.in_flight(), self.window.limit())
     }
 
-    /// Sockets open for sending.
-    pub fn open_sockets(&self) -> usize {
-        self.sockets.len()
-    }
-
     /// Whether the engine has failed.
     pub fn is_failed(&self) -> bool {
         self.failed
@@ -993,20 +988,13 @@ impl Engine {
                     }
                 },
             };
-            let Some(region) = buf.region() else {
+            let Some(wr) = recv_wr(slot as u64, &buf) else {
                 self.fail(EngineError::Memory(
                     "receive buffer outside the pool".into(),
                 ));
                 return None;
             };
-            wrs.push(RecvWr {
-                wr_id: slot as u64,
-                sge: Sge {
-                    addr: buf.as_ptr() as usize,
-                    len: u32::try_from(buf.len()).unwrap_or(u32::MAX),
-                    lkey: region.lkey,
-                },
-            });
+            wrs.push(wr);
             self.recv_slots[slot] = Some(buf);
         }
         Some(wrs)
@@ -1224,4 +1212,18 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// A receive of all of `buf` (pool memory), returned as `wr_id`; `None` if
+/// the buffer lies outside registered memory.
+pub(crate) fn recv_wr(wr_id: u64, buf: &PoolBuf) -> Option<RecvWr> {
+    let region = buf.region()?;
+    Some(RecvWr {
+        wr_id,
+        sge: Sge {
+            addr: buf.as_ptr() as usize,
+            len: u32::try_from(buf.len()).ok()?,
+            lkey: region.lkey,
+        },
+    })
 }

@@ -32,11 +32,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::engine::{Engine, EngineEvent, PeerInfo, SocketId};
+use super::engine::{Engine, EngineEvent, PeerInfo, SocketId, recv_wr};
 use crate::pool::{Pool, PoolBuf};
-use crate::verbs::{
-    CompletionQueue, QueuePair, RecvWr, Sge, SharedReceiveQueue, WcKind, WorkCompletion,
-};
+use crate::verbs::{CompletionQueue, QueuePair, SharedReceiveQueue, WcKind, WorkCompletion};
 use crate::{Connection, Message, Polling, TransportError};
 
 /// Received messages held per engine before it stops reposting receives.
@@ -137,17 +135,9 @@ impl SharedReceives {
                 }
             };
             buf.set_len(self.buffer);
-            let region = buf
-                .region()
+            let wr = recv_wr(slot as u64, &buf)
                 .ok_or_else(|| TransportError::Rdma("receive buffer outside the pool".into()))?;
-            wrs.push(RecvWr {
-                wr_id: slot as u64,
-                sge: Sge {
-                    addr: buf.as_ptr() as usize,
-                    len: u32::try_from(buf.len()).unwrap_or(u32::MAX),
-                    lkey: region.lkey,
-                },
-            });
+            wrs.push(wr);
             self.slots[slot] = Some(buf);
         }
         if wrs.is_empty() {

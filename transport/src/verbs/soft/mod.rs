@@ -49,3 +49,27 @@ pub use srq::SoftSrq;
 
 #[cfg(test)]
 mod tests;
+
+/// A send pool (local access) and a receive pool (remote write) registered
+/// with `device`, named after `name` (tests of the soft NIC and the engine).
+#[cfg(test)]
+pub(crate) fn test_pools(
+    device: &SoftDevice,
+    name: &str,
+) -> (crate::pool::Pool, crate::pool::Pool) {
+    use crate::pool::{Access, Pool, PoolConfig};
+    use crate::verbs::Device;
+    let hook = device.registration_hook();
+    let pool = |suffix: &str, access| {
+        Pool::new(
+            PoolConfig::named(format!("{name}-{suffix}")),
+            access,
+            hook.clone(),
+        )
+        .expect("a test pool")
+    };
+    (
+        pool("send", Access::LocalOnly),
+        pool("recv", Access::RemoteWrite),
+    )
+}

@@ -20,19 +20,7 @@ struct Side {
 impl Side {
     fn new(fabric: &SoftFabric, name: &str, faults: SoftFaults, caps: QpCaps) -> Self {
         let device = fabric.open(name, faults).unwrap();
-        let hook = device.registration_hook();
-        let send_pool = Pool::new(
-            PoolConfig::named(format!("{name}-send")),
-            Access::LocalOnly,
-            hook.clone(),
-        )
-        .unwrap();
-        let recv_pool = Pool::new(
-            PoolConfig::named(format!("{name}-recv")),
-            Access::RemoteWrite,
-            hook,
-        )
-        .unwrap();
+        let (send_pool, recv_pool) = crate::verbs::soft::test_pools(&device, name);
         let send_cq = device.create_cq(64).unwrap();
         let recv_cq = device.create_cq(64).unwrap();
         let qp = device
