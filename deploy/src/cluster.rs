@@ -247,6 +247,9 @@ impl Cluster {
             rdma: config.rdma.clone(),
             num_shards: config.num_shards,
             servers: endpoints,
+            connect_timeout_ms: config.worker_connect_timeout_ms,
+            request_timeout_ms: config.worker_request_timeout_ms,
+            call_timeout_ms: config.worker_call_timeout_ms,
             ..WorkerConfig::default()
         };
         if let Some(table) = config.tables.first() {

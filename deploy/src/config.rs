@@ -48,6 +48,18 @@ pub struct ClusterConfig {
     pub ps_server_bin: Option<PathBuf>,
     /// Tables. Default: one table `embeddings` of dimension 32.
     pub tables: Vec<TableConfig>,
+    /// The workers' connection timeout Tc, in milliseconds. Default 1000.
+    /// A local cluster shares one host's cores among all its servers and
+    /// the worker (often debug builds): the paper's 10 ms, the worker's own
+    /// default, would measure this host's scheduler rather than the RPC
+    /// layer. A fleet's workers keep the worker defaults.
+    pub worker_connect_timeout_ms: u64,
+    /// The workers' per-attempt timeout Tr, in milliseconds. Default 1000
+    /// (the paper's 40 ms is the worker default; see above).
+    pub worker_request_timeout_ms: u64,
+    /// The workers' whole-call deadline, in milliseconds. Default 2500:
+    /// room for a second attempt on another replica.
+    pub worker_call_timeout_ms: u64,
 }
 
 impl Default for ClusterConfig {
@@ -70,6 +82,9 @@ impl Default for ClusterConfig {
                 learning_rate: 0.01,
                 init_scale: 0.01,
             }],
+            worker_connect_timeout_ms: 1000,
+            worker_request_timeout_ms: 1000,
+            worker_call_timeout_ms: 2500,
         }
     }
 }
@@ -115,6 +130,15 @@ impl Validate for ClusterConfig {
                     self.servers()
                 ),
             ));
+        }
+        for (key, value) in [
+            ("worker_connect_timeout_ms", self.worker_connect_timeout_ms),
+            ("worker_request_timeout_ms", self.worker_request_timeout_ms),
+            ("worker_call_timeout_ms", self.worker_call_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
         }
         if self.host.is_empty() {
             return Err(invalid("host", "must not be empty"));

@@ -9,14 +9,17 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_transport::{Message, MessageReceiver, MessageSender, Transport};
+use tessera_transport::{
+    Connection, Message, MessageReceiver, MessageSender, Transport, TransportKind,
+};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use crate::policy::{FallbackLadder, LadderStep, Path};
 use crate::wire::{Kind, RpcHeader};
 use crate::{ChannelConfig, Code, MethodDescriptor, RpcError, Status};
 
@@ -24,8 +27,12 @@ use crate::{ChannelConfig, Code, MethodDescriptor, RpcError, Status};
 #[derive(Debug, Clone, Default)]
 pub struct CallOptions {
     /// This call's deadline, counted from when it is issued; `None` uses the
-    /// channel's request timeout Tr.
+    /// channel's request timeout Tr (a replica set's call timeout).
     pub timeout: Option<Duration>,
+    /// The request carries an id that the server deduplicates (for example
+    /// a Push with its worker id and sequence number), so a retry of a
+    /// non-idempotent method is harmless.
+    pub deduplicated: bool,
 }
 
 impl CallOptions {
@@ -33,7 +40,14 @@ impl CallOptions {
     pub fn with_timeout(timeout: Duration) -> Self {
         Self {
             timeout: Some(timeout),
+            ..Self::default()
         }
+    }
+
+    /// These options, saying that the request is deduplicated by the server.
+    pub fn deduplicated(mut self) -> Self {
+        self.deduplicated = true;
+        self
     }
 }
 
@@ -52,7 +66,16 @@ struct ChannelInner {
     current: Mutex<Option<Arc<Link>>>,
     connecting: tokio::sync::Mutex<()>,
     next_request_id: AtomicU64,
+    /// The RDMA-to-TCP rungs of the recovery ladder; `None` when the
+    /// transport does not dial RDMA (`tcp`), or decides per connection
+    /// itself (`auto`).
+    ladder: Option<Mutex<FallbackLadder>>,
 }
+
+/// How long an RDMA probe of a destination on TCP may take. Generous: a
+/// probe is off every call's path, and a spurious failure would keep the
+/// destination on TCP for another interval.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 type Reply = Result<(RpcHeader, Bytes), RpcError>;
 
@@ -60,6 +83,8 @@ type Reply = Result<(RpcHeader, Bytes), RpcError>;
 #[derive(Debug)]
 struct Link {
     sender: MessageSender,
+    /// `Tcp` or `Rdma`.
+    kind: TransportKind,
     shared: Arc<LinkShared>,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -160,6 +185,8 @@ impl Channel {
         config: ChannelConfig,
         transport: Transport,
     ) -> Self {
+        let ladder = (transport.config().kind == TransportKind::Rdma && transport.prefers_rdma())
+            .then(|| Mutex::new(FallbackLadder::new(config.fallback)));
         Self {
             inner: Arc::new(ChannelInner {
                 addr: addr.into(),
@@ -168,8 +195,15 @@ impl Channel {
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 next_request_id: AtomicU64::new(1),
+                ladder,
             }),
         }
+    }
+
+    /// The transport of the current connection (`Tcp` or `Rdma`), `None`
+    /// while there is none: after a fallback, `Tcp` on an RDMA channel.
+    pub fn current_transport(&self) -> Option<TransportKind> {
+        self.current_link().map(|link| link.kind)
     }
 
     /// The server address.
@@ -219,21 +253,16 @@ impl Channel {
         let timeout = options
             .timeout
             .unwrap_or_else(|| self.inner.config.request_timeout());
-        let span = tracing::debug_span!("rpc.call", method = method.path, addr = %self.inner.addr);
+        let span = tracing::debug_span!("rpc.call", method = method.path, peer = %self.inner.addr);
         let started = Instant::now();
+        metrics::counter!(crate::observe::CLIENT_CALLS_STARTED, "method" => method.path)
+            .increment(1);
         let result = self
-            .call_raw(method.id, body, started + timeout, timeout)
+            .attempt(method.path, method.id, body, started + timeout, timeout, 1)
             .instrument(span)
             .await
             .and_then(|body| Resp::decode(body).map_err(RpcError::from));
-        let code = match &result {
-            Ok(_) => Code::Ok,
-            Err(err) => err.code(),
-        };
-        metrics::counter!("tessera_rpc_client_calls_total", "method" => method.path, "code" => code_label(code))
-            .increment(1);
-        metrics::histogram!("tessera_rpc_client_latency_seconds", "method" => method.path)
-            .record(started.elapsed().as_secs_f64());
+        crate::observe::record_call(method.path, &result, started.elapsed());
         result
     }
 
@@ -246,7 +275,59 @@ impl Channel {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
+        self.attempt("raw", method_id, body, deadline, timeout, 1)
+            .await
+    }
+
+    /// One attempt of a call on this channel, in a span of its own and
+    /// measured (`method` labels the metrics; `attempt` counts from 1).
+    pub(crate) async fn attempt(
+        &self,
+        method: &'static str,
+        method_id: u32,
+        body: Message,
+        deadline: Instant,
+        timeout: Duration,
+        attempt: u32,
+    ) -> Result<Bytes, RpcError> {
+        let started = Instant::now();
+        let span = tracing::debug_span!(
+            "rpc.attempt",
+            method,
+            peer = %self.inner.addr,
+            attempt,
+            transport = tracing::field::Empty
+        );
+        let mut transport = "none";
+        let result = self
+            .attempt_inner(method_id, body, deadline, timeout, &mut transport)
+            .instrument(span)
+            .await;
+        let code = match &result {
+            Ok(_) => Code::Ok,
+            Err(err) => err.code(),
+        };
+        metrics::histogram!(
+            crate::observe::CLIENT_ATTEMPT_DURATION,
+            "method" => method,
+            "code" => code_label(code),
+            "transport" => transport
+        )
+        .record(started.elapsed().as_secs_f64());
+        result
+    }
+
+    async fn attempt_inner(
+        &self,
+        method_id: u32,
+        body: Message,
+        deadline: Instant,
+        timeout: Duration,
+        transport: &mut &'static str,
+    ) -> Result<Bytes, RpcError> {
         let link = self.link(deadline).await?;
+        *transport = crate::observe::transport_label(link.kind);
+        tracing::Span::current().record("transport", *transport);
         let request_id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
         let (slot, reply) = oneshot::channel();
         {
@@ -316,6 +397,9 @@ impl Channel {
 
     async fn link(&self, deadline: Instant) -> Result<Arc<Link>, RpcError> {
         if let Some(link) = self.current_link() {
+            if link.kind == TransportKind::Tcp {
+                self.maybe_probe();
+            }
             return Ok(link);
         }
         // One dialer at a time; the others wait for its result.
@@ -323,46 +407,160 @@ impl Channel {
         if let Some(link) = self.current_link() {
             return Ok(link);
         }
-        let timeout = self
+        let path = self
             .inner
-            .config
-            .connect_timeout()
-            .min(deadline.saturating_duration_since(Instant::now()));
-        let addr = self.inner.addr.clone();
-        let connection =
-            match tokio::time::timeout(timeout, self.inner.transport.connect(&addr)).await {
-                Ok(Ok(connection)) => connection,
-                Ok(Err(source)) => {
-                    metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
-                    return Err(RpcError::Connect { addr, source });
+            .ladder
+            .as_ref()
+            .map_or(Path::Rdma, |ladder| lock(ladder).path());
+        let connection = match (path, &self.inner.ladder) {
+            (Path::Rdma, None) => self.inner.dial(Path::Rdma, deadline).await?,
+            (Path::Tcp, _) => self.inner.dial(Path::Tcp, deadline).await?,
+            (Path::Rdma, Some(ladder)) => match self.inner.dial(Path::Rdma, deadline).await {
+                Ok(connection) => {
+                    lock(ladder).handle_rdma_connected();
+                    connection
                 }
-                Err(_) => {
-                    metrics::counter!("tessera_rpc_client_connect_failures_total").increment(1);
-                    return Err(RpcError::ConnectTimeout { addr, timeout });
+                Err(err) => {
+                    let step = lock(ladder).handle_rdma_failure(Instant::now());
+                    self.inner.record_step(step, &err.to_string());
+                    // Fallen back: this very call goes over TCP if its
+                    // deadline leaves time.
+                    if step != Some(LadderStep::FallBack) || Instant::now() >= deadline {
+                        return Err(err);
+                    }
+                    self.inner.dial(Path::Tcp, deadline).await?
                 }
-            };
-        let shared = Arc::new(LinkShared {
-            addr: addr.clone(),
-            closed: AtomicBool::new(false),
-            pending: Mutex::new(PendingTable::default()),
+            },
+        };
+        Ok(ChannelInner::install(&self.inner, connection))
+    }
+
+    /// On a destination that fell back to TCP: starts an RDMA probe when
+    /// one is due; a probe that connects becomes the current connection
+    /// (calls on the TCP one finish there).
+    fn maybe_probe(&self) {
+        let Some(ladder) = &self.inner.ladder else {
+            return;
+        };
+        if !lock(ladder).poll_probe(Instant::now()) {
+            return;
+        }
+        let inner = Arc::clone(&self.inner);
+        tokio::spawn(async move {
+            let outcome = inner
+                .dial(
+                    Path::Rdma,
+                    Instant::now() + PROBE_TIMEOUT.max(inner.config.connect_timeout()),
+                )
+                .await;
+            let connected = outcome.is_ok();
+            if let Ok(connection) = outcome {
+                ChannelInner::install(&inner, connection);
+            }
+            if let Some(ladder) = &inner.ladder {
+                let step = lock(ladder).handle_probe(connected, Instant::now());
+                inner.record_step(step, "probe connected");
+            }
+            if !connected {
+                tracing::debug!(addr = %inner.addr, "RDMA probe failed; staying on TCP");
+            }
         });
-        let reader = tokio::spawn(read_responses(connection.receiver, Arc::clone(&shared)));
-        let link = Arc::new(Link {
-            sender: connection.sender,
-            shared,
-            reader,
-        });
-        *self
-            .inner
-            .current
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Arc::clone(&link));
-        tracing::debug!(%addr, "connected");
-        Ok(link)
     }
 }
 
-async fn read_responses(mut receiver: MessageReceiver, shared: Arc<LinkShared>) {
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl ChannelInner {
+    /// Connects over the configured transport (`Path::Rdma`, which is
+    /// whatever the transport dials) or over TCP, within the connection
+    /// timeout and `deadline`.
+    async fn dial(&self, path: Path, deadline: Instant) -> Result<Connection, RpcError> {
+        let timeout = self
+            .config
+            .connect_timeout()
+            .min(deadline.saturating_duration_since(Instant::now()));
+        let addr = self.addr.clone();
+        let connect = async {
+            match path {
+                Path::Rdma => self.transport.connect(&addr).await,
+                Path::Tcp => self.transport.connect_tcp(&addr).await,
+            }
+        };
+        match tokio::time::timeout(timeout, connect).await {
+            Ok(Ok(connection)) => Ok(connection),
+            Ok(Err(source)) => {
+                metrics::counter!(crate::observe::CLIENT_CONNECT_FAILURES).increment(1);
+                Err(RpcError::Connect { addr, source })
+            }
+            Err(_) => {
+                metrics::counter!(crate::observe::CLIENT_CONNECT_FAILURES).increment(1);
+                Err(RpcError::ConnectTimeout { addr, timeout })
+            }
+        }
+    }
+
+    /// Makes `connection` the channel's current one and starts its reader.
+    fn install(inner: &Arc<ChannelInner>, connection: Connection) -> Arc<Link> {
+        let kind = connection.kind();
+        let shared = Arc::new(LinkShared {
+            addr: inner.addr.clone(),
+            closed: AtomicBool::new(false),
+            pending: Mutex::new(PendingTable::default()),
+        });
+        let reader = tokio::spawn(read_responses(
+            connection.receiver,
+            Arc::clone(&shared),
+            (kind == TransportKind::Rdma).then(|| Arc::downgrade(inner)),
+        ));
+        let link = Arc::new(Link {
+            sender: connection.sender,
+            kind,
+            shared,
+            reader,
+        });
+        *lock(&inner.current) = Some(Arc::clone(&link));
+        tracing::debug!(addr = %inner.addr, transport = %kind, "connected");
+        link
+    }
+
+    /// An RDMA connection of this channel ended with `reason`.
+    fn rdma_link_ended(&self, reason: &str) {
+        if let Some(ladder) = &self.ladder {
+            let step = lock(ladder).handle_rdma_failure(Instant::now());
+            self.record_step(step, reason);
+        }
+    }
+
+    fn record_step(&self, step: Option<LadderStep>, why: &str) {
+        match step {
+            Some(LadderStep::Reconnect) => {
+                tracing::info!(addr = %self.addr, %why, "RDMA path failed; reconnecting over RDMA");
+                metrics::counter!(crate::observe::CLIENT_RECONNECTS).increment(1);
+            }
+            Some(LadderStep::FallBack) => {
+                tracing::warn!(addr = %self.addr, %why, "RDMA path failed again; falling back to TCP");
+                metrics::counter!(crate::observe::CLIENT_FALLBACKS).increment(1);
+            }
+            Some(LadderStep::Return) => {
+                tracing::info!(addr = %self.addr, "RDMA probe connected; back on RDMA");
+                metrics::counter!(crate::observe::CLIENT_FALLBACK_RETURNS).increment(1);
+            }
+            None => {}
+        }
+    }
+}
+
+/// Reads responses until the connection ends; an RDMA connection that
+/// ends tells its channel's ladder (`channel`).
+async fn read_responses(
+    mut receiver: MessageReceiver,
+    shared: Arc<LinkShared>,
+    channel: Option<Weak<ChannelInner>>,
+) {
     let reason = loop {
         match receiver.recv().await {
             Ok(Some(message)) => match RpcHeader::decode(&message) {
@@ -373,8 +571,9 @@ async fn read_responses(mut receiver: MessageReceiver, shared: Arc<LinkShared>) 
                             let _ = slot.send(Ok((header, body)));
                         }
                         // The caller gave up (deadline) before the answer came.
-                        None => metrics::counter!("tessera_rpc_client_late_responses_total")
-                            .increment(1),
+                        None => {
+                            metrics::counter!(crate::observe::CLIENT_LATE_RESPONSES).increment(1)
+                        }
                     }
                 }
                 Ok(_) => break "server sent a request on a client connection".to_owned(),
@@ -385,7 +584,10 @@ async fn read_responses(mut receiver: MessageReceiver, shared: Arc<LinkShared>) 
         }
     };
     tracing::debug!(addr = %shared.addr, %reason, "connection ended");
-    shared.fail_all(reason);
+    shared.fail_all(reason.clone());
+    if let Some(channel) = channel.and_then(|weak| weak.upgrade()) {
+        channel.rdma_link_ended(&reason);
+    }
 }
 
 /// A `'static` label for a code (metrics labels must not allocate per call).

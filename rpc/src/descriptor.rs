@@ -7,6 +7,10 @@ pub struct MethodDescriptor {
     pub path: &'static str,
     /// The method's id on the wire: [`method_id`] of `path`.
     pub id: u32,
+    /// Marked `option (tessera.idempotent) = true;` in the `.proto` file: a
+    /// second application is harmless, so a call whose outcome is unknown
+    /// (timed out, connection lost) may be retried.
+    pub idempotent: bool,
 }
 
 /// Static description of one service, emitted by the code generator.

@@ -14,12 +14,14 @@ use bytes::Bytes;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tessera_transport::{Message, Transport};
+use tracing::Instrument;
 
 use crate::policy::{
     AttemptFailure, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
     RetryBudgetConfig, RetryDecision, RetryPolicy, RetryPolicyConfig,
 };
-use crate::{Channel, ChannelConfig, RpcError};
+use crate::{CallOptions, Channel, ChannelConfig, MethodDescriptor, RpcError};
+use tessera_config::{ConfigError, Validate, invalid};
 
 /// One replica of the set.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -32,13 +34,20 @@ pub struct ReplicaEndpoint {
 }
 
 /// Settings of a [`ReplicaSet`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ReplicaSetConfig {
     /// The replicas.
     pub replicas: Vec<ReplicaEndpoint>,
     /// The caller's failure domain (its replicas are preferred).
     pub local_domain: String,
-    /// Connection and request timeouts of each attempt.
+    /// A call's whole deadline, retries included, in milliseconds, when the
+    /// caller gives none. Default 100 ms: two and a half attempts of the
+    /// paper's Tr = 40 ms, so a call that lost its first attempt to a
+    /// timeout still has a whole attempt on another replica.
+    pub call_timeout_ms: u64,
+    /// Connection timeout Tc and per-attempt timeout Tr (each attempt gets
+    /// at most Tr of the call's deadline), and the RDMA-to-TCP fallback.
     pub channel: ChannelConfig,
     /// When to retry.
     pub retry: RetryPolicyConfig,
@@ -50,17 +59,63 @@ pub struct ReplicaSetConfig {
     pub seed: Option<u64>,
 }
 
+impl Default for ReplicaSetConfig {
+    fn default() -> Self {
+        Self {
+            replicas: Vec::new(),
+            local_domain: String::new(),
+            call_timeout_ms: 100,
+            channel: ChannelConfig::default(),
+            retry: RetryPolicyConfig::default(),
+            budget: RetryBudgetConfig::default(),
+            quarantine: QuarantineConfig::default(),
+            seed: None,
+        }
+    }
+}
+
+impl ReplicaSetConfig {
+    /// The default deadline of a call.
+    pub fn call_timeout(&self) -> Duration {
+        Duration::from_millis(self.call_timeout_ms)
+    }
+}
+
+impl Validate for ReplicaSetConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.replicas.is_empty() {
+            return Err(invalid("replicas", "at least one replica is required"));
+        }
+        for (i, replica) in self.replicas.iter().enumerate() {
+            if replica.addr.is_empty() {
+                return Err(invalid(format!("replicas[{i}].addr"), "must not be empty"));
+            }
+        }
+        if self.call_timeout_ms == 0 {
+            return Err(invalid("call_timeout_ms", "must be at least 1"));
+        }
+        self.channel.validate()?;
+        self.retry.validate()?;
+        self.budget.validate()?;
+        self.quarantine.validate()
+    }
+}
+
 struct State {
     selector: ReplicaSelector,
     quarantine: Quarantine,
     budget: RetryBudget,
     rng: StdRng,
+    /// Quarantine readmissions already counted in the metrics.
+    seen_readmissions: u64,
 }
 
 /// Calls one logical endpoint over its replicas (see the module docs).
 #[derive(Clone)]
 pub struct ReplicaSet {
     channels: Arc<Vec<Channel>>,
+    transport: Transport,
+    call_timeout: Duration,
     policy: RetryPolicy,
     /// Longest one attempt may take (Tr): a slow replica leaves time for
     /// another within the caller's deadline.
@@ -79,7 +134,6 @@ impl std::fmt::Debug for ReplicaSet {
 impl ReplicaSet {
     /// A set over `transport` (connections are made when first used).
     pub fn new(config: ReplicaSetConfig, transport: Transport) -> Self {
-        let now = Instant::now();
         let channels = config
             .replicas
             .iter()
@@ -87,6 +141,28 @@ impl ReplicaSet {
                 Channel::with_transport(r.addr.clone(), config.channel.clone(), transport.clone())
             })
             .collect();
+        Self::over_channels(config, channels, transport)
+    }
+
+    /// A set over existing channels, one per entry of `config.replicas` in
+    /// the same order (a process that reaches one server through several
+    /// sets shares one channel, and so one connection, among them).
+    /// `config.channel` is then not used.
+    ///
+    /// # Panics
+    /// If `channels` and `config.replicas` differ in length (a programming
+    /// error, not a runtime condition).
+    pub fn over_channels(
+        config: ReplicaSetConfig,
+        channels: Vec<Channel>,
+        transport: Transport,
+    ) -> Self {
+        assert_eq!(
+            channels.len(),
+            config.replicas.len(),
+            "one channel per replica"
+        );
+        let now = Instant::now();
         let replicas = config
             .replicas
             .iter()
@@ -98,6 +174,8 @@ impl ReplicaSet {
         };
         Self {
             channels: Arc::new(channels),
+            transport,
+            call_timeout: config.call_timeout(),
             policy: RetryPolicy::new(config.retry),
             attempt_timeout: config.channel.request_timeout(),
             state: Arc::new(Mutex::new(State {
@@ -105,6 +183,7 @@ impl ReplicaSet {
                 quarantine: Quarantine::new(config.quarantine, config.replicas.len()),
                 budget: RetryBudget::new(config.budget, now),
                 rng,
+                seen_readmissions: 0,
             })),
         }
     }
@@ -120,7 +199,57 @@ impl ReplicaSet {
 
     /// Readmits every replica (the admin call).
     pub fn clear_quarantine(&self) {
+        let readmitted = self.state().quarantine.list(Instant::now()).len();
         self.state().quarantine.clear();
+        metrics::counter!(crate::observe::QUARANTINE_READMISSIONS).increment(readmitted as u64);
+    }
+
+    /// The send pool requests are encoded into.
+    pub fn send_pool(&self) -> &tessera_transport::pool::Pool {
+        self.transport.send_pool()
+    }
+
+    /// The replicas' addresses, in configuration order.
+    pub fn addrs(&self) -> Vec<String> {
+        self.channels.iter().map(|c| c.addr().to_owned()).collect()
+    }
+
+    /// The channel to each replica, in configuration order (to inspect
+    /// which transport a replica is reached over).
+    pub fn channels(&self) -> &[Channel] {
+        &self.channels
+    }
+
+    /// Calls `method` (what a generated client does): retried when the
+    /// method is idempotent or `options.deduplicated` says the server
+    /// deduplicates the request; the deadline is `options.timeout` or the
+    /// set's call timeout.
+    pub async fn unary_message<Resp>(
+        &self,
+        method: &'static MethodDescriptor,
+        body: Message,
+        options: &CallOptions,
+    ) -> Result<Resp, RpcError>
+    where
+        Resp: prost::Message + Default,
+    {
+        let timeout = options.timeout.unwrap_or(self.call_timeout);
+        let safe = method.idempotent || options.deduplicated;
+        let span = tracing::debug_span!(
+            "rpc.call",
+            method = method.path,
+            replicas = self.channels.len()
+        );
+        let started = Instant::now();
+        metrics::counter!(crate::observe::CLIENT_CALLS_STARTED, "method" => method.path)
+            .increment(1);
+        let result = self
+            .call(method.path, method.id, body, safe, timeout)
+            .instrument(span)
+            .await
+            .and_then(|body| Resp::decode(body).map_err(RpcError::from));
+        crate::observe::record_call(method.path, &result, started.elapsed());
+        result
     }
 
     /// Calls `method_id` with `body` within `timeout`. `safe`: a second
@@ -129,6 +258,17 @@ impl ReplicaSet {
     /// retried. Each attempt goes to a replica not tried yet for this call.
     pub async fn call_raw(
         &self,
+        method_id: u32,
+        body: Message,
+        safe: bool,
+        timeout: Duration,
+    ) -> Result<Bytes, RpcError> {
+        self.call("raw", method_id, body, safe, timeout).await
+    }
+
+    async fn call(
+        &self,
+        method: &'static str,
         method_id: u32,
         body: Message,
         safe: bool,
@@ -148,6 +288,7 @@ impl ReplicaSet {
                     selector,
                     quarantine,
                     rng,
+                    seen_readmissions,
                     ..
                 } = &mut *state;
                 let excluded: Vec<bool> = selector
@@ -166,6 +307,12 @@ impl ReplicaSet {
                 if let Some(i) = pick {
                     selector.start(i);
                 }
+                let readmissions = quarantine.readmissions();
+                if readmissions > *seen_readmissions {
+                    metrics::counter!(crate::observe::QUARANTINE_READMISSIONS)
+                        .increment(readmissions - *seen_readmissions);
+                    *seen_readmissions = readmissions;
+                }
                 pick
             };
             let Some(i) = picked else {
@@ -178,11 +325,13 @@ impl ReplicaSet {
             let attempt_started = Instant::now();
             let attempt_deadline = deadline.min(attempt_started + self.attempt_timeout);
             let result = self.channels[i]
-                .call_raw(
+                .attempt(
+                    method,
                     method_id,
                     body.clone(),
                     attempt_deadline,
                     attempt_deadline.saturating_duration_since(attempt_started),
+                    attempt,
                 )
                 .await;
             let now = Instant::now();
@@ -202,17 +351,20 @@ impl ReplicaSet {
                     let addr = state.selector.replicas()[i].addr.clone();
                     if let Some(ejection) = state.quarantine.record_connect_failure(&addr, now) {
                         tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
-                        metrics::counter!("tessera_rpc_quarantine_ejections_total").increment(1);
+                        metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
                     }
                     AttemptFailure::Connect
                 }
-                Err(RpcError::DeadlineExceeded(_) | RpcError::ConnectionLost { .. }) => {
+                Err(err @ (RpcError::DeadlineExceeded(_) | RpcError::ConnectionLost { .. })) => {
                     let addr = state.selector.replicas()[i].addr.clone();
                     if let Some(ejection) = state.quarantine.record_request_failure(&addr, now) {
                         tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
-                        metrics::counter!("tessera_rpc_quarantine_ejections_total").increment(1);
+                        metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
                     }
-                    AttemptFailure::TimedOutOrLost
+                    match err {
+                        RpcError::DeadlineExceeded(_) => AttemptFailure::TimedOut,
+                        _ => AttemptFailure::Lost,
+                    }
                 }
                 Err(_) => AttemptFailure::Status,
             };
@@ -222,13 +374,13 @@ impl ReplicaSet {
                 .decide(attempt, failure, safe, deadline, now, budget, rng)
             {
                 RetryDecision::Retry => {
-                    metrics::counter!("tessera_rpc_client_retries_total").increment(1);
+                    metrics::counter!(crate::observe::CLIENT_RETRIES, "method" => method)
+                        .increment(1);
                     tracing::debug!(attempt, "retrying on another replica");
                 }
                 RetryDecision::GiveUp(why) => {
                     if why == "retry budget exhausted" {
-                        metrics::counter!("tessera_rpc_client_retry_budget_exhausted_total")
-                            .increment(1);
+                        metrics::counter!(crate::observe::CLIENT_BUDGET_EXHAUSTED).increment(1);
                     }
                     return result;
                 }

@@ -171,7 +171,7 @@ impl Server {
                 () = &mut shutdown => break,
                 accepted = self.listener.accept() => match accepted {
                     Ok(connection) => {
-                        metrics::counter!("tessera_rpc_server_connections_total").increment(1);
+                        metrics::counter!(crate::observe::SERVER_CONNECTIONS).increment(1);
                         tracker.spawn(serve_connection(
                             connection,
                             Arc::clone(&self.routes),
@@ -239,7 +239,7 @@ async fn serve_connection(
             Ok((header, body)) if header.kind == Kind::Request => (header, body),
             Ok(_) => {
                 tracing::warn!(%peer, "client sent a response; closing the connection");
-                metrics::counter!("tessera_rpc_server_protocol_errors_total").increment(1);
+                metrics::counter!(crate::observe::SERVER_PROTOCOL_ERRORS).increment(1);
                 break;
             }
             Err(err) => {
@@ -247,7 +247,7 @@ async fn serve_connection(
                 // peer does not speak this protocol. Closing is the only
                 // safe answer, since its request id cannot be trusted.
                 tracing::warn!(%peer, %err, "malformed request header; closing the connection");
-                metrics::counter!("tessera_rpc_server_protocol_errors_total").increment(1);
+                metrics::counter!(crate::observe::SERVER_PROTOCOL_ERRORS).increment(1);
                 break;
             }
         };
@@ -290,7 +290,7 @@ async fn serve_connection(
                 outcome = bounded => outcome,
             };
             let Some(outcome) = outcome else {
-                metrics::counter!("tessera_rpc_server_deadline_dropped_total", "method" => route.method.path)
+                metrics::counter!(crate::observe::SERVER_DEADLINE_DROPPED, "method" => route.method.path)
                     .increment(1);
                 return;
             };
@@ -325,9 +325,9 @@ async fn respond(
             (status.code(), Message::from(Bytes::from(text)))
         }
     };
-    metrics::counter!("tessera_rpc_server_requests_total", "method" => method, "code" => code_label(code))
+    metrics::counter!(crate::observe::SERVER_REQUESTS, "method" => method, "code" => code_label(code))
         .increment(1);
-    metrics::histogram!("tessera_rpc_server_handling_seconds", "method" => method)
+    metrics::histogram!(crate::observe::SERVER_DURATION, "method" => method, "code" => code_label(code))
         .record(received.elapsed().as_secs_f64());
     let header = RpcHeader::response(request, code.as_u16());
     let header = match send_pool.alloc_copy(&header.encode()) {

@@ -127,8 +127,13 @@ fn server_config(transport: &TransportConfig) -> ServerConfig {
     }
 }
 
+/// Timeouts for tests of everything but timeouts: this 2-core host runs
+/// many test processes at once, and the paper's 10/40 ms defaults would
+/// fail calls on its scheduling delays. Deadline tests set their own.
 fn channel_config(transport: &TransportConfig) -> ChannelConfig {
     ChannelConfig {
+        connect_timeout_ms: 2000,
+        request_timeout_ms: 5000,
         transport: transport.clone(),
         ..ChannelConfig::default()
     }
@@ -745,5 +750,276 @@ mod replica_set {
         );
         slow.shutdown().await;
         slow2.shutdown().await;
+    }
+}
+
+#[path = "support/proxy.rs"]
+mod proxy;
+
+mod recovery {
+    use std::time::Instant;
+
+    use super::proxy::FaultProxy;
+    use super::*;
+    use tessera_rpc::policy::{FallbackConfig, RetryPolicyConfig};
+    use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, TransportKind};
+
+    fn echo_request(delay_ms: u32) -> EchoRequest {
+        EchoRequest {
+            payload: Bytes::from_static(b"hello"),
+            delay_ms,
+        }
+    }
+
+    #[test]
+    fn the_idempotent_option_reaches_the_generated_descriptors() {
+        let flags: Vec<(&str, bool)> = ECHO_DESCRIPTOR
+            .methods
+            .iter()
+            .chain(COUNTER_DESCRIPTOR.methods)
+            .map(|m| (m.name, m.idempotent))
+            .collect();
+        assert_eq!(
+            flags,
+            [("Echo", true), ("Fail", false), ("Increment", false)]
+        );
+    }
+
+    /// Generated clients over a replica set: the idempotent `Echo` is
+    /// retried after a timed-out attempt, the non-idempotent `Increment`
+    /// only when its connection could not be made (never sent) or the call
+    /// says the server deduplicates it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn generated_clients_retry_by_the_methods_idempotence() {
+        let a = start(ServerConfig::default()).await;
+        let b = start(ServerConfig::default()).await;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        let set = |replicas: Vec<&str>| {
+            ReplicaSet::new(
+                ReplicaSetConfig {
+                    replicas: replicas
+                        .into_iter()
+                        .map(|addr| ReplicaEndpoint {
+                            addr: addr.to_owned(),
+                            domain: String::new(),
+                        })
+                        .collect(),
+                    call_timeout_ms: 2000,
+                    channel: ChannelConfig {
+                        connect_timeout_ms: 500,
+                        request_timeout_ms: 150,
+                        ..ChannelConfig::default()
+                    },
+                    retry: RetryPolicyConfig {
+                        probability: 1.0,
+                        ..RetryPolicyConfig::default()
+                    },
+                    seed: Some(5),
+                    ..ReplicaSetConfig::default()
+                },
+                Transport::new(TransportConfig::default()).unwrap(),
+            )
+        };
+        // Echo takes 400 ms on every replica; attempts time out at 150 ms.
+        let echo = EchoClient::new(set(vec![&a.addr, &b.addr]));
+        let started = Instant::now();
+        let err = echo.echo(echo_request(400)).await.unwrap_err();
+        assert!(matches!(err, RpcError::DeadlineExceeded(_)), "{err:?}");
+        assert!(
+            started.elapsed() >= Duration::from_millis(290),
+            "idempotent: a second attempt ({:?})",
+            started.elapsed()
+        );
+        // Increment against a dead replica and a live one: the dead one
+        // refuses the connection, so the request was never sent and goes to
+        // the live one whatever the method.
+        let counter = CounterClient::new(set(vec![&dead, &a.addr]));
+        for expected in 1..=6 {
+            let value = counter.increment(IncrementRequest {}).await.unwrap().value;
+            assert_eq!(value, expected, "applied exactly once per call");
+        }
+        // A non-idempotent method whose request the server deduplicates
+        // (the caller says so): retried after a timeout like an idempotent
+        // one; without the flag, one attempt only.
+        static ECHO_AS_NOT_IDEMPOTENT: tessera_rpc::MethodDescriptor =
+            tessera_rpc::MethodDescriptor {
+                name: "Echo",
+                path: "/tessera.test.v1.Echo/Echo",
+                id: method_id("/tessera.test.v1.Echo/Echo"),
+                idempotent: false,
+            };
+        let slow_set = set(vec![&a.addr, &b.addr]);
+        let body = || {
+            tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
+                &echo_request(400),
+            )))
+        };
+        for (options, at_least, below) in [
+            (
+                CallOptions::default(),
+                Duration::ZERO,
+                Duration::from_millis(290),
+            ),
+            (
+                CallOptions::default().deduplicated(),
+                Duration::from_millis(290),
+                Duration::from_secs(2),
+            ),
+        ] {
+            let started = Instant::now();
+            let err = slow_set
+                .unary_message::<EchoResponse>(&ECHO_AS_NOT_IDEMPOTENT, body(), &options)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, RpcError::DeadlineExceeded(_)), "{err:?}");
+            let took = started.elapsed();
+            assert!(
+                took >= at_least && took < below,
+                "deduplicated = {}: {took:?}",
+                options.deduplicated
+            );
+        }
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+
+    fn rdma_channel(addr: &str, probe_interval_ms: u64) -> Channel {
+        Channel::lazy(
+            addr,
+            ChannelConfig {
+                connect_timeout_ms: 500,
+                request_timeout_ms: 2000,
+                fallback: FallbackConfig {
+                    probe_interval_ms,
+                    ..FallbackConfig::default()
+                },
+                transport: TransportConfig::soft_rdma(),
+            },
+        )
+        .unwrap()
+    }
+
+    /// The recovery ladder's transport rungs: an RDMA path to a healthy
+    /// server breaks (its control stream is reset and new RDMA handshakes
+    /// are turned away, TCP still passes): calls succeed over TCP within
+    /// 1 s; once RDMA works again, a probe moves the channel back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_rdma_path_falls_back_to_tcp_and_returns() {
+        let server = start(server_config(&TransportConfig::soft_rdma())).await;
+        let proxy = FaultProxy::start(server.addr.clone()).await;
+        let probe = Duration::from_millis(300);
+        let channel = rdma_channel(&proxy.addr, probe.as_millis() as u64);
+        let echo = EchoClient::new(channel.clone());
+        let call = |timeout_ms| {
+            let echo = echo.clone();
+            async move {
+                echo.echo_with_options(
+                    echo_request(0),
+                    &CallOptions::with_timeout(Duration::from_millis(timeout_ms)),
+                )
+                .await
+            }
+        };
+        call(5000).await.unwrap();
+        assert_eq!(channel.current_transport(), Some(TransportKind::Rdma));
+
+        // Break the RDMA path.
+        proxy.refuse_rdma(true);
+        let broken = Instant::now();
+        proxy.reset_all();
+        let mut failed = 0;
+        loop {
+            match call(300).await {
+                Ok(_) => break,
+                Err(_) => failed += 1,
+            }
+            assert!(
+                broken.elapsed() < Duration::from_secs(5),
+                "no call succeeded after the RDMA path broke"
+            );
+        }
+        let fallback = broken.elapsed();
+        assert_eq!(channel.current_transport(), Some(TransportKind::Tcp));
+        assert!(proxy.refused() >= 1, "an RDMA reconnect was tried first");
+        assert!(
+            fallback < Duration::from_secs(1),
+            "calls succeed over TCP within 1 s: {fallback:?} ({failed} failed calls)"
+        );
+        // Stays on TCP while RDMA is broken: probes fail.
+        let until = Instant::now() + probe * 2;
+        while Instant::now() < until {
+            call(2000).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(channel.current_transport(), Some(TransportKind::Tcp));
+
+        // RDMA works again: traffic returns within the probe interval.
+        proxy.refuse_rdma(false);
+        let repaired = Instant::now();
+        while channel.current_transport() != Some(TransportKind::Rdma) {
+            call(2000).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert!(
+                repaired.elapsed() < probe * 4,
+                "no return to RDMA after {:?}",
+                repaired.elapsed()
+            );
+        }
+        let returned = repaired.elapsed();
+        assert!(
+            returned <= probe + Duration::from_millis(500),
+            "{returned:?}"
+        );
+        call(2000).await.unwrap();
+        server.shutdown().await;
+    }
+
+    /// Delays on the path (the proxy holds every chunk) show as attempt
+    /// timeouts, and a replica set moves the call to the other replica.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_path_to_one_replica_is_absorbed_by_another() {
+        let a = start(ServerConfig::default()).await;
+        let b = start(ServerConfig::default()).await;
+        let slow = FaultProxy::start(a.addr.clone()).await;
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                replicas: vec![
+                    ReplicaEndpoint {
+                        addr: slow.addr.clone(),
+                        domain: "near".into(),
+                    },
+                    ReplicaEndpoint {
+                        addr: b.addr.clone(),
+                        domain: "far".into(),
+                    },
+                ],
+                local_domain: "near".into(),
+                call_timeout_ms: 3000,
+                channel: ChannelConfig {
+                    connect_timeout_ms: 500,
+                    request_timeout_ms: 200,
+                    ..ChannelConfig::default()
+                },
+                retry: RetryPolicyConfig {
+                    probability: 1.0,
+                    ..RetryPolicyConfig::default()
+                },
+                seed: Some(3),
+                ..ReplicaSetConfig::default()
+            },
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let echo = EchoClient::new(set);
+        echo.echo(echo_request(0)).await.unwrap();
+        slow.delay(Duration::from_millis(500));
+        for _ in 0..5 {
+            let started = Instant::now();
+            echo.echo(echo_request(0)).await.unwrap();
+            assert!(started.elapsed() < Duration::from_millis(1500));
+        }
+        a.shutdown().await;
+        b.shutdown().await;
     }
 }

@@ -178,6 +178,25 @@ impl Transport {
         }
     }
 
+    /// Dials `addr` over TCP whatever the configured kind: the RPC layer's
+    /// fallback path when RDMA to a peer is broken (an RDMA listener also
+    /// accepts TCP peers on the same address).
+    pub async fn connect_tcp(&self, addr: &str) -> Result<Connection, TransportError> {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|source| TransportError::Connect {
+                addr: addr.to_owned(),
+                source,
+            })?;
+        self.tcp_connection(stream)
+    }
+
+    /// Whether connections to peers go over RDMA first (`rdma`, or `auto`
+    /// with a device).
+    pub fn prefers_rdma(&self) -> bool {
+        self.inner.rdma.is_some() && self.inner.config.kind != TransportKind::Tcp
+    }
+
     /// Listens on `addr` ("host:port"; port 0 picks a free one).
     pub async fn listen(&self, addr: &str) -> Result<Listener, TransportError> {
         // Both kinds listen on TCP: RDMA for its connection handshake.
@@ -205,6 +224,12 @@ impl Connection {
     /// The peer's address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer
+    }
+
+    /// The transport this connection runs over: [`TransportKind::Tcp`] or
+    /// [`TransportKind::Rdma`] (never `Auto`).
+    pub fn kind(&self) -> TransportKind {
+        self.sender.kind()
     }
 
     pub(crate) fn rdma(
@@ -373,10 +398,11 @@ async fn accept_rdma(
                 return;
             };
             let handshake = async {
-                if transport.inner.config.kind == TransportKind::Auto
-                    && !speaks_rdma(&stream).await?
-                {
-                    tracing::debug!(?peer, "transport auto: peer speaks TCP");
+                // Every RDMA listener also serves TCP peers on the same
+                // address: they are clients that fell back to TCP because
+                // their RDMA path is broken (or `auto` clients without RDMA).
+                if !speaks_rdma(&stream).await? {
+                    tracing::debug!(?peer, "peer speaks TCP");
                     let connection = transport.tcp_connection(stream)?;
                     let _ = ready.send(connection).await;
                     return Ok(());
@@ -432,6 +458,14 @@ impl MessageSender {
                 .await
                 .map_err(|_| TransportError::Closed),
             SenderInner::Rdma(socket) => socket.send(message).await,
+        }
+    }
+
+    /// The transport this sender writes to: `Tcp` or `Rdma`.
+    pub fn kind(&self) -> TransportKind {
+        match &self.inner {
+            SenderInner::Tcp(_) => TransportKind::Tcp,
+            SenderInner::Rdma(_) => TransportKind::Rdma,
         }
     }
 

@@ -1,7 +1,6 @@
 //! The worker's parameter-server client: Fetch and Push over every shard.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use futures::future::try_join_all;
@@ -9,7 +8,9 @@ use tessera_proto::rows::write_f32s;
 use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
-use tessera_rpc::{Channel, RpcError, Transport, Validate};
+use tessera_rpc::{
+    Channel, Endpoint, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, RpcError, Transport, Validate,
+};
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
@@ -90,17 +91,22 @@ pub enum WorkerError {
 ///
 /// Fetch: keys are deduplicated, split by shard (see
 /// `tessera_proto::sharding`), sent as one sub-request per shard
-/// concurrently, to one replica per shard chosen round-robin, and merged in
-/// the caller's order. Push: gradients of repeated keys are summed, split by
-/// shard, and sent to *every* replica of each shard, so replica groups stay
-/// in step until primary/replica forwarding replaces this.
+/// concurrently and merged in the caller's order. Each shard's Fetches go
+/// through a [`ReplicaSet`] of the servers hosting it: replica selection
+/// (own replica group first, then power-of-two-choices), retries within
+/// the call's deadline, quarantine, and the RDMA-to-TCP fallback. Push:
+/// gradients of repeated keys are summed, split by shard, and sent to
+/// *every* replica of each shard without retries, so replica groups stay
+/// in step until primary/replica forwarding with deduplicated Push ids
+/// replaces this.
 #[derive(Debug)]
 pub struct PsClient {
     num_shards: u32,
-    /// `replicas[shard]`: clients of the servers hosting that shard.
-    replicas: Vec<Vec<ParameterServerClient>>,
-    servers: Vec<ParameterServerClient>,
-    next_replica: AtomicUsize,
+    /// `fetchers[shard]`: the shard's replica set.
+    fetchers: Vec<ParameterServerClient>,
+    /// `replicas[shard]`: clients of each server hosting that shard.
+    replicas: Vec<Vec<(String, ParameterServerClient)>>,
+    servers: Vec<(String, ParameterServerClient)>,
     transport: Transport,
 }
 
@@ -114,31 +120,69 @@ impl PsClient {
         // channels.
         let transport = Transport::new(channel_config.transport.clone())
             .map_err(|err| WorkerError::Transport(err.to_string()))?;
-        let mut by_address: HashMap<&str, ParameterServerClient> = HashMap::new();
+        let mut channels: HashMap<&str, Channel> = HashMap::new();
         let mut servers = Vec::new();
         let mut replicas = vec![Vec::new(); config.num_shards as usize];
+        let mut endpoints = vec![Vec::new(); config.num_shards as usize];
         for server in &config.servers {
-            let client = by_address
+            let channel = channels
                 .entry(server.address.as_str())
                 .or_insert_with(|| {
-                    let client = ParameterServerClient::new(Channel::with_transport(
+                    let channel = Channel::with_transport(
                         &server.address,
                         channel_config.clone(),
                         transport.clone(),
+                    );
+                    servers.push((
+                        server.address.clone(),
+                        ParameterServerClient::new(channel.clone()),
                     ));
-                    servers.push(client.clone());
-                    client
+                    channel
                 })
                 .clone();
             for &shard in &server.shards {
-                replicas[shard as usize].push(client.clone());
+                replicas[shard as usize].push((
+                    server.address.clone(),
+                    ParameterServerClient::new(channel.clone()),
+                ));
+                endpoints[shard as usize].push((
+                    ReplicaEndpoint {
+                        addr: server.address.clone(),
+                        domain: server.replica_group.to_string(),
+                    },
+                    channel.clone(),
+                ));
             }
         }
+        let fetchers = endpoints
+            .into_iter()
+            .map(|endpoints| {
+                let (replicas, channels): (Vec<_>, Vec<_>) = endpoints.into_iter().unzip();
+                let set = ReplicaSetConfig {
+                    replicas,
+                    local_domain: config
+                        .replica_group
+                        .map(|g| g.to_string())
+                        .unwrap_or_default(),
+                    call_timeout_ms: config.call_timeout_ms,
+                    channel: channel_config.clone(),
+                    retry: config.retry,
+                    budget: config.budget,
+                    quarantine: config.quarantine,
+                    seed: None,
+                };
+                ParameterServerClient::new(ReplicaSet::over_channels(
+                    set,
+                    channels,
+                    transport.clone(),
+                ))
+            })
+            .collect();
         Ok(Self {
             num_shards: config.num_shards,
+            fetchers,
             replicas,
             servers,
-            next_replica: AtomicUsize::new(0),
             transport,
         })
     }
@@ -148,16 +192,20 @@ impl PsClient {
         self.num_shards
     }
 
-    fn pick(&self, shard: u32) -> &ParameterServerClient {
-        let replicas = &self.replicas[shard as usize];
-        &replicas[self.next_replica.fetch_add(1, Ordering::Relaxed) % replicas.len()]
+    /// The replica set each shard's Fetches go through (for its
+    /// quarantine list and which transport each replica is reached over).
+    pub fn replica_set(&self, shard: u32) -> Option<&ReplicaSet> {
+        match self.fetchers.get(shard as usize)?.endpoint() {
+            Endpoint::Replicas(set) => Some(set),
+            Endpoint::Channel(_) => None,
+        }
     }
 
     /// The rows of `keys` in `table`, in the order of `keys`.
     pub async fn fetch(&self, table: &str, keys: &[u64]) -> Result<Rows, WorkerError> {
         let plan = FetchPlan::new(keys, self.num_shards);
         let calls = plan.groups().iter().map(|group| {
-            let client = self.pick(group.shard);
+            let client = &self.fetchers[group.shard as usize];
             let request = FetchRequest {
                 table: table.to_owned(),
                 shard: group.shard,
@@ -170,7 +218,7 @@ impl PsClient {
                     .map(|response| (response.dim, response.values))
                     .map_err(|source| WorkerError::Rpc {
                         shard: group.shard,
-                        addr: client.channel().addr().to_owned(),
+                        addr: client.endpoint().describe(),
                         source,
                     })
             }
@@ -209,7 +257,7 @@ impl PsClient {
             buf.set_len(len);
             write_f32s(&mut buf, sums);
             let wire = buf.freeze();
-            for client in &self.replicas[group.shard as usize] {
+            for (addr, client) in &self.replicas[group.shard as usize] {
                 let request = PushRequest {
                     table: table.to_owned(),
                     shard: group.shard,
@@ -223,7 +271,7 @@ impl PsClient {
                         .await
                         .map_err(|source| WorkerError::Rpc {
                             shard,
-                            addr: client.channel().addr().to_owned(),
+                            addr: addr.clone(),
                             source,
                         })
                 });
@@ -235,11 +283,8 @@ impl PsClient {
 
     /// Health of every server, in configuration order.
     pub async fn health(&self) -> Vec<(String, Result<HealthResponse, RpcError>)> {
-        let calls = self.servers.iter().map(|client| async move {
-            (
-                client.channel().addr().to_owned(),
-                client.health(HealthRequest {}).await,
-            )
+        let calls = self.servers.iter().map(|(addr, client)| async move {
+            (addr.clone(), client.health(HealthRequest {}).await)
         });
         futures::future::join_all(calls).await
     }

@@ -7,7 +7,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
-use tessera_rpc::{ChannelConfig, RdmaConfig, TransportConfig, TransportKind};
+use tessera_rpc::policy::{FallbackConfig, QuarantineConfig, RetryBudgetConfig, RetryPolicyConfig};
+use tessera_rpc::{ChannelConfig, RdmaConfig, ReplicaSetConfig, TransportConfig, TransportKind};
 
 /// One ps-server as the worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,8 +65,25 @@ pub struct WorkerConfig {
     pub transport: TransportKind,
     /// Connection timeout Tc in milliseconds (see `tessera_rpc::ChannelConfig`).
     pub connect_timeout_ms: u64,
-    /// Request timeout Tr in milliseconds (see `tessera_rpc::ChannelConfig`).
+    /// Request timeout Tr in milliseconds: the longest one attempt on one
+    /// server may take (see `tessera_rpc::ChannelConfig`).
     pub request_timeout_ms: u64,
+    /// A call's whole deadline, retries on other replicas included, in
+    /// milliseconds (see `tessera_rpc::ReplicaSetConfig`). Default 100.
+    pub call_timeout_ms: u64,
+    /// This worker's replica group (failure domain): Fetches prefer the
+    /// servers of this group. Default: none preferred.
+    pub replica_group: Option<u32>,
+    /// Probabilistic retries (`[retry]`: `probability`, `max_attempts`,
+    /// `min_remaining_ms`).
+    pub retry: RetryPolicyConfig,
+    /// Retry budget (`[budget]`: `ratio`, `max_tokens`, `reserve_per_sec`).
+    pub budget: RetryBudgetConfig,
+    /// Quarantine of failing servers (`[quarantine]`).
+    pub quarantine: QuarantineConfig,
+    /// RDMA-to-TCP fallback (`[fallback]`: `enabled`, `reconnect_attempts`,
+    /// `probe_interval_ms`).
+    pub fallback: FallbackConfig,
     /// Largest RPC message in bytes. Default 64 MiB.
     pub max_message_size: u64,
     /// RDMA settings (`[rdma]`: `provider = "ibverbs" | "soft"`, device,
@@ -87,6 +105,12 @@ impl Default for WorkerConfig {
             transport: TransportKind::Tcp,
             connect_timeout_ms: channel.connect_timeout_ms,
             request_timeout_ms: channel.request_timeout_ms,
+            call_timeout_ms: ReplicaSetConfig::default().call_timeout_ms,
+            replica_group: None,
+            retry: RetryPolicyConfig::default(),
+            budget: RetryBudgetConfig::default(),
+            quarantine: QuarantineConfig::default(),
+            fallback: FallbackConfig::default(),
             max_message_size: channel.transport.max_message_size,
             rdma: RdmaConfig::default(),
             num_shards: 1,
@@ -111,6 +135,7 @@ impl WorkerConfig {
         ChannelConfig {
             connect_timeout_ms: self.connect_timeout_ms,
             request_timeout_ms: self.request_timeout_ms,
+            fallback: self.fallback,
             transport: TransportConfig {
                 kind: self.transport,
                 max_message_size: self.max_message_size,
@@ -169,6 +194,12 @@ impl Validate for WorkerConfig {
         if w.key_space == 0 {
             return Err(invalid("workload.key_space", "must be at least 1"));
         }
+        if self.call_timeout_ms == 0 {
+            return Err(invalid("call_timeout_ms", "must be at least 1"));
+        }
+        self.retry.validate()?;
+        self.budget.validate()?;
+        self.quarantine.validate()?;
         self.channel_config().validate()
     }
 }

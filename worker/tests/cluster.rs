@@ -8,7 +8,7 @@ use tessera_proto::rows::get_f32s;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
-use tessera_rpc::{Channel, ChannelConfig, RdmaConfig, RdmaProvider, TransportKind};
+use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
 use tessera_worker::workload::{self, WorkloadKind};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig, WorkerError, WorkloadConfig};
 use tokio::sync::oneshot;
@@ -70,6 +70,10 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
             rdma: soft_rdma(),
             num_shards: 2,
             servers,
+            // Generous timeouts: this 2-core host runs many tests at once.
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 5000,
+            call_timeout_ms: 10_000,
             workload: WorkloadConfig {
                 table: "emb".into(),
                 duration_secs: 0.5,
@@ -99,7 +103,7 @@ impl Cluster {
     async fn direct(&self, index: usize, key: u64) -> Vec<f32> {
         let server = &self.config.servers[index];
         let client = ParameterServerClient::new(
-            Channel::connect(&server.address, ChannelConfig::default())
+            Channel::connect(&server.address, self.config.channel_config())
                 .await
                 .unwrap(),
         );

@@ -19,13 +19,22 @@
 //! transport message (protobuf accepts fields in any order). The transport
 //! writes the parts with one vectored write.
 //!
+//! Methods marked `option (tessera.idempotent) = true;` (from
+//! `tessera/options.proto`, which [`compile_protos`] puts on the include
+//! path) get `idempotent: true` in their [`MethodDescriptor`]s, and the RPC
+//! layer may retry them after a timeout or a lost connection. prost drops
+//! unknown options when it decodes descriptors, so the option is read from
+//! protoc's raw output with a small mirror of the descriptor messages.
+//!
+//! [`MethodDescriptor`]: https://docs.rs/tessera-rpc
+//!
 //! Use [`compile_protos`] from a `build.rs`:
 //!
 //! ```no_run
 //! tessera_rpc_build::compile_protos(&["proto/echo.proto"], &["proto"]).unwrap();
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -49,17 +58,141 @@ pub fn configure() -> prost_build::Config {
 /// Compiles `protos` (searching `includes`) with Tessera's generator, with
 /// zero-copy encoding of top-level `bytes` fields of request and response
 /// types.
+///
+/// The directory of `tessera/options.proto` is added to `includes`.
 pub fn compile_protos(
     protos: &[impl AsRef<Path>],
     includes: &[impl AsRef<Path>],
 ) -> std::io::Result<()> {
+    let out_dir = std::env::var_os("OUT_DIR")
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| {
+            std::io::Error::other("OUT_DIR is not set: call this from a build script")
+        })?;
+    let fds_path = out_dir.join("tessera-descriptors.bin");
     let mut config = prost_build::Config::new();
     config.bytes(["."]);
-    let fds = config.load_fds(protos, includes)?;
+    config.file_descriptor_set_path(&fds_path);
+    let mut all_includes: Vec<std::path::PathBuf> =
+        includes.iter().map(|i| i.as_ref().to_path_buf()).collect();
+    all_includes.push(options_include_dir());
+    let fds = config.load_fds(protos, &all_includes)?;
+    let raw = std::fs::read(&fds_path)?;
     config.service_generator(Box::new(ServiceGenerator {
         bytes_fields: bytes_fields(&fds),
+        idempotent: options::idempotent_methods(&raw)?,
     }));
     config.compile_fds(fds)
+}
+
+/// The directory holding `tessera/options.proto`.
+pub fn options_include_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("proto")
+}
+
+/// Reading `(tessera.idempotent)` from a serialized `FileDescriptorSet`.
+mod options {
+    use std::collections::HashSet;
+
+    use prost::Message;
+
+    #[derive(Clone, PartialEq, Message)]
+    struct FileSet {
+        #[prost(message, repeated, tag = "1")]
+        file: Vec<File>,
+    }
+
+    #[derive(Clone, PartialEq, Message)]
+    struct File {
+        #[prost(string, optional, tag = "2")]
+        package: Option<String>,
+        #[prost(message, repeated, tag = "6")]
+        service: Vec<ServiceProto>,
+    }
+
+    #[derive(Clone, PartialEq, Message)]
+    struct ServiceProto {
+        #[prost(string, optional, tag = "1")]
+        name: Option<String>,
+        #[prost(message, repeated, tag = "2")]
+        method: Vec<MethodProto>,
+    }
+
+    #[derive(Clone, PartialEq, Message)]
+    struct MethodProto {
+        #[prost(string, optional, tag = "1")]
+        name: Option<String>,
+        #[prost(message, optional, tag = "4")]
+        options: Option<MethodOptions>,
+    }
+
+    /// `MethodOptions` with only the extension: field 50301 is
+    /// `tessera.idempotent` (`proto/tessera/options.proto`).
+    #[derive(Clone, PartialEq, Message)]
+    struct MethodOptions {
+        #[prost(bool, optional, tag = "50301")]
+        idempotent: Option<bool>,
+    }
+
+    /// Paths (`/package.Service/Method`) of the methods marked idempotent.
+    pub fn idempotent_methods(raw: &[u8]) -> std::io::Result<HashSet<String>> {
+        let set = FileSet::decode(raw).map_err(std::io::Error::other)?;
+        let mut out = HashSet::new();
+        for file in &set.file {
+            let package = file.package.as_deref().unwrap_or("");
+            for service in &file.service {
+                let service_name = service.name.as_deref().unwrap_or("");
+                let full = if package.is_empty() {
+                    service_name.to_owned()
+                } else {
+                    format!("{package}.{service_name}")
+                };
+                for method in &service.method {
+                    if method.options.as_ref().and_then(|o| o.idempotent) == Some(true) {
+                        out.insert(format!("/{full}/{}", method.name.as_deref().unwrap_or("")));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn reads_the_option_from_raw_descriptors() {
+            let set = FileSet {
+                file: vec![File {
+                    package: Some("demo.v1".into()),
+                    service: vec![ServiceProto {
+                        name: Some("Store".into()),
+                        method: vec![
+                            MethodProto {
+                                name: Some("Get".into()),
+                                options: Some(MethodOptions {
+                                    idempotent: Some(true),
+                                }),
+                            },
+                            MethodProto {
+                                name: Some("Put".into()),
+                                options: None,
+                            },
+                            MethodProto {
+                                name: Some("Add".into()),
+                                options: Some(MethodOptions {
+                                    idempotent: Some(false),
+                                }),
+                            },
+                        ],
+                    }],
+                }],
+            };
+            let found = idempotent_methods(&set.encode_to_vec()).unwrap();
+            assert_eq!(found, HashSet::from(["/demo.v1.Store/Get".to_owned()]));
+        }
+    }
 }
 
 /// Top-level singular `bytes` fields of every top-level message, keyed by
@@ -138,12 +271,14 @@ pub const fn method_id(path: &str) -> u32 {
 pub struct ServiceGenerator {
     /// Zero-copy `bytes` fields per message (empty without descriptors).
     bytes_fields: HashMap<String, Vec<(i32, String)>>,
+    /// Paths of the methods marked `(tessera.idempotent)`.
+    idempotent: HashSet<String>,
 }
 
 impl prost_build::ServiceGenerator for ServiceGenerator {
     fn generate(&mut self, service: Service, buf: &mut String) {
         // Writing into a String cannot fail.
-        let _ = generate_service(&service, &self.bytes_fields, buf);
+        let _ = generate_service(&service, &self.bytes_fields, &self.idempotent, buf);
     }
 }
 
@@ -229,6 +364,7 @@ fn check_methods(service: &Service, full: &str) {
 fn generate_service(
     service: &Service,
     bytes_fields: &HashMap<String, Vec<(i32, String)>>,
+    idempotent: &HashSet<String>,
     buf: &mut String,
 ) -> std::fmt::Result {
     let full = full_name(service);
@@ -251,9 +387,10 @@ fn generate_service(
         let path = format!("/{full}/{}", method.proto_name);
         writeln!(
             buf,
-            "        ::tessera_rpc::MethodDescriptor {{ name: \"{}\", path: \"{path}\", id: {:#010x} }},",
+            "        ::tessera_rpc::MethodDescriptor {{ name: \"{}\", path: \"{path}\", id: {:#010x}, idempotent: {} }},",
             method.proto_name,
-            method_id(&path)
+            method_id(&path),
+            idempotent.contains(&path)
         )?;
     }
     writeln!(buf, "    ],")?;
@@ -266,29 +403,44 @@ fn generate_service(
     }
     writeln!(
         buf,
-        "/// Typed client of `{full}` over a Tessera [`::tessera_rpc::Channel`]."
+        "/// Typed client of `{full}` over a Tessera [`::tessera_rpc::Endpoint`]:"
+    )?;
+    writeln!(
+        buf,
+        "/// one server ([`::tessera_rpc::Channel`]) or a replica set ([`::tessera_rpc::ReplicaSet`])."
     )?;
     writeln!(buf, "#[derive(Debug, Clone)]")?;
     writeln!(buf, "pub struct {name}Client {{")?;
-    writeln!(buf, "    channel: ::tessera_rpc::Channel,")?;
+    writeln!(buf, "    endpoint: ::tessera_rpc::Endpoint,")?;
     writeln!(buf, "}}")?;
     writeln!(buf, "impl {name}Client {{")?;
-    writeln!(buf, "    /// A client that sends its calls over `channel`.")?;
     writeln!(
         buf,
-        "    pub fn new(channel: ::tessera_rpc::Channel) -> Self {{"
+        "    /// A client that sends its calls to `endpoint` (a `Channel` or a `ReplicaSet`)."
     )?;
-    writeln!(buf, "        Self {{ channel }}")?;
+    writeln!(
+        buf,
+        "    pub fn new(endpoint: impl ::core::convert::Into<::tessera_rpc::Endpoint>) -> Self {{"
+    )?;
+    writeln!(buf, "        Self {{ endpoint: endpoint.into() }}")?;
     writeln!(buf, "    }}")?;
-    writeln!(buf, "    /// The channel this client sends on.")?;
+    writeln!(buf, "    /// Where this client sends its calls.")?;
     writeln!(
         buf,
-        "    pub fn channel(&self) -> &::tessera_rpc::Channel {{"
+        "    pub fn endpoint(&self) -> &::tessera_rpc::Endpoint {{"
     )?;
-    writeln!(buf, "        &self.channel")?;
+    writeln!(buf, "        &self.endpoint")?;
     writeln!(buf, "    }}")?;
     for (index, method) in service.methods.iter().enumerate() {
-        generate_client_method(method, index, &descriptor, bytes_fields, buf)?;
+        let path = format!("/{full}/{}", method.proto_name);
+        generate_client_method(
+            method,
+            index,
+            idempotent.contains(&path),
+            &descriptor,
+            bytes_fields,
+            buf,
+        )?;
     }
     writeln!(buf, "}}")?;
 
@@ -424,6 +576,7 @@ fn generate_service(
 fn generate_client_method(
     method: &Method,
     index: usize,
+    idempotent: bool,
     descriptor: &str,
     bytes_fields: &HashMap<String, Vec<(i32, String)>>,
     buf: &mut String,
@@ -452,12 +605,18 @@ fn generate_client_method(
         "    /// Calls `{}` with per-call options (for example a deadline).",
         method.proto_name
     )?;
+    if idempotent {
+        writeln!(
+            buf,
+            "    ///\n    /// The method is idempotent (`tessera.idempotent`): a replica set may retry it after a timeout or a lost connection."
+        )?;
+    }
     writeln!(
         buf,
         "    pub async fn {}_with_options(&self, request: {}, options: &::tessera_rpc::CallOptions) -> ::core::result::Result<{}, ::tessera_rpc::RpcError> {{",
         method.name, method.input_type, method.output_type
     )?;
-    writeln!(buf, "        let pool = self.channel.send_pool();")?;
+    writeln!(buf, "        let pool = self.endpoint.send_pool();")?;
     writeln!(
         buf,
         "        let body = {}?;",
@@ -471,7 +630,7 @@ fn generate_client_method(
     )?;
     writeln!(
         buf,
-        "        self.channel.unary_message(&{descriptor}.methods[{index}], body, options).await"
+        "        self.endpoint.unary_message(&{descriptor}.methods[{index}], body, options).await"
     )?;
     writeln!(buf, "    }}")?;
     Ok(())

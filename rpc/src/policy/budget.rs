@@ -34,6 +34,22 @@ impl Default for RetryBudgetConfig {
     }
 }
 
+impl tessera_config::Validate for RetryBudgetConfig {
+    fn validate(&self) -> Result<(), tessera_config::ConfigError> {
+        use tessera_config::invalid;
+        for (key, value) in [
+            ("budget.ratio", self.ratio),
+            ("budget.max_tokens", self.max_tokens),
+            ("budget.reserve_per_sec", self.reserve_per_sec),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(invalid(key, "must be a finite number, at least 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A retry budget (see the module docs).
 #[derive(Debug, Clone)]
 pub struct RetryBudget {

@@ -12,13 +12,17 @@
 //! - [`ReplicaSelector`]: prefer the caller's failure domain, then
 //!   power-of-two-choices on latency and load, failing over across
 //!   domains.
+//! - [`FallbackLadder`]: when RDMA to a destination breaks, reconnect, then
+//!   TCP to the same address, probing RDMA to move back.
 
 mod budget;
+mod fallback;
 mod quarantine;
 mod retry;
 mod select;
 
 pub use budget::{RetryBudget, RetryBudgetConfig};
+pub use fallback::{FallbackConfig, FallbackLadder, LadderStep, Path};
 pub use quarantine::{Ejection, Quarantine, QuarantineConfig};
 pub use retry::{AttemptFailure, RetryDecision, RetryPolicy, RetryPolicyConfig};
 pub use select::{Replica, ReplicaSelector};

@@ -51,6 +51,34 @@ impl Default for QuarantineConfig {
     }
 }
 
+impl tessera_config::Validate for QuarantineConfig {
+    fn validate(&self) -> Result<(), tessera_config::ConfigError> {
+        use tessera_config::invalid;
+        if self.window_secs == 0 {
+            return Err(invalid("quarantine.window_secs", "must be at least 1"));
+        }
+        if self.base_cooldown_secs == 0 {
+            return Err(invalid(
+                "quarantine.base_cooldown_secs",
+                "must be at least 1",
+            ));
+        }
+        if self.max_cooldown_secs < self.base_cooldown_secs {
+            return Err(invalid(
+                "quarantine.max_cooldown_secs",
+                "must be at least base_cooldown_secs",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.max_ejected_fraction) {
+            return Err(invalid(
+                "quarantine.max_ejected_fraction",
+                "must be between 0 and 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// An excluded node, as listed by [`Quarantine::list`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ejection {
@@ -77,6 +105,7 @@ pub struct Quarantine {
     config: QuarantineConfig,
     nodes: HashMap<String, NodeState>,
     set_size: usize,
+    readmissions: u64,
 }
 
 /// Which threshold a failure counts against.
@@ -93,6 +122,7 @@ impl Quarantine {
             config,
             nodes: HashMap::new(),
             set_size,
+            readmissions: 0,
         }
     }
 
@@ -109,6 +139,7 @@ impl Quarantine {
                 state.connect_failures.clear();
                 state.request_failures.clear();
                 state.readmitted_at = Some(now);
+                self.readmissions += 1;
             }
             // Clean for a whole window after readmission: the streak ends.
             if state.ejected_until.is_none()
@@ -120,6 +151,12 @@ impl Quarantine {
                 state.readmitted_at = None;
             }
         }
+    }
+
+    /// Nodes readmitted after their cooldown so far (cleared ones not
+    /// counted).
+    pub fn readmissions(&self) -> u64 {
+        self.readmissions
     }
 
     fn excluded_count(&self) -> usize {

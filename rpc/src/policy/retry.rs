@@ -6,8 +6,17 @@
 //! caller's deadline has time left. Then, in this order: the attempt limit,
 //! idempotence (a non-idempotent method is retried only when the request
 //! carries an id the server deduplicates), the remaining deadline, a coin
-//! with probability `probability` (so that under a broad failure only a
-//! fraction of callers add load), and finally the [`RetryBudget`].
+//! (so that under a broad failure only a fraction of callers add load), and
+//! finally the [`RetryBudget`].
+//!
+//! The coin has two weights. A timed-out attempt is retried with
+//! `probability` (the paper: "a timed-out request may be retried
+//! probabilistically"): a timeout may mean an overloaded server, and every
+//! retry adds load. A connection that could not be made or broke is retried
+//! with `connection_failure_probability`, by default always: it says the
+//! node or the path failed, not that it is busy, so the retry goes to
+//! another replica and adds no load to the failed one; the budget still
+//! caps how much retrying a client does.
 
 use std::time::{Duration, Instant};
 
@@ -19,10 +28,15 @@ use super::budget::RetryBudget;
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetryPolicyConfig {
-    /// Chance that an eligible failure is retried. Default 0.5: the paper
-    /// retries "with some probability"; half keeps a partial outage from
-    /// doubling the load while most single failures are still absorbed.
+    /// Chance that a timed-out attempt is retried. Default 0.5: the paper
+    /// retries timeouts "probabilistically"; half keeps an overload from
+    /// doubling the load while most single slow attempts are still absorbed.
     pub probability: f64,
+    /// Chance that an attempt whose connection failed (could not be made,
+    /// or broke) is retried. Default 1.0: a failed node or path is not a
+    /// busy one, and a replica set should hide a dead replica completely
+    /// (the budget still bounds retries).
+    pub connection_failure_probability: f64,
     /// Attempts per call, the first included. Default 3.
     pub max_attempts: u32,
     /// A retry is not started with less than this left of the deadline
@@ -34,9 +48,29 @@ impl Default for RetryPolicyConfig {
     fn default() -> Self {
         Self {
             probability: 0.5,
+            connection_failure_probability: 1.0,
             max_attempts: 3,
             min_remaining_ms: 2,
         }
+    }
+}
+
+impl tessera_config::Validate for RetryPolicyConfig {
+    fn validate(&self) -> Result<(), tessera_config::ConfigError> {
+        use tessera_config::invalid;
+        if !(0.0..=1.0).contains(&self.probability) {
+            return Err(invalid("retry.probability", "must be between 0 and 1"));
+        }
+        if !(0.0..=1.0).contains(&self.connection_failure_probability) {
+            return Err(invalid(
+                "retry.connection_failure_probability",
+                "must be between 0 and 1",
+            ));
+        }
+        if self.max_attempts == 0 {
+            return Err(invalid("retry.max_attempts", "must be at least 1"));
+        }
+        Ok(())
     }
 }
 
@@ -45,9 +79,11 @@ impl Default for RetryPolicyConfig {
 pub enum AttemptFailure {
     /// No connection could be made: the request was never sent.
     Connect,
-    /// The attempt's time ran out, or its connection broke, after the
-    /// request was sent: it may or may not have been applied.
-    TimedOutOrLost,
+    /// The connection broke after the request was sent: it may or may not
+    /// have been applied.
+    Lost,
+    /// The attempt's time ran out: it may or may not have been applied.
+    TimedOut,
     /// The server answered with an error status: not retried here.
     Status,
 }
@@ -95,14 +131,18 @@ impl RetryPolicy {
             return RetryDecision::GiveUp("attempts used up");
         }
         // A request that was never sent cannot have been applied.
-        if failure == AttemptFailure::TimedOutOrLost && !safe {
+        if matches!(failure, AttemptFailure::Lost | AttemptFailure::TimedOut) && !safe {
             return RetryDecision::GiveUp("not idempotent");
         }
         let left = deadline.saturating_duration_since(now);
         if left < Duration::from_millis(self.config.min_remaining_ms) {
             return RetryDecision::GiveUp("deadline");
         }
-        if !rng.random_bool(self.config.probability.clamp(0.0, 1.0)) {
+        let probability = match failure {
+            AttemptFailure::TimedOut => self.config.probability,
+            _ => self.config.connection_failure_probability,
+        };
+        if !rng.random_bool(probability.clamp(0.0, 1.0)) {
             return RetryDecision::GiveUp("not drawn");
         }
         if !budget.try_withdraw(now) {
@@ -138,29 +178,34 @@ mod tests {
         for probability in [0.1, 0.5, 0.9] {
             let policy = RetryPolicy::new(RetryPolicyConfig {
                 probability,
+                connection_failure_probability: 1.0 - probability,
                 ..RetryPolicyConfig::default()
             });
             let mut budget = budget(now);
             let n = 20_000;
-            let retried = (0..n)
-                .filter(|_| {
-                    policy.decide(
-                        1,
-                        AttemptFailure::Connect,
-                        false,
-                        deadline,
-                        now,
-                        &mut budget,
-                        &mut rng,
-                    ) == RetryDecision::Retry
-                })
-                .count();
-            let share = retried as f64 / n as f64;
+            let mut share = |failure| {
+                let retried = (0..n)
+                    .filter(|_| {
+                        policy.decide(1, failure, true, deadline, now, &mut budget, &mut rng)
+                            == RetryDecision::Retry
+                    })
+                    .count();
+                retried as f64 / n as f64
+            };
             // Binomial standard deviation at n = 20000 is at most 0.0036.
+            let timed_out = share(AttemptFailure::TimedOut);
             assert!(
-                (share - probability).abs() < 0.02,
-                "p = {probability}: {share}"
+                (timed_out - probability).abs() < 0.02,
+                "p = {probability}: {timed_out}"
             );
+            for failure in [AttemptFailure::Connect, AttemptFailure::Lost] {
+                let lost = share(failure);
+                assert!(
+                    (lost - (1.0 - probability)).abs() < 0.02,
+                    "{failure:?}, p = {}: {lost}",
+                    1.0 - probability
+                );
+            }
         }
     }
 
@@ -181,14 +226,16 @@ mod tests {
             decide(1, AttemptFailure::Connect, false, later, &mut b),
             RetryDecision::Retry
         );
-        assert_eq!(
-            decide(1, AttemptFailure::TimedOutOrLost, false, later, &mut b),
-            RetryDecision::GiveUp("not idempotent")
-        );
-        assert_eq!(
-            decide(1, AttemptFailure::TimedOutOrLost, true, later, &mut b),
-            RetryDecision::Retry
-        );
+        for failure in [AttemptFailure::Lost, AttemptFailure::TimedOut] {
+            assert_eq!(
+                decide(1, failure, false, later, &mut b),
+                RetryDecision::GiveUp("not idempotent")
+            );
+            assert_eq!(
+                decide(1, failure, true, later, &mut b),
+                RetryDecision::Retry
+            );
+        }
         assert_eq!(
             decide(3, AttemptFailure::Connect, true, later, &mut b),
             RetryDecision::GiveUp("attempts used up")

@@ -1,0 +1,81 @@
+//! The RPC layer's metric names, in one place so that they stay stable.
+//!
+//! They follow the OpenTelemetry RPC semantic conventions where those fit
+//! (`rpc.client.duration`, `rpc.server.duration`, labelled with the method
+//! path and the status code) in Prometheus spelling with a `tessera_`
+//! prefix, and add what the conventions do not cover: attempts, retries,
+//! the retry budget, quarantine and the transport ladder. Durations are
+//! histograms in seconds; the binaries give them explicit buckets
+//! ([`DURATION_BUCKETS`]).
+//!
+//! Labels: `method` (`/package.Service/Method`), `code` (status code in
+//! snake case, `ok` for success), `transport` (`tcp` or `rdma`: what the
+//! attempt actually went over, after any fallback).
+
+/// Histogram: one whole client call, retries included (`method`, `code`).
+pub const CLIENT_CALL_DURATION: &str = "tessera_rpc_client_duration_seconds";
+/// Counter: client calls started (`method`).
+pub const CLIENT_CALLS_STARTED: &str = "tessera_rpc_client_calls_started_total";
+/// Counter: client calls finished (`method`, `code`).
+pub const CLIENT_CALLS_FINISHED: &str = "tessera_rpc_client_calls_finished_total";
+/// Histogram: one attempt of a call on one server (`method`, `code`,
+/// `transport`).
+pub const CLIENT_ATTEMPT_DURATION: &str = "tessera_rpc_client_attempt_duration_seconds";
+/// Counter: retries started (`method`).
+pub const CLIENT_RETRIES: &str = "tessera_rpc_client_retries_total";
+/// Counter: retries not made because the budget was empty.
+pub const CLIENT_BUDGET_EXHAUSTED: &str = "tessera_rpc_client_retry_budget_exhausted_total";
+/// Counter: connections that could not be made (refused or timed out).
+pub const CLIENT_CONNECT_FAILURES: &str = "tessera_rpc_client_connect_failures_total";
+/// Counter: responses that came after their caller gave up.
+pub const CLIENT_LATE_RESPONSES: &str = "tessera_rpc_client_late_responses_total";
+/// Counter: replicas put into quarantine.
+pub const QUARANTINE_EJECTIONS: &str = "tessera_rpc_client_quarantine_ejections_total";
+/// Counter: quarantined replicas readmitted (cooldown over, or cleared).
+pub const QUARANTINE_READMISSIONS: &str = "tessera_rpc_client_quarantine_readmissions_total";
+/// Counter: RDMA reconnects after a failed RDMA path (first ladder rung).
+pub const CLIENT_RECONNECTS: &str = "tessera_rpc_client_rdma_reconnects_total";
+/// Counter: destinations moved from RDMA to TCP.
+pub const CLIENT_FALLBACKS: &str = "tessera_rpc_client_tcp_fallbacks_total";
+/// Counter: destinations moved back from TCP to RDMA by a probe.
+pub const CLIENT_FALLBACK_RETURNS: &str = "tessera_rpc_client_rdma_returns_total";
+
+/// Histogram: one request handled by a server (`method`, `code`).
+pub const SERVER_DURATION: &str = "tessera_rpc_server_duration_seconds";
+/// Counter: requests a server finished (`method`, `code`).
+pub const SERVER_REQUESTS: &str = "tessera_rpc_server_requests_total";
+/// Counter: requests dropped because their deadline had passed (`method`).
+pub const SERVER_DEADLINE_DROPPED: &str = "tessera_rpc_server_deadline_dropped_total";
+/// Counter: connections a server accepted.
+pub const SERVER_CONNECTIONS: &str = "tessera_rpc_server_connections_total";
+/// Counter: malformed frames a server received.
+pub const SERVER_PROTOCOL_ERRORS: &str = "tessera_rpc_server_protocol_errors_total";
+
+/// Bucket bounds (seconds) for every duration histogram: 25 µs to 10 s,
+/// roughly ×2.5 apart, so that both RDMA's tens of microseconds and TCP
+/// fallbacks' milliseconds resolve.
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// The `transport` label of a connection kind.
+pub(crate) fn transport_label(kind: tessera_transport::TransportKind) -> &'static str {
+    kind.as_str()
+}
+
+/// Records a finished client call: its duration and its outcome.
+pub(crate) fn record_call<T>(
+    method: &'static str,
+    result: &Result<T, crate::RpcError>,
+    elapsed: std::time::Duration,
+) {
+    let code = match result {
+        Ok(_) => crate::Code::Ok,
+        Err(err) => err.code(),
+    };
+    let code = crate::channel::code_label(code);
+    metrics::counter!(CLIENT_CALLS_FINISHED, "method" => method, "code" => code).increment(1);
+    metrics::histogram!(CLIENT_CALL_DURATION, "method" => method, "code" => code)
+        .record(elapsed.as_secs_f64());
+}
