@@ -1,7 +1,12 @@
-//! Generates the parameter-server messages and stubs from `ps.proto`.
+//! Generates the parameter-server messages, Tessera stubs and the gRPC
+//! endpoint from `ps.proto`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=ps.proto");
-    tessera_rpc_build::compile_protos(&["ps.proto"], &["."])?;
+    // The gRPC endpoint too: standard gRPC clients (grpcurl, grpcio) can
+    // call a ps-server with nothing but `ps.proto`.
+    tessera_rpc_build::Builder::new()
+        .grpc(true)
+        .compile(&["ps.proto"], &["."])?;
     Ok(())
 }

@@ -79,6 +79,14 @@ pub struct PsServerConfig {
     /// The tables every hosted shard holds. Default: one table `embeddings`
     /// of dimension 16.
     pub tables: Vec<TableConfig>,
+    /// Address of an optional gRPC endpoint serving the same handlers to
+    /// standard gRPC clients (grpcurl, grpcio, ...). Default: none, since
+    /// workers use the Tessera endpoint; turn it on for tools and clients
+    /// in other languages.
+    pub grpc_listen: Option<String>,
+    /// Address of an optional Prometheus endpoint (`GET /metrics`).
+    /// Default: none.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for PsServerConfig {
@@ -100,6 +108,8 @@ impl Default for PsServerConfig {
                 learning_rate: default_learning_rate(),
                 init_scale: default_init_scale(),
             }],
+            grpc_listen: None,
+            metrics_listen: None,
         }
     }
 }

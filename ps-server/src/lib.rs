@@ -10,8 +10,10 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use tessera_proto::v1::ParameterServerGrpc;
 use tessera_proto::v1::ParameterServerServer;
-use tessera_rpc::{Server, ServerError, Validate};
+use tessera_proto::v1::parameter_server_server::ParameterServerServer as GrpcServer;
+use tessera_rpc::{Server, ServerError, Transport, Validate};
 
 pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
 pub use service::PsService;
@@ -22,6 +24,21 @@ pub use store::{Store, StoreError};
 pub struct PsServer {
     server: Server,
     store: Arc<Store>,
+    /// The optional gRPC endpoint: its listener and the bridge to serve.
+    grpc: Option<GrpcEndpoint>,
+}
+
+struct GrpcEndpoint {
+    listener: tokio::net::TcpListener,
+    service: GrpcServer<ParameterServerGrpc<PsService>>,
+}
+
+impl std::fmt::Debug for GrpcEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcEndpoint")
+            .field("addr", &self.listener.local_addr().ok())
+            .finish_non_exhaustive()
+    }
 }
 
 impl PsServer {
@@ -30,7 +47,32 @@ impl PsServer {
         config.validate()?;
         let store = Arc::new(Store::new(config));
         let service = PsService::new(Arc::clone(&store), config.replica_group);
-        let server = Server::builder(config.server_config())
+        let server_config = config.server_config();
+        // Built here rather than by the server so that the gRPC endpoint
+        // builds its responses in the same send pool.
+        let transport = Transport::new(server_config.transport.clone())
+            .map_err(|err| PsError::Transport(err.to_string()))?;
+        let grpc = match &config.grpc_listen {
+            None => None,
+            Some(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| PsError::GrpcBind {
+                        addr: addr.clone(),
+                        source,
+                    })?;
+                tracing::info!(addr = ?listener.local_addr().ok(), "gRPC endpoint listening");
+                Some(GrpcEndpoint {
+                    listener,
+                    service: ParameterServerGrpc::service(
+                        Arc::new(service.clone()),
+                        transport.send_pool().clone(),
+                    ),
+                })
+            }
+        };
+        let server = Server::builder(server_config)
+            .transport(transport)
             .add_service(ParameterServerServer::new(service))?
             .bind(&config.listen)
             .await?;
@@ -42,7 +84,18 @@ impl PsServer {
             mode = ?config.mode,
             "ps-server listening"
         );
-        Ok(Self { server, store })
+        Ok(Self {
+            server,
+            store,
+            grpc,
+        })
+    }
+
+    /// The bound address of the gRPC endpoint, if it has one.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc
+            .as_ref()
+            .and_then(|grpc| grpc.listener.local_addr().ok())
     }
 
     /// The bound address.
@@ -55,9 +108,35 @@ impl PsServer {
         &self.store
     }
 
-    /// Serves until `shutdown` completes, then shuts down gracefully.
+    /// Serves until `shutdown` completes, then shuts down gracefully (the
+    /// gRPC endpoint too).
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
-        self.server.serve_with_shutdown(shutdown).await;
+        let Some(grpc) = self.grpc else {
+            self.server.serve_with_shutdown(shutdown).await;
+            return;
+        };
+        let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
+        let grpc_task = tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(grpc.service)
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(grpc.listener),
+                    async {
+                        let _ = grpc_stopped.await;
+                    },
+                )
+                .await;
+            if let Err(err) = served {
+                tracing::error!(%err, "gRPC endpoint failed");
+            }
+        });
+        self.server
+            .serve_with_shutdown(async move {
+                shutdown.await;
+                let _ = stop_grpc.send(());
+            })
+            .await;
+        let _ = grpc_task.await;
     }
 }
 
@@ -71,4 +150,15 @@ pub enum PsError {
     /// The RPC server could not be set up.
     #[error(transparent)]
     Server(#[from] ServerError),
+    /// The transport could not be created (for example no RDMA device).
+    #[error("transport: {0}")]
+    Transport(String),
+    /// The gRPC endpoint could not listen.
+    #[error("grpc_listen = {addr}: {source}")]
+    GrpcBind {
+        /// The configured `grpc_listen`.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
 }

@@ -35,6 +35,12 @@ struct Cli {
     /// Override `seed`.
     #[arg(long)]
     seed: Option<u64>,
+    /// Override `grpc_listen`: serve gRPC clients on this address too.
+    #[arg(long)]
+    grpc_listen: Option<String>,
+    /// Override `metrics_listen`: a Prometheus endpoint on this address.
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -85,9 +91,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(seed) = cli.seed {
         config.seed = seed;
     }
+    if let Some(addr) = cli.grpc_listen {
+        config.grpc_listen = Some(addr);
+    }
+    if let Some(addr) = cli.metrics_listen {
+        config.metrics_listen = Some(addr);
+    }
     config.validate()?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
+        if let Some(addr) = &config.metrics_listen {
+            let bound = tessera_rpc::observe::install_prometheus(addr)?;
+            tracing::info!(addr = %bound, "Prometheus endpoint listening");
+        }
         let server = PsServer::bind(&config).await?;
         server.serve(tessera_rpc::shutdown_signal()).await;
         tracing::info!("ps-server stopped");

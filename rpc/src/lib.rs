@@ -18,6 +18,7 @@ mod context;
 mod descriptor;
 mod endpoint;
 mod error;
+pub mod grpc;
 pub mod observe;
 pub mod policy;
 mod replicas;

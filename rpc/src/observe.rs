@@ -59,6 +59,49 @@ pub const DURATION_BUCKETS: &[f64] = &[
     0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
+/// Why the Prometheus endpoint could not be started.
+#[derive(Debug, thiserror::Error)]
+#[error("metrics endpoint on {addr}: {reason}")]
+pub struct MetricsEndpointError {
+    /// The address asked for.
+    pub addr: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Installs the process's metrics recorder: a Prometheus endpoint on
+/// `addr` (`GET /metrics` in the text format), with [`DURATION_BUCKETS`]
+/// for every `*_seconds` histogram. Call once per process, inside a tokio
+/// runtime (the binaries do; libraries never install a recorder).
+///
+/// metrics-exporter-prometheus is the exporter of the `metrics` facade
+/// that the whole project records into; its push-gateway feature is off to
+/// keep builds lean.
+pub fn install_prometheus(addr: &str) -> Result<std::net::SocketAddr, MetricsEndpointError> {
+    let error = |reason: String| MetricsEndpointError {
+        addr: addr.to_owned(),
+        reason,
+    };
+    let socket: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|err: std::net::AddrParseError| error(err.to_string()))?;
+    // Bind first so that a taken port is reported here, not in a
+    // background task's log.
+    let probe = std::net::TcpListener::bind(socket).map_err(|err| error(err.to_string()))?;
+    let bound = probe.local_addr().map_err(|err| error(err.to_string()))?;
+    drop(probe);
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(bound)
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            DURATION_BUCKETS,
+        )
+        .map_err(|err| error(err.to_string()))?
+        .install()
+        .map_err(|err| error(err.to_string()))?;
+    Ok(bound)
+}
+
 /// The `transport` label of a connection kind.
 pub(crate) fn transport_label(kind: tessera_transport::TransportKind) -> &'static str {
     kind.as_str()

@@ -96,6 +96,9 @@ pub struct WorkerConfig {
     pub servers: Vec<ServerEndpoint>,
     /// The generated load.
     pub workload: WorkloadConfig,
+    /// Address of an optional Prometheus endpoint (`GET /metrics`) of the
+    /// `worker` binary. Default: none.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for WorkerConfig {
@@ -120,6 +123,7 @@ impl Default for WorkerConfig {
                 replica_group: 0,
             }],
             workload: WorkloadConfig::default(),
+            metrics_listen: None,
         }
     }
 }

@@ -31,6 +31,9 @@ struct Cli {
     /// Override `workload.table`.
     #[arg(long)]
     table: Option<String>,
+    /// Override `metrics_listen`: a Prometheus endpoint on this address.
+    #[arg(long)]
+    metrics_listen: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -84,6 +87,9 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(table) = cli.table {
         config.workload.table = table;
     }
+    if let Some(addr) = cli.metrics_listen {
+        config.metrics_listen = Some(addr);
+    }
     config.validate()?;
     let kind = match cli.command {
         Command::Ranker => WorkloadKind::Ranker,
@@ -91,6 +97,9 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(async {
+        if let Some(addr) = &config.metrics_listen {
+            tessera_rpc::observe::install_prometheus(addr)?;
+        }
         let client = Arc::new(PsClient::new(&config)?);
         Ok::<_, Box<dyn std::error::Error>>(workload::run(kind, client, &config.workload).await)
     })?;

@@ -64,6 +64,47 @@ pub fn compile_protos(
     protos: &[impl AsRef<Path>],
     includes: &[impl AsRef<Path>],
 ) -> std::io::Result<()> {
+    Builder::new().compile(protos, includes)
+}
+
+/// Code generation with options; [`compile_protos`] is `Builder::new().compile(..)`.
+#[derive(Debug, Clone, Default)]
+pub struct Builder {
+    grpc: bool,
+}
+
+impl Builder {
+    /// Tessera stubs only.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Also generate a gRPC endpoint for every service: tonic's server
+    /// module (`foo_server`, from tonic-prost-build) next to the Tessera
+    /// code, and a bridge `FooGrpc<T>` that serves any implementation of
+    /// the Tessera trait `Foo` to gRPC clients. The crate then depends on
+    /// `tonic` and `tonic-prost`.
+    pub fn grpc(mut self, enable: bool) -> Self {
+        self.grpc = enable;
+        self
+    }
+
+    /// Compiles `protos`, searching `includes` (and the directory of
+    /// `tessera/options.proto`).
+    pub fn compile(
+        self,
+        protos: &[impl AsRef<Path>],
+        includes: &[impl AsRef<Path>],
+    ) -> std::io::Result<()> {
+        compile(self, protos, includes)
+    }
+}
+
+fn compile(
+    builder: Builder,
+    protos: &[impl AsRef<Path>],
+    includes: &[impl AsRef<Path>],
+) -> std::io::Result<()> {
     let out_dir = std::env::var_os("OUT_DIR")
         .map(std::path::PathBuf::from)
         .ok_or_else(|| {
@@ -78,9 +119,16 @@ pub fn compile_protos(
     all_includes.push(options_include_dir());
     let fds = config.load_fds(protos, &all_includes)?;
     let raw = std::fs::read(&fds_path)?;
+    let grpc = builder.grpc.then(|| {
+        tonic_prost_build::configure()
+            .build_client(false)
+            .build_server(true)
+            .service_generator()
+    });
     config.service_generator(Box::new(ServiceGenerator {
         bytes_fields: bytes_fields(&fds),
         idempotent: options::idempotent_methods(&raw)?,
+        grpc,
     }));
     config.compile_fds(fds)
 }
@@ -266,20 +314,130 @@ pub const fn method_id(path: &str) -> u32 {
     hash
 }
 
-/// Emits Tessera clients, server traits and dispatchers.
-#[derive(Debug, Default)]
+/// Emits Tessera clients, server traits and dispatchers (and, with a gRPC
+/// generator, tonic's server module and a bridge to it).
+#[derive(Default)]
 pub struct ServiceGenerator {
     /// Zero-copy `bytes` fields per message (empty without descriptors).
     bytes_fields: HashMap<String, Vec<(i32, String)>>,
     /// Paths of the methods marked `(tessera.idempotent)`.
     idempotent: HashSet<String>,
+    /// tonic-prost-build's generator, when a gRPC endpoint is wanted.
+    grpc: Option<Box<dyn prost_build::ServiceGenerator>>,
+}
+
+impl std::fmt::Debug for ServiceGenerator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceGenerator")
+            .field("grpc", &self.grpc.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl prost_build::ServiceGenerator for ServiceGenerator {
     fn generate(&mut self, service: Service, buf: &mut String) {
         // Writing into a String cannot fail.
         let _ = generate_service(&service, &self.bytes_fields, &self.idempotent, buf);
+        if let Some(grpc) = &mut self.grpc {
+            grpc.generate(service.clone(), buf);
+            let _ = generate_grpc_bridge(&service, buf);
+        }
     }
+
+    fn finalize(&mut self, buf: &mut String) {
+        if let Some(grpc) = &mut self.grpc {
+            grpc.finalize(buf);
+        }
+    }
+
+    fn finalize_package(&mut self, package: &str, buf: &mut String) {
+        if let Some(grpc) = &mut self.grpc {
+            grpc.finalize_package(package, buf);
+        }
+    }
+}
+
+/// The module tonic puts a service's server in (`ParameterServer` ->
+/// `parameter_server_server`).
+fn tonic_server_module(name: &str) -> String {
+    let mut snake = String::new();
+    for (i, ch) in name.chars().enumerate() {
+        if ch.is_uppercase() {
+            if i > 0 {
+                snake.push('_');
+            }
+            snake.extend(ch.to_lowercase());
+        } else {
+            snake.push(ch);
+        }
+    }
+    format!("{snake}_server")
+}
+
+/// `FooGrpc<T>`: serves a Tessera `Foo` implementation through tonic's
+/// `foo_server::Foo` trait.
+fn generate_grpc_bridge(service: &Service, buf: &mut String) -> std::fmt::Result {
+    let full = full_name(service);
+    let name = &service.name;
+    let module = tonic_server_module(name);
+    writeln!(
+        buf,
+        "/// Serves a [`{name}`] implementation to gRPC clients (tonic): the same handlers as"
+    )?;
+    writeln!(
+        buf,
+        "/// the Tessera endpoint, for clients in any language. Build the tonic service with"
+    )?;
+    writeln!(buf, "/// [`{name}Grpc::service`].")?;
+    writeln!(buf, "pub struct {name}Grpc<T> {{")?;
+    writeln!(buf, "    inner: ::std::sync::Arc<T>,")?;
+    writeln!(buf, "    pool: ::tessera_rpc::grpc::Pool,")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "impl<T> ::core::fmt::Debug for {name}Grpc<T> {{")?;
+    writeln!(
+        buf,
+        "    fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {{"
+    )?;
+    writeln!(buf, "        f.write_str(\"{name}Grpc\")")?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "impl<T: {name}> {name}Grpc<T> {{")?;
+    writeln!(
+        buf,
+        "    /// The tonic service for `inner`; handlers build large responses in `pool`."
+    )?;
+    writeln!(
+        buf,
+        "    pub fn service(inner: ::std::sync::Arc<T>, pool: ::tessera_rpc::grpc::Pool) -> {module}::{name}Server<Self> {{"
+    )?;
+    writeln!(
+        buf,
+        "        {module}::{name}Server::new(Self {{ inner, pool }})"
+    )?;
+    writeln!(buf, "    }}")?;
+    writeln!(buf, "}}")?;
+    writeln!(buf, "#[::tonic::async_trait]")?;
+    writeln!(buf, "impl<T: {name}> {module}::{name} for {name}Grpc<T> {{")?;
+    for method in &service.methods {
+        let path = format!("/{full}/{}", method.proto_name);
+        writeln!(
+            buf,
+            "    async fn {}(&self, request: ::tonic::Request<{}>) -> ::core::result::Result<::tonic::Response<{}>, ::tonic::Status> {{",
+            method.name, method.input_type, method.output_type
+        )?;
+        writeln!(
+            buf,
+            "        let context = ::tessera_rpc::grpc::request_context(&request, \"{path}\", &self.pool);"
+        )?;
+        writeln!(
+            buf,
+            "        self.inner.{}(context, request.into_inner()).await.map(::tonic::Response::new).map_err(::tessera_rpc::grpc::to_grpc_status)",
+            method.name
+        )?;
+        writeln!(buf, "    }}")?;
+    }
+    writeln!(buf, "}}")?;
+    Ok(())
 }
 
 /// Code that turns the owned message `value` into transport message parts:

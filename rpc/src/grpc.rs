@@ -1,0 +1,97 @@
+//! Support for the gRPC endpoints that `tessera-rpc-build` generates with
+//! `Builder::grpc(true)`: the generated `FooGrpc<T>` bridges call these to
+//! turn a tonic request into a [`RequestContext`] and a Tessera [`Status`]
+//! into a gRPC one.
+//!
+//! tonic (0.14) is the gRPC implementation: the de-facto Rust one, on the
+//! same tokio and prost as the rest of Tessera, so the bridge shares the
+//! generated message types with the Tessera endpoint instead of converting.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub use tessera_transport::pool::Pool;
+
+use crate::{RequestContext, Status};
+
+/// Ids for gRPC requests (gRPC has none on the wire; handlers log them).
+static NEXT_REQUEST_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The context of a gRPC request to `method`: its deadline from the
+/// `grpc-timeout` header, the caller's address, and `pool` for responses.
+pub fn request_context<T>(
+    request: &tonic::Request<T>,
+    method: &'static str,
+    pool: &Pool,
+) -> RequestContext {
+    let deadline = request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|value| value.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .map(|timeout| Instant::now() + timeout);
+    RequestContext {
+        method,
+        request_id: NEXT_REQUEST_ID.fetch_add(1, Ordering::Relaxed),
+        deadline,
+        peer: request
+            .remote_addr()
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
+        send_pool: pool.clone(),
+    }
+}
+
+/// A gRPC status with the same code and message (Tessera's codes are
+/// gRPC's).
+pub fn to_grpc_status(status: Status) -> tonic::Status {
+    tonic::Status::new(
+        tonic::Code::from_i32(i32::from(status.code().as_u16())),
+        status.message(),
+    )
+}
+
+/// Parses a `grpc-timeout` header value: up to 8 digits and a unit
+/// (`H`, `M`, `S`, `m`, `u`, `n`), per the gRPC HTTP/2 protocol.
+pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Code;
+
+    #[test]
+    fn grpc_timeouts_parse_per_the_protocol() {
+        assert_eq!(parse_grpc_timeout("40m"), Some(Duration::from_millis(40)));
+        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("5u"), Some(Duration::from_micros(5)));
+        for bad in ["", "m", "123456789m", "12x", "-1S", "1.5S"] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn status_codes_map_one_to_one() {
+        let status = to_grpc_status(Status::new(Code::NotFound, "no table `x`"));
+        assert_eq!(status.code(), tonic::Code::NotFound);
+        assert_eq!(status.message(), "no table `x`");
+        let status = to_grpc_status(Status::new(Code::ResourceExhausted, ""));
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    }
+}
