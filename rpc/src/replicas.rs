@@ -296,13 +296,20 @@ impl ReplicaSet {
                     .iter()
                     .map(|r| quarantine.is_excluded(&r.addr, now))
                     .collect();
+                let down: Vec<bool> = (0..selector.replicas().len())
+                    .map(|i| selector.is_down(i, now))
+                    .collect();
+                let usable = |i: usize| !tried.contains(&i) && !down[i];
                 let pick = selector
                     .pick(
-                        |i, _| !excluded.get(i).copied().unwrap_or(true) && !tried.contains(&i),
+                        |i, _| usable(i) && !excluded.get(i).copied().unwrap_or(true),
                         rng,
                     )
-                    // Everything eligible excluded or tried: any replica
-                    // not tried yet (quarantine never empties a set).
+                    // Every usable replica is quarantined: use one anyway
+                    // (the quarantine never empties a set).
+                    .or_else(|| selector.pick(|i, _| usable(i), rng))
+                    // Every replica not tried yet is backing off: try one
+                    // rather than fail without trying.
                     .or_else(|| selector.pick(|i, _| !tried.contains(&i), rng));
                 if let Some(i) = pick {
                     selector.start(i);
@@ -336,7 +343,15 @@ impl ReplicaSet {
                 .await;
             let now = Instant::now();
             let mut state = self.state();
-            state.selector.finish(i, now - attempt_started);
+            match &result {
+                Err(
+                    RpcError::Connect { .. }
+                    | RpcError::ConnectTimeout { .. }
+                    | RpcError::Send { .. }
+                    | RpcError::ConnectionLost { .. },
+                ) => state.selector.connection_failed(i, now),
+                _ => state.selector.finish(i, now - attempt_started),
+            }
             let failure = match &result {
                 Ok(_) => {
                     state.budget.on_success(now);

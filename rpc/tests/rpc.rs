@@ -672,14 +672,30 @@ mod replica_set {
             Transport::new(TransportConfig::default()).unwrap(),
         );
         let method = ECHO_DESCRIPTOR.methods[0].id;
-        for _ in 0..20 {
+        // Every call succeeds; the dead replica is tried again only after
+        // its connection backoff (250 ms, then 500 ms), so its third
+        // connection failure (> M = 2: quarantined) comes after ~750 ms.
+        let started = std::time::Instant::now();
+        let mut calls = 0;
+        while set.quarantined().is_empty() {
             let body = set
                 .call_raw(method, echo_body(0), false, Duration::from_secs(2))
                 .await
                 .expect("a healthy replica answers");
             let response: EchoResponse = prost::Message::decode(body).unwrap();
             assert_eq!(&response.payload[..], b"hello");
+            calls += 1;
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "never quarantined"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        assert!(
+            started.elapsed() >= Duration::from_millis(740),
+            "backoff skipped: quarantined after {:?} and {calls} calls",
+            started.elapsed()
+        );
         let quarantined = set.quarantined();
         assert_eq!(quarantined.len(), 1, "{quarantined:?}");
         assert_eq!(quarantined[0].node, dead);
@@ -929,6 +945,12 @@ mod recovery {
         proxy.refuse_rdma(true);
         let broken = Instant::now();
         proxy.reset_all();
+        // The reset lands asynchronously: a call made before the channel
+        // sees its connection end could still be answered over RDMA.
+        while channel.current_transport() == Some(TransportKind::Rdma) {
+            assert!(broken.elapsed() < Duration::from_secs(5), "reset not seen");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let mut failed = 0;
         loop {
             match call(300).await {

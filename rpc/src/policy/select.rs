@@ -8,8 +8,15 @@
 //! and the one with the lower score `ewma_latency × (outstanding + 1)`
 //! wins. A replica with no samples yet scores with the mean of the others,
 //! so a new or readmitted replica gets traffic at once.
+//!
+//! A replica whose connection failed (refused, timed out, broke) is *down*
+//! for a backoff that starts at 250 ms and doubles up to 10 s with each
+//! failure in a row, like a gRPC subchannel in transient failure: callers
+//! go to the others (even across domains) instead of paying a failed
+//! attempt, and a retry token, per call; after the backoff one call tries
+//! it again. The quarantine is the slower, statistical judgement on top.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rand::Rng;
 
@@ -22,6 +29,10 @@ pub struct Replica {
     pub domain: String,
     ewma_us: Option<f64>,
     outstanding: u32,
+    /// Connection backoff: down until then.
+    down_until: Option<Instant>,
+    /// The current backoff (zero while healthy).
+    backoff: Duration,
 }
 
 impl Replica {
@@ -32,9 +43,19 @@ impl Replica {
             domain: domain.into(),
             ewma_us: None,
             outstanding: 0,
+            down_until: None,
+            backoff: Duration::ZERO,
         }
     }
 }
+
+/// First connection backoff: long enough that a burst of calls does not
+/// each pay a refused connection, short enough that a restarted replica is
+/// back in use within a fraction of a second.
+const INITIAL_BACKOFF: Duration = Duration::from_millis(250);
+/// Longest connection backoff (a replica that stays down is tried every
+/// 10 s by one call; the quarantine decides whether to exclude it).
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 /// Weight of the newest sample in the latency average. 0.2: about the last
 /// ten calls matter.
@@ -114,11 +135,37 @@ impl ReplicaSelector {
         }
     }
 
-    /// The attempt on replica `i` ended after `latency` (failures count
-    /// with the time they took: a slow failure makes a replica look slow).
+    /// Whether replica `i` is in connection backoff at `now`.
+    pub fn is_down(&self, i: usize, now: Instant) -> bool {
+        self.replicas
+            .get(i)
+            .and_then(|r| r.down_until)
+            .is_some_and(|until| now < until)
+    }
+
+    /// The attempt on replica `i` failed on its connection at `now`: ends
+    /// the attempt (without a latency sample: a refused connection is fast
+    /// and says nothing about serving speed) and backs the replica off.
+    pub fn connection_failed(&mut self, i: usize, now: Instant) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.outstanding = r.outstanding.saturating_sub(1);
+            r.backoff = if r.backoff.is_zero() {
+                INITIAL_BACKOFF
+            } else {
+                (r.backoff * 2).min(MAX_BACKOFF)
+            };
+            r.down_until = Some(now + r.backoff);
+        }
+    }
+
+    /// The attempt on replica `i` ended after `latency` (failures other
+    /// than connection failures count with the time they took: a slow
+    /// failure makes a replica look slow). Any answer ends a backoff.
     pub fn finish(&mut self, i: usize, latency: Duration) {
         if let Some(r) = self.replicas.get_mut(i) {
             r.outstanding = r.outstanding.saturating_sub(1);
+            r.down_until = None;
+            r.backoff = Duration::ZERO;
             let sample = latency.as_secs_f64() * 1e6;
             r.ewma_us = Some(match r.ewma_us {
                 Some(old) => old + EWMA_WEIGHT * (sample - old),
@@ -226,5 +273,34 @@ mod tests {
             seen[selector.pick(|_, _| true, &mut rng).unwrap()] = true;
         }
         assert_eq!(seen, [true, true]);
+    }
+
+    #[test]
+    fn a_failed_connection_backs_off_doubling_and_an_answer_ends_it() {
+        let mut selector = set();
+        let t0 = Instant::now();
+        selector.start(0);
+        selector.connection_failed(0, t0);
+        assert!(selector.is_down(0, t0));
+        assert!(!selector.is_down(0, t0 + INITIAL_BACKOFF));
+        let t1 = t0 + INITIAL_BACKOFF;
+        selector.start(0);
+        selector.connection_failed(0, t1);
+        assert!(selector.is_down(0, t1 + INITIAL_BACKOFF));
+        assert!(!selector.is_down(0, t1 + INITIAL_BACKOFF * 2));
+        for _ in 0..20 {
+            selector.connection_failed(0, t1);
+        }
+        assert!(selector.is_down(0, t1 + MAX_BACKOFF - Duration::from_millis(1)));
+        assert!(!selector.is_down(0, t1 + MAX_BACKOFF));
+        assert_eq!(selector.replicas()[0].outstanding, 0, "never below zero");
+        selector.start(0);
+        selector.finish(0, Duration::from_micros(50));
+        assert!(!selector.is_down(0, t1));
+        selector.connection_failed(0, t1);
+        assert!(
+            !selector.is_down(0, t1 + INITIAL_BACKOFF),
+            "the backoff starts over after an answer"
+        );
     }
 }
