@@ -12,6 +12,11 @@
 //!   loopback, one call outstanding, for several payload sizes, against the
 //!   floor any RPC stack pays: a bare length-prefixed echo over a tokio
 //!   `TcpStream` with no framework at all.
+//! - `recovery`: the RPC layer's policy overhead (a call with every policy
+//!   on against a plain channel), RDMA-to-TCP fallback and return times,
+//!   and failover around a SIGKILLed replica; see `recovery.rs`.
+
+mod recovery;
 
 use std::path::PathBuf;
 use std::process::Command as Process;
@@ -134,6 +139,26 @@ enum Command {
         kind: String,
         #[command(flatten)]
         tuning: TuningArgs,
+    },
+    /// Policy overhead, fallback/return and failover times of the RPC layer.
+    Recovery {
+        /// Calls per side of the overhead comparison.
+        #[arg(long, default_value_t = 20_000)]
+        calls: u32,
+        /// Break/repair cycles (and failover rounds, at most 3).
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// RDMA probe interval of the fallback measurement, milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        probe_ms: u64,
+    },
+    /// The server process of `recovery`'s failover measurement.
+    #[command(hide = true)]
+    RpcServer {
+        /// `tcp` or `rdma` (soft provider).
+        kind: tessera_rpc::TransportKind,
+        /// Address to listen on.
+        listen: String,
     },
     /// Unary call latency vs a bare TCP echo.
     RpcLatency {
@@ -496,6 +521,22 @@ fn main() -> Result<(), BoxError> {
             runtime
                 .block_on(transport::serve(kind, &tuning))
                 .map_err(|e| e.to_string().into())
+        }
+        Command::Recovery {
+            calls,
+            rounds,
+            probe_ms,
+        } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(recovery::run(
+                calls,
+                rounds.max(1),
+                Duration::from_millis(probe_ms.max(1)),
+            ))
+        }
+        Command::RpcServer { kind, listen } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(recovery::child_server(kind, &listen))
         }
         Command::RpcLatency { iterations, sizes } => {
             let runtime = tokio::runtime::Runtime::new()?;
