@@ -25,8 +25,8 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use tessera_rpc::policy::FallbackConfig;
 use tessera_rpc::{
-    CallOptions, Channel, ChannelConfig, RdmaConfig, RdmaProvider, ReplicaEndpoint, ReplicaSet,
-    ReplicaSetConfig, Server, ServerConfig, Transport, TransportConfig, TransportKind,
+    CallOptions, Channel, ChannelConfig, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, Server,
+    ServerConfig, Transport, TransportConfig, TransportKind,
 };
 
 use super::generated::{BenchClient, BenchServer, Payload};
@@ -43,13 +43,9 @@ const TRANSPORTS: [(&str, TransportKind); 2] = [
 ];
 
 fn transport(kind: TransportKind) -> TransportConfig {
-    TransportConfig {
-        kind,
-        rdma: RdmaConfig {
-            provider: RdmaProvider::Soft,
-            ..RdmaConfig::default()
-        },
-        ..TransportConfig::default()
+    match kind {
+        TransportKind::Rdma => TransportConfig::soft_rdma(),
+        _ => TransportConfig::default(),
     }
 }
 

@@ -16,18 +16,14 @@ use std::time::{Duration, Instant};
 
 use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient};
 use tessera_rpc::{
-    Channel, ChannelConfig, RdmaConfig, RdmaProvider, ReplicaEndpoint, ReplicaSet,
-    ReplicaSetConfig, Transport, TransportConfig, TransportKind,
+    Channel, ChannelConfig, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, Transport,
+    TransportConfig, TransportKind,
 };
 
 fn transport(kind: TransportKind) -> TransportConfig {
-    TransportConfig {
-        kind,
-        rdma: RdmaConfig {
-            provider: RdmaProvider::Soft,
-            ..RdmaConfig::default()
-        },
-        ..TransportConfig::default()
+    match kind {
+        TransportKind::Rdma => TransportConfig::soft_rdma(),
+        _ => TransportConfig::default(),
     }
 }
 

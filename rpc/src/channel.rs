@@ -254,16 +254,13 @@ impl Channel {
             .timeout
             .unwrap_or_else(|| self.inner.config.request_timeout());
         let span = tracing::debug_span!("rpc.call", method = method.path, peer = %self.inner.addr);
-        let started = Instant::now();
-        metrics::counter!(crate::observe::CLIENT_CALLS_STARTED, "method" => method.path)
-            .increment(1);
-        let result = self
-            .attempt(method.path, method.id, body, started + timeout, timeout, 1)
-            .instrument(span)
-            .await
-            .and_then(|body| Resp::decode(body).map_err(RpcError::from));
-        crate::observe::record_call(method.path, &result, started.elapsed());
-        result
+        let deadline = Instant::now() + timeout;
+        crate::observe::measured_call(
+            method.path,
+            span,
+            self.attempt(method.path, method.id, body, deadline, timeout, 1),
+        )
+        .await
     }
 
     /// Sends an already encoded request body and returns the raw response

@@ -107,18 +107,30 @@ pub(crate) fn transport_label(kind: tessera_transport::TransportKind) -> &'stati
     kind.as_str()
 }
 
-/// Records a finished client call: its duration and its outcome.
-pub(crate) fn record_call<T>(
+/// Runs one whole client call of `method` in `span`, decodes its answer,
+/// and records it: started and finished counters, the call duration.
+pub(crate) async fn measured_call<Resp>(
     method: &'static str,
-    result: &Result<T, crate::RpcError>,
-    elapsed: std::time::Duration,
-) {
-    let code = match result {
+    span: tracing::Span,
+    call: impl std::future::Future<Output = Result<bytes::Bytes, crate::RpcError>>,
+) -> Result<Resp, crate::RpcError>
+where
+    Resp: prost::Message + Default,
+{
+    use tracing::Instrument;
+    let started = std::time::Instant::now();
+    metrics::counter!(CLIENT_CALLS_STARTED, "method" => method).increment(1);
+    let result = call
+        .instrument(span)
+        .await
+        .and_then(|body| Resp::decode(body).map_err(crate::RpcError::from));
+    let code = match &result {
         Ok(_) => crate::Code::Ok,
         Err(err) => err.code(),
     };
     let code = crate::channel::code_label(code);
     metrics::counter!(CLIENT_CALLS_FINISHED, "method" => method, "code" => code).increment(1);
     metrics::histogram!(CLIENT_CALL_DURATION, "method" => method, "code" => code)
-        .record(elapsed.as_secs_f64());
+        .record(started.elapsed().as_secs_f64());
+    result
 }

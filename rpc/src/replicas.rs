@@ -14,7 +14,6 @@ use bytes::Bytes;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tessera_transport::{Message, Transport};
-use tracing::Instrument;
 
 use crate::policy::{
     AttemptFailure, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
@@ -240,16 +239,12 @@ impl ReplicaSet {
             method = method.path,
             replicas = self.channels.len()
         );
-        let started = Instant::now();
-        metrics::counter!(crate::observe::CLIENT_CALLS_STARTED, "method" => method.path)
-            .increment(1);
-        let result = self
-            .call(method.path, method.id, body, safe, timeout)
-            .instrument(span)
-            .await
-            .and_then(|body| Resp::decode(body).map_err(RpcError::from));
-        crate::observe::record_call(method.path, &result, started.elapsed());
-        result
+        crate::observe::measured_call(
+            method.path,
+            span,
+            self.call(method.path, method.id, body, safe, timeout),
+        )
+        .await
     }
 
     /// Calls `method_id` with `body` within `timeout`. `safe`: a second

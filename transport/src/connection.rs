@@ -147,15 +147,7 @@ impl Transport {
     /// handshake listener, and the connection is a logical socket on the
     /// queue pair to that address (a new one the first time).
     pub async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
-        let tcp = || async {
-            let stream = tokio::net::TcpStream::connect(addr)
-                .await
-                .map_err(|source| TransportError::Connect {
-                    addr: addr.to_owned(),
-                    source,
-                })?;
-            self.tcp_connection(stream)
-        };
+        let tcp = || self.connect_tcp(addr);
         match (self.inner.config.kind, &self.inner.rdma) {
             (TransportKind::Tcp, _) | (TransportKind::Auto, None) => tcp().await,
             (TransportKind::Rdma, Some(rdma)) => rdma.connect(addr).await,

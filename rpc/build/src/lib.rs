@@ -271,10 +271,10 @@ fn bytes_fields(fds: &FileDescriptorSet) -> HashMap<String, Vec<(i32, String)>> 
     out
 }
 
-/// The name prost gives a field: snake case, raw identifier for keywords.
-fn rust_field_name(proto: &str) -> String {
+/// `CamelCase` -> `camel_case`, as prost and tonic name things.
+fn snake_case(name: &str) -> String {
     let mut snake = String::new();
-    for (i, ch) in proto.chars().enumerate() {
+    for (i, ch) in name.chars().enumerate() {
         if ch.is_uppercase() {
             if i > 0 {
                 snake.push('_');
@@ -284,6 +284,12 @@ fn rust_field_name(proto: &str) -> String {
             snake.push(ch);
         }
     }
+    snake
+}
+
+/// The name prost gives a field: snake case, raw identifier for keywords.
+fn rust_field_name(proto: &str) -> String {
+    let snake = snake_case(proto);
     const KEYWORDS: &[&str] = &[
         "as", "async", "await", "break", "const", "continue", "crate", "dyn", "else", "enum",
         "extern", "false", "fn", "for", "if", "impl", "in", "let", "loop", "match", "mod", "move",
@@ -360,18 +366,7 @@ impl prost_build::ServiceGenerator for ServiceGenerator {
 /// The module tonic puts a service's server in (`ParameterServer` ->
 /// `parameter_server_server`).
 fn tonic_server_module(name: &str) -> String {
-    let mut snake = String::new();
-    for (i, ch) in name.chars().enumerate() {
-        if ch.is_uppercase() {
-            if i > 0 {
-                snake.push('_');
-            }
-            snake.extend(ch.to_lowercase());
-        } else {
-            snake.push(ch);
-        }
-    }
-    format!("{snake}_server")
+    format!("{}_server", snake_case(name))
 }
 
 /// `FooGrpc<T>`: serves a Tessera `Foo` implementation through tonic's
@@ -380,64 +375,45 @@ fn generate_grpc_bridge(service: &Service, buf: &mut String) -> std::fmt::Result
     let full = full_name(service);
     let name = &service.name;
     let module = tonic_server_module(name);
-    writeln!(
+    write!(
         buf,
-        "/// Serves a [`{name}`] implementation to gRPC clients (tonic): the same handlers as"
+        r#"/// Serves a [`{name}`] implementation to gRPC clients (tonic): the same
+/// handlers as the Tessera endpoint, for clients in any language. Build the
+/// tonic service with [`{name}Grpc::service`].
+pub struct {name}Grpc<T> {{
+    inner: ::std::sync::Arc<T>,
+    pool: ::tessera_rpc::grpc::Pool,
+}}
+impl<T> ::core::fmt::Debug for {name}Grpc<T> {{
+    fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {{
+        f.write_str("{name}Grpc")
+    }}
+}}
+impl<T: {name}> {name}Grpc<T> {{
+    /// The tonic service for `inner`; handlers build large responses in `pool`.
+    pub fn service(inner: ::std::sync::Arc<T>, pool: ::tessera_rpc::grpc::Pool) -> {module}::{name}Server<Self> {{
+        {module}::{name}Server::new(Self {{ inner, pool }})
+    }}
+}}
+#[::tonic::async_trait]
+impl<T: {name}> {module}::{name} for {name}Grpc<T> {{
+"#
     )?;
-    writeln!(
-        buf,
-        "/// the Tessera endpoint, for clients in any language. Build the tonic service with"
-    )?;
-    writeln!(buf, "/// [`{name}Grpc::service`].")?;
-    writeln!(buf, "pub struct {name}Grpc<T> {{")?;
-    writeln!(buf, "    inner: ::std::sync::Arc<T>,")?;
-    writeln!(buf, "    pool: ::tessera_rpc::grpc::Pool,")?;
-    writeln!(buf, "}}")?;
-    writeln!(buf, "impl<T> ::core::fmt::Debug for {name}Grpc<T> {{")?;
-    writeln!(
-        buf,
-        "    fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {{"
-    )?;
-    writeln!(buf, "        f.write_str(\"{name}Grpc\")")?;
-    writeln!(buf, "    }}")?;
-    writeln!(buf, "}}")?;
-    writeln!(buf, "impl<T: {name}> {name}Grpc<T> {{")?;
-    writeln!(
-        buf,
-        "    /// The tonic service for `inner`; handlers build large responses in `pool`."
-    )?;
-    writeln!(
-        buf,
-        "    pub fn service(inner: ::std::sync::Arc<T>, pool: ::tessera_rpc::grpc::Pool) -> {module}::{name}Server<Self> {{"
-    )?;
-    writeln!(
-        buf,
-        "        {module}::{name}Server::new(Self {{ inner, pool }})"
-    )?;
-    writeln!(buf, "    }}")?;
-    writeln!(buf, "}}")?;
-    writeln!(buf, "#[::tonic::async_trait]")?;
-    writeln!(buf, "impl<T: {name}> {module}::{name} for {name}Grpc<T> {{")?;
     for method in &service.methods {
-        let path = format!("/{full}/{}", method.proto_name);
-        writeln!(
+        write!(
             buf,
-            "    async fn {}(&self, request: ::tonic::Request<{}>) -> ::core::result::Result<::tonic::Response<{}>, ::tonic::Status> {{",
-            method.name, method.input_type, method.output_type
+            r#"    async fn {method}(&self, request: ::tonic::Request<{input}>) -> ::core::result::Result<::tonic::Response<{output}>, ::tonic::Status> {{
+        let context = ::tessera_rpc::grpc::request_context(&request, "/{full}/{proto}", &self.pool);
+        self.inner.{method}(context, request.into_inner()).await.map(::tonic::Response::new).map_err(::tessera_rpc::grpc::to_grpc_status)
+    }}
+"#,
+            method = method.name,
+            input = method.input_type,
+            output = method.output_type,
+            proto = method.proto_name,
         )?;
-        writeln!(
-            buf,
-            "        let context = ::tessera_rpc::grpc::request_context(&request, \"{path}\", &self.pool);"
-        )?;
-        writeln!(
-            buf,
-            "        self.inner.{}(context, request.into_inner()).await.map(::tonic::Response::new).map_err(::tessera_rpc::grpc::to_grpc_status)",
-            method.name
-        )?;
-        writeln!(buf, "    }}")?;
     }
-    writeln!(buf, "}}")?;
-    Ok(())
+    writeln!(buf, "}}")
 }
 
 /// Code that turns the owned message `value` into transport message parts:
