@@ -76,12 +76,7 @@ impl Default for ClusterConfig {
             startup_timeout_ms: 20_000,
             stop_timeout_ms: 10_000,
             ps_server_bin: None,
-            tables: vec![TableConfig {
-                name: "embeddings".into(),
-                dim: 32,
-                learning_rate: 0.01,
-                init_scale: 0.01,
-            }],
+            tables: vec![TableConfig::new("embeddings", 32)],
             worker_connect_timeout_ms: 1000,
             worker_request_timeout_ms: 1000,
             worker_call_timeout_ms: 2500,

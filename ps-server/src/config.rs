@@ -8,6 +8,8 @@ pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 use tessera_rpc::{RdmaConfig, ServerConfig, TransportConfig, TransportKind};
 
+pub use crate::table::{EvictionPolicy, Initializer, OptimizerConfig};
+
 /// How a server fills rows it has never seen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -28,22 +30,96 @@ pub struct TableConfig {
     pub name: String,
     /// Values per row.
     pub dim: u32,
-    /// SGD learning rate. Default 0.01, a common starting point for
-    /// embedding tables trained with plain SGD.
-    #[serde(default = "default_learning_rate")]
-    pub learning_rate: f32,
-    /// Initial values are uniform in `[-init_scale, init_scale)`. Default
-    /// 0.01: small random rows break symmetry without saturating anything.
-    #[serde(default = "default_init_scale")]
-    pub init_scale: f32,
+    /// How new rows start (`{ kind = "zeros" | "uniform" | "normal", ... }`).
+    /// Default uniform in ±0.01.
+    #[serde(default)]
+    pub initializer: Initializer,
+    /// Seed of the initializer. Default: the server's `seed`. Every
+    /// replica of a shard must use the same.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// The optimizer Pushes apply (`{ kind = "sgd" | "adagrad" | "adam",
+    /// learning_rate = ..., ... }`). Default SGD with learning rate 0.01.
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    /// Rows per hosted shard at most; beyond it rows are evicted by
+    /// `eviction`. Default: no limit (a table that fits in memory should
+    /// never lose rows).
+    #[serde(default)]
+    pub max_rows: Option<u64>,
+    /// `lru` (least recently used) or `lfu` (least frequently updated).
+    /// Default `lru`: a row nobody reads any more is the cheapest to lose.
+    #[serde(default)]
+    pub eviction: EvictionPolicy,
+    /// What a Push with NaN or infinite gradients gets: `reject` (the whole
+    /// Push is refused) or `clip` (NaN becomes 0, every value is clamped to
+    /// ±`gradient_clip`). Default `reject`: a NaN gradient is a bug
+    /// upstream, and one applied NaN poisons a row for good.
+    #[serde(default)]
+    pub non_finite: NonFinite,
+    /// Largest gradient magnitude with `non_finite = "clip"`. Default 1000.
+    #[serde(default = "default_gradient_clip")]
+    pub gradient_clip: f32,
 }
 
-fn default_learning_rate() -> f32 {
-    0.01
+fn default_gradient_clip() -> f32 {
+    1000.0
 }
 
-fn default_init_scale() -> f32 {
-    0.01
+/// What happens to non-finite gradients (see [`TableConfig::non_finite`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NonFinite {
+    /// The Push is refused.
+    #[default]
+    Reject,
+    /// NaN -> 0, values clamped to ±`gradient_clip`.
+    Clip,
+}
+
+impl TableConfig {
+    /// A table with every setting at its default.
+    pub fn new(name: impl Into<String>, dim: u32) -> Self {
+        Self {
+            name: name.into(),
+            dim,
+            initializer: Initializer::default(),
+            seed: None,
+            optimizer: OptimizerConfig::default(),
+            max_rows: None,
+            eviction: EvictionPolicy::default(),
+            non_finite: NonFinite::default(),
+            gradient_clip: default_gradient_clip(),
+        }
+    }
+
+    fn validate(&self, i: usize) -> Result<(), ConfigError> {
+        if self.name.is_empty() {
+            return Err(invalid(format!("tables[{i}].name"), "must not be empty"));
+        }
+        if self.dim == 0 || self.dim > MAX_DIM {
+            return Err(invalid(
+                format!("tables[{i}].dim"),
+                format!("{} is outside 1..={MAX_DIM}", self.dim),
+            ));
+        }
+        self.initializer
+            .validate(&format!("tables[{i}].initializer"))?;
+        self.optimizer.validate(&format!("tables[{i}].optimizer"))?;
+        if self.max_rows == Some(0) {
+            return Err(invalid(
+                format!("tables[{i}].max_rows"),
+                "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        if !(self.gradient_clip.is_finite() && self.gradient_clip > 0.0) {
+            return Err(invalid(
+                format!("tables[{i}].gradient_clip"),
+                format!("{} must be a positive number", self.gradient_clip),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Configuration of one ps-server process.
@@ -87,6 +163,16 @@ pub struct PsServerConfig {
     /// Address of an optional Prometheus endpoint (`GET /metrics`).
     /// Default: none.
     pub metrics_listen: Option<String>,
+    /// Keys one Fetch or Push may carry. Default 1,000,000: a ranker
+    /// request of a few thousand features fits with room to spare, while a
+    /// runaway client cannot make one request hold the server for seconds.
+    pub max_keys_per_request: u32,
+    /// Workers whose Push sequences each shard remembers (exactly-once
+    /// Push). Default 100,000: far more trainers than one job runs.
+    pub dedup_max_workers: u32,
+    /// A worker silent this long is forgotten by the Push deduplication, in
+    /// seconds. Default 3600: longer than any retry of a Push could come.
+    pub dedup_idle_secs: u64,
 }
 
 impl Default for PsServerConfig {
@@ -102,14 +188,12 @@ impl Default for PsServerConfig {
             rdma: RdmaConfig::default(),
             replica_group: 0,
             shutdown_grace_ms: 5000,
-            tables: vec![TableConfig {
-                name: "embeddings".into(),
-                dim: 16,
-                learning_rate: default_learning_rate(),
-                init_scale: default_init_scale(),
-            }],
+            tables: vec![TableConfig::new("embeddings", 16)],
             grpc_listen: None,
             metrics_listen: None,
+            max_keys_per_request: 1_000_000,
+            dedup_max_workers: 100_000,
+            dedup_idle_secs: 3600,
         }
     }
 }
@@ -173,33 +257,16 @@ impl Validate for PsServerConfig {
         }
         let mut names = HashSet::new();
         for (i, table) in self.tables.iter().enumerate() {
-            if table.name.is_empty() {
-                return Err(invalid(format!("tables[{i}].name"), "must not be empty"));
-            }
+            table.validate(i)?;
             if !names.insert(table.name.as_str()) {
                 return Err(invalid(
                     format!("tables[{i}].name"),
                     format!("table `{}` is declared twice", table.name),
                 ));
             }
-            if table.dim == 0 || table.dim > MAX_DIM {
-                return Err(invalid(
-                    format!("tables[{i}].dim"),
-                    format!("{} is outside 1..={MAX_DIM}", table.dim),
-                ));
-            }
-            if !table.learning_rate.is_finite() || table.learning_rate <= 0.0 {
-                return Err(invalid(
-                    format!("tables[{i}].learning_rate"),
-                    format!("{} is not a positive finite number", table.learning_rate),
-                ));
-            }
-            if !table.init_scale.is_finite() || table.init_scale < 0.0 {
-                return Err(invalid(
-                    format!("tables[{i}].init_scale"),
-                    format!("{} is not a non-negative finite number", table.init_scale),
-                ));
-            }
+        }
+        if self.max_keys_per_request == 0 {
+            return Err(invalid("max_keys_per_request", "must be at least 1"));
         }
         self.server_config().validate()
     }
@@ -234,13 +301,26 @@ mod tests {
             [[tables]]
             name = "user"
             dim = 8
-            learning_rate = 0.5
+            optimizer = { kind = "adagrad", learning_rate = 0.5 }
+            initializer = { kind = "normal", std = 0.05 }
+            max_rows = 100000
+            eviction = "lfu"
+            non_finite = "clip"
+            [[tables]]
+            name = "item"
+            dim = 4
             "#,
         )
         .unwrap();
         assert_eq!(config.mode, Mode::Inference);
         assert_eq!(config.shards, vec![1, 3]);
-        assert_eq!(config.tables[0].init_scale, 0.01);
+        assert_eq!(config.tables[0].optimizer, OptimizerConfig::adagrad(0.5));
+        assert_eq!(
+            config.tables[0].initializer,
+            Initializer::Normal { std: 0.05 }
+        );
+        assert_eq!(config.tables[0].eviction, EvictionPolicy::Lfu);
+        assert_eq!(config.tables[1], TableConfig::new("item", 4));
     }
 
     #[test]
@@ -251,9 +331,14 @@ mod tests {
             ("shards = [0, 0]", "shards[1]"),
             ("[[tables]]\nname = \"t\"\ndim = 0", "tables[0].dim"),
             (
-                "[[tables]]\nname = \"t\"\ndim = 4\nlearning_rate = -1.0",
-                "tables[0].learning_rate",
+                "[[tables]]\nname = \"t\"\ndim = 4\noptimizer = { kind = \"sgd\", learning_rate = -1.0 }",
+                "tables[0].optimizer.learning_rate",
             ),
+            (
+                "[[tables]]\nname = \"t\"\ndim = 4\nmax_rows = 0",
+                "tables[0].max_rows",
+            ),
+            ("max_keys_per_request = 0", "max_keys_per_request"),
             (
                 "[[tables]]\nname = \"t\"\ndim = 4\n[[tables]]\nname = \"t\"\ndim = 4",
                 "tables[1].name",

@@ -3,8 +3,10 @@
 //! RPC.
 
 pub mod config;
+pub mod dedup;
 mod service;
 pub mod store;
+pub mod table;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,7 +19,7 @@ use tessera_rpc::{Server, ServerError, Transport, Validate};
 
 pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
 pub use service::PsService;
-pub use store::{Store, StoreError};
+pub use store::{PushId, PushOutcome, Store, StoreError};
 
 /// A parameter server bound to its address, ready to serve.
 #[derive(Debug)]

@@ -9,18 +9,21 @@ use tessera_proto::v1::{
 use tessera_rpc::{RequestContext, Status};
 
 use crate::config::Mode;
-use crate::store::{Store, StoreError};
+use crate::store::{PushId, Store, StoreError};
 
 impl From<StoreError> for Status {
     fn from(err: StoreError) -> Self {
         let message = err.to_string();
         match err {
             StoreError::UnknownTable(_) => Status::not_found(message),
-            StoreError::GradientLength { .. } => Status::invalid_argument(message),
+            StoreError::GradientLength { .. }
+            | StoreError::TooManyKeys { .. }
+            | StoreError::NonFiniteGradient { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
-            | StoreError::InferenceMode => Status::failed_precondition(message),
+            | StoreError::InferenceMode
+            | StoreError::SequenceTooOld { .. } => Status::failed_precondition(message),
         }
     }
 }
@@ -69,14 +72,19 @@ impl v1::ParameterServer for PsService {
         _context: RequestContext,
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
-        let applied = self.store.push(
+        let outcome = self.store.push(
             &request.table,
             request.shard,
             &request.keys,
             &request.gradients,
+            PushId {
+                worker: request.worker_id,
+                sequence: request.sequence,
+            },
         )?;
         Ok(PushResponse {
-            applied: u32::try_from(applied).unwrap_or(u32::MAX),
+            applied: u32::try_from(outcome.applied).unwrap_or(u32::MAX),
+            duplicate: outcome.duplicate,
         })
     }
 

@@ -1,17 +1,19 @@
-//! The rows a server holds: one concurrent map per (table, hosted shard).
-//!
-//! `dashmap` shards each map internally by key, so Fetches and Pushes on
-//! one shard proceed in parallel and only contend when they touch the same
-//! internal segment; this is the well-kept crate the project chose for
-//! concurrent maps rather than a hand-written striped lock.
+//! The tables a server holds and the checks every Fetch and Push passes
+//! before touching a row: the table exists, the shard is hosted, every key
+//! belongs to it, the request is within the key limit, the gradients have
+//! the right length and are finite (or clipped). Nothing of a refused
+//! request is applied; an accepted Push is applied to every row it names.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
-use dashmap::DashMap;
 use tessera_proto::rows::{F32_BYTES, write_f32s};
-use tessera_proto::sharding::{shard_for_key, splitmix64};
+use tessera_proto::sharding::shard_for_key;
 
-use crate::config::{Mode, PsServerConfig, TableConfig};
+use crate::config::{Mode, PsServerConfig};
+use crate::dedup::Admission;
+pub use crate::table::Table;
+use crate::table::{GradientError, ShardState, dedup_limits};
 
 /// Why a Fetch or Push was refused. Nothing is applied when one is returned.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -38,6 +40,14 @@ pub enum StoreError {
         /// The shard the key maps to.
         actual: u32,
     },
+    /// More keys than `max_keys_per_request`.
+    #[error("{got} keys in one request; at most {max} are accepted")]
+    TooManyKeys {
+        /// Keys sent.
+        got: usize,
+        /// The limit.
+        max: u32,
+    },
     /// The gradients do not hold `keys * dim` values.
     #[error("expected {expected} gradient bytes ({keys} keys x dim {dim} x 4), got {got}")]
     GradientLength {
@@ -49,6 +59,27 @@ pub enum StoreError {
         expected: usize,
         /// Bytes received.
         got: usize,
+    },
+    /// A gradient is NaN or infinite and the table rejects those.
+    #[error("gradient value {index} of the push to `{table}` is not finite; nothing was applied")]
+    NonFiniteGradient {
+        /// The table.
+        table: String,
+        /// Index of the first bad value.
+        index: usize,
+    },
+    /// The Push's sequence number is below the deduplication window: the
+    /// server cannot tell whether it was applied, so it refuses it.
+    #[error(
+        "push {sequence} of worker {worker:#x} is older than the deduplication window (lowest {lowest}); it may already have been applied"
+    )]
+    SequenceTooOld {
+        /// The worker.
+        worker: u64,
+        /// The sequence sent.
+        sequence: u64,
+        /// The lowest sequence still tracked.
+        lowest: u64,
     },
     /// The output buffer of a fetch has the wrong size (a caller bug).
     #[error("fetch output holds {got} bytes, {expected} needed")]
@@ -63,52 +94,23 @@ pub enum StoreError {
     InferenceMode,
 }
 
-/// The rows of one (table, shard): key -> row of `dim` values.
-type ShardRows = DashMap<u64, Box<[f32]>>;
-
-/// One embedding table's rows on this server.
-#[derive(Debug)]
-pub struct Table {
-    config: TableConfig,
-    init_base: u64,
-    shards: HashMap<u32, ShardRows>,
+/// What a Push did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushOutcome {
+    /// Rows updated (0 for a duplicate).
+    pub applied: usize,
+    /// The Push had been applied before and was only acknowledged.
+    pub duplicate: bool,
 }
 
-impl Table {
-    fn new(config: TableConfig, seed: u64, hosted: &[u32]) -> Self {
-        let name_hash = config.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        });
-        Self {
-            init_base: splitmix64(seed ^ name_hash),
-            shards: hosted.iter().map(|&s| (s, DashMap::new())).collect(),
-            config,
-        }
-    }
-
-    /// The table's configuration.
-    pub fn config(&self) -> &TableConfig {
-        &self.config
-    }
-
-    /// Rows stored, over all hosted shards.
-    pub fn rows(&self) -> u64 {
-        self.shards.values().map(|m| m.len() as u64).sum()
-    }
-
-    /// The initial value of `key`'s row: uniform in `[-scale, scale)`, a pure
-    /// function of (seed, table name, key), so replicas agree.
-    pub fn initial_row(&self, key: u64) -> Box<[f32]> {
-        let scale = self.config.init_scale;
-        let base = self.init_base.wrapping_add(splitmix64(key));
-        (0..u64::from(self.config.dim))
-            .map(|j| {
-                let bits = splitmix64(base.wrapping_add(j)) >> 40; // 24 random bits
-                let unit = bits as f32 / (1u32 << 24) as f32; // [0, 1)
-                scale * (2.0 * unit - 1.0)
-            })
-            .collect()
-    }
+/// The identity of a Push for exactly-once application: the worker and its
+/// sequence number (0 and 0: not deduplicated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PushId {
+    /// The worker (random per worker process).
+    pub worker: u64,
+    /// The worker's sequence number of this Push.
+    pub sequence: u64,
 }
 
 /// All tables of one server.
@@ -117,6 +119,7 @@ pub struct Store {
     mode: Mode,
     num_shards: u32,
     hosted: Vec<u32>,
+    max_keys: u32,
     tables: HashMap<String, Table>,
 }
 
@@ -125,13 +128,20 @@ impl Store {
     pub fn new(config: &PsServerConfig) -> Self {
         let mut hosted = config.shards.clone();
         hosted.sort_unstable();
+        let limits = dedup_limits(config.dedup_max_workers, config.dedup_idle_secs);
         Self {
             mode: config.mode,
             num_shards: config.num_shards,
+            max_keys: config.max_keys_per_request,
             tables: config
                 .tables
                 .iter()
-                .map(|t| (t.name.clone(), Table::new(t.clone(), config.seed, &hosted)))
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        Table::new(t.clone(), config.seed, &hosted, limits),
+                    )
+                })
                 .collect(),
             hosted,
         }
@@ -157,23 +167,33 @@ impl Store {
         self.tables.values()
     }
 
-    fn shard_map(
+    /// The table called `name`.
+    pub fn table(&self, name: &str) -> Option<&Table> {
+        self.tables.get(name)
+    }
+
+    fn shard_state(
         &self,
         table: &str,
         shard: u32,
         keys: &[u64],
-    ) -> Result<(&Table, &ShardRows), StoreError> {
+    ) -> Result<(&Table, &ShardState), StoreError> {
         let table_ref = self
             .tables
             .get(table)
             .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
-        let map = table_ref
-            .shards
-            .get(&shard)
+        let state = table_ref
+            .shard(shard)
             .ok_or_else(|| StoreError::ShardNotHosted {
                 shard,
                 hosted: self.hosted.clone(),
             })?;
+        if keys.len() > self.max_keys as usize {
+            return Err(StoreError::TooManyKeys {
+                got: keys.len(),
+                max: self.max_keys,
+            });
+        }
         // A misrouted key would be stored on the wrong shard and silently
         // diverge from its real row: refuse the whole request instead.
         for &key in keys {
@@ -182,14 +202,14 @@ impl Store {
                 return Err(StoreError::WrongShard { key, shard, actual });
             }
         }
-        Ok((table_ref, map))
+        Ok((table_ref, state))
     }
 
     /// Bytes of one row of `table` on the wire.
     pub fn row_bytes(&self, table: &str) -> Result<usize, StoreError> {
         self.tables
             .get(table)
-            .map(|t| t.config.dim as usize * F32_BYTES)
+            .map(|t| t.config().dim as usize * F32_BYTES)
             .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))
     }
 
@@ -204,8 +224,8 @@ impl Store {
         keys: &[u64],
         out: &mut [u8],
     ) -> Result<u32, StoreError> {
-        let (table, map) = self.shard_map(table, shard, keys)?;
-        let dim = table.config.dim;
+        let (table, state) = self.shard_state(table, shard, keys)?;
+        let dim = table.config().dim;
         let row_bytes = dim as usize * F32_BYTES;
         if out.len() != keys.len() * row_bytes {
             return Err(StoreError::OutputLength {
@@ -214,16 +234,20 @@ impl Store {
             });
         }
         for (&key, slot) in keys.iter().zip(out.chunks_exact_mut(row_bytes)) {
-            // The read guard is dropped before the entry below takes the
-            // segment's write lock.
-            let found = map.get(&key).map(|row| write_f32s(slot, &row)).is_some();
-            if found {
+            if state
+                .rows
+                .read(key, |row| write_f32s(slot, &row.values))
+                .is_some()
+            {
                 continue;
             }
             match self.mode {
                 Mode::Training => {
-                    let row = map.entry(key).or_insert_with(|| table.initial_row(key));
-                    write_f32s(slot, &row);
+                    state.rows.upsert(
+                        key,
+                        || table.new_row(key),
+                        |row| write_f32s(slot, &row.values),
+                    );
                 }
                 Mode::Inference => slot.fill(0),
             }
@@ -246,24 +270,25 @@ impl Store {
         Ok((dim, out))
     }
 
-    /// Applies SGD (`w -= learning_rate * g`) to the rows of `keys` with the
-    /// gradients in `gradients` (little-endian f32, `keys.len() * dim`).
-    /// Validates everything before changing any row. Returns the number of
-    /// rows updated (duplicate keys are applied once per occurrence).
+    /// Applies `gradients` (little-endian f32, `keys.len() * dim`) to the
+    /// rows of `keys` with the table's optimizer, once per `id` (a retried
+    /// Push with the same id is acknowledged as a duplicate). Validates
+    /// everything before changing any row; duplicate keys in one request
+    /// are applied once per occurrence.
     pub fn push(
         &self,
         table: &str,
         shard: u32,
         keys: &[u64],
         gradients: &[u8],
-    ) -> Result<usize, StoreError> {
+        id: PushId,
+    ) -> Result<PushOutcome, StoreError> {
         if self.mode == Mode::Inference {
             return Err(StoreError::InferenceMode);
         }
-        let (table, map) = self.shard_map(table, shard, keys)?;
-        let dim = table.config.dim;
-        let row_bytes = dim as usize * F32_BYTES;
-        let expected = keys.len() * row_bytes;
+        let (table, state) = self.shard_state(table, shard, keys)?;
+        let dim = table.config().dim;
+        let expected = keys.len() * dim as usize * F32_BYTES;
         if gradients.len() != expected {
             return Err(StoreError::GradientLength {
                 keys: keys.len(),
@@ -272,22 +297,53 @@ impl Store {
                 got: gradients.len(),
             });
         }
-        let lr = table.config.learning_rate;
-        for (&key, grad) in keys.iter().zip(gradients.chunks_exact(row_bytes)) {
-            let mut row = map.entry(key).or_insert_with(|| table.initial_row(key));
-            for (w, g) in row.iter_mut().zip(grad.chunks_exact(F32_BYTES)) {
-                *w -= lr * f32::from_le_bytes([g[0], g[1], g[2], g[3]]);
+        let gradients = table.gradients(gradients).map_err(|err| match err {
+            GradientError::NonFinite(index) => StoreError::NonFiniteGradient {
+                table: table.config().name.clone(),
+                index,
+            },
+        })?;
+        match table.apply(
+            state,
+            keys,
+            &gradients,
+            id.worker,
+            id.sequence,
+            Instant::now(),
+        ) {
+            Admission::Apply => {
+                metrics::counter!("tessera_ps_push_keys_total").increment(keys.len() as u64);
+                Ok(PushOutcome {
+                    applied: keys.len(),
+                    duplicate: false,
+                })
             }
+            Admission::Duplicate => {
+                metrics::counter!("tessera_ps_push_duplicates_total").increment(1);
+                Ok(PushOutcome {
+                    applied: 0,
+                    duplicate: true,
+                })
+            }
+            Admission::TooOld { lowest } => Err(StoreError::SequenceTooOld {
+                worker: id.worker,
+                sequence: id.sequence,
+                lowest,
+            }),
         }
-        metrics::counter!("tessera_ps_push_keys_total").increment(keys.len() as u64);
-        Ok(keys.len())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Initializer, OptimizerConfig, TableConfig};
     use tessera_proto::rows::{get_f32s, put_f32s};
+
+    const NO_ID: PushId = PushId {
+        worker: 0,
+        sequence: 0,
+    };
 
     fn config(mode: Mode) -> PsServerConfig {
         PsServerConfig {
@@ -295,10 +351,9 @@ mod tests {
             num_shards: 2,
             shards: vec![0, 1],
             tables: vec![TableConfig {
-                name: "t".into(),
-                dim: 3,
-                learning_rate: 0.5,
-                init_scale: 0.1,
+                optimizer: OptimizerConfig::sgd(0.5),
+                initializer: Initializer::Uniform { scale: 0.1 },
+                ..TableConfig::new("t", 3)
             }],
             ..PsServerConfig::default()
         }
@@ -356,7 +411,7 @@ mod tests {
         assert_eq!(decode(&rows), vec![0.0; 6]);
         assert_eq!(store.tables().map(Table::rows).sum::<u64>(), 0);
         assert_eq!(
-            store.push("t", 0, &keys, &[0u8; 24]),
+            store.push("t", 0, &keys, &[0u8; 24], NO_ID),
             Err(StoreError::InferenceMode)
         );
     }
@@ -380,7 +435,7 @@ mod tests {
         let grads = [1.0f32, -2.0, 0.25];
         let mut wire = Vec::new();
         put_f32s(&mut wire, &grads);
-        assert_eq!(store.push("t", 0, &[key], &wire).unwrap(), 1);
+        assert_eq!(store.push("t", 0, &[key], &wire, NO_ID).unwrap().applied, 1);
         let after = decode(&store.fetch("t", 0, &[key]).unwrap().1);
         // lr = 0.5: w' = w - 0.5 * g
         let expected = [before[0] - 0.5, before[1] + 1.0, before[2] - 0.125];
@@ -388,7 +443,7 @@ mod tests {
         // Pushing the same key twice in one request applies both.
         let mut twice = Vec::new();
         put_f32s(&mut twice, &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
-        store.push("t", 0, &[key, key], &twice).unwrap();
+        store.push("t", 0, &[key, key], &twice, NO_ID).unwrap();
         let again = decode(&store.fetch("t", 0, &[key]).unwrap().1);
         assert_eq!(
             again,
@@ -403,7 +458,7 @@ mod tests {
         let init = store.tables().next().unwrap().initial_row(key);
         let mut wire = Vec::new();
         put_f32s(&mut wire, &[2.0, 2.0, 2.0]);
-        store.push("t", 1, &[key], &wire).unwrap();
+        store.push("t", 1, &[key], &wire, NO_ID).unwrap();
         let after = decode(&store.fetch("t", 1, &[key]).unwrap().1);
         assert_eq!(after, init.iter().map(|w| w - 1.0).collect::<Vec<_>>());
     }
@@ -426,7 +481,7 @@ mod tests {
             Err(StoreError::WrongShard { .. })
         ));
         assert!(matches!(
-            store.push("t", 0, &[good], &[0u8; 8]),
+            store.push("t", 0, &[good], &[0u8; 8], NO_ID),
             Err(StoreError::GradientLength {
                 expected: 12,
                 got: 8,
@@ -434,7 +489,7 @@ mod tests {
             })
         ));
         assert!(matches!(
-            store.push("t", 0, &[good, wrong], &[0u8; 24]),
+            store.push("t", 0, &[good, wrong], &[0u8; 24], NO_ID),
             Err(StoreError::WrongShard { .. })
         ));
         assert_eq!(
@@ -442,5 +497,114 @@ mod tests {
             0,
             "nothing stored"
         );
+    }
+
+    fn wire(values: &[f32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_f32s(&mut out, values);
+        out
+    }
+
+    #[test]
+    fn non_finite_gradients_are_rejected_or_clipped_per_table() {
+        let mut config = config(Mode::Training);
+        config.tables.push(TableConfig {
+            non_finite: crate::config::NonFinite::Clip,
+            gradient_clip: 2.0,
+            initializer: Initializer::Zeros,
+            optimizer: OptimizerConfig::sgd(1.0),
+            ..TableConfig::new("clipped", 3)
+        });
+        let store = Store::new(&config);
+        let key = keys_of_shard(0, 1)[0];
+        let bad = wire(&[1.0, f32::NAN, 0.5]);
+        assert_eq!(
+            store.push("t", 0, &[key], &bad, NO_ID),
+            Err(StoreError::NonFiniteGradient {
+                table: "t".into(),
+                index: 1
+            })
+        );
+        assert_eq!(store.table("t").unwrap().rows(), 0, "nothing applied");
+        let wild = wire(&[f32::INFINITY, f32::NAN, -5.0]);
+        store.push("clipped", 0, &[key], &wild, NO_ID).unwrap();
+        let row = decode(&store.fetch("clipped", 0, &[key]).unwrap().1);
+        assert_eq!(
+            row,
+            [-2.0, 0.0, 2.0],
+            "clamped to ±2, NaN as 0, then w -= g"
+        );
+    }
+
+    #[test]
+    fn requests_over_the_key_limit_are_refused() {
+        let mut config = config(Mode::Training);
+        config.max_keys_per_request = 3;
+        let store = Store::new(&config);
+        let keys = keys_of_shard(0, 4);
+        assert_eq!(
+            store.fetch("t", 0, &keys).unwrap_err(),
+            StoreError::TooManyKeys { got: 4, max: 3 }
+        );
+        assert!(matches!(
+            store.push("t", 0, &keys, &wire(&[0.0; 12]), NO_ID),
+            Err(StoreError::TooManyKeys { got: 4, max: 3 })
+        ));
+        assert!(store.fetch("t", 0, &keys[..3]).is_ok());
+    }
+
+    #[test]
+    fn a_duplicate_push_is_acknowledged_and_not_applied() {
+        let store = Store::new(&config(Mode::Training));
+        let key = keys_of_shard(0, 1)[0];
+        let id = PushId {
+            worker: 77,
+            sequence: 1,
+        };
+        let grads = wire(&[1.0, 1.0, 1.0]);
+        let first = store.push("t", 0, &[key], &grads, id).unwrap();
+        assert_eq!(
+            first,
+            PushOutcome {
+                applied: 1,
+                duplicate: false
+            }
+        );
+        let row = store.fetch("t", 0, &[key]).unwrap().1;
+        let again = store.push("t", 0, &[key], &grads, id).unwrap();
+        assert_eq!(
+            again,
+            PushOutcome {
+                applied: 0,
+                duplicate: true
+            }
+        );
+        assert_eq!(store.fetch("t", 0, &[key]).unwrap().1, row, "unchanged");
+        // A refused Push does not use up its id: fixed, it applies.
+        let next = PushId {
+            worker: 77,
+            sequence: 2,
+        };
+        assert!(store.push("t", 0, &[key], &wire(&[1.0]), next).is_err());
+        assert_eq!(store.push("t", 0, &[key], &grads, next).unwrap().applied, 1);
+    }
+
+    #[test]
+    fn table_row_limits_hold_through_fetches_and_pushes() {
+        let mut config = config(Mode::Training);
+        config.tables[0].max_rows = Some(100);
+        let store = Store::new(&config);
+        let keys = keys_of_shard(0, 1000);
+        for chunk in keys.chunks(50) {
+            store.fetch("t", 0, chunk).unwrap();
+            store
+                .push("t", 0, chunk, &wire(&vec![0.1; chunk.len() * 3]), NO_ID)
+                .unwrap();
+            let table = store.table("t").unwrap();
+            assert!(table.shard(0).unwrap().rows.len() <= 100);
+        }
+        let table = store.table("t").unwrap();
+        assert_eq!(table.rows(), 100, "full, not more");
+        assert!(table.evictions() >= 900, "{} evictions", table.evictions());
     }
 }

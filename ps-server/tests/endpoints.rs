@@ -12,6 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, ChannelConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -67,10 +68,9 @@ fn python_with_grpc() -> Option<PathBuf> {
 
 fn table() -> TableConfig {
     TableConfig {
-        name: "emb".into(),
-        dim: 8,
-        learning_rate: 0.5,
-        init_scale: 0.5,
+        optimizer: OptimizerConfig::sgd(0.5),
+        initializer: Initializer::Uniform { scale: 0.5 },
+        ..TableConfig::new("emb", 8)
     }
 }
 

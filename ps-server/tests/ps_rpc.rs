@@ -8,6 +8,7 @@ use bytes::Bytes;
 use tessera_proto::rows::{get_f32s, put_f32s};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient, PushRequest};
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{Mode, PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{
     Channel, ChannelConfig, Code, RdmaConfig, RdmaProvider, TransportConfig, TransportKind,
@@ -69,10 +70,9 @@ async fn start(
         num_shards: 2,
         shards: vec![1],
         tables: vec![TableConfig {
-            name: "emb".into(),
-            dim: 4,
-            learning_rate: 0.1,
-            init_scale: 0.5,
+            optimizer: OptimizerConfig::sgd(0.1),
+            initializer: Initializer::Uniform { scale: 0.5 },
+            ..TableConfig::new("emb", 4)
         }],
         ..PsServerConfig::default()
     };
@@ -121,6 +121,7 @@ async fn fetch_push_fetch_over_rpc(over: Over) {
             shard: 1,
             keys: keys.clone(),
             gradients: Bytes::from(grads),
+            ..PushRequest::default()
         })
         .await
         .unwrap();
@@ -168,6 +169,7 @@ async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving(over: Over
                     shard: 1,
                     keys: keys.clone(),
                     gradients: Bytes::from(vec![0u8; 12]),
+                    ..PushRequest::default()
                 })
                 .await
                 .map(|_| ()),
@@ -235,6 +237,7 @@ async fn inference_server_serves_zeros_and_refuses_push(over: Over) {
             shard: 1,
             keys,
             gradients: Bytes::from(vec![0u8; 32]),
+            ..PushRequest::default()
         })
         .await
         .unwrap_err();

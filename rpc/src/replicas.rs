@@ -250,7 +250,8 @@ impl ReplicaSet {
     /// Calls `method_id` with `body` within `timeout`. `safe`: a second
     /// application is harmless (idempotent method, or a request id the
     /// server deduplicates), so an attempt whose outcome is unknown may be
-    /// retried. Each attempt goes to a replica not tried yet for this call.
+    /// retried. Each attempt goes to a replica not tried yet for this call
+    /// while there is one, then to any but the one that failed last.
     pub async fn call_raw(
         &self,
         method_id: u32,
@@ -305,7 +306,13 @@ impl ReplicaSet {
                     .or_else(|| selector.pick(|i, _| usable(i), rng))
                     // Every replica not tried yet is backing off: try one
                     // rather than fail without trying.
-                    .or_else(|| selector.pick(|i, _| !tried.contains(&i), rng));
+                    .or_else(|| selector.pick(|i, _| !tried.contains(&i), rng))
+                    // Every replica was tried and attempts remain: again,
+                    // preferring one that did not fail last (a set of one
+                    // replica retries on it: a fresh connection if its
+                    // connection broke).
+                    .or_else(|| selector.pick(|i, _| tried.last() != Some(&i), rng))
+                    .or_else(|| tried.last().copied());
                 if let Some(i) = pick {
                     selector.start(i);
                 }
@@ -318,7 +325,7 @@ impl ReplicaSet {
                 pick
             };
             let Some(i) = picked else {
-                // Every replica was tried: the last failure is the answer.
+                // An empty set.
                 return Err(last_error.unwrap_or_else(|| {
                     RpcError::NoReplica(format!("{} replicas", self.channels.len()))
                 }));

@@ -769,6 +769,8 @@ mod replica_set {
     }
 }
 
+// Each user of the shared proxy uses some of its faults.
+#[allow(dead_code)]
 #[path = "support/proxy.rs"]
 mod proxy;
 

@@ -1,6 +1,7 @@
 //! The worker's parameter-server client: Fetch and Push over every shard.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use futures::future::try_join_all;
@@ -9,7 +10,8 @@ use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
 use tessera_rpc::{
-    Channel, Endpoint, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, RpcError, Transport, Validate,
+    CallOptions, Channel, ChannelConfig, Endpoint, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig,
+    RpcError, Transport, Validate,
 };
 
 use crate::config::{ConfigError, WorkerConfig};
@@ -96,16 +98,24 @@ pub enum WorkerError {
 /// (own replica group first, then power-of-two-choices), retries within
 /// the call's deadline, quarantine, and the RDMA-to-TCP fallback. Push:
 /// gradients of repeated keys are summed, split by shard, and sent to
-/// *every* replica of each shard without retries, so replica groups stay
-/// in step until primary/replica forwarding with deduplicated Push ids
-/// replaces this.
+/// *every* replica of each shard, so replica groups stay in step (until
+/// primary/replica forwarding replaces this). Every Push carries this
+/// client's random worker id and a sequence number, the same in all its
+/// sub-requests; servers apply each (worker, sequence) once, so a
+/// sub-request whose answer was lost is retried on the same server
+/// (`CallOptions::deduplicated`) and still applied exactly once.
 #[derive(Debug)]
 pub struct PsClient {
     num_shards: u32,
     /// `fetchers[shard]`: the shard's replica set.
     fetchers: Vec<ParameterServerClient>,
-    /// `replicas[shard]`: clients of each server hosting that shard.
+    /// `replicas[shard]`: for each server hosting that shard, a client
+    /// that retries on that server only (Pushes go to every replica).
     replicas: Vec<Vec<(String, ParameterServerClient)>>,
+    /// This client's id in Push deduplication (random, never 0).
+    worker_id: u64,
+    /// The last Push sequence number used.
+    sequence: AtomicU64,
     servers: Vec<(String, ParameterServerClient)>,
     transport: Transport,
 }
@@ -140,39 +150,26 @@ impl PsClient {
                     channel
                 })
                 .clone();
+            let endpoint = ReplicaEndpoint {
+                addr: server.address.clone(),
+                domain: server.replica_group.to_string(),
+            };
+            let pusher = ParameterServerClient::new(ReplicaSet::over_channels(
+                replica_set_config(config, &channel_config, vec![endpoint.clone()]),
+                vec![channel.clone()],
+                transport.clone(),
+            ));
             for &shard in &server.shards {
-                replicas[shard as usize].push((
-                    server.address.clone(),
-                    ParameterServerClient::new(channel.clone()),
-                ));
-                endpoints[shard as usize].push((
-                    ReplicaEndpoint {
-                        addr: server.address.clone(),
-                        domain: server.replica_group.to_string(),
-                    },
-                    channel.clone(),
-                ));
+                replicas[shard as usize].push((server.address.clone(), pusher.clone()));
+                endpoints[shard as usize].push((endpoint.clone(), channel.clone()));
             }
         }
         let fetchers = endpoints
             .into_iter()
             .map(|endpoints| {
                 let (replicas, channels): (Vec<_>, Vec<_>) = endpoints.into_iter().unzip();
-                let set = ReplicaSetConfig {
-                    replicas,
-                    local_domain: config
-                        .replica_group
-                        .map(|g| g.to_string())
-                        .unwrap_or_default(),
-                    call_timeout_ms: config.call_timeout_ms,
-                    channel: channel_config.clone(),
-                    retry: config.retry,
-                    budget: config.budget,
-                    quarantine: config.quarantine,
-                    seed: None,
-                };
                 ParameterServerClient::new(ReplicaSet::over_channels(
-                    set,
+                    replica_set_config(config, &channel_config, replicas),
                     channels,
                     transport.clone(),
                 ))
@@ -182,9 +179,16 @@ impl PsClient {
             num_shards: config.num_shards,
             fetchers,
             replicas,
+            worker_id: rand::random::<u64>().max(1),
+            sequence: AtomicU64::new(0),
             servers,
             transport,
         })
+    }
+
+    /// This client's worker id in Push deduplication.
+    pub fn worker_id(&self) -> u64 {
+        self.worker_id
     }
 
     /// Total shards.
@@ -244,6 +248,8 @@ impl PsClient {
                 gradients: gradients.len(),
             },
         )?;
+        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        let options = CallOptions::default().deduplicated();
         let mut calls = Vec::new();
         for (group, sums) in &plan.groups {
             // Built once in the send pool and shared by every replica's
@@ -263,11 +269,14 @@ impl PsClient {
                     shard: group.shard,
                     keys: group.keys.clone(),
                     gradients: wire.clone(),
+                    worker_id: self.worker_id,
+                    sequence,
                 };
                 let shard = group.shard;
+                let options = &options;
                 calls.push(async move {
                     client
-                        .push(request)
+                        .push_with_options(request, options)
                         .await
                         .map_err(|source| WorkerError::Rpc {
                             shard,
@@ -287,5 +296,26 @@ impl PsClient {
             (addr.clone(), client.health(HealthRequest {}).await)
         });
         futures::future::join_all(calls).await
+    }
+}
+
+/// The replica-set settings of the worker's configuration for `replicas`.
+fn replica_set_config(
+    config: &WorkerConfig,
+    channel: &ChannelConfig,
+    replicas: Vec<ReplicaEndpoint>,
+) -> ReplicaSetConfig {
+    ReplicaSetConfig {
+        replicas,
+        local_domain: config
+            .replica_group
+            .map(|g| g.to_string())
+            .unwrap_or_default(),
+        call_timeout_ms: config.call_timeout_ms,
+        channel: channel.clone(),
+        retry: config.retry,
+        budget: config.budget,
+        quarantine: config.quarantine,
+        seed: None,
     }
 }

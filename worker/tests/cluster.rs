@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tessera_proto::rows::get_f32s;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
 use tessera_worker::workload::{self, WorkloadKind};
@@ -44,10 +45,9 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
                 transport,
                 rdma: soft_rdma(),
                 tables: vec![TableConfig {
-                    name: "emb".into(),
-                    dim: 8,
-                    learning_rate: 0.5,
-                    init_scale: 0.1,
+                    optimizer: OptimizerConfig::sgd(0.5),
+                    initializer: Initializer::Uniform { scale: 0.1 },
+                    ..TableConfig::new("emb", 8)
                 }],
                 ..PsServerConfig::default()
             };

@@ -1,6 +1,8 @@
 //! A fault-injecting TCP proxy for the recovery tests: forwards each
 //! accepted connection to an upstream address and, on command, delays the
-//! bytes, resets every open connection, or turns away connections that
+//! bytes, resets every open connection, loses responses (resets a
+//! connection instead of forwarding the server's answer, after the server
+//! acted on the request), or turns away connections that
 //! open with an RDMA hello (a broken RDMA path to a healthy server: the
 //! soft provider's data moves through shared memory, but every RDMA
 //! connection is set up, and watched, over its TCP control stream, which
@@ -28,6 +30,8 @@ pub struct FaultProxy {
 struct Faults {
     refuse_rdma: AtomicBool,
     delay_ms: AtomicU64,
+    lose_responses: AtomicU64,
+    lost: AtomicU64,
     accepted: AtomicU64,
     refused: AtomicU64,
 }
@@ -83,6 +87,17 @@ impl FaultProxy {
             .store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 
+    /// The next `n` times the server sends something, reset that
+    /// connection instead of forwarding it.
+    pub fn lose_responses(&self, n: u64) {
+        self.faults.lose_responses.store(n, Ordering::SeqCst);
+    }
+
+    /// Server answers lost so far.
+    pub fn lost(&self) -> u64 {
+        self.faults.lost.load(Ordering::SeqCst)
+    }
+
     /// Reset every connection open now (RST to both sides).
     pub fn reset_all(&self) {
         self.reset.send_modify(|generation| *generation += 1);
@@ -120,8 +135,8 @@ async fn forward(
     let _ = server.set_zero_linger();
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let up = pipe(client_read, server_write, Arc::clone(&faults));
-    let down = pipe(server_read, client_write, faults);
+    let up = pipe(client_read, server_write, Arc::clone(&faults), false);
+    let down = pipe(server_read, client_write, faults, true);
     // Either direction ending, or a reset, drops both streams; with linger
     // 0 the peers see a reset rather than an orderly close.
     tokio::select! {
@@ -135,6 +150,7 @@ async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     faults: Arc<Faults>,
+    from_server: bool,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -142,6 +158,16 @@ async fn pipe(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if from_server
+            && faults
+                .lose_responses
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            faults.lost.fetch_add(1, Ordering::SeqCst);
+            // Ending the pipe drops both streams: a reset to both sides.
+            return;
+        }
         let delay = faults.delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;

@@ -1,0 +1,310 @@
+//! Exactly-once Push: each shard remembers which (worker, sequence) pairs
+//! it applied, so a Push that is retried (its first attempt timed out or
+//! lost its connection after the server applied it) is acknowledged without
+//! being applied again.
+//!
+//! A worker numbers its Pushes from one counter (one number per logical
+//! Push, shared by its per-shard sub-requests) and may have several in
+//! flight, so they can arrive out of order: per worker the shard keeps the
+//! highest sequence seen and a window of the [`WINDOW`] below it as a
+//! bitset (the anti-replay window of IPsec, RFC 4303 §3.4.3). A sequence
+//! above the window's bottom is admitted once; one below it cannot be told
+//! apart and is refused as [`Admission::TooOld`] (an error to the caller,
+//! never a silent drop). Memory is bounded: workers idle for `idle_expiry`
+//! are forgotten, and beyond `max_workers` the longest idle is.
+//!
+//! Sequence 0 (or worker 0) means "not deduplicated": plain gRPC clients
+//! and old workers send no ids, and their Pushes are applied as they come.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Sequences remembered below the highest one, per worker and shard.
+/// 1024: far more Pushes than a worker keeps in flight to one shard.
+pub const WINDOW: u64 = 1024;
+const WORDS: usize = (WINDOW / 64) as usize;
+
+/// What to do with a Push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Not seen before: apply it (it is now marked as applied).
+    Apply,
+    /// Applied before: acknowledge it without applying.
+    Duplicate,
+    /// Below the window: whether it was applied is unknown.
+    TooOld {
+        /// The lowest sequence still tracked.
+        lowest: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Window {
+    highest: u64,
+    /// Bit `i` set: `highest - i` was applied.
+    seen: [u64; WORDS],
+    last_seen: Instant,
+}
+
+impl Window {
+    fn new(sequence: u64, now: Instant) -> Self {
+        let mut seen = [0u64; WORDS];
+        seen[0] = 1;
+        Self {
+            highest: sequence,
+            seen,
+            last_seen: now,
+        }
+    }
+
+    fn bit(&self, offset: u64) -> bool {
+        self.seen[(offset / 64) as usize] & (1 << (offset % 64)) != 0
+    }
+
+    fn set(&mut self, offset: u64) {
+        self.seen[(offset / 64) as usize] |= 1 << (offset % 64);
+    }
+
+    /// Moves the window up by `by` sequences (bit i becomes bit i + by).
+    fn shift(&mut self, by: u64) {
+        if by >= WINDOW {
+            self.seen = [0; WORDS];
+            return;
+        }
+        let (words, bits) = ((by / 64) as usize, by % 64);
+        for i in (0..WORDS).rev() {
+            let low = i.checked_sub(words).map_or(0, |j| self.seen[j] << bits);
+            let carry = match (bits, i.checked_sub(words + 1)) {
+                (0, _) | (_, None) => 0,
+                (_, Some(j)) => self.seen[j] >> (64 - bits),
+            };
+            self.seen[i] = low | carry;
+        }
+    }
+
+    fn admit(&mut self, sequence: u64, now: Instant) -> Admission {
+        self.last_seen = now;
+        if sequence > self.highest {
+            self.shift(sequence - self.highest);
+            self.highest = sequence;
+            self.set(0);
+            return Admission::Apply;
+        }
+        let offset = self.highest - sequence;
+        if offset >= WINDOW {
+            return Admission::TooOld {
+                lowest: self.highest + 1 - WINDOW,
+            };
+        }
+        if self.bit(offset) {
+            Admission::Duplicate
+        } else {
+            self.set(offset);
+            Admission::Apply
+        }
+    }
+}
+
+/// Settings of the Push deduplication of a shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DedupLimits {
+    /// Workers remembered at most.
+    pub max_workers: usize,
+    /// A worker silent this long is forgotten.
+    pub idle_expiry: Duration,
+}
+
+/// The applied (worker, sequence) pairs of one shard (module docs).
+#[derive(Debug)]
+pub struct PushDedup {
+    limits: DedupLimits,
+    workers: Mutex<HashMap<u64, Window>>,
+}
+
+impl PushDedup {
+    /// Nothing applied yet.
+    pub fn new(limits: DedupLimits) -> Self {
+        Self {
+            limits,
+            workers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Decides about Push `sequence` of `worker` at `now`, marking it
+    /// applied when the answer is [`Admission::Apply`]. Call it only once
+    /// the Push is known to be valid: an admitted Push must be applied.
+    pub fn admit(&self, worker: u64, sequence: u64, now: Instant) -> Admission {
+        if worker == 0 || sequence == 0 {
+            return Admission::Apply;
+        }
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(window) = workers.get_mut(&worker) {
+            return window.admit(sequence, now);
+        }
+        if workers.len() >= self.limits.max_workers {
+            let expiry = self.limits.idle_expiry;
+            workers.retain(|_, w| now.saturating_duration_since(w.last_seen) < expiry);
+            if workers.len() >= self.limits.max_workers
+                && let Some(oldest) = workers
+                    .iter()
+                    .min_by_key(|(_, w)| w.last_seen)
+                    .map(|(&id, _)| id)
+            {
+                workers.remove(&oldest);
+                metrics::counter!("tessera_ps_dedup_workers_dropped_total").increment(1);
+            }
+        }
+        workers.insert(worker, Window::new(sequence, now));
+        Admission::Apply
+    }
+
+    /// Workers remembered now.
+    pub fn workers(&self) -> usize {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The (worker, highest sequence, window bits) of every worker, for a
+    /// checkpoint.
+    pub fn snapshot(&self) -> Vec<(u64, u64, Vec<u64>)> {
+        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        workers
+            .iter()
+            .map(|(&id, w)| (id, w.highest, w.seen.to_vec()))
+            .collect()
+    }
+
+    /// Restores what [`PushDedup::snapshot`] saved (workers count as just
+    /// seen).
+    pub fn restore(&self, saved: &[(u64, u64, Vec<u64>)], now: Instant) {
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        for (id, highest, bits) in saved {
+            let mut seen = [0u64; WORDS];
+            for (slot, word) in seen.iter_mut().zip(bits) {
+                *slot = *word;
+            }
+            workers.insert(
+                *id,
+                Window {
+                    highest: *highest,
+                    seen,
+                    last_seen: now,
+                },
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dedup(max_workers: usize) -> PushDedup {
+        PushDedup::new(DedupLimits {
+            max_workers,
+            idle_expiry: Duration::from_secs(60),
+        })
+    }
+
+    #[test]
+    fn each_sequence_is_admitted_once_in_any_order() {
+        let d = dedup(10);
+        let now = Instant::now();
+        // Out of order, with gaps, and every one repeated.
+        let order = [5u64, 3, 9, 4, 1, 7, 2000, 1990, 1500, 1999];
+        for &seq in &order {
+            assert_eq!(d.admit(1, seq, now), Admission::Apply, "{seq}");
+        }
+        for &seq in &order {
+            let again = d.admit(1, seq, now);
+            assert!(
+                again == Admission::Duplicate || matches!(again, Admission::TooOld { .. }),
+                "{seq}: {again:?}"
+            );
+        }
+        // Within the window below 2000: exact answers.
+        assert_eq!(d.admit(1, 1990, now), Admission::Duplicate);
+        assert_eq!(d.admit(1, 1991, now), Admission::Apply);
+        // Below the window: refused, never applied twice.
+        assert_eq!(d.admit(1, 5, now), Admission::TooOld { lowest: 977 });
+        // Another worker has its own window.
+        assert_eq!(d.admit(2, 5, now), Admission::Apply);
+        // No ids: always applied.
+        assert_eq!(d.admit(0, 5, now), Admission::Apply);
+        assert_eq!(d.admit(3, 0, now), Admission::Apply);
+        assert_eq!(d.admit(3, 0, now), Admission::Apply);
+    }
+
+    #[test]
+    fn the_window_shifts_exactly() {
+        // Against a plain set, for every shift distance pattern.
+        let d = dedup(10);
+        let now = Instant::now();
+        let mut applied = std::collections::HashSet::new();
+        let mut seq = 1u64;
+        let mut draw = 12345u64;
+        for _ in 0..20_000 {
+            draw = tessera_proto::sharding::splitmix64(draw);
+            // Mostly forward steps of 0..130, sometimes far back.
+            let candidate = if draw.is_multiple_of(5) {
+                seq.saturating_sub(draw % 1100).max(1)
+            } else {
+                seq += (draw >> 8) % 130;
+                seq
+            };
+            let highest = *applied.iter().max().unwrap_or(&0u64);
+            let expected = if candidate + WINDOW <= highest {
+                "old"
+            } else if applied.contains(&candidate) {
+                "dup"
+            } else {
+                "apply"
+            };
+            let got = match d.admit(9, candidate, now) {
+                Admission::Apply => "apply",
+                Admission::Duplicate => "dup",
+                Admission::TooOld { .. } => "old",
+            };
+            assert_eq!(got, expected, "sequence {candidate}, highest {highest}");
+            if got == "apply" {
+                applied.insert(candidate);
+            }
+        }
+    }
+
+    #[test]
+    fn memory_is_bounded_by_expiring_and_dropping_idle_workers() {
+        let d = dedup(100);
+        let t0 = Instant::now();
+        for worker in 1..=100 {
+            d.admit(worker, 1, t0);
+        }
+        assert_eq!(d.workers(), 100);
+        // A new worker after the others went idle: they expire.
+        let later = t0 + Duration::from_secs(61);
+        d.admit(1000, 1, later);
+        assert_eq!(d.workers(), 1);
+        // All active: the longest idle is dropped, the bound holds.
+        for worker in 2000..2200 {
+            d.admit(worker, 1, later + Duration::from_millis(worker));
+            assert!(d.workers() <= 100);
+        }
+    }
+
+    #[test]
+    fn a_snapshot_restores_the_same_answers() {
+        let d = dedup(10);
+        let now = Instant::now();
+        for seq in [3u64, 8, 1030] {
+            d.admit(4, seq, now);
+        }
+        let restored = dedup(10);
+        restored.restore(&d.snapshot(), now);
+        assert_eq!(restored.admit(4, 8, now), Admission::Duplicate);
+        assert_eq!(restored.admit(4, 9, now), Admission::Apply);
+        assert!(matches!(
+            restored.admit(4, 3, now),
+            Admission::TooOld { .. }
+        ));
+    }
+}

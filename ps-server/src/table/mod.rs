@@ -1,0 +1,186 @@
+//! One embedding table on this server: its configuration, and for every
+//! hosted shard its rows (values and optimizer state) and its Push
+//! deduplication.
+
+mod init;
+mod optimizer;
+mod rows;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+pub use init::{Initializer, row_base};
+pub use optimizer::OptimizerConfig;
+pub use rows::{EvictionPolicy, Row, ShardRows};
+
+use crate::config::{NonFinite, TableConfig};
+use crate::dedup::{Admission, DedupLimits, PushDedup};
+
+/// The state of one (table, shard).
+#[derive(Debug)]
+pub struct ShardState {
+    /// The rows.
+    pub rows: ShardRows,
+    /// Which Pushes were applied.
+    pub dedup: PushDedup,
+}
+
+/// One table's rows on this server.
+#[derive(Debug)]
+pub struct Table {
+    config: TableConfig,
+    init_base: u64,
+    shards: HashMap<u32, ShardState>,
+}
+
+/// Why a Push's gradients were refused (the store adds the table name).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GradientError {
+    /// A NaN or infinite value at this index, with `non_finite = "reject"`.
+    NonFinite(usize),
+}
+
+/// Deduplication settings from the server's configuration.
+pub fn dedup_limits(max_workers: u32, idle_secs: u64) -> DedupLimits {
+    DedupLimits {
+        max_workers: max_workers.max(1) as usize,
+        idle_expiry: Duration::from_secs(idle_secs),
+    }
+}
+
+impl Table {
+    /// An empty table for the `hosted` shards; `seed` is the server's.
+    pub fn new(config: TableConfig, seed: u64, hosted: &[u32], dedup: DedupLimits) -> Self {
+        let init_base = row_base(config.seed.unwrap_or(seed), &config.name);
+        let shards = hosted
+            .iter()
+            .map(|&shard| {
+                (
+                    shard,
+                    ShardState {
+                        rows: ShardRows::new(config.max_rows, config.eviction),
+                        dedup: PushDedup::new(dedup),
+                    },
+                )
+            })
+            .collect();
+        Self {
+            config,
+            init_base,
+            shards,
+        }
+    }
+
+    /// The table's configuration.
+    pub fn config(&self) -> &TableConfig {
+        &self.config
+    }
+
+    /// The state of a hosted shard.
+    pub fn shard(&self, shard: u32) -> Option<&ShardState> {
+        self.shards.get(&shard)
+    }
+
+    /// The hosted shards' states.
+    pub fn shards(&self) -> impl Iterator<Item = (u32, &ShardState)> {
+        self.shards.iter().map(|(&id, state)| (id, state))
+    }
+
+    /// Rows stored, over all hosted shards.
+    pub fn rows(&self) -> u64 {
+        self.shards.values().map(|s| s.rows.len() as u64).sum()
+    }
+
+    /// Rows evicted, over all hosted shards.
+    pub fn evictions(&self) -> u64 {
+        self.shards.values().map(|s| s.rows.evictions()).sum()
+    }
+
+    /// The initial values of `key`'s row: a pure function of (seed, table
+    /// name, key), so replicas agree.
+    pub fn initial_row(&self, key: u64) -> Box<[f32]> {
+        self.config
+            .initializer
+            .row(self.init_base, key, self.config.dim as usize)
+    }
+
+    /// A new row for `key`: initial values and fresh optimizer state.
+    pub fn new_row(&self, key: u64) -> Row {
+        Row::new(
+            self.initial_row(key),
+            self.config
+                .optimizer
+                .initial_state(self.config.dim as usize),
+        )
+    }
+
+    /// Decodes little-endian f32 gradients, applying the table's
+    /// non-finite policy; counts what it rejected or clipped.
+    pub fn gradients(&self, raw: &[u8]) -> Result<Vec<f32>, GradientError> {
+        let mut out = vec![0f32; raw.len() / 4];
+        tessera_proto::rows::get_f32s(raw, &mut out);
+        match self.config.non_finite {
+            NonFinite::Reject => {
+                if let Some(i) = out.iter().position(|g| !g.is_finite()) {
+                    metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "rejected").increment(1);
+                    return Err(GradientError::NonFinite(i));
+                }
+            }
+            NonFinite::Clip => {
+                let clip = self.config.gradient_clip;
+                let mut clipped = 0u64;
+                for g in &mut out {
+                    let fixed = if g.is_nan() {
+                        0.0
+                    } else {
+                        g.clamp(-clip, clip)
+                    };
+                    if fixed != *g || g.is_nan() {
+                        clipped += 1;
+                        *g = fixed;
+                    }
+                }
+                if clipped > 0 {
+                    metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Applies `gradients` (already validated, `keys.len() * dim`) to the
+    /// rows of `keys` on `shard`, unless (`worker`, `sequence`) was applied
+    /// before. Returns the admission decision.
+    pub fn apply(
+        &self,
+        state: &ShardState,
+        keys: &[u64],
+        gradients: &[f32],
+        worker: u64,
+        sequence: u64,
+        now: Instant,
+    ) -> Admission {
+        let admission = state.dedup.admit(worker, sequence, now);
+        if admission != Admission::Apply {
+            return admission;
+        }
+        let dim = self.config.dim as usize;
+        let optimizer = self.config.optimizer;
+        for (&key, grad) in keys.iter().zip(gradients.chunks_exact(dim)) {
+            state.rows.upsert(
+                key,
+                || self.new_row(key),
+                |row| {
+                    let Row {
+                        values,
+                        state,
+                        steps,
+                        ..
+                    } = row;
+                    optimizer.apply(values, state, steps, grad);
+                },
+            );
+        }
+        admission
+    }
+}
