@@ -173,6 +173,38 @@ pub struct PsServerConfig {
     /// A worker silent this long is forgotten by the Push deduplication, in
     /// seconds. Default 3600: longer than any retry of a Push could come.
     pub dedup_idle_secs: u64,
+    /// Checkpoints (`[checkpoint]`).
+    pub checkpoint: CheckpointConfig,
+}
+
+/// Where and when a server saves its shards, and whether it restores them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Directory of this server's checkpoints. Default: none (no
+    /// checkpoints; the admin call to save one fails).
+    pub dir: Option<std::path::PathBuf>,
+    /// Seconds between periodic checkpoints; 0 saves only on demand (the
+    /// admin call). Default 0: how much training a job may lose is its
+    /// operator's choice.
+    pub interval_secs: u64,
+    /// Checkpoints kept; older ones are deleted after a save. Default 3:
+    /// the newest, and two to fall back to by hand if it is bad.
+    pub keep: usize,
+    /// Load the newest checkpoint of `dir` at start. Default true: a
+    /// restarted server should come back with its rows.
+    pub restore: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            dir: None,
+            interval_secs: 0,
+            keep: 3,
+            restore: true,
+        }
+    }
 }
 
 impl Default for PsServerConfig {
@@ -194,6 +226,7 @@ impl Default for PsServerConfig {
             max_keys_per_request: 1_000_000,
             dedup_max_workers: 100_000,
             dedup_idle_secs: 3600,
+            checkpoint: CheckpointConfig::default(),
         }
     }
 }
@@ -267,6 +300,18 @@ impl Validate for PsServerConfig {
         }
         if self.max_keys_per_request == 0 {
             return Err(invalid("max_keys_per_request", "must be at least 1"));
+        }
+        if self.dedup_max_workers == 0 {
+            return Err(invalid("dedup_max_workers", "must be at least 1"));
+        }
+        if self.checkpoint.keep == 0 {
+            return Err(invalid("checkpoint.keep", "must be at least 1"));
+        }
+        if self.checkpoint.interval_secs > 0 && self.checkpoint.dir.is_none() {
+            return Err(invalid(
+                "checkpoint.interval_secs",
+                "periodic checkpoints need checkpoint.dir",
+            ));
         }
         self.server_config().validate()
     }

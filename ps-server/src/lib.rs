@@ -1,7 +1,10 @@
 //! The Tessera parameter server: hosts shards of embedding tables and
-//! serves `Fetch`, `Push` and `Health` (see `proto/ps.proto`) over Tessera
-//! RPC.
+//! serves `Fetch`, `Push` and `Health`, and `Admin` (checkpoints,
+//! statistics) — see `proto/ps.proto` — over Tessera RPC and, optionally,
+//! gRPC.
 
+mod admin;
+pub mod checkpoint;
 pub mod config;
 pub mod dedup;
 mod service;
@@ -12,10 +15,13 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tessera_proto::v1::ParameterServerGrpc;
-use tessera_proto::v1::ParameterServerServer;
+use tessera_proto::v1::admin_server::AdminServer as AdminGrpcServer;
 use tessera_proto::v1::parameter_server_server::ParameterServerServer as GrpcServer;
+use tessera_proto::v1::{AdminGrpc, AdminServer, ParameterServerGrpc, ParameterServerServer};
 use tessera_rpc::{Server, ServerError, Transport, Validate};
+
+pub use admin::{AdminService, Checkpointer};
+pub use checkpoint::CheckpointError;
 
 pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
 pub use service::PsService;
@@ -28,11 +34,14 @@ pub struct PsServer {
     store: Arc<Store>,
     /// The optional gRPC endpoint: its listener and the bridge to serve.
     grpc: Option<GrpcEndpoint>,
+    /// Checkpoints, with their period (zero: on demand only).
+    checkpoints: Option<(Arc<Checkpointer>, std::time::Duration)>,
 }
 
 struct GrpcEndpoint {
     listener: tokio::net::TcpListener,
     service: GrpcServer<ParameterServerGrpc<PsService>>,
+    admin: AdminGrpcServer<AdminGrpc<AdminService>>,
 }
 
 impl std::fmt::Debug for GrpcEndpoint {
@@ -48,7 +57,30 @@ impl PsServer {
     pub async fn bind(config: &PsServerConfig) -> Result<Self, PsError> {
         config.validate()?;
         let store = Arc::new(Store::new(config));
+        let checkpoints = config.checkpoint.dir.as_ref().map(|dir| {
+            Arc::new(Checkpointer::new(
+                Arc::clone(&store),
+                dir.clone(),
+                config.checkpoint.keep,
+            ))
+        });
+        if let Some(dir) = &config.checkpoint.dir
+            && config.checkpoint.restore
+        {
+            // Verified whole before anything is installed; the server does
+            // not listen until it is.
+            let started = std::time::Instant::now();
+            match checkpoint::load_latest(&store, dir)? {
+                Some(loaded) => {
+                    let path = loaded.path.clone();
+                    store.install(loaded);
+                    tracing::info!(path = %path.display(), took = ?started.elapsed(), "checkpoint restored");
+                }
+                None => tracing::info!(dir = %dir.display(), "no checkpoint to restore"),
+            }
+        }
         let service = PsService::new(Arc::clone(&store), config.replica_group);
+        let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let server_config = config.server_config();
         // Built here rather than by the server so that the gRPC endpoint
         // builds its responses in the same send pool.
@@ -70,12 +102,17 @@ impl PsServer {
                         Arc::new(service.clone()),
                         transport.send_pool().clone(),
                     ),
+                    admin: AdminGrpc::service(
+                        Arc::new(admin.clone()),
+                        transport.send_pool().clone(),
+                    ),
                 })
             }
         };
         let server = Server::builder(server_config)
             .transport(transport)
             .add_service(ParameterServerServer::new(service))?
+            .add_service(AdminServer::new(admin))?
             .bind(&config.listen)
             .await?;
         tracing::info!(
@@ -90,6 +127,12 @@ impl PsServer {
             server,
             store,
             grpc,
+            checkpoints: checkpoints.map(|c| {
+                (
+                    c,
+                    std::time::Duration::from_secs(config.checkpoint.interval_secs),
+                )
+            }),
         })
     }
 
@@ -113,6 +156,14 @@ impl PsServer {
     /// Serves until `shutdown` completes, then shuts down gracefully (the
     /// gRPC endpoint too).
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
+        let _periodic = self.checkpoints.as_ref().and_then(|(checkpoints, every)| {
+            (!every.is_zero()).then(|| {
+                AbortOnDrop(tokio::spawn(periodic_checkpoints(
+                    Arc::clone(checkpoints),
+                    *every,
+                )))
+            })
+        });
         let Some(grpc) = self.grpc else {
             self.server.serve_with_shutdown(shutdown).await;
             return;
@@ -121,6 +172,7 @@ impl PsServer {
         let grpc_task = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(grpc.service)
+                .add_service(grpc.admin)
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(grpc.listener),
                     async {
@@ -142,6 +194,27 @@ impl PsServer {
     }
 }
 
+/// Stops a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn periodic_checkpoints(checkpoints: Arc<Checkpointer>, every: std::time::Duration) {
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        if let Err(err) = checkpoints.save().await {
+            metrics::counter!("tessera_ps_checkpoint_failures_total").increment(1);
+            tracing::error!(%err, "periodic checkpoint failed");
+        }
+    }
+}
+
 /// Why a parameter server could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -155,6 +228,9 @@ pub enum PsError {
     /// The transport could not be created (for example no RDMA device).
     #[error("transport: {0}")]
     Transport(String),
+    /// The checkpoint to restore is partial, corrupt or does not fit.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// The gRPC endpoint could not listen.
     #[error("grpc_listen = {addr}: {source}")]
     GrpcBind {

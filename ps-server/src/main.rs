@@ -41,6 +41,9 @@ struct Cli {
     /// Override `metrics_listen`: a Prometheus endpoint on this address.
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Override `checkpoint.dir`.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -96,6 +99,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(addr) = cli.metrics_listen {
         config.metrics_listen = Some(addr);
+    }
+    if let Some(dir) = cli.checkpoint_dir {
+        config.checkpoint.dir = Some(dir);
     }
     config.validate()?;
     let runtime = tokio::runtime::Runtime::new()?;

@@ -172,6 +172,16 @@ impl Store {
         self.tables.get(name)
     }
 
+    /// Installs a verified checkpoint (see [`crate::checkpoint::load`]).
+    pub fn install(&self, checkpoint: crate::checkpoint::LoadedCheckpoint) {
+        let now = Instant::now();
+        for (table, shard, image) in checkpoint.shards {
+            if let Some(table) = self.tables.get(&table) {
+                table.install(shard, image, now);
+            }
+        }
+    }
+
     fn shard_state(
         &self,
         table: &str,
@@ -233,6 +243,9 @@ impl Store {
                 got: out.len(),
             });
         }
+        state
+            .fetches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for (&key, slot) in keys.iter().zip(out.chunks_exact_mut(row_bytes)) {
             if state
                 .rows

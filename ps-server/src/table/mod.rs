@@ -7,6 +7,8 @@ mod optimizer;
 mod rows;
 
 use std::collections::HashMap;
+use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use init::{Initializer, row_base};
@@ -23,6 +25,25 @@ pub struct ShardState {
     pub rows: ShardRows,
     /// Which Pushes were applied.
     pub dedup: PushDedup,
+    /// Held shared by every Push while it applies, exclusively by a
+    /// checkpoint while it copies the shard: the copy sees whole Pushes.
+    pub cut: RwLock<()>,
+    /// Fetch requests served.
+    pub fetches: AtomicU64,
+    /// Pushes applied (duplicates not counted).
+    pub pushes: AtomicU64,
+}
+
+impl ShardState {
+    fn new(config: &TableConfig, dedup: DedupLimits) -> Self {
+        Self {
+            rows: ShardRows::new(config.max_rows, config.eviction),
+            dedup: PushDedup::new(dedup),
+            cut: RwLock::new(()),
+            fetches: AtomicU64::new(0),
+            pushes: AtomicU64::new(0),
+        }
+    }
 }
 
 /// One table's rows on this server.
@@ -54,15 +75,7 @@ impl Table {
         let init_base = row_base(config.seed.unwrap_or(seed), &config.name);
         let shards = hosted
             .iter()
-            .map(|&shard| {
-                (
-                    shard,
-                    ShardState {
-                        rows: ShardRows::new(config.max_rows, config.eviction),
-                        dedup: PushDedup::new(dedup),
-                    },
-                )
-            })
+            .map(|&shard| (shard, ShardState::new(&config, dedup)))
             .collect();
         Self {
             config,
@@ -160,10 +173,12 @@ impl Table {
         sequence: u64,
         now: Instant,
     ) -> Admission {
+        let _applying = state.cut.read().unwrap_or_else(|p| p.into_inner());
         let admission = state.dedup.admit(worker, sequence, now);
         if admission != Admission::Apply {
             return admission;
         }
+        state.pushes.fetch_add(1, Ordering::Relaxed);
         let dim = self.config.dim as usize;
         let optimizer = self.config.optimizer;
         for (&key, grad) in keys.iter().zip(gradients.chunks_exact(dim)) {
@@ -182,5 +197,19 @@ impl Table {
             );
         }
         admission
+    }
+
+    /// Replaces the rows and deduplication windows of `shard` with a
+    /// checkpoint's image (rows beyond `max_rows` are evicted as usual).
+    pub fn install(&self, shard: u32, image: crate::checkpoint::ShardImage, now: Instant) {
+        let Some(state) = self.shards.get(&shard) else {
+            return;
+        };
+        for (key, steps, values, opt_state) in image.rows {
+            let mut row = Row::new(values.into_boxed_slice(), opt_state.into_boxed_slice());
+            row.steps = steps;
+            state.rows.insert(key, row);
+        }
+        state.dedup.restore(&image.dedup, now);
     }
 }

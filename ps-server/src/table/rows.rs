@@ -133,18 +133,31 @@ impl ShardRows {
         init: impl FnOnce() -> Row,
         update: impl FnOnce(&mut Row) -> R,
     ) -> R {
-        let index = self.stripe(key);
-        let mut stripe = self.write_stripe(index);
-        if !stripe.contains_key(&key)
-            && let Some(limit) = self.stripe_limit
-            && stripe.len() >= limit
-        {
-            self.evict_one(&mut stripe, key);
-        }
+        let mut stripe = self.write_stripe(self.stripe(key));
+        self.make_room(&mut stripe, key);
         let now = self.tick();
         let row = stripe.entry(key).or_insert_with(init);
         row.last_used.store(now, Ordering::Relaxed);
         update(row)
+    }
+
+    /// Puts `row` in place of whatever `key` had (evicting another row if
+    /// the stripe is full).
+    pub fn insert(&self, key: u64, row: Row) {
+        row.last_used.store(self.tick(), Ordering::Relaxed);
+        let mut stripe = self.write_stripe(self.stripe(key));
+        self.make_room(&mut stripe, key);
+        stripe.insert(key, row);
+    }
+
+    /// Evicts a row if `key` is new and its stripe is full.
+    fn make_room(&self, stripe: &mut IndexMap<u64, Row>, key: u64) {
+        if !stripe.contains_key(&key)
+            && let Some(limit) = self.stripe_limit
+            && stripe.len() >= limit
+        {
+            self.evict_one(stripe, key);
+        }
     }
 
     /// Evicts the worst of a few rows sampled from a full stripe.

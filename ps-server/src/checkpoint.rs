@@ -1,0 +1,832 @@
+//! Checkpoints: every hosted shard of every table (values, optimizer state
+//! and Push deduplication windows) saved to a directory atomically, and
+//! restored at start.
+//!
+//! Layout under the checkpoint directory:
+//!
+//! ```text
+//! ckpt-<unix ms>/MANIFEST.json     tables, files, row counts, CRC-32s
+//! ckpt-<unix ms>/t<i>-s<shard>.rows one file per (table i, shard)
+//! LATEST                            the name of the newest complete one
+//! ```
+//!
+//! Saving writes into `.tmp-ckpt-<unix ms>/`, fsyncs every file and the
+//! manifest (written last), renames the directory into place, fsyncs the
+//! parent, and only then points `LATEST` at it (write, fsync, rename). A
+//! crash at any point leaves either the previous checkpoint as `LATEST` or
+//! the new one complete. Loading reads and verifies everything (sizes,
+//! CRC-32s, headers, table shapes against the configuration, every hosted
+//! shard present) into memory before the store is touched, so a partial or
+//! corrupt checkpoint is refused with an error naming the file, never half
+//! loaded.
+//!
+//! Each (table, shard) is copied under its *cut* lock, which in-flight
+//! Pushes hold shared: the copy waits for them to finish and holds new ones
+//! back while it runs (a memory copy), so the saved shard reflects whole
+//! Pushes only, and serving goes on for everything else. The files are
+//! written after the locks are released.
+//!
+//! crc32fast (CRC-32, SIMD) checks integrity: the threat is torn or
+//! bit-rotted files, not an adversary.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::Store;
+use crate::table::{Row, Table};
+
+/// Magic at the start of every shard file.
+const MAGIC: &[u8; 8] = b"TSCKROW1";
+/// Manifest format version.
+const VERSION: u32 = 1;
+const MANIFEST: &str = "MANIFEST.json";
+const LATEST: &str = "LATEST";
+
+/// Why a checkpoint could not be saved or loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A file's contents do not check out.
+    #[error("checkpoint file {path} is corrupt: {why}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The checkpoint lacks something (an interrupted save, a lost file).
+    #[error("checkpoint {path} is incomplete: {why}")]
+    Partial {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What is missing.
+        why: String,
+    },
+    /// The checkpoint does not fit this server's configuration.
+    #[error("checkpoint {path} does not match the configuration: {why}")]
+    Mismatch {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What differs.
+        why: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Manifest {
+    version: u32,
+    created_unix_ms: u64,
+    num_shards: u32,
+    tables: Vec<ManifestTable>,
+    files: Vec<ManifestFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct ManifestTable {
+    name: String,
+    dim: u32,
+    optimizer: String,
+    slots: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct ManifestFile {
+    file: String,
+    table: String,
+    shard: u32,
+    rows: u64,
+    bytes: u64,
+    crc32: u32,
+}
+
+/// What a save wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    /// The checkpoint's directory.
+    pub path: PathBuf,
+    /// Rows saved, all shards together.
+    pub rows: u64,
+    /// Bytes of row files.
+    pub bytes: u64,
+}
+
+/// One (table, shard) as saved: rows and deduplication windows.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ShardImage {
+    /// (key, optimizer steps, values, optimizer state).
+    pub rows: Vec<(u64, u32, Vec<f32>, Vec<f32>)>,
+    /// (worker, highest sequence, window bits).
+    pub dedup: Vec<(u64, u64, Vec<u64>)>,
+}
+
+/// A verified checkpoint, ready to install: images by (table, shard).
+#[derive(Debug, Default)]
+pub struct LoadedCheckpoint {
+    /// Where it was read from.
+    pub path: PathBuf,
+    /// (table name, shard) -> image.
+    pub shards: Vec<(String, u32, ShardImage)>,
+}
+
+/// Copies one (table, shard) under its cut lock.
+fn snapshot(table: &Table, shard: u32) -> Option<ShardImage> {
+    let state = table.shard(shard)?;
+    let _cut = state.cut.write().unwrap_or_else(|p| p.into_inner());
+    let mut image = ShardImage::default();
+    state.rows.for_each_consistent(|key, row: &Row| {
+        image
+            .rows
+            .push((key, row.steps, row.values.to_vec(), row.state.to_vec()));
+    });
+    image.dedup = state.dedup.snapshot();
+    Some(image)
+}
+
+fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
+    let row_floats = dim as usize * (1 + slots as usize);
+    let mut out = Vec::with_capacity(32 + image.rows.len() * (12 + row_floats * 4));
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&dim.to_le_bytes());
+    out.extend_from_slice(&slots.to_le_bytes());
+    out.extend_from_slice(&(image.rows.len() as u64).to_le_bytes());
+    for (key, steps, values, state) in &image.rows {
+        out.extend_from_slice(&key.to_le_bytes());
+        out.extend_from_slice(&steps.to_le_bytes());
+        for v in values.iter().chain(state) {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    out.extend_from_slice(&(image.dedup.len() as u64).to_le_bytes());
+    for (worker, highest, bits) in &image.dedup {
+        out.extend_from_slice(&worker.to_le_bytes());
+        out.extend_from_slice(&highest.to_le_bytes());
+        out.extend_from_slice(&(bits.len() as u32).to_le_bytes());
+        for word in bits {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// A cursor over a shard file that fails, never panics, on short input.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&end| end <= self.bytes.len())
+            .ok_or_else(|| format!("truncated at byte {}", self.at))?;
+        let slice = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(slice)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn f32s(&mut self, n: usize) -> Result<Vec<f32>, String> {
+        let b = self.take(n.checked_mul(4).ok_or("size overflow")?)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}
+
+/// Parses a shard file written by [`encode`], checking its shape.
+pub fn decode(bytes: &[u8], dim: u32, slots: u32) -> Result<ShardImage, String> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.take(MAGIC.len())? != MAGIC {
+        return Err("not a Tessera row file (bad magic)".into());
+    }
+    let (file_dim, file_slots) = (r.u32()?, r.u32()?);
+    if (file_dim, file_slots) != (dim, slots) {
+        return Err(format!(
+            "rows of dim {file_dim} with {file_slots} state slots, expected {dim} and {slots}"
+        ));
+    }
+    let count = r.u64()?;
+    let row_bytes = 12 + dim as u64 * (1 + slots as u64) * 4;
+    if count.saturating_mul(row_bytes) > bytes.len() as u64 {
+        return Err(format!("claims {count} rows, more than the file holds"));
+    }
+    let mut image = ShardImage::default();
+    for _ in 0..count {
+        let key = r.u64()?;
+        let steps = r.u32()?;
+        let values = r.f32s(dim as usize)?;
+        let state = r.f32s(dim as usize * slots as usize)?;
+        image.rows.push((key, steps, values, state));
+    }
+    let workers = r.u64()?;
+    if workers.saturating_mul(20) > bytes.len() as u64 {
+        return Err(format!(
+            "claims {workers} workers, more than the file holds"
+        ));
+    }
+    for _ in 0..workers {
+        let (worker, highest) = (r.u64()?, r.u64()?);
+        let words = r.u32()? as usize;
+        let mut bits = Vec::with_capacity(words.min(64));
+        for _ in 0..words {
+            bits.push(r.u64()?);
+        }
+        image.dedup.push((worker, highest, bits));
+    }
+    if r.at != bytes.len() {
+        return Err(format!("{} bytes after the end", bytes.len() - r.at));
+    }
+    Ok(image)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let mut file = File::create(path).map_err(io(path))?;
+    file.write_all(bytes).map_err(io(path))?;
+    file.sync_all().map_err(io(path))
+}
+
+fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
+    File::open(path)
+        .and_then(|dir| dir.sync_all())
+        .map_err(io(path))
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn tables_sorted(store: &Store) -> Vec<&Table> {
+    let mut tables: Vec<&Table> = store.tables().collect();
+    tables.sort_by(|a, b| a.config().name.cmp(&b.config().name));
+    tables
+}
+
+/// Saves every hosted shard of `store` as a new checkpoint under `dir`,
+/// then keeps only the newest `keep` checkpoints.
+pub fn save(store: &Store, dir: &Path, keep: usize) -> Result<CheckpointInfo, CheckpointError> {
+    let started = Instant::now();
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut created = unix_ms();
+    let name = loop {
+        let name = format!("ckpt-{created:015}");
+        if !dir.join(&name).exists() {
+            break name;
+        }
+        created += 1;
+    };
+    let tmp = dir.join(format!(".tmp-{name}"));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    fs::create_dir(&tmp).map_err(io(&tmp))?;
+    let mut manifest = Manifest {
+        version: VERSION,
+        created_unix_ms: created,
+        num_shards: store.num_shards(),
+        tables: Vec::new(),
+        files: Vec::new(),
+    };
+    let (mut rows, mut bytes) = (0u64, 0u64);
+    for (index, table) in tables_sorted(store).into_iter().enumerate() {
+        let config = table.config();
+        let slots = config.optimizer.slots() as u32;
+        manifest.tables.push(ManifestTable {
+            name: config.name.clone(),
+            dim: config.dim,
+            optimizer: config.optimizer.name().to_owned(),
+            slots,
+        });
+        for &shard in store.hosted() {
+            let Some(image) = snapshot(table, shard) else {
+                continue;
+            };
+            let encoded = encode(&image, config.dim, slots);
+            let file = format!("t{index}-s{shard}.rows");
+            write_synced(&tmp.join(&file), &encoded)?;
+            rows += image.rows.len() as u64;
+            bytes += encoded.len() as u64;
+            manifest.files.push(ManifestFile {
+                file,
+                table: config.name.clone(),
+                shard,
+                rows: image.rows.len() as u64,
+                bytes: encoded.len() as u64,
+                crc32: crc32fast::hash(&encoded),
+            });
+        }
+    }
+    let manifest_path = tmp.join(MANIFEST);
+    let text = serde_json::to_vec_pretty(&manifest).map_err(|err| CheckpointError::Io {
+        path: manifest_path.clone(),
+        source: std::io::Error::other(err),
+    })?;
+    write_synced(&manifest_path, &text)?;
+    sync_dir(&tmp)?;
+    let path = dir.join(&name);
+    fs::rename(&tmp, &path).map_err(io(&path))?;
+    sync_dir(dir)?;
+    let latest_tmp = dir.join(format!("{LATEST}.tmp"));
+    write_synced(&latest_tmp, name.as_bytes())?;
+    fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io(dir))?;
+    sync_dir(dir)?;
+    prune(dir, keep.max(1))?;
+    metrics::counter!("tessera_ps_checkpoints_total").increment(1);
+    metrics::histogram!("tessera_ps_checkpoint_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
+    tracing::info!(path = %path.display(), rows, bytes, took = ?started.elapsed(), "checkpoint saved");
+    Ok(CheckpointInfo { path, rows, bytes })
+}
+
+/// Removes all but the newest `keep` checkpoints (and stale temporaries).
+fn prune(dir: &Path, keep: usize) -> Result<(), CheckpointError> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with("ckpt-"))
+        .collect();
+    names.sort();
+    let stale = names.len().saturating_sub(keep);
+    for name in &names[..stale] {
+        let path = dir.join(name);
+        fs::remove_dir_all(&path).map_err(io(&path))?;
+    }
+    Ok(())
+}
+
+/// Reads and verifies the checkpoint `LATEST` names in `dir` against
+/// `store`'s tables and shards. `Ok(None)` when `dir` has no checkpoint.
+pub fn load_latest(store: &Store, dir: &Path) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
+    let latest = dir.join(LATEST);
+    let name = match fs::read_to_string(&latest) {
+        Ok(name) => name.trim().to_owned(),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(CheckpointError::Io {
+                path: latest,
+                source,
+            });
+        }
+    };
+    if name.is_empty() || name.contains('/') || name.contains("..") {
+        return Err(CheckpointError::Corrupt {
+            path: latest,
+            why: format!("`{name}` is not a checkpoint name"),
+        });
+    }
+    load(store, &dir.join(name)).map(Some)
+}
+
+/// Reads and verifies the checkpoint at `path` (see the module docs).
+pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+    let manifest_path = path.join(MANIFEST);
+    let text = match fs::read(&manifest_path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(CheckpointError::Partial {
+                path: path.to_owned(),
+                why: format!("no {MANIFEST} (an interrupted save?)"),
+            });
+        }
+        Err(source) => {
+            return Err(CheckpointError::Io {
+                path: manifest_path,
+                source,
+            });
+        }
+    };
+    let manifest: Manifest =
+        serde_json::from_slice(&text).map_err(|err| CheckpointError::Corrupt {
+            path: manifest_path.clone(),
+            why: err.to_string(),
+        })?;
+    let mismatch = |why: String| CheckpointError::Mismatch {
+        path: path.to_owned(),
+        why,
+    };
+    if manifest.version != VERSION {
+        return Err(mismatch(format!(
+            "format version {} (this server reads {VERSION})",
+            manifest.version
+        )));
+    }
+    if manifest.num_shards != store.num_shards() {
+        return Err(mismatch(format!(
+            "saved with num_shards = {}, configured {}",
+            manifest.num_shards,
+            store.num_shards()
+        )));
+    }
+    let mut loaded = LoadedCheckpoint {
+        path: path.to_owned(),
+        shards: Vec::new(),
+    };
+    for table in tables_sorted(store) {
+        let config = table.config();
+        let slots = config.optimizer.slots() as u32;
+        let saved = manifest
+            .tables
+            .iter()
+            .find(|t| t.name == config.name)
+            .ok_or_else(|| mismatch(format!("no table `{}` in it", config.name)))?;
+        if saved.dim != config.dim
+            || saved.slots != slots
+            || saved.optimizer != config.optimizer.name()
+        {
+            return Err(mismatch(format!(
+                "table `{}` was saved with dim {} and optimizer {}, configured dim {} and optimizer {}",
+                config.name,
+                saved.dim,
+                saved.optimizer,
+                config.dim,
+                config.optimizer.name()
+            )));
+        }
+        for &shard in store.hosted() {
+            let entry = manifest
+                .files
+                .iter()
+                .find(|f| f.table == config.name && f.shard == shard)
+                .ok_or_else(|| CheckpointError::Partial {
+                    path: path.to_owned(),
+                    why: format!("no file for table `{}` shard {shard}", config.name),
+                })?;
+            if entry.file.contains('/') || entry.file.contains("..") {
+                return Err(CheckpointError::Corrupt {
+                    path: manifest_path.clone(),
+                    why: format!("file name `{}`", entry.file),
+                });
+            }
+            let file = path.join(&entry.file);
+            let bytes = match fs::read(&file) {
+                Ok(bytes) => bytes,
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(CheckpointError::Partial {
+                        path: path.to_owned(),
+                        why: format!("{} is missing", entry.file),
+                    });
+                }
+                Err(source) => return Err(CheckpointError::Io { path: file, source }),
+            };
+            let corrupt = |why: String| CheckpointError::Corrupt {
+                path: file.clone(),
+                why,
+            };
+            if bytes.len() as u64 != entry.bytes {
+                return Err(corrupt(format!(
+                    "{} bytes, the manifest says {}",
+                    bytes.len(),
+                    entry.bytes
+                )));
+            }
+            let crc = crc32fast::hash(&bytes);
+            if crc != entry.crc32 {
+                return Err(corrupt(format!(
+                    "CRC-32 {crc:#010x}, the manifest says {:#010x}",
+                    entry.crc32
+                )));
+            }
+            let image = decode(&bytes, config.dim, slots).map_err(corrupt)?;
+            if image.rows.len() as u64 != entry.rows {
+                return Err(corrupt(format!(
+                    "{} rows, the manifest says {}",
+                    image.rows.len(),
+                    entry.rows
+                )));
+            }
+            loaded.shards.push((config.name.clone(), shard, image));
+        }
+    }
+    Ok(loaded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn shard_files_round_trip(
+            dim in 1u32..6,
+            slots in 0u32..3,
+            rows in proptest::collection::vec((any::<u64>(), any::<u32>(), any::<u32>()), 0..20),
+            dedup in proptest::collection::vec((any::<u64>(), any::<u64>(), proptest::collection::vec(any::<u64>(), 0..17)), 0..4),
+        ) {
+            let image = ShardImage {
+                rows: rows
+                    .iter()
+                    .map(|&(key, steps, seed)| {
+                        let values = (0..dim).map(|j| (seed ^ j) as f32 * 0.5).collect();
+                        let state = (0..dim * slots).map(|j| f32::from_bits(seed.wrapping_add(j) & 0x7f7f_ffff)).collect();
+                        (key, steps, values, state)
+                    })
+                    .collect(),
+                dedup,
+            };
+            let bytes = encode(&image, dim, slots);
+            prop_assert_eq!(decode(&bytes, dim, slots).unwrap(), image);
+            // Every truncation is an error, never a panic.
+            for cut in 0..bytes.len() {
+                prop_assert!(decode(&bytes[..cut], dim, slots).is_err());
+            }
+        }
+    }
+
+    use crate::config::{Initializer, OptimizerConfig, PsServerConfig, TableConfig};
+    use crate::store::PushId;
+    use tessera_proto::rows::put_f32s;
+    use tessera_proto::sharding::shard_for_key;
+
+    fn config() -> PsServerConfig {
+        PsServerConfig {
+            num_shards: 2,
+            shards: vec![0, 1],
+            tables: vec![
+                TableConfig {
+                    optimizer: OptimizerConfig::adam(0.01),
+                    ..TableConfig::new("adam", 3)
+                },
+                TableConfig {
+                    optimizer: OptimizerConfig::sgd(1.0),
+                    initializer: Initializer::Zeros,
+                    ..TableConfig::new("counter", 2)
+                },
+            ],
+            ..PsServerConfig::default()
+        }
+    }
+
+    fn keys(shard: u32, n: usize) -> Vec<u64> {
+        (0..)
+            .filter(|&k| shard_for_key(k, 2) == shard)
+            .take(n)
+            .collect()
+    }
+
+    fn wire(values: &[f32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_f32s(&mut out, values);
+        out
+    }
+
+    /// Every (table, shard) image of `store`, rows sorted by key.
+    fn images(store: &Store) -> Vec<(String, u32, ShardImage)> {
+        let mut out = Vec::new();
+        for table in tables_sorted(store) {
+            for &shard in store.hosted() {
+                let mut image = snapshot(table, shard).unwrap();
+                image.rows.sort_by_key(|r| r.0);
+                image.dedup.sort_by_key(|d| d.0);
+                out.push((table.config().name.clone(), shard, image));
+            }
+        }
+        out
+    }
+
+    fn trained_store() -> Store {
+        let store = Store::new(&config());
+        for step in 1..=5u64 {
+            for shard in 0..2 {
+                let k = keys(shard, 40);
+                let grads: Vec<f32> = (0..k.len() * 3).map(|i| (i as f32 - 50.0) / 7.0).collect();
+                let id = PushId {
+                    worker: 9 + u64::from(shard),
+                    sequence: step,
+                };
+                store.push("adam", shard, &k, &wire(&grads), id).unwrap();
+                store
+                    .push("counter", shard, &k, &wire(&vec![-1.0; k.len() * 2]), id)
+                    .unwrap();
+            }
+        }
+        store
+    }
+
+    #[test]
+    fn a_checkpoint_restores_values_state_and_dedup_bit_identically() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = trained_store();
+        let info = save(&store, dir.path(), 3).unwrap();
+        assert_eq!(info.rows, 2 * 2 * 40);
+        let restored = Store::new(&config());
+        restored.install(load_latest(&restored, dir.path()).unwrap().unwrap());
+        let bits = |images: Vec<(String, u32, ShardImage)>| {
+            images
+                .into_iter()
+                .map(|(t, s, image)| {
+                    let rows: Vec<_> = image
+                        .rows
+                        .into_iter()
+                        .map(|(k, steps, v, st)| {
+                            (
+                                k,
+                                steps,
+                                v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                                st.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            )
+                        })
+                        .collect();
+                    (t, s, rows, image.dedup)
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(images(&restored)), bits(images(&store)));
+        // The deduplication windows came back too: a retried Push of
+        // before the checkpoint is still recognised.
+        let k = keys(0, 40);
+        let again = restored
+            .push(
+                "counter",
+                0,
+                &k,
+                &wire(&vec![-1.0; 80]),
+                PushId {
+                    worker: 9,
+                    sequence: 5,
+                },
+            )
+            .unwrap();
+        assert!(again.duplicate);
+    }
+
+    #[test]
+    fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
+        let store = trained_store();
+        let check = |damage: &dyn Fn(&Path), expect: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let info = save(&store, dir.path(), 3).unwrap();
+            damage(&info.path);
+            let fresh = Store::new(&config());
+            let err = load_latest(&fresh, dir.path()).unwrap_err().to_string();
+            assert!(err.contains(expect), "expected {expect:?} in: {err}");
+        };
+        // A flipped byte in a row file.
+        check(
+            &|path| {
+                let file = path.join("t0-s1.rows");
+                let mut bytes = fs::read(&file).unwrap();
+                bytes[100] ^= 0x40;
+                fs::write(&file, bytes).unwrap();
+            },
+            "t0-s1.rows is corrupt: CRC-32",
+        );
+        // A truncated row file.
+        check(
+            &|path| {
+                let file = path.join("t1-s0.rows");
+                let bytes = fs::read(&file).unwrap();
+                fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+            },
+            "t1-s0.rows is corrupt",
+        );
+        // A lost file, a lost manifest (an interrupted save).
+        check(
+            &|path| fs::remove_file(path.join("t0-s0.rows")).unwrap(),
+            "incomplete: t0-s0.rows is missing",
+        );
+        check(
+            &|path| fs::remove_file(path.join(MANIFEST)).unwrap(),
+            "incomplete: no MANIFEST.json",
+        );
+        // A manifest that is not JSON.
+        check(
+            &|path| fs::write(path.join(MANIFEST), b"{ not json").unwrap(),
+            "MANIFEST.json is corrupt",
+        );
+        // A different shape in the configuration.
+        let dir = tempfile::tempdir().unwrap();
+        save(&store, dir.path(), 3).unwrap();
+        let mut other = config();
+        other.tables[0].dim = 4;
+        let err = load_latest(&Store::new(&other), dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("does not match") && err.contains("`adam`"),
+            "{err}"
+        );
+        other = config();
+        other.tables[1].optimizer = OptimizerConfig::adagrad(0.1);
+        assert!(load_latest(&Store::new(&other), dir.path()).is_err());
+    }
+
+    #[test]
+    fn no_checkpoint_is_not_an_error_and_old_ones_are_pruned() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(&config());
+        assert!(load_latest(&store, dir.path()).unwrap().is_none());
+        for _ in 0..5 {
+            save(&store, dir.path(), 2).unwrap();
+        }
+        let kept = fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("ckpt-")
+            })
+            .count();
+        assert_eq!(kept, 2);
+        assert!(load_latest(&store, dir.path()).unwrap().is_some());
+    }
+
+    /// Pushes that add 1 to *every* row of a shard, saved while they run:
+    /// each saved shard holds whole Pushes only, so its rows are all equal.
+    #[test]
+    fn a_checkpoint_under_concurrent_pushes_is_consistent_per_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(Store::new(&config()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut pushers = Vec::new();
+        for shard in 0..2u32 {
+            let (store, stop) = (store.clone(), stop.clone());
+            pushers.push(std::thread::spawn(move || {
+                let k = keys(shard, 500);
+                let grads = wire(&vec![-1.0; k.len() * 2]);
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    store
+                        .push("counter", shard, &k, &grads, PushId::default())
+                        .unwrap();
+                    n += 1;
+                }
+                n
+            }));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut checked = 0;
+        for _ in 0..5 {
+            let info = save(&store, dir.path(), 10).unwrap();
+            let fresh = Store::new(&config());
+            let loaded = load(&fresh, &info.path).unwrap();
+            for (table, shard, image) in &loaded.shards {
+                if table != "counter" || image.rows.is_empty() {
+                    continue;
+                }
+                let first = image.rows[0].2[0];
+                assert!(
+                    image.rows.iter().all(|r| r.2.iter().all(|&v| v == first)),
+                    "shard {shard} saved a Push half applied"
+                );
+                checked += 1;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let pushes: u64 = pushers.into_iter().map(|p| p.join().unwrap()).sum();
+        assert!(pushes > 0 && checked > 0);
+    }
+
+    #[test]
+    fn garbage_is_refused_without_panicking() {
+        assert!(decode(b"", 2, 0).is_err());
+        assert!(
+            decode(
+                b"TSCKROW1\x02\0\0\0\0\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff",
+                2,
+                0
+            )
+            .is_err()
+        );
+        let mut ok = encode(&ShardImage::default(), 2, 0);
+        assert!(decode(&ok, 3, 0).is_err(), "shape checked");
+        ok.push(0);
+        assert!(decode(&ok, 2, 0).is_err(), "trailing bytes");
+    }
+}

@@ -1,0 +1,152 @@
+//! Checkpoints through the server: the `Admin.Checkpoint` call saves, a
+//! server started on the same directory comes back with the same rows, a
+//! periodic checkpoint appears by itself, and a corrupt checkpoint stops
+//! the server from starting with an error that names the file.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tessera_proto::rows::put_f32s;
+use tessera_proto::v1::{
+    AdminClient, CheckpointRequest, FetchRequest, ParameterServerClient, PushRequest, StatsRequest,
+};
+use tessera_ps_server::config::{CheckpointConfig, OptimizerConfig};
+use tessera_ps_server::{PsError, PsServer, PsServerConfig, TableConfig};
+use tessera_rpc::{Channel, ChannelConfig};
+use tokio::sync::oneshot;
+
+fn config(dir: &Path, interval_secs: u64) -> PsServerConfig {
+    PsServerConfig {
+        listen: "127.0.0.1:0".into(),
+        tables: vec![TableConfig {
+            optimizer: OptimizerConfig::adagrad(0.1),
+            ..TableConfig::new("emb", 4)
+        }],
+        checkpoint: CheckpointConfig {
+            dir: Some(dir.to_owned()),
+            interval_secs,
+            ..CheckpointConfig::default()
+        },
+        ..PsServerConfig::default()
+    }
+}
+
+struct Running {
+    data: ParameterServerClient,
+    admin: AdminClient,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn start(config: &PsServerConfig) -> Result<Running, PsError> {
+    let server = PsServer::bind(config).await?;
+    let channel = Channel::lazy(
+        server.local_addr().to_string(),
+        ChannelConfig {
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 10_000,
+            ..ChannelConfig::default()
+        },
+    )
+    .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve(async {
+        let _ = stopped.await;
+    }));
+    Ok(Running {
+        data: ParameterServerClient::new(channel.clone()),
+        admin: AdminClient::new(channel),
+        stop,
+        task,
+    })
+}
+
+impl Running {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap();
+    }
+
+    async fn rows(&self, keys: &[u64]) -> Bytes {
+        self.data
+            .fetch(FetchRequest {
+                table: "emb".into(),
+                shard: 0,
+                keys: keys.to_vec(),
+            })
+            .await
+            .unwrap()
+            .values
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_checkpoint_survives_a_restart_and_corruption_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 0);
+    let server = start(&config).await.unwrap();
+    let keys: Vec<u64> = (0..100).collect();
+    let mut grads = Vec::new();
+    put_f32s(&mut grads, &vec![0.5; keys.len() * 4]);
+    for sequence in 1..=3 {
+        server
+            .data
+            .push(PushRequest {
+                table: "emb".into(),
+                shard: 0,
+                keys: keys.clone(),
+                gradients: Bytes::from(grads.clone()),
+                worker_id: 42,
+                sequence,
+            })
+            .await
+            .unwrap();
+    }
+    let before = server.rows(&keys).await;
+    let saved = server.admin.checkpoint(CheckpointRequest {}).await.unwrap();
+    assert_eq!(saved.rows, 100);
+    let stats = server.admin.stats(StatsRequest {}).await.unwrap();
+    assert_eq!(stats.shards.len(), 1);
+    assert_eq!((stats.shards[0].rows, stats.shards[0].pushes), (100, 3));
+    server.stop().await;
+
+    // A new server on the same directory starts with the same rows (and
+    // optimizer state: one more identical Push moves both alike).
+    let restarted = start(&config).await.unwrap();
+    assert_eq!(restarted.rows(&keys).await, before);
+    restarted.stop().await;
+
+    // Corrupt the newest checkpoint: the server refuses to start.
+    let file = Path::new(&saved.path).join("t0-s0.rows");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let err = start(&config)
+        .await
+        .err()
+        .expect("a corrupt checkpoint is refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("t0-s0.rows") && text.contains("corrupt"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_checkpoints_appear_while_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&config(dir.path(), 1)).await.unwrap();
+    server.rows(&[1, 2, 3]).await;
+    let started = Instant::now();
+    while !dir.path().join("LATEST").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no periodic checkpoint"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.stop().await;
+}
