@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tessera_ps_server::PsServerConfig;
+use tessera_ps_server::config::PeerConfig;
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
 use tokio::process::{Child, Command};
 
@@ -179,7 +180,9 @@ impl Cluster {
         config: &ClusterConfig,
         binary: &Path,
     ) -> Result<(), LaunchError> {
-        let mut endpoints = Vec::new();
+        // Every server's address first: each one's configuration lists the
+        // others as its replication peers.
+        let mut layout = Vec::new();
         for group in 0..config.replica_groups {
             for shard in 0..config.num_shards {
                 let index = group * config.num_shards + shard;
@@ -192,7 +195,21 @@ impl Cluster {
                     // Validation guarantees base_port + index <= 65535.
                     config.base_port + index as u16
                 };
-                let address = format!("{}:{port}", config.host);
+                layout.push((group, shard, format!("{}:{port}", config.host)));
+            }
+        }
+        let mut endpoints = Vec::new();
+        for (group, shard, address) in layout.clone() {
+            {
+                let peers = layout
+                    .iter()
+                    .filter(|(_, _, other)| *other != address)
+                    .map(|(g, s, a)| PeerConfig {
+                        address: a.clone(),
+                        replica_group: *g,
+                        shards: vec![*s],
+                    })
+                    .collect();
                 let server_config = PsServerConfig {
                     listen: address.clone(),
                     transport: config.transport,
@@ -202,6 +219,8 @@ impl Cluster {
                     num_shards: config.num_shards,
                     shards: vec![shard],
                     replica_group: group,
+                    replica_groups: config.replica_groups,
+                    peers,
                     tables: config.tables.clone(),
                     ..PsServerConfig::default()
                 };

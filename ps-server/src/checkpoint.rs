@@ -150,7 +150,15 @@ pub struct LoadedCheckpoint {
 /// Copies one (table, shard) under its cut lock.
 fn snapshot(table: &Table, shard: u32) -> Option<ShardImage> {
     let state = table.shard(shard)?;
-    let _cut = state.cut.write().unwrap_or_else(|p| p.into_inner());
+    let _cut = state.lock_writes();
+    Some(snapshot_locked(table, shard))
+}
+
+/// Copies one (table, shard) whose write lock the caller holds.
+pub(crate) fn snapshot_locked(table: &Table, shard: u32) -> ShardImage {
+    let Some(state) = table.shard(shard) else {
+        return ShardImage::default();
+    };
     let mut image = ShardImage::default();
     state.rows.for_each_consistent(|key, row: &Row| {
         image
@@ -158,10 +166,10 @@ fn snapshot(table: &Table, shard: u32) -> Option<ShardImage> {
             .push((key, row.steps, row.values.to_vec(), row.state.to_vec()));
     });
     image.dedup = state.dedup.snapshot();
-    Some(image)
+    image
 }
 
-fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
+pub(crate) fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
     let row_floats = dim as usize * (1 + slots as usize);
     let mut out = Vec::with_capacity(32 + image.rows.len() * (12 + row_floats * 4));
     out.extend_from_slice(MAGIC);

@@ -149,6 +149,20 @@ pub struct PsServerConfig {
     pub rdma: RdmaConfig,
     /// Replica group (failure domain) of this server. Default 0.
     pub replica_group: u32,
+    /// Replica groups of the model. Default 1. The primary of shard `s` —
+    /// the server that takes its Pushes and forwards them to the other
+    /// groups — is the one in group `s % replica_groups`, so primaries are
+    /// spread over the groups.
+    pub replica_groups: u32,
+    /// The other servers of the model (`[[peers]]`: `address`,
+    /// `replica_group`, `shards`): the replicas a primary forwards to, and
+    /// the primary a replica copies a shard from. Default none.
+    pub peers: Vec<PeerConfig>,
+    /// This server's address as its peers know it (their `peers` entry).
+    /// Default: `listen`.
+    pub advertise: Option<String>,
+    /// Forwarding of Pushes to replicas (`[replication]`).
+    pub replication: ReplicationConfig,
     /// How long in-flight requests may finish on shutdown, in milliseconds.
     /// Default 5000 ms.
     pub shutdown_grace_ms: u64,
@@ -175,6 +189,41 @@ pub struct PsServerConfig {
     pub dedup_idle_secs: u64,
     /// Checkpoints (`[checkpoint]`).
     pub checkpoint: CheckpointConfig,
+}
+
+/// Another server of the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Its address (`host:port`).
+    pub address: String,
+    /// Its replica group.
+    pub replica_group: u32,
+    /// The shards it hosts.
+    pub shards: Vec<u32>,
+}
+
+/// How a primary forwards Pushes to its replicas.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicationConfig {
+    /// Pushes queued for one replica at most (the bound on its lag). A
+    /// replica that falls further behind is cut off and copies its shards
+    /// again. Default 10,000: seconds of a busy trainer fleet's Pushes,
+    /// a few tens of MiB of queue.
+    pub max_lag_pushes: usize,
+    /// Pushes per forwarding call. Default 64: amortises the round trip
+    /// without making one call large.
+    pub batch_pushes: usize,
+}
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        Self {
+            max_lag_pushes: 10_000,
+            batch_pushes: 64,
+        }
+    }
 }
 
 /// Where and when a server saves its shards, and whether it restores them.
@@ -219,6 +268,10 @@ impl Default for PsServerConfig {
             shards: vec![0],
             rdma: RdmaConfig::default(),
             replica_group: 0,
+            replica_groups: 1,
+            peers: Vec::new(),
+            advertise: None,
+            replication: ReplicationConfig::default(),
             shutdown_grace_ms: 5000,
             tables: vec![TableConfig::new("embeddings", 16)],
             grpc_listen: None,
@@ -236,6 +289,21 @@ impl Default for PsServerConfig {
 pub const MAX_DIM: u32 = 65_536;
 
 impl PsServerConfig {
+    /// The replica group holding the primary of `shard`.
+    pub fn primary_group(&self, shard: u32) -> u32 {
+        shard % self.replica_groups.max(1)
+    }
+
+    /// Whether this server is the primary of `shard`.
+    pub fn is_primary(&self, shard: u32) -> bool {
+        self.primary_group(shard) == self.replica_group
+    }
+
+    /// This server's address as its peers know it.
+    pub fn advertised(&self) -> &str {
+        self.advertise.as_deref().unwrap_or(&self.listen)
+    }
+
     /// Reads and validates a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         tessera_config::load(path)
@@ -301,6 +369,57 @@ impl Validate for PsServerConfig {
         if self.max_keys_per_request == 0 {
             return Err(invalid("max_keys_per_request", "must be at least 1"));
         }
+        if self.replica_groups == 0 {
+            return Err(invalid("replica_groups", "must be at least 1"));
+        }
+        if self.replica_group >= self.replica_groups {
+            return Err(invalid(
+                "replica_group",
+                format!(
+                    "{} is not below replica_groups = {}",
+                    self.replica_group, self.replica_groups
+                ),
+            ));
+        }
+        for (i, peer) in self.peers.iter().enumerate() {
+            if peer.replica_group >= self.replica_groups {
+                return Err(invalid(
+                    format!("peers[{i}].replica_group"),
+                    format!(
+                        "{} is not below replica_groups = {}",
+                        peer.replica_group, self.replica_groups
+                    ),
+                ));
+            }
+            if let Some(j) = peer.shards.iter().position(|&s| s >= self.num_shards) {
+                return Err(invalid(
+                    format!("peers[{i}].shards[{j}]"),
+                    format!("shard {} does not exist", peer.shards[j]),
+                ));
+            }
+        }
+        for (i, &shard) in self.shards.iter().enumerate() {
+            let primary = shard % self.replica_groups;
+            if primary != self.replica_group
+                && !self
+                    .peers
+                    .iter()
+                    .any(|p| p.replica_group == primary && p.shards.contains(&shard))
+            {
+                return Err(invalid(
+                    format!("shards[{i}]"),
+                    format!(
+                        "shard {shard}'s primary is in replica group {primary}, and no peer of that group hosts it"
+                    ),
+                ));
+            }
+        }
+        if self.replication.max_lag_pushes == 0 || self.replication.batch_pushes == 0 {
+            return Err(invalid(
+                "replication",
+                "max_lag_pushes and batch_pushes must be at least 1",
+            ));
+        }
         if self.dedup_max_workers == 0 {
             return Err(invalid("dedup_max_workers", "must be at least 1"));
         }
@@ -343,6 +462,11 @@ mod tests {
             num_shards = 4
             shards = [1, 3]
             replica_group = 1
+            replica_groups = 2
+            [[peers]]
+            address = "10.0.0.2:7070"
+            replica_group = 0
+            shards = [0, 2]
             [[tables]]
             name = "user"
             dim = 8

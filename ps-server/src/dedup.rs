@@ -159,6 +159,14 @@ impl PushDedup {
         Admission::Apply
     }
 
+    /// Forgets every worker.
+    pub fn clear(&self) {
+        self.workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
     /// Workers remembered now.
     pub fn workers(&self) -> usize {
         self.workers.lock().unwrap_or_else(|p| p.into_inner()).len()

@@ -7,6 +7,7 @@ mod admin;
 pub mod checkpoint;
 pub mod config;
 pub mod dedup;
+pub mod replication;
 mod service;
 pub mod store;
 pub mod table;
@@ -17,11 +18,14 @@ use std::sync::Arc;
 
 use tessera_proto::v1::admin_server::AdminServer as AdminGrpcServer;
 use tessera_proto::v1::parameter_server_server::ParameterServerServer as GrpcServer;
-use tessera_proto::v1::{AdminGrpc, AdminServer, ParameterServerGrpc, ParameterServerServer};
+use tessera_proto::v1::{
+    AdminGrpc, AdminServer, ParameterServerGrpc, ParameterServerServer, ReplicationServer,
+};
 use tessera_rpc::{Server, ServerError, Transport, Validate};
 
 pub use admin::{AdminService, Checkpointer};
 pub use checkpoint::CheckpointError;
+pub use replication::{Replication, ReplicationService};
 
 pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
 pub use service::PsService;
@@ -36,6 +40,7 @@ pub struct PsServer {
     grpc: Option<GrpcEndpoint>,
     /// Checkpoints, with their period (zero: on demand only).
     checkpoints: Option<(Arc<Checkpointer>, std::time::Duration)>,
+    replication: Arc<Replication>,
 }
 
 struct GrpcEndpoint {
@@ -79,13 +84,19 @@ impl PsServer {
                 None => tracing::info!(dir = %dir.display(), "no checkpoint to restore"),
             }
         }
-        let service = PsService::new(Arc::clone(&store), config.replica_group);
-        let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let server_config = config.server_config();
         // Built here rather than by the server so that the gRPC endpoint
-        // builds its responses in the same send pool.
+        // builds its responses in the same send pool, and replication
+        // reaches the peers over it.
         let transport = Transport::new(server_config.transport.clone())
             .map_err(|err| PsError::Transport(err.to_string()))?;
+        let replication = Arc::new(Replication::new(Arc::clone(&store), config, &transport));
+        let service = PsService::new(
+            Arc::clone(&store),
+            config.replica_group,
+            Arc::clone(&replication),
+        );
+        let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let grpc = match &config.grpc_listen {
             None => None,
             Some(addr) => {
@@ -113,6 +124,9 @@ impl PsServer {
             .transport(transport)
             .add_service(ParameterServerServer::new(service))?
             .add_service(AdminServer::new(admin))?
+            .add_service(ReplicationServer::new(ReplicationService::new(Arc::clone(
+                &replication,
+            ))))?
             .bind(&config.listen)
             .await?;
         tracing::info!(
@@ -127,6 +141,7 @@ impl PsServer {
             server,
             store,
             grpc,
+            replication,
             checkpoints: checkpoints.map(|c| {
                 (
                     c,
@@ -153,9 +168,20 @@ impl PsServer {
         &self.store
     }
 
+    /// Its replication state (primary streams, replica shards).
+    pub fn replication(&self) -> &Arc<Replication> {
+        &self.replication
+    }
+
     /// Serves until `shutdown` completes, then shuts down gracefully (the
     /// gRPC endpoint too).
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
+        let _replication: Vec<AbortOnDrop> = self
+            .replication
+            .start()
+            .into_iter()
+            .map(AbortOnDrop)
+            .collect();
         let _periodic = self.checkpoints.as_ref().and_then(|(checkpoints, every)| {
             (!every.is_zero()).then(|| {
                 AbortOnDrop(tokio::spawn(periodic_checkpoints(

@@ -9,6 +9,7 @@ use tessera_proto::v1::{
 use tessera_rpc::{RequestContext, Status};
 
 use crate::config::Mode;
+use crate::replication::Replication;
 use crate::store::{PushId, Store, StoreError};
 
 impl From<StoreError> for Status {
@@ -28,19 +29,23 @@ impl From<StoreError> for Status {
     }
 }
 
-/// Serves Fetch, Push and Health from a shared [`Store`].
+/// Serves Fetch, Push and Health from a shared [`Store`]; Pushes are
+/// taken for the shards this server is primary of and forwarded to their
+/// replicas.
 #[derive(Debug, Clone)]
 pub struct PsService {
     store: Arc<Store>,
     replica_group: u32,
+    replication: Arc<Replication>,
 }
 
 impl PsService {
     /// A service over `store`, reporting `replica_group` in Health.
-    pub fn new(store: Arc<Store>, replica_group: u32) -> Self {
+    pub fn new(store: Arc<Store>, replica_group: u32, replication: Arc<Replication>) -> Self {
         Self {
             store,
             replica_group,
+            replication,
         }
     }
 }
@@ -51,6 +56,12 @@ impl v1::ParameterServer for PsService {
         context: RequestContext,
         request: FetchRequest,
     ) -> Result<FetchResponse, Status> {
+        if !self.replication.readable(request.shard) {
+            return Err(Status::unavailable(format!(
+                "shard {} is being copied from its primary",
+                request.shard
+            )));
+        }
         // The rows are written straight into a send-pool buffer, which then
         // goes out as its own part of the response: no copy after this one.
         let len = request.keys.len() * self.store.row_bytes(&request.table)?;
@@ -72,7 +83,15 @@ impl v1::ParameterServer for PsService {
         _context: RequestContext,
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
-        let outcome = self.store.push(
+        if self.store.hosted().contains(&request.shard)
+            && !self.replication.is_primary(request.shard)
+        {
+            return Err(Status::failed_precondition(format!(
+                "this server replicates shard {}; push to its primary",
+                request.shard
+            )));
+        }
+        let outcome = self.store.push_then(
             &request.table,
             request.shard,
             &request.keys,
@@ -81,6 +100,7 @@ impl v1::ParameterServer for PsService {
                 worker: request.worker_id,
                 sequence: request.sequence,
             },
+            || self.replication.forward(request.shard, &request),
         )?;
         Ok(PushResponse {
             applied: u32::try_from(outcome.applied).unwrap_or(u32::MAX),
@@ -103,8 +123,15 @@ impl v1::ParameterServer for PsService {
             })
             .collect();
         tables.sort_by(|a, b| a.name.cmp(&b.name));
+        let caught_up = self.replication.caught_up();
         Ok(HealthResponse {
-            serving: true,
+            serving: caught_up,
+            state: if caught_up {
+                v1::ServerState::Serving
+            } else {
+                v1::ServerState::CatchingUp
+            } as i32,
+            primary_shards: self.replication.primary_shards(),
             num_shards: self.store.num_shards(),
             shards: self.store.hosted().to_vec(),
             replica_group: self.replica_group,

@@ -296,6 +296,21 @@ impl Store {
         gradients: &[u8],
         id: PushId,
     ) -> Result<PushOutcome, StoreError> {
+        self.push_then(table, shard, keys, gradients, id, || {})
+    }
+
+    /// [`Store::push`], running `applied` after the rows changed and
+    /// before the next Push to the same (table, shard) may (a primary
+    /// queues the Push for its replicas there, in application order).
+    pub fn push_then(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+        gradients: &[u8],
+        id: PushId,
+        applied: impl FnOnce(),
+    ) -> Result<PushOutcome, StoreError> {
         if self.mode == Mode::Inference {
             return Err(StoreError::InferenceMode);
         }
@@ -323,6 +338,7 @@ impl Store {
             id.worker,
             id.sequence,
             Instant::now(),
+            applied,
         ) {
             Admission::Apply => {
                 metrics::counter!("tessera_ps_push_keys_total").increment(keys.len() as u64);

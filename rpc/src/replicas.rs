@@ -19,7 +19,7 @@ use crate::policy::{
     AttemptFailure, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
     RetryBudgetConfig, RetryDecision, RetryPolicy, RetryPolicyConfig,
 };
-use crate::{CallOptions, Channel, ChannelConfig, MethodDescriptor, RpcError};
+use crate::{CallOptions, Channel, ChannelConfig, Code, MethodDescriptor, RpcError};
 use tessera_config::{ConfigError, Validate, invalid};
 
 /// One replica of the set.
@@ -352,6 +352,9 @@ impl ReplicaSet {
                     | RpcError::Send { .. }
                     | RpcError::ConnectionLost { .. },
                 ) => state.selector.connection_failed(i, now),
+                Err(RpcError::Status(status)) if status.code() == Code::Unavailable => {
+                    state.selector.connection_failed(i, now)
+                }
                 _ => state.selector.finish(i, now - attempt_started),
             }
             let failure = match &result {
@@ -359,7 +362,9 @@ impl ReplicaSet {
                     state.budget.on_success(now);
                     return result;
                 }
-                // Never sent: safe to retry whatever the method.
+                // Never sent, or refused unprocessed (`Unavailable`: the
+                // server is starting, stopping or catching up): safe to
+                // retry whatever the method.
                 Err(
                     RpcError::Connect { .. }
                     | RpcError::ConnectTimeout { .. }
@@ -382,6 +387,9 @@ impl ReplicaSet {
                         RpcError::DeadlineExceeded(_) => AttemptFailure::TimedOut,
                         _ => AttemptFailure::Lost,
                     }
+                }
+                Err(RpcError::Status(status)) if status.code() == Code::Unavailable => {
+                    AttemptFailure::Connect
                 }
                 Err(_) => AttemptFailure::Status,
             };

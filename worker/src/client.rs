@@ -68,6 +68,10 @@ pub enum WorkerError {
         /// The RPC error.
         source: RpcError,
     },
+    /// No configured server is the shard's primary (validation rules this
+    /// out for a configuration that loaded).
+    #[error("no server of shard {0}'s primary replica group is configured")]
+    NoPrimary(u32),
     /// The shards' answers do not fit together.
     #[error(transparent)]
     Merge(#[from] MergeError),
@@ -97,10 +101,11 @@ pub enum WorkerError {
 /// through a [`ReplicaSet`] of the servers hosting it: replica selection
 /// (own replica group first, then power-of-two-choices), retries within
 /// the call's deadline, quarantine, and the RDMA-to-TCP fallback. Push:
-/// gradients of repeated keys are summed, split by shard, and sent to
-/// *every* replica of each shard, so replica groups stay in step (until
-/// primary/replica forwarding replaces this). Every Push carries this
-/// client's random worker id and a sequence number, the same in all its
+/// gradients of repeated keys are summed, split by shard, and sent to each
+/// shard's *primary* (the server of replica group `shard % groups`, where
+/// `groups` is one more than the highest group configured), which forwards
+/// them to the shard's other replicas. Every Push carries this client's
+/// random worker id and a sequence number, the same in all its
 /// sub-requests; servers apply each (worker, sequence) once, so a
 /// sub-request whose answer was lost is retried on the same server
 /// (`CallOptions::deduplicated`) and still applied exactly once.
@@ -109,9 +114,9 @@ pub struct PsClient {
     num_shards: u32,
     /// `fetchers[shard]`: the shard's replica set.
     fetchers: Vec<ParameterServerClient>,
-    /// `replicas[shard]`: for each server hosting that shard, a client
-    /// that retries on that server only (Pushes go to every replica).
-    replicas: Vec<Vec<(String, ParameterServerClient)>>,
+    /// `primaries[shard]`: the shard's primary, with a client that retries
+    /// on that server only.
+    primaries: Vec<Option<(String, ParameterServerClient)>>,
     /// This client's id in Push deduplication (random, never 0).
     worker_id: u64,
     /// The last Push sequence number used.
@@ -132,7 +137,13 @@ impl PsClient {
             .map_err(|err| WorkerError::Transport(err.to_string()))?;
         let mut channels: HashMap<&str, Channel> = HashMap::new();
         let mut servers = Vec::new();
-        let mut replicas = vec![Vec::new(); config.num_shards as usize];
+        let groups = config
+            .servers
+            .iter()
+            .map(|s| s.replica_group + 1)
+            .max()
+            .unwrap_or(1);
+        let mut primaries = vec![None; config.num_shards as usize];
         let mut endpoints = vec![Vec::new(); config.num_shards as usize];
         for server in &config.servers {
             let channel = channels
@@ -160,7 +171,9 @@ impl PsClient {
                 transport.clone(),
             ));
             for &shard in &server.shards {
-                replicas[shard as usize].push((server.address.clone(), pusher.clone()));
+                if shard % groups == server.replica_group {
+                    primaries[shard as usize] = Some((server.address.clone(), pusher.clone()));
+                }
                 endpoints[shard as usize].push((endpoint.clone(), channel.clone()));
             }
         }
@@ -178,7 +191,7 @@ impl PsClient {
         Ok(Self {
             num_shards: config.num_shards,
             fetchers,
-            replicas,
+            primaries,
             worker_id: rand::random::<u64>().max(1),
             sequence: AtomicU64::new(0),
             servers,
@@ -263,7 +276,10 @@ impl PsClient {
             buf.set_len(len);
             write_f32s(&mut buf, sums);
             let wire = buf.freeze();
-            for (addr, client) in &self.replicas[group.shard as usize] {
+            let Some((addr, client)) = self.primaries[group.shard as usize].as_ref() else {
+                return Err(WorkerError::NoPrimary(group.shard));
+            };
+            {
                 let request = PushRequest {
                     table: table.to_owned(),
                     shard: group.shard,

@@ -182,6 +182,27 @@ impl Validate for WorkerConfig {
                 format!("no server hosts shard {missing}"),
             ));
         }
+        let groups = self
+            .servers
+            .iter()
+            .map(|s| s.replica_group + 1)
+            .max()
+            .unwrap_or(1);
+        for shard in 0..self.num_shards {
+            let primary = shard % groups;
+            if !self
+                .servers
+                .iter()
+                .any(|s| s.replica_group == primary && s.shards.contains(&shard))
+            {
+                return Err(invalid(
+                    "servers",
+                    format!(
+                        "shard {shard}'s primary is in replica group {primary} (shard % {groups} groups), and no server of that group hosts it"
+                    ),
+                ));
+            }
+        }
         let w = &self.workload;
         if !(w.duration_secs.is_finite() && w.duration_secs > 0.0) {
             return Err(invalid(

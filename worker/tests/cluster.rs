@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tessera_proto::rows::get_f32s;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
-use tessera_ps_server::config::{Initializer, OptimizerConfig};
+use tessera_ps_server::config::{Initializer, OptimizerConfig, PeerConfig};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
 use tessera_worker::workload::{self, WorkloadKind};
@@ -35,13 +35,35 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
     let mut servers = Vec::new();
     let mut stops = Vec::new();
     let mut tasks = Vec::new();
-    for group in 0..2 {
-        for shard in 0..2 {
+    // Addresses first: each server lists the others as its peers.
+    let mut layout = Vec::new();
+    for group in 0..2u32 {
+        for shard in 0..2u32 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            layout.push((group, shard, format!("127.0.0.1:{port}")));
+        }
+    }
+    for (group, shard, address) in layout.clone() {
+        {
             let config = PsServerConfig {
-                listen: "127.0.0.1:0".into(),
+                listen: address.clone(),
                 num_shards: 2,
                 shards: vec![shard],
                 replica_group: group,
+                replica_groups: 2,
+                peers: layout
+                    .iter()
+                    .filter(|(_, _, a)| *a != address)
+                    .map(|(g, s, a)| PeerConfig {
+                        address: a.clone(),
+                        replica_group: *g,
+                        shards: vec![*s],
+                    })
+                    .collect(),
                 transport,
                 rdma: soft_rdma(),
                 tables: vec![TableConfig {
@@ -150,16 +172,27 @@ async fn push_sums_duplicates_and_reaches_every_replica() {
     gradients[8..16].fill(2.0);
     gradients[16..].fill(3.0);
     client.push("emb", &keys, &gradients, 8).await.unwrap();
+    // The primary has it at once; the other group once forwarding drains.
     for (position, key, total) in [(0usize, 5u64, 4.0f32), (1, 6, 2.0)] {
         let shard = shard_for_key(key, 2) as usize;
+        let expected: Vec<f32> = before
+            .row(position)
+            .iter()
+            .map(|w| w - 0.5 * total)
+            .collect();
         for group in 0..2 {
-            let row = cluster.direct(group * 2 + shard, key).await;
-            let expected: Vec<f32> = before
-                .row(position)
-                .iter()
-                .map(|w| w - 0.5 * total)
-                .collect();
-            assert_eq!(row, expected, "key {key} on replica group {group}");
+            let started = std::time::Instant::now();
+            loop {
+                let row = cluster.direct(group * 2 + shard, key).await;
+                if row == expected {
+                    break;
+                }
+                assert!(
+                    started.elapsed() < std::time::Duration::from_secs(10),
+                    "key {key} on replica group {group}: {row:?}, expected {expected:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
         }
     }
     let err = client
@@ -217,9 +250,14 @@ async fn fetch_push_and_workloads_over_rdma_soft() {
     assert_eq!((before.len(), before.dim()), (keys.len(), 8));
     assert_eq!(before.row(0), before.row(2));
     client.push("emb", &keys[..1], &[1.0; 8], 8).await.unwrap();
-    let after = client.fetch("emb", &keys[..1]).await.unwrap();
+    // A Fetch may be served by the replica, which sees the Push once
+    // forwarding has delivered it.
     let expected: Vec<f32> = before.row(0).iter().map(|w| w - 0.5).collect();
-    assert_eq!(after.row(0), &expected[..]);
+    let started = std::time::Instant::now();
+    while client.fetch("emb", &keys[..1]).await.unwrap().row(0) != &expected[..] {
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     for kind in [WorkloadKind::Ranker, WorkloadKind::Trainer] {
         let report = workload::run(kind, Arc::clone(&client), &cluster.config.workload).await;
         assert!(report.iterations > 0, "{report:?}");

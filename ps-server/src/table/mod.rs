@@ -7,8 +7,8 @@ mod optimizer;
 mod rows;
 
 use std::collections::HashMap;
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use init::{Initializer, row_base};
@@ -25,9 +25,12 @@ pub struct ShardState {
     pub rows: ShardRows,
     /// Which Pushes were applied.
     pub dedup: PushDedup,
-    /// Held shared by every Push while it applies, exclusively by a
-    /// checkpoint while it copies the shard: the copy sees whole Pushes.
-    pub cut: RwLock<()>,
+    /// Held by a Push while it applies (and, on a primary, takes its place
+    /// in the replication stream), and by a checkpoint or a replica's sync
+    /// while it copies the shard: Pushes to one (table, shard) apply one at
+    /// a time, in the order replicas replay them, and a copy sees whole
+    /// Pushes only.
+    writer: Mutex<()>,
     /// Fetch requests served.
     pub fetches: AtomicU64,
     /// Pushes applied (duplicates not counted).
@@ -35,11 +38,16 @@ pub struct ShardState {
 }
 
 impl ShardState {
+    /// Holds Pushes of this (table, shard) back until dropped.
+    pub fn lock_writes(&self) -> MutexGuard<'_, ()> {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn new(config: &TableConfig, dedup: DedupLimits) -> Self {
         Self {
             rows: ShardRows::new(config.max_rows, config.eviction),
             dedup: PushDedup::new(dedup),
-            cut: RwLock::new(()),
+            writer: Mutex::new(()),
             fetches: AtomicU64::new(0),
             pushes: AtomicU64::new(0),
         }
@@ -163,7 +171,9 @@ impl Table {
 
     /// Applies `gradients` (already validated, `keys.len() * dim`) to the
     /// rows of `keys` on `shard`, unless (`worker`, `sequence`) was applied
-    /// before. Returns the admission decision.
+    /// before; then runs `applied` (still holding the shard's write lock).
+    /// Returns the admission decision.
+    #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
         state: &ShardState,
@@ -172,8 +182,9 @@ impl Table {
         worker: u64,
         sequence: u64,
         now: Instant,
+        applied: impl FnOnce(),
     ) -> Admission {
-        let _applying = state.cut.read().unwrap_or_else(|p| p.into_inner());
+        let _applying = state.lock_writes();
         let admission = state.dedup.admit(worker, sequence, now);
         if admission != Admission::Apply {
             return admission;
@@ -196,11 +207,14 @@ impl Table {
                 },
             );
         }
+        applied();
         admission
     }
 
     /// Replaces the rows and deduplication windows of `shard` with a
     /// checkpoint's image (rows beyond `max_rows` are evicted as usual).
+    /// Existing rows stay unless the image has them; see
+    /// [`Table::replace`] to drop them first.
     pub fn install(&self, shard: u32, image: crate::checkpoint::ShardImage, now: Instant) {
         let Some(state) = self.shards.get(&shard) else {
             return;
@@ -211,5 +225,15 @@ impl Table {
             state.rows.insert(key, row);
         }
         state.dedup.restore(&image.dedup, now);
+    }
+
+    /// Makes `shard` hold exactly `image` (a replica copying its primary).
+    pub fn replace(&self, shard: u32, image: crate::checkpoint::ShardImage, now: Instant) {
+        if let Some(state) = self.shards.get(&shard) {
+            let _writes = state.lock_writes();
+            state.rows.clear();
+            state.dedup.clear();
+        }
+        self.install(shard, image, now);
     }
 }

@@ -191,6 +191,13 @@ impl ShardRows {
         }
     }
 
+    /// Drops every row.
+    pub fn clear(&self) {
+        for i in 0..self.stripes.len() {
+            self.write_stripe(i).clear();
+        }
+    }
+
     /// Rows held.
     pub fn len(&self) -> usize {
         (0..self.stripes.len())
