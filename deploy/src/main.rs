@@ -195,11 +195,14 @@ async fn demo(
     let w = tessera_worker::WorkloadConfig::default();
     println!();
     println!(
-        "Tessera demo: {} shards x {} replica groups, {} keys/request (uniform over {}), {} outstanding requests, {} s per workload",
+        "Tessera demo: {} shards x {} replica groups; ranker: {} models per request, responses {}-{} KiB; trainer: messages mean {} KiB, p99 {} KiB; {} outstanding, {} s per workload",
         config.num_shards,
         config.replica_groups,
-        w.batch_keys,
-        w.key_space,
+        w.models,
+        w.response_bytes_min / 1024,
+        w.response_bytes_max / 1024,
+        w.message_bytes_mean / 1024,
+        w.message_bytes_p99 / 1024,
         w.concurrency,
         duration_secs
     );

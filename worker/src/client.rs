@@ -51,6 +51,28 @@ impl Rows {
     }
 }
 
+/// One table's part of a batched Fetch ([`PsClient::fetch_many`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FetchSpec<'a> {
+    /// The table.
+    pub table: &'a str,
+    /// Its keys, in the order the rows are wanted.
+    pub keys: &'a [u64],
+}
+
+/// One table's part of a batched Push ([`PsClient::push_many`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PushSpec<'a> {
+    /// The table.
+    pub table: &'a str,
+    /// Keys whose rows the gradients update (repeats are summed).
+    pub keys: &'a [u64],
+    /// `keys.len() * dim` values, row i for `keys[i]`.
+    pub gradients: &'a [f32],
+    /// The table's dimension.
+    pub dim: usize,
+}
+
 /// Why a worker call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -245,6 +267,23 @@ impl PsClient {
         Ok(Rows { dim, values })
     }
 
+    /// The rows of several tables at once: every table's per-shard
+    /// sub-requests run concurrently; answers in the order of `specs`.
+    pub async fn fetch_many(&self, specs: &[FetchSpec<'_>]) -> Result<Vec<Rows>, WorkerError> {
+        try_join_all(specs.iter().map(|spec| self.fetch(spec.table, spec.keys))).await
+    }
+
+    /// Gradients for several tables as one Push: all sub-requests share
+    /// one sequence number and run concurrently.
+    pub async fn push_many(&self, specs: &[PushSpec<'_>]) -> Result<(), WorkerError> {
+        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        try_join_all(specs.iter().map(|spec| {
+            self.push_sequenced(spec.table, spec.keys, spec.gradients, spec.dim, sequence)
+        }))
+        .await?;
+        Ok(())
+    }
+
     /// Applies `gradients` (`keys.len() * dim` values, row i for `keys[i]`)
     /// to `table`. Gradients of repeated keys are summed first.
     pub async fn push(
@@ -254,6 +293,19 @@ impl PsClient {
         gradients: &[f32],
         dim: usize,
     ) -> Result<(), WorkerError> {
+        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        self.push_sequenced(table, keys, gradients, dim, sequence)
+            .await
+    }
+
+    async fn push_sequenced(
+        &self,
+        table: &str,
+        keys: &[u64],
+        gradients: &[f32],
+        dim: usize,
+        sequence: u64,
+    ) -> Result<(), WorkerError> {
         let plan = PushPlan::new(keys, gradients, dim, self.num_shards).ok_or(
             WorkerError::GradientLength {
                 keys: keys.len(),
@@ -261,7 +313,6 @@ impl PsClient {
                 gradients: gradients.len(),
             },
         )?;
-        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
         let options = CallOptions::default().deduplicated();
         let mut calls = Vec::new();
         for (group, sums) in &plan.groups {

@@ -32,16 +32,35 @@ pub struct WorkloadConfig {
     pub table: String,
     /// How long to run, in seconds. Default 10.
     pub duration_secs: f64,
-    /// Keys per request (before deduplication). Default 512: a typical
-    /// ranker request touches hundreds of features.
-    pub batch_keys: usize,
-    /// Requests kept outstanding at once. Default 8: enough to keep every
-    /// shard busy on a small cluster without measuring only queueing.
+    /// User requests (ranker) or training steps (trainer) kept outstanding
+    /// at once. Default 8: enough to keep every shard busy on a small
+    /// cluster without measuring only queueing.
     pub concurrency: usize,
-    /// Keys are drawn uniformly from `0..key_space`. Default 1,000,000.
+    /// Each model's keys are drawn uniformly from `0..key_space`. Default
+    /// 1,000,000.
     pub key_space: u64,
-    /// Seed of the key generator, for repeatable runs. Default 1.
+    /// Seed of the key and size draws, for repeatable runs. Default 1.
     pub seed: u64,
+    /// Ranker: models one user request needs (k); each is one Fetch of its
+    /// own features, all k concurrent, each split over the shards. Default
+    /// 4 (the paper's inference requests touch several models).
+    pub models: usize,
+    /// Ranker: smallest response of one model's Fetch, in bytes. Default
+    /// 1 KiB.
+    pub response_bytes_min: usize,
+    /// Ranker: largest response of one model's Fetch, in bytes; sizes are
+    /// log-uniform between the two, so KiB and MiB responses both occur.
+    /// Default 1 MiB.
+    pub response_bytes_max: usize,
+    /// Trainer: mean size of a step's Fetch (and Push), in bytes. Default
+    /// 20 KiB, with `message_bytes_p99` the paper's training message sizes.
+    pub message_bytes_mean: usize,
+    /// Trainer: 99th percentile of the message size; sizes are log-normal
+    /// with this mean and p99. Default 50 KiB.
+    pub message_bytes_p99: usize,
+    /// Trainer: extra compute time per step, in microseconds, slept after
+    /// computing the gradient (a real but small computation). Default 0.
+    pub compute_us: u64,
 }
 
 impl Default for WorkloadConfig {
@@ -49,10 +68,15 @@ impl Default for WorkloadConfig {
         Self {
             table: "embeddings".into(),
             duration_secs: 10.0,
-            batch_keys: 512,
             concurrency: 8,
             key_space: 1_000_000,
             seed: 1,
+            models: 4,
+            response_bytes_min: 1024,
+            response_bytes_max: 1 << 20,
+            message_bytes_mean: 20 * 1024,
+            message_bytes_p99: 50 * 1024,
+            compute_us: 0,
         }
     }
 }
@@ -210,8 +234,20 @@ impl Validate for WorkerConfig {
                 "must be a positive number",
             ));
         }
-        if w.batch_keys == 0 {
-            return Err(invalid("workload.batch_keys", "must be at least 1"));
+        if w.models == 0 {
+            return Err(invalid("workload.models", "must be at least 1"));
+        }
+        if w.response_bytes_min == 0 || w.response_bytes_max < w.response_bytes_min {
+            return Err(invalid(
+                "workload.response_bytes_max",
+                "need 0 < response_bytes_min <= response_bytes_max",
+            ));
+        }
+        if w.message_bytes_mean == 0 || w.message_bytes_p99 < w.message_bytes_mean {
+            return Err(invalid(
+                "workload.message_bytes_p99",
+                "need 0 < message_bytes_mean <= message_bytes_p99",
+            ));
         }
         if w.concurrency == 0 {
             return Err(invalid("workload.concurrency", "must be at least 1"));

@@ -7,5 +7,5 @@ pub mod config;
 pub mod plan;
 pub mod workload;
 
-pub use client::{PsClient, Rows, WorkerError};
+pub use client::{FetchSpec, PsClient, PushSpec, Rows, WorkerError};
 pub use config::{ServerEndpoint, WorkerConfig, WorkloadConfig};

@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use tessera_rpc::{TransportKind, Validate};
@@ -22,9 +24,12 @@ struct Cli {
     /// Override `workload.duration_secs`.
     #[arg(long)]
     duration_secs: Option<f64>,
-    /// Override `workload.batch_keys`.
+    /// Override `workload.models` (ranker: models per user request).
     #[arg(long)]
-    batch_keys: Option<usize>,
+    models: Option<usize>,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
     /// Override `workload.concurrency`.
     #[arg(long)]
     concurrency: Option<usize>,
@@ -78,8 +83,8 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(duration) = cli.duration_secs {
         config.workload.duration_secs = duration;
     }
-    if let Some(batch) = cli.batch_keys {
-        config.workload.batch_keys = batch;
+    if let Some(models) = cli.models {
+        config.workload.models = models;
     }
     if let Some(concurrency) = cli.concurrency {
         config.workload.concurrency = concurrency;
@@ -101,17 +106,26 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             tessera_rpc::observe::install_prometheus(addr)?;
         }
         let client = Arc::new(PsClient::new(&config)?);
-        Ok::<_, Box<dyn std::error::Error>>(workload::run(kind, client, &config.workload).await)
+        let progress = Arc::new(AtomicU64::new(0));
+        let bar = progress_bar(kind, config.workload.duration_secs, Arc::clone(&progress));
+        let report = workload::run_with_progress(kind, client, &config.workload, progress).await;
+        bar.abort();
+        Ok::<_, Box<dyn std::error::Error>>(report)
     })?;
     println!("{report}");
     println!(
-        "{} iterations in {:.1} s ({:.0}/s), {} rows fetched, {} errors",
+        "{} iterations in {:.1} s ({:.0}/s), {} rows ({:.1} MiB) fetched, {:.0} µs CPU per iteration, {} errors",
         report.iterations,
         report.elapsed.as_secs_f64(),
         report.throughput(),
         report.rows_fetched,
+        report.bytes_fetched as f64 / (1 << 20) as f64,
+        report.cpu_us_per_iteration,
         report.errors
     );
+    if let Some(path) = &cli.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
     if let Some(err) = &report.first_error {
         println!("first error: {err}");
     }
@@ -119,5 +133,38 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    })
+}
+
+/// A progress line on stderr (indicatif hides it when stderr is not a
+/// terminal): elapsed time against the run's length, iterations and rate.
+fn progress_bar(
+    kind: WorkloadKind,
+    duration_secs: f64,
+    done: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    let total_ms = (duration_secs * 1000.0) as u64;
+    let bar = indicatif::ProgressBar::new(total_ms);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_prefix(format!("{kind:?}"));
+    let started = std::time::Instant::now();
+    tokio::spawn(async move {
+        loop {
+            let elapsed = started.elapsed();
+            let n = done.load(Ordering::Relaxed);
+            bar.set_position((elapsed.as_millis() as u64).min(total_ms));
+            bar.set_message(format!(
+                "{n} iterations, {:.0}/s",
+                n as f64 / elapsed.as_secs_f64().max(1e-3)
+            ));
+            if elapsed.as_millis() as u64 >= total_ms {
+                bar.finish_and_clear();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     })
 }

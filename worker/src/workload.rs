@@ -1,5 +1,17 @@
-//! Load generators modelled on the paper's evaluation (§8): a `ranker`
-//! (inference: Fetch only) and a `trainer` (Fetch, a gradient step, Push).
+//! Load generators modelled on the paper's evaluation (§8):
+//!
+//! - `ranker` (inference, §8.1): user requests, `concurrency` of them
+//!   outstanding, each needing `models` models; every model is one Fetch of
+//!   its own features (a key range of its own), all of a request's Fetches
+//!   concurrent and each split over the shards, so one request fans out to
+//!   many servers. Response sizes are log-uniform between
+//!   `response_bytes_min` and `response_bytes_max` (KiB to MiB). Reported:
+//!   request latency (mean, p50, p99, p999), requests per second, and CPU
+//!   time per request (user + system of this process, from `getrusage`).
+//! - `trainer` (training, §8.2): steps of Fetch, a gradient computed from
+//!   the rows (plus `compute_us` of sleep), Push; message sizes log-normal
+//!   with mean `message_bytes_mean` and p99 `message_bytes_p99` (20 and 50
+//!   KiB by default). Reported: Fetch and Push p50/p99, steps per second.
 //!
 //! Latencies go into `hdrhistogram` histograms (the standard, well-kept
 //! choice for recording latency percentiles without storing every sample)
@@ -7,21 +19,24 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use serde::Serialize;
 
-use crate::client::PsClient;
+use crate::client::{FetchSpec, PsClient};
 use crate::config::WorkloadConfig;
 
 /// Which loop to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum WorkloadKind {
-    /// Fetch only.
+    /// Inference: user requests of `models` concurrent Fetches.
     Ranker,
-    /// Fetch, compute a gradient, Push.
+    /// Training: Fetch, compute a gradient, Push.
     Trainer,
 }
 
@@ -35,7 +50,7 @@ impl WorkloadKind {
 }
 
 /// Latency percentiles of one operation, in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct LatencySummary {
     /// Samples.
     pub count: u64,
@@ -65,24 +80,35 @@ impl LatencySummary {
 }
 
 /// What a workload run measured.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct WorkloadReport {
     /// Ranker or trainer.
     pub kind: WorkloadKind,
     /// Wall time of the run.
+    #[serde(serialize_with = "as_secs")]
     pub elapsed: Duration,
-    /// Completed iterations (a ranker request, or a trainer step).
+    /// Completed iterations (a ranker user request, or a trainer step).
     pub iterations: u64,
     /// Failed iterations.
     pub errors: u64,
     /// Rows fetched (after the caller's order is restored, so duplicates count).
     pub rows_fetched: u64,
-    /// Fetch latency.
+    /// Bytes of rows fetched.
+    pub bytes_fetched: u64,
+    /// Fetch latency: of a whole user request (ranker), of a step's Fetch
+    /// (trainer).
     pub fetch: LatencySummary,
     /// Push latency (trainer only).
     pub push: Option<LatencySummary>,
+    /// CPU time of this process (user + system) per completed iteration,
+    /// in microseconds.
+    pub cpu_us_per_iteration: f64,
     /// The first error seen, if any.
     pub first_error: Option<String>,
+}
+
+fn as_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
 }
 
 impl WorkloadReport {
@@ -91,31 +117,27 @@ impl WorkloadReport {
         self.iterations as f64 / self.elapsed.as_secs_f64().max(f64::EPSILON)
     }
 
-    /// The report as table rows: `(operation, ops/s, p50, p99, p999, errors)`.
-    pub fn table_rows(&self) -> Vec<[String; 7]> {
+    /// The report as table rows: `(workload, op, ops/s, p50, p99, p999,
+    /// CPU µs per iteration, errors)`.
+    pub fn table_rows(&self) -> Vec<[String; 8]> {
         let secs = self.elapsed.as_secs_f64().max(f64::EPSILON);
-        let mut rows = vec![Self::row(
-            self.kind.name(),
-            "fetch",
-            &self.fetch,
-            secs,
-            self.errors,
-        )];
+        let mut rows = vec![self.row("fetch", &self.fetch, secs)];
         if let Some(push) = &self.push {
-            rows.push(Self::row(self.kind.name(), "push", push, secs, self.errors));
+            rows.push(self.row("push", push, secs));
         }
         rows
     }
 
-    fn row(kind: &str, op: &str, s: &LatencySummary, secs: f64, errors: u64) -> [String; 7] {
+    fn row(&self, op: &str, s: &LatencySummary, secs: f64) -> [String; 8] {
         [
-            kind.to_owned(),
+            self.kind.name().to_owned(),
             op.to_owned(),
             format!("{:.0}", s.count as f64 / secs),
             format!("{:.2}", s.p50_us as f64 / 1000.0),
             format!("{:.2}", s.p99_us as f64 / 1000.0),
             format!("{:.2}", s.p999_us as f64 / 1000.0),
-            errors.to_string(),
+            format!("{:.0}", self.cpu_us_per_iteration),
+            self.errors.to_string(),
         ]
     }
 }
@@ -123,7 +145,14 @@ impl WorkloadReport {
 /// Formats reports as one aligned table.
 pub fn format_table(reports: &[WorkloadReport]) -> String {
     let header = [
-        "workload", "op", "ops/s", "p50 ms", "p99 ms", "p999 ms", "errors",
+        "workload",
+        "op",
+        "ops/s",
+        "p50 ms",
+        "p99 ms",
+        "p999 ms",
+        "cpu us/it",
+        "errors",
     ];
     let rows: Vec<Vec<String>> = reports
         .iter()
@@ -144,6 +173,7 @@ pub fn format_comparison(runs: &[(String, Vec<WorkloadReport>)]) -> String {
         "p50 ms",
         "p99 ms",
         "p999 ms",
+        "cpu us/it",
         "errors",
     ];
     let rows: Vec<Vec<String>> = runs
@@ -216,12 +246,86 @@ fn micros(d: Duration) -> u64 {
         .clamp(1, 60_000_000)
 }
 
+/// CPU time (user + system) this process has used so far, in microseconds.
+fn process_cpu_us() -> u64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    getrusage(UsageWho::RUSAGE_SELF).map_or(0, |usage| {
+        let us = |t: nix::sys::time::TimeVal| t.tv_sec() as u64 * 1_000_000 + t.tv_usec() as u64;
+        us(usage.user_time()) + us(usage.system_time())
+    })
+}
+
+/// Message sizes: log-uniform (ranker) or log-normal with a mean and p99
+/// (trainer), in bytes.
+#[derive(Debug, Clone, Copy)]
+enum SizeDistribution {
+    LogUniform { min: f64, max: f64 },
+    LogNormal { mu: f64, sigma: f64 },
+}
+
+impl SizeDistribution {
+    fn ranker(options: &WorkloadConfig) -> Self {
+        SizeDistribution::LogUniform {
+            min: options.response_bytes_min as f64,
+            max: options.response_bytes_max as f64,
+        }
+    }
+
+    /// The log-normal with `mean` and 99th percentile `p99`: solves
+    /// `p99 / mean = exp(2.3263 σ - σ²/2)` for σ by bisection (the ratio
+    /// grows with σ up to σ = 2.3263, where it peaks).
+    fn trainer(options: &WorkloadConfig) -> Self {
+        const Z99: f64 = 2.326_347_874;
+        let (mean, p99) = (
+            options.message_bytes_mean as f64,
+            options.message_bytes_p99 as f64,
+        );
+        let target = (p99 / mean).max(1.0).ln();
+        let (mut lo, mut hi) = (0.0f64, Z99);
+        for _ in 0..60 {
+            let mid = (lo + hi) / 2.0;
+            if Z99 * mid - mid * mid / 2.0 < target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let sigma = lo;
+        SizeDistribution::LogNormal {
+            mu: mean.ln() - sigma * sigma / 2.0,
+            sigma,
+        }
+    }
+
+    fn draw(&self, rng: &mut SmallRng) -> f64 {
+        match *self {
+            SizeDistribution::LogUniform { min, max } => {
+                (min.ln() + rng.random::<f64>() * (max.ln() - min.ln())).exp()
+            }
+            SizeDistribution::LogNormal { mu, sigma } => {
+                // Box-Muller; 1 - u keeps the logarithm finite.
+                let u1 = 1.0 - rng.random::<f64>();
+                let u2 = rng.random::<f64>();
+                let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+                (mu + sigma * z).exp()
+            }
+        }
+    }
+
+    /// Keys for a message of a drawn size, rows of `row_bytes` each.
+    fn keys(&self, rng: &mut SmallRng, row_bytes: usize) -> usize {
+        ((self.draw(rng) / row_bytes.max(1) as f64).round() as usize).max(1)
+    }
+}
+
+#[derive(Default)]
 struct TaskResult {
-    fetch: Histogram<u64>,
-    push: Histogram<u64>,
+    fetch: Option<Histogram<u64>>,
+    push: Option<Histogram<u64>>,
     iterations: u64,
     errors: u64,
     rows: u64,
+    bytes: u64,
     first_error: Option<String>,
 }
 
@@ -231,27 +335,74 @@ pub async fn run(
     client: Arc<PsClient>,
     options: &WorkloadConfig,
 ) -> WorkloadReport {
+    run_with_progress(kind, client, options, Arc::new(AtomicU64::new(0))).await
+}
+
+/// [`run`], counting completed iterations in `progress` as it goes (for a
+/// progress display).
+pub async fn run_with_progress(
+    kind: WorkloadKind,
+    client: Arc<PsClient>,
+    options: &WorkloadConfig,
+    progress: Arc<AtomicU64>,
+) -> WorkloadReport {
     let started = Instant::now();
+    let cpu_before = process_cpu_us();
+    // The row size converts message sizes into key counts.
+    let row_bytes = match client.fetch(&options.table, &[0]).await {
+        Ok(rows) => rows.dim() * tessera_proto::rows::F32_BYTES,
+        Err(err) => {
+            return WorkloadReport {
+                kind,
+                elapsed: started.elapsed(),
+                iterations: 0,
+                errors: 1,
+                rows_fetched: 0,
+                bytes_fetched: 0,
+                fetch: LatencySummary::of(&histogram()),
+                push: None,
+                cpu_us_per_iteration: 0.0,
+                first_error: Some(format!("probing table `{}`: {err}", options.table)),
+            };
+        }
+    };
     let until = started + Duration::from_secs_f64(options.duration_secs);
     let tasks: Vec<_> = (0..options.concurrency)
         .map(|task| {
             let client = Arc::clone(&client);
             let options = options.clone();
-            tokio::spawn(async move { run_task(kind, &client, &options, task as u64, until).await })
+            let progress = Arc::clone(&progress);
+            tokio::spawn(async move {
+                run_task(
+                    kind,
+                    &client,
+                    &options,
+                    task as u64,
+                    until,
+                    row_bytes,
+                    &progress,
+                )
+                .await
+            })
         })
         .collect();
     let mut fetch = histogram();
     let mut push = histogram();
-    let (mut iterations, mut errors, mut rows) = (0, 0, 0);
+    let (mut iterations, mut errors, mut rows, mut bytes) = (0, 0, 0, 0);
     let mut first_error = None;
     for task in tasks {
         match task.await {
             Ok(result) => {
-                let _ = fetch.add(&result.fetch);
-                let _ = push.add(&result.push);
+                if let Some(h) = &result.fetch {
+                    let _ = fetch.add(h);
+                }
+                if let Some(h) = &result.push {
+                    let _ = push.add(h);
+                }
                 iterations += result.iterations;
                 errors += result.errors;
                 rows += result.rows;
+                bytes += result.bytes;
                 first_error = first_error.or(result.first_error);
             }
             Err(err) => {
@@ -260,14 +411,17 @@ pub async fn run(
             }
         }
     }
+    let cpu = process_cpu_us().saturating_sub(cpu_before);
     WorkloadReport {
         kind,
         elapsed: started.elapsed(),
         iterations,
         errors,
         rows_fetched: rows,
+        bytes_fetched: bytes,
         fetch: LatencySummary::of(&fetch),
         push: (kind == WorkloadKind::Trainer).then(|| LatencySummary::of(&push)),
+        cpu_us_per_iteration: cpu as f64 / iterations.max(1) as f64,
         first_error,
     }
 }
@@ -278,23 +432,33 @@ async fn run_task(
     options: &WorkloadConfig,
     task: u64,
     until: Instant,
+    row_bytes: usize,
+    progress: &AtomicU64,
 ) -> TaskResult {
     let mut rng = SmallRng::seed_from_u64(options.seed.wrapping_mul(1_000_003).wrapping_add(task));
     let mut result = TaskResult {
-        fetch: histogram(),
-        push: histogram(),
-        iterations: 0,
-        errors: 0,
-        rows: 0,
-        first_error: None,
+        fetch: Some(histogram()),
+        push: Some(histogram()),
+        ..TaskResult::default()
     };
-    let mut keys = vec![0u64; options.batch_keys];
+    let sizes = match kind {
+        WorkloadKind::Ranker => SizeDistribution::ranker(options),
+        WorkloadKind::Trainer => SizeDistribution::trainer(options),
+    };
     while Instant::now() < until {
-        for key in &mut keys {
-            *key = rng.random_range(0..options.key_space);
-        }
-        match step(kind, client, options, &keys, &mut result).await {
-            Ok(()) => result.iterations += 1,
+        let outcome = match kind {
+            WorkloadKind::Ranker => {
+                ranker_request(client, options, &sizes, row_bytes, &mut rng, &mut result).await
+            }
+            WorkloadKind::Trainer => {
+                trainer_step(client, options, &sizes, row_bytes, &mut rng, &mut result).await
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                result.iterations += 1;
+                progress.fetch_add(1, Ordering::Relaxed);
+            }
             Err(err) => {
                 result.errors += 1;
                 result.first_error.get_or_insert(err);
@@ -306,30 +470,119 @@ async fn run_task(
     result
 }
 
-async fn step(
-    kind: WorkloadKind,
+fn record(histogram: &mut Option<Histogram<u64>>, since: Instant) {
+    if let Some(h) = histogram {
+        let _ = h.record(micros(since.elapsed()));
+    }
+}
+
+/// One user request: `models` concurrent Fetches, model i's keys in its
+/// own range `[i * key_space, (i + 1) * key_space)`.
+async fn ranker_request(
     client: &PsClient,
     options: &WorkloadConfig,
-    keys: &[u64],
+    sizes: &SizeDistribution,
+    row_bytes: usize,
+    rng: &mut SmallRng,
     result: &mut TaskResult,
 ) -> Result<(), String> {
+    let keys: Vec<Vec<u64>> = (0..options.models as u64)
+        .map(|model| {
+            let n = sizes.keys(rng, row_bytes);
+            let base = model * options.key_space;
+            (0..n)
+                .map(|_| base + rng.random_range(0..options.key_space))
+                .collect()
+        })
+        .collect();
+    let specs: Vec<FetchSpec<'_>> = keys
+        .iter()
+        .map(|keys| FetchSpec {
+            table: &options.table,
+            keys,
+        })
+        .collect();
     let started = Instant::now();
-    let rows = client
-        .fetch(&options.table, keys)
-        .await
-        .map_err(|e| e.to_string())?;
-    let _ = result.fetch.record(micros(started.elapsed()));
-    result.rows += rows.len() as u64;
-    if kind == WorkloadKind::Trainer {
-        // A stand-in gradient: pull every weight towards zero (L2 decay), so
-        // repeated training keeps values bounded and observable.
-        let gradients: Vec<f32> = rows.values().iter().map(|w| 0.1 * w).collect();
-        let started = Instant::now();
-        client
-            .push(&options.table, keys, &gradients, rows.dim())
-            .await
-            .map_err(|e| e.to_string())?;
-        let _ = result.push.record(micros(started.elapsed()));
+    let answers = client.fetch_many(&specs).await.map_err(|e| e.to_string())?;
+    record(&mut result.fetch, started);
+    for rows in &answers {
+        result.rows += rows.len() as u64;
+        result.bytes += (rows.values().len() * tessera_proto::rows::F32_BYTES) as u64;
     }
     Ok(())
+}
+
+/// One training step: Fetch, gradient, (sleep), Push.
+async fn trainer_step(
+    client: &PsClient,
+    options: &WorkloadConfig,
+    sizes: &SizeDistribution,
+    row_bytes: usize,
+    rng: &mut SmallRng,
+    result: &mut TaskResult,
+) -> Result<(), String> {
+    let n = sizes.keys(rng, row_bytes);
+    let keys: Vec<u64> = (0..n)
+        .map(|_| rng.random_range(0..options.key_space))
+        .collect();
+    let started = Instant::now();
+    let rows = client
+        .fetch(&options.table, &keys)
+        .await
+        .map_err(|e| e.to_string())?;
+    record(&mut result.fetch, started);
+    result.rows += rows.len() as u64;
+    result.bytes += (rows.values().len() * tessera_proto::rows::F32_BYTES) as u64;
+    // The computation: a gradient that pulls every weight towards a
+    // per-key target (L2 towards a random point), so values stay bounded
+    // and every Push changes them.
+    let dim = rows.dim();
+    let gradients: Vec<f32> = rows
+        .values()
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let target = ((keys[i / dim.max(1)] ^ i as u64) % 7) as f32 * 0.01;
+            0.1 * (w - target)
+        })
+        .collect();
+    if options.compute_us > 0 {
+        tokio::time::sleep(Duration::from_micros(options.compute_us)).await;
+    }
+    let started = Instant::now();
+    client
+        .push(&options.table, &keys, &gradients, dim)
+        .await
+        .map_err(|e| e.to_string())?;
+    record(&mut result.push, started);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trainer_sizes_have_the_configured_mean_and_p99() {
+        let options = WorkloadConfig::default();
+        let sizes = SizeDistribution::trainer(&options);
+        let mut rng = SmallRng::seed_from_u64(3);
+        let mut draws: Vec<f64> = (0..200_000).map(|_| sizes.draw(&mut rng)).collect();
+        draws.sort_by(f64::total_cmp);
+        let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+        let p99 = draws[draws.len() * 99 / 100];
+        assert!((mean / 20480.0 - 1.0).abs() < 0.02, "mean {mean}");
+        assert!((p99 / 51200.0 - 1.0).abs() < 0.04, "p99 {p99}");
+    }
+
+    #[test]
+    fn ranker_sizes_span_kib_to_mib() {
+        let options = WorkloadConfig::default();
+        let sizes = SizeDistribution::ranker(&options);
+        let mut rng = SmallRng::seed_from_u64(4);
+        let draws: Vec<f64> = (0..10_000).map(|_| sizes.draw(&mut rng)).collect();
+        assert!(draws.iter().all(|&d| (1024.0..=1_048_576.0).contains(&d)));
+        assert!(draws.iter().any(|&d| d < 4096.0));
+        assert!(draws.iter().any(|&d| d > 262_144.0));
+    }
 }

@@ -99,10 +99,11 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
             workload: WorkloadConfig {
                 table: "emb".into(),
                 duration_secs: 0.5,
-                batch_keys: 64,
                 concurrency: 2,
+                response_bytes_max: 64 * 1024,
                 key_space: 10_000,
                 seed: 3,
+                ..WorkloadConfig::default()
             },
             ..WorkerConfig::default()
         },
