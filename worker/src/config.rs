@@ -123,6 +123,9 @@ pub struct WorkerConfig {
     /// Address of an optional Prometheus endpoint (`GET /metrics`) of the
     /// `worker` binary. Default: none.
     pub metrics_listen: Option<String>,
+    /// Address of the `worker` binary's `WorkerAdmin` service (Tessera RPC
+    /// over TCP: list and clear the quarantine). Default: none.
+    pub admin_listen: Option<String>,
 }
 
 impl Default for WorkerConfig {
@@ -148,6 +151,7 @@ impl Default for WorkerConfig {
             }],
             workload: WorkloadConfig::default(),
             metrics_listen: None,
+            admin_listen: None,
         }
     }
 }

@@ -2,10 +2,12 @@
 //! gradients to, a sharded parameter server ([`PsClient`]), and the load
 //! generators of the `worker` binary ([`workload`]).
 
+pub mod admin;
 pub mod client;
 pub mod config;
 pub mod plan;
 pub mod workload;
 
+pub use admin::WorkerAdminService;
 pub use client::{FetchSpec, PsClient, PushSpec, Rows, WorkerError};
 pub use config::{ServerEndpoint, WorkerConfig, WorkloadConfig};

@@ -27,6 +27,9 @@ struct Cli {
     /// Override `workload.models` (ranker: models per user request).
     #[arg(long)]
     models: Option<usize>,
+    /// Override `admin_listen`: serve `WorkerAdmin` (quarantine list) here.
+    #[arg(long)]
+    admin_listen: Option<String>,
     /// Write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -95,6 +98,9 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(addr) = cli.metrics_listen {
         config.metrics_listen = Some(addr);
     }
+    if let Some(addr) = cli.admin_listen {
+        config.admin_listen = Some(addr);
+    }
     config.validate()?;
     let kind = match cli.command {
         Command::Ranker => WorkloadKind::Ranker,
@@ -106,6 +112,10 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             tessera_rpc::observe::install_prometheus(addr)?;
         }
         let client = Arc::new(PsClient::new(&config)?);
+        let _admin = match &config.admin_listen {
+            Some(addr) => Some(serve_admin(addr, Arc::clone(&client)).await?),
+            None => None,
+        };
         let progress = Arc::new(AtomicU64::new(0));
         let bar = progress_bar(kind, config.workload.duration_secs, Arc::clone(&progress));
         let report = workload::run_with_progress(kind, client, &config.workload, progress).await;
@@ -167,4 +177,23 @@ fn progress_bar(
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     })
+}
+
+/// Serves `WorkerAdmin` on `addr` until the returned sender is dropped.
+async fn serve_admin(
+    addr: &str,
+    client: Arc<PsClient>,
+) -> Result<tokio::sync::oneshot::Sender<()>, Box<dyn std::error::Error>> {
+    let server = tessera_rpc::Server::builder(tessera_rpc::ServerConfig::default())
+        .add_service(tessera_proto::v1::WorkerAdminServer::new(
+            tessera_worker::WorkerAdminService::new(client),
+        ))?
+        .bind(addr)
+        .await?;
+    tracing::info!(addr = %server.local_addr(), "WorkerAdmin listening");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(server.serve_with_shutdown(async {
+        let _ = stopped.await;
+    }));
+    Ok(stop)
 }

@@ -266,3 +266,105 @@ async fn fetch_push_and_workloads_over_rdma_soft() {
     }
     cluster.stop().await;
 }
+
+/// The `WorkerAdmin` call lists the servers a worker's replica sets
+/// quarantined and clears them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_call_lists_and_clears_the_quarantine() {
+    use tessera_proto::v1::{QuarantineRequest, WorkerAdminClient, WorkerAdminServer};
+    use tessera_rpc::policy::QuarantineConfig;
+    use tessera_rpc::{ChannelConfig, Server, ServerConfig};
+    use tessera_worker::WorkerAdminService;
+
+    let live = PsServer::bind(&PsServerConfig {
+        listen: "127.0.0.1:0".into(),
+        tables: vec![TableConfig::new("emb", 4)],
+        ..PsServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let live_addr = live.local_addr().to_string();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(live.serve(async {
+        let _ = stopped.await;
+    }));
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let client = Arc::new(
+        PsClient::new(&WorkerConfig {
+            servers: vec![
+                ServerEndpoint {
+                    address: live_addr,
+                    shards: vec![0],
+                    replica_group: 0,
+                },
+                ServerEndpoint {
+                    address: dead.clone(),
+                    shards: vec![0],
+                    replica_group: 1,
+                },
+            ],
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 5000,
+            call_timeout_ms: 10_000,
+            // Eject at the first refused connection.
+            quarantine: QuarantineConfig {
+                max_connect_failures: 0,
+                ..QuarantineConfig::default()
+            },
+            ..WorkerConfig::default()
+        })
+        .unwrap(),
+    );
+    // Fetches succeed; the dead replica is tried, refused and ejected.
+    let started = std::time::Instant::now();
+    while client.replica_set(0).unwrap().quarantined().is_empty() {
+        client.fetch("emb", &[1, 2, 3]).await.unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+    let admin_server = Server::builder(ServerConfig::default())
+        .add_service(WorkerAdminServer::new(WorkerAdminService::new(Arc::clone(
+            &client,
+        ))))
+        .unwrap()
+        .bind("127.0.0.1:0")
+        .await
+        .unwrap();
+    let admin_addr = admin_server.local_addr().to_string();
+    let (stop_admin, admin_stopped) = oneshot::channel::<()>();
+    let admin_task = tokio::spawn(admin_server.serve_with_shutdown(async {
+        let _ = admin_stopped.await;
+    }));
+    let admin = WorkerAdminClient::new(
+        Channel::connect(
+            admin_addr,
+            ChannelConfig {
+                connect_timeout_ms: 2000,
+                request_timeout_ms: 5000,
+                ..ChannelConfig::default()
+            },
+        )
+        .await
+        .unwrap(),
+    );
+    let listed = admin
+        .quarantine(QuarantineRequest { clear: true })
+        .await
+        .unwrap();
+    assert_eq!(listed.servers.len(), 1, "{listed:?}");
+    assert_eq!(listed.servers[0].address, dead);
+    assert_eq!(listed.servers[0].shard, 0);
+    assert!(listed.servers[0].seconds_left > 0.0);
+    let after = admin
+        .quarantine(QuarantineRequest { clear: false })
+        .await
+        .unwrap();
+    assert!(after.servers.is_empty(), "cleared: {after:?}");
+    let _ = stop_admin.send(());
+    admin_task.await.unwrap();
+    let _ = stop.send(());
+    task.await.unwrap();
+}

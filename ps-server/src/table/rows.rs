@@ -188,6 +188,7 @@ impl ShardRows {
         if let Some(i) = victim {
             stripe.swap_remove_index(i);
             self.evictions.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("tessera_ps_evictions_total").increment(1);
         }
     }
 
