@@ -57,7 +57,7 @@ fn config(listen: &str, group: u32, peer: &str, advertise: &str, max_lag: usize)
 
 struct Running {
     replication: std::sync::Arc<tessera_ps_server::Replication>,
-    data: ParameterServerClient,
+    data: Data,
     admin: AdminClient,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
@@ -81,7 +81,7 @@ async fn start(config: &PsServerConfig) -> Running {
     }));
     Running {
         replication,
-        data: ParameterServerClient::new(channel.clone()),
+        data: Data(ParameterServerClient::new(channel.clone())),
         admin: AdminClient::new(channel),
         stop,
         task,
@@ -95,13 +95,32 @@ impl Running {
     }
 
     async fn push(&self, step: u64) -> Result<(), RpcError> {
+        self.data.push(step).await
+    }
+
+    async fn rows(&self) -> Result<Bytes, RpcError> {
+        self.data.rows().await
+    }
+
+    async fn pushes(&self) -> u64 {
+        let stats = self.admin.stats(StatsRequest {}).await.unwrap();
+        stats.shards.iter().map(|s| s.pushes).sum()
+    }
+}
+
+/// The data client of a server: Pushes of a step's gradients (every row
+/// changes) and reads of all 64 rows.
+struct Data(ParameterServerClient);
+
+impl Data {
+    async fn push(&self, step: u64) -> Result<(), RpcError> {
         let keys: Vec<u64> = (0..64).collect();
         let grads: Vec<f32> = (0..keys.len() * 4)
             .map(|i| ((i as u64 * 13 + step * 7) % 17) as f32 - 8.0)
             .collect();
         let mut wire = Vec::new();
         put_f32s(&mut wire, &grads);
-        self.data
+        self.0
             .push(PushRequest {
                 table: "emb".into(),
                 shard: 0,
@@ -115,7 +134,7 @@ impl Running {
     }
 
     async fn rows(&self) -> Result<Bytes, RpcError> {
-        self.data
+        self.0
             .fetch(FetchRequest {
                 table: "emb".into(),
                 shard: 0,
@@ -123,11 +142,6 @@ impl Running {
             })
             .await
             .map(|r| r.values)
-    }
-
-    async fn pushes(&self) -> u64 {
-        let stats = self.admin.stats(StatsRequest {}).await.unwrap();
-        stats.shards.iter().map(|s| s.pushes).sum()
     }
 }
 
@@ -181,7 +195,7 @@ async fn pushes_to_the_primary_reach_the_replica_in_order_and_a_restarted_replic
         primary.push(step).await.unwrap();
     }
     let replica = start(&replica_config).await;
-    let health = replica.data.health(HealthRequest {}).await.unwrap();
+    let health = replica.data.0.health(HealthRequest {}).await.unwrap();
     assert!(health.primary_shards.is_empty());
     for step in 61..=70u64 {
         primary.push(step).await.unwrap();
@@ -196,7 +210,7 @@ async fn pushes_to_the_primary_reach_the_replica_in_order_and_a_restarted_replic
         assert!(started.elapsed() < Duration::from_secs(20), "no catch-up");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let health = replica.data.health(HealthRequest {}).await.unwrap();
+    let health = replica.data.0.health(HealthRequest {}).await.unwrap();
     assert!(health.serving);
     replica.stop().await;
     primary.stop().await;
@@ -233,4 +247,84 @@ async fn a_replica_cut_off_for_lagging_copies_the_shard_again() {
     );
     replica.stop().await;
     primary.stop().await;
+}
+
+/// A `ps-server` process from `config` (written to a file in `dir`).
+fn spawn(config: &PsServerConfig, dir: &std::path::Path, name: &str) -> std::process::Child {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, toml::to_string(config).unwrap()).unwrap();
+    std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn client_of(addr: &str) -> Data {
+    let channel = Channel::lazy(
+        addr,
+        ChannelConfig {
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 10_000,
+            ..ChannelConfig::default()
+        },
+    )
+    .unwrap();
+    Data(ParameterServerClient::new(channel))
+}
+
+async fn processes_converge(primary: &Data, replica: &Data) {
+    let started = Instant::now();
+    loop {
+        if let (Ok(a), Ok(b)) = (primary.rows().await, replica.rows().await)
+            && a == b
+        {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the replica process never converged"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The replica *process* is SIGKILLed while the primary keeps taking
+/// Pushes; a new replica process catches up and converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_replica_process_restarts_and_catches_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (free_addr(), free_addr());
+    let mut primary_process = spawn(&config(&a, 0, &b, &a, 10_000), dir.path(), "primary");
+    let replica_config = config(&b, 1, &a, &b, 10_000);
+    let mut replica_process = spawn(&replica_config, dir.path(), "replica");
+    let (primary, replica) = (client_of(&a), client_of(&b));
+    let started = Instant::now();
+    while primary.push(1).await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "primary never came up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for step in 2..=20 {
+        primary.push(step).await.unwrap();
+    }
+    processes_converge(&primary, &replica).await;
+
+    replica_process.kill().unwrap(); // SIGKILL
+    replica_process.wait().unwrap();
+    for step in 21..=50 {
+        primary.push(step).await.unwrap();
+    }
+    let mut replica_process = spawn(&replica_config, dir.path(), "replica");
+    for step in 51..=60 {
+        primary.push(step).await.unwrap();
+    }
+    processes_converge(&primary, &replica).await;
+    let _ = replica_process.kill();
+    let _ = replica_process.wait();
+    let _ = primary_process.kill();
+    let _ = primary_process.wait();
 }

@@ -117,9 +117,9 @@ impl WorkloadReport {
         self.iterations as f64 / self.elapsed.as_secs_f64().max(f64::EPSILON)
     }
 
-    /// The report as table rows: `(workload, op, ops/s, p50, p99, p999,
-    /// CPU µs per iteration, errors)`.
-    pub fn table_rows(&self) -> Vec<[String; 8]> {
+    /// The report as table rows: `(workload, op, ops/s, mean, p50, p99,
+    /// p999, CPU µs per iteration, errors)`.
+    pub fn table_rows(&self) -> Vec<[String; 9]> {
         let secs = self.elapsed.as_secs_f64().max(f64::EPSILON);
         let mut rows = vec![self.row("fetch", &self.fetch, secs)];
         if let Some(push) = &self.push {
@@ -128,11 +128,12 @@ impl WorkloadReport {
         rows
     }
 
-    fn row(&self, op: &str, s: &LatencySummary, secs: f64) -> [String; 8] {
+    fn row(&self, op: &str, s: &LatencySummary, secs: f64) -> [String; 9] {
         [
             self.kind.name().to_owned(),
             op.to_owned(),
             format!("{:.0}", s.count as f64 / secs),
+            format!("{:.2}", s.mean_us / 1000.0),
             format!("{:.2}", s.p50_us as f64 / 1000.0),
             format!("{:.2}", s.p99_us as f64 / 1000.0),
             format!("{:.2}", s.p999_us as f64 / 1000.0),
@@ -142,40 +143,34 @@ impl WorkloadReport {
     }
 }
 
+/// Columns of the report tables.
+const COLUMNS: [&str; 9] = [
+    "workload",
+    "op",
+    "ops/s",
+    "mean ms",
+    "p50 ms",
+    "p99 ms",
+    "p999 ms",
+    "cpu us/it",
+    "errors",
+];
+
 /// Formats reports as one aligned table.
 pub fn format_table(reports: &[WorkloadReport]) -> String {
-    let header = [
-        "workload",
-        "op",
-        "ops/s",
-        "p50 ms",
-        "p99 ms",
-        "p999 ms",
-        "cpu us/it",
-        "errors",
-    ];
     let rows: Vec<Vec<String>> = reports
         .iter()
         .flat_map(WorkloadReport::table_rows)
         .map(Vec::from)
         .collect();
-    render_table(&header, &rows, 2)
+    render_table(&COLUMNS, &rows, 2)
 }
 
 /// The same table for runs of the same workloads over different transports
 /// (or any other label), one block of rows per run.
 pub fn format_comparison(runs: &[(String, Vec<WorkloadReport>)]) -> String {
-    let header = [
-        "transport",
-        "workload",
-        "op",
-        "ops/s",
-        "p50 ms",
-        "p99 ms",
-        "p999 ms",
-        "cpu us/it",
-        "errors",
-    ];
+    let mut header = vec!["transport"];
+    header.extend(COLUMNS);
     let rows: Vec<Vec<String>> = runs
         .iter()
         .flat_map(|(label, reports)| {
@@ -445,14 +440,16 @@ async fn run_task(
         WorkloadKind::Ranker => SizeDistribution::ranker(options),
         WorkloadKind::Trainer => SizeDistribution::trainer(options),
     };
+    let step = Step {
+        client,
+        options,
+        sizes: &sizes,
+        row_bytes,
+    };
     while Instant::now() < until {
         let outcome = match kind {
-            WorkloadKind::Ranker => {
-                ranker_request(client, options, &sizes, row_bytes, &mut rng, &mut result).await
-            }
-            WorkloadKind::Trainer => {
-                trainer_step(client, options, &sizes, row_bytes, &mut rng, &mut result).await
-            }
+            WorkloadKind::Ranker => ranker_request(&step, &mut rng, &mut result).await,
+            WorkloadKind::Trainer => trainer_step(&step, &mut rng, &mut result).await,
         };
         match outcome {
             Ok(()) => {
@@ -476,16 +473,28 @@ fn record(histogram: &mut Option<Histogram<u64>>, since: Instant) {
     }
 }
 
+/// What every iteration of one load task uses.
+#[derive(Clone, Copy)]
+struct Step<'a> {
+    client: &'a PsClient,
+    options: &'a WorkloadConfig,
+    sizes: &'a SizeDistribution,
+    row_bytes: usize,
+}
+
 /// One user request: `models` concurrent Fetches, model i's keys in its
 /// own range `[i * key_space, (i + 1) * key_space)`.
 async fn ranker_request(
-    client: &PsClient,
-    options: &WorkloadConfig,
-    sizes: &SizeDistribution,
-    row_bytes: usize,
+    step: &Step<'_>,
     rng: &mut SmallRng,
     result: &mut TaskResult,
 ) -> Result<(), String> {
+    let Step {
+        client,
+        options,
+        sizes,
+        row_bytes,
+    } = *step;
     let keys: Vec<Vec<u64>> = (0..options.models as u64)
         .map(|model| {
             let n = sizes.keys(rng, row_bytes);
@@ -514,13 +523,16 @@ async fn ranker_request(
 
 /// One training step: Fetch, gradient, (sleep), Push.
 async fn trainer_step(
-    client: &PsClient,
-    options: &WorkloadConfig,
-    sizes: &SizeDistribution,
-    row_bytes: usize,
+    step: &Step<'_>,
     rng: &mut SmallRng,
     result: &mut TaskResult,
 ) -> Result<(), String> {
+    let Step {
+        client,
+        options,
+        sizes,
+        row_bytes,
+    } = *step;
     let n = sizes.keys(rng, row_bytes);
     let keys: Vec<u64> = (0..n)
         .map(|_| rng.random_range(0..options.key_space))
