@@ -67,6 +67,9 @@ struct PeerQueue {
     entries: VecDeque<Queued>,
     /// Shards forwarded to this peer (attached by its sync).
     attached: HashSet<u32>,
+    /// Attachments so far per shard: an out-of-sync answer to a batch sent
+    /// before the latest attachment must not undo it.
+    generation: HashMap<u32, u64>,
     next_id: u64,
 }
 
@@ -127,12 +130,21 @@ impl Forwarder {
         let mut queue = lock(&self.queue);
         queue.entries.retain(|q| q.push.shard != shard);
         queue.attached.insert(shard);
+        *queue.generation.entry(shard).or_default() += 1;
     }
 
-    fn detach(&self, shards: &[u32]) {
+    /// Stops forwarding `shards`, unless one was re-attached since `seen`
+    /// (the generations when the answered batch was taken): the replica
+    /// may have synced before its out-of-sync answer arrived here.
+    fn detach(&self, shards: &[u32], seen: &HashMap<u32, u64>) {
         let mut queue = lock(&self.queue);
-        queue.entries.retain(|q| !shards.contains(&q.push.shard));
-        for shard in shards {
+        let stale: Vec<u32> = shards
+            .iter()
+            .copied()
+            .filter(|s| queue.generation.get(s) == seen.get(s))
+            .collect();
+        queue.entries.retain(|q| !stale.contains(&q.push.shard));
+        for shard in &stale {
             queue.attached.remove(shard);
         }
     }
@@ -145,12 +157,13 @@ impl Forwarder {
         let mut backoff = Duration::from_millis(50);
         loop {
             let wake = self.wake.notified();
-            let pending: Vec<Queued> = lock(&self.queue)
-                .entries
-                .iter()
-                .take(batch)
-                .cloned()
-                .collect();
+            let (pending, generations): (Vec<Queued>, HashMap<u32, u64>) = {
+                let queue = lock(&self.queue);
+                (
+                    queue.entries.iter().take(batch).cloned().collect(),
+                    queue.generation.clone(),
+                )
+            };
             metrics::gauge!("tessera_ps_replication_lag_pushes", "peer" => self.addr.clone())
                 .set(self.lag() as f64);
             if pending.is_empty() {
@@ -164,7 +177,7 @@ impl Forwarder {
             match self.client.replicate(request).await {
                 Ok(answer) => {
                     backoff = Duration::from_millis(50);
-                    self.acknowledge(&pending, &answer);
+                    self.acknowledge(&pending, &answer, &generations);
                     if answer.syncing && answer.processed == 0 {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
@@ -178,7 +191,12 @@ impl Forwarder {
         }
     }
 
-    fn acknowledge(&self, sent: &[Queued], answer: &ReplicateResponse) {
+    fn acknowledge(
+        &self,
+        sent: &[Queued],
+        answer: &ReplicateResponse,
+        generations: &HashMap<u32, u64>,
+    ) {
         let done = (answer.processed as usize).min(sent.len());
         let mut queue = lock(&self.queue);
         if let Some(last) = done.checked_sub(1).map(|i| sent[i].id) {
@@ -189,7 +207,7 @@ impl Forwarder {
         drop(queue);
         if !answer.out_of_sync.is_empty() {
             tracing::info!(peer = %self.addr, shards = ?answer.out_of_sync, "replica out of sync; it will copy the shards again");
-            self.detach(&answer.out_of_sync);
+            self.detach(&answer.out_of_sync, generations);
         }
     }
 }
@@ -667,5 +685,65 @@ impl v1::Replication for ReplicationService {
             sessions.remove(&request.session);
         }
         Ok(SyncChunkResponse { data })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forwarder() -> Forwarder {
+        Forwarder {
+            addr: "127.0.0.1:1".into(),
+            shards: vec![0, 1],
+            queue: Mutex::new(PeerQueue::default()),
+            wake: tokio::sync::Notify::new(),
+            client: ReplicationClient::new(
+                Channel::lazy("127.0.0.1:1", ChannelConfig::default()).unwrap(),
+            ),
+            cutoffs: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn push() -> PushRequest {
+        PushRequest::default()
+    }
+
+    #[test]
+    fn an_old_out_of_sync_answer_does_not_undo_a_newer_attachment() {
+        let f = forwarder();
+        f.attach(0);
+        let before = lock(&f.queue).generation.clone();
+        // The replica synced again (attach) before its earlier out-of-sync
+        // answer was processed: forwarding must go on.
+        f.attach(0);
+        f.detach(&[0], &before);
+        f.enqueue(0, 7, &push(), 100);
+        assert_eq!(f.lag(), 1, "still attached");
+        // An answer about the current attachment does detach.
+        let now = lock(&f.queue).generation.clone();
+        f.detach(&[0], &now);
+        assert_eq!(f.lag(), 0, "queue of the shard dropped");
+        f.enqueue(0, 8, &push(), 100);
+        assert_eq!(f.lag(), 0, "detached: nothing queued");
+    }
+
+    #[test]
+    fn a_lagging_replica_is_cut_off_with_a_gap_marker() {
+        let f = forwarder();
+        f.attach(0);
+        f.attach(1);
+        for seq in 1..=3 {
+            f.enqueue(0, seq, &push(), 3);
+        }
+        f.enqueue(1, 1, &push(), 10);
+        // The queue is at 4 >= 3: the next Push of shard 0 cuts it off.
+        f.enqueue(0, 4, &push(), 3);
+        let queue = lock(&f.queue);
+        let shard0: Vec<_> = queue.entries.iter().filter(|q| q.push.shard == 0).collect();
+        assert_eq!(shard0.len(), 1);
+        assert!(shard0[0].push.gap && shard0[0].push.sequence == 4);
+        assert!(!queue.attached.contains(&0) && queue.attached.contains(&1));
+        assert_eq!(f.cutoffs.load(Ordering::Relaxed), 1);
     }
 }
