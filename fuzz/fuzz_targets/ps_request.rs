@@ -8,7 +8,8 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tessera_proto::v1::{FetchRequest, PushRequest};
-use tessera_ps_server::{PsServerConfig, Store, TableConfig};
+use tessera_ps_server::config::{Initializer, NonFinite, OptimizerConfig};
+use tessera_ps_server::{PushId, PsServerConfig, Store, TableConfig};
 
 fn store() -> &'static Store {
     static STORE: OnceLock<Store> = OnceLock::new();
@@ -16,12 +17,20 @@ fn store() -> &'static Store {
         Store::new(&PsServerConfig {
             num_shards: 2,
             shards: vec![0, 1],
-            tables: vec![TableConfig {
-                name: "t".into(),
-                dim: 4,
-                learning_rate: 0.1,
-                init_scale: 0.1,
-            }],
+            max_keys_per_request: 4096,
+            tables: vec![
+                TableConfig {
+                    optimizer: OptimizerConfig::adam(0.1),
+                    initializer: Initializer::Normal { std: 0.1 },
+                    max_rows: Some(256),
+                    ..TableConfig::new("t", 4)
+                },
+                TableConfig {
+                    optimizer: OptimizerConfig::adagrad(0.1),
+                    non_finite: NonFinite::Clip,
+                    ..TableConfig::new("c", 2)
+                },
+            ],
             ..PsServerConfig::default()
         })
     })
@@ -39,6 +48,10 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     } else if let Ok(request) = PushRequest::decode(body) {
-        let _ = store().push(&request.table, request.shard, &request.keys, &request.gradients);
+        let id = PushId {
+            worker: request.worker_id,
+            sequence: request.sequence,
+        };
+        let _ = store().push(&request.table, request.shard, &request.keys, &request.gradients, id);
     }
 });
