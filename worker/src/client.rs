@@ -159,12 +159,7 @@ impl PsClient {
             .map_err(|err| WorkerError::Transport(err.to_string()))?;
         let mut channels: HashMap<&str, Channel> = HashMap::new();
         let mut servers = Vec::new();
-        let groups = config
-            .servers
-            .iter()
-            .map(|s| s.replica_group + 1)
-            .max()
-            .unwrap_or(1);
+        let groups = config.replica_groups();
         let mut primaries = vec![None; config.num_shards as usize];
         let mut endpoints = vec![Vec::new(); config.num_shards as usize];
         for server in &config.servers {

@@ -162,6 +162,16 @@ impl WorkerConfig {
         tessera_config::load(path)
     }
 
+    /// Replica groups of the model: one more than the highest configured
+    /// (shard `s`'s primary is in group `s % replica_groups()`).
+    pub fn replica_groups(&self) -> u32 {
+        self.servers
+            .iter()
+            .map(|s| s.replica_group + 1)
+            .max()
+            .unwrap_or(1)
+    }
+
     /// The RPC channel settings this configuration implies.
     pub fn channel_config(&self) -> ChannelConfig {
         ChannelConfig {
@@ -210,12 +220,7 @@ impl Validate for WorkerConfig {
                 format!("no server hosts shard {missing}"),
             ));
         }
-        let groups = self
-            .servers
-            .iter()
-            .map(|s| s.replica_group + 1)
-            .max()
-            .unwrap_or(1);
+        let groups = self.replica_groups();
         for shard in 0..self.num_shards {
             let primary = shard % groups;
             if !self

@@ -467,6 +467,14 @@ async fn run_task(
     result
 }
 
+impl TaskResult {
+    /// Counts the rows and bytes of one Fetch's answer.
+    fn count(&mut self, rows: &crate::client::Rows) {
+        self.rows += rows.len() as u64;
+        self.bytes += (rows.values().len() * tessera_proto::rows::F32_BYTES) as u64;
+    }
+}
+
 fn record(histogram: &mut Option<Histogram<u64>>, since: Instant) {
     if let Some(h) = histogram {
         let _ = h.record(micros(since.elapsed()));
@@ -489,15 +497,10 @@ async fn ranker_request(
     rng: &mut SmallRng,
     result: &mut TaskResult,
 ) -> Result<(), String> {
-    let Step {
-        client,
-        options,
-        sizes,
-        row_bytes,
-    } = *step;
+    let (client, options) = (step.client, step.options);
     let keys: Vec<Vec<u64>> = (0..options.models as u64)
         .map(|model| {
-            let n = sizes.keys(rng, row_bytes);
+            let n = step.sizes.keys(rng, step.row_bytes);
             let base = model * options.key_space;
             (0..n)
                 .map(|_| base + rng.random_range(0..options.key_space))
@@ -515,8 +518,7 @@ async fn ranker_request(
     let answers = client.fetch_many(&specs).await.map_err(|e| e.to_string())?;
     record(&mut result.fetch, started);
     for rows in &answers {
-        result.rows += rows.len() as u64;
-        result.bytes += (rows.values().len() * tessera_proto::rows::F32_BYTES) as u64;
+        result.count(rows);
     }
     Ok(())
 }
@@ -527,13 +529,8 @@ async fn trainer_step(
     rng: &mut SmallRng,
     result: &mut TaskResult,
 ) -> Result<(), String> {
-    let Step {
-        client,
-        options,
-        sizes,
-        row_bytes,
-    } = *step;
-    let n = sizes.keys(rng, row_bytes);
+    let (client, options) = (step.client, step.options);
+    let n = step.sizes.keys(rng, step.row_bytes);
     let keys: Vec<u64> = (0..n)
         .map(|_| rng.random_range(0..options.key_space))
         .collect();
@@ -543,8 +540,7 @@ async fn trainer_step(
         .await
         .map_err(|e| e.to_string())?;
     record(&mut result.fetch, started);
-    result.rows += rows.len() as u64;
-    result.bytes += (rows.values().len() * tessera_proto::rows::F32_BYTES) as u64;
+    result.count(&rows);
     // The computation: a gradient that pulls every weight towards a
     // per-key target (L2 towards a random point), so values stay bounded
     // and every Push changes them.
