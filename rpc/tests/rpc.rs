@@ -234,6 +234,7 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable(t: Transport
             .await
             .unwrap(),
     );
+    let started = std::time::Instant::now();
     let err = echo
         .echo_with_options(
             EchoRequest {
@@ -249,6 +250,43 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable(t: Transport
         "{err:?}"
     );
     assert_eq!(err.code(), Code::DeadlineExceeded);
+    // In the deadline plus scheduling slack (generous: a loaded 2-core
+    // host), not the handler's 2 s.
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(50) && took < Duration::from_millis(550),
+        "{took:?}"
+    );
+    // The paper's default Tr (40 ms) when the call gives no deadline.
+    let paper = EchoClient::new(
+        Channel::connect(
+            &server.addr,
+            ChannelConfig {
+                connect_timeout_ms: 2000,
+                transport: t.clone(),
+                ..ChannelConfig::default()
+            },
+        )
+        .await
+        .unwrap(),
+    );
+    let started = std::time::Instant::now();
+    let err = paper
+        .echo(EchoRequest {
+            payload: Bytes::new(),
+            delay_ms: 2_000,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, RpcError::DeadlineExceeded(d) if d == Duration::from_millis(40)),
+        "{err:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(540),
+        "{:?}",
+        started.elapsed()
+    );
     let ok = echo
         .echo(EchoRequest {
             payload: Bytes::from_static(b"after"),
