@@ -129,7 +129,7 @@ async fn hol_once(
     }))
 }
 
-/// [`hol_once`] for each count of large flows, with and without
+/// `hol_once` for each count of large flows, with and without
 /// fragmentation.
 pub async fn hol(
     large: &[usize],
@@ -303,7 +303,7 @@ async fn qps_once(n: usize, secs: f64, tuning: &Tuning) -> Result<Value, BoxErro
     }))
 }
 
-/// [`qps_once`] for each QP count.
+/// `qps_once` for each QP count.
 pub async fn qps(counts: &[usize], secs: f64, tuning: &Tuning) -> Result<Vec<Value>, BoxError> {
     let mut rows = Vec::new();
     for &n in counts {

@@ -233,7 +233,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Parses a shard file written by [`encode`], checking its shape.
+/// Parses a shard file written by `encode`, checking its shape.
 pub fn decode(bytes: &[u8], dim: u32, slots: u32) -> Result<ShardImage, String> {
     let mut r = Reader { bytes, at: 0 };
     if r.take(MAGIC.len())? != MAGIC {
