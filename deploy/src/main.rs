@@ -5,6 +5,8 @@
 //!   matching `worker.toml`, and stops them all on Ctrl-C or SIGTERM.
 //! - `tessera demo` starts the default cluster, runs a trainer and then a
 //!   ranker against it, prints the results, and shuts everything down.
+//! - `tessera admin ...` calls a running server's `Health` and `Admin`
+//!   (stats, checkpoint) or a worker's `WorkerAdmin` (quarantine).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -86,6 +88,38 @@ enum Command {
     },
     /// Print the built-in cluster configuration as TOML.
     PrintConfig,
+    /// Operate a running ps-server or worker (over Tessera RPC on TCP).
+    Admin {
+        #[command(subcommand)]
+        action: AdminAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum AdminAction {
+    /// A server's health: state, shards, primaries, tables.
+    Health {
+        /// The ps-server (`host:port`).
+        server: String,
+    },
+    /// Per-shard rows, bytes, fetches, pushes and evictions of a server.
+    Stats {
+        /// The ps-server (`host:port`).
+        server: String,
+    },
+    /// Save a checkpoint on a server now.
+    Checkpoint {
+        /// The ps-server (`host:port`).
+        server: String,
+    },
+    /// List (and with `--clear` readmit) the servers a worker quarantined.
+    Quarantine {
+        /// The worker's `admin_listen` address.
+        worker: String,
+        /// Readmit them all after listing.
+        #[arg(long)]
+        clear: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -128,6 +162,7 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             transports,
             config,
         } => demo(load(config.as_ref())?, duration_secs, &transports).await,
+        Command::Admin { action } => admin(action).await,
         Command::PrintConfig => {
             #[allow(clippy::print_stdout)]
             {
@@ -136,6 +171,87 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             Ok(())
         }
     }
+}
+
+/// A channel for an admin call: generous timeouts (a checkpoint of a big
+/// server takes a while), TCP.
+async fn admin_channel(addr: &str) -> Result<tessera_rpc::Channel, BoxError> {
+    Ok(tessera_rpc::Channel::connect(
+        addr,
+        tessera_rpc::ChannelConfig {
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 600_000,
+            ..tessera_rpc::ChannelConfig::default()
+        },
+    )
+    .await?)
+}
+
+#[allow(clippy::print_stdout)]
+async fn admin(action: AdminAction) -> Result<(), BoxError> {
+    use tessera_proto::v1::{
+        AdminClient, CheckpointRequest, HealthRequest, ParameterServerClient, QuarantineRequest,
+        ServerState, StatsRequest, WorkerAdminClient,
+    };
+    match action {
+        AdminAction::Health { server } => {
+            let health = ParameterServerClient::new(admin_channel(&server).await?)
+                .health(HealthRequest {})
+                .await?;
+            let state = ServerState::try_from(health.state).map_or("unknown", |s| s.as_str_name());
+            println!(
+                "{server}: {state}, replica group {}, shards {:?} of {}, primary of {:?}",
+                health.replica_group, health.shards, health.num_shards, health.primary_shards
+            );
+            for table in &health.tables {
+                println!(
+                    "  table {}: dim {}, {} rows",
+                    table.name, table.dim, table.rows
+                );
+            }
+        }
+        AdminAction::Stats { server } => {
+            let stats = AdminClient::new(admin_channel(&server).await?)
+                .stats(StatsRequest {})
+                .await?;
+            println!("| table | shard | rows | bytes | fetches | pushes | evictions |");
+            println!("|---|---:|---:|---:|---:|---:|---:|");
+            for s in &stats.shards {
+                println!(
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    s.table, s.shard, s.rows, s.bytes, s.fetches, s.pushes, s.evictions
+                );
+            }
+        }
+        AdminAction::Checkpoint { server } => {
+            let saved = AdminClient::new(admin_channel(&server).await?)
+                .checkpoint(CheckpointRequest {})
+                .await?;
+            println!(
+                "{server}: checkpoint {} ({} rows, {} bytes)",
+                saved.path, saved.rows, saved.bytes
+            );
+        }
+        AdminAction::Quarantine { worker, clear } => {
+            let listed = WorkerAdminClient::new(admin_channel(&worker).await?)
+                .quarantine(QuarantineRequest { clear })
+                .await?;
+            if listed.servers.is_empty() {
+                println!("{worker}: no server quarantined");
+            }
+            for s in &listed.servers {
+                println!(
+                    "shard {} server {}: excluded for {:.0} s more ({} ejections in a row){}",
+                    s.shard,
+                    s.address,
+                    s.seconds_left,
+                    s.ejections,
+                    if clear { ", readmitted" } else { "" }
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 #[allow(clippy::print_stdout)]

@@ -157,3 +157,63 @@ fn up_refuses_a_bad_config_naming_the_key() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("replica_groups"), "{stderr}");
 }
+
+/// `tessera admin` against a running ps-server: health, a checkpoint on
+/// demand, per-shard stats.
+#[test]
+fn admin_calls_report_health_stats_and_save_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut server = Command::new(ps_server_bin())
+        .args(["--listen", &addr, "--checkpoint-dir"])
+        .arg(dir.path())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let tessera = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .arg("admin")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let started = Instant::now();
+    let health = loop {
+        let (ok, stdout, _) = tessera(&["health", &addr]);
+        if ok {
+            break stdout;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "server never came up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(health.contains("SERVER_STATE_SERVING"), "{health}");
+    assert!(health.contains("table embeddings: dim 16"), "{health}");
+    let (ok, saved, err) = tessera(&["checkpoint", &addr]);
+    assert!(ok, "{err}");
+    assert!(
+        saved.contains("checkpoint ") && saved.contains("ckpt-"),
+        "{saved}"
+    );
+    assert!(dir.path().join("LATEST").exists());
+    let (ok, stats, err) = tessera(&["stats", &addr]);
+    assert!(ok, "{err}");
+    assert!(stats.contains("| embeddings | 0 |"), "{stats}");
+    // A worker address that does not answer: a clear error, exit non-zero.
+    let (ok, _, err) = tessera(&["quarantine", "127.0.0.1:1"]);
+    assert!(!ok && err.contains("127.0.0.1:1"), "{err}");
+    let _ = server.kill();
+    let _ = server.wait();
+}
