@@ -325,7 +325,7 @@ impl Store {
                 got: gradients.len(),
             });
         }
-        let gradients = table.gradients(gradients).map_err(|err| match err {
+        table.check_gradients(gradients).map_err(|err| match err {
             GradientError::NonFinite(index) => StoreError::NonFiniteGradient {
                 table: table.config().name.clone(),
                 index,
@@ -334,7 +334,7 @@ impl Store {
         match table.apply(
             state,
             keys,
-            &gradients,
+            gradients,
             id.worker,
             id.sequence,
             Instant::now(),

@@ -16,6 +16,9 @@ pub use optimizer::OptimizerConfig;
 pub use rows::{EvictionPolicy, Row, ShardRows};
 
 use crate::config::{NonFinite, TableConfig};
+
+/// Bytes of one f32 on the wire.
+const F32: usize = tessera_proto::rows::F32_BYTES;
 use crate::dedup::{Admission, DedupLimits, PushDedup};
 
 /// The state of one (table, shard).
@@ -135,50 +138,52 @@ impl Table {
         )
     }
 
-    /// Decodes little-endian f32 gradients, applying the table's
-    /// non-finite policy; counts what it rejected or clipped.
-    pub fn gradients(&self, raw: &[u8]) -> Result<Vec<f32>, GradientError> {
-        let mut out = vec![0f32; raw.len() / 4];
-        tessera_proto::rows::get_f32s(raw, &mut out);
-        match self.config.non_finite {
-            NonFinite::Reject => {
-                if let Some(i) = out.iter().position(|g| !g.is_finite()) {
-                    metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "rejected").increment(1);
-                    return Err(GradientError::NonFinite(i));
-                }
-            }
-            NonFinite::Clip => {
-                let clip = self.config.gradient_clip;
-                let mut clipped = 0u64;
-                for g in &mut out {
-                    let fixed = if g.is_nan() {
-                        0.0
-                    } else {
-                        g.clamp(-clip, clip)
-                    };
-                    if fixed != *g || g.is_nan() {
-                        clipped += 1;
-                        *g = fixed;
-                    }
-                }
-                if clipped > 0 {
-                    metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
+    /// Checks little-endian f32 gradients against the table's non-finite
+    /// policy without copying them: with `reject`, the index of the first
+    /// NaN or infinity is an error (counted). With `clip`, anything goes;
+    /// [`Table::apply`] clips as it reads.
+    pub fn check_gradients(&self, raw: &[u8]) -> Result<(), GradientError> {
+        if self.config.non_finite == NonFinite::Reject
+            && let Some(i) = raw
+                .chunks_exact(F32)
+                .position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
+        {
+            metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "rejected").increment(1);
+            return Err(GradientError::NonFinite(i));
+        }
+        Ok(())
+    }
+
+    /// Decodes one row's gradients into `out`, clipping with `clip`;
+    /// returns how many values were changed.
+    fn decode_row(&self, raw: &[u8], out: &mut [f32]) -> u64 {
+        let mut clipped = 0;
+        for (g, c) in out.iter_mut().zip(raw.chunks_exact(F32)) {
+            *g = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if self.config.non_finite == NonFinite::Clip {
+                let limit = self.config.gradient_clip;
+                let fixed = if g.is_nan() { 0.0 } else { g.clamp(-limit, limit) };
+                if fixed.to_bits() != g.to_bits() {
+                    clipped += 1;
+                    *g = fixed;
                 }
             }
         }
-        Ok(out)
+        clipped
     }
 
-    /// Applies `gradients` (already validated, `keys.len() * dim`) to the
-    /// rows of `keys` on `shard`, unless (`worker`, `sequence`) was applied
-    /// before; then runs `applied` (still holding the shard's write lock).
-    /// Returns the admission decision.
+    /// Applies `gradients` (little-endian f32, `keys.len() * dim`, already
+    /// checked with [`Table::check_gradients`]) to the rows of `keys` on
+    /// `shard`, unless (`worker`, `sequence`) was applied before; then runs
+    /// `applied` (still holding the shard's write lock). Rows are decoded
+    /// one at a time into a row-sized scratch buffer: the payload itself is
+    /// never copied. Returns the admission decision.
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
         state: &ShardState,
         keys: &[u64],
-        gradients: &[f32],
+        gradients: &[u8],
         worker: u64,
         sequence: u64,
         now: Instant,
@@ -192,7 +197,10 @@ impl Table {
         state.pushes.fetch_add(1, Ordering::Relaxed);
         let dim = self.config.dim as usize;
         let optimizer = self.config.optimizer;
-        for (&key, grad) in keys.iter().zip(gradients.chunks_exact(dim)) {
+        let mut grad = vec![0f32; dim];
+        let mut clipped = 0;
+        for (&key, raw) in keys.iter().zip(gradients.chunks_exact(dim * F32)) {
+            clipped += self.decode_row(raw, &mut grad);
             state.rows.upsert(
                 key,
                 || self.new_row(key),
@@ -203,9 +211,12 @@ impl Table {
                         steps,
                         ..
                     } = row;
-                    optimizer.apply(values, state, steps, grad);
+                    optimizer.apply(values, state, steps, &grad);
                 },
             );
+        }
+        if clipped > 0 {
+            metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
         }
         applied();
         admission

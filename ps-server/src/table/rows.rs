@@ -117,11 +117,20 @@ impl ShardRows {
         self.clock.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Marks `row` used now. Only a table with a row limit keeps the
+    /// clock: it is one shared atomic per row touched, which an unlimited
+    /// table (nothing to evict) should not pay on every Fetch.
+    fn touch(&self, row: &Row) {
+        if self.stripe_limit.is_some() {
+            row.last_used.store(self.tick(), Ordering::Relaxed);
+        }
+    }
+
     /// Calls `read` with the row of `key`, if present (counts as a use).
     pub fn read<R>(&self, key: u64, read: impl FnOnce(&Row) -> R) -> Option<R> {
         let stripe = self.read_stripe(self.stripe(key));
         let row = stripe.get(&key)?;
-        row.last_used.store(self.tick(), Ordering::Relaxed);
+        self.touch(row);
         Some(read(row))
     }
 
@@ -135,16 +144,15 @@ impl ShardRows {
     ) -> R {
         let mut stripe = self.write_stripe(self.stripe(key));
         self.make_room(&mut stripe, key);
-        let now = self.tick();
         let row = stripe.entry(key).or_insert_with(init);
-        row.last_used.store(now, Ordering::Relaxed);
+        self.touch(row);
         update(row)
     }
 
     /// Puts `row` in place of whatever `key` had (evicting another row if
     /// the stripe is full).
     pub fn insert(&self, key: u64, row: Row) {
-        row.last_used.store(self.tick(), Ordering::Relaxed);
+        self.touch(&row);
         let mut stripe = self.write_stripe(self.stripe(key));
         self.make_room(&mut stripe, key);
         stripe.insert(key, row);
