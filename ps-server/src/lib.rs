@@ -22,6 +22,7 @@ use tessera_proto::v1::{
     AdminGrpc, AdminServer, ParameterServerGrpc, ParameterServerServer, ReplicationServer,
 };
 use tessera_rpc::{Server, ServerError, Transport, Validate};
+use tokio_util::task::AbortOnDropHandle;
 
 pub use admin::{AdminService, Checkpointer};
 pub use checkpoint::CheckpointError;
@@ -176,15 +177,15 @@ impl PsServer {
     /// Serves until `shutdown` completes, then shuts down gracefully (the
     /// gRPC endpoint too).
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
-        let _replication: Vec<AbortOnDrop> = self
+        let _replication: Vec<AbortOnDropHandle<()>> = self
             .replication
             .start()
             .into_iter()
-            .map(AbortOnDrop)
+            .map(AbortOnDropHandle::new)
             .collect();
         let _periodic = self.checkpoints.as_ref().and_then(|(checkpoints, every)| {
             (!every.is_zero()).then(|| {
-                AbortOnDrop(tokio::spawn(periodic_checkpoints(
+                AbortOnDropHandle::new(tokio::spawn(periodic_checkpoints(
                     Arc::clone(checkpoints),
                     *every,
                 )))
@@ -217,15 +218,6 @@ impl PsServer {
             })
             .await;
         let _ = grpc_task.await;
-    }
-}
-
-/// Stops a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

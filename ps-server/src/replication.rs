@@ -55,11 +55,27 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One queued forward, with a local id to acknowledge it by.
+/// One queued forward, with a local id to acknowledge it by. The Push is
+/// shared by every replica's queue (one copy per Push, not per replica);
+/// `None` is a gap marker.
 #[derive(Debug, Clone)]
 struct Queued {
     id: u64,
-    push: ReplicatedPush,
+    shard: u32,
+    sequence: u64,
+    push: Option<Arc<PushRequest>>,
+}
+
+impl Queued {
+    /// The entry as sent (prost encodes owned messages).
+    fn to_wire(&self) -> ReplicatedPush {
+        ReplicatedPush {
+            shard: self.shard,
+            sequence: self.sequence,
+            push: self.push.as_deref().cloned(),
+            gap: self.push.is_none(),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -86,7 +102,7 @@ struct Forwarder {
 }
 
 impl Forwarder {
-    fn enqueue(&self, shard: u32, sequence: u64, push: &PushRequest, max_lag: usize) {
+    fn enqueue(&self, shard: u32, sequence: u64, push: &Arc<PushRequest>, max_lag: usize) {
         let mut queue = lock(&self.queue);
         if !queue.attached.contains(&shard) {
             return;
@@ -96,16 +112,13 @@ impl Forwarder {
         if queue.entries.len() >= max_lag {
             // Cut off: drop this shard's queue, tell the replica with a gap
             // marker, and forward nothing more until it syncs again.
-            queue.entries.retain(|q| q.push.shard != shard);
+            queue.entries.retain(|q| q.shard != shard);
             queue.attached.remove(&shard);
             queue.entries.push_back(Queued {
                 id,
-                push: ReplicatedPush {
-                    shard,
-                    sequence,
-                    push: None,
-                    gap: true,
-                },
+                shard,
+                sequence,
+                push: None,
             });
             metrics::counter!("tessera_ps_replication_cutoffs_total").increment(1);
             self.cutoffs.fetch_add(1, Ordering::Relaxed);
@@ -113,12 +126,9 @@ impl Forwarder {
         } else {
             queue.entries.push_back(Queued {
                 id,
-                push: ReplicatedPush {
-                    shard,
-                    sequence,
-                    push: Some(push.clone()),
-                    gap: false,
-                },
+                shard,
+                sequence,
+                push: Some(Arc::clone(push)),
             });
         }
         drop(queue);
@@ -128,7 +138,7 @@ impl Forwarder {
     /// Re-attaches `shard` after a sync: its old entries are in the copy.
     fn attach(&self, shard: u32) {
         let mut queue = lock(&self.queue);
-        queue.entries.retain(|q| q.push.shard != shard);
+        queue.entries.retain(|q| q.shard != shard);
         queue.attached.insert(shard);
         *queue.generation.entry(shard).or_default() += 1;
     }
@@ -143,7 +153,7 @@ impl Forwarder {
             .copied()
             .filter(|s| queue.generation.get(s) == seen.get(s))
             .collect();
-        queue.entries.retain(|q| !stale.contains(&q.push.shard));
+        queue.entries.retain(|q| !stale.contains(&q.shard));
         for shard in &stale {
             queue.attached.remove(shard);
         }
@@ -172,7 +182,7 @@ impl Forwarder {
             }
             let request = ReplicateRequest {
                 stream_id,
-                pushes: pending.iter().map(|q| q.push.clone()).collect(),
+                pushes: pending.iter().map(Queued::to_wire).collect(),
             };
             match self.client.replicate(request).await {
                 Ok(answer) => {
@@ -367,11 +377,6 @@ impl Replication {
         self.cutoffs.load(Ordering::Relaxed)
     }
 
-    /// Pushes queued for replicas, all of them together.
-    pub fn lag(&self) -> usize {
-        self.forwarders.iter().map(|f| f.lag()).sum()
-    }
-
     /// Gives `push` (just applied to `shard`, under its write lock) its
     /// stream position and queues it for the replicas.
     pub fn forward(&self, shard: u32, push: &PushRequest) {
@@ -381,8 +386,10 @@ impl Replication {
         let mut next = lock(stream);
         let sequence = *next;
         *next += 1;
+        let mut shared = None;
         for forwarder in &self.forwarders {
             if forwarder.shards.contains(&shard) {
+                let push = shared.get_or_insert_with(|| Arc::new(push.clone()));
                 forwarder.enqueue(shard, sequence, push, self.max_lag);
             }
         }
@@ -705,8 +712,8 @@ mod tests {
         }
     }
 
-    fn push() -> PushRequest {
-        PushRequest::default()
+    fn push() -> Arc<PushRequest> {
+        Arc::new(PushRequest::default())
     }
 
     #[test]
@@ -740,9 +747,10 @@ mod tests {
         // The queue is at 4 >= 3: the next Push of shard 0 cuts it off.
         f.enqueue(0, 4, &push(), 3);
         let queue = lock(&f.queue);
-        let shard0: Vec<_> = queue.entries.iter().filter(|q| q.push.shard == 0).collect();
+        let shard0: Vec<_> = queue.entries.iter().filter(|q| q.shard == 0).collect();
         assert_eq!(shard0.len(), 1);
-        assert!(shard0[0].push.gap && shard0[0].push.sequence == 4);
+        assert!(shard0[0].push.is_none() && shard0[0].sequence == 4);
+        assert!(shard0[0].to_wire().gap);
         assert!(!queue.attached.contains(&0) && queue.attached.contains(&1));
         assert_eq!(f.cutoffs.load(Ordering::Relaxed), 1);
     }

@@ -119,9 +119,7 @@ impl LinkShared {
     fn pending(&self) -> MutexGuard<'_, PendingTable> {
         // A panic while holding this lock cannot leave the table inconsistent
         // (every operation is a single insert or remove), so poisoning is ignored.
-        self.pending
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.pending)
     }
 
     fn fail_all(&self, reason: String) {
@@ -384,12 +382,10 @@ impl Channel {
     }
 
     fn current_link(&self) -> Option<Arc<Link>> {
-        let current = self
-            .inner
-            .current
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        current.as_ref().filter(|link| link.is_usable()).cloned()
+        lock(&self.inner.current)
+            .as_ref()
+            .filter(|link| link.is_usable())
+            .cloned()
     }
 
     async fn link(&self, deadline: Instant) -> Result<Arc<Link>, RpcError> {
@@ -465,6 +461,8 @@ impl Channel {
     }
 }
 
+/// Locks `mutex`; poisoning is ignored: every value these locks guard is
+/// consistent after any single operation on it.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()

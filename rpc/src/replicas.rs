@@ -213,12 +213,6 @@ impl ReplicaSet {
         self.channels.iter().map(|c| c.addr().to_owned()).collect()
     }
 
-    /// The channel to each replica, in configuration order (to inspect
-    /// which transport a replica is reached over).
-    pub fn channels(&self) -> &[Channel] {
-        &self.channels
-    }
-
     /// Calls `method` (what a generated client does): retried when the
     /// method is idempotent or `options.deduplicated` says the server
     /// deduplicates the request; the deadline is `options.timeout` or the
@@ -345,54 +339,34 @@ impl ReplicaSet {
                 .await;
             let now = Instant::now();
             let mut state = self.state();
-            match &result {
-                Err(
-                    RpcError::Connect { .. }
-                    | RpcError::ConnectTimeout { .. }
-                    | RpcError::Send { .. }
-                    | RpcError::ConnectionLost { .. },
-                ) => state.selector.connection_failed(i, now),
-                Err(RpcError::Status(status)) if status.code() == Code::Unavailable => {
+            let failure = match &result {
+                Ok(_) => {
+                    state.selector.finish(i, now - attempt_started);
+                    state.budget.on_success(now);
+                    return result;
+                }
+                Err(err) => classify(err),
+            };
+            match failure {
+                // No latency sample from a failed or refused connection;
+                // the replica backs off instead.
+                AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost => {
                     state.selector.connection_failed(i, now)
                 }
                 _ => state.selector.finish(i, now - attempt_started),
             }
-            let failure = match &result {
-                Ok(_) => {
-                    state.budget.on_success(now);
-                    return result;
+            let addr = state.selector.replicas()[i].addr.clone();
+            let ejection = match failure {
+                AttemptFailure::Connect => state.quarantine.record_connect_failure(&addr, now),
+                AttemptFailure::Lost | AttemptFailure::TimedOut => {
+                    state.quarantine.record_request_failure(&addr, now)
                 }
-                // Never sent, or refused unprocessed (`Unavailable`: the
-                // server is starting, stopping or catching up): safe to
-                // retry whatever the method.
-                Err(
-                    RpcError::Connect { .. }
-                    | RpcError::ConnectTimeout { .. }
-                    | RpcError::Send { .. },
-                ) => {
-                    let addr = state.selector.replicas()[i].addr.clone();
-                    if let Some(ejection) = state.quarantine.record_connect_failure(&addr, now) {
-                        tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
-                        metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
-                    }
-                    AttemptFailure::Connect
-                }
-                Err(err @ (RpcError::DeadlineExceeded(_) | RpcError::ConnectionLost { .. })) => {
-                    let addr = state.selector.replicas()[i].addr.clone();
-                    if let Some(ejection) = state.quarantine.record_request_failure(&addr, now) {
-                        tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
-                        metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
-                    }
-                    match err {
-                        RpcError::DeadlineExceeded(_) => AttemptFailure::TimedOut,
-                        _ => AttemptFailure::Lost,
-                    }
-                }
-                Err(RpcError::Status(status)) if status.code() == Code::Unavailable => {
-                    AttemptFailure::Connect
-                }
-                Err(_) => AttemptFailure::Status,
+                _ => None,
             };
+            if let Some(ejection) = ejection {
+                tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
+                metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
+            }
             let State { budget, rng, .. } = &mut *state;
             match self
                 .policy
@@ -412,5 +386,19 @@ impl ReplicaSet {
             }
             last_error = result.err();
         }
+    }
+}
+
+/// How a failed attempt counts for retrying, selection and quarantine.
+fn classify(err: &RpcError) -> AttemptFailure {
+    match err {
+        // Never sent: safe to retry whatever the method.
+        RpcError::Connect { .. } | RpcError::ConnectTimeout { .. } | RpcError::Send { .. } => {
+            AttemptFailure::Connect
+        }
+        RpcError::Status(status) if status.code() == Code::Unavailable => AttemptFailure::Refused,
+        RpcError::ConnectionLost { .. } => AttemptFailure::Lost,
+        RpcError::DeadlineExceeded(_) => AttemptFailure::TimedOut,
+        _ => AttemptFailure::Status,
     }
 }

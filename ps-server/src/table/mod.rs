@@ -162,7 +162,11 @@ impl Table {
             *g = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             if self.config.non_finite == NonFinite::Clip {
                 let limit = self.config.gradient_clip;
-                let fixed = if g.is_nan() { 0.0 } else { g.clamp(-limit, limit) };
+                let fixed = if g.is_nan() {
+                    0.0
+                } else {
+                    g.clamp(-limit, limit)
+                };
                 if fixed.to_bits() != g.to_bits() {
                     clipped += 1;
                     *g = fixed;

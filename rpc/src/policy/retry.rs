@@ -2,8 +2,9 @@
 //!
 //! A retry is considered only for failures that say nothing about the
 //! request having been applied twice: a connection that could not be
-//! opened, or a request that timed out or lost its connection while the
-//! caller's deadline has time left. Then, in this order: the attempt limit,
+//! opened, a server that refused the request unprocessed (`Unavailable`),
+//! or a request that timed out or lost its connection while the caller's
+//! deadline has time left. Then, in this order: the attempt limit,
 //! idempotence (a non-idempotent method is retried only when the request
 //! carries an id the server deduplicates), the remaining deadline, a coin
 //! (so that under a broad failure only a fraction of callers add load), and
@@ -79,6 +80,10 @@ impl tessera_config::Validate for RetryPolicyConfig {
 pub enum AttemptFailure {
     /// No connection could be made: the request was never sent.
     Connect,
+    /// The server answered `Unavailable` without acting on the request
+    /// (starting, stopping, a replica catching up): as safe as `Connect`,
+    /// but says nothing against the node's health.
+    Refused,
     /// The connection broke after the request was sent: it may or may not
     /// have been applied.
     Lost,
@@ -198,7 +203,11 @@ mod tests {
                 (timed_out - probability).abs() < 0.02,
                 "p = {probability}: {timed_out}"
             );
-            for failure in [AttemptFailure::Connect, AttemptFailure::Lost] {
+            for failure in [
+                AttemptFailure::Connect,
+                AttemptFailure::Refused,
+                AttemptFailure::Lost,
+            ] {
                 let lost = share(failure);
                 assert!(
                     (lost - (1.0 - probability)).abs() < 0.02,
