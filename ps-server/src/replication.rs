@@ -30,7 +30,7 @@
 //! whatever the optimizer.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -231,8 +231,17 @@ struct ReplicaShard {
     expected: u64,
     /// A copy from the primary is in progress.
     syncing: bool,
-    /// Rows match the primary's as of `expected`.
-    synced: bool,
+}
+
+/// One shard this server replicates.
+#[derive(Debug)]
+struct ReplicaEntry {
+    state: Mutex<ReplicaShard>,
+    /// Rows match the primary's as of `state.expected`: read by every Fetch
+    /// of the shard without the lock, written under it.
+    synced: AtomicBool,
+    /// A client of the shard's primary.
+    primary: ReplicationClient,
 }
 
 /// A copy of a shard waiting to be fetched.
@@ -254,7 +263,7 @@ pub struct Replication {
     streams: HashMap<u32, Mutex<u64>>,
     forwarders: Vec<Arc<Forwarder>>,
     /// The shards this server replicates, and a client of each one's primary.
-    replicas: HashMap<u32, (Mutex<ReplicaShard>, ReplicationClient)>,
+    replicas: HashMap<u32, ReplicaEntry>,
     sessions: Mutex<HashMap<u64, Session>>,
     next_session: AtomicU64,
     /// Copies of a shard this server made from a primary.
@@ -322,7 +331,11 @@ impl Replication {
                     .find(|p| p.replica_group == primary && p.shards.contains(&shard))?;
                 Some((
                     shard,
-                    (Mutex::new(ReplicaShard::default()), client(&peer.address)),
+                    ReplicaEntry {
+                        state: Mutex::new(ReplicaShard::default()),
+                        synced: AtomicBool::new(false),
+                        primary: client(&peer.address),
+                    },
                 ))
             })
             .collect();
@@ -359,12 +372,14 @@ impl Replication {
     pub fn readable(&self, shard: u32) -> bool {
         self.replicas
             .get(&shard)
-            .is_none_or(|(state, _)| lock(state).synced)
+            .is_none_or(|entry| entry.synced.load(Ordering::Acquire))
     }
 
     /// Whether every replica shard is in step with its primary's stream.
     pub fn caught_up(&self) -> bool {
-        self.replicas.values().all(|(state, _)| lock(state).synced)
+        self.replicas
+            .values()
+            .all(|entry| entry.synced.load(Ordering::Acquire))
     }
 
     /// Shard copies this server made from its primaries.
@@ -413,14 +428,14 @@ impl Replication {
     /// Copies `shard` from its primary in the background, unless a copy
     /// is already running.
     fn spawn_sync(self: &Arc<Self>, shard: u32) -> Option<tokio::task::JoinHandle<()>> {
-        let (state, _) = self.replicas.get(&shard)?;
+        let entry = self.replicas.get(&shard)?;
         {
-            let mut state = lock(state);
+            let mut state = lock(&entry.state);
             if state.syncing {
                 return None;
             }
             state.syncing = true;
-            state.synced = false;
+            entry.synced.store(false, Ordering::Release);
         }
         let this = Arc::clone(self);
         Some(tokio::spawn(async move {
@@ -439,9 +454,10 @@ impl Replication {
     }
 
     async fn sync_once(&self, shard: u32) -> Result<(), String> {
-        let Some((state, primary)) = self.replicas.get(&shard) else {
+        let Some(entry) = self.replicas.get(&shard) else {
             return Ok(());
         };
+        let primary = &entry.primary;
         let started = Instant::now();
         let session = primary
             .sync(SyncRequest {
@@ -472,11 +488,11 @@ impl Replication {
                 table.replace(shard, image, now);
             }
         }
-        let mut state = lock(state);
+        let mut state = lock(&entry.state);
         state.stream_id = session.stream_id;
         state.expected = session.next_sequence;
         state.syncing = false;
-        state.synced = true;
+        entry.synced.store(true, Ordering::Release);
         metrics::counter!("tessera_ps_replication_syncs_total").increment(1);
         self.syncs.fetch_add(1, Ordering::Relaxed);
         tracing::info!(shard, rows, bytes = data.len(), took = ?started.elapsed(), "shard copied from its primary");
@@ -575,7 +591,7 @@ impl v1::Replication for ReplicationService {
         let mut answer = ReplicateResponse::default();
         let mut resync = Vec::new();
         for entry in &request.pushes {
-            let Some((state, _)) = r.replicas.get(&entry.shard) else {
+            let Some(replica) = r.replicas.get(&entry.shard) else {
                 // Not a replica of it (configuration changed): stop the
                 // primary forwarding it here.
                 if !answer.out_of_sync.contains(&entry.shard) {
@@ -584,7 +600,7 @@ impl v1::Replication for ReplicationService {
                 answer.processed += 1;
                 continue;
             };
-            let mut state = lock(state);
+            let mut state = lock(&replica.state);
             if answer.out_of_sync.contains(&entry.shard) {
                 answer.processed += 1;
                 continue;
@@ -593,14 +609,16 @@ impl v1::Replication for ReplicationService {
                 answer.syncing = true;
                 break;
             }
-            let in_step = state.synced && state.stream_id == request.stream_id && !entry.gap;
+            let in_step = replica.synced.load(Ordering::Acquire)
+                && state.stream_id == request.stream_id
+                && !entry.gap;
             if in_step && entry.sequence < state.expected {
                 // Already applied (a retried batch).
                 answer.processed += 1;
                 continue;
             }
             if !in_step || entry.sequence != state.expected {
-                state.synced = false;
+                replica.synced.store(false, Ordering::Release);
                 answer.out_of_sync.push(entry.shard);
                 resync.push(entry.shard);
                 metrics::counter!("tessera_ps_replication_out_of_sync_total").increment(1);
