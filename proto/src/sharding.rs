@@ -33,6 +33,14 @@ pub fn jump_consistent_hash(mut key: u64, buckets: u32) -> u32 {
     b as u32
 }
 
+/// The replica group holding the primary of `shard` when the model has
+/// `replica_groups` groups: `shard % replica_groups`, spreading primaries
+/// (and so Push load) over the groups. Servers and workers must agree on
+/// it, so both call this.
+pub fn primary_group(shard: u32, replica_groups: u32) -> u32 {
+    shard % replica_groups.max(1)
+}
+
 /// The shard of `key` among `num_shards` shards.
 pub fn shard_for_key(key: u64, num_shards: u32) -> u32 {
     jump_consistent_hash(splitmix64(key), num_shards)
@@ -40,6 +48,14 @@ pub fn shard_for_key(key: u64, num_shards: u32) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn primaries_rotate_over_the_replica_groups() {
+        let groups: Vec<u32> = (0..6).map(|shard| primary_group(shard, 3)).collect();
+        assert_eq!(groups, [0, 1, 2, 0, 1, 2]);
+        assert_eq!(primary_group(7, 1), 0);
+        assert_eq!(primary_group(7, 0), 0, "no groups configured: group 0");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -291,7 +291,7 @@ pub const MAX_DIM: u32 = 65_536;
 impl PsServerConfig {
     /// The replica group holding the primary of `shard`.
     pub fn primary_group(&self, shard: u32) -> u32 {
-        shard % self.replica_groups.max(1)
+        tessera_proto::sharding::primary_group(shard, self.replica_groups)
     }
 
     /// Whether this server is the primary of `shard`.
@@ -399,7 +399,7 @@ impl Validate for PsServerConfig {
             }
         }
         for (i, &shard) in self.shards.iter().enumerate() {
-            let primary = shard % self.replica_groups;
+            let primary = self.primary_group(shard);
             if primary != self.replica_group
                 && !self
                     .peers

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use futures::future::try_join_all;
 use tessera_proto::rows::write_f32s;
+use tessera_proto::sharding::primary_group;
 use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
@@ -188,7 +189,7 @@ impl PsClient {
                 transport.clone(),
             ));
             for &shard in &server.shards {
-                if shard % groups == server.replica_group {
+                if primary_group(shard, groups) == server.replica_group {
                     primaries[shard as usize] = Some((server.address.clone(), pusher.clone()));
                 }
                 endpoints[shard as usize].push((endpoint.clone(), channel.clone()));

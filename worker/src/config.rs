@@ -222,7 +222,7 @@ impl Validate for WorkerConfig {
         }
         let groups = self.replica_groups();
         for shard in 0..self.num_shards {
-            let primary = shard % groups;
+            let primary = tessera_proto::sharding::primary_group(shard, groups);
             if !self
                 .servers
                 .iter()
