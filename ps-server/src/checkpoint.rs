@@ -20,11 +20,11 @@
 //! corrupt checkpoint is refused with an error naming the file, never half
 //! loaded.
 //!
-//! Each (table, shard) is copied under its *cut* lock, which in-flight
-//! Pushes hold shared: the copy waits for them to finish and holds new ones
-//! back while it runs (a memory copy), so the saved shard reflects whole
-//! Pushes only, and serving goes on for everything else. The files are
-//! written after the locks are released.
+//! Each (table, shard) is encoded straight from its rows under its write
+//! lock, which every Push holds while it applies: the copy waits for the
+//! Push in flight and holds new ones back while it runs (a memory copy), so
+//! the saved shard reflects whole Pushes only, and serving goes on for
+//! everything else. The files are written after the lock is released.
 //!
 //! crc32fast (CRC-32, SIMD) checks integrity: the threat is torn or
 //! bit-rotted files, not an adversary.
@@ -147,52 +147,77 @@ pub struct LoadedCheckpoint {
     pub shards: Vec<(String, u32, ShardImage)>,
 }
 
-/// Copies one (table, shard) under its cut lock.
-fn snapshot(table: &Table, shard: u32) -> Option<ShardImage> {
-    let state = table.shard(shard)?;
-    let _cut = state.lock_writes();
-    Some(snapshot_locked(table, shard))
+/// Writes a row file (the format [`decode`] reads) as rows come.
+struct RowFileWriter {
+    out: Vec<u8>,
+    rows: u64,
 }
 
-/// Copies one (table, shard) whose write lock the caller holds.
-pub(crate) fn snapshot_locked(table: &Table, shard: u32) -> ShardImage {
-    let Some(state) = table.shard(shard) else {
-        return ShardImage::default();
-    };
-    let mut image = ShardImage::default();
-    state.rows.for_each_consistent(|key, row: &Row| {
-        image
-            .rows
-            .push((key, row.steps, row.values.to_vec(), row.state.to_vec()));
-    });
-    image.dedup = state.dedup.snapshot();
-    image
-}
+/// Where the row count sits in a row file: after the magic, dim, slots.
+const COUNT_AT: usize = 16;
 
-pub(crate) fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
-    let row_floats = dim as usize * (1 + slots as usize);
-    let mut out = Vec::with_capacity(32 + image.rows.len() * (12 + row_floats * 4));
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&dim.to_le_bytes());
-    out.extend_from_slice(&slots.to_le_bytes());
-    out.extend_from_slice(&(image.rows.len() as u64).to_le_bytes());
-    for (key, steps, values, state) in &image.rows {
-        out.extend_from_slice(&key.to_le_bytes());
-        out.extend_from_slice(&steps.to_le_bytes());
+impl RowFileWriter {
+    fn new(dim: u32, slots: u32, rows_hint: usize) -> Self {
+        let row_bytes = 12 + dim as usize * (1 + slots as usize) * 4;
+        let mut out = Vec::with_capacity(32 + rows_hint * row_bytes);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&dim.to_le_bytes());
+        out.extend_from_slice(&slots.to_le_bytes());
+        out.extend_from_slice(&0u64.to_le_bytes());
+        Self { out, rows: 0 }
+    }
+
+    fn row(&mut self, key: u64, steps: u32, values: &[f32], state: &[f32]) {
+        self.out.extend_from_slice(&key.to_le_bytes());
+        self.out.extend_from_slice(&steps.to_le_bytes());
         for v in values.iter().chain(state) {
-            out.extend_from_slice(&v.to_le_bytes());
+            self.out.extend_from_slice(&v.to_le_bytes());
         }
+        self.rows += 1;
     }
-    out.extend_from_slice(&(image.dedup.len() as u64).to_le_bytes());
-    for (worker, highest, bits) in &image.dedup {
-        out.extend_from_slice(&worker.to_le_bytes());
-        out.extend_from_slice(&highest.to_le_bytes());
-        out.extend_from_slice(&(bits.len() as u32).to_le_bytes());
-        for word in bits {
-            out.extend_from_slice(&word.to_le_bytes());
+
+    fn finish(mut self, dedup: &[(u64, u64, Vec<u64>)]) -> (Vec<u8>, u64) {
+        self.out[COUNT_AT..COUNT_AT + 8].copy_from_slice(&self.rows.to_le_bytes());
+        self.out
+            .extend_from_slice(&(dedup.len() as u64).to_le_bytes());
+        for (worker, highest, bits) in dedup {
+            self.out.extend_from_slice(&worker.to_le_bytes());
+            self.out.extend_from_slice(&highest.to_le_bytes());
+            self.out
+                .extend_from_slice(&(bits.len() as u32).to_le_bytes());
+            for word in bits {
+                self.out.extend_from_slice(&word.to_le_bytes());
+            }
         }
+        (self.out, self.rows)
     }
-    out
+}
+
+/// The row file of one (table, shard), written straight from the live rows
+/// (one copy); the caller holds the shard's write lock, so it holds whole
+/// Pushes only. Returns the bytes and the row count.
+pub(crate) fn encode_locked(table: &Table, shard: u32) -> (Vec<u8>, u64) {
+    let config = table.config();
+    let slots = config.optimizer.slots() as u32;
+    let Some(state) = table.shard(shard) else {
+        return RowFileWriter::new(config.dim, slots, 0).finish(&[]);
+    };
+    let mut writer = RowFileWriter::new(config.dim, slots, state.rows.len());
+    state.rows.for_each_consistent(|key, row: &Row| {
+        writer.row(key, row.steps, &row.values, &row.state);
+    });
+    writer.finish(&state.dedup.snapshot())
+}
+
+/// The row file of an image (tests and tools; the server writes from the
+/// live rows with [`encode_locked`]).
+#[cfg(test)]
+fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
+    let mut writer = RowFileWriter::new(dim, slots, image.rows.len());
+    for (key, steps, values, state) in &image.rows {
+        writer.row(*key, *steps, values, state);
+    }
+    writer.finish(&image.dedup).0
 }
 
 /// A cursor over a shard file that fails, never panics, on short input.
@@ -339,19 +364,22 @@ pub fn save(store: &Store, dir: &Path, keep: usize) -> Result<CheckpointInfo, Ch
             slots,
         });
         for &shard in store.hosted() {
-            let Some(image) = snapshot(table, shard) else {
+            let Some(state) = table.shard(shard) else {
                 continue;
             };
-            let encoded = encode(&image, config.dim, slots);
+            let (encoded, shard_rows) = {
+                let _cut = state.lock_writes();
+                encode_locked(table, shard)
+            };
             let file = format!("t{index}-s{shard}.rows");
             write_synced(&tmp.join(&file), &encoded)?;
-            rows += image.rows.len() as u64;
+            rows += shard_rows;
             bytes += encoded.len() as u64;
             manifest.files.push(ManifestFile {
                 file,
                 table: config.name.clone(),
                 shard,
-                rows: image.rows.len() as u64,
+                rows: shard_rows,
                 bytes: encoded.len() as u64,
                 crc32: crc32fast::hash(&encoded),
             });
@@ -616,7 +644,13 @@ mod tests {
         let mut out = Vec::new();
         for table in tables_sorted(store) {
             for &shard in store.hosted() {
-                let mut image = snapshot(table, shard).unwrap();
+                let config = table.config();
+                let (bytes, _) = {
+                    let _cut = table.shard(shard).unwrap().lock_writes();
+                    encode_locked(table, shard)
+                };
+                let mut image =
+                    decode(&bytes, config.dim, config.optimizer.slots() as u32).unwrap();
                 image.rows.sort_by_key(|r| r.0);
                 image.dedup.sort_by_key(|d| d.0);
                 out.push((table.config().name.clone(), shard, image));

@@ -514,19 +514,18 @@ impl Replication {
             .iter()
             .filter_map(|t| t.shard(shard).map(|s| s.lock_writes()))
             .collect();
-        let images: Vec<_> = tables
+        let files: Vec<_> = tables
             .iter()
-            .map(|t| (t, checkpoint::snapshot_locked(t, shard)))
+            .map(|t| (t, checkpoint::encode_locked(t, shard).0))
             .collect();
         let next_sequence = self.streams.get(&shard).map_or(0, |stream| *lock(stream));
         forwarder.attach(shard);
         drop(guards);
-        let mut blob = Vec::new();
-        for (table, image) in images {
-            let config = table.config();
-            let bytes = checkpoint::encode(&image, config.dim, config.optimizer.slots() as u32);
-            blob.extend_from_slice(&(config.name.len() as u32).to_le_bytes());
-            blob.extend_from_slice(config.name.as_bytes());
+        let mut blob = Vec::with_capacity(files.iter().map(|(_, f)| f.len() + 64).sum());
+        for (table, bytes) in files {
+            let name = &table.config().name;
+            blob.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            blob.extend_from_slice(name.as_bytes());
             blob.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
             blob.extend_from_slice(&bytes);
         }
