@@ -32,8 +32,8 @@ use tessera_rpc::{
 use super::generated::{BenchClient, BenchServer, Payload};
 use super::{BoxError, EchoService, histogram, micros};
 
-#[allow(clippy::unwrap_used, dead_code)]
-#[path = "../../rpc/tests/support/proxy.rs"]
+#[allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+#[path = "../../test-support/src/proxy.rs"]
 mod proxy;
 
 /// The transports compared.

@@ -10,8 +10,14 @@
 //! bitset (the anti-replay window of IPsec, RFC 4303 §3.4.3). A sequence
 //! above the window's bottom is admitted once; one below it cannot be told
 //! apart and is refused as [`Admission::TooOld`] (an error to the caller,
-//! never a silent drop). Memory is bounded: workers idle for `idle_expiry`
-//! are forgotten, and beyond `max_workers` the longest idle is.
+//! never a silent drop).
+//!
+//! Memory is bounded by `max_workers` windows (144 bytes each) per shard.
+//! A worker silent for `idle_expiry` is forgotten: a retry of its Pushes
+//! cannot come that late. A *new* worker that finds the table full of
+//! workers seen within `idle_expiry` is refused ([`Admission::Full`]),
+//! never admitted by forgetting another one: forgetting a live worker
+//! would let its retried Pushes be applied twice, silently.
 //!
 //! Sequence 0 (or worker 0) means "not deduplicated": plain gRPC clients
 //! and old workers send no ids, and their Pushes are applied as they come.
@@ -37,6 +43,24 @@ pub enum Admission {
         /// The lowest sequence still tracked.
         lowest: u64,
     },
+    /// A worker not seen before, and `max_workers` others are remembered:
+    /// refused until some go idle.
+    Full {
+        /// The limit.
+        max_workers: usize,
+    },
+}
+
+/// The deduplication window of one worker, as checkpoints and shard copies
+/// carry it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerWindow {
+    /// The worker.
+    pub worker: u64,
+    /// The highest sequence it pushed.
+    pub highest: u64,
+    /// Bit `i` of the window set: `highest - i` was applied.
+    pub bits: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -145,14 +169,11 @@ impl PushDedup {
         if workers.len() >= self.limits.max_workers {
             let expiry = self.limits.idle_expiry;
             workers.retain(|_, w| now.saturating_duration_since(w.last_seen) < expiry);
-            if workers.len() >= self.limits.max_workers
-                && let Some(oldest) = workers
-                    .iter()
-                    .min_by_key(|(_, w)| w.last_seen)
-                    .map(|(&id, _)| id)
-            {
-                workers.remove(&oldest);
-                metrics::counter!("tessera_ps_dedup_workers_dropped_total").increment(1);
+            if workers.len() >= self.limits.max_workers {
+                metrics::counter!("tessera_ps_dedup_full_total").increment(1);
+                return Admission::Full {
+                    max_workers: self.limits.max_workers,
+                };
             }
         }
         workers.insert(worker, Window::new(sequence, now));
@@ -172,29 +193,32 @@ impl PushDedup {
         self.workers.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
-    /// The (worker, highest sequence, window bits) of every worker, for a
-    /// checkpoint.
-    pub fn snapshot(&self) -> Vec<(u64, u64, Vec<u64>)> {
+    /// The window of every worker remembered, for a checkpoint or a copy.
+    pub fn snapshot(&self) -> Vec<WorkerWindow> {
         let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
         workers
             .iter()
-            .map(|(&id, w)| (id, w.highest, w.seen.to_vec()))
+            .map(|(&worker, w)| WorkerWindow {
+                worker,
+                highest: w.highest,
+                bits: w.seen.to_vec(),
+            })
             .collect()
     }
 
     /// Restores what [`PushDedup::snapshot`] saved (workers count as just
     /// seen).
-    pub fn restore(&self, saved: &[(u64, u64, Vec<u64>)], now: Instant) {
+    pub fn restore(&self, saved: &[WorkerWindow], now: Instant) {
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
-        for (id, highest, bits) in saved {
+        for window in saved {
             let mut seen = [0u64; WORDS];
-            for (slot, word) in seen.iter_mut().zip(bits) {
+            for (slot, word) in seen.iter_mut().zip(&window.bits) {
                 *slot = *word;
             }
             workers.insert(
-                *id,
+                window.worker,
                 Window {
-                    highest: *highest,
+                    highest: window.highest,
                     seen,
                     last_seen: now,
                 },
@@ -272,6 +296,7 @@ mod tests {
                 Admission::Apply => "apply",
                 Admission::Duplicate => "dup",
                 Admission::TooOld { .. } => "old",
+                Admission::Full { .. } => "full",
             };
             assert_eq!(got, expected, "sequence {candidate}, highest {highest}");
             if got == "apply" {
@@ -281,7 +306,7 @@ mod tests {
     }
 
     #[test]
-    fn memory_is_bounded_by_expiring_and_dropping_idle_workers() {
+    fn memory_is_bounded_by_expiring_idle_workers() {
         let d = dedup(100);
         let t0 = Instant::now();
         for worker in 1..=100 {
@@ -290,13 +315,37 @@ mod tests {
         assert_eq!(d.workers(), 100);
         // A new worker after the others went idle: they expire.
         let later = t0 + Duration::from_secs(61);
-        d.admit(1000, 1, later);
+        assert_eq!(d.admit(1000, 1, later), Admission::Apply);
         assert_eq!(d.workers(), 1);
-        // All active: the longest idle is dropped, the bound holds.
-        for worker in 2000..2200 {
-            d.admit(worker, 1, later + Duration::from_millis(worker));
-            assert!(d.workers() <= 100);
+    }
+
+    /// Forgetting a live worker to admit a new one would apply that
+    /// worker's retried Pushes twice: a full table refuses the newcomer
+    /// instead, and every remembered worker keeps its exact answers.
+    #[test]
+    fn a_full_table_refuses_new_workers_and_forgets_none() {
+        let d = dedup(100);
+        let t0 = Instant::now();
+        for worker in 1..=100 {
+            assert_eq!(d.admit(worker, 7, t0), Admission::Apply);
         }
+        for newcomer in 2000..2200 {
+            let now = t0 + Duration::from_millis(newcomer);
+            assert_eq!(
+                d.admit(newcomer, 1, now),
+                Admission::Full { max_workers: 100 }
+            );
+            assert_eq!(d.workers(), 100);
+        }
+        // Every remembered worker's retry is still recognised (before the
+        // fix, the least recently seen ones were dropped and re-applied).
+        let now = t0 + Duration::from_secs(1);
+        for worker in 1..=100 {
+            assert_eq!(d.admit(worker, 7, now), Admission::Duplicate, "{worker}");
+        }
+        // Once they go idle, newcomers get in.
+        let idle = now + Duration::from_secs(61);
+        assert_eq!(d.admit(5000, 1, idle), Admission::Apply);
     }
 
     #[test]

@@ -6,11 +6,14 @@
 mod admin;
 pub mod checkpoint;
 pub mod config;
+pub mod coordination;
 pub mod dedup;
 pub mod replication;
+pub mod rowfile;
 mod service;
 pub mod store;
 pub mod table;
+pub mod version;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -26,7 +29,9 @@ use tokio_util::task::AbortOnDropHandle;
 
 pub use admin::{AdminService, Checkpointer};
 pub use checkpoint::CheckpointError;
+pub use coordination::Coordination;
 pub use replication::{Replication, ReplicationService};
+pub use version::Version;
 
 pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
 pub use service::PsService;
@@ -42,6 +47,8 @@ pub struct PsServer {
     /// Checkpoints, with their period (zero: on demand only).
     checkpoints: Option<(Arc<Checkpointer>, std::time::Duration)>,
     replication: Arc<Replication>,
+    coordination: Coordination,
+    shutdown_grace: std::time::Duration,
 }
 
 struct GrpcEndpoint {
@@ -91,11 +98,18 @@ impl PsServer {
         // reaches the peers over it.
         let transport = Transport::new(server_config.transport.clone())
             .map_err(|err| PsError::Transport(err.to_string()))?;
-        let replication = Arc::new(Replication::new(Arc::clone(&store), config, &transport));
+        let fence = coordination::fence_for(config);
+        let replication =
+            Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
+        let coordination = Coordination::prepare(config, &replication, fence).await?;
         let service = PsService::new(
             Arc::clone(&store),
             config.replica_group,
             Arc::clone(&replication),
+            match config.coordinator.kind {
+                config::CoordinatorKind::Static => "static",
+                config::CoordinatorKind::Etcd => "etcd",
+            },
         );
         let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let grpc = match &config.grpc_listen {
@@ -136,6 +150,7 @@ impl PsServer {
             num_shards = config.num_shards,
             replica_group = config.replica_group,
             mode = ?config.mode,
+            coordinator = ?config.coordinator.kind,
             "ps-server listening"
         );
         Ok(Self {
@@ -143,6 +158,8 @@ impl PsServer {
             store,
             grpc,
             replication,
+            coordination,
+            shutdown_grace: std::time::Duration::from_millis(config.shutdown_grace_ms),
             checkpoints: checkpoints.map(|c| {
                 (
                     c,
@@ -174,16 +191,27 @@ impl PsServer {
         &self.replication
     }
 
-    /// Serves until `shutdown` completes, then shuts down gracefully (the
-    /// gRPC endpoint too).
+    /// Serves until `shutdown` completes, then shuts down gracefully: with
+    /// a coordinator, the shards it leads are handed over first; then
+    /// in-flight requests finish (the gRPC endpoint's too).
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
-        let _replication: Vec<AbortOnDropHandle<()>> = self
-            .replication
-            .start()
-            .into_iter()
-            .map(AbortOnDropHandle::new)
-            .collect();
-        let _periodic = self.checkpoints.as_ref().and_then(|(checkpoints, every)| {
+        let Self {
+            server,
+            grpc,
+            replication,
+            mut coordination,
+            checkpoints,
+            shutdown_grace,
+            ..
+        } = self;
+        replication.start();
+        coordination.start(&replication);
+        let shutdown = async move {
+            shutdown.await;
+            coordination.shutdown(shutdown_grace).await;
+        };
+        let _stop_replication = StopOnDrop(Arc::clone(&replication));
+        let _periodic = checkpoints.as_ref().and_then(|(checkpoints, every)| {
             (!every.is_zero()).then(|| {
                 AbortOnDropHandle::new(tokio::spawn(periodic_checkpoints(
                     Arc::clone(checkpoints),
@@ -191,8 +219,8 @@ impl PsServer {
                 )))
             })
         });
-        let Some(grpc) = self.grpc else {
-            self.server.serve_with_shutdown(shutdown).await;
+        let Some(grpc) = grpc else {
+            server.serve_with_shutdown(shutdown).await;
             return;
         };
         let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -211,13 +239,22 @@ impl PsServer {
                 tracing::error!(%err, "gRPC endpoint failed");
             }
         });
-        self.server
+        server
             .serve_with_shutdown(async move {
                 shutdown.await;
                 let _ = stop_grpc.send(());
             })
             .await;
         let _ = grpc_task.await;
+    }
+}
+
+/// Stops replication's background tasks when the server stops serving.
+struct StopOnDrop(Arc<Replication>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.shutdown();
     }
 }
 
@@ -249,6 +286,9 @@ pub enum PsError {
     /// The checkpoint to restore is partial, corrupt or does not fit.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The coordinator could not be set up.
+    #[error(transparent)]
+    Coordinator(#[from] tessera_coord::CoordError),
     /// The gRPC endpoint could not listen.
     #[error("grpc_listen = {addr}: {source}")]
     GrpcBind {

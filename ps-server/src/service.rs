@@ -1,6 +1,7 @@
 //! The `ParameterServer` RPC service over a [`Store`].
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use tessera_proto::v1::{
     self, FetchRequest, FetchResponse, HealthRequest, HealthResponse, PushRequest, PushResponse,
@@ -25,6 +26,7 @@ impl From<StoreError> for Status {
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode
             | StoreError::SequenceTooOld { .. } => Status::failed_precondition(message),
+            StoreError::DedupFull { .. } => Status::resource_exhausted(message),
         }
     }
 }
@@ -37,15 +39,23 @@ pub struct PsService {
     store: Arc<Store>,
     replica_group: u32,
     replication: Arc<Replication>,
+    coordinator: &'static str,
 }
 
 impl PsService {
-    /// A service over `store`, reporting `replica_group` in Health.
-    pub fn new(store: Arc<Store>, replica_group: u32, replication: Arc<Replication>) -> Self {
+    /// A service over `store`, reporting `replica_group` and the
+    /// `coordinator` kind in Health.
+    pub fn new(
+        store: Arc<Store>,
+        replica_group: u32,
+        replication: Arc<Replication>,
+        coordinator: &'static str,
+    ) -> Self {
         Self {
             store,
             replica_group,
             replication,
+            coordinator,
         }
     }
 }
@@ -56,9 +66,10 @@ impl v1::ParameterServer for PsService {
         context: RequestContext,
         request: FetchRequest,
     ) -> Result<FetchResponse, Status> {
-        if !self.replication.readable(request.shard) {
+        if self.store.hosted().contains(&request.shard) && !self.replication.readable(request.shard)
+        {
             return Err(Status::unavailable(format!(
-                "shard {} is being copied from its primary",
+                "shard {} has no complete copy here yet (it is being copied, or recovered)",
                 request.shard
             )));
         }
@@ -83,15 +94,7 @@ impl v1::ParameterServer for PsService {
         _context: RequestContext,
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
-        if self.store.hosted().contains(&request.shard)
-            && !self.replication.is_primary(request.shard)
-        {
-            return Err(Status::failed_precondition(format!(
-                "this server replicates shard {}; push to its primary",
-                request.shard
-            )));
-        }
-        let outcome = self.store.push_then(
+        let checked = self.store.check_push(
             &request.table,
             request.shard,
             &request.keys,
@@ -100,11 +103,37 @@ impl v1::ParameterServer for PsService {
                 worker: request.worker_id,
                 sequence: request.sequence,
             },
-            || self.replication.forward(request.shard, &request),
         )?;
+        // Admission, application and the stream position under the
+        // shard's write lock: Pushes take their positions in the order they
+        // change the rows, and no role change falls between.
+        let (outcome, epoch, ticket) = {
+            let now = Instant::now();
+            let mut writing =
+                self.store
+                    .lock_shard(request.shard)
+                    .ok_or_else(|| StoreError::ShardNotHosted {
+                        shard: request.shard,
+                        hosted: self.store.hosted().to_vec(),
+                    })?;
+            let epoch = self.replication.admit_push(request.shard, now)?;
+            let outcome = checked.apply(&writing, now)?;
+            let ticket = if outcome.duplicate {
+                self.replication
+                    .duplicate_ticket(request.shard, epoch, writing.version())
+            } else {
+                let version = writing.version().next(epoch);
+                writing.set_version(version);
+                self.replication
+                    .record_push(request.shard, version, &request)
+            };
+            (outcome, epoch, ticket)
+        };
+        self.replication.confirmed(ticket).await?;
         Ok(PushResponse {
             applied: u32::try_from(outcome.applied).unwrap_or(u32::MAX),
             duplicate: outcome.duplicate,
+            epoch,
         })
     }
 
@@ -123,15 +152,12 @@ impl v1::ParameterServer for PsService {
             })
             .collect();
         tables.sort_by(|a, b| a.name.cmp(&b.name));
-        let caught_up = self.replication.caught_up();
         Ok(HealthResponse {
-            serving: caught_up,
-            state: if caught_up {
-                v1::ServerState::Serving
-            } else {
-                v1::ServerState::CatchingUp
-            } as i32,
+            serving: self.replication.caught_up(),
+            state: self.replication.server_state() as i32,
             primary_shards: self.replication.primary_shards(),
+            shard_health: self.replication.shard_health(),
+            coordinator: self.coordinator.to_owned(),
             num_shards: self.store.num_shards(),
             shards: self.store.hosted().to_vec(),
             replica_group: self.replica_group,

@@ -5,6 +5,7 @@
 //! request is applied; an accepted Push is applied to every row it names.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use tessera_proto::rows::{F32_BYTES, write_f32s};
@@ -14,6 +15,7 @@ use crate::config::{Mode, PsServerConfig};
 use crate::dedup::Admission;
 pub use crate::table::Table;
 use crate::table::{GradientError, ShardState, dedup_limits};
+use crate::version::Version;
 
 /// Why a Fetch or Push was refused. Nothing is applied when one is returned.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -81,6 +83,17 @@ pub enum StoreError {
         /// The lowest sequence still tracked.
         lowest: u64,
     },
+    /// The Push comes from a worker the shard's deduplication has no room
+    /// for: refused, so that no remembered worker has to be forgotten.
+    #[error(
+        "push deduplication of this shard remembers {max_workers} workers (dedup_max_workers), all seen within dedup_idle_secs; worker {worker:#x} is refused until some go idle"
+    )]
+    DedupFull {
+        /// The refused worker.
+        worker: u64,
+        /// The limit.
+        max_workers: usize,
+    },
     /// The output buffer of a fetch has the wrong size (a caller bug).
     #[error("fetch output holds {got} bytes, {expected} needed")]
     OutputLength {
@@ -114,6 +127,13 @@ pub struct PushId {
 }
 
 /// All tables of one server.
+///
+/// Each hosted shard has one write lock for all its tables, held by
+/// everything that changes its rows (a Push, a copy replacing the shard)
+/// or must see whole Pushes only (a checkpoint, a copy for another
+/// server). It guards the shard's [`Version`]: whoever changes the rows
+/// sets the version under the same lock, so a copy and its version always
+/// agree. Fetches do not take it.
 #[derive(Debug)]
 pub struct Store {
     mode: Mode,
@@ -121,6 +141,43 @@ pub struct Store {
     hosted: Vec<u32>,
     max_keys: u32,
     tables: HashMap<String, Table>,
+    writers: HashMap<u32, Mutex<Version>>,
+}
+
+/// The write lock of one shard (see [`Store`]), with its version.
+#[derive(Debug)]
+pub struct ShardGuard<'a> {
+    shard: u32,
+    version: MutexGuard<'a, Version>,
+}
+
+impl ShardGuard<'_> {
+    /// The shard.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// The version of the shard's rows.
+    pub fn version(&self) -> Version {
+        *self.version
+    }
+
+    /// Sets the version of the shard's rows (after changing them).
+    pub fn set_version(&mut self, version: Version) {
+        *self.version = version;
+    }
+}
+
+/// A Push that passed every check ([`Store::check_push`]), ready to apply
+/// under its shard's write lock.
+#[derive(Debug)]
+pub struct CheckedPush<'a> {
+    table: &'a Table,
+    state: &'a ShardState,
+    shard: u32,
+    keys: &'a [u64],
+    gradients: &'a [u8],
+    id: PushId,
 }
 
 impl Store {
@@ -143,8 +200,29 @@ impl Store {
                     )
                 })
                 .collect(),
+            writers: hosted
+                .iter()
+                .map(|&s| (s, Mutex::new(Version::default())))
+                .collect(),
             hosted,
         }
+    }
+
+    /// The write lock of `shard` (see [`Store`]); `None` if it is not
+    /// hosted here.
+    pub fn lock_shard(&self, shard: u32) -> Option<ShardGuard<'_>> {
+        let lock = self.writers.get(&shard)?;
+        Some(ShardGuard {
+            shard,
+            // A panic under the lock leaves at worst one Push half applied
+            // to a row; serving beats failing every later request.
+            version: lock.lock().unwrap_or_else(|p| p.into_inner()),
+        })
+    }
+
+    /// The version of `shard`'s rows now (`None`: not hosted).
+    pub fn version(&self, shard: u32) -> Option<Version> {
+        self.lock_shard(shard).map(|guard| guard.version())
     }
 
     /// Training or inference.
@@ -172,12 +250,18 @@ impl Store {
         self.tables.get(name)
     }
 
-    /// Installs a verified checkpoint (see [`crate::checkpoint::load`]).
+    /// Installs a verified checkpoint (see [`crate::checkpoint::load`]):
+    /// its rows, and each shard's version as saved.
     pub fn install(&self, checkpoint: crate::checkpoint::LoadedCheckpoint) {
         let now = Instant::now();
+        for (shard, version) in checkpoint.versions {
+            if let Some(mut guard) = self.lock_shard(shard) {
+                guard.set_version(version);
+            }
+        }
         for (table, shard, image) in checkpoint.shards {
-            if let Some(table) = self.tables.get(&table) {
-                table.install(shard, image, now);
+            if let (Some(table), Some(guard)) = (self.tables.get(&table), self.lock_shard(shard)) {
+                table.install(&guard, shard, image, now);
             }
         }
     }
@@ -287,7 +371,9 @@ impl Store {
     /// rows of `keys` with the table's optimizer, once per `id` (a retried
     /// Push with the same id is acknowledged as a duplicate). Validates
     /// everything before changing any row; duplicate keys in one request
-    /// are applied once per occurrence.
+    /// are applied once per occurrence. Leaves the shard's version as it
+    /// is: servers apply Pushes through [`Store::check_push`] and
+    /// [`CheckedPush::apply`] and move the version themselves.
     pub fn push(
         &self,
         table: &str,
@@ -296,21 +382,26 @@ impl Store {
         gradients: &[u8],
         id: PushId,
     ) -> Result<PushOutcome, StoreError> {
-        self.push_then(table, shard, keys, gradients, id, || {})
+        let push = self.check_push(table, shard, keys, gradients, id)?;
+        let guard = self
+            .lock_shard(shard)
+            .ok_or_else(|| StoreError::ShardNotHosted {
+                shard,
+                hosted: self.hosted.clone(),
+            })?;
+        push.apply(&guard, Instant::now())
     }
 
-    /// [`Store::push`], running `applied` after the rows changed and
-    /// before the next Push to the same (table, shard) may (a primary
-    /// queues the Push for its replicas there, in application order).
-    pub fn push_then(
-        &self,
+    /// Runs every check of a Push (table, shard, keys, key limit, mode,
+    /// gradient length and values) without taking any lock.
+    pub fn check_push<'a>(
+        &'a self,
         table: &str,
         shard: u32,
-        keys: &[u64],
-        gradients: &[u8],
+        keys: &'a [u64],
+        gradients: &'a [u8],
         id: PushId,
-        applied: impl FnOnce(),
-    ) -> Result<PushOutcome, StoreError> {
+    ) -> Result<CheckedPush<'a>, StoreError> {
         if self.mode == Mode::Inference {
             return Err(StoreError::InferenceMode);
         }
@@ -331,19 +422,42 @@ impl Store {
                 index,
             },
         })?;
-        match table.apply(
+        Ok(CheckedPush {
+            table,
             state,
+            shard,
             keys,
             gradients,
+            id,
+        })
+    }
+}
+
+impl CheckedPush<'_> {
+    /// The shard it goes to.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// Applies it, unless its id was applied before (then it is
+    /// acknowledged as a duplicate). The caller holds the shard's write
+    /// lock.
+    pub fn apply(&self, writing: &ShardGuard<'_>, now: Instant) -> Result<PushOutcome, StoreError> {
+        debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
+        let id = self.id;
+        match self.table.apply(
+            writing,
+            self.state,
+            self.keys,
+            self.gradients,
             id.worker,
             id.sequence,
-            Instant::now(),
-            applied,
+            now,
         ) {
             Admission::Apply => {
-                metrics::counter!("tessera_ps_push_keys_total").increment(keys.len() as u64);
+                metrics::counter!("tessera_ps_push_keys_total").increment(self.keys.len() as u64);
                 Ok(PushOutcome {
-                    applied: keys.len(),
+                    applied: self.keys.len(),
                     duplicate: false,
                 })
             }
@@ -358,6 +472,10 @@ impl Store {
                 worker: id.worker,
                 sequence: id.sequence,
                 lowest,
+            }),
+            Admission::Full { max_workers } => Err(StoreError::DedupFull {
+                worker: id.worker,
+                max_workers,
             }),
         }
     }

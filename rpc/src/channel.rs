@@ -374,9 +374,11 @@ impl Channel {
         if header.status == Code::Ok.as_u16() {
             Ok(body)
         } else {
-            Err(RpcError::Status(Status::new(
+            let (message, details) = crate::wire::decode_status_body(header.flags, &body);
+            Err(RpcError::Status(Status::with_details(
                 Code::from_u16(header.status),
-                String::from_utf8_lossy(&body).into_owned(),
+                message,
+                details,
             )))
         }
     }

@@ -45,10 +45,12 @@ pub fn request_context<T>(
 /// A gRPC status with the same code and message (Tessera's codes are
 /// gRPC's).
 pub fn to_grpc_status(status: Status) -> tonic::Status {
-    tonic::Status::new(
-        tonic::Code::from_i32(i32::from(status.code().as_u16())),
-        status.message(),
-    )
+    let code = tonic::Code::from_i32(i32::from(status.code().as_u16()));
+    if status.details().is_empty() {
+        tonic::Status::new(code, status.message())
+    } else {
+        tonic::Status::with_details(code, status.message(), status.details().clone())
+    }
 }
 
 /// Parses a `grpc-timeout` header value: up to 8 digits and a unit
@@ -93,5 +95,11 @@ mod tests {
         assert_eq!(status.message(), "no table `x`");
         let status = to_grpc_status(Status::new(Code::ResourceExhausted, ""));
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        let status = to_grpc_status(Status::with_details(
+            Code::FailedPrecondition,
+            "not the primary",
+            &b"\x08\x01"[..],
+        ));
+        assert_eq!(status.details(), b"\x08\x01");
     }
 }

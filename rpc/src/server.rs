@@ -311,8 +311,8 @@ async fn respond(
     result: Result<Message, Status>,
     received: Instant,
 ) {
-    let (code, body) = match result {
-        Ok(body) => (Code::Ok, body),
+    let (code, flags, body) = match result {
+        Ok(body) => (Code::Ok, 0, body),
         Err(status) => {
             let mut text = status.message().to_owned();
             if text.len() > MAX_ERROR_MESSAGE {
@@ -322,14 +322,16 @@ async fn respond(
                 }
                 text.truncate(cut);
             }
-            (status.code(), Message::from(Bytes::from(text)))
+            let (flags, body) = crate::wire::encode_status_body(&text, status.details());
+            (status.code(), flags, Message::from(body))
         }
     };
     metrics::counter!(crate::observe::SERVER_REQUESTS, "method" => method, "code" => code_label(code))
         .increment(1);
     metrics::histogram!(crate::observe::SERVER_DURATION, "method" => method, "code" => code_label(code))
         .record(received.elapsed().as_secs_f64());
-    let header = RpcHeader::response(request, code.as_u16());
+    let mut header = RpcHeader::response(request, code.as_u16());
+    header.flags = flags;
     let header = match send_pool.alloc_copy(&header.encode()) {
         Ok(buf) => buf.freeze(),
         Err(err) => {

@@ -1,5 +1,7 @@
 use std::fmt;
 
+use bytes::Bytes;
+
 /// Status codes, numbered as gRPC numbers them so that a status maps
 /// one-to-one onto a gRPC status when the same handlers are served over gRPC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,12 +81,17 @@ impl fmt::Display for Code {
     }
 }
 
-/// An error status returned by a handler and carried back to the caller.
+/// An error status returned by a handler and carried back to the caller:
+/// a code, a message for people, and optional details for programs (an
+/// encoded protobuf message the service defines, as gRPC's
+/// `grpc-status-details-bin`), so that a caller never has to parse the
+/// message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct Status {
     code: Code,
     message: String,
+    details: Bytes,
 }
 
 impl Status {
@@ -93,7 +100,23 @@ impl Status {
         Self {
             code,
             message: message.into(),
+            details: Bytes::new(),
         }
+    }
+
+    /// A status with `code`, `message` and machine-readable `details` (an
+    /// encoded message whose type the service documents).
+    pub fn with_details(code: Code, message: impl Into<String>, details: impl Into<Bytes>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            details: details.into(),
+        }
+    }
+
+    /// The details (empty when there are none).
+    pub fn details(&self) -> &Bytes {
+        &self.details
     }
 
     /// The status code.

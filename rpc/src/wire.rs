@@ -3,7 +3,9 @@
 //! Every RPC message is one transport message: a fixed 24-byte header
 //! followed by the body. For a request, and for a response whose status is
 //! `Ok`, the body is the protobuf-encoded message; for an error response it
-//! is the status message in UTF-8.
+//! is the status message in UTF-8 or, with the [`FLAG_STATUS_DETAILS`]
+//! flag, the message's length (u32 LE), the message, and the status
+//! details (see [`encode_status_body`]).
 //!
 //! ```text
 //!  0      1        2     3      4         6          8          12             16           24
@@ -26,6 +28,38 @@ pub const VERSION: u8 = 1;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 24;
 
+/// Flag of an error response whose body carries status details.
+pub const FLAG_STATUS_DETAILS: u8 = 0x01;
+
+/// The body of an error response with `message` and `details`, and the
+/// header flags that go with it.
+pub fn encode_status_body(message: &str, details: &[u8]) -> (u8, Bytes) {
+    if details.is_empty() {
+        return (0, Bytes::copy_from_slice(message.as_bytes()));
+    }
+    let mut body = Vec::with_capacity(4 + message.len() + details.len());
+    body.extend_from_slice(&(message.len() as u32).to_le_bytes());
+    body.extend_from_slice(message.as_bytes());
+    body.extend_from_slice(details);
+    (FLAG_STATUS_DETAILS, Bytes::from(body))
+}
+
+/// The message and details of an error response's body (the inverse of
+/// [`encode_status_body`]). Never fails: a body that does not parse is
+/// taken as the message, lossily, with no details.
+pub fn decode_status_body(flags: u8, body: &Bytes) -> (String, Bytes) {
+    if flags & FLAG_STATUS_DETAILS != 0
+        && let Some(len) = body.get(..4)
+        && let Some(end) = (u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize)
+            .checked_add(4)
+            .filter(|&end| end <= body.len())
+    {
+        let message = String::from_utf8_lossy(&body[4..end]).into_owned();
+        return (message, body.slice(end..));
+    }
+    (String::from_utf8_lossy(body).into_owned(), Bytes::new())
+}
+
 /// Whether a message is a request or a response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -40,7 +74,8 @@ pub enum Kind {
 pub struct RpcHeader {
     /// Request or response.
     pub kind: Kind,
-    /// Reserved for future use; sent as 0, ignored on receipt.
+    /// [`FLAG_STATUS_DETAILS`] on an error response with details;
+    /// otherwise 0. Unknown flags are ignored on receipt.
     pub flags: u8,
     /// Status code of a response ([`crate::Code`] as u16); 0 in requests.
     pub status: u16,
@@ -183,6 +218,24 @@ mod tests {
             (Kind::Response, 7, 99, 5)
         );
         assert_eq!(request.deadline(), None);
+    }
+
+    proptest! {
+        #[test]
+        fn status_bodies_round_trip_and_any_body_decodes(
+            message in ".{0,40}",
+            details in proptest::collection::vec(any::<u8>(), 0..40),
+            garbage in proptest::collection::vec(any::<u8>(), 0..40),
+            flags in any::<u8>(),
+        ) {
+            let (f, body) = encode_status_body(&message, &details);
+            prop_assert_eq!(f == FLAG_STATUS_DETAILS, !details.is_empty());
+            let (m, d) = decode_status_body(f, &body);
+            prop_assert_eq!(m, message);
+            prop_assert_eq!(&d[..], &details[..]);
+            // Whatever a peer sends decodes to something, never panics.
+            let _ = decode_status_body(flags, &Bytes::from(garbage));
+        }
     }
 
     #[test]

@@ -809,7 +809,7 @@ mod replica_set {
 
 // Each user of the shared proxy uses some of its faults.
 #[allow(dead_code)]
-#[path = "support/proxy.rs"]
+#[path = "../../test-support/src/proxy.rs"]
 mod proxy;
 
 mod recovery {

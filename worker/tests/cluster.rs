@@ -4,20 +4,19 @@
 
 use std::sync::Arc;
 
-use tessera_proto::rows::get_f32s;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
-use tessera_ps_server::config::{Initializer, OptimizerConfig, PeerConfig};
-use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
+use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
+use tessera_test_support::{InProcess, InProcessCluster, f32s};
 use tessera_worker::workload::{self, WorkloadKind};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig, WorkerError, WorkloadConfig};
 use tokio::sync::oneshot;
 
 struct Cluster {
     config: WorkerConfig,
-    stops: Vec<oneshot::Sender<()>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    servers: InProcessCluster,
 }
 
 async fn cluster() -> Cluster {
@@ -32,66 +31,33 @@ fn soft_rdma() -> RdmaConfig {
 }
 
 async fn cluster_over(transport: TransportKind) -> Cluster {
-    let mut servers = Vec::new();
-    let mut stops = Vec::new();
-    let mut tasks = Vec::new();
-    // Addresses first: each server lists the others as its peers.
-    let mut layout = Vec::new();
-    for group in 0..2u32 {
-        for shard in 0..2u32 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            layout.push((group, shard, format!("127.0.0.1:{port}")));
-        }
-    }
-    for (group, shard, address) in layout.clone() {
-        {
-            let config = PsServerConfig {
-                listen: address.clone(),
-                num_shards: 2,
-                shards: vec![shard],
-                replica_group: group,
-                replica_groups: 2,
-                peers: layout
-                    .iter()
-                    .filter(|(_, _, a)| *a != address)
-                    .map(|(g, s, a)| PeerConfig {
-                        address: a.clone(),
-                        replica_group: *g,
-                        shards: vec![*s],
-                    })
-                    .collect(),
-                transport,
-                rdma: soft_rdma(),
-                tables: vec![TableConfig {
-                    optimizer: OptimizerConfig::sgd(0.5),
-                    initializer: Initializer::Uniform { scale: 0.1 },
-                    ..TableConfig::new("emb", 8)
-                }],
-                ..PsServerConfig::default()
-            };
-            let server = PsServer::bind(&config).await.unwrap();
-            servers.push(ServerEndpoint {
-                address: server.local_addr().to_string(),
-                shards: vec![shard],
-                replica_group: group,
-            });
-            let (stop, stopped) = oneshot::channel::<()>();
-            tasks.push(tokio::spawn(server.serve(async {
-                let _ = stopped.await;
-            })));
-            stops.push(stop);
-        }
-    }
+    let base = PsServerConfig {
+        transport,
+        rdma: soft_rdma(),
+        tables: vec![TableConfig {
+            optimizer: OptimizerConfig::sgd(0.5),
+            initializer: Initializer::Uniform { scale: 0.1 },
+            ..TableConfig::new("emb", 8)
+        }],
+        ..PsServerConfig::default()
+    };
+    let servers = InProcessCluster::start(2, 2, &base).await;
+    let endpoints = servers
+        .layout
+        .servers
+        .iter()
+        .map(|(group, shard, address)| ServerEndpoint {
+            address: address.clone(),
+            shards: vec![*shard],
+            replica_group: *group,
+        })
+        .collect();
     Cluster {
         config: WorkerConfig {
             transport,
             rdma: soft_rdma(),
             num_shards: 2,
-            servers,
+            servers: endpoints,
             // Generous timeouts: this 2-core host runs many tests at once.
             connect_timeout_ms: 2000,
             request_timeout_ms: 5000,
@@ -107,19 +73,13 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
             },
             ..WorkerConfig::default()
         },
-        stops,
-        tasks,
+        servers,
     }
 }
 
 impl Cluster {
     async fn stop(self) {
-        for stop in self.stops {
-            let _ = stop.send(());
-        }
-        for task in self.tasks {
-            task.await.unwrap();
-        }
+        self.servers.stop().await;
     }
 
     /// Reads `key` directly from the server at `index`.
@@ -138,9 +98,7 @@ impl Cluster {
             })
             .await
             .unwrap();
-        let mut out = vec![0f32; 8];
-        assert!(get_f32s(&response.values, &mut out));
-        out
+        f32s(&response.values)
     }
 }
 
@@ -228,9 +186,7 @@ async fn a_stopped_shard_fails_fetches_with_its_shard_and_address() {
     let client = PsClient::new(&cluster.config).unwrap();
     let key = (0..).find(|&k| shard_for_key(k, 2) == 1).unwrap();
     client.fetch("emb", &[key]).await.unwrap();
-    let stop = cluster.stops.remove(1);
-    let _ = stop.send(());
-    cluster.tasks.remove(1).await.unwrap();
+    cluster.servers.servers.remove(1).stop().await;
     let err = client.fetch("emb", &[key]).await.unwrap_err();
     match &err {
         WorkerError::Rpc { shard, addr, .. } => {
@@ -276,18 +232,13 @@ async fn the_admin_call_lists_and_clears_the_quarantine() {
     use tessera_rpc::{ChannelConfig, Server, ServerConfig};
     use tessera_worker::WorkerAdminService;
 
-    let live = PsServer::bind(&PsServerConfig {
+    let live = InProcess::start(&PsServerConfig {
         listen: "127.0.0.1:0".into(),
         tables: vec![TableConfig::new("emb", 4)],
         ..PsServerConfig::default()
     })
-    .await
-    .unwrap();
-    let live_addr = live.local_addr().to_string();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(live.serve(async {
-        let _ = stopped.await;
-    }));
+    .await;
+    let live_addr = live.addr.clone();
     let dead = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -365,6 +316,5 @@ async fn the_admin_call_lists_and_clears_the_quarantine() {
     assert!(after.servers.is_empty(), "cleared: {after:?}");
     let _ = stop_admin.send(());
     admin_task.await.unwrap();
-    let _ = stop.send(());
-    task.await.unwrap();
+    live.stop().await;
 }

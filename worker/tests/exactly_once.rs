@@ -6,9 +6,7 @@
 //! any second application).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-#[allow(dead_code)]
-#[path = "../../rpc/tests/support/proxy.rs"]
-mod proxy;
+use tessera_test_support::proxy;
 
 use tessera_ps_server::config::OptimizerConfig;
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};

@@ -8,7 +8,6 @@ mod rows;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use init::{Initializer, row_base};
@@ -16,6 +15,8 @@ pub use optimizer::OptimizerConfig;
 pub use rows::{EvictionPolicy, Row, ShardRows};
 
 use crate::config::{NonFinite, TableConfig};
+use crate::rowfile::ShardImage;
+use crate::store::ShardGuard;
 
 /// Bytes of one f32 on the wire.
 const F32: usize = tessera_proto::rows::F32_BYTES;
@@ -28,12 +29,6 @@ pub struct ShardState {
     pub rows: ShardRows,
     /// Which Pushes were applied.
     pub dedup: PushDedup,
-    /// Held by a Push while it applies (and, on a primary, takes its place
-    /// in the replication stream), and by a checkpoint or a replica's sync
-    /// while it copies the shard: Pushes to one (table, shard) apply one at
-    /// a time, in the order replicas replay them, and a copy sees whole
-    /// Pushes only.
-    writer: Mutex<()>,
     /// Fetch requests served.
     pub fetches: AtomicU64,
     /// Pushes applied (duplicates not counted).
@@ -41,16 +36,10 @@ pub struct ShardState {
 }
 
 impl ShardState {
-    /// Holds Pushes of this (table, shard) back until dropped.
-    pub fn lock_writes(&self) -> MutexGuard<'_, ()> {
-        self.writer.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn new(config: &TableConfig, dedup: DedupLimits) -> Self {
         Self {
             rows: ShardRows::new(config.max_rows, config.eviction),
             dedup: PushDedup::new(dedup),
-            writer: Mutex::new(()),
             fetches: AtomicU64::new(0),
             pushes: AtomicU64::new(0),
         }
@@ -177,23 +166,22 @@ impl Table {
     }
 
     /// Applies `gradients` (little-endian f32, `keys.len() * dim`, already
-    /// checked with [`Table::check_gradients`]) to the rows of `keys` on
-    /// `shard`, unless (`worker`, `sequence`) was applied before; then runs
-    /// `applied` (still holding the shard's write lock). Rows are decoded
-    /// one at a time into a row-sized scratch buffer: the payload itself is
-    /// never copied. Returns the admission decision.
+    /// checked with [`Table::check_gradients`]) to the rows of `keys` in
+    /// `state`, unless (`worker`, `sequence`) was applied before. The caller
+    /// holds the shard's write lock (`_writing`). Rows are decoded one at a
+    /// time into a row-sized scratch buffer: the payload itself is never
+    /// copied. Returns the admission decision.
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
+        _writing: &ShardGuard<'_>,
         state: &ShardState,
         keys: &[u64],
         gradients: &[u8],
         worker: u64,
         sequence: u64,
         now: Instant,
-        applied: impl FnOnce(),
     ) -> Admission {
-        let _applying = state.lock_writes();
         let admission = state.dedup.admit(worker, sequence, now);
         if admission != Admission::Apply {
             return admission;
@@ -222,33 +210,34 @@ impl Table {
         if clipped > 0 {
             metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
         }
-        applied();
         admission
     }
 
-    /// Replaces the rows and deduplication windows of `shard` with a
-    /// checkpoint's image (rows beyond `max_rows` are evicted as usual).
-    /// Existing rows stay unless the image has them; see
-    /// [`Table::replace`] to drop them first.
-    pub fn install(&self, shard: u32, image: crate::checkpoint::ShardImage, now: Instant) {
+    /// Adds a checkpoint's image to `shard`'s rows and deduplication
+    /// windows (rows beyond `max_rows` are evicted as usual). Existing rows
+    /// stay unless the image has them; see [`Table::replace`] to drop them
+    /// first. The caller holds the shard's write lock.
+    pub fn install(&self, _writing: &ShardGuard<'_>, shard: u32, image: ShardImage, now: Instant) {
         let Some(state) = self.shards.get(&shard) else {
             return;
         };
-        for (key, steps, values, opt_state) in image.rows {
-            let mut row = Row::new(values.into_boxed_slice(), opt_state.into_boxed_slice());
-            row.steps = steps;
-            state.rows.insert(key, row);
+        for saved in image.rows {
+            let mut row = Row::new(
+                saved.values.into_boxed_slice(),
+                saved.state.into_boxed_slice(),
+            );
+            row.steps = saved.steps;
+            state.rows.insert(saved.key, row);
         }
         state.dedup.restore(&image.dedup, now);
     }
 
-    /// Makes `shard` hold exactly `image` (a replica copying its primary).
-    pub fn replace(&self, shard: u32, image: crate::checkpoint::ShardImage, now: Instant) {
+    /// Makes `shard` hold exactly `image` (a copy from another server).
+    pub fn replace(&self, writing: &ShardGuard<'_>, shard: u32, image: ShardImage, now: Instant) {
         if let Some(state) = self.shards.get(&shard) {
-            let _writes = state.lock_writes();
             state.rows.clear();
             state.dedup.clear();
         }
-        self.install(shard, image, now);
+        self.install(writing, shard, image, now);
     }
 }

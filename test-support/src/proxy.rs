@@ -6,7 +6,9 @@
 //! open with an RDMA hello (a broken RDMA path to a healthy server: the
 //! soft provider's data moves through shared memory, but every RDMA
 //! connection is set up, and watched, over its TCP control stream, which
-//! runs through the proxy).
+//! runs through the proxy), or holds every byte back (a partition: the
+//! bytes flow again, in order, when it heals, as TCP's retransmissions
+//! would deliver them).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,6 +31,7 @@ pub struct FaultProxy {
 #[derive(Default)]
 struct Faults {
     refuse_rdma: AtomicBool,
+    partitioned: AtomicBool,
     delay_ms: AtomicU64,
     lose_responses: AtomicU64,
     lost: AtomicU64,
@@ -45,8 +48,13 @@ impl Drop for FaultProxy {
 impl FaultProxy {
     /// A proxy on a free loopback port in front of `upstream`.
     pub async fn start(upstream: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binding the proxy");
+        let addr = listener
+            .local_addr()
+            .expect("the proxy's address")
+            .to_string();
         let faults = Arc::new(Faults::default());
         let (reset, resets) = watch::channel(0u64);
         let accept = tokio::spawn({
@@ -78,6 +86,12 @@ impl FaultProxy {
     /// hello, or stop doing so.
     pub fn refuse_rdma(&self, refuse: bool) {
         self.faults.refuse_rdma.store(refuse, Ordering::SeqCst);
+    }
+
+    /// Hold every byte in both directions (and new connections) back until
+    /// `partition(false)`: the peers see silence, not an error.
+    pub fn partition(&self, on: bool) {
+        self.faults.partitioned.store(on, Ordering::SeqCst);
     }
 
     /// Delay every forwarded chunk by `delay`.
@@ -126,6 +140,9 @@ async fn forward(
             return;
         }
     }
+    while faults.partitioned.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let Ok(server) = TcpStream::connect(&upstream).await else {
         return;
     };
@@ -167,6 +184,9 @@ async fn pipe(
             faults.lost.fetch_add(1, Ordering::SeqCst);
             // Ending the pipe drops both streams: a reset to both sides.
             return;
+        }
+        while faults.partitioned.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let delay = faults.delay_ms.load(Ordering::SeqCst);
         if delay > 0 {

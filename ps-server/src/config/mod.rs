@@ -1,13 +1,19 @@
 //! Configuration of a ps-server, read from TOML and overridable by flags.
 
+mod checkpoint;
+mod replication;
+
 use std::collections::HashSet;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
+pub use tessera_coord::{CoordinatorConfig, CoordinatorKind};
 use tessera_rpc::{RdmaConfig, ServerConfig, TransportConfig, TransportKind};
 
+pub use self::checkpoint::CheckpointConfig;
+pub use self::replication::{AckMode, PeerConfig, ReplicationConfig};
 pub use crate::table::{EvictionPolicy, Initializer, OptimizerConfig};
 
 /// How a server fills rows it has never seen.
@@ -149,10 +155,11 @@ pub struct PsServerConfig {
     pub rdma: RdmaConfig,
     /// Replica group (failure domain) of this server. Default 0.
     pub replica_group: u32,
-    /// Replica groups of the model. Default 1. The primary of shard `s` —
-    /// the server that takes its Pushes and forwards them to the other
-    /// groups — is the one in group `s % replica_groups`, so primaries are
-    /// spread over the groups.
+    /// Replica groups of the model. Default 1. In static mode the primary
+    /// of shard `s` — the server that takes its Pushes and forwards them to
+    /// the other groups — is the one in group `s % replica_groups`, so
+    /// primaries are spread over the groups; with a coordinator that
+    /// server is the preferred one when the shard first needs a primary.
     pub replica_groups: u32,
     /// The other servers of the model (`[[peers]]`: `address`,
     /// `replica_group`, `shards`): the replicas a primary forwards to, and
@@ -163,6 +170,10 @@ pub struct PsServerConfig {
     pub advertise: Option<String>,
     /// Forwarding of Pushes to replicas (`[replication]`).
     pub replication: ReplicationConfig,
+    /// Who decides the primaries (`[coordinator]`: `kind = "static" |
+    /// "etcd"`, `endpoints`, `cluster`, `failover_timeout_ms`). Default
+    /// static: fixed primaries, no failover.
+    pub coordinator: CoordinatorConfig,
     /// How long in-flight requests may finish on shutdown, in milliseconds.
     /// Default 5000 ms.
     pub shutdown_grace_ms: u64,
@@ -191,71 +202,6 @@ pub struct PsServerConfig {
     pub checkpoint: CheckpointConfig,
 }
 
-/// Another server of the model.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PeerConfig {
-    /// Its address (`host:port`).
-    pub address: String,
-    /// Its replica group.
-    pub replica_group: u32,
-    /// The shards it hosts.
-    pub shards: Vec<u32>,
-}
-
-/// How a primary forwards Pushes to its replicas.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ReplicationConfig {
-    /// Pushes queued for one replica at most (the bound on its lag). A
-    /// replica that falls further behind is cut off and copies its shards
-    /// again. Default 10,000: seconds of a busy trainer fleet's Pushes,
-    /// a few tens of MiB of queue.
-    pub max_lag_pushes: usize,
-    /// Pushes per forwarding call. Default 64: amortises the round trip
-    /// without making one call large.
-    pub batch_pushes: usize,
-}
-
-impl Default for ReplicationConfig {
-    fn default() -> Self {
-        Self {
-            max_lag_pushes: 10_000,
-            batch_pushes: 64,
-        }
-    }
-}
-
-/// Where and when a server saves its shards, and whether it restores them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct CheckpointConfig {
-    /// Directory of this server's checkpoints. Default: none (no
-    /// checkpoints; the admin call to save one fails).
-    pub dir: Option<std::path::PathBuf>,
-    /// Seconds between periodic checkpoints; 0 saves only on demand (the
-    /// admin call). Default 0: how much training a job may lose is its
-    /// operator's choice.
-    pub interval_secs: u64,
-    /// Checkpoints kept; older ones are deleted after a save. Default 3:
-    /// the newest, and two to fall back to by hand if it is bad.
-    pub keep: usize,
-    /// Load the newest checkpoint of `dir` at start. Default true: a
-    /// restarted server should come back with its rows.
-    pub restore: bool,
-}
-
-impl Default for CheckpointConfig {
-    fn default() -> Self {
-        Self {
-            dir: None,
-            interval_secs: 0,
-            keep: 3,
-            restore: true,
-        }
-    }
-}
-
 impl Default for PsServerConfig {
     fn default() -> Self {
         Self {
@@ -272,6 +218,7 @@ impl Default for PsServerConfig {
             peers: Vec::new(),
             advertise: None,
             replication: ReplicationConfig::default(),
+            coordinator: CoordinatorConfig::default(),
             shutdown_grace_ms: 5000,
             tables: vec![TableConfig::new("embeddings", 16)],
             grpc_listen: None,
@@ -414,10 +361,12 @@ impl Validate for PsServerConfig {
                 ));
             }
         }
-        if self.replication.max_lag_pushes == 0 || self.replication.batch_pushes == 0 {
+        self.replication.validate()?;
+        self.coordinator.validate()?;
+        if self.peers.iter().any(|p| p.address == self.advertised()) {
             return Err(invalid(
-                "replication",
-                "max_lag_pushes and batch_pushes must be at least 1",
+                "peers",
+                format!("lists this server itself ({})", self.advertised()),
             ));
         }
         if self.dedup_max_workers == 0 {

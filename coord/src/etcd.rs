@@ -1,0 +1,406 @@
+//! A thin client of etcd for the operations Tessera needs.
+//!
+//! Every unary call is bounded by `coordinator.request_timeout_ms`; the
+//! streams (lease keep-alive, watch) are watched by HTTP/2 keep-alive
+//! pings, so that a coordinator that stops answering shows up as an error
+//! rather than as silence.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions,
+};
+
+use crate::config::CoordinatorConfig;
+use crate::keys::{Keys, MemberRecord, PrimaryRecord};
+
+/// Why a coordinator operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CoordError {
+    /// etcd refused the call or could not be reached.
+    #[error("etcd ({endpoints}): {source}")]
+    Etcd {
+        /// The configured endpoints.
+        endpoints: String,
+        /// The client's error.
+        source: etcd_client::Error,
+    },
+    /// etcd did not answer within `coordinator.request_timeout_ms`.
+    #[error("etcd ({endpoints}) did not answer within {timeout:?}")]
+    Timeout {
+        /// The configured endpoints.
+        endpoints: String,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A key holds something that is not the record it should.
+    #[error("etcd key {key} holds no valid record: {source}")]
+    BadRecord {
+        /// The key.
+        key: String,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
+    /// The lease is gone (it expired, or was revoked).
+    #[error("lease {0:#x} has expired")]
+    LeaseExpired(i64),
+    /// The watch stream ended.
+    #[error("the etcd watch ended")]
+    WatchEnded,
+}
+
+/// A change of one shard's primary, as a watch reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrimaryChange {
+    /// The shard.
+    pub shard: u32,
+    /// Its primary now, and the lease its key is on (`None`: the key was
+    /// deleted; no primary).
+    pub primary: Option<(PrimaryRecord, i64)>,
+}
+
+/// A client of the etcd that coordinates one cluster.
+#[derive(Clone)]
+pub struct EtcdCoordinator {
+    client: Client,
+    keys: Keys,
+    endpoints: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for EtcdCoordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdCoordinator")
+            .field("endpoints", &self.endpoints)
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdCoordinator {
+    /// A client of the etcd `config` names. Connections are made as calls
+    /// need them.
+    pub async fn connect(config: &CoordinatorConfig) -> Result<Self, CoordError> {
+        let endpoints = config.endpoints.join(",");
+        let timeout = Duration::from_millis(config.request_timeout_ms);
+        let urls: Vec<String> = config
+            .endpoints
+            .iter()
+            .map(|e| {
+                if e.contains("://") {
+                    e.clone()
+                } else {
+                    format!("http://{e}")
+                }
+            })
+            .collect();
+        let options = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            // A stream through a dead path errors within two seconds.
+            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(1))
+            .with_keep_alive_while_idle(true);
+        let client = within(timeout, &endpoints, Client::connect(urls, Some(options))).await?;
+        Ok(Self {
+            client,
+            keys: Keys::new(&config.cluster),
+            endpoints,
+            timeout,
+        })
+    }
+
+    /// The cluster's keys.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    async fn call<T>(
+        &self,
+        call: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, CoordError> {
+        within(self.timeout, &self.endpoints, call).await
+    }
+
+    /// A new lease of `ttl_secs`; returns its id and the TTL etcd granted
+    /// (it raises TTLs below its minimum).
+    pub async fn grant_lease(&self, ttl_secs: i64) -> Result<(i64, Duration), CoordError> {
+        let mut lease = self.client.lease_client();
+        let granted = self.call(lease.grant(ttl_secs, None)).await?;
+        Ok((
+            granted.id(),
+            Duration::from_secs(granted.ttl().max(0) as u64),
+        ))
+    }
+
+    /// Revokes `lease`: every key on it is deleted at once (a clean
+    /// handover on shutdown, instead of waiting for it to expire).
+    pub async fn revoke_lease(&self, lease: i64) -> Result<(), CoordError> {
+        let mut client = self.client.lease_client();
+        self.call(client.revoke(lease)).await.map(|_| ())
+    }
+
+    /// Whether `lease` still exists.
+    pub async fn lease_alive(&self, lease: i64) -> Result<bool, CoordError> {
+        let mut client = self.client.lease_client();
+        let answer = self.call(client.time_to_live(lease, None)).await?;
+        Ok(answer.ttl() > 0)
+    }
+
+    /// Opens a keep-alive stream for `lease`.
+    pub async fn keep_alive(&self, lease: i64) -> Result<LeaseKeepAlive, CoordError> {
+        let mut client = self.client.lease_client();
+        let (keeper, stream) = self.call(client.keep_alive(lease)).await?;
+        Ok(LeaseKeepAlive {
+            keeper,
+            stream,
+            lease,
+            timeout: self.timeout,
+            endpoints: self.endpoints.clone(),
+        })
+    }
+
+    /// Registers (or refreshes) this server's member key on `lease`.
+    pub async fn register(&self, member: &MemberRecord, lease: i64) -> Result<(), CoordError> {
+        let value = serde_json::to_vec(member).map_err(|source| CoordError::BadRecord {
+            key: self.keys.member(&member.address),
+            source,
+        })?;
+        let mut kv = self.client.kv_client();
+        self.call(kv.put(
+            self.keys.member(&member.address),
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        ))
+        .await
+        .map(|_| ())
+    }
+
+    /// Every live member.
+    pub async fn members(&self) -> Result<Vec<MemberRecord>, CoordError> {
+        let mut kv = self.client.kv_client();
+        let found = self
+            .call(kv.get(
+                self.keys.members_prefix(),
+                Some(GetOptions::new().with_prefix()),
+            ))
+            .await?;
+        found
+            .kvs()
+            .iter()
+            .map(|kv| decode(kv.key(), kv.value()))
+            .collect()
+    }
+
+    /// Every shard's primary now with the lease its key is on, and the
+    /// revision they were read at (to watch from).
+    pub async fn primaries(&self) -> Result<(HashMap<u32, (PrimaryRecord, i64)>, i64), CoordError> {
+        let mut kv = self.client.kv_client();
+        let found = self
+            .call(kv.get(
+                self.keys.shards_prefix(),
+                Some(GetOptions::new().with_prefix()),
+            ))
+            .await?;
+        let revision = found.header().map_or(0, |h| h.revision());
+        let mut out = HashMap::new();
+        for kv in found.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            if let Some(shard) = self.keys.shard_of_primary_key(&key) {
+                out.insert(shard, (decode(kv.key(), kv.value())?, kv.lease()));
+            }
+        }
+        Ok((out, revision))
+    }
+
+    /// Tries to become the primary of `shard` on `lease`: succeeds only if
+    /// the shard has no primary and nobody else issued an epoch meanwhile.
+    /// The epoch is one above both the last issued and `floor` (the newest
+    /// epoch the caller has seen on any copy). Returns the epoch won, or
+    /// `None` when another server holds the shard or won the race.
+    pub async fn campaign(
+        &self,
+        shard: u32,
+        address: &str,
+        replica_group: u32,
+        lease: i64,
+        floor: u64,
+    ) -> Result<Option<u64>, CoordError> {
+        let (primary_key, epoch_key) = (self.keys.primary(shard), self.keys.epoch(shard));
+        let mut kv = self.client.kv_client();
+        let current = self.call(kv.get(epoch_key.clone(), None)).await?;
+        let (last, epoch_revision) = match current.kvs().first() {
+            Some(kv) => (
+                String::from_utf8_lossy(kv.value())
+                    .trim()
+                    .parse::<u64>()
+                    .map_err(|err| CoordError::BadRecord {
+                        key: epoch_key.clone(),
+                        source: serde::de::Error::custom(err),
+                    })?,
+                kv.mod_revision(),
+            ),
+            None => (0, 0),
+        };
+        let epoch = last.max(floor) + 1;
+        let record = PrimaryRecord {
+            address: address.to_owned(),
+            epoch,
+            replica_group,
+        };
+        let value = serde_json::to_vec(&record).map_err(|source| CoordError::BadRecord {
+            key: primary_key.clone(),
+            source,
+        })?;
+        let txn = Txn::new()
+            .when([
+                // No primary now...
+                Compare::create_revision(primary_key.clone(), CompareOp::Equal, 0),
+                // ...and no epoch issued since we read the last one.
+                Compare::mod_revision(epoch_key.clone(), CompareOp::Equal, epoch_revision),
+            ])
+            .and_then([
+                TxnOp::put(epoch_key, epoch.to_string(), None),
+                TxnOp::put(
+                    primary_key,
+                    value,
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+            ]);
+        let answer = self.call(kv.txn(txn)).await?;
+        Ok(answer.succeeded().then_some(epoch))
+    }
+
+    /// Gives up the primary key of `shard` if `lease` holds it.
+    pub async fn resign(&self, shard: u32, lease: i64) -> Result<(), CoordError> {
+        let key = self.keys.primary(shard);
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut kv = self.client.kv_client();
+        self.call(kv.txn(txn)).await.map(|_| ())
+    }
+
+    /// Watches every shard's primary key from `revision` on (the one
+    /// [`EtcdCoordinator::primaries`] returned, plus one).
+    pub async fn watch_primaries(&self, revision: i64) -> Result<PrimaryWatch, CoordError> {
+        let mut watch = self.client.watch_client();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision);
+        let stream = self
+            .call(watch.watch(self.keys.shards_prefix(), Some(options)))
+            .await?;
+        Ok(PrimaryWatch {
+            stream,
+            keys: self.keys.clone(),
+            endpoints: self.endpoints.clone(),
+        })
+    }
+}
+
+/// The keep-alive stream of one lease.
+#[derive(Debug)]
+pub struct LeaseKeepAlive {
+    keeper: etcd_client::LeaseKeeper,
+    stream: etcd_client::LeaseKeepAliveStream,
+    lease: i64,
+    timeout: Duration,
+    endpoints: String,
+}
+
+impl LeaseKeepAlive {
+    /// Renews the lease once; returns the TTL etcd restarted it with.
+    /// Measure the time *before* calling: the lease runs from when etcd
+    /// received the renewal, which is no earlier than that.
+    pub async fn renew(&mut self) -> Result<Duration, CoordError> {
+        let endpoints = self.endpoints.clone();
+        let lease = self.lease;
+        let exchange = async {
+            self.keeper.keep_alive().await?;
+            self.stream.message().await
+        };
+        match within(self.timeout, &endpoints, exchange).await? {
+            Some(answer) if answer.ttl() > 0 => Ok(Duration::from_secs(answer.ttl() as u64)),
+            Some(_) => Err(CoordError::LeaseExpired(lease)),
+            None => Err(CoordError::WatchEnded),
+        }
+    }
+}
+
+/// A stream of primary changes.
+pub struct PrimaryWatch {
+    stream: etcd_client::WatchStream,
+    keys: Keys,
+    endpoints: String,
+}
+
+impl std::fmt::Debug for PrimaryWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrimaryWatch").finish_non_exhaustive()
+    }
+}
+
+impl PrimaryWatch {
+    /// The next changes (at least one); an error when the watch broke (the
+    /// caller reads the primaries again and watches anew).
+    pub async fn next(&mut self) -> Result<Vec<PrimaryChange>, CoordError> {
+        loop {
+            let answer = self
+                .stream
+                .message()
+                .await
+                .map_err(|source| CoordError::Etcd {
+                    endpoints: self.endpoints.clone(),
+                    source,
+                })?
+                .ok_or(CoordError::WatchEnded)?;
+            if answer.canceled() {
+                return Err(CoordError::WatchEnded);
+            }
+            let mut changes = Vec::new();
+            for event in answer.events() {
+                let Some(kv) = event.kv() else { continue };
+                let key = String::from_utf8_lossy(kv.key());
+                let Some(shard) = self.keys.shard_of_primary_key(&key) else {
+                    continue;
+                };
+                let primary = match event.event_type() {
+                    EventType::Put => Some((decode(kv.key(), kv.value())?, kv.lease())),
+                    EventType::Delete => None,
+                };
+                changes.push(PrimaryChange { shard, primary });
+            }
+            if !changes.is_empty() {
+                return Ok(changes);
+            }
+        }
+    }
+}
+
+fn decode<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Result<T, CoordError> {
+    serde_json::from_slice(value).map_err(|source| CoordError::BadRecord {
+        key: String::from_utf8_lossy(key).into_owned(),
+        source,
+    })
+}
+
+async fn within<T>(
+    timeout: Duration,
+    endpoints: &str,
+    call: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, CoordError> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(source)) => Err(CoordError::Etcd {
+            endpoints: endpoints.to_owned(),
+            source,
+        }),
+        Err(_) => Err(CoordError::Timeout {
+            endpoints: endpoints.to_owned(),
+            timeout,
+        }),
+    }
+}

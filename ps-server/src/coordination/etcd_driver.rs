@@ -1,0 +1,386 @@
+//! The etcd coordination of one server: its lease and membership, the
+//! watch of every shard's primary key, and the [`Election`] of each hosted
+//! shard, whose actions it carries out.
+//!
+//! A *session* is one lease: granted, registered as a member, renewed
+//! every sixth of its TTL (each renewal that comes back moves the fence;
+//! see [`super::fence`]). When the lease is lost (etcd says it expired, or
+//! no renewal came back for a whole TTL, so it must be presumed expired)
+//! every shard stands down and a new session starts. On shutdown the
+//! shards it leads stop taking Pushes, their queues drain to the replicas,
+//! and the keys and the lease are given up at once.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_coord::{
+    CoordError, CoordinatorConfig, EtcdCoordinator, LeaseKeepAlive, MemberRecord, PrimaryRecord,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::election::{Action, Election, Phase};
+use super::fence::Fence;
+use crate::config::PsServerConfig;
+use crate::replication::{Patience, Replication};
+
+/// Something a spawned task finished.
+#[derive(Debug)]
+enum Done {
+    Campaign(u32, Result<Option<u64>, ()>),
+    Recovered(u32, u64, bool),
+}
+
+/// The etcd coordination of one server (module docs).
+#[derive(Debug)]
+pub(super) struct Driver {
+    coord: EtcdCoordinator,
+    replication: Arc<Replication>,
+    fence: Arc<Fence>,
+    config: CoordinatorConfig,
+    member: MemberRecord,
+    elections: HashMap<u32, Election>,
+    shutdown_grace: Duration,
+}
+
+impl Driver {
+    pub async fn new(
+        config: &PsServerConfig,
+        replication: Arc<Replication>,
+        fence: Arc<Fence>,
+    ) -> Result<Self, CoordError> {
+        let coord = EtcdCoordinator::connect(&config.coordinator).await?;
+        let timeout = Duration::from_millis(config.coordinator.failover_timeout_ms);
+        let me = config.advertised().to_owned();
+        let elections = config
+            .shards
+            .iter()
+            .map(|&shard| {
+                (
+                    shard,
+                    Election::new(me.clone(), config.is_primary(shard), timeout),
+                )
+            })
+            .collect();
+        Ok(Self {
+            coord,
+            replication,
+            fence,
+            config: config.coordinator.clone(),
+            member: MemberRecord {
+                address: me,
+                replica_group: config.replica_group,
+                shards: config.shards.clone(),
+            },
+            elections,
+            shutdown_grace: Duration::from_millis(config.replication.replica_timeout_ms),
+        })
+    }
+
+    fn failover_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.failover_timeout_ms)
+    }
+
+    /// Runs sessions until `stop`, then hands over.
+    pub async fn run(mut self, stop: CancellationToken) {
+        let mut backoff = Duration::from_millis(100);
+        while !stop.is_cancelled() {
+            match self.session(&stop).await {
+                Ok(()) => return,
+                Err(err) => {
+                    tracing::warn!(%err, "coordinator session ended; starting a new one");
+                    for election in self.elections.values_mut() {
+                        election.handle_lease_lost();
+                    }
+                    self.fence.lost();
+                    self.act(None, &mpsc::unbounded_channel().0);
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// One lease: returns `Ok` after a clean handover on `stop`, an error
+    /// when the lease is lost.
+    async fn session(&mut self, stop: &CancellationToken) -> Result<(), CoordError> {
+        let sent_at = Instant::now();
+        let (lease, ttl) = self.coord.grant_lease(self.config.lease_ttl_secs()).await?;
+        self.fence.renewed(sent_at, ttl);
+        self.coord.register(&self.member, lease).await?;
+        tracing::info!(lease = format!("{lease:#x}"), ttl = ?ttl, "coordinator session started");
+        let (lost_tx, mut lost_rx) = oneshot::channel();
+        let keeper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(keep_alive(
+            self.coord.clone(),
+            lease,
+            ttl,
+            Arc::clone(&self.fence),
+            lost_tx,
+        )));
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        loop {
+            // Where every shard's primary stands, then what changes.
+            let (primaries, revision) = self.coord.primaries().await?;
+            let now = Instant::now();
+            for (&shard, election) in &mut self.elections {
+                let found = primaries.get(&shard);
+                observe(election, &self.replication, shard, now, found, lease);
+            }
+            let mut watch = self.coord.watch_primaries(revision + 1).await?;
+            loop {
+                self.act(Some(lease), &done_tx);
+                let next = self
+                    .elections
+                    .values()
+                    .filter_map(Election::poll_timeout)
+                    .min();
+                let sleep = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    changes = watch.next() => match changes {
+                        Ok(changes) => {
+                            let now = Instant::now();
+                            for change in changes {
+                                if let Some(election) = self.elections.get_mut(&change.shard) {
+                                    observe(election, &self.replication, change.shard, now, change.primary.as_ref(), lease);
+                                }
+                            }
+                        }
+                        Err(err) => {
+                            tracing::info!(%err, "primary watch broke; reading the primaries again");
+                            break;
+                        }
+                    },
+                    Some(done) = done_rx.recv() => {
+                        let now = Instant::now();
+                        match done {
+                            Done::Campaign(shard, result) => {
+                                if let Some(e) = self.elections.get_mut(&shard) {
+                                    e.handle_campaign(now, result);
+                                }
+                            }
+                            Done::Recovered(shard, epoch, ok) => {
+                                if let Some(e) = self.elections.get_mut(&shard)
+                                    && e.phase() == &(Phase::Recovering { epoch })
+                                {
+                                    e.handle_recovered(now, ok);
+                                }
+                            }
+                        }
+                    }
+                    _ = sleep => {}
+                    _ = &mut lost_rx => return Err(CoordError::LeaseExpired(lease)),
+                    _ = stop.cancelled() => {
+                        self.hand_over(lease).await;
+                        drop(keeper);
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Carries out every pending action; with no `lease`, only those that
+    /// need none (standing down).
+    fn act(&mut self, lease: Option<i64>, done: &mpsc::UnboundedSender<Done>) {
+        let now = Instant::now();
+        let shards: Vec<u32> = self.elections.keys().copied().collect();
+        for shard in shards {
+            while let Some(action) = self
+                .elections
+                .get_mut(&shard)
+                .and_then(|e| e.poll_action(now))
+            {
+                self.perform(shard, action, lease, done);
+            }
+        }
+    }
+
+    fn perform(
+        &mut self,
+        shard: u32,
+        action: Action,
+        lease: Option<i64>,
+        done: &mpsc::UnboundedSender<Done>,
+    ) {
+        let replication = &self.replication;
+        match action {
+            Action::Follow { primary, epoch } => replication.follow(shard, &primary, epoch),
+            Action::StandDown => replication.stand_down(shard),
+            Action::Lead { epoch } => {
+                if let Err(err) = replication.lead(shard, epoch) {
+                    // A newer primary exists; the watch will show it.
+                    tracing::warn!(shard, epoch, %err, "not taking the shard over");
+                }
+            }
+            Action::Campaign => {
+                let Some(lease) = lease else {
+                    let _ = done.send(Done::Campaign(shard, Err(())));
+                    return;
+                };
+                let floor = replication
+                    .known_epoch(shard)
+                    .max(replication.store_version(shard).epoch);
+                let (coord, done) = (self.coord.clone(), done.clone());
+                let (me, group) = (self.member.address.clone(), self.member.replica_group);
+                tokio::spawn(async move {
+                    let result = coord.campaign(shard, &me, group, lease, floor).await;
+                    if let Err(err) = &result {
+                        tracing::info!(shard, %err, "campaign failed");
+                    }
+                    let _ = done.send(Done::Campaign(shard, result.map_err(|_| ())));
+                });
+            }
+            Action::Recover { epoch } => {
+                replication.begin_recovery(shard, epoch);
+                let (coord, done, replication) =
+                    (self.coord.clone(), done.clone(), Arc::clone(replication));
+                let patience = self.failover_timeout();
+                tokio::spawn(async move {
+                    // The live servers of the shard: configured peers that
+                    // hold a lease now.
+                    let peers = replication.peers_of(shard);
+                    let servers = match coord.members().await {
+                        Ok(members) => peers
+                            .into_iter()
+                            .filter(|p| members.iter().any(|m| &m.address == p))
+                            .collect(),
+                        Err(_) => peers,
+                    };
+                    let deadline = Instant::now() + patience;
+                    let ok = match replication
+                        .recover(shard, &servers, Patience::Until(deadline))
+                        .await
+                    {
+                        Ok(recovered) => {
+                            if recovered.lost > 0 {
+                                metrics::counter!("tessera_ps_failover_lost_pushes_total")
+                                    .increment(recovered.lost);
+                                tracing::warn!(
+                                    shard,
+                                    epoch,
+                                    lost = recovered.lost,
+                                    "the old primary had applied pushes that no live replica holds; they are lost"
+                                );
+                            }
+                            tracing::info!(shard, epoch, version = %recovered.version, "promoted");
+                            true
+                        }
+                        Err(err) => {
+                            tracing::warn!(shard, epoch, %err, "recovery failed; resigning");
+                            false
+                        }
+                    };
+                    let _ = done.send(Done::Recovered(shard, epoch, ok));
+                });
+            }
+            Action::Resign => {
+                if let Some(lease) = lease {
+                    let coord = self.coord.clone();
+                    tokio::spawn(async move {
+                        if let Err(err) = coord.resign(shard, lease).await {
+                            tracing::info!(shard, %err, "resigning failed (the lease will expire)");
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Stops leading, lets the queues reach the replicas, gives up the
+    /// keys and the lease.
+    async fn hand_over(&mut self, lease: i64) {
+        let led: Vec<u32> = self
+            .elections
+            .iter()
+            .filter(|(_, e)| matches!(e.phase(), Phase::Leading { .. } | Phase::Recovering { .. }))
+            .map(|(&s, _)| s)
+            .collect();
+        for &shard in &led {
+            self.replication.stand_down_for_handover(shard);
+        }
+        self.replication.drain(self.shutdown_grace).await;
+        for &shard in &led {
+            let _ = self.coord.resign(shard, lease).await;
+        }
+        let _ = self.coord.revoke_lease(lease).await;
+        self.fence.lost();
+        tracing::info!(shards = ?led, "handed the shards over");
+    }
+}
+
+/// Feeds one observation of `shard`'s key into its election.
+fn observe(
+    election: &mut Election,
+    replication: &Replication,
+    shard: u32,
+    now: Instant,
+    found: Option<&(PrimaryRecord, i64)>,
+    lease: i64,
+) {
+    let in_step = replication.in_step(shard);
+    match found {
+        Some((record, key_lease)) => {
+            election.handle_observed(now, Some(record), *key_lease == lease, in_step)
+        }
+        None => election.handle_observed(now, None, false, in_step),
+    }
+}
+
+/// Renews `lease` every sixth of `ttl` until it is lost, moving the fence
+/// with every renewal that comes back; reports the loss on `lost`.
+async fn keep_alive(
+    coord: EtcdCoordinator,
+    lease: i64,
+    ttl: Duration,
+    fence: Arc<Fence>,
+    lost: oneshot::Sender<()>,
+) {
+    let every = (ttl / 6).max(Duration::from_millis(100));
+    let mut stream: Option<LeaseKeepAlive> = None;
+    let mut last_proof = Instant::now();
+    loop {
+        tokio::time::sleep(every).await;
+        let sent_at = Instant::now();
+        if stream.is_none() {
+            match coord.keep_alive(lease).await {
+                Ok(opened) => stream = Some(opened),
+                Err(err) => {
+                    tracing::debug!(%err, "cannot open the lease keep-alive");
+                    if let Ok(false) = coord.lease_alive(lease).await {
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(open) = &mut stream {
+            match open.renew().await {
+                Ok(granted) => {
+                    fence.renewed(sent_at, granted);
+                    last_proof = sent_at;
+                }
+                Err(CoordError::LeaseExpired(_)) => break,
+                Err(err) => {
+                    tracing::debug!(%err, "lease renewal failed");
+                    stream = None;
+                }
+            }
+        }
+        if last_proof.elapsed() >= ttl {
+            // No renewal came back for a whole TTL: etcd must be presumed
+            // to have expired it.
+            break;
+        }
+    }
+    fence.lost();
+    tracing::warn!(lease = format!("{lease:#x}"), "lease lost");
+    let _ = lost.send(());
+}

@@ -1,0 +1,120 @@
+//! Who is the primary of each hosted shard, decided by the configured
+//! coordinator and carried out by the replication layer
+//! ([`crate::replication`]).
+//!
+//! - **static** (`coordinator.kind = "static"`, [`fixed`]): shard `s`'s
+//!   primary is the server of replica group `s % replica_groups`, always.
+//!   At start it recovers the freshest copy from the shard's replicas,
+//!   waiting for every one of them, and takes the next epoch; the others
+//!   follow it. Nothing fails over: when the primary is down, its shard
+//!   takes no Pushes (Fetches go on at the replicas) until it is back. For
+//!   one host's development.
+//! - **etcd** (`coordinator.kind = "etcd"`, `etcd_driver`): every server
+//!   holds a lease (TTL `failover_timeout_ms`) and registers as a member;
+//!   each shard's primary holds the shard's primary key on its lease, and
+//!   its epoch comes from etcd. When the key disappears, one replica wins
+//!   the campaign for it, recovers and leads; the old primary is fenced
+//!   ([`fence`]) and, when it comes back, follows the new one. See
+//!   [`election`] for one server's part in it and `tessera_coord` for why
+//!   etcd.
+
+pub mod election;
+mod etcd_driver;
+pub mod fence;
+mod fixed;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use fence::{Fence, FenceCore};
+use tessera_coord::{CoordError, CoordinatorKind};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+
+use crate::config::PsServerConfig;
+use crate::replication::Replication;
+
+/// The fence a server's primaries take Pushes behind: always open in
+/// static mode; with etcd, open while the lease is proven, closing a
+/// tenth of the TTL (at most 500 ms) before it could expire.
+pub fn fence_for(config: &PsServerConfig) -> Arc<Fence> {
+    Arc::new(Fence::new(match config.coordinator.kind {
+        CoordinatorKind::Static => FenceCore::always_open(),
+        CoordinatorKind::Etcd => {
+            let ttl = Duration::from_millis(config.coordinator.failover_timeout_ms);
+            FenceCore::leased((ttl / 10).min(Duration::from_millis(500)))
+        }
+    }))
+}
+
+/// A server's coordination, prepared ([`Coordination::prepare`]) and then
+/// running ([`Coordination::start`]).
+#[derive(Debug)]
+pub struct Coordination {
+    plan: Plan,
+    stop: CancellationToken,
+    /// Aborted when dropped: a server dropped without a shutdown (a crash,
+    /// in tests) stops renewing its lease.
+    task: Option<AbortOnDropHandle<()>>,
+}
+
+#[derive(Debug)]
+enum Plan {
+    /// Static mode: the shards left to recover.
+    Fixed(Vec<u32>),
+    Etcd(Option<Box<etcd_driver::Driver>>),
+}
+
+impl Coordination {
+    /// Prepares the coordination of `replication`'s shards as `config`
+    /// says. In static mode the fixed roles are given at once (so a server
+    /// without replicas takes Pushes as soon as it listens).
+    pub async fn prepare(
+        config: &PsServerConfig,
+        replication: &Arc<Replication>,
+        fence: Arc<Fence>,
+    ) -> Result<Self, CoordError> {
+        let plan = match config.coordinator.kind {
+            CoordinatorKind::Static => Plan::Fixed(fixed::assign(config, replication)),
+            CoordinatorKind::Etcd => Plan::Etcd(Some(Box::new(
+                etcd_driver::Driver::new(config, Arc::clone(replication), fence).await?,
+            ))),
+        };
+        Ok(Self {
+            plan,
+            stop: CancellationToken::new(),
+            task: None,
+        })
+    }
+
+    /// Starts it (once the server serves: recoveries ask its peers, who
+    /// ask it back).
+    pub fn start(&mut self, replication: &Arc<Replication>) {
+        if self.task.is_some() {
+            return;
+        }
+        let stop = self.stop.clone();
+        self.task = Some(AbortOnDropHandle::new(match &mut self.plan {
+            Plan::Fixed(shards) => tokio::spawn(fixed::run(
+                std::mem::take(shards),
+                Arc::clone(replication),
+                stop,
+            )),
+            Plan::Etcd(driver) => match driver.take() {
+                Some(driver) => tokio::spawn(driver.run(stop)),
+                None => return,
+            },
+        }));
+    }
+
+    /// Hands over cleanly: with etcd, the shards this server leads stop
+    /// taking Pushes, their queued Pushes reach the replicas, and the
+    /// primary keys and the lease are given up at once (a replica takes
+    /// over in milliseconds instead of a lease time). Bounded by `within`.
+    pub async fn shutdown(self, within: Duration) {
+        self.stop.cancel();
+        let Some(mut task) = self.task else { return };
+        // Dropping the handle aborts the task if it is not done by then.
+        let _ = tokio::time::timeout(within, &mut task).await;
+    }
+}

@@ -1,0 +1,218 @@
+//! Recovery: a server becoming the primary of a shard first makes its
+//! copy the freshest one there is.
+//!
+//! It asks every other server of the shard what it holds (`ShardStatus`:
+//! version, newest epoch heard of, the old primary's last head), and when
+//! one holds a newer copy than its own, copies it (a `Sync` without
+//! attaching). Only then does it take Pushes. In static mode it waits for
+//! every configured replica to answer, however long that takes, because
+//! one that is down might hold the freshest copy and nothing else could
+//! tell; with a coordinator it waits for the live members (those holding
+//! a lease) for a bounded time.
+//!
+//! The Pushes a failover loses (`ack = "primary"`) are estimated here: the
+//! old primary's head as its replicas last heard it, less the position of
+//! the copy the new primary starts from.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_proto::v1::{ShardStatusRequest, ShardStatusResponse};
+
+use super::Replication;
+use super::shard::Role;
+use super::sync::{self, CopyError};
+use crate::version::Version;
+
+/// How long a recovery waits for the other servers of the shard.
+#[derive(Debug, Clone)]
+pub enum Patience {
+    /// Until every one of them has answered (static mode).
+    All,
+    /// Until every one has answered or `Instant` passes; those that did
+    /// not answer by then are left out (with a coordinator: live members
+    /// only, so one that does not answer is partitioned or dying).
+    Until(Instant),
+}
+
+/// What a recovery found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovered {
+    /// The version this server holds now.
+    pub version: Version,
+    /// The newest epoch any server of the shard has seen (a static
+    /// primary takes the next one).
+    pub newest_epoch: u64,
+    /// The server it copied from, when another held a newer copy.
+    pub copied_from: Option<String>,
+    /// Pushes the old primary had applied beyond the copy it starts from,
+    /// as far as its replicas heard (lost with `ack = "primary"`).
+    pub lost: u64,
+    /// Servers that did not answer in time.
+    pub silent: Vec<String>,
+}
+
+/// Why a recovery or a takeover failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecoveryError {
+    /// The shard is not hosted here.
+    #[error("shard {0} is not hosted here")]
+    NotHosted(u32),
+    /// A newer epoch than the one to take over with is known.
+    #[error("shard {shard} has a newer primary (epoch {known})")]
+    Superseded {
+        /// The shard.
+        shard: u32,
+        /// The newest epoch known.
+        known: u64,
+    },
+    /// The freshest copy could not be copied.
+    #[error("copying shard {shard} from {from}: {source}")]
+    Copy {
+        /// The shard.
+        shard: u32,
+        /// The server with the freshest copy.
+        from: String,
+        /// Why.
+        source: CopyError,
+    },
+    /// The server stopped.
+    #[error("stopped")]
+    Stopped,
+}
+
+impl Replication {
+    /// Makes this server's copy of `shard` the freshest among `servers`
+    /// (module docs). The shard must be recovering
+    /// ([`Replication::begin_recovery`]).
+    pub async fn recover(
+        self: &Arc<Self>,
+        shard: u32,
+        servers: &[String],
+        patience: Patience,
+    ) -> Result<Recovered, RecoveryError> {
+        let started = Instant::now();
+        let statuses = self.ask_all(shard, servers, &patience).await?;
+        let own = self
+            .store
+            .version(shard)
+            .ok_or(RecoveryError::NotHosted(shard))?;
+        let mut newest_epoch = own.epoch.max(self.known_epoch(shard));
+        let mut best: Option<(&String, Version)> = None;
+        for (addr, status) in &statuses {
+            let version: Version = status.version.unwrap_or_default().into();
+            newest_epoch = newest_epoch.max(status.known_epoch).max(version.epoch);
+            if status.hosted && best.is_none_or(|(_, v)| version > v) {
+                best = Some((addr, version));
+            }
+        }
+        let mut copied_from = None;
+        let mut version = own;
+        if let Some((from, offered)) = best
+            && offered > own
+        {
+            version =
+                self.copy_from(shard, from, own)
+                    .await
+                    .map_err(|source| RecoveryError::Copy {
+                        shard,
+                        from: from.clone(),
+                        source,
+                    })?;
+            copied_from = Some(from.clone());
+        }
+        // How far the old primary had got, as its replicas last heard.
+        let lost = statuses
+            .values()
+            .filter_map(|s| s.primary_head)
+            .map(Version::from)
+            .filter(|head| head.epoch >= version.epoch)
+            .map(|head| head.position.saturating_sub(version.position))
+            .max()
+            .unwrap_or(0);
+        let silent: Vec<String> = servers
+            .iter()
+            .filter(|s| !statuses.contains_key(*s))
+            .cloned()
+            .collect();
+        tracing::info!(shard, %version, own = %own, copied_from = ?copied_from, lost, silent = ?silent, took = ?started.elapsed(), "recovered the freshest copy of the shard");
+        Ok(Recovered {
+            version,
+            newest_epoch,
+            copied_from,
+            lost,
+            silent,
+        })
+    }
+
+    async fn ask_all(
+        &self,
+        shard: u32,
+        servers: &[String],
+        patience: &Patience,
+    ) -> Result<HashMap<String, ShardStatusResponse>, RecoveryError> {
+        let mut answers = HashMap::new();
+        let mut backoff = Duration::from_millis(20);
+        let mut last_log = Instant::now();
+        loop {
+            for addr in servers {
+                if answers.contains_key(addr) {
+                    continue;
+                }
+                let Some(client) = self.client(addr) else {
+                    continue;
+                };
+                if let Ok(status) = client.shard_status(ShardStatusRequest { shard }).await {
+                    answers.insert(addr.clone(), status);
+                }
+            }
+            let waiting: Vec<&String> = servers
+                .iter()
+                .filter(|s| !answers.contains_key(*s) && self.client(s).is_some())
+                .collect();
+            if waiting.is_empty() {
+                return Ok(answers);
+            }
+            if let Patience::Until(deadline) = patience
+                && Instant::now() >= *deadline
+            {
+                return Ok(answers);
+            }
+            if last_log.elapsed() >= Duration::from_secs(5) {
+                tracing::warn!(shard, waiting = ?waiting, "recovering the shard: waiting for these servers to answer before taking Pushes (static mode cannot tell whether one of them holds the freshest copy)");
+                last_log = Instant::now();
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = self.stop.cancelled() => return Err(RecoveryError::Stopped),
+            }
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Copies `shard` from `from` (which holds a newer copy than `own`).
+    async fn copy_from(&self, shard: u32, from: &str, own: Version) -> Result<Version, CopyError> {
+        let fetched = self.fetch_copy(shard, from, own, false).await?;
+        let Some((images, bytes)) = fetched.images else {
+            return Ok(own);
+        };
+        let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
+        else {
+            return Err(CopyError::Superseded);
+        };
+        let state = cell.lock();
+        if !matches!(state.role, Role::Recovering { .. }) {
+            return Err(CopyError::Superseded);
+        }
+        let rows = sync::install(&self.store, &writing, images, Instant::now());
+        writing.set_version(fetched.version);
+        drop(state);
+        self.syncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        metrics::counter!("tessera_ps_replication_syncs_total").increment(1);
+        tracing::info!(shard, from, version = %fetched.version, rows, bytes, "copied the freshest copy of the shard");
+        Ok(fetched.version)
+    }
+}

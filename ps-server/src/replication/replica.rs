@@ -1,0 +1,365 @@
+//! The replica side: following a primary's stream, and attaching to it.
+//!
+//! A forwarded batch carries the sender's stream heads. For each shard the
+//! replica decides: the sender is the primary it follows, and it is in step
+//! (apply the Pushes, in order); the sender leads a newer epoch than any it
+//! knew (follow it: attach); or the sender's epoch is older than one it
+//! knows (refuse, and tell it who the primary is: the sender was deposed).
+//! A gap, a Push out of order or a new primary makes it attach again.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_proto::v1::{
+    NotPrimary, ReplicateRequest, ReplicateResponse, ReplicatedPush, ShardStatusResponse,
+    StreamHead,
+};
+
+use super::Replication;
+use super::shard::{Follow, Role};
+use super::sync::{self, CopyError};
+use crate::store::PushId;
+use crate::version::Version;
+
+/// What a replica does with one shard of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Head {
+    /// Apply its Pushes.
+    Accept(u64),
+    /// The sender is not the shard's primary any more.
+    Deposed(NotPrimary),
+    /// Not in step: it attaches (again), and drops the shard's Pushes.
+    OutOfStep,
+    /// It is copying the shard: the sender should retry shortly.
+    Syncing,
+}
+
+/// What became of one forwarded Push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    Applied,
+    Already,
+    OutOfStep,
+    Syncing,
+}
+
+impl Replication {
+    /// Handles a batch of forwarded Pushes and heads from `request.primary`.
+    pub(super) fn handle_replicate(&self, request: &ReplicateRequest) -> ReplicateResponse {
+        let now = Instant::now();
+        let sender = request.primary.as_str();
+        let mut answer = ReplicateResponse::default();
+        let mut accepted: HashMap<u32, u64> = HashMap::new();
+        let mut dropped: HashSet<u32> = HashSet::new();
+        let mut syncing: HashSet<u32> = HashSet::new();
+        for head in &request.heads {
+            match self.on_head(sender, head, now) {
+                Head::Accept(epoch) => {
+                    accepted.insert(head.shard, epoch);
+                }
+                Head::Deposed(hint) => {
+                    answer.deposed.push(hint);
+                    dropped.insert(head.shard);
+                }
+                Head::OutOfStep => {
+                    answer.out_of_sync.push(head.shard);
+                    dropped.insert(head.shard);
+                }
+                Head::Syncing => {
+                    syncing.insert(head.shard);
+                }
+            }
+        }
+        for entry in &request.pushes {
+            if dropped.contains(&entry.shard) {
+                answer.processed += 1;
+                continue;
+            }
+            if syncing.contains(&entry.shard) {
+                answer.syncing = true;
+                break;
+            }
+            let Some(&epoch) = accepted.get(&entry.shard) else {
+                // No head: not a stream this replica follows.
+                answer.out_of_sync.push(entry.shard);
+                dropped.insert(entry.shard);
+                answer.processed += 1;
+                continue;
+            };
+            match self.apply_forwarded(sender, epoch, entry, now) {
+                Entry::Applied | Entry::Already => answer.processed += 1,
+                Entry::OutOfStep => {
+                    answer.out_of_sync.push(entry.shard);
+                    dropped.insert(entry.shard);
+                    accepted.remove(&entry.shard);
+                    answer.processed += 1;
+                }
+                Entry::Syncing => {
+                    answer.syncing = true;
+                    break;
+                }
+            }
+        }
+        for (&shard, &epoch) in &accepted {
+            if let Some(version) = self.store.version(shard) {
+                answer.applied.push(StreamHead {
+                    shard,
+                    epoch,
+                    position: version.position,
+                });
+            }
+        }
+        answer
+    }
+
+    fn on_head(&self, sender: &str, head: &StreamHead, now: Instant) -> Head {
+        let (Some(cell), Some(writing)) =
+            (self.cell(head.shard), self.store.lock_shard(head.shard))
+        else {
+            return Head::OutOfStep;
+        };
+        let mut state = cell.lock();
+        if head.epoch < state.known_epoch {
+            metrics::counter!("tessera_ps_replication_stale_epoch_total").increment(1);
+            return Head::Deposed(state.redirect(head.shard));
+        }
+        let mut attach = false;
+        let decision = if state.learn(head.epoch, sender) {
+            // A newer primary than any known: follow it.
+            if state.primary_epoch().is_some() {
+                self.step_down_locked(head.shard, &mut state, "a newer primary forwards the shard");
+            }
+            match &mut state.role {
+                Role::Replica(f) if f.primary == sender => {
+                    // Its new stream (a restarted primary): attach again,
+                    // keeping an attachment that is already running.
+                    f.epoch = head.epoch;
+                    f.in_step = false;
+                    f.last_heard = Some(now);
+                    f.head = Version::new(head.epoch, head.position);
+                }
+                _ => {
+                    let mut follow = Follow::new(sender.to_owned(), head.epoch);
+                    follow.last_heard = Some(now);
+                    follow.head = Version::new(head.epoch, head.position);
+                    state.role = Role::Replica(follow);
+                }
+            }
+            attach = true;
+            Head::OutOfStep
+        } else {
+            let sender_is_known = state.known_primary.as_deref() == Some(sender);
+            match &mut state.role {
+                Role::Replica(f) if f.primary == sender && f.epoch == head.epoch => {
+                    f.last_heard = Some(now);
+                    f.head = Version::new(head.epoch, head.position);
+                    if f.syncing {
+                        Head::Syncing
+                    } else if f.in_step {
+                        Head::Accept(head.epoch)
+                    } else {
+                        attach = true;
+                        Head::OutOfStep
+                    }
+                }
+                Role::Replica(f) if sender_is_known => {
+                    // The known primary of the newest epoch: follow it.
+                    let mut follow = Follow::new(sender.to_owned(), head.epoch);
+                    follow.last_heard = Some(now);
+                    follow.syncing = f.syncing;
+                    state.role = Role::Replica(follow);
+                    attach = true;
+                    Head::OutOfStep
+                }
+                _ => Head::OutOfStep,
+            }
+        };
+        drop(state);
+        drop(writing);
+        if attach {
+            self.spawn_attach(head.shard);
+        }
+        decision
+    }
+
+    fn apply_forwarded(
+        &self,
+        sender: &str,
+        epoch: u64,
+        entry: &ReplicatedPush,
+        now: Instant,
+    ) -> Entry {
+        let (Some(cell), Some(mut writing)) =
+            (self.cell(entry.shard), self.store.lock_shard(entry.shard))
+        else {
+            return Entry::OutOfStep;
+        };
+        let mut state = cell.lock();
+        let Role::Replica(follow) = &mut state.role else {
+            return Entry::OutOfStep;
+        };
+        if follow.syncing {
+            return Entry::Syncing;
+        }
+        if follow.primary != sender || follow.epoch != epoch || !follow.in_step {
+            return Entry::OutOfStep;
+        }
+        let version = writing.version();
+        if !entry.gap && entry.position <= version.position {
+            return Entry::Already;
+        }
+        if entry.gap || entry.position != version.position + 1 {
+            follow.in_step = false;
+            metrics::counter!("tessera_ps_replication_out_of_sync_total").increment(1);
+            drop(state);
+            drop(writing);
+            self.spawn_attach(entry.shard);
+            return Entry::OutOfStep;
+        }
+        if let Some(push) = &entry.push {
+            let applied = self
+                .store
+                .check_push(
+                    &push.table,
+                    push.shard,
+                    &push.keys,
+                    &push.gradients,
+                    PushId {
+                        worker: push.worker_id,
+                        sequence: push.sequence,
+                    },
+                )
+                .and_then(|checked| checked.apply(&writing, now));
+            if let Err(err) = applied {
+                // The primary applied it, so this replica's configuration
+                // differs from the primary's; counted and logged, the
+                // stream goes on.
+                metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);
+                tracing::error!(shard = entry.shard, %err, "a forwarded push was refused here");
+            }
+        }
+        writing.set_version(Version::new(epoch, entry.position));
+        Entry::Applied
+    }
+
+    /// Starts attaching `shard` to the primary it follows, unless an
+    /// attachment is running.
+    pub(super) fn spawn_attach(&self, shard: u32) {
+        let Some(cell) = self.cell(shard) else { return };
+        {
+            let mut state = cell.lock();
+            let Role::Replica(follow) = &mut state.role else {
+                return;
+            };
+            if follow.syncing {
+                return;
+            }
+            follow.syncing = true;
+            follow.in_step = false;
+        }
+        let Some(this) = self.weak.upgrade() else {
+            return;
+        };
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = this.attach_loop(shard) => {}
+                _ = stop.cancelled() => {}
+            }
+        });
+    }
+
+    async fn attach_loop(self: Arc<Self>, shard: u32) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let target = {
+                let Some(cell) = self.cell(shard) else { return };
+                let mut state = cell.lock();
+                match &mut state.role {
+                    Role::Replica(follow) => {
+                        follow.syncing = true;
+                        follow.primary.clone()
+                    }
+                    _ => return,
+                }
+            };
+            match self.attach_once(shard, &target).await {
+                Ok(()) => return,
+                Err(CopyError::Superseded) => {}
+                Err(err) => {
+                    if matches!(err, CopyError::Older { .. }) {
+                        metrics::counter!("tessera_ps_replication_older_copies_refused_total")
+                            .increment(1);
+                        tracing::error!(shard, primary = %target, %err, "refusing to copy an older copy of the shard");
+                    } else {
+                        tracing::info!(shard, primary = %target, %err, "attaching to the primary failed; retrying");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// One attachment of `shard` to `target`: in step already, or a copy.
+    async fn attach_once(&self, shard: u32, target: &str) -> Result<(), CopyError> {
+        let own = self.store.version(shard).unwrap_or_default();
+        let started = Instant::now();
+        let fetched = self.fetch_copy(shard, target, own, true).await?;
+        let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
+        else {
+            return Err(CopyError::Superseded);
+        };
+        let mut state = cell.lock();
+        if fetched.epoch < state.known_epoch {
+            return Err(CopyError::Superseded);
+        }
+        match &state.role {
+            Role::Replica(f) if f.primary == target => {}
+            _ => return Err(CopyError::Superseded),
+        }
+        let offered = fetched.version;
+        let copied = fetched.images.as_ref().map(|(_, bytes)| *bytes);
+        let rows = fetched
+            .images
+            .map(|(images, _)| sync::install(&self.store, &writing, images, Instant::now()));
+        writing.set_version(offered);
+        state.learn(fetched.epoch, target);
+        state.has_copy = true;
+        if let Role::Replica(f) = &mut state.role {
+            f.epoch = fetched.epoch;
+            f.in_step = true;
+            f.syncing = false;
+            f.last_heard = Some(Instant::now());
+        }
+        drop(state);
+        drop(writing);
+        if let Some(bytes) = copied {
+            self.syncs
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            metrics::counter!("tessera_ps_replication_syncs_total").increment(1);
+            tracing::info!(shard, primary = target, version = %offered, rows, bytes, took = ?started.elapsed(), "shard copied from its primary");
+        } else {
+            tracing::info!(shard, primary = target, version = %offered, "replica in step with its primary without a copy");
+        }
+        Ok(())
+    }
+
+    /// What this server holds of `shard`.
+    pub(super) fn shard_status(&self, shard: u32) -> ShardStatusResponse {
+        let (Some(cell), Some(version)) = (self.cell(shard), self.store.version(shard)) else {
+            return ShardStatusResponse::default();
+        };
+        let state = cell.lock();
+        ShardStatusResponse {
+            hosted: true,
+            version: Some(version.into()),
+            known_epoch: state.known_epoch,
+            primary_head: match &state.role {
+                Role::Replica(f) => Some(f.head.into()),
+                _ => None,
+            },
+        }
+    }
+}

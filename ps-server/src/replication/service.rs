@@ -1,0 +1,135 @@
+//! The `Replication` RPC service of a server: forwarded Pushes, shard
+//! copies, and what a server holds of a shard.
+
+use std::sync::Arc;
+
+use tessera_proto::v1::{
+    self, ReplicateRequest, ReplicateResponse, ShardStatusRequest, ShardStatusResponse,
+    SyncChunkRequest, SyncChunkResponse, SyncRequest, SyncResponse,
+};
+use tessera_rpc::{RequestContext, Status};
+
+use super::Replication;
+use super::shard::Role;
+use super::sync;
+use crate::version::Version;
+
+/// The `Replication` RPC service of a server.
+#[derive(Debug, Clone)]
+pub struct ReplicationService {
+    replication: Arc<Replication>,
+}
+
+impl ReplicationService {
+    /// The service of `replication`.
+    pub fn new(replication: Arc<Replication>) -> Self {
+        Self { replication }
+    }
+}
+
+impl v1::Replication for ReplicationService {
+    async fn replicate(
+        &self,
+        _context: RequestContext,
+        request: ReplicateRequest,
+    ) -> Result<ReplicateResponse, Status> {
+        Ok(self.replication.handle_replicate(&request))
+    }
+
+    async fn sync(
+        &self,
+        _context: RequestContext,
+        request: SyncRequest,
+    ) -> Result<SyncResponse, Status> {
+        self.replication.serve_sync(&request)
+    }
+
+    async fn sync_chunk(
+        &self,
+        _context: RequestContext,
+        request: SyncChunkRequest,
+    ) -> Result<SyncChunkResponse, Status> {
+        let data = self
+            .replication
+            .sessions
+            .chunk(request.session, request.offset)?;
+        Ok(SyncChunkResponse { data })
+    }
+
+    async fn shard_status(
+        &self,
+        _context: RequestContext,
+        request: ShardStatusRequest,
+    ) -> Result<ShardStatusResponse, Status> {
+        Ok(self.replication.shard_status(request.shard))
+    }
+}
+
+impl Replication {
+    /// Answers a `Sync`: with `attach`, as the shard's primary, attaching
+    /// the caller from the copy (none when it is in step already);
+    /// without, a copy for a new primary, from any server holding one.
+    fn serve_sync(&self, request: &SyncRequest) -> Result<SyncResponse, Status> {
+        let shard = request.shard;
+        let (Some(cell), Some(writing)) = (self.cell(shard), self.store.lock_shard(shard)) else {
+            return Err(Status::failed_precondition(format!(
+                "shard {shard} is not hosted here"
+            )));
+        };
+        let state = cell.lock();
+        let caller: Version = request.version.unwrap_or_default().into();
+        let version = writing.version();
+        if caller > version {
+            // A replica never copies from an older copy.
+            metrics::counter!("tessera_ps_replication_newer_replicas_total").increment(1);
+            tracing::error!(shard, replica = %request.replica, replica_version = %caller, version = %version, "a replica holds a newer copy than this server");
+            return Err(Status::failed_precondition(format!(
+                "the caller's copy of shard {shard} ({caller}) is newer than this server's ({version})"
+            )));
+        }
+        let epoch = if request.attach {
+            let Role::Primary { epoch, .. } = state.role else {
+                return Err(super::Refusal::NotPrimary(state.redirect(shard)).into());
+            };
+            let forwarder = self
+                .forwarders
+                .iter()
+                .find(|f| f.addr == request.replica && f.shards.contains(&shard))
+                .ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "{} is not a configured replica of shard {shard} here",
+                        request.replica
+                    ))
+                })?;
+            // Attached at the copy's version, under the write lock: every
+            // later Push is queued for it.
+            forwarder.attach(shard, version.position);
+            epoch
+        } else {
+            // Whatever this server holds is what its ShardStatus reported:
+            // a checkpoint, or a copy it follows or led with.
+            state.known_epoch
+        };
+        drop(state);
+        if caller == version && request.attach {
+            tracing::info!(shard, replica = %request.replica, %version, "replica attached, in step");
+            return Ok(SyncResponse {
+                session: 0,
+                epoch,
+                version: Some(version.into()),
+                total_bytes: 0,
+            });
+        }
+        let blob = sync::snapshot(&self.store, &writing);
+        drop(writing);
+        let total_bytes = blob.len() as u64;
+        let session = self.sessions.open(blob);
+        tracing::info!(shard, replica = %request.replica, attach = request.attach, %version, total_bytes, "copy of the shard ready");
+        Ok(SyncResponse {
+            session,
+            epoch,
+            version: Some(version.into()),
+            total_bytes,
+        })
+    }
+}

@@ -1,0 +1,262 @@
+//! One hosted shard's place in replication: its role (primary, replica,
+//! recovering, none), the newest epoch heard of for it, and, on a replica,
+//! its view of the primary's stream.
+//!
+//! Lock order: a caller that needs both takes the store's shard write lock
+//! ([`crate::store::Store::lock_shard`]) before a cell's state; every
+//! change of role happens under both, so that a Push (which holds the write
+//! lock from its admission to its stream position) never straddles one.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tessera_proto::v1::{self, NotPrimary};
+
+use crate::version::Version;
+
+/// A replica's view of the primary it follows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Follow {
+    /// The primary's address.
+    pub primary: String,
+    /// The primary's epoch (0: not learned yet).
+    pub epoch: u64,
+    /// This copy is a prefix of the primary's stream and the forwarded
+    /// Pushes apply to it in order.
+    pub in_step: bool,
+    /// A copy from the primary is being fetched.
+    pub syncing: bool,
+    /// When the primary's stream (Pushes or a heartbeat) was last heard.
+    pub last_heard: Option<Instant>,
+    /// The primary's head as last heard.
+    pub head: Version,
+}
+
+impl Follow {
+    pub fn new(primary: String, epoch: u64) -> Self {
+        Self {
+            primary,
+            epoch,
+            in_step: false,
+            syncing: false,
+            last_heard: None,
+            head: Version::default(),
+        }
+    }
+}
+
+/// What a server is for one of its shards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// No primary known (a failover in progress), or not decided yet.
+    Idle,
+    /// Becoming the primary under `epoch` (0 in static mode until the
+    /// replicas have answered): copying the freshest copy first.
+    Recovering { epoch: u64 },
+    /// The primary under `epoch`, which started from `base`.
+    Primary { epoch: u64, base: Version },
+    /// Following a primary.
+    Replica(Follow),
+}
+
+/// The replication state of one shard (module docs).
+#[derive(Debug)]
+pub(crate) struct ShardState {
+    pub role: Role,
+    /// The newest epoch heard of for the shard, and its primary.
+    pub known_epoch: u64,
+    pub known_primary: Option<String>,
+    /// This process holds a complete copy: it synced from a primary or
+    /// recovered as one since it started. A checkpoint alone does not
+    /// count: it is only a candidate for recovery.
+    pub has_copy: bool,
+    /// A primary handing the shard over (shutting down): it takes no more
+    /// Pushes while its queues drain to the replicas.
+    pub handing_over: bool,
+}
+
+impl ShardState {
+    fn readable(&self) -> bool {
+        match &self.role {
+            Role::Primary { .. } => true,
+            Role::Recovering { .. } => false,
+            Role::Replica(follow) => self.has_copy && !follow.syncing,
+            Role::Idle => self.has_copy,
+        }
+    }
+
+    /// The epoch, when this server is the primary.
+    pub fn primary_epoch(&self) -> Option<u64> {
+        match self.role {
+            Role::Primary { epoch, .. } => Some(epoch),
+            _ => None,
+        }
+    }
+
+    /// Notes that `primary` holds `epoch`, if that is newer than anything
+    /// heard; returns whether it was.
+    pub fn learn(&mut self, epoch: u64, primary: &str) -> bool {
+        if epoch > self.known_epoch {
+            self.known_epoch = epoch;
+            self.known_primary = Some(primary.to_owned());
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Where a Push refused here should go.
+    pub fn redirect(&self, shard: u32) -> NotPrimary {
+        NotPrimary {
+            shard,
+            primary: self.known_primary.clone().unwrap_or_default(),
+            epoch: self.known_epoch,
+        }
+    }
+
+    /// The role as Health reports it.
+    pub fn health_role(&self) -> v1::ShardRole {
+        match self.role {
+            Role::Primary { .. } => v1::ShardRole::Primary,
+            Role::Replica(_) => v1::ShardRole::Replica,
+            Role::Recovering { .. } => v1::ShardRole::Recovering,
+            Role::Idle => v1::ShardRole::NoPrimary,
+        }
+    }
+
+    /// Whether a replica has heard its primary within `stale_after`
+    /// (`None`: not a replica).
+    pub fn receiving(&self, now: Instant, stale_after: Duration) -> Option<bool> {
+        match &self.role {
+            Role::Replica(f) => Some(
+                f.last_heard
+                    .is_some_and(|t| now.saturating_duration_since(t) < stale_after),
+            ),
+            _ => None,
+        }
+    }
+}
+
+/// One hosted shard: its state, and whether Fetches of it are served (a
+/// flag every Fetch reads without taking the lock).
+#[derive(Debug)]
+pub(crate) struct ShardCell {
+    pub shard: u32,
+    state: Mutex<ShardState>,
+    readable: AtomicBool,
+}
+
+/// The locked state of a cell; publishes whether the shard is readable
+/// when dropped.
+pub(crate) struct StateGuard<'a> {
+    cell: &'a ShardCell,
+    state: MutexGuard<'a, ShardState>,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = ShardState;
+    fn deref(&self) -> &ShardState {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut ShardState {
+        &mut self.state
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        self.cell
+            .readable
+            .store(self.state.readable(), Ordering::Release);
+    }
+}
+
+impl ShardCell {
+    /// A shard with no role yet.
+    pub fn new(shard: u32) -> Self {
+        Self {
+            shard,
+            state: Mutex::new(ShardState {
+                role: Role::Idle,
+                known_epoch: 0,
+                known_primary: None,
+                has_copy: false,
+                handing_over: false,
+            }),
+            readable: AtomicBool::new(false),
+        }
+    }
+
+    /// Its state, locked.
+    pub fn lock(&self) -> StateGuard<'_> {
+        StateGuard {
+            cell: self,
+            state: self.state.lock().unwrap_or_else(|p| p.into_inner()),
+        }
+    }
+
+    /// Whether Fetches are served.
+    pub fn readable(&self) -> bool {
+        self.readable.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_complete_copies_are_readable() {
+        let cell = ShardCell::new(3);
+        assert!(!cell.readable(), "a fresh process serves nothing");
+        {
+            let mut s = cell.lock();
+            s.role = Role::Replica(Follow::new("p".into(), 4));
+        }
+        assert!(!cell.readable(), "no copy yet");
+        {
+            let mut s = cell.lock();
+            s.has_copy = true;
+        }
+        assert!(cell.readable());
+        {
+            let mut s = cell.lock();
+            if let Role::Replica(f) = &mut s.role {
+                f.syncing = true;
+            }
+        }
+        assert!(!cell.readable(), "a copy being replaced is not served");
+        {
+            let mut s = cell.lock();
+            s.role = Role::Recovering { epoch: 5 };
+        }
+        assert!(!cell.readable(), "a recovering primary answers nothing");
+        {
+            let mut s = cell.lock();
+            s.role = Role::Idle;
+        }
+        assert!(
+            cell.readable(),
+            "during a failover the last copy is still served"
+        );
+    }
+
+    #[test]
+    fn only_newer_epochs_are_learned() {
+        let cell = ShardCell::new(0);
+        let mut s = cell.lock();
+        assert!(s.learn(3, "a"));
+        assert!(!s.learn(3, "b"));
+        assert!(!s.learn(2, "c"));
+        assert_eq!(s.redirect(0).primary, "a");
+        assert!(s.learn(4, "b"));
+        assert_eq!(
+            (s.redirect(0).primary.as_str(), s.redirect(0).epoch),
+            ("b", 4)
+        );
+    }
+}

@@ -1,0 +1,165 @@
+//! Primaries decided through etcd, in-process: the preferred server leads
+//! a fresh shard, a replica takes over when the primary dies (losing no
+//! acknowledged Push with `ack = "replicas"`), the old primary comes back
+//! as a replica of the new one, and a graceful stop hands over at once.
+//! (The drills in `deploy/tests/drills.rs` do the same to real processes.)
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    missing_docs
+)]
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tessera_proto::v1::{DigestRequest, HealthResponse, PushRequest, ShardRole};
+use tessera_ps_server::config::{CoordinatorConfig, CoordinatorKind, OptimizerConfig, PeerConfig};
+use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_test_support::{
+    Etcd, InProcess, free_addr, wait_for_health, wait_replicas_in_step, wait_serving, wire,
+};
+
+fn config(listen: &str, group: u32, peer: &str, etcd: &Etcd, cluster: &str) -> PsServerConfig {
+    PsServerConfig {
+        listen: listen.to_owned(),
+        replica_group: group,
+        replica_groups: 2,
+        peers: vec![PeerConfig {
+            address: peer.to_owned(),
+            replica_group: 1 - group,
+            shards: vec![0],
+        }],
+        coordinator: CoordinatorConfig {
+            kind: CoordinatorKind::Etcd,
+            endpoints: vec![etcd.endpoint.clone()],
+            cluster: cluster.to_owned(),
+            failover_timeout_ms: 2000,
+            ..CoordinatorConfig::default()
+        },
+        tables: vec![TableConfig {
+            optimizer: OptimizerConfig::adam(0.01),
+            ..TableConfig::new("emb", 4)
+        }],
+        ..PsServerConfig::default()
+    }
+}
+
+fn push_request(step: u64) -> PushRequest {
+    let keys: Vec<u64> = (0..32).collect();
+    let grads: Vec<f32> = (0..keys.len() * 4)
+        .map(|i| ((i as u64 * 5 + step * 3) % 11) as f32 - 5.0)
+        .collect();
+    PushRequest {
+        table: "emb".into(),
+        shard: 0,
+        keys,
+        gradients: Bytes::from(wire(&grads)),
+        worker_id: 9,
+        sequence: step,
+    }
+}
+
+fn role(health: &HealthResponse) -> ShardRole {
+    ShardRole::try_from(health.shard_health[0].role).unwrap_or(ShardRole::Unspecified)
+}
+
+async fn wait_role(addr: &str, want: ShardRole, timeout: Duration) -> HealthResponse {
+    wait_for_health(addr, &format!("{want:?}"), timeout, |h| {
+        !h.shard_health.is_empty() && role(h) == want
+    })
+    .await
+}
+
+async fn converged(a: &InProcess, b: &InProcess) {
+    let started = Instant::now();
+    loop {
+        let (x, y) = (
+            a.admin.digest(DigestRequest {}).await.unwrap(),
+            b.admin.digest(DigestRequest {}).await.unwrap(),
+        );
+        if x == y {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{x:?} vs {y:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_takes_over_a_dead_primary_and_the_old_one_rejoins_as_replica() {
+    let etcd = Etcd::start();
+    let (a, b) = (free_addr(), free_addr());
+    let a_config = config(&a, 0, &b, &etcd, "takeover");
+    let first = InProcess::start(&a_config).await;
+    let second = InProcess::start(&config(&b, 1, &a, &etcd, "takeover")).await;
+    // Group 0 is the shard's preferred server: it leads a fresh shard.
+    let led = wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
+    let old_epoch = led.shard_health[0].epoch;
+    wait_serving(&b).await;
+    wait_replicas_in_step(&a).await;
+    for step in 1..=20 {
+        let answer = first.data.push(push_request(step)).await.unwrap();
+        assert_eq!(answer.epoch, old_epoch);
+    }
+    // ack = "replicas": every acknowledged Push is on the replica already.
+    assert_eq!(second.store.version(0).unwrap().position, 20);
+
+    let killed = Instant::now();
+    first.crash();
+    let took_over = wait_role(&b, ShardRole::Primary, Duration::from_secs(20)).await;
+    let failover = killed.elapsed();
+    let new_epoch = took_over.shard_health[0].epoch;
+    eprintln!("failover took {failover:?} (lease 2 s); epoch {old_epoch} -> {new_epoch}");
+    assert!(new_epoch > old_epoch);
+    assert!(failover < Duration::from_secs(6), "{failover:?}");
+    assert_eq!(
+        second.store.version(0).unwrap().position,
+        20,
+        "nothing lost"
+    );
+    // A retry of an acknowledged Push is recognised at the new primary.
+    assert!(second.data.push(push_request(20)).await.unwrap().duplicate);
+    for step in 21..=30 {
+        let answer = second.data.push(push_request(step)).await.unwrap();
+        assert_eq!(answer.epoch, new_epoch);
+    }
+
+    // The old primary comes back (empty, no checkpoint): a replica of the
+    // new one, never a second primary.
+    let first = InProcess::start(&a_config).await;
+    let back = wait_role(&a, ShardRole::Replica, Duration::from_secs(20)).await;
+    assert_eq!(back.shard_health[0].primary, b);
+    wait_serving(&a).await;
+    converged(&first, &second).await;
+    first.stop().await;
+    second.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_hands_the_shard_over_without_waiting_for_the_lease() {
+    let etcd = Etcd::start();
+    let (a, b) = (free_addr(), free_addr());
+    let first = InProcess::start(&config(&a, 0, &b, &etcd, "handover")).await;
+    let second = InProcess::start(&config(&b, 1, &a, &etcd, "handover")).await;
+    wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
+    wait_serving(&b).await;
+    wait_replicas_in_step(&a).await;
+    for step in 1..=10 {
+        first.data.push(push_request(step)).await.unwrap();
+    }
+    let stopping = Instant::now();
+    first.stop().await;
+    wait_role(&b, ShardRole::Primary, Duration::from_secs(20)).await;
+    let took = stopping.elapsed();
+    eprintln!("handover took {took:?}");
+    assert!(
+        took < Duration::from_millis(1500),
+        "waited for the lease: {took:?}"
+    );
+    assert_eq!(second.store.version(0).unwrap().position, 10);
+    second.stop().await;
+}

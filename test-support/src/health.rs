@@ -1,0 +1,78 @@
+//! A server's health, and waiting for it.
+
+use std::time::{Duration, Instant};
+
+use tessera_proto::v1::{HealthRequest, HealthResponse, ParameterServerClient};
+use tessera_rpc::{Channel, ChannelConfig, RpcError};
+
+/// Timeouts for calls of a test to a server on a loaded 2-core host.
+pub fn patient() -> ChannelConfig {
+    ChannelConfig {
+        connect_timeout_ms: 2000,
+        request_timeout_ms: 10_000,
+        ..ChannelConfig::default()
+    }
+}
+
+/// The health of the server at `addr` (over TCP).
+pub async fn health(addr: &str) -> Result<HealthResponse, RpcError> {
+    let channel = Channel::lazy(addr, patient())?;
+    ParameterServerClient::new(channel)
+        .health(HealthRequest {})
+        .await
+}
+
+/// Waits until the server at `addr` answers Health with something `ok`
+/// accepts; panics with `what` and the last answer after `timeout`.
+pub async fn wait_for_health(
+    addr: &str,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&HealthResponse) -> bool,
+) -> HealthResponse {
+    let started = Instant::now();
+    loop {
+        let last = match health(addr).await {
+            Ok(h) if ok(&h) => return h,
+            Ok(h) => format!("{h:?}"),
+            Err(err) => err.to_string(),
+        };
+        assert!(
+            started.elapsed() < timeout,
+            "{addr}: not {what} after {timeout:?}; last: {last}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the server at `addr` serves every hosted shard and none is
+/// recovering or catching up, and every replica shard is in step.
+pub async fn wait_serving(addr: &str) -> HealthResponse {
+    wait_for_health(addr, "serving", Duration::from_secs(30), |h| {
+        h.serving
+            && h.state == tessera_proto::v1::ServerState::Serving as i32
+            && h.shard_health.iter().all(|s| {
+                s.role == tessera_proto::v1::ShardRole::Primary as i32
+                    || (s.role == tessera_proto::v1::ShardRole::Replica as i32 && s.in_step)
+            })
+    })
+    .await
+}
+
+/// Waits until the primary at `addr` has every replica of every shard it
+/// leads attached and in step (confirmed), so that the next Push reaches
+/// them through the stream (and, with `ack = "replicas"`, waits for them).
+pub async fn wait_replicas_in_step(addr: &str) -> HealthResponse {
+    wait_for_health(
+        addr,
+        "with its replicas in step",
+        Duration::from_secs(30),
+        |h| {
+            h.shard_health
+                .iter()
+                .filter(|s| s.role == tessera_proto::v1::ShardRole::Primary as i32)
+                .all(|s| s.replicas.iter().all(|r| r.in_step))
+        },
+    )
+    .await
+}

@@ -1,0 +1,38 @@
+//! Shared set-up of Tessera's tests, so that no test file keeps its own
+//! copy: free ports, keys of a shard and f32 rows, a ps-server in-process
+//! or as a process (started, SIGKILLed, restarted), waiting for a server's
+//! health, a local etcd, and a fault-injecting TCP proxy.
+//!
+//! Everything here panics on failure: it is how a test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
+
+pub mod cluster;
+pub mod etcd;
+pub mod health;
+pub mod process;
+pub mod proxy;
+pub mod rows;
+pub mod server;
+
+pub use cluster::{InProcessCluster, Layout};
+pub use etcd::Etcd;
+pub use health::{health, wait_for_health, wait_replicas_in_step, wait_serving};
+pub use process::PsProcess;
+pub use proxy::FaultProxy;
+pub use rows::{f32s, keys_of_shard, wire};
+pub use server::InProcess;
+
+/// A free loopback port (released before the caller binds it: on
+/// loopback the window for another process to take it is small).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `127.0.0.1:<free port>`.
+pub fn free_addr() -> String {
+    format!("127.0.0.1:{}", free_port())
+}

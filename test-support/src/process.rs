@@ -1,0 +1,149 @@
+//! A ps-server process: started from a configuration, SIGKILLed,
+//! SIGSTOPped, restarted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tessera_ps_server::PsServerConfig;
+
+/// The ps-server binary of this build. Tests of `tessera-ps-server` pass
+/// `env!("CARGO_BIN_EXE_ps-server")`; others find it next to their own
+/// test binary's directory (`target/<profile>/`), where `cargo test
+/// --workspace` builds it, and build it when it is missing (saying so).
+pub fn ps_server_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_owned();
+    let path = profile_dir.join("ps-server");
+    if !path.is_file() {
+        eprintln!("{} missing: building it with cargo", path.display());
+        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "-p", "tessera-ps-server", "--bin", "ps-server"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building ps-server failed");
+    }
+    assert!(path.is_file(), "no ps-server at {}", path.display());
+    path
+}
+
+/// A running (or stopped) ps-server process.
+pub struct PsProcess {
+    /// Its address (`listen`).
+    pub addr: String,
+    /// Its configuration file.
+    pub config_path: PathBuf,
+    /// Its log (stderr).
+    pub log: PathBuf,
+    binary: PathBuf,
+    env: Vec<(String, String)>,
+    child: Option<Child>,
+}
+
+impl PsProcess {
+    /// Writes `config` to `<dir>/<name>.toml` and starts `binary` on it.
+    pub fn spawn(binary: &Path, config: &PsServerConfig, dir: &Path, name: &str) -> Self {
+        Self::spawn_with_env(binary, config, dir, name, &[])
+    }
+
+    /// [`PsProcess::spawn`] with extra environment variables (for example
+    /// `FAILPOINTS`).
+    pub fn spawn_with_env(
+        binary: &Path,
+        config: &PsServerConfig,
+        dir: &Path,
+        name: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
+        let config_path = dir.join(format!("{name}.toml"));
+        std::fs::write(&config_path, toml::to_string(config).unwrap()).unwrap();
+        let mut process = Self {
+            addr: config.listen.clone(),
+            config_path,
+            log: dir.join(format!("{name}.log")),
+            binary: binary.to_owned(),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            child: None,
+        };
+        process.start();
+        process
+    }
+
+    /// (Re)starts it from its configuration file; its log is appended to.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "{} is running", self.addr);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(&self.binary)
+            .arg("--config")
+            .arg(&self.config_path)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    /// Restarts it without the extra environment (a fault injected once).
+    pub fn restart_clean(&mut self) {
+        self.env.clear();
+        self.start();
+    }
+
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().and_then(|c| i32::try_from(c.id()).ok())
+    }
+
+    /// SIGKILLs it and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends it `signal` (SIGTERM, SIGSTOP, SIGCONT).
+    pub fn signal(&self, signal: Signal) {
+        if let Some(pid) = self.pid() {
+            let _ = kill(Pid::from_raw(pid), signal);
+        }
+    }
+
+    /// Waits for it to exit (after SIGTERM); `None` if it is not running.
+    pub fn wait(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        child.wait().ok()
+    }
+
+    /// Whether it has exited (reaping it if so).
+    pub fn exited(&mut self) -> bool {
+        match self.child.as_mut().map(Child::try_wait) {
+            Some(Ok(Some(_))) | None => {
+                self.child = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Its log so far (for failure messages).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for PsProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
