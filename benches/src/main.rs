@@ -15,8 +15,11 @@
 //! - `recovery`: the RPC layer's policy overhead (a call with every policy
 //!   on against a plain channel), RDMA-to-TCP fallback and return times,
 //!   and failover around a SIGKILLed replica; see `recovery.rs`.
+//! - `replication`: Push latency with `ack = "replicas"` against `ack =
+//!   "primary"` (primary + replica in-process); see `replication.rs`.
 
 mod recovery;
+mod replication;
 
 use std::path::PathBuf;
 use std::process::Command as Process;
@@ -151,6 +154,15 @@ enum Command {
         /// RDMA probe interval of the fallback measurement, milliseconds.
         #[arg(long, default_value_t = 1000)]
         probe_ms: u64,
+    },
+    /// Push latency by acknowledgement mode: ack = replicas vs primary.
+    Replication {
+        /// Pushes per mode and concurrency.
+        #[arg(long, default_value_t = 4000)]
+        pushes: u64,
+        /// Interleaved blocks.
+        #[arg(long, default_value_t = 20)]
+        blocks: u64,
     },
     /// The server process of `recovery`'s failover measurement.
     #[command(hide = true)]
@@ -521,6 +533,10 @@ fn main() -> Result<(), BoxError> {
             runtime
                 .block_on(transport::serve(kind, &tuning))
                 .map_err(|e| e.to_string().into())
+        }
+        Command::Replication { pushes, blocks } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(replication::run(pushes.max(1), blocks.max(1)))
         }
         Command::Recovery {
             calls,

@@ -21,15 +21,18 @@
 //!
 //! This crate holds what servers, workers and the launcher share: the
 //! [`CoordinatorConfig`], the [`keys`] layout and the records stored under
-//! them, and [`EtcdCoordinator`], a thin client over `etcd-client` for the
+//! them, [`EtcdCoordinator`], a thin client over `etcd-client` for the
 //! operations Tessera needs (leases, the campaign transaction, primaries
-//! and their watch, members). The decisions (when to campaign, fencing,
+//! and their watch, members), and [`LocalEtcd`], one etcd process for a
+//! one-host cluster or a test. The decisions (when to campaign, fencing,
 //! recovery) are the ps-server's.
 
 mod config;
 mod etcd;
 pub mod keys;
+mod local;
 
 pub use config::{CoordinatorConfig, CoordinatorKind};
 pub use etcd::{CoordError, EtcdCoordinator, LeaseKeepAlive, PrimaryChange, PrimaryWatch};
 pub use keys::{MemberRecord, PrimaryRecord};
+pub use local::{LocalEtcd, LocalEtcdError, etcd_bin};

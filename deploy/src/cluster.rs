@@ -1,5 +1,6 @@
 //! Starting, watching and stopping the ps-server processes of a local
-//! cluster.
+//! cluster (and its local etcd, with failover on); killing and restarting
+//! one of them, for drills.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -7,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use tessera_coord::{LocalEtcd, LocalEtcdError};
 use tessera_ps_server::PsServerConfig;
-use tessera_ps_server::config::PeerConfig;
+use tessera_ps_server::config::{PeerConfig, ReplicationConfig};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
 use tokio::process::{Child, Command};
 
@@ -63,6 +65,9 @@ pub enum LaunchError {
     /// The worker client could not be built from the generated config.
     #[error(transparent)]
     Worker(#[from] tessera_worker::WorkerError),
+    /// The local etcd could not be started.
+    #[error(transparent)]
+    Etcd(#[from] LocalEtcdError),
     /// Servers had to be killed because they did not stop in time.
     #[error("{0} server(s) did not stop within the stop timeout and were killed")]
     Killed(usize),
@@ -79,7 +84,10 @@ pub struct ServerProcess {
     pub address: String,
     /// Its log file.
     pub log: PathBuf,
-    child: Child,
+    /// Its configuration file.
+    pub config_path: PathBuf,
+    binary: PathBuf,
+    child: Option<Child>,
 }
 
 impl ServerProcess {
@@ -98,6 +106,37 @@ pub struct Cluster {
     worker_config: WorkerConfig,
     run_dir: PathBuf,
     stop_timeout: Duration,
+    /// Stopped (dropped) after the servers.
+    etcd: Option<LocalEtcd>,
+}
+
+fn spawn_server(
+    binary: &Path,
+    config_path: &Path,
+    log: &Path,
+    what: &str,
+) -> Result<Child, LaunchError> {
+    // Appended to: a restarted server's log follows its predecessor's.
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|source| LaunchError::Write {
+            path: log.to_owned(),
+            source,
+        })?;
+    Command::new(binary)
+        .arg("--config")
+        .arg(config_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log_file)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| LaunchError::Spawn {
+            what: what.to_owned(),
+            source,
+        })
 }
 
 /// Finds the ps-server binary.
@@ -165,6 +204,7 @@ impl Cluster {
             worker_config: WorkerConfig::default(),
             run_dir: run_dir.to_owned(),
             stop_timeout: Duration::from_millis(config.stop_timeout_ms),
+            etcd: None,
         };
         match cluster.spawn_all(config, &binary).await {
             Ok(()) => Ok(cluster),
@@ -180,6 +220,13 @@ impl Cluster {
         config: &ClusterConfig,
         binary: &Path,
     ) -> Result<(), LaunchError> {
+        let mut coordinator = config.coordinator.clone();
+        if coordinator.is_etcd() && config.local_etcd {
+            let bin = tessera_coord::etcd_bin(config.etcd_bin.as_deref());
+            let etcd = LocalEtcd::start(&bin, &self.run_dir.join("etcd"), Duration::from_secs(20))?;
+            coordinator.endpoints = vec![etcd.endpoint().to_owned()];
+            self.etcd = Some(etcd);
+        }
         // Every server's address first: each one's configuration lists the
         // others as its replication peers.
         let mut layout = Vec::new();
@@ -222,6 +269,11 @@ impl Cluster {
                     replica_groups: config.replica_groups,
                     peers,
                     tables: config.tables.clone(),
+                    coordinator: coordinator.clone(),
+                    replication: ReplicationConfig {
+                        ack: config.ack,
+                        ..ReplicationConfig::default()
+                    },
                     ..PsServerConfig::default()
                 };
                 let stem = format!("ps-g{group}-s{shard}");
@@ -232,21 +284,9 @@ impl Cluster {
                 })?;
                 write_file(&config_path, &text)?;
                 let log = self.run_dir.join(format!("{stem}.log"));
-                let log_file =
-                    std::fs::File::create(&log).map_err(|source| LaunchError::Write {
-                        path: log.clone(),
-                        source,
-                    })?;
+                let _ = std::fs::remove_file(&log);
                 let what = format!("ps-server group {group} shard {shard} ({address})");
-                let child = Command::new(binary)
-                    .arg("--config")
-                    .arg(&config_path)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(log_file)
-                    .kill_on_drop(true)
-                    .spawn()
-                    .map_err(|source| LaunchError::Spawn { what, source })?;
+                let child = spawn_server(binary, &config_path, &log, &what)?;
                 endpoints.push(ServerEndpoint {
                     address: address.clone(),
                     shards: vec![shard],
@@ -257,7 +297,9 @@ impl Cluster {
                     shard,
                     address,
                     log,
-                    child,
+                    config_path,
+                    binary: binary.to_owned(),
+                    child: Some(child),
                 });
             }
         }
@@ -269,6 +311,7 @@ impl Cluster {
             connect_timeout_ms: config.worker_connect_timeout_ms,
             request_timeout_ms: config.worker_request_timeout_ms,
             call_timeout_ms: config.worker_call_timeout_ms,
+            coordinator,
             ..WorkerConfig::default()
         };
         if let Some(table) = config.tables.first() {
@@ -291,7 +334,7 @@ impl Cluster {
         let deadline = Instant::now() + timeout;
         loop {
             for server in &mut self.servers {
-                if let Ok(Some(status)) = server.child.try_wait() {
+                if let Some(Ok(Some(status))) = server.child.as_mut().map(Child::try_wait) {
                     return Err(LaunchError::EarlyExit {
                         what: server.name(),
                         status: status.to_string(),
@@ -336,27 +379,100 @@ impl Cluster {
         &self.run_dir
     }
 
+    /// The local etcd's endpoint, when the cluster started one.
+    pub fn etcd_endpoint(&self) -> Option<&str> {
+        self.etcd.as_ref().map(LocalEtcd::endpoint)
+    }
+
+    /// The index of the server of `group` and `shard`.
+    pub fn index_of(&self, group: u32, shard: u32) -> Option<usize> {
+        self.servers
+            .iter()
+            .position(|s| s.group == group && s.shard == shard)
+    }
+
+    /// SIGKILLs server `index` and reaps it (a crash; nothing is handed
+    /// over).
+    pub async fn kill(&mut self, index: usize) {
+        if let Some(mut child) = self.servers.get_mut(index).and_then(|s| s.child.take()) {
+            let _ = child.kill().await;
+        }
+    }
+
+    /// Sends server `index` a signal (SIGTERM for a graceful stop, SIGSTOP
+    /// and SIGCONT to freeze and thaw it).
+    pub fn signal(&self, index: usize, signal: Signal) {
+        if let Some(pid) = self
+            .servers
+            .get(index)
+            .and_then(|s| s.child.as_ref())
+            .and_then(Child::id)
+            .and_then(|id| i32::try_from(id).ok())
+        {
+            let _ = kill(Pid::from_raw(pid), signal);
+        }
+    }
+
+    /// Waits until server `index` has exited (after a SIGTERM), at most
+    /// the stop timeout; false if it had not.
+    pub async fn wait_exit(&mut self, index: usize) -> bool {
+        let timeout = self.stop_timeout;
+        let Some(server) = self.servers.get_mut(index) else {
+            return true;
+        };
+        let Some(child) = server.child.as_mut() else {
+            return true;
+        };
+        let exited = tokio::time::timeout(timeout, child.wait()).await.is_ok();
+        if exited {
+            server.child = None;
+        }
+        exited
+    }
+
+    /// Starts server `index` again from its configuration (after a kill
+    /// or a stop); its log is appended to.
+    pub fn restart(&mut self, index: usize) -> Result<(), LaunchError> {
+        let Some(server) = self.servers.get_mut(index) else {
+            return Ok(());
+        };
+        if server.child.is_some() {
+            return Ok(());
+        }
+        let what = server.name();
+        server.child = Some(spawn_server(
+            &server.binary,
+            &server.config_path,
+            &server.log,
+            &what,
+        )?);
+        Ok(())
+    }
+
     /// Stops every server: SIGTERM (graceful shutdown), then SIGKILL for
-    /// those still running after the stop timeout.
+    /// those still running after the stop timeout; then the local etcd.
     pub async fn stop(mut self) -> Result<(), LaunchError> {
-        for server in &self.servers {
-            if let Some(pid) = server.child.id().and_then(|id| i32::try_from(id).ok()) {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-            }
+        for index in 0..self.servers.len() {
+            self.signal(index, Signal::SIGTERM);
         }
         let deadline = Instant::now() + self.stop_timeout;
         let mut killed = 0;
         for server in &mut self.servers {
+            let name = server.name();
+            let Some(child) = server.child.as_mut() else {
+                continue;
+            };
             let remaining = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(remaining, server.child.wait()).await {
+            match tokio::time::timeout(remaining, child.wait()).await {
                 Ok(_) => {}
                 Err(_) => {
-                    tracing::warn!(server = %server.name(), "did not stop in time; killing");
-                    let _ = server.child.kill().await;
+                    tracing::warn!(server = %name, "did not stop in time; killing");
+                    let _ = child.kill().await;
                     killed += 1;
                 }
             }
         }
+        drop(self.etcd.take());
         if killed > 0 {
             return Err(LaunchError::Killed(killed));
         }

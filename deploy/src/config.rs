@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
+use tessera_coord::CoordinatorConfig;
+use tessera_ps_server::config::AckMode;
 use tessera_ps_server::{Mode, TableConfig};
 use tessera_rpc::{RdmaConfig, TransportKind};
 
@@ -60,6 +62,26 @@ pub struct ClusterConfig {
     /// The workers' whole-call deadline, in milliseconds. Default 2500:
     /// room for a second attempt on another replica.
     pub worker_call_timeout_ms: u64,
+    /// Who decides the primaries, for servers and workers
+    /// (`[coordinator]`): `static` (fixed primaries, no failover: a dead
+    /// primary's shard takes no Pushes until it is back) or `etcd`
+    /// (leases, automatic promotion with fencing). Default static.
+    pub coordinator: CoordinatorConfig,
+    /// With `coordinator.kind = "etcd"`: start a local etcd for the
+    /// cluster (one member, on a free loopback port, its data in the run
+    /// directory, stopped with the cluster) and use it instead of
+    /// `coordinator.endpoints`. Default true: a one-host cluster has no
+    /// etcd of its own; set false to use the one `endpoints` names.
+    pub local_etcd: bool,
+    /// The etcd binary for `local_etcd`. Default: `etcd` on `PATH`, else
+    /// `/usr/bin/etcd` (the environment variable `TESSERA_ETCD_BIN`
+    /// overrides).
+    pub etcd_bin: Option<PathBuf>,
+    /// When a primary acknowledges a Push: `replicas` (once every replica
+    /// in step applied it: none is lost in a failover) or `primary` (once
+    /// it applied it: faster; a failover may lose the unforwarded tail).
+    /// Default `replicas`.
+    pub ack: AckMode,
 }
 
 impl Default for ClusterConfig {
@@ -80,6 +102,10 @@ impl Default for ClusterConfig {
             worker_connect_timeout_ms: 1000,
             worker_request_timeout_ms: 1000,
             worker_call_timeout_ms: 2500,
+            coordinator: CoordinatorConfig::default(),
+            local_etcd: true,
+            etcd_bin: None,
+            ack: AckMode::Replicas,
         }
     }
 }
@@ -141,6 +167,7 @@ impl Validate for ClusterConfig {
         if self.startup_timeout_ms == 0 {
             return Err(invalid("startup_timeout_ms", "must be at least 1"));
         }
+        self.coordinator.validate()?;
         // The tables are checked by the ps-server's own validation, with
         // the same keys.
         let probe = tessera_ps_server::PsServerConfig {
@@ -168,12 +195,23 @@ mod tests {
     }
 
     #[test]
+    fn the_failover_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("local/failover.toml");
+        let config = ClusterConfig::load(&path).unwrap();
+        assert!(config.coordinator.is_etcd() && config.local_etcd);
+    }
+
+    #[test]
     fn bad_values_name_their_key() {
         for (text, key) in [
             ("replica_groups = 0", "replica_groups"),
             ("transport = \"tin-cans\"", "transport"),
             ("[[tables]]\nname = \"t\"\ndim = 0", "tables[0].dim"),
             ("base_port = 65535", "base_port"),
+            (
+                "[coordinator]\nkind = \"etcd\"\nfailover_timeout_ms = 10",
+                "coordinator.failover_timeout_ms",
+            ),
         ] {
             let err = match toml::from_str::<ClusterConfig>(text) {
                 Ok(config) => config.validate().unwrap_err().to_string(),

@@ -129,6 +129,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: a log file stays plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = tokio::runtime::Runtime::new()
         .map_err(|err| err.into())
@@ -200,9 +202,18 @@ async fn admin(action: AdminAction) -> Result<(), BoxError> {
                 .await?;
             let state = ServerState::try_from(health.state).map_or("unknown", |s| s.as_str_name());
             println!(
-                "{server}: {state}, replica group {}, shards {:?} of {}, primary of {:?}",
-                health.replica_group, health.shards, health.num_shards, health.primary_shards
+                "{server}: {state}, replica group {}, shards {:?} of {}, primary of {:?}, coordinator {}",
+                health.replica_group,
+                health.shards,
+                health.num_shards,
+                health.primary_shards,
+                if health.coordinator.is_empty() {
+                    "static"
+                } else {
+                    &health.coordinator
+                }
             );
+            print!("{}", format_shard_health(&health.shard_health));
             for table in &health.tables {
                 println!(
                     "  table {}: dim {}, {} rows",
@@ -252,6 +263,69 @@ async fn admin(action: AdminAction) -> Result<(), BoxError> {
         }
     }
     Ok(())
+}
+
+/// Each shard's replication as a table: role, epoch, version, primary,
+/// and a replica's stream or a primary's replicas.
+fn format_shard_health(shards: &[tessera_proto::v1::ShardHealth]) -> String {
+    use std::fmt::Write as _;
+    use tessera_proto::v1::ShardRole;
+    let mut out = String::from(
+        "| shard | role | epoch | version | primary | stream | replicas (lag in pushes) |\n|---:|---|---:|---|---|---|---|\n",
+    );
+    for s in shards {
+        let role = ShardRole::try_from(s.role).map_or("unknown", |r| {
+            r.as_str_name().trim_start_matches("SHARD_ROLE_")
+        });
+        let version = s
+            .version
+            .map_or_else(|| "-".to_owned(), |v| format!("{}:{}", v.epoch, v.position));
+        let stream = if s.role == ShardRole::Replica as i32 {
+            format!(
+                "{}{}, heard {} ms ago{}",
+                if s.in_step { "in step" } else { "out of step" },
+                if s.syncing { ", copying" } else { "" },
+                s.stream_age_ms,
+                if s.receiving { "" } else { ", NOT RECEIVING" }
+            )
+        } else if s.fenced {
+            "FENCED (lease not confirmed)".to_owned()
+        } else {
+            "-".to_owned()
+        };
+        let replicas = s
+            .replicas
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {} {}",
+                    r.address,
+                    if r.in_step {
+                        "in step"
+                    } else if r.attached {
+                        "attaching"
+                    } else {
+                        "detached"
+                    },
+                    r.lag_pushes
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let _ = writeln!(
+            out,
+            "| {} | {role} | {} | {version} | {} | {stream} | {} |",
+            s.shard,
+            s.epoch,
+            if s.primary.is_empty() {
+                "none"
+            } else {
+                &s.primary
+            },
+            if replicas.is_empty() { "-" } else { &replicas }
+        );
+    }
+    out
 }
 
 #[allow(clippy::print_stdout)]

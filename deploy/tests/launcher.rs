@@ -201,6 +201,8 @@ fn admin_calls_report_health_stats_and_save_a_checkpoint() {
     };
     assert!(health.contains("SERVER_STATE_SERVING"), "{health}");
     assert!(health.contains("table embeddings: dim 16"), "{health}");
+    // One server alone: the primary of its shard, at its first epoch.
+    assert!(health.contains("| 0 | PRIMARY | 1 | 0:0 | "), "{health}");
     let (ok, saved, err) = tessera(&["checkpoint", &addr]);
     assert!(ok, "{err}");
     assert!(

@@ -380,3 +380,43 @@ async fn processes_converge(a: &str, b: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A replica that stops hearing its primary's stream (here: the path
+/// between them stalls) says so in Health, and again once it hears it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_not_receiving_its_primarys_stream_says_so() {
+    let (a, b) = (free_addr(), free_addr());
+    let to_replica = FaultProxy::start(b.clone()).await;
+    let fast = |mut c: PsServerConfig| {
+        c.replication.heartbeat_ms = 100;
+        c.replication.stale_after_ms = 600;
+        c
+    };
+    let primary = InProcess::start(&fast(config(&a, 0, &to_replica.addr, &a, 10_000))).await;
+    let replica = InProcess::start(&fast(config(&b, 1, &a, &to_replica.addr, 10_000))).await;
+    wait_serving(&b).await;
+    let receiving = |h: &tessera_proto::v1::HealthResponse| h.shard_health[0].receiving;
+    tessera_test_support::wait_for_health(&b, "receiving", Duration::from_secs(10), receiving)
+        .await;
+    to_replica.partition(true);
+    let silent =
+        tessera_test_support::wait_for_health(&b, "not receiving", Duration::from_secs(10), |h| {
+            !receiving(h)
+        })
+        .await;
+    assert!(silent.shard_health[0].stream_age_ms >= 600, "{silent:?}");
+    assert!(
+        silent.shard_health[0].in_step,
+        "still in step: nothing was missed yet"
+    );
+    to_replica.partition(false);
+    tessera_test_support::wait_for_health(
+        &b,
+        "receiving again",
+        Duration::from_secs(10),
+        receiving,
+    )
+    .await;
+    replica.stop().await;
+    primary.stop().await;
+}

@@ -11,7 +11,8 @@ use tessera_ps_server::PsServerConfig;
 /// The ps-server binary of this build. Tests of `tessera-ps-server` pass
 /// `env!("CARGO_BIN_EXE_ps-server")`; others find it next to their own
 /// test binary's directory (`target/<profile>/`), where `cargo test
-/// --workspace` builds it, and build it when it is missing (saying so).
+/// --workspace` builds it (with the `failpoints` feature the tests turn
+/// on), and build it the same way when it is missing (saying so).
 pub fn ps_server_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_owned();
@@ -19,7 +20,15 @@ pub fn ps_server_bin() -> PathBuf {
     if !path.is_file() {
         eprintln!("{} missing: building it with cargo", path.display());
         let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["build", "-p", "tessera-ps-server", "--bin", "ps-server"])
+            .args([
+                "build",
+                "-p",
+                "tessera-ps-server",
+                "--bin",
+                "ps-server",
+                "--features",
+                "failpoints",
+            ])
             .status()
             .unwrap();
         assert!(status.success(), "building ps-server failed");

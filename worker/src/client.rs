@@ -1,7 +1,9 @@
 //! The worker's parameter-server client: Fetch and Push over every shard.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::future::try_join_all;
@@ -11,12 +13,14 @@ use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
 use tessera_rpc::{
-    CallOptions, Channel, ChannelConfig, Endpoint, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig,
-    RpcError, Transport, Validate,
+    Channel, ChannelConfig, Endpoint, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, RpcError,
+    Transport, Validate,
 };
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
+use crate::primary::Primaries;
 
 /// Rows returned by a Fetch, in the caller's key order.
 #[derive(Debug, Clone, PartialEq)]
@@ -125,21 +129,26 @@ pub enum WorkerError {
 /// (own replica group first, then power-of-two-choices), retries within
 /// the call's deadline, quarantine, and the RDMA-to-TCP fallback. Push:
 /// gradients of repeated keys are summed, split by shard, and sent to each
-/// shard's *primary* (the server of replica group `shard % groups`, where
-/// `groups` is one more than the highest group configured), which forwards
-/// them to the shard's other replicas. Every Push carries this client's
-/// random worker id and a sequence number, the same in all its
-/// sub-requests; servers apply each (worker, sequence) once, so a
-/// sub-request whose answer was lost is retried on the same server
-/// (`CallOptions::deduplicated`) and still applied exactly once.
+/// shard's *primary* — at first the server of replica group `shard %
+/// groups` (`groups` is one more than the highest group configured), then
+/// whichever server the coordinator or a server's redirect names (see
+/// [`crate::primary`]) — which forwards them to the shard's other
+/// replicas. Every Push carries this client's random worker id and a
+/// sequence number, the same in all its sub-requests; servers apply each
+/// (worker, sequence) once, so a sub-request whose answer was lost is
+/// retried (on the same primary, or on a new one after a failover) and
+/// still applied exactly once.
 #[derive(Debug)]
 pub struct PsClient {
     num_shards: u32,
     /// `fetchers[shard]`: the shard's replica set.
     fetchers: Vec<ParameterServerClient>,
-    /// `primaries[shard]`: the shard's primary, with a client that retries
-    /// on that server only.
-    primaries: Vec<Option<(String, ParameterServerClient)>>,
+    /// Every shard's primary as known now, and the Push path to it.
+    primaries: Arc<Primaries>,
+    /// The coordinator's watch of the primaries, when there is one.
+    _watch: Option<AbortOnDropHandle<()>>,
+    push_timeout: Duration,
+    attempt_timeout: Duration,
     /// This client's id in Push deduplication (random, never 0).
     worker_id: u64,
     /// The last Push sequence number used.
@@ -161,7 +170,8 @@ impl PsClient {
         let mut channels: HashMap<&str, Channel> = HashMap::new();
         let mut servers = Vec::new();
         let groups = config.replica_groups();
-        let mut primaries = vec![None; config.num_shards as usize];
+        let mut primaries = vec![String::new(); config.num_shards as usize];
+        let mut hosts = vec![Vec::new(); config.num_shards as usize];
         let mut endpoints = vec![Vec::new(); config.num_shards as usize];
         for server in &config.servers {
             let channel = channels
@@ -183,15 +193,11 @@ impl PsClient {
                 addr: server.address.clone(),
                 domain: server.replica_group.to_string(),
             };
-            let pusher = ParameterServerClient::new(ReplicaSet::over_channels(
-                replica_set_config(config, &channel_config, vec![endpoint.clone()]),
-                vec![channel.clone()],
-                transport.clone(),
-            ));
             for &shard in &server.shards {
                 if primary_group(shard, groups) == server.replica_group {
-                    primaries[shard as usize] = Some((server.address.clone(), pusher.clone()));
+                    primaries[shard as usize] = server.address.clone();
                 }
+                hosts[shard as usize].push(server.address.clone());
                 endpoints[shard as usize].push((endpoint.clone(), channel.clone()));
             }
         }
@@ -206,10 +212,27 @@ impl PsClient {
                 ))
             })
             .collect();
+        let primaries = Arc::new(Primaries::new(
+            primaries,
+            hosts,
+            servers.iter().cloned().collect(),
+        ));
+        // The coordinator's watch needs a runtime; without one (a client
+        // built outside tokio) the servers' redirects still lead the way.
+        let watch = (config.coordinator.is_etcd() && tokio::runtime::Handle::try_current().is_ok())
+            .then(|| {
+                AbortOnDropHandle::new(crate::primary::watch(
+                    Arc::clone(&primaries),
+                    config.coordinator.clone(),
+                ))
+            });
         Ok(Self {
             num_shards: config.num_shards,
             fetchers,
             primaries,
+            _watch: watch,
+            push_timeout: Duration::from_millis(config.push_timeout_ms),
+            attempt_timeout: Duration::from_millis(config.request_timeout_ms),
             worker_id: rand::random::<u64>().max(1),
             sequence: AtomicU64::new(0),
             servers,
@@ -309,10 +332,10 @@ impl PsClient {
                 gradients: gradients.len(),
             },
         )?;
-        let options = CallOptions::default().deduplicated();
+        let deadline = Instant::now() + self.push_timeout;
         let mut calls = Vec::new();
         for (group, sums) in &plan.groups {
-            // Built once in the send pool and shared by every replica's
+            // Built once in the send pool and shared by every attempt's
             // request: each sends it from there as a part of its own.
             let len = sums.len() * tessera_proto::rows::F32_BYTES;
             let mut buf = self
@@ -322,35 +345,34 @@ impl PsClient {
                 .map_err(|err| WorkerError::Memory(err.to_string()))?;
             buf.set_len(len);
             write_f32s(&mut buf, sums);
-            let wire = buf.freeze();
-            let Some((addr, client)) = self.primaries[group.shard as usize].as_ref() else {
-                return Err(WorkerError::NoPrimary(group.shard));
+            let request = PushRequest {
+                table: table.to_owned(),
+                shard: group.shard,
+                keys: group.keys.clone(),
+                gradients: buf.freeze(),
+                worker_id: self.worker_id,
+                sequence,
             };
-            {
-                let request = PushRequest {
-                    table: table.to_owned(),
-                    shard: group.shard,
-                    keys: group.keys.clone(),
-                    gradients: wire.clone(),
-                    worker_id: self.worker_id,
-                    sequence,
-                };
-                let shard = group.shard;
-                let options = &options;
-                calls.push(async move {
-                    client
-                        .push_with_options(request, options)
-                        .await
-                        .map_err(|source| WorkerError::Rpc {
-                            shard,
-                            addr: addr.clone(),
-                            source,
-                        })
-                });
-            }
+            let primaries = &self.primaries;
+            let attempt_timeout = self.attempt_timeout;
+            calls.push(async move {
+                primaries
+                    .push(&request, attempt_timeout, deadline)
+                    .await
+                    .map_err(|(addr, source)| WorkerError::Rpc {
+                        shard: request.shard,
+                        addr,
+                        source,
+                    })
+            });
         }
         try_join_all(calls).await?;
         Ok(())
+    }
+
+    /// The server this client sends `shard`'s Pushes to now, and its epoch.
+    pub fn primary(&self, shard: u32) -> Option<(String, u64)> {
+        self.primaries.current(shard)
     }
 
     /// Health of every server, in configuration order.

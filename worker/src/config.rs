@@ -95,6 +95,17 @@ pub struct WorkerConfig {
     /// A call's whole deadline, retries on other replicas included, in
     /// milliseconds (see `tessera_rpc::ReplicaSetConfig`). Default 100.
     pub call_timeout_ms: u64,
+    /// A Push's whole deadline, in milliseconds: how long it follows its
+    /// shard's primary through redirects and failovers before it fails
+    /// (each attempt bounded by `request_timeout_ms`). Default 10,000:
+    /// longer than a failover (`coordinator.failover_timeout_ms`, 3 s, plus
+    /// the new primary's recovery), since a trainer would rather wait for
+    /// a new primary than drop an update.
+    pub push_timeout_ms: u64,
+    /// The cluster's coordinator (`[coordinator]`, as the servers'): with
+    /// `kind = "etcd"` the worker watches each shard's primary there;
+    /// otherwise it learns new primaries from the servers' redirects only.
+    pub coordinator: tessera_coord::CoordinatorConfig,
     /// This worker's replica group (failure domain): Fetches prefer the
     /// servers of this group. Default: none preferred.
     pub replica_group: Option<u32>,
@@ -136,6 +147,8 @@ impl Default for WorkerConfig {
             connect_timeout_ms: channel.connect_timeout_ms,
             request_timeout_ms: channel.request_timeout_ms,
             call_timeout_ms: ReplicaSetConfig::default().call_timeout_ms,
+            push_timeout_ms: 10_000,
+            coordinator: tessera_coord::CoordinatorConfig::default(),
             replica_group: None,
             retry: RetryPolicyConfig::default(),
             budget: RetryBudgetConfig::default(),
@@ -267,6 +280,10 @@ impl Validate for WorkerConfig {
         if self.call_timeout_ms == 0 {
             return Err(invalid("call_timeout_ms", "must be at least 1"));
         }
+        if self.push_timeout_ms == 0 {
+            return Err(invalid("push_timeout_ms", "must be at least 1"));
+        }
+        self.coordinator.validate()?;
         self.retry.validate()?;
         self.budget.validate()?;
         self.quarantine.validate()?;

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod client;
 pub mod config;
 pub mod plan;
+pub mod primary;
 pub mod workload;
 
 pub use admin::WorkerAdminService;

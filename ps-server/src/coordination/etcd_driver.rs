@@ -3,7 +3,7 @@
 //! shard, whose actions it carries out.
 //!
 //! A *session* is one lease: granted, registered as a member, renewed
-//! every sixth of its TTL (each renewal that comes back moves the fence;
+//! every tenth of its TTL (each renewal that comes back moves the fence;
 //! see [`super::fence`]). When the lease is lost (etcd says it expired, or
 //! no renewal came back for a whole TTL, so it must be presumed expired)
 //! every shard stands down and a new session starts. On shutdown the
@@ -335,7 +335,7 @@ fn observe(
     }
 }
 
-/// Renews `lease` every sixth of `ttl` until it is lost, moving the fence
+/// Renews `lease` every tenth of `ttl` until it is lost, moving the fence
 /// with every renewal that comes back; reports the loss on `lost`.
 async fn keep_alive(
     coord: EtcdCoordinator,
@@ -344,7 +344,7 @@ async fn keep_alive(
     fence: Arc<Fence>,
     lost: oneshot::Sender<()>,
 ) {
-    let every = (ttl / 6).max(Duration::from_millis(100));
+    let every = (ttl / 10).max(Duration::from_millis(100));
     let mut stream: Option<LeaseKeepAlive> = None;
     let mut last_proof = Instant::now();
     loop {

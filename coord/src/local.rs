@@ -1,0 +1,149 @@
+//! A local etcd process: one member on a loopback port with its data in a
+//! directory of the caller's, for a one-host cluster (`tessera up` with
+//! `local_etcd`) and for tests. Stopped when dropped.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Why a local etcd could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LocalEtcdError {
+    /// No etcd binary where it was looked for.
+    #[error(
+        "etcd not found at {0}: install it (Debian: `apt-get install etcd-server`; `scripts/dev setup` does) or name it with etcd_bin / TESSERA_ETCD_BIN"
+    )]
+    NotFound(PathBuf),
+    /// Starting it, or its directory, failed.
+    #[error("starting etcd: {0}")]
+    Io(#[from] std::io::Error),
+    /// It exited while starting.
+    #[error("etcd exited while starting ({status}); see {log}")]
+    Exited {
+        /// Its exit status.
+        status: String,
+        /// Its log.
+        log: PathBuf,
+    },
+    /// It did not answer its health check in time.
+    #[error("etcd not healthy after {0:?}")]
+    Unhealthy(Duration),
+}
+
+/// A running local etcd (module docs).
+#[derive(Debug)]
+pub struct LocalEtcd {
+    endpoint: String,
+    log: PathBuf,
+    child: Child,
+}
+
+/// The etcd binary: `explicit`, else `TESSERA_ETCD_BIN`, else `etcd` on
+/// `PATH`, else `/usr/bin/etcd`.
+pub fn etcd_bin(explicit: Option<&Path>) -> PathBuf {
+    if let Some(path) = explicit {
+        return path.to_owned();
+    }
+    if let Some(path) = std::env::var_os("TESSERA_ETCD_BIN") {
+        return PathBuf::from(path);
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("etcd");
+            if candidate.is_file() {
+                return candidate;
+            }
+        }
+    }
+    PathBuf::from("/usr/bin/etcd")
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl LocalEtcd {
+    /// Starts `bin` with its data and log under `dir`, and waits (at most
+    /// `timeout`) until it answers.
+    pub fn start(bin: &Path, dir: &Path, timeout: Duration) -> Result<Self, LocalEtcdError> {
+        if !bin.is_file() {
+            return Err(LocalEtcdError::NotFound(bin.to_owned()));
+        }
+        std::fs::create_dir_all(dir)?;
+        let (client, peer) = (free_port()?, free_port()?);
+        let endpoint = format!("127.0.0.1:{client}");
+        let log = dir.join("etcd.log");
+        let child = Command::new(bin)
+            .args(["--name", "tessera", "--data-dir"])
+            .arg(dir.join("data"))
+            .arg(format!("--listen-client-urls=http://{endpoint}"))
+            .arg(format!("--advertise-client-urls=http://{endpoint}"))
+            .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+            ))
+            .arg(format!("--initial-cluster=tessera=http://127.0.0.1:{peer}"))
+            // One member on loopback: short Raft timings (so leases may be
+            // as short as a second).
+            .args(["--heartbeat-interval=50", "--election-timeout=500"])
+            .args(["--logger=zap", "--log-level=warn"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let mut etcd = Self {
+            endpoint,
+            log,
+            child,
+        };
+        etcd.wait_ready(timeout)?;
+        Ok(etcd)
+    }
+
+    /// Its client endpoint (`127.0.0.1:<port>`).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    fn healthy(&self) -> bool {
+        let Ok(mut stream) = std::net::TcpStream::connect(&self.endpoint) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+        let request = format!("GET /health HTTP/1.0\r\nHost: {}\r\n\r\n", self.endpoint);
+        let mut answer = String::new();
+        stream.write_all(request.as_bytes()).is_ok()
+            && stream.read_to_string(&mut answer).is_ok()
+            && answer.contains("\"health\":\"true\"")
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), LocalEtcdError> {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Err(LocalEtcdError::Exited {
+                    status: status.to_string(),
+                    log: self.log.clone(),
+                });
+            }
+            if self.healthy() {
+                return Ok(());
+            }
+            if started.elapsed() >= timeout {
+                return Err(LocalEtcdError::Unhealthy(timeout));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for LocalEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

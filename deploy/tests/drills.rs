@@ -1,0 +1,862 @@
+//! Failure drills on real processes, over TCP and over RDMA with the soft
+//! provider: a local cluster of ps-server processes (and its etcd) started
+//! by the launcher, a trainer pushing through the worker client, and a
+//! server SIGKILLed, restarted, partitioned from etcd, or killed in the
+//! middle of a checkpoint. Each drill prints its figures.
+//!
+//! The trainer's Pushes are built so that the final rows say exactly which
+//! Pushes were applied, and how often: SGD with learning rate 1 from zero
+//! rows, integer gradients (sums of small integers are exact in f32, in
+//! any order), and in every Push one *marker* key of its own with gradient
+//! -1, whose row reads 1 if the Push was applied once, 0 if it was lost, 2
+//! if it was applied twice.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    missing_docs
+)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tessera_deploy::{Cluster, ClusterConfig};
+use tessera_proto::sharding::shard_for_key;
+use tessera_proto::v1::{
+    AdminClient, CheckpointRequest, DigestRequest, FetchRequest, ParameterServerClient, ShardRole,
+};
+use tessera_ps_server::config::{
+    AckMode, CoordinatorConfig, CoordinatorKind, Initializer, OptimizerConfig,
+};
+use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
+use tessera_test_support::health::patient;
+use tessera_test_support::{Etcd, FaultProxy, Layout, PsProcess, f32s, wait_for_health};
+use tessera_worker::{PsClient, WorkerConfig};
+
+/// One drill at a time per process (a runner that runs a binary's tests
+/// on threads would otherwise overlap their loads and their figures;
+/// nextest runs each alone, see `.config/nextest.toml`).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const DIM: usize = 4;
+const TABLE: &str = "drill";
+const HOT_KEYS: usize = 256;
+/// The lease time-to-live of the drills: the default.
+const FAILOVER_MS: u64 = 3000;
+
+fn table() -> TableConfig {
+    TableConfig {
+        optimizer: OptimizerConfig::sgd(1.0),
+        initializer: Initializer::Zeros,
+        ..TableConfig::new(TABLE, DIM as u32)
+    }
+}
+
+fn rdma_soft() -> RdmaConfig {
+    RdmaConfig {
+        provider: RdmaProvider::Soft,
+        ..RdmaConfig::default()
+    }
+}
+
+fn label(transport: TransportKind) -> &'static str {
+    match transport {
+        TransportKind::Tcp => "tcp",
+        _ => "rdma-soft",
+    }
+}
+
+/// A 2 x 2 cluster over `transport` with `coordinator`, started by the
+/// launcher.
+async fn cluster(
+    transport: TransportKind,
+    coordinator: CoordinatorKind,
+    ack: AckMode,
+    run_dir: &std::path::Path,
+) -> Cluster {
+    let config = ClusterConfig {
+        num_shards: 2,
+        replica_groups: 2,
+        transport,
+        rdma: rdma_soft(),
+        tables: vec![table()],
+        ps_server_bin: Some(tessera_test_support::process::ps_server_bin()),
+        coordinator: CoordinatorConfig {
+            kind: coordinator,
+            failover_timeout_ms: FAILOVER_MS,
+            ..CoordinatorConfig::default()
+        },
+        ack,
+        startup_timeout_ms: 60_000,
+        ..ClusterConfig::default()
+    };
+    Cluster::start(&config, run_dir).await.unwrap()
+}
+
+/// One Push of the trainer, as acknowledged (or not).
+#[derive(Debug, Clone)]
+struct PushRecord {
+    shard: u32,
+    marker: u64,
+    keys: Vec<u64>,
+    grads: Vec<f32>,
+    acked_at: Option<Instant>,
+    /// The shard's primary epoch the worker knew right after the
+    /// acknowledgement (acknowledgements carry it).
+    epoch: u64,
+    error: Option<String>,
+}
+
+/// One trainer step.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    started: Instant,
+    ended: Instant,
+    ok: bool,
+}
+
+/// A trainer of `tasks` concurrent loops: Fetch the step's keys, compute
+/// integer gradients, Push each shard's part.
+struct Trainer {
+    stop: Arc<AtomicBool>,
+    records: Arc<Mutex<Vec<PushRecord>>>,
+    /// When each step started and ended, and whether it succeeded.
+    steps: Arc<Mutex<Vec<Step>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn hot_keys(shard: u32) -> Vec<u64> {
+    (0..)
+        .filter(|&k| shard_for_key(k, 2) == shard)
+        .take(HOT_KEYS)
+        .collect()
+}
+
+impl Trainer {
+    fn start(client: Arc<PsClient>, tasks: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let records = Arc::new(Mutex::new(Vec::new()));
+        let steps = Arc::new(Mutex::new(Vec::new()));
+        let hot = [hot_keys(0), hot_keys(1)];
+        let handles = (0..tasks)
+            .map(|task| {
+                let (client, stop, records, steps, hot) = (
+                    Arc::clone(&client),
+                    Arc::clone(&stop),
+                    Arc::clone(&records),
+                    Arc::clone(&steps),
+                    hot.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut rng = SmallRng::seed_from_u64(task as u64 + 1);
+                    // Marker keys of this task, per shard: never shared.
+                    let mut markers = [1_000_000_000 + task as u64 * 10_000_000; 2];
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut parts = Vec::new();
+                        for shard in 0..2u32 {
+                            let marker = (markers[shard as usize]..)
+                                .find(|&k| shard_for_key(k, 2) == shard)
+                                .unwrap();
+                            markers[shard as usize] = marker + 1;
+                            let mut keys: Vec<u64> = (0..16)
+                                .map(|_| hot[shard as usize][rng.random_range(0..HOT_KEYS)])
+                                .collect();
+                            keys.push(marker);
+                            let mut grads: Vec<f32> = (0..16 * DIM)
+                                .map(|_| [-3.0, -2.0, -1.0, 1.0, 2.0, 3.0][rng.random_range(0..6)])
+                                .collect();
+                            grads.extend([-1.0f32; DIM]);
+                            parts.push((shard, marker, keys, grads));
+                        }
+                        let started = Instant::now();
+                        let all: Vec<u64> = parts.iter().flat_map(|p| p.2.clone()).collect();
+                        let fetched = client.fetch(TABLE, &all).await;
+                        let pushes = parts.iter().map(|(_, _, keys, grads)| {
+                            let client = &client;
+                            async move { client.push(TABLE, keys, grads, DIM).await }
+                        });
+                        let results = futures::future::join_all(pushes).await;
+                        let now = Instant::now();
+                        let mut ok = fetched.is_ok();
+                        {
+                            let mut out = records.lock().unwrap();
+                            for ((shard, marker, keys, grads), result) in
+                                parts.into_iter().zip(results)
+                            {
+                                ok &= result.is_ok();
+                                out.push(PushRecord {
+                                    shard,
+                                    marker,
+                                    keys,
+                                    grads,
+                                    acked_at: result.is_ok().then_some(now),
+                                    epoch: client.primary(shard).map_or(0, |(_, e)| e),
+                                    error: result.err().map(|e| e.to_string()),
+                                });
+                            }
+                        }
+                        steps.lock().unwrap().push(Step {
+                            started,
+                            ended: Instant::now(),
+                            ok,
+                        });
+                        if !ok {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            records,
+            steps,
+            tasks: handles,
+        }
+    }
+
+    async fn stop(self) -> (Vec<PushRecord>, Vec<Step>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        let records = self.records.lock().unwrap().clone();
+        let steps = self.steps.lock().unwrap().clone();
+        (records, steps)
+    }
+}
+
+fn worker_client(cluster: &Cluster) -> Arc<PsClient> {
+    let config = WorkerConfig {
+        // Fetches fail over to the replica; Pushes wait out the failover.
+        call_timeout_ms: 5000,
+        push_timeout_ms: 20_000,
+        ..cluster.worker_config().clone()
+    };
+    Arc::new(PsClient::new(&config).unwrap())
+}
+
+fn data_client(addr: &str, transport: TransportKind) -> ParameterServerClient {
+    let mut config = patient();
+    config.transport.kind = transport;
+    config.transport.rdma = rdma_soft();
+    ParameterServerClient::new(Channel::lazy(addr, config).unwrap())
+}
+
+async fn wait_role(addr: &str, role: ShardRole, timeout: Duration) {
+    wait_for_health(addr, &format!("{role:?}"), timeout, |h| {
+        h.shard_health
+            .first()
+            .is_some_and(|s| s.role == role as i32)
+            && (role != ShardRole::Replica || h.shard_health[0].in_step)
+    })
+    .await;
+}
+
+/// Every server's digests of every table of its shard: equal within a
+/// shard, and at equal versions. Returns when they are (or panics).
+async fn wait_identical(cluster: &Cluster) -> Vec<(u32, String)> {
+    let started = Instant::now();
+    loop {
+        let mut by_shard: HashMap<u32, Vec<_>> = HashMap::new();
+        let mut ok = true;
+        for server in cluster.servers() {
+            let admin = AdminClient::new(Channel::lazy(&server.address, patient()).unwrap());
+            match admin.digest(DigestRequest {}).await {
+                Ok(d) => by_shard.entry(server.shard).or_default().push(d.shards),
+                Err(_) => ok = false,
+            }
+        }
+        if ok
+            && by_shard
+                .values()
+                .all(|copies| copies.windows(2).all(|w| w[0] == w[1]))
+        {
+            return by_shard
+                .into_iter()
+                .map(|(shard, copies)| {
+                    let d = &copies[0][0];
+                    let v = d.version.unwrap_or_default();
+                    (
+                        shard,
+                        format!("{}:{} digest {:016x}", v.epoch, v.position, d.digest),
+                    )
+                })
+                .collect();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "copies never became identical: {by_shard:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What the rows say about the Pushes (module docs): per acknowledged
+/// Push whether it was applied once, lost or applied twice; and whether
+/// the hot rows equal the sum of exactly the Pushes applied.
+#[derive(Debug, Default)]
+struct Audit {
+    acked: usize,
+    unacked: usize,
+    acked_lost: usize,
+    applied_twice: usize,
+    hot_rows_match: bool,
+}
+
+async fn audit(cluster: &Cluster, records: &[PushRecord], transport: TransportKind) -> Audit {
+    let mut audit = Audit {
+        hot_rows_match: true,
+        ..Audit::default()
+    };
+    for shard in 0..2u32 {
+        // The primary of the shard now.
+        let mut primary = None;
+        for server in cluster.servers().iter().filter(|s| s.shard == shard) {
+            let h = tessera_test_support::health(&server.address).await.unwrap();
+            if h.primary_shards.contains(&shard) {
+                primary = Some(server.address.clone());
+            }
+        }
+        let client = data_client(&primary.expect("a primary"), transport);
+        let ours: Vec<&PushRecord> = records.iter().filter(|r| r.shard == shard).collect();
+        let markers: Vec<u64> = ours.iter().map(|r| r.marker).collect();
+        let mut marker_rows = Vec::new();
+        for chunk in markers.chunks(4096) {
+            let rows = client
+                .fetch(FetchRequest {
+                    table: TABLE.into(),
+                    shard,
+                    keys: chunk.to_vec(),
+                })
+                .await
+                .unwrap();
+            marker_rows.extend(
+                f32s(&rows.values)
+                    .chunks(DIM)
+                    .map(|r| r[0])
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let mut expected: HashMap<u64, [f32; DIM]> = HashMap::new();
+        for (record, &applied) in ours.iter().zip(&marker_rows) {
+            match (record.acked_at.is_some(), applied) {
+                (true, 1.0) => audit.acked += 1,
+                (true, 0.0) => {
+                    audit.acked += 1;
+                    audit.acked_lost += 1;
+                }
+                (false, _) => audit.unacked += 1,
+                _ => {}
+            }
+            if applied >= 2.0 {
+                audit.applied_twice += 1;
+            }
+            // The hot rows must hold exactly the Pushes applied.
+            for _ in 0..applied as usize {
+                for (key, grad) in record.keys.iter().zip(record.grads.chunks(DIM)) {
+                    if *key == record.marker {
+                        continue;
+                    }
+                    let row = expected.entry(*key).or_insert([0.0; DIM]);
+                    for (w, g) in row.iter_mut().zip(grad) {
+                        *w -= g;
+                    }
+                }
+            }
+        }
+        let hot = hot_keys(shard);
+        let rows = client
+            .fetch(FetchRequest {
+                table: TABLE.into(),
+                shard,
+                keys: hot.clone(),
+            })
+            .await
+            .unwrap();
+        let got = f32s(&rows.values);
+        for (i, key) in hot.iter().enumerate() {
+            let want = expected.get(key).copied().unwrap_or([0.0; DIM]);
+            if got[i * DIM..(i + 1) * DIM]
+                .iter()
+                .zip(&want)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                audit.hot_rows_match = false;
+            }
+        }
+    }
+    audit
+}
+
+/// Steps per second that both started and ended, successfully, in
+/// `[from, from + window)` (a step held up across a failure does not count
+/// towards the rate after it).
+fn rate(steps: &[Step], from: Instant, window: Duration) -> f64 {
+    steps
+        .iter()
+        .filter(|s| s.ok && s.started >= from && s.ended < from + window)
+        .count() as f64
+        / window.as_secs_f64()
+}
+
+/// Drills 1 and 2: SIGKILL shard 0's primary under the trainer, measure
+/// the failover; restart it without a checkpoint and check every copy.
+async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = cluster(transport, CoordinatorKind::Etcd, ack, dir.path()).await;
+    let client = worker_client(&cluster);
+    let victim = cluster.index_of(0, 0).unwrap();
+    let victim_addr = cluster.servers()[victim].address.clone();
+    wait_role(&victim_addr, ShardRole::Primary, Duration::from_secs(30)).await;
+    let old_epoch = tessera_test_support::health(&victim_addr)
+        .await
+        .unwrap()
+        .shard_health[0]
+        .epoch;
+    let trainer = Trainer::start(Arc::clone(&client), 4);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let killed = Instant::now();
+    cluster.kill(victim).await;
+    tokio::time::sleep(Duration::from_millis(FAILOVER_MS + 3000)).await;
+    // Drill 2: the killed server comes back without a checkpoint.
+    cluster.restart(victim).unwrap();
+    wait_role(&victim_addr, ShardRole::Replica, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (records, steps) = trainer.stop().await;
+
+    // The first acknowledgement of shard 0 by its new primary.
+    let first_shard0_ack = records
+        .iter()
+        .filter(|r| r.shard == 0 && r.epoch > old_epoch)
+        .filter_map(|r| r.acked_at)
+        .min()
+        .expect("shard 0's new primary acknowledged Pushes");
+    let window = Duration::from_secs(1);
+    let before = rate(
+        &steps,
+        killed - Duration::from_secs(2),
+        Duration::from_secs(2),
+    );
+    let budget = Duration::from_millis(FAILOVER_MS + 1000);
+    // From the new primary's first acknowledgement on, the first 1 s
+    // window whose steps run at 80% of the rate before the kill.
+    let back = (0..)
+        .map(|i| first_shard0_ack + Duration::from_millis(100 * i))
+        .take_while(|t| *t <= killed + budget + Duration::from_secs(1))
+        .find(|&t| rate(&steps, t, window) >= 0.8 * before);
+    let failed: Vec<&PushRecord> = records.iter().filter(|r| r.acked_at.is_none()).collect();
+    let failed_steps = steps.iter().filter(|s| !s.ok).count();
+    let copies = wait_identical(&cluster).await;
+    let audit = audit(&cluster, &records, transport).await;
+    eprintln!(
+        "drill kill-primary [{} ack={ack:?}]: {} steps ({} failed), {} Pushes; kill -> first shard-0 ack {:.0} ms; steps/s before {:.0}, back to >= 80% {} after the kill (budget {:?}); copies: {copies:?}; audit: {audit:?}",
+        label(transport),
+        steps.len(),
+        failed_steps,
+        records.len(),
+        (first_shard0_ack - killed).as_secs_f64() * 1000.0,
+        before,
+        back.map_or("never".into(), |t| format!(
+            "{:.0} ms",
+            (t - killed).as_secs_f64() * 1000.0
+        )),
+        budget,
+    );
+    assert_eq!(
+        failed_steps,
+        0,
+        "{} Pushes failed; the first: {:?}",
+        failed.len(),
+        failed.first().and_then(|r| r.error.as_deref())
+    );
+    assert!(
+        first_shard0_ack - killed < budget,
+        "Pushes resumed too late"
+    );
+    assert!(
+        back.is_some_and(|t| t - killed <= budget),
+        "throughput did not recover within {budget:?}"
+    );
+    assert_eq!(audit.applied_twice, 0, "a Push was applied twice");
+    assert!(audit.hot_rows_match, "rows differ from the Pushes applied");
+    match ack {
+        AckMode::Replicas => assert_eq!(audit.acked_lost, 0, "an acknowledged Push was lost"),
+        AckMode::Primary => {
+            let lag_limit = tessera_ps_server::config::ReplicationConfig::default().max_lag_pushes;
+            eprintln!(
+                "  ack = primary: {} acknowledged Pushes lost in the failover (limit {lag_limit})",
+                audit.acked_lost
+            );
+            assert!(audit.acked_lost <= lag_limit);
+        }
+    }
+    cluster.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_tcp_kill_the_primary_under_a_trainer_then_restart_it() {
+    kill_primary_under_a_trainer(TransportKind::Tcp, AckMode::Replicas).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_rdma_soft_kill_the_primary_under_a_trainer_then_restart_it() {
+    kill_primary_under_a_trainer(TransportKind::Rdma, AckMode::Replicas).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_tcp_ack_primary_failover_loses_at_most_the_unforwarded_tail() {
+    kill_primary_under_a_trainer(TransportKind::Tcp, AckMode::Primary).await;
+}
+
+/// Drill 2 in static mode: the restarted primary recovers the replica's
+/// newer copy instead of rolling the shard back (no failover: shard 0's
+/// Pushes wait while it is down).
+async fn static_restart_recovers(transport: TransportKind) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = cluster(
+        transport,
+        CoordinatorKind::Static,
+        AckMode::Replicas,
+        dir.path(),
+    )
+    .await;
+    let client = worker_client(&cluster);
+    let victim = cluster.index_of(0, 0).unwrap();
+    let replica = cluster.index_of(1, 0).unwrap();
+    let trainer = Trainer::start(Arc::clone(&client), 4);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.kill(victim).await;
+    let killed = Instant::now();
+    let replica_addr = cluster.servers()[replica].address.clone();
+    let held = tessera_test_support::health(&replica_addr).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    cluster.restart(victim).unwrap();
+    let victim_addr = cluster.servers()[victim].address.clone();
+    wait_role(&victim_addr, ShardRole::Primary, Duration::from_secs(30)).await;
+    let back = killed.elapsed();
+    let recovered = tessera_test_support::health(&victim_addr).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (records, steps) = trainer.stop().await;
+    let copies = wait_identical(&cluster).await;
+    let audit = audit(&cluster, &records, transport).await;
+    let before = held.shard_health[0].version.unwrap_or_default();
+    let after = recovered.shard_health[0].version.unwrap_or_default();
+    eprintln!(
+        "drill static-restart [{}]: replica held {}:{} when the primary died; restarted primary took over {:.0} ms after the kill at {}:{} (epoch {}); {} steps ({} failed); copies {copies:?}; audit {audit:?}",
+        label(transport),
+        before.epoch,
+        before.position,
+        back.as_secs_f64() * 1000.0,
+        after.epoch,
+        after.position,
+        recovered.shard_health[0].epoch,
+        steps.len(),
+        steps.iter().filter(|s| !s.ok).count(),
+    );
+    assert!(
+        (after.epoch, after.position) >= (before.epoch, before.position),
+        "rolled back"
+    );
+    assert!(after.position > 0);
+    assert_eq!(audit.acked_lost, 0);
+    assert_eq!(audit.applied_twice, 0);
+    assert!(audit.hot_rows_match);
+    cluster.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_tcp_static_restarted_primary_recovers_instead_of_rolling_back() {
+    static_restart_recovers(TransportKind::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_rdma_soft_static_restarted_primary_recovers_instead_of_rolling_back() {
+    static_restart_recovers(TransportKind::Rdma).await;
+}
+
+/// One shard, two servers, as processes: the primary reaches etcd through
+/// a proxy.
+struct Pair {
+    layout: Layout,
+    _primary: PsProcess,
+    _replica: PsProcess,
+    _dir: tempfile::TempDir,
+}
+
+fn pair_config(
+    layout: &Layout,
+    index: usize,
+    transport: TransportKind,
+    etcd: &str,
+) -> PsServerConfig {
+    layout.config(
+        index,
+        &PsServerConfig {
+            transport,
+            rdma: rdma_soft(),
+            tables: vec![table()],
+            coordinator: CoordinatorConfig {
+                kind: CoordinatorKind::Etcd,
+                endpoints: vec![etcd.to_owned()],
+                failover_timeout_ms: FAILOVER_MS,
+                ..CoordinatorConfig::default()
+            },
+            ..PsServerConfig::default()
+        },
+    )
+}
+
+/// Drill 3: cut the primary off from etcd but not from the workers; it
+/// stops acknowledging within the lease time, the replica takes over
+/// under a new epoch, no Push is acknowledged under two epochs at once,
+/// and once the partition heals the old primary follows the new one.
+async fn fencing(transport: TransportKind) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let etcd = Etcd::start();
+    let to_etcd = FaultProxy::start(etcd.endpoint.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let bin = tessera_test_support::process::ps_server_bin();
+    let layout = Layout::new(1, 2);
+    let primary_config = pair_config(&layout, 0, transport, &to_etcd.addr);
+    let replica_config = pair_config(&layout, 1, transport, &etcd.endpoint);
+    let pair = Pair {
+        _primary: PsProcess::spawn(&bin, &primary_config, dir.path(), "old-primary"),
+        _replica: PsProcess::spawn(&bin, &replica_config, dir.path(), "replica"),
+        layout,
+        _dir: dir,
+    };
+    let (old, new) = (
+        pair.layout.addr(0, 0).to_owned(),
+        pair.layout.addr(1, 0).to_owned(),
+    );
+    wait_role(&old, ShardRole::Primary, Duration::from_secs(30)).await;
+    wait_role(&new, ShardRole::Replica, Duration::from_secs(30)).await;
+    // Pushers that keep sending to the old primary only (a worker that has
+    // not heard of any failover), recording each acknowledgement's epoch.
+    let stop = Arc::new(AtomicBool::new(false));
+    let acks = Arc::new(Mutex::new(Vec::<(Instant, u64, String)>::new()));
+    let pushers: Vec<_> = [old.clone(), new.clone()]
+        .into_iter()
+        .enumerate()
+        .map(|(i, addr)| {
+            let (stop, acks) = (Arc::clone(&stop), Arc::clone(&acks));
+            let client = data_client(&addr, transport);
+            tokio::spawn(async move {
+                let mut sequence = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    sequence += 1;
+                    let answer = client
+                        .push(tessera_proto::v1::PushRequest {
+                            table: TABLE.into(),
+                            shard: 0,
+                            keys: vec![1_000 + i as u64],
+                            gradients: tessera_test_support::wire(&[-1.0; DIM]).into(),
+                            worker_id: 77 + i as u64,
+                            sequence,
+                        })
+                        .await;
+                    if let Ok(answer) = answer {
+                        acks.lock()
+                            .unwrap()
+                            .push((Instant::now(), answer.epoch, addr.clone()));
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let cut = Instant::now();
+    to_etcd.partition(true);
+    wait_role(&new, ShardRole::Primary, Duration::from_secs(30)).await;
+    let took_over = cut.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    to_etcd.partition(false);
+    let healed = Instant::now();
+    wait_role(&old, ShardRole::Replica, Duration::from_secs(30)).await;
+    let rejoined = healed.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for p in pushers {
+        p.await.unwrap();
+    }
+    let acks = acks.lock().unwrap().clone();
+    let old_epoch = acks
+        .iter()
+        .filter(|a| a.0 < cut)
+        .map(|a| a.1)
+        .max()
+        .unwrap();
+    let last_old = acks
+        .iter()
+        .filter(|a| a.1 == old_epoch)
+        .map(|a| a.0)
+        .max()
+        .unwrap();
+    let first_new = acks.iter().filter(|a| a.1 > old_epoch).map(|a| a.0).min();
+    let epochs: std::collections::BTreeSet<u64> = acks.iter().map(|a| a.1).collect();
+    eprintln!(
+        "drill fencing [{}]: primary cut off from etcd; its last acknowledgement {:.0} ms after the cut (lease {FAILOVER_MS} ms); replica primary {:.0} ms after the cut; first acknowledgement under the new epoch {} ms after the cut; epochs acknowledged {epochs:?}; old primary a replica {:.0} ms after the partition healed",
+        label(transport),
+        (last_old - cut).as_secs_f64() * 1000.0,
+        took_over.as_secs_f64() * 1000.0,
+        first_new.map_or("none".into(), |t| format!(
+            "{:.0}",
+            (t - cut).as_secs_f64() * 1000.0
+        )),
+        rejoined.as_secs_f64() * 1000.0,
+    );
+    assert!(
+        last_old - cut < Duration::from_millis(FAILOVER_MS),
+        "the fenced primary acknowledged after its lease could have expired"
+    );
+    let first_new = first_new.expect("the new primary acknowledged Pushes");
+    assert!(
+        first_new > last_old,
+        "two epochs acknowledged at the same time"
+    );
+    assert_eq!(epochs.len(), 2, "{epochs:?}");
+    drop(pair);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_tcp_fencing_a_primary_cut_off_from_etcd() {
+    fencing(TransportKind::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_rdma_soft_fencing_a_primary_cut_off_from_etcd() {
+    fencing(TransportKind::Rdma).await;
+}
+
+/// Drill 4: SIGKILL the primary while it writes a checkpoint (after the
+/// first shard file, before `LATEST` moves: a fail point holds it there);
+/// the restarted server loads the last complete checkpoint, never the
+/// partial one, then catches up from the replica.
+async fn kill_during_checkpoint(transport: TransportKind) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let bin = tessera_test_support::process::ps_server_bin();
+    let layout = Layout::new(1, 2);
+    let checkpoints = dir.path().join("ckpt");
+    let base = PsServerConfig {
+        transport,
+        rdma: rdma_soft(),
+        // Three tables: three row files per checkpoint.
+        tables: vec![table(), TableConfig::new("b", 2), TableConfig::new("c", 2)],
+        ..PsServerConfig::default()
+    };
+    let mut primary_config = layout.config(0, &base);
+    primary_config.checkpoint.dir = Some(checkpoints.clone());
+    let replica_config = layout.config(1, &base);
+    // The first checkpoint's three files pass; the second one stops after
+    // its first file.
+    let mut primary = PsProcess::spawn_with_env(
+        &bin,
+        &primary_config,
+        dir.path(),
+        "primary",
+        &[(
+            "FAILPOINTS",
+            "checkpoint::after_shard_file=3*off->sleep(600000)",
+        )],
+    );
+    let _replica = PsProcess::spawn(&bin, &replica_config, dir.path(), "replica");
+    let (a, b) = (layout.addr(0, 0).to_owned(), layout.addr(1, 0).to_owned());
+    wait_role(&a, ShardRole::Primary, Duration::from_secs(30)).await;
+    wait_role(&b, ShardRole::Replica, Duration::from_secs(30)).await;
+    let data = data_client(&a, transport);
+    let push = |step: u64| tessera_proto::v1::PushRequest {
+        table: TABLE.into(),
+        shard: 0,
+        keys: vec![step % 7, 100 + step],
+        gradients: tessera_test_support::wire(&[-1.0; 2 * DIM]).into(),
+        worker_id: 5,
+        sequence: step,
+    };
+    for step in 1..=10 {
+        data.push(push(step)).await.unwrap();
+    }
+    let admin = AdminClient::new(Channel::lazy(&a, patient()).unwrap());
+    let first = admin.checkpoint(CheckpointRequest {}).await.unwrap();
+    for step in 11..=30 {
+        data.push(push(step)).await.unwrap();
+    }
+    // The second checkpoint hangs after its first file.
+    let stuck = tokio::spawn(async move { admin.checkpoint(CheckpointRequest {}).await });
+    let started = Instant::now();
+    let partial = loop {
+        let found = std::fs::read_dir(&checkpoints)
+            .unwrap()
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with(".tmp-ckpt-"))
+            .map(|e| e.path());
+        if let Some(tmp) = found
+            && std::fs::read_dir(&tmp).unwrap().count() >= 1
+        {
+            break tmp;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the checkpoint never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let latest_before = std::fs::read_to_string(checkpoints.join("LATEST")).unwrap();
+    let files_written = std::fs::read_dir(&partial).unwrap().count();
+    primary.kill();
+    let _ = stuck.await;
+    primary.restart_clean();
+    wait_role(&a, ShardRole::Primary, Duration::from_secs(30)).await;
+    let health = tessera_test_support::health(&a).await.unwrap();
+    let version = health.shard_health[0].version.unwrap_or_default();
+    let log = primary.log_text();
+    let restored = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("checkpoint restored"))
+        .unwrap_or_default()
+        .to_owned();
+    eprintln!(
+        "drill kill-during-checkpoint [{}]: killed with {files_written} of 3 files in {}; LATEST {latest_before}; restarted: {restored}; then at {}:{} after catching up (replica at 30)",
+        label(transport),
+        partial.display(),
+        version.epoch,
+        version.position
+    );
+    assert!(
+        first.path.ends_with(latest_before.trim()),
+        "{first:?} vs {latest_before}"
+    );
+    assert!(
+        restored.contains(latest_before.trim()),
+        "did not load the last complete checkpoint: {restored}"
+    );
+    assert!(
+        log.contains("copied the freshest copy"),
+        "did not catch up from the replica"
+    );
+    assert_eq!(version.position, 30, "caught up with every Push");
+    // The partial checkpoint is never loaded and goes at the next save.
+    let admin = AdminClient::new(Channel::lazy(&a, patient()).unwrap());
+    admin.checkpoint(CheckpointRequest {}).await.unwrap();
+    assert!(!partial.exists(), "the interrupted checkpoint was removed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_tcp_kill_during_a_checkpoint() {
+    kill_during_checkpoint(TransportKind::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_rdma_soft_kill_during_a_checkpoint() {
+    kill_during_checkpoint(TransportKind::Rdma).await;
+}

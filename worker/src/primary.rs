@@ -1,0 +1,287 @@
+//! Which server takes each shard's Pushes, as this worker knows it, and
+//! the Push path that follows it through failovers.
+//!
+//! The worker starts from the configured primaries (the server of replica
+//! group `shard % groups`) and learns newer ones from two sources, keeping
+//! per shard the one of the highest epoch:
+//!
+//! - **the servers' answers**: every acknowledgement carries the primary's
+//!   epoch, and a server that is not the primary refuses a Push with a
+//!   `NotPrimary` in the status details ("shard s's primary is X at epoch
+//!   E"), upon which the Push is sent to X at once;
+//! - **the coordinator** (`[coordinator]` with `kind = "etcd"`): a watch
+//!   of every shard's primary key, so that the worker moves to a new
+//!   primary the moment it is elected.
+//!
+//! While a shard has no primary (the old one died and the lease has not
+//! expired yet, or the new one is recovering), a Push is retried with an
+//! exponential backoff (10 ms doubling to 200 ms), going round the shard's
+//! servers so that the first to know the new primary redirects it, until
+//! `push_timeout_ms`. Every attempt carries the same worker id and
+//! sequence, and the deduplication windows travel with the shard, so a
+//! Push whose answer was lost is applied exactly once, on whichever
+//! primary. Pushes do not draw on the Fetch retry budget: a trainer would
+//! rather wait out a failover than drop an update, and the backoff bounds
+//! the load to one attempt per 200 ms per outstanding Push.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use prost::Message as _;
+use tessera_proto::v1::{NotPrimary, ParameterServerClient, PushRequest, PushResponse};
+use tessera_rpc::{CallOptions, Code, RpcError};
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The primary of one shard as known now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Known {
+    addr: String,
+    epoch: u64,
+}
+
+/// Every shard's primary as this worker knows it (module docs).
+#[derive(Debug)]
+pub struct Primaries {
+    known: Vec<Mutex<Known>>,
+    /// The servers hosting each shard, in configuration order.
+    hosts: Vec<Vec<String>>,
+    clients: HashMap<String, ParameterServerClient>,
+}
+
+/// The longest wait between two attempts of a Push.
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+impl Primaries {
+    /// `initial[shard]` is the configured primary, `hosts[shard]` the
+    /// servers of the shard; `clients` reach every server.
+    pub fn new(
+        initial: Vec<String>,
+        hosts: Vec<Vec<String>>,
+        clients: HashMap<String, ParameterServerClient>,
+    ) -> Self {
+        Self {
+            known: initial
+                .into_iter()
+                .map(|addr| Mutex::new(Known { addr, epoch: 0 }))
+                .collect(),
+            hosts,
+            clients,
+        }
+    }
+
+    /// The primary of `shard` as known now, and its epoch.
+    pub fn current(&self, shard: u32) -> Option<(String, u64)> {
+        let known = lock(self.known.get(shard as usize)?);
+        Some((known.addr.clone(), known.epoch))
+    }
+
+    /// Takes `addr` as `shard`'s primary if `epoch` is not older than the
+    /// one known and `addr` is a configured server; returns whether it did.
+    pub fn learn(&self, shard: u32, addr: &str, epoch: u64) -> bool {
+        if !self.clients.contains_key(addr) {
+            return false;
+        }
+        let Some(known) = self.known.get(shard as usize) else {
+            return false;
+        };
+        let mut known = lock(known);
+        if epoch < known.epoch || (epoch == known.epoch && known.addr == addr) {
+            return false;
+        }
+        if known.addr != addr {
+            tracing::info!(shard, primary = addr, epoch, "new primary");
+        }
+        *known = Known {
+            addr: addr.to_owned(),
+            epoch,
+        };
+        true
+    }
+
+    /// The server of `shard` after `addr`, round the shard's servers.
+    fn next_host(&self, shard: u32, addr: &str) -> String {
+        let hosts = &self.hosts[shard as usize];
+        let at = hosts.iter().position(|h| h == addr).map_or(0, |i| i + 1);
+        hosts[at % hosts.len()].clone()
+    }
+
+    /// Sends `request` to its shard's primary, following redirects and
+    /// failovers, until `deadline` (module docs). Each attempt is bounded
+    /// by `attempt_timeout`.
+    pub async fn push(
+        &self,
+        request: &PushRequest,
+        attempt_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<(String, PushResponse), (String, RpcError)> {
+        let shard = request.shard;
+        let Some((mut target, mut target_epoch)) = self.current(shard) else {
+            return Err((
+                String::new(),
+                RpcError::NoReplica(format!("no server of shard {shard}")),
+            ));
+        };
+        let mut backoff = Duration::from_millis(10);
+        let mut hops = 0;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let Some(client) = self.clients.get(&target) else {
+                return Err((
+                    target.clone(),
+                    RpcError::NoReplica(format!("{target} is not configured")),
+                ));
+            };
+            let options = CallOptions::with_timeout(remaining.min(attempt_timeout)).deduplicated();
+            let error = match client.push_with_options(request.clone(), &options).await {
+                Ok(answer) => {
+                    self.learn(shard, &target, answer.epoch);
+                    return Ok((target, answer));
+                }
+                Err(error) => error,
+            };
+            let hint = match &error {
+                RpcError::Status(status) if !status.details().is_empty() => {
+                    NotPrimary::decode(status.details().clone()).ok()
+                }
+                _ => None,
+            };
+            let retry_now = match (&error, &hint) {
+                // "Not the primary; it is X": go there at once (a few hops
+                // at most without a pause, in case two servers disagree).
+                (_, Some(hint)) if !hint.primary.is_empty() && hint.primary != target => {
+                    self.learn(shard, &hint.primary, hint.epoch);
+                    (target, target_epoch) = self.current(shard).unwrap_or_default();
+                    hops += 1;
+                    hops <= 4
+                }
+                // No primary known there (a failover, a recovery): wait,
+                // and ask the next server.
+                (_, Some(_)) => {
+                    (target, target_epoch) = self.next_after(shard, &target, target_epoch);
+                    false
+                }
+                // The server (or the way to it) is gone, or the attempt
+                // timed out: the Push may have been applied; try again,
+                // moving on to the next server if no newer primary is known.
+                (e, None) if retriable(e) => {
+                    (target, target_epoch) = self.next_after(shard, &target, target_epoch);
+                    false
+                }
+                _ => return Err((target, error)),
+            };
+            if Instant::now() + if retry_now { Duration::ZERO } else { backoff } >= deadline {
+                return Err((target, error));
+            }
+            if !retry_now {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                hops = 0;
+            }
+        }
+    }
+
+    /// Where to try after `failed` (chosen when the primary's epoch was
+    /// `tried`): the primary known now if it was learned since, else the
+    /// next server of the shard.
+    fn next_after(&self, shard: u32, failed: &str, tried: u64) -> (String, u64) {
+        match self.current(shard) {
+            Some((known, epoch)) if epoch > tried && known != failed => (known, epoch),
+            _ => (self.next_host(shard, failed), tried),
+        }
+    }
+}
+
+/// Failures after which the same Push may be sent again.
+fn retriable(error: &RpcError) -> bool {
+    matches!(error.code(), Code::Unavailable | Code::DeadlineExceeded)
+}
+
+/// Keeps `primaries` up to date from the coordinator's watch until the
+/// returned task is dropped (aborted).
+pub fn watch(
+    primaries: Arc<Primaries>,
+    config: tessera_coord::CoordinatorConfig,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if let Err(err) = follow(&primaries, &config).await {
+                tracing::info!(%err, "coordinator watch failed; the worker follows servers' redirects meanwhile");
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    })
+}
+
+async fn follow(
+    primaries: &Primaries,
+    config: &tessera_coord::CoordinatorConfig,
+) -> Result<(), tessera_coord::CoordError> {
+    let coord = tessera_coord::EtcdCoordinator::connect(config).await?;
+    let (now, revision) = coord.primaries().await?;
+    for (shard, (record, _)) in now {
+        primaries.learn(shard, &record.address, record.epoch);
+    }
+    let mut watch = coord.watch_primaries(revision + 1).await?;
+    loop {
+        for change in watch.next().await? {
+            if let Some((record, _)) = change.primary {
+                primaries.learn(change.shard, &record.address, record.epoch);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_rpc::{Channel, ChannelConfig};
+
+    fn primaries() -> Primaries {
+        let client = |addr: &str| {
+            ParameterServerClient::new(Channel::lazy(addr, ChannelConfig::default()).unwrap())
+        };
+        Primaries::new(
+            vec!["a:1".into()],
+            vec![vec!["a:1".into(), "b:1".into(), "c:1".into()]],
+            ["a:1", "b:1", "c:1"]
+                .into_iter()
+                .map(|a| (a.to_owned(), client(a)))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn only_newer_or_equal_epochs_of_configured_servers_are_learned() {
+        let p = primaries();
+        assert_eq!(p.current(0), Some(("a:1".into(), 0)));
+        assert!(p.learn(0, "b:1", 3));
+        assert!(!p.learn(0, "c:1", 2), "older epoch");
+        assert!(!p.learn(0, "x:9", 9), "not a configured server");
+        assert!(!p.learn(0, "b:1", 3), "nothing new");
+        assert!(p.learn(0, "c:1", 4));
+        assert_eq!(p.current(0), Some(("c:1".into(), 4)));
+        assert_eq!(p.current(7), None);
+    }
+
+    #[test]
+    fn a_failed_primary_moves_on_round_the_shards_servers() {
+        let p = primaries();
+        assert_eq!(p.next_after(0, "a:1", 0), ("b:1".into(), 0));
+        assert_eq!(p.next_after(0, "b:1", 0), ("c:1".into(), 0));
+        assert_eq!(
+            p.next_after(0, "c:1", 0),
+            ("a:1".into(), 0),
+            "round the servers"
+        );
+        // A newer primary learned meanwhile is tried first.
+        assert!(p.learn(0, "c:1", 5));
+        assert_eq!(p.next_after(0, "a:1", 0), ("c:1".into(), 5));
+        assert_eq!(p.next_after(0, "c:1", 5), ("a:1".into(), 5));
+    }
+}
