@@ -218,8 +218,10 @@ impl EtcdCoordinator {
     /// Tries to become the primary of `shard` on `lease`: succeeds only if
     /// the shard has no primary and nobody else issued an epoch meanwhile.
     /// The epoch is one above both the last issued and `floor` (the newest
-    /// epoch the caller has seen on any copy). Returns the epoch won, or
-    /// `None` when another server holds the shard or won the race.
+    /// epoch the caller has seen on any copy). Returns the epoch won —
+    /// also when the key is on `lease` already (an earlier campaign of the
+    /// caller's committed but its answer was lost) — or `None` when
+    /// another server holds the shard or won the race.
     pub async fn campaign(
         &self,
         shard: u32,
@@ -264,13 +266,27 @@ impl EtcdCoordinator {
             .and_then([
                 TxnOp::put(epoch_key, epoch.to_string(), None),
                 TxnOp::put(
-                    primary_key,
+                    primary_key.clone(),
                     value,
                     Some(PutOptions::new().with_lease(lease)),
                 ),
-            ]);
+            ])
+            // Who holds it instead.
+            .or_else([TxnOp::get(primary_key, None)]);
         let answer = self.call(kv.txn(txn)).await?;
-        Ok(answer.succeeded().then_some(epoch))
+        if answer.succeeded() {
+            return Ok(Some(epoch));
+        }
+        for op in answer.op_responses() {
+            if let etcd_client::TxnOpResponse::Get(found) = op
+                && let Some(kv) = found.kvs().first()
+                && kv.lease() == lease
+            {
+                let held: PrimaryRecord = decode(kv.key(), kv.value())?;
+                return Ok(Some(held.epoch));
+            }
+        }
+        Ok(None)
     }
 
     /// Gives up the primary key of `shard` if `lease` holds it.

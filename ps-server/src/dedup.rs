@@ -180,6 +180,28 @@ impl PushDedup {
         Admission::Apply
     }
 
+    /// Records that Push `sequence` of `worker` was applied, as its shard's
+    /// primary decided (a replica applying the primary's stream): no
+    /// decision of its own, so that a replica's rows never depend on its
+    /// own clock or table. Idle workers are still forgotten; the table may
+    /// hold more than `max_workers` for a while when this server's idle
+    /// clocks run behind the primary's.
+    pub fn record(&self, worker: u64, sequence: u64, now: Instant) {
+        if worker == 0 || sequence == 0 {
+            return;
+        }
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(window) = workers.get_mut(&worker) {
+            window.admit(sequence, now);
+            return;
+        }
+        if workers.len() >= self.limits.max_workers {
+            let expiry = self.limits.idle_expiry;
+            workers.retain(|_, w| now.saturating_duration_since(w.last_seen) < expiry);
+        }
+        workers.insert(worker, Window::new(sequence, now));
+    }
+
     /// Forgets every worker.
     pub fn clear(&self) {
         self.workers
@@ -346,6 +368,22 @@ mod tests {
         // Once they go idle, newcomers get in.
         let idle = now + Duration::from_secs(61);
         assert_eq!(d.admit(5000, 1, idle), Admission::Apply);
+    }
+
+    /// A replica records what its primary applied whatever its own table
+    /// says: a full table, a remembered sequence, an old one.
+    #[test]
+    fn recorded_pushes_are_never_refused() {
+        let d = dedup(2);
+        let now = Instant::now();
+        d.admit(1, 5, now);
+        d.admit(2, 5, now);
+        assert_eq!(d.admit(3, 1, now), Admission::Full { max_workers: 2 });
+        d.record(3, 1, now);
+        assert_eq!(d.workers(), 3, "over the limit rather than diverging");
+        assert_eq!(d.admit(3, 1, now), Admission::Duplicate);
+        d.record(1, 5, now);
+        assert_eq!(d.admit(1, 6, now), Admission::Apply);
     }
 
     #[test]

@@ -108,7 +108,6 @@ impl v1::ParameterServer for PsService {
         // shard's write lock: Pushes take their positions in the order they
         // change the rows, and no role change falls between.
         let (outcome, epoch, ticket) = {
-            let now = Instant::now();
             let mut writing =
                 self.store
                     .lock_shard(request.shard)
@@ -116,6 +115,9 @@ impl v1::ParameterServer for PsService {
                         shard: request.shard,
                         hosted: self.store.hosted().to_vec(),
                     })?;
+            // The time of admission is taken under the lock: waiting for it
+            // (behind a copy of the shard) must not age the fence check.
+            let now = Instant::now();
             let epoch = self.replication.admit_push(request.shard, now)?;
             let outcome = checked.apply(&writing, now)?;
             let ticket = if outcome.duplicate {

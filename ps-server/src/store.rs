@@ -439,6 +439,22 @@ impl CheckedPush<'_> {
         self.shard
     }
 
+    /// Applies it as the shard's primary did (a replica following its
+    /// stream): its id is recorded, never judged. The caller holds the
+    /// shard's write lock.
+    pub fn apply_replicated(&self, writing: &ShardGuard<'_>, now: Instant) {
+        debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
+        self.table.apply_replicated(
+            writing,
+            self.state,
+            self.keys,
+            self.gradients,
+            self.id.worker,
+            self.id.sequence,
+            now,
+        );
+    }
+
     /// Applies it, unless its id was applied before (then it is
     /// acknowledged as a duplicate). The caller holds the shard's write
     /// lock.

@@ -38,11 +38,13 @@ impl Version {
         Self { epoch, position }
     }
 
-    /// The version after one more Push applied under `epoch`.
+    /// The version after one more Push applied under `epoch` (positions
+    /// saturate: 2^64 Pushes are not reachable, but a peer's claim is not
+    /// to be trusted with arithmetic).
     pub const fn next(self, epoch: u64) -> Self {
         Self {
             epoch,
-            position: self.position + 1,
+            position: self.position.saturating_add(1),
         }
     }
 }

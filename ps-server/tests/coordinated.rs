@@ -163,3 +163,32 @@ async fn a_graceful_stop_hands_the_shard_over_without_waiting_for_the_lease() {
     assert_eq!(second.store.version(0).unwrap().position, 10);
     second.stop().await;
 }
+
+/// A campaign whose transaction committed but whose answer was lost is
+/// won when tried again on the same lease (before, the key sat on this
+/// server's live lease and nobody led the shard); another lease loses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_campaign_tried_again_on_the_same_lease_is_won() {
+    use tessera_coord::EtcdCoordinator;
+    let etcd = Etcd::start();
+    let coord = EtcdCoordinator::connect(&CoordinatorConfig {
+        kind: CoordinatorKind::Etcd,
+        endpoints: vec![etcd.endpoint.clone()],
+        cluster: "campaign".into(),
+        ..CoordinatorConfig::default()
+    })
+    .await
+    .unwrap();
+    let (mine, _) = coord.grant_lease(5).await.unwrap();
+    let (theirs, _) = coord.grant_lease(5).await.unwrap();
+    let won = coord.campaign(3, "a:1", 0, mine, 0).await.unwrap();
+    assert_eq!(won, Some(1));
+    assert_eq!(coord.campaign(3, "a:1", 0, mine, 0).await.unwrap(), Some(1));
+    assert_eq!(coord.campaign(3, "b:1", 1, theirs, 7).await.unwrap(), None);
+    // Resigned, the next campaign issues an epoch above the floor.
+    coord.resign(3, mine).await.unwrap();
+    assert_eq!(
+        coord.campaign(3, "b:1", 1, theirs, 7).await.unwrap(),
+        Some(8)
+    );
+}

@@ -420,3 +420,87 @@ async fn a_replica_not_receiving_its_primarys_stream_says_so() {
     replica.stop().await;
     primary.stop().await;
 }
+
+/// A replica applies what its primary applied, whatever its own
+/// deduplication table would have decided: here the replica remembers at
+/// most one worker, and still records and applies the second worker's
+/// Pushes (before, it refused them as `Full`, skipped their rows and still
+/// claimed the primary's version).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_applies_what_the_primary_applied_whatever_its_own_dedup_says() {
+    let (a, b) = (free_addr(), free_addr());
+    let primary = InProcess::start(&config(&a, 0, &b, &a, 10_000)).await;
+    let mut replica_config = config(&b, 1, &a, &b, 10_000);
+    replica_config.dedup_max_workers = 1;
+    let replica = InProcess::start(&replica_config).await;
+    wait_serving(&a).await;
+    wait_serving(&b).await;
+    for (worker, step) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let mut request = push_request(step);
+        request.worker_id = worker;
+        primary.data.push(request).await.unwrap();
+    }
+    converged(&primary, &replica).await;
+    replica.stop().await;
+    primary.stop().await;
+}
+
+/// A server that won a shard's epoch and is recovering it refuses the old
+/// primary's stream and tells it it was deposed (before, it answered "out
+/// of sync", and the old primary acknowledged a Push it had only applied
+/// itself). A forwarded Push naming another shard than its entry is out of
+/// step, not a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused() {
+    use tessera_proto::v1::{ReplicateRequest, ReplicatedPush, StreamHead};
+    let (a, b) = (free_addr(), free_addr());
+    let primary = InProcess::start(&config(&a, 0, &b, &a, 10_000)).await;
+    let replica = InProcess::start(&config(&b, 1, &a, &b, 10_000)).await;
+    wait_serving(&a).await;
+    wait_serving(&b).await;
+    let old_epoch = replica.replication.known_epoch(0);
+    // A mismatched entry: shard 0's stream carrying a Push of shard 1.
+    let mut odd = push_request(1);
+    odd.shard = 1;
+    let answer = replica
+        .peer
+        .replicate(ReplicateRequest {
+            primary: a.clone(),
+            heads: vec![StreamHead {
+                shard: 0,
+                epoch: old_epoch,
+                position: 1,
+            }],
+            pushes: vec![ReplicatedPush {
+                shard: 0,
+                position: 1,
+                push: Some(odd),
+                gap: false,
+            }],
+        })
+        .await
+        .unwrap();
+    assert_eq!(answer.out_of_sync, vec![0], "{answer:?}");
+    // The replica wins a newer epoch and recovers: the old stream is refused.
+    replica.replication.begin_recovery(0, old_epoch + 1);
+    let answer = replica
+        .peer
+        .replicate(ReplicateRequest {
+            primary: a.clone(),
+            heads: vec![StreamHead {
+                shard: 0,
+                epoch: old_epoch,
+                position: 0,
+            }],
+            pushes: vec![],
+        })
+        .await
+        .unwrap();
+    assert_eq!(answer.deposed.len(), 1, "{answer:?}");
+    assert_eq!(
+        (answer.deposed[0].primary.as_str(), answer.deposed[0].epoch),
+        (b.as_str(), old_epoch + 1)
+    );
+    replica.stop().await;
+    primary.stop().await;
+}

@@ -104,7 +104,9 @@ impl Primaries {
 
     /// The server of `shard` after `addr`, round the shard's servers.
     fn next_host(&self, shard: u32, addr: &str) -> String {
-        let hosts = &self.hosts[shard as usize];
+        let Some(hosts) = self.hosts.get(shard as usize).filter(|h| !h.is_empty()) else {
+            return addr.to_owned();
+        };
         let at = hosts.iter().position(|h| h == addr).map_or(0, |i| i + 1);
         hosts[at % hosts.len()].clone()
     }
@@ -152,8 +154,14 @@ impl Primaries {
             let retry_now = match (&error, &hint) {
                 // "Not the primary; it is X": go there at once (a few hops
                 // at most without a pause, in case two servers disagree).
-                (_, Some(hint)) if !hint.primary.is_empty() && hint.primary != target => {
-                    self.learn(shard, &hint.primary, hint.epoch);
+                (_, Some(hint))
+                    if !hint.primary.is_empty()
+                        && hint.primary != target
+                        && (self.learn(shard, &hint.primary, hint.epoch)
+                            || self
+                                .current(shard)
+                                .is_some_and(|(known, _)| known != target)) =>
+                {
                     (target, target_epoch) = self.current(shard).unwrap_or_default();
                     hops += 1;
                     hops <= 4
@@ -173,11 +181,14 @@ impl Primaries {
                 }
                 _ => return Err((target, error)),
             };
-            if Instant::now() + if retry_now { Duration::ZERO } else { backoff } >= deadline {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
                 return Err((target, error));
             }
             if !retry_now {
-                tokio::time::sleep(backoff).await;
+                // The last pause is cut to what is left: one more attempt
+                // at the deadline rather than giving up early.
+                tokio::time::sleep(backoff.min(remaining)).await;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 hops = 0;
             }

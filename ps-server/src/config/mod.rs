@@ -193,7 +193,10 @@ pub struct PsServerConfig {
     /// runaway client cannot make one request hold the server for seconds.
     pub max_keys_per_request: u32,
     /// Workers whose Push sequences each shard remembers (exactly-once
-    /// Push). Default 100,000: far more trainers than one job runs.
+    /// Push). Default 100,000: far more trainers than one job runs. A new
+    /// worker beyond it is refused (`ResourceExhausted`) until some have
+    /// been idle for `dedup_idle_secs`: forgetting a live one instead would
+    /// apply its retried Pushes twice.
     pub dedup_max_workers: u32,
     /// A worker silent this long is forgotten by the Push deduplication, in
     /// seconds. Default 3600: longer than any retry of a Push could come.

@@ -95,8 +95,9 @@ pub struct Election {
     preferred: bool,
     failover_timeout: Duration,
     phase: Phase,
-    /// The key as last observed while a campaign was on its way.
-    seen_while_campaigning: Option<Option<PrimaryRecord>>,
+    /// The key as last observed while a campaign was on its way, and
+    /// whether it was on this server's lease.
+    seen_while_campaigning: Option<Option<(PrimaryRecord, bool)>>,
     actions: VecDeque<Action>,
 }
 
@@ -134,7 +135,7 @@ impl Election {
         in_step: bool,
     ) {
         if self.phase == Phase::Campaigning {
-            self.seen_while_campaigning = Some(record.cloned());
+            self.seen_while_campaigning = Some(record.map(|r| (r.clone(), mine)));
             return;
         }
         match record {
@@ -215,7 +216,9 @@ impl Election {
             Ok(None) => {
                 self.phase = Phase::Unknown;
                 match seen {
-                    Some(Some(record)) => self.handle_observed(now, Some(&record), false, false),
+                    Some(Some((record, mine))) => {
+                        self.handle_observed(now, Some(&record), mine, false)
+                    }
                     // Lost to a key the watch has not shown yet, or it went
                     // again: look again shortly.
                     _ => {
@@ -417,6 +420,22 @@ mod tests {
         e.handle_lease_lost();
         assert_eq!(drain(&mut e, t0 + TIMEOUT), [Action::StandDown]);
         assert_eq!(e.phase(), &Phase::Unknown);
+    }
+
+    /// The transaction committed but its answer was lost: the key is on
+    /// this server's lease. The next campaign finds it so (the etcd client
+    /// reports it as won), and a watch event for it while campaigning is
+    /// taken as this server's own.
+    #[test]
+    fn a_campaign_whose_answer_was_lost_still_leads() {
+        let t0 = Instant::now();
+        let mut e = Election::new("b".into(), false, TIMEOUT);
+        e.handle_observed(t0, None, false, true);
+        assert_eq!(drain(&mut e, t0), [Action::Campaign]);
+        e.handle_observed(t0, Some(&record("b", 6)), true, true);
+        e.handle_campaign(t0, Ok(None));
+        assert_eq!(drain(&mut e, t0), [Action::Recover { epoch: 6 }]);
+        assert_eq!(e.phase(), &Phase::Recovering { epoch: 6 });
     }
 
     #[test]

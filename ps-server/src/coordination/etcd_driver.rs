@@ -3,8 +3,8 @@
 //! shard, whose actions it carries out.
 //!
 //! A *session* is one lease: granted, registered as a member, renewed
-//! every tenth of its TTL (each renewal that comes back moves the fence;
-//! see [`super::fence`]). When the lease is lost (etcd says it expired, or
+//! every tenth of its TTL on a thread of its own (each renewal that comes
+//! back moves the fence; see [`super::fence`]). When the lease is lost (etcd says it expired, or
 //! no renewal came back for a whole TTL, so it must be presumed expired)
 //! every shard stands down and a new session starts. On shutdown the
 //! shards it leads stop taking Pushes, their queues drain to the replicas,
@@ -114,13 +114,14 @@ impl Driver {
         self.coord.register(&self.member, lease).await?;
         tracing::info!(lease = format!("{lease:#x}"), ttl = ?ttl, "coordinator session started");
         let (lost_tx, mut lost_rx) = oneshot::channel();
-        let keeper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(keep_alive(
-            self.coord.clone(),
+        let keeper = Keeper::start(
+            self.config.clone(),
             lease,
             ttl,
+            sent_at,
             Arc::clone(&self.fence),
             lost_tx,
-        )));
+        );
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
         loop {
             // Where every shard's primary stands, then what changes.
@@ -285,9 +286,20 @@ impl Driver {
             Action::Resign => {
                 if let Some(lease) = lease {
                     let coord = self.coord.clone();
+                    let patience = self.failover_timeout();
                     tokio::spawn(async move {
-                        if let Err(err) = coord.resign(shard, lease).await {
-                            tracing::info!(shard, %err, "resigning failed (the lease will expire)");
+                        // Until etcd takes it: a key left on a live lease
+                        // would keep the shard without a primary. (The next
+                        // campaign of this server finds it its own, too.)
+                        let started = Instant::now();
+                        let mut backoff = Duration::from_millis(50);
+                        while let Err(err) = coord.resign(shard, lease).await {
+                            if started.elapsed() > patience * 3 {
+                                tracing::warn!(shard, %err, "cannot give the shard up; campaigning finds the key this server's own");
+                                return;
+                            }
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(1));
                         }
                     });
                 }
@@ -335,27 +347,88 @@ fn observe(
     }
 }
 
+/// The renewal of one lease, on a thread of its own with its own runtime
+/// and etcd client: whatever the data path does to the server's runtime (a
+/// long copy of a shard holding a lock that Pushes wait for), renewals go
+/// out on time, and the fence stays open. Stopped when dropped.
+struct Keeper {
+    stop: CancellationToken,
+}
+
+impl Keeper {
+    fn start(
+        config: CoordinatorConfig,
+        lease: i64,
+        ttl: Duration,
+        granted_at: Instant,
+        fence: Arc<Fence>,
+        lost: oneshot::Sender<()>,
+    ) -> Self {
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tessera-lease".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(err) => {
+                        tracing::error!(%err, "cannot start the lease keeper's runtime");
+                        fence.lost();
+                        let _ = lost.send(());
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    tokio::select! {
+                        _ = keep_alive(config, lease, ttl, granted_at, fence, lost) => {}
+                        _ = token.cancelled() => {}
+                    }
+                });
+            });
+        if let Err(err) = spawned {
+            tracing::error!(%err, "cannot start the lease keeper's thread");
+        }
+        Self { stop }
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
 /// Renews `lease` every tenth of `ttl` until it is lost, moving the fence
 /// with every renewal that comes back; reports the loss on `lost`.
 async fn keep_alive(
-    coord: EtcdCoordinator,
+    config: CoordinatorConfig,
     lease: i64,
     ttl: Duration,
+    granted_at: Instant,
     fence: Arc<Fence>,
     lost: oneshot::Sender<()>,
 ) {
     let every = (ttl / 10).max(Duration::from_millis(100));
+    let mut coord: Option<EtcdCoordinator> = None;
     let mut stream: Option<LeaseKeepAlive> = None;
-    let mut last_proof = Instant::now();
+    let mut last_proof = granted_at;
     loop {
         tokio::time::sleep(every).await;
         let sent_at = Instant::now();
-        if stream.is_none() {
-            match coord.keep_alive(lease).await {
+        if coord.is_none() {
+            coord = EtcdCoordinator::connect(&config).await.ok();
+        }
+        if let Some(client) = &coord
+            && stream.is_none()
+        {
+            match client.keep_alive(lease).await {
                 Ok(opened) => stream = Some(opened),
                 Err(err) => {
                     tracing::debug!(%err, "cannot open the lease keep-alive");
-                    if let Ok(false) = coord.lease_alive(lease).await {
+                    if let Ok(false) = client.lease_alive(lease).await {
                         break;
                     }
                 }

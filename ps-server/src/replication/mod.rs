@@ -416,9 +416,11 @@ impl Replication {
     }
 
     /// Waits until the Push of `ticket` may be acknowledged: every replica
-    /// it waits for applied it, or was cut off for not confirming within
-    /// `replica_timeout_ms`. Fails if this server stopped being the
-    /// primary meanwhile (the Push must then be retried at the new one).
+    /// it waits for applied it, or left the set of replicas in step with
+    /// this primary (cut off for not confirming within
+    /// `replica_timeout_ms`, or out of sync). Fails if this server stopped
+    /// being the primary meanwhile, or its lease is not proven now (the
+    /// Push must then be retried where the shard is led).
     pub async fn confirmed(&self, ticket: AckTicket) -> Result<(), Refusal> {
         if !ticket.waits.is_empty() {
             let deadline = Instant::now() + self.replica_timeout;
@@ -439,11 +441,17 @@ impl Replication {
             return Ok(());
         };
         let state = cell.lock();
-        if state.primary_epoch() == Some(ticket.epoch) {
-            Ok(())
-        } else {
-            Err(Refusal::Deposed(state.redirect(ticket.shard)))
+        if state.primary_epoch() != Some(ticket.epoch) {
+            return Err(Refusal::Deposed(state.redirect(ticket.shard)));
         }
+        // The acknowledgement is what the fence guards: a lease that may
+        // have expired while the replicas were confirming acknowledges
+        // nothing (the worker retries at whichever server leads).
+        if !self.fence.is_valid(Instant::now()) {
+            metrics::counter!("tessera_ps_fenced_pushes_total").increment(1);
+            return Err(Refusal::Fenced(ticket.shard));
+        }
+        Ok(())
     }
 
     /// Where the streams of `shards` stand, for those this server is the
@@ -509,7 +517,10 @@ impl Replication {
                 self.step_down_locked(shard, &mut state, "another server holds a newer epoch");
                 state.role = Role::Replica(Follow::new(primary.to_owned(), epoch));
             }
-            _ => state.role = Role::Replica(Follow::new(primary.to_owned(), epoch)),
+            _ => {
+                state.role =
+                    Role::Replica(Follow::replacing(&state.role, primary.to_owned(), epoch))
+            }
         }
         drop(state);
         drop(writing);
@@ -575,6 +586,10 @@ impl Replication {
         if state.primary_epoch().is_some() {
             self.step_down_locked(shard, &mut state, "recovering again");
         }
+        // The epoch won is the newest there is: the old primary's stream is
+        // refused (and told so) from now on, so it cannot get a Push
+        // confirmed here while this server takes over.
+        state.learn(epoch, &self.me);
         state.role = Role::Recovering { epoch };
     }
 

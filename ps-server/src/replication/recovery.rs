@@ -22,6 +22,11 @@ use tessera_proto::v1::{ShardStatusRequest, ShardStatusResponse};
 
 use super::Replication;
 use super::shard::Role;
+
+/// The longest one `ShardStatus` call of a recovery may take: a server
+/// that does not answer within it is asked again (static mode) or left
+/// out (with a coordinator, once the patience runs out).
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 use super::sync::{self, CopyError};
 use crate::version::Version;
 
@@ -94,6 +99,16 @@ impl Replication {
         patience: Patience,
     ) -> Result<Recovered, RecoveryError> {
         let started = Instant::now();
+        let recovering = self.cell(shard).and_then(|c| match c.lock().role {
+            Role::Recovering { epoch } => Some(epoch),
+            _ => None,
+        });
+        let Some(recovering) = recovering else {
+            return Err(RecoveryError::Superseded {
+                shard,
+                known: self.known_epoch(shard),
+            });
+        };
         let statuses = self.ask_all(shard, servers, &patience).await?;
         let own = self
             .store
@@ -113,14 +128,14 @@ impl Replication {
         if let Some((from, offered)) = best
             && offered > own
         {
-            version =
-                self.copy_from(shard, from, own)
-                    .await
-                    .map_err(|source| RecoveryError::Copy {
-                        shard,
-                        from: from.clone(),
-                        source,
-                    })?;
+            version = Arc::clone(self)
+                .copy_from(shard, recovering, from, own)
+                .await
+                .map_err(|source| RecoveryError::Copy {
+                    shard,
+                    from: from.clone(),
+                    source,
+                })?;
             copied_from = Some(from.clone());
         }
         // How far the old primary had got, as its replicas last heard.
@@ -157,14 +172,30 @@ impl Replication {
         let mut backoff = Duration::from_millis(20);
         let mut last_log = Instant::now();
         loop {
-            for addr in servers {
-                if answers.contains_key(addr) {
-                    continue;
-                }
-                let Some(client) = self.client(addr) else {
-                    continue;
-                };
-                if let Ok(status) = client.shard_status(ShardStatusRequest { shard }).await {
+            // Every one still to answer at once, each call bounded, so that
+            // one hanging server cannot hold the others' answers back.
+            let bound = match patience {
+                Patience::All => STATUS_TIMEOUT,
+                Patience::Until(deadline) => deadline
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(1), STATUS_TIMEOUT),
+            };
+            let options = tessera_rpc::CallOptions::with_timeout(bound);
+            let asks = servers
+                .iter()
+                .filter(|addr| !answers.contains_key(*addr))
+                .filter_map(|addr| Some((addr, self.client(addr)?)))
+                .map(|(addr, client)| {
+                    let options = &options;
+                    async move {
+                        let answer = client
+                            .shard_status_with_options(ShardStatusRequest { shard }, options)
+                            .await;
+                        (addr, answer)
+                    }
+                });
+            for (addr, answer) in futures::future::join_all(asks).await {
+                if let Ok(status) = answer {
                     answers.insert(addr.clone(), status);
                 }
             }
@@ -192,27 +223,46 @@ impl Replication {
         }
     }
 
-    /// Copies `shard` from `from` (which holds a newer copy than `own`).
-    async fn copy_from(&self, shard: u32, from: &str, own: Version) -> Result<Version, CopyError> {
+    /// Copies `shard` from `from` (which holds a newer copy than `own`),
+    /// for the recovery under `epoch` (installed off the async threads; a
+    /// recovery that was overtaken installs nothing).
+    async fn copy_from(
+        self: Arc<Self>,
+        shard: u32,
+        epoch: u64,
+        from: &str,
+        own: Version,
+    ) -> Result<Version, CopyError> {
         let fetched = self.fetch_copy(shard, from, own, false).await?;
         let Some((images, bytes)) = fetched.images else {
             return Ok(own);
         };
-        let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
-        else {
-            return Err(CopyError::Superseded);
-        };
-        let state = cell.lock();
-        if !matches!(state.role, Role::Recovering { .. }) {
-            return Err(CopyError::Superseded);
-        }
-        let rows = sync::install(&self.store, &writing, images, Instant::now());
-        writing.set_version(fetched.version);
-        drop(state);
-        self.syncs
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        metrics::counter!("tessera_ps_replication_syncs_total").increment(1);
-        tracing::info!(shard, from, version = %fetched.version, rows, bytes, "copied the freshest copy of the shard");
-        Ok(fetched.version)
+        let from = from.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
+            else {
+                return Err(CopyError::Superseded);
+            };
+            let state = cell.lock();
+            if state.role != (Role::Recovering { epoch }) {
+                return Err(CopyError::Superseded);
+            }
+            if fetched.version < writing.version() {
+                return Err(CopyError::Older {
+                    offered: fetched.version,
+                    own: writing.version(),
+                });
+            }
+            let rows = sync::install(&self.store, &writing, images, Instant::now());
+            writing.set_version(fetched.version);
+            drop(state);
+            self.syncs
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            metrics::counter!("tessera_ps_replication_syncs_total").increment(1);
+            tracing::info!(shard, from, version = %fetched.version, rows, bytes, "copied the freshest copy of the shard");
+            Ok(fetched.version)
+        })
+        .await
+        .map_err(|_| CopyError::Superseded)?
     }
 }

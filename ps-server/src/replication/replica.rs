@@ -140,7 +140,7 @@ impl Replication {
                     f.head = Version::new(head.epoch, head.position);
                 }
                 _ => {
-                    let mut follow = Follow::new(sender.to_owned(), head.epoch);
+                    let mut follow = Follow::replacing(&state.role, sender.to_owned(), head.epoch);
                     follow.last_heard = Some(now);
                     follow.head = Version::new(head.epoch, head.position);
                     state.role = Role::Replica(follow);
@@ -163,11 +163,10 @@ impl Replication {
                         Head::OutOfStep
                     }
                 }
-                Role::Replica(f) if sender_is_known => {
+                Role::Replica(_) if sender_is_known => {
                     // The known primary of the newest epoch: follow it.
-                    let mut follow = Follow::new(sender.to_owned(), head.epoch);
+                    let mut follow = Follow::replacing(&state.role, sender.to_owned(), head.epoch);
                     follow.last_heard = Some(now);
-                    follow.syncing = f.syncing;
                     state.role = Role::Replica(follow);
                     attach = true;
                     Head::OutOfStep
@@ -209,7 +208,7 @@ impl Replication {
         if !entry.gap && entry.position <= version.position {
             return Entry::Already;
         }
-        if entry.gap || entry.position != version.position + 1 {
+        if entry.gap || version.position.checked_add(1) != Some(entry.position) {
             follow.in_step = false;
             metrics::counter!("tessera_ps_replication_out_of_sync_total").increment(1);
             drop(state);
@@ -218,9 +217,8 @@ impl Replication {
             return Entry::OutOfStep;
         }
         if let Some(push) = &entry.push {
-            let applied = self
-                .store
-                .check_push(
+            let checked = if push.shard == entry.shard {
+                self.store.check_push(
                     &push.table,
                     push.shard,
                     &push.keys,
@@ -230,13 +228,27 @@ impl Replication {
                         sequence: push.sequence,
                     },
                 )
-                .and_then(|checked| checked.apply(&writing, now));
-            if let Err(err) = applied {
-                // The primary applied it, so this replica's configuration
-                // differs from the primary's; counted and logged, the
-                // stream goes on.
-                metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);
-                tracing::error!(shard = entry.shard, %err, "a forwarded push was refused here");
+            } else {
+                Err(crate::store::StoreError::ShardNotHosted {
+                    shard: push.shard,
+                    hosted: vec![entry.shard],
+                })
+            };
+            match checked {
+                Ok(checked) => checked.apply_replicated(&writing, now),
+                Err(err) => {
+                    // The primary applied it, so this server is configured
+                    // differently (a table, a dimension): it must not claim
+                    // the primary's version. It copies the shard again, and
+                    // says why until the configurations agree.
+                    metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);
+                    tracing::error!(shard = entry.shard, %err, "a forwarded push does not apply here; copying the shard again");
+                    follow.in_step = false;
+                    drop(state);
+                    drop(writing);
+                    self.spawn_attach(entry.shard);
+                    return Entry::OutOfStep;
+                }
             }
         }
         writing.set_version(Version::new(epoch, entry.position));
@@ -247,46 +259,57 @@ impl Replication {
     /// attachment is running.
     pub(super) fn spawn_attach(&self, shard: u32) {
         let Some(cell) = self.cell(shard) else { return };
-        {
+        let attachment = {
             let mut state = cell.lock();
             let Role::Replica(follow) = &mut state.role else {
                 return;
             };
             if follow.syncing {
+                // One is running: let it try again now, towards the
+                // primary it follows now.
+                cell.retry_now.notify_one();
                 return;
             }
             follow.syncing = true;
             follow.in_step = false;
-        }
+            follow.attach = cell.next_attachment();
+            follow.attach
+        };
         let Some(this) = self.weak.upgrade() else {
             return;
         };
         let stop = self.stop.clone();
         tokio::spawn(async move {
             tokio::select! {
-                _ = this.attach_loop(shard) => {}
+                _ = this.attach_loop(shard, attachment) => {}
                 _ = stop.cancelled() => {}
             }
         });
     }
 
-    async fn attach_loop(self: Arc<Self>, shard: u32) {
+    /// Attaches until in step, as long as the shard follows a primary with
+    /// this `attachment` working for it.
+    async fn attach_loop(self: Arc<Self>, shard: u32, attachment: u64) {
         let mut backoff = Duration::from_millis(50);
         loop {
             let target = {
                 let Some(cell) = self.cell(shard) else { return };
                 let mut state = cell.lock();
                 match &mut state.role {
-                    Role::Replica(follow) => {
+                    Role::Replica(follow) if follow.attach == attachment => {
                         follow.syncing = true;
                         follow.primary.clone()
                     }
                     _ => return,
                 }
             };
-            match self.attach_once(shard, &target).await {
+            let pause = match Arc::clone(&self)
+                .attach_once(shard, &target, attachment)
+                .await
+            {
                 Ok(()) => return,
-                Err(CopyError::Superseded) => {}
+                // The primary changed under it: again, shortly.
+                Err(CopyError::Superseded) => Duration::from_millis(20),
                 Err(err) => {
                     if matches!(err, CopyError::Older { .. }) {
                         metrics::counter!("tessera_ps_replication_older_copies_refused_total")
@@ -295,18 +318,48 @@ impl Replication {
                     } else {
                         tracing::info!(shard, primary = %target, %err, "attaching to the primary failed; retrying");
                     }
-                    tokio::time::sleep(backoff).await;
+                    let pause = backoff;
                     backoff = (backoff * 2).min(Duration::from_secs(2));
+                    pause
+                }
+            };
+            if let Some(cell) = self.cell(shard) {
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = cell.retry_now.notified() => {}
                 }
             }
         }
     }
 
-    /// One attachment of `shard` to `target`: in step already, or a copy.
-    async fn attach_once(&self, shard: u32, target: &str) -> Result<(), CopyError> {
+    /// One attachment of `shard` to `target`: in step already, or a copy
+    /// (installed off the async threads: it holds the shard's write lock
+    /// for as long as the copy takes).
+    async fn attach_once(
+        self: Arc<Self>,
+        shard: u32,
+        target: &str,
+        attachment: u64,
+    ) -> Result<(), CopyError> {
         let own = self.store.version(shard).unwrap_or_default();
         let started = Instant::now();
         let fetched = self.fetch_copy(shard, target, own, true).await?;
+        let target = target.to_owned();
+        tokio::task::spawn_blocking(move || {
+            self.install_attached(shard, &target, attachment, fetched, started)
+        })
+        .await
+        .map_err(|_| CopyError::Superseded)?
+    }
+
+    fn install_attached(
+        &self,
+        shard: u32,
+        target: &str,
+        attachment: u64,
+        fetched: sync::Fetched,
+        started: Instant,
+    ) -> Result<(), CopyError> {
         let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
         else {
             return Err(CopyError::Superseded);
@@ -316,10 +369,18 @@ impl Replication {
             return Err(CopyError::Superseded);
         }
         match &state.role {
-            Role::Replica(f) if f.primary == target => {}
+            Role::Replica(f) if f.primary == target && f.attach == attachment => {}
             _ => return Err(CopyError::Superseded),
         }
         let offered = fetched.version;
+        // Never back: a copy older than what the shard holds now (another
+        // attachment got further meanwhile) is not installed.
+        if offered < writing.version() {
+            return Err(CopyError::Older {
+                offered,
+                own: writing.version(),
+            });
+        }
         let copied = fetched.images.as_ref().map(|(_, bytes)| *bytes);
         let rows = fetched
             .images

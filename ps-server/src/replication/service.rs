@@ -41,7 +41,12 @@ impl v1::Replication for ReplicationService {
         _context: RequestContext,
         request: SyncRequest,
     ) -> Result<SyncResponse, Status> {
-        self.replication.serve_sync(&request)
+        // A copy holds the shard's write lock while it is taken: off the
+        // async threads.
+        let replication = Arc::clone(&self.replication);
+        tokio::task::spawn_blocking(move || replication.serve_sync(&request))
+            .await
+            .map_err(|err| Status::internal(format!("copying the shard failed: {err}")))?
     }
 
     async fn sync_chunk(

@@ -31,6 +31,9 @@ pub(crate) struct Follow {
     pub last_heard: Option<Instant>,
     /// The primary's head as last heard.
     pub head: Version,
+    /// The attachment task working for this follow (its number, from
+    /// [`ShardCell::next_attachment`]; 0: none yet).
+    pub attach: u64,
 }
 
 impl Follow {
@@ -42,7 +45,20 @@ impl Follow {
             syncing: false,
             last_heard: None,
             head: Version::default(),
+            attach: 0,
         }
+    }
+
+    /// A follow of `primary` at `epoch` taking over what `previous` was
+    /// doing: a running attachment goes on (towards the new primary)
+    /// rather than a second one starting.
+    pub fn replacing(previous: &Role, primary: String, epoch: u64) -> Self {
+        let mut next = Self::new(primary, epoch);
+        if let Role::Replica(old) = previous {
+            next.syncing = old.syncing;
+            next.attach = old.attach;
+        }
+        next
     }
 }
 
@@ -145,6 +161,10 @@ pub(crate) struct ShardCell {
     pub shard: u32,
     state: Mutex<ShardState>,
     readable: AtomicBool,
+    /// Wakes a replica's attachment that is waiting to retry (there is
+    /// news: a new primary, a new epoch).
+    pub retry_now: tokio::sync::Notify,
+    attachments: std::sync::atomic::AtomicU64,
 }
 
 /// The locked state of a cell; publishes whether the shard is readable
@@ -188,7 +208,14 @@ impl ShardCell {
                 handing_over: false,
             }),
             readable: AtomicBool::new(false),
+            retry_now: tokio::sync::Notify::new(),
+            attachments: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// A number for a new attachment task (never 0).
+    pub fn next_attachment(&self) -> u64 {
+        self.attachments.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Its state, locked.

@@ -186,6 +186,30 @@ impl Table {
         if admission != Admission::Apply {
             return admission;
         }
+        self.apply_rows(state, keys, gradients);
+        admission
+    }
+
+    /// Applies a Push the shard's primary applied (a replica following its
+    /// stream): records its id without deciding anything (see
+    /// [`PushDedup::record`]) and always applies it. The caller holds the
+    /// shard's write lock.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply_replicated(
+        &self,
+        _writing: &ShardGuard<'_>,
+        state: &ShardState,
+        keys: &[u64],
+        gradients: &[u8],
+        worker: u64,
+        sequence: u64,
+        now: Instant,
+    ) {
+        state.dedup.record(worker, sequence, now);
+        self.apply_rows(state, keys, gradients);
+    }
+
+    fn apply_rows(&self, state: &ShardState, keys: &[u64], gradients: &[u8]) {
         state.pushes.fetch_add(1, Ordering::Relaxed);
         let dim = self.config.dim as usize;
         let optimizer = self.config.optimizer;
@@ -210,7 +234,6 @@ impl Table {
         if clipped > 0 {
             metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
         }
-        admission
     }
 
     /// Adds a checkpoint's image to `shard`'s rows and deduplication
