@@ -14,21 +14,10 @@ use std::time::{Duration, Instant};
 use tessera_proto::sharding::shard_for_key;
 use tessera_worker::{PsClient, WorkerConfig};
 
-/// The ps-server binary of this build: next to `tessera`. `cargo test
-/// --workspace` builds it (ps-server has integration tests); when this
-/// package is tested alone it is built here, and the reason is printed.
+/// The ps-server binary of this build (built when missing; see
+/// `tessera_test_support::process::ps_server_bin`).
 fn ps_server_bin() -> PathBuf {
-    let path = Path::new(env!("CARGO_BIN_EXE_tessera")).with_file_name("ps-server");
-    if !path.is_file() {
-        eprintln!("{} missing: building it with cargo", path.display());
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "tessera-ps-server", "--bin", "ps-server"])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-    assert!(path.is_file(), "no ps-server at {}", path.display());
-    path
+    tessera_test_support::process::ps_server_bin()
 }
 
 fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration) {

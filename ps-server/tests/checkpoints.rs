@@ -9,13 +9,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tessera_proto::rows::put_f32s;
-use tessera_proto::v1::{
-    AdminClient, CheckpointRequest, FetchRequest, ParameterServerClient, PushRequest, StatsRequest,
-};
+use tessera_proto::v1::{CheckpointRequest, FetchRequest, PushRequest, StatsRequest};
 use tessera_ps_server::config::{CheckpointConfig, OptimizerConfig};
-use tessera_ps_server::{PsError, PsServer, PsServerConfig, TableConfig};
-use tessera_rpc::{Channel, ChannelConfig};
-use tokio::sync::oneshot;
+use tessera_ps_server::{PsError, PsServerConfig, TableConfig};
+use tessera_test_support::InProcess;
 
 fn config(dir: &Path, interval_secs: u64) -> PsServerConfig {
     PsServerConfig {
@@ -33,53 +30,21 @@ fn config(dir: &Path, interval_secs: u64) -> PsServerConfig {
     }
 }
 
-struct Running {
-    data: ParameterServerClient,
-    admin: AdminClient,
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
+async fn start(config: &PsServerConfig) -> Result<InProcess, PsError> {
+    InProcess::try_start(config).await
 }
 
-async fn start(config: &PsServerConfig) -> Result<Running, PsError> {
-    let server = PsServer::bind(config).await?;
-    let channel = Channel::lazy(
-        server.local_addr().to_string(),
-        ChannelConfig {
-            connect_timeout_ms: 2000,
-            request_timeout_ms: 10_000,
-            ..ChannelConfig::default()
-        },
-    )
-    .unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve(async {
-        let _ = stopped.await;
-    }));
-    Ok(Running {
-        data: ParameterServerClient::new(channel.clone()),
-        admin: AdminClient::new(channel),
-        stop,
-        task,
-    })
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.unwrap();
-    }
-
-    async fn rows(&self, keys: &[u64]) -> Bytes {
-        self.data
-            .fetch(FetchRequest {
-                table: "emb".into(),
-                shard: 0,
-                keys: keys.to_vec(),
-            })
-            .await
-            .unwrap()
-            .values
-    }
+async fn rows(server: &InProcess, keys: &[u64]) -> Bytes {
+    server
+        .data
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: 0,
+            keys: keys.to_vec(),
+        })
+        .await
+        .unwrap()
+        .values
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,7 +69,7 @@ async fn an_admin_checkpoint_survives_a_restart_and_corruption_is_refused() {
             .await
             .unwrap();
     }
-    let before = server.rows(&keys).await;
+    let before = rows(&server, &keys).await;
     let saved = server.admin.checkpoint(CheckpointRequest {}).await.unwrap();
     assert_eq!(saved.rows, 100);
     let stats = server.admin.stats(StatsRequest {}).await.unwrap();
@@ -115,7 +80,7 @@ async fn an_admin_checkpoint_survives_a_restart_and_corruption_is_refused() {
     // A new server on the same directory starts with the same rows (and
     // optimizer state: one more identical Push moves both alike).
     let restarted = start(&config).await.unwrap();
-    assert_eq!(restarted.rows(&keys).await, before);
+    assert_eq!(rows(&restarted, &keys).await, before);
     restarted.stop().await;
 
     // Corrupt the newest checkpoint: the server refuses to start.
@@ -139,7 +104,7 @@ async fn an_admin_checkpoint_survives_a_restart_and_corruption_is_refused() {
 async fn periodic_checkpoints_appear_while_serving() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&config(dir.path(), 1)).await.unwrap();
-    server.rows(&[1, 2, 3]).await;
+    rows(&server, &[1, 2, 3]).await;
     let started = Instant::now();
     while !dir.path().join("LATEST").exists() {
         assert!(

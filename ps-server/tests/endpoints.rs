@@ -15,6 +15,7 @@ use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, ChannelConfig};
+use tessera_test_support::free_port;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A `PYTHONPATH` under which `import grpc, grpc_tools` works: the
@@ -132,14 +133,6 @@ async fn python_grpcio_calls_fetch_and_push_through_the_grpc_endpoint() {
 /// Where `tessera/options.proto` lives (shipped with tessera-rpc-build).
 fn tessera_rpc_build_options_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../rpc/build/proto")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 async fn http_get(addr: &str, path: &str) -> Option<String> {

@@ -14,11 +14,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient};
+use std::path::Path;
+
+use tessera_proto::v1::{FetchRequest, ParameterServerClient};
+use tessera_ps_server::PsServerConfig;
 use tessera_rpc::{
-    Channel, ChannelConfig, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, Transport,
-    TransportConfig, TransportKind,
+    ChannelConfig, RdmaConfig, RdmaProvider, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig,
+    Transport, TransportConfig, TransportKind,
 };
+use tessera_test_support::{PsProcess, free_addr, wait_serving};
 
 fn transport(kind: TransportKind) -> TransportConfig {
     match kind {
@@ -27,54 +31,31 @@ fn transport(kind: TransportKind) -> TransportConfig {
     }
 }
 
-/// A ps-server process on a free port: (process, address, its config's
-/// directory, kept alive by the caller).
-fn spawn_server(kind: TransportKind) -> (std::process::Child, String, tempfile::TempDir) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ps.toml");
-    std::fs::write(
-        &path,
-        format!("listen = \"{addr}\"\ntransport = \"{kind}\"\n[rdma]\nprovider = \"soft\"\n"),
+/// A ps-server process on a free port over `kind`, its configuration in
+/// `dir`.
+fn spawn_server(kind: TransportKind, dir: &std::path::Path, name: &str) -> PsProcess {
+    let config = PsServerConfig {
+        listen: free_addr(),
+        transport: kind,
+        rdma: RdmaConfig {
+            provider: RdmaProvider::Soft,
+            ..RdmaConfig::default()
+        },
+        ..PsServerConfig::default()
+    };
+    PsProcess::spawn(
+        Path::new(env!("CARGO_BIN_EXE_ps-server")),
+        &config,
+        dir,
+        name,
     )
-    .unwrap();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
-        .arg("--config")
-        .arg(&path)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    (child, addr, dir)
-}
-
-async fn wait_healthy(addr: &str, config: &ChannelConfig) {
-    let started = Instant::now();
-    loop {
-        if let Ok(channel) = Channel::connect(addr, config.clone()).await
-            && ParameterServerClient::new(channel)
-                .health(HealthRequest {})
-                .await
-                .is_ok()
-        {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{addr} never became healthy"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 async fn killed_replica_under_load(kind: TransportKind) {
-    let (victim, victim_addr, _victim_dir) = spawn_server(kind);
-    let (mut survivor, survivor_addr, _survivor_dir) = spawn_server(kind);
-    let mut victim = Some(victim);
+    let dir = tempfile::tempdir().unwrap();
+    let mut victim = spawn_server(kind, dir.path(), "victim");
+    let survivor = spawn_server(kind, dir.path(), "survivor");
+    let (victim_addr, survivor_addr) = (victim.addr.clone(), survivor.addr.clone());
     // Timeouts for a loaded 2-core host running the suite in parallel;
     // the policies (retry, budget, quarantine, backoff) are the defaults.
     let channel = ChannelConfig {
@@ -83,8 +64,8 @@ async fn killed_replica_under_load(kind: TransportKind) {
         transport: transport(kind),
         ..ChannelConfig::default()
     };
-    wait_healthy(&victim_addr, &channel).await;
-    wait_healthy(&survivor_addr, &channel).await;
+    wait_serving(&victim_addr).await;
+    wait_serving(&survivor_addr).await;
     let set = ReplicaSet::new(
         ReplicaSetConfig {
             replicas: [&victim_addr, &survivor_addr]
@@ -141,10 +122,8 @@ async fn killed_replica_under_load(kind: TransportKind) {
     }
     tokio::time::sleep(Duration::from_millis(800)).await;
     let before_kill = ok.load(Ordering::Relaxed);
-    let mut child = victim.take().unwrap();
-    child.kill().unwrap(); // SIGKILL
+    victim.kill(); // SIGKILL, reaped
     let killed_at = Instant::now();
-    child.wait().unwrap();
     let mut errors = Vec::new();
     for worker in workers {
         if let Some(err) = worker.await.unwrap() {
@@ -152,8 +131,7 @@ async fn killed_replica_under_load(kind: TransportKind) {
         }
     }
     let after_kill = ok.load(Ordering::Relaxed) - before_kill;
-    let _ = survivor.kill();
-    let _ = survivor.wait();
+    drop(survivor);
     eprintln!(
         "{kind}: {} calls before the kill, {after_kill} after it ({:?} of run after the kill), {} failed, slowest call {} µs",
         before_kill,

@@ -5,15 +5,14 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tessera_proto::rows::{get_f32s, put_f32s};
-use tessera_proto::sharding::shard_for_key;
+use tessera_proto::rows::put_f32s;
 use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient, PushRequest};
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
-use tessera_ps_server::{Mode, PsServer, PsServerConfig, TableConfig};
+use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
 use tessera_rpc::{
     Channel, ChannelConfig, Code, RdmaConfig, RdmaProvider, TransportConfig, TransportKind,
 };
-use tokio::sync::oneshot;
+use tessera_test_support::{InProcess, PsProcess, f32s, free_addr, keys_of_shard};
 
 /// Which transport a case runs over.
 #[derive(Clone, Copy)]
@@ -54,14 +53,9 @@ impl Over {
     }
 }
 
-async fn start(
-    mode: Mode,
-    over: Over,
-) -> (
-    ParameterServerClient,
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
+/// A server of shard 1 of 2 in this process, and a client of it over
+/// `over`; stopped with [`InProcess::stop`].
+async fn start(mode: Mode, over: Over) -> (ParameterServerClient, InProcess) {
     let config = PsServerConfig {
         listen: "127.0.0.1:0".into(),
         mode,
@@ -76,31 +70,19 @@ async fn start(
         }],
         ..PsServerConfig::default()
     };
-    let server = PsServer::bind(&config).await.unwrap();
-    let addr = server.local_addr().to_string();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve(async {
-        let _ = stopped.await;
-    }));
-    let channel = Channel::connect(addr, over.channel()).await.unwrap();
-    (ParameterServerClient::new(channel), stop, task)
+    let server = InProcess::start(&config).await;
+    let channel = Channel::connect(server.addr.clone(), over.channel())
+        .await
+        .unwrap();
+    (ParameterServerClient::new(channel), server)
 }
 
 fn shard1_keys(n: usize) -> Vec<u64> {
-    (0..)
-        .filter(|&k| shard_for_key(k, 2) == 1)
-        .take(n)
-        .collect()
-}
-
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    let mut out = vec![0f32; bytes.len() / 4];
-    assert!(get_f32s(bytes, &mut out));
-    out
+    keys_of_shard(1, 2, n)
 }
 
 async fn fetch_push_fetch_over_rpc(over: Over) {
-    let (client, stop, task) = start(Mode::Training, over).await;
+    let (client, server) = start(Mode::Training, over).await;
     let keys = shard1_keys(3);
     let before = client
         .fetch(FetchRequest {
@@ -142,12 +124,11 @@ async fn fetch_push_fetch_over_rpc(over: Over) {
     assert!(health.serving);
     assert_eq!(health.shards, vec![1]);
     assert_eq!(health.tables[0].rows, 3);
-    let _ = stop.send(());
-    task.await.unwrap();
+    server.stop().await;
 }
 
 async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving(over: Over) {
-    let (client, stop, task) = start(Mode::Training, over).await;
+    let (client, server) = start(Mode::Training, over).await;
     let keys = shard1_keys(2);
     let cases = [
         (
@@ -193,7 +174,7 @@ async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving(over: Over
                 .fetch(FetchRequest {
                     table: "emb".into(),
                     shard: 1,
-                    keys: vec![(0..).find(|&k| shard_for_key(k, 2) == 0).unwrap()],
+                    keys: keys_of_shard(0, 2, 1),
                 })
                 .await
                 .map(|_| ()),
@@ -215,12 +196,11 @@ async fn bad_requests_get_clear_statuses_and_the_server_keeps_serving(over: Over
         .await
         .unwrap();
     assert_eq!(ok.values.len(), 32);
-    let _ = stop.send(());
-    task.await.unwrap();
+    server.stop().await;
 }
 
 async fn inference_server_serves_zeros_and_refuses_push(over: Over) {
-    let (client, stop, task) = start(Mode::Inference, over).await;
+    let (client, server) = start(Mode::Inference, over).await;
     let keys = shard1_keys(2);
     let rows = client
         .fetch(FetchRequest {
@@ -242,8 +222,7 @@ async fn inference_server_serves_zeros_and_refuses_push(over: Over) {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
-    let _ = stop.send(());
-    task.await.unwrap();
+    server.stop().await;
 }
 
 #[test]
@@ -328,41 +307,31 @@ over_both_transports!(
     inference_server_serves_zeros_and_refuses_push,
 );
 
-/// A `ps-server` process serving shard 1 of 2 over rdma-soft, with extra
-/// `[rdma]` settings; its port, and the directory of its config (kept
-/// alive by the caller).
-fn spawn_soft_ps_server(extra_rdma: &str) -> (std::process::Child, u16, tempfile::TempDir) {
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
+/// A `ps-server` process serving shard 1 of 2 over rdma-soft with `rdma`
+/// settings, its configuration in `dir`.
+fn spawn_soft_ps_server(rdma: RdmaConfig, dir: &std::path::Path) -> (PsProcess, String) {
+    let addr = free_addr();
+    let config = PsServerConfig {
+        listen: addr.clone(),
+        transport: TransportKind::Rdma,
+        rdma,
+        num_shards: 2,
+        shards: vec![1],
+        tables: vec![TableConfig::new("emb", 4)],
+        ..PsServerConfig::default()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ps.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\ntransport = \"rdma\"\nnum_shards = 2\nshards = [1]\n[rdma]\nprovider = \"soft\"\n{extra_rdma}[[tables]]\nname = \"emb\"\ndim = 4\n"
-        ),
-    )
-    .unwrap();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-server"))
-        .arg("--config")
-        .arg(&path)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    (child, port, dir)
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_ps-server"));
+    (PsProcess::spawn(bin, &config, dir, "ps"), addr)
 }
 
 #[test]
 fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
-    let (mut child, port, _dir) = spawn_soft_ps_server("");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr) = spawn_soft_ps_server(Over::RdmaSoft.rdma(), dir.path());
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let rows = runtime.block_on(async {
         for _ in 0..200 {
-            if let Ok(channel) =
-                Channel::connect(format!("127.0.0.1:{port}"), Over::RdmaSoft.channel()).await
-            {
+            if let Ok(channel) = Channel::connect(addr.clone(), Over::RdmaSoft.channel()).await {
                 let client = ParameterServerClient::new(channel);
                 if let Ok(rows) = client
                     .fetch(FetchRequest {
@@ -379,8 +348,7 @@ fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
         }
         None
     });
-    let _ = child.kill();
-    let _ = child.wait();
+    child.kill();
     assert_eq!(
         rows,
         Some(3 * 4 * 4),
@@ -390,8 +358,15 @@ fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
 
 #[test]
 fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() {
-    let (mut child, port, _dir) =
-        spawn_soft_ps_server("keepalive_interval_ms = 50\nkeepalive_timeout_ms = 500\n");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr) = spawn_soft_ps_server(
+        RdmaConfig {
+            keepalive_interval_ms: 50,
+            keepalive_timeout_ms: 500,
+            ..Over::RdmaSoft.rdma()
+        },
+        dir.path(),
+    );
     let mut channel_config = Over::RdmaSoft.channel();
     channel_config.transport.rdma.keepalive_interval_ms = 50;
     channel_config.transport.rdma.keepalive_timeout_ms = 500;
@@ -399,9 +374,7 @@ fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() 
     let outcome = runtime.block_on(async {
         let mut client = None;
         for _ in 0..200 {
-            if let Ok(channel) =
-                Channel::connect(format!("127.0.0.1:{port}"), channel_config.clone()).await
-            {
+            if let Ok(channel) = Channel::connect(addr.clone(), channel_config.clone()).await {
                 let c = ParameterServerClient::new(channel);
                 if c.health(HealthRequest {}).await.is_ok() {
                     client = Some(c);
@@ -412,15 +385,11 @@ fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() 
         }
         let client = client.expect("ps-server became healthy");
         // Freeze it: its TCP connections stay open, only keepalive can tell.
-        let stop = std::process::Command::new("kill")
-            .args(["-STOP", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(stop.success());
+        child.signal(nix::sys::signal::Signal::SIGSTOP);
         // The signal takes effect asynchronously: wait until the process is
         // seen stopped (state `T` in /proc), or a request could still be
         // answered in between.
-        let stat = format!("/proc/{}/stat", child.id());
+        let stat = format!("/proc/{}/stat", child.pid().unwrap());
         for _ in 0..1000 {
             let state = std::fs::read_to_string(&stat).unwrap_or_default();
             let stopped = state
@@ -445,11 +414,8 @@ fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() 
             .await;
         (result.map(|_| ()), started.elapsed())
     });
-    let _ = std::process::Command::new("kill")
-        .args(["-CONT", &child.id().to_string()])
-        .status();
-    let _ = child.kill();
-    let _ = child.wait();
+    child.signal(nix::sys::signal::Signal::SIGCONT);
+    child.kill();
     let (result, waited) = outcome;
     let err = result.expect_err("a frozen server does not answer");
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");

@@ -1,35 +1,27 @@
 //! Exactly-once Push under a retry storm: every Push's answer is lost twice
 //! on its way back (a fault proxy resets the connection after the server
-//! applied it), so the worker's RPC layer sends it three times; the server
+//! applied it), so the worker sends it three times; the server
 //! applies it once. The final rows equal those of a control server that
 //! received each Push once, bit for bit, with Adam (whose state would show
 //! any second application).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use tessera_test_support::proxy;
-
 use tessera_ps_server::config::OptimizerConfig;
-use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
+use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::policy::{RetryBudgetConfig, RetryPolicyConfig};
+use tessera_test_support::{FaultProxy, InProcess};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
-use tokio::sync::oneshot;
 
-async fn server() -> (String, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
-    let config = PsServerConfig {
+async fn server() -> InProcess {
+    InProcess::start(&PsServerConfig {
         listen: "127.0.0.1:0".into(),
         tables: vec![TableConfig {
             optimizer: OptimizerConfig::adam(0.01),
             ..TableConfig::new("emb", 4)
         }],
         ..PsServerConfig::default()
-    };
-    let server = PsServer::bind(&config).await.unwrap();
-    let addr = server.local_addr().to_string();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve(async {
-        let _ = stopped.await;
-    }));
-    (addr, stop, task)
+    })
+    .await
 }
 
 fn worker(addr: &str) -> PsClient {
@@ -60,11 +52,10 @@ fn worker(addr: &str) -> PsClient {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_push_sent_three_times_is_applied_once() {
-    let (faulty_addr, stop_a, task_a) = server().await;
-    let (control_addr, stop_b, task_b) = server().await;
-    let proxy = proxy::FaultProxy::start(faulty_addr).await;
+    let (faulty, control_server) = (server().await, server().await);
+    let proxy = FaultProxy::start(faulty.addr.clone()).await;
     let stormy = worker(&proxy.addr);
-    let control = worker(&control_addr);
+    let control = worker(&control_server.addr);
     let keys: Vec<u64> = (1..=16).collect();
     // Repeated keys within a Push are summed by the client first.
     let mut pushed_keys = keys.clone();
@@ -91,8 +82,6 @@ async fn every_push_sent_three_times_is_applied_once() {
         bits(control_rows.values()),
         "the retried pushes were applied exactly once"
     );
-    let _ = stop_a.send(());
-    let _ = stop_b.send(());
-    task_a.await.unwrap();
-    task_b.await.unwrap();
+    faulty.stop().await;
+    control_server.stop().await;
 }
