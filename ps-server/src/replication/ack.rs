@@ -1,0 +1,199 @@
+//! The acknowledgement of a Push on a primary: whether it may be applied
+//! here at all ([`Refusal`] otherwise, with where to go instead), its place
+//! in the replicas' queues, and what its acknowledgement waits for
+//! ([`AckTicket`]: with `ack = "replicas"`, every replica in step).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use prost::Message as _;
+use tessera_proto::v1::{NotPrimary, PushRequest};
+use tessera_rpc::{Code, Status};
+
+use super::Replication;
+use super::forward::{Confirmation, Forwarder};
+use super::shard::Role;
+use crate::config::AckMode;
+use crate::version::Version;
+
+/// Why this server does not take a Push for a shard now.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// Another server is (or none is known to be) the shard's primary.
+    #[error("this server is not the primary of shard {}; {}", .0.shard, where_to(.0))]
+    NotPrimary(NotPrimary),
+    /// This server is becoming the primary: it copies the freshest copy
+    /// from the replicas first.
+    #[error("this server is recovering shard {0} before taking its Pushes")]
+    Recovering(u32),
+    /// This primary's lease is not confirmed: it may have been replaced.
+    #[error("this server's lease is not confirmed; it takes no Pushes of shard {0} until it is")]
+    Fenced(u32),
+    /// This server stopped being the primary before the replicas confirmed
+    /// the Push (it was not acknowledged; retry at the new primary).
+    #[error("this server stopped being the primary of shard {} before its replicas confirmed the push; {}", .0.shard, where_to(.0))]
+    Deposed(NotPrimary),
+}
+
+fn where_to(hint: &NotPrimary) -> String {
+    if hint.primary.is_empty() {
+        "no primary is known yet (a failover is in progress)".to_owned()
+    } else {
+        format!("it is {} at epoch {}", hint.primary, hint.epoch)
+    }
+}
+
+impl Refusal {
+    fn hint(&self) -> NotPrimary {
+        match self {
+            Refusal::NotPrimary(hint) | Refusal::Deposed(hint) => hint.clone(),
+            Refusal::Recovering(shard) | Refusal::Fenced(shard) => NotPrimary {
+                shard: *shard,
+                ..NotPrimary::default()
+            },
+        }
+    }
+}
+
+impl From<Refusal> for Status {
+    /// `FAILED_PRECONDITION` when it names the primary to go to instead,
+    /// `UNAVAILABLE` (retry shortly) otherwise; both with a [`NotPrimary`]
+    /// in the details.
+    fn from(refusal: Refusal) -> Self {
+        let hint = refusal.hint();
+        let code = match &refusal {
+            Refusal::NotPrimary(h) if !h.primary.is_empty() => Code::FailedPrecondition,
+            _ => Code::Unavailable,
+        };
+        Status::with_details(code, refusal.to_string(), hint.encode_to_vec())
+    }
+}
+
+/// Pushes a primary waits on before acknowledging one (`ack =
+/// "replicas"`): each confirmed replica's attachment and the position it
+/// must reach.
+#[derive(Debug)]
+#[must_use = "a ticket must be awaited with Replication::confirmed"]
+pub struct AckTicket {
+    shard: u32,
+    epoch: u64,
+    position: u64,
+    waits: Vec<(Arc<Forwarder>, u64)>,
+}
+
+impl Replication {
+    /// Whether a Push to `shard` may be applied now; returns the epoch to
+    /// apply it under. Called under the shard's write lock.
+    pub fn admit_push(&self, shard: u32, now: Instant) -> Result<u64, Refusal> {
+        let Some(cell) = self.cell(shard) else {
+            return Err(Refusal::NotPrimary(NotPrimary {
+                shard,
+                ..NotPrimary::default()
+            }));
+        };
+        let state = cell.lock();
+        match &state.role {
+            Role::Primary { .. } if state.handing_over => Err(Refusal::NotPrimary(NotPrimary {
+                shard,
+                ..NotPrimary::default()
+            })),
+            Role::Primary { epoch, .. } => {
+                if self.fence.is_valid(now) {
+                    Ok(*epoch)
+                } else {
+                    metrics::counter!("tessera_ps_fenced_pushes_total").increment(1);
+                    Err(Refusal::Fenced(shard))
+                }
+            }
+            Role::Recovering { .. } => Err(Refusal::Recovering(shard)),
+            Role::Replica(_) | Role::Idle => Err(Refusal::NotPrimary(state.redirect(shard))),
+        }
+    }
+
+    /// Queues `push`, just applied to `shard` at `version`, for the
+    /// replicas; returns what its acknowledgement waits for. Called under
+    /// the shard's write lock, in stream order.
+    pub fn record_push(&self, shard: u32, version: Version, push: &PushRequest) -> AckTicket {
+        let mut ticket = AckTicket {
+            shard,
+            epoch: version.epoch,
+            position: version.position,
+            waits: Vec::new(),
+        };
+        let mut shared = None;
+        for forwarder in &self.forwarders {
+            if forwarder.shards.contains(&shard) {
+                let push = shared.get_or_insert_with(|| Arc::new(push.clone()));
+                if let Some(generation) =
+                    forwarder.enqueue(shard, version.epoch, version.position, push)
+                    && self.ack == AckMode::Replicas
+                {
+                    ticket.waits.push((Arc::clone(forwarder), generation));
+                }
+            }
+        }
+        ticket
+    }
+
+    /// What acknowledging a duplicate of a Push already applied to `shard`
+    /// (now at `version`, under `epoch`) waits for: its original may still
+    /// be on its way to the replicas, so every confirmed replica must
+    /// reach `version`. Called under the shard's write lock.
+    pub fn duplicate_ticket(&self, shard: u32, epoch: u64, version: Version) -> AckTicket {
+        let waits = if self.ack == AckMode::Replicas {
+            self.forwarders
+                .iter()
+                .filter(|f| f.shards.contains(&shard))
+                .filter_map(|f| Some((Arc::clone(f), f.confirmed_generation(shard)?)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        AckTicket {
+            shard,
+            epoch,
+            position: version.position,
+            waits,
+        }
+    }
+
+    /// Waits until the Push of `ticket` may be acknowledged: every replica
+    /// it waits for applied it, or left the set of replicas in step with
+    /// this primary (cut off for not confirming within
+    /// `replica_timeout_ms`, or out of sync). Fails if this server stopped
+    /// being the primary meanwhile, or its lease is not proven now (the
+    /// Push must then be retried where the shard is led).
+    pub async fn confirmed(&self, ticket: AckTicket) -> Result<(), Refusal> {
+        if !ticket.waits.is_empty() {
+            let deadline = Instant::now() + self.replica_timeout;
+            let waits = ticket
+                .waits
+                .iter()
+                .map(|(forwarder, generation)| async move {
+                    let outcome = forwarder
+                        .wait_applied(ticket.shard, *generation, ticket.position, deadline)
+                        .await;
+                    if outcome == Confirmation::TimedOut {
+                        forwarder.cut_off(ticket.shard, *generation, ticket.epoch, ticket.position);
+                    }
+                });
+            futures::future::join_all(waits).await;
+        }
+        let Some(cell) = self.cell(ticket.shard) else {
+            return Ok(());
+        };
+        let state = cell.lock();
+        if state.primary_epoch() != Some(ticket.epoch) {
+            return Err(Refusal::Deposed(state.redirect(ticket.shard)));
+        }
+        // The acknowledgement is what the fence guards: a lease that may
+        // have expired while the replicas were confirming acknowledges
+        // nothing (the worker retries at whichever server leads).
+        if !self.fence.is_valid(Instant::now()) {
+            metrics::counter!("tessera_ps_fenced_pushes_total").increment(1);
+            return Err(Refusal::Fenced(ticket.shard));
+        }
+        Ok(())
+    }
+}
