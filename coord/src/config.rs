@@ -33,15 +33,18 @@ pub struct CoordinatorConfig {
     /// The prefix of this cluster's keys (`/<cluster>/...`), so that
     /// several clusters can share one etcd. Default `tessera`.
     pub cluster: String,
-    /// How long a primary may be unreachable by etcd before a replica
-    /// takes over, in milliseconds: the time-to-live of each server's
-    /// lease. A primary stops acknowledging Pushes before its lease can
-    /// expire (fencing), so this is also the longest a partitioned
-    /// primary keeps taking them. Default 3000: Pushes resume within a few
-    /// seconds of a crash, while a lease renewed every 500 ms survives
-    /// five missed renewals of a loaded host before anything fails over.
-    /// etcd leases count whole seconds and refuse less than two (with its
-    /// default timings), hence a multiple of 1000, at least 2000.
+    /// How long after a primary's last lease renewal a replica has taken
+    /// over, at the latest, in milliseconds. Each server's lease lives
+    /// this less one second (whole seconds, at least one): etcd checks for
+    /// expired leases every 500 ms, and the campaign and the new primary's
+    /// recovery take the rest. A primary stops acknowledging Pushes before
+    /// its lease can expire (fencing), so a partitioned primary takes
+    /// Pushes for at most the lease time. Default 3000 (a 2 s lease):
+    /// Pushes resume within a few seconds of a crash, while a lease renewed
+    /// every 200 ms survives nine missed renewals of a loaded host before
+    /// anything fails over. A multiple of 1000, at least 2000; etcd raises
+    /// leases below its minimum TTL (2 s with its default timings; the
+    /// granted TTL is logged), which then lengthens the failover.
     pub failover_timeout_ms: u64,
     /// Timeout of one request to etcd, in milliseconds. Default 1000: etcd
     /// answers in milliseconds; a request that takes a second is a
@@ -67,9 +70,10 @@ impl CoordinatorConfig {
         self.kind == CoordinatorKind::Etcd
     }
 
-    /// The lease time-to-live, in whole seconds.
+    /// The lease time-to-live, in whole seconds: `failover_timeout_ms`
+    /// less one second (see there), at least one.
     pub fn lease_ttl_secs(&self) -> i64 {
-        (self.failover_timeout_ms / 1000) as i64
+        ((self.failover_timeout_ms / 1000) as i64 - 1).max(1)
     }
 }
 
@@ -132,7 +136,7 @@ mod tests {
         assert_eq!(parse("").unwrap(), CoordinatorConfig::default());
         assert!(!CoordinatorConfig::default().is_etcd());
         let etcd = parse("kind = \"etcd\"").unwrap();
-        assert_eq!(etcd.lease_ttl_secs(), 3);
+        assert_eq!(etcd.lease_ttl_secs(), 2);
     }
 
     #[test]

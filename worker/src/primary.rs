@@ -47,6 +47,9 @@ struct Known {
 #[derive(Debug)]
 pub struct Primaries {
     known: Vec<Mutex<Known>>,
+    /// Woken whenever a shard's primary is learned: Pushes waiting out a
+    /// backoff go to it at once.
+    learned: tokio::sync::Notify,
     /// The servers hosting each shard, in configuration order.
     hosts: Vec<Vec<String>>,
     clients: HashMap<String, ParameterServerClient>,
@@ -68,6 +71,7 @@ impl Primaries {
                 .into_iter()
                 .map(|addr| Mutex::new(Known { addr, epoch: 0 }))
                 .collect(),
+            learned: tokio::sync::Notify::new(),
             hosts,
             clients,
         }
@@ -99,6 +103,8 @@ impl Primaries {
             addr: addr.to_owned(),
             epoch,
         };
+        drop(known);
+        self.learned.notify_waiters();
         true
     }
 
@@ -187,8 +193,22 @@ impl Primaries {
             }
             if !retry_now {
                 // The last pause is cut to what is left: one more attempt
-                // at the deadline rather than giving up early.
-                tokio::time::sleep(backoff.min(remaining)).await;
+                // at the deadline rather than giving up early. A primary
+                // learned meanwhile (from the coordinator's watch, or
+                // another Push's answer) ends the pause.
+                let learned = self.learned.notified();
+                tokio::pin!(learned);
+                learned.as_mut().enable();
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff.min(remaining)) => {}
+                    _ = learned => {
+                        if let Some((known, epoch)) = self.current(shard)
+                            && epoch > target_epoch
+                        {
+                            (target, target_epoch) = (known, epoch);
+                        }
+                    }
+                }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 hops = 0;
             }

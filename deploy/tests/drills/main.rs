@@ -41,8 +41,10 @@ use trainer::{
 const DIM: usize = 4;
 const TABLE: &str = "drill";
 const HOT_KEYS: usize = 256;
-/// The lease time-to-live of the drills: the default.
+/// `failover_timeout_ms` of the drills: the default.
 const FAILOVER_MS: u64 = 3000;
+/// The lease it gives each server (a second less).
+const LEASE_MS: u64 = FAILOVER_MS - 1000;
 
 fn table() -> TableConfig {
     TableConfig {
@@ -141,10 +143,22 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
         .find(|&t| rate(&steps, t, window) >= 0.8 * before);
     let failed: Vec<&PushRecord> = records.iter().filter(|r| r.acked_at.is_none()).collect();
     let failed_steps = steps.iter().filter(|s| !s.ok).count();
+    // Steps per second in 500 ms windows from 2 s before the kill to 6 s
+    // after it, as the figure of the drill.
+    let timeline: Vec<String> = (-4i64..12)
+        .map(|i| {
+            let from = if i < 0 {
+                killed - Duration::from_millis(500 * i.unsigned_abs())
+            } else {
+                killed + Duration::from_millis(500 * i as u64)
+            };
+            format!("{:.0}", rate(&steps, from, Duration::from_millis(500)))
+        })
+        .collect();
     let copies = wait_identical(&cluster).await;
     let audit = audit(&cluster, &records, transport).await;
     eprintln!(
-        "drill kill-primary [{} ack={ack:?}]: {} steps ({} failed), {} Pushes; kill -> first shard-0 ack {:.0} ms; steps/s before {:.0}, back to >= 80% {} after the kill (budget {:?}); copies: {copies:?}; audit: {audit:?}",
+        "drill kill-primary [{} ack={ack:?}]: {} steps ({} failed), {} Pushes; kill -> first shard-0 ack {:.0} ms; steps/s before {:.0}, back to >= 80% {} after the kill (budget {:?}); steps/s per 500 ms from -2 s to +6 s: {}; copies: {copies:?}; audit: {audit:?}",
         label(transport),
         steps.len(),
         failed_steps,
@@ -156,6 +170,7 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
             (t - killed).as_secs_f64() * 1000.0
         )),
         budget,
+        timeline.join(" "),
     );
     assert_eq!(
         failed_steps,
@@ -397,7 +412,7 @@ async fn fencing(transport: TransportKind) {
     let first_new = acks.iter().filter(|a| a.1 > old_epoch).map(|a| a.0).min();
     let epochs: std::collections::BTreeSet<u64> = acks.iter().map(|a| a.1).collect();
     eprintln!(
-        "drill fencing [{}]: primary cut off from etcd; its last acknowledgement {:.0} ms after the cut (lease {FAILOVER_MS} ms); replica primary {:.0} ms after the cut; first acknowledgement under the new epoch {} ms after the cut; epochs acknowledged {epochs:?}; old primary a replica {:.0} ms after the partition healed",
+        "drill fencing [{}]: primary cut off from etcd; its last acknowledgement {:.0} ms after the cut (lease {LEASE_MS} ms); replica primary {:.0} ms after the cut; first acknowledgement under the new epoch {} ms after the cut; epochs acknowledged {epochs:?}; old primary a replica {:.0} ms after the partition healed",
         label(transport),
         (last_old - cut).as_secs_f64() * 1000.0,
         took_over.as_secs_f64() * 1000.0,
@@ -408,7 +423,7 @@ async fn fencing(transport: TransportKind) {
         rejoined.as_secs_f64() * 1000.0,
     );
     assert!(
-        last_old - cut < Duration::from_millis(FAILOVER_MS),
+        last_old - cut < Duration::from_millis(LEASE_MS),
         "the fenced primary acknowledged after its lease could have expired"
     );
     let first_new = first_new.expect("the new primary acknowledged Pushes");

@@ -109,7 +109,11 @@ impl Driver {
     /// when the lease is lost.
     async fn session(&mut self, stop: &CancellationToken) -> Result<(), CoordError> {
         let sent_at = Instant::now();
-        let (lease, ttl) = self.coord.grant_lease(self.config.lease_ttl_secs()).await?;
+        let wanted = self.config.lease_ttl_secs();
+        let (lease, ttl) = self.coord.grant_lease(wanted).await?;
+        if ttl > Duration::from_secs(wanted.max(0) as u64) {
+            tracing::warn!(wanted_s = wanted, granted = ?ttl, "etcd granted a longer lease than asked for (its minimum TTL): failovers take longer than coordinator.failover_timeout_ms");
+        }
         self.fence.renewed(sent_at, ttl);
         self.coord.register(&self.member, lease).await?;
         tracing::info!(lease = format!("{lease:#x}"), ttl = ?ttl, "coordinator session started");

@@ -10,7 +10,8 @@
 //!   takes no Pushes (Fetches go on at the replicas) until it is back. For
 //!   one host's development.
 //! - **etcd** (`coordinator.kind = "etcd"`, `etcd_driver`): every server
-//!   holds a lease (TTL `failover_timeout_ms`) and registers as a member;
+//!   holds a lease (TTL `failover_timeout_ms` less one second) and
+//!   registers as a member;
 //!   each shard's primary holds the shard's primary key on its lease, and
 //!   its epoch comes from etcd. When the key disappears, one replica wins
 //!   the campaign for it, recovers and leads; the old primary is fenced
@@ -41,7 +42,7 @@ pub fn fence_for(config: &PsServerConfig) -> Arc<Fence> {
     Arc::new(Fence::new(match config.coordinator.kind {
         CoordinatorKind::Static => FenceCore::always_open(),
         CoordinatorKind::Etcd => {
-            let ttl = Duration::from_millis(config.coordinator.failover_timeout_ms);
+            let ttl = Duration::from_secs(config.coordinator.lease_ttl_secs() as u64);
             FenceCore::leased((ttl / 10).min(Duration::from_millis(500)))
         }
     }))
