@@ -97,12 +97,13 @@ async fn pair(ack: AckMode, transport: TransportKind) -> Result<Pair, BoxError> 
     };
     channel.transport.kind = transport;
     channel.transport.rdma = rdma_soft();
-    let client = ParameterServerClient::new(Channel::lazy(&a, channel)?);
+    let client = ParameterServerClient::new(Channel::lazy(&a, channel.clone())?);
     // Serving, with the replica attached and confirmed: every shard led,
     // every replica in step.
     let started = Instant::now();
     loop {
-        if let Ok(h) = client.health(HealthRequest {}).await
+        let health = client.health(HealthRequest {}).await;
+        if let Ok(h) = &health
             && h.serving
             && h.shard_health
                 .iter()
@@ -111,7 +112,13 @@ async fn pair(ack: AckMode, transport: TransportKind) -> Result<Pair, BoxError> 
             break;
         }
         if started.elapsed() > Duration::from_secs(30) {
-            return Err("the pair never got its replica in step".into());
+            let replica = ParameterServerClient::new(Channel::lazy(&b, channel.clone())?)
+                .health(HealthRequest {})
+                .await;
+            return Err(format!(
+                "the pair never got its replica in step: primary {health:?}; replica {replica:?}"
+            )
+            .into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -470,6 +470,7 @@ async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused
                 shard: 0,
                 epoch: old_epoch,
                 position: 1,
+                attachment: 1,
             }],
             pushes: vec![ReplicatedPush {
                 shard: 0,
@@ -491,6 +492,7 @@ async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused
                 shard: 0,
                 epoch: old_epoch,
                 position: 0,
+                attachment: 1,
             }],
             pushes: vec![],
         })
@@ -501,6 +503,46 @@ async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused
         (answer.deposed[0].primary.as_str(), answer.deposed[0].epoch),
         (b.as_str(), old_epoch + 1)
     );
+    replica.stop().await;
+    primary.stop().await;
+}
+
+/// A replica in step under an attachment its primary no longer has (the
+/// primary detached it without the replica hearing of it) attaches again
+/// as soon as a stream head says so, instead of believing itself in step
+/// while nothing is forwarded to it (found under load: a replica attached
+/// while its primary was taking over, and the takeover undid it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_attachment_is_gone_attaches_again() {
+    use tessera_proto::v1::{ReplicateRequest, StreamHead};
+    let (a, b) = (free_addr(), free_addr());
+    let primary = InProcess::start(&config(&a, 0, &b, &a, 10_000)).await;
+    let replica = InProcess::start(&config(&b, 1, &a, &b, 10_000)).await;
+    wait_serving(&a).await;
+    wait_replicas_in_step(&a).await;
+    let epoch = replica.replication.known_epoch(0);
+    // A head of the primary's stream that does not include this replica.
+    let answer = replica
+        .peer
+        .replicate(ReplicateRequest {
+            primary: a.clone(),
+            heads: vec![StreamHead {
+                shard: 0,
+                epoch,
+                position: 0,
+                attachment: 0,
+            }],
+            pushes: vec![],
+        })
+        .await
+        .unwrap();
+    assert_eq!(answer.out_of_sync, vec![0], "{answer:?}");
+    // It attaches again, and the stream reaches it.
+    wait_replicas_in_step(&a).await;
+    for step in 1..=5 {
+        push(&primary, step).await.unwrap();
+    }
+    converged(&primary, &replica).await;
     replica.stop().await;
     primary.stop().await;
 }

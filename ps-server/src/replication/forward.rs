@@ -250,7 +250,9 @@ impl Forwarder {
 
     /// Attaches the replica to `shard` from `position` (the version of the
     /// copy it took, or holds already): older entries are in that copy.
-    pub fn attach(&self, shard: u32, position: u64) {
+    /// Returns the attachment's number, which every stream head to the
+    /// replica carries from now on.
+    pub fn attach(&self, shard: u32, position: u64) -> u64 {
         let mut queue = lock(&self.queue);
         queue.entries.retain(|q| q.shard != shard);
         let attachment = queue.shards.entry(shard).or_default();
@@ -259,9 +261,11 @@ impl Forwarder {
         attachment.generation += 1;
         attachment.queued = 0;
         attachment.applied = position;
+        let generation = attachment.generation;
         drop(queue);
         self.progress.notify_waiters();
         self.wake.notify_one();
+        generation
     }
 
     /// Detaches `shard` if its attachment is still the one in `seen` (the
@@ -339,7 +343,7 @@ impl Forwarder {
     }
 
     /// Takes up to a batch of entries to send, with every attachment's
-    /// generation at that moment.
+    /// generation at that moment, and the shards attached then.
     fn pending(&self) -> (Vec<Queued>, HashMap<u32, u64>) {
         let queue = lock(&self.queue);
         (
@@ -352,7 +356,7 @@ impl Forwarder {
             queue
                 .shards
                 .iter()
-                .map(|(&s, a)| (s, a.generation))
+                .map(|(&s, a)| (s, if a.attached { a.generation } else { 0 }))
                 .collect(),
         )
     }
@@ -410,9 +414,15 @@ impl Forwarder {
             let Some(replication) = weak.upgrade() else {
                 return;
             };
-            let heads = replication.heads(&self.shards);
+            let mut heads = replication.heads(&self.shards);
             let me = replication.me().to_owned();
             drop(replication);
+            // Each head says which attachment of this replica it belongs
+            // to (0: none), so that a replica in step with a stream this
+            // server no longer forwards to it finds out.
+            for head in &mut heads {
+                head.attachment = generations.get(&head.shard).copied().unwrap_or(0);
+            }
             for &shard in &self.shards {
                 let (_, _, queued, _) = self.status(shard);
                 metrics::gauge!("tessera_ps_replication_lag_pushes", "peer" => self.addr.clone(), "shard" => shard.to_string())
@@ -519,6 +529,7 @@ mod tests {
                     shard,
                     epoch,
                     position,
+                    ..Default::default()
                 }],
                 ..ReplicateResponse::default()
             },

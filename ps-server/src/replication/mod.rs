@@ -284,6 +284,7 @@ impl Replication {
                     shard,
                     epoch,
                     position,
+                    attachment: 0,
                 })
             })
             .collect()

@@ -107,6 +107,7 @@ impl Replication {
                     shard,
                     epoch,
                     position: version.position,
+                    attachment: 0,
                 });
             }
         }
@@ -156,9 +157,22 @@ impl Replication {
                     f.head = Version::new(head.epoch, head.position);
                     if f.syncing {
                         Head::Syncing
-                    } else if f.in_step {
+                    } else if f.in_step && head.attachment == f.attachment {
                         Head::Accept(head.epoch)
                     } else {
+                        if f.in_step {
+                            // In step by this replica's account, but the
+                            // primary does not forward to it under that
+                            // attachment (it detached it): attach again.
+                            metrics::counter!("tessera_ps_replication_lost_attachments_total")
+                                .increment(1);
+                            tracing::info!(
+                                shard = head.shard,
+                                primary = sender,
+                                "the primary's stream no longer includes this replica; attaching again"
+                            );
+                            f.in_step = false;
+                        }
                         attach = true;
                         Head::OutOfStep
                     }
@@ -390,6 +404,7 @@ impl Replication {
         state.has_copy = true;
         if let Role::Replica(f) = &mut state.role {
             f.epoch = fetched.epoch;
+            f.attachment = fetched.attachment;
             f.in_step = true;
             f.syncing = false;
             f.last_heard = Some(Instant::now());

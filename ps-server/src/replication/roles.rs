@@ -146,6 +146,14 @@ impl Replication {
             });
         }
         let base = writing.version();
+        // Replicas attach to the new stream afresh: detached before the
+        // locks go, so that no replica's attachment (a Sync, which needs
+        // the role and the lock) can fall in between and be undone.
+        for forwarder in &self.forwarders {
+            if forwarder.shards.contains(&shard) {
+                forwarder.detach(shard, None);
+            }
+        }
         state.role = Role::Primary { epoch, base };
         state.handing_over = false;
         state.known_epoch = epoch;
@@ -155,8 +163,6 @@ impl Replication {
         drop(writing);
         for forwarder in &self.forwarders {
             if forwarder.shards.contains(&shard) {
-                // Replicas attach to the new stream afresh.
-                forwarder.detach(shard, None);
                 forwarder.nudge();
             }
         }

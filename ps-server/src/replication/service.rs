@@ -84,6 +84,7 @@ impl Replication {
         let state = cell.lock();
         let caller: Version = request.version.unwrap_or_default().into();
         let version = writing.version();
+        let mut attachment = 0;
         if caller > version {
             // A replica never copies from an older copy.
             metrics::counter!("tessera_ps_replication_newer_replicas_total").increment(1);
@@ -108,7 +109,7 @@ impl Replication {
                 })?;
             // Attached at the copy's version, under the write lock: every
             // later Push is queued for it.
-            forwarder.attach(shard, version.position);
+            attachment = forwarder.attach(shard, version.position);
             epoch
         } else {
             // Whatever this server holds is what its ShardStatus reported:
@@ -123,6 +124,7 @@ impl Replication {
                 epoch,
                 version: Some(version.into()),
                 total_bytes: 0,
+                attachment,
             });
         }
         let blob = sync::snapshot(&self.store, &writing);
@@ -135,6 +137,7 @@ impl Replication {
             epoch,
             version: Some(version.into()),
             total_bytes,
+            attachment,
         })
     }
 }

@@ -34,6 +34,10 @@ pub(crate) struct Follow {
     /// The attachment task working for this follow (its number, from
     /// [`ShardCell::next_attachment`]; 0: none yet).
     pub attach: u64,
+    /// The primary's number for this replica's attachment to its stream
+    /// (from the Sync answer); heads under another one mean the primary
+    /// does not forward to this replica under it.
+    pub attachment: u64,
 }
 
 impl Follow {
@@ -46,6 +50,7 @@ impl Follow {
             last_heard: None,
             head: Version::default(),
             attach: 0,
+            attachment: 0,
         }
     }
 

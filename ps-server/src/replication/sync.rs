@@ -94,6 +94,8 @@ pub(crate) struct Fetched {
     /// Its tables and size in bytes; `None` when it is the caller's own
     /// version (nothing to copy).
     pub images: Option<(Vec<(String, ShardImage)>, usize)>,
+    /// The attachment the source made (when attaching).
+    pub attachment: u64,
 }
 
 impl Replication {
@@ -140,6 +142,7 @@ impl Replication {
             epoch: answer.epoch,
             version,
             images,
+            attachment: answer.attachment,
         })
     }
 }
