@@ -113,7 +113,9 @@ async fn a_replica_takes_over_a_dead_primary_and_the_old_one_rejoins_as_replica(
     let took_over = wait_role(&b, ShardRole::Primary, Duration::from_secs(20)).await;
     let failover = killed.elapsed();
     let new_epoch = took_over.shard_health[0].epoch;
-    eprintln!("failover took {failover:?} (lease 2 s); epoch {old_epoch} -> {new_epoch}");
+    eprintln!(
+        "failover took {failover:?} (failover_timeout_ms 2000: a 1 s lease); epoch {old_epoch} -> {new_epoch}"
+    );
     assert!(new_epoch > old_epoch);
     assert!(failover < Duration::from_secs(6), "{failover:?}");
     assert_eq!(
