@@ -399,16 +399,7 @@ async fn rpc_latency(iterations: u32, sizes: &[usize]) -> Result<(), BoxError> {
 }
 
 fn main() -> Result<(), BoxError> {
-    // Logs of the servers some benchmarks run in-process: warnings only,
-    // unless RUST_LOG says otherwise.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    tessera_rpc::observe::init_logging("warn");
     let cli = Cli::parse();
     match cli.command {
         Command::Alloc {

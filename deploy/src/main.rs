@@ -123,15 +123,7 @@ enum AdminAction {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: a log file stays plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    tessera_rpc::observe::init_logging("warn");
     let result = tokio::runtime::Runtime::new()
         .map_err(|err| err.into())
         .and_then(|runtime| runtime.block_on(run(Cli::parse())));

@@ -47,15 +47,7 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: a log file stays plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    tessera_rpc::observe::init_logging("info");
     // Fault injection for the drills: FAILPOINTS="name=action;..." (only
     // in builds with the `failpoints` feature).
     #[cfg(feature = "failpoints")]

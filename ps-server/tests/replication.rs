@@ -445,6 +445,30 @@ async fn a_replica_applies_what_the_primary_applied_whatever_its_own_dedup_says(
     primary.stop().await;
 }
 
+/// Sends `replica` one batch as if from the primary at `primary`: shard 0's
+/// head at `epoch` and `position` under `attachment`, and `pushes`.
+async fn replicate_as(
+    replica: &InProcess,
+    primary: &str,
+    (epoch, position, attachment): (u64, u64, u64),
+    pushes: Vec<tessera_proto::v1::ReplicatedPush>,
+) -> tessera_proto::v1::ReplicateResponse {
+    replica
+        .peer
+        .replicate(tessera_proto::v1::ReplicateRequest {
+            primary: primary.to_owned(),
+            heads: vec![tessera_proto::v1::StreamHead {
+                shard: 0,
+                epoch,
+                position,
+                attachment,
+            }],
+            pushes,
+        })
+        .await
+        .unwrap()
+}
+
 /// A server that won a shard's epoch and is recovering it refuses the old
 /// primary's stream and tells it it was deposed (before, it answered "out
 /// of sync", and the old primary acknowledged a Push it had only applied
@@ -452,7 +476,7 @@ async fn a_replica_applies_what_the_primary_applied_whatever_its_own_dedup_says(
 /// step, not a panic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused() {
-    use tessera_proto::v1::{ReplicateRequest, ReplicatedPush, StreamHead};
+    use tessera_proto::v1::ReplicatedPush;
     let (a, b) = (free_addr(), free_addr());
     let primary = InProcess::start(&config(&a, 0, &b, &a, 10_000)).await;
     let replica = InProcess::start(&config(&b, 1, &a, &b, 10_000)).await;
@@ -462,42 +486,17 @@ async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused
     // A mismatched entry: shard 0's stream carrying a Push of shard 1.
     let mut odd = push_request(1);
     odd.shard = 1;
-    let answer = replica
-        .peer
-        .replicate(ReplicateRequest {
-            primary: a.clone(),
-            heads: vec![StreamHead {
-                shard: 0,
-                epoch: old_epoch,
-                position: 1,
-                attachment: 1,
-            }],
-            pushes: vec![ReplicatedPush {
-                shard: 0,
-                position: 1,
-                push: Some(odd),
-                gap: false,
-            }],
-        })
-        .await
-        .unwrap();
+    let entry = ReplicatedPush {
+        shard: 0,
+        position: 1,
+        push: Some(odd),
+        gap: false,
+    };
+    let answer = replicate_as(&replica, &a, (old_epoch, 1, 1), vec![entry]).await;
     assert_eq!(answer.out_of_sync, vec![0], "{answer:?}");
     // The replica wins a newer epoch and recovers: the old stream is refused.
     replica.replication.begin_recovery(0, old_epoch + 1);
-    let answer = replica
-        .peer
-        .replicate(ReplicateRequest {
-            primary: a.clone(),
-            heads: vec![StreamHead {
-                shard: 0,
-                epoch: old_epoch,
-                position: 0,
-                attachment: 1,
-            }],
-            pushes: vec![],
-        })
-        .await
-        .unwrap();
+    let answer = replicate_as(&replica, &a, (old_epoch, 0, 1), vec![]).await;
     assert_eq!(answer.deposed.len(), 1, "{answer:?}");
     assert_eq!(
         (answer.deposed[0].primary.as_str(), answer.deposed[0].epoch),
@@ -514,7 +513,6 @@ async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused
 /// while its primary was taking over, and the takeover undid it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_attachment_is_gone_attaches_again() {
-    use tessera_proto::v1::{ReplicateRequest, StreamHead};
     let (a, b) = (free_addr(), free_addr());
     let primary = InProcess::start(&config(&a, 0, &b, &a, 10_000)).await;
     let replica = InProcess::start(&config(&b, 1, &a, &b, 10_000)).await;
@@ -522,20 +520,7 @@ async fn a_replica_whose_attachment_is_gone_attaches_again() {
     wait_replicas_in_step(&a).await;
     let epoch = replica.replication.known_epoch(0);
     // A head of the primary's stream that does not include this replica.
-    let answer = replica
-        .peer
-        .replicate(ReplicateRequest {
-            primary: a.clone(),
-            heads: vec![StreamHead {
-                shard: 0,
-                epoch,
-                position: 0,
-                attachment: 0,
-            }],
-            pushes: vec![],
-        })
-        .await
-        .unwrap();
+    let answer = replicate_as(&replica, &a, (epoch, 0, 0), vec![]).await;
     assert_eq!(answer.out_of_sync, vec![0], "{answer:?}");
     // It attaches again, and the stream reaches it.
     wait_replicas_in_step(&a).await;

@@ -134,3 +134,18 @@ where
         .record(started.elapsed().as_secs_f64());
     result
 }
+
+/// Sends the process's `tracing` events to stderr, filtered by `RUST_LOG`
+/// (else `default`, for example `"info"`), coloured only when stderr is a
+/// terminal (a log file stays plain text). For binaries: call it once,
+/// first thing.
+pub fn init_logging(default: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}

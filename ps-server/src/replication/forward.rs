@@ -80,6 +80,17 @@ struct Attachment {
     applied: u64,
 }
 
+impl Attachment {
+    /// Ends the attachment, with `queued` entries of the shard left in the
+    /// queue (a gap marker, or none).
+    fn end(&mut self, queued: usize) {
+        self.attached = false;
+        self.confirmed = false;
+        self.generation += 1;
+        self.queued = queued;
+    }
+}
+
 #[derive(Debug, Default)]
 struct PeerQueue {
     entries: VecDeque<Queued>,
@@ -219,11 +230,7 @@ impl Forwarder {
             position,
             push: None,
         });
-        let attachment = queue.shards.entry(shard).or_default();
-        attachment.attached = false;
-        attachment.confirmed = false;
-        attachment.generation += 1;
-        attachment.queued = 1;
+        queue.shards.entry(shard).or_default().end(1);
         self.cutoffs.fetch_add(1, Ordering::Relaxed);
         let reason = match why {
             CutOff::Lag => "lag",
@@ -280,11 +287,7 @@ impl Forwarder {
             return;
         }
         queue.entries.retain(|q| q.shard != shard);
-        let attachment = queue.shards.entry(shard).or_default();
-        attachment.attached = false;
-        attachment.confirmed = false;
-        attachment.generation += 1;
-        attachment.queued = 0;
+        queue.shards.entry(shard).or_default().end(0);
         drop(queue);
         self.progress.notify_waiters();
     }
