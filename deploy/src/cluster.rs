@@ -307,6 +307,7 @@ impl Cluster {
             transport: config.transport,
             rdma: config.rdma.clone(),
             num_shards: config.num_shards,
+            replica_groups: Some(config.replica_groups),
             servers: endpoints,
             connect_timeout_ms: config.worker_connect_timeout_ms,
             request_timeout_ms: config.worker_request_timeout_ms,

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::future::try_join_all;
+use futures::future::{join_all, try_join_all};
 use tessera_proto::rows::write_f32s;
 use tessera_proto::sharding::primary_group;
 use tessera_proto::v1::{
@@ -21,6 +21,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
 use crate::primary::Primaries;
+use crate::push::{PartFailure, PushFailure, PushId, SpecError};
 
 /// Rows returned by a Fetch, in the caller's key order.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,6 +100,13 @@ pub enum WorkerError {
     /// out for a configuration that loaded).
     #[error("no server of shard {0}'s primary replica group is configured")]
     NoPrimary(u32),
+    /// Some parts of a Push failed (the others were applied): retry under
+    /// the failure's id to complete it exactly once.
+    #[error(transparent)]
+    Push(Box<PushFailure>),
+    /// The specs of a batched Push do not fit together.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
     /// The shards' answers do not fit together.
     #[error(transparent)]
     Merge(#[from] MergeError),
@@ -130,7 +138,7 @@ pub enum WorkerError {
 /// the call's deadline, quarantine, and the RDMA-to-TCP fallback. Push:
 /// gradients of repeated keys are summed, split by shard, and sent to each
 /// shard's *primary* — at first the server of replica group `shard %
-/// groups` (`groups` is one more than the highest group configured), then
+/// replica_groups` (see [`WorkerConfig::replica_groups`]), then
 /// whichever server the coordinator or a server's redirect names (see
 /// [`crate::primary`]) — which forwards them to the shard's other
 /// replicas. Every Push carries this client's random worker id and a
@@ -201,6 +209,15 @@ impl PsClient {
                 endpoints[shard as usize].push((endpoint.clone(), channel.clone()));
             }
         }
+        // A shard whose primary's group this worker does not list starts
+        // at any server of the shard, which redirects it.
+        for (primary, hosts) in primaries.iter_mut().zip(&hosts) {
+            if primary.is_empty()
+                && let Some(first) = hosts.first()
+            {
+                primary.clone_from(first);
+            }
+        }
         let fetchers = endpoints
             .into_iter()
             .map(|endpoints| {
@@ -212,10 +229,21 @@ impl PsClient {
                 ))
             })
             .collect();
+        let connect: crate::primary::Connect = {
+            let (channel_config, transport) = (channel_config.clone(), transport.clone());
+            Box::new(move |addr: &str| {
+                ParameterServerClient::new(Channel::with_transport(
+                    addr,
+                    channel_config.clone(),
+                    transport.clone(),
+                ))
+            })
+        };
         let primaries = Arc::new(Primaries::new(
             primaries,
             hosts,
             servers.iter().cloned().collect(),
+            connect,
         ));
         // The coordinator's watch needs a runtime; without one (a client
         // built outside tokio) the servers' redirects still lead the way.
@@ -292,19 +320,47 @@ impl PsClient {
         try_join_all(specs.iter().map(|spec| self.fetch(spec.table, spec.keys))).await
     }
 
-    /// Gradients for several tables as one Push: all sub-requests share
-    /// one sequence number and run concurrently.
+    /// A fresh Push id, for a Push the caller may want to retry exactly
+    /// once ([`PsClient::push_as`], [`PsClient::push_many_as`]).
+    pub fn next_push_id(&self) -> PushId {
+        PushId(self.sequence.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    /// Gradients for several tables as one Push (one id, every
+    /// (table, shard) part concurrently). Specs naming the same table are
+    /// merged: their keys' gradients are summed as within one spec. On
+    /// failure, [`WorkerError::Push`] says which parts failed; retry them
+    /// with [`PsClient::push_many_as`] under its id.
     pub async fn push_many(&self, specs: &[PushSpec<'_>]) -> Result<(), WorkerError> {
-        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
-        try_join_all(specs.iter().map(|spec| {
-            self.push_sequenced(spec.table, spec.keys, spec.gradients, spec.dim, sequence)
-        }))
-        .await?;
-        Ok(())
+        self.push_many_as(self.next_push_id(), specs).await
+    }
+
+    /// [`PsClient::push_many`] under a given id: a first attempt (with an
+    /// id from [`PsClient::next_push_id`]) or a retry of a failed Push
+    /// with the same specs, which applies each part at most once in all.
+    pub async fn push_many_as(
+        &self,
+        id: PushId,
+        specs: &[PushSpec<'_>],
+    ) -> Result<(), WorkerError> {
+        let tables = crate::push::merge_specs(specs)?;
+        let mut plans = Vec::with_capacity(tables.len());
+        for table in &tables {
+            let plan = PushPlan::new(&table.keys, &table.gradients, table.dim, self.num_shards)
+                .ok_or(WorkerError::GradientLength {
+                    keys: table.keys.len(),
+                    dim: table.dim,
+                    gradients: table.gradients.len(),
+                })?;
+            plans.push((table.table, plan));
+        }
+        self.send_parts(id, &plans).await
     }
 
     /// Applies `gradients` (`keys.len() * dim` values, row i for `keys[i]`)
-    /// to `table`. Gradients of repeated keys are summed first.
+    /// to `table`. Gradients of repeated keys are summed first. On
+    /// failure, [`WorkerError::Push`] says which shards failed; retry with
+    /// [`PsClient::push_as`] under its id.
     pub async fn push(
         &self,
         table: &str,
@@ -312,18 +368,19 @@ impl PsClient {
         gradients: &[f32],
         dim: usize,
     ) -> Result<(), WorkerError> {
-        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
-        self.push_sequenced(table, keys, gradients, dim, sequence)
+        self.push_as(self.next_push_id(), table, keys, gradients, dim)
             .await
     }
 
-    async fn push_sequenced(
+    /// [`PsClient::push`] under a given id (see
+    /// [`PsClient::push_many_as`]).
+    pub async fn push_as(
         &self,
+        id: PushId,
         table: &str,
         keys: &[u64],
         gradients: &[f32],
         dim: usize,
-        sequence: u64,
     ) -> Result<(), WorkerError> {
         let plan = PushPlan::new(keys, gradients, dim, self.num_shards).ok_or(
             WorkerError::GradientLength {
@@ -332,42 +389,63 @@ impl PsClient {
                 gradients: gradients.len(),
             },
         )?;
+        self.send_parts(id, &[(table, plan)]).await
+    }
+
+    /// Sends every (table, shard) part of a Push and waits for all of
+    /// them: none is cancelled because another failed.
+    async fn send_parts(&self, id: PushId, plans: &[(&str, PushPlan)]) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.push_timeout;
         let mut calls = Vec::new();
-        for (group, sums) in &plan.groups {
-            // Built once in the send pool and shared by every attempt's
-            // request: each sends it from there as a part of its own.
-            let len = sums.len() * tessera_proto::rows::F32_BYTES;
-            let mut buf = self
-                .transport
-                .send_pool()
-                .alloc(len)
-                .map_err(|err| WorkerError::Memory(err.to_string()))?;
-            buf.set_len(len);
-            write_f32s(&mut buf, sums);
-            let request = PushRequest {
-                table: table.to_owned(),
-                shard: group.shard,
-                keys: group.keys.clone(),
-                gradients: buf.freeze(),
-                worker_id: self.worker_id,
-                sequence,
-            };
-            let primaries = &self.primaries;
-            let attempt_timeout = self.attempt_timeout;
-            calls.push(async move {
-                primaries
-                    .push(&request, attempt_timeout, deadline)
-                    .await
-                    .map_err(|(addr, source)| WorkerError::Rpc {
-                        shard: request.shard,
-                        addr,
-                        source,
-                    })
-            });
+        for (table, plan) in plans {
+            for (group, sums) in &plan.groups {
+                // Built once in the send pool and shared by every attempt's
+                // request: each sends it from there as a part of its own.
+                let len = sums.len() * tessera_proto::rows::F32_BYTES;
+                let mut buf = self
+                    .transport
+                    .send_pool()
+                    .alloc(len)
+                    .map_err(|err| WorkerError::Memory(err.to_string()))?;
+                buf.set_len(len);
+                write_f32s(&mut buf, sums);
+                let request = PushRequest {
+                    table: (*table).to_owned(),
+                    shard: group.shard,
+                    keys: group.keys.clone(),
+                    gradients: buf.freeze(),
+                    worker_id: self.worker_id,
+                    sequence: id.0,
+                };
+                let primaries = &self.primaries;
+                let attempt_timeout = self.attempt_timeout;
+                calls.push(async move {
+                    let outcome = primaries.push(&request, attempt_timeout, deadline).await;
+                    (request.table, request.shard, outcome)
+                });
+            }
         }
-        try_join_all(calls).await?;
-        Ok(())
+        let mut acknowledged = Vec::new();
+        let mut failed = Vec::new();
+        for (table, shard, outcome) in join_all(calls).await {
+            match outcome {
+                Ok(_) => acknowledged.push((table, shard)),
+                Err((addr, source)) => failed.push(PartFailure {
+                    table,
+                    shard,
+                    addr,
+                    source,
+                }),
+            }
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(WorkerError::Push(Box::new(PushFailure {
+            id,
+            acknowledged,
+            failed,
+        })))
     }
 
     /// The server this client sends `shard`'s Pushes to now, and its epoch.

@@ -109,6 +109,14 @@ pub struct WorkerConfig {
     /// This worker's replica group (failure domain): Fetches prefer the
     /// servers of this group. Default: none preferred.
     pub replica_group: Option<u32>,
+    /// Replica groups of the cluster: the servers' `replica_groups`
+    /// (shard `s`'s primary is in group `s % replica_groups` until a
+    /// failover moves it). Default: one more than the highest group listed
+    /// in `servers`, which is right when the worker lists every group. A
+    /// worker listing only some groups should set it; if it does not, or
+    /// the primary's group is not listed, its first Push to a shard goes to
+    /// a server it lists, which redirects it to the primary.
+    pub replica_groups: Option<u32>,
     /// Probabilistic retries (`[retry]`: `probability`, `max_attempts`,
     /// `min_remaining_ms`).
     pub retry: RetryPolicyConfig,
@@ -150,6 +158,7 @@ impl Default for WorkerConfig {
             push_timeout_ms: 10_000,
             coordinator: tessera_coord::CoordinatorConfig::default(),
             replica_group: None,
+            replica_groups: None,
             retry: RetryPolicyConfig::default(),
             budget: RetryBudgetConfig::default(),
             quarantine: QuarantineConfig::default(),
@@ -175,14 +184,17 @@ impl WorkerConfig {
         tessera_config::load(path)
     }
 
-    /// Replica groups of the model: one more than the highest configured
-    /// (shard `s`'s primary is in group `s % replica_groups()`).
+    /// Replica groups of the model: `replica_groups` if set, else one
+    /// more than the highest group listed (shard `s`'s primary is in group
+    /// `s % replica_groups()`).
     pub fn replica_groups(&self) -> u32 {
-        self.servers
-            .iter()
-            .map(|s| s.replica_group + 1)
-            .max()
-            .unwrap_or(1)
+        self.replica_groups.unwrap_or_else(|| {
+            self.servers
+                .iter()
+                .map(|s| s.replica_group + 1)
+                .max()
+                .unwrap_or(1)
+        })
     }
 
     /// The RPC channel settings this configuration implies.
@@ -233,18 +245,21 @@ impl Validate for WorkerConfig {
                 format!("no server hosts shard {missing}"),
             ));
         }
-        let groups = self.replica_groups();
-        for shard in 0..self.num_shards {
-            let primary = tessera_proto::sharding::primary_group(shard, groups);
-            if !self
+        if let Some(groups) = self.replica_groups {
+            if groups == 0 {
+                return Err(invalid("replica_groups", "must be at least 1"));
+            }
+            if let Some((i, server)) = self
                 .servers
                 .iter()
-                .any(|s| s.replica_group == primary && s.shards.contains(&shard))
+                .enumerate()
+                .find(|(_, s)| s.replica_group >= groups)
             {
                 return Err(invalid(
-                    "servers",
+                    format!("servers[{i}].replica_group"),
                     format!(
-                        "shard {shard}'s primary is in replica group {primary} (shard % {groups} groups), and no server of that group hosts it"
+                        "group {} does not exist (replica_groups = {groups})",
+                        server.replica_group
                     ),
                 ));
             }
@@ -318,6 +333,11 @@ mod tests {
                 "[[servers]]\naddress = \"a:1\"\nshards = [3]",
                 "servers[0].shards[0]",
             ),
+            (
+                "replica_groups = 2\n[[servers]]\naddress = \"a:1\"\nshards = [0]\nreplica_group = 2",
+                "servers[0].replica_group",
+            ),
+            ("replica_groups = 0", "replica_groups"),
         ] {
             let err = match toml::from_str::<WorkerConfig>(text) {
                 Ok(config) => config.validate().unwrap_err().to_string(),

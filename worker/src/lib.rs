@@ -7,8 +7,10 @@ pub mod client;
 pub mod config;
 pub mod plan;
 pub mod primary;
+pub mod push;
 pub mod workload;
 
 pub use admin::WorkerAdminService;
 pub use client::{FetchSpec, PsClient, PushSpec, Rows, WorkerError};
 pub use config::{ServerEndpoint, WorkerConfig, WorkloadConfig};
+pub use push::{PartFailure, PushFailure, PushId, SpecError};

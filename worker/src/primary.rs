@@ -13,6 +13,12 @@
 //!   of every shard's primary key, so that the worker moves to a new
 //!   primary the moment it is elected.
 //!
+//! A primary named by a server or the coordinator need not be in the
+//! worker's configuration (a worker may list only the replica groups it
+//! fetches from): the worker connects to it on first use. The servers and
+//! the coordinator, not the worker's guess, are the source of truth for
+//! who is primary.
+//!
 //! While a shard has no primary (the old one died and the lease has not
 //! expired yet, or the new one is recovering), a Push is retried with an
 //! exponential backoff (10 ms doubling to 200 ms), going round the shard's
@@ -44,7 +50,6 @@ struct Known {
 }
 
 /// Every shard's primary as this worker knows it (module docs).
-#[derive(Debug)]
 pub struct Primaries {
     known: Vec<Mutex<Known>>,
     /// Woken whenever a shard's primary is learned: Pushes waiting out a
@@ -52,19 +57,42 @@ pub struct Primaries {
     learned: tokio::sync::Notify,
     /// The servers hosting each shard, in configuration order.
     hosts: Vec<Vec<String>>,
-    clients: HashMap<String, ParameterServerClient>,
+    /// A client for every server Pushes may go to: the configured ones,
+    /// and primaries learned that are not configured.
+    clients: Mutex<HashMap<String, ParameterServerClient>>,
+    /// Makes the client of a learned server.
+    connect: Connect,
 }
+
+impl std::fmt::Debug for Primaries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Primaries")
+            .field("known", &self.known)
+            .field("hosts", &self.hosts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Makes a client for a server address.
+pub type Connect = Box<dyn Fn(&str) -> ParameterServerClient + Send + Sync>;
+
+/// The most servers outside the configuration a worker connects to as
+/// primaries (a bound against a misbehaving server or coordinator naming
+/// ever new addresses; a real cluster needs a handful).
+const MAX_LEARNED: usize = 256;
 
 /// The longest wait between two attempts of a Push.
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
 
 impl Primaries {
     /// `initial[shard]` is the configured primary, `hosts[shard]` the
-    /// servers of the shard; `clients` reach every server.
+    /// servers of the shard; `clients` reach every configured server, and
+    /// `connect` makes clients for primaries learned beyond them.
     pub fn new(
         initial: Vec<String>,
         hosts: Vec<Vec<String>>,
         clients: HashMap<String, ParameterServerClient>,
+        connect: Connect,
     ) -> Self {
         Self {
             known: initial
@@ -73,7 +101,8 @@ impl Primaries {
                 .collect(),
             learned: tokio::sync::Notify::new(),
             hosts,
-            clients,
+            clients: Mutex::new(clients),
+            connect,
         }
     }
 
@@ -84,9 +113,10 @@ impl Primaries {
     }
 
     /// Takes `addr` as `shard`'s primary if `epoch` is not older than the
-    /// one known and `addr` is a configured server; returns whether it did.
+    /// one known and `addr` is a server address (`host:port`); returns
+    /// whether it did.
     pub fn learn(&self, shard: u32, addr: &str, epoch: u64) -> bool {
-        if !self.clients.contains_key(addr) {
+        if self.client(addr).is_none() {
             return false;
         }
         let Some(known) = self.known.get(shard as usize) else {
@@ -106,6 +136,26 @@ impl Primaries {
         drop(known);
         self.learned.notify_waiters();
         true
+    }
+
+    /// The client of `addr`, made now if it is a `host:port` not seen
+    /// before (and the bound on learned servers allows).
+    fn client(&self, addr: &str) -> Option<ParameterServerClient> {
+        let mut clients = lock(&self.clients);
+        if let Some(client) = clients.get(addr) {
+            return Some(client.clone());
+        }
+        let configured: usize = self.hosts.iter().map(Vec::len).sum();
+        if !is_host_port(addr) || clients.len() >= configured + MAX_LEARNED {
+            return None;
+        }
+        tracing::info!(
+            server = addr,
+            "connecting to a primary outside the configuration"
+        );
+        let client = (self.connect)(addr);
+        clients.insert(addr.to_owned(), client.clone());
+        Some(client)
     }
 
     /// The server of `shard` after `addr`, round the shard's servers.
@@ -137,7 +187,7 @@ impl Primaries {
         let mut hops = 0;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let Some(client) = self.clients.get(&target) else {
+            let Some(client) = self.client(&target) else {
                 return Err((
                     target.clone(),
                     RpcError::NoReplica(format!("{target} is not configured")),
@@ -226,6 +276,17 @@ impl Primaries {
     }
 }
 
+/// Whether `addr` looks like `host:port` (a name or an IP, a port number).
+fn is_host_port(addr: &str) -> bool {
+    addr.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && port.parse::<u16>().is_ok_and(|p| p != 0)
+            && host.chars().all(|c| {
+                c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '[' | ']' | ':')
+            })
+    })
+}
+
 /// Failures after which the same Push may be sent again.
 fn retriable(error: &RpcError) -> bool {
     matches!(error.code(), Code::Unavailable | Code::DeadlineExceeded)
@@ -273,10 +334,11 @@ mod tests {
     use super::*;
     use tessera_rpc::{Channel, ChannelConfig};
 
+    fn client(addr: &str) -> ParameterServerClient {
+        ParameterServerClient::new(Channel::lazy(addr, ChannelConfig::default()).unwrap())
+    }
+
     fn primaries() -> Primaries {
-        let client = |addr: &str| {
-            ParameterServerClient::new(Channel::lazy(addr, ChannelConfig::default()).unwrap())
-        };
         Primaries::new(
             vec!["a:1".into()],
             vec![vec!["a:1".into(), "b:1".into(), "c:1".into()]],
@@ -284,20 +346,35 @@ mod tests {
                 .into_iter()
                 .map(|a| (a.to_owned(), client(a)))
                 .collect(),
+            Box::new(client),
         )
     }
 
     #[test]
-    fn only_newer_or_equal_epochs_of_configured_servers_are_learned() {
+    fn only_newer_or_equal_epochs_of_server_addresses_are_learned() {
         let p = primaries();
         assert_eq!(p.current(0), Some(("a:1".into(), 0)));
         assert!(p.learn(0, "b:1", 3));
         assert!(!p.learn(0, "c:1", 2), "older epoch");
-        assert!(!p.learn(0, "x:9", 9), "not a configured server");
+        for bad in ["", "x", "x:", ":9", "x:0", "x:99999", "x y:1"] {
+            assert!(!p.learn(0, bad, 9), "{bad:?} is not host:port");
+        }
         assert!(!p.learn(0, "b:1", 3), "nothing new");
         assert!(p.learn(0, "c:1", 4));
         assert_eq!(p.current(0), Some(("c:1".into(), 4)));
         assert_eq!(p.current(7), None);
+        // A primary outside the configuration is connected to.
+        assert!(p.learn(0, "10.0.0.9:7070", 5));
+        assert_eq!(p.current(0), Some(("10.0.0.9:7070".into(), 5)));
+    }
+
+    #[test]
+    fn learned_servers_are_bounded() {
+        let p = primaries();
+        for i in 0..MAX_LEARNED {
+            assert!(p.learn(0, &format!("h{i}:1"), i as u64 + 1));
+        }
+        assert!(!p.learn(0, "one-too-many:1", u64::MAX));
     }
 
     #[test]

@@ -209,7 +209,13 @@ impl OptimizerConfig {
             } => {
                 let dim = values.len();
                 let (m, v) = state.split_at_mut(dim);
-                let t = *steps as i32;
+                // The exponent saturates at i32::MAX: by then beta^t is 0
+                // in f32 for every beta < 1 (the largest, 1 - 2^-24, gives
+                // e^-128), so the corrections are exactly 1.0, as they
+                // have been for many steps. (`as i32` would wrap to a
+                // negative exponent after 2^31 updates: an infinite
+                // correction freezes the row, then NaN.)
+                let t = i32::try_from(*steps).unwrap_or(i32::MAX);
                 let correction1 = 1.0 - beta1.powi(t);
                 let correction2 = 1.0 - beta2.powi(t);
                 for (((w, m), v), g) in values.iter_mut().zip(m).zip(v).zip(grad) {
@@ -292,6 +298,37 @@ mod tests {
         close(state[0], -0.11);
         close(state[1], 0.004_999);
         close(values[0], 0.493_661);
+    }
+
+    /// A row updated more than 2^31 times (a key in every Push, at 10k
+    /// Pushes/s for 2.5 days) keeps training: its corrections are 1.0.
+    #[test]
+    fn adam_keeps_training_rows_past_two_to_the_31_steps() {
+        let optimizer = OptimizerConfig::Adam {
+            learning_rate: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+        };
+        for start in [
+            1_000_000,
+            i32::MAX as u32 - 1,
+            i32::MAX as u32,
+            u32::MAX - 1,
+            u32::MAX,
+        ] {
+            let mut values = [0.5f32];
+            let mut state = [0.1f32, 0.01];
+            let mut steps = start;
+            optimizer.apply(&mut values, &mut state, &mut steps, &[1.0]);
+            // m = 0.09 + 0.1 = 0.19, v = 0.00999 + 0.001 = 0.01099, no
+            // bias correction left: w = 0.5 - 0.01 * 0.19 / sqrt(0.01099).
+            close(state[0], 0.19);
+            close(state[1], 0.010_99);
+            let expected = 0.5 - 0.01 * 0.19 / (0.010_99f32.sqrt() + 1e-8);
+            close(values[0], expected);
+            assert!(values[0].is_finite() && values[0] < 0.5, "after {start}");
+        }
     }
 
     #[test]

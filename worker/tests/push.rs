@@ -1,0 +1,165 @@
+//! The Push API's guarantees: specs of one table in one call are all
+//! applied, a partly failed Push says which parts failed and is completed
+//! exactly once by a retry under its id, and a worker that lists only
+//! some replica groups still reaches every shard's primary.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::Duration;
+
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
+use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_test_support::{FaultProxy, InProcessCluster, keys_of_shard};
+use tessera_worker::{PsClient, PushSpec, ServerEndpoint, WorkerConfig, WorkerError};
+
+/// `num_shards x groups` servers with table `emb` (dim 1, zeros, SGD lr
+/// 1: a row is minus the sum of the gradients applied to it).
+async fn cluster(num_shards: u32, groups: u32) -> InProcessCluster {
+    let base = PsServerConfig {
+        tables: vec![TableConfig {
+            optimizer: OptimizerConfig::sgd(1.0),
+            initializer: Initializer::Zeros,
+            ..TableConfig::new("emb", 1)
+        }],
+        ..PsServerConfig::default()
+    };
+    InProcessCluster::start(num_shards, groups, &base).await
+}
+
+fn worker_config(cluster: &InProcessCluster, groups: &[u32]) -> WorkerConfig {
+    let servers = cluster
+        .layout
+        .servers
+        .iter()
+        .filter(|(group, _, _)| groups.contains(group))
+        .map(|(group, shard, address)| ServerEndpoint {
+            address: address.clone(),
+            shards: vec![*shard],
+            replica_group: *group,
+        })
+        .collect();
+    WorkerConfig {
+        num_shards: cluster.layout.num_shards,
+        replica_groups: Some(cluster.layout.groups),
+        servers,
+        connect_timeout_ms: 2000,
+        request_timeout_ms: 5000,
+        call_timeout_ms: 10_000,
+        ..WorkerConfig::default()
+    }
+}
+
+/// The rows of `keys` as the shards' primaries hold them.
+async fn rows(client: &PsClient, keys: &[u64]) -> Vec<f32> {
+    client.fetch("emb", keys).await.unwrap().values().to_vec()
+}
+
+#[tokio::test]
+async fn two_specs_of_one_table_in_one_push_are_both_applied() {
+    let cluster = cluster(2, 1).await;
+    let client = PsClient::new(&worker_config(&cluster, &[0])).unwrap();
+    // History and candidates of one table, both spread over both shards,
+    // one key in both.
+    let history: Vec<u64> = (0..100).collect();
+    let candidates: Vec<u64> = (99..200).collect();
+    client
+        .push_many(&[
+            PushSpec {
+                table: "emb",
+                keys: &history,
+                gradients: &vec![1.0; history.len()],
+                dim: 1,
+            },
+            PushSpec {
+                table: "emb",
+                keys: &candidates,
+                gradients: &vec![2.0; candidates.len()],
+                dim: 1,
+            },
+        ])
+        .await
+        .unwrap();
+    let all: Vec<u64> = (0..200).collect();
+    let got = rows(&client, &all).await;
+    for (&key, &value) in all.iter().zip(&got) {
+        let expected = match key {
+            0..99 => -1.0,
+            99 => -3.0,
+            _ => -2.0,
+        };
+        assert_eq!(value, expected, "key {key}");
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partly_failed_push_names_its_failed_shard_and_a_retry_applies_each_shard_once() {
+    let cluster = cluster(2, 1).await;
+    let mut config = worker_config(&cluster, &[0]);
+    // Shard 1 is reached through a proxy that can cut it off.
+    let proxy = FaultProxy::start(config.servers[1].address.clone()).await;
+    config.servers[1].address = proxy.addr.clone();
+    config.push_timeout_ms = 600;
+    config.request_timeout_ms = 200;
+    let client = PsClient::new(&config).unwrap();
+    let keys: Vec<u64> = keys_of_shard(0, 2, 5)
+        .into_iter()
+        .chain(keys_of_shard(1, 2, 5))
+        .collect();
+    let gradients = vec![1.0; keys.len()];
+    // Connections up, then the cut.
+    rows(&client, &keys).await;
+    proxy.partition(true);
+    let id = client.next_push_id();
+    let failure = match client.push_as(id, "emb", &keys, &gradients, 1).await {
+        Err(WorkerError::Push(failure)) => failure,
+        other => panic!("expected a partly failed push, got {other:?}"),
+    };
+    assert_eq!(failure.id, id);
+    assert_eq!(failure.acknowledged, vec![("emb".to_owned(), 0)]);
+    assert_eq!(failure.failed.len(), 1, "{failure}");
+    assert_eq!(failure.failed[0].shard, 1);
+    assert_eq!(failure.failed[0].addr, proxy.addr);
+    assert!(failure.retriable(), "{failure}");
+    // Healed, the same Push again under its id: shard 0 acknowledges it
+    // without applying it twice; shard 1 applies it (or acknowledges the
+    // copy that got through before the cut) once.
+    proxy.partition(false);
+    client
+        .push_as(id, "emb", &keys, &gradients, 1)
+        .await
+        .unwrap();
+    assert_eq!(rows(&client, &keys).await, vec![-1.0; keys.len()]);
+    cluster.stop().await;
+}
+
+/// A worker that lists only replica group 0 of a two-group cluster: the
+/// odd shards' primaries (group 1) are not in its configuration; their
+/// replicas in group 0 redirect its Pushes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_listing_one_group_pushes_to_primaries_it_does_not_list() {
+    let cluster = cluster(2, 2).await;
+    let config = worker_config(&cluster, &[0]);
+    let client = PsClient::new(&config).unwrap();
+    let keys: Vec<u64> = keys_of_shard(0, 2, 5)
+        .into_iter()
+        .chain(keys_of_shard(1, 2, 5))
+        .collect();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        client.push("emb", &keys, &vec![1.0; keys.len()], 1),
+    )
+    .await
+    .expect("the push finishes well within its timeout")
+    .unwrap();
+    assert_eq!(
+        client.primary(1).map(|(addr, _)| addr).as_deref(),
+        Some(cluster.layout.addr(1, 1))
+    );
+    // Group 0's copies follow their primaries.
+    let started = std::time::Instant::now();
+    while rows(&client, &keys).await != vec![-1.0; keys.len()] {
+        assert!(started.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cluster.stop().await;
+}
