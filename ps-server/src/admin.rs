@@ -27,7 +27,8 @@ pub struct Checkpointer {
     store: Arc<Store>,
     dir: PathBuf,
     keep: usize,
-    running: tokio::sync::Mutex<()>,
+    /// Held for the whole of a save, by the blocking task doing it.
+    running: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Checkpointer {
@@ -37,23 +38,35 @@ impl Checkpointer {
             store,
             dir,
             keep,
-            running: tokio::sync::Mutex::new(()),
+            running: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
     /// Saves one now (waiting for a save in progress to finish first), off
-    /// the async threads.
+    /// the async threads. The save runs to its end even if the caller stops
+    /// waiting (an RPC handler abandoned at its deadline), and the next
+    /// save waits for it: the guard travels with the blocking task.
     pub async fn save(&self) -> Result<checkpoint::CheckpointInfo, CheckpointError> {
-        let _one_at_a_time = self.running.lock().await;
+        let one_at_a_time = Arc::clone(&self.running).lock_owned().await;
         let (store, dir, keep) = (Arc::clone(&self.store), self.dir.clone(), self.keep);
-        tokio::task::spawn_blocking(move || checkpoint::save(&store, &dir, keep))
-            .await
-            .unwrap_or_else(|join| {
-                Err(CheckpointError::Io {
-                    path: PathBuf::new(),
-                    source: std::io::Error::other(join.to_string()),
-                })
+        tokio::task::spawn_blocking(move || {
+            let _one_at_a_time = one_at_a_time;
+            checkpoint::save(&store, &dir, keep)
+        })
+        .await
+        .unwrap_or_else(|join| {
+            Err(CheckpointError::Io {
+                path: PathBuf::new(),
+                source: std::io::Error::other(join.to_string()),
             })
+        })
+    }
+}
+
+impl Checkpointer {
+    /// Whether a save is running now.
+    pub fn saving(&self) -> bool {
+        self.running.try_lock().is_err()
     }
 }
 
@@ -123,16 +136,20 @@ impl v1::Admin for AdminService {
         let shards = tokio::task::spawn_blocking(move || {
             let mut out = Vec::new();
             for &shard in store.hosted() {
-                let Some(cut) = store.lock_shard(shard) else {
-                    continue;
+                // A brief cut under the shard's lock; hashing after it.
+                let snapshot = {
+                    let Some(cut) = store.lock_shard(shard) else {
+                        continue;
+                    };
+                    store.snapshot_shard(&cut)
                 };
-                for table in store.tables() {
-                    let (rows, digest) = crate::rowfile::digest_shard(table, shard);
+                for (table, rows) in &snapshot.tables {
+                    let (count, digest) = crate::rowfile::digest_snapshot(rows);
                     out.push(ShardDigest {
                         table: table.config().name.clone(),
                         shard,
-                        version: Some(cut.version().into()),
-                        rows,
+                        version: Some(snapshot.version.into()),
+                        rows: count,
                         digest,
                     });
                 }
@@ -143,5 +160,54 @@ impl v1::Admin for AdminService {
         .await
         .map_err(|err| Status::internal(format!("digest task failed: {err}")))?;
         Ok(DigestResponse { shards })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PsServerConfig;
+
+    /// An RPC handler abandoned at its deadline must not release the
+    /// one-at-a-time guard while its blocking save keeps running.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_save_whose_caller_gave_up_still_holds_off_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::new(&PsServerConfig::default()));
+        store.fetch("embeddings", 0, &[1, 2, 3]).unwrap();
+        let checkpoints = Checkpointer::new(Arc::clone(&store), dir.path().to_owned(), 5);
+        fail::cfg("checkpoint::after_shard_file", "pause").unwrap();
+        let abandoned =
+            tokio::time::timeout(std::time::Duration::from_millis(20), checkpoints.save()).await;
+        assert!(abandoned.is_err(), "the save is paused");
+        assert!(
+            checkpoints.saving(),
+            "the abandoned save still holds the guard"
+        );
+        let next = tokio::spawn({
+            let checkpoints = Arc::new(checkpoints);
+            let waiting = Arc::clone(&checkpoints);
+            async move {
+                let info = waiting.save().await;
+                (checkpoints, info)
+            }
+        });
+        fail::remove("checkpoint::after_shard_file");
+        let (checkpoints, info) = next.await.unwrap();
+        info.unwrap();
+        assert!(!checkpoints.saving());
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "LATEST",
+                "ckpt-00000000000000000001",
+                "ckpt-00000000000000000002"
+            ]
+        );
     }
 }

@@ -5,12 +5,18 @@
 //! Layout under the checkpoint directory:
 //!
 //! ```text
-//! ckpt-<unix ms>/MANIFEST.json     tables, files, row counts, CRC-32s
-//! ckpt-<unix ms>/t<i>-s<shard>.rows one file per (table i, shard)
-//! LATEST                            the name of the newest complete one
+//! ckpt-<n>/MANIFEST.json     tables, files, row counts, CRC-32s
+//! ckpt-<n>/t<i>-s<shard>.rows one file per (table i, shard)
+//! LATEST                      the name of the newest complete one
 //! ```
 //!
-//! Saving writes into `.tmp-ckpt-<unix ms>/`, fsyncs every file and the
+//! `<n>` counts saves: one more than the highest number in the directory
+//! (names of older versions, `ckpt-<unix ms>`, count as their number), so
+//! a clock stepping back cannot make a new checkpoint sort before an old
+//! one, and two saves never share a name. Pruning keeps the newest `keep`
+//! by number and never removes the one `LATEST` names.
+//!
+//! Saving writes into `.tmp-ckpt-<n>/`, fsyncs every file and the
 //! manifest (written last), renames the directory into place, fsyncs the
 //! parent, and only then points `LATEST` at it (write, fsync, rename). A
 //! crash at any point leaves either the previous checkpoint as `LATEST` or
@@ -20,17 +26,17 @@
 //! corrupt checkpoint is refused with an error naming the file, never half
 //! loaded.
 //!
-//! Each shard is encoded straight from its rows ([`crate::rowfile`]) under
-//! its write lock, which every Push holds while it applies: the copy waits
-//! for the Push in flight and holds new ones back while it runs (a memory
-//! copy of every table of the shard), so the saved shard reflects whole
-//! Pushes only and matches the [`Version`] the manifest records for it,
-//! and serving goes on for everything else. The files are written after
-//! the lock is released. A restarted server loads the newest complete
+//! Each shard is cut under its write lock, which every Push holds while it
+//! applies: the cut waits for the Push in flight and takes a snapshot that
+//! shares every row ([`crate::store::Store::snapshot_shard`], a reference
+//! count per row, copy-on-write after), so the saved shard reflects whole
+//! Pushes only and matches the [`Version`] the manifest records for it.
+//! Pushes wait only for the snapshot; encoding ([`crate::rowfile`]) and
+//! writing run after the lock is released, on a blocking thread. A restarted server loads the newest complete
 //! checkpoint and then, being behind its replicas, catches up from the
-//! freshest of them (see [`crate::replication`]); a save interrupted by a
-//! crash leaves a `.tmp-` directory that is never loaded and is removed by
-//! the next save.
+//! freshest of them (see [`crate::replication`]); a save that fails removes its
+//! `.tmp-` directory; one interrupted by a crash leaves it, never loaded,
+//! and the next save removes it.
 //!
 //! crc32fast (CRC-32, SIMD) checks integrity: the threat is torn or
 //! bit-rotted files, not an adversary.
@@ -187,18 +193,43 @@ fn tables_sorted(store: &Store) -> Vec<&Table> {
 pub fn save(store: &Store, dir: &Path, keep: usize) -> Result<CheckpointInfo, CheckpointError> {
     let started = Instant::now();
     fs::create_dir_all(dir).map_err(io(dir))?;
-    let mut created = unix_ms();
-    let name = loop {
-        let name = format!("ckpt-{created:015}");
-        if !dir.join(&name).exists() {
-            break name;
-        }
-        created += 1;
-    };
+    let created = unix_ms();
     // Leftovers of a save a crash interrupted are never loaded: remove.
     remove_temporaries(dir)?;
+    let number = checkpoints(dir)?.last().map_or(1, |(n, _)| n + 1);
+    let name = format!("ckpt-{number:020}");
     let tmp = dir.join(format!(".tmp-{name}"));
     fs::create_dir(&tmp).map_err(io(&tmp))?;
+    match write_checkpoint(store, dir, &tmp, &name, created) {
+        Ok((path, rows, bytes)) => {
+            prune(dir, keep.max(1))?;
+            metrics::counter!("tessera_ps_checkpoints_total").increment(1);
+            metrics::histogram!("tessera_ps_checkpoint_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
+            tracing::info!(path = %path.display(), rows, bytes, took = ?started.elapsed(), "checkpoint saved");
+            Ok(CheckpointInfo { path, rows, bytes })
+        }
+        Err(err) => {
+            metrics::counter!("tessera_ps_checkpoint_failures_total").increment(1);
+            if let Err(cleanup) = fs::remove_dir_all(&tmp)
+                && cleanup.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %tmp.display(), %cleanup, "cannot remove a failed checkpoint's files");
+            }
+            Err(err)
+        }
+    }
+}
+
+/// Writes every shard into `tmp`, then moves it to `dir/name` and points
+/// `LATEST` at it. Returns the path, rows and bytes.
+fn write_checkpoint(
+    store: &Store,
+    dir: &Path,
+    tmp: &Path,
+    name: &str,
+    created: u64,
+) -> Result<(PathBuf, u64, u64), CheckpointError> {
     let mut manifest = Manifest {
         version: VERSION,
         created_unix_ms: created,
@@ -219,42 +250,45 @@ pub fn save(store: &Store, dir: &Path, keep: usize) -> Result<CheckpointInfo, Ch
     }
     let (mut rows, mut bytes) = (0u64, 0u64);
     for &shard in store.hosted() {
-        // Every table of the shard at one cut, with its version.
-        let (encoded, version) = {
+        // Every table of the shard at one cut, with its version: the lock
+        // is held for a reference count per row; encoding and writing
+        // follow without it.
+        let snapshot = {
             let Some(cut) = store.lock_shard(shard) else {
                 continue;
             };
-            let encoded: Vec<(usize, &Table, Vec<u8>, u64)> = tables
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| t.shard(shard).is_some())
-                .map(|(index, t)| {
-                    let (file, count) = rowfile::encode_shard(t, shard);
-                    (index, *t, file, count)
-                })
-                .collect();
-            (encoded, cut.version())
+            store.snapshot_shard(&cut)
         };
         manifest.shards.push(ManifestShard {
             shard,
-            epoch: version.epoch,
-            position: version.position,
+            epoch: snapshot.version.epoch,
+            position: snapshot.version.position,
         });
-        for (index, table, encoded, shard_rows) in encoded {
+        for (table, encoded, shard_rows) in snapshot.encode() {
+            let index = tables
+                .iter()
+                .position(|t| t.config().name == table)
+                .unwrap_or_default();
             let file = format!("t{index}-s{shard}.rows");
             write_synced(&tmp.join(&file), &encoded)?;
             rows += shard_rows;
             bytes += encoded.len() as u64;
             manifest.files.push(ManifestFile {
                 file,
-                table: table.config().name.clone(),
+                table: table.to_owned(),
                 shard,
                 rows: shard_rows,
                 bytes: encoded.len() as u64,
                 crc32: crc32fast::hash(&encoded),
             });
-            // A crash here leaves a partial temporary directory (drills).
-            fail::fail_point!("checkpoint::after_shard_file");
+            // A crash here leaves a partial temporary directory (drills);
+            // `return` makes the save fail here (tests).
+            fail::fail_point!("checkpoint::after_shard_file", |_| {
+                Err(CheckpointError::Io {
+                    path: tmp.to_owned(),
+                    source: std::io::Error::other("fail point checkpoint::after_shard_file"),
+                })
+            });
         }
     }
     let manifest_path = tmp.join(MANIFEST);
@@ -263,20 +297,34 @@ pub fn save(store: &Store, dir: &Path, keep: usize) -> Result<CheckpointInfo, Ch
         source: std::io::Error::other(err),
     })?;
     write_synced(&manifest_path, &text)?;
-    sync_dir(&tmp)?;
-    let path = dir.join(&name);
-    fs::rename(&tmp, &path).map_err(io(&path))?;
+    sync_dir(tmp)?;
+    let path = dir.join(name);
+    fs::rename(tmp, &path).map_err(io(&path))?;
     sync_dir(dir)?;
     let latest_tmp = dir.join(format!("{LATEST}.tmp"));
     write_synced(&latest_tmp, name.as_bytes())?;
     fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io(dir))?;
     sync_dir(dir)?;
-    prune(dir, keep.max(1))?;
-    metrics::counter!("tessera_ps_checkpoints_total").increment(1);
-    metrics::histogram!("tessera_ps_checkpoint_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
-    tracing::info!(path = %path.display(), rows, bytes, took = ?started.elapsed(), "checkpoint saved");
-    Ok(CheckpointInfo { path, rows, bytes })
+    Ok((path, rows, bytes))
+}
+
+/// The checkpoints (complete or not) in `dir`: (number, name), by number.
+/// A name that is `ckpt-` and digits counts; anything else is not ours.
+fn checkpoints(dir: &Path) -> Result<Vec<(u64, String)>, CheckpointError> {
+    let mut found: Vec<(u64, String)> = fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter_map(|name| {
+            let number = name
+                .strip_prefix("ckpt-")
+                .filter(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))?
+                .parse()
+                .ok()?;
+            Some((number, name))
+        })
+        .collect();
+    found.sort();
+    Ok(found)
 }
 
 /// Removes the temporary directories of interrupted saves (saves run one
@@ -296,16 +344,18 @@ fn remove_temporaries(dir: &Path) -> Result<(), CheckpointError> {
     Ok(())
 }
 
-/// Removes all but the newest `keep` checkpoints.
+/// Removes all but the newest `keep` checkpoints (by number), never the
+/// one `LATEST` names.
 fn prune(dir: &Path, keep: usize) -> Result<(), CheckpointError> {
-    let mut names: Vec<String> = fs::read_dir(dir)
-        .map_err(io(dir))?
-        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
-        .filter(|name| name.starts_with("ckpt-"))
-        .collect();
-    names.sort();
-    let stale = names.len().saturating_sub(keep);
-    for name in &names[..stale] {
+    let latest = fs::read_to_string(dir.join(LATEST))
+        .map(|name| name.trim().to_owned())
+        .unwrap_or_default();
+    let found = checkpoints(dir)?;
+    let stale = found.len().saturating_sub(keep);
+    for (_, name) in &found[..stale] {
+        if *name == latest {
+            continue;
+        }
         let path = dir.join(name);
         fs::remove_dir_all(&path).map_err(io(&path))?;
     }
@@ -517,10 +567,13 @@ mod tests {
         for table in tables_sorted(store) {
             for &shard in store.hosted() {
                 let config = table.config();
-                let (bytes, _) = {
-                    let _cut = store.lock_shard(shard).unwrap();
-                    rowfile::encode_shard(table, shard)
-                };
+                let cut = store.lock_shard(shard).unwrap();
+                let (bytes, _) = rowfile::encode_snapshot(
+                    &table.snapshot(&cut, shard),
+                    config.dim,
+                    config.optimizer.slots() as u32,
+                );
+                drop(cut);
                 let mut image =
                     rowfile::decode(&bytes, config.dim, config.optimizer.slots() as u32).unwrap();
                 image.rows.sort_by_key(|r| r.key);
@@ -728,5 +781,83 @@ mod tests {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let pushes: u64 = pushers.into_iter().map(|p| p.join().unwrap()).sum();
         assert!(pushes > 0 && checked > 0);
+    }
+
+    fn entries(dir: &Path, prefix: &str) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with(prefix))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A checkpoint left by a clock that ran ahead (or a name from the
+    /// future) must not make the new one sort first and be pruned.
+    #[test]
+    fn a_clock_stepping_back_cannot_prune_the_new_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = trained_store();
+        let ahead = save(&store, dir.path(), 5).unwrap();
+        fs::rename(&ahead.path, dir.path().join("ckpt-999999999999999")).unwrap();
+        let info = save(&store, dir.path(), 1).unwrap();
+        assert_eq!(
+            entries(dir.path(), "ckpt-"),
+            vec![
+                info.path
+                    .file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned()
+            ]
+        );
+        let loaded = load_latest(&Store::new(&config()), dir.path())
+            .unwrap()
+            .unwrap();
+        assert_eq!(loaded.path, info.path);
+    }
+
+    #[test]
+    fn pruning_never_removes_the_checkpoint_latest_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = trained_store();
+        let first = save(&store, dir.path(), 5).unwrap();
+        save(&store, dir.path(), 5).unwrap();
+        save(&store, dir.path(), 5).unwrap();
+        // LATEST back at the oldest (an operator rolled back).
+        let name = first
+            .path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        fs::write(dir.path().join(LATEST), &name).unwrap();
+        prune(dir.path(), 1).unwrap();
+        let kept = entries(dir.path(), "ckpt-");
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        assert!(kept.contains(&name), "{kept:?}");
+        let loaded = load_latest(&Store::new(&config()), dir.path()).unwrap();
+        assert_eq!(loaded.unwrap().path, first.path);
+    }
+
+    #[test]
+    fn a_failed_save_removes_its_files_and_leaves_latest_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = trained_store();
+        let good = save(&store, dir.path(), 5).unwrap();
+        fail::cfg("checkpoint::after_shard_file", "return").unwrap();
+        let failed = save(&store, dir.path(), 5);
+        fail::remove("checkpoint::after_shard_file");
+        assert!(
+            matches!(failed, Err(CheckpointError::Io { .. })),
+            "{failed:?}"
+        );
+        assert_eq!(entries(dir.path(), ".tmp-"), Vec::<String>::new());
+        let loaded = load_latest(&Store::new(&config()), dir.path()).unwrap();
+        assert_eq!(loaded.unwrap().path, good.path);
+        // Numbers go on from the highest present.
+        let next = save(&store, dir.path(), 5).unwrap();
+        assert!(next.path > good.path);
     }
 }

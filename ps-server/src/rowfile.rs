@@ -15,7 +15,7 @@
 //! for them, and fails (never panics) on short or trailing input.
 
 use crate::dedup::WorkerWindow;
-use crate::table::{Row, Table};
+use crate::table::TableSnapshot;
 
 /// Magic at the start of every row file.
 const MAGIC: &[u8; 8] = b"TSCKROW1";
@@ -89,30 +89,25 @@ impl Writer {
     }
 }
 
-/// The row file of `table`'s `shard`, written straight from the live rows
-/// (one copy). The caller holds the shard's write lock
-/// ([`crate::store::Store::lock_shard`]), so it holds whole Pushes only.
-/// Returns the bytes and the row count.
-pub fn encode_shard(table: &Table, shard: u32) -> (Vec<u8>, u64) {
-    let config = table.config();
-    let slots = config.optimizer.slots() as u32;
-    let Some(state) = table.shard(shard) else {
-        return Writer::new(config.dim, slots, 0).finish(&[]);
-    };
-    let mut writer = Writer::new(config.dim, slots, state.rows.len());
-    state.rows.for_each_consistent(|key, row: &Row| {
-        writer.row(key, row.steps, &row.values, &row.state);
-    });
-    writer.finish(&state.dedup.snapshot())
+/// The row file of one (table, shard) snapshot ([`crate::table::Table::snapshot`]),
+/// for a table of `dim` and `slots`. Encoding runs after the shard's
+/// write lock is released: the snapshot is already a cut. Returns the
+/// bytes and the row count.
+pub fn encode_snapshot(snapshot: &TableSnapshot, dim: u32, slots: u32) -> (Vec<u8>, u64) {
+    let mut writer = Writer::new(dim, slots, snapshot.rows.len());
+    for (key, row) in &snapshot.rows {
+        writer.row(*key, row.steps, &row.values, &row.state);
+    }
+    writer.finish(&snapshot.dedup)
 }
 
-/// A fingerprint of `table`'s `shard` that does not depend on the order
-/// rows are stored in: the wrapping sum of a 64-bit hash (FNV-1a, then
-/// SplitMix64's finaliser) of every row's key, steps, values and state as
-/// bits, and of every deduplication window. Equal rows, state and windows
-/// give equal digests on any server; the caller holds the shard's write
-/// lock. Returns the row count and the digest.
-pub fn digest_shard(table: &Table, shard: u32) -> (u64, u64) {
+/// A fingerprint of one (table, shard) snapshot that does not depend on
+/// the order rows are stored in: the wrapping sum of a 64-bit hash (FNV-1a,
+/// then SplitMix64's finaliser) of every row's key, steps, values and state
+/// as bits, and of every deduplication window. Equal rows, state and
+/// windows give equal digests on any server. Returns the row count and the
+/// digest.
+pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
     fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for b in bytes {
@@ -120,11 +115,8 @@ pub fn digest_shard(table: &Table, shard: u32) -> (u64, u64) {
         }
         tessera_proto::sharding::splitmix64(h)
     }
-    let Some(state) = table.shard(shard) else {
-        return (0, 0);
-    };
-    let (mut rows, mut digest) = (0u64, 0u64);
-    state.rows.for_each_consistent(|key, row: &Row| {
+    let mut digest = 0u64;
+    for (key, row) in &snapshot.rows {
         let bytes = key
             .to_le_bytes()
             .into_iter()
@@ -136,9 +128,8 @@ pub fn digest_shard(table: &Table, shard: u32) -> (u64, u64) {
                     .flat_map(|v| v.to_bits().to_le_bytes()),
             );
         digest = digest.wrapping_add(fnv(bytes));
-        rows += 1;
-    });
-    for window in state.dedup.snapshot() {
+    }
+    for window in &snapshot.dedup {
         let bytes = window
             .worker
             .to_le_bytes()
@@ -148,11 +139,11 @@ pub fn digest_shard(table: &Table, shard: u32) -> (u64, u64) {
             .chain(*b"dedup");
         digest = digest.wrapping_add(fnv(bytes));
     }
-    (rows, digest)
+    (snapshot.rows.len() as u64, digest)
 }
 
 /// The row file of an image (tests and tools; servers write from the live
-/// rows with [`encode_shard`]).
+/// rows with [`encode_snapshot`]).
 pub fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
     let mut writer = Writer::new(dim, slots, image.rows.len());
     for row in &image.rows {

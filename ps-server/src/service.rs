@@ -108,13 +108,14 @@ impl v1::ParameterServer for PsService {
         // shard's write lock: Pushes take their positions in the order they
         // change the rows, and no role change falls between.
         let (outcome, epoch, ticket) = {
-            let mut writing =
-                self.store
-                    .lock_shard(request.shard)
-                    .ok_or_else(|| StoreError::ShardNotHosted {
-                        shard: request.shard,
-                        hosted: self.store.hosted().to_vec(),
-                    })?;
+            let mut writing = self
+                .store
+                .lock_shard_async(request.shard)
+                .await
+                .ok_or_else(|| StoreError::ShardNotHosted {
+                    shard: request.shard,
+                    hosted: self.store.hosted().to_vec(),
+                })?;
             // The time of admission is taken under the lock: waiting for it
             // (behind a copy of the shard) must not age the fence check.
             let now = Instant::now();

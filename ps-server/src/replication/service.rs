@@ -41,8 +41,8 @@ impl v1::Replication for ReplicationService {
         _context: RequestContext,
         request: SyncRequest,
     ) -> Result<SyncResponse, Status> {
-        // A copy holds the shard's write lock while it is taken: off the
-        // async threads.
+        // A copy takes the shard's write lock (briefly) and encodes every
+        // row: off the async threads.
         let replication = Arc::clone(&self.replication);
         tokio::task::spawn_blocking(move || replication.serve_sync(&request))
             .await
@@ -127,8 +127,11 @@ impl Replication {
                 attachment,
             });
         }
-        let blob = sync::snapshot(&self.store, &writing);
+        // A cut under the lock (a reference per row), encoded after it.
+        let snapshot = self.store.snapshot_shard(&writing);
         drop(writing);
+        let blob = sync::encode_blob(&snapshot);
+        drop(snapshot);
         let total_bytes = blob.len() as u64;
         let session = self.sessions.open(blob);
         tracing::info!(shard, replica = %request.replica, attach = request.attach, %version, total_bytes, "copy of the shard ready");

@@ -23,7 +23,7 @@ use tessera_rpc::{RpcError, Status};
 
 use super::Replication;
 use crate::rowfile::{self, ShardImage};
-use crate::store::{ShardGuard, Store};
+use crate::store::{ShardGuard, ShardSnapshot, Store};
 use crate::version::Version;
 
 /// Bytes per `SyncChunk` answer: well under any message limit, large
@@ -147,24 +147,18 @@ impl Replication {
     }
 }
 
-/// Every table's rows of the shard `guard` locks, as one blob (module
-/// docs).
-pub(crate) fn snapshot(store: &Store, guard: &ShardGuard<'_>) -> Vec<u8> {
-    let shard = guard.shard();
-    let mut tables: Vec<_> = store.tables().collect();
-    tables.sort_by(|a, b| a.config().name.cmp(&b.config().name));
-    let files: Vec<_> = tables
-        .iter()
-        .map(|t| (t.config().name.as_str(), rowfile::encode_shard(t, shard).0))
-        .collect();
+/// Every table's rows of a shard snapshot, as one blob (module docs).
+/// Encoded after the shard's lock is released.
+pub(crate) fn encode_blob(snapshot: &ShardSnapshot<'_>) -> Vec<u8> {
+    let files = snapshot.encode();
     let mut blob = Vec::with_capacity(
         4 + files
             .iter()
-            .map(|(n, f)| n.len() + f.len() + 12)
+            .map(|(n, f, _)| n.len() + f.len() + 12)
             .sum::<usize>(),
     );
     blob.extend_from_slice(&(files.len() as u32).to_le_bytes());
-    for (name, bytes) in files {
+    for (name, bytes, _) in files {
         blob.extend_from_slice(&(name.len() as u32).to_le_bytes());
         blob.extend_from_slice(name.as_bytes());
         blob.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
@@ -357,7 +351,7 @@ mod tests {
         source
             .push("a", 0, &(0..10).collect::<Vec<_>>(), &grads, id)
             .unwrap();
-        let blob = snapshot(&source, &source.lock_shard(0).unwrap());
+        let blob = encode_blob(&source.snapshot_shard(&source.lock_shard(0).unwrap()));
         let target = store();
         // Rows the copy does not have disappear.
         let mut one = Vec::new();
@@ -372,7 +366,7 @@ mod tests {
         );
         assert_eq!(rows, 10);
         assert_eq!(
-            snapshot(&target, &target.lock_shard(0).unwrap()).len(),
+            encode_blob(&target.snapshot_shard(&target.lock_shard(0).unwrap())).len(),
             blob.len()
         );
         assert_eq!(target.table("b").unwrap().rows(), 0);

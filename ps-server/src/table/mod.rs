@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 pub use init::{Initializer, row_base};
 pub use optimizer::OptimizerConfig;
-pub use rows::{EvictionPolicy, Row, ShardRows};
+pub use rows::{EvictionPolicy, Row, RowData, ShardRows};
 
 use crate::config::{NonFinite, TableConfig};
 use crate::rowfile::ShardImage;
@@ -44,6 +44,16 @@ impl ShardState {
             pushes: AtomicU64::new(0),
         }
     }
+}
+
+/// One (table, shard) at a cut: rows shared with the live ones, and the
+/// deduplication windows.
+#[derive(Debug, Default, Clone)]
+pub struct TableSnapshot {
+    /// Every row's key and contents.
+    pub rows: Vec<(u64, std::sync::Arc<RowData>)>,
+    /// The Push deduplication windows.
+    pub dedup: Vec<crate::dedup::WorkerWindow>,
 }
 
 /// One table's rows on this server.
@@ -221,18 +231,31 @@ impl Table {
                 key,
                 || self.new_row(key),
                 |row| {
-                    let Row {
+                    let RowData {
                         values,
                         state,
                         steps,
-                        ..
-                    } = row;
+                    } = row.data_mut();
                     optimizer.apply(values, state, steps, &grad);
                 },
             );
         }
         if clipped > 0 {
             metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
+        }
+    }
+
+    /// `shard`'s rows and deduplication windows as they are now, shared
+    /// with the live rows (see [`Row`]); the caller holds the shard's
+    /// write lock (`_writing`), so the snapshot holds whole Pushes only.
+    /// Empty if the shard is not hosted.
+    pub fn snapshot(&self, _writing: &ShardGuard<'_>, shard: u32) -> TableSnapshot {
+        match self.shards.get(&shard) {
+            Some(state) => TableSnapshot {
+                rows: state.rows.snapshot(),
+                dedup: state.dedup.snapshot(),
+            },
+            None => TableSnapshot::default(),
         }
     }
 
@@ -249,7 +272,7 @@ impl Table {
                 saved.values.into_boxed_slice(),
                 saved.state.into_boxed_slice(),
             );
-            row.steps = saved.steps;
+            row.data_mut().steps = saved.steps;
             state.rows.insert(saved.key, row);
         }
         state.dedup.restore(&image.dedup, now);

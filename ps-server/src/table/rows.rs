@@ -17,7 +17,7 @@
 //! little before the whole shard is full.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
@@ -34,15 +34,28 @@ pub enum EvictionPolicy {
     Lfu,
 }
 
-/// One row: its values, its optimizer state and its bookkeeping.
-#[derive(Debug)]
-pub struct Row {
+/// What a row holds: shared with snapshots, copied on write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowData {
     /// The embedding.
     pub values: Box<[f32]>,
     /// Optimizer state (`slots * dim`).
     pub state: Box<[f32]>,
     /// Optimizer steps applied (Adam's bias correction).
     pub steps: u32,
+}
+
+/// One row: its contents and its bookkeeping.
+///
+/// The contents sit behind an `Arc` so that a snapshot of a shard (for a
+/// checkpoint or a copy to another server, [`ShardRows::snapshot`]) costs
+/// one reference count per row instead of a copy of every value: the
+/// shard's write lock is held only for that. A Push to a row a snapshot
+/// still shares copies the row first ([`Row::data_mut`], `Arc::make_mut`);
+/// one no snapshot shares is updated in place, as before.
+#[derive(Debug)]
+pub struct Row {
+    data: Arc<RowData>,
     /// Last use on the table's logical clock (reads included).
     last_used: AtomicU64,
 }
@@ -51,11 +64,27 @@ impl Row {
     /// A row with `values` and optimizer `state`, no updates yet.
     pub fn new(values: Box<[f32]>, state: Box<[f32]>) -> Self {
         Self {
-            values,
-            state,
-            steps: 0,
+            data: Arc::new(RowData {
+                values,
+                state,
+                steps: 0,
+            }),
             last_used: AtomicU64::new(0),
         }
+    }
+
+    /// The contents, for changing them (copied first if a snapshot shares
+    /// them).
+    pub fn data_mut(&mut self) -> &mut RowData {
+        Arc::make_mut(&mut self.data)
+    }
+}
+
+impl std::ops::Deref for Row {
+    type Target = RowData;
+
+    fn deref(&self) -> &RowData {
+        &self.data
     }
 }
 
@@ -224,18 +253,24 @@ impl ShardRows {
         self.evictions.load(Ordering::Relaxed)
     }
 
-    /// Calls `visit` for every row with every stripe read-locked at once,
-    /// so no Push lands while it runs: a consistent cut of the shard (for a
-    /// checkpoint). Fetches of present rows go on meanwhile.
-    pub fn for_each_consistent(&self, mut visit: impl FnMut(u64, &Row)) {
-        let guards: Vec<_> = (0..self.stripes.len())
-            .map(|i| self.read_stripe(i))
-            .collect();
-        for stripe in &guards {
-            for (&key, row) in stripe.iter() {
-                visit(key, row);
-            }
+    /// Every row's contents, shared (see [`Row`]): one stripe read-locked
+    /// at a time, each for as long as it takes to count its references.
+    /// The caller holds the shard's write lock, so no Push changes a row
+    /// meanwhile and the snapshot is a cut at the shard's version. Fetches
+    /// go on: of present rows at once, and a Fetch that inserts a missing
+    /// row (its initial values, which any copy re-creates alike) waits at
+    /// most for one stripe.
+    pub fn snapshot(&self) -> Vec<(u64, Arc<RowData>)> {
+        let mut out = Vec::with_capacity(self.len());
+        for i in 0..self.stripes.len() {
+            let stripe = self.read_stripe(i);
+            out.extend(
+                stripe
+                    .iter()
+                    .map(|(&key, row)| (key, Arc::clone(&row.data))),
+            );
         }
+        out
     }
 }
 
@@ -292,10 +327,10 @@ mod tests {
     fn lfu_keeps_rows_that_are_updated_often() {
         let rows = ShardRows::new(Some(640), EvictionPolicy::Lfu);
         for key in 0..64u64 {
-            rows.upsert(key, || row(1.0), |r| r.steps = 100);
+            rows.upsert(key, || row(1.0), |r| r.data_mut().steps = 100);
         }
         for cold in 1_000..20_000u64 {
-            rows.upsert(cold, || row(0.0), |r| r.steps = 1);
+            rows.upsert(cold, || row(0.0), |r| r.data_mut().steps = 1);
         }
         let kept = (0..64u64)
             .filter(|k| rows.read(*k, |_| ()).is_some())
