@@ -20,7 +20,8 @@ impl From<StoreError> for Status {
             StoreError::UnknownTable(_) => Status::not_found(message),
             StoreError::GradientLength { .. }
             | StoreError::TooManyKeys { .. }
-            | StoreError::NonFiniteGradient { .. } => Status::invalid_argument(message),
+            | StoreError::NonFiniteGradient { .. }
+            | StoreError::BadEvictions { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
@@ -128,7 +129,7 @@ impl v1::ParameterServer for PsService {
                 let version = writing.version().next(epoch);
                 writing.set_version(version);
                 self.replication
-                    .record_push(request.shard, version, &request)
+                    .record_push(request.shard, version, &request, &outcome.evicted)
             };
             (outcome, epoch, ticket)
         };

@@ -22,6 +22,13 @@ use crate::version::Version;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
+    /// A forwarded Push's evictions do not point into its keys in order
+    /// (a corrupt stream entry).
+    #[error("a forwarded push's evictions do not fit its {keys} keys")]
+    BadEvictions {
+        /// Keys of the Push.
+        keys: usize,
+    },
     /// No table of that name.
     #[error("no table named `{0}`")]
     UnknownTable(String),
@@ -109,12 +116,15 @@ pub enum StoreError {
 }
 
 /// What a Push did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushOutcome {
     /// Rows updated (0 for a duplicate).
     pub applied: usize,
     /// The Push had been applied before and was only acknowledged.
     pub duplicate: bool,
+    /// Rows evicted to make room for its rows (a table with `max_rows`),
+    /// in order: the replicas evict the same.
+    pub evicted: Vec<crate::table::Eviction>,
 }
 
 /// The identity of a Push for exactly-once application: the worker and its
@@ -474,6 +484,15 @@ impl Store {
                 continue;
             }
             match self.mode {
+                // A table with a row limit stores rows only from Pushes
+                // (under the shard's lock, where the primary's evictions
+                // go into the stream): a Fetch storing one would evict a
+                // trained row that no replica hears of. The initial values
+                // are a pure function of the key, so the answer is the
+                // same either way.
+                Mode::Training if state.rows.limited() => {
+                    write_f32s(slot, &table.initial_row(key));
+                }
                 Mode::Training => {
                     state.rows.upsert(
                         key,
@@ -575,10 +594,27 @@ impl CheckedPush<'_> {
     }
 
     /// Applies it as the shard's primary did (a replica following its
-    /// stream): its id is recorded, never judged. The caller holds the
-    /// shard's write lock.
-    pub fn apply_replicated(&self, writing: &ShardGuard<'_>, now: Instant) {
+    /// stream): its id is recorded, never judged, and exactly the rows the
+    /// primary evicted are evicted (`evictions`, in order). Refused, with
+    /// nothing applied, if an eviction does not point into the Push's
+    /// keys in order. The caller holds the shard's write lock.
+    pub fn apply_replicated(
+        &self,
+        writing: &ShardGuard<'_>,
+        evictions: &[crate::table::Eviction],
+        now: Instant,
+    ) -> Result<(), StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
+        let in_order = evictions.windows(2).all(|w| w[0].before <= w[1].before);
+        if !in_order
+            || evictions
+                .iter()
+                .any(|e| e.before as usize >= self.keys.len())
+        {
+            return Err(StoreError::BadEvictions {
+                keys: self.keys.len(),
+            });
+        }
         self.table.apply_replicated(
             writing,
             self.state,
@@ -586,8 +622,10 @@ impl CheckedPush<'_> {
             self.gradients,
             self.id.worker,
             self.id.sequence,
+            evictions,
             now,
         );
+        Ok(())
     }
 
     /// Applies it, unless its id was applied before (then it is
@@ -596,7 +634,7 @@ impl CheckedPush<'_> {
     pub fn apply(&self, writing: &ShardGuard<'_>, now: Instant) -> Result<PushOutcome, StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
         let id = self.id;
-        match self.table.apply(
+        let (admission, evicted) = self.table.apply(
             writing,
             self.state,
             self.keys,
@@ -604,12 +642,14 @@ impl CheckedPush<'_> {
             id.worker,
             id.sequence,
             now,
-        ) {
+        );
+        match admission {
             Admission::Apply => {
                 metrics::counter!("tessera_ps_push_keys_total").increment(self.keys.len() as u64);
                 Ok(PushOutcome {
                     applied: self.keys.len(),
                     duplicate: false,
+                    evicted,
                 })
             }
             Admission::Duplicate => {
@@ -617,6 +657,7 @@ impl CheckedPush<'_> {
                 Ok(PushOutcome {
                     applied: 0,
                     duplicate: true,
+                    evicted,
                 })
             }
             Admission::TooOld { lowest } => Err(StoreError::SequenceTooOld {
@@ -865,7 +906,8 @@ mod tests {
             first,
             PushOutcome {
                 applied: 1,
-                duplicate: false
+                duplicate: false,
+                evicted: Vec::new(),
             }
         );
         let row = store.fetch("t", 0, &[key]).unwrap().1;
@@ -874,7 +916,8 @@ mod tests {
             again,
             PushOutcome {
                 applied: 0,
-                duplicate: true
+                duplicate: true,
+                evicted: Vec::new(),
             }
         );
         assert_eq!(store.fetch("t", 0, &[key]).unwrap().1, row, "unchanged");
@@ -904,5 +947,55 @@ mod tests {
         let table = store.table("t").unwrap();
         assert_eq!(table.rows(), 100, "full, not more");
         assert!(table.evictions() >= 900, "{} evictions", table.evictions());
+    }
+
+    fn digest(store: &Store, shard: u32) -> Vec<(u64, u64)> {
+        let cut = store.lock_shard(shard).unwrap();
+        store
+            .snapshot_shard(&cut)
+            .tables
+            .iter()
+            .map(|(_, rows)| crate::rowfile::digest_snapshot(rows))
+            .collect()
+    }
+
+    proptest::proptest! {
+        /// A replica replaying the primary's evictions holds exactly the
+        /// primary's rows, whatever the keys (repeats, keys evicted by a
+        /// later key of the same Push) and whatever each side fetched.
+        #[test]
+        fn replayed_evictions_keep_a_replica_identical(
+            pushes in proptest::collection::vec(proptest::collection::vec(0usize..300, 1..40), 1..60),
+            fetches in proptest::collection::vec(0usize..300, 0..200),
+        ) {
+            let mut config = config(Mode::Training);
+            config.tables[0].max_rows = Some(100);
+            let (primary, replica) = (Store::new(&config), Store::new(&config));
+            let keys = keys_of_shard(0, 300);
+            for (i, push) in pushes.iter().enumerate() {
+                // Keys deduplicated as the worker sends them.
+                let mut picked: Vec<u64> = Vec::new();
+                for &k in push {
+                    if !picked.contains(&keys[k]) {
+                        picked.push(keys[k]);
+                    }
+                }
+                let grads = wire(&vec![0.25; picked.len() * 3]);
+                let id = PushId { worker: 1, sequence: i as u64 + 1 };
+                let outcome = primary.push("t", 0, &picked, &grads, id).unwrap();
+                let checked = replica.check_push("t", 0, &picked, &grads, id).unwrap();
+                let guard = replica.lock_shard(0).unwrap();
+                checked.apply_replicated(&guard, &outcome.evicted, Instant::now()).unwrap();
+                drop(guard);
+                // Each side serves Fetches of its own.
+                let (a, b) = fetches.split_at(fetches.len() / 2);
+                let a: Vec<u64> = a.iter().map(|&k| keys[k]).collect();
+                let b: Vec<u64> = b.iter().map(|&k| keys[k]).collect();
+                primary.fetch("t", 0, &a).unwrap();
+                replica.fetch("t", 0, &b).unwrap();
+                proptest::prop_assert!(primary.table("t").unwrap().shard(0).unwrap().rows.len() <= 100);
+            }
+            proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
+        }
     }
 }

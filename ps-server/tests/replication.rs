@@ -491,6 +491,7 @@ async fn a_recovering_server_deposes_the_old_primary_and_odd_entries_are_refused
         position: 1,
         push: Some(odd),
         gap: false,
+        ..ReplicatedPush::default()
     };
     let answer = replicate_as(&replica, &a, (old_epoch, 1, 1), vec![entry]).await;
     assert_eq!(answer.out_of_sync, vec![0], "{answer:?}");
@@ -530,4 +531,82 @@ async fn a_replica_whose_attachment_is_gone_attaches_again() {
     converged(&primary, &replica).await;
     replica.stop().await;
     primary.stop().await;
+}
+
+/// A table with a row limit: the primary chooses every eviction (by its
+/// own access clock, which its Fetches advance) and forwards it; the
+/// replica, serving Fetches of its own, evicts exactly those rows. Before
+/// replicas followed, each chose its own victims and the copies drifted
+/// apart for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_of_a_table_with_a_row_limit_evict_what_the_primary_evicts() {
+    let (a, b) = (free_addr(), free_addr());
+    let limited = |mut config: PsServerConfig| {
+        config.tables[0].max_rows = Some(150);
+        config
+    };
+    let primary = InProcess::start(&limited(config(&a, 0, &b, &a, 10_000))).await;
+    let replica = InProcess::start(&limited(config(&b, 1, &a, &b, 10_000))).await;
+    wait_serving(&a).await;
+    wait_serving(&b).await;
+    let mut draw = 7u64;
+    let mut next = move |n: u64| {
+        draw = tessera_proto::sharding::splitmix64(draw);
+        draw % n
+    };
+    for step in 1..=150u64 {
+        let keys: Vec<u64> = (0..24).map(|_| next(400)).collect();
+        let grads: Vec<f32> = (0..keys.len() * 4).map(|i| (i % 5) as f32 - 2.0).collect();
+        primary
+            .data
+            .push(PushRequest {
+                table: "emb".into(),
+                shard: 0,
+                keys,
+                gradients: Bytes::from(wire(&grads)),
+                worker_id: 9,
+                sequence: step,
+            })
+            .await
+            .unwrap();
+        // Different Fetches on each server: their access clocks differ.
+        for (server, hot) in [(&primary, 0u64), (&replica, 200)] {
+            let keys: Vec<u64> = (0..16).map(|_| hot + next(200)).collect();
+            server
+                .data
+                .fetch(FetchRequest {
+                    table: "emb".into(),
+                    shard: 0,
+                    keys,
+                })
+                .await
+                .unwrap();
+        }
+    }
+    let stats = primary.admin.stats(StatsRequest {}).await.unwrap();
+    assert!(
+        stats.shards.iter().map(|s| s.rows).sum::<u64>() <= 150,
+        "{stats:?}"
+    );
+    assert!(
+        primary.store.table("emb").unwrap().evictions() > 100,
+        "the limit was reached"
+    );
+    converged(&primary, &replica).await;
+    let all: Vec<u64> = (0..400).collect();
+    for server in [&primary, &replica] {
+        // Fetches of missing rows do not store them on either side.
+        server
+            .data
+            .fetch(FetchRequest {
+                table: "emb".into(),
+                shard: 0,
+                keys: all.clone(),
+            })
+            .await
+            .unwrap();
+    }
+    converged(&primary, &replica).await;
+    primary.stop().await;
+    replica.stop().await;
 }

@@ -114,7 +114,13 @@ impl Replication {
     /// Queues `push`, just applied to `shard` at `version`, for the
     /// replicas; returns what its acknowledgement waits for. Called under
     /// the shard's write lock, in stream order.
-    pub fn record_push(&self, shard: u32, version: Version, push: &PushRequest) -> AckTicket {
+    pub fn record_push(
+        &self,
+        shard: u32,
+        version: Version,
+        push: &PushRequest,
+        evictions: &[crate::table::Eviction],
+    ) -> AckTicket {
         let mut ticket = AckTicket {
             shard,
             epoch: version.epoch,
@@ -124,7 +130,13 @@ impl Replication {
         let mut shared = None;
         for forwarder in &self.forwarders {
             if forwarder.shards.contains(&shard) {
-                let push = shared.get_or_insert_with(|| Arc::new(push.clone()));
+                let push = shared.get_or_insert_with(|| {
+                    Arc::new(super::forward::Forwarded {
+                        request: push.clone(),
+                        evicted_before: evictions.iter().map(|e| e.before).collect(),
+                        evicted_keys: evictions.iter().map(|e| e.key).collect(),
+                    })
+                });
                 if let Some(generation) =
                     forwarder.enqueue(shard, version.epoch, version.position, push)
                     && self.ack == AckMode::Replicas

@@ -51,7 +51,19 @@ pub(crate) struct Queued {
     shard: u32,
     epoch: u64,
     position: u64,
-    push: Option<Arc<PushRequest>>,
+    push: Option<Arc<Forwarded>>,
+}
+
+/// A Push as the primary applied it, for its replicas: the request and
+/// the rows its application evicted.
+#[derive(Debug, Default)]
+pub(crate) struct Forwarded {
+    /// The Push.
+    pub request: PushRequest,
+    /// See `ReplicatedPush.evicted_before` in `ps.proto`.
+    pub evicted_before: Vec<u32>,
+    /// See `ReplicatedPush.evicted_keys`.
+    pub evicted_keys: Vec<u64>,
 }
 
 impl Queued {
@@ -60,8 +72,18 @@ impl Queued {
         ReplicatedPush {
             shard: self.shard,
             position: self.position,
-            push: self.push.as_deref().cloned(),
+            push: self.push.as_ref().map(|p| p.request.clone()),
             gap: self.push.is_none(),
+            evicted_before: self
+                .push
+                .as_ref()
+                .map(|p| p.evicted_before.clone())
+                .unwrap_or_default(),
+            evicted_keys: self
+                .push
+                .as_ref()
+                .map(|p| p.evicted_keys.clone())
+                .unwrap_or_default(),
         }
     }
 }
@@ -172,7 +194,7 @@ impl Forwarder {
         shard: u32,
         epoch: u64,
         position: u64,
-        push: &Arc<PushRequest>,
+        push: &Arc<Forwarded>,
     ) -> Option<u64> {
         let mut queue = lock(&self.queue);
         let attachment = queue.shards.get(&shard)?;
@@ -516,8 +538,8 @@ mod tests {
         )
     }
 
-    fn push() -> Arc<PushRequest> {
-        Arc::new(PushRequest::default())
+    fn push() -> Arc<Forwarded> {
+        Arc::new(Forwarded::default())
     }
 
     /// The replica's answer to what is pending: `processed` entries done,

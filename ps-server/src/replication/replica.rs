@@ -248,8 +248,26 @@ impl Replication {
                     hosted: vec![entry.shard],
                 })
             };
-            match checked {
-                Ok(checked) => checked.apply_replicated(&writing, now),
+            let evictions = if entry.evicted_before.len() == entry.evicted_keys.len() {
+                entry
+                    .evicted_before
+                    .iter()
+                    .zip(&entry.evicted_keys)
+                    .map(|(&before, &key)| crate::table::Eviction { before, key })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let applied = checked.and_then(|checked| {
+                if entry.evicted_before.len() != entry.evicted_keys.len() {
+                    return Err(crate::store::StoreError::BadEvictions {
+                        keys: push.keys.len(),
+                    });
+                }
+                checked.apply_replicated(&writing, &evictions, now)
+            });
+            match applied {
+                Ok(()) => {}
                 Err(err) => {
                     // The primary applied it, so this server is configured
                     // differently (a table, a dimension): it must not claim

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 pub use init::{Initializer, row_base};
 pub use optimizer::OptimizerConfig;
-pub use rows::{EvictionPolicy, Row, RowData, ShardRows};
+pub use rows::{Eviction, EvictionPolicy, Row, RowData, ShardRows};
 
 use crate::config::{NonFinite, TableConfig};
 use crate::rowfile::ShardImage;
@@ -69,6 +69,14 @@ pub struct Table {
 pub enum GradientError {
     /// A NaN or infinite value at this index, with `non_finite = "reject"`.
     NonFinite(usize),
+}
+
+/// How a Push makes room in a table with a row limit.
+enum Evicting<'a> {
+    /// As the primary: choose victims, and record them.
+    Choose(&'a mut Vec<Eviction>),
+    /// As a replica: the primary's victims, in order, never one's own.
+    Follow(&'a [Eviction]),
 }
 
 /// Deduplication settings from the server's configuration.
@@ -180,7 +188,8 @@ impl Table {
     /// `state`, unless (`worker`, `sequence`) was applied before. The caller
     /// holds the shard's write lock (`_writing`). Rows are decoded one at a
     /// time into a row-sized scratch buffer: the payload itself is never
-    /// copied. Returns the admission decision.
+    /// copied. Returns the admission decision and the rows evicted to make
+    /// room (which the replicas replay).
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
@@ -191,18 +200,21 @@ impl Table {
         worker: u64,
         sequence: u64,
         now: Instant,
-    ) -> Admission {
+    ) -> (Admission, Vec<Eviction>) {
         let admission = state.dedup.admit(worker, sequence, now);
         if admission != Admission::Apply {
-            return admission;
+            return (admission, Vec::new());
         }
-        self.apply_rows(state, keys, gradients);
-        admission
+        let mut evicted = Vec::new();
+        self.apply_rows(state, keys, gradients, Evicting::Choose(&mut evicted));
+        (admission, evicted)
     }
 
     /// Applies a Push the shard's primary applied (a replica following its
     /// stream): records its id without deciding anything (see
-    /// [`PushDedup::record`]) and always applies it. The caller holds the
+    /// [`PushDedup::record`]), always applies it, and evicts exactly the
+    /// rows the primary evicted, at the same points (`evictions`, in
+    /// order, each `before` an index into `keys`). The caller holds the
     /// shard's write lock.
     #[allow(clippy::too_many_arguments)]
     pub fn apply_replicated(
@@ -213,32 +225,69 @@ impl Table {
         gradients: &[u8],
         worker: u64,
         sequence: u64,
+        evictions: &[Eviction],
         now: Instant,
     ) {
         state.dedup.record(worker, sequence, now);
-        self.apply_rows(state, keys, gradients);
+        self.apply_rows(state, keys, gradients, Evicting::Follow(evictions));
     }
 
-    fn apply_rows(&self, state: &ShardState, keys: &[u64], gradients: &[u8]) {
+    fn apply_rows(
+        &self,
+        state: &ShardState,
+        keys: &[u64],
+        gradients: &[u8],
+        mut evicting: Evicting<'_>,
+    ) {
         state.pushes.fetch_add(1, Ordering::Relaxed);
         let dim = self.config.dim as usize;
         let optimizer = self.config.optimizer;
         let mut grad = vec![0f32; dim];
         let mut clipped = 0;
-        for (&key, raw) in keys.iter().zip(gradients.chunks_exact(dim * F32)) {
+        fn update<'g>(optimizer: OptimizerConfig, grad: &'g [f32]) -> impl FnOnce(&mut Row) + 'g {
+            move |row: &mut Row| {
+                let RowData {
+                    values,
+                    state,
+                    steps,
+                } = row.data_mut();
+                optimizer.apply(values, state, steps, grad);
+            }
+        }
+        for (index, (&key, raw)) in keys
+            .iter()
+            .zip(gradients.chunks_exact(dim * F32))
+            .enumerate()
+        {
             clipped += self.decode_row(raw, &mut grad);
-            state.rows.upsert(
-                key,
-                || self.new_row(key),
-                |row| {
-                    let RowData {
-                        values,
-                        state,
-                        steps,
-                    } = row.data_mut();
-                    optimizer.apply(values, state, steps, &grad);
-                },
-            );
+            match &mut evicting {
+                Evicting::Choose(evicted) => {
+                    let ((), victim) = state.rows.upsert_evicting(
+                        key,
+                        || self.new_row(key),
+                        update(optimizer, &grad),
+                    );
+                    if let Some(victim) = victim {
+                        evicted.push(Eviction {
+                            before: u32::try_from(index).unwrap_or(u32::MAX),
+                            key: victim,
+                        });
+                    }
+                }
+                Evicting::Follow(evictions) => {
+                    while let Some((first, rest)) = evictions.split_first()
+                        && first.before as usize <= index
+                    {
+                        state.rows.evict(first.key);
+                        *evictions = rest;
+                    }
+                    state.rows.upsert_following(
+                        key,
+                        || self.new_row(key),
+                        update(optimizer, &grad),
+                    );
+                }
+            }
         }
         if clipped > 0 {
             metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);

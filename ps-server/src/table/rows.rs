@@ -88,6 +88,16 @@ impl std::ops::Deref for Row {
     }
 }
 
+/// A row a Push evicted: `key` went just before the Push's key at index
+/// `before` was inserted (replicas replay it at the same point).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    /// Index in the Push's keys of the row whose insertion evicted it.
+    pub before: u32,
+    /// The evicted row's key.
+    pub key: u64,
+}
+
 /// Rows sampled per eviction. 8: Redis's experience is that 5-10 samples
 /// come close to exact LRU at a fraction of its cost.
 const EVICTION_SAMPLES: usize = 8;
@@ -171,11 +181,55 @@ impl ShardRows {
         init: impl FnOnce() -> Row,
         update: impl FnOnce(&mut Row) -> R,
     ) -> R {
+        self.upsert_evicting(key, init, update).0
+    }
+
+    /// [`ShardRows::upsert`], also returning the key of the row evicted to
+    /// make room, if one was.
+    pub fn upsert_evicting<R>(
+        &self,
+        key: u64,
+        init: impl FnOnce() -> Row,
+        update: impl FnOnce(&mut Row) -> R,
+    ) -> (R, Option<u64>) {
         let mut stripe = self.write_stripe(self.stripe(key));
-        self.make_room(&mut stripe, key);
+        let evicted = self.make_room(&mut stripe, key);
+        let row = stripe.entry(key).or_insert_with(init);
+        self.touch(row);
+        (update(row), evicted)
+    }
+
+    /// [`ShardRows::upsert`] without choosing a victim (a replica replays
+    /// its primary's evictions with [`ShardRows::evict`] instead).
+    pub fn upsert_following<R>(
+        &self,
+        key: u64,
+        init: impl FnOnce() -> Row,
+        update: impl FnOnce(&mut Row) -> R,
+    ) -> R {
+        let mut stripe = self.write_stripe(self.stripe(key));
         let row = stripe.entry(key).or_insert_with(init);
         self.touch(row);
         update(row)
+    }
+
+    /// Evicts the row of `key` (as the primary did); whether it was held.
+    pub fn evict(&self, key: u64) -> bool {
+        let removed = self
+            .write_stripe(self.stripe(key))
+            .swap_remove(&key)
+            .is_some();
+        if removed {
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("tessera_ps_evictions_total").increment(1);
+        }
+        removed
+    }
+
+    /// Whether the table has a row limit (rows are then stored only by
+    /// Pushes and copies, and evicted by the primary alone).
+    pub fn limited(&self) -> bool {
+        self.stripe_limit.is_some()
     }
 
     /// Puts `row` in place of whatever `key` had (evicting another row if
@@ -187,21 +241,24 @@ impl ShardRows {
         stripe.insert(key, row);
     }
 
-    /// Evicts a row if `key` is new and its stripe is full.
-    fn make_room(&self, stripe: &mut IndexMap<u64, Row>, key: u64) {
+    /// Evicts a row if `key` is new and its stripe is full; returns the
+    /// victim's key.
+    fn make_room(&self, stripe: &mut IndexMap<u64, Row>, key: u64) -> Option<u64> {
         if !stripe.contains_key(&key)
             && let Some(limit) = self.stripe_limit
             && stripe.len() >= limit
         {
-            self.evict_one(stripe, key);
+            return self.evict_one(stripe, key);
         }
+        None
     }
 
-    /// Evicts the worst of a few rows sampled from a full stripe.
-    fn evict_one(&self, stripe: &mut IndexMap<u64, Row>, salt: u64) {
+    /// Evicts the worst of a few rows sampled from a full stripe; returns
+    /// its key.
+    fn evict_one(&self, stripe: &mut IndexMap<u64, Row>, salt: u64) -> Option<u64> {
         let len = stripe.len();
         if len == 0 {
-            return;
+            return None;
         }
         let mut draw = splitmix64(salt ^ self.tick());
         let mut victim = None;
@@ -222,11 +279,10 @@ impl ShardRows {
                 victim = Some(i);
             }
         }
-        if let Some(i) = victim {
-            stripe.swap_remove_index(i);
-            self.evictions.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("tessera_ps_evictions_total").increment(1);
-        }
+        let (key, _) = stripe.swap_remove_index(victim?)?;
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("tessera_ps_evictions_total").increment(1);
+        Some(key)
     }
 
     /// Drops every row.
