@@ -71,6 +71,9 @@ pub enum LaunchError {
     /// Servers had to be killed because they did not stop in time.
     #[error("{0} server(s) did not stop within the stop timeout and were killed")]
     Killed(usize),
+    /// The start was interrupted (a signal); what had started was stopped.
+    #[error("interrupted while starting; every server started was stopped")]
+    Interrupted,
 }
 
 /// One running ps-server process.
@@ -125,9 +128,15 @@ fn spawn_server(
             path: log.to_owned(),
             source,
         })?;
+    // The server stops when this process exits, even by SIGKILL
+    // (PR_SET_PDEATHSIG, set by the server itself). The kernel ties that
+    // to the *thread* that spawned it: servers are spawned from async code,
+    // which runs on the runtime's threads, alive as long as the launcher.
     Command::new(binary)
         .arg("--config")
         .arg(config_path)
+        .arg("--parent-pid")
+        .arg(std::process::id().to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log_file)
@@ -174,12 +183,19 @@ pub fn find_ps_server(config: &ClusterConfig) -> Result<PathBuf, LaunchError> {
     Err(LaunchError::BinaryNotFound { looked })
 }
 
-fn free_port(host: &str) -> Result<u16, std::io::Error> {
-    // The port is released before the server binds it; on loopback the
-    // window for another process to take it is small, and a server that
-    // loses the race exits and is reported.
-    let probe = std::net::TcpListener::bind((host, 0))?;
-    Ok(probe.local_addr()?.port())
+/// `n` distinct free ports on `host`. Every probe socket stays bound until
+/// all are chosen, so the kernel cannot hand one port out twice (probing
+/// and releasing one at a time did, for large clusters); they are released
+/// just before the servers start, and a server that still loses its port
+/// to another process fails the start, naming it.
+fn free_ports(host: &str, n: usize) -> Result<Vec<u16>, std::io::Error> {
+    let probes = (0..n)
+        .map(|_| std::net::TcpListener::bind((host, 0)))
+        .collect::<Result<Vec<_>, _>>()?;
+    probes
+        .iter()
+        .map(|probe| Ok(probe.local_addr()?.port()))
+        .collect()
 }
 
 fn write_file(path: &Path, text: &str) -> Result<(), LaunchError> {
@@ -194,6 +210,17 @@ impl Cluster {
     /// `run_dir`, and waits until all are healthy. On failure, whatever was
     /// started is stopped again.
     pub async fn start(config: &ClusterConfig, run_dir: &Path) -> Result<Self, LaunchError> {
+        Self::start_until(config, run_dir, std::future::pending()).await
+    }
+
+    /// [`Cluster::start`], given up when `interrupted` completes first (a
+    /// signal): whatever was started is stopped (gracefully, as by
+    /// [`Cluster::stop`]) before it returns [`LaunchError::Interrupted`].
+    pub async fn start_until(
+        config: &ClusterConfig,
+        run_dir: &Path,
+        interrupted: impl std::future::Future<Output = ()>,
+    ) -> Result<Self, LaunchError> {
         let binary = find_ps_server(config)?;
         std::fs::create_dir_all(run_dir).map_err(|source| LaunchError::Write {
             path: run_dir.to_owned(),
@@ -206,7 +233,11 @@ impl Cluster {
             stop_timeout: Duration::from_millis(config.stop_timeout_ms),
             etcd: None,
         };
-        match cluster.spawn_all(config, &binary).await {
+        let outcome = tokio::select! {
+            outcome = cluster.spawn_all(config, &binary) => outcome,
+            () = interrupted => Err(LaunchError::Interrupted),
+        };
+        match outcome {
             Ok(()) => Ok(cluster),
             Err(err) => {
                 let _ = cluster.stop().await;
@@ -229,19 +260,22 @@ impl Cluster {
         }
         // Every server's address first: each one's configuration lists the
         // others as its replication peers.
+        let servers = (config.replica_groups * config.num_shards) as usize;
+        let ports: Vec<u16> = if config.base_port == 0 {
+            free_ports(&config.host, servers).map_err(|source| LaunchError::Spawn {
+                what: "port probes".into(),
+                source,
+            })?
+        } else {
+            // Validation guarantees base_port + index <= 65535.
+            (0..servers)
+                .map(|index| config.base_port + index as u16)
+                .collect()
+        };
         let mut layout = Vec::new();
         for group in 0..config.replica_groups {
             for shard in 0..config.num_shards {
-                let index = group * config.num_shards + shard;
-                let port = if config.base_port == 0 {
-                    free_port(&config.host).map_err(|source| LaunchError::Spawn {
-                        what: "a port probe".into(),
-                        source,
-                    })?
-                } else {
-                    // Validation guarantees base_port + index <= 65535.
-                    config.base_port + index as u16
-                };
+                let port = ports[(group * config.num_shards + shard) as usize];
                 layout.push((group, shard, format!("{}:{port}", config.host)));
             }
         }

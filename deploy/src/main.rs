@@ -148,14 +148,53 @@ fn load(path: Option<&PathBuf>) -> Result<ClusterConfig, BoxError> {
     })
 }
 
+/// SIGINT and SIGTERM, caught from the launcher's first step: a signal
+/// during a start or a demo stops what was started (and removes the
+/// temporary run directory) instead of killing the launcher and leaving
+/// its servers running.
+struct Interrupt {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Interrupt {
+    fn install() -> Result<Self, BoxError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// Until the next SIGINT or SIGTERM.
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+}
+
 async fn run(cli: Cli) -> Result<(), BoxError> {
     match cli.command {
-        Command::Up { config, run_dir } => up(load(config.as_ref())?, run_dir).await,
+        Command::Up { config, run_dir } => {
+            let mut interrupt = Interrupt::install()?;
+            up(load(config.as_ref())?, run_dir, &mut interrupt).await
+        }
         Command::Demo {
             duration_secs,
             transports,
             config,
-        } => demo(load(config.as_ref())?, duration_secs, &transports).await,
+        } => {
+            let mut interrupt = Interrupt::install()?;
+            demo(
+                load(config.as_ref())?,
+                duration_secs,
+                &transports,
+                &mut interrupt,
+            )
+            .await
+        }
         Command::Admin { action } => admin(action).await,
         Command::PrintConfig => {
             #[allow(clippy::print_stdout)]
@@ -333,7 +372,11 @@ fn print_cluster(cluster: &Cluster) {
 }
 
 #[allow(clippy::print_stdout)]
-async fn up(config: ClusterConfig, run_dir: Option<PathBuf>) -> Result<(), BoxError> {
+async fn up(
+    config: ClusterConfig,
+    run_dir: Option<PathBuf>,
+    interrupt: &mut Interrupt,
+) -> Result<(), BoxError> {
     let temp;
     let dir = match run_dir {
         Some(dir) => dir,
@@ -342,7 +385,7 @@ async fn up(config: ClusterConfig, run_dir: Option<PathBuf>) -> Result<(), BoxEr
             temp.path().to_owned()
         }
     };
-    let cluster = Cluster::start(&config, &dir).await?;
+    let cluster = Cluster::start_until(&config, &dir, interrupt.recv()).await?;
     print_cluster(&cluster);
     println!(
         "{} ps-server(s) healthy; worker config: {}",
@@ -350,7 +393,7 @@ async fn up(config: ClusterConfig, run_dir: Option<PathBuf>) -> Result<(), BoxEr
         dir.join("worker.toml").display()
     );
     println!("Press Ctrl-C to stop.");
-    tessera_rpc::shutdown_signal().await;
+    interrupt.recv().await;
     println!("stopping...");
     cluster.stop().await?;
     println!("all servers stopped");
@@ -362,6 +405,7 @@ async fn demo(
     config: ClusterConfig,
     duration_secs: f64,
     transports: &[DemoTransport],
+    interrupt: &mut Interrupt,
 ) -> Result<(), BoxError> {
     if !(duration_secs.is_finite() && duration_secs > 0.0) {
         return Err("--duration-secs must be a positive number".into());
@@ -371,7 +415,7 @@ async fn demo(
     }
     let mut runs = Vec::new();
     for &transport in transports {
-        let reports = demo_once(transport.apply(config.clone()), duration_secs).await?;
+        let reports = demo_once(transport.apply(config.clone()), duration_secs, interrupt).await?;
         runs.push((transport.label().to_string(), reports));
     }
     let w = tessera_worker::WorkloadConfig::default();
@@ -419,6 +463,7 @@ async fn demo(
 async fn demo_once(
     config: ClusterConfig,
     duration_secs: f64,
+    interrupt: &mut Interrupt,
 ) -> Result<Vec<WorkloadReport>, BoxError> {
     let temp = tempfile::Builder::new().prefix("tessera-demo-").tempdir()?;
     let provider = match config.transport {
@@ -429,7 +474,7 @@ async fn demo_once(
         "starting {} shards x {} replica groups on {} over {}{provider}...",
         config.num_shards, config.replica_groups, config.host, config.transport
     );
-    let cluster = Cluster::start(&config, temp.path()).await?;
+    let cluster = Cluster::start_until(&config, temp.path(), interrupt.recv()).await?;
     print_cluster(&cluster);
     let mut worker_config = cluster.worker_config().clone();
     worker_config.workload.duration_secs = duration_secs;
@@ -441,8 +486,14 @@ async fn demo_once(
             reports.push(workload::run(kind, Arc::clone(&client), &worker_config.workload).await);
         }
         Ok::<_, BoxError>(reports)
-    }
-    .await;
+    };
+    let outcome = tokio::select! {
+        outcome = outcome => outcome,
+        () = interrupt.recv() => {
+            println!("interrupted; stopping the cluster...");
+            Err("interrupted".into())
+        }
+    };
     let stopped = cluster.stop().await;
     let reports = outcome?;
     stopped?;

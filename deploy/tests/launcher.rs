@@ -208,3 +208,217 @@ fn admin_calls_report_health_stats_and_save_a_checkpoint() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// Pids of the processes whose command line mentions `path` (the run
+/// directory every server's `--config` is in).
+fn processes_mentioning(path: &Path) -> Vec<i32> {
+    let needle = path.to_string_lossy().into_owned();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains("ps-server") && cmdline.contains(&needle) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Waits until no process mentions `path`, at most `timeout`.
+fn wait_until_gone(path: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = processes_mentioning(path);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "servers still running after {timeout:?}: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn wait_exit(child: &mut std::process::Child, timeout: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "the launcher did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(child: &std::process::Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// 64 servers on ports the launcher picks: every one distinct (probing
+/// one port at a time and releasing it let two servers get the same one,
+/// 1 launch in 5 of this size failed), all serving.
+#[test]
+fn sixty_four_servers_start_on_distinct_ports() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "num_shards = 32\nreplica_groups = 2\n[[tables]]\nname = \"emb\"\ndim = 4\n",
+    )
+    .unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_file(
+        &run_dir.join("worker.toml"),
+        &mut launcher,
+        Duration::from_secs(90),
+    );
+    let worker = WorkerConfig::load(&run_dir.join("worker.toml")).unwrap();
+    let mut addresses: Vec<&str> = worker.servers.iter().map(|s| s.address.as_str()).collect();
+    addresses.sort_unstable();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 64, "distinct addresses");
+    assert_eq!(processes_mentioning(&run_dir).len(), 64);
+    signal(&launcher, "-TERM");
+    let exit = wait_exit(&mut launcher, Duration::from_secs(60));
+    assert!(exit.success(), "{exit}");
+    wait_until_gone(&run_dir, Duration::from_secs(10));
+}
+
+/// A SIGTERM while the servers start: the launcher stops them and removes
+/// its temporary run directory (before, the signal killed it at once and
+/// left them running).
+#[test]
+fn a_signal_during_start_up_stops_every_server_and_removes_the_run_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "num_shards = 8\nreplica_groups = 2\n[[tables]]\nname = \"emb\"\ndim = 4\n",
+    )
+    .unwrap();
+    let temp_root = tmp.path().join("tmp");
+    std::fs::create_dir(&temp_root).unwrap();
+    // Servers that take 3 s to start: the signal surely comes during the
+    // start.
+    let slow = tmp.path().join("slow-ps-server");
+    std::fs::write(
+        &slow,
+        format!(
+            "#!/bin/sh\nsleep 3\nexec {} \"$@\"\n",
+            ps_server_bin().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["up", "--config"])
+        .arg(&config)
+        .env("TESSERA_PS_SERVER_BIN", &slow)
+        .env("TMPDIR", &temp_root)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    // As soon as the first server runs.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while processes_mentioning(&temp_root).is_empty() {
+        assert!(launcher.try_wait().unwrap().is_none(), "launcher exited");
+        assert!(Instant::now() < deadline, "no server started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal(&launcher, "-TERM");
+    let exit = wait_exit(&mut launcher, Duration::from_secs(30));
+    assert!(!exit.success(), "an interrupted start is a failure: {exit}");
+    wait_until_gone(&temp_root, Duration::from_secs(10));
+    let left: Vec<_> = std::fs::read_dir(&temp_root).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// A launcher killed with SIGKILL (no handler runs): its servers stop by
+/// themselves (`--parent-pid`, PR_SET_PDEATHSIG).
+#[test]
+fn servers_stop_when_their_launcher_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "num_shards = 2\nreplica_groups = 2\n[[tables]]\nname = \"emb\"\ndim = 4\n",
+    )
+    .unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_file(
+        &run_dir.join("worker.toml"),
+        &mut launcher,
+        Duration::from_secs(60),
+    );
+    assert_eq!(processes_mentioning(&run_dir).len(), 4);
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    wait_until_gone(&run_dir, Duration::from_secs(15));
+}
+
+/// A SIGTERM in the middle of `tessera demo`: the cluster is stopped and
+/// the temporary directory removed.
+#[test]
+fn a_signal_during_the_demo_stops_its_cluster() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let temp_root = tmp.path().join("tmp");
+    std::fs::create_dir(&temp_root).unwrap();
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["demo", "--duration-secs", "30", "--transports", "tcp"])
+        .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+        .env("TMPDIR", &temp_root)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = demo.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("the demo printed nothing about running")
+            .unwrap();
+        if line.starts_with("running") {
+            break;
+        }
+    }
+    assert!(!processes_mentioning(&temp_root).is_empty());
+    signal(&demo, "-TERM");
+    let exit = wait_exit(&mut demo, Duration::from_secs(30));
+    assert!(!exit.success(), "{exit}");
+    wait_until_gone(&temp_root, Duration::from_secs(10));
+    let left: Vec<_> = std::fs::read_dir(&temp_root).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

@@ -44,6 +44,11 @@ struct Cli {
     /// Override `checkpoint.dir`.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// Stop (gracefully, as on SIGTERM) when the process PID, this
+    /// server's parent, exits: a launcher's children must not outlive it,
+    /// even when it is killed with SIGKILL.
+    #[arg(long, value_name = "PID")]
+    parent_pid: Option<i32>,
 }
 
 fn main() -> ExitCode {
@@ -66,7 +71,21 @@ fn main() -> ExitCode {
     }
 }
 
+/// Asks the kernel for SIGTERM when the parent exits, then checks that the
+/// parent is still `parent` (it may have exited before the request).
+fn die_with_parent(parent: i32) -> Result<(), Box<dyn std::error::Error>> {
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)?;
+    let now = nix::unistd::getppid().as_raw();
+    if now != parent {
+        return Err(format!("the parent process {parent} is gone (parent now {now})").into());
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(parent) = cli.parent_pid {
+        die_with_parent(parent)?;
+    }
     let mut config = match &cli.config {
         Some(path) => PsServerConfig::load(path)?,
         None => PsServerConfig::default(),
