@@ -146,7 +146,7 @@ impl v1::Admin for AdminService {
                 for (table, rows) in &snapshot.tables {
                     let (count, digest) = crate::rowfile::digest_snapshot(rows);
                     out.push(ShardDigest {
-                        table: table.config().name.clone(),
+                        table: table.name.clone(),
                         shard,
                         version: Some(snapshot.version.into()),
                         rows: count,

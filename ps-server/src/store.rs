@@ -210,30 +210,40 @@ impl ShardGuard<'_> {
     }
 }
 
-/// Every table of one shard at one cut ([`Store::snapshot_shard`]).
-#[derive(Debug)]
-pub struct ShardSnapshot<'a> {
+/// Every table of one shard at one cut ([`Store::snapshot_shard`]): owns
+/// what it holds (rows are shared with the store, see
+/// [`crate::table::Row`]), so it can outlive the lock and travel to other
+/// threads.
+#[derive(Debug, Clone)]
+pub struct ShardSnapshot {
     /// The shard.
     pub shard: u32,
     /// The version the rows are at.
     pub version: Version,
     /// Each table hosting the shard, by name, and its rows.
-    pub tables: Vec<(&'a Table, crate::table::TableSnapshot)>,
+    pub tables: Vec<(TableShape, crate::table::TableSnapshot)>,
 }
 
-impl ShardSnapshot<'_> {
+/// A table's name and row shape, as a snapshot carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableShape {
+    /// The table.
+    pub name: String,
+    /// Values per row.
+    pub dim: u32,
+    /// Optimizer state slots per value.
+    pub slots: u32,
+}
+
+impl ShardSnapshot {
     /// Each table's row file (name, bytes, rows), in name order.
     pub fn encode(&self) -> Vec<(&str, Vec<u8>, u64)> {
         self.tables
             .iter()
-            .map(|(table, snapshot)| {
-                let config = table.config();
-                let (bytes, rows) = crate::rowfile::encode_snapshot(
-                    snapshot,
-                    config.dim,
-                    config.optimizer.slots() as u32,
-                );
-                (config.name.as_str(), bytes, rows)
+            .map(|(shape, snapshot)| {
+                let (bytes, rows) =
+                    crate::rowfile::encode_snapshot(snapshot, shape.dim, shape.slots);
+                (shape.name.as_str(), bytes, rows)
             })
             .collect()
     }
@@ -326,7 +336,7 @@ impl Store {
     /// per row (rows are shared, copied only when a Push changes them
     /// later: see [`crate::table::Row`]), so the lock is held briefly; the
     /// caller encodes the snapshot after releasing it.
-    pub fn snapshot_shard(&self, writing: &ShardGuard<'_>) -> ShardSnapshot<'_> {
+    pub fn snapshot_shard(&self, writing: &ShardGuard<'_>) -> ShardSnapshot {
         let mut tables: Vec<&Table> = self.tables.values().collect();
         tables.sort_by(|a, b| a.config().name.cmp(&b.config().name));
         ShardSnapshot {
@@ -335,7 +345,15 @@ impl Store {
             tables: tables
                 .into_iter()
                 .filter(|t| t.shard(writing.shard()).is_some())
-                .map(|t| (t, t.snapshot(writing, writing.shard())))
+                .map(|t| {
+                    let config = t.config();
+                    let shape = TableShape {
+                        name: config.name.clone(),
+                        dim: config.dim,
+                        slots: config.optimizer.slots() as u32,
+                    };
+                    (shape, t.snapshot(writing, writing.shard()))
+                })
                 .collect(),
         }
     }

@@ -610,3 +610,95 @@ async fn replicas_of_a_table_with_a_row_limit_evict_what_the_primary_evicts() {
     primary.stop().await;
     replica.stop().await;
 }
+
+/// A copy that takes much longer than `max_lag_pushes` Pushes arrive: the
+/// replica holds the Pushes forwarded meanwhile and applies them after the
+/// copy, so it comes into step under a steady load, with one copy and no
+/// cut-off (before, the primary cut it off as each copy finished and it
+/// never converged while the load lasted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_copy_under_a_steady_push_load_converges() {
+    let (a, b) = (free_addr(), free_addr());
+    // The replica reaches the primary through a slow proxy: its copy
+    // crawls. The primary advertises the proxy's address, so that the
+    // replica calls back through it.
+    let to_primary = FaultProxy::start(a.clone()).await;
+    let primary = InProcess::start(&config(&a, 0, &b, &to_primary.addr, 200)).await;
+    let replica_config = config(&b, 1, &to_primary.addr, &b, 200);
+    let first = InProcess::start(&replica_config).await;
+    wait_serving(&a).await;
+    wait_serving(&b).await;
+    // A shard of 60,000 rows (about 3.6 MB as a copy: four chunks).
+    for (i, chunk) in (0..60_000u64).collect::<Vec<_>>().chunks(5000).enumerate() {
+        let sequence = i as u64 + 1;
+        let grads = vec![0.5f32; chunk.len() * 4];
+        primary
+            .data
+            .push(PushRequest {
+                table: "emb".into(),
+                shard: 0,
+                keys: chunk.to_vec(),
+                gradients: Bytes::from(wire(&grads)),
+                worker_id: 11,
+                sequence,
+            })
+            .await
+            .unwrap();
+    }
+    // The replica restarts empty: it must copy the whole shard.
+    first.stop().await;
+    to_primary.delay(Duration::from_millis(30));
+    let replica = InProcess::start(&replica_config).await;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pusher = tokio::spawn({
+        let (data, stop) = (primary.data.clone(), stop.clone());
+        async move {
+            let mut pushed = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                pushed += 1;
+                let keys: Vec<u64> = (0..8).map(|i| (pushed * 8 + i) % 60_000).collect();
+                let grads = vec![0.25f32; keys.len() * 4];
+                data.push(PushRequest {
+                    table: "emb".into(),
+                    shard: 0,
+                    keys,
+                    gradients: Bytes::from(wire(&grads)),
+                    worker_id: 12,
+                    sequence: pushed,
+                })
+                .await
+                .unwrap();
+            }
+            pushed
+        }
+    });
+    // In step (by the replica's own account, with its copy in) while the
+    // Pushes go on.
+    let started = Instant::now();
+    loop {
+        let health = tessera_test_support::health(&b).await.unwrap();
+        if replica.replication.syncs() >= 1 && health.shard_health.iter().all(|s| s.in_step) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(40),
+            "the replica never came into step under load ({} cut-offs)",
+            primary.replication.cutoffs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let in_step_after = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let pushed = pusher.await.unwrap();
+    to_primary.delay(Duration::ZERO);
+    converged(&primary, &replica).await;
+    eprintln!(
+        "replica in step {in_step_after:?} after it started, {pushed} Pushes during the copy and after"
+    );
+    assert!(pushed > 200, "the load outran max_lag_pushes: {pushed}");
+    assert_eq!(primary.replication.cutoffs(), 0, "no cut-off");
+    assert_eq!(replica.replication.syncs(), 1, "one copy");
+    replica.stop().await;
+    primary.stop().await;
+}

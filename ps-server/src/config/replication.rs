@@ -65,6 +65,12 @@ pub struct ReplicationConfig {
     /// `tessera_ps_replica_receiving` metric, a warning), in milliseconds.
     /// Default 3000: six heartbeats.
     pub stale_after_ms: u64,
+    /// Bytes of forwarded Pushes (gradients and keys) a replica holds per
+    /// shard while it copies the shard, to apply after the copy; beyond,
+    /// it drops them and copies again. Default 1 GiB: at the trainer's
+    /// 20 KiB Pushes, 50,000 Pushes — seconds of a busy shard, the length
+    /// of a large copy — and far below the pool ceiling.
+    pub copy_buffer_bytes: u64,
 }
 
 impl Default for ReplicationConfig {
@@ -76,6 +82,7 @@ impl Default for ReplicationConfig {
             replica_timeout_ms: 2000,
             heartbeat_ms: 500,
             stale_after_ms: 3000,
+            copy_buffer_bytes: 1 << 30,
         }
     }
 }
@@ -87,6 +94,7 @@ impl ReplicationConfig {
             ("replication.batch_pushes", self.batch_pushes as u64),
             ("replication.replica_timeout_ms", self.replica_timeout_ms),
             ("replication.heartbeat_ms", self.heartbeat_ms),
+            ("replication.copy_buffer_bytes", self.copy_buffer_bytes),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));

@@ -52,8 +52,10 @@
 //!   acknowledged under two epochs.
 
 mod ack;
+mod copy_stream;
 mod forward;
 mod health;
+mod pending;
 mod recovery;
 mod replica;
 mod roles;
@@ -89,6 +91,7 @@ pub struct Replication {
     ack: AckMode,
     replica_timeout: Duration,
     stale_after: Duration,
+    copy_buffer_bytes: usize,
     cells: HashMap<u32, ShardCell>,
     forwarders: Vec<Arc<Forwarder>>,
     clients: HashMap<String, ReplicationClient>,
@@ -167,6 +170,8 @@ impl Replication {
             ack: config.replication.ack,
             replica_timeout: Duration::from_millis(config.replication.replica_timeout_ms),
             stale_after: Duration::from_millis(config.replication.stale_after_ms),
+            copy_buffer_bytes: usize::try_from(config.replication.copy_buffer_bytes)
+                .unwrap_or(usize::MAX),
             cells: config
                 .shards
                 .iter()
@@ -204,6 +209,23 @@ impl Replication {
         for forwarder in &self.forwarders {
             tokio::spawn(Arc::clone(forwarder).run(self.weak.clone(), self.stop.clone()));
         }
+        // Copies whose callers went away.
+        let weak = self.weak.clone();
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            let every = sync::SESSION_IDLE / 3;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = stop.cancelled() => return,
+                }
+                let Some(this) = weak.upgrade() else { return };
+                let ended = this.sessions.sweep(std::time::Instant::now());
+                if ended > 0 {
+                    tracing::info!(ended, "copy sessions idle too long ended");
+                }
+            }
+        });
         let weak = self.weak.clone();
         let stop = self.stop.clone();
         tokio::spawn(async move {

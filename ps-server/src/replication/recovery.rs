@@ -27,7 +27,7 @@ use super::shard::Role;
 /// that does not answer within it is asked again (static mode) or left
 /// out (with a coordinator, once the patience runs out).
 const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
-use super::sync::{self, CopyError};
+use super::sync::CopyError;
 use crate::version::Version;
 
 /// How long a recovery waits for the other servers of the shard.
@@ -234,9 +234,10 @@ impl Replication {
         own: Version,
     ) -> Result<Version, CopyError> {
         let fetched = self.fetch_copy(shard, from, own, false).await?;
-        let Some((images, bytes)) = fetched.images else {
+        let Some(copy) = fetched.copy else {
             return Ok(own);
         };
+        let bytes = copy.bytes;
         let from = from.to_owned();
         tokio::task::spawn_blocking(move || {
             let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
@@ -253,9 +254,11 @@ impl Replication {
                     own: writing.version(),
                 });
             }
-            let rows = sync::install(&self.store, &writing, images, Instant::now());
+            let (rows, old_rows) = copy.install(&self.store, &writing, Instant::now());
             writing.set_version(fetched.version);
             drop(state);
+            drop(writing);
+            drop(old_rows);
             self.syncs
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             metrics::counter!("tessera_ps_replication_syncs_total").increment(1);

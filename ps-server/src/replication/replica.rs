@@ -41,6 +41,8 @@ enum Entry {
     Applied,
     Already,
     OutOfStep,
+    /// Out of step, and an attachment must start (after the locks).
+    Resync,
     Syncing,
 }
 
@@ -77,8 +79,16 @@ impl Replication {
                 continue;
             }
             if syncing.contains(&entry.shard) {
-                answer.syncing = true;
-                break;
+                // Held to apply after the copy; other shards go on.
+                let head = request.heads.iter().find(|h| h.shard == entry.shard);
+                if !head.is_some_and(|head| self.hold(head, entry)) {
+                    // Over the bound: the primary cuts the shard off; it
+                    // is copied again after this copy.
+                    answer.out_of_sync.push(entry.shard);
+                    dropped.insert(entry.shard);
+                }
+                answer.processed += 1;
+                continue;
             }
             let Some(&epoch) = accepted.get(&entry.shard) else {
                 // No head: not a stream this replica follows.
@@ -90,6 +100,12 @@ impl Replication {
             match self.apply_forwarded(sender, epoch, entry, now) {
                 Entry::Applied | Entry::Already => answer.processed += 1,
                 Entry::OutOfStep => {
+                    answer.out_of_sync.push(entry.shard);
+                    dropped.insert(entry.shard);
+                    accepted.remove(&entry.shard);
+                    answer.processed += 1;
+                }
+                Entry::Resync => {
                     answer.out_of_sync.push(entry.shard);
                     dropped.insert(entry.shard);
                     accepted.remove(&entry.shard);
@@ -209,6 +225,29 @@ impl Replication {
             return Entry::OutOfStep;
         };
         let mut state = cell.lock();
+        match self.apply_locked(&mut writing, &mut state, sender, epoch, entry, now) {
+            Entry::Resync => {
+                drop(state);
+                drop(writing);
+                self.spawn_attach(entry.shard);
+                Entry::OutOfStep
+            }
+            other => other,
+        }
+    }
+
+    /// Applies a forwarded Push to the shard `writing` locks, whose state
+    /// is `state`; [`Entry::Resync`] asks the caller to attach again once
+    /// it has released both.
+    fn apply_locked(
+        &self,
+        writing: &mut crate::store::ShardGuard<'_>,
+        state: &mut super::shard::StateGuard<'_>,
+        sender: &str,
+        epoch: u64,
+        entry: &ReplicatedPush,
+        now: Instant,
+    ) -> Entry {
         let Role::Replica(follow) = &mut state.role else {
             return Entry::OutOfStep;
         };
@@ -225,10 +264,7 @@ impl Replication {
         if entry.gap || version.position.checked_add(1) != Some(entry.position) {
             follow.in_step = false;
             metrics::counter!("tessera_ps_replication_out_of_sync_total").increment(1);
-            drop(state);
-            drop(writing);
-            self.spawn_attach(entry.shard);
-            return Entry::OutOfStep;
+            return Entry::Resync;
         }
         if let Some(push) = &entry.push {
             let checked = if push.shard == entry.shard {
@@ -248,43 +284,50 @@ impl Replication {
                     hosted: vec![entry.shard],
                 })
             };
-            let evictions = if entry.evicted_before.len() == entry.evicted_keys.len() {
-                entry
-                    .evicted_before
-                    .iter()
-                    .zip(&entry.evicted_keys)
-                    .map(|(&before, &key)| crate::table::Eviction { before, key })
-                    .collect()
-            } else {
-                Vec::new()
-            };
+            let evictions: Vec<crate::table::Eviction> = entry
+                .evicted_before
+                .iter()
+                .zip(&entry.evicted_keys)
+                .map(|(&before, &key)| crate::table::Eviction { before, key })
+                .collect();
             let applied = checked.and_then(|checked| {
                 if entry.evicted_before.len() != entry.evicted_keys.len() {
                     return Err(crate::store::StoreError::BadEvictions {
                         keys: push.keys.len(),
                     });
                 }
-                checked.apply_replicated(&writing, &evictions, now)
+                checked.apply_replicated(writing, &evictions, now)
             });
-            match applied {
-                Ok(()) => {}
-                Err(err) => {
-                    // The primary applied it, so this server is configured
-                    // differently (a table, a dimension): it must not claim
-                    // the primary's version. It copies the shard again, and
-                    // says why until the configurations agree.
-                    metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);
-                    tracing::error!(shard = entry.shard, %err, "a forwarded push does not apply here; copying the shard again");
-                    follow.in_step = false;
-                    drop(state);
-                    drop(writing);
-                    self.spawn_attach(entry.shard);
-                    return Entry::OutOfStep;
-                }
+            if let Err(err) = applied {
+                // The primary applied it, so this server is configured
+                // differently (a table, a dimension): it must not claim
+                // the primary's version. It copies the shard again, and
+                // says why until the configurations agree.
+                metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);
+                tracing::error!(shard = entry.shard, %err, "a forwarded push does not apply here; copying the shard again");
+                follow.in_step = false;
+                return Entry::Resync;
             }
         }
         writing.set_version(Version::new(epoch, entry.position));
         Entry::Applied
+    }
+
+    /// Holds a Push forwarded for `shard` while it is being copied (see
+    /// [`super::pending`]); false when the bound was exceeded.
+    fn hold(&self, head: &StreamHead, entry: &ReplicatedPush) -> bool {
+        let Some(cell) = self.cell(entry.shard) else {
+            return false;
+        };
+        let mut state = cell.lock();
+        state.pending.hold(
+            super::pending::Held {
+                attachment: head.attachment,
+                epoch: head.epoch,
+                entry: entry.clone(),
+            },
+            self.copy_buffer_bytes,
+        )
     }
 
     /// Starts attaching `shard` to the primary it follows, unless an
@@ -305,7 +348,10 @@ impl Replication {
             follow.syncing = true;
             follow.in_step = false;
             follow.attach = cell.next_attachment();
-            follow.attach
+            let attach = follow.attach;
+            // Pushes held for an earlier attachment will not apply.
+            state.pending.clear();
+            attach
         };
         let Some(this) = self.weak.upgrade() else {
             return;
@@ -413,10 +459,14 @@ impl Replication {
                 own: writing.version(),
             });
         }
-        let copied = fetched.images.as_ref().map(|(_, bytes)| *bytes);
-        let rows = fetched
-            .images
-            .map(|(images, _)| sync::install(&self.store, &writing, images, Instant::now()));
+        let copied = fetched.copy.as_ref().map(|copy| copy.bytes);
+        let (rows, old_rows) = match fetched.copy {
+            Some(copy) => {
+                let (rows, old) = copy.install(&self.store, &writing, Instant::now());
+                (Some(rows), old)
+            }
+            None => (None, Vec::new()),
+        };
         writing.set_version(offered);
         state.learn(fetched.epoch, target);
         state.has_copy = true;
@@ -427,15 +477,52 @@ impl Replication {
             f.syncing = false;
             f.last_heard = Some(Instant::now());
         }
+        // The Pushes forwarded while the copy was on its way, after it.
+        let (held, overflowed) = state.pending.take(fetched.attachment);
+        let mut replayed = 0usize;
+        let mut resync = overflowed;
+        for held in held
+            .iter()
+            .filter(|h| h.entry.gap || h.entry.position > offered.position)
+        {
+            match self.apply_locked(
+                &mut writing,
+                &mut state,
+                target,
+                held.epoch,
+                &held.entry,
+                Instant::now(),
+            ) {
+                Entry::Applied | Entry::Already => replayed += 1,
+                _ => {
+                    resync = true;
+                    break;
+                }
+            }
+        }
+        if resync && let Role::Replica(f) = &mut state.role {
+            f.in_step = false;
+        }
+        let version = writing.version();
         drop(state);
         drop(writing);
+        drop(old_rows);
         if let Some(bytes) = copied {
             self.syncs
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             metrics::counter!("tessera_ps_replication_syncs_total").increment(1);
-            tracing::info!(shard, primary = target, version = %offered, rows, bytes, took = ?started.elapsed(), "shard copied from its primary");
+            tracing::info!(shard, primary = target, copied = %offered, %version, rows, bytes, replayed, took = ?started.elapsed(), "shard copied from its primary");
         } else {
-            tracing::info!(shard, primary = target, version = %offered, "replica in step with its primary without a copy");
+            tracing::info!(shard, primary = target, %version, replayed, "replica in step with its primary without a copy");
+        }
+        if resync {
+            tracing::info!(
+                shard,
+                primary = target,
+                overflowed,
+                "pushes held during the copy do not follow it; copying again"
+            );
+            self.spawn_attach(shard);
         }
         Ok(())
     }

@@ -10,8 +10,8 @@ use tessera_proto::v1::{
 use tessera_rpc::{RequestContext, Status};
 
 use super::Replication;
+use super::copy_stream::CopySource;
 use super::shard::Role;
-use super::sync;
 use crate::version::Version;
 
 /// The `Replication` RPC service of a server.
@@ -41,8 +41,8 @@ impl v1::Replication for ReplicationService {
         _context: RequestContext,
         request: SyncRequest,
     ) -> Result<SyncResponse, Status> {
-        // A copy takes the shard's write lock (briefly) and encodes every
-        // row: off the async threads.
+        // A copy takes the shard's write lock (briefly, behind any Push in
+        // flight): off the async threads.
         let replication = Arc::clone(&self.replication);
         tokio::task::spawn_blocking(move || replication.serve_sync(&request))
             .await
@@ -54,6 +54,10 @@ impl v1::Replication for ReplicationService {
         _context: RequestContext,
         request: SyncChunkRequest,
     ) -> Result<SyncChunkResponse, Status> {
+        if request.release {
+            self.replication.sessions.release(request.session);
+            return Ok(SyncChunkResponse::default());
+        }
         let data = self
             .replication
             .sessions
@@ -127,13 +131,12 @@ impl Replication {
                 attachment,
             });
         }
-        // A cut under the lock (a reference per row), encoded after it.
-        let snapshot = self.store.snapshot_shard(&writing);
+        // A cut under the lock (a reference per row); every chunk is
+        // encoded from it when asked.
+        let source = CopySource::new(self.store.snapshot_shard(&writing));
         drop(writing);
-        let blob = sync::encode_blob(&snapshot);
-        drop(snapshot);
-        let total_bytes = blob.len() as u64;
-        let session = self.sessions.open(blob);
+        let total_bytes = source.total_bytes();
+        let session = self.sessions.open(&request.replica, shard, source);
         tracing::info!(shard, replica = %request.replica, attach = request.attach, %version, total_bytes, "copy of the shard ready");
         Ok(SyncResponse {
             session,

@@ -95,6 +95,8 @@ pub(crate) struct ShardState {
     /// A primary handing the shard over (shutting down): it takes no more
     /// Pushes while its queues drain to the replicas.
     pub handing_over: bool,
+    /// Pushes forwarded while the shard is being copied (a replica).
+    pub pending: super::pending::Pending,
 }
 
 impl ShardState {
@@ -211,6 +213,7 @@ impl ShardCell {
                 known_primary: None,
                 has_copy: false,
                 handing_over: false,
+                pending: super::pending::Pending::default(),
             }),
             readable: AtomicBool::new(false),
             retry_now: tokio::sync::Notify::new(),

@@ -2,19 +2,25 @@
 //! primary, and a new primary recovering the freshest copy, fetch a whole
 //! shard from another server.
 //!
-//! The source takes every table's rows of the shard under the shard's
-//! write lock (so the copy holds whole Pushes only and matches its
-//! version), as one blob — the number of tables (u32), then per table, by
+//! The source cuts the shard under its write lock (a snapshot sharing
+//! every row, so the copy holds whole Pushes only and matches its version,
+//! and the lock is held for a reference per row), and keeps it as a
+//! *session* ([`Sessions`]) that the caller fetches in 1 MiB chunks
+//! (`SyncChunk`), each encoded when asked ([`super::copy_stream`]): no
+//! message approaches the transport's limit, and the copy never exists as
+//! one blob. The stream is the number of tables (u32), then per table, by
 //! name: the name's length (u32) and bytes, the row file's length (u64)
-//! and bytes ([`crate::rowfile`]) — and
-//! keeps it as a *session* that the caller fetches in 1 MiB chunks
-//! (`SyncChunk`), so that no message approaches the transport's limit.
-//! The caller decodes the whole blob before it changes anything, then
-//! replaces the shard's rows with it under the write lock.
+//! and bytes ([`crate::rowfile`]).
+//!
+//! The caller decodes each chunk as it comes into rows staged beside its
+//! own ([`Staged`]), changing nothing it serves, then swaps them in under
+//! the shard's write lock in one step. A replica holds the Pushes its
+//! primary forwards meanwhile and applies them after the copy
+//! ([`super::pending`]).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -22,15 +28,21 @@ use tessera_proto::v1::{ReplicationClient, SyncChunkRequest, SyncRequest, SyncRe
 use tessera_rpc::{RpcError, Status};
 
 use super::Replication;
-use crate::rowfile::{self, ShardImage};
-use crate::store::{ShardGuard, ShardSnapshot, Store};
+use super::copy_stream::{CopyDecoder, CopyItem, CopySource};
+use crate::rowfile;
+#[cfg(test)]
+use crate::rowfile::ShardImage;
+#[cfg(test)]
+use crate::store::ShardSnapshot;
+use crate::store::{ShardGuard, Store, TableShape};
 use crate::version::Version;
 
 /// Bytes per `SyncChunk` answer: well under any message limit, large
 /// enough that a big shard takes few round trips.
 const CHUNK_BYTES: usize = 1 << 20;
-/// A copy not fetched within this long is dropped.
-const SESSION_EXPIRY: Duration = Duration::from_secs(120);
+/// A copy no chunk was asked of for this long is dropped: its caller died
+/// or gave up (a live one asks every chunk within a request timeout).
+pub(crate) const SESSION_IDLE: Duration = Duration::from_secs(30);
 
 /// Why a shard copy could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +79,9 @@ pub enum CopyError {
         /// Why.
         source: rowfile::DecodeError,
     },
+    /// The copy's stream does not decode.
+    #[error(transparent)]
+    Stream(super::copy_stream::StreamError),
     /// The copy is older than the caller's own (a replica never copies
     /// from an older copy).
     #[error("the copy at {offered} is older than this server's at {own}")]
@@ -91,9 +106,9 @@ pub(crate) struct Fetched {
     pub epoch: u64,
     /// The copy's version.
     pub version: Version,
-    /// Its tables and size in bytes; `None` when it is the caller's own
-    /// version (nothing to copy).
-    pub images: Option<(Vec<(String, ShardImage)>, usize)>,
+    /// The copy, staged aside; `None` when it is the caller's own version
+    /// (nothing to copy).
+    pub copy: Option<Staged>,
     /// The attachment the source made (when attaching).
     pub attachment: u64,
 }
@@ -132,24 +147,24 @@ impl Replication {
                 own,
             });
         }
-        let images = if answer.total_bytes == 0 && version == own {
+        let copy = if answer.total_bytes == 0 && version == own {
             None
         } else {
-            let data = download(&client, from, &answer).await?;
-            Some((decode(&self.store, &data)?, data.len()))
+            Some(download(&self.store, &client, from, &answer).await?)
         };
         Ok(Fetched {
             epoch: answer.epoch,
             version,
-            images,
+            copy,
             attachment: answer.attachment,
         })
     }
 }
 
-/// Every table's rows of a shard snapshot, as one blob (module docs).
-/// Encoded after the shard's lock is released.
-pub(crate) fn encode_blob(snapshot: &ShardSnapshot<'_>) -> Vec<u8> {
+/// Every table's rows of a shard snapshot, as one blob (module docs; tests:
+/// servers encode chunk by chunk, [`CopySource`]).
+#[cfg(test)]
+pub(crate) fn encode_blob(snapshot: &ShardSnapshot) -> Vec<u8> {
     let files = snapshot.encode();
     let mut blob = Vec::with_capacity(
         4 + files
@@ -168,7 +183,8 @@ pub(crate) fn encode_blob(snapshot: &ShardSnapshot<'_>) -> Vec<u8> {
 }
 
 /// Parses a blob into each table's image, checking every table against
-/// `store`'s configuration.
+/// `store`'s configuration (tests: servers decode chunk by chunk).
+#[cfg(test)]
 pub(crate) fn decode(
     store: &Store,
     mut data: &[u8],
@@ -212,53 +228,194 @@ pub(crate) fn decode(
     Ok(out)
 }
 
-/// Makes the shard `guard` locks hold exactly `images` (tables the copy
-/// lacks are emptied); returns the rows installed.
-pub(crate) fn install(
-    store: &Store,
-    guard: &ShardGuard<'_>,
-    images: Vec<(String, ShardImage)>,
-    now: Instant,
-) -> usize {
-    let shard = guard.shard();
-    let mut images: HashMap<String, ShardImage> = images.into_iter().collect();
-    let mut rows = 0;
-    for table in store.tables() {
-        let image = images.remove(&table.config().name).unwrap_or_default();
-        rows += image.rows.len();
-        table.replace(guard, shard, image, now);
-    }
-    rows
+/// A copy downloaded into rows of its own, beside the live ones: the old
+/// rows stay (served no longer, but a candidate for recovery should the
+/// source die mid-copy) until [`Staged::install`] swaps the new ones in
+/// under the shard's write lock, in one step. Memory: the old rows and the
+/// new ones, never the download as bytes or as a decoded image besides.
+#[derive(Debug, Default)]
+pub(crate) struct Staged {
+    tables: Vec<StagedTable>,
+    /// Bytes downloaded.
+    pub bytes: u64,
+    /// Rows in the copy.
+    pub rows: usize,
 }
 
-/// Fetches the copy `session` describes from `addr`.
+#[derive(Debug)]
+struct StagedTable {
+    name: String,
+    rows: crate::table::ShardRows,
+    dedup: Vec<crate::dedup::WorkerWindow>,
+}
+
+impl Staged {
+    /// Makes the shard `guard` locks hold exactly this copy (tables the
+    /// copy lacks are emptied); returns the rows installed and the old
+    /// rows, to drop after the lock is released.
+    pub fn install(
+        mut self,
+        store: &Store,
+        guard: &ShardGuard<'_>,
+        now: Instant,
+    ) -> (usize, Vec<crate::table::ShardRows>) {
+        let shard = guard.shard();
+        let mut rows = 0;
+        let mut old = Vec::new();
+        for table in store.tables() {
+            let staged = match self
+                .tables
+                .iter()
+                .position(|t| t.name == table.config().name)
+            {
+                Some(i) => self.tables.swap_remove(i),
+                None => StagedTable {
+                    name: table.config().name.clone(),
+                    rows: table.staging_rows(),
+                    dedup: Vec::new(),
+                },
+            };
+            rows += table.swap_in(guard, shard, &staged.rows, &staged.dedup, now);
+            old.push(staged.rows);
+        }
+        (rows, old)
+    }
+}
+
+/// Fetches the copy `session` describes from `addr` chunk by chunk,
+/// decoding each as it comes ([`CopyDecoder`]) into rows staged aside, and
+/// ends the session.
 pub(crate) async fn download(
+    store: &Store,
     client: &ReplicationClient,
     addr: &str,
     session: &SyncResponse,
-) -> Result<Vec<u8>, CopyError> {
-    // Capacity bounded: the total is the peer's word, the chunks are not.
-    let mut data = Vec::with_capacity(session.total_bytes.min(1 << 30) as usize);
-    while (data.len() as u64) < session.total_bytes {
-        let chunk = client
-            .sync_chunk(SyncChunkRequest {
-                session: session.session,
-                offset: data.len() as u64,
-            })
-            .await
-            .map_err(|source| CopyError::Rpc {
-                addr: addr.to_owned(),
-                source,
-            })?;
-        if chunk.data.is_empty() {
-            return Err(CopyError::EmptyChunk(addr.to_owned()));
+) -> Result<Staged, CopyError> {
+    let mut stager = Stager::new(store);
+    let fetched = async {
+        let mut at = 0u64;
+        while at < session.total_bytes {
+            let chunk = client
+                .sync_chunk(SyncChunkRequest {
+                    session: session.session,
+                    offset: at,
+                    release: false,
+                })
+                .await
+                .map_err(|source| CopyError::Rpc {
+                    addr: addr.to_owned(),
+                    source,
+                })?;
+            if chunk.data.is_empty() {
+                return Err(CopyError::EmptyChunk(addr.to_owned()));
+            }
+            at += chunk.data.len() as u64;
+            stager.feed(&chunk.data)?;
         }
-        data.extend_from_slice(&chunk.data);
+        Ok(())
     }
-    Ok(data)
+    .await;
+    // Best effort: an unreleased session ends when it has been idle long
+    // enough.
+    let _ = client
+        .sync_chunk(SyncChunkRequest {
+            session: session.session,
+            offset: 0,
+            release: true,
+        })
+        .await;
+    fetched?;
+    stager.finish()
 }
 
-/// Copies waiting to be fetched.
+/// The receiver's shape of a table, by name.
+type ShapeOf<'a> = Box<dyn Fn(&str) -> Option<TableShape> + Send + Sync + 'a>;
+
+/// Decodes a copy's chunks into a [`Staged`] copy as they come.
+pub(crate) struct Stager<'a> {
+    store: &'a Store,
+    decoder: CopyDecoder<ShapeOf<'a>>,
+    staged: Staged,
+    items: Vec<CopyItem>,
+}
+
+impl<'a> Stager<'a> {
+    pub fn new(store: &'a Store) -> Self {
+        let shape_of = move |name: &str| {
+            store.table(name).map(|t| TableShape {
+                name: name.to_owned(),
+                dim: t.config().dim,
+                slots: t.config().optimizer.slots() as u32,
+            })
+        };
+        Self {
+            store,
+            decoder: CopyDecoder::new(Box::new(shape_of)),
+            staged: Staged::default(),
+            items: Vec::new(),
+        }
+    }
+
+    /// Takes the next chunk.
+    pub fn feed(&mut self, chunk: &[u8]) -> Result<(), CopyError> {
+        self.staged.bytes += chunk.len() as u64;
+        self.decoder
+            .handle_bytes(chunk, &mut self.items)
+            .map_err(CopyError::Stream)?;
+        for item in std::mem::take(&mut self.items) {
+            self.staged.take(self.store, item)?;
+        }
+        Ok(())
+    }
+
+    /// The staged copy, if the stream ended where a copy ends.
+    pub fn finish(self) -> Result<Staged, CopyError> {
+        self.decoder.finish().map_err(CopyError::Stream)?;
+        Ok(self.staged)
+    }
+}
+
+impl Staged {
+    fn take(&mut self, store: &Store, item: CopyItem) -> Result<(), CopyError> {
+        match item {
+            CopyItem::Table(name) => {
+                let table = store
+                    .table(&name)
+                    .ok_or_else(|| CopyError::UnknownTable(name.clone()))?;
+                self.tables.push(StagedTable {
+                    name,
+                    rows: table.staging_rows(),
+                    dedup: Vec::new(),
+                });
+            }
+            CopyItem::Row(saved) => {
+                let table = self.tables.last().ok_or(CopyError::Truncated)?;
+                let mut row = crate::table::Row::new(
+                    saved.values.into_boxed_slice(),
+                    saved.state.into_boxed_slice(),
+                );
+                row.data_mut().steps = saved.steps;
+                table.rows.insert(saved.key, row);
+                self.rows += 1;
+            }
+            CopyItem::Windows(windows) => {
+                let table = self.tables.last_mut().ok_or(CopyError::Truncated)?;
+                table.dedup = windows;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies being fetched: one session per (caller, shard).
+///
+/// A session holds its copy's snapshot ([`CopySource`]: rows shared with
+/// the live store) and serves any chunk of it, as often as asked (a lost
+/// answer is asked again). It ends when its caller releases it (after the
+/// last chunk, or giving up), when the same caller asks for a new copy of
+/// the same shard (a retry replaces its old session, so a flaky link
+/// cannot pile copies up), or after [`SESSION_IDLE`] without a chunk
+/// request (a caller that died), swept by a timer ([`Sessions::sweep`]).
 #[derive(Debug)]
 pub(crate) struct Sessions {
     open: Mutex<HashMap<u64, Session>>,
@@ -267,8 +424,9 @@ pub(crate) struct Sessions {
 
 #[derive(Debug)]
 struct Session {
-    data: Bytes,
-    created: Instant,
+    source: Arc<CopySource>,
+    owner: (String, u32),
+    last_used: Instant,
 }
 
 impl Sessions {
@@ -284,38 +442,64 @@ impl Sessions {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Keeps `data` for fetching; returns its session id.
-    pub fn open(&self, data: Vec<u8>) -> u64 {
-        let now = Instant::now();
+    /// Keeps `source` for `caller`'s copy of `shard`, ending any session
+    /// that caller had for the shard; returns the session id.
+    pub fn open(&self, caller: &str, shard: u32, source: CopySource) -> u64 {
         let id = self.next.fetch_add(2, Ordering::Relaxed);
+        let owner = (caller.to_owned(), shard);
         let mut open = self.lock();
-        open.retain(|_, s| now.saturating_duration_since(s.created) < SESSION_EXPIRY);
+        let before = open.len();
+        open.retain(|_, s| s.owner != owner);
+        if open.len() < before {
+            metrics::counter!("tessera_ps_sync_sessions_replaced_total").increment(1);
+        }
         open.insert(
             id,
             Session {
-                data: Bytes::from(data),
-                created: now,
+                source: Arc::new(source),
+                owner,
+                last_used: Instant::now(),
             },
         );
+        metrics::gauge!("tessera_ps_sync_sessions").set(open.len() as f64);
         id
     }
 
-    /// The chunk of `session` at `offset`; the session ends with its last
-    /// chunk.
+    /// The chunk of `session` at `offset` (empty at the end).
     pub fn chunk(&self, session: u64, offset: u64) -> Result<Bytes, Status> {
+        let source = {
+            let mut open = self.lock();
+            let found = open
+                .get_mut(&session)
+                .ok_or_else(|| Status::not_found(format!("no sync session {session:#x}")))?;
+            found.last_used = Instant::now();
+            Arc::clone(&found.source)
+        };
+        // Encoded outside the lock: other sessions' chunks go on.
+        Ok(Bytes::from(source.read_at(offset, CHUNK_BYTES)))
+    }
+
+    /// Ends `session` (its caller has the copy, or gave up).
+    pub fn release(&self, session: u64) {
         let mut open = self.lock();
-        let found = open
-            .get(&session)
-            .ok_or_else(|| Status::not_found(format!("no sync session {session:#x}")))?;
-        let start = usize::try_from(offset)
-            .unwrap_or(usize::MAX)
-            .min(found.data.len());
-        let end = (start + CHUNK_BYTES).min(found.data.len());
-        let data = found.data.slice(start..end);
-        if end == found.data.len() {
-            open.remove(&session);
-        }
-        Ok(data)
+        open.remove(&session);
+        metrics::gauge!("tessera_ps_sync_sessions").set(open.len() as f64);
+    }
+
+    /// Ends the sessions idle for [`SESSION_IDLE`] at `now`; returns how
+    /// many.
+    pub fn sweep(&self, now: Instant) -> usize {
+        let mut open = self.lock();
+        let before = open.len();
+        open.retain(|_, s| now.saturating_duration_since(s.last_used) < SESSION_IDLE);
+        metrics::gauge!("tessera_ps_sync_sessions").set(open.len() as f64);
+        before - open.len()
+    }
+
+    /// Sessions open now.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.lock().len()
     }
 }
 
@@ -357,13 +541,14 @@ mod tests {
         let mut one = Vec::new();
         put_f32s(&mut one, &[1.0, 1.0]);
         target.push("b", 0, &[77], &one, PushId::default()).unwrap();
-        let images = decode(&target, &blob).unwrap();
-        let rows = install(
-            &target,
-            &target.lock_shard(0).unwrap(),
-            images,
-            Instant::now(),
-        );
+        // Staged from chunks of any size, then swapped in.
+        let mut stager = Stager::new(&target);
+        for chunk in blob.chunks(7) {
+            stager.feed(chunk).unwrap();
+        }
+        let staged = stager.finish().unwrap();
+        assert_eq!((staged.rows, staged.bytes), (10, blob.len() as u64));
+        let (rows, _old) = staged.install(&target, &target.lock_shard(0).unwrap(), Instant::now());
         assert_eq!(rows, 10);
         assert_eq!(
             encode_blob(&target.snapshot_shard(&target.lock_shard(0).unwrap())).len(),
@@ -393,11 +578,42 @@ mod tests {
     }
 
     #[test]
-    fn sessions_serve_chunks_and_end() {
+    fn sessions_serve_any_chunk_until_released_replaced_or_idle() {
+        let source = store();
+        let keys: Vec<u64> = (0..100_000).collect();
+        let mut grads = Vec::new();
+        put_f32s(&mut grads, &vec![0.5; keys.len() * 2]);
+        source
+            .push("b", 0, &keys, &grads, PushId::default())
+            .unwrap();
+        let copy = || CopySource::new(source.snapshot_shard(&source.lock_shard(0).unwrap()));
+        let total = copy().total_bytes();
+        assert!(
+            total > CHUNK_BYTES as u64,
+            "{total} bytes: more than one chunk"
+        );
         let sessions = Sessions::new();
-        let id = sessions.open(vec![7u8; CHUNK_BYTES + 10]);
-        assert_eq!(sessions.chunk(id, 0).unwrap().len(), CHUNK_BYTES);
-        assert_eq!(sessions.chunk(id, CHUNK_BYTES as u64).unwrap().len(), 10);
-        assert!(sessions.chunk(id, 0).is_err(), "ended with its last chunk");
+        let id = sessions.open("r:1", 0, copy());
+        let first = sessions.chunk(id, 0).unwrap();
+        assert_eq!(first.len(), CHUNK_BYTES);
+        let last = sessions.chunk(id, CHUNK_BYTES as u64).unwrap();
+        assert_eq!(last.len() as u64, total - CHUNK_BYTES as u64);
+        // A chunk whose answer was lost is asked again: the same bytes.
+        assert_eq!(sessions.chunk(id, CHUNK_BYTES as u64).unwrap(), last);
+        assert_eq!(sessions.chunk(id, 0).unwrap(), first);
+        assert!(sessions.chunk(id, total).unwrap().is_empty());
+        sessions.release(id);
+        assert!(sessions.chunk(id, 0).is_err(), "released");
+        // A caller asking again replaces its session; others keep theirs.
+        let a = sessions.open("r:1", 0, copy());
+        let b = sessions.open("r:2", 0, copy());
+        let c = sessions.open("r:1", 0, copy());
+        assert!(sessions.chunk(a, 0).is_err(), "replaced");
+        assert!(sessions.chunk(b, 0).is_ok() && sessions.chunk(c, 0).is_ok());
+        assert_eq!(sessions.len(), 2);
+        // Idle ones end when swept.
+        assert_eq!(sessions.sweep(Instant::now()), 0);
+        assert_eq!(sessions.sweep(Instant::now() + SESSION_IDLE), 2);
+        assert_eq!(sessions.len(), 0);
     }
 }

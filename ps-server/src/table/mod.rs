@@ -327,6 +327,32 @@ impl Table {
         state.dedup.restore(&image.dedup, now);
     }
 
+    /// A new, empty set of rows laid out as this table's (to stage a copy
+    /// in before [`Table::swap_in`]).
+    pub fn staging_rows(&self) -> ShardRows {
+        ShardRows::new(self.config.max_rows, self.config.eviction)
+    }
+
+    /// Makes `shard` hold exactly `rows` (staged from a copy) and `dedup`;
+    /// `rows` gets the old rows, for the caller to drop after releasing the
+    /// shard's write lock (`_writing`). Returns the rows installed.
+    pub fn swap_in(
+        &self,
+        _writing: &ShardGuard<'_>,
+        shard: u32,
+        rows: &ShardRows,
+        dedup: &[crate::dedup::WorkerWindow],
+        now: Instant,
+    ) -> usize {
+        let Some(state) = self.shards.get(&shard) else {
+            return 0;
+        };
+        state.rows.swap_rows(rows);
+        state.dedup.clear();
+        state.dedup.restore(dedup, now);
+        state.rows.len()
+    }
+
     /// Makes `shard` hold exactly `image` (a copy from another server).
     pub fn replace(&self, writing: &ShardGuard<'_>, shard: u32, image: ShardImage, now: Instant) {
         if let Some(state) = self.shards.get(&shard) {

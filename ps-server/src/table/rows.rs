@@ -285,6 +285,32 @@ impl ShardRows {
         Some(key)
     }
 
+    /// Exchanges every row with `other`'s (a copy staged aside, installed
+    /// in one step): afterwards this holds what `other` held and `other`
+    /// the old rows, to be dropped outside any lock.
+    pub fn swap_rows(&self, other: &ShardRows) {
+        if self.stripes.len() == other.stripes.len() {
+            for i in 0..self.stripes.len() {
+                std::mem::swap(&mut *self.write_stripe(i), &mut *other.write_stripe(i));
+            }
+            return;
+        }
+        // Laid out differently (another row limit): row by row.
+        let mut moved: Vec<(u64, Row)> = Vec::with_capacity(other.len());
+        for i in 0..other.stripes.len() {
+            moved.extend(other.write_stripe(i).drain(..));
+        }
+        for i in 0..self.stripes.len() {
+            let old: Vec<(u64, Row)> = self.write_stripe(i).drain(..).collect();
+            for (key, row) in old {
+                other.insert(key, row);
+            }
+        }
+        for (key, row) in moved {
+            self.insert(key, row);
+        }
+    }
+
     /// Drops every row.
     pub fn clear(&self) {
         for i in 0..self.stripes.len() {
