@@ -12,6 +12,7 @@ use tessera_rpc::{RequestContext, Status};
 use super::Replication;
 use super::copy_stream::CopySource;
 use super::shard::Role;
+use super::sync;
 use crate::version::Version;
 
 /// The `Replication` RPC service of a server.
@@ -58,10 +59,12 @@ impl v1::Replication for ReplicationService {
             self.replication.sessions.release(request.session);
             return Ok(SyncChunkResponse::default());
         }
-        let data = self
-            .replication
-            .sessions
-            .chunk(request.session, request.offset)?;
+        let source = self.replication.sessions.source(request.session)?;
+        // A megabyte of rows to encode: off the async threads, which serve
+        // Fetches meanwhile.
+        let data = tokio::task::spawn_blocking(move || sync::encode_chunk(&source, request.offset))
+            .await
+            .map_err(|err| Status::internal(format!("encoding a copy chunk failed: {err}")))?;
         Ok(SyncChunkResponse { data })
     }
 

@@ -286,12 +286,12 @@ impl Staged {
 /// decoding each as it comes ([`CopyDecoder`]) into rows staged aside, and
 /// ends the session.
 pub(crate) async fn download(
-    store: &Store,
+    store: &Arc<Store>,
     client: &ReplicationClient,
     addr: &str,
     session: &SyncResponse,
 ) -> Result<Staged, CopyError> {
-    let mut stager = Stager::new(store);
+    let mut stager = Some(Stager::new(Arc::clone(store)));
     let fetched = async {
         let mut at = 0u64;
         while at < session.total_bytes {
@@ -310,7 +310,16 @@ pub(crate) async fn download(
                 return Err(CopyError::EmptyChunk(addr.to_owned()));
             }
             at += chunk.data.len() as u64;
-            stager.feed(&chunk.data)?;
+            // Decoding a megabyte of rows: off the async threads.
+            let mut feeding = stager.take().ok_or(CopyError::Superseded)?;
+            let fed = tokio::task::spawn_blocking(move || {
+                let fed = feeding.feed(&chunk.data);
+                (feeding, fed)
+            })
+            .await
+            .map_err(|_| CopyError::Superseded)?;
+            stager = Some(fed.0);
+            fed.1?;
         }
         Ok(())
     }
@@ -325,23 +334,25 @@ pub(crate) async fn download(
         })
         .await;
     fetched?;
-    stager.finish()
+    stager.ok_or(CopyError::Superseded)?.finish()
 }
 
 /// The receiver's shape of a table, by name.
-type ShapeOf<'a> = Box<dyn Fn(&str) -> Option<TableShape> + Send + Sync + 'a>;
+type ShapeOf = Box<dyn Fn(&str) -> Option<TableShape> + Send + Sync>;
 
 /// Decodes a copy's chunks into a [`Staged`] copy as they come.
-pub(crate) struct Stager<'a> {
-    store: &'a Store,
-    decoder: CopyDecoder<ShapeOf<'a>>,
+pub(crate) struct Stager {
+    store: Arc<Store>,
+    decoder: CopyDecoder<ShapeOf>,
     staged: Staged,
     items: Vec<CopyItem>,
 }
 
-impl<'a> Stager<'a> {
-    pub fn new(store: &'a Store) -> Self {
+impl Stager {
+    pub fn new(store: Arc<Store>) -> Self {
+        let shapes = Arc::clone(&store);
         let shape_of = move |name: &str| {
+            let store = &shapes;
             store.table(name).map(|t| TableShape {
                 name: name.to_owned(),
                 dim: t.config().dim,
@@ -363,7 +374,7 @@ impl<'a> Stager<'a> {
             .handle_bytes(chunk, &mut self.items)
             .map_err(CopyError::Stream)?;
         for item in std::mem::take(&mut self.items) {
-            self.staged.take(self.store, item)?;
+            self.staged.take(&self.store, item)?;
         }
         Ok(())
     }
@@ -405,6 +416,11 @@ impl Staged {
         }
         Ok(())
     }
+}
+
+/// The chunk of `source` at `offset`: at most [`CHUNK_BYTES`].
+pub(crate) fn encode_chunk(source: &CopySource, offset: u64) -> Bytes {
+    Bytes::from(source.read_at(offset, CHUNK_BYTES))
 }
 
 /// Copies being fetched: one session per (caller, shard).
@@ -465,18 +481,21 @@ impl Sessions {
         id
     }
 
-    /// The chunk of `session` at `offset` (empty at the end).
+    /// The copy of `session`, marked used now.
+    pub fn source(&self, session: u64) -> Result<Arc<CopySource>, Status> {
+        let mut open = self.lock();
+        let found = open
+            .get_mut(&session)
+            .ok_or_else(|| Status::not_found(format!("no sync session {session:#x}")))?;
+        found.last_used = Instant::now();
+        Ok(Arc::clone(&found.source))
+    }
+
+    /// The chunk of `session` at `offset` (empty at the end), encoded on
+    /// the calling thread (the service does it off the async threads).
+    #[cfg(test)]
     pub fn chunk(&self, session: u64, offset: u64) -> Result<Bytes, Status> {
-        let source = {
-            let mut open = self.lock();
-            let found = open
-                .get_mut(&session)
-                .ok_or_else(|| Status::not_found(format!("no sync session {session:#x}")))?;
-            found.last_used = Instant::now();
-            Arc::clone(&found.source)
-        };
-        // Encoded outside the lock: other sessions' chunks go on.
-        Ok(Bytes::from(source.read_at(offset, CHUNK_BYTES)))
+        Ok(encode_chunk(&*self.source(session)?, offset))
     }
 
     /// Ends `session` (its caller has the copy, or gave up).
@@ -542,7 +561,8 @@ mod tests {
         put_f32s(&mut one, &[1.0, 1.0]);
         target.push("b", 0, &[77], &one, PushId::default()).unwrap();
         // Staged from chunks of any size, then swapped in.
-        let mut stager = Stager::new(&target);
+        let target = Arc::new(target);
+        let mut stager = Stager::new(Arc::clone(&target));
         for chunk in blob.chunks(7) {
             stager.feed(chunk).unwrap();
         }
