@@ -197,7 +197,7 @@ pub enum StreamError {
 
 /// What a decoded piece of the stream is.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum CopyItem {
+pub enum CopyItem {
     /// The rows that follow, until the next `Table`, are this table's.
     Table(String),
     /// One row of the current table.
@@ -221,7 +221,7 @@ enum Need {
 }
 
 /// Decodes a copy stream as it arrives (module docs).
-pub(crate) struct CopyDecoder<F> {
+pub struct CopyDecoder<F> {
     /// The configured shape of a table, by name.
     shape_of: F,
     need: Need,

@@ -73,6 +73,7 @@ use tessera_rpc::{Channel, ChannelConfig, Transport};
 use tokio_util::sync::CancellationToken;
 
 pub use self::ack::{AckTicket, Refusal};
+pub use self::copy_stream::{CopyDecoder, CopyItem, StreamError};
 pub use self::recovery::{Patience, Recovered, RecoveryError};
 pub use self::service::ReplicationService;
 pub use self::sync::CopyError;
