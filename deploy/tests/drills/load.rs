@@ -330,7 +330,7 @@ async fn row_limited_replicas_agree(transport: TransportKind) {
         transport,
         rdma: rdma_soft(),
         tables: vec![TableConfig {
-            max_rows: Some(1500),
+            max_rows: Some(600),
             ..table()
         }],
         ps_server_bin: Some(tessera_test_support::process::ps_server_bin()),
@@ -376,7 +376,7 @@ async fn row_limited_replicas_agree(transport: TransportKind) {
             .count();
     }
     eprintln!(
-        "drill row-limit-agreement [{}]: {} Pushes, max_rows 1500 per shard, {evictions} evictions at the primaries; Fetches served by group 0 / 1: {} / {}; hot rows differing between the groups: {differ} of {compared}; copies identical: {identical:?}",
+        "drill row-limit-agreement [{}]: {} Pushes, max_rows 600 per shard, {evictions} evictions at the primaries; Fetches served by group 0 / 1: {} / {}; hot rows differing between the groups: {differ} of {compared}; copies identical: {identical:?}",
         super::label(transport),
         records.iter().filter(|r| r.acked_at.is_some()).count(),
         fetches_by_group[0],
