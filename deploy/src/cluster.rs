@@ -130,8 +130,9 @@ fn spawn_server(
         })?;
     // The server stops when this process exits, even by SIGKILL
     // (PR_SET_PDEATHSIG, set by the server itself). The kernel ties that
-    // to the *thread* that spawned it: servers are spawned from async code,
-    // which runs on the runtime's threads, alive as long as the launcher.
+    // to the *thread* that spawned it: spawn servers from threads that live
+    // as long as the launcher (the `block_on` thread, the runtime's
+    // workers), never from `spawn_blocking` or a short-lived thread.
     Command::new(binary)
         .arg("--config")
         .arg(config_path)

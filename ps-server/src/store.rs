@@ -23,8 +23,9 @@ use crate::version::Version;
 #[non_exhaustive]
 pub enum StoreError {
     /// A forwarded Push's evictions do not point into its keys in order
-    /// (a corrupt stream entry).
-    #[error("a forwarded push's evictions do not fit its {keys} keys")]
+    /// (a corrupt stream entry), or name a row this copy lacks (it is not
+    /// the primary's).
+    #[error("a forwarded push's evictions do not fit its {keys} keys or this copy")]
     BadEvictions {
         /// Keys of the Push.
         keys: usize,
@@ -180,6 +181,9 @@ pub struct ShardGuard<'a> {
 impl Drop for ShardGuard<'_> {
     fn drop(&mut self) {
         drop(self.version.take());
+        // Pairs with the fence in `lock_shard_async`: either this sees the
+        // waiter's count, or the waiter's `try_lock` sees the release.
+        std::sync::atomic::fence(AtomicOrdering::SeqCst);
         if self.writer.waiting.load(AtomicOrdering::SeqCst) > 0 {
             self.writer.released.notify_waiters();
         }
@@ -324,6 +328,7 @@ impl Store {
             tokio::pin!(released);
             // Registered before trying: a release after this try wakes it.
             released.as_mut().enable();
+            std::sync::atomic::fence(AtomicOrdering::SeqCst);
             if let Some(guard) = Self::try_lock_writer(shard, writer) {
                 return Some(guard);
             }
@@ -633,7 +638,7 @@ impl CheckedPush<'_> {
                 keys: self.keys.len(),
             });
         }
-        self.table.apply_replicated(
+        let followed = self.table.apply_replicated(
             writing,
             self.state,
             self.keys,
@@ -643,6 +648,13 @@ impl CheckedPush<'_> {
             evictions,
             now,
         );
+        if !followed {
+            // A row the primary evicted is not here: this copy is not the
+            // primary's (applied anyway; the caller copies the shard again).
+            return Err(StoreError::BadEvictions {
+                keys: self.keys.len(),
+            });
+        }
         Ok(())
     }
 

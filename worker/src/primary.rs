@@ -62,6 +62,8 @@ pub struct Primaries {
     clients: Mutex<HashMap<String, ParameterServerClient>>,
     /// Makes the client of a learned server.
     connect: Connect,
+    /// Servers in the configuration (clients made up front).
+    configured: usize,
 }
 
 impl std::fmt::Debug for Primaries {
@@ -101,6 +103,7 @@ impl Primaries {
                 .collect(),
             learned: tokio::sync::Notify::new(),
             hosts,
+            configured: clients.len(),
             clients: Mutex::new(clients),
             connect,
         }
@@ -116,14 +119,17 @@ impl Primaries {
     /// one known and `addr` is a server address (`host:port`); returns
     /// whether it did.
     pub fn learn(&self, shard: u32, addr: &str, epoch: u64) -> bool {
-        if self.client(addr).is_none() {
-            return false;
-        }
         let Some(known) = self.known.get(shard as usize) else {
             return false;
         };
+        let stale =
+            |known: &Known| epoch < known.epoch || (epoch == known.epoch && known.addr == addr);
+        // Checked before connecting: a stale name costs no client.
+        if stale(&lock(known)) || self.client(addr).is_none() {
+            return false;
+        }
         let mut known = lock(known);
-        if epoch < known.epoch || (epoch == known.epoch && known.addr == addr) {
+        if stale(&known) {
             return false;
         }
         if known.addr != addr {
@@ -145,8 +151,7 @@ impl Primaries {
         if let Some(client) = clients.get(addr) {
             return Some(client.clone());
         }
-        let configured: usize = self.hosts.iter().map(Vec::len).sum();
-        if !is_host_port(addr) || clients.len() >= configured + MAX_LEARNED {
+        if !is_host_port(addr) || clients.len() >= self.configured + MAX_LEARNED {
             return None;
         }
         tracing::info!(

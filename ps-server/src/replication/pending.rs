@@ -28,12 +28,16 @@ pub(crate) struct Held {
     pub entry: ReplicatedPush,
 }
 
-/// The Pushes held for one shard (module docs).
+/// The Pushes held for one shard (module docs), all of one stream: one
+/// (epoch, attachment).
 #[derive(Debug, Default)]
 pub(crate) struct Pending {
     held: VecDeque<Held>,
+    /// The (epoch, attachment) of what is held.
+    stream: Option<(u64, u64)>,
     bytes: usize,
-    /// Pushes were dropped for the bound: the copy alone is not in step.
+    /// Pushes of `stream` were dropped for the bound: the copy alone is
+    /// not in step.
     overflowed: bool,
 }
 
@@ -50,13 +54,21 @@ impl Pending {
     /// Holds `entry`; false when that overflowed `limit` bytes (the held
     /// Pushes are dropped, and the shard must copy again after this copy).
     pub fn hold(&mut self, held: Held, limit: usize) -> bool {
+        let stream = (held.epoch, held.attachment);
+        if self.stream != Some(stream) {
+            // Another stream (a new attachment, a new primary): what was
+            // held for the old one will never apply.
+            self.clear();
+            self.stream = Some(stream);
+        }
         if self.overflowed {
             return false;
         }
         let bytes = size(&held.entry);
         if self.bytes + bytes > limit {
             metrics::counter!("tessera_ps_replication_copy_buffer_overflows_total").increment(1);
-            self.clear();
+            self.held.clear();
+            self.bytes = 0;
             self.overflowed = true;
             return false;
         }
@@ -65,22 +77,26 @@ impl Pending {
         true
     }
 
-    /// The held Pushes of `attachment`, in order, and whether any were
-    /// dropped; nothing is held afterwards.
-    pub fn take(&mut self, attachment: u64) -> (Vec<Held>, bool) {
-        let overflowed = std::mem::take(&mut self.overflowed);
-        let held = std::mem::take(&mut self.held)
-            .into_iter()
-            .filter(|h| h.attachment == attachment)
-            .collect();
-        self.bytes = 0;
+    /// The held Pushes of the stream (`epoch`, `attachment`), in order,
+    /// and whether any of them were dropped; nothing is held afterwards.
+    pub fn take(&mut self, epoch: u64, attachment: u64) -> (Vec<Held>, bool) {
+        let ours = self.stream == Some((epoch, attachment));
+        let overflowed = ours && self.overflowed;
+        let held = if ours {
+            std::mem::take(&mut self.held).into()
+        } else {
+            Vec::new()
+        };
+        self.clear();
         (held, overflowed)
     }
 
-    /// Drops everything held.
+    /// Drops everything held, and forgets the stream.
     pub fn clear(&mut self) {
         self.held.clear();
+        self.stream = None;
         self.bytes = 0;
+        self.overflowed = false;
     }
 
     /// Bytes held now.
@@ -112,19 +128,30 @@ mod tests {
     }
 
     #[test]
-    fn held_pushes_come_back_by_attachment_in_order() {
+    fn held_pushes_come_back_in_order_for_their_stream_only() {
         let mut pending = Pending::default();
-        for (attachment, position) in [(1, 5), (2, 6), (2, 7), (1, 8)] {
+        for (attachment, position) in [(1, 5), (2, 6), (2, 7)] {
             assert!(pending.hold(held(attachment, position), 1 << 20));
         }
-        let (two, overflowed) = pending.take(2);
+        assert!(
+            pending.take(1, 1).0.is_empty(),
+            "a new stream dropped the old"
+        );
+        for position in [6, 7] {
+            assert!(pending.hold(held(2, position), 1 << 20));
+        }
+        assert!(pending.take(2, 2).0.is_empty(), "another epoch");
+        for position in [6, 7] {
+            assert!(pending.hold(held(2, position), 1 << 20));
+        }
+        let (two, overflowed) = pending.take(1, 2);
         assert!(!overflowed);
         assert_eq!(
             two.iter().map(|h| h.entry.position).collect::<Vec<_>>(),
             vec![6, 7]
         );
         assert_eq!(pending.bytes(), 0);
-        assert!(pending.take(1).0.is_empty(), "nothing held after a take");
+        assert!(pending.take(1, 2).0.is_empty(), "nothing held after a take");
     }
 
     #[test]
@@ -134,8 +161,18 @@ mod tests {
         assert!(pending.hold(held(1, 2), 400));
         assert!(!pending.hold(held(1, 3), 400), "over 400 bytes");
         assert!(!pending.hold(held(1, 4), 400), "dropping until taken");
-        let (held, overflowed) = pending.take(1);
+        let (held, overflowed) = pending.take(1, 1);
         assert!(held.is_empty() && overflowed);
-        assert!(!pending.take(1).1, "reported once");
+        assert!(!pending.take(1, 1).1, "reported once");
+        // A new stream starts clean.
+        assert!(pending.hold(held_at(1, 2, 1), 400));
+        assert!(!pending.take(1, 2).1);
+    }
+
+    fn held_at(epoch: u64, attachment: u64, position: u64) -> Held {
+        Held {
+            epoch,
+            ..held(attachment, position)
+        }
     }
 }

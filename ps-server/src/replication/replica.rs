@@ -35,6 +35,16 @@ enum Head {
     Syncing,
 }
 
+/// What became of a Push forwarded for a shard being copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    Held,
+    /// Over `copy_buffer_bytes`: dropped, with everything held.
+    Overflow,
+    /// The shard is not being copied from the sender (any more).
+    NotCopying,
+}
+
 /// What became of one forwarded Push.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Entry {
@@ -81,11 +91,20 @@ impl Replication {
             if syncing.contains(&entry.shard) {
                 // Held to apply after the copy; other shards go on.
                 let head = request.heads.iter().find(|h| h.shard == entry.shard);
-                if !head.is_some_and(|head| self.hold(head, entry)) {
-                    // Over the bound: the primary cuts the shard off; it
-                    // is copied again after this copy.
-                    answer.out_of_sync.push(entry.shard);
-                    dropped.insert(entry.shard);
+                match head.map(|head| self.hold(sender, head, entry)) {
+                    Some(Hold::Held) => {}
+                    Some(Hold::Overflow) => {
+                        // Over the bound: the primary cuts the shard off;
+                        // it is copied again after this copy.
+                        answer.out_of_sync.push(entry.shard);
+                        dropped.insert(entry.shard);
+                    }
+                    // The copy was installed since the head was read: the
+                    // primary sends it again, to be applied.
+                    Some(Hold::NotCopying) | None => {
+                        answer.syncing = true;
+                        break;
+                    }
                 }
                 answer.processed += 1;
                 continue;
@@ -313,21 +332,28 @@ impl Replication {
         Entry::Applied
     }
 
-    /// Holds a Push forwarded for `shard` while it is being copied (see
-    /// [`super::pending`]); false when the bound was exceeded.
-    fn hold(&self, head: &StreamHead, entry: &ReplicatedPush) -> bool {
+    /// Holds a Push forwarded by `sender` for a shard it is copying from
+    /// it (see [`super::pending`]). Checked again under the cell's lock:
+    /// the copy may have been installed since the batch's heads were read,
+    /// and a Push held then would never be applied.
+    fn hold(&self, sender: &str, head: &StreamHead, entry: &ReplicatedPush) -> Hold {
         let Some(cell) = self.cell(entry.shard) else {
-            return false;
+            return Hold::NotCopying;
         };
         let mut state = cell.lock();
-        state.pending.hold(
+        match &state.role {
+            Role::Replica(f) if f.syncing && f.primary == sender && f.epoch == head.epoch => {}
+            _ => return Hold::NotCopying,
+        }
+        let held = state.pending.hold(
             super::pending::Held {
                 attachment: head.attachment,
                 epoch: head.epoch,
                 entry: entry.clone(),
             },
             self.copy_buffer_bytes,
-        )
+        );
+        if held { Hold::Held } else { Hold::Overflow }
     }
 
     /// Starts attaching `shard` to the primary it follows, unless an
@@ -478,7 +504,7 @@ impl Replication {
             f.last_heard = Some(Instant::now());
         }
         // The Pushes forwarded while the copy was on its way, after it.
-        let (held, overflowed) = state.pending.take(fetched.attachment);
+        let (held, overflowed) = state.pending.take(fetched.epoch, fetched.attachment);
         let mut replayed = 0usize;
         let mut resync = overflowed;
         for held in held

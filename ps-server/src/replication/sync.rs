@@ -79,6 +79,9 @@ pub enum CopyError {
         /// Why.
         source: rowfile::DecodeError,
     },
+    /// The copy names a table twice.
+    #[error("the copy has table `{0}` twice")]
+    DuplicateTable(String),
     /// The copy's stream does not decode.
     #[error(transparent)]
     Stream(super::copy_stream::StreamError),
@@ -393,6 +396,9 @@ impl Staged {
                 let table = store
                     .table(&name)
                     .ok_or_else(|| CopyError::UnknownTable(name.clone()))?;
+                if self.tables.iter().any(|t| t.name == name) {
+                    return Err(CopyError::DuplicateTable(name));
+                }
                 self.tables.push(StagedTable {
                     name,
                     rows: table.staging_rows(),

@@ -214,8 +214,9 @@ impl Table {
     /// stream): records its id without deciding anything (see
     /// [`PushDedup::record`]), always applies it, and evicts exactly the
     /// rows the primary evicted, at the same points (`evictions`, in
-    /// order, each `before` an index into `keys`). The caller holds the
-    /// shard's write lock.
+    /// order, each `before` an index into `keys`). False when a row to
+    /// evict was missing: this copy is not the primary's. The caller holds
+    /// the shard's write lock.
     #[allow(clippy::too_many_arguments)]
     pub fn apply_replicated(
         &self,
@@ -227,18 +228,21 @@ impl Table {
         sequence: u64,
         evictions: &[Eviction],
         now: Instant,
-    ) {
+    ) -> bool {
         state.dedup.record(worker, sequence, now);
-        self.apply_rows(state, keys, gradients, Evicting::Follow(evictions));
+        self.apply_rows(state, keys, gradients, Evicting::Follow(evictions))
     }
 
+    /// Applies the rows; false when a victim to evict (following) was not
+    /// there.
     fn apply_rows(
         &self,
         state: &ShardState,
         keys: &[u64],
         gradients: &[u8],
         mut evicting: Evicting<'_>,
-    ) {
+    ) -> bool {
+        let mut followed = true;
         state.pushes.fetch_add(1, Ordering::Relaxed);
         let dim = self.config.dim as usize;
         let optimizer = self.config.optimizer;
@@ -278,7 +282,7 @@ impl Table {
                     while let Some((first, rest)) = evictions.split_first()
                         && first.before as usize <= index
                     {
-                        state.rows.evict(first.key);
+                        followed &= state.rows.evict(first.key);
                         *evictions = rest;
                     }
                     state.rows.upsert_following(
@@ -292,6 +296,7 @@ impl Table {
         if clipped > 0 {
             metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
         }
+        followed
     }
 
     /// `shard`'s rows and deduplication windows as they are now, shared
