@@ -107,6 +107,8 @@ struct State {
     rng: StdRng,
     /// Quarantine readmissions already counted in the metrics.
     seen_readmissions: u64,
+    /// Whether each replica was excluded at the last pick.
+    was_excluded: Vec<bool>,
 }
 
 /// Calls one logical endpoint over its replicas (see the module docs).
@@ -183,6 +185,7 @@ impl ReplicaSet {
                 budget: RetryBudget::new(config.budget, now),
                 rng,
                 seen_readmissions: 0,
+                was_excluded: vec![false; config.replicas.len()],
             })),
         }
     }
@@ -206,6 +209,11 @@ impl ReplicaSet {
     /// The send pool requests are encoded into.
     pub fn send_pool(&self) -> &tessera_transport::pool::Pool {
         self.transport.send_pool()
+    }
+
+    /// Attempts outstanding on each replica now, in configuration order.
+    pub fn outstanding(&self) -> Vec<u32> {
+        self.state().selector.outstanding()
     }
 
     /// The replicas' addresses, in configuration order.
@@ -279,6 +287,7 @@ impl ReplicaSet {
                     quarantine,
                     rng,
                     seen_readmissions,
+                    was_excluded,
                     ..
                 } = &mut *state;
                 let excluded: Vec<bool> = selector
@@ -286,6 +295,16 @@ impl ReplicaSet {
                     .iter()
                     .map(|r| quarantine.is_excluded(&r.addr, now))
                     .collect();
+                // A replica readmitted from quarantine starts afresh: what
+                // got it excluded says nothing of it now.
+                for (i, (&now_excluded, was)) in
+                    excluded.iter().zip(was_excluded.iter_mut()).enumerate()
+                {
+                    if *was && !now_excluded {
+                        selector.reset(i);
+                    }
+                    *was = now_excluded;
+                }
                 let down: Vec<bool> = (0..selector.replicas().len())
                     .map(|i| selector.is_down(i, now))
                     .collect();
@@ -293,19 +312,20 @@ impl ReplicaSet {
                 let pick = selector
                     .pick(
                         |i, _| usable(i) && !excluded.get(i).copied().unwrap_or(true),
+                        now,
                         rng,
                     )
                     // Every usable replica is quarantined: use one anyway
                     // (the quarantine never empties a set).
-                    .or_else(|| selector.pick(|i, _| usable(i), rng))
+                    .or_else(|| selector.pick(|i, _| usable(i), now, rng))
                     // Every replica not tried yet is backing off: try one
                     // rather than fail without trying.
-                    .or_else(|| selector.pick(|i, _| !tried.contains(&i), rng))
+                    .or_else(|| selector.pick(|i, _| !tried.contains(&i), now, rng))
                     // Every replica was tried and attempts remain: again,
                     // preferring one that did not fail last (a set of one
                     // replica retries on it: a fresh connection if its
                     // connection broke).
-                    .or_else(|| selector.pick(|i, _| tried.last() != Some(&i), rng))
+                    .or_else(|| selector.pick(|i, _| tried.last() != Some(&i), now, rng))
                     .or_else(|| tried.last().copied());
                 if let Some(i) = pick {
                     selector.start(i);
@@ -325,6 +345,12 @@ impl ReplicaSet {
                 }));
             };
             tried.push(i);
+            // Until the outcome is fed back, a dropped call (its caller
+            // gave up) only ends the attempt's count as outstanding.
+            let mut pending = Abandoned {
+                state: &self.state,
+                replica: Some(i),
+            };
             let attempt_started = Instant::now();
             let attempt_deadline = deadline.min(attempt_started + self.attempt_timeout);
             let result = self.channels[i]
@@ -337,23 +363,31 @@ impl ReplicaSet {
                     attempt,
                 )
                 .await;
+            pending.replica = None;
             let now = Instant::now();
             let mut state = self.state();
             let failure = match &result {
                 Ok(_) => {
-                    state.selector.finish(i, now - attempt_started);
+                    state.selector.finish(i, now - attempt_started, now);
                     state.budget.on_success(now);
                     return result;
                 }
                 Err(err) => classify(err),
             };
+            let fault = result.as_ref().err().is_some_and(is_server_fault);
             match failure {
                 // No latency sample from a failed or refused connection;
                 // the replica backs off instead.
                 AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost => {
                     state.selector.connection_failed(i, now)
                 }
-                _ => state.selector.finish(i, now - attempt_started),
+                // Fast and useless: a sample of at least an attempt's time.
+                _ if fault => {
+                    state
+                        .selector
+                        .fault(i, now - attempt_started, self.attempt_timeout, now)
+                }
+                _ => state.selector.finish(i, now - attempt_started, now),
             }
             let addr = state.selector.replicas()[i].addr.clone();
             let ejection = match failure {
@@ -361,6 +395,7 @@ impl ReplicaSet {
                 AttemptFailure::Lost | AttemptFailure::TimedOut => {
                     state.quarantine.record_request_failure(&addr, now)
                 }
+                _ if fault => state.quarantine.record_request_failure(&addr, now),
                 _ => None,
             };
             if let Some(ejection) = ejection {
@@ -387,6 +422,37 @@ impl ReplicaSet {
             last_error = result.err();
         }
     }
+}
+
+/// Ends an attempt's count as outstanding if the call is dropped before
+/// its outcome is fed back (`replica` is cleared once it is).
+struct Abandoned<'a> {
+    state: &'a Mutex<State>,
+    replica: Option<usize>,
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(i) = self.replica {
+            self.state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .selector
+                .abandon(i);
+        }
+    }
+}
+
+/// A status that says the replica, not the request, is at fault: counted
+/// against it in selection and quarantine.
+fn is_server_fault(err: &RpcError) -> bool {
+    matches!(
+        err,
+        RpcError::Status(status) if matches!(
+            status.code(),
+            Code::Internal | Code::Unknown | Code::DataLoss | Code::Unimplemented | Code::FailedPrecondition
+        )
+    )
 }
 
 /// How a failed attempt counts for retrying, selection and quarantine.

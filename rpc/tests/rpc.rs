@@ -742,6 +742,33 @@ mod replica_set {
         server.shutdown().await;
     }
 
+    /// Failure pattern 6: a call dropped by its caller (a sibling shard's
+    /// call failed and `try_join_all` dropped the rest) left its attempt
+    /// counted as outstanding for good, skewing every later choice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_dropped_calls_do_not_leak_outstanding_counts() {
+        let server = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            config(vec![ReplicaEndpoint {
+                addr: server.addr.clone(),
+                domain: "zone-a".into(),
+            }]),
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        for _ in 0..5 {
+            // The server takes 100 ms; the caller gives up after 10.
+            let dropped = tokio::time::timeout(
+                Duration::from_millis(10),
+                set.call_raw(method, echo_body(100), true, Duration::from_secs(2)),
+            )
+            .await;
+            assert!(dropped.is_err(), "the caller gave up first");
+        }
+        assert_eq!(set.outstanding(), vec![0]);
+        server.shutdown().await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_slow_attempt_is_retried_only_when_safe_and_the_budget_caps_retries() {
         let slow = start(ServerConfig::default()).await;

@@ -7,7 +7,23 @@
 //! herding onto the one best replica: two candidates are drawn at random
 //! and the one with the lower score `ewma_latency × (outstanding + 1)`
 //! wins. A replica with no samples yet scores with the mean of the others,
-//! so a new or readmitted replica gets traffic at once.
+//! so a new or readmitted replica gets traffic at once; a readmitted one
+//! starts without samples ([`ReplicaSelector::reset`]).
+//!
+//! A sample fades: its weight falls linearly to zero over
+//! [`SAMPLE_FADE`] without a new one, towards the mean of the other
+//! replicas. A replica that lost every pairing after one slow sample (a
+//! timeout among microsecond answers) would otherwise never get the
+//! samples that correct it; after the fade it ties with the others and is
+//! tried again.
+//!
+//! A server fault (`Internal`, `Unknown`, `DataLoss`, `Unimplemented`,
+//! `FailedPrecondition`) is fast but useless: it counts as a sample of at
+//! least the penalty the caller gives (its attempt timeout), and does not
+//! end a backoff ([`ReplicaSelector::fault`]), so a replica failing fast
+//! does not attract traffic. An attempt whose caller gave up before it
+//! ended ([`ReplicaSelector::abandon`]) only stops counting as
+//! outstanding.
 //!
 //! A replica whose connection failed (refused, timed out, broke) is *down*
 //! for a backoff that starts at 250 ms and doubles up to 10 s with each
@@ -28,6 +44,8 @@ pub struct Replica {
     /// Its failure domain (zone, mini-pod).
     pub domain: String,
     ewma_us: Option<f64>,
+    /// When the latest sample was taken.
+    sampled_at: Option<Instant>,
     outstanding: u32,
     /// Connection backoff: down until then.
     down_until: Option<Instant>,
@@ -42,6 +60,7 @@ impl Replica {
             addr: addr.into(),
             domain: domain.into(),
             ewma_us: None,
+            sampled_at: None,
             outstanding: 0,
             down_until: None,
             backoff: Duration::ZERO,
@@ -60,6 +79,12 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// Weight of the newest sample in the latency average. 0.2: about the last
 /// ten calls matter.
 const EWMA_WEIGHT: f64 = 0.2;
+
+/// How long a replica's latency average takes to fade to the others' mean
+/// without new samples. 2 s: a few thousand calls on a busy shard, so a
+/// replica that is slow keeps losing (it is re-measured by one call every
+/// couple of seconds at most), while one slow moment is forgotten soon.
+pub const SAMPLE_FADE: Duration = Duration::from_secs(2);
 
 /// Chooses among the replicas of one shard (see the module docs).
 #[derive(Debug, Clone)]
@@ -82,17 +107,45 @@ impl ReplicaSelector {
         &self.replicas
     }
 
-    fn score(&self, i: usize, mean: f64) -> f64 {
+    /// Replica `i`'s latency average at `now`: faded towards `others`
+    /// (the mean of the other replicas' averages) by its age; `None`
+    /// without samples.
+    fn latency_at(&self, i: usize, now: Instant, others: Option<f64>) -> Option<f64> {
         let r = &self.replicas[i];
-        r.ewma_us.unwrap_or(mean) * f64::from(r.outstanding + 1)
+        let ewma = r.ewma_us?;
+        let (Some(at), Some(others)) = (r.sampled_at, others) else {
+            return Some(ewma);
+        };
+        let age = now.saturating_duration_since(at).as_secs_f64();
+        let weight = (1.0 - age / SAMPLE_FADE.as_secs_f64()).max(0.0);
+        Some(others + (ewma - others) * weight)
     }
 
-    /// Picks a replica for the next attempt: among those `eligible` says
-    /// yes to (given each index and replica: not quarantined, not tried
-    /// already), preferring the local domain. `None` if none is eligible.
+    /// The mean of the latency averages of every replica but `i`.
+    fn others_mean(&self, i: usize) -> Option<f64> {
+        let samples: Vec<f64> = self
+            .replicas
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, r)| r.ewma_us)
+            .collect();
+        (!samples.is_empty()).then(|| samples.iter().sum::<f64>() / samples.len() as f64)
+    }
+
+    fn score(&self, i: usize, now: Instant, mean: f64) -> f64 {
+        let latency = self.latency_at(i, now, self.others_mean(i)).unwrap_or(mean);
+        latency * f64::from(self.replicas[i].outstanding + 1)
+    }
+
+    /// Picks a replica for the next attempt at `now`: among those
+    /// `eligible` says yes to (given each index and replica: not
+    /// quarantined, not tried already), preferring the local domain.
+    /// `None` if none is eligible.
     pub fn pick(
         &self,
         eligible: impl Fn(usize, &Replica) -> bool,
+        now: Instant,
         rng: &mut impl Rng,
     ) -> Option<usize> {
         let candidates: Vec<usize> = (0..self.replicas.len())
@@ -119,7 +172,7 @@ impl ReplicaSelector {
                 if b == a {
                     b = pool[n - 1];
                 }
-                Some(if self.score(b, mean) < self.score(a, mean) {
+                Some(if self.score(b, now, mean) < self.score(a, now, mean) {
                     b
                 } else {
                     a
@@ -158,19 +211,58 @@ impl ReplicaSelector {
         }
     }
 
-    /// The attempt on replica `i` ended after `latency` (failures other
-    /// than connection failures count with the time they took: a slow
-    /// failure makes a replica look slow). Any answer ends a backoff.
-    pub fn finish(&mut self, i: usize, latency: Duration) {
+    /// The attempt on replica `i` ended at `now` after `latency`
+    /// (failures other than connection failures and server faults count
+    /// with the time they took: a slow failure makes a replica look slow).
+    /// Any answer ends a backoff.
+    pub fn finish(&mut self, i: usize, latency: Duration, now: Instant) {
         if let Some(r) = self.replicas.get_mut(i) {
-            r.outstanding = r.outstanding.saturating_sub(1);
             r.down_until = None;
             r.backoff = Duration::ZERO;
+        }
+        self.sample(i, latency, now);
+    }
+
+    /// The attempt on replica `i` ended at `now` with a server fault after
+    /// `latency`: a sample of at least `penalty`, and no end to a backoff.
+    pub fn fault(&mut self, i: usize, latency: Duration, penalty: Duration, now: Instant) {
+        self.sample(i, latency.max(penalty), now);
+    }
+
+    /// The caller gave up on the attempt on replica `i` before it ended
+    /// (a sibling failed, the caller was cancelled): it no longer counts as
+    /// outstanding, and says nothing of the replica.
+    pub fn abandon(&mut self, i: usize) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.outstanding = r.outstanding.saturating_sub(1);
+        }
+    }
+
+    /// Forgets what is known of replica `i`'s latency and backoff (it was
+    /// readmitted from quarantine: what got it excluded is history).
+    pub fn reset(&mut self, i: usize) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.ewma_us = None;
+            r.sampled_at = None;
+            r.down_until = None;
+            r.backoff = Duration::ZERO;
+        }
+    }
+
+    /// Attempts outstanding on each replica now.
+    pub fn outstanding(&self) -> Vec<u32> {
+        self.replicas.iter().map(|r| r.outstanding).collect()
+    }
+
+    fn sample(&mut self, i: usize, latency: Duration, now: Instant) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.outstanding = r.outstanding.saturating_sub(1);
             let sample = latency.as_secs_f64() * 1e6;
             r.ewma_us = Some(match r.ewma_us {
                 Some(old) => old + EWMA_WEIGHT * (sample - old),
                 None => sample,
             });
+            r.sampled_at = Some(now);
         }
     }
 }
@@ -181,6 +273,13 @@ mod tests {
     use rand::rngs::StdRng;
 
     use super::*;
+
+    /// One fixed instant: no sample fades within a test unless it moves
+    /// the clock on.
+    fn t0() -> Instant {
+        static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *T0.get_or_init(Instant::now)
+    }
 
     fn set() -> ReplicaSelector {
         ReplicaSelector::new(
@@ -199,17 +298,17 @@ mod tests {
         let selector = set();
         let mut rng = StdRng::seed_from_u64(3);
         for _ in 0..100 {
-            let i = selector.pick(|_, _| true, &mut rng).unwrap();
+            let i = selector.pick(|_, _| true, t0(), &mut rng).unwrap();
             assert_eq!(selector.replicas()[i].domain, "zone-a");
         }
         // Zone a down: zone b serves.
         for _ in 0..100 {
             let i = selector
-                .pick(|_, r| r.domain != "zone-a", &mut rng)
+                .pick(|_, r| r.domain != "zone-a", t0(), &mut rng)
                 .unwrap();
             assert_eq!(selector.replicas()[i].domain, "zone-b");
         }
-        assert_eq!(selector.pick(|_, _| false, &mut rng), None);
+        assert_eq!(selector.pick(|_, _| false, t0(), &mut rng), None);
     }
 
     #[test]
@@ -219,12 +318,12 @@ mod tests {
         // a1 answers in 100 µs, a2 in 1 ms.
         for _ in 0..20 {
             selector.start(0);
-            selector.finish(0, Duration::from_micros(100));
+            selector.finish(0, Duration::from_micros(100), t0());
             selector.start(1);
-            selector.finish(1, Duration::from_millis(1));
+            selector.finish(1, Duration::from_millis(1), t0());
         }
         let picks: Vec<usize> = (0..1000)
-            .map(|_| selector.pick(|_, _| true, &mut rng).unwrap())
+            .map(|_| selector.pick(|_, _| true, t0(), &mut rng).unwrap())
             .collect();
         assert!(
             picks.iter().all(|&i| i == 0),
@@ -234,7 +333,7 @@ mod tests {
         for _ in 0..20 {
             selector.start(0);
         }
-        assert_eq!(selector.pick(|_, _| true, &mut rng), Some(1));
+        assert_eq!(selector.pick(|_, _| true, t0(), &mut rng), Some(1));
         // Across a domain of three, the slowest is never picked (it loses
         // every pairing) and the others share the traffic.
         let mut three = ReplicaSelector::new(
@@ -247,11 +346,11 @@ mod tests {
         );
         for (i, micros) in [(0, 100), (1, 120), (2, 5000)] {
             three.start(i);
-            three.finish(i, Duration::from_micros(micros));
+            three.finish(i, Duration::from_micros(micros), t0());
         }
         let mut counts = [0usize; 3];
         for _ in 0..3000 {
-            counts[three.pick(|_, _| true, &mut rng).unwrap()] += 1;
+            counts[three.pick(|_, _| true, t0(), &mut rng).unwrap()] += 1;
         }
         assert_eq!(counts[2], 0, "{counts:?}");
         assert!(counts[0] > 0 && counts[1] > 0, "{counts:?}");
@@ -264,13 +363,13 @@ mod tests {
             "z",
         );
         selector.start(0);
-        selector.finish(0, Duration::from_micros(200));
+        selector.finish(0, Duration::from_micros(200), t0());
         let mut rng = StdRng::seed_from_u64(9);
         // Unknown latency scores as the mean (200 µs): ties go to the first
         // drawn, so both are picked.
         let mut seen = [false; 2];
         for _ in 0..100 {
-            seen[selector.pick(|_, _| true, &mut rng).unwrap()] = true;
+            seen[selector.pick(|_, _| true, t0(), &mut rng).unwrap()] = true;
         }
         assert_eq!(seen, [true, true]);
     }
@@ -278,12 +377,12 @@ mod tests {
     #[test]
     fn a_failed_connection_backs_off_doubling_and_an_answer_ends_it() {
         let mut selector = set();
-        let t0 = Instant::now();
+        let start = t0();
         selector.start(0);
-        selector.connection_failed(0, t0);
-        assert!(selector.is_down(0, t0));
-        assert!(!selector.is_down(0, t0 + INITIAL_BACKOFF));
-        let t1 = t0 + INITIAL_BACKOFF;
+        selector.connection_failed(0, start);
+        assert!(selector.is_down(0, start));
+        assert!(!selector.is_down(0, start + INITIAL_BACKOFF));
+        let t1 = start + INITIAL_BACKOFF;
         selector.start(0);
         selector.connection_failed(0, t1);
         assert!(selector.is_down(0, t1 + INITIAL_BACKOFF));
@@ -295,12 +394,86 @@ mod tests {
         assert!(!selector.is_down(0, t1 + MAX_BACKOFF));
         assert_eq!(selector.replicas()[0].outstanding, 0, "never below zero");
         selector.start(0);
-        selector.finish(0, Duration::from_micros(50));
+        selector.finish(0, Duration::from_micros(50), start);
         assert!(!selector.is_down(0, t1));
         selector.connection_failed(0, t1);
         assert!(
             !selector.is_down(0, t1 + INITIAL_BACKOFF),
             "the backoff starts over after an answer"
         );
+    }
+
+    /// Pattern 4: one timeout sample (8 ms against 100 µs) made a replica
+    /// lose every pairing for good; now it is tried again once the sample
+    /// has faded, and a readmitted replica starts afresh.
+    #[test]
+    fn failure_pattern_one_slow_sample_does_not_starve_a_replica() {
+        let mut selector =
+            ReplicaSelector::new(vec![Replica::new("a", "z"), Replica::new("b", "z")], "z");
+        let now = t0();
+        selector.start(0);
+        selector.finish(0, Duration::from_millis(8), now);
+        for _ in 0..50 {
+            selector.start(1);
+            selector.finish(1, Duration::from_micros(100), now);
+        }
+        let mut rng = StdRng::seed_from_u64(21);
+        let picks = |selector: &ReplicaSelector, at: Instant, rng: &mut StdRng| {
+            (0..1000)
+                .filter(|_| selector.pick(|_, _| true, at, rng) == Some(0))
+                .count()
+        };
+        assert_eq!(picks(&selector, now, &mut rng), 0, "slow now: loses");
+        let later = now + SAMPLE_FADE;
+        assert!(
+            picks(&selector, later, &mut rng) > 300,
+            "after the fade it ties and is tried"
+        );
+        // Readmitted (reset): no stale average.
+        selector.reset(0);
+        assert!(picks(&selector, now, &mut rng) > 300);
+    }
+
+    /// Pattern 5: a replica answering `Internal` in 20 µs took most of the
+    /// traffic; its faults now count as penalty samples.
+    #[test]
+    fn failure_pattern_fast_faults_do_not_attract_traffic() {
+        let mut selector = ReplicaSelector::new(
+            vec![Replica::new("good", "z"), Replica::new("bad", "z")],
+            "z",
+        );
+        let now = t0();
+        let mut rng = StdRng::seed_from_u64(4);
+        for _ in 0..50 {
+            selector.start(0);
+            selector.finish(0, Duration::from_micros(300), now);
+            selector.start(1);
+            selector.fault(1, Duration::from_micros(20), Duration::from_millis(40), now);
+        }
+        let bad = (0..1000)
+            .filter(|_| selector.pick(|_, _| true, now, &mut rng) == Some(1))
+            .count();
+        assert_eq!(bad, 0, "the faulting replica loses every pairing");
+        // And a fault does not end a connection backoff.
+        selector.start(1);
+        selector.connection_failed(1, now);
+        selector.start(1);
+        selector.fault(1, Duration::from_micros(20), Duration::from_millis(40), now);
+        assert!(selector.is_down(1, now));
+    }
+
+    /// Pattern 6: attempts whose callers gave up counted as outstanding
+    /// for good and skewed every later choice.
+    #[test]
+    fn failure_pattern_abandoned_attempts_stop_counting() {
+        let mut selector = set();
+        for _ in 0..5 {
+            selector.start(2);
+        }
+        for _ in 0..5 {
+            selector.abandon(2);
+        }
+        selector.abandon(2);
+        assert_eq!(selector.outstanding(), vec![0, 0, 0, 0]);
     }
 }
