@@ -354,9 +354,14 @@ impl Channel {
             link.sender
                 .send(message)
                 .await
-                .map_err(|source| RpcError::Send {
-                    addr: self.inner.addr.clone(),
-                    source,
+                .map_err(|source| match source {
+                    tessera_transport::TransportError::MessageTooLarge { len, max } => {
+                        RpcError::MessageTooLarge { len, max }
+                    }
+                    source => RpcError::Send {
+                        addr: self.inner.addr.clone(),
+                        source,
+                    },
                 })?;
             match reply.await {
                 Ok(reply) => reply,

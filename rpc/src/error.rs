@@ -60,6 +60,16 @@ pub enum RpcError {
     /// A replica set had no replica left to try.
     #[error("no replica available: {0}")]
     NoReplica(String),
+    /// The request is larger than the transport's `max_message_size`: it
+    /// was not sent, and no replica would take it (final, not retried, no
+    /// replica's fault).
+    #[error("request of {len} bytes exceeds max_message_size ({max})")]
+    MessageTooLarge {
+        /// Its size in bytes.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
 }
 
 impl From<ConfigError> for RpcError {
@@ -80,7 +90,7 @@ impl RpcError {
             | RpcError::Send { .. }
             | RpcError::NoReplica(_) => Code::Unavailable,
             RpcError::Decode(_) => Code::Internal,
-            RpcError::Memory(_) => Code::ResourceExhausted,
+            RpcError::Memory(_) | RpcError::MessageTooLarge { .. } => Code::ResourceExhausted,
             RpcError::Config(_) => Code::InvalidArgument,
         }
     }

@@ -50,6 +50,9 @@ pub const SERVER_DEADLINE_DROPPED: &str = "tessera_rpc_server_deadline_dropped_t
 pub const SERVER_CONNECTIONS: &str = "tessera_rpc_server_connections_total";
 /// Counter: malformed frames a server received.
 pub const SERVER_PROTOCOL_ERRORS: &str = "tessera_rpc_server_protocol_errors_total";
+/// Responses over `max_message_size`, answered `ResourceExhausted`
+/// instead (labels: `method`).
+pub const SERVER_OVERSIZED_RESPONSES: &str = "tessera_rpc_server_oversized_responses_total";
 
 /// Bucket bounds (seconds) for every duration histogram: 25 µs to 10 s,
 /// roughly ×2.5 apart, so that both RDMA's tens of microseconds and TCP

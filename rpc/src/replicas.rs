@@ -375,6 +375,11 @@ impl ReplicaSet {
                 Err(err) => classify(err),
             };
             let fault = result.as_ref().err().is_some_and(is_server_fault);
+            if matches!(result, Err(RpcError::MessageTooLarge { .. })) {
+                // The request's fault, and final: no replica would take it.
+                state.selector.abandon(i);
+                return result;
+            }
             match failure {
                 // No latency sample from a failed or refused connection;
                 // the replica backs off instead.

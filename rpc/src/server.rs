@@ -18,7 +18,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tessera_config::Validate;
 use tessera_transport::pool::Pool;
-use tessera_transport::{Connection, Listener, Message, MessageSender, Transport};
+use tessera_transport::{Connection, Listener, Message, MessageSender, Transport, TransportError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -342,8 +342,33 @@ async fn respond(
         }
     };
     let message = Message::from_parts(std::iter::once(header).chain(body.parts().iter().cloned()));
-    if let Err(err) = sender.send(message).await {
-        tracing::debug!(%err, method, "response not sent; connection closed");
+    match sender.send(message).await {
+        Ok(()) => {}
+        Err(TransportError::MessageTooLarge { len, max }) => {
+            // The caller must hear it now, not at its deadline, and as
+            // final: a retry elsewhere would get the same answer.
+            metrics::counter!(crate::observe::SERVER_OVERSIZED_RESPONSES, "method" => method)
+                .increment(1);
+            tracing::debug!(
+                method,
+                len,
+                max,
+                "response over max_message_size; answering ResourceExhausted"
+            );
+            let status = Status::resource_exhausted(format!(
+                "the response of {len} bytes exceeds max_message_size ({max})"
+            ));
+            Box::pin(respond(
+                sender,
+                send_pool,
+                request,
+                method,
+                Err(status),
+                received,
+            ))
+            .await;
+        }
+        Err(err) => tracing::debug!(%err, method, "response not sent; connection closed"),
     }
 }
 

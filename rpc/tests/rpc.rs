@@ -49,8 +49,13 @@ impl Echo for EchoImpl {
         if request.delay_ms == SLOW_MARKER_MS {
             SLOW_MARKER_COMPLETED.fetch_add(1, Ordering::SeqCst);
         }
+        let payload = if request.repeat > 1 {
+            Bytes::from(request.payload.repeat(request.repeat as usize))
+        } else {
+            request.payload
+        };
         Ok(EchoResponse {
-            payload: request.payload,
+            payload,
             request_id: context.request_id,
         })
     }
@@ -162,6 +167,7 @@ async fn two_generated_services_are_served_and_called_end_to_end(t: TransportCon
         .echo(EchoRequest {
             payload: Bytes::from_static(b"hello"),
             delay_ms: 0,
+            repeat: 0,
         })
         .await
         .unwrap();
@@ -213,6 +219,7 @@ async fn concurrent_calls_on_one_connection_are_matched_by_request_id(t: Transpo
                 .echo(EchoRequest {
                     payload: payload.clone(),
                     delay_ms: (64 - i) % 8 * 5,
+                    repeat: 0,
                 })
                 .await
                 .unwrap();
@@ -240,6 +247,7 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable(t: Transport
             EchoRequest {
                 payload: Bytes::new(),
                 delay_ms: 2_000,
+                repeat: 0,
             },
             &CallOptions::with_timeout(Duration::from_millis(50)),
         )
@@ -275,6 +283,7 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable(t: Transport
         .echo(EchoRequest {
             payload: Bytes::new(),
             delay_ms: 2_000,
+            repeat: 0,
         })
         .await
         .unwrap_err();
@@ -291,6 +300,7 @@ async fn deadline_exceeded_is_reported_and_the_channel_stays_usable(t: Transport
         .echo(EchoRequest {
             payload: Bytes::from_static(b"after"),
             delay_ms: 0,
+            repeat: 0,
         })
         .await
         .unwrap();
@@ -310,6 +320,7 @@ async fn server_drops_work_whose_deadline_has_passed(t: TransportConfig) {
             EchoRequest {
                 payload: Bytes::new(),
                 delay_ms: SLOW_MARKER_MS,
+                repeat: 0,
             },
             &CallOptions::with_timeout(Duration::from_millis(100)),
         )
@@ -339,10 +350,59 @@ async fn large_payloads_round_trip(t: TransportConfig) {
         .echo(EchoRequest {
             payload: payload.clone(),
             delay_ms: 0,
+            repeat: 0,
         })
         .await
         .unwrap();
     assert_eq!(response.payload, payload);
+    server.shutdown().await;
+}
+
+/// Failure pattern 2, server side: a response over the server's message
+/// limit was only logged, and the caller waited for its whole deadline;
+/// now it hears `ResourceExhausted` at once, and the connection stays
+/// usable.
+async fn failure_pattern_an_oversized_response_is_answered_resource_exhausted(t: TransportConfig) {
+    let server = start(ServerConfig {
+        transport: TransportConfig {
+            max_message_size: 1 << 20,
+            ..t.clone()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, channel_config(&t))
+            .await
+            .unwrap(),
+    );
+    let started = std::time::Instant::now();
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::from(vec![7u8; 600 << 10]),
+                delay_ms: 0,
+                repeat: 2,
+            },
+            &CallOptions::with_timeout(Duration::from_secs(20)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "answered, not left to the deadline: {:?}",
+        started.elapsed()
+    );
+    let fine = echo
+        .echo(EchoRequest {
+            payload: Bytes::from_static(b"ok"),
+            delay_ms: 0,
+            repeat: 2,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&fine.payload[..], b"okok");
     server.shutdown().await;
 }
 
@@ -361,6 +421,7 @@ async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
                 EchoRequest {
                     payload: Bytes::new(),
                     delay_ms: 10_000,
+                    repeat: 0,
                 },
                 &CallOptions::with_timeout(Duration::from_secs(30)),
             )
@@ -376,6 +437,7 @@ async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
         .echo(EchoRequest {
             payload: Bytes::new(),
             delay_ms: 0,
+            repeat: 0,
         })
         .await
         .unwrap_err();
@@ -395,6 +457,7 @@ async fn graceful_shutdown_answers_in_flight_requests(t: TransportConfig) {
             echo.echo(EchoRequest {
                 payload: Bytes::from_static(b"finish me"),
                 delay_ms: 200,
+                repeat: 0,
             })
             .await
         })
@@ -513,6 +576,7 @@ async fn decoded_bytes_fields_point_into_the_receive_pool(t: TransportConfig) {
             .echo(EchoRequest {
                 payload: payload.clone(),
                 delay_ms: 0,
+                repeat: 0,
             })
             .await
             .unwrap();
@@ -556,6 +620,7 @@ async fn services_concurrent_calls_and_large_payloads(t: TransportConfig) {
                 .echo(EchoRequest {
                     payload: payload.clone(),
                     delay_ms: (64 - i) % 4,
+                    repeat: 0,
                 })
                 .await
                 .unwrap();
@@ -568,6 +633,7 @@ async fn services_concurrent_calls_and_large_payloads(t: TransportConfig) {
         .echo(EchoRequest {
             payload: big.clone(),
             delay_ms: 0,
+            repeat: 0,
         })
         .await
         .unwrap();
@@ -592,6 +658,7 @@ async fn statuses_deadlines_and_server_gone(t: TransportConfig) {
             EchoRequest {
                 payload: Bytes::new(),
                 delay_ms: 2_000,
+                repeat: 0,
             },
             &CallOptions::with_timeout(Duration::from_millis(50)),
         )
@@ -603,6 +670,7 @@ async fn statuses_deadlines_and_server_gone(t: TransportConfig) {
         .echo(EchoRequest {
             payload: Bytes::new(),
             delay_ms: 0,
+            repeat: 0,
         })
         .await
         .unwrap_err();
@@ -647,6 +715,7 @@ over_both_transports!(
     decoded_bytes_fields_point_into_the_receive_pool,
     services_concurrent_calls_and_large_payloads,
     statuses_deadlines_and_server_gone,
+    failure_pattern_an_oversized_response_is_answered_resource_exhausted,
 );
 
 mod replica_set {
@@ -665,6 +734,7 @@ mod replica_set {
         let request = EchoRequest {
             payload: Bytes::from_static(b"hello"),
             delay_ms,
+            repeat: 0,
         };
         tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&request)))
     }
@@ -740,6 +810,61 @@ mod replica_set {
         set.clear_quarantine();
         assert!(set.quarantined().is_empty());
         server.shutdown().await;
+    }
+
+    /// Failure pattern 2, client side: a request over the message limit
+    /// was classified as a connection failure, tried on every replica and
+    /// put each in backoff (and towards quarantine); now it fails at once,
+    /// as the request's fault.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_an_oversized_request_is_final_and_nobodys_fault() {
+        let a = start(ServerConfig::default()).await;
+        let b = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            config(vec![
+                ReplicaEndpoint {
+                    addr: a.addr.clone(),
+                    domain: "zone-a".into(),
+                },
+                ReplicaEndpoint {
+                    addr: b.addr.clone(),
+                    domain: "zone-a".into(),
+                },
+            ]),
+            Transport::new(TransportConfig {
+                max_message_size: 64 << 10,
+                ..TransportConfig::default()
+            })
+            .unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        let big = EchoRequest {
+            payload: Bytes::from(vec![1u8; 100 << 10]),
+            delay_ms: 0,
+            repeat: 0,
+        };
+        let body =
+            tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&big)));
+        for _ in 0..5 {
+            let err = set
+                .call_raw(method, body.clone(), true, Duration::from_secs(2))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+            assert!(matches!(err, RpcError::MessageTooLarge { .. }), "{err:?}");
+        }
+        assert!(set.quarantined().is_empty(), "{:?}", set.quarantined());
+        assert_eq!(set.outstanding(), vec![0, 0]);
+        // Both replicas still serve at once: neither is backing off (a
+        // call with a deadline shorter than the first backoff succeeds on
+        // either).
+        for _ in 0..10 {
+            set.call_raw(method, echo_body(0), true, Duration::from_millis(200))
+                .await
+                .unwrap();
+        }
+        a.shutdown().await;
+        b.shutdown().await;
     }
 
     /// Failure pattern 6: a call dropped by its caller (a sibling shard's
@@ -851,6 +976,7 @@ mod recovery {
         EchoRequest {
             payload: Bytes::from_static(b"hello"),
             delay_ms,
+            repeat: 0,
         }
     }
 
