@@ -340,6 +340,10 @@ impl Channel {
             request_id,
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            // Nothing left for the server to do it in: never sent.
+            return Err(RpcError::DeadlineExceeded(timeout));
+        }
         let header = RpcHeader::request(method_id, request_id, Some(remaining));
         let header = self
             .inner
@@ -402,8 +406,17 @@ impl Channel {
             }
             return Ok(link);
         }
-        // One dialer at a time; the others wait for its result.
-        let _connecting = self.inner.connecting.lock().await;
+        // One dialer at a time; the others wait for its result, no longer
+        // than their own deadlines.
+        let waited = Instant::now();
+        let Ok(_connecting) =
+            tokio::time::timeout_at(deadline.into(), self.inner.connecting.lock()).await
+        else {
+            return Err(RpcError::ConnectTimeout {
+                addr: self.inner.addr.clone(),
+                timeout: waited.elapsed(),
+            });
+        };
         if let Some(link) = self.current_link() {
             return Ok(link);
         }

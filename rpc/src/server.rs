@@ -278,6 +278,14 @@ async fn serve_connection(
         let abort = abort.clone();
         tracker.spawn(async move {
             let deadline = context.deadline;
+            // Expired before dispatch (queued behind other work, or sent
+            // with almost nothing left): the caller has given up; running
+            // it could apply a Push the caller was told failed.
+            if deadline.is_some_and(|d| d <= Instant::now()) {
+                metrics::counter!(crate::observe::SERVER_DEADLINE_DROPPED, "method" => route.method.path)
+                    .increment(1);
+                return;
+            }
             let call = AssertUnwindSafe(route.service.call(header.method, context, body)).catch_unwind();
             let bounded = async {
                 match deadline {

@@ -406,6 +406,45 @@ async fn failure_pattern_an_oversized_response_is_answered_resource_exhausted(t:
     server.shutdown().await;
 }
 
+/// Failure pattern 10 (deadlines): a call with nothing left of its
+/// deadline was sent anyway (as 1 µs), and the server ran a handler whose
+/// deadline had passed before it checked it, so a non-idempotent call was
+/// applied although its caller was told it failed. Neither happens now.
+async fn failure_pattern_expired_requests_are_never_applied(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
+        .await
+        .unwrap();
+    let counter = CounterClient::new(channel.clone());
+    let err = counter
+        .increment_with_options(
+            IncrementRequest {},
+            &CallOptions::with_timeout(Duration::ZERO),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
+        &IncrementRequest {},
+    )));
+    for _ in 0..20 {
+        let deadline = std::time::Instant::now() + Duration::from_micros(1);
+        let err = channel
+            .call_raw(
+                COUNTER_DESCRIPTOR.methods[0].id,
+                body.clone(),
+                deadline,
+                Duration::from_micros(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    }
+    let value = counter.increment(IncrementRequest {}).await.unwrap().value;
+    assert_eq!(value, 1, "no expired increment was applied");
+    server.shutdown().await;
+}
+
 async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
     let server = start(ServerConfig {
         shutdown_grace_ms: 50,
@@ -716,7 +755,71 @@ over_both_transports!(
     services_concurrent_calls_and_large_payloads,
     statuses_deadlines_and_server_gone,
     failure_pattern_an_oversized_response_is_answered_resource_exhausted,
+    failure_pattern_expired_requests_are_never_applied,
 );
+
+/// Failure pattern 10 (the connect lock): a call waiting for another's
+/// dial waited for that dial's whole connection timeout, past its own
+/// deadline. Over rdma-soft: the peer accepts the TCP control connection
+/// and never answers the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let t = TransportConfig::soft_rdma();
+    let channel = Channel::lazy(
+        addr,
+        ChannelConfig {
+            connect_timeout_ms: 3000,
+            request_timeout_ms: 5000,
+            transport: t,
+            ..ChannelConfig::default()
+        },
+    )
+    .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let first = tokio::spawn({
+        let echo = echo.clone();
+        async move {
+            echo.echo_with_options(
+                EchoRequest {
+                    payload: Bytes::new(),
+                    delay_ms: 0,
+                    repeat: 0,
+                },
+                &CallOptions::with_timeout(Duration::from_secs(4)),
+            )
+            .await
+        }
+    });
+    // The first call holds the dial.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::new(),
+                delay_ms: 0,
+                repeat: 0,
+            },
+            &CallOptions::with_timeout(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(1500),
+        "waited {waited:?} for another call's dial ({err:?})"
+    );
+    assert!(first.await.unwrap().is_err());
+    hold.abort();
+}
 
 mod replica_set {
     use super::*;
