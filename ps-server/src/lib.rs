@@ -127,10 +127,12 @@ impl PsServer {
                     service: ParameterServerGrpc::service(
                         Arc::new(service.clone()),
                         transport.send_pool().clone(),
+                        usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
                     ),
                     admin: AdminGrpc::service(
                         Arc::new(admin.clone()),
                         transport.send_pool().clone(),
+                        usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
                     ),
                 })
             }

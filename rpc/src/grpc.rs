@@ -30,7 +30,7 @@ pub fn request_context<T>(
         .get("grpc-timeout")
         .and_then(|value| value.to_str().ok())
         .and_then(parse_grpc_timeout)
-        .map(|timeout| Instant::now() + timeout);
+        .map(|timeout| Instant::now() + timeout - deadline_margin(timeout));
     RequestContext {
         method,
         request_id: NEXT_REQUEST_ID.fetch_add(1, Ordering::Relaxed),
@@ -43,14 +43,45 @@ pub fn request_context<T>(
 }
 
 /// A gRPC status with the same code and message (Tessera's codes are
-/// gRPC's).
+/// gRPC's), the message cut as the Tessera endpoint cuts it.
 pub fn to_grpc_status(status: Status) -> tonic::Status {
     let code = tonic::Code::from_i32(i32::from(status.code().as_u16()));
+    let message = crate::server::truncate_error_message(status.message());
     if status.details().is_empty() {
-        tonic::Status::new(code, status.message())
+        tonic::Status::new(code, message)
     } else {
-        tonic::Status::with_details(code, status.message(), status.details().clone())
+        tonic::Status::with_details(code, message, status.details().clone())
     }
+}
+
+/// Runs a handler within the request's deadline (its `grpc-timeout`):
+/// past it, the caller gets `DEADLINE_EXCEEDED` (not `CANCELLED`, which is
+/// what it saw when the client's deadline ran out first).
+pub async fn within_deadline<T>(
+    deadline: Option<Instant>,
+    handler: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, tonic::Status> {
+    let outcome = match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline.into(), handler).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                return Err(tonic::Status::deadline_exceeded(
+                    "the request's deadline passed",
+                ));
+            }
+        },
+        None => handler.await,
+    };
+    outcome.map_err(to_grpc_status)
+}
+
+/// How much earlier than its `grpc-timeout` a handler's deadline falls:
+/// tonic's server enforces the header itself and answers `CANCELLED`
+/// ("Timeout expired"); the bridge's own deadline ([`within_deadline`])
+/// must come first for the caller to hear `DEADLINE_EXCEEDED`. 5% of the
+/// timeout, at most 5 ms.
+fn deadline_margin(timeout: Duration) -> Duration {
+    (timeout / 20).min(Duration::from_millis(5))
 }
 
 /// Parses a `grpc-timeout` header value: up to 8 digits and a unit

@@ -322,14 +322,7 @@ async fn respond(
     let (code, flags, body) = match result {
         Ok(body) => (Code::Ok, 0, body),
         Err(status) => {
-            let mut text = status.message().to_owned();
-            if text.len() > MAX_ERROR_MESSAGE {
-                let mut cut = MAX_ERROR_MESSAGE;
-                while !text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                text.truncate(cut);
-            }
+            let text = truncate_error_message(status.message());
             let (flags, body) = crate::wire::encode_status_body(&text, status.details());
             (status.code(), flags, Message::from(body))
         }
@@ -378,6 +371,20 @@ async fn respond(
         }
         Err(err) => tracing::debug!(%err, method, "response not sent; connection closed"),
     }
+}
+
+/// An error message cut to [`MAX_ERROR_MESSAGE`] bytes (at a character
+/// boundary): a handler's message must not make a response large.
+pub(crate) fn truncate_error_message(message: &str) -> String {
+    let mut text = message.to_owned();
+    if text.len() > MAX_ERROR_MESSAGE {
+        let mut cut = MAX_ERROR_MESSAGE;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    text
 }
 
 /// Completes when the process receives SIGINT (Ctrl-C) or SIGTERM: the

@@ -11,6 +11,8 @@ use tokio::sync::oneshot;
 pub struct InProcess {
     /// Its bound address.
     pub addr: String,
+    /// Its gRPC endpoint's address, when it has one (`grpc_listen`).
+    pub grpc_addr: Option<std::net::SocketAddr>,
     /// Its rows.
     pub store: Arc<Store>,
     /// Its replication.
@@ -35,6 +37,7 @@ impl InProcess {
     pub async fn try_start(config: &PsServerConfig) -> Result<Self, PsError> {
         let server = PsServer::bind(config).await?;
         let addr = server.local_addr().to_string();
+        let grpc_addr = server.grpc_addr();
         let store = Arc::clone(server.store());
         let replication = Arc::clone(server.replication());
         let channel = Channel::lazy(addr.clone(), crate::health::patient()).unwrap();
@@ -44,6 +47,7 @@ impl InProcess {
         }));
         Ok(Self {
             addr,
+            grpc_addr,
             store,
             replication,
             data: ParameterServerClient::new(channel.clone()),

@@ -390,9 +390,13 @@ impl<T> ::core::fmt::Debug for {name}Grpc<T> {{
     }}
 }}
 impl<T: {name}> {name}Grpc<T> {{
-    /// The tonic service for `inner`; handlers build large responses in `pool`.
-    pub fn service(inner: ::std::sync::Arc<T>, pool: ::tessera_rpc::grpc::Pool) -> {module}::{name}Server<Self> {{
+    /// The tonic service for `inner`; handlers build large responses in
+    /// `pool`; messages up to `max_message_size` bytes either way (the
+    /// Tessera endpoint's limit; tonic's own default is 4 MiB).
+    pub fn service(inner: ::std::sync::Arc<T>, pool: ::tessera_rpc::grpc::Pool, max_message_size: usize) -> {module}::{name}Server<Self> {{
         {module}::{name}Server::new(Self {{ inner, pool }})
+            .max_decoding_message_size(max_message_size)
+            .max_encoding_message_size(max_message_size)
     }}
 }}
 #[::tonic::async_trait]
@@ -404,7 +408,8 @@ impl<T: {name}> {module}::{name} for {name}Grpc<T> {{
             buf,
             r#"    async fn {method}(&self, request: ::tonic::Request<{input}>) -> ::core::result::Result<::tonic::Response<{output}>, ::tonic::Status> {{
         let context = ::tessera_rpc::grpc::request_context(&request, "/{full}/{proto}", &self.pool);
-        self.inner.{method}(context, request.into_inner()).await.map(::tonic::Response::new).map_err(::tessera_rpc::grpc::to_grpc_status)
+        let deadline = context.deadline;
+        ::tessera_rpc::grpc::within_deadline(deadline, self.inner.{method}(context, request.into_inner())).await.map(::tonic::Response::new)
     }}
 "#,
             method = method.name,

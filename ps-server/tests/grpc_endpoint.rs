@@ -1,0 +1,126 @@
+//! The gRPC endpoint's limits and codes as a stock gRPC client sees them
+//! (failure pattern 11): messages up to the server's `max_message_size`
+//! (tonic's default was 4 MiB: a Push over it, or a Fetch of more than
+//! 524,288 keys of dim 2, failed with OUT_OF_RANGE), and a handler past the
+//! request's `grpc-timeout` answers DEADLINE_EXCEEDED.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tessera_proto::v1::{FetchRequest, FetchResponse, PushRequest, PushResponse};
+use tessera_ps_server::PsServerConfig;
+use tessera_test_support::{InProcess, free_addr, keys_of_shard, wire};
+use tonic::codegen::http::uri::PathAndQuery;
+
+async fn grpc_client(addr: std::net::SocketAddr) -> tonic::client::Grpc<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20)
+}
+
+async fn unary<Req, Resp>(
+    client: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    path: &'static str,
+    request: tonic::Request<Req>,
+) -> Result<Resp, tonic::Status>
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    client.ready().await.unwrap();
+    client
+        .unary(
+            request,
+            PathAndQuery::from_static(path),
+            tonic_prost::ProstCodec::<Req, Resp>::default(),
+        )
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_the_grpc_endpoint_takes_the_servers_message_size_and_reports_deadlines() {
+    let server = InProcess::start(&PsServerConfig {
+        listen: "127.0.0.1:0".into(),
+        grpc_listen: Some(free_addr()),
+        ..PsServerConfig::default()
+    })
+    .await;
+    let grpc_addr = {
+        let health = tessera_test_support::wait_serving(&server.addr).await;
+        let _ = health;
+        server.grpc_addr.expect("a gRPC endpoint")
+    };
+    let mut client = grpc_client(grpc_addr).await;
+    let dim = server.store.row_bytes("embeddings").unwrap() / 4;
+    // A Push of about 8 MiB of gradients.
+    let keys = keys_of_shard(0, 1, (8 << 20) / (dim * 4));
+    let push = PushRequest {
+        table: "embeddings".into(),
+        shard: 0,
+        keys: keys.clone(),
+        gradients: Bytes::from(wire(&vec![0.001; keys.len() * dim])),
+        worker_id: 0,
+        sequence: 0,
+    };
+    let pushed: PushResponse = unary(
+        &mut client,
+        "/tessera.ps.v1.ParameterServer/Push",
+        tonic::Request::new(push.clone()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pushed.applied as usize, keys.len());
+    // And its rows back (an 8 MiB response).
+    let fetched: FetchResponse = unary(
+        &mut client,
+        "/tessera.ps.v1.ParameterServer/Fetch",
+        tonic::Request::new(FetchRequest {
+            table: "embeddings".into(),
+            shard: 0,
+            keys: keys.clone(),
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(fetched.values.len(), keys.len() * dim * 4);
+
+    // A Push that waits (the shard's lock is held) past its grpc-timeout.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (locked, is_locked) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn({
+        let store = std::sync::Arc::clone(&server.store);
+        move || {
+            let guard = store.lock_shard(0).unwrap();
+            locked.send(()).unwrap();
+            let _ = held.recv_timeout(Duration::from_secs(20));
+            drop(guard);
+        }
+    });
+    is_locked.recv().unwrap();
+    let mut request = tonic::Request::new(PushRequest {
+        keys: keys[..4].to_vec(),
+        gradients: Bytes::from(wire(&vec![0.001; 4 * dim])),
+        ..push
+    });
+    request
+        .metadata_mut()
+        .insert("grpc-timeout", "200m".parse().unwrap());
+    let err = unary::<PushRequest, PushResponse>(
+        &mut client,
+        "/tessera.ps.v1.ParameterServer/Push",
+        request,
+    )
+    .await
+    .unwrap_err();
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+    server.stop().await;
+}
