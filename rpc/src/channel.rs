@@ -576,10 +576,20 @@ async fn read_responses(
     shared: Arc<LinkShared>,
     channel: Option<Weak<ChannelInner>>,
 ) {
+    // The server said it is shutting down: a clean end, not the RDMA
+    // path's fault.
+    let mut going_away = false;
     let reason = loop {
         match receiver.recv().await {
             Ok(Some(message)) => match RpcHeader::decode(&message) {
                 Ok((header, body)) if header.kind == Kind::Response => {
+                    if header.flags & crate::wire::FLAG_GOING_AWAY != 0 && !going_away {
+                        // No new calls here; the outstanding ones are
+                        // still answered on it.
+                        going_away = true;
+                        shared.closed.store(true, Ordering::Release);
+                        tracing::debug!(addr = %shared.addr, "server going away; new calls dial again");
+                    }
                     let slot = shared.pending().calls.remove(&header.request_id);
                     match slot {
                         Some(slot) => {
@@ -600,7 +610,7 @@ async fn read_responses(
     };
     tracing::debug!(addr = %shared.addr, %reason, "connection ended");
     shared.fail_all(reason.clone());
-    if let Some(channel) = channel.and_then(|weak| weak.upgrade()) {
+    if !going_away && let Some(channel) = channel.and_then(|weak| weak.upgrade()) {
         channel.rdma_link_ended(&reason);
     }
 }

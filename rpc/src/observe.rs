@@ -50,6 +50,9 @@ pub const SERVER_DEADLINE_DROPPED: &str = "tessera_rpc_server_deadline_dropped_t
 pub const SERVER_CONNECTIONS: &str = "tessera_rpc_server_connections_total";
 /// Counter: malformed frames a server received.
 pub const SERVER_PROTOCOL_ERRORS: &str = "tessera_rpc_server_protocol_errors_total";
+/// Requests a stopping server answered `Unavailable` instead of serving
+/// (it was draining its connections).
+pub const SERVER_REFUSED_DRAINING: &str = "tessera_rpc_server_refused_draining_total";
 /// Responses over `max_message_size`, answered `ResourceExhausted`
 /// instead (labels: `method`).
 pub const SERVER_OVERSIZED_RESPONSES: &str = "tessera_rpc_server_oversized_responses_total";

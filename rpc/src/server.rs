@@ -31,6 +31,12 @@ use crate::{
 /// Longest error message sent back to a caller; longer ones are cut.
 const MAX_ERROR_MESSAGE: usize = 4096;
 
+/// How long a stopping server's connection must be quiet (nothing in
+/// flight, no request) before it closes: time for the client to see the
+/// going-away flag on an answer and stop sending there. 100 ms: many
+/// round trips on any network a parameter server runs on.
+const DRAIN_QUIET: Duration = Duration::from_millis(100);
+
 /// A service a [`Server`] can route to. Implemented by the dispatchers that
 /// `tessera-rpc-build` generates (`FooServer<T>`); rarely by hand.
 pub trait Service: Send + Sync + 'static {
@@ -158,9 +164,12 @@ impl Server {
     }
 
     /// Serves until `shutdown` completes, then shuts down gracefully: stops
-    /// accepting connections and reading new requests, lets in-flight
-    /// requests finish and send their responses (for at most
-    /// `shutdown_grace_ms`), then closes every connection.
+    /// accepting connections; on each connection lets in-flight requests
+    /// finish and send their responses, answers new ones `Unavailable`
+    /// (never applied, so callers retry them elsewhere) and marks every
+    /// answer going-away ([`crate::wire::FLAG_GOING_AWAY`]: the client
+    /// sends nothing more there); closes each connection once it is quiet,
+    /// and every one after `shutdown_grace_ms` at most.
     pub async fn serve_with_shutdown(self, shutdown: impl Future<Output = ()>) {
         let tracker = TaskTracker::new();
         let stop = CancellationToken::new();
@@ -221,12 +230,36 @@ async fn serve_connection(
         mut receiver,
         ..
     } = connection;
+    // On stop the connection keeps reading: requests already in flight
+    // finish and are answered; new ones are answered `Unavailable` at once
+    // (never applied: safe to retry elsewhere), and every answer says the
+    // server is going away. It closes once nothing is in flight (or the
+    // grace period is over), so no caller waits for a deadline on a
+    // connection that looks usable.
+    let inflight = TaskTracker::new();
+    let mut draining = false;
+    // While draining: close once nothing is in flight and no request came
+    // for `DRAIN_QUIET` (a client that saw the going-away flag sends no
+    // more; requests already on their way are still answered).
+    let mut quiet_until = tokio::time::Instant::now();
     loop {
+        let idle = inflight.is_empty();
         let message = tokio::select! {
             biased;
-            () = stop.cancelled() => break,
+            () = abort.cancelled() => break,
+            () = stop.cancelled(), if !draining => {
+                draining = true;
+                inflight.close();
+                quiet_until = tokio::time::Instant::now() + DRAIN_QUIET;
+                continue;
+            }
+            () = inflight.wait(), if draining && !idle => continue,
+            () = tokio::time::sleep_until(quiet_until), if draining && idle => break,
             message = receiver.recv() => message,
         };
+        if draining {
+            quiet_until = tokio::time::Instant::now() + DRAIN_QUIET;
+        }
         let message = match message {
             Ok(Some(message)) => message,
             Ok(None) => break,
@@ -252,6 +285,21 @@ async fn serve_connection(
             }
         };
         let received = Instant::now();
+        if draining {
+            metrics::counter!(crate::observe::SERVER_REFUSED_DRAINING).increment(1);
+            let status = Status::unavailable("the server is shutting down; retry elsewhere");
+            respond(
+                &sender,
+                &send_pool,
+                &header,
+                "draining",
+                Err(status),
+                received,
+                true,
+            )
+            .await;
+            continue;
+        }
         let Some(route) = routes.get(&header.method).cloned() else {
             let status =
                 Status::unimplemented(format!("no method with id {:#010x}", header.method));
@@ -262,6 +310,7 @@ async fn serve_connection(
                 "unknown",
                 Err(status),
                 received,
+                false,
             )
             .await;
             continue;
@@ -276,7 +325,8 @@ async fn serve_connection(
         let sender = sender.clone();
         let send_pool = send_pool.clone();
         let abort = abort.clone();
-        tracker.spawn(async move {
+        let stop = stop.clone();
+        tracker.spawn(inflight.track_future(async move {
             let deadline = context.deadline;
             // Expired before dispatch (queued behind other work, or sent
             // with almost nothing left): the caller has given up; running
@@ -306,11 +356,22 @@ async fn serve_connection(
                 tracing::error!(method = route.method.path, "handler panicked");
                 Err(Status::internal("handler panicked"))
             });
-            respond(&sender, &send_pool, &header, route.method.path, result, received).await;
-        });
+            respond(
+                &sender,
+                &send_pool,
+                &header,
+                route.method.path,
+                result,
+                received,
+                stop.is_cancelled(),
+            )
+            .await;
+        }));
     }
 }
 
+/// Sends the answer to `request`; `going_away` marks it
+/// [`crate::wire::FLAG_GOING_AWAY`] (the server is shutting down).
 async fn respond(
     sender: &MessageSender,
     send_pool: &Pool,
@@ -318,6 +379,7 @@ async fn respond(
     method: &'static str,
     result: Result<Message, Status>,
     received: Instant,
+    going_away: bool,
 ) {
     let (code, flags, body) = match result {
         Ok(body) => (Code::Ok, 0, body),
@@ -333,6 +395,9 @@ async fn respond(
         .record(received.elapsed().as_secs_f64());
     let mut header = RpcHeader::response(request, code.as_u16());
     header.flags = flags;
+    if going_away {
+        header.flags |= crate::wire::FLAG_GOING_AWAY;
+    }
     let header = match send_pool.alloc_copy(&header.encode()) {
         Ok(buf) => buf.freeze(),
         Err(err) => {
@@ -366,6 +431,7 @@ async fn respond(
                 method,
                 Err(status),
                 received,
+                going_away,
             ))
             .await;
         }

@@ -31,6 +31,12 @@ pub const HEADER_LEN: usize = 24;
 /// Flag of an error response whose body carries status details.
 pub const FLAG_STATUS_DETAILS: u8 = 0x01;
 
+/// Flag of a response from a server that is shutting down (like HTTP/2's
+/// GOAWAY): the client sends no new requests on this connection (it dials
+/// again, and finds the server gone or back), while the calls outstanding
+/// on it are still answered there.
+pub const FLAG_GOING_AWAY: u8 = 0x02;
+
 /// The body of an error response with `message` and `details`, and the
 /// header flags that go with it.
 pub fn encode_status_body(message: &str, details: &[u8]) -> (u8, Bytes) {

@@ -445,6 +445,56 @@ async fn failure_pattern_expired_requests_are_never_applied(t: TransportConfig) 
     server.shutdown().await;
 }
 
+/// Failure pattern 1 (rolling restart): on stop the server stopped reading
+/// while its handlers kept the connection open, so every call sent then
+/// hung until its deadline. Now a call in flight is answered, and new
+/// calls hear at once that the server is going away (`Unavailable`, never
+/// applied) or find it gone.
+async fn failure_pattern_a_stopping_server_answers_at_once(t: TransportConfig) {
+    let mut server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
+        .await
+        .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let slow = tokio::spawn({
+        let echo = echo.clone();
+        async move {
+            echo.echo(EchoRequest {
+                payload: Bytes::from_static(b"slow"),
+                delay_ms: 400,
+                repeat: 0,
+            })
+            .await
+        }
+    });
+    // The slow call is in flight when the stop comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = server.stop.take().unwrap().send(());
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let outcome = echo
+            .echo_with_options(
+                EchoRequest {
+                    payload: Bytes::from_static(b"new"),
+                    delay_ms: 0,
+                    repeat: 0,
+                },
+                &CallOptions::with_timeout(Duration::from_secs(3)),
+            )
+            .await;
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "a call to a stopping server took {took:?}: {outcome:?}"
+        );
+        if let Err(err) = outcome {
+            assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        }
+    }
+    assert_eq!(&slow.await.unwrap().unwrap().payload[..], b"slow");
+    server.task.await.unwrap();
+}
+
 async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
     let server = start(ServerConfig {
         shutdown_grace_ms: 50,
@@ -756,6 +806,7 @@ over_both_transports!(
     statuses_deadlines_and_server_gone,
     failure_pattern_an_oversized_response_is_answered_resource_exhausted,
     failure_pattern_expired_requests_are_never_applied,
+    failure_pattern_a_stopping_server_answers_at_once,
 );
 
 /// Failure pattern 10 (the connect lock): a call waiting for another's
@@ -967,6 +1018,83 @@ mod replica_set {
                 .unwrap();
         }
         a.shutdown().await;
+        b.shutdown().await;
+    }
+
+    /// Failure pattern 1 through a replica set: a non-idempotent call
+    /// (Counter.Increment) keeps succeeding while one of two replicas
+    /// stops gracefully under load — refused calls go to the other.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_no_call_fails_while_a_replica_restarts() {
+        let mut a = start(ServerConfig::default()).await;
+        let b = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                channel: ChannelConfig {
+                    connect_timeout_ms: 1000,
+                    request_timeout_ms: 2000,
+                    ..ChannelConfig::default()
+                },
+                ..config(vec![
+                    ReplicaEndpoint {
+                        addr: a.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                    ReplicaEndpoint {
+                        addr: b.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                ])
+            },
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = COUNTER_DESCRIPTOR.methods[0].id;
+        let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
+            &IncrementRequest {},
+        )));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut loops = Vec::new();
+        for _ in 0..4 {
+            let (set, body, stop) = (set.clone(), body.clone(), Arc::clone(&stop));
+            loops.push(tokio::spawn(async move {
+                let (mut ok, mut failed, mut slowest) = (0u32, Vec::new(), Duration::ZERO);
+                while !stop.load(Ordering::Relaxed) {
+                    let started = std::time::Instant::now();
+                    match set
+                        .call_raw(method, body.clone(), false, Duration::from_secs(4))
+                        .await
+                    {
+                        Ok(_) => ok += 1,
+                        Err(err) => failed.push(err.to_string()),
+                    }
+                    slowest = slowest.max(started.elapsed());
+                }
+                (ok, failed, slowest)
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = a.stop.take().unwrap().send(());
+        a.task.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.store(true, Ordering::Relaxed);
+        let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
+        for l in loops {
+            let (o, f, s) = l.await.unwrap();
+            ok += o;
+            failed.extend(f);
+            slowest = slowest.max(s);
+        }
+        assert!(ok > 100, "{ok} calls");
+        assert!(
+            failed.is_empty(),
+            "{} failed: {:?}",
+            failed.len(),
+            failed.first()
+        );
+        assert!(
+            slowest < Duration::from_secs(1),
+            "the slowest call took {slowest:?}"
+        );
         b.shutdown().await;
     }
 
