@@ -65,6 +65,11 @@ struct ChannelInner {
     transport: Transport,
     current: Mutex<Option<Arc<Link>>>,
     connecting: tokio::sync::Mutex<()>,
+    /// Events (dials and links) numbered so far; the last dial's number
+    /// is the count of dials, links take the next numbers too.
+    dials: AtomicU64,
+    /// The latest failed dial: its event and why.
+    last_failed_dial: Mutex<Option<(u64, String)>>,
     next_request_id: AtomicU64,
     /// The RDMA-to-TCP rungs of the recovery ladder; `None` when the
     /// transport does not dial RDMA (`tcp`), or decides per connection
@@ -92,6 +97,8 @@ struct Link {
 #[derive(Debug)]
 struct LinkShared {
     addr: String,
+    /// This link's number among the channel's events.
+    event: u64,
     closed: AtomicBool,
     pending: Mutex<PendingTable>,
 }
@@ -133,6 +140,7 @@ impl LinkShared {
             let _ = slot.send(Err(RpcError::ConnectionLost {
                 addr: self.addr.clone(),
                 reason: reason.clone(),
+                event: self.event,
             }));
         }
     }
@@ -171,6 +179,7 @@ impl Channel {
             Transport::new(config.transport.clone()).map_err(|source| RpcError::Connect {
                 addr: addr.clone(),
                 source,
+                event: 0,
             })?;
         Ok(Self::with_transport(addr, config, transport))
     }
@@ -192,6 +201,8 @@ impl Channel {
                 transport,
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
+                dials: AtomicU64::new(0),
+                last_failed_dial: Mutex::new(None),
                 next_request_id: AtomicU64::new(1),
                 ladder,
             }),
@@ -331,6 +342,7 @@ impl Channel {
                 return Err(RpcError::ConnectionLost {
                     addr: self.inner.addr.clone(),
                     reason: reason.clone(),
+                    event: link.shared.event,
                 });
             }
             table.calls.insert(request_id, slot);
@@ -373,6 +385,7 @@ impl Channel {
                 Err(_) => Err(RpcError::ConnectionLost {
                     addr: self.inner.addr.clone(),
                     reason: "connection reader stopped".into(),
+                    event: link.shared.event,
                 }),
             }
         };
@@ -407,18 +420,33 @@ impl Channel {
             return Ok(link);
         }
         // One dialer at a time; the others wait for its result, no longer
-        // than their own deadlines.
+        // than their own deadlines, and share a failure of the dial they
+        // waited for (one failed dial, however many callers: one event).
         let waited = Instant::now();
+        let dials_before = self.inner.dials.load(Ordering::Acquire);
         let Ok(_connecting) =
             tokio::time::timeout_at(deadline.into(), self.inner.connecting.lock()).await
         else {
             return Err(RpcError::ConnectTimeout {
                 addr: self.inner.addr.clone(),
                 timeout: waited.elapsed(),
+                event: self.inner.dials.load(Ordering::Acquire),
             });
         };
         if let Some(link) = self.current_link() {
             return Ok(link);
+        }
+        if let Some((event, reason)) = lock(&self.inner.last_failed_dial).clone()
+            && event > dials_before
+        {
+            return Err(RpcError::Connect {
+                addr: self.inner.addr.clone(),
+                source: tessera_transport::TransportError::Io(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    format!("the dial this call waited for failed: {reason}"),
+                )),
+                event,
+            });
         }
         let path = self
             .inner
@@ -461,10 +489,7 @@ impl Channel {
         let inner = Arc::clone(&self.inner);
         tokio::spawn(async move {
             let outcome = inner
-                .dial(
-                    Path::Rdma,
-                    Instant::now() + PROBE_TIMEOUT.max(inner.config.connect_timeout()),
-                )
+                .probe_dial(Instant::now() + PROBE_TIMEOUT.max(inner.config.connect_timeout()))
                 .await;
             let connected = outcome.is_ok();
             if let Ok(connection) = outcome {
@@ -493,29 +518,46 @@ impl ChannelInner {
     /// Connects over the configured transport (`Path::Rdma`, which is
     /// whatever the transport dials) or over TCP, within the connection
     /// timeout and `deadline`.
+    /// An RDMA probe's dial: like [`ChannelInner::dial`], but its failure
+    /// is not one that callers waiting for a connection share.
+    async fn probe_dial(&self, deadline: Instant) -> Result<Connection, RpcError> {
+        let shared = lock(&self.last_failed_dial).clone();
+        let outcome = self.dial(Path::Rdma, deadline).await;
+        if outcome.is_err() {
+            *lock(&self.last_failed_dial) = shared;
+        }
+        outcome
+    }
+
     async fn dial(&self, path: Path, deadline: Instant) -> Result<Connection, RpcError> {
         let timeout = self
             .config
             .connect_timeout()
             .min(deadline.saturating_duration_since(Instant::now()));
         let addr = self.addr.clone();
+        let event = self.dials.fetch_add(1, Ordering::AcqRel) + 1;
         let connect = async {
             match path {
                 Path::Rdma => self.transport.connect(&addr).await,
                 Path::Tcp => self.transport.connect_tcp(&addr).await,
             }
         };
-        match tokio::time::timeout(timeout, connect).await {
-            Ok(Ok(connection)) => Ok(connection),
-            Ok(Err(source)) => {
-                metrics::counter!(crate::observe::CLIENT_CONNECT_FAILURES).increment(1);
-                Err(RpcError::Connect { addr, source })
-            }
-            Err(_) => {
-                metrics::counter!(crate::observe::CLIENT_CONNECT_FAILURES).increment(1);
-                Err(RpcError::ConnectTimeout { addr, timeout })
-            }
-        }
+        let failed = match tokio::time::timeout(timeout, connect).await {
+            Ok(Ok(connection)) => return Ok(connection),
+            Ok(Err(source)) => RpcError::Connect {
+                addr,
+                source,
+                event,
+            },
+            Err(_) => RpcError::ConnectTimeout {
+                addr,
+                timeout,
+                event,
+            },
+        };
+        metrics::counter!(crate::observe::CLIENT_CONNECT_FAILURES).increment(1);
+        *lock(&self.last_failed_dial) = Some((event, failed.to_string()));
+        Err(failed)
     }
 
     /// Makes `connection` the channel's current one and starts its reader.
@@ -523,6 +565,8 @@ impl ChannelInner {
         let kind = connection.kind();
         let shared = Arc::new(LinkShared {
             addr: inner.addr.clone(),
+            // Numbered after every dial so far (its own included).
+            event: inner.dials.fetch_add(1, Ordering::AcqRel) + 1,
             closed: AtomicBool::new(false),
             pending: Mutex::new(PendingTable::default()),
         });

@@ -19,6 +19,8 @@ pub enum RpcError {
         addr: String,
         /// The timeout that expired (Tc, or less if the deadline was nearer).
         timeout: Duration,
+        /// The dial this call waited for (see [`RpcError::event`]).
+        event: u64,
     },
     /// Establishing the connection failed.
     #[error("cannot connect to {addr}: {source}")]
@@ -27,6 +29,8 @@ pub enum RpcError {
         addr: String,
         /// The transport's reason.
         source: TransportError,
+        /// The dial this call waited for (see [`RpcError::event`]).
+        event: u64,
     },
     /// The call's deadline passed before a response arrived.
     #[error("deadline of {0:?} exceeded")]
@@ -38,6 +42,8 @@ pub enum RpcError {
         addr: String,
         /// What ended the connection.
         reason: String,
+        /// The connection that broke (see [`RpcError::event`]).
+        event: u64,
     },
     /// The request could not be handed to the transport.
     #[error("request to {addr} not sent: {source}")]
@@ -92,6 +98,19 @@ impl RpcError {
             RpcError::Decode(_) => Code::Internal,
             RpcError::Memory(_) | RpcError::MessageTooLarge { .. } => Code::ResourceExhausted,
             RpcError::Config(_) => Code::InvalidArgument,
+        }
+    }
+
+    /// The dial or connection whose failure this is, numbered per channel:
+    /// every call that failed with one broken connection (or waited for one
+    /// failed dial) carries the same number, so that recovery policies
+    /// count the failure once, not once per call. `None` for other errors.
+    pub fn event(&self) -> Option<u64> {
+        match self {
+            RpcError::ConnectTimeout { event, .. }
+            | RpcError::Connect { event, .. }
+            | RpcError::ConnectionLost { event, .. } => Some(*event),
+            _ => None,
         }
     }
 

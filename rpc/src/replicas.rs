@@ -109,6 +109,10 @@ struct State {
     seen_readmissions: u64,
     /// Whether each replica was excluded at the last pick.
     was_excluded: Vec<bool>,
+    /// The last connection event (a failed dial, a broken link) counted
+    /// against each replica: the other calls failing with the same one
+    /// are not counted again.
+    last_event: Vec<Option<u64>>,
 }
 
 /// Calls one logical endpoint over its replicas (see the module docs).
@@ -186,6 +190,7 @@ impl ReplicaSet {
                 rng,
                 seen_readmissions: 0,
                 was_excluded: vec![false; config.replicas.len()],
+                last_event: vec![None; config.replicas.len()],
             })),
         }
     }
@@ -375,6 +380,13 @@ impl ReplicaSet {
                 Err(err) => classify(err),
             };
             let fault = result.as_ref().err().is_some_and(is_server_fault);
+            // One reset with fifty calls in flight, or one failed dial with
+            // thirty callers waiting, is one failure of the replica.
+            let event = result.as_ref().err().and_then(RpcError::event);
+            let repeated = event.is_some() && state.last_event[i] == event;
+            if event.is_some() {
+                state.last_event[i] = event;
+            }
             if matches!(result, Err(RpcError::MessageTooLarge { .. })) {
                 // The request's fault, and final: no replica would take it.
                 state.selector.abandon(i);
@@ -383,6 +395,11 @@ impl ReplicaSet {
             match failure {
                 // No latency sample from a failed or refused connection;
                 // the replica backs off instead.
+                AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost
+                    if repeated =>
+                {
+                    state.selector.abandon(i)
+                }
                 AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost => {
                     state.selector.connection_failed(i, now)
                 }
@@ -396,6 +413,7 @@ impl ReplicaSet {
             }
             let addr = state.selector.replicas()[i].addr.clone();
             let ejection = match failure {
+                _ if repeated => None,
                 AttemptFailure::Connect => state.quarantine.record_connect_failure(&addr, now),
                 AttemptFailure::Lost | AttemptFailure::TimedOut => {
                     state.quarantine.record_request_failure(&addr, now)

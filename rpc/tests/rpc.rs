@@ -1098,6 +1098,82 @@ mod replica_set {
         b.shutdown().await;
     }
 
+    /// Failure pattern 3: one connection reset with many calls in flight
+    /// counted one failure per call (51 in flight ejected a healthy node);
+    /// now the calls that failed with the same broken connection count
+    /// once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_one_reset_is_one_failure_however_many_calls_were_in_flight() {
+        let a = start(ServerConfig {
+            shutdown_grace_ms: 50,
+            ..ServerConfig::default()
+        })
+        .await;
+        let b = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                quarantine: QuarantineConfig {
+                    max_request_failures: 3,
+                    max_connect_failures: 3,
+                    ..QuarantineConfig::default()
+                },
+                channel: ChannelConfig {
+                    connect_timeout_ms: 1000,
+                    request_timeout_ms: 20_000,
+                    ..ChannelConfig::default()
+                },
+                ..config(vec![
+                    // All calls go to a (the caller's domain).
+                    ReplicaEndpoint {
+                        addr: a.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                    ReplicaEndpoint {
+                        addr: b.addr.clone(),
+                        domain: "zone-b".into(),
+                    },
+                ])
+            },
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        // Connected first, then 20 slow calls in flight on that connection.
+        set.call_raw(method, echo_body(0), false, Duration::from_secs(2))
+            .await
+            .unwrap();
+        let calls: Vec<_> = (0..20)
+            .map(|_| {
+                let set = set.clone();
+                tokio::spawn(async move {
+                    set.call_raw(method, echo_body(10_000), false, Duration::from_secs(20))
+                        .await
+                })
+            })
+            .collect();
+        let started = std::time::Instant::now();
+        while set.outstanding()[0] < 20 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                set.outstanding()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // a goes away with the calls in flight: its connection breaks.
+        a.shutdown().await;
+        for call in calls {
+            let err = call.await.unwrap().unwrap_err();
+            assert!(matches!(err, RpcError::ConnectionLost { .. }), "{err:?}");
+        }
+        assert!(
+            set.quarantined().is_empty(),
+            "one broken connection ejected the node: {:?}",
+            set.quarantined()
+        );
+        assert_eq!(set.outstanding(), vec![0, 0]);
+        b.shutdown().await;
+    }
+
     /// Failure pattern 6: a call dropped by its caller (a sibling shard's
     /// call failed and `try_join_all` dropped the rest) left its attempt
     /// counted as outstanding for good, skewing every later choice.

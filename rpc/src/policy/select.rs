@@ -198,10 +198,18 @@ impl ReplicaSelector {
 
     /// The attempt on replica `i` failed on its connection at `now`: ends
     /// the attempt (without a latency sample: a refused connection is fast
-    /// and says nothing about serving speed) and backs the replica off.
+    /// and says nothing about serving speed) and backs the replica off —
+    /// unless it is backing off already (the failure of a call that was
+    /// under way when it went down).
     pub fn connection_failed(&mut self, i: usize, now: Instant) {
         if let Some(r) = self.replicas.get_mut(i) {
             r.outstanding = r.outstanding.saturating_sub(1);
+            if r.down_until.is_some_and(|until| now < until) {
+                // Down already: calls that were in flight or queued when it
+                // went down fail together; that is one failure, not a
+                // doubling per call.
+                return;
+            }
             r.backoff = if r.backoff.is_zero() {
                 INITIAL_BACKOFF
             } else {
@@ -387,9 +395,19 @@ mod tests {
         selector.connection_failed(0, t1);
         assert!(selector.is_down(0, t1 + INITIAL_BACKOFF));
         assert!(!selector.is_down(0, t1 + INITIAL_BACKOFF * 2));
+        // Calls failing while it is down already are one failure (pattern
+        // 3: twenty calls in flight must not double it twenty times).
         for _ in 0..20 {
             selector.connection_failed(0, t1);
         }
+        assert!(!selector.is_down(0, t1 + INITIAL_BACKOFF * 2));
+        // Each failure after a backoff ran out doubles it, up to the cap.
+        let mut t = t1;
+        for _ in 0..10 {
+            t += MAX_BACKOFF;
+            selector.connection_failed(0, t);
+        }
+        let t1 = t;
         assert!(selector.is_down(0, t1 + MAX_BACKOFF - Duration::from_millis(1)));
         assert!(!selector.is_down(0, t1 + MAX_BACKOFF));
         assert_eq!(selector.replicas()[0].outstanding, 0, "never below zero");
