@@ -99,6 +99,10 @@ struct LinkShared {
     addr: String,
     /// This link's number among the channel's events.
     event: u64,
+    /// When it was installed.
+    since: Instant,
+    /// It carried successful calls for `HEALTHY_AFTER` (reported once).
+    healthy: AtomicBool,
     closed: AtomicBool,
     pending: Mutex<PendingTable>,
 }
@@ -213,6 +217,16 @@ impl Channel {
     /// while there is none: after a fallback, `Tcp` on an RDMA channel.
     pub fn current_transport(&self) -> Option<TransportKind> {
         self.current_link().map(|link| link.kind)
+    }
+
+    /// Whether this destination's RDMA-to-TCP ladder has fallen back: new
+    /// connections go over TCP until a probe finds RDMA working again
+    /// (false on channels that do not dial RDMA).
+    pub fn fallen_back(&self) -> bool {
+        self.inner
+            .ladder
+            .as_ref()
+            .is_some_and(|ladder| lock(ladder).path() == Path::Tcp)
     }
 
     /// The server address.
@@ -394,6 +408,7 @@ impl Channel {
             Err(_) => return Err(RpcError::DeadlineExceeded(timeout)),
         };
         if header.status == Code::Ok.as_u16() {
+            self.note_success(&link);
             Ok(body)
         } else {
             let (message, details) = crate::wire::decode_status_body(header.flags, &body);
@@ -402,6 +417,23 @@ impl Channel {
                 message,
                 details,
             )))
+        }
+    }
+
+    /// A call succeeded on `link`: an RDMA link that has done so for
+    /// [`crate::policy::HEALTHY_AFTER`] clears its destination's failures
+    /// (once).
+    fn note_success(&self, link: &Link) {
+        if link.kind != TransportKind::Rdma
+            || link.shared.healthy.load(Ordering::Relaxed)
+            || link.shared.since.elapsed() < crate::policy::HEALTHY_AFTER
+        {
+            return;
+        }
+        if !link.shared.healthy.swap(true, Ordering::Relaxed)
+            && let Some(ladder) = &self.inner.ladder
+        {
+            lock(ladder).handle_rdma_healthy();
         }
     }
 
@@ -457,10 +489,8 @@ impl Channel {
             (Path::Rdma, None) => self.inner.dial(Path::Rdma, deadline).await?,
             (Path::Tcp, _) => self.inner.dial(Path::Tcp, deadline).await?,
             (Path::Rdma, Some(ladder)) => match self.inner.dial(Path::Rdma, deadline).await {
-                Ok(connection) => {
-                    lock(ladder).handle_rdma_connected();
-                    connection
-                }
+                Ok(connection) => connection,
+                Err(err) if !self.inner.is_rdma_path_failure(&err) => return Err(err),
                 Err(err) => {
                     let step = lock(ladder).handle_rdma_failure(Instant::now());
                     self.inner.record_step(step, &err.to_string());
@@ -483,9 +513,13 @@ impl Channel {
         let Some(ladder) = &self.inner.ladder else {
             return;
         };
-        if !lock(ladder).poll_probe(Instant::now()) {
+        let mut ladder = lock(ladder);
+        let disagree = ladder.path() == Path::Rdma;
+        let now = Instant::now();
+        if !(ladder.poll_probe(now) || disagree && ladder.poll_return(now)) {
             return;
         }
+        drop(ladder);
         let inner = Arc::clone(&self.inner);
         tokio::spawn(async move {
             let outcome = inner
@@ -493,6 +527,11 @@ impl Channel {
                 .await;
             let connected = outcome.is_ok();
             if let Ok(connection) = outcome {
+                // Installed under the connect lock: a TCP dial racing with
+                // the probe must not replace the RDMA link afterwards (the
+                // ladder would say RDMA while calls went over TCP, and no
+                // probe would run again).
+                let _connecting = inner.connecting.lock().await;
                 ChannelInner::install(&inner, connection);
             }
             if let Some(ladder) = &inner.ladder {
@@ -567,6 +606,8 @@ impl ChannelInner {
             addr: inner.addr.clone(),
             // Numbered after every dial so far (its own included).
             event: inner.dials.fetch_add(1, Ordering::AcqRel) + 1,
+            since: Instant::now(),
+            healthy: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             pending: Mutex::new(PendingTable::default()),
         });
@@ -584,6 +625,25 @@ impl ChannelInner {
         *lock(&inner.current) = Some(Arc::clone(&link));
         tracing::debug!(addr = %inner.addr, transport = %kind, "connected");
         link
+    }
+
+    /// Whether a failed RDMA dial says the RDMA *path* is broken: it had
+    /// the whole connection timeout (not one cut short by a caller's
+    /// nearly spent deadline), and the server was there (a refused
+    /// connection is a server down or restarting, which TCP would not
+    /// reach either).
+    fn is_rdma_path_failure(&self, err: &RpcError) -> bool {
+        match err {
+            RpcError::ConnectTimeout { timeout, .. } => *timeout >= self.config.connect_timeout(),
+            RpcError::Connect {
+                source: tessera_transport::TransportError::Connect { source, .. },
+                ..
+            } => !matches!(
+                source.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
+            ),
+            _ => true,
+        }
     }
 
     /// An RDMA connection of this channel ended with `reason`.
@@ -648,7 +708,12 @@ async fn read_responses(
                 Ok(_) => break "server sent a request on a client connection".to_owned(),
                 Err(err) => break format!("malformed response: {err}"),
             },
-            Ok(None) => break "closed by the server".to_owned(),
+            Ok(None) => {
+                // A clean close (a server stopping or restarting), not the
+                // RDMA path failing.
+                going_away = true;
+                break "closed by the server".to_owned();
+            }
             Err(err) => break err.to_string(),
         }
     };

@@ -105,12 +105,16 @@ impl Running {
 }
 
 async fn start(config: ServerConfig) -> Running {
+    start_at(config, "127.0.0.1:0").await
+}
+
+async fn start_at(config: ServerConfig, addr: &str) -> Running {
     let server = Server::builder(config)
         .add_service(EchoServer::new(EchoImpl))
         .unwrap()
         .add_service(CounterServer::new(CounterImpl::default()))
         .unwrap()
-        .bind("127.0.0.1:0")
+        .bind(addr)
         .await
         .unwrap();
     let addr = server.local_addr().to_string();
@@ -808,6 +812,42 @@ over_both_transports!(
     failure_pattern_expired_requests_are_never_applied,
     failure_pattern_a_stopping_server_answers_at_once,
 );
+
+/// Failure pattern 7: refused dials while a server restarts counted as
+/// RDMA failures, so a rolling restart moved a healthy destination to TCP
+/// for at least a probe interval. Now a refused connection (or a clean
+/// close) says nothing against the RDMA path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_a_restarting_server_does_not_move_its_destination_to_tcp() {
+    let t = TransportConfig::soft_rdma();
+    let server = start(server_config(&t)).await;
+    let addr = server.addr.clone();
+    let channel = Channel::connect(&addr, channel_config(&t)).await.unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let call = || {
+        echo.echo(EchoRequest {
+            payload: Bytes::from_static(b"x"),
+            delay_ms: 0,
+            repeat: 0,
+        })
+    };
+    call().await.unwrap();
+    assert_eq!(
+        channel.current_transport(),
+        Some(tessera_rpc::TransportKind::Rdma)
+    );
+    server.shutdown().await;
+    // The server is down (restarting): its connection closed cleanly, and
+    // every dial now is refused.
+    for _ in 0..6 {
+        let err = call().await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    }
+    assert!(
+        !channel.fallen_back(),
+        "a restarting server moved the destination to TCP"
+    );
+}
 
 /// Failure pattern 10 (the connect lock): a call waiting for another's
 /// dial waited for that dial's whole connection timeout, past its own

@@ -65,6 +65,11 @@ impl Validate for FallbackConfig {
     }
 }
 
+/// How long an RDMA connection must carry successful calls before its
+/// destination's failure count is reset. 1 s: longer than a QP that
+/// breaks under load survives, far shorter than a healthy one lives.
+pub const HEALTHY_AFTER: Duration = Duration::from_secs(1);
+
 /// Which transport a new connection to the destination uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
@@ -102,6 +107,10 @@ enum State {
 pub struct FallbackLadder {
     config: FallbackConfig,
     state: State,
+    /// A dial started by [`FallbackLadder::poll_return`] is under way.
+    returning: bool,
+    /// No return dial before then (the last one failed).
+    return_after: Option<Instant>,
 }
 
 impl FallbackLadder {
@@ -110,6 +119,8 @@ impl FallbackLadder {
         Self {
             config,
             state: State::Rdma { failures: 0 },
+            returning: false,
+            return_after: None,
         }
     }
 
@@ -142,9 +153,12 @@ impl FallbackLadder {
         }
     }
 
-    /// An RDMA connection was established (a normal connect; probes report
-    /// through [`FallbackLadder::handle_probe`]).
-    pub fn handle_rdma_connected(&mut self) {
+    /// An RDMA connection has carried successful calls for a while
+    /// ([`HEALTHY_AFTER`]): the path works, the failures before it are
+    /// forgiven. A connection that handshakes and then dies under load
+    /// does not get there, so it falls back like one that never connects
+    /// (resetting on every successful handshake, it reconnected forever).
+    pub fn handle_rdma_healthy(&mut self) {
         if let State::Rdma { failures } = &mut self.state {
             *failures = 0;
         }
@@ -164,9 +178,26 @@ impl FallbackLadder {
         }
     }
 
-    /// The outcome of the probe started after [`FallbackLadder::poll_probe`].
+    /// Whether to dial RDMA now for a destination whose ladder says RDMA
+    /// while its connection is TCP (a TCP link left over from before the
+    /// return): at most one such dial at a time, like a probe.
+    pub fn poll_return(&mut self, now: Instant) -> bool {
+        match &mut self.state {
+            State::Rdma { .. } if !self.returning && self.return_after.is_none_or(|t| now >= t) => {
+                self.returning = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The outcome of the probe started after [`FallbackLadder::poll_probe`]
+    /// or [`FallbackLadder::poll_return`].
     pub fn handle_probe(&mut self, connected: bool, now: Instant) -> Option<LadderStep> {
+        self.returning = false;
         let State::Tcp { .. } = self.state else {
+            // A return dial: a failed one waits an interval.
+            self.return_after = (!connected).then(|| now + self.config.probe_interval());
             return None;
         };
         if connected {
@@ -222,14 +253,27 @@ mod tests {
     }
 
     #[test]
-    fn a_success_between_failures_resets_the_count() {
+    fn a_healthy_period_between_failures_resets_the_count() {
         let t0 = Instant::now();
         let mut ladder = ladder();
         for _ in 0..5 {
             assert_eq!(ladder.handle_rdma_failure(t0), Some(LadderStep::Reconnect));
-            ladder.handle_rdma_connected();
+            ladder.handle_rdma_healthy();
         }
         assert_eq!(ladder.path(), Path::Rdma);
+    }
+
+    /// Failure pattern 9: a QP that handshakes fine but dies under load
+    /// reset the count at every reconnect and never fell back.
+    #[test]
+    fn failure_pattern_connections_that_die_young_fall_back() {
+        let t0 = Instant::now();
+        let mut ladder = ladder();
+        // Connect (no reset), die, connect, die: the second death falls
+        // back.
+        assert_eq!(ladder.handle_rdma_failure(t0), Some(LadderStep::Reconnect));
+        assert_eq!(ladder.handle_rdma_failure(t0), Some(LadderStep::FallBack));
+        assert_eq!(ladder.path(), Path::Tcp);
     }
 
     #[test]
@@ -267,5 +311,27 @@ mod tests {
         .validate()
         .unwrap_err();
         assert!(err.to_string().contains("fallback.probe_interval_ms"));
+    }
+
+    /// Failure pattern 8: the ladder says RDMA but the connection is TCP
+    /// (a TCP dial raced with the probe that returned): a return dial is
+    /// asked for, one at a time, and a failed one waits an interval.
+    #[test]
+    fn failure_pattern_rdma_ladder_on_a_tcp_link_dials_rdma_again() {
+        let t0 = Instant::now();
+        let mut ladder = ladder();
+        assert!(ladder.poll_return(t0));
+        assert!(!ladder.poll_return(t0), "one at a time");
+        assert_eq!(ladder.handle_probe(false, t0), None);
+        assert!(!ladder.poll_return(t0 + Duration::from_millis(99)));
+        let t1 = t0 + Duration::from_millis(100);
+        assert!(ladder.poll_return(t1));
+        assert_eq!(ladder.handle_probe(true, t1), None);
+        assert!(ladder.poll_return(t1), "asked again while they disagree");
+        // On TCP, it is the probe's job.
+        ladder.handle_probe(true, t1);
+        ladder.handle_rdma_failure(t1);
+        ladder.handle_rdma_failure(t1);
+        assert!(!ladder.poll_return(t1 + Duration::from_secs(60)));
     }
 }

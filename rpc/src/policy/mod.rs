@@ -22,7 +22,7 @@ mod retry;
 mod select;
 
 pub use budget::{RetryBudget, RetryBudgetConfig};
-pub use fallback::{FallbackConfig, FallbackLadder, LadderStep, Path};
+pub use fallback::{FallbackConfig, FallbackLadder, HEALTHY_AFTER, LadderStep, Path};
 pub use quarantine::{Ejection, Quarantine, QuarantineConfig};
 pub use retry::{AttemptFailure, RetryDecision, RetryPolicy, RetryPolicyConfig};
 pub use select::{Replica, ReplicaSelector};
