@@ -16,6 +16,13 @@
 //! - **Failover**: two server processes behind a `ReplicaSet`, eight
 //!   callers in a loop, one server SIGKILLed: failed calls (should be 0)
 //!   and the longest call that was in flight at the kill.
+//! - **Rolling restart**: three server processes behind a `ReplicaSet`,
+//!   eight callers of a *non-idempotent* call in a loop, each server in
+//!   turn stopped with SIGTERM (graceful) and started again on its
+//!   address: failed calls (target 0), replicas quarantined at the end
+//!   (target 0), the slowest call against the median, and — over
+//!   rdma-soft — the time any destination spent fallen back to TCP while
+//!   RDMA was healthy (target 0).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -317,12 +324,165 @@ async fn failover(kind: TransportKind) -> Result<(u64, u64, u64), BoxError> {
     ))
 }
 
-/// The `rpc-server` child of the failover measurement.
+/// The `rpc-server` child of the failover and rolling-restart
+/// measurements: serves until killed, or stops gracefully on SIGTERM.
 pub(super) async fn child_server(kind: TransportKind, listen: &str) -> Result<(), BoxError> {
-    let running = serve(kind, listen).await?;
-    // Runs until killed.
-    let _ = running.task.await;
+    let server = Server::builder(ServerConfig {
+        transport: transport(kind),
+        ..ServerConfig::default()
+    })
+    .add_service(BenchServer::new(EchoService))?
+    .bind(listen)
+    .await?;
+    server
+        .serve_with_shutdown(tessera_rpc::shutdown_signal())
+        .await;
     Ok(())
+}
+
+fn spawn_child(kind: TransportKind, addr: &str) -> Result<std::process::Child, BoxError> {
+    Ok(std::process::Command::new(std::env::current_exe()?)
+        .args(["rpc-server", kind.as_str(), addr])
+        .stderr(std::process::Stdio::null())
+        .spawn()?)
+}
+
+async fn wait_up(kind: TransportKind, addr: &str) -> Result<(), BoxError> {
+    let started = Instant::now();
+    loop {
+        if let Ok(channel) = Channel::connect(addr, channel_config(kind)).await
+            && BenchClient::new(channel).echo(payload()).await.is_ok()
+        {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            return Err(format!("rpc-server {addr} never came up").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a rolling restart cost.
+struct Rolling {
+    calls: u64,
+    failed: u64,
+    quarantined: usize,
+    slowest_us: u64,
+    median_us: u64,
+    /// Time any destination was fallen back to TCP, summed over them.
+    on_tcp: Duration,
+}
+
+/// Rolling restart of three server processes under eight callers of a
+/// non-idempotent call (module docs).
+async fn rolling_restart(kind: TransportKind) -> Result<Rolling, BoxError> {
+    let mut children = Children(Vec::new());
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        children.0.push(spawn_child(kind, &addr)?);
+        addrs.push(addr);
+    }
+    for addr in &addrs {
+        wait_up(kind, addr).await?;
+    }
+    let transport = Transport::new(transport(kind))?;
+    let channels: Vec<Channel> = addrs
+        .iter()
+        .map(|a| Channel::with_transport(a.clone(), channel_config(kind), transport.clone()))
+        .collect();
+    let set = ReplicaSet::over_channels(
+        ReplicaSetConfig {
+            replicas: addrs
+                .iter()
+                .map(|addr| ReplicaEndpoint {
+                    addr: addr.clone(),
+                    domain: String::new(),
+                })
+                .collect(),
+            call_timeout_ms: 10_000,
+            channel: channel_config(kind),
+            seed: Some(9),
+            ..ReplicaSetConfig::default()
+        },
+        channels.clone(),
+        transport,
+    );
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed = Arc::new(AtomicU64::new(0));
+    let hist = Arc::new(std::sync::Mutex::new(histogram()?));
+    let method = super::generated::BENCH_DESCRIPTOR.methods[0].id;
+    let body =
+        tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&payload())));
+    let mut callers = Vec::new();
+    for _ in 0..8 {
+        let (set, stop, failed, hist, body) = (
+            set.clone(),
+            stop.clone(),
+            failed.clone(),
+            hist.clone(),
+            body.clone(),
+        );
+        callers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                // Not safe to retry after an unknown outcome: only calls
+                // the server refused (never applied) may go elsewhere.
+                let result = set
+                    .call_raw(method, body.clone(), false, Duration::from_secs(10))
+                    .await;
+                if result.is_err() {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Ok(mut hist) = hist.lock() {
+                    let _ = hist.record(micros(started.elapsed()));
+                }
+            }
+        }));
+    }
+    // Sample whether each destination is fallen back to TCP.
+    let sampler = tokio::spawn({
+        let (channels, stop) = (channels.clone(), stop.clone());
+        async move {
+            let mut on_tcp = Duration::ZERO;
+            let tick = Duration::from_millis(5);
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(tick).await;
+                on_tcp += tick * channels.iter().filter(|c| c.fallen_back()).count() as u32;
+            }
+            on_tcp
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (child, addr) in children.0.iter_mut().zip(&addrs) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        child.wait()?;
+        *child = spawn_child(kind, addr)?;
+        wait_up(kind, addr).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for caller in callers {
+        caller.await?;
+    }
+    let on_tcp = sampler.await?;
+    let quarantined = set.quarantined().len();
+    drop(children);
+    let hist = hist.lock().map_err(|_| "histogram poisoned")?;
+    Ok(Rolling {
+        calls: hist.len(),
+        failed: failed.load(Ordering::Relaxed),
+        quarantined,
+        slowest_us: hist.max(),
+        median_us: hist.value_at_quantile(0.5),
+        on_tcp,
+    })
 }
 
 /// Runs the whole benchmark and prints its tables.
@@ -389,6 +549,30 @@ pub(super) async fn run(calls: u32, rounds: u32, probe: Duration) -> Result<(), 
                 "| {name} | {round} | {failed} | {:.2} | {:.3} |",
                 spanning as f64 / 1e3,
                 before as f64 / 1e3
+            );
+        }
+    }
+    println!();
+
+    println!(
+        "rolling restart: 3 server processes, 8 callers of a non-idempotent call, each server in turn SIGTERMed and started again"
+    );
+    println!();
+    println!(
+        "| transport | round | calls | failed calls | quarantined | slowest call ms | median call ms | time on TCP with RDMA healthy ms |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, kind) in TRANSPORTS {
+        for round in 1..=rounds.min(3) {
+            let r = rolling_restart(kind).await?;
+            println!(
+                "| {name} | {round} | {} | {} | {} | {:.2} | {:.3} | {} |",
+                r.calls,
+                r.failed,
+                r.quarantined,
+                r.slowest_us as f64 / 1e3,
+                r.median_us as f64 / 1e3,
+                r.on_tcp.as_millis()
             );
         }
     }
