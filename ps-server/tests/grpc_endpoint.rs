@@ -111,7 +111,7 @@ async fn failure_pattern_the_grpc_endpoint_takes_the_servers_message_size_and_re
     });
     request
         .metadata_mut()
-        .insert("grpc-timeout", "200m".parse().unwrap());
+        .insert("grpc-timeout", "1S".parse().unwrap());
     let err = unary::<PushRequest, PushResponse>(
         &mut client,
         "/tessera.ps.v1.ParameterServer/Push",

@@ -76,12 +76,16 @@ pub async fn within_deadline<T>(
 }
 
 /// How much earlier than its `grpc-timeout` a handler's deadline falls:
-/// tonic's server enforces the header itself and answers `CANCELLED`
-/// ("Timeout expired"); the bridge's own deadline ([`within_deadline`])
-/// must come first for the caller to hear `DEADLINE_EXCEEDED`. 5% of the
-/// timeout, at most 5 ms.
+/// tonic's server enforces the header itself, from the request's arrival,
+/// and answers `CANCELLED` ("Timeout expired"); the bridge's own deadline
+/// ([`within_deadline`]), counted from when the handler starts (after the
+/// body is decoded and the task scheduled), must come first for the caller
+/// to hear `DEADLINE_EXCEEDED`. A quarter of the timeout, at most 100 ms:
+/// more than a loaded host's scheduling delay, and a server giving up a
+/// little early is what a deadline allows. (Best effort: a handler that
+/// starts later than that still lets tonic's `CANCELLED` through.)
 fn deadline_margin(timeout: Duration) -> Duration {
-    (timeout / 20).min(Duration::from_millis(5))
+    (timeout / 4).min(Duration::from_millis(100))
 }
 
 /// Parses a `grpc-timeout` header value: up to 8 digits and a unit
