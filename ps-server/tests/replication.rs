@@ -132,7 +132,13 @@ async fn pushes_to_the_primary_reach_the_replica_in_order_and_a_restarted_replic
     }
     converged(&primary, &replica).await;
     // Replayed one by one, not copied.
-    assert_eq!(pushes(&replica).await, 40);
+    assert_eq!(
+        pushes(&replica).await,
+        40,
+        "copies {}, cut-offs at the primary {}",
+        replica.replication.syncs(),
+        primary.replication.cutoffs()
+    );
     assert_eq!(pushes(&primary).await, 40);
     assert_eq!(replica.replication.syncs(), 0, "in step from the start");
 
@@ -462,6 +468,7 @@ async fn replicate_as(
                 epoch,
                 position,
                 attachment,
+                detached: false,
             }],
             pushes,
         })
@@ -520,8 +527,10 @@ async fn a_replica_whose_attachment_is_gone_attaches_again() {
     wait_serving(&a).await;
     wait_replicas_in_step(&a).await;
     let epoch = replica.replication.known_epoch(0);
-    // A head of the primary's stream that does not include this replica.
-    let answer = replicate_as(&replica, &a, (epoch, 0, 0), vec![]).await;
+    // A head of the primary's stream under a newer attachment than this
+    // replica's (its own ended): it is not in step any more. (A head under
+    // an older one is a late batch, ignored.)
+    let answer = replicate_as(&replica, &a, (epoch, 0, u64::MAX), vec![]).await;
     assert_eq!(answer.out_of_sync, vec![0], "{answer:?}");
     // It attaches again, and the stream reaches it.
     wait_replicas_in_step(&a).await;

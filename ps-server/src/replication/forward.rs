@@ -102,6 +102,14 @@ struct Attachment {
     applied: u64,
 }
 
+/// Each shard's attachment generation if it was attached, else 0.
+fn attached_generations(generations: &HashMap<u32, (u64, bool)>) -> HashMap<u32, u64> {
+    generations
+        .iter()
+        .map(|(&s, &(g, attached))| (s, if attached { g } else { 0 }))
+        .collect()
+}
+
 impl Attachment {
     /// Ends the attachment, with `queued` entries of the shard left in the
     /// queue (a gap marker, or none).
@@ -369,7 +377,7 @@ impl Forwarder {
 
     /// Takes up to a batch of entries to send, with every attachment's
     /// generation at that moment, and the shards attached then.
-    fn pending(&self) -> (Vec<Queued>, HashMap<u32, u64>) {
+    fn pending(&self) -> (Vec<Queued>, HashMap<u32, (u64, bool)>) {
         let queue = lock(&self.queue);
         (
             queue
@@ -381,12 +389,13 @@ impl Forwarder {
             queue
                 .shards
                 .iter()
-                .map(|(&s, a)| (s, if a.attached { a.generation } else { 0 }))
+                .map(|(&s, a)| (s, (a.generation, a.attached)))
                 .collect(),
         )
     }
 
-    /// Takes the replica's answer to `sent` into account.
+    /// Takes the replica's answer to `sent` into account (`generations`:
+    /// each shard's attachment when the batch was built, 0 if detached).
     fn acknowledge(
         &self,
         sent: &[Queued],
@@ -446,7 +455,10 @@ impl Forwarder {
             // to (0: none), so that a replica in step with a stream this
             // server no longer forwards to it finds out.
             for head in &mut heads {
-                head.attachment = generations.get(&head.shard).copied().unwrap_or(0);
+                let (generation, attached) =
+                    generations.get(&head.shard).copied().unwrap_or((0, false));
+                head.attachment = generation;
+                head.detached = !attached;
             }
             for &shard in &self.shards {
                 let (_, _, queued, _) = self.status(shard);
@@ -489,7 +501,7 @@ impl Forwarder {
                     for head in &heads {
                         announced.insert(head.shard, head.epoch);
                     }
-                    self.acknowledge(&pending, &answer, &generations);
+                    self.acknowledge(&pending, &answer, &attached_generations(&generations));
                     if !answer.deposed.is_empty()
                         && let Some(replication) = weak.upgrade()
                     {
@@ -558,7 +570,7 @@ mod tests {
                 }],
                 ..ReplicateResponse::default()
             },
-            &generations,
+            &attached_generations(&generations),
         );
     }
 
@@ -615,7 +627,7 @@ mod tests {
                 out_of_sync: vec![0],
                 ..ReplicateResponse::default()
             },
-            &before,
+            &attached_generations(&before),
         );
         f.enqueue(0, 1, 1, &push());
         assert_eq!(queued(&f, 0).len(), 1, "still attached");
@@ -627,7 +639,7 @@ mod tests {
                 out_of_sync: vec![0],
                 ..ReplicateResponse::default()
             },
-            &now,
+            &attached_generations(&now),
         );
         assert!(queued(&f, 0).is_empty(), "queue of the shard dropped");
         f.enqueue(0, 1, 2, &push());

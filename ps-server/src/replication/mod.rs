@@ -308,6 +308,7 @@ impl Replication {
                     epoch,
                     position,
                     attachment: 0,
+                    detached: false,
                 })
             })
             .collect()

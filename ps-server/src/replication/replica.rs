@@ -33,6 +33,9 @@ enum Head {
     OutOfStep,
     /// It is copying the shard: the sender should retry shortly.
     Syncing,
+    /// From a batch sent before the current attachment: ignored, and its
+    /// Pushes for the shard dropped.
+    Stale,
 }
 
 /// What became of a Push forwarded for a shard being copied.
@@ -80,6 +83,9 @@ impl Replication {
                 }
                 Head::Syncing => {
                     syncing.insert(head.shard);
+                }
+                Head::Stale => {
+                    dropped.insert(head.shard);
                 }
             }
         }
@@ -143,6 +149,7 @@ impl Replication {
                     epoch,
                     position: version.position,
                     attachment: 0,
+                    detached: false,
                 });
             }
         }
@@ -192,8 +199,14 @@ impl Replication {
                     f.head = Version::new(head.epoch, head.position);
                     if f.syncing {
                         Head::Syncing
-                    } else if f.in_step && head.attachment == f.attachment {
+                    } else if f.in_step && head.attachment == f.attachment && !head.detached {
                         Head::Accept(head.epoch)
+                    } else if f.in_step && head.attachment < f.attachment {
+                        // A batch built before this replica attached,
+                        // arriving late: nothing in it is for the current
+                        // attachment (which it must not end).
+                        metrics::counter!("tessera_ps_replication_stale_heads_total").increment(1);
+                        Head::Stale
                     } else {
                         if f.in_step {
                             // In step by this replica's account, but the
