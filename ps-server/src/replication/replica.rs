@@ -174,6 +174,19 @@ impl Replication {
                 self.step_down_locked(head.shard, &mut state, "a newer primary forwards the shard");
             }
             match &mut state.role {
+                Role::Replica(f) if f.primary == sender && f.syncing => {
+                    // The first head of the primary this replica is
+                    // attaching to, arriving before its Sync answer: the
+                    // attachment under way covers it (answering out of
+                    // sync would make the primary end that very attachment,
+                    // and the replica copy the shard again once it is in).
+                    f.epoch = head.epoch;
+                    f.last_heard = Some(now);
+                    f.head = Version::new(head.epoch, head.position);
+                    drop(state);
+                    drop(writing);
+                    return Head::Syncing;
+                }
                 Role::Replica(f) if f.primary == sender => {
                     // Its new stream (a restarted primary): attach again,
                     // keeping an attachment that is already running.
