@@ -244,7 +244,6 @@ impl Drop for Children {
 /// Failover around a SIGKILLed replica: (failed calls, longest call in
 /// flight at the kill in µs, median call before the kill in µs).
 async fn failover(kind: TransportKind) -> Result<(u64, u64, u64), BoxError> {
-    let exe = std::env::current_exe()?;
     let mut children = Children(Vec::new());
     let mut addrs = Vec::new();
     for _ in 0..2 {
@@ -252,26 +251,11 @@ async fn failover(kind: TransportKind) -> Result<(u64, u64, u64), BoxError> {
             .local_addr()?
             .port();
         let addr = format!("127.0.0.1:{port}");
-        let child = std::process::Command::new(&exe)
-            .args(["rpc-server", kind.as_str(), &addr])
-            .stderr(std::process::Stdio::null())
-            .spawn()?;
-        children.0.push(child);
+        children.0.push(spawn_child(kind, &addr)?);
         addrs.push(addr);
     }
     for addr in &addrs {
-        let started = Instant::now();
-        loop {
-            if let Ok(channel) = Channel::connect(addr, channel_config(kind)).await
-                && BenchClient::new(channel).echo(payload()).await.is_ok()
-            {
-                break;
-            }
-            if started.elapsed() > Duration::from_secs(30) {
-                return Err(format!("rpc-server {addr} never came up").into());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_up(kind, addr).await?;
     }
     let client = BenchClient::new(replica_set(kind, &addrs, 7)?);
     let failed = Arc::new(AtomicU64::new(0));
