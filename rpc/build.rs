@@ -4,6 +4,13 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=tests/proto");
-    tessera_rpc_build::compile_protos(&["tests/proto/echo.proto"], &["tests/proto"])?;
+    tessera_rpc_build::compile_protos(
+        &[
+            "tests/proto/echo.proto",
+            "tests/proto/collide.proto",
+            "tests/proto/legacy.proto",
+        ],
+        &["tests/proto"],
+    )?;
     Ok(())
 }

@@ -51,6 +51,27 @@ impl CallOptions {
     }
 }
 
+/// What a request names on the wire: the method id and its service's tag
+/// (0 for a raw call, which the server does not check).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Target {
+    id: u32,
+    service: u16,
+}
+
+impl Target {
+    pub(crate) fn of(method: &MethodDescriptor) -> Self {
+        Self {
+            id: method.id,
+            service: method.service,
+        }
+    }
+
+    pub(crate) fn raw(id: u32) -> Self {
+        Self { id, service: 0 }
+    }
+}
+
 /// A client channel to one server. Cheap to clone: clones share the
 /// connection.
 #[derive(Debug, Clone)]
@@ -281,7 +302,7 @@ impl Channel {
         crate::observe::measured_call(
             method.path,
             span,
-            self.attempt(method.path, method.id, body, deadline, timeout, 1),
+            self.attempt(method.path, Target::of(method), body, deadline, timeout, 1),
         )
         .await
     }
@@ -295,7 +316,7 @@ impl Channel {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
-        self.attempt("raw", method_id, body, deadline, timeout, 1)
+        self.attempt("raw", Target::raw(method_id), body, deadline, timeout, 1)
             .await
     }
 
@@ -304,7 +325,7 @@ impl Channel {
     pub(crate) async fn attempt(
         &self,
         method: &'static str,
-        method_id: u32,
+        target: Target,
         body: Message,
         deadline: Instant,
         timeout: Duration,
@@ -320,7 +341,7 @@ impl Channel {
         );
         let mut transport = "none";
         let result = self
-            .attempt_inner(method_id, body, deadline, timeout, &mut transport)
+            .attempt_inner(target, body, deadline, timeout, &mut transport)
             .instrument(span)
             .await;
         let code = match &result {
@@ -339,7 +360,7 @@ impl Channel {
 
     async fn attempt_inner(
         &self,
-        method_id: u32,
+        target: Target,
         body: Message,
         deadline: Instant,
         timeout: Duration,
@@ -370,7 +391,7 @@ impl Channel {
             // Nothing left for the server to do it in: never sent.
             return Err(RpcError::DeadlineExceeded(timeout));
         }
-        let header = RpcHeader::request(method_id, request_id, Some(remaining));
+        let header = RpcHeader::request(target.id, target.service, request_id, Some(remaining));
         let header = self
             .inner
             .transport

@@ -7,6 +7,11 @@ pub struct MethodDescriptor {
     pub path: &'static str,
     /// The method's id on the wire: [`method_id`] of `path`.
     pub id: u32,
+    /// The tag of the method's service on the wire: [`service_tag`] of the
+    /// service's full name. A server refuses a call whose tag is not that
+    /// of the service owning the method id it names (ids are hashes: two
+    /// services may share one).
+    pub service: u16,
     /// Marked `option (tessera.idempotent) = true;` in the `.proto` file: a
     /// second application is harmless, so a call whose outcome is unknown
     /// (timed out, connection lost) may be retried.
@@ -20,6 +25,16 @@ pub struct ServiceDescriptor {
     pub name: &'static str,
     /// Its methods, in `.proto` order.
     pub methods: &'static [MethodDescriptor],
+}
+
+/// The wire tag of a service's full name (`tessera.ps.v1.ParameterServer`):
+/// the 32-bit FNV-1a hash of the name with its halves XORed, never 0 (0 on
+/// the wire means "not said"). With the method id it makes a misrouted
+/// call need two independent collisions.
+pub const fn service_tag(service: &str) -> u16 {
+    let hash = method_id(service);
+    let tag = ((hash >> 16) ^ (hash & 0xffff)) as u16;
+    if tag == 0 { 1 } else { tag }
 }
 
 /// The wire id of a method path: the 32-bit FNV-1a hash of the path.

@@ -29,7 +29,7 @@ pub mod wire;
 pub use channel::{CallOptions, Channel};
 pub use config::{ChannelConfig, ServerConfig};
 pub use context::RequestContext;
-pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id};
+pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id, service_tag};
 pub use endpoint::Endpoint;
 pub use error::{RpcError, ServerError};
 pub use replicas::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};

@@ -15,6 +15,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tessera_transport::{Message, Transport};
 
+use crate::channel::Target;
 use crate::policy::{
     AttemptFailure, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
     RetryBudgetConfig, RetryDecision, RetryPolicy, RetryPolicyConfig,
@@ -249,7 +250,7 @@ impl ReplicaSet {
         crate::observe::measured_call(
             method.path,
             span,
-            self.call(method.path, method.id, body, safe, timeout),
+            self.call(method.path, Target::of(method), body, safe, timeout),
         )
         .await
     }
@@ -266,13 +267,14 @@ impl ReplicaSet {
         safe: bool,
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
-        self.call("raw", method_id, body, safe, timeout).await
+        self.call("raw", Target::raw(method_id), body, safe, timeout)
+            .await
     }
 
     async fn call(
         &self,
         method: &'static str,
-        method_id: u32,
+        target: Target,
         body: Message,
         safe: bool,
         timeout: Duration,
@@ -361,7 +363,7 @@ impl ReplicaSet {
             let result = self.channels[i]
                 .attempt(
                     method,
-                    method_id,
+                    target,
                     body.clone(),
                     attempt_deadline,
                     attempt_deadline.saturating_duration_since(attempt_started),

@@ -300,9 +300,17 @@ async fn serve_connection(
             .await;
             continue;
         }
-        let Some(route) = routes.get(&header.method).cloned() else {
-            let status =
-                Status::unimplemented(format!("no method with id {:#010x}", header.method));
+        // A method id of another service than the one the caller named
+        // (ids are hashes; two services may share one) is not routed.
+        let route = routes
+            .get(&header.method)
+            .filter(|route| header.service == 0 || header.service == route.method.service)
+            .cloned();
+        let Some(route) = route else {
+            let status = Status::unimplemented(format!(
+                "no method with id {:#010x} in the service tagged {:#06x}",
+                header.method, header.service
+            ));
             respond(
                 &sender,
                 &send_pool,

@@ -9,9 +9,15 @@
 //!
 //! ```text
 //!  0      1        2     3      4         6          8          12             16           24
-//!  magic  version  kind  flags  status    reserved   method id  deadline (µs)  request id
-//!  u8     u8       u8    u8     u16 LE    u16        u32 LE     u32 LE         u64 LE
+//!  magic  version  kind  flags  status    service    method id  deadline (µs)  request id
+//!  u8     u8       u8    u8     u16 LE    u16 LE     u32 LE     u32 LE         u64 LE
 //! ```
+//!
+//! The service tag ([`crate::service_tag`]) names the service the caller
+//! meant, so that a method id colliding with another service's (ids are
+//! 32-bit hashes) is refused instead of misrouted; 0 (what builds before
+//! it sent in this reserved field, and raw calls) skips the check. A
+//! response echoes the request's method id and tag.
 //!
 //! The deadline is the *remaining* time in microseconds when the request was
 //! sent (0 = none), so clocks need not be synchronised; it saturates at
@@ -85,6 +91,9 @@ pub struct RpcHeader {
     pub flags: u8,
     /// Status code of a response ([`crate::Code`] as u16); 0 in requests.
     pub status: u16,
+    /// Tag of the service the method belongs to ([`crate::service_tag`]);
+    /// 0 = not said (the server does not check it).
+    pub service: u16,
     /// Id of the method called ([`crate::method_id`]).
     pub method: u32,
     /// Remaining deadline in microseconds when sent; 0 = no deadline.
@@ -112,12 +121,14 @@ pub enum WireError {
 }
 
 impl RpcHeader {
-    /// A request header.
-    pub fn request(method: u32, request_id: u64, deadline: Option<Duration>) -> Self {
+    /// A request header for `method` of the service tagged `service` (0:
+    /// not said).
+    pub fn request(method: u32, service: u16, request_id: u64, deadline: Option<Duration>) -> Self {
         Self {
             kind: Kind::Request,
             flags: 0,
             status: 0,
+            service,
             method,
             deadline_micros: deadline.map_or(0, encode_deadline),
             request_id,
@@ -130,6 +141,7 @@ impl RpcHeader {
             kind: Kind::Response,
             flags: 0,
             status,
+            service: request.service,
             method: request.method,
             deadline_micros: 0,
             request_id: request.request_id,
@@ -149,6 +161,7 @@ impl RpcHeader {
         out[2] = self.kind as u8;
         out[3] = self.flags;
         out[4..6].copy_from_slice(&self.status.to_le_bytes());
+        out[6..8].copy_from_slice(&self.service.to_le_bytes());
         out[8..12].copy_from_slice(&self.method.to_le_bytes());
         out[12..16].copy_from_slice(&self.deadline_micros.to_le_bytes());
         out[16..24].copy_from_slice(&self.request_id.to_le_bytes());
@@ -176,6 +189,7 @@ impl RpcHeader {
             kind,
             flags: raw[3],
             status: u16::from_le_bytes([raw[4], raw[5]]),
+            service: u16::from_le_bytes([raw[6], raw[7]]),
             method: u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
             deadline_micros: u32::from_le_bytes([raw[12], raw[13], raw[14], raw[15]]),
             request_id: u64::from_le_bytes([
@@ -201,7 +215,7 @@ mod tests {
 
     #[test]
     fn request_round_trip_with_body() {
-        let header = RpcHeader::request(0xdead_beef, 42, Some(Duration::from_millis(40)));
+        let header = RpcHeader::request(0xdead_beef, 0x1234, 42, Some(Duration::from_millis(40)));
         let mut wire = header.encode().to_vec();
         wire.extend_from_slice(b"body");
         let (decoded, body) = RpcHeader::decode(&Bytes::from(wire)).unwrap();
@@ -211,17 +225,18 @@ mod tests {
     }
 
     #[test]
-    fn response_echoes_method_and_request_id() {
-        let request = RpcHeader::request(7, 99, None);
+    fn response_echoes_method_service_and_request_id() {
+        let request = RpcHeader::request(7, 3, 99, None);
         let response = RpcHeader::response(&request, 5);
         assert_eq!(
             (
                 response.kind,
                 response.method,
+                response.service,
                 response.request_id,
                 response.status
             ),
-            (Kind::Response, 7, 99, 5)
+            (Kind::Response, 7, 3, 99, 5)
         );
         assert_eq!(request.deadline(), None);
     }
@@ -256,19 +271,19 @@ mod tests {
             RpcHeader::decode(&Bytes::from_static(b"short")),
             Err(WireError::TooShort(5))
         );
-        let mut wire = RpcHeader::request(1, 1, None).encode();
+        let mut wire = RpcHeader::request(1, 1, 1, None).encode();
         wire[0] = 0;
         assert_eq!(
             RpcHeader::decode(&Bytes::copy_from_slice(&wire)),
             Err(WireError::BadMagic(0))
         );
-        let mut wire = RpcHeader::request(1, 1, None).encode();
+        let mut wire = RpcHeader::request(1, 1, 1, None).encode();
         wire[1] = 9;
         assert_eq!(
             RpcHeader::decode(&Bytes::copy_from_slice(&wire)),
             Err(WireError::UnsupportedVersion(9))
         );
-        let mut wire = RpcHeader::request(1, 1, None).encode();
+        let mut wire = RpcHeader::request(1, 1, 1, None).encode();
         wire[2] = 7;
         assert_eq!(
             RpcHeader::decode(&Bytes::copy_from_slice(&wire)),
@@ -285,11 +300,12 @@ mod tests {
         #[test]
         fn any_header_round_trips(
             response in any::<bool>(), flags in any::<u8>(), status in any::<u16>(),
-            method in any::<u32>(), deadline_micros in any::<u32>(), request_id in any::<u64>(),
+            service in any::<u16>(), method in any::<u32>(), deadline_micros in any::<u32>(),
+            request_id in any::<u64>(),
         ) {
             let header = RpcHeader {
                 kind: if response { Kind::Response } else { Kind::Request },
-                flags, status, method, deadline_micros, request_id,
+                flags, status, service, method, deadline_micros, request_id,
             };
             let (decoded, body) = RpcHeader::decode(&Bytes::copy_from_slice(&header.encode())).unwrap();
             prop_assert_eq!(decoded, header);

@@ -1404,6 +1404,7 @@ mod recovery {
                 name: "Echo",
                 path: "/tessera.test.v1.Echo/Echo",
                 id: method_id("/tessera.test.v1.Echo/Echo"),
+                service: tessera_rpc::service_tag("tessera.test.v1.Echo"),
                 idempotent: false,
             };
         let slow_set = set(vec![&a.addr, &b.addr]);

@@ -243,19 +243,34 @@ mod options {
     }
 }
 
+/// A singular `bytes` field that the generated code sends as a part of its
+/// own when it is large.
+#[derive(Debug, Clone)]
+struct BytesField {
+    tag: i32,
+    /// The field's name in the Rust struct prost generates.
+    name: String,
+    /// A proto2 `optional` field: prost makes it an `Option<Bytes>`, and a
+    /// present empty value must stay present on the wire.
+    presence: bool,
+}
+
 /// Top-level singular `bytes` fields of every top-level message, keyed by
-/// the message's full proto name (`.package.Message`): (tag, Rust field name).
-fn bytes_fields(fds: &FileDescriptorSet) -> HashMap<String, Vec<(i32, String)>> {
+/// the message's full proto name (`.package.Message`). Fields of a `oneof`
+/// (proto3 `optional` is a synthetic one) are left in the message.
+fn bytes_fields(fds: &FileDescriptorSet) -> HashMap<String, Vec<BytesField>> {
     let mut out = HashMap::new();
     for file in &fds.file {
         let package = file.package();
+        // proto2 unless the file says otherwise (descriptor.proto's rule).
+        let proto2 = matches!(file.syntax(), "" | "proto2");
         for message in &file.message_type {
             let full = if package.is_empty() {
                 format!(".{}", message.name())
             } else {
                 format!(".{package}.{}", message.name())
             };
-            let fields: Vec<(i32, String)> = message
+            let fields: Vec<BytesField> = message
                 .field
                 .iter()
                 .filter(|f| {
@@ -263,7 +278,11 @@ fn bytes_fields(fds: &FileDescriptorSet) -> HashMap<String, Vec<(i32, String)>> 
                         && f.label() != Label::Repeated
                         && f.oneof_index.is_none()
                 })
-                .map(|f| (f.number(), rust_field_name(f.name())))
+                .map(|f| BytesField {
+                    tag: f.number(),
+                    name: rust_field_name(f.name()),
+                    presence: proto2 && f.label() == Label::Optional,
+                })
                 .collect();
             out.insert(full, fields);
         }
@@ -325,7 +344,7 @@ pub const fn method_id(path: &str) -> u32 {
 #[derive(Default)]
 pub struct ServiceGenerator {
     /// Zero-copy `bytes` fields per message (empty without descriptors).
-    bytes_fields: HashMap<String, Vec<(i32, String)>>,
+    bytes_fields: HashMap<String, Vec<BytesField>>,
     /// Paths of the methods marked `(tessera.idempotent)`.
     idempotent: HashSet<String>,
     /// tonic-prost-build's generator, when a gRPC endpoint is wanted.
@@ -426,7 +445,7 @@ impl<T: {name}> {module}::{name} for {name}Grpc<T> {{
 fn encode_parts_expr(
     value: &str,
     proto_type: &str,
-    bytes_fields: &HashMap<String, Vec<(i32, String)>>,
+    bytes_fields: &HashMap<String, Vec<BytesField>>,
     pool: &str,
     map_err: &str,
 ) -> String {
@@ -439,8 +458,22 @@ fn encode_parts_expr(
         ),
         Some(fields) => {
             let mut code = format!("{{ let mut head = {value}; let fields = ::std::vec![");
-            for (tag, name) in fields {
-                let _ = write!(code, "({tag}u32, ::core::mem::take(&mut head.{name})),");
+            for BytesField {
+                tag,
+                name,
+                presence,
+            } in fields
+            {
+                if *presence {
+                    // Taken out when it has bytes; a present empty value
+                    // (or none) stays in the head, which encodes it as is.
+                    let _ = write!(
+                        code,
+                        "({tag}u32, match head.{name}.take() {{ ::core::option::Option::Some(v) if !v.is_empty() => v, other => {{ head.{name} = other; ::tessera_rpc::codegen::Bytes::new() }} }}),"
+                    );
+                } else {
+                    let _ = write!(code, "({tag}u32, ::core::mem::take(&mut head.{name})),");
+                }
             }
             let _ = write!(
                 code,
@@ -502,7 +535,7 @@ fn check_methods(service: &Service, full: &str) {
 
 fn generate_service(
     service: &Service,
-    bytes_fields: &HashMap<String, Vec<(i32, String)>>,
+    bytes_fields: &HashMap<String, Vec<BytesField>>,
     idempotent: &HashSet<String>,
     buf: &mut String,
 ) -> std::fmt::Result {
@@ -526,7 +559,7 @@ fn generate_service(
         let path = format!("/{full}/{}", method.proto_name);
         writeln!(
             buf,
-            "        ::tessera_rpc::MethodDescriptor {{ name: \"{}\", path: \"{path}\", id: {:#010x}, idempotent: {} }},",
+            "        ::tessera_rpc::MethodDescriptor {{ name: \"{}\", path: \"{path}\", id: {:#010x}, service: ::tessera_rpc::service_tag(\"{full}\"), idempotent: {} }},",
             method.proto_name,
             method_id(&path),
             idempotent.contains(&path)
@@ -717,7 +750,7 @@ fn generate_client_method(
     index: usize,
     idempotent: bool,
     descriptor: &str,
-    bytes_fields: &HashMap<String, Vec<(i32, String)>>,
+    bytes_fields: &HashMap<String, Vec<BytesField>>,
     buf: &mut String,
 ) -> std::fmt::Result {
     doc_lines(&method.comments, "    ", buf);
