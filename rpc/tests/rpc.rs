@@ -1,152 +1,27 @@
 //! End-to-end tests of the RPC layer, using services generated from
-//! `tests/proto/echo.proto`: every case runs over TCP on loopback and over
-//! RDMA with the soft provider (`tcp::` and `rdma_soft::` in test names).
+//! `tests/proto/echo.proto` (set up in `common/`): every case runs over TCP
+//! on loopback and over RDMA with the soft provider (`tcp::` and
+//! `rdma_soft::` in test names). The recovery policies' failure patterns
+//! have a suite of their own, `failure_patterns.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tessera_rpc::{
-    CallOptions, Channel, ChannelConfig, Code, RequestContext, RpcError, Server, ServerConfig,
-    ServerError, Status, method_id,
+    CallOptions, Channel, ChannelConfig, Code, RpcError, Server, ServerConfig, ServerError,
+    method_id,
 };
 use tessera_rpc::{Transport, TransportConfig};
 use tessera_transport::pool::lookup;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
-#[allow(clippy::all, missing_docs, dead_code)]
-mod generated {
-    include!(concat!(env!("OUT_DIR"), "/tessera.test.v1.rs"));
-}
-use generated::*;
-
-struct EchoImpl;
-
-/// Echo calls whose delay of exactly `SLOW_MARKER_MS` ran to completion.
-static SLOW_MARKER_COMPLETED: AtomicU64 = AtomicU64::new(0);
-const SLOW_MARKER_MS: u32 = 777;
-/// Pool id of the memory the last payload of 3s was decoded from.
-static LAST_REQUEST_PAYLOAD_POOL: AtomicU64 = AtomicU64::new(0);
-
-impl Echo for EchoImpl {
-    async fn echo(
-        &self,
-        context: RequestContext,
-        request: EchoRequest,
-    ) -> Result<EchoResponse, Status> {
-        if request.delay_ms > 0 {
-            tokio::time::sleep(Duration::from_millis(u64::from(request.delay_ms))).await;
-        }
-        // Payloads of 3s come from the zero-copy test only (tests share this
-        // process under `cargo test`).
-        if request.payload.first() == Some(&3) {
-            let pool = lookup(request.payload.as_ptr() as usize).map_or(0, |r| r.pool_id);
-            LAST_REQUEST_PAYLOAD_POOL.store(pool, Ordering::SeqCst);
-        }
-        if request.delay_ms == SLOW_MARKER_MS {
-            SLOW_MARKER_COMPLETED.fetch_add(1, Ordering::SeqCst);
-        }
-        let payload = if request.repeat > 1 {
-            Bytes::from(request.payload.repeat(request.repeat as usize))
-        } else {
-            request.payload
-        };
-        Ok(EchoResponse {
-            payload,
-            request_id: context.request_id,
-        })
-    }
-
-    async fn fail(
-        &self,
-        _context: RequestContext,
-        request: FailRequest,
-    ) -> Result<FailResponse, Status> {
-        Err(Status::new(
-            Code::from_u16(request.code as u16),
-            request.message,
-        ))
-    }
-}
-
-#[derive(Default)]
-struct CounterImpl {
-    value: AtomicU64,
-}
-
-impl Counter for CounterImpl {
-    async fn increment(
-        &self,
-        _context: RequestContext,
-        _request: IncrementRequest,
-    ) -> Result<IncrementResponse, Status> {
-        Ok(IncrementResponse {
-            value: self.value.fetch_add(1, Ordering::SeqCst) + 1,
-        })
-    }
-}
-
-struct Running {
-    addr: String,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    async fn shutdown(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        self.task.await.unwrap();
-    }
-}
-
-async fn start(config: ServerConfig) -> Running {
-    start_at(config, "127.0.0.1:0").await
-}
-
-async fn start_at(config: ServerConfig, addr: &str) -> Running {
-    let server = Server::builder(config)
-        .add_service(EchoServer::new(EchoImpl))
-        .unwrap()
-        .add_service(CounterServer::new(CounterImpl::default()))
-        .unwrap()
-        .bind(addr)
-        .await
-        .unwrap();
-    let addr = server.local_addr().to_string();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve_with_shutdown(async {
-        let _ = stopped.await;
-    }));
-    Running {
-        addr,
-        stop: Some(stop),
-        task,
-    }
-}
-
-fn server_config(transport: &TransportConfig) -> ServerConfig {
-    ServerConfig {
-        transport: transport.clone(),
-        ..ServerConfig::default()
-    }
-}
-
-/// Timeouts for tests of everything but timeouts: this 2-core host runs
-/// many test processes at once, and the paper's 10/40 ms defaults would
-/// fail calls on its scheduling delays. Deadline tests set their own.
-fn channel_config(transport: &TransportConfig) -> ChannelConfig {
-    ChannelConfig {
-        connect_timeout_ms: 2000,
-        request_timeout_ms: 5000,
-        transport: transport.clone(),
-        ..ChannelConfig::default()
-    }
-}
+#[macro_use]
+mod common;
+use common::*;
 
 #[test]
 fn generated_method_ids_are_the_runtime_hash_of_the_path() {
@@ -360,143 +235,6 @@ async fn large_payloads_round_trip(t: TransportConfig) {
         .unwrap();
     assert_eq!(response.payload, payload);
     server.shutdown().await;
-}
-
-/// Failure pattern 2, server side: a response over the server's message
-/// limit was only logged, and the caller waited for its whole deadline;
-/// now it hears `ResourceExhausted` at once, and the connection stays
-/// usable.
-async fn failure_pattern_an_oversized_response_is_answered_resource_exhausted(t: TransportConfig) {
-    let server = start(ServerConfig {
-        transport: TransportConfig {
-            max_message_size: 1 << 20,
-            ..t.clone()
-        },
-        ..ServerConfig::default()
-    })
-    .await;
-    let echo = EchoClient::new(
-        Channel::connect(&server.addr, channel_config(&t))
-            .await
-            .unwrap(),
-    );
-    let started = std::time::Instant::now();
-    let err = echo
-        .echo_with_options(
-            EchoRequest {
-                payload: Bytes::from(vec![7u8; 600 << 10]),
-                delay_ms: 0,
-                repeat: 2,
-            },
-            &CallOptions::with_timeout(Duration::from_secs(20)),
-        )
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "answered, not left to the deadline: {:?}",
-        started.elapsed()
-    );
-    let fine = echo
-        .echo(EchoRequest {
-            payload: Bytes::from_static(b"ok"),
-            delay_ms: 0,
-            repeat: 2,
-        })
-        .await
-        .unwrap();
-    assert_eq!(&fine.payload[..], b"okok");
-    server.shutdown().await;
-}
-
-/// Failure pattern 10 (deadlines): a call with nothing left of its
-/// deadline was sent anyway (as 1 µs), and the server ran a handler whose
-/// deadline had passed before it checked it, so a non-idempotent call was
-/// applied although its caller was told it failed. Neither happens now.
-async fn failure_pattern_expired_requests_are_never_applied(t: TransportConfig) {
-    let server = start(server_config(&t)).await;
-    let channel = Channel::connect(&server.addr, channel_config(&t))
-        .await
-        .unwrap();
-    let counter = CounterClient::new(channel.clone());
-    let err = counter
-        .increment_with_options(
-            IncrementRequest {},
-            &CallOptions::with_timeout(Duration::ZERO),
-        )
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
-    let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
-        &IncrementRequest {},
-    )));
-    for _ in 0..20 {
-        let deadline = std::time::Instant::now() + Duration::from_micros(1);
-        let err = channel
-            .call_raw(
-                COUNTER_DESCRIPTOR.methods[0].id,
-                body.clone(),
-                deadline,
-                Duration::from_micros(1),
-            )
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
-    }
-    let value = counter.increment(IncrementRequest {}).await.unwrap().value;
-    assert_eq!(value, 1, "no expired increment was applied");
-    server.shutdown().await;
-}
-
-/// Failure pattern 1 (rolling restart): on stop the server stopped reading
-/// while its handlers kept the connection open, so every call sent then
-/// hung until its deadline. Now a call in flight is answered, and new
-/// calls hear at once that the server is going away (`Unavailable`, never
-/// applied) or find it gone.
-async fn failure_pattern_a_stopping_server_answers_at_once(t: TransportConfig) {
-    let mut server = start(server_config(&t)).await;
-    let channel = Channel::connect(&server.addr, channel_config(&t))
-        .await
-        .unwrap();
-    let echo = EchoClient::new(channel.clone());
-    let slow = tokio::spawn({
-        let echo = echo.clone();
-        async move {
-            echo.echo(EchoRequest {
-                payload: Bytes::from_static(b"slow"),
-                delay_ms: 400,
-                repeat: 0,
-            })
-            .await
-        }
-    });
-    // The slow call is in flight when the stop comes.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let _ = server.stop.take().unwrap().send(());
-    for _ in 0..5 {
-        let started = std::time::Instant::now();
-        let outcome = echo
-            .echo_with_options(
-                EchoRequest {
-                    payload: Bytes::from_static(b"new"),
-                    delay_ms: 0,
-                    repeat: 0,
-                },
-                &CallOptions::with_timeout(Duration::from_secs(3)),
-            )
-            .await;
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(1),
-            "a call to a stopping server took {took:?}: {outcome:?}"
-        );
-        if let Err(err) = outcome {
-            assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-        }
-    }
-    assert_eq!(&slow.await.unwrap().unwrap().payload[..], b"slow");
-    server.task.await.unwrap();
 }
 
 async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
@@ -770,28 +508,6 @@ async fn statuses_deadlines_and_server_gone(t: TransportConfig) {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
 }
 
-/// Every case runs over TCP and over RDMA with the soft provider.
-macro_rules! over_both_transports {
-    ($($case:ident),* $(,)?) => {
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(super::TransportConfig::default()).await;
-                }
-            )*
-        }
-        mod rdma_soft {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(super::TransportConfig::soft_rdma()).await;
-                }
-            )*
-        }
-    };
-}
-
 over_both_transports!(
     two_generated_services_are_served_and_called_end_to_end,
     handler_status_reaches_the_caller,
@@ -808,159 +524,19 @@ over_both_transports!(
     decoded_bytes_fields_point_into_the_receive_pool,
     services_concurrent_calls_and_large_payloads,
     statuses_deadlines_and_server_gone,
-    failure_pattern_an_oversized_response_is_answered_resource_exhausted,
-    failure_pattern_expired_requests_are_never_applied,
-    failure_pattern_a_stopping_server_answers_at_once,
 );
-
-/// Failure pattern 7: refused dials while a server restarts counted as
-/// RDMA failures, so a rolling restart moved a healthy destination to TCP
-/// for at least a probe interval. Now a refused connection (or a clean
-/// close) says nothing against the RDMA path.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failure_pattern_a_restarting_server_does_not_move_its_destination_to_tcp() {
-    let t = TransportConfig::soft_rdma();
-    let server = start(server_config(&t)).await;
-    let addr = server.addr.clone();
-    let channel = Channel::connect(&addr, channel_config(&t)).await.unwrap();
-    let echo = EchoClient::new(channel.clone());
-    let call = || {
-        echo.echo(EchoRequest {
-            payload: Bytes::from_static(b"x"),
-            delay_ms: 0,
-            repeat: 0,
-        })
-    };
-    call().await.unwrap();
-    assert_eq!(
-        channel.current_transport(),
-        Some(tessera_rpc::TransportKind::Rdma)
-    );
-    server.shutdown().await;
-    // The server is down (restarting): its connection closed cleanly, and
-    // every dial now is refused.
-    for _ in 0..6 {
-        let err = call().await.unwrap_err();
-        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    }
-    assert!(
-        !channel.fallen_back(),
-        "a restarting server moved the destination to TCP"
-    );
-}
-
-/// Failure pattern 10 (the connect lock): a call waiting for another's
-/// dial waited for that dial's whole connection timeout, past its own
-/// deadline. Over rdma-soft: the peer accepts the TCP control connection
-/// and never answers the handshake.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let hold = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((socket, _)) = listener.accept().await {
-            held.push(socket);
-        }
-    });
-    let t = TransportConfig::soft_rdma();
-    let channel = Channel::lazy(
-        addr,
-        ChannelConfig {
-            connect_timeout_ms: 3000,
-            request_timeout_ms: 5000,
-            transport: t,
-            ..ChannelConfig::default()
-        },
-    )
-    .unwrap();
-    let echo = EchoClient::new(channel.clone());
-    let first = tokio::spawn({
-        let echo = echo.clone();
-        async move {
-            echo.echo_with_options(
-                EchoRequest {
-                    payload: Bytes::new(),
-                    delay_ms: 0,
-                    repeat: 0,
-                },
-                &CallOptions::with_timeout(Duration::from_secs(4)),
-            )
-            .await
-        }
-    });
-    // The first call holds the dial.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let started = std::time::Instant::now();
-    let err = echo
-        .echo_with_options(
-            EchoRequest {
-                payload: Bytes::new(),
-                delay_ms: 0,
-                repeat: 0,
-            },
-            &CallOptions::with_timeout(Duration::from_millis(200)),
-        )
-        .await
-        .unwrap_err();
-    let waited = started.elapsed();
-    assert!(
-        waited < Duration::from_millis(1500),
-        "waited {waited:?} for another call's dial ({err:?})"
-    );
-    assert!(first.await.unwrap().is_err());
-    hold.abort();
-}
 
 mod replica_set {
     use super::*;
-    use tessera_rpc::policy::{QuarantineConfig, RetryBudgetConfig, RetryPolicyConfig};
+    use tessera_rpc::policy::RetryBudgetConfig;
     use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
-
-    fn dead_addr() -> String {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        drop(listener);
-        addr
-    }
-
-    fn echo_body(delay_ms: u32) -> tessera_transport::Message {
-        let request = EchoRequest {
-            payload: Bytes::from_static(b"hello"),
-            delay_ms,
-            repeat: 0,
-        };
-        tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&request)))
-    }
-
-    fn config(replicas: Vec<ReplicaEndpoint>) -> ReplicaSetConfig {
-        ReplicaSetConfig {
-            replicas,
-            local_domain: "zone-a".into(),
-            channel: ChannelConfig {
-                connect_timeout_ms: 200,
-                request_timeout_ms: 150,
-                ..ChannelConfig::default()
-            },
-            retry: RetryPolicyConfig {
-                probability: 1.0,
-                ..RetryPolicyConfig::default()
-            },
-            quarantine: QuarantineConfig {
-                max_connect_failures: 2,
-                ..QuarantineConfig::default()
-            },
-            seed: Some(11),
-            ..ReplicaSetConfig::default()
-        }
-    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn calls_fail_over_from_a_dead_replica_which_is_then_quarantined() {
         let server = start(ServerConfig::default()).await;
         let dead = dead_addr();
         let set = ReplicaSet::new(
-            config(vec![
+            replica_config(vec![
                 // The dead one is in the caller's own domain: preferred.
                 ReplicaEndpoint {
                     addr: dead.clone(),
@@ -1006,241 +582,6 @@ mod replica_set {
         server.shutdown().await;
     }
 
-    /// Failure pattern 2, client side: a request over the message limit
-    /// was classified as a connection failure, tried on every replica and
-    /// put each in backoff (and towards quarantine); now it fails at once,
-    /// as the request's fault.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn failure_pattern_an_oversized_request_is_final_and_nobodys_fault() {
-        let a = start(ServerConfig::default()).await;
-        let b = start(ServerConfig::default()).await;
-        let set = ReplicaSet::new(
-            config(vec![
-                ReplicaEndpoint {
-                    addr: a.addr.clone(),
-                    domain: "zone-a".into(),
-                },
-                ReplicaEndpoint {
-                    addr: b.addr.clone(),
-                    domain: "zone-a".into(),
-                },
-            ]),
-            Transport::new(TransportConfig {
-                max_message_size: 64 << 10,
-                ..TransportConfig::default()
-            })
-            .unwrap(),
-        );
-        let method = ECHO_DESCRIPTOR.methods[0].id;
-        let big = EchoRequest {
-            payload: Bytes::from(vec![1u8; 100 << 10]),
-            delay_ms: 0,
-            repeat: 0,
-        };
-        let body =
-            tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&big)));
-        for _ in 0..5 {
-            let err = set
-                .call_raw(method, body.clone(), true, Duration::from_secs(2))
-                .await
-                .unwrap_err();
-            assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
-            assert!(matches!(err, RpcError::MessageTooLarge { .. }), "{err:?}");
-        }
-        assert!(set.quarantined().is_empty(), "{:?}", set.quarantined());
-        assert_eq!(set.outstanding(), vec![0, 0]);
-        // Both replicas still serve at once: neither is backing off (a
-        // call with a deadline shorter than the first backoff succeeds on
-        // either).
-        for _ in 0..10 {
-            set.call_raw(method, echo_body(0), true, Duration::from_millis(200))
-                .await
-                .unwrap();
-        }
-        a.shutdown().await;
-        b.shutdown().await;
-    }
-
-    /// Failure pattern 1 through a replica set: a non-idempotent call
-    /// (Counter.Increment) keeps succeeding while one of two replicas
-    /// stops gracefully under load — refused calls go to the other.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn failure_pattern_no_call_fails_while_a_replica_restarts() {
-        let mut a = start(ServerConfig::default()).await;
-        let b = start(ServerConfig::default()).await;
-        let set = ReplicaSet::new(
-            ReplicaSetConfig {
-                channel: ChannelConfig {
-                    connect_timeout_ms: 1000,
-                    request_timeout_ms: 2000,
-                    ..ChannelConfig::default()
-                },
-                ..config(vec![
-                    ReplicaEndpoint {
-                        addr: a.addr.clone(),
-                        domain: "zone-a".into(),
-                    },
-                    ReplicaEndpoint {
-                        addr: b.addr.clone(),
-                        domain: "zone-a".into(),
-                    },
-                ])
-            },
-            Transport::new(TransportConfig::default()).unwrap(),
-        );
-        let method = COUNTER_DESCRIPTOR.methods[0].id;
-        let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
-            &IncrementRequest {},
-        )));
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut loops = Vec::new();
-        for _ in 0..4 {
-            let (set, body, stop) = (set.clone(), body.clone(), Arc::clone(&stop));
-            loops.push(tokio::spawn(async move {
-                let (mut ok, mut failed, mut slowest) = (0u32, Vec::new(), Duration::ZERO);
-                while !stop.load(Ordering::Relaxed) {
-                    let started = std::time::Instant::now();
-                    match set
-                        .call_raw(method, body.clone(), false, Duration::from_secs(4))
-                        .await
-                    {
-                        Ok(_) => ok += 1,
-                        Err(err) => failed.push(err.to_string()),
-                    }
-                    slowest = slowest.max(started.elapsed());
-                }
-                (ok, failed, slowest)
-            }));
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let _ = a.stop.take().unwrap().send(());
-        a.task.await.unwrap();
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        stop.store(true, Ordering::Relaxed);
-        let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
-        for l in loops {
-            let (o, f, s) = l.await.unwrap();
-            ok += o;
-            failed.extend(f);
-            slowest = slowest.max(s);
-        }
-        assert!(ok > 100, "{ok} calls");
-        assert!(
-            failed.is_empty(),
-            "{} failed: {:?}",
-            failed.len(),
-            failed.first()
-        );
-        assert!(
-            slowest < Duration::from_secs(1),
-            "the slowest call took {slowest:?}"
-        );
-        b.shutdown().await;
-    }
-
-    /// Failure pattern 3: one connection reset with many calls in flight
-    /// counted one failure per call (51 in flight ejected a healthy node);
-    /// now the calls that failed with the same broken connection count
-    /// once.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn failure_pattern_one_reset_is_one_failure_however_many_calls_were_in_flight() {
-        let a = start(ServerConfig {
-            shutdown_grace_ms: 50,
-            ..ServerConfig::default()
-        })
-        .await;
-        let b = start(ServerConfig::default()).await;
-        let set = ReplicaSet::new(
-            ReplicaSetConfig {
-                quarantine: QuarantineConfig {
-                    max_request_failures: 3,
-                    max_connect_failures: 3,
-                    ..QuarantineConfig::default()
-                },
-                channel: ChannelConfig {
-                    connect_timeout_ms: 1000,
-                    request_timeout_ms: 20_000,
-                    ..ChannelConfig::default()
-                },
-                ..config(vec![
-                    // All calls go to a (the caller's domain).
-                    ReplicaEndpoint {
-                        addr: a.addr.clone(),
-                        domain: "zone-a".into(),
-                    },
-                    ReplicaEndpoint {
-                        addr: b.addr.clone(),
-                        domain: "zone-b".into(),
-                    },
-                ])
-            },
-            Transport::new(TransportConfig::default()).unwrap(),
-        );
-        let method = ECHO_DESCRIPTOR.methods[0].id;
-        // Connected first, then 20 slow calls in flight on that connection.
-        set.call_raw(method, echo_body(0), false, Duration::from_secs(2))
-            .await
-            .unwrap();
-        let calls: Vec<_> = (0..20)
-            .map(|_| {
-                let set = set.clone();
-                tokio::spawn(async move {
-                    set.call_raw(method, echo_body(10_000), false, Duration::from_secs(20))
-                        .await
-                })
-            })
-            .collect();
-        let started = std::time::Instant::now();
-        while set.outstanding()[0] < 20 {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "{:?}",
-                set.outstanding()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        // a goes away with the calls in flight: its connection breaks.
-        a.shutdown().await;
-        for call in calls {
-            let err = call.await.unwrap().unwrap_err();
-            assert!(matches!(err, RpcError::ConnectionLost { .. }), "{err:?}");
-        }
-        assert!(
-            set.quarantined().is_empty(),
-            "one broken connection ejected the node: {:?}",
-            set.quarantined()
-        );
-        assert_eq!(set.outstanding(), vec![0, 0]);
-        b.shutdown().await;
-    }
-
-    /// Failure pattern 6: a call dropped by its caller (a sibling shard's
-    /// call failed and `try_join_all` dropped the rest) left its attempt
-    /// counted as outstanding for good, skewing every later choice.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn failure_pattern_dropped_calls_do_not_leak_outstanding_counts() {
-        let server = start(ServerConfig::default()).await;
-        let set = ReplicaSet::new(
-            config(vec![ReplicaEndpoint {
-                addr: server.addr.clone(),
-                domain: "zone-a".into(),
-            }]),
-            Transport::new(TransportConfig::default()).unwrap(),
-        );
-        let method = ECHO_DESCRIPTOR.methods[0].id;
-        for _ in 0..5 {
-            // The server takes 100 ms; the caller gives up after 10.
-            let dropped = tokio::time::timeout(
-                Duration::from_millis(10),
-                set.call_raw(method, echo_body(100), true, Duration::from_secs(2)),
-            )
-            .await;
-            assert!(dropped.is_err(), "the caller gave up first");
-        }
-        assert_eq!(set.outstanding(), vec![0]);
-        server.shutdown().await;
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_slow_attempt_is_retried_only_when_safe_and_the_budget_caps_retries() {
         let slow = start(ServerConfig::default()).await;
@@ -1252,7 +593,7 @@ mod replica_set {
                     reserve_per_sec: 0.0,
                     ..RetryBudgetConfig::default()
                 },
-                ..config(vec![
+                ..replica_config(vec![
                     ReplicaEndpoint {
                         addr: slow.addr.clone(),
                         domain: "zone-a".into(),

@@ -1,0 +1,505 @@
+//! The failure-pattern suite of the recovery policies (issue 14): one
+//! test per pattern a fleet sees — rolling restarts, resets with many calls
+//! in flight, oversized messages, expired requests, a restart that must
+//! not move a destination to TCP, dials that outlive their caller's
+//! deadline — each of which failed before its fix. The sans-IO policies'
+//! own patterns are unit tests next to them (`rpc/src/policy/`, named
+//! `failure_pattern_*`); method ids are in `method_ids.rs`, the gRPC
+//! endpoint's limits in `ps-server/tests/grpc_endpoint.rs`. The cases
+//! taking a transport run over TCP and over RDMA with the soft provider.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tessera_rpc::{CallOptions, Channel, ChannelConfig, Code, RpcError, ServerConfig};
+use tessera_rpc::{Transport, TransportConfig};
+
+#[macro_use]
+mod common;
+use common::*;
+
+/// Failure pattern 2, server side: a response over the server's message
+/// limit was only logged, and the caller waited for its whole deadline;
+/// now it hears `ResourceExhausted` at once, and the connection stays
+/// usable.
+async fn failure_pattern_an_oversized_response_is_answered_resource_exhausted(t: TransportConfig) {
+    let server = start(ServerConfig {
+        transport: TransportConfig {
+            max_message_size: 1 << 20,
+            ..t.clone()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, channel_config(&t))
+            .await
+            .unwrap(),
+    );
+    let started = std::time::Instant::now();
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::from(vec![7u8; 600 << 10]),
+                delay_ms: 0,
+                repeat: 2,
+            },
+            &CallOptions::with_timeout(Duration::from_secs(20)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "answered, not left to the deadline: {:?}",
+        started.elapsed()
+    );
+    let fine = echo
+        .echo(EchoRequest {
+            payload: Bytes::from_static(b"ok"),
+            delay_ms: 0,
+            repeat: 2,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&fine.payload[..], b"okok");
+    server.shutdown().await;
+}
+
+/// Failure pattern 10 (deadlines): a call with nothing left of its
+/// deadline was sent anyway (as 1 µs), and the server ran a handler whose
+/// deadline had passed before it checked it, so a non-idempotent call was
+/// applied although its caller was told it failed. Neither happens now.
+async fn failure_pattern_expired_requests_are_never_applied(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
+        .await
+        .unwrap();
+    let counter = CounterClient::new(channel.clone());
+    let err = counter
+        .increment_with_options(
+            IncrementRequest {},
+            &CallOptions::with_timeout(Duration::ZERO),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
+        &IncrementRequest {},
+    )));
+    for _ in 0..20 {
+        let deadline = std::time::Instant::now() + Duration::from_micros(1);
+        let err = channel
+            .call_raw(
+                COUNTER_DESCRIPTOR.methods[0].id,
+                body.clone(),
+                deadline,
+                Duration::from_micros(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    }
+    let value = counter.increment(IncrementRequest {}).await.unwrap().value;
+    assert_eq!(value, 1, "no expired increment was applied");
+    server.shutdown().await;
+}
+
+/// Failure pattern 1 (rolling restart): on stop the server stopped reading
+/// while its handlers kept the connection open, so every call sent then
+/// hung until its deadline. Now a call in flight is answered, and new
+/// calls hear at once that the server is going away (`Unavailable`, never
+/// applied) or find it gone.
+async fn failure_pattern_a_stopping_server_answers_at_once(t: TransportConfig) {
+    let mut server = start(server_config(&t)).await;
+    let channel = Channel::connect(&server.addr, channel_config(&t))
+        .await
+        .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let slow = tokio::spawn({
+        let echo = echo.clone();
+        async move {
+            echo.echo(EchoRequest {
+                payload: Bytes::from_static(b"slow"),
+                delay_ms: 400,
+                repeat: 0,
+            })
+            .await
+        }
+    });
+    // The slow call is in flight when the stop comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = server.stop.take().unwrap().send(());
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let outcome = echo
+            .echo_with_options(
+                EchoRequest {
+                    payload: Bytes::from_static(b"new"),
+                    delay_ms: 0,
+                    repeat: 0,
+                },
+                &CallOptions::with_timeout(Duration::from_secs(3)),
+            )
+            .await;
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "a call to a stopping server took {took:?}: {outcome:?}"
+        );
+        if let Err(err) = outcome {
+            assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        }
+    }
+    assert_eq!(&slow.await.unwrap().unwrap().payload[..], b"slow");
+    server.task.await.unwrap();
+}
+
+over_both_transports!(
+    failure_pattern_an_oversized_response_is_answered_resource_exhausted,
+    failure_pattern_expired_requests_are_never_applied,
+    failure_pattern_a_stopping_server_answers_at_once,
+);
+
+/// Failure pattern 7: refused dials while a server restarts counted as
+/// RDMA failures, so a rolling restart moved a healthy destination to TCP
+/// for at least a probe interval. Now a refused connection (or a clean
+/// close) says nothing against the RDMA path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_a_restarting_server_does_not_move_its_destination_to_tcp() {
+    let t = TransportConfig::soft_rdma();
+    let server = start(server_config(&t)).await;
+    let addr = server.addr.clone();
+    let channel = Channel::connect(&addr, channel_config(&t)).await.unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let call = || {
+        echo.echo(EchoRequest {
+            payload: Bytes::from_static(b"x"),
+            delay_ms: 0,
+            repeat: 0,
+        })
+    };
+    call().await.unwrap();
+    assert_eq!(
+        channel.current_transport(),
+        Some(tessera_rpc::TransportKind::Rdma)
+    );
+    server.shutdown().await;
+    // The server is down (restarting): its connection closed cleanly, and
+    // every dial now is refused.
+    for _ in 0..6 {
+        let err = call().await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    }
+    assert!(
+        !channel.fallen_back(),
+        "a restarting server moved the destination to TCP"
+    );
+}
+
+/// Failure pattern 10 (the connect lock): a call waiting for another's
+/// dial waited for that dial's whole connection timeout, past its own
+/// deadline. Over rdma-soft: the peer accepts the TCP control connection
+/// and never answers the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let t = TransportConfig::soft_rdma();
+    let channel = Channel::lazy(
+        addr,
+        ChannelConfig {
+            connect_timeout_ms: 3000,
+            request_timeout_ms: 5000,
+            transport: t,
+            ..ChannelConfig::default()
+        },
+    )
+    .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let first = tokio::spawn({
+        let echo = echo.clone();
+        async move {
+            echo.echo_with_options(
+                EchoRequest {
+                    payload: Bytes::new(),
+                    delay_ms: 0,
+                    repeat: 0,
+                },
+                &CallOptions::with_timeout(Duration::from_secs(4)),
+            )
+            .await
+        }
+    });
+    // The first call holds the dial.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    let err = echo
+        .echo_with_options(
+            EchoRequest {
+                payload: Bytes::new(),
+                delay_ms: 0,
+                repeat: 0,
+            },
+            &CallOptions::with_timeout(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(1500),
+        "waited {waited:?} for another call's dial ({err:?})"
+    );
+    assert!(first.await.unwrap().is_err());
+    hold.abort();
+}
+
+mod replica_set {
+    use super::*;
+    use tessera_rpc::policy::QuarantineConfig;
+    use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
+
+    /// Failure pattern 2, client side: a request over the message limit
+    /// was classified as a connection failure, tried on every replica and
+    /// put each in backoff (and towards quarantine); now it fails at once,
+    /// as the request's fault.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_an_oversized_request_is_final_and_nobodys_fault() {
+        let a = start(ServerConfig::default()).await;
+        let b = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            replica_config(vec![
+                ReplicaEndpoint {
+                    addr: a.addr.clone(),
+                    domain: "zone-a".into(),
+                },
+                ReplicaEndpoint {
+                    addr: b.addr.clone(),
+                    domain: "zone-a".into(),
+                },
+            ]),
+            Transport::new(TransportConfig {
+                max_message_size: 64 << 10,
+                ..TransportConfig::default()
+            })
+            .unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        let big = EchoRequest {
+            payload: Bytes::from(vec![1u8; 100 << 10]),
+            delay_ms: 0,
+            repeat: 0,
+        };
+        let body =
+            tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&big)));
+        for _ in 0..5 {
+            let err = set
+                .call_raw(method, body.clone(), true, Duration::from_secs(2))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+            assert!(matches!(err, RpcError::MessageTooLarge { .. }), "{err:?}");
+        }
+        assert!(set.quarantined().is_empty(), "{:?}", set.quarantined());
+        assert_eq!(set.outstanding(), vec![0, 0]);
+        // Both replicas still serve at once: neither is backing off (a
+        // call with a deadline shorter than the first backoff succeeds on
+        // either).
+        for _ in 0..10 {
+            set.call_raw(method, echo_body(0), true, Duration::from_millis(200))
+                .await
+                .unwrap();
+        }
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+
+    /// Failure pattern 1 through a replica set: a non-idempotent call
+    /// (Counter.Increment) keeps succeeding while one of two replicas
+    /// stops gracefully under load — refused calls go to the other.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_no_call_fails_while_a_replica_restarts() {
+        let mut a = start(ServerConfig::default()).await;
+        let b = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                channel: ChannelConfig {
+                    connect_timeout_ms: 1000,
+                    request_timeout_ms: 2000,
+                    ..ChannelConfig::default()
+                },
+                ..replica_config(vec![
+                    ReplicaEndpoint {
+                        addr: a.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                    ReplicaEndpoint {
+                        addr: b.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                ])
+            },
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = COUNTER_DESCRIPTOR.methods[0].id;
+        let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
+            &IncrementRequest {},
+        )));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut loops = Vec::new();
+        for _ in 0..4 {
+            let (set, body, stop) = (set.clone(), body.clone(), Arc::clone(&stop));
+            loops.push(tokio::spawn(async move {
+                let (mut ok, mut failed, mut slowest) = (0u32, Vec::new(), Duration::ZERO);
+                while !stop.load(Ordering::Relaxed) {
+                    let started = std::time::Instant::now();
+                    match set
+                        .call_raw(method, body.clone(), false, Duration::from_secs(4))
+                        .await
+                    {
+                        Ok(_) => ok += 1,
+                        Err(err) => failed.push(err.to_string()),
+                    }
+                    slowest = slowest.max(started.elapsed());
+                }
+                (ok, failed, slowest)
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = a.stop.take().unwrap().send(());
+        a.task.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.store(true, Ordering::Relaxed);
+        let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
+        for l in loops {
+            let (o, f, s) = l.await.unwrap();
+            ok += o;
+            failed.extend(f);
+            slowest = slowest.max(s);
+        }
+        assert!(ok > 100, "{ok} calls");
+        assert!(
+            failed.is_empty(),
+            "{} failed: {:?}",
+            failed.len(),
+            failed.first()
+        );
+        assert!(
+            slowest < Duration::from_secs(1),
+            "the slowest call took {slowest:?}"
+        );
+        b.shutdown().await;
+    }
+
+    /// Failure pattern 3: one connection reset with many calls in flight
+    /// counted one failure per call (51 in flight ejected a healthy node);
+    /// now the calls that failed with the same broken connection count
+    /// once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_one_reset_is_one_failure_however_many_calls_were_in_flight() {
+        let a = start(ServerConfig {
+            shutdown_grace_ms: 50,
+            ..ServerConfig::default()
+        })
+        .await;
+        let b = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                quarantine: QuarantineConfig {
+                    max_request_failures: 3,
+                    max_connect_failures: 3,
+                    ..QuarantineConfig::default()
+                },
+                channel: ChannelConfig {
+                    connect_timeout_ms: 1000,
+                    request_timeout_ms: 20_000,
+                    ..ChannelConfig::default()
+                },
+                ..replica_config(vec![
+                    // All calls go to a (the caller's domain).
+                    ReplicaEndpoint {
+                        addr: a.addr.clone(),
+                        domain: "zone-a".into(),
+                    },
+                    ReplicaEndpoint {
+                        addr: b.addr.clone(),
+                        domain: "zone-b".into(),
+                    },
+                ])
+            },
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        // Connected first, then 20 slow calls in flight on that connection.
+        set.call_raw(method, echo_body(0), false, Duration::from_secs(2))
+            .await
+            .unwrap();
+        let calls: Vec<_> = (0..20)
+            .map(|_| {
+                let set = set.clone();
+                tokio::spawn(async move {
+                    set.call_raw(method, echo_body(10_000), false, Duration::from_secs(20))
+                        .await
+                })
+            })
+            .collect();
+        let started = std::time::Instant::now();
+        while set.outstanding()[0] < 20 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                set.outstanding()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // a goes away with the calls in flight: its connection breaks.
+        a.shutdown().await;
+        for call in calls {
+            let err = call.await.unwrap().unwrap_err();
+            assert!(matches!(err, RpcError::ConnectionLost { .. }), "{err:?}");
+        }
+        assert!(
+            set.quarantined().is_empty(),
+            "one broken connection ejected the node: {:?}",
+            set.quarantined()
+        );
+        assert_eq!(set.outstanding(), vec![0, 0]);
+        b.shutdown().await;
+    }
+
+    /// Failure pattern 6: a call dropped by its caller (a sibling shard's
+    /// call failed and `try_join_all` dropped the rest) left its attempt
+    /// counted as outstanding for good, skewing every later choice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failure_pattern_dropped_calls_do_not_leak_outstanding_counts() {
+        let server = start(ServerConfig::default()).await;
+        let set = ReplicaSet::new(
+            replica_config(vec![ReplicaEndpoint {
+                addr: server.addr.clone(),
+                domain: "zone-a".into(),
+            }]),
+            Transport::new(TransportConfig::default()).unwrap(),
+        );
+        let method = ECHO_DESCRIPTOR.methods[0].id;
+        for _ in 0..5 {
+            // The server takes 100 ms; the caller gives up after 10.
+            let dropped = tokio::time::timeout(
+                Duration::from_millis(10),
+                set.call_raw(method, echo_body(100), true, Duration::from_secs(2)),
+            )
+            .await;
+            assert!(dropped.is_err(), "the caller gave up first");
+        }
+        assert_eq!(set.outstanding(), vec![0]);
+        server.shutdown().await;
+    }
+}
