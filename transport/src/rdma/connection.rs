@@ -303,6 +303,9 @@ impl RdmaRuntime {
                 .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps),
         }
         .map_err(failed)?;
+        // INIT before the first receives: real providers (rxe, hns) refuse
+        // receives on a QP in RESET.
+        qp.init().map_err(failed)?;
         let engine_config = EngineConfig {
             send_queue_depth: rdma.send_queue_depth,
             recv_queue_depth: rdma.recv_queue_depth,

@@ -84,6 +84,7 @@ impl Side {
         let qp = device
             .create_qp(send_cq.clone(), recv_cq.clone(), caps)
             .unwrap();
+        qp.init().unwrap();
         let engine = Engine::new(
             config.clone(),
             send_pool.clone(),

@@ -559,7 +559,14 @@ impl QueuePair for IbvQp {
         }
     }
 
-    fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError> {
+    fn init(&self) -> Result<(), VerbsError> {
+        let state = self.state();
+        if state != QpState::Reset {
+            return Err(VerbsError::WrongState {
+                qpn: self.qpn(),
+                state,
+            });
+        }
         let ctx = &self.ctx;
         // SAFETY: ibv_qp_attr is plain data; zeroed is a valid start.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -576,7 +583,20 @@ impl QueuePair for IbvQp {
                 | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
             "ibv_modify_qp(INIT)",
         )?;
-        // SAFETY: as above.
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::Init;
+        Ok(())
+    }
+
+    fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError> {
+        let state = self.state();
+        if state != QpState::Init {
+            return Err(VerbsError::WrongState {
+                qpn: self.qpn(),
+                state,
+            });
+        }
+        let ctx = &self.ctx;
+        // SAFETY: ibv_qp_attr is plain data; zeroed is a valid start.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTR;
         attr.path_mtu = ctx.mtu;
@@ -603,6 +623,7 @@ impl QueuePair for IbvQp {
                 | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER,
             "ibv_modify_qp(RTR)",
         )?;
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::ReadyToReceive;
         // SAFETY: as above.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTS;
@@ -900,6 +921,8 @@ mod tests {
         let b = device
             .create_qp(cq_b.clone(), cq_b.clone(), QpCaps::default())
             .unwrap();
+        a.init().unwrap();
+        b.init().unwrap();
         a.connect(&b.endpoint()).unwrap();
         b.connect(&a.endpoint()).unwrap();
         let mut inbox = pool.alloc(4096).unwrap();

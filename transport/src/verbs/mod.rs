@@ -10,7 +10,8 @@
 //!   receiver-not-ready error, counted), WRITE and WRITE_WITH_IMM land in the
 //!   peer's registered memory after rkey, access and bounds checks,
 //!   completions come per QP in posting order, unsignalled work requests
-//!   complete silently, a QP in error flushes what is outstanding — and
+//!   complete silently, a QP in error flushes what is outstanding, each QP
+//!   state allows only what real providers allow in it ([`QpState`]) — and
 //!   seeded fault injection; between threads of one process and between
 //!   processes of one host (shared memory).
 //! - `ibverbs` ([`ibverbs::IbvDevice`], rdma-sys over libibverbs, cargo
@@ -151,11 +152,19 @@ pub struct WorkCompletion {
     pub qpn: u32,
 }
 
-/// Queue pair states (RESET -> INIT -> RTR -> RTS, or ERROR).
+/// Queue pair states (RESET -> INIT -> RTR -> RTS, or ERROR), with what
+/// real providers allow in each (rxe and hns check it; mlx5 does not check
+/// everything, which is no licence): receives may be posted from INIT on,
+/// sends only in RTS, and only a QP in RTR or RTS accepts what its peer
+/// sends (a QP behind that drops it, and the sender's retries run out).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QpState {
-    /// Created, not connected.
+    /// Created: nothing may be posted.
     Reset,
+    /// Initialised ([`QueuePair::init`]): receives may be posted.
+    Init,
+    /// Ready to receive: accepts the peer's traffic, cannot send yet.
+    ReadyToReceive,
     /// Ready to send (connected).
     ReadyToSend,
     /// Failed: outstanding and new work requests are flushed.
@@ -260,11 +269,19 @@ pub trait CompletionQueue: Send + Sync {
 }
 
 /// An RC queue pair.
+///
+/// Call order, as verbs demand it: [`Device::create_qp`] (RESET), then
+/// [`QueuePair::init`] (INIT), then the first receives
+/// ([`QueuePair::post_recv`]) so that they are up before the peer learns of
+/// the QP, then [`QueuePair::connect`] (RTR, RTS), then sends. A call out of
+/// that order fails with [`VerbsError::WrongState`].
 pub trait QueuePair: Send + Sync {
     /// Its number.
     fn qpn(&self) -> u32;
     /// What the peer needs to connect to it.
     fn endpoint(&self) -> QpEndpoint;
+    /// RESET -> INIT: from here receives may be posted.
+    fn init(&self) -> Result<(), VerbsError>;
     /// Connects to `remote` (INIT -> RTR -> RTS).
     fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError>;
     /// Posts a list of send work requests with one doorbell.

@@ -5,7 +5,9 @@ use std::time::Duration;
 use super::cq::{Pending, SoftCq};
 use super::device::{DeviceInner, Fault};
 use super::peer::{Peer, PeerMemory};
-use super::rings::{QpSegment, RingCompletion, STATE_ERROR, STATE_READY, STATE_RESET};
+use super::rings::{
+    QpSegment, RingCompletion, STATE_ERROR, STATE_INIT, STATE_READY, STATE_RESET, STATE_RTR,
+};
 use super::srq::SoftSrq;
 use crate::verbs::{
     QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr, VerbsError, WcKind, WcStatus,
@@ -86,6 +88,8 @@ impl SoftQpInner {
     fn state(&self) -> QpState {
         match self.segment.state() {
             STATE_RESET => QpState::Reset,
+            STATE_INIT => QpState::Init,
+            STATE_RTR => QpState::ReadyToReceive,
             STATE_READY => QpState::ReadyToSend,
             _ => {
                 self.flush();
@@ -395,9 +399,21 @@ impl QueuePair for SoftQp {
         }
     }
 
-    fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError> {
+    fn init(&self) -> Result<(), VerbsError> {
         let state = self.inner.state();
         if state != QpState::Reset {
+            return Err(VerbsError::WrongState {
+                qpn: self.inner.qpn,
+                state,
+            });
+        }
+        self.inner.segment.set_state(STATE_INIT);
+        Ok(())
+    }
+
+    fn connect(&self, remote: &QpEndpoint) -> Result<(), VerbsError> {
+        let state = self.inner.state();
+        if state != QpState::Init {
             return Err(VerbsError::WrongState {
                 qpn: self.inner.qpn,
                 state,
@@ -412,6 +428,8 @@ impl QueuePair for SoftQp {
         local.remote = Some(*remote);
         local.peer = Some(Arc::new(peer));
         drop(local);
+        // RTR, then RTS (as `ibv_modify_qp` twice).
+        self.inner.segment.set_state(STATE_RTR);
         self.inner.segment.set_state(STATE_READY);
         Ok(())
     }
@@ -429,10 +447,15 @@ impl QueuePair for SoftQp {
                 inner.caps.max_sge
             )));
         }
-        if inner.state() == QpState::Reset {
+        // Sends only in RTS (an ERROR QP takes them and flushes them).
+        let state = inner.state();
+        if matches!(
+            state,
+            QpState::Reset | QpState::Init | QpState::ReadyToReceive
+        ) {
             return Err(VerbsError::WrongState {
                 qpn: inner.qpn,
-                state: QpState::Reset,
+                state,
             });
         }
         let (remote, peer) = {
@@ -477,7 +500,15 @@ impl QueuePair for SoftQp {
                 "this QP takes its receives from a shared receive queue".into(),
             ));
         }
-        if inner.state() == QpState::Error {
+        let state = inner.state();
+        if state == QpState::Reset {
+            // rxe and hns refuse with EINVAL: receives need INIT.
+            return Err(VerbsError::WrongState {
+                qpn: inner.qpn,
+                state,
+            });
+        }
+        if state == QpState::Error {
             for wr in wrs {
                 inner.recv_cq.push(Pending {
                     completion: WorkCompletion {

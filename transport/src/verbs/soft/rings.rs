@@ -252,10 +252,14 @@ impl RegionTable {
     }
 }
 
-/// QP states as stored in shared memory.
+/// QP states as stored in shared memory (see [`crate::verbs::QpState`]).
 pub(crate) const STATE_RESET: u32 = 0;
+/// Ready to send (RTS).
 pub(crate) const STATE_READY: u32 = 1;
 pub(crate) const STATE_ERROR: u32 = 2;
+pub(crate) const STATE_INIT: u32 = 3;
+/// Ready to receive (RTR): accepts the peer's traffic.
+pub(crate) const STATE_RTR: u32 = 4;
 
 #[repr(C)]
 struct QpHeader {
@@ -401,11 +405,13 @@ impl QpSegment {
         }
     }
 
-    /// Enters the DMA guard: false (and not entered) unless the QP is ready.
+    /// Enters the DMA guard: false (and not entered) unless the QP accepts
+    /// its peer's traffic (RTR or RTS; a real responder in RESET or INIT
+    /// drops the packets).
     pub(crate) fn begin_dma(&self) -> bool {
         let header = self.header();
         header.writers.fetch_add(1, Ordering::SeqCst);
-        if header.state.load(Ordering::SeqCst) == STATE_READY {
+        if matches!(header.state.load(Ordering::SeqCst), STATE_READY | STATE_RTR) {
             return true;
         }
         header.writers.fetch_sub(1, Ordering::SeqCst);

@@ -26,6 +26,7 @@ impl Side {
         let qp = device
             .create_qp(send_cq.clone(), recv_cq.clone(), caps)
             .unwrap();
+        qp.init().unwrap();
         Self {
             device,
             send_pool,
@@ -130,6 +131,58 @@ fn send_lands_in_the_first_posted_receive() {
     );
     assert!(first[..40].iter().all(|&x| x == 7) && first[40..].iter().all(|&x| x == 0));
     assert!(second.iter().all(|&x| x == 0));
+}
+
+/// The QP state machine of real providers: receives need INIT (rxe and
+/// hns refuse them in RESET), sends need RTS, each transition happens
+/// once, and a responder not yet in RTR drops what arrives, so the
+/// sender's retries run out. Before: the soft NIC took receives and
+/// connections in RESET, and the connection code posted its first
+/// receives there.
+#[test]
+fn each_qp_state_allows_what_real_providers_allow() {
+    let fabric = SoftFabric::new();
+    let device = fabric.open("a", SoftFaults::default()).unwrap();
+    let (send_pool, recv_pool) = crate::verbs::soft::test_pools(&device, "a");
+    let cq = device.create_cq(64).unwrap();
+    let qp = device
+        .create_qp(cq.clone(), cq.clone(), QpCaps::default())
+        .unwrap();
+    assert_eq!(qp.state(), QpState::Reset);
+    let inbox = filled(&recv_pool, 64, 0);
+    let recv = [RecvWr {
+        wr_id: 1,
+        sge: sge(&inbox),
+    }];
+    let data = filled(&send_pool, 8, 1);
+    let wrong = |result: Result<(), crate::verbs::VerbsError>, state: QpState| {
+        assert_eq!(
+            result,
+            Err(crate::verbs::VerbsError::WrongState {
+                qpn: qp.qpn(),
+                state
+            })
+        );
+    };
+    // The peer is created and initialised, never connected.
+    let peer = Side::new(&fabric, "b", SoftFaults::default(), QpCaps::default());
+    assert_eq!(peer.qp.state(), QpState::Init);
+    wrong(qp.post_recv(&recv), QpState::Reset);
+    wrong(qp.post_send(&[send(2, &data)]), QpState::Reset);
+    wrong(qp.connect(&peer.qp.endpoint()), QpState::Reset);
+    qp.init().unwrap();
+    wrong(qp.init(), QpState::Init);
+    qp.post_recv(&recv).unwrap();
+    wrong(qp.post_send(&[send(2, &data)]), QpState::Init);
+    qp.connect(&peer.qp.endpoint()).unwrap();
+    assert_eq!(qp.state(), QpState::ReadyToSend);
+    wrong(qp.connect(&peer.qp.endpoint()), QpState::ReadyToSend);
+    qp.post_send(&[send(3, &data)]).unwrap();
+    let mut done = Vec::new();
+    cq.poll(&mut done, 16);
+    let sent = done.iter().find(|c| c.wr_id == 3).unwrap();
+    assert_eq!(sent.status, WcStatus::RetryExceeded);
+    assert_eq!(qp.state(), QpState::Error);
 }
 
 #[test]
@@ -529,9 +582,11 @@ fn qps_on_a_shared_receive_queue_take_from_it_and_misses_are_counted() {
     let srq = server.create_srq(4).unwrap();
     let cq = server.create_cq(64).unwrap();
     let on_srq = |_: usize| {
-        server
+        let qp = server
             .create_qp_on_srq(cq.clone(), cq.clone(), srq.clone(), QpCaps::default())
-            .unwrap()
+            .unwrap();
+        qp.init().unwrap();
+        qp
     };
     let (s1, s2) = (on_srq(1), on_srq(2));
     let c1 = Side::new(&fabric, "c1", SoftFaults::default(), QpCaps::default());
