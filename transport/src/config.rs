@@ -207,7 +207,11 @@ pub struct RdmaConfig {
     /// queues of 64 dedicated-mode QPs.
     pub srq_depth: u32,
     /// Entries of each I/O thread's completion queue. Default 32768: room
-    /// for the receives of 256 QPs at the default depth, plus sends.
+    /// for the receives of 256 QPs at the default depth, plus sends;
+    /// clamped to the device's `max_cqe` (rxe: 32767), with a log line. The
+    /// queue depths, `srq_depth` and `io_threads` are checked against the
+    /// device too, and a value it cannot hold fails the start naming its
+    /// key (`auto` uses TCP instead).
     pub cq_depth: u32,
     /// Faults the soft provider injects (`[rdma.soft_faults]`: `seed`,
     /// `rnr_per_million`, `qp_error_per_million`, `delay_per_million`,

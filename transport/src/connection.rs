@@ -73,52 +73,72 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
 impl Transport {
     /// A transport with `config`. TCP needs no NIC registration, so its
     /// pools use a counting hook; RDMA opens the configured device (an
-    /// error if there is none) and registers the pools with it.
+    /// error if there is none, or if the configuration asks for more than
+    /// the device holds: see [`crate::verbs::limits::fit`]), registers the
+    /// pools with it and starts the I/O threads. `auto` falls back to TCP,
+    /// saying why in the log, wherever RDMA would have failed.
     pub fn new(config: TransportConfig) -> Result<Self, TransportError> {
         config.validate()?;
-        let (device, hook): (Option<Arc<dyn Device>>, Arc<dyn RegistrationHook>) = match config.kind
-        {
-            TransportKind::Tcp => (None, Arc::new(CountingHook::new())),
-            TransportKind::Rdma => {
-                let device = open_device(&config)?;
-                let hook = device.registration_hook();
-                (Some(device), hook)
-            }
-            TransportKind::Auto => match open_device(&config) {
-                Ok(device) => {
+        match config.kind {
+            TransportKind::Tcp => Self::tcp(config),
+            TransportKind::Rdma => Self::rdma(config),
+            TransportKind::Auto => match Self::rdma(config.clone()) {
+                Ok(transport) => {
                     tracing::info!(
-                        device = device.name(),
+                        device = transport
+                            .inner
+                            .rdma
+                            .as_ref()
+                            .map(|r| r.device_name().to_owned()),
                         "transport auto: RDMA device available; RDMA with peers that speak it"
                     );
-                    let hook = device.registration_hook();
-                    (Some(device), hook)
+                    Ok(transport)
                 }
                 Err(err) => {
-                    tracing::info!(%err, "transport auto: using TCP");
-                    (None, Arc::new(CountingHook::new()))
+                    tracing::warn!(%err, "transport auto: RDMA cannot start here; using TCP");
+                    Self::tcp(config)
                 }
             },
-        };
+        }
+    }
+
+    fn tcp(config: TransportConfig) -> Result<Self, TransportError> {
+        let hook: Arc<dyn RegistrationHook> = Arc::new(CountingHook::new());
         let send_pool = Pool::new(
             config.send_pool.clone(),
             Access::LocalOnly,
             Arc::clone(&hook),
         )?;
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
-        let rdma = match device {
-            Some(device) => Some(Arc::new(RdmaRuntime::new(
-                device,
-                &config,
-                (send_pool.clone(), recv_pool.clone()),
-            )?)),
-            None => None,
-        };
         Ok(Self {
             inner: Arc::new(TransportInner {
                 config,
                 send_pool,
                 recv_pool,
-                rdma,
+                rdma: None,
+            }),
+        })
+    }
+
+    /// The RDMA runtime on the configured device, with the configuration
+    /// fitted to the device's limits (what [`Transport::config`] reports).
+    fn rdma(mut config: TransportConfig) -> Result<Self, TransportError> {
+        let device = open_device(&config)?;
+        config.rdma = crate::verbs::limits::fit(&config.rdma, &device.limits(), device.name())?;
+        let hook = device.registration_hook();
+        let send_pool = Pool::new(
+            config.send_pool.clone(),
+            Access::LocalOnly,
+            Arc::clone(&hook),
+        )?;
+        let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
+        let rdma = RdmaRuntime::new(device, &config, (send_pool.clone(), recv_pool.clone()))?;
+        Ok(Self {
+            inner: Arc::new(TransportInner {
+                config,
+                send_pool,
+                recv_pool,
+                rdma: Some(Arc::new(rdma)),
             }),
         })
     }

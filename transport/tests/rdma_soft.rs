@@ -3,10 +3,43 @@
 
 use bytes::Bytes;
 use tessera_transport::pool::lookup;
-use tessera_transport::{Message, Transport, TransportConfig, TransportKind};
+use tessera_transport::{Message, Transport, TransportConfig, TransportError, TransportKind};
 
 fn soft_config() -> TransportConfig {
     TransportConfig::soft_rdma()
+}
+
+/// The soft NIC reports rxe's limits and enforces them, as a real device
+/// does. Before: the default `cq_depth` (32,768) was above rxe's
+/// `max_cqe` (32,767), so `ibv_create_cq` failed and so did
+/// `Transport::new`, `auto` included. Now the CQ is clamped to the
+/// device's largest, a queue depth the device cannot give is refused
+/// naming its setting, and `auto` falls back to TCP instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_beyond_the_devices_limits_names_its_setting_and_auto_falls_back() {
+    let defaults = Transport::new(soft_config()).unwrap();
+    assert!(defaults.prefers_rdma());
+    assert_eq!(defaults.config().rdma.cq_depth, 32_767);
+    let mut deep = soft_config();
+    deep.rdma.recv_queue_depth = 1 << 15;
+    match Transport::new(deep.clone()) {
+        Err(TransportError::Config(err)) => {
+            let text = err.to_string();
+            assert!(text.contains("rdma.recv_queue_depth"), "{text}");
+            assert!(text.contains("max_qp_wr"), "{text}");
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+    deep.kind = TransportKind::Auto;
+    let auto = Transport::new(deep).unwrap();
+    assert!(!auto.prefers_rdma(), "auto fell back to TCP");
+    // And it works, over TCP.
+    let listener = auto.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let accepted = tokio::spawn(async move { listener.accept().await.unwrap() });
+    let conn = auto.connect(&addr).await.unwrap();
+    assert_eq!(conn.kind(), TransportKind::Tcp);
+    drop(accepted.await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use rdma_sys::*;
 
 use super::{
-    CompletionQueue, Device, QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp, SendWr,
-    SharedReceiveQueue, VerbsError, WcKind, WcStatus, WorkCompletion,
+    CompletionQueue, Device, DeviceLimits, QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp,
+    SendWr, SharedReceiveQueue, VerbsError, WcKind, WcStatus, WorkCompletion,
 };
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
 
@@ -41,6 +41,8 @@ struct Context {
     lid: u16,
     gid: [u8; 16],
     mtu: ibv_mtu::Type,
+    /// From `ibv_query_device`.
+    limits: DeviceLimits,
 }
 
 // SAFETY: libibverbs contexts and protection domains may be used from any
@@ -148,6 +150,24 @@ impl IbvDevice {
             lid: 0,
             gid: [0; 16],
             mtu: ibv_mtu::IBV_MTU_1024,
+            limits: DeviceLimits::SOFT,
+        };
+        // SAFETY: a zeroed ibv_device_attr is a valid out-parameter.
+        let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open and `attr` a valid out-pointer.
+        if unsafe { ibv_query_device(ctx, &mut attr) } != 0 {
+            return Err(VerbsError::NoDevice(os_error("ibv_query_device")));
+        }
+        let limit = |v: i32| u32::try_from(v).unwrap_or(0);
+        context.limits = DeviceLimits {
+            max_qp: limit(attr.max_qp),
+            max_qp_wr: limit(attr.max_qp_wr),
+            max_sge: limit(attr.max_sge),
+            max_cq: limit(attr.max_cq),
+            max_cqe: limit(attr.max_cqe),
+            max_srq: limit(attr.max_srq),
+            max_srq_wr: limit(attr.max_srq_wr),
+            max_mr_size: attr.max_mr_size,
         };
         // SAFETY: a zeroed ibv_port_attr is a valid out-parameter.
         let mut port_attr: ibv_port_attr = unsafe { std::mem::zeroed() };
@@ -759,7 +779,12 @@ impl Device for IbvDevice {
         })
     }
 
+    fn limits(&self) -> DeviceLimits {
+        self.ctx.limits
+    }
+
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
+        self.ctx.limits.check_cq(depth)?;
         // SAFETY: the context is open.
         let channel = unsafe { ibv_create_comp_channel(self.ctx.ctx) };
         if channel.is_null() {
@@ -808,6 +833,7 @@ impl Device for IbvDevice {
     }
 
     fn create_srq(&self, depth: u32) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
+        self.ctx.limits.check_srq(depth)?;
         // SAFETY: plain data; the fields used are set below.
         let mut attr: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
         attr.attr.max_wr = depth;
@@ -843,6 +869,7 @@ impl IbvDevice {
         srq: Option<Arc<IbvSrq>>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        self.ctx.limits.check_qp(&caps)?;
         let send_cq = crate::verbs::downcast_cq::<IbvCq>(send_cq)?;
         let recv_cq = crate::verbs::downcast_cq::<IbvCq>(recv_cq)?;
         // SAFETY: ibv_qp_init_attr is plain data; zeroed is a valid start.

@@ -23,7 +23,10 @@
 
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
+pub mod limits;
 pub mod soft;
+
+pub use limits::DeviceLimits;
 
 use std::sync::Arc;
 
@@ -237,6 +240,16 @@ pub enum VerbsError {
         /// The QP number asked for.
         qpn: u32,
     },
+    /// More than the device can hold ([`DeviceLimits`]).
+    #[error("{asked} {what} asked for, the device has at most {max}")]
+    OverLimit {
+        /// What was asked for, with the limit's name.
+        what: &'static str,
+        /// How many.
+        asked: u32,
+        /// The device's limit.
+        max: u32,
+    },
     /// The operation needs another QP state.
     #[error("queue pair {qpn} is in state {state:?}")]
     WrongState {
@@ -296,6 +309,8 @@ pub trait QueuePair: Send + Sync {
 pub trait Device: Send + Sync {
     /// A name for logs.
     fn name(&self) -> &str;
+    /// What the device can hold; every create call stays within it.
+    fn limits(&self) -> DeviceLimits;
     /// The hook that registers pool memory with this device's protection
     /// domain (give it to the transport's pools).
     fn registration_hook(&self) -> Arc<dyn RegistrationHook>;

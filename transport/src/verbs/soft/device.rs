@@ -9,7 +9,9 @@ use super::qp::{SoftQp, SoftQpInner};
 use super::rings::{MemoryRegion, REGION_SLOTS, RegionTable};
 use super::srq::SoftSrq;
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
-use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, SharedReceiveQueue, VerbsError};
+use crate::verbs::{
+    CompletionQueue, Device, DeviceLimits, QpCaps, QueuePair, SharedReceiveQueue, VerbsError,
+};
 
 /// Faults a soft device injects, each with a probability in millionths,
 /// drawn from a generator seeded with `seed` (so a failing test replays).
@@ -95,11 +97,23 @@ impl SoftFabric {
             .clone()
     }
 
-    /// Opens a device (an RNIC with its protection domain) on the fabric.
+    /// Opens a device (an RNIC with its protection domain) on the fabric,
+    /// with the limits of the smallest real one ([`DeviceLimits::SOFT`]).
     pub fn open(
         &self,
         name: impl Into<String>,
         faults: SoftFaults,
+    ) -> Result<SoftDevice, VerbsError> {
+        self.open_with_limits(name, faults, DeviceLimits::SOFT)
+    }
+
+    /// Opens a device that reports and enforces `limits` (tests of what a
+    /// smaller device refuses).
+    pub fn open_with_limits(
+        &self,
+        name: impl Into<String>,
+        faults: SoftFaults,
+        limits: DeviceLimits,
     ) -> Result<SoftDevice, VerbsError> {
         let counter = self.inner.next_node.fetch_add(1, Ordering::Relaxed) + 1;
         // Node ids are unique on the host: the pid names the process (and
@@ -122,6 +136,7 @@ impl SoftFabric {
             srqs: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new(0x10),
             faults,
+            limits,
             rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ (node & 0xffff_ffff)),
             injected_qp_errors: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
@@ -165,6 +180,8 @@ pub(crate) struct DeviceInner {
     srqs: Mutex<HashMap<u32, Weak<SoftSrq>>>,
     next_qpn: AtomicU32,
     faults: SoftFaults,
+    /// What it reports and enforces at every create call.
+    limits: DeviceLimits,
     rng: Mutex<u64>,
     pub(crate) injected_qp_errors: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
@@ -406,6 +423,10 @@ impl Device for SoftDevice {
         &self.inner.name
     }
 
+    fn limits(&self) -> DeviceLimits {
+        self.inner.limits
+    }
+
     fn registration_hook(&self) -> Arc<dyn RegistrationHook> {
         Arc::new(SoftRegistration {
             device: Arc::clone(&self.inner),
@@ -413,6 +434,9 @@ impl Device for SoftDevice {
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
+        let limits = self.inner.limits;
+        limits.check_cq(depth)?;
+        live_below(&self.inner.cqs, "completion queues (max_cq)", limits.max_cq)?;
         let cq = Arc::new(SoftCq::with_depth(depth)?);
         self.inner.adopt_cq(&cq);
         Ok(cq)
@@ -429,6 +453,13 @@ impl Device for SoftDevice {
 
     fn create_srq(&self, depth: u32) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
         static NEXT_SRQ: AtomicU32 = AtomicU32::new(1);
+        let limits = self.inner.limits;
+        limits.check_srq(depth)?;
+        live_below(
+            &self.inner.srqs,
+            "shared receive queues (max_srq)",
+            limits.max_srq,
+        )?;
         let srq = Arc::new(SoftSrq::new(
             NEXT_SRQ.fetch_add(1, Ordering::Relaxed),
             depth,
@@ -465,6 +496,9 @@ impl SoftDevice {
         srq: Option<Arc<SoftSrq>>,
         caps: QpCaps,
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        let limits = self.inner.limits;
+        limits.check_qp(&caps)?;
+        live_below(&self.inner.qps, "queue pairs (max_qp)", limits.max_qp)?;
         let send_cq = crate::verbs::downcast_cq::<SoftCq>(send_cq)?;
         let recv_cq = crate::verbs::downcast_cq::<SoftCq>(recv_cq)?;
         let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed);
@@ -483,4 +517,23 @@ impl SoftDevice {
             .insert(qpn, Arc::downgrade(&qp));
         Ok(Arc::new(SoftQp { inner: qp }))
     }
+}
+
+/// Room for one more live object in `objects` under `max`.
+fn live_below<T>(
+    objects: &Mutex<HashMap<u32, Weak<T>>>,
+    what: &'static str,
+    max: u32,
+) -> Result<(), VerbsError> {
+    let mut objects = objects.lock().unwrap_or_else(|p| p.into_inner());
+    objects.retain(|_, object| object.strong_count() > 0);
+    let live = u32::try_from(objects.len()).unwrap_or(u32::MAX);
+    if live >= max {
+        return Err(VerbsError::OverLimit {
+            what,
+            asked: live.saturating_add(1),
+            max,
+        });
+    }
+    Ok(())
 }

@@ -185,6 +185,62 @@ fn each_qp_state_allows_what_real_providers_allow() {
     assert_eq!(qp.state(), QpState::Error);
 }
 
+/// The soft NIC reports its limits and refuses what they do not hold, at
+/// every create call, as a real device does (before: any depth and count
+/// went, where rxe refuses a CQ of 32,768 entries).
+#[test]
+fn create_calls_beyond_the_devices_limits_are_refused() {
+    use crate::verbs::{DeviceLimits, VerbsError};
+    let fabric = SoftFabric::new();
+    let small = DeviceLimits {
+        max_qp: 1,
+        max_cq: 2,
+        max_srq: 1,
+        ..DeviceLimits::SOFT
+    };
+    let device = fabric
+        .open_with_limits("small", SoftFaults::default(), small)
+        .unwrap();
+    assert_eq!(device.limits(), small);
+    let refused = |result: Result<(), VerbsError>, limit: &str| match result {
+        Err(VerbsError::OverLimit { what, .. }) => assert!(what.contains(limit), "{what}"),
+        other => panic!("{limit}: {other:?}"),
+    };
+    refused(device.create_cq(32_768).map(drop), "max_cqe");
+    let cq = device.create_cq(64).unwrap();
+    let _second = device.create_cq(64).unwrap();
+    refused(device.create_cq(64).map(drop), "max_cq");
+    let deep = QpCaps {
+        max_recv_wr: 0x4001,
+        ..QpCaps::default()
+    };
+    refused(
+        device.create_qp(cq.clone(), cq.clone(), deep).map(drop),
+        "max_qp_wr",
+    );
+    let wide = QpCaps {
+        max_sge: 33,
+        ..QpCaps::default()
+    };
+    refused(
+        device.create_qp(cq.clone(), cq.clone(), wide).map(drop),
+        "max_sge",
+    );
+    let qp = device
+        .create_qp(cq.clone(), cq.clone(), QpCaps::default())
+        .unwrap();
+    refused(
+        device
+            .create_qp(cq.clone(), cq.clone(), QpCaps::default())
+            .map(drop),
+        "max_qp",
+    );
+    // A destroyed QP frees its place.
+    drop(qp);
+    device.create_qp(cq.clone(), cq, QpCaps::default()).unwrap();
+    refused(device.create_srq(0x4001).map(drop), "max_srq_wr");
+}
+
 #[test]
 fn send_without_a_receive_is_receiver_not_ready_and_fails_the_qp() {
     let (a, b) = pair();
