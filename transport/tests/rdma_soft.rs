@@ -453,3 +453,64 @@ async fn a_shared_receive_queue_carries_an_incast_and_counts_receiver_not_ready(
     let stats = incast(config, 4, 400, std::time::Duration::from_millis(100)).await;
     assert!(stats.rnr_events > 0, "{stats:?}");
 }
+
+/// A post that stops part way (as `ibv_post_send` does with `bad_wr`, here
+/// injected in 2% of the client's posts) fails its connection promptly,
+/// with an error on both halves, instead of stalling it. Before: the error
+/// was logged and forgotten, the ring counted the unposted work requests
+/// in flight for ever (only the last of a batch is signalled), and every
+/// later message on the connection waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_post_fails_the_connection_instead_of_stalling_it() {
+    use std::time::Duration;
+    let server = Transport::new(soft_config()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok(mut conn) = listener.accept().await {
+            tokio::spawn(async move {
+                while let Ok(Some(message)) = conn.receiver.recv().await {
+                    if conn.sender.send(Message::from(message)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let mut faulty = soft_config();
+    faulty.rdma.soft_faults = tessera_transport::verbs::soft::SoftFaults {
+        seed: 7,
+        post_error_per_million: 20_000,
+        ..Default::default()
+    };
+    let client = Transport::new(faulty).unwrap();
+    let (mut failed, mut completed) = (0, 0);
+    for attempt in 0..12 {
+        let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+            // A failed first post fails the connect itself: as clean.
+            let Ok(mut conn) = client.connect(&addr).await else {
+                return false;
+            };
+            for i in 0..400usize {
+                let len = if i % 5 == 0 { 100_000 } else { 200 };
+                let buf = client.send_pool().alloc_copy(&vec![i as u8; len]).unwrap();
+                if conn.sender.send(Message::from(buf.freeze())).await.is_err() {
+                    return false;
+                }
+                match conn.receiver.recv().await {
+                    Ok(Some(echo)) => assert_eq!(echo.len(), len),
+                    _ => return false,
+                }
+            }
+            true
+        })
+        .await;
+        match outcome {
+            Err(_) => panic!("attempt {attempt}: the connection stalled for 20 s"),
+            Ok(false) => failed += 1,
+            Ok(true) => completed += 1,
+        }
+    }
+    eprintln!("connections failed by a post: {failed}, completed: {completed}");
+    assert!(failed > 0, "the injected post failures failed connections");
+}

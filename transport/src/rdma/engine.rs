@@ -177,6 +177,9 @@ pub enum EngineError {
     /// The peer closed its handshake connection (it went away).
     #[error("peer closed the connection")]
     PeerClosed,
+    /// Posting work requests failed ([`Engine::handle_post_error`]).
+    #[error("posting to the queue pair failed: {0}")]
+    Post(crate::verbs::VerbsError),
 }
 
 /// What the engine has for its owner.
@@ -1008,6 +1011,16 @@ impl Engine {
     /// The peer's handshake connection closed: it is gone.
     pub fn handle_peer_closed(&mut self) {
         self.fail(EngineError::PeerClosed);
+    }
+
+    /// A batch from [`Engine::poll_transmit`] or [`Engine::poll_recv_post`]
+    /// could not be posted (wholly or from some work request on). The ring
+    /// and the credits already count all of it, and what was not posted
+    /// will never complete, so the engine cannot go on: it fails, and its
+    /// owner puts the queue pair in error ([`crate::verbs::QueuePair::fail`])
+    /// so that what was posted is flushed back.
+    pub fn handle_post_error(&mut self, error: crate::verbs::VerbsError) {
+        self.fail(EngineError::Post(error));
     }
 
     /// When [`Engine::handle_timeout`] should next be called.

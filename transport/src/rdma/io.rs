@@ -143,9 +143,26 @@ impl SharedReceives {
         if wrs.is_empty() {
             return Ok(());
         }
-        self.srq
-            .post_recv(&wrs)
-            .map_err(|e| TransportError::Rdma(e.to_string()))
+        match self.srq.post_recv(&wrs) {
+            Ok(()) => Ok(()),
+            Err(err) => {
+                // What did not go up is not the NIC's: its slots are free
+                // again (the next round tries them anew), its buffers go
+                // back to the pool.
+                let posted = match err {
+                    crate::verbs::VerbsError::PostFailed { posted, .. } => posted as usize,
+                    _ => 0,
+                };
+                for wr in &wrs[posted.min(wrs.len())..] {
+                    let slot = wr.wr_id as usize;
+                    if let Some(buf) = self.slots.get_mut(slot) {
+                        drop(buf.take());
+                        self.free.push(slot);
+                    }
+                }
+                Err(TransportError::Rdma(err.to_string()))
+            }
+        }
     }
 
     /// The buffer a receive completion landed in (its slot is reposted).
@@ -155,6 +172,19 @@ impl SharedReceives {
         self.free.push(slot);
         Some(buf)
     }
+}
+
+/// A post of `attached`'s QP failed: the QP goes to ERROR (what was posted
+/// is flushed back) and the engine fails, failing its sockets; before, the
+/// error was logged and the engine waited forever for completions of work
+/// requests that were never posted.
+fn post_failed(attached: &mut Attached, err: crate::verbs::VerbsError) {
+    tracing::warn!(peer = %attached.peer, %err, "rdma post failed: the connection fails");
+    metrics::counter!("tessera_rdma_post_failures_total").increment(1);
+    if let Err(modify) = attached.qp.fail() {
+        tracing::warn!(peer = %attached.peer, err = %modify, "moving the queue pair to error failed");
+    }
+    attached.engine.handle_post_error(err);
 }
 
 /// A handle on one I/O thread.
@@ -665,7 +695,7 @@ impl Worker {
         {
             progress = true;
             if let Err(err) = attached.qp.post_recv(&wrs) {
-                tracing::warn!(%err, "posting receives failed");
+                post_failed(attached, err);
             }
         }
         // One batch per engine per round: completions (the answers to what
@@ -673,7 +703,7 @@ impl Worker {
         if let Some(batch) = attached.engine.poll_transmit(now) {
             progress = true;
             if let Err(err) = attached.qp.post_send(&batch) {
-                tracing::warn!(%err, "posting sends failed");
+                post_failed(attached, err);
             }
         }
         while let Some(event) = attached.engine.poll_event() {

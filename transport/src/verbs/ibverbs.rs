@@ -557,10 +557,18 @@ impl IbvQp {
         }
         Ok(())
     }
+}
 
-    fn fail(&self) {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::Error;
+/// How many entries of the list at `first` (of `len`) a failed post put up
+/// before `bad`, the entry it stopped at (none if `bad` is not one of
+/// them: the provider did not say).
+fn posted_before<T>(first: *const T, len: usize, bad: *const T) -> u32 {
+    let (start, at) = (first as usize, bad as usize);
+    let size = std::mem::size_of::<T>().max(1);
+    if at < start || at >= start + len * size {
+        return 0;
     }
+    u32::try_from((at - start) / size).unwrap_or(u32::MAX)
 }
 
 impl QueuePair for IbvQp {
@@ -735,11 +743,11 @@ impl QueuePair for IbvQp {
         // posts at a time (the guard), as a thread domain requires.
         let rc = unsafe { ibv_post_send(self.qp, list.as_mut_ptr(), &mut bad) };
         if rc != 0 {
-            self.fail();
-            return Err(VerbsError::InvalidRequest(format!(
-                "ibv_post_send: {}",
-                std::io::Error::from_raw_os_error(rc)
-            )));
+            return Err(VerbsError::PostFailed {
+                queue: "send",
+                posted: posted_before(list.as_ptr(), list.len(), bad),
+                errno: rc,
+            });
         }
         Ok(())
     }
@@ -755,16 +763,30 @@ impl QueuePair for IbvQp {
         // one thread posts at a time (the guard).
         let rc = unsafe { ibv_post_recv(self.qp, list.head(), &mut bad) };
         if rc != 0 {
-            return Err(VerbsError::InvalidRequest(format!(
-                "ibv_post_recv: {}",
-                std::io::Error::from_raw_os_error(rc)
-            )));
+            return Err(VerbsError::PostFailed {
+                queue: "recv",
+                posted: posted_before(list.list.as_ptr(), list.list.len(), bad),
+                errno: rc,
+            });
         }
         Ok(())
     }
 
     fn state(&self) -> QpState {
         *self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fail(&self) -> Result<(), VerbsError> {
+        // SAFETY: ibv_qp_attr is plain data; zeroed is a valid start.
+        let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        let result = self.modify(
+            &mut attr,
+            ibv_qp_attr_mask::IBV_QP_STATE,
+            "ibv_modify_qp(ERR)",
+        );
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::Error;
+        result
     }
 }
 

@@ -240,6 +240,19 @@ pub enum VerbsError {
         /// The QP number asked for.
         qpn: u32,
     },
+    /// A post stopped at a work request (`ibv_post_send`'s and
+    /// `ibv_post_recv`'s `bad_wr`): the first `posted` of the list were
+    /// posted and will complete, the rest were not. The caller owns the
+    /// difference; the engine puts the QP in error ([`QueuePair::fail`]).
+    #[error("posting {queue} work requests failed after {posted}: {}", std::io::Error::from_raw_os_error(*errno))]
+    PostFailed {
+        /// `send` or `recv`.
+        queue: &'static str,
+        /// Work requests of the list that were posted.
+        posted: u32,
+        /// The errno the provider returned.
+        errno: i32,
+    },
     /// More than the device can hold ([`DeviceLimits`]).
     #[error("{asked} {what} asked for, the device has at most {max}")]
     OverLimit {
@@ -303,6 +316,9 @@ pub trait QueuePair: Send + Sync {
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError>;
     /// The current state.
     fn state(&self) -> QpState;
+    /// Moves the QP to ERROR (`ibv_modify_qp` to `IBV_QPS_ERR`): everything
+    /// outstanding completes as flushed, and so does anything posted later.
+    fn fail(&self) -> Result<(), VerbsError>;
 }
 
 /// An opened RNIC (context and protection domain).

@@ -29,6 +29,10 @@ pub struct SoftFaults {
     pub delay_per_million: u32,
     /// Longest delay, in polls of the completion queue.
     pub max_delay_polls: u32,
+    /// A `post_send` or `post_recv` stops part way, as `ibv_post_send` does
+    /// with `bad_wr` (ENOMEM): the work requests before a drawn one are
+    /// posted, the rest are not.
+    pub post_error_per_million: u32,
 }
 
 /// Event counters of a soft device.
@@ -193,6 +197,7 @@ pub(crate) enum Fault {
     Rnr,
     QpError,
     Delay,
+    PostError,
 }
 
 impl DeviceInner {
@@ -272,6 +277,7 @@ impl DeviceInner {
             Fault::Rnr => self.faults.rnr_per_million,
             Fault::QpError => self.faults.qp_error_per_million,
             Fault::Delay => self.faults.delay_per_million,
+            Fault::PostError => self.faults.post_error_per_million,
         };
         if per_million == 0 {
             return 0;
@@ -288,7 +294,17 @@ impl DeviceInner {
         }
         match fault {
             Fault::Delay => 1 + (next() % u64::from(self.faults.max_delay_polls.max(1))) as u32,
+            Fault::PostError => 1 + (next() % 0x1_0000) as u32,
             _ => 1,
+        }
+    }
+
+    /// Where a post of `n` work requests stops, if it fails
+    /// ([`SoftFaults::post_error_per_million`]): how many go up before it.
+    pub(crate) fn roll_post_failure(&self, n: usize) -> Option<usize> {
+        match self.roll(Fault::PostError) {
+            0 => None,
+            drawn => Some((drawn as usize - 1) % n.max(1)),
         }
     }
 }

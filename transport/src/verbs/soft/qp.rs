@@ -462,6 +462,14 @@ impl QueuePair for SoftQp {
             let local = inner.local();
             (local.remote, local.peer.clone())
         };
+        let device = inner.device.upgrade();
+        // An injected post failure: the work requests before the drawn one
+        // go up, the rest do not (`bad_wr`).
+        let stop = device.as_ref().and_then(|d| d.roll_post_failure(wrs.len()));
+        let (wrs, failed) = match stop {
+            Some(posted) => (&wrs[..posted], Some(posted)),
+            None => (wrs, None),
+        };
         let n = u32::try_from(wrs.len()).unwrap_or(u32::MAX);
         let depth = inner.caps.max_send_wr;
         let reserved =
@@ -477,7 +485,6 @@ impl QueuePair for SoftQp {
                 depth,
             });
         }
-        let device = inner.device.upgrade();
         for wr in wrs {
             let status = match (&device, &peer, remote, inner.state()) {
                 (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
@@ -490,7 +497,10 @@ impl QueuePair for SoftQp {
             }
             inner.complete_send(wr, status);
         }
-        Ok(())
+        match failed {
+            Some(posted) => Err(post_failed("send", posted)),
+            None => Ok(()),
+        }
     }
 
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError> {
@@ -524,6 +534,14 @@ impl QueuePair for SoftQp {
             }
             return Ok(());
         }
+        let stop = inner
+            .device
+            .upgrade()
+            .and_then(|d| d.roll_post_failure(wrs.len()));
+        let (wrs, failed) = match stop {
+            Some(posted) => (&wrs[..posted], Some(posted)),
+            None => (wrs, None),
+        };
         // One poster at a time: the local lock makes the owner the ring's
         // single producer.
         let _local = inner.local();
@@ -545,10 +563,28 @@ impl QueuePair for SoftQp {
                 });
             }
         }
-        Ok(())
+        match failed {
+            Some(posted) => Err(post_failed("recv", posted)),
+            None => Ok(()),
+        }
     }
 
     fn state(&self) -> QpState {
         self.inner.state()
+    }
+
+    fn fail(&self) -> Result<(), VerbsError> {
+        self.inner.enter_error();
+        Ok(())
+    }
+}
+
+/// The error of a post that stopped after `posted` work requests (ENOMEM,
+/// as a provider out of queue memory answers).
+fn post_failed(queue: &'static str, posted: usize) -> VerbsError {
+    VerbsError::PostFailed {
+        queue,
+        posted: u32::try_from(posted).unwrap_or(u32::MAX),
+        errno: libc::ENOMEM,
     }
 }

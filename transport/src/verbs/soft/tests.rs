@@ -241,6 +241,53 @@ fn create_calls_beyond_the_devices_limits_are_refused() {
     refused(device.create_srq(0x4001).map(drop), "max_srq_wr");
 }
 
+/// An injected post failure behaves as `ibv_post_send`'s `bad_wr`: the
+/// work requests before the one it stopped at are posted (and complete),
+/// the rest are not, and the QP's state is untouched until its owner
+/// fails it; then everything outstanding is flushed.
+#[test]
+fn a_failed_post_posts_a_prefix_and_fail_flushes_the_qp() {
+    let faults = SoftFaults {
+        seed: 3,
+        post_error_per_million: 1_000_000,
+        ..SoftFaults::default()
+    };
+    let (a, b) = pair_with(faults, QpCaps::default());
+    let inbox: Vec<PoolBuf> = (0..4).map(|_| filled(&b.recv_pool, 64, 0)).collect();
+    b.qp.post_recv(
+        &inbox
+            .iter()
+            .enumerate()
+            .map(|(i, buf)| RecvWr {
+                wr_id: i as u64,
+                sge: sge(buf),
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let data = filled(&a.send_pool, 8, 1);
+    let wrs: Vec<SendWr> = (10..14).map(|id| send(id, &data)).collect();
+    let posted = match a.qp.post_send(&wrs) {
+        Err(crate::verbs::VerbsError::PostFailed {
+            queue: "send",
+            posted,
+            ..
+        }) => posted as usize,
+        other => panic!("{other:?}"),
+    };
+    assert!(posted < wrs.len());
+    let sent = a.poll_send();
+    assert_eq!(
+        sent.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+        (10..10 + posted as u64).collect::<Vec<_>>()
+    );
+    assert!(sent.iter().all(|c| c.status == WcStatus::Success));
+    assert_eq!(b.poll_recv().len(), posted);
+    assert_eq!(a.qp.state(), QpState::ReadyToSend);
+    a.qp.fail().unwrap();
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
 #[test]
 fn send_without_a_receive_is_receiver_not_ready_and_fails_the_qp() {
     let (a, b) = pair();
