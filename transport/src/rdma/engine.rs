@@ -1135,9 +1135,21 @@ impl Engine {
             .push_back(EngineEvent::Message { socket, bytes });
     }
 
+    /// A receive buffer done with: kept for the next repost of this
+    /// engine's own receives, at most one per receive slot. With shared
+    /// receives the engine posts none (the I/O thread's queue allocates
+    /// its own), so the buffer goes back to the pool; keeping it, as
+    /// before, grew the pool by every control message for the life of the
+    /// connection.
+    fn recycle(&mut self, buf: PoolBuf) {
+        if !self.config.shared_receives && self.spare.len() < self.recv_slots.len() {
+            self.spare.push(buf);
+        }
+    }
+
     fn received(&mut self, completion: &WorkCompletion, buf: PoolBuf) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
-            self.spare.push(buf);
+            self.recycle(buf);
             let (socket, message) = self.incoming.remove(&msg_id).ok_or_else(|| {
                 EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
             })?;
@@ -1154,7 +1166,7 @@ impl Engine {
                 self.deliver(header.socket, message);
             }
             ControlKind::Rts { size } => {
-                self.spare.push(buf);
+                self.recycle(buf);
                 if size > self.config.max_message_size {
                     return Err(EngineError::Protocol(format!(
                         "peer wants to send {size} bytes, above the limit of {}",
@@ -1174,7 +1186,7 @@ impl Engine {
                 });
             }
             ControlKind::Cts { addr, rkey } => {
-                self.spare.push(buf);
+                self.recycle(buf);
                 let socket = self.awaiting_cts.remove(&header.msg_id).ok_or_else(|| {
                     EngineError::Protocol(format!(
                         "clear to send for unknown message {}",
@@ -1188,9 +1200,9 @@ impl Engine {
                     self.schedule(socket);
                 }
             }
-            ControlKind::Credit => self.spare.push(buf),
+            ControlKind::Credit => self.recycle(buf),
             ControlKind::Open => {
-                self.spare.push(buf);
+                self.recycle(buf);
                 let socket = header.socket;
                 let theirs = match self.role {
                     Role::Dialer => socket & ACCEPTOR_BIT != 0,
@@ -1206,17 +1218,17 @@ impl Engine {
                 self.events.push_back(EngineEvent::Opened(socket));
             }
             ControlKind::Accept => {
-                self.spare.push(buf);
+                self.recycle(buf);
                 self.events.push_back(EngineEvent::Accepted(header.socket));
             }
             ControlKind::Refuse => {
-                self.spare.push(buf);
+                self.recycle(buf);
                 self.open.remove(&header.socket);
                 self.sockets.remove(&header.socket);
                 self.events.push_back(EngineEvent::Refused(header.socket));
             }
             ControlKind::Close => {
-                self.spare.push(buf);
+                self.recycle(buf);
                 let socket = header.socket;
                 if self.open.remove(&socket) {
                     self.events.push_back(EngineEvent::Closed(socket));

@@ -462,11 +462,14 @@ struct EngineSlot {
     opening: HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
 }
 
+// Field order is drop order: the engines (and their QPs) go before the
+// shared receive queue's buffers, which a QP still alive could receive
+// into (before, the buffers went first).
 struct Worker {
+    engines: HashMap<u32, EngineSlot>,
     cq: Arc<dyn CompletionQueue>,
     shared: Option<SharedReceives>,
     queue: mpsc::UnboundedReceiver<Command>,
-    engines: HashMap<u32, EngineSlot>,
     /// Completions of QPs not (yet) attached, replayed on attach.
     orphans: HashMap<u32, Vec<WorkCompletion>>,
     polling: Polling,
