@@ -215,8 +215,8 @@ pub struct RdmaConfig {
     pub cq_depth: u32,
     /// Faults the soft provider injects (`[rdma.soft_faults]`: `seed`,
     /// `rnr_per_million`, `qp_error_per_million`, `delay_per_million`,
-    /// `max_delay_polls`, `post_error_per_million`), for fault drills. Default:
-    /// none.
+    /// `max_delay_polls`, `post_error_per_million`, `recv_error_per_million`),
+    /// for fault drills. Default: none.
     pub soft_faults: crate::verbs::soft::SoftFaults,
 }
 

@@ -570,3 +570,73 @@ async fn a_shared_receive_queue_connection_keeps_its_pool_bounded() {
         );
     }
 }
+
+/// A receive of a shared receive queue that fails (here: the peer's SEND
+/// does not fit, injected) gives its slot back to the queue. Its error
+/// completion carries no opcode (the soft NIC leaves it undefined, as real
+/// providers do), so it is told by its work request id. Before: it was
+/// taken for a send and its slot never reposted, so every such failure
+/// left the queue one receive shorter for good; after as many failures as
+/// the queue is deep, no SEND from any peer found a receive again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_shared_receive_returns_its_slot_to_the_queue() {
+    const DEPTH: u32 = 16;
+    let mut config = TransportConfig::soft_rdma();
+    config.rdma.srq = true;
+    config.rdma.srq_depth = DEPTH;
+    config.rdma.io_threads = 1;
+    let server = Transport::new(config.clone()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok(mut conn) = listener.accept().await {
+            tokio::spawn(async move {
+                while let Ok(Some(message)) = conn.receiver.recv().await {
+                    if conn.sender.send(Message::from(message)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let round_trips = async |client: &Transport, n: usize| -> bool {
+        let Ok(mut conn) = client.connect(&addr).await else {
+            return false;
+        };
+        for i in 0..n {
+            let buf = client.send_pool().alloc_copy(&[i as u8; 100]).unwrap();
+            let sent = conn.sender.send(Message::from(buf.freeze())).await;
+            if sent.is_err() || !matches!(conn.receiver.recv().await, Ok(Some(_))) {
+                return false;
+            }
+        }
+        true
+    };
+    let mut faulty = config.clone();
+    faulty.rdma.soft_faults = tessera_transport::verbs::soft::SoftFaults {
+        seed: 11,
+        recv_error_per_million: 30_000,
+        ..Default::default()
+    };
+    let client = Transport::new(faulty).unwrap();
+    let mut failed = 0;
+    for _ in 0..3 * DEPTH {
+        if !round_trips(&client, 200).await {
+            failed += 1;
+        }
+    }
+    let engines_failed = server.rdma_stats().unwrap().engines_failed;
+    eprintln!(
+        "{failed} connections failed by a receive error; server engines failed: {engines_failed}"
+    );
+    assert!(
+        failed > DEPTH,
+        "more receive failures than the queue is deep"
+    );
+    // A healthy peer still finds receives posted.
+    let healthy = Transport::new(config).unwrap();
+    assert!(
+        round_trips(&healthy, 100).await,
+        "the shared receive queue ran dry"
+    );
+}

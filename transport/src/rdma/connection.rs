@@ -216,6 +216,7 @@ impl RdmaRuntime {
             total.keepalives_sent += get(&s.keepalives_sent);
             total.keepalive_failures += get(&s.keepalive_failures);
             total.engines_failed += get(&s.engines_failed);
+            total.shared_receives_posted += get(&s.shared_receives_posted);
             total.peak_in_flight_bytes =
                 total.peak_in_flight_bytes.max(get(&s.peak_in_flight_bytes));
         }

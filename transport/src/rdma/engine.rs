@@ -60,6 +60,7 @@ use super::control::{ControlHeader, ControlKind, HEADER_LEN};
 use super::credits::ReceiveCredits;
 use super::ring::{MAX_BATCH, RingEntry, WorkRequestRing};
 use super::window::{SendWindow, WindowConfig};
+use super::wr_id::{self, WrKind};
 use crate::Message;
 use crate::pool::{Pool, PoolBuf, lookup};
 use crate::verbs::{RecvWr, SendOp, SendWr, Sge, WcKind, WcStatus, WorkCompletion};
@@ -152,8 +153,13 @@ pub struct PeerInfo {
 #[non_exhaustive]
 pub enum EngineError {
     /// A work request failed; the queue pair is in error.
-    #[error("work request failed: {0:?}")]
-    Completion(WcStatus),
+    #[error("work request failed: {status:?} (vendor error {vendor_err:#x})")]
+    Completion {
+        /// How it ended.
+        status: WcStatus,
+        /// The provider's code for it.
+        vendor_err: u32,
+    },
     /// The peer broke the protocol.
     #[error("protocol violation: {0}")]
     Protocol(String),
@@ -991,7 +997,7 @@ impl Engine {
                     }
                 },
             };
-            let Some(wr) = recv_wr(slot as u64, &buf) else {
+            let Some(wr) = recv_wr(wr_id::recv(slot), &buf) else {
                 self.fail(EngineError::Memory(
                     "receive buffer outside the pool".into(),
                 ));
@@ -1075,24 +1081,29 @@ impl Engine {
             return;
         }
         if completion.status != WcStatus::Success {
-            self.fail(EngineError::Completion(completion.status));
+            self.fail(completion_error(completion));
             return;
         }
-        match completion.kind {
-            WcKind::Send => {
-                let retired = self.ring.complete(completion.wr_id);
+        // By the id, not the opcode (see `wr_id`).
+        match wr_id::classify(completion.wr_id) {
+            WrKind::Send(wr_id) => {
+                let retired = self.ring.complete(wr_id);
                 let delay = retired
                     .posted_at
                     .map(|at| now.saturating_duration_since(at));
                 self.window.retire(retired.bytes, delay, now);
             }
-            WcKind::Recv | WcKind::RecvWithImm(_) if self.config.shared_receives => {
+            WrKind::SharedRecv(_) => {
                 self.fail(EngineError::Protocol(
                     "a shared receive came without its buffer".into(),
                 ));
             }
-            WcKind::Recv | WcKind::RecvWithImm(_) => {
-                let slot = completion.wr_id as usize;
+            WrKind::Recv(_) if self.config.shared_receives => {
+                self.fail(EngineError::Protocol(
+                    "a receive of its own on an engine with shared receives".into(),
+                ));
+            }
+            WrKind::Recv(slot) => {
                 let Some(buf) = self.recv_slots.get_mut(slot).and_then(Option::take) else {
                     self.fail(EngineError::Protocol(format!(
                         "completion for unknown receive {slot}"
@@ -1116,7 +1127,10 @@ impl Engine {
             return;
         }
         if completion.status != WcStatus::Success {
-            self.fail(EngineError::Completion(completion.status));
+            // The buffer goes back to the pool (the queue's owner reposts
+            // its slot).
+            drop(buf);
+            self.fail(completion_error(completion));
             return;
         }
         if let Err(err) = self.received(completion, buf) {
@@ -1236,6 +1250,14 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// The engine's error for a failed work completion.
+fn completion_error(completion: &WorkCompletion) -> EngineError {
+    EngineError::Completion {
+        status: completion.status,
+        vendor_err: completion.vendor_err,
     }
 }
 

@@ -34,7 +34,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::engine::{Engine, EngineEvent, PeerInfo, SocketId, recv_wr};
 use crate::pool::{Pool, PoolBuf};
-use crate::verbs::{CompletionQueue, QueuePair, SharedReceiveQueue, WcKind, WorkCompletion};
+use crate::verbs::{CompletionQueue, QueuePair, SharedReceiveQueue, WorkCompletion};
 use crate::{Connection, Message, Polling, TransportError};
 
 /// Received messages held per engine before it stops reposting receives.
@@ -135,7 +135,7 @@ impl SharedReceives {
                 }
             };
             buf.set_len(self.buffer);
-            let wr = recv_wr(slot as u64, &buf)
+            let wr = recv_wr(super::wr_id::shared_recv(slot), &buf)
                 .ok_or_else(|| TransportError::Rdma("receive buffer outside the pool".into()))?;
             wrs.push(wr);
             self.slots[slot] = Some(buf);
@@ -154,7 +154,10 @@ impl SharedReceives {
                     _ => 0,
                 };
                 for wr in &wrs[posted.min(wrs.len())..] {
-                    let slot = wr.wr_id as usize;
+                    let super::wr_id::WrKind::SharedRecv(slot) = super::wr_id::classify(wr.wr_id)
+                    else {
+                        continue;
+                    };
                     if let Some(buf) = self.slots.get_mut(slot) {
                         drop(buf.take());
                         self.free.push(slot);
@@ -165,12 +168,17 @@ impl SharedReceives {
         }
     }
 
-    /// The buffer a receive completion landed in (its slot is reposted).
-    fn take(&mut self, wr_id: u64) -> Option<PoolBuf> {
-        let slot = usize::try_from(wr_id).ok()?;
+    /// The buffer the receive in `slot` landed in, or failed with (the
+    /// slot is reposted).
+    fn take(&mut self, slot: usize) -> Option<PoolBuf> {
         let buf = self.slots.get_mut(slot)?.take()?;
         self.free.push(slot);
         Some(buf)
+    }
+
+    /// Receives posted on the queue now.
+    fn posted(&self) -> usize {
+        self.slots.len() - self.free.len()
     }
 }
 
@@ -452,6 +460,8 @@ pub(crate) struct IoStats {
     pub(crate) keepalive_failures: AtomicU64,
     pub(crate) engines_failed: AtomicU64,
     pub(crate) peak_in_flight_bytes: AtomicU64,
+    /// Receives posted on the thread's shared receive queue now.
+    pub(crate) shared_receives_posted: AtomicU64,
 }
 
 struct EngineSlot {
@@ -495,6 +505,11 @@ impl Worker {
         self.stats
             .sockets_open
             .store(sockets as u64, Ordering::Relaxed);
+        if let Some(shared) = &self.shared {
+            self.stats
+                .shared_receives_posted
+                .store(shared.posted() as u64, Ordering::Relaxed);
+        }
         self.last_metrics = Instant::now();
     }
 
@@ -667,16 +682,16 @@ impl Worker {
         now: Instant,
     ) {
         let engine = &mut slot.attached.engine;
-        match (shared, completion.kind) {
-            (Some(shared), WcKind::Recv | WcKind::RecvWithImm(_)) => {
-                match shared.take(completion.wr_id) {
-                    Some(buf) => engine.handle_shared_receive(completion, buf),
-                    None => tracing::warn!(
-                        wr_id = completion.wr_id,
-                        "completion for an unknown shared receive"
-                    ),
-                }
-            }
+        // By the id: an error completion's opcode is undefined, and a
+        // failed shared receive must give its slot back all the same.
+        match (shared, super::wr_id::classify(completion.wr_id)) {
+            (Some(shared), super::wr_id::WrKind::SharedRecv(index)) => match shared.take(index) {
+                Some(buf) => engine.handle_shared_receive(completion, buf),
+                None => tracing::warn!(
+                    wr_id = completion.wr_id,
+                    "completion for an unknown shared receive"
+                ),
+            },
             _ => engine.handle_completion(completion, now),
         }
     }

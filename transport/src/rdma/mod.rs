@@ -14,6 +14,7 @@ pub mod engine;
 pub(crate) mod io;
 pub mod ring;
 pub mod window;
+pub(crate) mod wr_id;
 
 pub use credits::ReceiveCredits;
 pub use engine::{
@@ -59,4 +60,8 @@ pub struct RdmaStats {
     /// found no receive posted; 0 with dedicated receive queues, where
     /// credits prevent them), where the provider counts them.
     pub rnr_events: u64,
+    /// Receives posted on the I/O threads' shared receive queues now (0
+    /// without them; at most `io_threads * srq_depth`, below it while
+    /// applications are slow to read).
+    pub shared_receives_posted: u64,
 }

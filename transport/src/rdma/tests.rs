@@ -451,7 +451,7 @@ fn a_qp_error_mid_transfer_fails_both_engines_without_hanging_or_leaking() {
     }
     pump(&mut a, &mut b);
     assert!(
-        matches!(a.failure, Some(EngineError::Completion(_))),
+        matches!(a.failure, Some(EngineError::Completion { .. })),
         "{:?}",
         a.failure
     );

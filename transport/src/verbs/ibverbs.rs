@@ -271,7 +271,8 @@ fn status(status: ibv_wc_status::Type) -> WcStatus {
         ibv_wc_status::IBV_WC_REM_ACCESS_ERR => WcStatus::RemoteAccessError,
         ibv_wc_status::IBV_WC_RETRY_EXC_ERR => WcStatus::RetryExceeded,
         ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => WcStatus::ReceiverNotReady,
-        _ => WcStatus::RemoteOperationError,
+        ibv_wc_status::IBV_WC_REM_OP_ERR => WcStatus::RemoteOperationError,
+        raw => WcStatus::Other(raw),
     }
 }
 
@@ -289,7 +290,10 @@ impl CompletionQueue for IbvCq {
                 break;
             }
             for wc in &wcs[..n as usize] {
+                let failed = wc.status != ibv_wc_status::IBV_WC_SUCCESS;
                 let kind = match wc.opcode {
+                    // An error's opcode is undefined (ibv_poll_cq(3)).
+                    _ if failed => WcKind::Unknown,
                     ibv_wc_opcode::IBV_WC_RECV => WcKind::Recv,
                     // SAFETY: for this opcode the union holds the immediate.
                     ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => {
@@ -297,16 +301,15 @@ impl CompletionQueue for IbvCq {
                             wc.imm_data_invalidated_rkey_union.imm_data
                         }))
                     }
-                    // A failed completion's opcode is undefined; receives
-                    // are told apart by the engine through their wr_id.
                     _ => WcKind::Send,
                 };
                 out.push(WorkCompletion {
                     wr_id: wc.wr_id,
                     status: status(wc.status),
                     kind,
-                    byte_len: wc.byte_len,
+                    byte_len: if failed { 0 } else { wc.byte_len },
                     qpn: wc.qp_num,
+                    vendor_err: if failed { wc.vendor_err } else { 0 },
                 });
             }
             taken += n as usize;

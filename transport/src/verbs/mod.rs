@@ -127,6 +127,8 @@ pub enum WcStatus {
     RemoteOperationError,
     /// Flushed because the QP is in the error state.
     Flushed,
+    /// Another provider status (the raw `ibv_wc_status`), kept as it came.
+    Other(u32),
 }
 
 /// What kind of work a completion is for.
@@ -138,6 +140,10 @@ pub enum WcKind {
     Recv,
     /// A receive consumed by a WRITE_WITH_IMM (carries the immediate).
     RecvWithImm(u32),
+    /// Not known: the completion is an error, whose opcode real providers
+    /// leave undefined (as its length); the work request is told by its
+    /// `wr_id` alone. Providers report every error completion so.
+    Unknown,
 }
 
 /// A work completion.
@@ -149,10 +155,13 @@ pub struct WorkCompletion {
     pub status: WcStatus,
     /// Kind.
     pub kind: WcKind,
-    /// Bytes received (receives only).
+    /// Bytes received (successful receives only).
     pub byte_len: u32,
     /// The queue pair it belongs to.
     pub qpn: u32,
+    /// The provider's own code for an error (`ibv_wc.vendor_err`; 0 on
+    /// success and where the provider has none).
+    pub vendor_err: u32,
 }
 
 /// Queue pair states (RESET -> INIT -> RTR -> RTS, or ERROR), with what

@@ -3,7 +3,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::rings::{CqRing, RingCompletion};
-use crate::verbs::{CompletionQueue, VerbsError, WorkCompletion};
+use crate::verbs::{CompletionQueue, VerbsError, WcKind, WcStatus, WorkCompletion};
 
 /// A completion waiting in a soft CQ.
 #[derive(Debug)]
@@ -106,7 +106,15 @@ impl CompletionQueue for SoftCq {
             if let Some((slots, outstanding)) = &pending.frees {
                 outstanding.fetch_sub(*slots, Ordering::AcqRel);
             }
-            out.push(pending.completion);
+            let mut completion = pending.completion;
+            if completion.status != WcStatus::Success {
+                // As real providers: an error completion's opcode and
+                // length are undefined; only its id, status, QP and vendor
+                // code may be relied on.
+                completion.kind = WcKind::Unknown;
+                completion.byte_len = 0;
+            }
+            out.push(completion);
             taken += 1;
         }
         taken

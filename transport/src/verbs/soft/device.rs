@@ -33,6 +33,11 @@ pub struct SoftFaults {
     /// with `bad_wr` (ENOMEM): the work requests before a drawn one are
     /// posted, the rest are not.
     pub post_error_per_million: u32,
+    /// A SEND from this device makes the peer's receive fail with a local
+    /// length error (as a SEND longer than the receive buffer would),
+    /// which puts the peer's QP in error; the sender sees a remote
+    /// operation error.
+    pub recv_error_per_million: u32,
 }
 
 /// Event counters of a soft device.
@@ -198,6 +203,7 @@ pub(crate) enum Fault {
     QpError,
     Delay,
     PostError,
+    RecvError,
 }
 
 impl DeviceInner {
@@ -278,6 +284,7 @@ impl DeviceInner {
             Fault::QpError => self.faults.qp_error_per_million,
             Fault::Delay => self.faults.delay_per_million,
             Fault::PostError => self.faults.post_error_per_million,
+            Fault::RecvError => self.faults.recv_error_per_million,
         };
         if per_million == 0 {
             return 0;

@@ -131,6 +131,7 @@ impl SoftQpInner {
                     kind: WcKind::Recv,
                     byte_len: 0,
                     qpn: self.qpn,
+                    vendor_err: 0,
                 },
                 delay_polls: 0,
                 frees: None,
@@ -155,6 +156,7 @@ impl SoftQpInner {
                 kind: WcKind::Send,
                 byte_len: 0,
                 qpn: self.qpn,
+                vendor_err: 0,
             },
             delay_polls: self.delay(),
             frees: Some((slots, Arc::clone(&self.send_outstanding))),
@@ -221,6 +223,7 @@ impl SoftQpInner {
                     kind,
                     byte_len,
                     qpn: remote.qpn,
+                    vendor_err: 0,
                 },
                 delay_polls: device.roll(Fault::Delay),
             });
@@ -241,7 +244,7 @@ impl SoftQpInner {
                 else {
                     return WcStatus::ReceiverNotReady;
                 };
-                if total > recv.sge.len as usize {
+                if total > recv.sge.len as usize || device.roll(Fault::RecvError) > 0 {
                     return fail_peer(recv.wr_id, WcStatus::LocalLengthError);
                 }
                 let Some(target) = memory.resolve(recv.sge.lkey, recv.sge.addr, total, false)
@@ -527,6 +530,7 @@ impl QueuePair for SoftQp {
                         kind: WcKind::Recv,
                         byte_len: 0,
                         qpn: inner.qpn,
+                        vendor_err: 0,
                     },
                     delay_polls: 0,
                     frees: None,

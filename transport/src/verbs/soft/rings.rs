@@ -544,6 +544,7 @@ impl CqRing {
             WcKind::Send => (0, 0),
             WcKind::Recv => (1, 0),
             WcKind::RecvWithImm(imm) => (2, imm),
+            WcKind::Unknown => (3, 0),
         };
         slot.wr_id.store(c.wr_id, Ordering::Relaxed);
         slot.status.store(status_code(c.status), Ordering::Relaxed);
@@ -599,7 +600,8 @@ impl CqRing {
         let kind = match slot.kind.load(Ordering::Relaxed) {
             0 => WcKind::Send,
             1 => WcKind::Recv,
-            _ => WcKind::RecvWithImm(slot.imm.load(Ordering::Relaxed)),
+            2 => WcKind::RecvWithImm(slot.imm.load(Ordering::Relaxed)),
+            _ => WcKind::Unknown,
         };
         let entry = RingCompletion {
             completion: WorkCompletion {
@@ -608,6 +610,7 @@ impl CqRing {
                 kind,
                 byte_len: slot.byte_len.load(Ordering::Relaxed),
                 qpn: slot.qpn.load(Ordering::Relaxed),
+                vendor_err: 0,
             },
             delay_polls: slot.delay.load(Ordering::Relaxed),
         };
@@ -672,6 +675,8 @@ fn status_code(status: WcStatus) -> u32 {
         WcStatus::RetryExceeded => 5,
         WcStatus::RemoteOperationError => 6,
         WcStatus::Flushed => 7,
+        // Raw statuses travel above the named ones.
+        WcStatus::Other(raw) => 8u32.saturating_add(raw),
     }
 }
 
@@ -684,7 +689,8 @@ fn status_from_code(code: u32) -> WcStatus {
         4 => WcStatus::ReceiverNotReady,
         5 => WcStatus::RetryExceeded,
         6 => WcStatus::RemoteOperationError,
-        _ => WcStatus::Flushed,
+        7 => WcStatus::Flushed,
+        raw => WcStatus::Other(raw - 8),
     }
 }
 
@@ -700,6 +706,7 @@ mod tests {
                 kind: WcKind::RecvWithImm(wr_id as u32 * 3),
                 byte_len: 7,
                 qpn: 9,
+                vendor_err: 0,
             },
             delay_polls: 0,
         }
