@@ -452,8 +452,11 @@ mod replica_set {
                 })
             })
             .collect();
+        // Until a's handler has all 20 (counted at the client, an attempt
+        // may not be on the wire yet: one the connection's end then finds
+        // unsent is rightly retried on b, and succeeds).
         let started = std::time::Instant::now();
-        while set.outstanding()[0] < 20 {
+        while a.echo_started.load(Ordering::SeqCst) < 21 {
             assert!(
                 started.elapsed() < Duration::from_secs(10),
                 "{:?}",

@@ -385,7 +385,7 @@ async fn decoded_bytes_fields_point_into_the_receive_pool(t: TransportConfig) {
     let server_transport = Transport::new(t.clone()).unwrap();
     let server = Server::builder(server_config(&t))
         .transport(server_transport.clone())
-        .add_service(EchoServer::new(EchoImpl))
+        .add_service(EchoServer::new(EchoImpl::default()))
         .unwrap()
         .bind("127.0.0.1:0")
         .await

@@ -45,7 +45,11 @@ pub mod generated {
 }
 pub use generated::*;
 
-pub struct EchoImpl;
+#[derive(Default, Clone)]
+pub struct EchoImpl {
+    /// Echo calls this server's handler has begun.
+    pub started: std::sync::Arc<AtomicU64>,
+}
 
 /// Echo calls whose delay of exactly `SLOW_MARKER_MS` ran to completion.
 pub static SLOW_MARKER_COMPLETED: AtomicU64 = AtomicU64::new(0);
@@ -59,6 +63,7 @@ impl Echo for EchoImpl {
         context: RequestContext,
         request: EchoRequest,
     ) -> Result<EchoResponse, Status> {
+        self.started.fetch_add(1, Ordering::SeqCst);
         if request.delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(u64::from(request.delay_ms))).await;
         }
@@ -113,6 +118,8 @@ impl Counter for CounterImpl {
 
 pub struct Running {
     pub addr: String,
+    /// Echo calls the server's handler has begun (a signal to wait on).
+    pub echo_started: std::sync::Arc<AtomicU64>,
     pub stop: Option<oneshot::Sender<()>>,
     pub task: tokio::task::JoinHandle<()>,
 }
@@ -131,8 +138,9 @@ pub async fn start(config: ServerConfig) -> Running {
 }
 
 pub async fn start_at(config: ServerConfig, addr: &str) -> Running {
+    let echo = EchoImpl::default();
     let server = Server::builder(config)
-        .add_service(EchoServer::new(EchoImpl))
+        .add_service(EchoServer::new(echo.clone()))
         .unwrap()
         .add_service(CounterServer::new(CounterImpl::default()))
         .unwrap()
@@ -146,6 +154,7 @@ pub async fn start_at(config: ServerConfig, addr: &str) -> Running {
     }));
     Running {
         addr,
+        echo_started: echo.started,
         stop: Some(stop),
         task,
     }
