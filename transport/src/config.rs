@@ -145,8 +145,13 @@ pub struct RdmaConfig {
     pub device: Option<String>,
     /// Port of the device. Default 1 (the first port).
     pub port: u8,
-    /// GID table index (RoCE). Default 0.
-    pub gid_index: u8,
+    /// GID table entry (RoCE). Default: picked — a RoCE v2 entry of an
+    /// IPv4 address, else any RoCE v2 one, else any filled one (index 0 is
+    /// often the link-local RoCE v1 GID). An empty entry is refused.
+    pub gid_index: Option<u8>,
+    /// Traffic class of RoCE packets (their GRH: DSCP and ECN bits, for
+    /// fabrics whose QoS classes RDMA by it). Default 0.
+    pub traffic_class: u8,
     /// Send queue depth, and the engine's work-request ring. Default 32
     /// (the paper's).
     pub send_queue_depth: u32,
@@ -226,7 +231,8 @@ impl Default for RdmaConfig {
             provider: RdmaProvider::Ibverbs,
             device: None,
             port: 1,
-            gid_index: 0,
+            gid_index: None,
+            traffic_class: 0,
             send_queue_depth: 32,
             recv_queue_depth: 64,
             small_message_limit: 8 << 10,

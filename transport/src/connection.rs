@@ -60,6 +60,7 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
             rdma.device.as_deref(),
             rdma.port,
             rdma.gid_index,
+            rdma.traffic_class,
         )
         .map(|device| Arc::new(device) as Arc<dyn Device>)
         .map_err(|err| TransportError::Rdma(err.to_string())),

@@ -31,11 +31,11 @@ use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role};
 use super::io::{Attached, Command, IoThread, SharedReceives};
 use super::window::WindowConfig;
 use crate::pool::Pool;
-use crate::verbs::{Device, QpCaps, QpEndpoint};
+use crate::verbs::{Device, GidType, LinkLayer, QpCaps, QpEndpoint};
 use crate::{Connection, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// First bytes of every hello (how an `auto` listener tells RDMA from TCP).
 pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
@@ -86,6 +86,9 @@ impl Hello {
             flags |= 2;
         }
         out[60..64].copy_from_slice(&flags.to_le_bytes());
+        out[76..80].copy_from_slice(&self.endpoint.mtu.to_le_bytes());
+        out[80] = self.endpoint.link_layer.code();
+        out[81] = self.endpoint.gid_type.code();
         out
     }
 
@@ -104,14 +107,32 @@ impl Hello {
         };
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&raw[16..32]);
+        // A peer of another version says so first (its port fields may be
+        // elsewhere or missing).
+        let version = u16::from_le_bytes([raw[4], raw[5]]);
+        let (link_layer, gid_type) = if version == PROTOCOL_VERSION {
+            let link_layer = LinkLayer::from_code(raw[80]).ok_or_else(|| {
+                TransportError::Rdma(format!("peer's hello names link layer {}", raw[80]))
+            })?;
+            let gid_type = GidType::from_code(raw[81]).ok_or_else(|| {
+                TransportError::Rdma(format!("peer's hello names GID type {}", raw[81]))
+            })?;
+            (link_layer, gid_type)
+        } else {
+            (LinkLayer::Ethernet, GidType::RoceV2)
+        };
         Ok(Self {
-            version: u16::from_le_bytes([raw[4], raw[5]]),
+            version,
             endpoint: QpEndpoint {
                 qpn: u32_at(8),
                 lid: u16::from_le_bytes([raw[12], raw[13]]),
                 gid,
-                psn: u32_at(32),
+                // 24 bits on the wire.
+                psn: u32_at(32) & 0x00ff_ffff,
                 node: u64_at(40),
+                mtu: u32_at(76),
+                link_layer,
+                gid_type,
             },
             recv_depth: u32_at(36),
             max_message: u64_at(48),
@@ -480,6 +501,9 @@ mod tests {
                 gid: [9; 16],
                 psn: 0xabcdef,
                 node: 42,
+                mtu: 1024,
+                link_layer: LinkLayer::InfiniBand,
+                gid_type: GidType::IbRoceV1,
             },
             recv_depth: 64,
             recv_buffer: 8216,
@@ -496,5 +520,13 @@ mod tests {
         let mut raw = hello.encode();
         raw[0] = b'X';
         assert!(Hello::decode(&raw).is_err());
+        // A link layer this build does not know is refused.
+        let mut raw = hello.encode();
+        raw[80] = 9;
+        assert!(Hello::decode(&raw).is_err());
+        // PSNs are 24 bits.
+        let mut raw = hello.encode();
+        raw[35] = 0xff;
+        assert_eq!(Hello::decode(&raw).unwrap().endpoint.psn, 0xabcdef);
     }
 }

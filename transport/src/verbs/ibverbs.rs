@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use rdma_sys::*;
 
+use super::port::{self, GidEntry, GidType, LinkLayer};
 use super::{
     CompletionQueue, Device, DeviceLimits, QpCaps, QpEndpoint, QpState, QueuePair, RecvWr, SendOp,
     SendWr, SharedReceiveQueue, VerbsError, WcKind, WcStatus, WorkCompletion,
@@ -40,7 +41,12 @@ struct Context {
     gid_index: u8,
     lid: u16,
     gid: [u8; 16],
-    mtu: ibv_mtu::Type,
+    /// The port's active MTU, in bytes.
+    mtu: u32,
+    link_layer: LinkLayer,
+    gid_type: GidType,
+    /// Traffic class of the GRH (RoCE QoS), from the configuration.
+    traffic_class: u8,
     /// From `ibv_query_device`.
     limits: DeviceLimits,
 }
@@ -90,9 +96,15 @@ pub struct IbvDevice {
 }
 
 impl IbvDevice {
-    /// Opens the device called `name` (or the first one), using `port` and
-    /// GID table entry `gid_index` for addressing.
-    pub fn open(name: Option<&str>, port: u8, gid_index: u8) -> Result<Self, VerbsError> {
+    /// Opens the device called `name` (or the first one), using `port`
+    /// (which must be ACTIVE) and, on RoCE, GID table entry `gid_index` (or
+    /// the one [`port::pick_gid`] picks); GRHs carry `traffic_class`.
+    pub fn open(
+        name: Option<&str>,
+        port: u8,
+        gid_index: Option<u8>,
+        traffic_class: u8,
+    ) -> Result<Self, VerbsError> {
         let mut count = 0;
         // SAFETY: `count` is a valid out-pointer; the list is freed below on
         // every path.
@@ -146,10 +158,13 @@ impl IbvDevice {
             pd,
             name: device_name,
             port,
-            gid_index,
+            gid_index: 0,
             lid: 0,
             gid: [0; 16],
-            mtu: ibv_mtu::IBV_MTU_1024,
+            mtu: 1024,
+            link_layer: LinkLayer::InfiniBand,
+            gid_type: GidType::IbRoceV1,
+            traffic_class,
             limits: DeviceLimits::SOFT,
         };
         // SAFETY: a zeroed ibv_device_attr is a valid out-parameter.
@@ -175,20 +190,98 @@ impl IbvDevice {
         if unsafe { ___ibv_query_port(ctx, port, &mut port_attr) } != 0 {
             return Err(VerbsError::NoDevice(os_error("ibv_query_port")));
         }
-        context.lid = port_attr.lid;
-        context.mtu = port_attr.active_mtu;
-        // SAFETY: a zeroed gid is a valid out-parameter.
-        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
-        // SAFETY: `ctx` is open and `gid` a valid out-pointer.
-        if unsafe { ibv_query_gid(ctx, port, i32::from(gid_index), &mut gid) } != 0 {
-            return Err(VerbsError::NoDevice(os_error("ibv_query_gid")));
+        if port_attr.state != ibv_port_state::IBV_PORT_ACTIVE {
+            return Err(VerbsError::NoDevice(format!(
+                "port {port} of {} is not active (state {}): check the link (`ibv_devinfo`)",
+                context.name, port_attr.state
+            )));
         }
-        // SAFETY: every bit pattern of the union is a valid [u8; 16].
-        context.gid = unsafe { gid.raw };
+        context.mtu = mtu_bytes(port_attr.active_mtu);
+        // IBV_LINK_LAYER_UNSPECIFIED (0) and _INFINIBAND (1) are
+        // InfiniBand, _ETHERNET (2) is RoCE.
+        context.link_layer = match port_attr.link_layer {
+            2 => LinkLayer::Ethernet,
+            _ => LinkLayer::InfiniBand,
+        };
+        match context.link_layer {
+            LinkLayer::InfiniBand => {
+                if port_attr.lid == 0 {
+                    return Err(VerbsError::NoDevice(format!(
+                        "port {port} of {} has no LID: is a subnet manager running (`sminfo`)?",
+                        context.name
+                    )));
+                }
+                context.lid = port_attr.lid;
+            }
+            LinkLayer::Ethernet => {
+                let entries = gid_table(&context, port_attr.gid_tbl_len);
+                let chosen = port::pick_gid(&entries, gid_index)?;
+                context.gid_index = chosen.index;
+                context.gid = chosen.gid;
+                // A type the host does not say is taken for v2, what every
+                // RoCE fabric of today runs.
+                context.gid_type = chosen.gid_type.unwrap_or(GidType::RoceV2);
+            }
+        }
         Ok(Self {
             ctx: Arc::new(context),
         })
     }
+}
+
+/// Packet sequence numbers are 24 bits.
+const PSN_MASK: u32 = 0x00ff_ffff;
+
+/// The active MTU in bytes.
+fn mtu_bytes(mtu: ibv_mtu::Type) -> u32 {
+    match mtu {
+        ibv_mtu::IBV_MTU_256 => 256,
+        ibv_mtu::IBV_MTU_512 => 512,
+        ibv_mtu::IBV_MTU_2048 => 2048,
+        ibv_mtu::IBV_MTU_4096 => 4096,
+        _ => 1024,
+    }
+}
+
+/// The `ibv_mtu` of `bytes` (one of [`port::MTUS`]).
+fn mtu_enum(bytes: u32) -> ibv_mtu::Type {
+    match bytes {
+        256 => ibv_mtu::IBV_MTU_256,
+        512 => ibv_mtu::IBV_MTU_512,
+        2048 => ibv_mtu::IBV_MTU_2048,
+        4096 => ibv_mtu::IBV_MTU_4096,
+        _ => ibv_mtu::IBV_MTU_1024,
+    }
+}
+
+/// The port's GID table: each entry and its type as sysfs says
+/// (`/sys/class/infiniband/<device>/ports/<port>/gid_attrs/types/<i>`,
+/// which libibverbs reads too). An empty entry comes back as zeros.
+fn gid_table(context: &Context, len: i32) -> Vec<GidEntry> {
+    let len = u8::try_from(len.clamp(0, 255)).unwrap_or(0);
+    (0..len)
+        .filter_map(|index| {
+            // SAFETY: a zeroed gid is a valid out-parameter.
+            let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+            // SAFETY: `ctx` is open and `gid` a valid out-pointer.
+            if unsafe { ibv_query_gid(context.ctx, context.port, i32::from(index), &mut gid) } != 0
+            {
+                return None;
+            }
+            let types = format!(
+                "/sys/class/infiniband/{}/ports/{}/gid_attrs/types/{index}",
+                context.name, context.port
+            );
+            Some(GidEntry {
+                index,
+                // SAFETY: every bit pattern of the union is a valid [u8; 16].
+                gid: unsafe { gid.raw },
+                gid_type: std::fs::read_to_string(types)
+                    .ok()
+                    .and_then(|t| GidType::from_sysfs(&t)),
+            })
+        })
+        .collect()
 }
 
 /// Registers pool memory with the device's protection domain.
@@ -587,6 +680,9 @@ impl QueuePair for IbvQp {
             gid: self.ctx.gid,
             psn: self.psn,
             node: 0,
+            mtu: self.ctx.mtu,
+            link_layer: self.ctx.link_layer,
+            gid_type: self.ctx.gid_type,
         }
     }
 
@@ -627,21 +723,27 @@ impl QueuePair for IbvQp {
             });
         }
         let ctx = &self.ctx;
+        // Same link layer and RoCE version, the smaller MTU.
+        let mtu = port::agree(&self.endpoint(), remote)?;
         // SAFETY: ibv_qp_attr is plain data; zeroed is a valid start.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTR;
-        attr.path_mtu = ctx.mtu;
+        attr.path_mtu = mtu_enum(mtu);
         attr.dest_qp_num = remote.qpn;
-        attr.rq_psn = remote.psn;
+        attr.rq_psn = remote.psn & PSN_MASK;
         attr.max_dest_rd_atomic = 1;
         attr.min_rnr_timer = 12;
         attr.ah_attr.dlid = remote.lid;
         attr.ah_attr.port_num = ctx.port;
-        if remote.gid != [0; 16] {
+        // RoCE addresses by GID: every packet carries a GRH (without one,
+        // RTR fails with EINVAL). InfiniBand on one subnet needs none.
+        if ctx.link_layer == LinkLayer::Ethernet {
             attr.ah_attr.is_global = 1;
             attr.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
             attr.ah_attr.grh.sgid_index = ctx.gid_index;
-            attr.ah_attr.grh.hop_limit = 1;
+            // Routable (RoCE v2): a hop count that crosses a data centre.
+            attr.ah_attr.grh.hop_limit = 64;
+            attr.ah_attr.grh.traffic_class = ctx.traffic_class;
         }
         self.modify(
             &mut attr,
@@ -658,7 +760,7 @@ impl QueuePair for IbvQp {
         // SAFETY: as above.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        attr.sq_psn = self.psn;
+        attr.sq_psn = self.psn & PSN_MASK;
         attr.timeout = 14;
         attr.retry_cnt = 7;
         attr.rnr_retry = self.rnr_retry;
@@ -930,15 +1032,15 @@ impl IbvDevice {
                 ""
             }
         );
-        // SAFETY: `qp` was just created.
-        let qpn = unsafe { (*qp).qp_num };
         Ok(Arc::new(IbvQp {
             qp,
             domain,
             post_guard: Mutex::new(()),
             ctx: Arc::clone(&self.ctx),
             state: Mutex::new(QpState::Reset),
-            psn: qpn.wrapping_mul(2_654_435_761) & 0x00ff_ffff,
+            // Random, as rdma-core's examples do: a QP number reused soon
+            // after must not start where its predecessor's packets were.
+            psn: rand::random::<u32>() & PSN_MASK,
             rnr_retry: caps.rnr_retry.min(7),
             _cqs: (send_cq, recv_cq),
             _srq: srq,
@@ -955,7 +1057,7 @@ mod tests {
     /// Runs on hosts with an RDMA device; elsewhere prints why it did not.
     #[test]
     fn loopback_send_and_write_with_immediate_on_a_real_device() {
-        let device = match IbvDevice::open(None, 1, 0) {
+        let device = match IbvDevice::open(None, 1, None, 0) {
             Ok(device) => device,
             Err(VerbsError::NoDevice(reason)) => {
                 eprintln!("SKIPPED ibverbs loopback test: {reason}");

@@ -24,9 +24,11 @@
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
 pub mod limits;
+pub mod port;
 pub mod soft;
 
 pub use limits::DeviceLimits;
+pub use port::{GidType, LinkLayer};
 
 use std::sync::Arc;
 
@@ -46,6 +48,13 @@ pub struct QpEndpoint {
     /// Which device (fabric node) the QP lives on; the soft provider's way
     /// of routing, 0 for real devices.
     pub node: u64,
+    /// The active MTU of its port, in bytes (the path takes the smaller of
+    /// both sides': [`port::agree`]).
+    pub mtu: u32,
+    /// The link its port runs on.
+    pub link_layer: LinkLayer,
+    /// The type of its GID (RoCE v1 or v2; InfiniBand ports say v1).
+    pub gid_type: GidType,
 }
 
 /// A scatter/gather entry: `len` bytes at `addr` in memory registered with
@@ -261,6 +270,23 @@ pub enum VerbsError {
         posted: u32,
         /// The errno the provider returned.
         errno: i32,
+    },
+    /// Two ports that cannot talk to each other ([`port::agree`]).
+    #[error("the peer's port does not match: {what} here {local}, there {remote}")]
+    PathMismatch {
+        /// What differs.
+        what: &'static str,
+        /// This side's.
+        local: String,
+        /// The peer's.
+        remote: String,
+    },
+    /// A RoCE port without a usable GID table entry (`index`: the one
+    /// configured, empty).
+    #[error("no usable GID{}: set rdma.gid_index to a filled entry (`show_gids`, or /sys/class/infiniband/<device>/ports/<port>/gids)", .index.map(|i| format!(" at index {i}")).unwrap_or_default())]
+    NoGid {
+        /// The configured index, if one was.
+        index: Option<u8>,
     },
     /// More than the device can hold ([`DeviceLimits`]).
     #[error("{asked} {what} asked for, the device has at most {max}")]

@@ -40,6 +40,48 @@ pub struct SoftFaults {
     pub recv_error_per_million: u32,
 }
 
+/// What a soft device is like: its limits and its port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SoftProfile {
+    /// What it reports and enforces. Default: [`DeviceLimits::SOFT`].
+    pub limits: DeviceLimits,
+    /// Its port. Default: [`SoftPort::default`].
+    pub port: SoftPort,
+}
+
+impl Default for SoftProfile {
+    fn default() -> Self {
+        Self {
+            limits: DeviceLimits::SOFT,
+            port: SoftPort::default(),
+        }
+    }
+}
+
+/// The port of a soft device. Connecting QPs are held to the rules of real
+/// ports ([`crate::verbs::port::agree`]), and a QP whose path MTU is above
+/// its peer's port MTU loses every message larger than the peer's MTU (its
+/// retries run out), as on a real path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SoftPort {
+    /// Default Ethernet (RoCE).
+    pub link_layer: crate::verbs::LinkLayer,
+    /// Default RoCE v2.
+    pub gid_type: crate::verbs::GidType,
+    /// Active MTU in bytes. Default 4096.
+    pub mtu: u32,
+}
+
+impl Default for SoftPort {
+    fn default() -> Self {
+        Self {
+            link_layer: crate::verbs::LinkLayer::Ethernet,
+            gid_type: crate::verbs::GidType::RoceV2,
+            mtu: 4096,
+        }
+    }
+}
+
 /// Event counters of a soft device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SoftStats {
@@ -113,17 +155,18 @@ impl SoftFabric {
         name: impl Into<String>,
         faults: SoftFaults,
     ) -> Result<SoftDevice, VerbsError> {
-        self.open_with_limits(name, faults, DeviceLimits::SOFT)
+        self.open_with(name, faults, SoftProfile::default())
     }
 
-    /// Opens a device that reports and enforces `limits` (tests of what a
-    /// smaller device refuses).
-    pub fn open_with_limits(
+    /// Opens a device with the limits and port of `profile` (tests of what
+    /// a smaller device refuses, of ports that differ).
+    pub fn open_with(
         &self,
         name: impl Into<String>,
         faults: SoftFaults,
-        limits: DeviceLimits,
+        profile: SoftProfile,
     ) -> Result<SoftDevice, VerbsError> {
+        let SoftProfile { limits, port } = profile;
         let counter = self.inner.next_node.fetch_add(1, Ordering::Relaxed) + 1;
         // Node ids are unique on the host: the pid names the process (and
         // its agent), the counter the device.
@@ -146,6 +189,7 @@ impl SoftFabric {
             next_qpn: AtomicU32::new(0x10),
             faults,
             limits,
+            port,
             rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ (node & 0xffff_ffff)),
             injected_qp_errors: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
@@ -191,6 +235,8 @@ pub(crate) struct DeviceInner {
     faults: SoftFaults,
     /// What it reports and enforces at every create call.
     limits: DeviceLimits,
+    /// Its port, as its QPs' endpoints tell peers.
+    pub(crate) port: SoftPort,
     rng: Mutex<u64>,
     pub(crate) injected_qp_errors: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,

@@ -43,7 +43,7 @@ mod shm;
 mod srq;
 
 pub use cq::SoftCq;
-pub use device::{SoftDevice, SoftFabric, SoftFaults, SoftStats};
+pub use device::{SoftDevice, SoftFabric, SoftFaults, SoftPort, SoftProfile, SoftStats};
 pub use qp::SoftQp;
 pub use srq::SoftSrq;
 

@@ -27,6 +27,8 @@ struct QpLocal {
     unsignaled_run: u32,
     /// Whether the receives were flushed after the QP entered error.
     flushed: bool,
+    /// The path MTU set at RTR.
+    path_mtu: u32,
 }
 
 /// A soft RC queue pair.
@@ -72,6 +74,7 @@ impl SoftQpInner {
                 peer: None,
                 unsignaled_run: 0,
                 flushed: false,
+                path_mtu: 0,
             }),
             send_outstanding: Arc::new(AtomicU32::new(0)),
             send_cq,
@@ -185,6 +188,12 @@ impl SoftQpInner {
                 _ => return WcStatus::LocalProtectionError,
             }
             total += len;
+        }
+        // A path MTU above the peer port's: packets larger than the peer's
+        // MTU never arrive, so every message above it times out.
+        let path_mtu = self.local().path_mtu;
+        if path_mtu > remote.mtu && total > remote.mtu as usize {
+            return WcStatus::RetryExceeded;
         }
         let Some(memory) = peer.memory() else {
             return WcStatus::RetryExceeded;
@@ -392,13 +401,33 @@ impl QueuePair for SoftQp {
     }
 
     fn endpoint(&self) -> QpEndpoint {
-        let node = self.inner.device.upgrade().map_or(0, |d| d.node);
+        let (node, port) = self
+            .inner
+            .device
+            .upgrade()
+            .map_or((0, super::SoftPort::default()), |d| (d.node, d.port));
+        // A RoCE port has a GID: an IPv4-mapped loopback address numbered
+        // by the device (InfiniBand ports address by LID instead).
+        let (lid, gid) = match port.link_layer {
+            crate::verbs::LinkLayer::Ethernet => {
+                let mut gid = [0u8; 16];
+                gid[10] = 0xff;
+                gid[11] = 0xff;
+                gid[12] = 127;
+                gid[13..16].copy_from_slice(&(node as u32 | 1).to_be_bytes()[1..]);
+                (0, gid)
+            }
+            crate::verbs::LinkLayer::InfiniBand => ((node as u16) | 1, [0; 16]),
+        };
         QpEndpoint {
             qpn: self.inner.qpn,
-            lid: 0,
-            gid: [0; 16],
+            lid,
+            gid,
             psn: self.inner.qpn.wrapping_mul(2_654_435_761) & 0x00ff_ffff,
             node,
+            mtu: port.mtu,
+            link_layer: port.link_layer,
+            gid_type: port.gid_type,
         }
     }
 
@@ -426,8 +455,10 @@ impl QueuePair for SoftQp {
             node: remote.node,
             qpn: remote.qpn,
         })?;
+        let path_mtu = crate::verbs::port::agree(&self.endpoint(), remote)?;
         let peer = Peer::resolve(&device, remote)?;
         let mut local = self.inner.local();
+        local.path_mtu = path_mtu;
         local.remote = Some(*remote);
         local.peer = Some(Arc::new(peer));
         drop(local);

@@ -19,7 +19,17 @@ struct Side {
 
 impl Side {
     fn new(fabric: &SoftFabric, name: &str, faults: SoftFaults, caps: QpCaps) -> Self {
-        let device = fabric.open(name, faults).unwrap();
+        Self::with(fabric, name, faults, caps, SoftProfile::default())
+    }
+
+    fn with(
+        fabric: &SoftFabric,
+        name: &str,
+        faults: SoftFaults,
+        caps: QpCaps,
+        profile: SoftProfile,
+    ) -> Self {
+        let device = fabric.open_with(name, faults, profile).unwrap();
         let (send_pool, recv_pool) = crate::verbs::soft::test_pools(&device, name);
         let send_cq = device.create_cq(64).unwrap();
         let recv_cq = device.create_cq(64).unwrap();
@@ -199,7 +209,14 @@ fn create_calls_beyond_the_devices_limits_are_refused() {
         ..DeviceLimits::SOFT
     };
     let device = fabric
-        .open_with_limits("small", SoftFaults::default(), small)
+        .open_with(
+            "small",
+            SoftFaults::default(),
+            SoftProfile {
+                limits: small,
+                ..SoftProfile::default()
+            },
+        )
         .unwrap();
     assert_eq!(device.limits(), small);
     let refused = |result: Result<(), VerbsError>, limit: &str| match result {
@@ -286,6 +303,60 @@ fn a_failed_post_posts_a_prefix_and_fail_flushes_the_qp() {
     assert_eq!(a.qp.state(), QpState::ReadyToSend);
     a.qp.fail().unwrap();
     assert_eq!(a.qp.state(), QpState::Error);
+}
+
+/// Two ports of different MTUs connect on the smaller, so every message
+/// size crosses both ways (before: each side used its own port's MTU, and
+/// the larger side's messages above the smaller MTU were lost, its
+/// retries running out); ports that cannot talk are refused at connect,
+/// naming what differs.
+#[test]
+fn connecting_ports_agree_on_the_smaller_mtu_and_refuse_mismatches() {
+    use crate::verbs::{GidType, LinkLayer, VerbsError};
+    let fabric = SoftFabric::new();
+    let port = |mtu, link_layer, gid_type| SoftProfile {
+        port: SoftPort {
+            link_layer,
+            gid_type,
+            mtu,
+        },
+        ..SoftProfile::default()
+    };
+    let caps = QpCaps::default();
+    let faults = SoftFaults::default();
+    let big = port(4096, LinkLayer::Ethernet, GidType::RoceV2);
+    let small = port(1024, LinkLayer::Ethernet, GidType::RoceV2);
+    let a = Side::with(&fabric, "a", faults, caps, big);
+    let b = Side::with(&fabric, "b", faults, caps, small);
+    a.qp.connect(&b.qp.endpoint()).unwrap();
+    b.qp.connect(&a.qp.endpoint()).unwrap();
+    for (from, to) in [(&a, &b), (&b, &a)] {
+        for len in [100, 1024, 1025, 4000, 8192] {
+            let inbox = filled(&to.recv_pool, 8192, 0);
+            to.qp
+                .post_recv(&[RecvWr {
+                    wr_id: len as u64,
+                    sge: sge(&inbox),
+                }])
+                .unwrap();
+            let data = filled(&from.send_pool, len, 5);
+            from.qp.post_send(&[send(len as u64, &data)]).unwrap();
+            assert_eq!(from.poll_send()[0].status, WcStatus::Success, "{len}");
+            assert_eq!(to.poll_recv()[0].byte_len, len as u32);
+        }
+    }
+    let refused = |local: SoftProfile, remote: SoftProfile| {
+        let x = Side::with(&fabric, "x", faults, caps, local);
+        let y = Side::with(&fabric, "y", faults, caps, remote);
+        match x.qp.connect(&y.qp.endpoint()) {
+            Err(VerbsError::PathMismatch { what, .. }) => what,
+            other => panic!("{other:?}"),
+        }
+    };
+    let ib = port(4096, LinkLayer::InfiniBand, GidType::IbRoceV1);
+    let v1 = port(4096, LinkLayer::Ethernet, GidType::IbRoceV1);
+    assert_eq!(refused(big, ib), "link layer");
+    assert_eq!(refused(big, v1), "RoCE version");
 }
 
 #[test]
