@@ -13,7 +13,15 @@
 //! (a parent domain over the PD), since one driver thread posts to it: the
 //! provider then skips its locks and gives the QP its own doorbell; a
 //! per-QP guard keeps a second poster from racing. Devices without thread
-//! domains get a plain QP.
+//! domains get a plain QP. (The extended verbs are reached through this
+//! module's `extended`, not rdma-sys's inline wrappers, whose context check
+//! never matches on 64-bit hosts.)
+//!
+//! Also: fork safety is set up before the first registration
+//! (`ibv_fork_init`, unless the kernel needs none); sends of up to 64
+//! bytes go inline where the device allows; CQs spread over the device's
+//! completion vectors; the port must be active, and the GID is picked as
+//! [`super::port::pick_gid`] says.
 
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex};
@@ -49,6 +57,8 @@ struct Context {
     traffic_class: u8,
     /// From `ibv_query_device`.
     limits: DeviceLimits,
+    /// The completion vector of the next CQ.
+    next_vector: std::sync::atomic::AtomicU32,
 }
 
 // SAFETY: libibverbs contexts and protection domains may be used from any
@@ -105,6 +115,7 @@ impl IbvDevice {
         gid_index: Option<u8>,
         traffic_class: u8,
     ) -> Result<Self, VerbsError> {
+        fork_safety();
         let mut count = 0;
         // SAFETY: `count` is a valid out-pointer; the list is freed below on
         // every path.
@@ -166,6 +177,7 @@ impl IbvDevice {
             gid_type: GidType::IbRoceV1,
             traffic_class,
             limits: DeviceLimits::SOFT,
+            next_vector: std::sync::atomic::AtomicU32::new(0),
         };
         // SAFETY: a zeroed ibv_device_attr is a valid out-parameter.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -229,8 +241,48 @@ impl IbvDevice {
     }
 }
 
+/// Inline data asked of every QP: room for a control message (a header
+/// of the RDMA engine is 32 bytes) and a little more.
+const INLINE_WANTED: u32 = 64;
+
 /// Packet sequence numbers are 24 bits.
 const PSN_MASK: u32 = 0x00ff_ffff;
+
+/// What fork safety this process has (`ibv_is_fork_initialized`).
+pub fn fork_status() -> &'static str {
+    // SAFETY: a query of library state, no preconditions.
+    match unsafe { ibv_is_fork_initialized() } {
+        IBV_FORK_UNNEEDED => "not needed (the kernel copes with fork)",
+        IBV_FORK_ENABLED => "enabled (ibv_fork_init)",
+        _ => "disabled",
+    }
+}
+
+/// Makes registered memory safe across `fork` before the first
+/// registration, as brpc does: without it, a child's copy-on-write of a
+/// registered page leaves the NIC writing into the parent's old copy.
+/// Kernels since 5.13 need nothing (`IBV_FORK_UNNEEDED`). Once per
+/// process; a failure is logged (the library refuses after memory was
+/// registered).
+fn fork_safety() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: queries and sets library state; called before this
+        // process registers memory through the provider.
+        unsafe {
+            if ibv_is_fork_initialized() == IBV_FORK_UNNEEDED {
+                return;
+            }
+            let rc = ibv_fork_init();
+            if rc != 0 {
+                tracing::warn!(
+                    err = %std::io::Error::from_raw_os_error(rc.abs()),
+                    "ibv_fork_init failed: a forked child may corrupt registered memory"
+                );
+            }
+        }
+    });
+}
 
 /// The active MTU in bytes.
 fn mtu_bytes(mtu: ibv_mtu::Type) -> u32 {
@@ -418,11 +470,27 @@ impl CompletionQueue for IbvCq {
     }
 
     fn arm(&self) {
-        use std::sync::atomic::Ordering;
-        self.armed.store(true, Ordering::SeqCst);
-        // SAFETY: the CQ is alive. A failure leaves the thread to wake at
-        // its timeout, which `wait` callers bound.
-        unsafe { ibv_req_notify_cq(self.cq, 0) };
+        use std::sync::atomic::{Ordering, fence};
+        self.armed.store(true, Ordering::Relaxed);
+        // Pairs with the fence in `wake`: a command queued before a waker's
+        // look at `armed` is seen by the caller's last look at its queue,
+        // or the waker sees `armed` (before, a waker could miss both and
+        // the thread slept its whole bound with a command waiting).
+        fence(Ordering::SeqCst);
+        // SAFETY: the CQ is alive.
+        let rc = unsafe { ibv_req_notify_cq(self.cq, 0) };
+        if rc != 0 {
+            // No event will come: the thread wakes at its bound, and says
+            // so once.
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    err = %std::io::Error::from_raw_os_error(rc),
+                    "ibv_req_notify_cq failed: the I/O thread polls at its sleep bound"
+                );
+            }
+        }
     }
 
     fn wait(&self, timeout: std::time::Duration) {
@@ -459,13 +527,15 @@ impl CompletionQueue for IbvCq {
             // SAFETY: reading 8 bytes into a buffer of 8 resets the eventfd.
             unsafe { libc::read(self.wake_fd.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
         }
-        self.armed.store(false, Ordering::SeqCst);
+        self.armed.store(false, Ordering::Relaxed);
     }
 
     fn wake(&self) {
         use std::os::fd::AsRawFd;
-        use std::sync::atomic::Ordering;
-        if self.armed.load(Ordering::SeqCst) {
+        use std::sync::atomic::{Ordering, fence};
+        // Pairs with the fence in `arm` (see there).
+        fence(Ordering::SeqCst);
+        if self.armed.load(Ordering::Relaxed) {
             let one = 1u64.to_ne_bytes();
             // SAFETY: writing 8 bytes to an eventfd adds to its counter.
             unsafe { libc::write(self.wake_fd.as_raw_fd(), one.as_ptr().cast(), 8) };
@@ -487,6 +557,9 @@ pub struct IbvQp {
     state: Mutex<QpState>,
     psn: u32,
     rnr_retry: u8,
+    /// Bytes a send may carry inline (copied into the work request: no
+    /// DMA read of the buffer, less latency for control messages).
+    inline: u32,
     _cqs: (Arc<IbvCq>, Arc<IbvCq>),
     _srq: Option<Arc<IbvSrq>>,
 }
@@ -593,23 +666,160 @@ impl ThreadDomain {
     fn allocate(ctx: &Context) -> Option<Self> {
         // SAFETY: plain data; zeroed (comp_mask 0) is the default request.
         let mut td_attr: ibv_td_init_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: the context is open; rdma-sys returns None (EOPNOTSUPP)
-        // when the provider lacks the operation.
-        let td = unsafe { ibv_alloc_td(ctx.ctx, &mut td_attr) }.filter(|td| !td.is_null())?;
+        // SAFETY: the context is open; `extended::alloc_td` finds the
+        // operation as verbs.h does, or says the provider lacks it.
+        let td = unsafe { extended::alloc_td(ctx.ctx, &mut td_attr) }?;
         // SAFETY: plain data; pd and td are set, no allocator callbacks.
         let mut pd_attr: ibv_parent_domain_init_attr = unsafe { std::mem::zeroed() };
         pd_attr.pd = ctx.pd;
         pd_attr.td = td;
         // SAFETY: the PD and TD are alive and `pd_attr` is fully set.
-        let parent =
-            unsafe { ibv_alloc_parent_domain(ctx.ctx, &mut pd_attr) }.filter(|pd| !pd.is_null());
+        let parent = unsafe { extended::alloc_parent_domain(ctx.ctx, &mut pd_attr) };
         match parent {
             Some(parent) => Some(Self { td, parent }),
             None => {
                 // SAFETY: `td` was allocated above and is used by nothing.
-                unsafe { ibv_dealloc_td(td) };
+                unsafe { extended::dealloc_td(td) };
                 None
             }
+        }
+    }
+}
+
+/// The extended verbs (thread and parent domains), reached as verbs.h's
+/// inline functions reach them. rdma-sys 0.3's own `verbs_get_ctx`
+/// compares `abi_compat` with `u32::MAX` where libibverbs stores
+/// `UINTPTR_MAX` (`__VERBS_ABI_IS_EXTENDED`), so through it every extended
+/// verb reported "not supported" and no QP ever got a thread domain.
+mod extended {
+    use rdma_sys::*;
+
+    /// The `verbs_context` that `ctx` is the last field of, if the library
+    /// made an extended one, and it is large enough to hold the field at
+    /// `field_offset`.
+    ///
+    /// # Safety
+    /// `ctx` is an open context.
+    unsafe fn context(ctx: *mut ibv_context, field_offset: usize) -> Option<*mut verbs_context> {
+        // SAFETY: the caller's context is valid to read.
+        if unsafe { (*ctx).abi_compat } as usize != usize::MAX {
+            return None;
+        }
+        let offset = std::mem::offset_of!(verbs_context, context);
+        // SAFETY: an extended context is embedded as the last field of a
+        // `verbs_context` (container_of in verbs.h), `offset` bytes in.
+        let vctx = unsafe { ctx.cast::<u8>().sub(offset) }.cast::<verbs_context>();
+        // `sz` counts the bytes of the structure the library filled, from
+        // its end backwards (older libraries have fewer leading fields).
+        // SAFETY: `sz` is the field right before `context`, always present.
+        let size = unsafe { (*vctx).sz };
+        (size >= std::mem::size_of::<verbs_context>() - field_offset).then_some(vctx)
+    }
+
+    /// `ibv_alloc_td`: `None` where the provider has no thread domains.
+    ///
+    /// # Safety
+    /// `ctx` is an open context and `attr` a valid attribute block.
+    pub(super) unsafe fn alloc_td(
+        ctx: *mut ibv_context,
+        attr: *mut ibv_td_init_attr,
+    ) -> Option<*mut ibv_td> {
+        // SAFETY: as the caller promises.
+        let vctx = unsafe { context(ctx, std::mem::offset_of!(verbs_context, alloc_td)) }?;
+        // SAFETY: `vctx` is the library's, holding this field (checked).
+        let op = unsafe { (*vctx).alloc_td }?;
+        // SAFETY: the provider's own entry point, called as verbs.h does.
+        let td = unsafe { op(ctx, attr) };
+        (!td.is_null()).then_some(td)
+    }
+
+    /// `ibv_alloc_parent_domain`: `None` where the provider has none.
+    ///
+    /// # Safety
+    /// `ctx` is an open context and `attr` a valid attribute block.
+    pub(super) unsafe fn alloc_parent_domain(
+        ctx: *mut ibv_context,
+        attr: *mut ibv_parent_domain_init_attr,
+    ) -> Option<*mut ibv_pd> {
+        // SAFETY: as the caller promises.
+        let vctx = unsafe {
+            context(
+                ctx,
+                std::mem::offset_of!(verbs_context, alloc_parent_domain),
+            )
+        }?;
+        // SAFETY: `vctx` is the library's, holding this field (checked).
+        let op = unsafe { (*vctx).alloc_parent_domain }?;
+        // SAFETY: the provider's own entry point, called as verbs.h does.
+        let pd = unsafe { op(ctx, attr) };
+        (!pd.is_null()).then_some(pd)
+    }
+
+    /// `ibv_dealloc_td`.
+    ///
+    /// # Safety
+    /// `td` was allocated by [`alloc_td`] and is used by nothing.
+    pub(super) unsafe fn dealloc_td(td: *mut ibv_td) {
+        // SAFETY: a live thread domain knows its context.
+        let ctx = unsafe { (*td).context };
+        // SAFETY: the context is open while the domain lives.
+        let Some(vctx) = (unsafe { context(ctx, std::mem::offset_of!(verbs_context, dealloc_td)) })
+        else {
+            return;
+        };
+        // SAFETY: `vctx` is the library's, holding this field (checked).
+        if let Some(op) = unsafe { (*vctx).dealloc_td } {
+            // SAFETY: the provider's own entry point, for its own domain.
+            unsafe { op(td) };
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// What the test provider's `alloc_td` hands out.
+        const SENTINEL: usize = 0x7d00;
+
+        unsafe extern "C" fn fake_alloc_td(
+            _ctx: *mut ibv_context,
+            _attr: *mut ibv_td_init_attr,
+        ) -> *mut ibv_td {
+            SENTINEL as *mut ibv_td
+        }
+
+        /// The lookup verbs.h does, on a context laid out as libibverbs
+        /// lays one out: found where `abi_compat` is `UINTPTR_MAX` (what
+        /// rdma-sys's check, against `u32::MAX`, never finds on 64-bit
+        /// hosts), refused for a context too small to hold the field.
+        #[test]
+        fn extended_verbs_are_found_as_verbs_h_finds_them() {
+            // SAFETY: plain data; zeroed is a valid value (null pointers,
+            // no functions).
+            let mut vctx: Box<verbs_context> = Box::new(unsafe { std::mem::zeroed() });
+            vctx.sz = std::mem::size_of::<verbs_context>();
+            vctx.alloc_td = Some(fake_alloc_td);
+            vctx.context.abi_compat = usize::MAX as *mut libc::c_void;
+            let ctx: *mut ibv_context = &mut vctx.context;
+            // SAFETY: plain data; zeroed is the default request.
+            let mut attr: ibv_td_init_attr = unsafe { std::mem::zeroed() };
+            // SAFETY: `ctx` points into a live, fully laid out context.
+            let td = unsafe { alloc_td(ctx, &mut attr) };
+            assert_eq!(td.map(|p| p as usize), Some(SENTINEL));
+            // rdma-sys's own finds nothing on the very same context (what
+            // the provider called before).
+            // SAFETY: as above.
+            let theirs = unsafe { rdma_sys::ibv_alloc_td(ctx, &mut attr) };
+            assert!(theirs.is_none_or(|p| p.is_null()));
+            vctx.context.abi_compat = u32::MAX as usize as *mut libc::c_void;
+            let ctx: *mut ibv_context = &mut vctx.context;
+            // SAFETY: as above.
+            assert!(unsafe { alloc_td(ctx, &mut attr) }.is_none());
+            vctx.context.abi_compat = usize::MAX as *mut libc::c_void;
+            vctx.sz = 16;
+            let ctx: *mut ibv_context = &mut vctx.context;
+            // SAFETY: as above.
+            assert!(unsafe { alloc_td(ctx, &mut attr) }.is_none());
         }
     }
 }
@@ -620,7 +830,7 @@ impl Drop for ThreadDomain {
         // destroyed (field order in `IbvQp`'s drop), parent before TD.
         unsafe {
             ibv_dealloc_pd(self.parent);
-            ibv_dealloc_td(self.td);
+            extended::dealloc_td(self.td);
         }
     }
 }
@@ -648,8 +858,13 @@ impl IbvQp {
         step: &str,
     ) -> Result<(), VerbsError> {
         // SAFETY: `qp` is alive and `attr` a valid attribute block.
-        if unsafe { ibv_modify_qp(self.qp, attr, mask.0 as i32) } != 0 {
-            return Err(VerbsError::InvalidRequest(os_error(step)));
+        let rc = unsafe { ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        if rc != 0 {
+            // The error is the return value (errno is not set).
+            return Err(VerbsError::InvalidRequest(format!(
+                "{step}: {}",
+                std::io::Error::from_raw_os_error(rc)
+            )));
         }
         Ok(())
     }
@@ -811,6 +1026,10 @@ impl QueuePair for IbvQp {
             } else {
                 0
             };
+            let bytes: u64 = wr.sges.iter().map(|s| u64::from(s.len)).sum();
+            if bytes > 0 && bytes <= u64::from(self.inline) {
+                entry.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+            }
             match wr.op {
                 SendOp::Send => entry.opcode = ibv_wr_opcode::IBV_WR_SEND,
                 SendOp::Write { remote_addr, rkey } => {
@@ -919,9 +1138,26 @@ impl Device for IbvDevice {
                 "ibv_create_comp_channel",
             )));
         }
-        // SAFETY: the context and channel are alive; no context pointer.
-        let cq =
-            unsafe { ibv_create_cq(self.ctx.ctx, depth as i32, std::ptr::null_mut(), channel, 0) };
+        // CQs spread over the device's completion vectors (interrupt
+        // lines), one after another.
+        // SAFETY: the context is open; the count is immutable.
+        let vectors = unsafe { (*self.ctx.ctx).num_comp_vectors }.max(1);
+        let vector = (self
+            .ctx
+            .next_vector
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed) as i32)
+            .rem_euclid(vectors);
+        // SAFETY: the context and channel are alive; no context pointer;
+        // `vector` is below the device's count.
+        let cq = unsafe {
+            ibv_create_cq(
+                self.ctx.ctx,
+                depth as i32,
+                std::ptr::null_mut(),
+                channel,
+                vector,
+            )
+        };
         if cq.is_null() {
             let err = os_error("ibv_create_cq");
             // SAFETY: created above, used by nothing.
@@ -1013,16 +1249,25 @@ impl IbvDevice {
             max_recv_wr: caps.max_recv_wr,
             max_send_sge: caps.max_sge,
             max_recv_sge: 1,
-            max_inline_data: 0,
+            max_inline_data: INLINE_WANTED,
         };
         let domain = ThreadDomain::allocate(&self.ctx);
         let pd = domain.as_ref().map_or(self.ctx.pd, |d| d.parent);
         // SAFETY: the PD (or the parent domain over it) and both CQs are
         // alive; `init` is fully set.
-        let qp = unsafe { ibv_create_qp(pd, &mut init) };
+        let mut qp = unsafe { ibv_create_qp(pd, &mut init) };
+        if qp.is_null() {
+            // A device without inline data (or with less) refuses the
+            // request: again without.
+            init.cap.max_inline_data = 0;
+            // SAFETY: as above.
+            qp = unsafe { ibv_create_qp(pd, &mut init) };
+        }
         if qp.is_null() {
             return Err(VerbsError::InvalidRequest(os_error("ibv_create_qp")));
         }
+        // What the device granted (it may round up).
+        let inline = init.cap.max_inline_data;
         tracing::debug!(
             thread_domain = domain.is_some(),
             "ibverbs QP created{}",
@@ -1042,6 +1287,7 @@ impl IbvDevice {
             // after must not start where its predecessor's packets were.
             psn: rand::random::<u32>() & PSN_MASK,
             rnr_retry: caps.rnr_retry.min(7),
+            inline,
             _cqs: (send_cq, recv_cq),
             _srq: srq,
         }))
@@ -1081,7 +1327,11 @@ mod tests {
         b.connect(&a.endpoint()).unwrap();
         let mut inbox = pool.alloc(4096).unwrap();
         inbox.set_len(4096);
-        let target = pool.alloc(8192).unwrap();
+        let mut target = pool.alloc(8192).unwrap();
+        // Its length is what the check below reads (a fresh buffer has
+        // none: the check verified nothing before).
+        target.set_len(8192);
+        target.fill(0);
         let sge = |buf: &crate::pool::PoolBuf| Sge {
             addr: buf.as_ptr() as usize,
             len: buf.len() as u32,
@@ -1131,6 +1381,7 @@ mod tests {
             got.iter()
                 .any(|c| c.kind == WcKind::RecvWithImm(42) && c.byte_len == 8192)
         );
+        assert_eq!(target.len(), 8192);
         assert!(target.iter().all(|&x| x == 9));
         assert!(inbox[..100].iter().all(|&x| x == 7));
     }
