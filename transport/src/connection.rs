@@ -125,6 +125,14 @@ impl Transport {
     /// fitted to the device's limits (what [`Transport::config`] reports).
     fn rdma(mut config: TransportConfig) -> Result<Self, TransportError> {
         let device = open_device(&config)?;
+        // Real NICs pin what they register (the soft one shares it).
+        if config.rdma.provider == RdmaProvider::Ibverbs {
+            use crate::verbs::memlock;
+            let need = memlock::first_connection_bytes(&config);
+            if let Some(err) = memlock::shortfall(memlock::limit(), need) {
+                return Err(err.into());
+            }
+        }
         config.rdma = crate::verbs::limits::fit(&config.rdma, &device.limits(), device.name())?;
         let hook = device.registration_hook();
         let send_pool = Pool::new(

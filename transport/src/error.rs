@@ -49,6 +49,9 @@ pub enum TransportError {
     /// transport result small).
     #[error(transparent)]
     Config(Box<tessera_config::ConfigError>),
+    /// The locked-memory limit is below what the RDMA transport pins.
+    #[error(transparent)]
+    LockedMemory(#[from] crate::verbs::memlock::LockedMemoryError),
     /// The RDMA device, queue pair or engine failed.
     #[error("rdma: {0}")]
     Rdma(String),

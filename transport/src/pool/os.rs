@@ -1,10 +1,13 @@
 //! Memory straight from the kernel: anonymous private mappings.
 //!
 //! The pool maps its blocks itself instead of going through the global
-//! allocator: an anonymous mapping is zero-filled lazily, page by page, so a
-//! fresh 4 MiB block costs no resident memory until it is written, and it
-//! can be aligned to its own size (which makes finding a block from an
-//! object pointer a mask).
+//! allocator: it can align a block to its own size (which makes finding a
+//! block from an object pointer a mask), and an anonymous mapping is
+//! zero-filled lazily, page by page, so with TCP (no registration) a fresh
+//! 4 MiB block costs no resident memory until it is written. With a real
+//! RNIC it does: `ibv_reg_mr` pins every page of the block at registration,
+//! so a registered block is resident, and counts against `RLIMIT_MEMLOCK`,
+//! from then on (see `verbs::memlock`).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;

@@ -357,9 +357,10 @@ impl RegistrationHook for IbvRegistration {
         // until it deregisters it; the PD is alive (held by the Arc).
         let mr = unsafe { ibv_reg_mr(self.ctx.pd, addr as *mut libc::c_void, len, flags as i32) };
         if mr.is_null() {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
             return Err(RegistrationError {
                 len,
-                reason: os_error("ibv_reg_mr"),
+                reason: super::memlock::registration_failure(len, errno),
             });
         }
         // SAFETY: `mr` is a valid memory region returned just above.

@@ -24,6 +24,7 @@
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
 pub mod limits;
+pub mod memlock;
 pub mod port;
 pub mod soft;
 

@@ -1,0 +1,134 @@
+//! Locked memory: what registering pool memory with an RNIC costs.
+//!
+//! `ibv_reg_mr` pins the pages it registers: they are resident from then
+//! on, and they count against the process's `RLIMIT_MEMLOCK` unless it has
+//! `CAP_IPC_LOCK`. The limit is 8 MiB on many distributions and 64 KiB in
+//! many containers, while the RDMA transport's first connection pins a few
+//! pool blocks (4 MiB each by default), so without a raised limit the first
+//! registration fails with a bare ENOMEM. The transport checks the limit
+//! when it starts ([`check`]) and turns a failed registration into an
+//! error that says what to raise ([`ADVICE`]). The soft provider pins
+//! nothing (its memory is shared, not locked), so it is not held to this.
+
+use crate::TransportConfig;
+
+/// What an operator changes when locked memory runs out.
+pub const ADVICE: &str = "raise the locked-memory limit: `ulimit -l unlimited` in the shell, \
+     `LimitMEMLOCK=infinity` in a systemd unit; in a container, a memlock ulimit for the \
+     runtime (docker `--ulimit memlock=-1`) or the IPC_LOCK capability";
+
+/// The process's locked-memory limit in bytes (`None`: unlimited, or the
+/// process has `CAP_IPC_LOCK`, which ignores it).
+pub fn limit() -> Option<u64> {
+    if has_ipc_lock() {
+        return None;
+    }
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid out-parameter for getrlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
+        return None;
+    }
+    (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+}
+
+/// Whether this process's effective capabilities include `CAP_IPC_LOCK`
+/// (bit 14 of `CapEff` in `/proc/self/status`).
+pub fn has_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
+/// Bytes the RDMA transport of `config` pins by its first connection: a
+/// block of each pool for its first size classes (receive buffers and
+/// control messages, the keepalive slot and small sends), and with shared
+/// receive queues the buffers every I/O thread posts on its own.
+pub fn first_connection_bytes(config: &TransportConfig) -> u64 {
+    let send = config.send_pool.block_size as u64;
+    let recv = config.recv_pool.block_size as u64;
+    let mut need = 2 * send + 2 * recv;
+    if config.rdma.srq {
+        let buffer = (config.rdma.small_message_limit + 64) as u64;
+        let posted = config.rdma.io_threads as u64 * u64::from(config.rdma.srq_depth) * buffer;
+        need += posted.div_ceil(recv) * recv;
+    }
+    need
+}
+
+/// The error for a transport that would pin `need` bytes under a limit of
+/// `limit`, or `None` if it fits.
+pub fn shortfall(limit: Option<u64>, need: u64) -> Option<LockedMemoryError> {
+    match limit {
+        Some(limit) if limit < need => Some(LockedMemoryError { limit, need }),
+        _ => None,
+    }
+}
+
+/// Locked memory too small for the RDMA transport.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the RDMA transport pins at least {need} bytes of registered memory by its first connection, \
+     and the locked-memory limit (RLIMIT_MEMLOCK) is {limit} bytes: {ADVICE}; or lower \
+     send_pool.block_size and recv_pool.block_size"
+)]
+pub struct LockedMemoryError {
+    /// The limit.
+    pub limit: u64,
+    /// What the transport needs at least.
+    pub need: u64,
+}
+
+/// The text for a registration of `len` bytes that failed with `errno`:
+/// for ENOMEM and EPERM (what `ibv_reg_mr` answers when the limit is
+/// spent) it says what to raise.
+pub fn registration_failure(len: usize, errno: i32) -> String {
+    let err = std::io::Error::from_raw_os_error(errno);
+    if errno == libc::ENOMEM || errno == libc::EPERM {
+        let limit = match limit() {
+            Some(bytes) => format!("{bytes} bytes"),
+            None => "unlimited".into(),
+        };
+        format!(
+            "ibv_reg_mr of {len} bytes: {err}; registered memory is locked, and the \
+             locked-memory limit is {limit}: {ADVICE}"
+        )
+    } else {
+        format!("ibv_reg_mr of {len} bytes: {err}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_limit_says_what_is_needed_and_what_to_raise() {
+        let config = TransportConfig::default();
+        let need = first_connection_bytes(&config);
+        assert_eq!(need, 16 << 20, "four 4 MiB blocks");
+        let err = shortfall(Some(8 << 20), need).unwrap();
+        let text = err.to_string();
+        assert!(
+            text.contains("16777216") && text.contains("8388608"),
+            "{text}"
+        );
+        assert!(text.contains("LimitMEMLOCK"), "{text}");
+        assert_eq!(shortfall(Some(64 << 20), need), None);
+        assert_eq!(shortfall(None, need), None);
+        let mut srq = TransportConfig::default();
+        srq.rdma.srq = true;
+        assert!(first_connection_bytes(&srq) > need);
+        assert!(registration_failure(4096, libc::ENOMEM).contains("ulimit -l"));
+        assert!(!registration_failure(4096, libc::EINVAL).contains("ulimit"));
+    }
+}
