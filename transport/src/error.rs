@@ -49,6 +49,21 @@ pub enum TransportError {
     /// transport result small).
     #[error(transparent)]
     Config(Box<tessera_config::ConfigError>),
+    /// No I/O thread's completion queue has room for another QP's
+    /// completions (see `rdma/cq_budget.rs`).
+    #[error(
+        "no room for another RDMA connection: each of the {io_threads} I/O threads' completion \
+         queues ({cq_depth} entries) is taken, and a connection needs {need}; raise rdma.cq_depth \
+         (up to the device's max_cqe) or rdma.io_threads, or lower the queue depths"
+    )]
+    CompletionQueuesFull {
+        /// I/O threads (one CQ each).
+        io_threads: usize,
+        /// Entries of each CQ.
+        cq_depth: u32,
+        /// Entries one more connection needs.
+        need: u32,
+    },
     /// The locked-memory limit is below what the RDMA transport pins.
     #[error(transparent)]
     LockedMemory(#[from] crate::verbs::memlock::LockedMemoryError),

@@ -640,3 +640,48 @@ async fn a_failed_shared_receive_returns_its_slot_to_the_queue() {
         "the shared receive queue ran dry"
     );
 }
+
+/// An I/O thread takes a QP only while the completions its QPs can have
+/// outstanding fit its CQ: a connection beyond that is refused with an
+/// error that says what to raise, and the connections it has keep
+/// working. Before: QPs went to threads round robin with no count, and a
+/// CQ that overran failed every QP on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_completion_queue_are_refused_not_overrun() {
+    let server = Transport::new(soft_config()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok(mut conn) = listener.accept().await {
+            tokio::spawn(async move {
+                while let Ok(Some(message)) = conn.receiver.recv().await {
+                    if conn.sender.send(Message::from(message)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let mut small = soft_config();
+    // 32 send + 64 receive entries a QP: two fit a CQ of 256, not three.
+    small.rdma.cq_depth = 256;
+    small.rdma.io_threads = 1;
+    small.rdma.multiplex = false;
+    let client = Transport::new(small).unwrap();
+    let mut kept = vec![
+        client.connect(&addr).await.unwrap(),
+        client.connect(&addr).await.unwrap(),
+    ];
+    match client.connect(&addr).await {
+        Err(TransportError::CompletionQueuesFull { need, cq_depth, .. }) => {
+            assert_eq!((need, cq_depth), (96, 256));
+        }
+        other => panic!("expected the CQ to be full, got {other:?}"),
+    }
+    for conn in &mut kept {
+        let buf = client.send_pool().alloc_copy(b"still here").unwrap();
+        conn.sender.send(Message::from(buf.freeze())).await.unwrap();
+        let echo = conn.receiver.recv().await.unwrap().unwrap();
+        assert_eq!(&echo[..], b"still here");
+    }
+}

@@ -27,6 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{OnceCell, mpsc, oneshot};
 
+use super::cq_budget::{CqBudget, CqReservation};
 use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role};
 use super::io::{Attached, Command, IoThread, SharedReceives};
 use super::window::WindowConfig;
@@ -153,6 +154,8 @@ pub(crate) struct RdmaRuntime {
     config: TransportConfig,
     pools: (Pool, Pool),
     threads: Vec<IoThread>,
+    /// Room on each thread's CQ (by index of `threads`).
+    budgets: Vec<Arc<CqBudget>>,
     next_thread: AtomicUsize,
     table: Mutex<HashMap<String, Arc<OnceCell<EngineRef>>>>,
 }
@@ -204,11 +207,17 @@ impl RdmaRuntime {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let fixed = if rdma.srq { rdma.srq_depth } else { 0 };
+        let budgets = threads
+            .iter()
+            .map(|_| CqBudget::new(rdma.cq_depth, fixed))
+            .collect();
         Ok(Self {
             device,
             config: config.clone(),
             pools,
             threads,
+            budgets,
             next_thread: AtomicUsize::new(0),
             table: Mutex::new(HashMap::new()),
         })
@@ -247,9 +256,24 @@ impl RdmaRuntime {
         total
     }
 
-    fn thread(&self) -> &IoThread {
-        let i = self.next_thread.fetch_add(1, Ordering::Relaxed) % self.threads.len();
-        &self.threads[i]
+    /// The next I/O thread, round robin, whose CQ has room for one more
+    /// QP's completions, with the room taken.
+    fn thread(&self) -> Result<(IoThread, CqReservation), TransportError> {
+        let rdma = &self.config.rdma;
+        let need = rdma.send_queue_depth + if rdma.srq { 0 } else { rdma.recv_queue_depth };
+        let start = self.next_thread.fetch_add(1, Ordering::Relaxed);
+        (0..self.threads.len())
+            .map(|k| (start + k) % self.threads.len())
+            .find_map(|i| {
+                self.budgets[i]
+                    .reserve(need)
+                    .map(|room| (self.threads[i].clone(), room))
+            })
+            .ok_or(TransportError::CompletionQueuesFull {
+                io_threads: self.threads.len(),
+                cq_depth: rdma.cq_depth,
+                need,
+            })
     }
 
     /// A new logical connection to `addr`, on the engine already connected
@@ -305,7 +329,7 @@ impl RdmaRuntime {
         stream.set_nodelay(true)?;
         let peer = stream.peer_addr()?;
         let rdma = &self.config.rdma;
-        let io = self.thread().clone();
+        let (io, cq_room) = self.thread()?;
         let failed = |e: crate::verbs::VerbsError| TransportError::Rdma(e.to_string());
         let caps = QpCaps {
             max_send_wr: rdma.send_queue_depth,
@@ -435,6 +459,7 @@ impl RdmaRuntime {
             _control: stop,
             max_message_size: self.config.max_message_size,
             send_queue_depth: self.config.send_queue_depth,
+            _cq_room: cq_room,
         };
         if !io.submit(Command::Attach(Box::new(attached))) {
             return Err(TransportError::Rdma("I/O thread stopped".into()));

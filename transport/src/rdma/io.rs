@@ -86,6 +86,8 @@ pub(crate) struct Attached {
     pub(crate) _control: oneshot::Sender<()>,
     pub(crate) max_message_size: u64,
     pub(crate) send_queue_depth: usize,
+    /// Its room on the thread's CQ, given back with it (after the QP).
+    pub(crate) _cq_room: super::cq_budget::CqReservation,
 }
 
 /// An I/O thread's shared receive queue and the buffers posted on it.

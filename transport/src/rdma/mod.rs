@@ -9,6 +9,7 @@
 
 pub mod connection;
 pub mod control;
+pub(crate) mod cq_budget;
 pub mod credits;
 pub mod engine;
 pub(crate) mod io;
