@@ -44,6 +44,9 @@ impl std::fmt::Debug for TransportInner {
     }
 }
 
+/// Soft devices opened by transports of this process (each its own name).
+static SOFT_DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Opens the RDMA device `config` names.
 fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportError> {
     let rdma = &config.rdma;
@@ -51,7 +54,13 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
         RdmaProvider::Soft => {
             let fabric = crate::verbs::soft::SoftFabric::process();
             fabric
-                .open("soft", rdma.soft_faults)
+                .open(
+                    format!(
+                        "soft-{}",
+                        SOFT_DEVICES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    ),
+                    rdma.soft_faults,
+                )
                 .map(|device| Arc::new(device) as Arc<dyn Device>)
                 .map_err(|err| TransportError::Rdma(err.to_string()))
         }
@@ -150,6 +159,11 @@ impl Transport {
                 rdma: Some(Arc::new(rdma)),
             }),
         })
+    }
+
+    /// The name of the RDMA device this transport runs on, if it does.
+    pub fn rdma_device(&self) -> Option<&str> {
+        self.inner.rdma.as_ref().map(|r| r.device_name())
     }
 
     /// The configuration.

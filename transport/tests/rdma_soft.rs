@@ -685,3 +685,35 @@ async fn connections_beyond_the_completion_queue_are_refused_not_overrun() {
         assert_eq!(&echo[..], b"still here");
     }
 }
+
+/// A device event fails the engines it concerns at once and is counted:
+/// a port going down (raised on the client's soft device, as a drill)
+/// ends the client's connection promptly, where before nothing read the
+/// device's events and the connection waited for its retries to run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_going_down_fails_its_connections_at_once() {
+    use std::time::Duration;
+    use tessera_transport::verbs::AsyncEvent;
+    use tessera_transport::verbs::soft::SoftFabric;
+    let server = Transport::new(soft_config()).unwrap();
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let accepted = tokio::spawn(async move { listener.accept().await.unwrap() });
+    let client = Transport::new(soft_config()).unwrap();
+    let mut conn = client.connect(&addr).await.unwrap();
+    let _server_side = accepted.await.unwrap();
+    let name = client.rdma_device().unwrap().to_owned();
+    let device = SoftFabric::process()
+        .devices()
+        .into_iter()
+        .find(|d| tessera_transport::verbs::Device::name(d) == name)
+        .unwrap();
+    device.raise_event(AsyncEvent::PortDown { port: 1 });
+    let ended = tokio::time::timeout(Duration::from_secs(5), conn.receiver.recv())
+        .await
+        .expect("the connection ended at once");
+    assert!(!matches!(ended, Ok(Some(_))), "{ended:?}");
+    let stats = client.rdma_stats().unwrap();
+    assert_eq!(stats.async_events, 1);
+    assert!(stats.engines_failed >= 1, "{stats:?}");
+}

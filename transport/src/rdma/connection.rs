@@ -150,6 +150,12 @@ pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The RDMA side of a transport: device, I/O threads, engine table.
 pub(crate) struct RdmaRuntime {
+    /// The device's asynchronous events, handed to the I/O threads (first:
+    /// dropped first, so that its handler's handles on the threads go
+    /// before the threads are asked to end).
+    _events: crate::verbs::EventWatch,
+    /// Events seen.
+    async_events: Arc<std::sync::atomic::AtomicU64>,
     device: Arc<dyn Device>,
     config: TransportConfig,
     pools: (Pool, Pool),
@@ -207,12 +213,31 @@ impl RdmaRuntime {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let async_events = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let events = device
+            .watch_events(Arc::new({
+                let threads = threads.clone();
+                let seen = Arc::clone(&async_events);
+                let name = device.name().to_owned();
+                move |event: crate::verbs::AsyncEvent| {
+                    seen.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("tessera_rdma_async_events_total", "event" => event.label())
+                        .increment(1);
+                    tracing::warn!(device = %name, ?event, "rdma device event");
+                    for thread in &threads {
+                        thread.submit(Command::Event(event));
+                    }
+                }
+            }))
+            .map_err(failed)?;
         let fixed = if rdma.srq { rdma.srq_depth } else { 0 };
         let budgets = threads
             .iter()
             .map(|_| CqBudget::new(rdma.cq_depth, fixed))
             .collect();
         Ok(Self {
+            _events: events,
+            async_events,
             device,
             config: config.clone(),
             pools,
@@ -253,6 +278,7 @@ impl RdmaRuntime {
         if let Some(rnr) = self.device.rnr_events() {
             total.rnr_events = rnr;
         }
+        total.async_events = self.async_events.load(Ordering::Relaxed);
         total
     }
 

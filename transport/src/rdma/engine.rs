@@ -183,6 +183,10 @@ pub enum EngineError {
     /// The peer closed its handshake connection (it went away).
     #[error("peer closed the connection")]
     PeerClosed,
+    /// The device reported an event that ends this engine's QP
+    /// ([`Engine::handle_device_event`]).
+    #[error("the device reported {0:?}")]
+    Device(crate::verbs::AsyncEvent),
     /// Posting work requests failed ([`Engine::handle_post_error`]).
     #[error("posting to the queue pair failed: {0}")]
     Post(crate::verbs::VerbsError),
@@ -1017,6 +1021,13 @@ impl Engine {
     /// The peer's handshake connection closed: it is gone.
     pub fn handle_peer_closed(&mut self) {
         self.fail(EngineError::PeerClosed);
+    }
+
+    /// The device reported that this engine's QP failed, or something
+    /// that takes every QP with it (a CQ overrun, a port down, a dead
+    /// device): the engine fails now, instead of when every retry ran out.
+    pub fn handle_device_event(&mut self, event: crate::verbs::AsyncEvent) {
+        self.fail(EngineError::Device(event));
     }
 
     /// A batch from [`Engine::poll_transmit`] or [`Engine::poll_recv_post`]

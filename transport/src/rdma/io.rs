@@ -52,6 +52,8 @@ const MAX_SLEEP: Duration = Duration::from_millis(100);
 pub(crate) enum Command {
     /// Run a freshly connected engine.
     Attach(Box<Attached>),
+    /// The device reported an asynchronous event.
+    Event(crate::verbs::AsyncEvent),
     /// Open a socket on an engine (dialer side).
     Open {
         qpn: u32,
@@ -901,6 +903,29 @@ impl Worker {
             Command::PeerClosed { qpn } => {
                 if let Some(slot) = self.engines.get_mut(&qpn) {
                     slot.attached.engine.handle_peer_closed();
+                }
+            }
+            Command::Event(event) => {
+                use crate::verbs::AsyncEvent;
+                match event {
+                    // That QP only (the thread that has it).
+                    AsyncEvent::QpFailed { qpn } => {
+                        if let Some(slot) = self.engines.get_mut(&qpn) {
+                            slot.attached.engine.handle_device_event(event);
+                        }
+                    }
+                    // Every QP of the device may be affected: which CQ
+                    // overran is not said in a way the thread can match,
+                    // and a CQ that overran is a configuration beyond the
+                    // CQ budget, so failing all at once is the safe side.
+                    AsyncEvent::CqFailed
+                    | AsyncEvent::DeviceFailed
+                    | AsyncEvent::PortDown { .. } => {
+                        for slot in self.engines.values_mut() {
+                            slot.attached.engine.handle_device_event(event);
+                        }
+                    }
+                    _ => {}
                 }
             }
         }

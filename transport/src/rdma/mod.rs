@@ -65,4 +65,7 @@ pub struct RdmaStats {
     /// without them; at most `io_threads * srq_depth`, below it while
     /// applications are slow to read).
     pub shared_receives_posted: u64,
+    /// Asynchronous events the device reported (QP or CQ failed, port
+    /// down, device failed; see `verbs/events.rs`).
+    pub async_events: u64,
 }

@@ -248,6 +248,68 @@ const INLINE_WANTED: u32 = 64;
 /// Packet sequence numbers are 24 bits.
 const PSN_MASK: u32 = 0x00ff_ffff;
 
+/// `ibv_async_event` with its type as a plain integer: rdma-sys types it as
+/// a Rust enum, and a type a newer library reports would be an invalid
+/// value of it. Same layout (the enum is `repr(u32)`).
+#[repr(C)]
+struct RawAsyncEvent {
+    element: ibv_async_event_element_t,
+    event_type: u32,
+}
+
+/// Reads `ctx`'s asynchronous events until `stop`, handing each to
+/// `handler` (after acknowledging it: a QP or CQ cannot be destroyed while
+/// one of its events is unacknowledged).
+fn watch_async_events(
+    ctx: &Context,
+    fd: i32,
+    stop: &std::sync::atomic::AtomicBool,
+    handler: &(dyn Fn(crate::verbs::AsyncEvent) + Send + Sync),
+) {
+    use crate::verbs::AsyncEvent;
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; a bounded wait.
+        if unsafe { libc::poll(&mut pfd, 1, 100) } <= 0 {
+            continue;
+        }
+        // SAFETY: plain data; zeroed is a valid value of both fields.
+        let mut raw: RawAsyncEvent = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open (held by `ctx`); `raw` has the layout
+        // of `ibv_async_event`.
+        let rc = unsafe { ibv_get_async_event(ctx.ctx, (&mut raw as *mut RawAsyncEvent).cast()) };
+        if rc != 0 {
+            continue;
+        }
+        // SAFETY: the union member read is the one the event type says the
+        // library filled; a QP stays alive until its event is acknowledged.
+        let event = unsafe {
+            match raw.event_type {
+                1..=3 => AsyncEvent::QpFailed {
+                    qpn: (*raw.element.qp).qp_num,
+                },
+                0 => AsyncEvent::CqFailed,
+                8 => AsyncEvent::DeviceFailed,
+                9 => AsyncEvent::PortUp {
+                    port: u8::try_from(raw.element.port_num).unwrap_or(0),
+                },
+                10 => AsyncEvent::PortDown {
+                    port: u8::try_from(raw.element.port_num).unwrap_or(0),
+                },
+                code => AsyncEvent::Other { code },
+            }
+        };
+        // SAFETY: the event was returned by ibv_get_async_event above and
+        // is acknowledged once.
+        unsafe { ibv_ack_async_event((&mut raw as *mut RawAsyncEvent).cast()) };
+        handler(event);
+    }
+}
+
 /// What fork safety this process has (`ibv_is_fork_initialized`).
 pub fn fork_status() -> &'static str {
     // SAFETY: a query of library state, no preconditions.
@@ -432,7 +494,19 @@ impl CompletionQueue for IbvCq {
             let want = (max - taken).min(BATCH) as i32;
             // SAFETY: `cq` is alive and `wcs` holds `want` entries.
             let n = unsafe { ibv_poll_cq(self.cq, want, wcs.as_mut_ptr()) };
-            if n <= 0 {
+            if n < 0 {
+                // Not "empty": the CQ failed (its QPs' completions are
+                // lost; the device reports IBV_EVENT_CQ_ERR, which fails
+                // the engines). Counted, said once.
+                metrics::counter!("tessera_rdma_cq_poll_errors_total").increment(1);
+                static WARNED: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(rc = n, "ibv_poll_cq failed: the completion queue is broken");
+                }
+                break;
+            }
+            if n == 0 {
                 break;
             }
             for wc in &wcs[..n as usize] {
@@ -1128,6 +1202,35 @@ impl Device for IbvDevice {
 
     fn limits(&self) -> DeviceLimits {
         self.ctx.limits
+    }
+
+    fn watch_events(
+        &self,
+        handler: crate::verbs::EventHandler,
+    ) -> Result<crate::verbs::EventWatch, VerbsError> {
+        let ctx = Arc::clone(&self.ctx);
+        // SAFETY: the context is open; its async fd lives as long.
+        let fd = unsafe { (*ctx.ctx).async_fd };
+        // Non-blocking, so the watcher can look at its stop flag.
+        // SAFETY: fcntl on a descriptor the context owns; no memory.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+                return Err(VerbsError::NoDevice(os_error("fcntl(async_fd)")));
+            }
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = std::thread::Builder::new()
+            .name(format!("tessera-events-{}", ctx.name))
+            .spawn({
+                let stop = Arc::clone(&stop);
+                move || watch_async_events(&ctx, fd, &stop, &*handler)
+            })
+            .map_err(|e| VerbsError::NoDevice(format!("event thread: {e}")))?;
+        Ok(crate::verbs::EventWatch::new(move || {
+            stop.store(true, std::sync::atomic::Ordering::Release);
+            let _ = thread.join();
+        }))
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {

@@ -21,6 +21,7 @@
 //! `ibv_wc` and the QP attributes exchanged at connection setup, so a real
 //! provider maps them one to one.
 
+pub mod events;
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
 pub mod limits;
@@ -28,6 +29,7 @@ pub mod memlock;
 pub mod port;
 pub mod soft;
 
+pub use events::{AsyncEvent, EventHandler, EventWatch};
 pub use limits::DeviceLimits;
 pub use port::{GidType, LinkLayer};
 
@@ -397,6 +399,9 @@ pub trait Device: Send + Sync {
             self.name()
         )))
     }
+    /// Hands the device's asynchronous events to `handler` until the
+    /// returned watch is dropped.
+    fn watch_events(&self, handler: EventHandler) -> Result<EventWatch, VerbsError>;
     /// Receiver-not-ready events seen by this device (SENDs that found no
     /// receive posted), where the provider counts them.
     fn rnr_events(&self) -> Option<u64> {

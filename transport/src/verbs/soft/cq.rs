@@ -26,6 +26,8 @@ pub struct SoftCq {
     queue: Mutex<VecDeque<Pending>>,
     /// The wake sequence `arm` saw.
     armed_at: AtomicU32,
+    /// The device that reports this queue's overrun.
+    pub(crate) device: Mutex<std::sync::Weak<super::device::DeviceInner>>,
 }
 
 impl SoftCq {
@@ -40,6 +42,7 @@ impl SoftCq {
             ring,
             queue: Mutex::new(VecDeque::new()),
             armed_at: AtomicU32::new(0),
+            device: Mutex::new(std::sync::Weak::new()),
         })
     }
 
@@ -87,6 +90,16 @@ impl SoftCq {
 
 impl CompletionQueue for SoftCq {
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        if self.ring.take_overrun()
+            && let Some(device) = self
+                .device
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .upgrade()
+        {
+            // As a real device: an overrun CQ is reported asynchronously.
+            device.raise(crate::verbs::AsyncEvent::CqFailed);
+        }
         let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         self.drain_ring(&mut queue);
         let mut taken = 0;

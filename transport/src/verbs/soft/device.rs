@@ -148,6 +148,19 @@ impl SoftFabric {
             .clone()
     }
 
+    /// The devices open on this fabric now, in this process (drills reach
+    /// a transport's device by its name: [`crate::Transport::rdma_device`]).
+    pub fn devices(&self) -> Vec<SoftDevice> {
+        self.inner
+            .devices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(Weak::upgrade)
+            .map(|inner| SoftDevice { inner })
+            .collect()
+    }
+
     /// Opens a device (an RNIC with its protection domain) on the fabric,
     /// with the limits of the smallest real one ([`DeviceLimits::SOFT`]).
     pub fn open(
@@ -190,6 +203,7 @@ impl SoftFabric {
             faults,
             limits,
             port,
+            events: EventSlot::default(),
             rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ (node & 0xffff_ffff)),
             injected_qp_errors: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
@@ -237,9 +251,21 @@ pub(crate) struct DeviceInner {
     limits: DeviceLimits,
     /// Its port, as its QPs' endpoints tell peers.
     pub(crate) port: SoftPort,
+    /// Who hears its asynchronous events.
+    events: EventSlot,
     rng: Mutex<u64>,
     pub(crate) injected_qp_errors: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
+}
+
+/// The watcher of a device's events.
+#[derive(Default)]
+struct EventSlot(Mutex<Option<crate::verbs::EventHandler>>);
+
+impl std::fmt::Debug for EventSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventSlot").finish_non_exhaustive()
+    }
 }
 
 /// Which fault to roll for.
@@ -308,7 +334,21 @@ impl DeviceInner {
     }
 
     /// Makes `cq` reachable by peers in other processes.
-    pub(crate) fn adopt_cq(&self, cq: &Arc<SoftCq>) {
+    /// Hands `event` to the watcher of this device's events, if any.
+    pub(crate) fn raise(&self, event: crate::verbs::AsyncEvent) {
+        let handler = self
+            .events
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(handler) = handler {
+            handler(event);
+        }
+    }
+
+    pub(crate) fn adopt_cq(self: &Arc<Self>, cq: &Arc<SoftCq>) {
+        *cq.device.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(self);
         self.cqs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -393,6 +433,12 @@ impl SoftDevice {
         for qp in qps {
             qp.enter_error();
         }
+    }
+
+    /// Raises `event` as the device would (a drill: a port going down, a
+    /// QP failing on its own), to whoever watches its events.
+    pub fn raise_event(&self, event: crate::verbs::AsyncEvent) {
+        self.inner.raise(event);
     }
 
     /// Creates a soft completion queue (the concrete type, for tests).
@@ -550,6 +596,24 @@ impl Device for SoftDevice {
     ) -> Result<Arc<dyn QueuePair>, VerbsError> {
         let srq = crate::verbs::downcast_srq::<SoftSrq>(srq)?;
         self.new_qp(send_cq, recv_cq, Some(srq), caps)
+    }
+
+    fn watch_events(
+        &self,
+        handler: crate::verbs::EventHandler,
+    ) -> Result<crate::verbs::EventWatch, VerbsError> {
+        *self
+            .inner
+            .events
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(handler);
+        let device = Arc::downgrade(&self.inner);
+        Ok(crate::verbs::EventWatch::new(move || {
+            if let Some(device) = device.upgrade() {
+                *device.events.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+        }))
     }
 
     fn rnr_events(&self) -> Option<u64> {

@@ -447,6 +447,9 @@ struct CqHeader {
     armed: AtomicU32,
     /// Futex word bumped by wakers.
     wake_seq: AtomicU32,
+    /// Set by a pusher that found the ring full (an overrun), taken by the
+    /// owner, whose device then reports the CQ failed.
+    overrun: AtomicU32,
 }
 
 #[repr(C)]
@@ -535,7 +538,11 @@ impl CqRing {
                         Err(now) => position = now,
                     }
                 }
-                std::cmp::Ordering::Less => return false,
+                std::cmp::Ordering::Less => {
+                    header.overrun.store(1, Ordering::Release);
+                    self.wake();
+                    return false;
+                }
                 std::cmp::Ordering::Greater => position = header.enqueue.load(Ordering::Relaxed),
             }
         };
@@ -587,6 +594,11 @@ impl CqRing {
             header.wake_seq.fetch_add(1, Ordering::AcqRel);
             futex_wake(&header.wake_seq);
         }
+    }
+
+    /// Whether a pusher overran the ring since the last call.
+    pub(crate) fn take_overrun(&self) -> bool {
+        self.header().overrun.swap(0, Ordering::AcqRel) != 0
     }
 
     /// Takes the oldest completion (the owner only, one at a time).

@@ -359,6 +359,53 @@ fn connecting_ports_agree_on_the_smaller_mtu_and_refuse_mismatches() {
     assert_eq!(refused(big, v1), "RoCE version");
 }
 
+/// A completion queue that overruns is reported as a device event (as a
+/// real device raises `IBV_EVENT_CQ_ERR`) to whoever watches the device's
+/// events, once the owner next polls; nothing after the watch is dropped.
+#[test]
+fn a_cq_overrun_is_reported_as_a_device_event() {
+    use crate::verbs::AsyncEvent;
+    let caps = QpCaps {
+        max_send_wr: 128,
+        max_recv_wr: 128,
+        ..QpCaps::default()
+    };
+    let (a, b) = pair_with(SoftFaults::default(), caps);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let watch = b
+        .device
+        .watch_events(Arc::new({
+            let seen = Arc::clone(&seen);
+            move |event| seen.lock().unwrap().push(event)
+        }))
+        .unwrap();
+    let inbox: Vec<PoolBuf> = (0..100).map(|_| filled(&b.recv_pool, 16, 0)).collect();
+    let wrs: Vec<RecvWr> = inbox
+        .iter()
+        .enumerate()
+        .map(|(i, buf)| RecvWr {
+            wr_id: i as u64,
+            sge: sge(buf),
+        })
+        .collect();
+    b.qp.post_recv(&wrs).unwrap();
+    let data = filled(&a.send_pool, 8, 1);
+    // 100 receive completions into a CQ of 64, nobody polling.
+    let sends: Vec<SendWr> = (0..100).map(|i| send(i, &data)).collect();
+    a.qp.post_send(&sends).unwrap();
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "reported when the owner polls"
+    );
+    b.poll_recv();
+    assert_eq!(*seen.lock().unwrap(), vec![AsyncEvent::CqFailed]);
+    assert_eq!(b.qp.state(), QpState::Error);
+    drop(watch);
+    a.qp.post_send(&[send(200, &data)]).unwrap();
+    b.poll_recv();
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
 #[test]
 fn send_without_a_receive_is_receiver_not_ready_and_fails_the_qp() {
     let (a, b) = pair();
