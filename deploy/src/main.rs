@@ -86,6 +86,27 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Check this host for the transport: RDMA devices and ports (state,
+    /// link layer, MTU, GIDs), locked memory against what the transport
+    /// pins, fork safety, the soft NIC; each problem with what to change.
+    /// Fails (exit code 1) when the configured transport cannot run here.
+    Doctor {
+        /// Cluster description (TOML) whose `transport` and `[rdma]` are
+        /// checked; built-in defaults without it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Check this transport instead of the config's: `tcp`, `rdma`,
+        /// `auto`.
+        #[arg(long)]
+        transport: Option<String>,
+        /// With `--transport rdma` or `auto`: the provider, `ibverbs` or
+        /// `soft`.
+        #[arg(long)]
+        provider: Option<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the built-in cluster configuration as TOML.
     PrintConfig,
     /// Operate a running ps-server or worker (over Tessera RPC on TCP).
@@ -196,6 +217,12 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             .await
         }
         Command::Admin { action } => admin(action).await,
+        Command::Doctor {
+            config,
+            transport,
+            provider,
+            json,
+        } => doctor(load(config.as_ref())?, transport, provider, json).await,
         Command::PrintConfig => {
             #[allow(clippy::print_stdout)]
             {
@@ -498,4 +525,41 @@ async fn demo_once(
     let reports = outcome?;
     stopped?;
     Ok(reports)
+}
+
+/// `tessera doctor`: the transport's host checks for `config` (with the
+/// overrides), printed; an error when the configured transport cannot run.
+async fn doctor(
+    config: ClusterConfig,
+    transport: Option<String>,
+    provider: Option<String>,
+    json: bool,
+) -> Result<(), BoxError> {
+    let mut checked = tessera_rpc::TransportConfig {
+        kind: config.transport,
+        rdma: config.rdma.clone(),
+        ..tessera_rpc::TransportConfig::default()
+    };
+    if let Some(kind) = transport {
+        checked.kind = kind.parse()?;
+    }
+    if let Some(provider) = provider {
+        checked.rdma.provider = match provider.as_str() {
+            "ibverbs" => RdmaProvider::Ibverbs,
+            "soft" => RdmaProvider::Soft,
+            other => return Err(format!("unknown provider {other:?}: ibverbs or soft").into()),
+        };
+    }
+    let report = tessera_rpc::doctor::diagnose(&checked).await;
+    #[allow(clippy::print_stdout)]
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    if report.can_run {
+        Ok(())
+    } else {
+        Err("the configured transport cannot run on this host (see the problems above)".into())
+    }
 }

@@ -36,4 +36,6 @@ pub use replicas::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
 pub use server::{Server, ServerBuilder, Service, shutdown_signal};
 pub use status::{Code, Status};
 pub use tessera_config::{ConfigError, Validate};
+/// Host checks for the transport (`tessera doctor`).
+pub use tessera_transport::doctor;
 pub use tessera_transport::{RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind};

@@ -13,6 +13,7 @@
 
 mod config;
 mod connection;
+pub mod doctor;
 mod error;
 mod message;
 // The allocator is one of the two places allowed `unsafe` (with the verbs
