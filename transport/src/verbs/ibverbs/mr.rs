@@ -1,0 +1,48 @@
+//! Memory regions: the hook that registers pool blocks with the device's
+//! protection domain (pinning them).
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Registers pool memory with the device's protection domain.
+#[derive(Debug)]
+pub(super) struct IbvRegistration {
+    pub(super) ctx: Arc<Context>,
+}
+
+impl RegistrationHook for IbvRegistration {
+    fn register(
+        &self,
+        addr: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<RegisteredRegion, RegistrationError> {
+        let mut flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        if access.allows_remote_write() {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        // SAFETY: the pool passes memory it has mapped and keeps mapped
+        // until it deregisters it; the PD is alive (held by the Arc).
+        let mr = unsafe { ibv_reg_mr(self.ctx.pd, addr as *mut libc::c_void, len, flags as i32) };
+        if mr.is_null() {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(RegistrationError {
+                len,
+                reason: crate::verbs::memlock::registration_failure(len, errno),
+            });
+        }
+        // SAFETY: `mr` is a valid memory region returned just above.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(RegisteredRegion {
+            lkey,
+            rkey,
+            handle: mr as u64,
+        })
+    }
+
+    fn deregister(&self, _addr: usize, _len: usize, region: &RegisteredRegion) {
+        // SAFETY: `handle` is the ibv_mr this hook registered, deregistered
+        // once (the pool calls this once per registration).
+        unsafe { ibv_dereg_mr(region.handle as *mut ibv_mr) };
+    }
+}

@@ -1,0 +1,218 @@
+//! The soft NIC's shared state, laid out in shared memory so that peers in
+//! other processes can use it: the table of registered regions (with the
+//! device's event counters), each QP's receive queue and state, and each
+//! completion queue's ring of completions written by peers.
+//!
+//! Every field is an atomic of 4 or 8 bytes, so any bit pattern a peer
+//! leaves behind is a valid value: a misbehaving peer can corrupt what it
+//! shares, never this process's memory safety. Layouts are checked (magic,
+//! capacity, size) when a peer's segment is opened.
+
+use std::io;
+use std::mem::size_of;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::shm::SharedMapping;
+use crate::pool::Access;
+use crate::verbs::{RecvWr, Sge, WcKind, WcStatus, WorkCompletion};
+
+mod cq_ring;
+mod qp_segment;
+mod region;
+
+use cq_ring::{CqHeader, CqSlot};
+pub(crate) use cq_ring::{CqRing, RingCompletion};
+use qp_segment::{QpHeader, RecvSlot};
+pub(crate) use qp_segment::{
+    QpSegment, STATE_ERROR, STATE_INIT, STATE_READY, STATE_RESET, STATE_RTR,
+};
+use region::{DeviceHeader, RegionSlot};
+pub(crate) use region::{MemoryRegion, RegionTable};
+
+const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTD1");
+const QP_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTQ1");
+const CQ_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTC1");
+
+/// Region slots of a device: keys carry the slot in their low bits.
+pub(crate) const REGION_SLOTS: usize = 4096;
+const SLOT_BITS: u32 = 12;
+
+/// A typed view of a shared segment.
+#[derive(Debug)]
+struct Segment {
+    map: SharedMapping,
+}
+
+impl Segment {
+    /// The `T` at byte `offset`.
+    fn at<T: AtomicOnly>(&self, offset: usize) -> &T {
+        assert!(
+            offset + size_of::<T>() <= self.map.len()
+                && offset.is_multiple_of(std::mem::align_of::<T>())
+        );
+        // SAFETY: in bounds and aligned (asserted; the mapping is page
+        // aligned); `T` consists of atomics only, valid for any bytes and
+        // meant for shared access; the reference lives no longer than the
+        // mapping it borrows.
+        unsafe { &*((self.map.addr() + offset) as *const T) }
+    }
+
+    fn open(fd: OwnedFd, magic: u64, header: usize, slot: usize) -> io::Result<(Self, usize)> {
+        let segment = Self {
+            map: SharedMapping::open(fd)?,
+        };
+        let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+        if segment.map.len() < header {
+            return Err(invalid("segment shorter than its header"));
+        }
+        let head: &[AtomicU64; 2] = segment.at(0);
+        if head[0].load(Ordering::Acquire) != magic {
+            return Err(invalid("segment of another kind or version"));
+        }
+        let capacity = usize::try_from(head[1].load(Ordering::Acquire))
+            .map_err(|_| invalid("capacity out of range"))?;
+        let fits = capacity
+            .checked_mul(slot)
+            .and_then(|n| n.checked_add(header))
+            .is_some_and(|n| n <= segment.map.len());
+        if capacity == 0 || !capacity.is_power_of_two() || !fits {
+            return Err(invalid("capacity does not match the segment"));
+        }
+        Ok((segment, capacity))
+    }
+
+    fn create(
+        name: &str,
+        magic: u64,
+        header: usize,
+        slot: usize,
+        capacity: usize,
+    ) -> io::Result<Self> {
+        let segment = Self {
+            map: SharedMapping::create(name, header + slot * capacity)?,
+        };
+        let head: &[AtomicU64; 2] = segment.at(0);
+        head[1].store(capacity as u64, Ordering::Relaxed);
+        head[0].store(magic, Ordering::Release);
+        Ok(segment)
+    }
+}
+
+/// Types made of atomics only (valid for every bit pattern).
+trait AtomicOnly {}
+impl AtomicOnly for [AtomicU64; 2] {}
+impl AtomicOnly for DeviceHeader {}
+impl AtomicOnly for RegionSlot {}
+impl AtomicOnly for QpHeader {}
+impl AtomicOnly for RecvSlot {}
+impl AtomicOnly for CqHeader {}
+impl AtomicOnly for CqSlot {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(wr_id: u64) -> RingCompletion {
+        RingCompletion {
+            completion: WorkCompletion {
+                wr_id,
+                status: WcStatus::Success,
+                kind: WcKind::RecvWithImm(wr_id as u32 * 3),
+                byte_len: 7,
+                qpn: 9,
+                vendor_err: 0,
+            },
+            delay_polls: 0,
+        }
+    }
+
+    #[test]
+    fn completion_ring_is_fifo_bounded_and_survives_wrapping() {
+        let ring = CqRing::create(16).unwrap();
+        for round in 0..5u64 {
+            for i in 0..16 {
+                assert!(ring.push(completion(round * 100 + i)));
+            }
+            assert!(!ring.push(completion(999)), "full at its capacity");
+            for i in 0..16 {
+                assert_eq!(ring.pop(), Some(completion(round * 100 + i)));
+            }
+            assert_eq!(ring.pop(), None);
+        }
+    }
+
+    #[test]
+    fn completion_ring_takes_concurrent_producers() {
+        let ring = std::sync::Arc::new(CqRing::create(1024).unwrap());
+        let producers: Vec<_> = (0..4u64)
+            .map(|p| {
+                let ring = std::sync::Arc::clone(&ring);
+                std::thread::spawn(move || {
+                    for i in 0..200 {
+                        while !ring.push(completion(p * 1000 + i)) {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut last = [None::<u64>; 4];
+        let mut seen = 0;
+        while seen < 800 {
+            if let Some(entry) = ring.pop() {
+                let id = entry.completion.wr_id;
+                let p = (id / 1000) as usize;
+                assert!(last[p].is_none_or(|l| l < id), "per-producer order");
+                last[p] = Some(id);
+                seen += 1;
+            }
+        }
+        for p in producers {
+            p.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_segment_opened_from_its_fd_shares_memory_and_refuses_strangers() {
+        let qp = QpSegment::create(8, 3, 0).unwrap();
+        let peer = QpSegment::open(qp.fd().try_clone_to_owned().unwrap()).unwrap();
+        let wr = RecvWr {
+            wr_id: 5,
+            sge: Sge {
+                addr: 0x1000,
+                len: 64,
+                lkey: 7,
+            },
+        };
+        assert!(qp.push_recv(&wr));
+        assert_eq!(peer.recv_cq(), 3);
+        assert_eq!(peer.take_recv(), Some(wr));
+        assert_eq!(qp.posted(), 0);
+        let fd = qp.fd().try_clone_to_owned().unwrap();
+        assert!(CqRing::open(fd).is_err(), "a QP segment is not a CQ");
+    }
+
+    #[test]
+    fn region_keys_name_one_registration_only() {
+        let table = RegionTable::create().unwrap();
+        let region = MemoryRegion {
+            addr: 4096,
+            len: 100,
+            access: Access::RemoteWrite,
+        };
+        let old = RegionTable::key(5, 1);
+        table.publish(old, region);
+        assert_eq!(table.lookup(old), Some(region));
+        table.retire(old);
+        let new = RegionTable::key(5, 2);
+        table.publish(new, region);
+        assert_eq!(
+            table.lookup(old),
+            None,
+            "a reused slot does not revive a key"
+        );
+        assert_eq!(table.lookup(new), Some(region));
+        assert_eq!(table.lookup(0), None);
+    }
+}
