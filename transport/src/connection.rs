@@ -62,7 +62,7 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
                     rdma.soft_faults,
                 )
                 .map(|device| Arc::new(device) as Arc<dyn Device>)
-                .map_err(|err| TransportError::Rdma(err.to_string()))
+                .map_err(TransportError::rdma_error)
         }
         #[cfg(feature = "ibverbs")]
         RdmaProvider::Ibverbs => crate::verbs::ibverbs::IbvDevice::open(
@@ -72,11 +72,9 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
             rdma.traffic_class,
         )
         .map(|device| Arc::new(device) as Arc<dyn Device>)
-        .map_err(|err| TransportError::Rdma(err.to_string())),
+        .map_err(TransportError::rdma_error),
         #[cfg(not(feature = "ibverbs"))]
-        RdmaProvider::Ibverbs => Err(TransportError::Rdma(
-            "this build has no ibverbs provider".into(),
-        )),
+        RdmaProvider::Ibverbs => Err(TransportError::rdma_error(crate::RdmaError::NoProvider)),
     }
 }
 
@@ -195,7 +193,7 @@ impl Transport {
             (TransportKind::Tcp, _) | (TransportKind::Auto, None) => tcp().await,
             (TransportKind::Rdma, Some(rdma)) => rdma.connect(addr).await,
             (TransportKind::Rdma, None) => {
-                Err(TransportError::Rdma("transport has no RDMA device".into()))
+                Err(TransportError::rdma_error(crate::RdmaError::NoDevice))
             }
             (TransportKind::Auto, Some(rdma)) => {
                 match tokio::time::timeout(AUTO_HANDSHAKE_TIMEOUT, rdma.connect(addr)).await {

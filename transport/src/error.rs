@@ -44,7 +44,7 @@ pub enum TransportError {
     },
     /// No pool memory could be had for a message.
     #[error("no buffer memory: {0}")]
-    Memory(String),
+    Memory(#[from] crate::pool::PoolError),
     /// The configuration is invalid (boxed: rare, and it keeps every
     /// transport result small).
     #[error(transparent)]
@@ -67,16 +67,106 @@ pub enum TransportError {
     /// The locked-memory limit is below what the RDMA transport pins.
     #[error(transparent)]
     LockedMemory(#[from] crate::verbs::memlock::LockedMemoryError),
-    /// The RDMA device, queue pair or engine failed.
+    /// The RDMA device, queue pair, handshake or engine failed: which,
+    /// and why, as a type ([`RdmaError`]; boxed, as it is large and rare,
+    /// to keep every transport result small).
     #[error("rdma: {0}")]
-    Rdma(String),
+    Rdma(Box<RdmaError>),
     /// The connection is closed (locally or by a previous error).
     #[error("connection closed")]
     Closed,
+}
+
+impl From<RdmaError> for TransportError {
+    fn from(err: RdmaError) -> Self {
+        TransportError::Rdma(Box::new(err))
+    }
+}
+
+impl TransportError {
+    /// The error for an RDMA failure.
+    pub(crate) fn rdma_error(err: impl Into<RdmaError>) -> Self {
+        TransportError::Rdma(Box::new(err.into()))
+    }
+
+    /// The RDMA failure, if this is one.
+    pub fn rdma(&self) -> Option<&RdmaError> {
+        match self {
+            TransportError::Rdma(err) => Some(err),
+            _ => None,
+        }
+    }
 }
 
 impl From<tessera_config::ConfigError> for TransportError {
     fn from(err: tessera_config::ConfigError) -> Self {
         TransportError::Config(Box::new(err))
     }
+}
+
+/// Why the RDMA side of the transport failed. Callers tell a dead peer
+/// ([`crate::rdma::engine::EngineError::PeerDead`]) from a flushed or
+/// failed work request (`Completion { status, .. }`) from a device event
+/// or a refused handshake by matching on it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RdmaError {
+    /// A verbs call failed (device, queue, post).
+    #[error(transparent)]
+    Verbs(#[from] crate::verbs::VerbsError),
+    /// The connection's engine failed (the peer, a work completion, the
+    /// protocol, the device).
+    #[error(transparent)]
+    Engine(#[from] crate::rdma::engine::EngineError),
+    /// The connection handshake was refused.
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    /// The I/O thread serving the connection has stopped.
+    #[error("the RDMA I/O thread stopped")]
+    ThreadStopped,
+    /// The queue pair to the peer has failed and is gone.
+    #[error("the queue pair to this peer failed")]
+    EngineGone,
+    /// No engine to the address could be set up (it kept going away).
+    #[error("could not set up an RDMA connection to {addr}")]
+    NoConnection {
+        /// The address.
+        addr: String,
+    },
+    /// The transport runs without an RDMA device (TCP, or `auto` without
+    /// one).
+    #[error("this transport has no RDMA device")]
+    NoDevice,
+    /// The build has no ibverbs provider (cargo feature `ibverbs`).
+    #[error("this build has no ibverbs provider")]
+    NoProvider,
+    /// A receive buffer lies outside registered memory.
+    #[error("a receive buffer lies outside the registered pool")]
+    BufferOutsidePool,
+}
+
+/// Why an RDMA connection handshake was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// The peer does not speak the Tessera RDMA handshake.
+    #[error("peer does not speak the Tessera RDMA handshake")]
+    NotTessera,
+    /// The peer speaks another version of the protocol.
+    #[error("peer speaks RDMA protocol version {peer}, this build {ours}")]
+    Version {
+        /// The peer's.
+        peer: u16,
+        /// This build's.
+        ours: u16,
+    },
+    /// The hello names a link layer this build does not know.
+    #[error("peer's hello names link layer {0}")]
+    LinkLayer(u8),
+    /// The accepting side never heard the dialer confirm.
+    #[error("peer did not confirm the RDMA connection")]
+    NotConfirmed,
+    /// The hello names a GID type this build does not know.
+    #[error("peer's hello names GID type {0}")]
+    GidType(u8),
 }

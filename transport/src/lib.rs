@@ -29,6 +29,6 @@ pub mod verbs;
 
 pub use config::{Polling, RdmaConfig, RdmaProvider, TransportConfig, TransportKind};
 pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};
-pub use error::TransportError;
+pub use error::{HandshakeError, RdmaError, TransportError};
 pub use message::Message;
 pub use tessera_config::ConfigError;

@@ -54,7 +54,7 @@ pub use region::RegionInfo;
 use tessera_config::{ConfigError, Validate};
 
 /// Why an allocation failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
     /// Growing the pool would pass `max_registered_bytes`.

@@ -33,7 +33,7 @@ use super::io::{Attached, Command, IoThread, SharedReceives};
 use super::window::WindowConfig;
 use crate::pool::Pool;
 use crate::verbs::{Device, GidType, LinkLayer, QpCaps, QpEndpoint};
-use crate::{Connection, TransportConfig, TransportError};
+use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
 pub const PROTOCOL_VERSION: u16 = 4;
@@ -96,9 +96,7 @@ impl Hello {
     /// Decodes a hello; anything but the Tessera RDMA handshake is refused.
     pub fn decode(raw: &[u8; HELLO_LEN]) -> Result<Self, TransportError> {
         if &raw[0..4] != HELLO_MAGIC {
-            return Err(TransportError::Rdma(
-                "peer does not speak the Tessera RDMA handshake".into(),
-            ));
+            return Err(TransportError::rdma_error(HandshakeError::NotTessera));
         }
         let u32_at = |i: usize| u32::from_le_bytes([raw[i], raw[i + 1], raw[i + 2], raw[i + 3]]);
         let u64_at = |i: usize| {
@@ -112,12 +110,11 @@ impl Hello {
         // elsewhere or missing).
         let version = u16::from_le_bytes([raw[4], raw[5]]);
         let (link_layer, gid_type) = if version == PROTOCOL_VERSION {
-            let link_layer = LinkLayer::from_code(raw[80]).ok_or_else(|| {
-                TransportError::Rdma(format!("peer's hello names link layer {}", raw[80]))
-            })?;
-            let gid_type = GidType::from_code(raw[81]).ok_or_else(|| {
-                TransportError::Rdma(format!("peer's hello names GID type {}", raw[81]))
-            })?;
+            let link_layer = LinkLayer::from_code(raw[80]).ok_or(TransportError::rdma_error(
+                HandshakeError::LinkLayer(raw[80]),
+            ))?;
+            let gid_type = GidType::from_code(raw[81])
+                .ok_or(TransportError::rdma_error(HandshakeError::GidType(raw[81])))?;
             (link_layer, gid_type)
         } else {
             (LinkLayer::Ethernet, GidType::RoceV2)
@@ -191,7 +188,7 @@ impl RdmaRuntime {
         pools: (Pool, Pool),
     ) -> Result<Self, TransportError> {
         let rdma = &config.rdma;
-        let failed = |e: crate::verbs::VerbsError| TransportError::Rdma(e.to_string());
+        let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
         let threads = (0..rdma.io_threads)
             .map(|i| {
                 let cq = device.create_cq(rdma.cq_depth).map_err(failed)?;
@@ -329,9 +326,9 @@ impl RdmaRuntime {
                 table.remove(addr);
             }
         }
-        Err(TransportError::Rdma(format!(
-            "could not set up an RDMA connection to {addr}"
-        )))
+        Err(TransportError::rdma_error(RdmaError::NoConnection {
+            addr: addr.to_owned(),
+        }))
     }
 
     async fn dial(&self, addr: &str) -> Result<EngineRef, TransportError> {
@@ -356,7 +353,7 @@ impl RdmaRuntime {
         let peer = stream.peer_addr()?;
         let rdma = &self.config.rdma;
         let (io, cq_room) = self.thread()?;
-        let failed = |e: crate::verbs::VerbsError| TransportError::Rdma(e.to_string());
+        let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
         let caps = QpCaps {
             max_send_wr: rdma.send_queue_depth,
             max_recv_wr: rdma.recv_queue_depth,
@@ -404,7 +401,7 @@ impl RdmaRuntime {
             role,
             Instant::now(),
         )
-        .map_err(|e| TransportError::Rdma(e.to_string()))?;
+        .map_err(TransportError::rdma_error)?;
         // Receives go up before the peer can learn of them.
         if let Some(wrs) = engine.poll_recv_post() {
             qp.post_recv(&wrs).map_err(failed)?;
@@ -426,10 +423,10 @@ impl RdmaRuntime {
         let check = |raw: &[u8; HELLO_LEN]| -> Result<Hello, TransportError> {
             let theirs = Hello::decode(raw)?;
             if theirs.version != PROTOCOL_VERSION {
-                return Err(TransportError::Rdma(format!(
-                    "peer speaks RDMA protocol version {}, this build {PROTOCOL_VERSION}",
-                    theirs.version
-                )));
+                return Err(TransportError::rdma_error(HandshakeError::Version {
+                    peer: theirs.version,
+                    ours: PROTOCOL_VERSION,
+                }));
             }
             Ok(theirs)
         };
@@ -448,9 +445,7 @@ impl RdmaRuntime {
                 // handshake timeout.
                 stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
                 if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
-                    return Err(TransportError::Rdma(
-                        "peer does not speak the Tessera RDMA handshake".into(),
-                    ));
+                    return Err(TransportError::rdma_error(HandshakeError::NotTessera));
                 }
                 stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
                 let theirs = check(&raw)?;
@@ -488,7 +483,7 @@ impl RdmaRuntime {
             _cq_room: cq_room,
         };
         if !io.submit(Command::Attach(Box::new(attached))) {
-            return Err(TransportError::Rdma("I/O thread stopped".into()));
+            return Err(TransportError::rdma_error(RdmaError::ThreadStopped));
         }
         if role == Role::Acceptor {
             let confirmed = async {
@@ -496,9 +491,7 @@ impl RdmaRuntime {
                 let mut ready = [0u8; 1];
                 stream.read_exact(&mut ready).await?;
                 if ready[0] != READY {
-                    return Err(TransportError::Rdma(
-                        "peer did not confirm the RDMA connection".into(),
-                    ));
+                    return Err(TransportError::rdma_error(HandshakeError::NotConfirmed));
                 }
                 Ok(())
             };
@@ -531,11 +524,11 @@ async fn open_socket(engine: &EngineRef) -> Result<Connection, TransportError> {
         qpn: engine.qpn,
         reply,
     }) {
-        return Err(TransportError::Rdma("I/O thread stopped".into()));
+        return Err(TransportError::rdma_error(RdmaError::ThreadStopped));
     }
     opened
         .await
-        .map_err(|_| TransportError::Rdma("I/O thread stopped".into()))?
+        .map_err(|_| TransportError::rdma_error(RdmaError::ThreadStopped))?
 }
 
 #[cfg(test)]

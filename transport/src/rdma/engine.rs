@@ -165,7 +165,13 @@ pub enum EngineError {
     Protocol(String),
     /// No pool memory.
     #[error("no buffer memory: {0}")]
-    Memory(String),
+    Memory(#[from] crate::pool::PoolError),
+    /// A buffer the NIC must reach is not registered memory (`what`).
+    #[error("{0} is not in registered memory")]
+    Unregistered(&'static str),
+    /// The engine has failed already (an operation after its failure).
+    #[error("the engine has failed")]
+    Failed,
     /// A message to send is larger than the limit.
     #[error("message of {len} bytes exceeds the limit of {max}")]
     TooLarge {
@@ -502,9 +508,7 @@ impl Engine {
     }
 
     fn alloc(pool: &Pool, len: usize) -> Result<PoolBuf, EngineError> {
-        let mut buf = pool
-            .alloc(len)
-            .map_err(|e| EngineError::Memory(e.to_string()))?;
+        let mut buf = pool.alloc(len).map_err(EngineError::Memory)?;
         buf.set_len(len);
         Ok(buf)
     }
@@ -513,7 +517,7 @@ impl Engine {
     /// message).
     pub fn open_socket(&mut self) -> Result<SocketId, EngineError> {
         if self.failed {
-            return Err(EngineError::Protocol("engine has failed".into()));
+            return Err(EngineError::Failed);
         }
         let id = loop {
             let candidate = match self.role {
@@ -573,7 +577,7 @@ impl Engine {
     /// parts than fit in one work request are gathered into one buffer.
     pub fn send(&mut self, socket: SocketId, message: Message) -> Result<(), EngineError> {
         if self.failed {
-            return Err(EngineError::Protocol("engine has failed".into()));
+            return Err(EngineError::Failed);
         }
         if !self.sockets.contains_key(&socket) {
             return Err(EngineError::SocketClosed(socket));
@@ -601,7 +605,7 @@ impl Engine {
                 parts.push(
                     self.send_pool
                         .alloc_copy(part)
-                        .map_err(|e| EngineError::Memory(e.to_string()))?
+                        .map_err(EngineError::Memory)?
                         .freeze(),
                 );
             }
@@ -648,14 +652,13 @@ impl Engine {
         let header = self
             .send_pool
             .alloc_copy(&header.encode())
-            .map_err(|e| EngineError::Memory(e.to_string()))?
+            .map_err(EngineError::Memory)?
             .freeze();
         let mut keep = Vec::with_capacity(payload.len() + 1);
         let mut sges = Vec::with_capacity(payload.len() + 1);
         let mut bytes = 0;
         for part in std::iter::once(&header).chain(payload) {
-            let sge = Self::sge(part)
-                .ok_or_else(|| EngineError::Memory("unregistered send buffer".into()))?;
+            let sge = Self::sge(part).ok_or(EngineError::Unregistered("a send buffer"))?;
             bytes += part.len();
             sges.push(sge);
             keep.push(part.clone());
@@ -721,10 +724,9 @@ impl Engine {
         let source = self
             .send_pool
             .alloc_copy(&ka.seq.to_le_bytes())
-            .map_err(|e| EngineError::Memory(e.to_string()))?
+            .map_err(EngineError::Memory)?
             .freeze();
-        let sge = Self::sge(&source)
-            .ok_or_else(|| EngineError::Memory("unregistered keepalive".into()))?;
+        let sge = Self::sge(&source).ok_or(EngineError::Unregistered("the keepalive slot"))?;
         self.window.add(KEEPALIVE_SLOT_LEN);
         self.stats.keepalives_sent += 1;
         self.ring.push(RingEntry {
@@ -855,10 +857,7 @@ impl Engine {
             }
             let take = (part.len() - skip).min(room);
             let slice = part.slice(skip..skip + take);
-            sges.push(
-                Self::sge(&slice)
-                    .ok_or_else(|| EngineError::Memory("unregistered send buffer".into()))?,
-            );
+            sges.push(Self::sge(&slice).ok_or(EngineError::Unregistered("a send buffer"))?);
             keep.push(slice);
             room -= take;
             skip = 0;
@@ -1002,9 +1001,7 @@ impl Engine {
                 },
             };
             let Some(wr) = recv_wr(wr_id::recv(slot), &buf) else {
-                self.fail(EngineError::Memory(
-                    "receive buffer outside the pool".into(),
-                ));
+                self.fail(EngineError::Unregistered("a receive buffer"));
                 return None;
             };
             wrs.push(wr);
@@ -1201,7 +1198,7 @@ impl Engine {
                 let dest = Self::alloc(&self.recv_pool, size as usize)?;
                 let region = dest
                     .region()
-                    .ok_or_else(|| EngineError::Memory("destination outside the pool".into()))?;
+                    .ok_or(EngineError::Unregistered("a write destination"))?;
                 let addr = dest.as_ptr() as u64;
                 self.incoming.insert(header.msg_id, (header.socket, dest));
                 self.control.push_back(Control::Cts {

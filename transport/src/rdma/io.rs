@@ -139,8 +139,9 @@ impl SharedReceives {
                 }
             };
             buf.set_len(self.buffer);
-            let wr = recv_wr(super::wr_id::shared_recv(slot), &buf)
-                .ok_or_else(|| TransportError::Rdma("receive buffer outside the pool".into()))?;
+            let wr = recv_wr(super::wr_id::shared_recv(slot), &buf).ok_or(
+                TransportError::rdma_error(crate::RdmaError::BufferOutsidePool),
+            )?;
             wrs.push(wr);
             self.slots[slot] = Some(buf);
         }
@@ -167,7 +168,7 @@ impl SharedReceives {
                         self.free.push(slot);
                     }
                 }
-                Err(TransportError::Rdma(err.to_string()))
+                Err(TransportError::rdma_error(err))
             }
         }
     }
@@ -797,14 +798,14 @@ impl Worker {
                         io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
                     }
                     for (_, reply) in opening.drain() {
-                        let _ = reply.send(Err(TransportError::Rdma(err.to_string())));
+                        let _ = reply.send(Err(TransportError::rdma_error(err.clone())));
                     }
                     tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
                     for s in sockets.values_mut() {
                         s.permits.close();
                         if s.deliver.is_some() && !s.rx_closed {
                             s.backlog
-                                .push_back(Err(TransportError::Rdma(err.to_string())));
+                                .push_back(Err(TransportError::rdma_error(err.clone())));
                             s.rx_closed = true;
                         }
                     }
@@ -863,12 +864,12 @@ impl Worker {
                         slot.opening.insert(socket, reply);
                     }
                     Err(err) => {
-                        let _ = reply.send(Err(TransportError::Rdma(err.to_string())));
+                        let _ = reply.send(Err(TransportError::rdma_error(err)));
                     }
                 },
                 None => {
-                    let _ = reply.send(Err(TransportError::Rdma(
-                        "the queue pair to this peer failed".into(),
+                    let _ = reply.send(Err(TransportError::rdma_error(
+                        crate::RdmaError::EngineGone,
                     )));
                 }
             },

@@ -182,10 +182,7 @@ impl TcpReceiver {
     }
 
     fn alloc(&self, len: usize) -> Result<PoolBuf, TransportError> {
-        let mut buf = self
-            .pool
-            .alloc(len)
-            .map_err(|err| TransportError::Memory(err.to_string()))?;
+        let mut buf = self.pool.alloc(len).map_err(TransportError::Memory)?;
         buf.set_len(len);
         Ok(buf)
     }
@@ -218,9 +215,10 @@ impl TcpReceiver {
                 // A full buffer always holds a whole frame, a frame that goes
                 // the large path, or a partial one not at the front.
                 if self.start == 0 {
-                    return Err(TransportError::Memory(
-                        "receive buffer full without a whole frame".into(),
-                    ));
+                    return Err(TransportError::Io(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "receive buffer full without a whole frame",
+                    )));
                 }
                 self.compact();
                 continue;
