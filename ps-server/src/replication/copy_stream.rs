@@ -103,6 +103,22 @@ impl CopySource {
         self.total
     }
 
+    /// Where each table's row file lies in the stream (name, offset,
+    /// length, rows): a checkpoint writes each as a file of its own,
+    /// encoded range by range ([`CopySource::read_at`]) instead of whole.
+    pub fn table_files(&self) -> Vec<(&str, u64, u64, u64)> {
+        let mut at = 4u64;
+        let mut out = Vec::with_capacity(self.parts.len());
+        for (part, (shape, table)) in self.parts.iter().zip(&self.snapshot.tables) {
+            let rows = table.rows.len() as u64;
+            let file = HEADER + rows * part.row_bytes + part.trailer.len() as u64;
+            let start = at + 4 + shape.name.len() as u64 + 8;
+            out.push((shape.name.as_str(), start, file, rows));
+            at = start + file;
+        }
+        out
+    }
+
     /// The stream's bytes from `offset`, at most `max` of them (fewer at
     /// the end; none at or past it).
     pub fn read_at(&self, offset: u64, max: usize) -> Vec<u8> {

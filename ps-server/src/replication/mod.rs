@@ -52,7 +52,7 @@
 //!   acknowledged under two epochs.
 
 mod ack;
-mod copy_stream;
+pub(crate) mod copy_stream;
 mod forward;
 mod health;
 mod pending;
