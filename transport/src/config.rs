@@ -291,6 +291,24 @@ impl Validate for RdmaConfig {
         if self.cq_depth < 256 {
             return Err(invalid("cq_depth", "must be at least 256"));
         }
+        // A thread's CQ holds its shared receive queue's completions and at
+        // least one connection's (see `rdma/cq_budget.rs`).
+        let one = self.send_queue_depth + if self.srq { 0 } else { self.recv_queue_depth };
+        let fixed = if self.srq { self.srq_depth } else { 0 };
+        if u64::from(fixed) + u64::from(one) > u64::from(self.cq_depth) {
+            return Err(invalid(
+                "cq_depth",
+                format!(
+                    "{} cannot hold one connection ({one} entries){}",
+                    self.cq_depth,
+                    if self.srq {
+                        format!(" beside the shared receive queue ({fixed})")
+                    } else {
+                        String::new()
+                    }
+                ),
+            ));
+        }
         Ok(())
     }
 }

@@ -362,19 +362,6 @@ impl RdmaRuntime {
             // credits make a receiver-not-ready impossible anyway.
             rnr_retry: 7,
         };
-        let qp = match io.srq() {
-            Some(srq) => {
-                self.device
-                    .create_qp_on_srq(Arc::clone(io.cq()), Arc::clone(io.cq()), srq, caps)
-            }
-            None => self
-                .device
-                .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps),
-        }
-        .map_err(failed)?;
-        // INIT before the first receives: real providers (rxe, hns) refuse
-        // receives on a QP in RESET.
-        qp.init().map_err(failed)?;
         let engine_config = EngineConfig {
             send_queue_depth: rdma.send_queue_depth,
             recv_queue_depth: rdma.recv_queue_depth,
@@ -402,6 +389,22 @@ impl RdmaRuntime {
             Instant::now(),
         )
         .map_err(TransportError::rdma_error)?;
+        // The QP after the engine: on every early return below, locals drop
+        // in reverse, so the QP (which may hold the engine's receive
+        // buffers) goes before the engine that owns them.
+        let qp = match io.srq() {
+            Some(srq) => {
+                self.device
+                    .create_qp_on_srq(Arc::clone(io.cq()), Arc::clone(io.cq()), srq, caps)
+            }
+            None => self
+                .device
+                .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps),
+        }
+        .map_err(failed)?;
+        // INIT before the first receives: real providers (rxe, hns) refuse
+        // receives on a QP in RESET.
+        qp.init().map_err(failed)?;
         // Receives go up before the peer can learn of them.
         if let Some(wrs) = engine.poll_recv_post() {
             qp.post_recv(&wrs).map_err(failed)?;
@@ -481,6 +484,7 @@ impl RdmaRuntime {
             max_message_size: self.config.max_message_size,
             send_queue_depth: self.config.send_queue_depth,
             _cq_room: cq_room,
+            close_when_unused: role == Role::Dialer && !rdma.multiplex,
         };
         if !io.submit(Command::Attach(Box::new(attached))) {
             return Err(TransportError::rdma_error(RdmaError::ThreadStopped));

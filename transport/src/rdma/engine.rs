@@ -193,6 +193,10 @@ pub enum EngineError {
     /// ([`Engine::handle_device_event`]).
     #[error("the device reported {0:?}")]
     Device(crate::verbs::AsyncEvent),
+    /// Closed by its owner: no socket is left on it, and it is not shared
+    /// ([`Engine::handle_unused`]). Not a failure.
+    #[error("closed: no socket left on it")]
+    Unused,
     /// Posting work requests failed ([`Engine::handle_post_error`]).
     #[error("posting to the queue pair failed: {0}")]
     Post(crate::verbs::VerbsError),
@@ -1018,6 +1022,14 @@ impl Engine {
     /// The peer's handshake connection closed: it is gone.
     pub fn handle_peer_closed(&mut self) {
         self.fail(EngineError::PeerClosed);
+    }
+
+    /// The owner closes the engine: its last socket is gone and nobody
+    /// shares it (a connection of its own, `multiplex = false`). Without
+    /// this such an engine lived, holding its QP and its room on the CQ,
+    /// until its peer went away.
+    pub fn handle_unused(&mut self) {
+        self.fail(EngineError::Unused);
     }
 
     /// The device reported that this engine's QP failed, or something

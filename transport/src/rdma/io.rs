@@ -90,6 +90,9 @@ pub(crate) struct Attached {
     pub(crate) send_queue_depth: usize,
     /// Its room on the thread's CQ, given back with it (after the QP).
     pub(crate) _cq_room: super::cq_budget::CqReservation,
+    /// Close it once its last socket is gone (a dialer's engine that is not
+    /// shared: `multiplex = false`).
+    pub(crate) close_when_unused: bool,
 }
 
 /// An I/O thread's shared receive queue and the buffers posted on it.
@@ -154,6 +157,8 @@ impl SharedReceives {
                 // What did not go up is not the NIC's: its slots are free
                 // again (the next round tries them anew), its buffers go
                 // back to the pool.
+                // A post that says how far it got frees the rest; any other
+                // error posted nothing (it was refused before the list).
                 let posted = match err {
                     crate::verbs::VerbsError::PostFailed { posted, .. } => posted as usize,
                     _ => 0,
@@ -238,6 +243,7 @@ impl IoThread {
             self_handle: None,
             stats: Arc::clone(&stats),
             last_metrics: Instant::now(),
+            last_repost_warning: None,
         };
         let handle = Self {
             commands,
@@ -475,6 +481,8 @@ struct EngineSlot {
     sockets: HashMap<SocketId, SocketSlot>,
     /// Sockets this end opened, waiting for the peer's answer.
     opening: HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
+    /// Whether a socket was ever opened on it.
+    had_socket: bool,
 }
 
 // Field order is drop order: the engines (and their QPs) go before the
@@ -492,6 +500,8 @@ struct Worker {
     self_handle: Option<WeakIoThread>,
     stats: Arc<IoStats>,
     last_metrics: Instant,
+    /// When a failed shared-receive repost was last logged.
+    last_repost_warning: Option<Instant>,
 }
 
 /// How often an I/O thread brings its metrics up to date.
@@ -560,7 +570,16 @@ impl Worker {
                 if backlog < BACKLOG_LIMIT
                     && let Err(err) = shared.repost()
                 {
-                    tracing::warn!(%err, "reposting shared receives failed");
+                    // Said at most once a second: a queue that keeps
+                    // failing would say it every round.
+                    if self
+                        .last_repost_warning
+                        .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
+                    {
+                        tracing::warn!(%err, "reposting shared receives failed");
+                        self.last_repost_warning = Some(Instant::now());
+                    }
+                    metrics::counter!("tessera_rdma_srq_repost_failures_total").increment(1);
                 }
             }
             // Timers.
@@ -711,8 +730,12 @@ impl Worker {
             attached,
             sockets,
             opening,
+            had_socket,
             ..
         } = slot;
+        if !sockets.is_empty() {
+            *had_socket = true;
+        }
         if backlog < BACKLOG_LIMIT
             && let Some(wrs) = attached.engine.poll_recv_post()
         {
@@ -784,6 +807,9 @@ impl Worker {
                         s.rx_closed = true;
                     }
                 }
+                EngineEvent::Failed(super::engine::EngineError::Unused) => {
+                    attached.alive.store(false, Ordering::Release);
+                }
                 EngineEvent::Failed(err) => {
                     attached.alive.store(false, Ordering::Release);
                     metrics::counter!("tessera_rdma_engine_failures_total").increment(1);
@@ -838,6 +864,16 @@ impl Worker {
             }
         }
         sockets.retain(|_, s| !(s.tx_closed && s.deliver.is_none()));
+        if attached.close_when_unused
+            && *had_socket
+            && sockets.is_empty()
+            && opening.is_empty()
+            && !attached.engine.is_failed()
+            && attached.engine.is_idle()
+        {
+            attached.engine.handle_unused();
+            progress = true;
+        }
         progress
     }
 
@@ -850,6 +886,7 @@ impl Worker {
                     attached: *attached,
                     sockets: HashMap::new(),
                     opening: HashMap::new(),
+                    had_socket: false,
                 };
                 let now = Instant::now();
                 for completion in self.orphans.remove(&qpn).unwrap_or_default() {
@@ -920,6 +957,7 @@ impl Worker {
                     // and a CQ that overran is a configuration beyond the
                     // CQ budget, so failing all at once is the safe side.
                     AsyncEvent::CqFailed
+                    | AsyncEvent::SrqFailed
                     | AsyncEvent::DeviceFailed
                     | AsyncEvent::PortDown { .. } => {
                         for slot in self.engines.values_mut() {

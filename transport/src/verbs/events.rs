@@ -24,6 +24,9 @@ pub enum AsyncEvent {
     /// A completion queue overran or failed (`IBV_EVENT_CQ_ERR`): every QP
     /// on it is in error.
     CqFailed,
+    /// A shared receive queue failed (`IBV_EVENT_SRQ_ERR`): every QP
+    /// taking receives from it is stuck.
+    SrqFailed,
     /// A port went down (`IBV_EVENT_PORT_ERR`): its QPs cannot reach
     /// anyone until it is back.
     PortDown {
@@ -50,6 +53,7 @@ impl AsyncEvent {
         match self {
             AsyncEvent::QpFailed { .. } => "qp_failed",
             AsyncEvent::CqFailed => "cq_failed",
+            AsyncEvent::SrqFailed => "srq_failed",
             AsyncEvent::PortDown { .. } => "port_down",
             AsyncEvent::PortUp { .. } => "port_up",
             AsyncEvent::DeviceFailed => "device_failed",

@@ -141,8 +141,10 @@ pub struct GidEntry {
 
 /// The entry a RoCE port addresses by: the `configured` index if there is
 /// one (it must not be empty), else a RoCE v2 IPv4-mapped entry, else any
-/// RoCE v2 entry, else any non-empty one. Index 0 is often the link-local
-/// RoCE v1 GID, which is why the default is not simply the first.
+/// RoCE v2 entry, else an IPv4-mapped entry of unknown type (where the
+/// host does not say types), else any non-empty one. Index 0 is often the
+/// link-local RoCE v1 GID, which is why the default is not simply the
+/// first.
 pub fn pick_gid(entries: &[GidEntry], configured: Option<u8>) -> Result<GidEntry, VerbsError> {
     let filled = |e: &&GidEntry| e.gid != [0; 16];
     if let Some(index) = configured {
@@ -159,6 +161,12 @@ pub fn pick_gid(entries: &[GidEntry], configured: Option<u8>) -> Result<GidEntry
         .filter(filled)
         .find(|e| v2(e) && ipv4_mapped(&e.gid))
         .or_else(|| entries.iter().filter(filled).find(v2))
+        .or_else(|| {
+            entries
+                .iter()
+                .filter(filled)
+                .find(|e| e.gid_type.is_none() && ipv4_mapped(&e.gid))
+        })
         .or_else(|| entries.iter().find(filled))
         .copied()
         .ok_or(VerbsError::NoGid { index: None })

@@ -30,7 +30,13 @@ pub(super) fn watch_async_events(
             revents: 0,
         };
         // SAFETY: one valid pollfd; a bounded wait.
-        if unsafe { libc::poll(&mut pfd, 1, 100) } <= 0 {
+        let ready = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if ready <= 0 {
+            continue;
+        }
+        if pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            // A broken descriptor stays ready: back off instead of spinning.
+            std::thread::sleep(std::time::Duration::from_millis(100));
             continue;
         }
         // SAFETY: plain data; zeroed is a valid value of both fields.
@@ -39,6 +45,8 @@ pub(super) fn watch_async_events(
         // of `ibv_async_event`.
         let rc = unsafe { ibv_get_async_event(ctx.ctx, (&mut raw as *mut RawAsyncEvent).cast()) };
         if rc != 0 {
+            // Nothing to read after all (or a failing read): back off.
+            std::thread::sleep(std::time::Duration::from_millis(10));
             continue;
         }
         // SAFETY: the union member read is the one the event type says the
@@ -49,6 +57,7 @@ pub(super) fn watch_async_events(
                     qpn: (*raw.element.qp).qp_num,
                 },
                 0 => AsyncEvent::CqFailed,
+                14 => AsyncEvent::SrqFailed,
                 8 => AsyncEvent::DeviceFailed,
                 9 => AsyncEvent::PortUp {
                     port: u8::try_from(raw.element.port_num).unwrap_or(0),

@@ -18,8 +18,8 @@
 //! never matches on 64-bit hosts.)
 //!
 //! Also: fork safety is set up before the first registration
-//! (`ibv_fork_init`, unless the kernel needs none); sends of up to 64
-//! bytes go inline where the device allows; CQs spread over the device's
+//! (`ibv_fork_init`, unless the kernel needs none); small sends go inline
+//! (64 bytes asked of the device, what it grants used); CQs spread over the device's
 //! completion vectors; the port must be active, and the GID is picked as
 //! [`super::port::pick_gid`] says.
 
@@ -49,7 +49,7 @@ use domain::ThreadDomain;
 use events::watch_async_events;
 use mr::IbvRegistration;
 pub use qp::IbvQp;
-use qp::RecvList;
+use qp::{RecvList, posted_before};
 pub use srq::IbvSrq;
 
 fn os_error(call: &str) -> String {
@@ -250,7 +250,14 @@ impl IbvDevice {
                 context.gid = chosen.gid;
                 // A type the host does not say is taken for v2, what every
                 // RoCE fabric of today runs.
-                context.gid_type = chosen.gid_type.unwrap_or(GidType::RoceV2);
+                context.gid_type = chosen.gid_type.unwrap_or_else(|| {
+                    tracing::warn!(
+                        device = %context.name,
+                        index = chosen.index,
+                        "the GID's type is not known here (no sysfs gid_attrs): taking it for RoCE v2; set rdma.gid_index if that is wrong"
+                    );
+                    GidType::RoceV2
+                });
             }
         }
         Ok(Self {
@@ -265,7 +272,7 @@ pub fn fork_status() -> &'static str {
     match unsafe { ibv_is_fork_initialized() } {
         IBV_FORK_UNNEEDED => "not needed (the kernel copes with fork)",
         IBV_FORK_ENABLED => "enabled (ibv_fork_init)",
-        _ => "disabled",
+        _ => "not set up yet (ibv_fork_init runs when an ibverbs transport starts)",
     }
 }
 

@@ -36,10 +36,13 @@ impl SharedReceiveQueue for IbvSrq {
         // the SRQ is alive.
         let rc = unsafe { ibv_post_srq_recv(self.srq, list.head(), &mut bad) };
         if rc != 0 {
-            return Err(VerbsError::InvalidRequest(format!(
-                "ibv_post_srq_recv: {}",
-                std::io::Error::from_raw_os_error(rc)
-            )));
+            // The receives before `bad` went up and the NIC owns their
+            // buffers: the caller must keep those.
+            return Err(VerbsError::PostFailed {
+                queue: "srq",
+                posted: posted_before(list.list.as_ptr(), list.list.len(), bad),
+                errno: rc,
+            });
         }
         Ok(())
     }

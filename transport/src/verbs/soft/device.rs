@@ -336,13 +336,10 @@ impl DeviceInner {
     /// Makes `cq` reachable by peers in other processes.
     /// Hands `event` to the watcher of this device's events, if any.
     pub(crate) fn raise(&self, event: crate::verbs::AsyncEvent) {
-        let handler = self
-            .events
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if let Some(handler) = handler {
+        // Called under the lock, so that no call comes after the watch's
+        // drop has cleared it.
+        let handler = self.events.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(handler) = handler.as_ref() {
             handler(event);
         }
     }
