@@ -417,8 +417,7 @@ async fn decoded_bytes_fields_point_into_the_receive_pool(t: TransportConfig) {
             server_transport.recv_pool().id(),
             "the handler saw the payload in the server's receive pool: decoded without a copy"
         );
-        let region =
-            lookup(response.payload.as_ptr() as usize).expect("response payload in pool memory");
+        let region = lookup(&response.payload[..]).expect("response payload in pool memory");
         assert_eq!(
             region.pool_id,
             client_transport.recv_pool().id(),

@@ -57,10 +57,7 @@ async fn messages_of_every_size_cross_and_land_in_the_receive_pool() {
         while got.len() < expected.len() {
             let message = conn.receiver.recv().await.unwrap().expect("message");
             if !message.is_empty() {
-                assert_eq!(
-                    lookup(message.as_ptr() as usize).map(|r| r.pool_id),
-                    Some(recv_pool)
-                );
+                assert_eq!(lookup(&message[..]).map(|r| r.pool_id), Some(recv_pool));
             }
             got.push(message.len());
             conn.sender.send(Message::from(message)).await.unwrap();

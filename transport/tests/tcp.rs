@@ -37,7 +37,7 @@ async fn messages_arrive_whole_and_in_order() {
     let got = server.await.unwrap();
     assert_eq!(got.len(), 100);
     for message in &got {
-        let region = lookup(message.as_ptr() as usize).expect("received into pool memory");
+        let region = lookup(&message[..]).expect("received into pool memory");
         assert_eq!(
             region.pool_id,
             transport.recv_pool().id(),
@@ -172,7 +172,7 @@ async fn frames_of_every_size_arrive_intact_across_buffer_boundaries() {
         );
         if !message.is_empty() {
             assert_eq!(
-                lookup(message.as_ptr() as usize).map(|r| r.pool_id),
+                lookup(&message[..]).map(|r| r.pool_id),
                 Some(transport.recv_pool().id())
             );
         }

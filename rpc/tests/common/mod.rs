@@ -70,7 +70,7 @@ impl Echo for EchoImpl {
         // Payloads of 3s come from the zero-copy test only (tests share this
         // process under `cargo test`).
         if request.payload.first() == Some(&3) {
-            let pool = lookup(request.payload.as_ptr() as usize).map_or(0, |r| r.pool_id);
+            let pool = lookup(&request.payload[..]).map_or(0, |r| r.pool_id);
             LAST_REQUEST_PAYLOAD_POOL.store(pool, Ordering::SeqCst);
         }
         if request.delay_ms == SLOW_MARKER_MS {

@@ -82,7 +82,7 @@ impl PoolBuf {
     pub fn region(&self) -> Option<RegionInfo> {
         match &self.dedicated {
             Some(region) => Some(region.info()),
-            None => super::lookup(self.ptr.as_ptr() as usize),
+            None => super::lookup_address(self.ptr.as_ptr() as usize),
         }
     }
 

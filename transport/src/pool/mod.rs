@@ -204,13 +204,23 @@ impl Pool {
     }
 }
 
-/// The registered region containing `address`, if it lies in any pool's
-/// memory. O(1) and lock-free.
-pub fn lookup(address: usize) -> Option<RegionInfo> {
+/// The registered region holding `bytes`, if they lie in a pool's memory.
+/// O(1) and lock-free. It takes the bytes, not an address: a borrowed
+/// slice of pool memory proves an allocation is alive there, which keeps
+/// its region alive while it is read (an arbitrary address, as before,
+/// could name a region being freed at that moment).
+pub fn lookup(bytes: &[u8]) -> Option<RegionInfo> {
+    lookup_address(bytes.as_ptr() as usize)
+}
+
+/// [`lookup`] by address, for the crate's buffers, whose address is inside
+/// an allocation they own (the condition the read below relies on).
+pub(crate) fn lookup_address(address: usize) -> Option<RegionInfo> {
     let region = page_map::get(address)?;
     // SAFETY: the page map holds pointers to regions that are mapped; a
-    // region is unmapped from it before it is freed, and an address inside
-    // a live allocation keeps its region alive.
+    // region is unmapped from it before it is freed, and the callers pass
+    // an address inside an allocation they hold, which keeps its region
+    // alive.
     Some(unsafe { &*region }.info())
 }
 

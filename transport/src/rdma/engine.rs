@@ -602,7 +602,7 @@ impl Engine {
             if part.is_empty() {
                 continue;
             }
-            if lookup(part.as_ptr() as usize).is_some_and(|region| own.contains(&region.pool_id)) {
+            if lookup(&part[..]).is_some_and(|region| own.contains(&region.pool_id)) {
                 parts.push(part.clone());
             } else {
                 self.stats.fallback_copies += 1;
@@ -631,7 +631,7 @@ impl Engine {
     }
 
     fn sge(bytes: &Bytes) -> Option<Sge> {
-        let region = lookup(bytes.as_ptr() as usize)?;
+        let region = lookup(&bytes[..])?;
         Some(Sge {
             addr: bytes.as_ptr() as usize,
             len: u32::try_from(bytes.len()).ok()?,
@@ -1190,9 +1190,18 @@ impl Engine {
             self.deliver(socket, message.freeze());
             return Ok(());
         }
+        // The completion's length is the peer's word: checked before any
+        // use (before, a length past the buffer was clamped for decoding
+        // but not for slicing, and the slice panicked the I/O thread).
         let len = completion.byte_len as usize;
-        let header = ControlHeader::decode(&buf[..len.min(buf.len())])
-            .map_err(|e| EngineError::Protocol(e.to_string()))?;
+        if len > buf.len() {
+            return Err(EngineError::Protocol(format!(
+                "a receive of {len} bytes into a buffer of {}",
+                buf.len()
+            )));
+        }
+        let header =
+            ControlHeader::decode(&buf[..len]).map_err(|e| EngineError::Protocol(e.to_string()))?;
         self.credits.returned(header.credits);
         match header.kind {
             ControlKind::Data => {
@@ -1205,6 +1214,15 @@ impl Engine {
                     return Err(EngineError::Protocol(format!(
                         "peer wants to send {size} bytes, above the limit of {}",
                         self.config.max_message_size
+                    )));
+                }
+                // A message id already granted: its buffer's address and
+                // key are the peer's, which may still write into it, so it
+                // is never replaced (and so freed); the engine fails.
+                if self.incoming.contains_key(&header.msg_id) {
+                    return Err(EngineError::Protocol(format!(
+                        "request to send message {} again while it is granted",
+                        header.msg_id
                     )));
                 }
                 let dest = Self::alloc(&self.recv_pool, size as usize)?;

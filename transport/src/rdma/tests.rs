@@ -275,8 +275,7 @@ fn small_messages_of_every_size_arrive_intact_and_in_order() {
     assert_eq!(b.received.len(), sizes.len());
     for (i, (&len, got)) in sizes.iter().zip(&b.received).enumerate() {
         check(got, len, i as u8);
-        let region =
-            crate::pool::lookup(got.as_ptr() as usize).expect("delivered from the receive pool");
+        let region = crate::pool::lookup(&got[..]).expect("delivered from the receive pool");
         assert_eq!(
             region.pool_id,
             b.recv_pool.id(),
@@ -318,7 +317,7 @@ fn large_messages_up_to_64_mib_arrive_intact_in_their_own_buffer() {
     for (i, (&len, got)) in sizes.iter().zip(&b.received).enumerate() {
         check(got, len, i as u8);
         assert_eq!(
-            crate::pool::lookup(got.as_ptr() as usize).map(|r| r.pool_id),
+            crate::pool::lookup(&got[..]).map(|r| r.pool_id),
             Some(b.recv_pool.id())
         );
     }
@@ -789,4 +788,97 @@ fn a_refused_or_closed_socket_leaves_the_others_alone() {
     assert_eq!(a.arrivals.len(), 1);
     check(&a.arrivals[0].1, 20, 4);
     assert!(a.failure.is_none() && b.failure.is_none());
+}
+
+/// SENDs `bytes` straight from `from`'s QP, past its engine (a hostile
+/// peer's control message).
+fn raw_send(from: &Side, bytes: &[u8]) {
+    let buf = from.send_pool.alloc_copy(bytes).unwrap();
+    let sge = crate::verbs::Sge {
+        addr: buf.as_ptr() as usize,
+        len: buf.len() as u32,
+        lkey: buf.region().unwrap().lkey,
+    };
+    // Unsignalled: its engine never hears of it. The soft NIC copies at
+    // the post, so the buffer may go after it.
+    from.qp
+        .post_send(&[crate::verbs::SendWr {
+            wr_id: 1 << 40,
+            op: crate::verbs::SendOp::Send,
+            sges: vec![sge],
+            signaled: false,
+        }])
+        .unwrap();
+}
+
+/// A request to send a message id already granted fails the receiving
+/// engine, and the granted buffer stays the engine's (the peer holds its
+/// address and key). Before: the second RTS replaced the first grant,
+/// freeing a buffer the peer could still write into.
+#[test]
+fn a_duplicate_request_to_send_fails_the_engine_and_frees_no_grant() {
+    use super::control::{ControlHeader, ControlKind};
+    let config = EngineConfig::default();
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
+    let rts = ControlHeader {
+        kind: ControlKind::Rts { size: 100_000 },
+        credits: 0,
+        msg_id: 7,
+        socket,
+    }
+    .encode();
+    raw_send(&a, &rts);
+    for _ in 0..4 {
+        b.step(true);
+    }
+    assert!(b.failure.is_none(), "one request is fine: {:?}", b.failure);
+    let in_use = b.recv_pool.stats();
+    raw_send(&a, &rts);
+    for _ in 0..4 {
+        b.step(true);
+    }
+    assert!(
+        matches!(&b.failure, Some(EngineError::Protocol(m)) if m.contains("again")),
+        "{:?}",
+        b.failure
+    );
+    b.recv_pool.flush_thread_cache();
+    assert!(
+        b.recv_pool.stats().in_use_bytes >= in_use.in_use_bytes,
+        "the granted buffer was not freed"
+    );
+}
+
+/// A receive completion whose length runs past its buffer fails the
+/// engine instead of panicking (which took the I/O thread, and every
+/// engine it served, down).
+#[test]
+fn a_receive_length_past_its_buffer_fails_the_engine_without_panicking() {
+    use super::control::{ControlHeader, ControlKind};
+    let config = EngineConfig::default();
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
+    let data = ControlHeader {
+        kind: ControlKind::Data,
+        credits: 0,
+        msg_id: 0,
+        socket,
+    }
+    .encode();
+    raw_send(&a, &data);
+    let mut got = Vec::new();
+    b.recv_cq.poll(&mut got, 16);
+    let mut corrupt = got
+        .into_iter()
+        .find(|c| c.status == crate::verbs::WcStatus::Success)
+        .expect("the raw SEND's receive");
+    corrupt.byte_len = 1 << 30;
+    b.engine.handle_completion(&corrupt, Instant::now());
+    b.step(false);
+    assert!(
+        matches!(&b.failure, Some(EngineError::Protocol(m)) if m.contains("buffer of")),
+        "{:?}",
+        b.failure
+    );
 }
