@@ -9,6 +9,25 @@ fn soft_config() -> TransportConfig {
     TransportConfig::soft_rdma()
 }
 
+/// Listens on `server` and sends every message back on its connection,
+/// for as many connections as come; returns the address.
+async fn echo_server(server: &Transport) -> String {
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok(mut conn) = listener.accept().await {
+            tokio::spawn(async move {
+                while let Ok(Some(message)) = conn.receiver.recv().await {
+                    if conn.sender.send(Message::from(message)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
 /// The soft NIC reports rxe's limits and enforces them, as a real device
 /// does. Before: the default `cq_depth` (32,768) was above rxe's
 /// `max_cqe` (32,767), so `ibv_create_cq` failed and so did
@@ -461,19 +480,7 @@ async fn a_shared_receive_queue_carries_an_incast_and_counts_receiver_not_ready(
 async fn a_failed_post_fails_the_connection_instead_of_stalling_it() {
     use std::time::Duration;
     let server = Transport::new(soft_config()).unwrap();
-    let listener = server.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        while let Ok(mut conn) = listener.accept().await {
-            tokio::spawn(async move {
-                while let Ok(Some(message)) = conn.receiver.recv().await {
-                    if conn.sender.send(Message::from(message)).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    let addr = echo_server(&server).await;
     let mut faulty = soft_config();
     faulty.rdma.soft_faults = tessera_transport::verbs::soft::SoftFaults {
         seed: 7,
@@ -583,19 +590,7 @@ async fn a_failed_shared_receive_returns_its_slot_to_the_queue() {
     config.rdma.srq_depth = DEPTH;
     config.rdma.io_threads = 1;
     let server = Transport::new(config.clone()).unwrap();
-    let listener = server.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        while let Ok(mut conn) = listener.accept().await {
-            tokio::spawn(async move {
-                while let Ok(Some(message)) = conn.receiver.recv().await {
-                    if conn.sender.send(Message::from(message)).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    let addr = echo_server(&server).await;
     let round_trips = async |client: &Transport, n: usize| -> bool {
         let Ok(mut conn) = client.connect(&addr).await else {
             return false;
@@ -650,19 +645,7 @@ async fn a_failed_shared_receive_returns_its_slot_to_the_queue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_completion_queue_are_refused_not_overrun() {
     let server = Transport::new(soft_config()).unwrap();
-    let listener = server.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        while let Ok(mut conn) = listener.accept().await {
-            tokio::spawn(async move {
-                while let Ok(Some(message)) = conn.receiver.recv().await {
-                    if conn.sender.send(Message::from(message)).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    let addr = echo_server(&server).await;
     let mut small = soft_config();
     // 32 send + 64 receive entries a QP: two fit a CQ of 256, not three.
     small.rdma.cq_depth = 256;

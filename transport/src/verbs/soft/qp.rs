@@ -172,6 +172,7 @@ impl SoftQpInner {
         device: &DeviceInner,
         peer: &Peer,
         remote: QpEndpoint,
+        path_mtu: u32,
         wr: &SendWr,
     ) -> WcStatus {
         if device.roll(Fault::QpError) > 0 {
@@ -191,7 +192,6 @@ impl SoftQpInner {
         }
         // A path MTU above the peer port's: packets larger than the peer's
         // MTU never arrive, so every message above it times out.
-        let path_mtu = self.local().path_mtu;
         if path_mtu > remote.mtu && total > remote.mtu as usize {
             return WcStatus::RetryExceeded;
         }
@@ -492,9 +492,10 @@ impl QueuePair for SoftQp {
                 state,
             });
         }
-        let (remote, peer) = {
+        // Read once per post, not per work request.
+        let (remote, peer, path_mtu) = {
             let local = inner.local();
-            (local.remote, local.peer.clone())
+            (local.remote, local.peer.clone(), local.path_mtu)
         };
         let device = inner.device.upgrade();
         // An injected post failure: the work requests before the drawn one
@@ -522,7 +523,7 @@ impl QueuePair for SoftQp {
         for wr in wrs {
             let status = match (&device, &peer, remote, inner.state()) {
                 (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
-                    inner.execute(device, peer, remote, wr)
+                    inner.execute(device, peer, remote, path_mtu, wr)
                 }
                 _ => WcStatus::Flushed,
             };
