@@ -73,6 +73,12 @@ pub struct ServerConfig {
     /// longer than any sane request deadline, short enough for a rolling
     /// restart.
     pub shutdown_grace_ms: u64,
+    /// Requests one connection may have in flight; one more is answered
+    /// `ResourceExhausted` at once, unrun. Default 1024: a worker
+    /// multiplexes all its calls to a server over one connection and keeps
+    /// tens in flight; a thousand is a client gone wrong or hostile, and
+    /// bounds the tasks and request buffers one peer can hold.
+    pub max_requests_per_connection: usize,
     /// The transport the server listens on.
     pub transport: TransportConfig,
 }
@@ -81,6 +87,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             shutdown_grace_ms: 5000,
+            max_requests_per_connection: 1024,
             transport: TransportConfig::default(),
         }
     }
@@ -88,6 +95,9 @@ impl Default for ServerConfig {
 
 impl Validate for ServerConfig {
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_requests_per_connection == 0 {
+            return Err(invalid("max_requests_per_connection", "must be at least 1"));
+        }
         self.transport.validate()
     }
 }

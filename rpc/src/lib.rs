@@ -38,4 +38,6 @@ pub use status::{Code, Status};
 pub use tessera_config::{ConfigError, Validate};
 /// Host checks for the transport (`tessera doctor`).
 pub use tessera_transport::doctor;
-pub use tessera_transport::{RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind};
+pub use tessera_transport::{
+    InboundConfig, RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind,
+};

@@ -18,6 +18,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tessera_config::Validate;
 use tessera_transport::pool::Pool;
+use tessera_transport::warn_limit;
 use tessera_transport::{Connection, Listener, Message, MessageSender, Transport, TransportError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -185,6 +186,7 @@ impl Server {
                             connection,
                             Arc::clone(&self.routes),
                             self.send_pool.clone(),
+                            self.config.max_requests_per_connection,
                             stop.clone(),
                             abort.clone(),
                             tracker.clone(),
@@ -220,6 +222,7 @@ async fn serve_connection(
     connection: Connection,
     routes: Arc<HashMap<u32, Route>>,
     send_pool: Pool,
+    max_requests: usize,
     stop: CancellationToken,
     abort: CancellationToken,
     tracker: TaskTracker,
@@ -264,23 +267,43 @@ async fn serve_connection(
             Ok(Some(message)) => message,
             Ok(None) => break,
             Err(err) => {
-                tracing::debug!(%peer, %err, "closing connection after a transport error");
+                // What the peer sent broke the framing or a limit: counted,
+                // and warned about at a rate a flood cannot raise.
+                let malformed = matches!(
+                    err,
+                    TransportError::MessageTooLarge { .. } | TransportError::Stalled(_)
+                );
+                if malformed {
+                    if matches!(err, TransportError::MessageTooLarge { .. }) {
+                        metrics::counter!(warn_limit::MALFORMED, "listener" => "tcp").increment(1);
+                    }
+                    if let Some(suppressed) = warn_limit::allow(peer.ip()) {
+                        tracing::warn!(%peer, %err, suppressed, "closing the connection");
+                    }
+                } else {
+                    tracing::debug!(%peer, %err, "closing connection after a transport error");
+                }
                 break;
             }
         };
         let (header, body) = match RpcHeader::decode(&message) {
             Ok((header, body)) if header.kind == Kind::Request => (header, body),
             Ok(_) => {
-                tracing::warn!(%peer, "client sent a response; closing the connection");
                 metrics::counter!(crate::observe::SERVER_PROTOCOL_ERRORS).increment(1);
+                if let Some(suppressed) = warn_limit::allow(peer.ip()) {
+                    tracing::warn!(%peer, suppressed, "client sent a response; closing the connection");
+                }
                 break;
             }
             Err(err) => {
                 // The frame arrived whole but its header is garbage: the
                 // peer does not speak this protocol. Closing is the only
                 // safe answer, since its request id cannot be trusted.
-                tracing::warn!(%peer, %err, "malformed request header; closing the connection");
                 metrics::counter!(crate::observe::SERVER_PROTOCOL_ERRORS).increment(1);
+                metrics::counter!(warn_limit::MALFORMED, "listener" => "rpc").increment(1);
+                if let Some(suppressed) = warn_limit::allow(peer.ip()) {
+                    tracing::warn!(%peer, %err, suppressed, "malformed request header; closing the connection");
+                }
                 break;
             }
         };
@@ -323,6 +346,25 @@ async fn serve_connection(
             .await;
             continue;
         };
+        if inflight.len() >= max_requests {
+            metrics::counter!(crate::observe::SERVER_REFUSED_CONCURRENCY, "method" => route.method.path)
+                .increment(1);
+            let status = Status::resource_exhausted(format!(
+                "{max_requests} requests are in flight on this connection \
+                 (max_requests_per_connection); wait for answers before sending more"
+            ));
+            respond(
+                &sender,
+                &send_pool,
+                &header,
+                route.method.path,
+                Err(status),
+                received,
+                false,
+            )
+            .await;
+            continue;
+        }
         let context = RequestContext {
             method: route.method.path,
             request_id: header.request_id,

@@ -5,6 +5,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 
+use crate::inbound::InboundConfig;
 use crate::pool::PoolConfig;
 
 /// Which transport carries the messages.
@@ -108,6 +109,10 @@ pub struct TransportConfig {
     pub recv_pool: PoolConfig,
     /// Settings of the RDMA transport (used when `kind = "rdma"`).
     pub rdma: RdmaConfig,
+    /// Limits of accepted connections: the budget of incomplete inbound
+    /// messages, timeouts of slow senders, the connection cap (see
+    /// [`crate::inbound`]).
+    pub inbound: InboundConfig,
 }
 
 /// Which verbs provider the RDMA transport uses.
@@ -324,6 +329,7 @@ impl Default for TransportConfig {
             send_pool: PoolConfig::named("send"),
             recv_pool: PoolConfig::named("recv"),
             rdma: RdmaConfig::default(),
+            inbound: InboundConfig::default(),
         }
     }
 }
@@ -373,7 +379,8 @@ impl Validate for TransportConfig {
         }
         prefixed("send_pool", self.send_pool.validate())?;
         prefixed("recv_pool", self.recv_pool.validate())?;
-        prefixed("rdma", self.rdma.validate())
+        prefixed("rdma", self.rdma.validate())?;
+        prefixed("inbound", self.inbound.validate_for(self.max_message_size))
     }
 }
 

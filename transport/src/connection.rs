@@ -5,6 +5,9 @@ use bytes::Bytes;
 use tessera_config::Validate;
 use tokio::sync::mpsc;
 
+use crate::inbound::{
+    ConnectionCap, ConnectionSlot, Deadlines, InboundBudget, InboundLimits, Stall,
+};
 use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
 use crate::rdma::Role;
 use crate::rdma::connection::{HANDSHAKE_TIMEOUT, RdmaRuntime};
@@ -30,6 +33,9 @@ struct TransportInner {
     /// The RDMA device and I/O threads (kind `rdma`, or `auto` with a
     /// device).
     rdma: Option<Arc<RdmaRuntime>>,
+    /// Bytes of incomplete messages on accepted connections, all listeners
+    /// together (`inbound.max_bytes`).
+    inbound: InboundBudget,
 }
 
 impl std::fmt::Debug for TransportInner {
@@ -120,6 +126,7 @@ impl Transport {
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
         Ok(Self {
             inner: Arc::new(TransportInner {
+                inbound: InboundBudget::new(config.inbound.max_bytes),
                 config,
                 send_pool,
                 recv_pool,
@@ -151,6 +158,7 @@ impl Transport {
         let rdma = RdmaRuntime::new(device, &config, (send_pool.clone(), recv_pool.clone()))?;
         Ok(Self {
             inner: Arc::new(TransportInner {
+                inbound: InboundBudget::new(config.inbound.max_bytes),
                 config,
                 send_pool,
                 recv_pool,
@@ -221,7 +229,7 @@ impl Transport {
                 addr: addr.to_owned(),
                 source,
             })?;
-        self.tcp_connection(stream)
+        self.tcp_connection(stream, None)
     }
 
     /// Whether connections to peers go over RDMA first (`rdma`, or `auto`
@@ -236,10 +244,33 @@ impl Transport {
         Listener::new(tcp::bind(addr).await?, self.clone())
     }
 
-    fn tcp_connection(&self, stream: tokio::net::TcpStream) -> Result<Connection, TransportError> {
+    fn tcp_connection(
+        &self,
+        stream: tokio::net::TcpStream,
+        limits: Option<InboundLimits>,
+    ) -> Result<Connection, TransportError> {
         let config = &self.inner.config;
-        let (tx, rx, peer) = tcp::setup(config, self.inner.recv_pool.clone(), stream)?;
+        let (tx, rx, peer) = tcp::setup(config, self.inner.recv_pool.clone(), stream, limits)?;
         Ok(Connection::tcp(config, tx, rx, peer))
+    }
+
+    /// The limits of a connection accepted at `accepted` holding `slot`.
+    fn inbound_limits(
+        &self,
+        slot: ConnectionSlot,
+        accepted: tokio::time::Instant,
+        handshake_done: bool,
+    ) -> InboundLimits {
+        InboundLimits {
+            budget: self.inner.inbound.clone(),
+            deadlines: Deadlines::new(&self.inner.config.inbound, accepted, handshake_done),
+            _slot: slot,
+        }
+    }
+
+    /// The budget of incomplete inbound messages of accepted connections.
+    pub fn inbound_budget(&self) -> &InboundBudget {
+        &self.inner.inbound
     }
 }
 
@@ -314,6 +345,7 @@ enum ListenerInner {
     Tcp {
         listener: tokio::net::TcpListener,
         transport: Transport,
+        cap: ConnectionCap,
     },
     /// RDMA: a task accepts TCP connections and runs each handshake in a
     /// task of its own, so a slow or silent client never holds up the
@@ -345,14 +377,16 @@ impl Listener {
             TransportKind::Rdma => true,
             TransportKind::Auto => transport.inner.rdma.is_some(),
         };
+        let cap = ConnectionCap::new(transport.inner.config.inbound.max_connections);
         let inner = match rdma {
             false => ListenerInner::Tcp {
                 listener,
                 transport,
+                cap,
             },
             true => {
                 let (tx, rx) = mpsc::channel(64);
-                let acceptor = tokio::spawn(accept_rdma(listener, transport, tx));
+                let acceptor = tokio::spawn(accept_rdma(listener, transport, cap, tx));
                 ListenerInner::Handshaking {
                     ready: tokio::sync::Mutex::new(rx),
                     _acceptor: AbortOnDrop(acceptor),
@@ -368,10 +402,16 @@ impl Listener {
             ListenerInner::Tcp {
                 listener,
                 transport,
-            } => {
-                let (stream, _) = listener.accept().await?;
-                transport.tcp_connection(stream)
-            }
+                cap,
+            } => loop {
+                let (stream, peer) = listener.accept().await?;
+                let Some(slot) = admit(cap, peer) else {
+                    continue;
+                };
+                let accepted = tokio::time::Instant::now();
+                let limits = transport.inbound_limits(slot, accepted, false);
+                break transport.tcp_connection(stream, Some(limits));
+            },
             ListenerInner::Handshaking { ready, .. } => ready
                 .lock()
                 .await
@@ -409,24 +449,43 @@ async fn speaks_rdma(stream: &tokio::net::TcpStream) -> Result<bool, TransportEr
     }
 }
 
+/// A slot under the listener's cap for a connection from `peer`, or
+/// `None` (the caller drops the stream, closing it) when the listener is
+/// full.
+fn admit(cap: &ConnectionCap, peer: SocketAddr) -> Option<ConnectionSlot> {
+    let slot = cap.admit();
+    if slot.is_none() {
+        metrics::counter!(crate::inbound::CLOSED_BY_LIMIT, "reason" => "max_connections")
+            .increment(1);
+        if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
+            tracing::warn!(%peer, suppressed, "connection refused: the listener holds max_connections");
+        }
+    }
+    slot
+}
+
 async fn accept_rdma(
     listener: tokio::net::TcpListener,
     transport: Transport,
+    cap: ConnectionCap,
     ready: mpsc::Sender<Connection>,
 ) {
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(err) => {
                 tracing::warn!(%err, "accept failed");
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                 continue;
             }
         };
+        let Some(slot) = admit(&cap, peer) else {
+            continue;
+        };
+        let accepted = tokio::time::Instant::now();
         let transport = transport.clone();
         let ready = ready.clone();
         tokio::spawn(async move {
-            let peer = stream.peer_addr().ok();
             let Some(rdma) = transport.inner.rdma.clone() else {
                 return;
             };
@@ -435,21 +494,46 @@ async fn accept_rdma(
                 // address: they are clients that fell back to TCP because
                 // their RDMA path is broken (or `auto` clients without RDMA).
                 if !speaks_rdma(&stream).await? {
-                    tracing::debug!(?peer, "peer speaks TCP");
-                    let connection = transport.tcp_connection(stream)?;
+                    tracing::debug!(%peer, "peer speaks TCP");
+                    // Its first bytes are here: the handshake is over.
+                    let limits = transport.inbound_limits(slot, accepted, true);
+                    let connection = transport.tcp_connection(stream, Some(limits))?;
                     let _ = ready.send(connection).await;
                     return Ok(());
                 }
                 // The sockets the peer opens on this engine come to the
-                // listener's queue from the I/O thread.
-                rdma.establish(stream, Role::Acceptor, Some(ready.clone()))
+                // listener's queue from the I/O thread. The slot is held
+                // for the handshake: the engine's own limits (queue pairs,
+                // completion queue room) bound what comes after.
+                let established = rdma
+                    .establish(stream, Role::Acceptor, Some(ready.clone()))
                     .await
-                    .map(|_| ())
+                    .map(|_| ());
+                drop(slot);
+                established
             };
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+            let limit = transport
+                .inner
+                .config
+                .inbound
+                .handshake_timeout()
+                .unwrap_or(HANDSHAKE_TIMEOUT);
+            match tokio::time::timeout(limit, handshake).await {
                 Ok(Ok(())) => {}
-                Ok(Err(err)) => tracing::warn!(?peer, %err, "rdma handshake failed"),
-                Err(_) => tracing::warn!(?peer, "rdma handshake timed out"),
+                Ok(Err(err)) => {
+                    metrics::counter!(crate::warn_limit::MALFORMED, "listener" => "rdma")
+                        .increment(1);
+                    if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
+                        tracing::warn!(%peer, %err, suppressed, "rdma handshake failed");
+                    }
+                }
+                Err(_) => {
+                    metrics::counter!(crate::inbound::CLOSED_BY_LIMIT, "reason" => Stall::Handshake.label())
+                        .increment(1);
+                    if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
+                        tracing::warn!(%peer, suppressed, "rdma handshake timed out");
+                    }
+                }
             }
         });
     }

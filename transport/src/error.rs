@@ -32,6 +32,11 @@ pub enum TransportError {
         /// The configured limit (`max_message_size`).
         max: u64,
     },
+    /// An accepted connection broke one of its inbound limits (a message
+    /// not finished in time, nothing sent after connecting, idle too long)
+    /// and is closed.
+    #[error("connection closed by an inbound limit: {0}")]
+    Stalled(crate::inbound::Stall),
     /// The peer closed the connection in the middle of a message.
     #[error(
         "peer closed the connection in the middle of a {expected}-byte message ({received} bytes received)"

@@ -15,6 +15,7 @@ mod config;
 mod connection;
 pub mod doctor;
 mod error;
+pub mod inbound;
 mod message;
 // The allocator is one of the two places allowed `unsafe` (with the verbs
 // providers): mapping memory and handing out raw object addresses.
@@ -26,9 +27,11 @@ pub mod tcp;
 // RNIC writes into registered memory the way a NIC's DMA would.
 #[allow(unsafe_code)]
 pub mod verbs;
+pub mod warn_limit;
 
 pub use config::{Polling, RdmaConfig, RdmaProvider, TransportConfig, TransportKind};
 pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};
 pub use error::{HandshakeError, RdmaError, TransportError};
+pub use inbound::{InboundConfig, Stall};
 pub use message::Message;
 pub use tessera_config::ConfigError;

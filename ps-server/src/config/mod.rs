@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 pub use tessera_coord::{CoordinatorConfig, CoordinatorKind};
-use tessera_rpc::{RdmaConfig, ServerConfig, TransportConfig, TransportKind};
+use tessera_rpc::{InboundConfig, RdmaConfig, ServerConfig, TransportConfig, TransportKind};
 
 pub use self::checkpoint::CheckpointConfig;
 pub use self::replication::{AckMode, PeerConfig, ReplicationConfig};
@@ -203,6 +203,14 @@ pub struct PsServerConfig {
     pub dedup_idle_secs: u64,
     /// Checkpoints (`[checkpoint]`).
     pub checkpoint: CheckpointConfig,
+    /// What accepted connections may hold and for how long (`[inbound]`:
+    /// `max_bytes`, `max_connection_bytes`, `frame_timeout_ms`,
+    /// `handshake_timeout_ms`, `idle_timeout_ms`, `max_connections`; see
+    /// the README's "Limits").
+    pub inbound: InboundConfig,
+    /// Requests one connection may have in flight; more are answered
+    /// `ResourceExhausted`. Default 1024.
+    pub max_requests_per_connection: usize,
 }
 
 impl Default for PsServerConfig {
@@ -230,6 +238,8 @@ impl Default for PsServerConfig {
             dedup_max_workers: 100_000,
             dedup_idle_secs: 3600,
             checkpoint: CheckpointConfig::default(),
+            inbound: InboundConfig::default(),
+            max_requests_per_connection: ServerConfig::default().max_requests_per_connection,
         }
     }
 }
@@ -263,6 +273,7 @@ impl PsServerConfig {
     pub fn server_config(&self) -> ServerConfig {
         ServerConfig {
             shutdown_grace_ms: self.shutdown_grace_ms,
+            max_requests_per_connection: self.max_requests_per_connection,
             transport: self.transport_config(),
         }
     }
@@ -272,6 +283,7 @@ impl PsServerConfig {
             kind: self.transport,
             max_message_size: self.max_message_size,
             rdma: self.rdma.clone(),
+            inbound: self.inbound.clone(),
             ..TransportConfig::default()
         }
     }

@@ -18,6 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::inbound::{InboundLimits, InboundPermit};
 use crate::pool::{Pool, PoolBuf};
 use tokio::sync::mpsc;
 
@@ -25,16 +26,24 @@ pub use frame::{FRAME_HEADER_LEN, FrameDecoder, body_len, encode_frame_header};
 
 use crate::{Message, TransportConfig, TransportError};
 
+/// Most bytes of a large message read by one `read` call.
+const LARGE_READ_STEP: usize = 256 << 10;
+
+/// A task reading a large message yields to the runtime this often.
+const YIELD_BYTES: usize = 256 << 10;
+
 /// Most `iovec`s handed to one `writev` (Linux's `IOV_MAX` is 1024).
 const MAX_IOVECS: usize = 512;
 
 /// Wraps an established stream: sets `TCP_NODELAY` (RPCs are latency bound and
 /// the writer batches on its own) and starts the writer task. Incoming
-/// messages are read into buffers of `recv_pool`.
+/// messages are read into buffers of `recv_pool`; an accepted connection's
+/// reads obey `limits` (budget, timeouts: see [`crate::inbound`]).
 pub(crate) fn setup(
     config: &TransportConfig,
     recv_pool: Pool,
     stream: TcpStream,
+    limits: Option<InboundLimits>,
 ) -> Result<(mpsc::Sender<Message>, TcpReceiver, SocketAddr), TransportError> {
     stream.set_nodelay(true)?;
     let peer = stream.peer_addr()?;
@@ -57,6 +66,7 @@ pub(crate) fn setup(
         max_message_size: config.max_message_size,
         chunk_size: config.read_buffer_bytes,
         failed: false,
+        limits: limits.map(Box::new),
     };
     Ok((tx, receiver, peer))
 }
@@ -161,6 +171,9 @@ pub(crate) struct TcpReceiver {
     max_message_size: u64,
     chunk_size: usize,
     failed: bool,
+    /// An accepted connection's budget and deadlines; `None` for a dialed
+    /// one.
+    limits: Option<Box<InboundLimits>>,
 }
 
 impl TcpReceiver {
@@ -176,9 +189,66 @@ impl TcpReceiver {
                     .increment(frame.len() as u64);
             }
             Ok(None) => {}
-            Err(_) => self.failed = true,
+            Err(err) => {
+                if let TransportError::Stalled(stall) = err {
+                    metrics::counter!(crate::inbound::CLOSED_BY_LIMIT, "reason" => stall.label())
+                        .increment(1);
+                }
+                self.failed = true;
+            }
         }
         result
+    }
+
+    /// Reads from the socket into `buf`, within the deadline that applies
+    /// now (an accepted connection's; none for a dialed one).
+    async fn read_some(
+        read: &mut OwnedReadHalf,
+        limits: &Option<Box<InboundLimits>>,
+        buf: &mut [u8],
+    ) -> Result<usize, TransportError> {
+        match limits.as_ref().and_then(|l| l.deadlines.next()) {
+            None => Ok(read.read(buf).await?),
+            Some((at, stall)) => match tokio::time::timeout_at(at, read.read(buf)).await {
+                Ok(read) => Ok(read?),
+                Err(_) => Err(TransportError::Stalled(stall)),
+            },
+        }
+    }
+
+    /// Records that bytes arrived (`partial`: a message is still
+    /// incomplete).
+    fn progressed(&mut self, bytes: bool, partial: bool) {
+        if let Some(limits) = &mut self.limits {
+            let now = tokio::time::Instant::now();
+            match bytes {
+                true => limits.deadlines.on_bytes(now, partial),
+                false => limits.deadlines.on_progress(now, partial),
+            }
+        }
+    }
+
+    /// Budget for an incomplete message of `len` bytes, waited for within
+    /// the message's deadline (`None` on a dialed connection).
+    async fn admit(&mut self, len: usize) -> Result<Option<InboundPermit>, TransportError> {
+        let Some(limits) = &self.limits else {
+            return Ok(None);
+        };
+        let wait = limits.budget.acquire(len);
+        let permit = match limits.deadlines.next() {
+            None => wait.await,
+            Some((at, stall)) => tokio::time::timeout_at(at, wait)
+                .await
+                .map_err(|_| TransportError::Stalled(stall))?,
+        };
+        match permit {
+            Some(permit) => Ok(Some(permit)),
+            // Validation keeps the budget above max_message_size.
+            None => Err(TransportError::MessageTooLarge {
+                len: len as u64,
+                max: limits.budget.capacity() as u64,
+            }),
+        }
     }
 
     fn alloc(&self, len: usize) -> Result<PoolBuf, TransportError> {
@@ -226,7 +296,8 @@ impl TcpReceiver {
             let Some(chunk) = self.chunk.as_mut() else {
                 continue;
             };
-            let read = self.read.read(&mut chunk[self.end..]).await?;
+            let read =
+                Self::read_some(&mut self.read, &self.limits, &mut chunk[self.end..]).await?;
             if read == 0 {
                 let have = self.end - self.start;
                 if have == 0 {
@@ -243,6 +314,24 @@ impl TcpReceiver {
                 });
             }
             self.end += read;
+            let partial = !self.holds_whole_frame();
+            self.progressed(true, partial);
+        }
+    }
+
+    /// Whether the unparsed bytes are empty or begin with a whole frame
+    /// (else a message is in progress).
+    fn holds_whole_frame(&self) -> bool {
+        let Some(chunk) = &self.chunk else {
+            return true;
+        };
+        let unparsed = &chunk[self.start..self.end];
+        if unparsed.is_empty() {
+            return true;
+        }
+        match body_len(unparsed, u64::MAX) {
+            Ok(Some(len)) => unparsed.len() >= FRAME_HEADER_LEN + len,
+            _ => false,
         }
     }
 
@@ -279,11 +368,17 @@ impl TcpReceiver {
             fresh[..rest].copy_from_slice(&shared[pos..pos + rest]);
             self.chunk = Some(fresh);
         }
+        // Whatever follows the whole frames began in the last read; its
+        // deadline runs from there.
+        self.progressed(false, rest > 0);
         Ok(())
     }
 
-    /// Reads a frame of `len` body bytes into a buffer of its own.
+    /// Reads a frame of `len` body bytes into a buffer of its own, once
+    /// the inbound budget holds it (accepted connections): until then
+    /// nothing is allocated and the socket is not read.
     async fn read_large(&mut self, len: usize) -> Result<Bytes, TransportError> {
+        let permit = self.admit(len).await?;
         let mut body = self.alloc(len)?;
         let mut got = 0;
         if let Some(chunk) = &self.chunk {
@@ -294,8 +389,14 @@ impl TcpReceiver {
         }
         self.start = 0;
         self.end = 0;
+        let mut since_yield = 0;
         while got < len {
-            let read = self.read.read(&mut body[got..]).await?;
+            // At most a step per read: a large message is copied out of the
+            // socket in slices, and every `YIELD_BYTES` the task lets the
+            // runtime's other tasks run (small requests of other
+            // connections are not held up behind a 64 MiB copy).
+            let end = len.min(got + LARGE_READ_STEP);
+            let read = Self::read_some(&mut self.read, &self.limits, &mut body[got..end]).await?;
             if read == 0 {
                 return Err(TransportError::Truncated {
                     expected: len as u64,
@@ -303,7 +404,15 @@ impl TcpReceiver {
                 });
             }
             got += read;
+            self.progressed(true, got < len);
+            since_yield += read;
+            if since_yield >= YIELD_BYTES && got < len {
+                since_yield = 0;
+                tokio::task::yield_now().await;
+            }
         }
+        // Complete: the budget is for incomplete messages only.
+        drop(permit);
         Ok(body.freeze())
     }
 }

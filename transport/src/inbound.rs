@@ -1,0 +1,510 @@
+//! Inbound limits of *accepted* connections: what a peer that connected to
+//! one of our listeners may make this process hold, and for how long.
+//!
+//! A server faces whatever can reach its ports. Without limits, a peer that
+//! announces a large message and then stalls makes the server allocate the
+//! whole message and hold it until the peer closes: a few hundred such
+//! connections exhaust the receive pool and every legitimate call fails.
+//! Three mechanisms, all applied before anything is allocated:
+//!
+//! - **Budget with backpressure** ([`InboundBudget`]): bytes held in
+//!   incomplete inbound messages, all accepted connections together, are
+//!   bounded by `max_bytes`; one RDMA peer's by `max_connection_bytes`. A
+//!   message that does not fit waits, unread, until budget frees (the
+//!   connection's socket buffers fill and the sender blocks): TCP's own
+//!   backpressure, never an allocation. The budget is a tokio [`Semaphore`]
+//!   (FIFO, so a large message is not starved by smaller ones behind it; a
+//!   well-kept primitive instead of a hand-written counter with wake-ups).
+//!   Messages of at most half a read buffer (`read_buffer_bytes`) are read
+//!   into the connection's own buffer and draw no budget: what they hold is
+//!   bounded by `max_connections` x `read_buffer_bytes`.
+//! - **Timeouts** ([`Deadlines`]): a message that has begun must be complete
+//!   within `frame_timeout_ms` of its first byte, waiting for budget
+//!   included (so under budget pressure the slowest senders are shed first,
+//!   and a stalled peer holds its budget for a bounded time); a new
+//!   connection must begin its first message (TCP) or finish its handshake
+//!   (RDMA) within `handshake_timeout_ms`. Idle connections are kept unless
+//!   `idle_timeout_ms` is set: workers are long-lived.
+//! - **Caps**: at most `max_connections` accepted connections per listener
+//!   (handshakes in progress included); one beyond is closed at once.
+//!
+//! Connections this process dialed are not limited here: what they receive
+//! answers what we asked for.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tessera_config::{ConfigError, Validate, invalid};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+/// Metric: bytes held in incomplete inbound messages (gauge).
+pub const INBOUND_BYTES: &str = "tessera_transport_inbound_bytes";
+/// Metric: inbound messages that waited for budget before being read.
+pub const INBOUND_WAITS: &str = "tessera_transport_inbound_waits_total";
+/// Metric: accepted connections closed by a limit, by `reason`
+/// (`frame_timeout`, `handshake_timeout`, `idle_timeout`, `max_connections`).
+pub const CLOSED_BY_LIMIT: &str = "tessera_transport_connections_closed_by_limit_total";
+
+/// Limits of accepted connections (the `[transport.inbound]` table).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct InboundConfig {
+    /// Bytes all accepted connections together may hold in incomplete
+    /// inbound messages. Default 1 GiB: sixteen maximum-size (64 MiB)
+    /// messages arriving at once, or hundreds of typical Pushes, and far
+    /// below the receive pool's ceiling (16 GiB), so slow or hostile peers
+    /// can never exhaust the pool that every other call needs. Must hold
+    /// one message of `max_message_size`.
+    pub max_bytes: u64,
+    /// Bytes one peer may hold in incomplete messages. Default 256 MiB: four
+    /// maximum-size messages (an RDMA socket asks for `rts_ahead` = 4
+    /// destinations ahead). A TCP connection holds at most one incomplete
+    /// message, so this binds RDMA peers, whose several sockets share one
+    /// queue pair. Between `max_message_size` and `max_bytes`.
+    pub max_connection_bytes: u64,
+    /// A message that has begun must be complete this long after its first
+    /// byte, milliseconds, waiting for budget included. Default 30,000: a
+    /// 64 MiB message takes half a second at 1 Gb/s and five at 100 Mb/s; a
+    /// peer that cannot do better is stalled or hostile. 0 turns it off.
+    pub frame_timeout_ms: u64,
+    /// A new connection must begin its first message (TCP) or finish its
+    /// handshake (RDMA) this long after it was accepted, milliseconds.
+    /// Default 10,000: clients connect when they have a call to make.
+    /// 0 turns it off.
+    pub handshake_timeout_ms: u64,
+    /// Close a connection with nothing in progress after this long without
+    /// a byte, milliseconds. Default 0 (never): workers keep their
+    /// connections for the life of a job, and an idle connection costs one
+    /// socket and no buffer.
+    pub idle_timeout_ms: u64,
+    /// Accepted connections one listener keeps at once (handshakes in
+    /// progress included); one more is closed at once. Default 4096: the
+    /// paper's largest clusters have a few hundred clients per server, each
+    /// with a connection or two; a descriptor limit (`ulimit -n`) below this
+    /// fails accepts before the cap does.
+    pub max_connections: usize,
+}
+
+impl Default for InboundConfig {
+    fn default() -> Self {
+        Self {
+            max_bytes: 1 << 30,
+            max_connection_bytes: 256 << 20,
+            frame_timeout_ms: 30_000,
+            handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 0,
+            max_connections: 4096,
+        }
+    }
+}
+
+impl InboundConfig {
+    /// Checks the limits against `max_message_size`, naming the key at
+    /// fault (relative to this table).
+    pub fn validate_for(&self, max_message_size: u64) -> Result<(), ConfigError> {
+        self.validate()?;
+        if self.max_bytes < max_message_size {
+            return Err(invalid(
+                "max_bytes",
+                format!(
+                    "{} cannot hold one message of max_message_size ({max_message_size} bytes)",
+                    self.max_bytes
+                ),
+            ));
+        }
+        if self.max_connection_bytes < max_message_size {
+            return Err(invalid(
+                "max_connection_bytes",
+                format!(
+                    "{} cannot hold one message of max_message_size ({max_message_size} bytes)",
+                    self.max_connection_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn millis(ms: u64) -> Option<Duration> {
+        (ms > 0).then(|| Duration::from_millis(ms))
+    }
+
+    /// The frame timeout, `None` when off.
+    pub fn frame_timeout(&self) -> Option<Duration> {
+        Self::millis(self.frame_timeout_ms)
+    }
+
+    /// The handshake timeout, `None` when off.
+    pub fn handshake_timeout(&self) -> Option<Duration> {
+        Self::millis(self.handshake_timeout_ms)
+    }
+
+    /// The idle timeout, `None` when off.
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        Self::millis(self.idle_timeout_ms)
+    }
+}
+
+impl Validate for InboundConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        // The semaphore holds at most usize::MAX >> 3 permits; one message
+        // is at most u32::MAX bytes.
+        let most = (Semaphore::MAX_PERMITS as u64).min(1 << 48);
+        if self.max_bytes == 0 || self.max_bytes > most {
+            return Err(invalid(
+                "max_bytes",
+                format!("{} is outside 1..={most}", self.max_bytes),
+            ));
+        }
+        if self.max_connection_bytes == 0 || self.max_connection_bytes > self.max_bytes {
+            return Err(invalid(
+                "max_connection_bytes",
+                format!(
+                    "{} is outside 1..=max_bytes ({})",
+                    self.max_connection_bytes, self.max_bytes
+                ),
+            ));
+        }
+        if self.max_connections == 0 {
+            return Err(invalid("max_connections", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// The budget of bytes in incomplete inbound messages shared by every
+/// accepted connection of a transport. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct InboundBudget {
+    bytes: Arc<Semaphore>,
+    max: usize,
+}
+
+/// Budget held for one incomplete message; given back when dropped.
+#[derive(Debug)]
+pub struct InboundPermit {
+    _permit: OwnedSemaphorePermit,
+    bytes: usize,
+}
+
+impl Drop for InboundPermit {
+    fn drop(&mut self) {
+        metrics::gauge!(INBOUND_BYTES).decrement(self.bytes as f64);
+    }
+}
+
+impl InboundBudget {
+    /// A budget of `max` bytes.
+    pub fn new(max: u64) -> Self {
+        let max = usize::try_from(max)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS);
+        Self {
+            bytes: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// Bytes not held right now.
+    pub fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
+
+    /// The whole budget.
+    pub fn capacity(&self) -> usize {
+        self.max
+    }
+
+    fn units(&self, bytes: usize) -> Option<u32> {
+        // A request above the whole budget could never be met; callers
+        // validate against it, and a message is at most u32::MAX bytes.
+        if bytes > self.max {
+            return None;
+        }
+        u32::try_from(bytes).ok()
+    }
+
+    fn permit(permit: OwnedSemaphorePermit, bytes: usize) -> InboundPermit {
+        metrics::gauge!(INBOUND_BYTES).increment(bytes as f64);
+        InboundPermit {
+            _permit: permit,
+            bytes,
+        }
+    }
+
+    /// Takes `bytes` now if they are free (never for more than the whole
+    /// budget).
+    pub fn try_acquire(&self, bytes: usize) -> Option<InboundPermit> {
+        let units = self.units(bytes)?;
+        let permit = Arc::clone(&self.bytes).try_acquire_many_owned(units).ok()?;
+        Some(Self::permit(permit, bytes))
+    }
+
+    /// Waits for `bytes` (first come, first served); `None` for a request
+    /// above the whole budget, which could never be met.
+    pub async fn acquire(&self, bytes: usize) -> Option<InboundPermit> {
+        if let Some(permit) = self.try_acquire(bytes) {
+            return Some(permit);
+        }
+        let units = self.units(bytes)?;
+        metrics::counter!(INBOUND_WAITS).increment(1);
+        // The semaphore is never closed.
+        let permit = Arc::clone(&self.bytes)
+            .acquire_many_owned(units)
+            .await
+            .ok()?;
+        Some(Self::permit(permit, bytes))
+    }
+}
+
+/// Why a connection was closed by a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Stall {
+    /// A message was not complete within `frame_timeout_ms` of its first
+    /// byte.
+    Frame,
+    /// Nothing (TCP) or no complete handshake (RDMA) within
+    /// `handshake_timeout_ms` of the accept.
+    Handshake,
+    /// No byte for `idle_timeout_ms` with nothing in progress.
+    Idle,
+}
+
+impl Stall {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Stall::Frame => "frame_timeout",
+            Stall::Handshake => "handshake_timeout",
+            Stall::Idle => "idle_timeout",
+        }
+    }
+}
+
+impl std::fmt::Display for Stall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stall::Frame => "a message was not complete within the frame timeout",
+            Stall::Handshake => "nothing arrived within the handshake timeout",
+            Stall::Idle => "the connection was idle past the idle timeout",
+        })
+    }
+}
+
+/// The deadlines of one accepted connection, as a small state machine: the
+/// receiver reports when bytes arrive and when a message completes, and
+/// asks which deadline applies now.
+#[derive(Debug, Clone)]
+pub struct Deadlines {
+    frame: Option<Duration>,
+    idle: Option<Duration>,
+    /// Until the first byte: accept time + handshake timeout.
+    handshake: Option<Instant>,
+    /// When the first byte of the message in progress arrived.
+    started: Option<Instant>,
+    last_byte: Instant,
+}
+
+impl Deadlines {
+    /// The deadlines of a connection accepted at `accepted` (handshake
+    /// timeout measured from then; `handshake_done` when the handshake is
+    /// already over, as for a TCP peer of an RDMA listener whose first
+    /// bytes have been seen).
+    pub fn new(config: &InboundConfig, accepted: Instant, handshake_done: bool) -> Self {
+        Self {
+            frame: config.frame_timeout(),
+            idle: config.idle_timeout(),
+            handshake: match handshake_done {
+                true => None,
+                false => config.handshake_timeout().map(|t| accepted + t),
+            },
+            started: None,
+            last_byte: accepted,
+        }
+    }
+
+    /// Bytes arrived at `now`; `partial` when they leave a message
+    /// incomplete.
+    pub fn on_bytes(&mut self, now: Instant, partial: bool) {
+        self.handshake = None;
+        self.last_byte = now;
+        self.on_progress(now, partial);
+    }
+
+    /// Whether a message is in progress changed (a message completed, and
+    /// `partial` says whether another one has begun behind it).
+    pub fn on_progress(&mut self, now: Instant, partial: bool) {
+        match (partial, self.started) {
+            (true, None) => self.started = Some(now),
+            (false, _) => self.started = None,
+            (true, Some(_)) => {}
+        }
+    }
+
+    /// The deadline that applies now and what missing it means; `None`
+    /// when the connection may wait for ever.
+    pub fn next(&self) -> Option<(Instant, Stall)> {
+        if let Some(at) = self.handshake {
+            return Some((at, Stall::Handshake));
+        }
+        match self.started {
+            Some(started) => self.frame.map(|t| (started + t, Stall::Frame)),
+            None => self.idle.map(|t| (self.last_byte + t, Stall::Idle)),
+        }
+    }
+}
+
+/// Counts the accepted connections of one listener.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnectionCap {
+    live: Arc<AtomicUsize>,
+    max: usize,
+}
+
+/// One accepted connection's place under its listener's cap; freed when
+/// dropped.
+#[derive(Debug)]
+pub(crate) struct ConnectionSlot {
+    live: Arc<AtomicUsize>,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl ConnectionCap {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            live: Arc::new(AtomicUsize::new(0)),
+            max,
+        }
+    }
+
+    /// A slot, or `None` when `max` connections are live.
+    pub(crate) fn admit(&self) -> Option<ConnectionSlot> {
+        let mut live = self.live.load(Ordering::Acquire);
+        loop {
+            if live >= self.max {
+                return None;
+            }
+            match self.live.compare_exchange_weak(
+                live,
+                live + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(ConnectionSlot {
+                        live: Arc::clone(&self.live),
+                    });
+                }
+                Err(now) => live = now,
+            }
+        }
+    }
+}
+
+/// What an accepted TCP connection's receiver enforces.
+#[derive(Debug)]
+pub(crate) struct InboundLimits {
+    pub(crate) budget: InboundBudget,
+    pub(crate) deadlines: Deadlines,
+    pub(crate) _slot: ConnectionSlot,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_each_bad_key_is_named() {
+        InboundConfig::default().validate_for(64 << 20).unwrap();
+        let small = InboundConfig {
+            max_bytes: 1 << 20,
+            max_connection_bytes: 1 << 20,
+            ..InboundConfig::default()
+        };
+        let err = small.validate_for(64 << 20).unwrap_err().to_string();
+        assert!(err.contains("max_bytes"), "{err}");
+        let per_connection = InboundConfig {
+            max_connection_bytes: 2 << 30,
+            ..InboundConfig::default()
+        };
+        let err = per_connection.validate().unwrap_err().to_string();
+        assert!(err.contains("max_connection_bytes"), "{err}");
+        let none = InboundConfig {
+            max_connections: 0,
+            ..InboundConfig::default()
+        };
+        assert!(
+            none.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("max_connections")
+        );
+    }
+
+    #[tokio::test]
+    async fn the_budget_admits_what_fits_and_wakes_waiters_in_order() {
+        let budget = InboundBudget::new(100);
+        let a = budget.try_acquire(60).unwrap();
+        assert!(budget.try_acquire(50).is_none(), "over the budget");
+        assert!(budget.try_acquire(101).is_none(), "above the whole budget");
+        assert!(budget.acquire(101).await.is_none());
+        let waiting = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.acquire(50).await.map(|p| p.bytes) }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        drop(a);
+        assert_eq!(waiting.await.unwrap(), Some(50));
+        assert_eq!(budget.available(), 100, "every permit given back");
+    }
+
+    #[test]
+    fn deadlines_follow_handshake_then_frames_then_idle() {
+        let config = InboundConfig {
+            frame_timeout_ms: 1000,
+            handshake_timeout_ms: 300,
+            idle_timeout_ms: 0,
+            ..InboundConfig::default()
+        };
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut deadlines = Deadlines::new(&config, t0, false);
+        assert_eq!(deadlines.next(), Some((t0 + ms(300), Stall::Handshake)));
+        // The first bytes begin a message: the frame deadline runs from them.
+        deadlines.on_bytes(t0 + ms(100), true);
+        assert_eq!(deadlines.next(), Some((t0 + ms(1100), Stall::Frame)));
+        // More bytes of the same message do not move it.
+        deadlines.on_bytes(t0 + ms(900), true);
+        assert_eq!(deadlines.next(), Some((t0 + ms(1100), Stall::Frame)));
+        // Complete: idle connections are kept.
+        deadlines.on_bytes(t0 + ms(1000), false);
+        assert_eq!(deadlines.next(), None);
+        let idle = InboundConfig {
+            idle_timeout_ms: 500,
+            ..config
+        };
+        let mut deadlines = Deadlines::new(&idle, t0, true);
+        assert_eq!(deadlines.next(), Some((t0 + ms(500), Stall::Idle)));
+        deadlines.on_bytes(t0 + ms(200), false);
+        assert_eq!(deadlines.next(), Some((t0 + ms(700), Stall::Idle)));
+    }
+
+    #[test]
+    fn the_cap_admits_up_to_its_maximum_and_frees_on_drop() {
+        let cap = ConnectionCap::new(2);
+        let a = cap.admit().unwrap();
+        let _b = cap.admit().unwrap();
+        assert!(cap.admit().is_none());
+        drop(a);
+        assert!(cap.admit().is_some());
+    }
+}

@@ -1,0 +1,249 @@
+//! The inbound limits of accepted TCP connections (`transport/src/inbound.rs`):
+//! budget with backpressure, slow-sender and handshake timeouts, the
+//! connection cap. Hostile peers are raw sockets writing frames by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use tessera_transport::{
+    Connection, InboundConfig, Listener, Message, Stall, Transport, TransportConfig, TransportError,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+const MIB: usize = 1 << 20;
+
+fn config(inbound: InboundConfig) -> TransportConfig {
+    TransportConfig {
+        max_message_size: 4 * MIB as u64,
+        inbound,
+        ..TransportConfig::default()
+    }
+}
+
+/// Accepts for ever, handing each connection to the returned channel.
+fn accept_all(listener: Listener) -> mpsc::UnboundedReceiver<Connection> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(connection) = listener.accept().await {
+            if tx.send(connection).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// A raw peer that announces a `len`-byte frame and sends `part` bytes of
+/// it, then stalls (keeps the socket open).
+async fn stalled_sender(addr: std::net::SocketAddr, len: usize, part: usize) -> TcpStream {
+    let mut raw = TcpStream::connect(addr).await.unwrap();
+    raw.write_all(&(len as u32).to_le_bytes()).await.unwrap();
+    // The socket buffers may not take the whole part while the server does
+    // not read: write what fits without waiting for the server.
+    let body = vec![0xAB; part];
+    let _ = tokio::time::timeout(Duration::from_millis(200), raw.write_all(&body)).await;
+    raw
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_large_frames_get_no_memory_beyond_the_budget_and_are_closed_by_the_frame_timeout()
+{
+    let transport = Transport::new(config(InboundConfig {
+        max_bytes: 8 * MIB as u64,
+        max_connection_bytes: 8 * MIB as u64,
+        frame_timeout_ms: 800,
+        ..InboundConfig::default()
+    }))
+    .unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut accepted = accept_all(listener);
+    let mut peers = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..10 {
+        peers.push(stalled_sender(addr, 4 * MIB, MIB).await);
+        let mut connection = accepted.recv().await.unwrap();
+        receivers.push(tokio::spawn(
+            async move { connection.receiver.recv().await },
+        ));
+    }
+    // A legitimate small message is served while the budget is taken:
+    // small frames draw none.
+    let legit = transport.connect(&addr.to_string()).await.unwrap();
+    let mut served = accepted.recv().await.unwrap();
+    legit
+        .sender
+        .send(Message::from(vec![1u8; 512]))
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), served.receiver.recv())
+        .await
+        .expect("a small message is read while large ones wait for budget")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), 512);
+    for receiver in receivers {
+        let outcome = tokio::time::timeout(Duration::from_secs(20), receiver)
+            .await
+            .expect("closed by the frame timeout")
+            .unwrap();
+        assert!(
+            matches!(outcome, Err(TransportError::Stalled(Stall::Frame))),
+            "{outcome:?}"
+        );
+    }
+    // The server closed them: each raw peer reads EOF.
+    for mut peer in peers {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut byte)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+    }
+    let stats = transport.recv_pool().stats();
+    // Two 4 MiB frames fit the budget at a time; before the budget each of
+    // the ten got its 4 MiB at once (40 MiB).
+    assert!(
+        stats.peak_registered_bytes <= 16 * MIB as u64,
+        "peak {} bytes registered for ten stalled 4 MiB frames",
+        stats.peak_registered_bytes
+    );
+    assert_eq!(
+        transport.inbound_budget().available(),
+        transport.inbound_budget().capacity(),
+        "every stalled frame gave its budget back"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_message_waits_unread_for_budget_and_then_arrives_whole() {
+    let transport = Transport::new(config(InboundConfig {
+        max_bytes: 8 * MIB as u64,
+        max_connection_bytes: 8 * MIB as u64,
+        ..InboundConfig::default()
+    }))
+    .unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut accepted = accept_all(listener);
+    let mut stalled = Vec::new();
+    let mut stalled_receivers = Vec::new();
+    for _ in 0..2 {
+        stalled.push(stalled_sender(addr, 4 * MIB, MIB).await);
+        let mut connection = accepted.recv().await.unwrap();
+        stalled_receivers.push(tokio::spawn(
+            async move { connection.receiver.recv().await },
+        ));
+    }
+    // Both stalled frames hold their budget once their first bytes are read.
+    let budget = transport.inbound_budget().clone();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while budget.available() > 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the stalled frames take the whole budget");
+    let legit = transport.connect(&addr.to_string()).await.unwrap();
+    let mut served = accepted.recv().await.unwrap();
+    let body: Vec<u8> = (0..4 * MIB).map(|i| i as u8).collect();
+    let sending = tokio::spawn({
+        let body = body.clone();
+        async move { legit.sender.send(Message::from(body)).await }
+    });
+    let waiting = tokio::time::timeout(Duration::from_millis(300), served.receiver.recv()).await;
+    assert!(waiting.is_err(), "no budget: the message is not read yet");
+    drop(stalled);
+    for receiver in stalled_receivers {
+        let outcome = receiver.await.unwrap();
+        assert!(
+            matches!(outcome, Err(TransportError::Truncated { .. })),
+            "{outcome:?}"
+        );
+    }
+    let got = tokio::time::timeout(Duration::from_secs(10), served.receiver.recv())
+        .await
+        .expect("budget freed: the message is read")
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got[..], &body[..]);
+    sending.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_after_the_handshake_bound_and_an_idle_one_is_kept() {
+    let transport = Transport::new(config(InboundConfig {
+        handshake_timeout_ms: 300,
+        ..InboundConfig::default()
+    }))
+    .unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut accepted = accept_all(listener);
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    let mut silent_conn = accepted.recv().await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), silent_conn.receiver.recv())
+        .await
+        .expect("closed by the handshake bound");
+    assert!(
+        matches!(outcome, Err(TransportError::Stalled(Stall::Handshake))),
+        "{outcome:?}"
+    );
+    drop(silent_conn);
+    let mut byte = [0u8; 1];
+    assert_eq!(silent.read(&mut byte).await.unwrap_or(0), 0, "EOF");
+
+    // A connection that has sent a message may then stay idle: workers are
+    // long-lived.
+    let talker = transport.connect(&addr.to_string()).await.unwrap();
+    let mut talker_conn = accepted.recv().await.unwrap();
+    talker
+        .sender
+        .send(Message::from(vec![3u8; 16]))
+        .await
+        .unwrap();
+    assert_eq!(
+        talker_conn.receiver.recv().await.unwrap().unwrap().len(),
+        16
+    );
+    let idle = tokio::time::timeout(Duration::from_millis(900), talker_conn.receiver.recv()).await;
+    assert!(idle.is_err(), "an idle connection is kept: {idle:?}");
+    talker
+        .sender
+        .send(Message::from(vec![4u8; 16]))
+        .await
+        .unwrap();
+    assert_eq!(
+        talker_conn.receiver.recv().await.unwrap().unwrap().len(),
+        16
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_closed_at_once_and_a_freed_slot_is_reused() {
+    let transport = Transport::new(config(InboundConfig {
+        max_connections: 2,
+        ..InboundConfig::default()
+    }))
+    .unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut accepted = accept_all(listener);
+    let _a = TcpStream::connect(addr).await.unwrap();
+    let first = accepted.recv().await.unwrap();
+    let _b = TcpStream::connect(addr).await.unwrap();
+    let _second = accepted.recv().await.unwrap();
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), third.read(&mut byte))
+        .await
+        .expect("the third connection is closed at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    assert!(accepted.try_recv().is_err(), "it never reached accept()");
+    drop(first);
+    let _c = TcpStream::connect(addr).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), accepted.recv())
+        .await
+        .expect("a freed slot takes a new connection")
+        .unwrap();
+}
