@@ -21,6 +21,14 @@
 //!
 //! Sequence 0 (or worker 0) means "not deduplicated": plain gRPC clients
 //! and old workers send no ids, and their Pushes are applied as they come.
+//!
+//! Sequences are bounded ([`Admission::Implausible`]): at most
+//! [`MAX_SEQUENCE`], and at most [`MAX_JUMP`] above the highest one seen
+//! of the worker. Without the bound one Push carrying a worker's id and
+//! sequence `u64::MAX` made every later Push of that worker "too old". The
+//! bound stops that single step; a peer that can send Pushes under another
+//! worker's id can still disturb its deduplication in steps, which is what
+//! the method roles of mutual TLS are for.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -30,6 +38,15 @@ use std::time::{Duration, Instant};
 /// 1024: far more Pushes than a worker keeps in flight to one shard.
 pub const WINDOW: u64 = 1024;
 const WORDS: usize = (WINDOW / 64) as usize;
+
+/// The largest sequence accepted: 2^48, a million Pushes a second for
+/// nine years from one worker's counter (which starts at 1).
+pub const MAX_SEQUENCE: u64 = 1 << 48;
+
+/// How far above a worker's highest sequence a Push may be. 2^32: a
+/// worker numbers all its Pushes from one counter, so a shard sees gaps
+/// of the Pushes that went to other shards only, never billions.
+pub const MAX_JUMP: u64 = 1 << 32;
 
 /// What to do with a Push.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +65,12 @@ pub enum Admission {
     Full {
         /// The limit.
         max_workers: usize,
+    },
+    /// Above [`MAX_SEQUENCE`], or more than [`MAX_JUMP`] above the
+    /// worker's highest: refused, and nothing is marked.
+    Implausible {
+        /// The worker's highest sequence so far (0: not seen).
+        highest: u64,
     },
 }
 
@@ -109,6 +132,17 @@ impl Window {
 
     fn admit(&mut self, sequence: u64, now: Instant) -> Admission {
         self.last_seen = now;
+        if sequence > self.highest && sequence - self.highest > MAX_JUMP {
+            return Admission::Implausible {
+                highest: self.highest,
+            };
+        }
+        self.mark(sequence)
+    }
+
+    /// Marks `sequence` applied unless it was (the primary's decision, or
+    /// a plausible new one).
+    fn mark(&mut self, sequence: u64) -> Admission {
         if sequence > self.highest {
             self.shift(sequence - self.highest);
             self.highest = sequence;
@@ -117,8 +151,9 @@ impl Window {
         }
         let offset = self.highest - sequence;
         if offset >= WINDOW {
+            // `highest - sequence >= WINDOW`, so this cannot overflow.
             return Admission::TooOld {
-                lowest: self.highest + 1 - WINDOW,
+                lowest: self.highest - WINDOW + 1,
             };
         }
         if self.bit(offset) {
@@ -163,6 +198,11 @@ impl PushDedup {
             return Admission::Apply;
         }
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        if sequence > MAX_SEQUENCE {
+            return Admission::Implausible {
+                highest: workers.get(&worker).map_or(0, |w| w.highest),
+            };
+        }
         if let Some(window) = workers.get_mut(&worker) {
             return window.admit(sequence, now);
         }
@@ -192,7 +232,8 @@ impl PushDedup {
         }
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(window) = workers.get_mut(&worker) {
-            window.admit(sequence, now);
+            window.last_seen = now;
+            window.mark(sequence);
             return;
         }
         if workers.len() >= self.limits.max_workers {
@@ -319,12 +360,39 @@ mod tests {
                 Admission::Duplicate => "dup",
                 Admission::TooOld { .. } => "old",
                 Admission::Full { .. } => "full",
+                Admission::Implausible { .. } => "implausible",
             };
             assert_eq!(got, expected, "sequence {candidate}, highest {highest}");
             if got == "apply" {
                 applied.insert(candidate);
             }
         }
+    }
+
+    #[test]
+    fn implausible_sequences_mark_nothing_and_recorded_ones_never_overflow() {
+        let d = dedup(10);
+        let now = Instant::now();
+        assert_eq!(
+            d.admit(1, u64::MAX, now),
+            Admission::Implausible { highest: 0 },
+            "a first sequence above the largest"
+        );
+        assert_eq!(d.admit(1, 5, now), Admission::Apply);
+        assert_eq!(
+            d.admit(1, 6 + MAX_JUMP, now),
+            Admission::Implausible { highest: 5 }
+        );
+        assert_eq!(d.admit(1, 5 + MAX_JUMP, now), Admission::Apply);
+        // What a primary decided (or a checkpoint carried) is recorded as
+        // it is, and the window's arithmetic holds at the top of u64.
+        d.record(2, u64::MAX, now);
+        assert_eq!(
+            d.admit(2, 1, now),
+            Admission::TooOld {
+                lowest: u64::MAX - WINDOW + 1
+            }
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ impl From<StoreError> for Status {
             StoreError::UnknownTable(_) => Status::not_found(message),
             StoreError::GradientLength { .. }
             | StoreError::TooManyKeys { .. }
+            | StoreError::SequenceImplausible { .. }
             | StoreError::NonFiniteGradient { .. }
             | StoreError::BadEvictions { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
@@ -27,7 +28,9 @@ impl From<StoreError> for Status {
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode
             | StoreError::SequenceTooOld { .. } => Status::failed_precondition(message),
-            StoreError::DedupFull { .. } => Status::resource_exhausted(message),
+            StoreError::DedupFull { .. } | StoreError::ResponseTooLarge { .. } => {
+                Status::resource_exhausted(message)
+            }
         }
     }
 }
@@ -76,7 +79,12 @@ impl v1::ParameterServer for PsService {
         }
         // The rows are written straight into a send-pool buffer, which then
         // goes out as its own part of the response: no copy after this one.
-        let len = request.keys.len() * self.store.row_bytes(&request.table)?;
+        // Every limit (keys, the answer's size) is checked before the
+        // allocation: one request cannot make the server reserve more than
+        // a message.
+        let len = self
+            .store
+            .fetch_bytes(&request.table, request.shard, &request.keys)?;
         let mut values = context.send_pool.alloc(len).map_err(|err| {
             Status::resource_exhausted(format!("no memory for {len} bytes of rows: {err}"))
         })?;

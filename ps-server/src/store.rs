@@ -92,6 +92,33 @@ pub enum StoreError {
         /// The lowest sequence still tracked.
         lowest: u64,
     },
+    /// A Push's sequence is above the largest accepted or jumps too far
+    /// above the worker's highest (see [`crate::dedup::MAX_JUMP`]).
+    #[error(
+        "push {sequence} of worker {worker:#x} is implausible (its highest is {highest}; at most {} above it, and at most {} in all)",
+        crate::dedup::MAX_JUMP,
+        crate::dedup::MAX_SEQUENCE
+    )]
+    SequenceImplausible {
+        /// The worker.
+        worker: u64,
+        /// The sequence sent.
+        sequence: u64,
+        /// The worker's highest sequence so far.
+        highest: u64,
+    },
+    /// A Fetch's answer would exceed the largest message.
+    #[error(
+        "the answer of {keys} keys x {row_bytes} bytes a row exceeds the largest message ({max} bytes); fetch fewer keys at a time"
+    )]
+    ResponseTooLarge {
+        /// Keys asked for.
+        keys: usize,
+        /// Bytes of a row.
+        row_bytes: usize,
+        /// Most bytes a Fetch's rows may take.
+        max: usize,
+    },
     /// The Push comes from a worker the shard's deduplication has no room
     /// for: refused, so that no remembered worker has to be forgotten.
     #[error(
@@ -152,6 +179,9 @@ pub struct Store {
     num_shards: u32,
     hosted: Vec<u32>,
     max_keys: u32,
+    /// Most bytes the rows of one Fetch may take: `max_message_size` less
+    /// room for the response's header and framing.
+    max_response_bytes: usize,
     tables: HashMap<String, Table>,
     writers: HashMap<u32, Writer>,
 }
@@ -265,6 +295,11 @@ pub struct CheckedPush<'a> {
     id: PushId,
 }
 
+/// Bytes of a Fetch response besides its rows (RPC header, protobuf tags
+/// and lengths); generous, so that an answer within the check always fits
+/// in a message.
+const RESPONSE_OVERHEAD: u64 = 4096;
+
 impl Store {
     /// An empty store for `config`'s tables and shards.
     pub fn new(config: &PsServerConfig) -> Self {
@@ -275,6 +310,10 @@ impl Store {
             mode: config.mode,
             num_shards: config.num_shards,
             max_keys: config.max_keys_per_request,
+            max_response_bytes: usize::try_from(
+                config.max_message_size.saturating_sub(RESPONSE_OVERHEAD),
+            )
+            .unwrap_or(usize::MAX),
             tables: config
                 .tables
                 .iter()
@@ -467,6 +506,23 @@ impl Store {
         Ok((table_ref, state))
     }
 
+    /// Bytes the rows of a Fetch of `keys` from `table`'s `shard` take, once
+    /// the request is known to be allowed: table and shard hosted, no more
+    /// than `max_keys_per_request` keys, and the answer within the largest
+    /// message. Call it before allocating for the rows.
+    pub fn fetch_bytes(&self, table: &str, shard: u32, keys: &[u64]) -> Result<usize, StoreError> {
+        let (table_ref, _) = self.shard_state(table, shard, keys)?;
+        let row_bytes = table_ref.config().dim as usize * F32_BYTES;
+        match keys.len().checked_mul(row_bytes) {
+            Some(bytes) if bytes <= self.max_response_bytes => Ok(bytes),
+            _ => Err(StoreError::ResponseTooLarge {
+                keys: keys.len(),
+                row_bytes,
+                max: self.max_response_bytes,
+            }),
+        }
+    }
+
     /// Bytes of one row of `table` on the wire.
     pub fn row_bytes(&self, table: &str) -> Result<usize, StoreError> {
         self.tables
@@ -539,7 +595,7 @@ impl Store {
         shard: u32,
         keys: &[u64],
     ) -> Result<(u32, Vec<u8>), StoreError> {
-        let mut out = vec![0u8; keys.len() * self.row_bytes(table)?];
+        let mut out = vec![0u8; self.fetch_bytes(table, shard, keys)?];
         let dim = self.fetch_into(table, shard, keys, &mut out)?;
         Ok((dim, out))
     }
@@ -698,6 +754,11 @@ impl CheckedPush<'_> {
             Admission::Full { max_workers } => Err(StoreError::DedupFull {
                 worker: id.worker,
                 max_workers,
+            }),
+            Admission::Implausible { highest } => Err(StoreError::SequenceImplausible {
+                worker: id.worker,
+                sequence: id.sequence,
+                highest,
             }),
         }
     }
@@ -920,6 +981,61 @@ mod tests {
             Err(StoreError::TooManyKeys { got: 4, max: 3 })
         ));
         assert!(store.fetch("t", 0, &keys[..3]).is_ok());
+    }
+
+    #[test]
+    fn a_fetch_whose_answer_exceeds_a_message_is_refused_before_allocating() {
+        // 1 MiB messages, dim 3: 87,040 rows fit, the request's keys are
+        // checked against it before any row is stored or allocated.
+        let mut config = config(Mode::Training);
+        config.max_message_size = 1 << 20;
+        let store = Store::new(&config);
+        let fit = ((1usize << 20) - 4096) / 12;
+        let keys = keys_of_shard(0, fit + 1);
+        assert_eq!(
+            store.fetch_bytes("t", 0, &keys).unwrap_err(),
+            StoreError::ResponseTooLarge {
+                keys: fit + 1,
+                row_bytes: 12,
+                max: (1 << 20) - 4096
+            }
+        );
+        assert!(store.fetch("t", 0, &keys).is_err());
+        assert_eq!(store.table("t").unwrap().rows(), 0, "nothing was inserted");
+        assert_eq!(store.fetch_bytes("t", 0, &keys[..fit]).unwrap(), fit * 12);
+    }
+
+    #[test]
+    fn a_spoofed_huge_sequence_is_refused_and_the_worker_keeps_pushing() {
+        let store = Store::new(&config(Mode::Training));
+        let key = keys_of_shard(0, 1)[0];
+        let grads = wire(&[1.0, 1.0, 1.0]);
+        let id = |sequence| PushId {
+            worker: 9,
+            sequence,
+        };
+        store.push("t", 0, &[key], &grads, id(1)).unwrap();
+        // Before: accepted, and every later Push of worker 9 was "too old"
+        // (and `highest + 1` overflowed in debug builds).
+        for sequence in [
+            u64::MAX,
+            crate::dedup::MAX_SEQUENCE + 1,
+            2 + crate::dedup::MAX_JUMP,
+        ] {
+            assert!(
+                matches!(
+                    store.push("t", 0, &[key], &grads, id(sequence)),
+                    Err(StoreError::SequenceImplausible { highest: 1, .. })
+                ),
+                "{sequence}"
+            );
+        }
+        let applied = store.push("t", 0, &[key], &grads, id(2)).unwrap();
+        assert_eq!((applied.applied, applied.duplicate), (1, false));
+        let far = store
+            .push("t", 0, &[key], &grads, id(2 + crate::dedup::MAX_JUMP))
+            .unwrap();
+        assert_eq!(far.applied, 1, "a jump within the bound is fine");
     }
 
     #[test]
