@@ -25,10 +25,10 @@ use super::{ONE_AT_A_TIME, TABLE, rdma_soft, table};
 
 /// Rows of the large shard of the checkpoint and copy drills, and their
 /// dimension (Adam: three floats per value, 204 bytes a row as saved).
-const BIG_ROWS: u64 = 400_000;
+pub(super) const BIG_ROWS: u64 = 400_000;
 const BIG_DIM: usize = 16;
 
-fn big_table() -> TableConfig {
+pub(super) fn big_table() -> TableConfig {
     TableConfig {
         optimizer: OptimizerConfig::adam(0.01),
         ..TableConfig::new("big", BIG_DIM as u32)
@@ -36,7 +36,7 @@ fn big_table() -> TableConfig {
 }
 
 /// Fills `shard` of table `big` with `BIG_ROWS` trained rows.
-async fn fill(data: &ParameterServerClient, shard: u32, num_shards: u32) {
+pub(super) async fn fill(data: &ParameterServerClient, shard: u32, num_shards: u32) {
     let keys = keys_of_shard(shard, num_shards, BIG_ROWS as usize);
     for (i, chunk) in keys.chunks(10_000).enumerate() {
         data.push(PushRequest {
@@ -65,19 +65,35 @@ const FRESH: usize = 4;
 /// Fetches sent per second by [`Load`], whatever the answers take (an
 /// open loop: a stall shows in every Fetch scheduled during it, not in
 /// one late answer of a client that waited).
-const FETCHES_PER_SEC: u64 = 400;
+pub(super) const FETCHES_PER_SEC: u64 = 400;
 
 /// Fetches of `big` at a fixed rate — 64 present rows, or with `fresh`
 /// [`FRESH`] of them new (which a training server inserts: they take a
 /// stripe's write lock) — and a Push with every fourth; each Fetch's
 /// latency, counted from when it was due, with the time it ended.
-struct Load {
+pub(super) struct Load {
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<Vec<(Instant, Duration)>>,
 }
 
 impl Load {
-    fn start(data: ParameterServerClient, shard: u32, num_shards: u32, fresh: bool) -> Self {
+    pub(super) fn start(
+        data: ParameterServerClient,
+        shard: u32,
+        num_shards: u32,
+        fresh: bool,
+    ) -> Self {
+        Self::start_at(data, shard, num_shards, fresh, FETCHES_PER_SEC)
+    }
+
+    /// [`Load::start`] at `per_sec` Fetches a second.
+    pub(super) fn start_at(
+        data: ParameterServerClient,
+        shard: u32,
+        num_shards: u32,
+        fresh: bool,
+        per_sec: u64,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let present = Arc::new(keys_of_shard(shard, num_shards, BIG_ROWS as usize));
         let task = tokio::spawn({
@@ -89,7 +105,7 @@ impl Load {
                     .skip(BIG_ROWS as usize);
                 let mut calls = tokio::task::JoinSet::new();
                 let mut ticks =
-                    tokio::time::interval(Duration::from_micros(1_000_000 / FETCHES_PER_SEC));
+                    tokio::time::interval(Duration::from_micros(1_000_000 / per_sec.max(1)));
                 ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -132,7 +148,7 @@ impl Load {
         Self { stop, task }
     }
 
-    async fn stop(self) -> Vec<(Instant, Duration)> {
+    pub(super) async fn stop(self) -> Vec<(Instant, Duration)> {
         self.stop.store(true, Ordering::Relaxed);
         self.task.await.unwrap()
     }
@@ -140,7 +156,7 @@ impl Load {
 
 /// (count, p50, p99, max) in ms of the samples that ended in one of
 /// `windows` (each `[from, to)`).
-fn percentiles(
+pub(super) fn percentiles(
     samples: &[(Instant, Duration)],
     windows: &[(Instant, Instant)],
 ) -> (usize, f64, f64, f64) {
@@ -158,7 +174,7 @@ fn percentiles(
 }
 
 /// Resident memory of process `pid` in MiB.
-fn rss_mib(pid: i32) -> f64 {
+pub(super) fn rss_mib(pid: i32) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
@@ -184,10 +200,10 @@ fn assert_no_stall(what: &str, base_p99: f64, during_p99: f64) {
 }
 
 /// How long each quiet window of the stall drills lasts.
-const QUIET: Duration = Duration::from_secs(1);
+pub(super) const QUIET: Duration = Duration::from_secs(1);
 
 /// The quiet window starting now.
-async fn quiet_window() -> (Instant, Instant) {
+pub(super) async fn quiet_window() -> (Instant, Instant) {
     let from = Instant::now();
     tokio::time::sleep(QUIET).await;
     (from, Instant::now())

@@ -32,6 +32,7 @@ use tessera_test_support::{Etcd, FaultProxy, Layout, PsProcess};
 /// nextest runs each alone, see `.config/nextest.toml`).
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+mod attack;
 mod load;
 mod trainer;
 
