@@ -106,7 +106,21 @@ pub struct EngineConfig {
     /// with [`Engine::handle_shared_receive`]); the engine posts none and
     /// returns no credits. Default false.
     pub shared_receives: bool,
+    /// Bytes of large messages the peer may have been granted (CTS sent,
+    /// last WRITE not yet completed) at once. An RTS beyond waits, ungranted
+    /// and unallocated, until earlier ones complete (the peer's socket
+    /// waits for its CTS: backpressure, as TCP's flow control is); the
+    /// waiting RTS are bounded by [`MAX_WAITING_RTS`], past which the
+    /// engine fails. Default 256 MiB (`inbound.max_connection_bytes`); at
+    /// least `max_message_size`, so every message can be granted alone.
+    pub max_granted_bytes: u64,
 }
+
+/// Requests to send an engine keeps waiting for budget before it fails:
+/// more than any well-behaved peer has outstanding (each socket asks at
+/// most `rts_ahead` ahead), few enough that a hostile one costs little
+/// memory (16 bytes each).
+pub const MAX_WAITING_RTS: usize = 16_384;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -121,6 +135,7 @@ impl Default for EngineConfig {
             keepalive: None,
             rts_ahead: 4,
             shared_receives: false,
+            max_granted_bytes: 256 << 20,
         }
     }
 }
@@ -336,6 +351,11 @@ pub struct Engine {
     active: VecDeque<SocketId>,
     awaiting_cts: HashMap<u32, SocketId>,
     incoming: HashMap<u32, (SocketId, PoolBuf)>,
+    /// Bytes of the buffers in `incoming` (granted to the peer).
+    granted_bytes: u64,
+    /// Requests to send over the budget, in arrival order: (message id,
+    /// socket, size).
+    waiting_rts: VecDeque<(u32, SocketId, u64)>,
     recv_slots: Vec<Option<PoolBuf>>,
     consumed_slots: Vec<usize>,
     spare: Vec<PoolBuf>,
@@ -413,6 +433,8 @@ impl Engine {
             active: VecDeque::new(),
             awaiting_cts: HashMap::new(),
             incoming: HashMap::new(),
+            granted_bytes: 0,
+            waiting_rts: VecDeque::new(),
             consumed_slots: Vec::new(),
             spare: Vec::new(),
             receives_posted: false,
@@ -1181,13 +1203,49 @@ impl Engine {
         }
     }
 
+    /// Grants waiting requests to send, in order, while they fit in
+    /// `max_granted_bytes`: allocates each destination and queues its CTS.
+    fn grant_waiting(&mut self) -> Result<(), EngineError> {
+        while let Some(&(msg_id, socket, size)) = self.waiting_rts.front() {
+            let fits = self.granted_bytes + size <= self.config.max_granted_bytes
+                // One message alone is always granted (validation keeps
+                // the budget above the largest message anyway).
+                || self.incoming.is_empty();
+            if !fits {
+                break;
+            }
+            self.waiting_rts.pop_front();
+            let dest = Self::alloc(&self.recv_pool, size as usize)?;
+            let region = dest
+                .region()
+                .ok_or(EngineError::Unregistered("a write destination"))?;
+            let addr = dest.as_ptr() as u64;
+            self.granted_bytes += size;
+            self.incoming.insert(msg_id, (socket, dest));
+            self.control.push_back(Control::Cts {
+                msg_id,
+                addr,
+                rkey: region.rkey,
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes granted to the peer for large messages now, and requests to
+    /// send waiting for budget.
+    pub fn granted(&self) -> (u64, usize) {
+        (self.granted_bytes, self.waiting_rts.len())
+    }
+
     fn received(&mut self, completion: &WorkCompletion, buf: PoolBuf) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
             let (socket, message) = self.incoming.remove(&msg_id).ok_or_else(|| {
                 EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
             })?;
+            self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
             self.deliver(socket, message.freeze());
+            self.grant_waiting()?;
             return Ok(());
         }
         // The completion's length is the peer's word: checked before any
@@ -1216,26 +1274,26 @@ impl Engine {
                         self.config.max_message_size
                     )));
                 }
-                // A message id already granted: its buffer's address and
-                // key are the peer's, which may still write into it, so it
-                // is never replaced (and so freed); the engine fails.
-                if self.incoming.contains_key(&header.msg_id) {
+                // A message id already granted (or waiting): its buffer's
+                // address and key are the peer's, which may still write
+                // into it, so it is never replaced (and so freed); the
+                // engine fails.
+                if self.incoming.contains_key(&header.msg_id)
+                    || self.waiting_rts.iter().any(|w| w.0 == header.msg_id)
+                {
                     return Err(EngineError::Protocol(format!(
                         "request to send message {} again while it is granted",
                         header.msg_id
                     )));
                 }
-                let dest = Self::alloc(&self.recv_pool, size as usize)?;
-                let region = dest
-                    .region()
-                    .ok_or(EngineError::Unregistered("a write destination"))?;
-                let addr = dest.as_ptr() as u64;
-                self.incoming.insert(header.msg_id, (header.socket, dest));
-                self.control.push_back(Control::Cts {
-                    msg_id: header.msg_id,
-                    addr,
-                    rkey: region.rkey,
-                });
+                if self.waiting_rts.len() >= MAX_WAITING_RTS {
+                    return Err(EngineError::Protocol(format!(
+                        "{MAX_WAITING_RTS} requests to send wait for budget; the peer sends more"
+                    )));
+                }
+                self.waiting_rts
+                    .push_back((header.msg_id, header.socket, size));
+                self.grant_waiting()?;
             }
             ControlKind::Cts { addr, rkey } => {
                 self.recycle(buf);

@@ -882,3 +882,83 @@ fn a_receive_length_past_its_buffer_fails_the_engine_without_panicking() {
         b.failure
     );
 }
+
+/// Requests to send beyond the per-peer budget wait, ungranted and
+/// unallocated: a hostile peer announcing five 1 MiB messages against a
+/// 3 MiB budget gets three destinations. Before: every RTS was granted at
+/// once, so the peer alone decided how much of the pool it held.
+#[test]
+fn requests_to_send_beyond_the_peer_budget_wait_unallocated() {
+    use super::control::{ControlHeader, ControlKind};
+    let config = EngineConfig {
+        max_message_size: 1 << 20,
+        max_granted_bytes: 3 << 20,
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
+    b.recv_pool.flush_thread_cache();
+    let before = b.recv_pool.stats().in_use_bytes;
+    for msg_id in 1..=5 {
+        let rts = ControlHeader {
+            kind: ControlKind::Rts { size: 1 << 20 },
+            credits: 0,
+            msg_id,
+            socket,
+        }
+        .encode();
+        raw_send(&a, &rts);
+    }
+    for _ in 0..8 {
+        b.step(true);
+    }
+    assert!(b.failure.is_none(), "{:?}", b.failure);
+    assert_eq!(b.engine.granted(), (3 << 20, 2), "three granted, two wait");
+    b.recv_pool.flush_thread_cache();
+    let grown = b.recv_pool.stats().in_use_bytes - before;
+    assert!(
+        grown <= (3 << 20) + (256 << 10),
+        "{grown} bytes allocated for the grants"
+    );
+}
+
+/// A well-behaved sender whose messages exceed the peer's budget many
+/// times over still gets them all through, whole and in order: the
+/// waiting requests are granted as earlier messages complete.
+#[test]
+fn large_messages_beyond_the_budget_arrive_whole_as_grants_free() {
+    let config = EngineConfig {
+        max_message_size: 1 << 20,
+        max_granted_bytes: 1 << 20,
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let sockets = [open(&mut a, &mut b), open(&mut a, &mut b)];
+    let sizes = [1 << 20, 300_000, 700_000, 1 << 20, 65_537, 900_000];
+    for (i, &len) in sizes.iter().enumerate() {
+        a.engine
+            .send(sockets[i % 2], message(&a.send_pool, len, i as u8))
+            .unwrap();
+    }
+    pump(&mut a, &mut b);
+    assert!(
+        a.failure.is_none() && b.failure.is_none(),
+        "{:?} {:?}",
+        a.failure,
+        b.failure
+    );
+    for (s, &socket) in sockets.iter().enumerate() {
+        let got: Vec<&Bytes> = b
+            .arrivals
+            .iter()
+            .filter(|(id, _)| *id == socket)
+            .map(|(_, m)| m)
+            .collect();
+        let expected: Vec<usize> = (s..sizes.len()).step_by(2).collect();
+        assert_eq!(got.len(), expected.len());
+        for (message, &i) in got.iter().zip(&expected) {
+            check(message, sizes[i], i as u8);
+        }
+    }
+    assert_eq!(b.engine.granted(), (0, 0));
+}
