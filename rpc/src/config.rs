@@ -77,7 +77,7 @@ pub struct ServerConfig {
     /// `ResourceExhausted` at once, unrun. Default 1024: a worker
     /// multiplexes all its calls to a server over one connection and keeps
     /// tens in flight; a thousand is a client gone wrong or hostile, and
-    /// bounds the tasks and request buffers one peer can hold.
+    /// bounds the tasks and request buffers one connection can hold.
     pub max_requests_per_connection: usize,
     /// The transport the server listens on.
     pub transport: TransportConfig,

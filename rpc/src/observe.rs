@@ -53,12 +53,11 @@ pub const SERVER_PROTOCOL_ERRORS: &str = "tessera_rpc_server_protocol_errors_tot
 /// Requests a stopping server answered `Unavailable` instead of serving
 /// (it was draining its connections).
 pub const SERVER_REFUSED_DRAINING: &str = "tessera_rpc_server_refused_draining_total";
+/// Requests refused because their connection had
+/// `max_requests_per_connection` in flight (labels: `method`).
+pub const SERVER_REFUSED_CONCURRENCY: &str = "tessera_rpc_server_refused_concurrency_total";
 /// Responses over `max_message_size`, answered `ResourceExhausted`
 /// instead (labels: `method`).
-/// Requests refused because their connection had
-/// `max_requests_per_connection` in flight.
-pub const SERVER_REFUSED_CONCURRENCY: &str = "tessera_rpc_server_refused_concurrency_total";
-/// Responses cut because they exceeded `max_message_size`.
 pub const SERVER_OVERSIZED_RESPONSES: &str = "tessera_rpc_server_oversized_responses_total";
 
 /// Bucket bounds (seconds) for every duration histogram: 25 µs to 10 s,

@@ -1,5 +1,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tessera_config::Validate;
@@ -512,13 +513,23 @@ async fn accept_rdma(
                 drop(slot);
                 established
             };
-            let limit = transport
-                .inner
-                .config
-                .inbound
-                .handshake_timeout()
-                .unwrap_or(HANDSHAKE_TIMEOUT);
-            match tokio::time::timeout(limit, handshake).await {
+            // `handshake_timeout_ms = 0` turns the bound off.
+            let limit = match transport.inner.config.inbound.handshake_timeout_ms {
+                0 => Duration::MAX,
+                _ => transport
+                    .inner
+                    .config
+                    .inbound
+                    .handshake_timeout()
+                    .unwrap_or(HANDSHAKE_TIMEOUT),
+            };
+            let bounded = async {
+                match limit {
+                    Duration::MAX => Ok(handshake.await),
+                    limit => tokio::time::timeout(limit, handshake).await,
+                }
+            };
+            match bounded.await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => {
                     metrics::counter!(crate::warn_limit::MALFORMED, "listener" => "rdma")

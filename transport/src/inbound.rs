@@ -7,9 +7,11 @@
 //! connections exhaust the receive pool and every legitimate call fails.
 //! Three mechanisms, all applied before anything is allocated:
 //!
-//! - **Budget with backpressure** ([`InboundBudget`]): bytes held in
-//!   incomplete inbound messages, all accepted connections together, are
-//!   bounded by `max_bytes`; one RDMA peer's by `max_connection_bytes`. A
+//! - **Budget with backpressure** ([`InboundBudget`]): bytes of large
+//!   inbound messages, from their first byte until the layers above drop
+//!   them (requests are decoded as slices of their buffer), all accepted
+//!   TCP connections together, are bounded by `max_bytes`; what one RDMA
+//!   peer has been granted by `max_connection_bytes`. A
 //!   message that does not fit waits, unread, until budget frees (the
 //!   connection's socket buffers fill and the sender blocks): TCP's own
 //!   backpressure, never an allocation. The budget is a tokio [`Semaphore`]
@@ -17,16 +19,24 @@
 //!   well-kept primitive instead of a hand-written counter with wake-ups).
 //!   Messages of at most half a read buffer (`read_buffer_bytes`) are read
 //!   into the connection's own buffer and draw no budget: what they hold is
-//!   bounded by `max_connections` x `read_buffer_bytes`.
+//!   bounded by `max_connections` x `read_buffer_bytes` while they arrive;
+//!   a small request still held by its handler keeps its 64 KiB read
+//!   buffer alive, so what small requests hold is bounded by the requests
+//!   in flight (`max_requests_per_connection`) instead, a looser bound.
 //! - **Timeouts** ([`Deadlines`]): a message that has begun must be complete
 //!   within `frame_timeout_ms` of its first byte, waiting for budget
-//!   included (so under budget pressure the slowest senders are shed first,
-//!   and a stalled peer holds its budget for a bounded time); a new
+//!   included (so a stalled peer holds budget for a bounded time; under
+//!   pressure, waiters are served first come, first served, and one that
+//!   waits past its deadline is closed: there is no per-peer share of the
+//!   budget yet, so a peer that announces many large messages delays
+//!   others' large messages until its own time out); a new
 //!   connection must begin its first message (TCP) or finish its handshake
 //!   (RDMA) within `handshake_timeout_ms`. Idle connections are kept unless
 //!   `idle_timeout_ms` is set: workers are long-lived.
-//! - **Caps**: at most `max_connections` accepted connections per listener
-//!   (handshakes in progress included); one beyond is closed at once.
+//! - **Caps**: at most `max_connections` accepted TCP connections (and RDMA
+//!   handshakes in progress) per listener; one beyond is closed at once.
+//!   Established RDMA peers are bounded by the device's queue pairs and the
+//!   completion queues' room instead. There is no per-address cap yet.
 //!
 //! Connections this process dialed are not limited here: what they receive
 //! answers what we asked for.
@@ -40,7 +50,7 @@ use tessera_config::{ConfigError, Validate, invalid};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-/// Metric: bytes held in incomplete inbound messages (gauge).
+/// Metric: bytes of large inbound messages held (gauge).
 pub const INBOUND_BYTES: &str = "tessera_transport_inbound_bytes";
 /// Metric: inbound messages that waited for budget before being read.
 pub const INBOUND_WAITS: &str = "tessera_transport_inbound_waits_total";
@@ -52,8 +62,9 @@ pub const CLOSED_BY_LIMIT: &str = "tessera_transport_connections_closed_by_limit
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(default, deny_unknown_fields)]
 pub struct InboundConfig {
-    /// Bytes all accepted connections together may hold in incomplete
-    /// inbound messages. Default 1 GiB: sixteen maximum-size (64 MiB)
+    /// Bytes all accepted TCP connections together may hold in large
+    /// inbound messages (more than half a read buffer), from their first
+    /// byte until they are dropped. Default 1 GiB: sixteen maximum-size (64 MiB)
     /// messages arriving at once, or hundreds of typical Pushes, and far
     /// below the receive pool's ceiling (16 GiB), so slow or hostile peers
     /// can never exhaust the pool that every other call needs. Must hold
@@ -75,13 +86,13 @@ pub struct InboundConfig {
     /// Default 10,000: clients connect when they have a call to make.
     /// 0 turns it off.
     pub handshake_timeout_ms: u64,
-    /// Close a connection with nothing in progress after this long without
-    /// a byte, milliseconds. Default 0 (never): workers keep their
+    /// Close a connection that has sent no byte for this long (answers it
+    /// still waits for included), milliseconds. Default 0 (never): workers keep their
     /// connections for the life of a job, and an idle connection costs one
     /// socket and no buffer.
     pub idle_timeout_ms: u64,
-    /// Accepted connections one listener keeps at once (handshakes in
-    /// progress included); one more is closed at once. Default 4096: the
+    /// Accepted TCP connections (and RDMA handshakes in progress) one
+    /// listener keeps at once; one more is closed at once. Default 4096: the
     /// paper's largest clusters have a few hundred clients per server, each
     /// with a connection or two; a descriptor limit (`ulimit -n`) below this
     /// fails accepts before the cap does.

@@ -247,3 +247,33 @@ async fn connections_beyond_the_cap_are_closed_at_once_and_a_freed_slot_is_reuse
         .expect("a freed slot takes a new connection")
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_received_large_message_holds_its_budget_until_it_is_dropped() {
+    let transport = Transport::new(config(InboundConfig {
+        max_bytes: 8 * MIB as u64,
+        max_connection_bytes: 8 * MIB as u64,
+        ..InboundConfig::default()
+    }))
+    .unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut accepted = accept_all(listener);
+    let client = transport.connect(&addr.to_string()).await.unwrap();
+    let mut served = accepted.recv().await.unwrap();
+    client
+        .sender
+        .send(Message::from(vec![9u8; 4 * MIB]))
+        .await
+        .unwrap();
+    let got = served.receiver.recv().await.unwrap().unwrap();
+    let budget = transport.inbound_budget();
+    // A handler holding the request (or a slice of it) holds its budget:
+    // before, the budget was given back at the last byte, so requests held
+    // by slow handlers were not counted at all.
+    let field = got.slice(MIB..2 * MIB);
+    drop(got);
+    assert_eq!(budget.available(), 4 * MIB);
+    drop(field);
+    assert_eq!(budget.available(), 8 * MIB);
+}

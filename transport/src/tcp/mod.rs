@@ -411,8 +411,28 @@ impl TcpReceiver {
                 tokio::task::yield_now().await;
             }
         }
-        // Complete: the budget is for incomplete messages only.
-        drop(permit);
-        Ok(body.freeze())
+        // The budget stays held for as long as the message's bytes live
+        // (the layers above decode fields as slices of it, and a handler
+        // may hold them): it bounds what peers make this process hold, not
+        // only what is still arriving.
+        Ok(match permit {
+            Some(permit) => Bytes::from_owner(Budgeted {
+                body,
+                _permit: permit,
+            }),
+            None => body.freeze(),
+        })
+    }
+}
+
+/// A received large message with the inbound budget it holds.
+struct Budgeted {
+    body: PoolBuf,
+    _permit: InboundPermit,
+}
+
+impl AsRef<[u8]> for Budgeted {
+    fn as_ref(&self) -> &[u8] {
+        &self.body
     }
 }
