@@ -32,6 +32,9 @@ pub enum LocalEtcdError {
     Unhealthy(Duration),
 }
 
+/// Starts of a local etcd tried when its port was taken meanwhile.
+const START_ATTEMPTS: u32 = 3;
+
 /// A running local etcd (module docs).
 #[derive(Debug)]
 pub struct LocalEtcd {
@@ -74,6 +77,27 @@ impl LocalEtcd {
             return Err(LocalEtcdError::NotFound(bin.to_owned()));
         }
         std::fs::create_dir_all(dir)?;
+        // Its ports are found free and then bound by etcd, so another
+        // process may take one in between: etcd then exits at once
+        // ("address already in use"), and a start on fresh ports succeeds.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::start_once(bin, dir, timeout) {
+                Err(LocalEtcdError::Exited { status, log })
+                    if attempt < START_ATTEMPTS
+                        && std::fs::read_to_string(&log)
+                            .is_ok_and(|text| text.contains("address already in use")) =>
+                {
+                    tracing::warn!(%status, attempt, "etcd's port was taken; starting it on others");
+                    let _ = std::fs::remove_dir_all(dir.join("data"));
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    fn start_once(bin: &Path, dir: &Path, timeout: Duration) -> Result<Self, LocalEtcdError> {
         let (client, peer) = (free_port()?, free_port()?);
         let endpoint = format!("127.0.0.1:{client}");
         let log = dir.join("etcd.log");

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod coordination;
 pub mod dedup;
+mod grpc_limits;
 pub mod replication;
 pub mod rowfile;
 mod service;
@@ -53,6 +54,8 @@ pub struct PsServer {
 
 struct GrpcEndpoint {
     listener: tokio::net::TcpListener,
+    limits: grpc_limits::GrpcLimits,
+    inbound: tessera_rpc::InboundConfig,
     service: GrpcServer<ParameterServerGrpc<PsService>>,
     admin: AdminGrpcServer<AdminGrpc<AdminService>>,
 }
@@ -124,6 +127,8 @@ impl PsServer {
                 tracing::info!(addr = ?listener.local_addr().ok(), "gRPC endpoint listening");
                 Some(GrpcEndpoint {
                     listener,
+                    limits: grpc_limits::GrpcLimits::of(config),
+                    inbound: config.inbound.clone(),
                     service: ParameterServerGrpc::service(
                         Arc::new(service.clone()),
                         transport.send_pool().clone(),
@@ -227,11 +232,13 @@ impl PsServer {
         };
         let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
         let grpc_task = tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
+            let served = grpc
+                .limits
+                .builder()
                 .add_service(grpc.service)
                 .add_service(grpc.admin)
                 .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(grpc.listener),
+                    grpc_limits::incoming(grpc.listener, &grpc.inbound),
                     async {
                         let _ = grpc_stopped.await;
                     },

@@ -39,5 +39,6 @@ pub use tessera_config::{ConfigError, Validate};
 /// Host checks for the transport (`tessera doctor`).
 pub use tessera_transport::doctor;
 pub use tessera_transport::{
-    InboundConfig, RdmaConfig, RdmaProvider, Transport, TransportConfig, TransportKind,
+    ConnectionGate, GateTicket, InboundConfig, RdmaConfig, RdmaProvider, Transport,
+    TransportConfig, TransportKind,
 };

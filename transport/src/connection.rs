@@ -7,7 +7,8 @@ use tessera_config::Validate;
 use tokio::sync::mpsc;
 
 use crate::inbound::{
-    ConnectionCap, ConnectionSlot, Deadlines, InboundBudget, InboundLimits, Stall,
+    AddressSlot, Addresses, ConnectionCap, ConnectionSlot, Deadlines, InboundBudget, InboundLimits,
+    Stall,
 };
 use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
 use crate::rdma::Role;
@@ -34,9 +35,11 @@ struct TransportInner {
     /// The RDMA device and I/O threads (kind `rdma`, or `auto` with a
     /// device).
     rdma: Option<Arc<RdmaRuntime>>,
-    /// Bytes of incomplete messages on accepted connections, all listeners
+    /// Bytes of large messages on accepted connections, all listeners
     /// together (`inbound.max_bytes`).
     inbound: InboundBudget,
+    /// Accepted connections and budget shares per peer address.
+    addresses: Addresses,
 }
 
 impl std::fmt::Debug for TransportInner {
@@ -128,6 +131,7 @@ impl Transport {
         Ok(Self {
             inner: Arc::new(TransportInner {
                 inbound: InboundBudget::new(config.inbound.max_bytes),
+                addresses: Addresses::new(&config.inbound),
                 config,
                 send_pool,
                 recv_pool,
@@ -160,6 +164,7 @@ impl Transport {
         Ok(Self {
             inner: Arc::new(TransportInner {
                 inbound: InboundBudget::new(config.inbound.max_bytes),
+                addresses: Addresses::new(&config.inbound),
                 config,
                 send_pool,
                 recv_pool,
@@ -255,10 +260,10 @@ impl Transport {
         Ok(Connection::tcp(config, tx, rx, peer))
     }
 
-    /// The limits of a connection accepted at `accepted` holding `slot`.
+    /// The limits of a connection accepted at `accepted` holding `slots`.
     fn inbound_limits(
         &self,
-        slot: ConnectionSlot,
+        (slot, address): (ConnectionSlot, AddressSlot),
         accepted: tokio::time::Instant,
         handshake_done: bool,
     ) -> InboundLimits {
@@ -266,6 +271,7 @@ impl Transport {
             budget: self.inner.inbound.clone(),
             deadlines: Deadlines::new(&self.inner.config.inbound, accepted, handshake_done),
             _slot: slot,
+            address,
         }
     }
 
@@ -406,7 +412,7 @@ impl Listener {
                 cap,
             } => loop {
                 let (stream, peer) = listener.accept().await?;
-                let Some(slot) = admit(cap, peer) else {
+                let Some(slot) = admit(cap, &transport.inner.addresses, peer) else {
                     continue;
                 };
                 let accepted = tokio::time::Instant::now();
@@ -450,19 +456,13 @@ async fn speaks_rdma(stream: &tokio::net::TcpStream) -> Result<bool, TransportEr
     }
 }
 
-/// A slot under the listener's cap for a connection from `peer`, or
-/// `None` (the caller drops the stream, closing it) when the listener is
-/// full.
-fn admit(cap: &ConnectionCap, peer: SocketAddr) -> Option<ConnectionSlot> {
-    let slot = cap.admit();
-    if slot.is_none() {
-        metrics::counter!(crate::inbound::CLOSED_BY_LIMIT, "reason" => "max_connections")
-            .increment(1);
-        if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
-            tracing::warn!(%peer, suppressed, "connection refused: the listener holds max_connections");
-        }
-    }
-    slot
+/// See [`crate::inbound::admit_connection`].
+fn admit(
+    cap: &ConnectionCap,
+    addresses: &Addresses,
+    peer: SocketAddr,
+) -> Option<(ConnectionSlot, AddressSlot)> {
+    crate::inbound::admit_connection(cap, addresses, peer)
 }
 
 async fn accept_rdma(
@@ -480,7 +480,7 @@ async fn accept_rdma(
                 continue;
             }
         };
-        let Some(slot) = admit(&cap, peer) else {
+        let Some(slot) = admit(&cap, &transport.inner.addresses, peer) else {
             continue;
         };
         let accepted = tokio::time::Instant::now();

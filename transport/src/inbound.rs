@@ -41,8 +41,10 @@
 //! Connections this process dialed are not limited here: what they receive
 //! answers what we asked for.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -74,7 +76,8 @@ pub struct InboundConfig {
     /// maximum-size messages (an RDMA socket asks for `rts_ahead` = 4
     /// destinations ahead). A TCP connection holds at most one incomplete
     /// message, so this binds RDMA peers, whose several sockets share one
-    /// queue pair. Between `max_message_size` and `max_bytes`.
+    /// queue pair. At least `max_message_size`; more than `max_bytes`
+    /// means `max_bytes`.
     pub max_connection_bytes: u64,
     /// A message that has begun must be complete this long after its first
     /// byte, milliseconds, waiting for budget included. Default 30,000: a
@@ -91,6 +94,19 @@ pub struct InboundConfig {
     /// connections for the life of a job, and an idle connection costs one
     /// socket and no buffer.
     pub idle_timeout_ms: u64,
+    /// Bytes the accepted TCP connections of one peer address together may
+    /// hold in large inbound messages: its share of `max_bytes`, so that one
+    /// host cannot take the whole budget and make every other host's large
+    /// Pushes wait. Default 256 MiB (four maximum-size messages, a quarter
+    /// of the default budget). At least `max_message_size`; more than
+    /// `max_bytes` means `max_bytes`.
+    pub max_address_bytes: u64,
+    /// Accepted TCP connections (and RDMA handshakes in progress) of one
+    /// peer address at once, all listeners of the transport together; one
+    /// more is closed at once. Default 256: a host runs a few workers with
+    /// a connection or two to each server, so 256 is a misbehaving host,
+    /// and sixteen such hosts are needed to fill `max_connections`.
+    pub max_connections_per_address: usize,
     /// Accepted TCP connections (and RDMA handshakes in progress) one
     /// listener keeps at once; one more is closed at once. Default 4096: the
     /// paper's largest clusters have a few hundred clients per server, each
@@ -107,6 +123,8 @@ impl Default for InboundConfig {
             frame_timeout_ms: 30_000,
             handshake_timeout_ms: 10_000,
             idle_timeout_ms: 0,
+            max_address_bytes: 256 << 20,
+            max_connections_per_address: 256,
             max_connections: 4096,
         }
     }
@@ -126,6 +144,15 @@ impl InboundConfig {
                 ),
             ));
         }
+        if self.max_address_bytes < max_message_size {
+            return Err(invalid(
+                "max_address_bytes",
+                format!(
+                    "{} cannot hold one message of max_message_size ({max_message_size} bytes)",
+                    self.max_address_bytes
+                ),
+            ));
+        }
         if self.max_connection_bytes < max_message_size {
             return Err(invalid(
                 "max_connection_bytes",
@@ -140,6 +167,16 @@ impl InboundConfig {
 
     fn millis(ms: u64) -> Option<Duration> {
         (ms > 0).then(|| Duration::from_millis(ms))
+    }
+
+    /// `max_connection_bytes` as it applies (at most `max_bytes`).
+    pub fn connection_bytes(&self) -> u64 {
+        self.max_connection_bytes.min(self.max_bytes)
+    }
+
+    /// `max_address_bytes` as it applies (at most `max_bytes`).
+    pub fn address_bytes(&self) -> u64 {
+        self.max_address_bytes.min(self.max_bytes)
     }
 
     /// The frame timeout, `None` when off.
@@ -169,17 +206,17 @@ impl Validate for InboundConfig {
                 format!("{} is outside 1..={most}", self.max_bytes),
             ));
         }
-        if self.max_connection_bytes == 0 || self.max_connection_bytes > self.max_bytes {
-            return Err(invalid(
-                "max_connection_bytes",
-                format!(
-                    "{} is outside 1..=max_bytes ({})",
-                    self.max_connection_bytes, self.max_bytes
-                ),
-            ));
+        if self.max_connection_bytes == 0 {
+            return Err(invalid("max_connection_bytes", "must be at least 1"));
+        }
+        if self.max_address_bytes == 0 {
+            return Err(invalid("max_address_bytes", "must be at least 1"));
         }
         if self.max_connections == 0 {
             return Err(invalid("max_connections", "must be at least 1"));
+        }
+        if self.max_connections_per_address == 0 {
+            return Err(invalid("max_connections_per_address", "must be at least 1"));
         }
         Ok(())
     }
@@ -191,6 +228,9 @@ impl Validate for InboundConfig {
 pub struct InboundBudget {
     bytes: Arc<Semaphore>,
     max: usize,
+    /// Whether held bytes are reported in [`INBOUND_BYTES`] (the server's
+    /// budget; an address's share is part of it, not counted again).
+    reported: bool,
 }
 
 /// Budget held for one incomplete message; given back when dropped.
@@ -198,11 +238,14 @@ pub struct InboundBudget {
 pub struct InboundPermit {
     _permit: OwnedSemaphorePermit,
     bytes: usize,
+    reported: bool,
 }
 
 impl Drop for InboundPermit {
     fn drop(&mut self) {
-        metrics::gauge!(INBOUND_BYTES).decrement(self.bytes as f64);
+        if self.reported {
+            metrics::gauge!(INBOUND_BYTES).decrement(self.bytes as f64);
+        }
     }
 }
 
@@ -215,6 +258,16 @@ impl InboundBudget {
         Self {
             bytes: Arc::new(Semaphore::new(max)),
             max,
+            reported: true,
+        }
+    }
+
+    /// A budget of `max` bytes that is part of another (not reported in
+    /// the metric).
+    fn share(max: u64) -> Self {
+        Self {
+            reported: false,
+            ..Self::new(max)
         }
     }
 
@@ -237,11 +290,14 @@ impl InboundBudget {
         u32::try_from(bytes).ok()
     }
 
-    fn permit(permit: OwnedSemaphorePermit, bytes: usize) -> InboundPermit {
-        metrics::gauge!(INBOUND_BYTES).increment(bytes as f64);
+    fn permit(&self, permit: OwnedSemaphorePermit, bytes: usize) -> InboundPermit {
+        if self.reported {
+            metrics::gauge!(INBOUND_BYTES).increment(bytes as f64);
+        }
         InboundPermit {
             _permit: permit,
             bytes,
+            reported: self.reported,
         }
     }
 
@@ -250,7 +306,7 @@ impl InboundBudget {
     pub fn try_acquire(&self, bytes: usize) -> Option<InboundPermit> {
         let units = self.units(bytes)?;
         let permit = Arc::clone(&self.bytes).try_acquire_many_owned(units).ok()?;
-        Some(Self::permit(permit, bytes))
+        Some(self.permit(permit, bytes))
     }
 
     /// Waits for `bytes` (first come, first served); `None` for a request
@@ -266,7 +322,7 @@ impl InboundBudget {
             .acquire_many_owned(units)
             .await
             .ok()?;
-        Some(Self::permit(permit, bytes))
+        Some(self.permit(permit, bytes))
     }
 }
 
@@ -420,12 +476,156 @@ impl ConnectionCap {
     }
 }
 
+/// The accepted connections of each peer address, all listeners of a
+/// transport together: how many (`max_connections_per_address`), and the
+/// address's share of the budget (`max_address_bytes`). An entry lives
+/// while the address has a connection.
+#[derive(Debug, Clone)]
+pub(crate) struct Addresses {
+    entries: Arc<Mutex<HashMap<IpAddr, AddressEntry>>>,
+    max_connections: usize,
+    share: u64,
+}
+
+#[derive(Debug)]
+struct AddressEntry {
+    connections: usize,
+    budget: InboundBudget,
+}
+
+/// One accepted connection's place under its address's cap, with the
+/// address's share of the budget; freed when dropped.
+#[derive(Debug)]
+pub(crate) struct AddressSlot {
+    table: Addresses,
+    ip: IpAddr,
+    pub(crate) budget: InboundBudget,
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut entries = self.table.lock();
+        if let Some(entry) = entries.get_mut(&self.ip) {
+            entry.connections = entry.connections.saturating_sub(1);
+            if entry.connections == 0 {
+                entries.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Addresses {
+    pub(crate) fn new(config: &InboundConfig) -> Self {
+        Self {
+            entries: Arc::new(Mutex::new(HashMap::new())),
+            max_connections: config.max_connections_per_address,
+            share: config.address_bytes(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, AddressEntry>> {
+        // A poisoned lock only means a panic elsewhere while holding it;
+        // the counts are still whole.
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A slot for a connection from `ip`, or `None` when the address has
+    /// `max_connections_per_address` already.
+    pub(crate) fn admit(&self, ip: IpAddr) -> Option<AddressSlot> {
+        let mut entries = self.lock();
+        let entry = entries.entry(ip).or_insert_with(|| AddressEntry {
+            connections: 0,
+            budget: InboundBudget::share(self.share),
+        });
+        if entry.connections >= self.max_connections {
+            return None;
+        }
+        entry.connections += 1;
+        let budget = entry.budget.clone();
+        drop(entries);
+        Some(AddressSlot {
+            table: self.clone(),
+            ip,
+            budget,
+        })
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// The connection caps of a listener that is not the transport's own (the
+/// gRPC endpoint): `max_connections` in all, `max_connections_per_address`
+/// from one address. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ConnectionGate {
+    cap: ConnectionCap,
+    addresses: Addresses,
+}
+
+/// One admitted connection's place under a [`ConnectionGate`]; freed when
+/// dropped.
+#[derive(Debug)]
+pub struct GateTicket {
+    _slot: ConnectionSlot,
+    _address: AddressSlot,
+}
+
+impl ConnectionGate {
+    /// A gate with `config`'s caps.
+    pub fn new(config: &InboundConfig) -> Self {
+        Self {
+            cap: ConnectionCap::new(config.max_connections),
+            addresses: Addresses::new(config),
+        }
+    }
+
+    /// A ticket for a connection from `peer`, or `None` (close it) when the
+    /// listener or the address is full; counted in [`CLOSED_BY_LIMIT`] and
+    /// warned about at a limited rate.
+    pub fn admit(&self, peer: std::net::SocketAddr) -> Option<GateTicket> {
+        let (slot, address) = admit_connection(&self.cap, &self.addresses, peer)?;
+        Some(GateTicket {
+            _slot: slot,
+            _address: address,
+        })
+    }
+}
+
+/// Slots under the listener's cap and the peer address's for a connection
+/// from `peer`, or `None` (the caller drops the stream, closing it) when
+/// either is full.
+pub(crate) fn admit_connection(
+    cap: &ConnectionCap,
+    addresses: &Addresses,
+    peer: std::net::SocketAddr,
+) -> Option<(ConnectionSlot, AddressSlot)> {
+    let refused = |reason: &'static str| {
+        metrics::counter!(CLOSED_BY_LIMIT, "reason" => reason).increment(1);
+        if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
+            tracing::warn!(%peer, suppressed, reason, "connection refused");
+        }
+    };
+    let Some(address) = addresses.admit(peer.ip()) else {
+        refused("max_connections_per_address");
+        return None;
+    };
+    let Some(slot) = cap.admit() else {
+        refused("max_connections");
+        return None;
+    };
+    Some((slot, address))
+}
+
 /// What an accepted TCP connection's receiver enforces.
 #[derive(Debug)]
 pub(crate) struct InboundLimits {
     pub(crate) budget: InboundBudget,
     pub(crate) deadlines: Deadlines,
     pub(crate) _slot: ConnectionSlot,
+    pub(crate) address: AddressSlot,
 }
 
 #[cfg(test)]
@@ -443,11 +643,19 @@ mod tests {
         let err = small.validate_for(64 << 20).unwrap_err().to_string();
         assert!(err.contains("max_bytes"), "{err}");
         let per_connection = InboundConfig {
-            max_connection_bytes: 2 << 30,
+            max_connection_bytes: 1 << 20,
             ..InboundConfig::default()
         };
-        let err = per_connection.validate().unwrap_err().to_string();
+        let err = per_connection.validate_for(64 << 20).unwrap_err().to_string();
         assert!(err.contains("max_connection_bytes"), "{err}");
+        // Shares above the whole budget are the whole budget.
+        let large = InboundConfig {
+            max_bytes: 128 << 20,
+            ..InboundConfig::default()
+        };
+        large.validate_for(64 << 20).unwrap();
+        assert_eq!(large.address_bytes(), 128 << 20);
+        assert_eq!(large.connection_bytes(), 128 << 20);
         let none = InboundConfig {
             max_connections: 0,
             ..InboundConfig::default()
@@ -507,6 +715,35 @@ mod tests {
         assert_eq!(deadlines.next(), Some((t0 + ms(500), Stall::Idle)));
         deadlines.on_bytes(t0 + ms(200), false);
         assert_eq!(deadlines.next(), Some((t0 + ms(700), Stall::Idle)));
+    }
+
+    #[test]
+    fn each_address_has_its_own_cap_and_share_and_is_forgotten_when_gone() {
+        let config = InboundConfig {
+            max_connections_per_address: 2,
+            max_address_bytes: 100,
+            ..InboundConfig::default()
+        };
+        let table = Addresses::new(&config);
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let a1 = table.admit(a).unwrap();
+        let a2 = table.admit(a).unwrap();
+        assert!(table.admit(a).is_none(), "a third from one address");
+        let b1 = table.admit(b).unwrap();
+        // The connections of one address share one budget.
+        let held = a1.budget.try_acquire(80).unwrap();
+        assert!(a2.budget.try_acquire(30).is_none());
+        assert!(
+            b1.budget.try_acquire(100).is_some(),
+            "another address's is whole"
+        );
+        drop(held);
+        drop((a1, a2));
+        assert_eq!(table.len(), 1, "a's entry is gone with its last connection");
+        drop(b1);
+        assert_eq!(table.len(), 0);
+        assert!(table.admit(a).is_some());
     }
 
     #[test]

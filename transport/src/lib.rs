@@ -32,6 +32,6 @@ pub mod warn_limit;
 pub use config::{Polling, RdmaConfig, RdmaProvider, TransportConfig, TransportKind};
 pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};
 pub use error::{HandshakeError, RdmaError, TransportError};
-pub use inbound::{InboundConfig, Stall};
+pub use inbound::{ConnectionGate, GateTicket, InboundConfig, Stall};
 pub use message::Message;
 pub use tessera_config::ConfigError;

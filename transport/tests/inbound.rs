@@ -277,3 +277,72 @@ async fn a_received_large_message_holds_its_budget_until_it_is_dropped() {
     drop(field);
     assert_eq!(budget.available(), 8 * MIB);
 }
+
+/// A raw peer from source address `from` (loopback has all of 127/8).
+async fn connect_from(from: &str, addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_cannot_take_every_connection_or_the_whole_budget() {
+    let transport = Transport::new(config(InboundConfig {
+        max_bytes: 12 * MIB as u64,
+        max_address_bytes: 8 * MIB as u64,
+        max_connection_bytes: 8 * MIB as u64,
+        max_connections_per_address: 4,
+        ..InboundConfig::default()
+    }))
+    .unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut accepted = accept_all(listener);
+    // Address A: three stalled 4 MiB frames. It gets 8 MiB of the 12.
+    let mut stalled = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..3 {
+        let mut raw = connect_from("127.0.0.1", addr).await;
+        raw.write_all(&(4 * MIB as u32).to_le_bytes())
+            .await
+            .unwrap();
+        let _ =
+            tokio::time::timeout(Duration::from_millis(100), raw.write_all(&vec![1u8; MIB])).await;
+        stalled.push(raw);
+        let mut connection = accepted.recv().await.unwrap();
+        receivers.push(tokio::spawn(
+            async move { connection.receiver.recv().await },
+        ));
+    }
+    // A fourth connection of A is accepted, a fifth is not.
+    let _fourth = connect_from("127.0.0.1", addr).await;
+    let _held = accepted.recv().await.unwrap();
+    let mut fifth = connect_from("127.0.0.1", addr).await;
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), fifth.read(&mut byte))
+        .await
+        .expect("the fifth connection of one address is closed at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // Address B is still accepted, and its large message is read at once:
+    // A's share is full, the server's budget is not. Before the share, A's
+    // three frames took all 12 MiB and B's waited for them.
+    let mut b = connect_from("127.0.0.2", addr).await;
+    let mut served = accepted.recv().await.unwrap();
+    let body = vec![7u8; 4 * MIB];
+    let sending = tokio::spawn(async move {
+        b.write_all(&(4 * MIB as u32).to_le_bytes()).await.unwrap();
+        b.write_all(&body).await.unwrap();
+        b
+    });
+    let got = tokio::time::timeout(Duration::from_secs(5), served.receiver.recv())
+        .await
+        .expect("another address's message is not held behind A's")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), 4 * MIB);
+    let _b = sending.await.unwrap();
+    drop(stalled);
+    for receiver in receivers {
+        let _ = receiver.await;
+    }
+}

@@ -379,7 +379,7 @@ impl RdmaRuntime {
                 timeout: Duration::from_millis(rdma.keepalive_timeout_ms),
             }),
             rts_ahead: 4,
-            max_granted_bytes: self.config.inbound.max_connection_bytes,
+            max_granted_bytes: self.config.inbound.connection_bytes(),
             shared_receives: rdma.srq,
         };
         let mut engine = Engine::new(

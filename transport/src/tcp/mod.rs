@@ -228,25 +228,30 @@ impl TcpReceiver {
         }
     }
 
-    /// Budget for an incomplete message of `len` bytes, waited for within
-    /// the message's deadline (`None` on a dialed connection).
-    async fn admit(&mut self, len: usize) -> Result<Option<InboundPermit>, TransportError> {
+    /// Budget for a large message of `len` bytes, the peer address's share
+    /// first and then the server's, waited for within the message's
+    /// deadline (`None` on a dialed connection).
+    async fn admit(&mut self, len: usize) -> Result<Option<[InboundPermit; 2]>, TransportError> {
         let Some(limits) = &self.limits else {
             return Ok(None);
         };
-        let wait = limits.budget.acquire(len);
-        let permit = match limits.deadlines.next() {
+        let wait = async {
+            let address = limits.address.budget.acquire(len).await?;
+            let server = limits.budget.acquire(len).await?;
+            Some([address, server])
+        };
+        let permits = match limits.deadlines.next() {
             None => wait.await,
             Some((at, stall)) => tokio::time::timeout_at(at, wait)
                 .await
                 .map_err(|_| TransportError::Stalled(stall))?,
         };
-        match permit {
-            Some(permit) => Ok(Some(permit)),
-            // Validation keeps the budget above max_message_size.
+        match permits {
+            Some(permits) => Ok(Some(permits)),
+            // Validation keeps both budgets above max_message_size.
             None => Err(TransportError::MessageTooLarge {
                 len: len as u64,
-                max: limits.budget.capacity() as u64,
+                max: limits.address.budget.capacity() as u64,
             }),
         }
     }
@@ -416,9 +421,9 @@ impl TcpReceiver {
         // may hold them): it bounds what peers make this process hold, not
         // only what is still arriving.
         Ok(match permit {
-            Some(permit) => Bytes::from_owner(Budgeted {
+            Some(permits) => Bytes::from_owner(Budgeted {
                 body,
-                _permit: permit,
+                _permits: permits,
             }),
             None => body.freeze(),
         })
@@ -428,7 +433,7 @@ impl TcpReceiver {
 /// A received large message with the inbound budget it holds.
 struct Budgeted {
     body: PoolBuf,
-    _permit: InboundPermit,
+    _permits: [InboundPermit; 2],
 }
 
 impl AsRef<[u8]> for Budgeted {
