@@ -646,7 +646,10 @@ mod tests {
             max_connection_bytes: 1 << 20,
             ..InboundConfig::default()
         };
-        let err = per_connection.validate_for(64 << 20).unwrap_err().to_string();
+        let err = per_connection
+            .validate_for(64 << 20)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("max_connection_bytes"), "{err}");
         // Shares above the whole budget are the whole budget.
         let large = InboundConfig {

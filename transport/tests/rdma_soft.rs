@@ -741,3 +741,60 @@ async fn a_port_going_down_fails_its_connections_at_once() {
     assert_eq!(stats.async_events, 1);
     assert!(stats.engines_failed >= 1, "{stats:?}");
 }
+
+/// A panic in one engine's handling fails that connection only: the I/O
+/// thread (one, serving both peers here) catches it, fails the engine and
+/// its sockets with an error, and goes on serving the other engine.
+/// Before, the panic unwound the I/O thread and took every engine it
+/// served down with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_engine_fails_its_connection_and_the_io_thread_serves_the_others() {
+    const POISON: usize = 777;
+    let mut config = soft_config();
+    config.rdma.io_threads = 1;
+    config.rdma.soft_faults.panic_on_message_len = POISON as u32;
+    let server = Transport::new(config).unwrap();
+    let addr = echo_server(&server).await;
+    // Two clients, so two engines (queue pairs) on the server's one thread.
+    let (a, b) = (
+        Transport::new(soft_config()).unwrap(),
+        Transport::new(soft_config()).unwrap(),
+    );
+    let mut to_a = a.connect(&addr).await.unwrap();
+    let mut to_b = b.connect(&addr).await.unwrap();
+    for conn in [&mut to_a, &mut to_b] {
+        conn.sender
+            .send(Message::from(vec![1u8; 100]))
+            .await
+            .unwrap();
+        assert_eq!(conn.receiver.recv().await.unwrap().unwrap().len(), 100);
+    }
+    to_a.sender
+        .send(Message::from(vec![2u8; POISON]))
+        .await
+        .unwrap();
+    let failed = tokio::time::timeout(std::time::Duration::from_secs(20), to_a.receiver.recv())
+        .await
+        .expect("the poisoned connection fails, and says so");
+    assert!(
+        failed.is_err() || matches!(failed, Ok(None)),
+        "the poisoned connection ends: {failed:?}"
+    );
+    for i in 0..50u8 {
+        to_b.sender
+            .send(Message::from(vec![i; 200 + usize::from(i)]))
+            .await
+            .unwrap();
+        let echoed = tokio::time::timeout(std::time::Duration::from_secs(10), to_b.receiver.recv())
+            .await
+            .expect("the other engine is still served")
+            .unwrap()
+            .unwrap();
+        assert_eq!(echoed.len(), 200 + usize::from(i));
+    }
+    assert!(
+        server.rdma_stats().is_some_and(|s| s.engines_failed >= 1),
+        "{:?}",
+        server.rdma_stats()
+    );
+}

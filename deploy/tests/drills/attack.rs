@@ -43,9 +43,7 @@ const SENT: usize = 55 * MIB;
 /// and the bytes of the body the kernel took.
 async fn attacker(addr: String, from: String, body: Arc<Vec<u8>>) -> (Duration, usize) {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket
-        .bind(format!("{from}:0").parse().unwrap())
-        .unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
     let mut raw = socket.connect(addr.parse().unwrap()).await.unwrap();
     let announced = Instant::now();
     raw.write_all(&(ANNOUNCED as u32).to_le_bytes())

@@ -207,6 +207,10 @@ impl RdmaRuntime {
                     shared,
                     rdma.polling,
                     Duration::from_micros(rdma.spin_us),
+                    match (rdma.provider, rdma.soft_faults.panic_on_message_len) {
+                        (crate::RdmaProvider::Soft, len) if len > 0 => Some(len as usize),
+                        _ => None,
+                    },
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;

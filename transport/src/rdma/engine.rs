@@ -215,6 +215,9 @@ pub enum EngineError {
     /// Posting work requests failed ([`Engine::handle_post_error`]).
     #[error("posting to the queue pair failed: {0}")]
     Post(crate::verbs::VerbsError),
+    /// The engine's code panicked (a bug); the I/O thread failed it alone.
+    #[error("the engine panicked (a bug); this connection is failed, the others are not")]
+    Panicked,
 }
 
 /// What the engine has for its owner.

@@ -205,6 +205,74 @@ fn post_failed(attached: &mut Attached, err: crate::verbs::VerbsError) {
     attached.engine.handle_post_error(err);
 }
 
+/// Runs `f` on `slot`; if it panics, the panic stops here: that engine
+/// fails (its QP to error, each socket and pending open an error, the
+/// slot never called again and dropped once its sockets have their error)
+/// and the thread goes on serving its other engines. A panic is a bug; it
+/// is logged as an error (once per engine) and counted
+/// (`tessera_rdma_engine_panics_total`).
+fn isolated<R>(
+    slot: &mut EngineSlot,
+    io: Option<&IoThread>,
+    f: impl FnOnce(&mut EngineSlot) -> R,
+) -> Option<R> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *slot))) {
+        Ok(result) => Some(result),
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(peer = %slot.attached.peer, panic = %what, "rdma engine panicked: that connection fails, the others go on");
+            metrics::counter!("tessera_rdma_engine_panics_total").increment(1);
+            slot.panicked = true;
+            slot.attached.alive.store(false, Ordering::Release);
+            if let Err(err) = slot.attached.qp.fail() {
+                tracing::warn!(peer = %slot.attached.peer, %err, "moving the queue pair to error failed");
+            }
+            if let Some(io) = io {
+                io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
+            }
+            let error = || TransportError::rdma_error(super::engine::EngineError::Panicked);
+            for (_, reply) in slot.opening.drain() {
+                let _ = reply.send(Err(error()));
+            }
+            for s in slot.sockets.values_mut() {
+                s.permits.close();
+                if s.deliver.is_some() && !s.rx_closed {
+                    s.backlog.push_back(Err(error()));
+                    s.rx_closed = true;
+                }
+                deliver_backlog(s);
+            }
+            None
+        }
+    }
+}
+
+/// Hands `socket`'s backlog to its application as far as it takes it.
+fn deliver_backlog(socket: &mut SocketSlot) {
+    while let Some(item) = socket.backlog.pop_front() {
+        let Some(deliver) = &socket.deliver else {
+            socket.backlog.clear();
+            return;
+        };
+        match deliver.try_send(item) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(item)) => {
+                socket.backlog.push_front(item);
+                return;
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                socket.deliver = None;
+                socket.backlog.clear();
+                return;
+            }
+        }
+    }
+}
+
 /// A handle on one I/O thread.
 #[derive(Clone)]
 pub(crate) struct IoThread {
@@ -228,6 +296,7 @@ impl IoThread {
         shared: Option<SharedReceives>,
         polling: Polling,
         spin: Duration,
+        panic_on_len: Option<usize>,
     ) -> Result<Self, TransportError> {
         let (commands, queue) = mpsc::unbounded_channel();
         let stats = Arc::new(IoStats::default());
@@ -244,6 +313,7 @@ impl IoThread {
             stats: Arc::clone(&stats),
             last_metrics: Instant::now(),
             last_repost_warning: None,
+            panic_on_len,
         };
         let handle = Self {
             commands,
@@ -483,12 +553,16 @@ struct EngineSlot {
     opening: HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
     /// Whether a socket was ever opened on it.
     had_socket: bool,
+    /// Its engine panicked: it is failed and never called again.
+    panicked: bool,
 }
 
 // Field order is drop order: the engines (and their QPs) go before the
 // shared receive queue's buffers, which a QP still alive could receive
 // into (before, the buffers went first).
 struct Worker {
+    /// `soft_faults.panic_on_message_len` (drills of panic isolation).
+    panic_on_len: Option<usize>,
     engines: HashMap<u32, EngineSlot>,
     cq: Arc<dyn CompletionQueue>,
     shared: Option<SharedReceives>,
@@ -584,16 +658,23 @@ impl Worker {
             }
             // Timers.
             if next_timer.is_some_and(|at| now >= at) {
-                for slot in self.engines.values_mut() {
-                    slot.attached.engine.handle_timeout(now);
+                let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
+                for slot in self.engines.values_mut().filter(|s| !s.panicked) {
+                    isolated(slot, io.as_ref(), |slot| {
+                        slot.attached.engine.handle_timeout(now)
+                    });
                 }
                 next_timer = None;
                 progress = true;
             }
             // Each engine: post, collect events, deliver.
             let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
-            for (qpn, slot) in self.engines.iter_mut() {
-                if Self::drive(*qpn, slot, io.as_ref()) {
+            let panic_on_len = self.panic_on_len;
+            for (qpn, slot) in self.engines.iter_mut().filter(|(_, s)| !s.panicked) {
+                let io = io.as_ref();
+                if isolated(slot, io, |slot| Self::drive(*qpn, slot, io, panic_on_len))
+                    == Some(true)
+                {
                     progress = true;
                 }
             }
@@ -602,9 +683,15 @@ impl Worker {
             let stats = &self.stats;
             let before = self.engines.len();
             self.engines.retain(|_, slot| {
-                let keep = !slot.attached.engine.is_failed()
+                let keep = !(slot.panicked || slot.attached.engine.is_failed())
                     || slot.sockets.values().any(|s| !s.backlog.is_empty());
-                if !keep {
+                if slot.panicked {
+                    // Its sockets had their error pushed when it panicked.
+                    for s in slot.sockets.values_mut() {
+                        deliver_backlog(s);
+                    }
+                }
+                if !keep && !slot.panicked {
                     slot.metrics.update(&slot.attached.engine, stats);
                     metrics::gauge!("tessera_rdma_qps_open").decrement(1.0);
                 }
@@ -620,6 +707,7 @@ impl Worker {
                 next_timer = self
                     .engines
                     .values()
+                    .filter(|slot| !slot.panicked)
                     .filter_map(|slot| slot.attached.engine.poll_timeout())
                     .min();
             }
@@ -681,7 +769,16 @@ impl Worker {
     /// attached).
     fn dispatch(&mut self, completion: &WorkCompletion, now: Instant) {
         match self.engines.get_mut(&completion.qpn) {
-            Some(slot) => Self::deliver_completion(&mut self.shared, slot, completion, now),
+            // A panicked engine's completions are flushes of its QP, now in
+            // error: dropped (its buffers go with it).
+            Some(slot) if slot.panicked => {}
+            Some(slot) => {
+                let shared = &mut self.shared;
+                let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
+                isolated(slot, io.as_ref(), |slot| {
+                    Self::deliver_completion(shared, slot, completion, now)
+                });
+            }
             None => {
                 // Mostly flushes of QPs already gone; a QP about to be
                 // attached has its few here for a moment.
@@ -722,7 +819,12 @@ impl Worker {
 
     /// Posts what the engine has, and hands its events on. Returns whether
     /// anything happened.
-    fn drive(qpn: u32, slot: &mut EngineSlot, io: Option<&IoThread>) -> bool {
+    fn drive(
+        qpn: u32,
+        slot: &mut EngineSlot,
+        io: Option<&IoThread>,
+        panic_on_len: Option<usize>,
+    ) -> bool {
         let mut progress = false;
         let now = Instant::now();
         let backlog: usize = slot.sockets.values().map(|s| s.backlog.len()).sum();
@@ -756,6 +858,13 @@ impl Worker {
             progress = true;
             match event {
                 EngineEvent::Message { socket, bytes } => {
+                    // The drill knob: what a bug in the engine would do.
+                    if panic_on_len == Some(bytes.len()) {
+                        panic!(
+                            "injected panic: soft_faults.panic_on_message_len = {}",
+                            bytes.len()
+                        );
+                    }
                     if let Some(s) = sockets.get_mut(&socket)
                         && s.deliver.is_some()
                     {
@@ -887,6 +996,7 @@ impl Worker {
                     sockets: HashMap::new(),
                     opening: HashMap::new(),
                     had_socket: false,
+                    panicked: false,
                 };
                 let now = Instant::now();
                 for completion in self.orphans.remove(&qpn).unwrap_or_default() {
@@ -895,27 +1005,29 @@ impl Worker {
                 self.engines.insert(qpn, slot);
                 metrics::gauge!("tessera_rdma_qps_open").increment(1.0);
             }
-            Command::Open { qpn, reply } => match self.engines.get_mut(&qpn) {
-                Some(slot) => match slot.attached.engine.open_socket() {
-                    Ok(socket) => {
-                        slot.opening.insert(socket, reply);
+            Command::Open { qpn, reply } => {
+                match self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
+                    Some(slot) => match slot.attached.engine.open_socket() {
+                        Ok(socket) => {
+                            slot.opening.insert(socket, reply);
+                        }
+                        Err(err) => {
+                            let _ = reply.send(Err(TransportError::rdma_error(err)));
+                        }
+                    },
+                    None => {
+                        let _ = reply.send(Err(TransportError::rdma_error(
+                            crate::RdmaError::EngineGone,
+                        )));
                     }
-                    Err(err) => {
-                        let _ = reply.send(Err(TransportError::rdma_error(err)));
-                    }
-                },
-                None => {
-                    let _ = reply.send(Err(TransportError::rdma_error(
-                        crate::RdmaError::EngineGone,
-                    )));
                 }
-            },
+            }
             Command::Send {
                 qpn,
                 socket,
                 message,
             } => {
-                if let Some(slot) = self.engines.get_mut(&qpn)
+                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked)
                     && let Err(err) = slot.attached.engine.send(socket, message)
                 {
                     tracing::debug!(%err, "rdma send refused");
@@ -926,7 +1038,7 @@ impl Worker {
                 }
             }
             Command::Close { qpn, socket } => {
-                if let Some(slot) = self.engines.get_mut(&qpn) {
+                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
                     slot.attached.engine.close_socket(socket);
                     if let Some(s) = slot.sockets.get_mut(&socket) {
                         s.tx_closed = true;
@@ -934,12 +1046,12 @@ impl Worker {
                 }
             }
             Command::PeerReady { qpn, info } => {
-                if let Some(slot) = self.engines.get_mut(&qpn) {
+                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
                     slot.attached.engine.peer_ready(info, Instant::now());
                 }
             }
             Command::PeerClosed { qpn } => {
-                if let Some(slot) = self.engines.get_mut(&qpn) {
+                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
                     slot.attached.engine.handle_peer_closed();
                 }
             }
@@ -948,7 +1060,7 @@ impl Worker {
                 match event {
                     // That QP only (the thread that has it).
                     AsyncEvent::QpFailed { qpn } => {
-                        if let Some(slot) = self.engines.get_mut(&qpn) {
+                        if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
                             slot.attached.engine.handle_device_event(event);
                         }
                     }
@@ -960,7 +1072,7 @@ impl Worker {
                     | AsyncEvent::SrqFailed
                     | AsyncEvent::DeviceFailed
                     | AsyncEvent::PortDown { .. } => {
-                        for slot in self.engines.values_mut() {
+                        for slot in self.engines.values_mut().filter(|s| !s.panicked) {
                             slot.attached.engine.handle_device_event(event);
                         }
                     }

@@ -38,6 +38,11 @@ pub struct SoftFaults {
     /// which puts the peer's QP in error; the sender sees a remote
     /// operation error.
     pub recv_error_per_million: u32,
+    /// Drill knob of the I/O threads over this device (not of the NIC):
+    /// handling a received message of exactly this many bytes panics, as a
+    /// bug in an engine would, to show that the panic fails that engine
+    /// only. 0: off.
+    pub panic_on_message_len: u32,
 }
 
 /// What a soft device is like: its limits and its port.
