@@ -274,6 +274,17 @@ impl PushDedup {
     pub fn restore(&self, saved: &[WorkerWindow], now: Instant) {
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
         for window in saved {
+            // Saved before sequences were bounded: such a window would
+            // refuse every later Push of its worker as too old. Every copy
+            // of the shard restores the same image, so all drop it alike.
+            if window.highest > MAX_SEQUENCE {
+                tracing::warn!(
+                    worker = window.worker,
+                    highest = window.highest,
+                    "dropping a deduplication window above the largest sequence"
+                );
+                continue;
+            }
             let mut seen = [0u64; WORDS];
             for (slot, word) in seen.iter_mut().zip(&window.bits) {
                 *slot = *word;
@@ -393,6 +404,30 @@ mod tests {
                 lowest: u64::MAX - WINDOW + 1
             }
         );
+    }
+
+    #[test]
+    fn a_restored_window_above_the_largest_sequence_is_dropped() {
+        let d = dedup(10);
+        let now = Instant::now();
+        d.restore(
+            &[
+                WorkerWindow {
+                    worker: 1,
+                    highest: u64::MAX,
+                    bits: vec![1],
+                },
+                WorkerWindow {
+                    worker: 2,
+                    highest: 10,
+                    bits: vec![1],
+                },
+            ],
+            now,
+        );
+        // Before: worker 1's Pushes were all "too old" for ever.
+        assert_eq!(d.admit(1, 5, now), Admission::Apply);
+        assert_eq!(d.admit(2, 10, now), Admission::Duplicate);
     }
 
     #[test]
