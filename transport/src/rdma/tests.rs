@@ -15,6 +15,8 @@ use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, WorkCompletion};
 
 /// One side: engine, device, QP and completion queues.
 // Field order is drop order: the QP before the engine that owns its buffers.
+mod stateful;
+
 struct Side {
     qp: Arc<dyn QueuePair>,
     engine: Engine,
