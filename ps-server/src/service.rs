@@ -79,19 +79,18 @@ impl v1::ParameterServer for PsService {
         }
         // The rows are written straight into a send-pool buffer, which then
         // goes out as its own part of the response: no copy after this one.
-        // Every limit (keys, the answer's size) is checked before the
-        // allocation: one request cannot make the server reserve more than
-        // a message.
-        let len = self
+        // Every limit (keys, their shard, the answer's size) is checked
+        // once, before the allocation: one request cannot make the server
+        // reserve more than a message.
+        let checked = self
             .store
-            .fetch_bytes(&request.table, request.shard, &request.keys)?;
+            .check_fetch(&request.table, request.shard, &request.keys)?;
+        let len = checked.bytes();
         let mut values = context.send_pool.alloc(len).map_err(|err| {
             Status::resource_exhausted(format!("no memory for {len} bytes of rows: {err}"))
         })?;
         values.set_len(len);
-        let dim =
-            self.store
-                .fetch_into(&request.table, request.shard, &request.keys, &mut values)?;
+        let dim = checked.fetch_into(&mut values)?;
         Ok(FetchResponse {
             dim,
             values: values.freeze(),

@@ -37,7 +37,15 @@ struct Entry {
 pub struct WarnLimiter {
     interval: Duration,
     max_peers: usize,
-    peers: Mutex<HashMap<Option<IpAddr>, Entry>>,
+    peers: Mutex<Peers>,
+}
+
+#[derive(Debug, Default)]
+struct Peers {
+    entries: HashMap<Option<IpAddr>, Entry>,
+    /// When the map was last swept of stale entries: at most once an
+    /// interval, so a flood from new addresses does not rescan it per line.
+    swept: Option<Instant>,
 }
 
 impl WarnLimiter {
@@ -46,7 +54,7 @@ impl WarnLimiter {
         Self {
             interval,
             max_peers: max_peers.max(1),
-            peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(Peers::default()),
         }
     }
 
@@ -55,11 +63,18 @@ impl WarnLimiter {
     pub fn check(&self, peer: IpAddr, now: Instant) -> Option<u64> {
         // A poisoned lock only means a panic elsewhere while holding it;
         // the map is still a valid map.
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let Peers {
+            entries: peers,
+            swept,
+        } = &mut *guard;
         let mut key = Some(peer);
         if !peers.contains_key(&key) && peers.len() >= self.max_peers {
             let interval = self.interval;
-            peers.retain(|_, entry| now.saturating_duration_since(entry.last) < interval);
+            if swept.is_none_or(|at| now.saturating_duration_since(at) >= interval) {
+                peers.retain(|_, entry| now.saturating_duration_since(entry.last) < interval);
+                *swept = Some(now);
+            }
             if peers.len() >= self.max_peers {
                 // Every slot is a recent peer: newcomers share one.
                 key = None;
@@ -131,6 +146,6 @@ mod tests {
         }
         // Four remembered peers, and one line for all the others.
         assert_eq!(written, 5);
-        assert!(limiter.peers.lock().unwrap().len() <= 5);
+        assert!(limiter.peers.lock().unwrap().entries.len() <= 5);
     }
 }
