@@ -1,8 +1,9 @@
 //! Limits of the gRPC endpoint (`grpc_listen`), the listener that tools and
-//! clients in other languages reach: the same connection caps as the
-//! Tessera endpoint (`[inbound] max_connections`,
-//! `max_connections_per_address`, through the transport's
-//! [`ConnectionGate`]), `TCP_NODELAY` on every accepted socket, and
+//! clients in other languages reach: caps of the same sizes as the Tessera
+//! endpoint's (`[inbound] max_connections`, `max_connections_per_address`,
+//! counted for this listener by a transport [`ConnectionGate`] of its
+//! own), the handshake bound (the first byte within
+//! `handshake_timeout_ms`), `TCP_NODELAY` on every accepted socket, and
 //! HTTP/2's own limits set from the server's: requests in flight per
 //! connection (`max_requests_per_connection`, as concurrent streams and as
 //! tower's concurrency limit), a bound on each request's whole life
@@ -15,6 +16,7 @@
 //! service. What it lacks is admission, which the gate adds: a socket the
 //! gate refuses is closed before hyper sees it.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -26,10 +28,15 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming};
 
-/// An accepted gRPC connection with its place under the gate.
+/// An accepted gRPC connection with its place under the gate, and until
+/// its first byte the handshake bound (`handshake_timeout_ms`): hyper's
+/// HTTP/2 server waits for the connection preface for ever, and keepalive
+/// pings start only after it, so a silent connection would hold its place
+/// under the gate for good.
 #[derive(Debug)]
 pub(crate) struct GatedStream {
     stream: TcpStream,
+    first_byte_by: Option<Pin<Box<tokio::time::Sleep>>>,
     _ticket: GateTicket,
 }
 
@@ -47,7 +54,28 @@ impl AsyncRead for GatedStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.stream).poll_read(cx, buf);
+        match &polled {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => self.first_byte_by = None,
+            Poll::Pending => {
+                if let Some(deadline) = self.first_byte_by.as_mut()
+                    && deadline.as_mut().poll(cx).is_ready()
+                {
+                    metrics::counter!(
+                        tessera_rpc::inbound::CLOSED_BY_LIMIT,
+                        "reason" => tessera_rpc::Stall::Handshake.label()
+                    )
+                    .increment(1);
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "nothing arrived within handshake_timeout_ms",
+                    )));
+                }
+            }
+            _ => {}
+        }
+        polled
     }
 }
 
@@ -91,6 +119,7 @@ pub(crate) fn incoming(
     inbound: &InboundConfig,
 ) -> impl Stream<Item = io::Result<GatedStream>> + Send + 'static {
     let gate = ConnectionGate::new(inbound);
+    let handshake = inbound.handshake_timeout();
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .filter_map(move |accepted| {
@@ -100,6 +129,8 @@ pub(crate) fn incoming(
                     gate.admit(peer).map(|ticket| {
                         Ok(GatedStream {
                             stream,
+                            first_byte_by: handshake
+                                .map(|limit| Box::pin(tokio::time::sleep(limit))),
                             _ticket: ticket,
                         })
                     })

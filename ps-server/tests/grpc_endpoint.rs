@@ -124,3 +124,76 @@ async fn failure_pattern_the_grpc_endpoint_takes_the_servers_message_size_and_re
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
     server.stop().await;
 }
+
+/// The gRPC endpoint's connection limits: a connection that sends nothing
+/// is closed after `handshake_timeout_ms` (hyper waits for the HTTP/2
+/// preface for ever, and held its place under the cap), one beyond
+/// `max_connections_per_address` is closed at once, and a stock client
+/// is served all along.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_endpoint_closes_silent_connections_and_caps_an_address() {
+    use tokio::io::AsyncReadExt;
+    let server = InProcess::start(&PsServerConfig {
+        listen: "127.0.0.1:0".into(),
+        grpc_listen: Some(free_addr()),
+        inbound: tessera_rpc::InboundConfig {
+            handshake_timeout_ms: 300,
+            max_connections_per_address: 3,
+            ..tessera_rpc::InboundConfig::default()
+        },
+        ..PsServerConfig::default()
+    })
+    .await;
+    tessera_test_support::wait_serving(&server.addr).await;
+    let grpc_addr = server.grpc_addr.expect("a gRPC endpoint");
+    let mut client = grpc_client(grpc_addr).await;
+    let keys = keys_of_shard(0, 1, 4);
+    let fetch = || FetchRequest {
+        table: "embeddings".into(),
+        shard: 0,
+        keys: keys.clone(),
+    };
+    let _: FetchResponse = unary(
+        &mut client,
+        "/tessera.ps.v1.ParameterServer/Fetch",
+        tonic::Request::new(fetch()),
+    )
+    .await
+    .unwrap();
+    let mut silent = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
+    let mut also_silent = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
+    // The client's connection and two silent ones fill the address's
+    // three places: a fourth is closed at once.
+    let mut fourth = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), fourth.read(&mut byte))
+        .await
+        .expect("closed at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // (The server speaks first: its SETTINGS frame comes, then the close.)
+    for conn in [&mut silent, &mut also_silent] {
+        let mut sink = [0u8; 256];
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while matches!(conn.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await
+        .expect("a silent connection is closed by the handshake bound");
+    }
+    // Their places are free again, and the client was served throughout.
+    let _: FetchResponse = unary(
+        &mut client,
+        "/tessera.ps.v1.ParameterServer/Fetch",
+        tonic::Request::new(fetch()),
+    )
+    .await
+    .unwrap();
+    let _late = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
+    let mut other = grpc_client(grpc_addr).await;
+    let _: FetchResponse = unary(
+        &mut other,
+        "/tessera.ps.v1.ParameterServer/Fetch",
+        tonic::Request::new(fetch()),
+    )
+    .await
+    .unwrap();
+}

@@ -38,7 +38,8 @@ pub use status::{Code, Status};
 pub use tessera_config::{ConfigError, Validate};
 /// Host checks for the transport (`tessera doctor`).
 pub use tessera_transport::doctor;
+pub use tessera_transport::inbound;
 pub use tessera_transport::{
-    ConnectionGate, GateTicket, InboundConfig, RdmaConfig, RdmaProvider, Transport,
+    ConnectionGate, GateTicket, InboundConfig, RdmaConfig, RdmaProvider, Stall, Transport,
     TransportConfig, TransportKind,
 };

@@ -507,12 +507,18 @@ impl Drop for AddressSlot {
         let mut entries = self.table.lock();
         if let Some(entry) = entries.get_mut(&self.ip) {
             entry.connections = entry.connections.saturating_sub(1);
-            if entry.connections == 0 {
+            // Kept while messages of the address still hold its share, so
+            // that reconnecting does not bring a fresh one; swept later.
+            if entry.connections == 0 && entry.budget.available() == entry.budget.capacity() {
                 entries.remove(&self.ip);
             }
         }
     }
 }
+
+/// Addresses remembered before the table is swept of those with no
+/// connection and their whole share back.
+const SWEEP_ABOVE: usize = 1024;
 
 impl Addresses {
     pub(crate) fn new(config: &InboundConfig) -> Self {
@@ -532,7 +538,12 @@ impl Addresses {
     /// A slot for a connection from `ip`, or `None` when the address has
     /// `max_connections_per_address` already.
     pub(crate) fn admit(&self, ip: IpAddr) -> Option<AddressSlot> {
+        // An IPv4 peer seen through an IPv6 socket is the same host.
+        let ip = ip.to_canonical();
         let mut entries = self.lock();
+        if entries.len() >= SWEEP_ABOVE && !entries.contains_key(&ip) {
+            entries.retain(|_, e| e.connections > 0 || e.budget.available() != e.budget.capacity());
+        }
         let entry = entries.entry(ip).or_insert_with(|| AddressEntry {
             connections: 0,
             budget: InboundBudget::share(self.share),
@@ -741,9 +752,24 @@ mod tests {
             b1.budget.try_acquire(100).is_some(),
             "another address's is whole"
         );
-        drop(held);
         drop((a1, a2));
-        assert_eq!(table.len(), 1, "a's entry is gone with its last connection");
+        // Its messages still hold its share: reconnecting gets no new one.
+        let again = table.admit(a).unwrap();
+        assert!(
+            again.budget.try_acquire(30).is_none(),
+            "the share is still held"
+        );
+        drop(again);
+        drop(held);
+        assert_eq!(table.len(), 2, "kept while its share was held");
+        let last = table.admit(a).unwrap();
+        assert!(last.budget.try_acquire(100).is_some());
+        drop(last);
+        assert_eq!(
+            table.len(),
+            1,
+            "a's entry is gone with its last connection and share"
+        );
         drop(b1);
         assert_eq!(table.len(), 0);
         assert!(table.admit(a).is_some());

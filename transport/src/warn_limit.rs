@@ -68,7 +68,7 @@ impl WarnLimiter {
             entries: peers,
             swept,
         } = &mut *guard;
-        let mut key = Some(peer);
+        let mut key = Some(peer.to_canonical());
         if !peers.contains_key(&key) && peers.len() >= self.max_peers {
             let interval = self.interval;
             if swept.is_none_or(|at| now.saturating_duration_since(at) >= interval) {

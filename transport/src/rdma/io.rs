@@ -584,7 +584,7 @@ const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 impl Worker {
     /// Metrics of every engine, and the thread's gauges.
     fn update_metrics(&mut self) {
-        for slot in self.engines.values_mut() {
+        for slot in self.engines.values_mut().filter(|s| !s.panicked) {
             slot.metrics.update(&slot.attached.engine, &self.stats);
         }
         let sockets: usize = self.engines.values().map(|s| s.sockets.len()).sum();
@@ -683,16 +683,18 @@ impl Worker {
             let stats = &self.stats;
             let before = self.engines.len();
             self.engines.retain(|_, slot| {
-                let keep = !(slot.panicked || slot.attached.engine.is_failed())
-                    || slot.sockets.values().any(|s| !s.backlog.is_empty());
                 if slot.panicked {
                     // Its sockets had their error pushed when it panicked.
                     for s in slot.sockets.values_mut() {
                         deliver_backlog(s);
                     }
                 }
-                if !keep && !slot.panicked {
-                    slot.metrics.update(&slot.attached.engine, stats);
+                let keep = !(slot.panicked || slot.attached.engine.is_failed())
+                    || slot.sockets.values().any(|s| !s.backlog.is_empty());
+                if !keep {
+                    if !slot.panicked {
+                        slot.metrics.update(&slot.attached.engine, stats);
+                    }
                     metrics::gauge!("tessera_rdma_qps_open").decrement(1.0);
                 }
                 keep
@@ -769,9 +771,10 @@ impl Worker {
     /// attached).
     fn dispatch(&mut self, completion: &WorkCompletion, now: Instant) {
         match self.engines.get_mut(&completion.qpn) {
-            // A panicked engine's completions are flushes of its QP, now in
-            // error: dropped (its buffers go with it).
-            Some(slot) if slot.panicked => {}
+            // A panicked engine's completions (flushes of its QP, now in
+            // error, or receives that came before it) are not handled; a
+            // shared receive's slot is given back to be posted again.
+            Some(slot) if slot.panicked => Self::forget_completion(&mut self.shared, completion),
             Some(slot) => {
                 let shared = &mut self.shared;
                 let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
@@ -791,6 +794,16 @@ impl Worker {
                     .or_default()
                     .push(*completion);
             }
+        }
+    }
+
+    /// Drops `completion` unhandled, giving a shared receive's slot (and
+    /// buffer) back so that the shared queue does not shrink.
+    fn forget_completion(shared: &mut Option<SharedReceives>, completion: &WorkCompletion) {
+        if let (Some(shared), super::wr_id::WrKind::SharedRecv(index)) =
+            (shared, super::wr_id::classify(completion.wr_id))
+        {
+            drop(shared.take(index));
         }
     }
 
@@ -986,6 +999,14 @@ impl Worker {
         progress
     }
 
+    /// Runs `f` on engine `qpn` unless it is gone or panicked, isolated
+    /// (see [`isolated`]); `None` if it did not run to its end.
+    fn with_engine<R>(&mut self, qpn: u32, f: impl FnOnce(&mut EngineSlot) -> R) -> Option<R> {
+        let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
+        let slot = self.engines.get_mut(&qpn).filter(|s| !s.panicked)?;
+        isolated(slot, io.as_ref(), f)
+    }
+
     fn handle_command(&mut self, command: Command) {
         match command {
             Command::Attach(attached) => {
@@ -999,27 +1020,41 @@ impl Worker {
                     panicked: false,
                 };
                 let now = Instant::now();
+                let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
                 for completion in self.orphans.remove(&qpn).unwrap_or_default() {
-                    Self::deliver_completion(&mut self.shared, &mut slot, &completion, now);
+                    if slot.panicked {
+                        Self::forget_completion(&mut self.shared, &completion);
+                        continue;
+                    }
+                    let shared = &mut self.shared;
+                    isolated(&mut slot, io.as_ref(), |slot| {
+                        Self::deliver_completion(shared, slot, &completion, now)
+                    });
                 }
                 self.engines.insert(qpn, slot);
                 metrics::gauge!("tessera_rdma_qps_open").increment(1.0);
             }
             Command::Open { qpn, reply } => {
-                match self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
-                    Some(slot) => match slot.attached.engine.open_socket() {
+                let mut reply = Some(reply);
+                let opened =
+                    self.with_engine(qpn, |slot| match slot.attached.engine.open_socket() {
                         Ok(socket) => {
-                            slot.opening.insert(socket, reply);
+                            if let Some(reply) = reply.take() {
+                                slot.opening.insert(socket, reply);
+                            }
                         }
                         Err(err) => {
-                            let _ = reply.send(Err(TransportError::rdma_error(err)));
+                            if let Some(reply) = reply.take() {
+                                let _ = reply.send(Err(TransportError::rdma_error(err)));
+                            }
                         }
-                    },
-                    None => {
-                        let _ = reply.send(Err(TransportError::rdma_error(
-                            crate::RdmaError::EngineGone,
-                        )));
-                    }
+                    });
+                if opened.is_none()
+                    && let Some(reply) = reply
+                {
+                    let _ = reply.send(Err(TransportError::rdma_error(
+                        crate::RdmaError::EngineGone,
+                    )));
                 }
             }
             Command::Send {
@@ -1027,42 +1062,40 @@ impl Worker {
                 socket,
                 message,
             } => {
-                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked)
-                    && let Err(err) = slot.attached.engine.send(socket, message)
-                {
-                    tracing::debug!(%err, "rdma send refused");
-                    if let Some(s) = slot.sockets.get(&socket) {
-                        // The message never went: its permit comes back.
-                        s.permits.add_permits(1);
+                self.with_engine(qpn, |slot| {
+                    if let Err(err) = slot.attached.engine.send(socket, message) {
+                        tracing::debug!(%err, "rdma send refused");
+                        if let Some(s) = slot.sockets.get(&socket) {
+                            // The message never went: its permit comes back.
+                            s.permits.add_permits(1);
+                        }
                     }
-                }
+                });
             }
             Command::Close { qpn, socket } => {
-                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
+                self.with_engine(qpn, |slot| {
                     slot.attached.engine.close_socket(socket);
                     if let Some(s) = slot.sockets.get_mut(&socket) {
                         s.tx_closed = true;
                     }
-                }
+                });
             }
             Command::PeerReady { qpn, info } => {
-                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
-                    slot.attached.engine.peer_ready(info, Instant::now());
-                }
+                self.with_engine(qpn, |slot| {
+                    slot.attached.engine.peer_ready(info, Instant::now())
+                });
             }
             Command::PeerClosed { qpn } => {
-                if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
-                    slot.attached.engine.handle_peer_closed();
-                }
+                self.with_engine(qpn, |slot| slot.attached.engine.handle_peer_closed());
             }
             Command::Event(event) => {
                 use crate::verbs::AsyncEvent;
                 match event {
                     // That QP only (the thread that has it).
                     AsyncEvent::QpFailed { qpn } => {
-                        if let Some(slot) = self.engines.get_mut(&qpn).filter(|s| !s.panicked) {
-                            slot.attached.engine.handle_device_event(event);
-                        }
+                        self.with_engine(qpn, |slot| {
+                            slot.attached.engine.handle_device_event(event)
+                        });
                     }
                     // Every QP of the device may be affected: which CQ
                     // overran is not said in a way the thread can match,
@@ -1072,8 +1105,11 @@ impl Worker {
                     | AsyncEvent::SrqFailed
                     | AsyncEvent::DeviceFailed
                     | AsyncEvent::PortDown { .. } => {
+                        let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
                         for slot in self.engines.values_mut().filter(|s| !s.panicked) {
-                            slot.attached.engine.handle_device_event(event);
+                            isolated(slot, io.as_ref(), |slot| {
+                                slot.attached.engine.handle_device_event(event)
+                            });
                         }
                     }
                     _ => {}

@@ -13,10 +13,10 @@ use crate::rdma::window::WindowConfig;
 use crate::verbs::soft::{SoftDevice, SoftFabric, SoftFaults};
 use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, WorkCompletion};
 
-/// One side: engine, device, QP and completion queues.
-// Field order is drop order: the QP before the engine that owns its buffers.
 mod stateful;
 
+/// One side: engine, device, QP and completion queues.
+// Field order is drop order: the QP before the engine that owns its buffers.
 struct Side {
     qp: Arc<dyn QueuePair>,
     engine: Engine,
