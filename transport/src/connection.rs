@@ -160,10 +160,16 @@ impl Transport {
             Arc::clone(&hook),
         )?;
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
-        let rdma = RdmaRuntime::new(device, &config, (send_pool.clone(), recv_pool.clone()))?;
+        let inbound = InboundBudget::new(config.inbound.max_bytes);
+        let rdma = RdmaRuntime::new(
+            device,
+            &config,
+            (send_pool.clone(), recv_pool.clone()),
+            Some(inbound.clone()),
+        )?;
         Ok(Self {
             inner: Arc::new(TransportInner {
-                inbound: InboundBudget::new(config.inbound.max_bytes),
+                inbound,
                 addresses: Addresses::new(&config.inbound),
                 config,
                 send_pool,

@@ -326,6 +326,33 @@ impl InboundBudget {
     }
 }
 
+/// A received message that holds inbound budget until its bytes (and every
+/// slice of them) are dropped.
+struct Budgeted {
+    body: crate::pool::PoolBuf,
+    _permits: [Option<InboundPermit>; 2],
+}
+
+impl AsRef<[u8]> for Budgeted {
+    fn as_ref(&self) -> &[u8] {
+        &self.body
+    }
+}
+
+/// `body` as a message that gives `permits` back when its last slice goes.
+pub(crate) fn budgeted(
+    body: crate::pool::PoolBuf,
+    permits: [Option<InboundPermit>; 2],
+) -> bytes::Bytes {
+    match permits {
+        [None, None] => body.freeze(),
+        permits => bytes::Bytes::from_owner(Budgeted {
+            body,
+            _permits: permits,
+        }),
+    }
+}
+
 /// Why a connection was closed by a limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

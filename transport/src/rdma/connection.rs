@@ -159,6 +159,9 @@ pub(crate) struct RdmaRuntime {
     threads: Vec<IoThread>,
     /// Room on each thread's CQ (by index of `threads`).
     budgets: Vec<Arc<CqBudget>>,
+    /// The transport's budget of large inbound messages, which accepted
+    /// engines' grants draw on too.
+    inbound: Option<crate::inbound::InboundBudget>,
     next_thread: AtomicUsize,
     table: Mutex<HashMap<String, Arc<OnceCell<EngineRef>>>>,
 }
@@ -186,6 +189,7 @@ impl RdmaRuntime {
         device: Arc<dyn Device>,
         config: &TransportConfig,
         pools: (Pool, Pool),
+        inbound: Option<crate::inbound::InboundBudget>,
     ) -> Result<Self, TransportError> {
         let rdma = &config.rdma;
         let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
@@ -244,6 +248,7 @@ impl RdmaRuntime {
             pools,
             threads,
             budgets,
+            inbound,
             next_thread: AtomicUsize::new(0),
             table: Mutex::new(HashMap::new()),
         })
@@ -394,6 +399,11 @@ impl RdmaRuntime {
             Instant::now(),
         )
         .map_err(TransportError::rdma_error)?;
+        if role == Role::Acceptor
+            && let Some(budget) = &self.inbound
+        {
+            engine.set_inbound_budget(budget.clone());
+        }
         // The QP after the engine: on every early return below, locals drop
         // in reverse, so the QP (which may hold the engine's receive
         // buffers) goes before the engine that owns them.

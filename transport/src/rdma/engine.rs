@@ -62,6 +62,7 @@ use super::ring::{MAX_BATCH, RingEntry, WorkRequestRing};
 use super::window::{SendWindow, WindowConfig};
 use super::wr_id::{self, WrKind};
 use crate::Message;
+use crate::inbound::{InboundBudget, InboundPermit};
 use crate::pool::{Pool, PoolBuf, lookup};
 use crate::verbs::{RecvWr, SendOp, SendWr, Sge, WcKind, WcStatus, WorkCompletion};
 
@@ -121,6 +122,11 @@ pub struct EngineConfig {
 /// most `rts_ahead` ahead), few enough that a hostile one costs little
 /// memory (16 bytes each).
 pub const MAX_WAITING_RTS: usize = 16_384;
+
+/// How soon a request to send waiting for the server's budget is tried
+/// again when nothing else wakes the engine: 1 ms, a fraction of a large
+/// message's transfer.
+const INBOUND_RETRY: Duration = Duration::from_millis(1);
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -353,9 +359,15 @@ pub struct Engine {
     open: HashSet<SocketId>,
     active: VecDeque<SocketId>,
     awaiting_cts: HashMap<u32, SocketId>,
-    incoming: HashMap<u32, (SocketId, PoolBuf)>,
+    incoming: HashMap<u32, (SocketId, PoolBuf, Option<InboundPermit>)>,
     /// Bytes of the buffers in `incoming` (granted to the peer).
     granted_bytes: u64,
+    /// The server's budget of large inbound messages, for an engine of an
+    /// accepted connection (see [`Engine::set_inbound_budget`]).
+    inbound: Option<InboundBudget>,
+    /// When a request to send waiting for the server's budget is tried
+    /// again (set while one waits for it).
+    inbound_retry: Option<Instant>,
     /// Requests to send over the budget, in arrival order: (message id,
     /// socket, size).
     waiting_rts: VecDeque<(u32, SocketId, u64)>,
@@ -437,6 +449,8 @@ impl Engine {
             awaiting_cts: HashMap::new(),
             incoming: HashMap::new(),
             granted_bytes: 0,
+            inbound: None,
+            inbound_retry: None,
             waiting_rts: VecDeque::new(),
             consumed_slots: Vec::new(),
             spare: Vec::new(),
@@ -991,6 +1005,12 @@ impl Engine {
         if self.failed {
             return None;
         }
+        if self.inbound_retry.is_some()
+            && let Err(err) = self.grant_waiting(Some(now))
+        {
+            self.fail(err);
+            return None;
+        }
         if let Err(err) = self.fill_ring() {
             self.fail(err);
             return None;
@@ -1079,15 +1099,26 @@ impl Engine {
         if self.failed || !self.peer_ready {
             return None;
         }
-        let ka = self.keepalive.as_ref()?;
-        let deadline = ka.last_advance + ka.config.timeout;
-        Some(ka.next_send.map_or(deadline, |next| next.min(deadline)))
+        let keepalive = self.keepalive.as_ref().map(|ka| {
+            let deadline = ka.last_advance + ka.config.timeout;
+            ka.next_send.map_or(deadline, |next| next.min(deadline))
+        });
+        match (keepalive, self.inbound_retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Time has passed: sends a keepalive when due, and fails the engine if
     /// the peer's stood still for the timeout.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.failed || !self.peer_ready {
+            return;
+        }
+        if self.inbound_retry.is_some_and(|at| now >= at)
+            && let Err(err) = self.grant_waiting(Some(now))
+        {
+            self.fail(err);
             return;
         }
         let Some(ka) = &mut self.keepalive else {
@@ -1207,8 +1238,11 @@ impl Engine {
     }
 
     /// Grants waiting requests to send, in order, while they fit in
-    /// `max_granted_bytes`: allocates each destination and queues its CTS.
-    fn grant_waiting(&mut self) -> Result<(), EngineError> {
+    /// `max_granted_bytes` (and the server's budget, for an accepted
+    /// connection): allocates each destination and queues its CTS. `now`
+    /// (when known) schedules a retry while the server's budget is short.
+    fn grant_waiting(&mut self, now: Option<Instant>) -> Result<(), EngineError> {
+        self.inbound_retry = None;
         while let Some(&(msg_id, socket, size)) = self.waiting_rts.front() {
             let fits = self.granted_bytes + size <= self.config.max_granted_bytes
                 // One message alone is always granted (validation keeps
@@ -1217,6 +1251,18 @@ impl Engine {
             if !fits {
                 break;
             }
+            let permit = match &self.inbound {
+                None => None,
+                Some(budget) => match budget.try_acquire(size as usize) {
+                    Some(permit) => Some(permit),
+                    None => {
+                        // Tried again at the next I/O round, or within
+                        // `INBOUND_RETRY` of `now` when the thread sleeps.
+                        self.inbound_retry = Some(now.unwrap_or_else(Instant::now) + INBOUND_RETRY);
+                        break;
+                    }
+                },
+            };
             self.waiting_rts.pop_front();
             let dest = Self::alloc(&self.recv_pool, size as usize)?;
             let region = dest
@@ -1224,7 +1270,7 @@ impl Engine {
                 .ok_or(EngineError::Unregistered("a write destination"))?;
             let addr = dest.as_ptr() as u64;
             self.granted_bytes += size;
-            self.incoming.insert(msg_id, (socket, dest));
+            self.incoming.insert(msg_id, (socket, dest, permit));
             self.control.push_back(Control::Cts {
                 msg_id,
                 addr,
@@ -1232,6 +1278,13 @@ impl Engine {
             });
         }
         Ok(())
+    }
+
+    /// Grants of this engine (an accepted connection's) also draw on the
+    /// server's budget of large inbound messages, `inbound.max_bytes`
+    /// shared with TCP peers; a request to send that does not fit waits.
+    pub fn set_inbound_budget(&mut self, budget: InboundBudget) {
+        self.inbound = Some(budget);
     }
 
     /// Bytes granted to the peer for large messages now, and requests to
@@ -1243,12 +1296,14 @@ impl Engine {
     fn received(&mut self, completion: &WorkCompletion, buf: PoolBuf) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
-            let (socket, message) = self.incoming.remove(&msg_id).ok_or_else(|| {
+            let (socket, message, permit) = self.incoming.remove(&msg_id).ok_or_else(|| {
                 EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
             })?;
             self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
-            self.deliver(socket, message.freeze());
-            self.grant_waiting()?;
+            // The server's budget stays held while the message's bytes live,
+            // as on TCP.
+            self.deliver(socket, crate::inbound::budgeted(message, [permit, None]));
+            self.grant_waiting(None)?;
             return Ok(());
         }
         // The completion's length is the peer's word: checked before any
@@ -1296,7 +1351,7 @@ impl Engine {
                 }
                 self.waiting_rts
                     .push_back((header.msg_id, header.socket, size));
-                self.grant_waiting()?;
+                self.grant_waiting(None)?;
             }
             ControlKind::Cts { addr, rkey } => {
                 self.recycle(buf);

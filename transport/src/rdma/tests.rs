@@ -964,3 +964,51 @@ fn large_messages_beyond_the_budget_arrive_whole_as_grants_free() {
     }
     assert_eq!(b.engine.granted(), (0, 0));
 }
+
+/// An accepted engine's grants draw on the server's budget too (shared
+/// with TCP peers): what does not fit waits, and is granted once budget
+/// frees elsewhere. Before, RDMA peers were outside the server's budget.
+#[test]
+fn grants_of_an_accepted_engine_wait_for_the_servers_budget() {
+    use super::control::{ControlHeader, ControlKind};
+    let config = EngineConfig {
+        max_message_size: 1 << 20,
+        max_granted_bytes: 4 << 20,
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = open(&mut a, &mut b);
+    let server = crate::inbound::InboundBudget::new(2 << 20);
+    let elsewhere = server.try_acquire(1 << 20).unwrap();
+    b.engine.set_inbound_budget(server.clone());
+    for msg_id in 1..=3 {
+        let rts = ControlHeader {
+            kind: ControlKind::Rts { size: 512 << 10 },
+            credits: 0,
+            msg_id,
+            socket,
+        }
+        .encode();
+        raw_send(&a, &rts);
+    }
+    for _ in 0..8 {
+        b.step(true);
+    }
+    assert!(b.failure.is_none(), "{:?}", b.failure);
+    assert_eq!(
+        b.engine.granted(),
+        (1 << 20, 1),
+        "two fit the server's budget"
+    );
+    assert_eq!(server.available(), 0);
+    drop(elsewhere);
+    for _ in 0..4 {
+        b.step(true);
+    }
+    assert_eq!(
+        b.engine.granted(),
+        ((3 << 20) / 2, 0),
+        "granted once budget freed"
+    );
+    assert_eq!(server.available(), 512 << 10);
+}

@@ -420,24 +420,12 @@ impl TcpReceiver {
         // (the layers above decode fields as slices of it, and a handler
         // may hold them): it bounds what peers make this process hold, not
         // only what is still arriving.
-        Ok(match permit {
-            Some(permits) => Bytes::from_owner(Budgeted {
-                body,
-                _permits: permits,
-            }),
-            None => body.freeze(),
-        })
-    }
-}
-
-/// A received large message with the inbound budget it holds.
-struct Budgeted {
-    body: PoolBuf,
-    _permits: [InboundPermit; 2],
-}
-
-impl AsRef<[u8]> for Budgeted {
-    fn as_ref(&self) -> &[u8] {
-        &self.body
+        Ok(crate::inbound::budgeted(
+            body,
+            match permit {
+                Some([address, server]) => [Some(address), Some(server)],
+                None => [None, None],
+            },
+        ))
     }
 }
