@@ -227,7 +227,7 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
         peak - rss_before
     );
     assert!(during.0 > 0);
-    // 3x, or this host's noise floor of the other stall drills (25 ms):
+    // 3x, or 25 ms (a floor for this VM's own pauses of a few ms):
     // under two CPU hogs a single stall of 150-290 ms was seen at the
     // attackers' close burst in 3 of 8 runs (see the stop note).
     let bound = (3.0 * base.2).max(25.0);

@@ -184,15 +184,21 @@ pub(super) fn rss_mib(pid: i32) -> f64 {
 }
 
 /// A stall caught, not a speed target: the p99 during the event must stay
-/// within 10x the same run's p99 without it (or 25 ms, whichever is more:
+/// within 10x the same run's p99 without it (or 150 ms, whichever is more:
 /// this host's noise floor). A Fetch blocked for the whole encode of the
-/// shard, as before, takes hundreds of milliseconds. The quiet windows
+/// shard, as before, took 1,100-1,300 ms. The floor was 25 ms until two
+/// whole-suite runs of one afternoon failed on single pauses of every
+/// Fetch for 40-150 ms (a copy: p99 42 ms; a checkpoint: p99 110 ms, max
+/// 154 ms), while the same drills alone measured ratios of 0.5-4.4, quiet
+/// windows with such pauses included: pauses of this VM, or of the
+/// checkpoint's writes, not the stall this catches (see the stop note).
+/// The quiet windows
 /// alternate with the events (before and after each), so that other tests
 /// sharing this host's two cores load both alike: a quiet window taken
 /// only before the events once saw 2.8 ms against 39 ms during them, in a
 /// CI run where another test started meanwhile.
 fn assert_no_stall(what: &str, base_p99: f64, during_p99: f64) {
-    let bound = (10.0 * base_p99).max(25.0);
+    let bound = (10.0 * base_p99).max(150.0);
     assert!(
         during_p99 <= bound,
         "{what}: Fetch p99 {during_p99:.2} ms against {base_p99:.2} ms without (bound {bound:.1} ms)"
