@@ -125,6 +125,22 @@ async fn failure_pattern_the_grpc_endpoint_takes_the_servers_message_size_and_re
     server.stop().await;
 }
 
+/// A Fetch of four rows of the default table, which must succeed.
+async fn fetch_four_rows(client: &mut tonic::client::Grpc<tonic::transport::Channel>) {
+    let request = FetchRequest {
+        table: "embeddings".into(),
+        shard: 0,
+        keys: keys_of_shard(0, 1, 4),
+    };
+    let _: FetchResponse = unary(
+        client,
+        "/tessera.ps.v1.ParameterServer/Fetch",
+        tonic::Request::new(request),
+    )
+    .await
+    .unwrap();
+}
+
 /// The gRPC endpoint's connection limits: a connection that sends nothing
 /// is closed after `handshake_timeout_ms` (hyper waits for the HTTP/2
 /// preface for ever, and held its place under the cap), one beyond
@@ -147,19 +163,7 @@ async fn the_grpc_endpoint_closes_silent_connections_and_caps_an_address() {
     tessera_test_support::wait_serving(&server.addr).await;
     let grpc_addr = server.grpc_addr.expect("a gRPC endpoint");
     let mut client = grpc_client(grpc_addr).await;
-    let keys = keys_of_shard(0, 1, 4);
-    let fetch = || FetchRequest {
-        table: "embeddings".into(),
-        shard: 0,
-        keys: keys.clone(),
-    };
-    let _: FetchResponse = unary(
-        &mut client,
-        "/tessera.ps.v1.ParameterServer/Fetch",
-        tonic::Request::new(fetch()),
-    )
-    .await
-    .unwrap();
+    fetch_four_rows(&mut client).await;
     let mut silent = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
     let mut also_silent = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
     // The client's connection and two silent ones fill the address's
@@ -180,20 +184,8 @@ async fn the_grpc_endpoint_closes_silent_connections_and_caps_an_address() {
         .expect("a silent connection is closed by the handshake bound");
     }
     // Their places are free again, and the client was served throughout.
-    let _: FetchResponse = unary(
-        &mut client,
-        "/tessera.ps.v1.ParameterServer/Fetch",
-        tonic::Request::new(fetch()),
-    )
-    .await
-    .unwrap();
+    fetch_four_rows(&mut client).await;
     let _late = tokio::net::TcpStream::connect(grpc_addr).await.unwrap();
     let mut other = grpc_client(grpc_addr).await;
-    let _: FetchResponse = unary(
-        &mut other,
-        "/tessera.ps.v1.ParameterServer/Fetch",
-        tonic::Request::new(fetch()),
-    )
-    .await
-    .unwrap();
+    fetch_four_rows(&mut other).await;
 }

@@ -7,9 +7,9 @@ use tessera_config::Validate;
 use tokio::sync::mpsc;
 
 use crate::inbound::{
-    AddressSlot, Addresses, ConnectionCap, ConnectionSlot, Deadlines, InboundBudget, InboundLimits,
-    Stall,
+    AddressSlot, ConnectionSlot, Deadlines, InboundBudget, InboundLimits, Stall, admit_connection,
 };
+use crate::inbound::{Addresses, ConnectionCap};
 use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
 use crate::rdma::Role;
 use crate::rdma::connection::{HANDSHAKE_TIMEOUT, RdmaRuntime};
@@ -418,7 +418,7 @@ impl Listener {
                 cap,
             } => loop {
                 let (stream, peer) = listener.accept().await?;
-                let Some(slot) = admit(cap, &transport.inner.addresses, peer) else {
+                let Some(slot) = admit_connection(cap, &transport.inner.addresses, peer) else {
                     continue;
                 };
                 let accepted = tokio::time::Instant::now();
@@ -462,15 +462,6 @@ async fn speaks_rdma(stream: &tokio::net::TcpStream) -> Result<bool, TransportEr
     }
 }
 
-/// See [`crate::inbound::admit_connection`].
-fn admit(
-    cap: &ConnectionCap,
-    addresses: &Addresses,
-    peer: SocketAddr,
-) -> Option<(ConnectionSlot, AddressSlot)> {
-    crate::inbound::admit_connection(cap, addresses, peer)
-}
-
 async fn accept_rdma(
     listener: tokio::net::TcpListener,
     transport: Transport,
@@ -486,7 +477,7 @@ async fn accept_rdma(
                 continue;
             }
         };
-        let Some(slot) = admit(&cap, &transport.inner.addresses, peer) else {
+        let Some(slot) = admit_connection(&cap, &transport.inner.addresses, peer) else {
             continue;
         };
         let accepted = tokio::time::Instant::now();

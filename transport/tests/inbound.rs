@@ -22,6 +22,43 @@ fn config(inbound: InboundConfig) -> TransportConfig {
     }
 }
 
+/// A transport with `inbound` limits listening on loopback: the transport,
+/// its address, and its accepted connections as they come.
+async fn serve(
+    inbound: InboundConfig,
+) -> (
+    Transport,
+    std::net::SocketAddr,
+    mpsc::UnboundedReceiver<Connection>,
+) {
+    let transport = Transport::new(config(inbound)).unwrap();
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    (transport, addr, accept_all(listener))
+}
+
+/// `n` peers that each announce a 4 MiB frame, send 1 MiB of it and stall,
+/// with the server side's first `recv` of each running in a task.
+async fn stalled_peers(
+    n: usize,
+    addr: std::net::SocketAddr,
+    accepted: &mut mpsc::UnboundedReceiver<Connection>,
+) -> (
+    Vec<TcpStream>,
+    Vec<tokio::task::JoinHandle<Result<Option<bytes::Bytes>, TransportError>>>,
+) {
+    let mut peers = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..n {
+        peers.push(stalled_sender(addr, 4 * MIB, MIB).await);
+        let mut connection = accepted.recv().await.unwrap();
+        receivers.push(tokio::spawn(
+            async move { connection.receiver.recv().await },
+        ));
+    }
+    (peers, receivers)
+}
+
 /// Accepts for ever, handing each connection to the returned channel.
 fn accept_all(listener: Listener) -> mpsc::UnboundedReceiver<Connection> {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -50,25 +87,14 @@ async fn stalled_sender(addr: std::net::SocketAddr, len: usize, part: usize) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_large_frames_get_no_memory_beyond_the_budget_and_are_closed_by_the_frame_timeout()
 {
-    let transport = Transport::new(config(InboundConfig {
+    let (transport, addr, mut accepted) = serve(InboundConfig {
         max_bytes: 8 * MIB as u64,
         max_connection_bytes: 8 * MIB as u64,
         frame_timeout_ms: 800,
         ..InboundConfig::default()
-    }))
-    .unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut accepted = accept_all(listener);
-    let mut peers = Vec::new();
-    let mut receivers = Vec::new();
-    for _ in 0..10 {
-        peers.push(stalled_sender(addr, 4 * MIB, MIB).await);
-        let mut connection = accepted.recv().await.unwrap();
-        receivers.push(tokio::spawn(
-            async move { connection.receiver.recv().await },
-        ));
-    }
+    })
+    .await;
+    let (peers, receivers) = stalled_peers(10, addr, &mut accepted).await;
     // A legitimate small message is served while the budget is taken:
     // small frames draw none.
     let legit = transport.connect(&addr.to_string()).await.unwrap();
@@ -117,24 +143,13 @@ async fn stalled_large_frames_get_no_memory_beyond_the_budget_and_are_closed_by_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_message_waits_unread_for_budget_and_then_arrives_whole() {
-    let transport = Transport::new(config(InboundConfig {
+    let (transport, addr, mut accepted) = serve(InboundConfig {
         max_bytes: 8 * MIB as u64,
         max_connection_bytes: 8 * MIB as u64,
         ..InboundConfig::default()
-    }))
-    .unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut accepted = accept_all(listener);
-    let mut stalled = Vec::new();
-    let mut stalled_receivers = Vec::new();
-    for _ in 0..2 {
-        stalled.push(stalled_sender(addr, 4 * MIB, MIB).await);
-        let mut connection = accepted.recv().await.unwrap();
-        stalled_receivers.push(tokio::spawn(
-            async move { connection.receiver.recv().await },
-        ));
-    }
+    })
+    .await;
+    let (stalled, stalled_receivers) = stalled_peers(2, addr, &mut accepted).await;
     // Both stalled frames hold their budget once their first bytes are read.
     let budget = transport.inbound_budget().clone();
     tokio::time::timeout(Duration::from_secs(5), async {
@@ -172,14 +187,11 @@ async fn a_large_message_waits_unread_for_budget_and_then_arrives_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_is_closed_after_the_handshake_bound_and_an_idle_one_is_kept() {
-    let transport = Transport::new(config(InboundConfig {
+    let (transport, addr, mut accepted) = serve(InboundConfig {
         handshake_timeout_ms: 300,
         ..InboundConfig::default()
-    }))
-    .unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut accepted = accept_all(listener);
+    })
+    .await;
     let mut silent = TcpStream::connect(addr).await.unwrap();
     let mut silent_conn = accepted.recv().await.unwrap();
     let outcome = tokio::time::timeout(Duration::from_secs(10), silent_conn.receiver.recv())
@@ -221,14 +233,11 @@ async fn a_silent_connection_is_closed_after_the_handshake_bound_and_an_idle_one
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_cap_are_closed_at_once_and_a_freed_slot_is_reused() {
-    let transport = Transport::new(config(InboundConfig {
+    let (_transport, addr, mut accepted) = serve(InboundConfig {
         max_connections: 2,
         ..InboundConfig::default()
-    }))
-    .unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut accepted = accept_all(listener);
+    })
+    .await;
     let _a = TcpStream::connect(addr).await.unwrap();
     let first = accepted.recv().await.unwrap();
     let _b = TcpStream::connect(addr).await.unwrap();
@@ -250,15 +259,12 @@ async fn connections_beyond_the_cap_are_closed_at_once_and_a_freed_slot_is_reuse
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_received_large_message_holds_its_budget_until_it_is_dropped() {
-    let transport = Transport::new(config(InboundConfig {
+    let (transport, addr, mut accepted) = serve(InboundConfig {
         max_bytes: 8 * MIB as u64,
         max_connection_bytes: 8 * MIB as u64,
         ..InboundConfig::default()
-    }))
-    .unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut accepted = accept_all(listener);
+    })
+    .await;
     let client = transport.connect(&addr.to_string()).await.unwrap();
     let mut served = accepted.recv().await.unwrap();
     client
@@ -287,17 +293,14 @@ async fn connect_from(from: &str, addr: std::net::SocketAddr) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_address_cannot_take_every_connection_or_the_whole_budget() {
-    let transport = Transport::new(config(InboundConfig {
+    let (_transport, addr, mut accepted) = serve(InboundConfig {
         max_bytes: 12 * MIB as u64,
         max_address_bytes: 8 * MIB as u64,
         max_connection_bytes: 8 * MIB as u64,
         max_connections_per_address: 4,
         ..InboundConfig::default()
-    }))
-    .unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut accepted = accept_all(listener);
+    })
+    .await;
     // Address A: three stalled 4 MiB frames. It gets 8 MiB of the 12.
     let mut stalled = Vec::new();
     let mut receivers = Vec::new();

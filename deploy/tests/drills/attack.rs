@@ -90,8 +90,21 @@ fn lowest_priority() {
     }
 }
 
-async fn stalled_and_partial_senders(transport: TransportKind) {
-    let _alone = ONE_AT_A_TIME.lock().await;
+/// A ps-server process of one shard with table `big` filled, under a
+/// worker's Fetches at `FETCHES_PER_SEC`, after a quiet window measured.
+struct Loaded {
+    _dir: tempfile::TempDir,
+    server: PsProcess,
+    addr: String,
+    pid: i32,
+    load: Load,
+    /// The quiet window before the event.
+    before: (Instant, Instant),
+    rss_before: f64,
+}
+
+/// Starts [`Loaded`] over `transport` with `base`'s other settings.
+async fn loaded_server(transport: TransportKind, base: PsServerConfig) -> Loaded {
     let dir = tempfile::tempdir().unwrap();
     let bin = tessera_test_support::process::ps_server_bin();
     let layout = Layout::new(1, 1);
@@ -101,12 +114,7 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
             transport,
             rdma: rdma_soft(),
             tables: vec![big_table()],
-            inbound: InboundConfig {
-                max_bytes: BUDGET,
-                frame_timeout_ms: FRAME_TIMEOUT_MS,
-                ..InboundConfig::default()
-            },
-            ..PsServerConfig::default()
+            ..base
         },
     );
     let server = PsProcess::spawn(&bin, &config, dir.path(), "server");
@@ -115,10 +123,43 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     let data = data_client(&addr, transport);
     fill(&data, 0, 1).await;
     let pid = server.pid().unwrap();
-    let load = Load::start_at(data.clone(), 0, 1, false, FETCHES_PER_SEC);
+    let load = Load::start_at(data, 0, 1, false, FETCHES_PER_SEC);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = quiet_window().await;
     let rss_before = rss_mib(pid);
+    Loaded {
+        _dir: dir,
+        server,
+        addr,
+        pid,
+        load,
+        before,
+        rss_before,
+    }
+}
+
+async fn stalled_and_partial_senders(transport: TransportKind) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let Loaded {
+        _dir,
+        server: _server,
+        addr,
+        pid,
+        load,
+        before,
+        rss_before,
+    } = loaded_server(
+        transport,
+        PsServerConfig {
+            inbound: InboundConfig {
+                max_bytes: BUDGET,
+                frame_timeout_ms: FRAME_TIMEOUT_MS,
+                ..InboundConfig::default()
+            },
+            ..PsServerConfig::default()
+        },
+    )
+    .await;
 
     // The attackers run on a runtime of their own, on a thread of their own
     // at the lowest CPU priority: in a fleet they are other hosts, while
@@ -321,16 +362,18 @@ async fn malformed_peer(addr: String, bytes: Vec<u8>) -> bool {
 /// lines instead of one per connection.
 async fn malformed_flood(transport: TransportKind) {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let bin = tessera_test_support::process::ps_server_bin();
-    let layout = Layout::new(1, 1);
     let grpc = tessera_test_support::free_addr();
-    let config = layout.config(
-        0,
-        &PsServerConfig {
-            transport,
-            rdma: rdma_soft(),
-            tables: vec![big_table()],
+    let Loaded {
+        _dir,
+        server,
+        addr,
+        pid,
+        load,
+        before,
+        rss_before,
+    } = loaded_server(
+        transport,
+        PsServerConfig {
             grpc_listen: Some(grpc.clone()),
             // The flood's connections come from one address.
             inbound: InboundConfig {
@@ -340,17 +383,8 @@ async fn malformed_flood(transport: TransportKind) {
             },
             ..PsServerConfig::default()
         },
-    );
-    let server = PsProcess::spawn(&bin, &config, dir.path(), "server");
-    let addr = layout.addr(0, 0).to_owned();
-    wait_role(&addr, ShardRole::Primary, Duration::from_secs(30)).await;
-    let data = data_client(&addr, transport);
-    fill(&data, 0, 1).await;
-    let pid = server.pid().unwrap();
-    let load = Load::start_at(data.clone(), 0, 1, false, FETCHES_PER_SEC);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let before = quiet_window().await;
-    let rss_before = rss_mib(pid);
+    )
+    .await;
     let warnings_before = server.log_text().matches(" WARN ").count();
     let started = Instant::now();
     let mut peers = tokio::task::JoinSet::new();

@@ -234,16 +234,12 @@ fn isolated<R>(
             if let Some(io) = io {
                 io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
             }
-            let error = || TransportError::rdma_error(super::engine::EngineError::Panicked);
-            for (_, reply) in slot.opening.drain() {
-                let _ = reply.send(Err(error()));
-            }
+            fail_sockets(
+                &mut slot.opening,
+                &mut slot.sockets,
+                &super::engine::EngineError::Panicked,
+            );
             for s in slot.sockets.values_mut() {
-                s.permits.close();
-                if s.deliver.is_some() && !s.rx_closed {
-                    s.backlog.push_back(Err(error()));
-                    s.rx_closed = true;
-                }
                 deliver_backlog(s);
             }
             None
@@ -251,26 +247,53 @@ fn isolated<R>(
     }
 }
 
-/// Hands `socket`'s backlog to its application as far as it takes it.
-fn deliver_backlog(socket: &mut SocketSlot) {
+/// A failed engine's pending opens and sockets get `err`: senders stop
+/// (their permits close), and each open receiver gets it as its last item.
+fn fail_sockets(
+    opening: &mut HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
+    sockets: &mut HashMap<SocketId, SocketSlot>,
+    err: &super::engine::EngineError,
+) {
+    for (_, reply) in opening.drain() {
+        let _ = reply.send(Err(TransportError::rdma_error(err.clone())));
+    }
+    for s in sockets.values_mut() {
+        s.permits.close();
+        if s.deliver.is_some() && !s.rx_closed {
+            s.backlog
+                .push_back(Err(TransportError::rdma_error(err.clone())));
+            s.rx_closed = true;
+        }
+    }
+}
+
+/// Hands `socket`'s backlog to its application as far as it takes it, and
+/// lets go of a receiver whose stream has ended; whether anything went.
+fn deliver_backlog(socket: &mut SocketSlot) -> bool {
+    let mut delivered = false;
     while let Some(item) = socket.backlog.pop_front() {
         let Some(deliver) = &socket.deliver else {
             socket.backlog.clear();
-            return;
+            break;
         };
         match deliver.try_send(item) {
-            Ok(()) => {}
+            Ok(()) => delivered = true,
             Err(mpsc::error::TrySendError::Full(item)) => {
                 socket.backlog.push_front(item);
-                return;
+                break;
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
+                // The application dropped its receiver.
                 socket.deliver = None;
                 socket.backlog.clear();
-                return;
+                break;
             }
         }
     }
+    if socket.rx_closed && socket.backlog.is_empty() {
+        socket.deliver = None;
+    }
+    delivered
 }
 
 /// A handle on one I/O thread.
@@ -945,44 +968,15 @@ impl Worker {
                     if let Some(io) = io {
                         io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
                     }
-                    for (_, reply) in opening.drain() {
-                        let _ = reply.send(Err(TransportError::rdma_error(err.clone())));
-                    }
                     tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
-                    for s in sockets.values_mut() {
-                        s.permits.close();
-                        if s.deliver.is_some() && !s.rx_closed {
-                            s.backlog
-                                .push_back(Err(TransportError::rdma_error(err.clone())));
-                            s.rx_closed = true;
-                        }
-                    }
+                    fail_sockets(opening, sockets, &err);
                 }
             }
         }
         // Deliver what the applications can take.
         for s in sockets.values_mut() {
-            while let Some(item) = s.backlog.pop_front() {
-                let Some(deliver) = &s.deliver else {
-                    s.backlog.clear();
-                    break;
-                };
-                match deliver.try_send(item) {
-                    Ok(()) => progress = true,
-                    Err(mpsc::error::TrySendError::Full(item)) => {
-                        s.backlog.push_front(item);
-                        break;
-                    }
-                    Err(mpsc::error::TrySendError::Closed(_)) => {
-                        // The application dropped its receiver.
-                        s.deliver = None;
-                        s.backlog.clear();
-                        break;
-                    }
-                }
-            }
-            if s.rx_closed && s.backlog.is_empty() {
-                s.deliver = None;
+            if deliver_backlog(s) {
+                progress = true;
             }
         }
         sockets.retain(|_, s| !(s.tx_closed && s.deliver.is_none()));

@@ -813,6 +813,20 @@ fn raw_send(from: &Side, bytes: &[u8]) {
         .unwrap();
 }
 
+/// `from` sends a request to send `size` bytes as message `msg_id` on
+/// `socket`, behind its engine's back.
+fn raw_rts(from: &Side, socket: SocketId, msg_id: u32, size: u64) {
+    use super::control::{ControlHeader, ControlKind};
+    let rts = ControlHeader {
+        kind: ControlKind::Rts { size },
+        credits: 0,
+        msg_id,
+        socket,
+    }
+    .encode();
+    raw_send(from, &rts);
+}
+
 /// A request to send a message id already granted fails the receiving
 /// engine, and the granted buffer stays the engine's (the peer holds its
 /// address and key). Before: the second RTS replaced the first grant,
@@ -891,7 +905,6 @@ fn a_receive_length_past_its_buffer_fails_the_engine_without_panicking() {
 /// once, so the peer alone decided how much of the pool it held.
 #[test]
 fn requests_to_send_beyond_the_peer_budget_wait_unallocated() {
-    use super::control::{ControlHeader, ControlKind};
     let config = EngineConfig {
         max_message_size: 1 << 20,
         max_granted_bytes: 3 << 20,
@@ -902,14 +915,7 @@ fn requests_to_send_beyond_the_peer_budget_wait_unallocated() {
     b.recv_pool.flush_thread_cache();
     let before = b.recv_pool.stats().in_use_bytes;
     for msg_id in 1..=5 {
-        let rts = ControlHeader {
-            kind: ControlKind::Rts { size: 1 << 20 },
-            credits: 0,
-            msg_id,
-            socket,
-        }
-        .encode();
-        raw_send(&a, &rts);
+        raw_rts(&a, socket, msg_id, 1 << 20);
     }
     for _ in 0..8 {
         b.step(true);
@@ -970,7 +976,6 @@ fn large_messages_beyond_the_budget_arrive_whole_as_grants_free() {
 /// frees elsewhere. Before, RDMA peers were outside the server's budget.
 #[test]
 fn grants_of_an_accepted_engine_wait_for_the_servers_budget() {
-    use super::control::{ControlHeader, ControlKind};
     let config = EngineConfig {
         max_message_size: 1 << 20,
         max_granted_bytes: 4 << 20,
@@ -982,14 +987,7 @@ fn grants_of_an_accepted_engine_wait_for_the_servers_budget() {
     let elsewhere = server.try_acquire(1 << 20).unwrap();
     b.engine.set_inbound_budget(server.clone());
     for msg_id in 1..=3 {
-        let rts = ControlHeader {
-            kind: ControlKind::Rts { size: 512 << 10 },
-            credits: 0,
-            msg_id,
-            socket,
-        }
-        .encode();
-        raw_send(&a, &rts);
+        raw_rts(&a, socket, msg_id, 512 << 10);
     }
     for _ in 0..8 {
         b.step(true);

@@ -319,8 +319,10 @@ impl TcpReceiver {
                 });
             }
             self.end += read;
-            let partial = !self.holds_whole_frame();
-            self.progressed(true, partial);
+            if self.limits.is_some() {
+                let partial = !self.holds_whole_frame();
+                self.progressed(true, partial);
+            }
         }
     }
 
