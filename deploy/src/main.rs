@@ -111,6 +111,16 @@ enum Command {
     PrintConfig,
     /// Operate a running ps-server or worker (over Tessera RPC on TCP).
     Admin {
+        /// Mutual TLS with servers that run with `[tls]`: this tool's
+        /// certificate (PEM; Admin calls need one with the admin role).
+        #[arg(long, requires_all = ["tls_key", "tls_ca"], global = true)]
+        tls_cert: Option<String>,
+        /// The certificate's private key (PEM).
+        #[arg(long, requires = "tls_cert", global = true)]
+        tls_key: Option<String>,
+        /// The CA whose certificates the servers carry (PEM).
+        #[arg(long, requires = "tls_cert", global = true)]
+        tls_ca: Option<String>,
         #[command(subcommand)]
         action: AdminAction,
     },
@@ -216,7 +226,23 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             )
             .await
         }
-        Command::Admin { action } => admin(action).await,
+        Command::Admin {
+            action,
+            tls_cert,
+            tls_key,
+            tls_ca,
+        } => {
+            let tls = match (tls_cert, tls_key, tls_ca) {
+                (Some(cert), Some(key), Some(ca)) => Some(tessera_rpc::TlsConfig {
+                    cert,
+                    key,
+                    ca,
+                    server_name: None,
+                }),
+                _ => None,
+            };
+            admin(action, tls.as_ref()).await
+        }
         Command::Doctor {
             config,
             transport,
@@ -234,28 +260,29 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
 }
 
 /// A channel for an admin call: generous timeouts (a checkpoint of a big
-/// server takes a while), TCP.
-async fn admin_channel(addr: &str) -> Result<tessera_rpc::Channel, BoxError> {
-    Ok(tessera_rpc::Channel::connect(
-        addr,
-        tessera_rpc::ChannelConfig {
-            connect_timeout_ms: 2000,
-            request_timeout_ms: 600_000,
-            ..tessera_rpc::ChannelConfig::default()
-        },
-    )
-    .await?)
+/// server takes a while), TCP, mutual TLS with `tls` where given.
+async fn admin_channel(
+    addr: &str,
+    tls: Option<&tessera_rpc::TlsConfig>,
+) -> Result<tessera_rpc::Channel, BoxError> {
+    let mut config = tessera_rpc::ChannelConfig {
+        connect_timeout_ms: 2000,
+        request_timeout_ms: 600_000,
+        ..tessera_rpc::ChannelConfig::default()
+    };
+    config.transport.tls = tls.cloned();
+    Ok(tessera_rpc::Channel::connect(addr, config).await?)
 }
 
 #[allow(clippy::print_stdout)]
-async fn admin(action: AdminAction) -> Result<(), BoxError> {
+async fn admin(action: AdminAction, tls: Option<&tessera_rpc::TlsConfig>) -> Result<(), BoxError> {
     use tessera_proto::v1::{
         AdminClient, CheckpointRequest, HealthRequest, ParameterServerClient, QuarantineRequest,
         ServerState, StatsRequest, WorkerAdminClient,
     };
     match action {
         AdminAction::Health { server } => {
-            let health = ParameterServerClient::new(admin_channel(&server).await?)
+            let health = ParameterServerClient::new(admin_channel(&server, tls).await?)
                 .health(HealthRequest {})
                 .await?;
             let state = ServerState::try_from(health.state).map_or("unknown", |s| s.as_str_name());
@@ -280,7 +307,7 @@ async fn admin(action: AdminAction) -> Result<(), BoxError> {
             }
         }
         AdminAction::Stats { server } => {
-            let stats = AdminClient::new(admin_channel(&server).await?)
+            let stats = AdminClient::new(admin_channel(&server, tls).await?)
                 .stats(StatsRequest {})
                 .await?;
             println!("| table | shard | rows | bytes | fetches | pushes | evictions |");
@@ -293,7 +320,7 @@ async fn admin(action: AdminAction) -> Result<(), BoxError> {
             }
         }
         AdminAction::Checkpoint { server } => {
-            let saved = AdminClient::new(admin_channel(&server).await?)
+            let saved = AdminClient::new(admin_channel(&server, tls).await?)
                 .checkpoint(CheckpointRequest {})
                 .await?;
             println!(
@@ -302,7 +329,7 @@ async fn admin(action: AdminAction) -> Result<(), BoxError> {
             );
         }
         AdminAction::Quarantine { worker, clear } => {
-            let listed = WorkerAdminClient::new(admin_channel(&worker).await?)
+            let listed = WorkerAdminClient::new(admin_channel(&worker, tls).await?)
                 .quarantine(QuarantineRequest { clear })
                 .await?;
             if listed.servers.is_empty() {

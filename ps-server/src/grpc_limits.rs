@@ -8,7 +8,10 @@
 //! connection (`max_requests_per_connection`, as concurrent streams and as
 //! tower's concurrency limit), a bound on each request's whole life
 //! (`frame_timeout_ms`: a body trickled in slowly is cut off), and HTTP/2
-//! keepalive pings so dead peers are noticed.
+//! keepalive pings so dead peers are noticed. With `[tls]`, every
+//! connection is mutual TLS (ALPN `h2`) before hyper sees it, and the
+//! Admin service lets in only certificates with the admin role
+//! ([`RoleCheck`]).
 //!
 //! HTTP/2 (hyper's `h2`) already refuses malformed frames by closing the
 //! connection and bounds what one stream may send ahead by flow control;
@@ -18,33 +21,50 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use tessera_rpc::{ConnectionGate, GateTicket, InboundConfig};
+use tessera_rpc::grpc::GrpcPeerInfo;
+use tessera_rpc::tls::{BoxStream, TlsAcceptor};
+use tessera_rpc::{ConnectionGate, GateTicket, InboundConfig, PeerIdentity};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming};
+use tokio::net::TcpListener;
+use tonic::transport::server::{Connected, TcpIncoming};
 
-/// An accepted gRPC connection with its place under the gate, and until
-/// its first byte the handshake bound (`handshake_timeout_ms`): hyper's
-/// HTTP/2 server waits for the connection preface for ever, and keepalive
-/// pings start only after it, so a silent connection would hold its place
-/// under the gate for good.
-#[derive(Debug)]
+/// An accepted gRPC connection (TCP, or TLS over it) with its place under
+/// the gate, and until its first byte the handshake bound
+/// (`handshake_timeout_ms`): hyper's HTTP/2 server waits for the
+/// connection preface for ever, and keepalive pings start only after it,
+/// so a silent connection would hold its place under the gate for good.
 pub(crate) struct GatedStream {
-    stream: TcpStream,
+    stream: BoxStream,
+    peer: SocketAddr,
+    identity: Option<Arc<PeerIdentity>>,
     first_byte_by: Option<Pin<Box<tokio::time::Sleep>>>,
     _ticket: GateTicket,
 }
 
+impl std::fmt::Debug for GatedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatedStream")
+            .field("peer", &self.peer)
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Connected for GatedStream {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = GrpcPeerInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
+        GrpcPeerInfo {
+            remote_addr: Some(self.peer),
+            identity: self.identity.clone(),
+        }
     }
 }
 
@@ -112,32 +132,134 @@ impl AsyncWrite for GatedStream {
 /// The accepted sockets of `listener` that the gate admits, with
 /// `TCP_NODELAY` set (a stock `TcpIncoming` built from a listener sets
 /// none, and Nagle's algorithm meeting delayed ACKs then adds about 40 ms
-/// to responses that span several segments). Accept errors are passed on;
-/// refused sockets are dropped (closed) here.
+/// to responses that span several segments), after a TLS handshake where
+/// `tls` is set (the client must present a certificate of the CA). Accept
+/// errors are passed on; refused sockets are dropped (closed) here.
+///
+/// TLS handshakes run in a task each, bounded by `handshake_timeout_ms`,
+/// so a client that stalls in its handshake holds up nobody else;
+/// finished ones queue for the server.
 pub(crate) fn incoming(
     listener: TcpListener,
     inbound: &InboundConfig,
-) -> impl Stream<Item = io::Result<GatedStream>> + Send + 'static {
+    tls: Option<TlsAcceptor>,
+) -> Pin<Box<dyn Stream<Item = io::Result<GatedStream>> + Send + 'static>> {
     let gate = ConnectionGate::new(inbound);
     let handshake = inbound.handshake_timeout();
-    TcpIncoming::from(listener)
+    let admitted = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .filter_map(move |accepted| {
             let admitted = match accepted {
                 Err(err) => Some(Err(err)),
-                Ok(stream) => stream.peer_addr().ok().and_then(|peer| {
-                    gate.admit(peer).map(|ticket| {
-                        Ok(GatedStream {
-                            stream,
-                            first_byte_by: handshake
-                                .map(|limit| Box::pin(tokio::time::sleep(limit))),
-                            _ticket: ticket,
-                        })
-                    })
-                }),
+                Ok(stream) => stream
+                    .peer_addr()
+                    .ok()
+                    .and_then(|peer| gate.admit(peer).map(|ticket| Ok((stream, peer, ticket)))),
             };
             std::future::ready(admitted)
-        })
+        });
+    let Some(tls) = tls else {
+        return Box::pin(admitted.map(move |accepted| {
+            accepted.map(|(stream, peer, ticket)| GatedStream {
+                stream: Box::new(stream),
+                peer,
+                identity: None,
+                first_byte_by: handshake.map(|limit| Box::pin(tokio::time::sleep(limit))),
+                _ticket: ticket,
+            })
+        }));
+    };
+    let (ready, queued) = tokio::sync::mpsc::channel::<io::Result<GatedStream>>(64);
+    tokio::spawn(async move {
+        let mut admitted = std::pin::pin!(admitted);
+        loop {
+            let next = tokio::select! {
+                () = ready.closed() => return,
+                next = admitted.next() => next,
+            };
+            let (stream, peer, ticket) = match next {
+                None => return,
+                Some(Err(err)) => {
+                    if ready.send(Err(err)).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Some(Ok(accepted)) => accepted,
+            };
+            let tls = tls.clone();
+            let ready = ready.clone();
+            tokio::spawn(async move {
+                let accept = tessera_rpc::tls::accept_with(&tls, stream, peer);
+                let outcome = match handshake {
+                    Some(limit) => tokio::time::timeout(limit, accept).await.ok(),
+                    None => Some(accept.await),
+                };
+                match outcome {
+                    Some(Ok((stream, identity))) => {
+                        let _ = ready
+                            .send(Ok(GatedStream {
+                                stream: Box::new(stream),
+                                peer,
+                                identity: Some(Arc::new(identity)),
+                                first_byte_by: handshake
+                                    .map(|limit| Box::pin(tokio::time::sleep(limit))),
+                                _ticket: ticket,
+                            }))
+                            .await;
+                    }
+                    Some(Err(err)) => {
+                        metrics::counter!(tessera_rpc::warn_limit::MALFORMED, "listener" => "grpc")
+                            .increment(1);
+                        if let Some(suppressed) = tessera_rpc::warn_limit::allow(peer.ip()) {
+                            tracing::warn!(%peer, %err, suppressed, "gRPC TLS handshake failed");
+                        }
+                    }
+                    None => {
+                        metrics::counter!(
+                            tessera_rpc::inbound::CLOSED_BY_LIMIT,
+                            "reason" => tessera_rpc::Stall::Handshake.label()
+                        )
+                        .increment(1);
+                    }
+                }
+            });
+        }
+    });
+    Box::pin(tokio_stream_from(queued))
+}
+
+/// The items of `receiver`, as a stream.
+fn tokio_stream_from<T: Send + 'static>(
+    receiver: tokio::sync::mpsc::Receiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.recv().await.map(|item| (item, receiver))
+    })
+}
+
+/// A tonic interceptor that lets through only callers whose certificate
+/// gives `role` (the gRPC endpoint's counterpart of the Tessera server's
+/// `require_role`); without a role (TLS off) everyone.
+#[derive(Debug, Clone)]
+pub(crate) struct RoleCheck {
+    role: Option<String>,
+}
+
+impl RoleCheck {
+    /// Checks `role` when set.
+    pub(crate) fn new(role: Option<String>) -> Self {
+        Self { role }
+    }
+}
+
+impl tonic::service::Interceptor for RoleCheck {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(role) = &self.role {
+            tessera_rpc::grpc::check_role(&request, role)?;
+        }
+        Ok(request)
+    }
 }
 
 /// The endpoint's HTTP/2 and request limits, from the server's settings.

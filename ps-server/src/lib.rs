@@ -57,7 +57,12 @@ struct GrpcEndpoint {
     limits: grpc_limits::GrpcLimits,
     inbound: tessera_rpc::InboundConfig,
     service: GrpcServer<ParameterServerGrpc<PsService>>,
-    admin: AdminGrpcServer<AdminGrpc<AdminService>>,
+    admin: tonic::service::interceptor::InterceptedService<
+        AdminGrpcServer<AdminGrpc<AdminService>>,
+        grpc_limits::RoleCheck,
+    >,
+    /// TLS on the endpoint (ALPN `h2`), when `[tls]` is on.
+    tls: Option<tessera_rpc::tls::TlsAcceptor>,
 }
 
 impl std::fmt::Debug for GrpcEndpoint {
@@ -129,28 +134,48 @@ impl PsServer {
                     listener,
                     limits: grpc_limits::GrpcLimits::of(config),
                     inbound: config.inbound.clone(),
+                    tls: transport.tls().map(|tls| tls.h2_acceptor()),
                     service: ParameterServerGrpc::service(
                         Arc::new(service.clone()),
                         transport.send_pool().clone(),
                         usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
                     ),
-                    admin: AdminGrpc::service(
-                        Arc::new(admin.clone()),
-                        transport.send_pool().clone(),
-                        usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
+                    admin: tonic::service::interceptor::InterceptedService::new(
+                        AdminGrpc::service(
+                            Arc::new(admin.clone()),
+                            transport.send_pool().clone(),
+                            usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
+                        ),
+                        grpc_limits::RoleCheck::new(
+                            transport.tls_enabled().then(|| config.roles.admin.clone()),
+                        ),
                     ),
                 })
             }
         };
-        let server = Server::builder(server_config)
+        let tls = transport.tls_enabled();
+        let mut builder = Server::builder(server_config)
             .transport(transport)
             .add_service(ParameterServerServer::new(service))?
             .add_service(AdminServer::new(admin))?
             .add_service(ReplicationServer::new(ReplicationService::new(Arc::clone(
                 &replication,
-            ))))?
-            .bind(&config.listen)
-            .await?;
+            ))))?;
+        // With TLS, who may call is said by certificates: workers Fetch
+        // and Push; only operators' tools (admin) take checkpoints, and
+        // only the fleet's servers (replication) write to replicas.
+        if tls {
+            builder = builder
+                .require_role(
+                    tessera_proto::v1::ADMIN_DESCRIPTOR.name,
+                    &config.roles.admin,
+                )?
+                .require_role(
+                    tessera_proto::v1::REPLICATION_DESCRIPTOR.name,
+                    &config.roles.replication,
+                )?;
+        }
+        let server = builder.bind(&config.listen).await?;
         tracing::info!(
             addr = %server.local_addr(),
             shards = ?config.shards,
@@ -238,7 +263,7 @@ impl PsServer {
                 .add_service(grpc.service)
                 .add_service(grpc.admin)
                 .serve_with_incoming_shutdown(
-                    grpc_limits::incoming(grpc.listener, &grpc.inbound),
+                    grpc_limits::incoming(grpc.listener, &grpc.inbound, grpc.tls),
                     async {
                         let _ = grpc_stopped.await;
                     },

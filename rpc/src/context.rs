@@ -1,6 +1,8 @@
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tessera_transport::PeerIdentity;
 use tessera_transport::pool::Pool;
 
 /// What a handler knows about the call it serves.
@@ -18,6 +20,9 @@ pub struct RequestContext {
     /// The transport's send pool: a handler that builds a large `bytes`
     /// field (a Fetch response) builds it here, in registered memory.
     pub send_pool: Pool,
+    /// Who the caller is, as its TLS certificate says (`None` when TLS is
+    /// off).
+    pub peer_identity: Option<Arc<PeerIdentity>>,
 }
 
 impl RequestContext {

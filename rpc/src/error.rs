@@ -147,4 +147,16 @@ pub enum ServerError {
     /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A service requires a role, but the transport does not authenticate
+    /// peers (no `[transport.tls]`), so no caller could ever show one.
+    #[error("service {service} requires the role `{role}`, which needs TLS ([transport.tls])")]
+    RoleWithoutTls {
+        /// The service.
+        service: String,
+        /// The role.
+        role: String,
+    },
+    /// `require_role` named a service that was not added.
+    #[error("require_role: no service named {0} was added")]
+    UnknownService(String),
 }

@@ -8,9 +8,11 @@
 //! generated message types with the Tessera endpoint instead of converting.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+pub use tessera_transport::PeerIdentity;
 pub use tessera_transport::pool::Pool;
 
 use crate::{RequestContext, Status};
@@ -37,9 +39,43 @@ pub fn request_context<T>(
         deadline,
         peer: request
             .remote_addr()
+            .or_else(|| peer_info(request).and_then(|info| info.remote_addr))
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
         send_pool: pool.clone(),
+        peer_identity: peer_info(request).and_then(|info| info.identity.clone()),
     }
+}
+
+/// What a gRPC listener knows of a connection's peer: its address, and
+/// who its TLS certificate says it is. A listener whose streams report
+/// this as their `tonic::transport::server::Connected::ConnectInfo` makes
+/// it reach every request (tonic puts the connect info in each request's
+/// extensions), so [`request_context`] and role checks see it.
+#[derive(Debug, Clone, Default)]
+pub struct GrpcPeerInfo {
+    /// The peer's address.
+    pub remote_addr: Option<SocketAddr>,
+    /// The peer's verified certificate (`None` without TLS).
+    pub identity: Option<Arc<PeerIdentity>>,
+}
+
+/// The connection's [`GrpcPeerInfo`], if its listener reports one.
+pub fn peer_info<T>(request: &tonic::Request<T>) -> Option<&GrpcPeerInfo> {
+    request.extensions().get::<GrpcPeerInfo>()
+}
+
+/// Refuses (`PERMISSION_DENIED`) a request whose caller's certificate does
+/// not give `role`: the gRPC endpoint's version of
+/// [`crate::ServerBuilder::require_role`], for a tonic interceptor.
+pub fn check_role<T>(request: &tonic::Request<T>, role: &str) -> Result<(), tonic::Status> {
+    let identity = peer_info(request).and_then(|info| info.identity.as_ref());
+    if identity.is_some_and(|id| id.has_role(role)) {
+        return Ok(());
+    }
+    metrics::counter!(crate::observe::SERVER_REFUSED_ROLE, "method" => "grpc").increment(1);
+    Err(tonic::Status::permission_denied(format!(
+        "this service needs a certificate with the role `{role}` (urn:tessera:role:{role})"
+    )))
 }
 
 /// A gRPC status with the same code and message (Tessera's codes are

@@ -39,7 +39,9 @@ pub use tessera_config::{ConfigError, Validate};
 /// Host checks for the transport (`tessera doctor`).
 pub use tessera_transport::doctor;
 pub use tessera_transport::inbound;
+pub use tessera_transport::tls;
+pub use tessera_transport::warn_limit;
 pub use tessera_transport::{
-    ConnectionGate, GateTicket, InboundConfig, RdmaConfig, RdmaProvider, Stall, Transport,
-    TransportConfig, TransportKind,
+    ConnectionGate, GateTicket, InboundConfig, PeerIdentity, RdmaConfig, RdmaProvider, Stall,
+    TlsConfig, Transport, TransportConfig, TransportKind,
 };

@@ -56,6 +56,9 @@ pub const SERVER_REFUSED_DRAINING: &str = "tessera_rpc_server_refused_draining_t
 /// Requests refused because their connection had
 /// `max_requests_per_connection` in flight (labels: `method`).
 pub const SERVER_REFUSED_CONCURRENCY: &str = "tessera_rpc_server_refused_concurrency_total";
+/// Requests refused because the caller's certificate lacked the role the
+/// service requires (labels: `method`).
+pub const SERVER_REFUSED_ROLE: &str = "tessera_rpc_server_refused_role_total";
 /// Responses over `max_message_size`, answered `ResourceExhausted`
 /// instead (labels: `method`).
 pub const SERVER_OVERSIZED_RESPONSES: &str = "tessera_rpc_server_oversized_responses_total";

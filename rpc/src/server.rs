@@ -58,6 +58,8 @@ pub trait Service: Send + Sync + 'static {
 struct Route {
     service: Arc<dyn Service>,
     method: &'static MethodDescriptor,
+    /// The role a caller's certificate must give (see [`ServerBuilder::require_role`]).
+    role: Option<Arc<str>>,
 }
 
 /// Collects services, then binds a [`Server`].
@@ -110,10 +112,33 @@ impl ServerBuilder {
                 Route {
                     service: Arc::clone(&service),
                     method,
+                    role: None,
                 },
             );
         }
         Ok(self)
+    }
+
+    /// Accepts calls to the methods of `service` (its full name,
+    /// `tessera.ps.v1.Admin`) only from peers whose TLS certificate gives
+    /// `role` (a `urn:tessera:role:<role>` URI SAN, see
+    /// [`tessera_transport::tls`]); others are answered
+    /// `PermissionDenied`, their handler never run. Needs TLS on the
+    /// transport (else [`bind`](Self::bind) fails: without certificates
+    /// nobody could be told apart). Call after adding the service.
+    pub fn require_role(mut self, service: &str, role: &str) -> Result<Self, ServerError> {
+        let role: Arc<str> = Arc::from(role);
+        let mut found = false;
+        for route in self.routes.values_mut() {
+            if route.service.descriptor().name == service {
+                route.role = Some(Arc::clone(&role));
+                found = true;
+            }
+        }
+        match found {
+            true => Ok(self),
+            false => Err(ServerError::UnknownService(service.to_owned())),
+        }
     }
 
     /// Binds `addr` ("host:port"; port 0 picks a free port).
@@ -123,6 +148,14 @@ impl ServerBuilder {
             Some(transport) => transport,
             None => Transport::new(self.config.transport.clone()).map_err(ServerError::Bind)?,
         };
+        if !transport.tls_enabled()
+            && let Some(route) = self.routes.values().find(|r| r.role.is_some())
+        {
+            return Err(ServerError::RoleWithoutTls {
+                service: route.service.descriptor().name.to_owned(),
+                role: route.role.as_deref().unwrap_or_default().to_owned(),
+            });
+        }
         let listener = transport.listen(addr).await.map_err(ServerError::Bind)?;
         let local_addr = listener.local_addr().map_err(ServerError::Bind)?;
         Ok(Server {
@@ -228,6 +261,7 @@ async fn serve_connection(
     tracker: TaskTracker,
 ) {
     let peer = connection.peer_addr();
+    let identity = connection.peer_identity().cloned();
     let Connection {
         sender,
         mut receiver,
@@ -346,6 +380,37 @@ async fn serve_connection(
             .await;
             continue;
         };
+        if let Some(role) = &route.role
+            && !identity.as_ref().is_some_and(|id| id.has_role(role))
+        {
+            metrics::counter!(crate::observe::SERVER_REFUSED_ROLE, "method" => route.method.path)
+                .increment(1);
+            if let Some(suppressed) = warn_limit::allow(peer.ip()) {
+                tracing::warn!(
+                    %peer,
+                    method = route.method.path,
+                    subject = identity.as_ref().map(|id| id.subject()),
+                    role = &**role,
+                    suppressed,
+                    "refused a call from a peer without the role"
+                );
+            }
+            let status = Status::permission_denied(format!(
+                "{} needs a certificate with the role `{role}` (urn:tessera:role:{role})",
+                route.method.path
+            ));
+            respond(
+                &sender,
+                &send_pool,
+                &header,
+                route.method.path,
+                Err(status),
+                received,
+                false,
+            )
+            .await;
+            continue;
+        }
         if inflight.len() >= max_requests {
             metrics::counter!(crate::observe::SERVER_REFUSED_CONCURRENCY, "method" => route.method.path)
                 .increment(1);
@@ -371,6 +436,7 @@ async fn serve_connection(
             deadline: header.deadline().map(|remaining| received + remaining),
             peer,
             send_pool: send_pool.clone(),
+            peer_identity: identity.clone(),
         };
         let sender = sender.clone();
         let send_pool = send_pool.clone();

@@ -168,6 +168,11 @@ impl Status {
     pub fn resource_exhausted(message: impl Into<String>) -> Self {
         Self::new(Code::ResourceExhausted, message)
     }
+
+    /// [`Code::PermissionDenied`].
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(Code::PermissionDenied, message)
+    }
 }
 
 #[cfg(test)]

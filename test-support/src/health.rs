@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use tessera_proto::v1::{HealthRequest, HealthResponse, ParameterServerClient};
-use tessera_rpc::{Channel, ChannelConfig, RpcError};
+use tessera_rpc::{Channel, ChannelConfig, RpcError, TlsConfig};
 
 /// Timeouts for calls of a test to a server on a loaded 2-core host.
 pub fn patient() -> ChannelConfig {
@@ -16,7 +16,15 @@ pub fn patient() -> ChannelConfig {
 
 /// The health of the server at `addr` (over TCP).
 pub async fn health(addr: &str) -> Result<HealthResponse, RpcError> {
-    let channel = Channel::lazy(addr, patient())?;
+    health_as(addr, None).await
+}
+
+/// The health of the server at `addr`, asked over TLS with `tls` where
+/// given (a server with `[tls]` refuses everyone else).
+pub async fn health_as(addr: &str, tls: Option<&TlsConfig>) -> Result<HealthResponse, RpcError> {
+    let mut config = patient();
+    config.transport.tls = tls.cloned();
+    let channel = Channel::lazy(addr, config)?;
     ParameterServerClient::new(channel)
         .health(HealthRequest {})
         .await
@@ -30,9 +38,20 @@ pub async fn wait_for_health(
     timeout: Duration,
     ok: impl Fn(&HealthResponse) -> bool,
 ) -> HealthResponse {
+    wait_for_health_as(addr, None, what, timeout, ok).await
+}
+
+/// [`wait_for_health`], asking over TLS with `tls` where given.
+pub async fn wait_for_health_as(
+    addr: &str,
+    tls: Option<&TlsConfig>,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&HealthResponse) -> bool,
+) -> HealthResponse {
     let started = Instant::now();
     loop {
-        let last = match health(addr).await {
+        let last = match health_as(addr, tls).await {
             Ok(h) if ok(&h) => return h,
             Ok(h) => format!("{h:?}"),
             Err(err) => err.to_string(),
@@ -48,7 +67,12 @@ pub async fn wait_for_health(
 /// Waits until the server at `addr` serves every hosted shard and none is
 /// recovering or catching up, and every replica shard is in step.
 pub async fn wait_serving(addr: &str) -> HealthResponse {
-    wait_for_health(addr, "serving", Duration::from_secs(30), |h| {
+    wait_serving_as(addr, None).await
+}
+
+/// [`wait_serving`], asking over TLS with `tls` where given.
+pub async fn wait_serving_as(addr: &str, tls: Option<&TlsConfig>) -> HealthResponse {
+    wait_for_health_as(addr, tls, "serving", Duration::from_secs(30), |h| {
         h.serving
             && h.state == tessera_proto::v1::ServerState::Serving as i32
             && h.shard_health.iter().all(|s| {
@@ -63,8 +87,14 @@ pub async fn wait_serving(addr: &str) -> HealthResponse {
 /// leads attached and in step (confirmed), so that the next Push reaches
 /// them through the stream (and, with `ack = "replicas"`, waits for them).
 pub async fn wait_replicas_in_step(addr: &str) -> HealthResponse {
-    wait_for_health(
+    wait_replicas_in_step_as(addr, None).await
+}
+
+/// [`wait_replicas_in_step`], asking over TLS with `tls` where given.
+pub async fn wait_replicas_in_step_as(addr: &str, tls: Option<&TlsConfig>) -> HealthResponse {
+    wait_for_health_as(
         addr,
+        tls,
         "with its replicas in step",
         Duration::from_secs(30),
         |h| {

@@ -1,7 +1,8 @@
 //! Shared set-up of Tessera's tests, so that no test file keeps its own
 //! copy: free ports, keys of a shard and f32 rows, a ps-server in-process
 //! or as a process (started, SIGKILLed, restarted), waiting for a server's
-//! health, a local etcd, and a fault-injecting TCP proxy.
+//! health, a local etcd, a fault-injecting TCP proxy, and a throw-away
+//! PKI for TLS.
 //!
 //! Everything here panics on failure: it is how a test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
@@ -9,6 +10,7 @@
 pub mod cluster;
 pub mod etcd;
 pub mod health;
+pub mod pki;
 pub mod process;
 pub mod proxy;
 pub mod rows;
@@ -16,7 +18,11 @@ pub mod server;
 
 pub use cluster::{InProcessCluster, Layout};
 pub use etcd::Etcd;
-pub use health::{health, wait_for_health, wait_replicas_in_step, wait_serving};
+pub use health::{
+    health, health_as, wait_for_health, wait_for_health_as, wait_replicas_in_step,
+    wait_replicas_in_step_as, wait_serving, wait_serving_as,
+};
+pub use pki::TestPki;
 pub use process::PsProcess;
 pub use proxy::FaultProxy;
 pub use rows::{f32s, keys_of_shard, wire};

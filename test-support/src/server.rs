@@ -40,7 +40,11 @@ impl InProcess {
         let grpc_addr = server.grpc_addr();
         let store = Arc::clone(server.store());
         let replication = Arc::clone(server.replication());
-        let channel = Channel::lazy(addr.clone(), crate::health::patient()).unwrap();
+        // Its clients present the server's own certificate where it has
+        // one (TLS), so they hold whatever roles the server holds.
+        let mut channel_config = crate::health::patient();
+        channel_config.transport.tls = config.tls.clone();
+        let channel = Channel::lazy(addr.clone(), channel_config).unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(server.serve(async {
             let _ = stopped.await;

@@ -7,6 +7,7 @@ use tessera_config::{Validate, invalid};
 
 use crate::inbound::InboundConfig;
 use crate::pool::PoolConfig;
+use crate::tls::TlsConfig;
 
 /// Which transport carries the messages.
 ///
@@ -113,6 +114,10 @@ pub struct TransportConfig {
     /// messages, timeouts of slow senders, the connection cap (see
     /// [`crate::inbound`]).
     pub inbound: InboundConfig,
+    /// Mutual TLS on every connection (TCP frames and the RDMA handshake);
+    /// the `[transport.tls]` table turns it on. Default off: see
+    /// [`crate::tls`].
+    pub tls: Option<TlsConfig>,
 }
 
 /// Which verbs provider the RDMA transport uses.
@@ -330,6 +335,7 @@ impl Default for TransportConfig {
             recv_pool: PoolConfig::named("recv"),
             rdma: RdmaConfig::default(),
             inbound: InboundConfig::default(),
+            tls: None,
         }
     }
 }
@@ -380,7 +386,11 @@ impl Validate for TransportConfig {
         prefixed("send_pool", self.send_pool.validate())?;
         prefixed("recv_pool", self.recv_pool.validate())?;
         prefixed("rdma", self.rdma.validate())?;
-        prefixed("inbound", self.inbound.validate_for(self.max_message_size))
+        prefixed("inbound", self.inbound.validate_for(self.max_message_size))?;
+        match &self.tls {
+            Some(tls) => prefixed("tls", tls.validate()),
+            None => Ok(()),
+        }
     }
 }
 

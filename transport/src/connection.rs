@@ -14,9 +14,11 @@ use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
 use crate::rdma::Role;
 use crate::rdma::connection::{HANDSHAKE_TIMEOUT, RdmaRuntime};
 use crate::rdma::io::RdmaSender;
-use crate::tcp::{self, TcpReceiver};
+use crate::tcp::{self, TcpReceiver, Wire};
+use crate::tls::{PeerIdentity, Tls};
 use crate::verbs::Device;
 use crate::{Message, RdmaProvider, TransportConfig, TransportError, TransportKind};
+use tokio::io::AsyncReadExt;
 
 /// A transport instance: its configuration and its registered-memory pools.
 ///
@@ -40,6 +42,8 @@ struct TransportInner {
     inbound: InboundBudget,
     /// Accepted connections and budget shares per peer address.
     addresses: Addresses,
+    /// Mutual TLS, if configured.
+    tls: Option<Tls>,
 }
 
 impl std::fmt::Debug for TransportInner {
@@ -128,6 +132,7 @@ impl Transport {
             Arc::clone(&hook),
         )?;
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
+        let tls = config.tls.as_ref().map(Tls::load).transpose()?;
         Ok(Self {
             inner: Arc::new(TransportInner {
                 inbound: InboundBudget::new(config.inbound.max_bytes),
@@ -136,6 +141,7 @@ impl Transport {
                 send_pool,
                 recv_pool,
                 rdma: None,
+                tls,
             }),
         })
     }
@@ -161,11 +167,13 @@ impl Transport {
         )?;
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
         let inbound = InboundBudget::new(config.inbound.max_bytes);
+        let tls = config.tls.as_ref().map(Tls::load).transpose()?;
         let rdma = RdmaRuntime::new(
             device,
             &config,
             (send_pool.clone(), recv_pool.clone()),
             Some(inbound.clone()),
+            tls.clone(),
         )?;
         Ok(Self {
             inner: Arc::new(TransportInner {
@@ -175,6 +183,7 @@ impl Transport {
                 send_pool,
                 recv_pool,
                 rdma: Some(Arc::new(rdma)),
+                tls,
             }),
         })
     }
@@ -241,7 +250,31 @@ impl Transport {
                 addr: addr.to_owned(),
                 source,
             })?;
-        self.tcp_connection(stream, None)
+        let peer = crate::tls::prepare(&stream)?;
+        match &self.inner.tls {
+            None => Ok(self.tcp_connection(Wire::Plain(stream), peer, None, None)),
+            Some(tls) => {
+                let (stream, identity) = tls.connect(addr, stream, peer).await?;
+                Ok(self.tcp_connection(
+                    Wire::Secured(Box::new(stream)),
+                    peer,
+                    None,
+                    Some(Arc::new(identity)),
+                ))
+            }
+        }
+    }
+
+    /// Whether connections are mutually authenticated with TLS (and so
+    /// carry a [`PeerIdentity`]).
+    pub fn tls_enabled(&self) -> bool {
+        self.inner.tls.is_some()
+    }
+
+    /// The loaded TLS settings, for another listener of this process
+    /// with the same identity (the gRPC endpoint).
+    pub fn tls(&self) -> Option<&Tls> {
+        self.inner.tls.as_ref()
     }
 
     /// Whether connections to peers go over RDMA first (`rdma`, or `auto`
@@ -258,12 +291,14 @@ impl Transport {
 
     fn tcp_connection(
         &self,
-        stream: tokio::net::TcpStream,
+        wire: Wire,
+        peer: SocketAddr,
         limits: Option<InboundLimits>,
-    ) -> Result<Connection, TransportError> {
+        identity: Option<Arc<PeerIdentity>>,
+    ) -> Connection {
         let config = &self.inner.config;
-        let (tx, rx, peer) = tcp::setup(config, self.inner.recv_pool.clone(), stream, limits)?;
-        Ok(Connection::tcp(config, tx, rx, peer))
+        let (tx, rx) = tcp::setup(config, self.inner.recv_pool.clone(), wire, peer, limits);
+        Connection::tcp(config, tx, rx, peer, identity)
     }
 
     /// The limits of a connection accepted at `accepted` holding `slots`.
@@ -295,12 +330,19 @@ pub struct Connection {
     /// Yields whole messages from the peer.
     pub receiver: MessageReceiver,
     peer: SocketAddr,
+    identity: Option<Arc<PeerIdentity>>,
 }
 
 impl Connection {
     /// The peer's address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer
+    }
+
+    /// Who the peer is, as its TLS certificate says (verified against the
+    /// configured CA); `None` when TLS is off.
+    pub fn peer_identity(&self) -> Option<&Arc<PeerIdentity>> {
+        self.identity.as_ref()
     }
 
     /// The transport this connection runs over: [`TransportKind::Tcp`] or
@@ -314,6 +356,7 @@ impl Connection {
         receiver: mpsc::Receiver<Result<Bytes, TransportError>>,
         max_message_size: u64,
         peer: SocketAddr,
+        identity: Option<Arc<PeerIdentity>>,
     ) -> Self {
         Connection {
             sender: MessageSender {
@@ -324,6 +367,7 @@ impl Connection {
                 inner: ReceiverInner::Rdma(receiver),
             },
             peer,
+            identity,
         }
     }
 
@@ -332,6 +376,7 @@ impl Connection {
         tx: mpsc::Sender<Message>,
         rx: TcpReceiver,
         peer: SocketAddr,
+        identity: Option<Arc<PeerIdentity>>,
     ) -> Self {
         Connection {
             sender: MessageSender {
@@ -342,6 +387,7 @@ impl Connection {
                 inner: ReceiverInner::Tcp(rx),
             },
             peer,
+            identity,
         }
     }
 }
@@ -360,9 +406,9 @@ enum ListenerInner {
         transport: Transport,
         cap: ConnectionCap,
     },
-    /// RDMA: a task accepts TCP connections and runs each handshake in a
-    /// task of its own, so a slow or silent client never holds up the
-    /// others; finished connections queue here.
+    /// RDMA or TLS: a task accepts TCP connections and runs each
+    /// handshake in a task of its own, so a slow or silent client never
+    /// holds up the others; finished connections queue here.
     Handshaking {
         ready: tokio::sync::Mutex<mpsc::Receiver<Connection>>,
         _acceptor: AbortOnDrop,
@@ -391,7 +437,8 @@ impl Listener {
             TransportKind::Auto => transport.inner.rdma.is_some(),
         };
         let cap = ConnectionCap::new(transport.inner.config.inbound.max_connections);
-        let inner = match rdma {
+        let handshakes = rdma || transport.inner.tls.is_some();
+        let inner = match handshakes {
             false => ListenerInner::Tcp {
                 listener,
                 transport,
@@ -399,7 +446,7 @@ impl Listener {
             },
             true => {
                 let (tx, rx) = mpsc::channel(64);
-                let acceptor = tokio::spawn(accept_rdma(listener, transport, cap, tx));
+                let acceptor = tokio::spawn(accept_handshaking(listener, transport, rdma, cap, tx));
                 ListenerInner::Handshaking {
                     ready: tokio::sync::Mutex::new(rx),
                     _acceptor: AbortOnDrop(acceptor),
@@ -423,7 +470,11 @@ impl Listener {
                 };
                 let accepted = tokio::time::Instant::now();
                 let limits = transport.inbound_limits(slot, accepted, false);
-                break transport.tcp_connection(stream, Some(limits));
+                if let Err(err) = crate::tls::prepare(&stream) {
+                    tracing::debug!(%peer, %err, "accepted connection already gone");
+                    continue;
+                }
+                break Ok(transport.tcp_connection(Wire::Plain(stream), peer, Some(limits), None));
             },
             ListenerInner::Handshaking { ready, .. } => ready
                 .lock()
@@ -462,12 +513,18 @@ async fn speaks_rdma(stream: &tokio::net::TcpStream) -> Result<bool, TransportEr
     }
 }
 
-async fn accept_rdma(
+/// Accepts connections that need a handshake before they carry messages:
+/// TLS (if configured) and then, on an RDMA listener (`rdma`), the RDMA
+/// hello or a TCP peer's first frame. Each handshake runs in a task of its
+/// own within `handshake_timeout_ms`.
+async fn accept_handshaking(
     listener: tokio::net::TcpListener,
     transport: Transport,
+    rdma: bool,
     cap: ConnectionCap,
     ready: mpsc::Sender<Connection>,
 ) {
+    let listener_label = if rdma { "rdma" } else { "tls" };
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -484,32 +541,7 @@ async fn accept_rdma(
         let transport = transport.clone();
         let ready = ready.clone();
         tokio::spawn(async move {
-            let Some(rdma) = transport.inner.rdma.clone() else {
-                return;
-            };
-            let handshake = async {
-                // Every RDMA listener also serves TCP peers on the same
-                // address: they are clients that fell back to TCP because
-                // their RDMA path is broken (or `auto` clients without RDMA).
-                if !speaks_rdma(&stream).await? {
-                    tracing::debug!(%peer, "peer speaks TCP");
-                    // Its first bytes are here: the handshake is over.
-                    let limits = transport.inbound_limits(slot, accepted, true);
-                    let connection = transport.tcp_connection(stream, Some(limits))?;
-                    let _ = ready.send(connection).await;
-                    return Ok(());
-                }
-                // The sockets the peer opens on this engine come to the
-                // listener's queue from the I/O thread. The slot is held
-                // for the handshake: the engine's own limits (queue pairs,
-                // completion queue room) bound what comes after.
-                let established = rdma
-                    .establish(stream, Role::Acceptor, Some(ready.clone()))
-                    .await
-                    .map(|_| ());
-                drop(slot);
-                established
-            };
+            let handshake = handshake(&transport, stream, peer, rdma, slot, accepted, &ready);
             // `handshake_timeout_ms = 0` turns the bound off.
             let limit = match transport.inner.config.inbound.handshake_timeout_ms {
                 0 => Duration::MAX,
@@ -529,22 +561,119 @@ async fn accept_rdma(
             match bounded.await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => {
-                    metrics::counter!(crate::warn_limit::MALFORMED, "listener" => "rdma")
+                    metrics::counter!(crate::warn_limit::MALFORMED, "listener" => listener_label)
                         .increment(1);
                     if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
-                        tracing::warn!(%peer, %err, suppressed, "rdma handshake failed");
+                        tracing::warn!(%peer, %err, suppressed, listener = listener_label, "handshake failed");
                     }
                 }
                 Err(_) => {
                     metrics::counter!(crate::inbound::CLOSED_BY_LIMIT, "reason" => Stall::Handshake.label())
                         .increment(1);
                     if let Some(suppressed) = crate::warn_limit::allow(peer.ip()) {
-                        tracing::warn!(%peer, suppressed, "rdma handshake timed out");
+                        tracing::warn!(%peer, suppressed, listener = listener_label, "handshake timed out");
                     }
                 }
             }
         });
     }
+}
+
+/// One accepted connection's handshakes: TLS first where configured, then
+/// RDMA's hello or a TCP peer's first frame on an RDMA listener. The
+/// finished connection (TCP), or the sockets its peer opens (RDMA), go to
+/// `ready`.
+async fn handshake(
+    transport: &Transport,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    rdma: bool,
+    slot: (ConnectionSlot, AddressSlot),
+    accepted: tokio::time::Instant,
+    ready: &mpsc::Sender<Connection>,
+) -> Result<(), TransportError> {
+    crate::tls::prepare(&stream)?;
+    let runtime = match rdma {
+        true => transport.inner.rdma.clone(),
+        false => None,
+    };
+    let Some(tls) = &transport.inner.tls else {
+        let Some(runtime) = runtime else {
+            let limits = transport.inbound_limits(slot, accepted, false);
+            let connection =
+                transport.tcp_connection(Wire::Plain(stream), peer, Some(limits), None);
+            let _ = ready.send(connection).await;
+            return Ok(());
+        };
+        // Every RDMA listener also serves TCP peers on the same address:
+        // they are clients that fell back to TCP because their RDMA path
+        // is broken (or `auto` clients without RDMA).
+        if !speaks_rdma(&stream).await? {
+            tracing::debug!(%peer, "peer speaks TCP");
+            // Its first bytes are here: the handshake is over.
+            let limits = transport.inbound_limits(slot, accepted, true);
+            let connection =
+                transport.tcp_connection(Wire::Plain(stream), peer, Some(limits), None);
+            let _ = ready.send(connection).await;
+            return Ok(());
+        }
+        // The sockets the peer opens on this engine come to the
+        // listener's queue from the I/O thread. The slot is held for the
+        // handshake: the engine's own limits (queue pairs, completion
+        // queue room) bound what comes after.
+        runtime
+            .establish(
+                Box::new(stream),
+                peer,
+                Role::Acceptor,
+                Some(ready.clone()),
+                None,
+            )
+            .await?;
+        drop(slot);
+        return Ok(());
+    };
+    let (mut stream, identity) = tls.accept(stream, peer).await?;
+    let identity = Some(Arc::new(identity));
+    let Some(runtime) = runtime else {
+        let limits = transport.inbound_limits(slot, accepted, false);
+        let connection = transport.tcp_connection(
+            Wire::Secured(Box::new(stream)),
+            peer,
+            Some(limits),
+            identity,
+        );
+        let _ = ready.send(connection).await;
+        return Ok(());
+    };
+    // Inside TLS nothing can be peeked at: the first bytes are read, and
+    // read again by whoever takes the stream.
+    let mut magic = [0u8; 4];
+    stream.read_exact(&mut magic).await?;
+    let stream = crate::tls::Prefixed::new(magic.to_vec(), stream);
+    if &magic != crate::rdma::connection::HELLO_MAGIC {
+        tracing::debug!(%peer, "peer speaks TCP");
+        let limits = transport.inbound_limits(slot, accepted, true);
+        let connection = transport.tcp_connection(
+            Wire::Secured(Box::new(stream)),
+            peer,
+            Some(limits),
+            identity,
+        );
+        let _ = ready.send(connection).await;
+        return Ok(());
+    }
+    runtime
+        .establish(
+            Box::new(stream),
+            peer,
+            Role::Acceptor,
+            Some(ready.clone()),
+            identity,
+        )
+        .await?;
+    drop(slot);
+    Ok(())
 }
 
 /// The sending half of a connection. Cheap to clone; all clones feed one

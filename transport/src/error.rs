@@ -77,9 +77,19 @@ pub enum TransportError {
     /// to keep every transport result small).
     #[error("rdma: {0}")]
     Rdma(Box<RdmaError>),
+    /// TLS could not be set up (certificates, key, CA) or a handshake
+    /// failed (boxed: rare).
+    #[error(transparent)]
+    Tls(Box<crate::tls::TlsError>),
     /// The connection is closed (locally or by a previous error).
     #[error("connection closed")]
     Closed,
+}
+
+impl From<crate::tls::TlsError> for TransportError {
+    fn from(err: crate::tls::TlsError) -> Self {
+        TransportError::Tls(Box::new(err))
+    }
 }
 
 impl From<RdmaError> for TransportError {

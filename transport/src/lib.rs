@@ -23,6 +23,7 @@ mod message;
 pub mod pool;
 pub mod rdma;
 pub mod tcp;
+pub mod tls;
 // The verbs providers are the other place allowed `unsafe`: a software
 // RNIC writes into registered memory the way a NIC's DMA would.
 #[allow(unsafe_code)]
@@ -35,3 +36,4 @@ pub use error::{HandshakeError, RdmaError, TransportError};
 pub use inbound::{ConnectionGate, GateTicket, InboundConfig, Stall};
 pub use message::Message;
 pub use tessera_config::ConfigError;
+pub use tls::{PeerIdentity, TlsConfig, TlsError};

@@ -8,7 +8,9 @@ use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 use tessera_rpc::policy::{FallbackConfig, QuarantineConfig, RetryBudgetConfig, RetryPolicyConfig};
-use tessera_rpc::{ChannelConfig, RdmaConfig, ReplicaSetConfig, TransportConfig, TransportKind};
+use tessera_rpc::{
+    ChannelConfig, RdmaConfig, ReplicaSetConfig, TlsConfig, TransportConfig, TransportKind,
+};
 
 /// One ps-server as the worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,6 +147,11 @@ pub struct WorkerConfig {
     /// Address of the `worker` binary's `WorkerAdmin` service (Tessera RPC
     /// over TCP: list and clear the quarantine). Default: none.
     pub admin_listen: Option<String>,
+    /// Mutual TLS with the ps-servers (`[tls]`: `cert`, `key`, `ca`,
+    /// `server_name`): the worker presents its certificate and verifies
+    /// the servers'. Needed where the servers run with `[tls]`. Default:
+    /// off.
+    pub tls: Option<TlsConfig>,
 }
 
 impl Default for WorkerConfig {
@@ -174,6 +181,7 @@ impl Default for WorkerConfig {
             workload: WorkloadConfig::default(),
             metrics_listen: None,
             admin_listen: None,
+            tls: None,
         }
     }
 }
@@ -207,6 +215,7 @@ impl WorkerConfig {
                 kind: self.transport,
                 max_message_size: self.max_message_size,
                 rdma: self.rdma.clone(),
+                tls: self.tls.clone(),
                 ..TransportConfig::default()
             },
         }

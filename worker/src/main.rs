@@ -107,7 +107,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
         let client = Arc::new(PsClient::new(&config)?);
         let _admin = match &config.admin_listen {
-            Some(addr) => Some(serve_admin(addr, Arc::clone(&client)).await?),
+            Some(addr) => Some(serve_admin(addr, Arc::clone(&client), config.tls.clone()).await?),
             None => None,
         };
         let progress = Arc::new(AtomicU64::new(0));
@@ -174,16 +174,24 @@ fn progress_bar(
 }
 
 /// Serves `WorkerAdmin` on `addr` until the returned sender is dropped.
+/// Serves `WorkerAdmin` at `addr`; with `tls` (the worker's `[tls]`),
+/// over mutual TLS and only to certificates with the admin role, since
+/// clearing a quarantine is an operator's act.
 async fn serve_admin(
     addr: &str,
     client: Arc<PsClient>,
+    tls: Option<tessera_rpc::TlsConfig>,
 ) -> Result<tokio::sync::oneshot::Sender<()>, Box<dyn std::error::Error>> {
-    let server = tessera_rpc::Server::builder(tessera_rpc::ServerConfig::default())
-        .add_service(tessera_proto::v1::WorkerAdminServer::new(
-            tessera_worker::WorkerAdminService::new(client),
-        ))?
-        .bind(addr)
-        .await?;
+    let secured = tls.is_some();
+    let mut config = tessera_rpc::ServerConfig::default();
+    config.transport.tls = tls;
+    let mut builder = tessera_rpc::Server::builder(config).add_service(
+        tessera_proto::v1::WorkerAdminServer::new(tessera_worker::WorkerAdminService::new(client)),
+    )?;
+    if secured {
+        builder = builder.require_role(tessera_proto::v1::WORKER_ADMIN_DESCRIPTOR.name, "admin")?;
+    }
+    let server = builder.bind(addr).await?;
     tracing::info!(addr = %server.local_addr(), "WorkerAdmin listening");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(server.serve_with_shutdown(async {

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 pub use tessera_coord::{CoordinatorConfig, CoordinatorKind};
-use tessera_rpc::{InboundConfig, RdmaConfig, ServerConfig, TransportConfig, TransportKind};
+use tessera_rpc::{
+    InboundConfig, RdmaConfig, ServerConfig, TlsConfig, TransportConfig, TransportKind,
+};
 
 pub use self::checkpoint::CheckpointConfig;
 pub use self::replication::{AckMode, PeerConfig, ReplicationConfig};
@@ -211,6 +213,63 @@ pub struct PsServerConfig {
     /// Requests one connection may have in flight; more are answered
     /// `ResourceExhausted`. Default 1024.
     pub max_requests_per_connection: usize,
+    /// Mutual TLS (`[tls]`: `cert`, `key`, `ca`, `server_name`) on the
+    /// Tessera endpoint (TCP frames and the RDMA handshake), on this
+    /// server's own calls to its peers (replication, which therefore
+    /// presents this server's certificate), and on the gRPC endpoint.
+    /// Default: off, for one host or a network only the fleet reaches;
+    /// a fleet turns it on (see the README's "Security").
+    pub tls: Option<TlsConfig>,
+    /// The roles callers' certificates must give to use the Admin and
+    /// Replication services (`[roles]`), checked when `[tls]` is on.
+    pub roles: RolesConfig,
+}
+
+/// Which certificate role each guarded service requires (`[roles]`).
+///
+/// A role is a `urn:tessera:role:<name>` URI SAN in the caller's
+/// certificate. Fetch, Push and Health need none: any peer of the CA
+/// (every worker) may call them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolesConfig {
+    /// Role for `Admin` (checkpoints, statistics, digests). Default
+    /// `admin`: operators' tools, not workers, take checkpoints.
+    pub admin: String,
+    /// Role for `Replication` (forwarded Pushes, shard copies). Default
+    /// `replication`: only the fleet's servers may write to a replica, so
+    /// every ps-server's certificate carries it.
+    pub replication: String,
+}
+
+impl Default for RolesConfig {
+    fn default() -> Self {
+        Self {
+            admin: "admin".into(),
+            replication: "replication".into(),
+        }
+    }
+}
+
+impl Validate for RolesConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (key, role) in [
+            ("roles.admin", &self.admin),
+            ("roles.replication", &self.replication),
+        ] {
+            if role.is_empty()
+                || !role
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            {
+                return Err(invalid(
+                    key,
+                    format!("`{role}` is not a role name (letters, digits, `-`, `_`, `.`)"),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for PsServerConfig {
@@ -240,6 +299,8 @@ impl Default for PsServerConfig {
             checkpoint: CheckpointConfig::default(),
             inbound: InboundConfig::default(),
             max_requests_per_connection: ServerConfig::default().max_requests_per_connection,
+            tls: None,
+            roles: RolesConfig::default(),
         }
     }
 }
@@ -284,6 +345,7 @@ impl PsServerConfig {
             max_message_size: self.max_message_size,
             rdma: self.rdma.clone(),
             inbound: self.inbound.clone(),
+            tls: self.tls.clone(),
             ..TransportConfig::default()
         }
     }
@@ -395,6 +457,13 @@ impl Validate for PsServerConfig {
                 "checkpoint.interval_secs",
                 "periodic checkpoints need checkpoint.dir",
             ));
+        }
+        self.roles.validate()?;
+        if let Some(tls) = &self.tls {
+            tls.validate().map_err(|err| match err {
+                ConfigError::Invalid { key, reason } => invalid(format!("tls.{key}"), reason),
+                other => other,
+            })?;
         }
         self.server_config().validate()
     }

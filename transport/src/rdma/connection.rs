@@ -32,6 +32,7 @@ use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role};
 use super::io::{Attached, Command, IoThread, SharedReceives};
 use super::window::WindowConfig;
 use crate::pool::Pool;
+use crate::tls::BoxStream;
 use crate::verbs::{Device, GidType, LinkLayer, QpCaps, QpEndpoint};
 use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
 
@@ -162,6 +163,8 @@ pub(crate) struct RdmaRuntime {
     /// The transport's budget of large inbound messages, which accepted
     /// engines' grants draw on too.
     inbound: Option<crate::inbound::InboundBudget>,
+    /// Mutual TLS on the handshake's control connection, if configured.
+    tls: Option<crate::tls::Tls>,
     next_thread: AtomicUsize,
     table: Mutex<HashMap<String, Arc<OnceCell<EngineRef>>>>,
 }
@@ -190,6 +193,7 @@ impl RdmaRuntime {
         config: &TransportConfig,
         pools: (Pool, Pool),
         inbound: Option<crate::inbound::InboundBudget>,
+        tls: Option<crate::tls::Tls>,
     ) -> Result<Self, TransportError> {
         let rdma = &config.rdma;
         let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
@@ -249,6 +253,7 @@ impl RdmaRuntime {
             threads,
             budgets,
             inbound,
+            tls,
             next_thread: AtomicUsize::new(0),
             table: Mutex::new(HashMap::new()),
         })
@@ -347,19 +352,32 @@ impl RdmaRuntime {
                 addr: addr.to_owned(),
                 source,
             })?;
-        self.establish(stream, Role::Dialer, None).await
+        let peer = crate::tls::prepare(&stream)?;
+        // With TLS the hello travels inside it: the QP is set up with the
+        // server the certificate names, and nobody else learns its number.
+        let (stream, identity): (BoxStream, _) = match &self.tls {
+            None => (Box::new(stream), None),
+            Some(tls) => {
+                let (stream, identity) = tls.connect(addr, stream, peer).await?;
+                (Box::new(stream), Some(Arc::new(identity)))
+            }
+        };
+        self.establish(stream, peer, Role::Dialer, None, identity)
+            .await
     }
 
-    /// Runs the handshake on `stream` and hands the engine to an I/O
-    /// thread. `accepts` receives the sockets the peer opens.
+    /// Runs the handshake with `peer` on `stream` (its control connection:
+    /// TCP, or TLS over it, already verified) and hands the engine to an
+    /// I/O thread. `accepts` receives the sockets the peer opens; every
+    /// socket of the engine carries `identity`.
     pub(crate) async fn establish(
         &self,
-        mut stream: TcpStream,
+        mut stream: BoxStream,
+        peer: std::net::SocketAddr,
         role: Role,
         accepts: Option<mpsc::Sender<Connection>>,
+        identity: Option<Arc<crate::tls::PeerIdentity>>,
     ) -> Result<EngineRef, TransportError> {
-        stream.set_nodelay(true)?;
-        let peer = stream.peer_addr()?;
         let rdma = &self.config.rdma;
         let (io, cq_room) = self.thread()?;
         let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
@@ -500,6 +518,7 @@ impl RdmaRuntime {
             send_queue_depth: self.config.send_queue_depth,
             _cq_room: cq_room,
             close_when_unused: role == Role::Dialer && !rdma.multiplex,
+            identity,
         };
         if !io.submit(Command::Attach(Box::new(attached))) {
             return Err(TransportError::rdma_error(RdmaError::ThreadStopped));

@@ -93,6 +93,9 @@ pub(crate) struct Attached {
     /// Close it once its last socket is gone (a dialer's engine that is not
     /// shared: `multiplex = false`).
     pub(crate) close_when_unused: bool,
+    /// Who the peer is, as the handshake's TLS certificate said (`None`
+    /// without TLS); every socket of the engine carries it.
+    pub(crate) identity: Option<Arc<crate::tls::PeerIdentity>>,
 }
 
 /// An I/O thread's shared receive queue and the buffers posted on it.
@@ -1145,5 +1148,11 @@ fn new_socket(
             socket,
         }),
     };
-    Connection::rdma(sender, receiver, attached.max_message_size, attached.peer)
+    Connection::rdma(
+        sender,
+        receiver,
+        attached.max_message_size,
+        attached.peer,
+        attached.identity.clone(),
+    )
 }

@@ -14,8 +14,7 @@ use std::net::SocketAddr;
 use std::collections::VecDeque;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::inbound::{InboundLimits, InboundPermit};
@@ -35,19 +34,40 @@ const YIELD_BYTES: usize = 256 << 10;
 /// Most `iovec`s handed to one `writev` (Linux's `IOV_MAX` is 1024).
 const MAX_IOVECS: usize = 512;
 
-/// Wraps an established stream: sets `TCP_NODELAY` (RPCs are latency bound and
-/// the writer batches on its own) and starts the writer task. Incoming
+/// What a TCP connection's frames travel on.
+pub(crate) enum Wire {
+    /// The socket itself.
+    Plain(TcpStream),
+    /// TLS over it (or any other byte stream).
+    Secured(crate::tls::BoxStream),
+}
+
+/// The reading half of a connection's byte stream.
+type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+/// The writing half of a connection's byte stream.
+type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// Wraps an established connection to `peer` (`TCP_NODELAY` already set:
+/// see [`crate::tls::prepare`]) and starts the writer task. Incoming
 /// messages are read into buffers of `recv_pool`; an accepted connection's
 /// reads obey `limits` (budget, timeouts: see [`crate::inbound`]).
 pub(crate) fn setup(
     config: &TransportConfig,
     recv_pool: Pool,
-    stream: TcpStream,
+    wire: Wire,
+    peer: SocketAddr,
     limits: Option<InboundLimits>,
-) -> Result<(mpsc::Sender<Message>, TcpReceiver, SocketAddr), TransportError> {
-    stream.set_nodelay(true)?;
-    let peer = stream.peer_addr()?;
-    let (read, write) = stream.into_split();
+) -> (mpsc::Sender<Message>, TcpReceiver) {
+    let (read, write): (ReadHalf, WriteHalf) = match wire {
+        Wire::Plain(stream) => {
+            let (read, write) = stream.into_split();
+            (Box::new(read), Box::new(write))
+        }
+        Wire::Secured(stream) => {
+            let (read, write) = tokio::io::split(stream);
+            (Box::new(read), Box::new(write))
+        }
+    };
     let (tx, rx) = mpsc::channel(config.send_queue_depth);
     tokio::spawn(writer_loop(
         write,
@@ -68,7 +88,7 @@ pub(crate) fn setup(
         failed: false,
         limits: limits.map(Box::new),
     };
-    Ok((tx, receiver, peer))
+    (tx, receiver)
 }
 
 /// Binds a TCP listener.
@@ -82,7 +102,7 @@ pub(crate) async fn bind(addr: &str) -> Result<TcpListener, TransportError> {
 }
 
 async fn writer_loop(
-    mut write: OwnedWriteHalf,
+    mut write: WriteHalf,
     mut queue: mpsc::Receiver<Message>,
     batch_bytes: usize,
     max_message_size: u64,
@@ -137,7 +157,7 @@ async fn writer_loop(
 }
 
 async fn write_all_vectored(
-    write: &mut OwnedWriteHalf,
+    write: &mut WriteHalf,
     mut slices: &mut [IoSlice<'_>],
 ) -> std::io::Result<()> {
     while !slices.is_empty() {
@@ -158,9 +178,8 @@ async fn write_all_vectored(
 /// to the next buffer (at most one read's worth of bytes). A frame larger
 /// than half a buffer gets a pool buffer of its own size, and its body is
 /// read straight into it.
-#[derive(Debug)]
 pub(crate) struct TcpReceiver {
-    read: OwnedReadHalf,
+    read: ReadHalf,
     pool: Pool,
     /// The buffer being filled; bytes `start..end` are received and unparsed.
     chunk: Option<PoolBuf>,
@@ -174,6 +193,17 @@ pub(crate) struct TcpReceiver {
     /// An accepted connection's budget and deadlines; `None` for a dialed
     /// one.
     limits: Option<Box<InboundLimits>>,
+}
+
+impl std::fmt::Debug for TcpReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpReceiver")
+            .field("start", &self.start)
+            .field("end", &self.end)
+            .field("ready", &self.ready.len())
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TcpReceiver {
@@ -203,7 +233,7 @@ impl TcpReceiver {
     /// Reads from the socket into `buf`, within the deadline that applies
     /// now (an accepted connection's; none for a dialed one).
     async fn read_some(
-        read: &mut OwnedReadHalf,
+        read: &mut ReadHalf,
         limits: &Option<Box<InboundLimits>>,
         buf: &mut [u8],
     ) -> Result<usize, TransportError> {
