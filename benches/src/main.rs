@@ -83,7 +83,7 @@ enum Command {
         #[arg(long)]
         iterations: Option<u32>,
         /// Latency message sizes in bytes.
-        #[arg(long, value_delimiter = ',', default_values_t = vec![32usize, 256, 1024, 4096, 16384])]
+        #[arg(long, value_delimiter = ',', default_values_t = vec![32usize, 256, 1024, 4096, 16384, 65536])]
         sizes: Vec<usize>,
         /// Seconds per throughput run.
         #[arg(long)]

@@ -42,6 +42,14 @@ pub enum Kind {
         /// Bytes per RDMA WRITE of a large message.
         fragment_size: u32,
     },
+    /// The same without remote-write confinement
+    /// (`rdma.confine_remote_writes = false`: grants use the receive
+    /// pool's own keys, no window bind or invalidation per large message):
+    /// what confinement costs.
+    RdmaSoftOpen {
+        /// Bytes per RDMA WRITE of a large message.
+        fragment_size: u32,
+    },
 }
 
 impl Kind {
@@ -50,6 +58,7 @@ impl Kind {
         match self {
             Kind::Tcp => "tcp",
             Kind::RdmaSoft { .. } => "rdma-soft",
+            Kind::RdmaSoftOpen { .. } => "rdma-soft-open",
         }
     }
 
@@ -57,12 +66,13 @@ impl Kind {
     pub fn config(self, tuning: &Tuning) -> TransportConfig {
         match self {
             Kind::Tcp => TransportConfig::default(),
-            Kind::RdmaSoft { fragment_size } => {
+            Kind::RdmaSoft { fragment_size } | Kind::RdmaSoftOpen { fragment_size } => {
                 let mut config = TransportConfig::soft_rdma();
                 config.rdma.fragment_size = fragment_size as usize;
                 config.rdma.polling = tuning.polling;
                 config.rdma.spin_us = tuning.spin_us;
                 config.rdma.io_threads = tuning.io_threads;
+                config.rdma.confine_remote_writes = matches!(self, Kind::RdmaSoft { .. });
                 config
             }
         }
@@ -73,6 +83,7 @@ impl Kind {
         match self {
             Kind::Tcp => "tcp".into(),
             Kind::RdmaSoft { fragment_size } => format!("rdma-soft:{fragment_size}"),
+            Kind::RdmaSoftOpen { fragment_size } => format!("rdma-soft-open:{fragment_size}"),
         }
     }
 
@@ -81,6 +92,9 @@ impl Kind {
         match arg.split_once(':') {
             None if arg == "tcp" => Ok(Kind::Tcp),
             Some(("rdma-soft", size)) => Ok(Kind::RdmaSoft {
+                fragment_size: size.parse()?,
+            }),
+            Some(("rdma-soft-open", size)) => Ok(Kind::RdmaSoftOpen {
                 fragment_size: size.parse()?,
             }),
             _ => Err(format!("unknown transport {arg}").into()),
@@ -317,7 +331,9 @@ async fn latency(
 fn fragment_of(kind: Kind) -> Option<u32> {
     match kind {
         Kind::Tcp => None,
-        Kind::RdmaSoft { fragment_size } => Some(fragment_size),
+        Kind::RdmaSoft { fragment_size } | Kind::RdmaSoftOpen { fragment_size } => {
+            Some(fragment_size)
+        }
     }
 }
 
@@ -417,12 +433,16 @@ pub async fn run(plan: &Plan) -> Result<Vec<Row>, BoxError> {
             .iter()
             .map(|&fragment_size| Kind::RdmaSoft { fragment_size }),
     );
+    // What confinement costs: the first fragment size again without it.
+    kinds.push(Kind::RdmaSoftOpen {
+        fragment_size: first_fragment,
+    });
     for kind in kinds {
         let server = Server::start(kind, &plan.tuning)?;
         let transport = Transport::new(kind.config(&plan.tuning))?;
         let mut conn = transport.connect(&server.addr).await?;
         let latency_run = match kind {
-            Kind::Tcp => true,
+            Kind::Tcp | Kind::RdmaSoftOpen { .. } => true,
             Kind::RdmaSoft { fragment_size } => fragment_size == first_fragment,
         };
         if latency_run {
@@ -510,6 +530,44 @@ pub fn markdown(rows: &[Row], plan: &Plan) -> String {
             row.gbytes_per_sec / memcpy_gbs.max(f64::MIN_POSITIVE),
             row.p50_us,
             row.p99_us
+        ));
+    }
+    // Confinement's cost: the same runs with grants through the pool's
+    // own keys (no window bind and invalidation per large message).
+    // Messages up to `small_message_limit` go by SEND and never use a
+    // window: their ratio is the run's noise.
+    out.push_str(&format!(
+        "\nremote-write confinement: messages above {} B go through a memory window (a bind and an invalidation each); smaller ones never do, so their ratio is this run's noise\n\n| | size B | confined (windows) | open (pool keys) | confined / open |\n|---|---:|---:|---:|---:|\n",
+        TransportConfig::default().rdma.small_message_limit
+    ));
+    for &size in &plan.sizes {
+        let (Some(confined), Some(open)) = (
+            find("latency", "rdma-soft", size, None),
+            find("latency", "rdma-soft-open", size, None),
+        ) else {
+            continue;
+        };
+        out.push_str(&format!(
+            "| latency p50 µs | {size} | {:.1} | {:.1} | {:.2} |\n| latency p99 µs | {size} | {:.1} | {:.1} | {:.2} |\n",
+            confined.p50_us,
+            open.p50_us,
+            confined.p50_us / open.p50_us.max(f64::MIN_POSITIVE),
+            confined.p99_us,
+            open.p99_us,
+            confined.p99_us / open.p99_us.max(f64::MIN_POSITIVE),
+        ));
+    }
+    let first = plan.fragment_sizes.first().copied();
+    if let (Some(confined), Some(open)) = (
+        find("throughput", "rdma-soft", plan.throughput_size, first),
+        find("throughput", "rdma-soft-open", plan.throughput_size, first),
+    ) {
+        out.push_str(&format!(
+            "| throughput GB/s | {} | {:.2} | {:.2} | {:.2} |\n",
+            plan.throughput_size,
+            confined.gbytes_per_sec,
+            open.gbytes_per_sec,
+            confined.gbytes_per_sec / open.gbytes_per_sec.max(f64::MIN_POSITIVE),
         ));
     }
     out

@@ -380,44 +380,38 @@ async fn serve_connection(
             .await;
             continue;
         };
-        if let Some(role) = &route.role
-            && !identity.as_ref().is_some_and(|id| id.has_role(role))
-        {
-            metrics::counter!(crate::observe::SERVER_REFUSED_ROLE, "method" => route.method.path)
-                .increment(1);
-            if let Some(suppressed) = warn_limit::allow(peer.ip()) {
-                tracing::warn!(
-                    %peer,
-                    method = route.method.path,
-                    subject = identity.as_ref().map(|id| id.subject()),
-                    role = &**role,
-                    suppressed,
-                    "refused a call from a peer without the role"
-                );
+        // Refused unrun: a caller without the service's role, or one
+        // over its connection's requests in flight.
+        let refusal = match &route.role {
+            Some(role) if !identity.as_ref().is_some_and(|id| id.has_role(role)) => {
+                metrics::counter!(crate::observe::SERVER_REFUSED_ROLE, "method" => route.method.path)
+                    .increment(1);
+                if let Some(suppressed) = warn_limit::allow(peer.ip()) {
+                    tracing::warn!(
+                        %peer,
+                        method = route.method.path,
+                        subject = identity.as_ref().map(|id| id.subject()),
+                        role = &**role,
+                        suppressed,
+                        "refused a call from a peer without the role"
+                    );
+                }
+                Some(Status::permission_denied(format!(
+                    "{} needs a certificate with the role `{role}` (urn:tessera:role:{role})",
+                    route.method.path
+                )))
             }
-            let status = Status::permission_denied(format!(
-                "{} needs a certificate with the role `{role}` (urn:tessera:role:{role})",
-                route.method.path
-            ));
-            respond(
-                &sender,
-                &send_pool,
-                &header,
-                route.method.path,
-                Err(status),
-                received,
-                false,
-            )
-            .await;
-            continue;
-        }
-        if inflight.len() >= max_requests {
-            metrics::counter!(crate::observe::SERVER_REFUSED_CONCURRENCY, "method" => route.method.path)
-                .increment(1);
-            let status = Status::resource_exhausted(format!(
-                "{max_requests} requests are in flight on this connection \
-                 (max_requests_per_connection); wait for answers before sending more"
-            ));
+            _ if inflight.len() >= max_requests => {
+                metrics::counter!(crate::observe::SERVER_REFUSED_CONCURRENCY, "method" => route.method.path)
+                    .increment(1);
+                Some(Status::resource_exhausted(format!(
+                    "{max_requests} requests are in flight on this connection \
+                     (max_requests_per_connection); wait for answers before sending more"
+                )))
+            }
+            _ => None,
+        };
+        if let Some(status) = refusal {
             respond(
                 &sender,
                 &send_pool,

@@ -233,6 +233,26 @@ pub struct RdmaConfig {
     /// `max_delay_polls`, `post_error_per_million`, `recv_error_per_million`),
     /// for fault drills. Default: none.
     pub soft_faults: crate::verbs::soft::SoftFaults,
+    /// Confine what a peer may write to what it was granted: each large
+    /// message's destination is exposed through a type-2 memory window
+    /// bound on that connection's queue pair to exactly its bytes, and
+    /// invalidated before the message is handed on (so a peer can write
+    /// neither into other connections' buffers, nor other peers'
+    /// keepalive slots, nor memory freed and reused; see
+    /// `rdma/windows.rs`). The receive pool is then registered without
+    /// remote access. Default true: any process that reaches a port could
+    /// otherwise write into every receive buffer of the pool. A device
+    /// without type-2 windows refuses to start, naming this key; false
+    /// restores one remotely writable registration per pool block, which
+    /// saves a bind and an invalidation per large message (the transport
+    /// benchmark's `confinement` rows measure it).
+    pub confine_remote_writes: bool,
+    /// Memory windows per connection (with `confine_remote_writes`): large
+    /// messages a peer may be granted at once, plus its keepalive slot. A
+    /// request to send beyond waits for one to come back, as one beyond
+    /// the byte budget does. Default 16: four sockets' `rts_ahead` of 4 in
+    /// flight, far beyond what keeps a link busy with 64 KiB fragments.
+    pub windows_per_connection: u32,
 }
 
 impl Default for RdmaConfig {
@@ -260,6 +280,8 @@ impl Default for RdmaConfig {
             srq_depth: 4096,
             cq_depth: 32768,
             soft_faults: crate::verbs::soft::SoftFaults::default(),
+            confine_remote_writes: true,
+            windows_per_connection: 16,
         }
     }
 }
@@ -297,6 +319,12 @@ impl Validate for RdmaConfig {
         }
         if self.srq && self.srq_depth < 16 {
             return Err(invalid("srq_depth", "must be at least 16"));
+        }
+        if self.confine_remote_writes && !(2..=1024).contains(&self.windows_per_connection) {
+            return Err(invalid(
+                "windows_per_connection",
+                "must be between 2 (a grant and the keepalive slot) and 1024",
+            ));
         }
         if self.cq_depth < 256 {
             return Err(invalid("cq_depth", "must be at least 256"));

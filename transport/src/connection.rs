@@ -165,7 +165,13 @@ impl Transport {
             Access::LocalOnly,
             Arc::clone(&hook),
         )?;
-        let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
+        // Confined: peers reach receive memory only through the windows
+        // bound for their grants.
+        let recv_access = match config.rdma.confine_remote_writes {
+            true => Access::Windows,
+            false => Access::RemoteWrite,
+        };
+        let recv_pool = Pool::new(config.recv_pool.clone(), recv_access, hook)?;
         let inbound = InboundBudget::new(config.inbound.max_bytes);
         let tls = config.tls.as_ref().map(Tls::load).transpose()?;
         let rdma = RdmaRuntime::new(
@@ -593,84 +599,64 @@ async fn handshake(
     ready: &mpsc::Sender<Connection>,
 ) -> Result<(), TransportError> {
     crate::tls::prepare(&stream)?;
+    // TLS first where configured: it says who the peer is.
+    let (wire, identity) = match &transport.inner.tls {
+        None => (Wire::Plain(stream), None),
+        Some(tls) => {
+            let (stream, identity) = tls.accept(stream, peer).await?;
+            (Wire::Secured(Box::new(stream)), Some(Arc::new(identity)))
+        }
+    };
     let runtime = match rdma {
         true => transport.inner.rdma.clone(),
         false => None,
     };
-    let Some(tls) = &transport.inner.tls else {
-        let Some(runtime) = runtime else {
-            let limits = transport.inbound_limits(slot, accepted, false);
-            let connection =
-                transport.tcp_connection(Wire::Plain(stream), peer, Some(limits), None);
-            let _ = ready.send(connection).await;
-            return Ok(());
-        };
-        // Every RDMA listener also serves TCP peers on the same address:
-        // they are clients that fell back to TCP because their RDMA path
-        // is broken (or `auto` clients without RDMA).
-        if !speaks_rdma(&stream).await? {
-            tracing::debug!(%peer, "peer speaks TCP");
-            // Its first bytes are here: the handshake is over.
-            let limits = transport.inbound_limits(slot, accepted, true);
-            let connection =
-                transport.tcp_connection(Wire::Plain(stream), peer, Some(limits), None);
-            let _ = ready.send(connection).await;
-            return Ok(());
-        }
-        // The sockets the peer opens on this engine come to the
-        // listener's queue from the I/O thread. The slot is held for the
-        // handshake: the engine's own limits (queue pairs, completion
-        // queue room) bound what comes after.
-        runtime
-            .establish(
-                Box::new(stream),
-                peer,
-                Role::Acceptor,
-                Some(ready.clone()),
-                None,
-            )
-            .await?;
-        drop(slot);
-        return Ok(());
-    };
-    let (mut stream, identity) = tls.accept(stream, peer).await?;
-    let identity = Some(Arc::new(identity));
     let Some(runtime) = runtime else {
+        // A TCP listener: the first message's deadline runs from the
+        // accept.
         let limits = transport.inbound_limits(slot, accepted, false);
-        let connection = transport.tcp_connection(
-            Wire::Secured(Box::new(stream)),
-            peer,
-            Some(limits),
-            identity,
-        );
-        let _ = ready.send(connection).await;
+        let _ = ready
+            .send(transport.tcp_connection(wire, peer, Some(limits), identity))
+            .await;
         return Ok(());
     };
-    // Inside TLS nothing can be peeked at: the first bytes are read, and
-    // read again by whoever takes the stream.
-    let mut magic = [0u8; 4];
-    stream.read_exact(&mut magic).await?;
-    let stream = crate::tls::Prefixed::new(magic.to_vec(), stream);
-    if &magic != crate::rdma::connection::HELLO_MAGIC {
+    // Every RDMA listener also serves TCP peers on the same address: they
+    // are clients that fell back to TCP because their RDMA path is broken
+    // (or `auto` clients without RDMA). Their first bytes tell.
+    let (wire, speaks_rdma) = match wire {
+        Wire::Plain(stream) => {
+            let rdma = speaks_rdma(&stream).await?;
+            (Wire::Plain(stream), rdma)
+        }
+        // Inside TLS nothing can be peeked at: the first bytes are read,
+        // and read again by whoever takes the stream.
+        Wire::Secured(mut stream) => {
+            let mut magic = [0u8; 4];
+            stream.read_exact(&mut magic).await?;
+            let rdma = &magic == crate::rdma::connection::HELLO_MAGIC;
+            let stream = crate::tls::Prefixed::new(magic.to_vec(), stream);
+            (Wire::Secured(Box::new(stream)), rdma)
+        }
+    };
+    if !speaks_rdma {
         tracing::debug!(%peer, "peer speaks TCP");
+        // Its first bytes are here: the handshake is over.
         let limits = transport.inbound_limits(slot, accepted, true);
-        let connection = transport.tcp_connection(
-            Wire::Secured(Box::new(stream)),
-            peer,
-            Some(limits),
-            identity,
-        );
-        let _ = ready.send(connection).await;
+        let _ = ready
+            .send(transport.tcp_connection(wire, peer, Some(limits), identity))
+            .await;
         return Ok(());
     }
+    let stream: crate::tls::BoxStream = match wire {
+        Wire::Plain(stream) => Box::new(stream),
+        Wire::Secured(stream) => stream,
+    };
+    // The sockets the peer opens on this engine come to the listener's
+    // queue from the I/O thread. The slot is held for the handshake: the
+    // engine's own limits (queue pairs, completion queue room) bound what
+    // comes after.
     runtime
-        .establish(
-            Box::new(stream),
-            peer,
-            Role::Acceptor,
-            Some(ready.clone()),
-            identity,
-        )
+        .establish(stream, peer, Role::Acceptor, Some(ready.clone()), identity)
         .await?;
     drop(slot);
     Ok(())

@@ -180,6 +180,18 @@ impl PeerIdentity {
         }
     }
 
+    /// The identity of a verified chain's end-entity certificate (rustls
+    /// verified one, so there is one; none gives no roles).
+    fn of_chain(chain: Option<&[CertificateDer<'_>]>) -> Self {
+        chain.and_then(|chain| chain.first()).map_or_else(
+            || Self {
+                subject: String::new(),
+                roles: Vec::new(),
+            },
+            |cert| Self::of_certificate(cert),
+        )
+    }
+
     /// The certificate's subject (`CN=worker-3, O=...`), for logs.
     pub fn subject(&self) -> &str {
         &self.subject
@@ -326,17 +338,7 @@ impl Tls {
         };
         match self.connector.connect(name, stream).await {
             Ok(stream) => {
-                let identity = stream
-                    .get_ref()
-                    .1
-                    .peer_certificates()
-                    .and_then(|chain| chain.first())
-                    .map(|cert| PeerIdentity::of_certificate(cert));
-                // rustls verified a certificate, so there is one.
-                let identity = identity.unwrap_or(PeerIdentity {
-                    subject: String::new(),
-                    roles: Vec::new(),
-                });
+                let identity = PeerIdentity::of_chain(stream.get_ref().1.peer_certificates());
                 Ok((stream, identity))
             }
             Err(source) => {
@@ -356,16 +358,7 @@ pub async fn accept_with<S: Stream>(
 ) -> Result<(tokio_rustls::server::TlsStream<S>, PeerIdentity), TlsError> {
     match acceptor.accept(stream).await {
         Ok(stream) => {
-            let identity = stream
-                .get_ref()
-                .1
-                .peer_certificates()
-                .and_then(|chain| chain.first())
-                .map(|cert| PeerIdentity::of_certificate(cert))
-                .unwrap_or(PeerIdentity {
-                    subject: String::new(),
-                    roles: Vec::new(),
-                });
+            let identity = PeerIdentity::of_chain(stream.get_ref().1.peer_certificates());
             Ok((stream, identity))
         }
         Err(source) => {

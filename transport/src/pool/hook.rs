@@ -8,12 +8,19 @@ pub enum Access {
     /// Only the local NIC may read it (send buffers): a peer can never write
     /// into it.
     LocalOnly,
-    /// Peers may WRITE into it (receive buffers offered to them).
+    /// Peers may WRITE into it (receive buffers offered to them), anywhere
+    /// in a registered block, with the block's rkey.
     RemoteWrite,
+    /// The local NIC writes into it (receives); peers may WRITE only
+    /// through memory windows bound to parts of it
+    /// ([`crate::verbs::SendOp::BindWindow`]): each grant confined to its
+    /// own bytes and its own connection.
+    Windows,
 }
 
 impl Access {
-    /// Whether a peer may write into memory with this access.
+    /// Whether a peer may write into memory with this access using the
+    /// region's own rkey.
     pub fn allows_remote_write(self) -> bool {
         matches!(self, Access::RemoteWrite)
     }

@@ -24,6 +24,9 @@ pub struct RegionInfo {
     pub lkey: u32,
     /// Remote key.
     pub rkey: u32,
+    /// The provider's handle of the registration (the `ibv_mr`), what a
+    /// memory window is bound through.
+    pub handle: u64,
     /// What peers may do to it.
     pub access: Access,
     /// The pool it belongs to.
@@ -37,6 +40,7 @@ impl Region {
             len: self.len,
             lkey: self.keys.lkey,
             rkey: self.keys.rkey,
+            handle: self.keys.handle,
             access: self.access,
             pool_id: self.pool_id,
         }

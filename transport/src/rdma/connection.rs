@@ -37,7 +37,7 @@ use crate::verbs::{Device, GidType, LinkLayer, QpCaps, QpEndpoint};
 use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// First bytes of every hello (how an `auto` listener tells RDMA from TCP).
 pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
@@ -59,7 +59,9 @@ pub struct Hello {
     /// Largest message the sender accepts.
     pub max_message: u64,
     /// Where the peer writes its keepalive (address, rkey), if the sender
-    /// runs keepalive.
+    /// runs keepalive without remote-write confinement (a confined sender
+    /// tells it later, in a `Slot` control message behind the bind of a
+    /// window on the slot: see `rdma/windows.rs`).
     pub keepalive_slot: Option<(u64, u32)>,
     /// The sender's receives come from a shared receive queue.
     pub shared_receives: bool,
@@ -421,6 +423,15 @@ impl RdmaRuntime {
             && let Some(budget) = &self.inbound
         {
             engine.set_inbound_budget(budget.clone());
+        }
+        // Confinement: the peer writes only through windows bound for
+        // its grants (the receive pool has no remote access of its own).
+        if rdma.confine_remote_writes {
+            let windows = (0..rdma.windows_per_connection)
+                .map(|_| self.device.alloc_window())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(failed)?;
+            engine.set_windows(windows);
         }
         // The QP after the engine: on every early return below, locals drop
         // in reverse, so the QP (which may hold the engine's receive

@@ -11,7 +11,8 @@
 //! of `size` bytes for message `msg id` of `socket`; `Cts` answers with
 //! `addr` and `rkey`; `Credit` only returns credits; `Open` and `Close`
 //! start and end a logical socket on the engine's queue pair, `Accept` and
-//! `Refuse` answer an `Open`.
+//! `Refuse` answer an `Open`; `Slot` tells where (`addr`, `rkey`) the peer
+//! writes its keepalive, once a memory window confines it there.
 
 /// First byte of every control header.
 pub const MAGIC: u8 = 0xbe;
@@ -45,6 +46,14 @@ pub enum ControlKind {
     Accept,
     /// The acceptor refused socket `socket` (no listener).
     Refuse,
+    /// Write your keepalive to `addr` with `rkey` (a window bound to the
+    /// sender's keepalive slot; see `rdma/windows.rs`).
+    Slot {
+        /// The slot's address.
+        addr: u64,
+        /// The window's key.
+        rkey: u32,
+    },
 }
 
 /// A decoded control header.
@@ -89,6 +98,7 @@ impl ControlHeader {
             ControlKind::Close => (6, 0, 0),
             ControlKind::Accept => (7, 0, 0),
             ControlKind::Refuse => (8, 0, 0),
+            ControlKind::Slot { addr, rkey } => (9, addr, rkey),
         };
         out[1] = kind;
         out[2..4].copy_from_slice(&self.credits.to_le_bytes());
@@ -120,6 +130,7 @@ impl ControlHeader {
             6 => ControlKind::Close,
             7 => ControlKind::Accept,
             8 => ControlKind::Refuse,
+            9 => ControlKind::Slot { addr: a, rkey: b },
             other => return Err(ControlError::UnknownKind(other)),
         };
         Ok(Self {
@@ -150,6 +161,10 @@ mod tests {
             ControlKind::Close,
             ControlKind::Accept,
             ControlKind::Refuse,
+            ControlKind::Slot {
+                addr: 0x7f00_0000_0008,
+                rkey: 0x4321,
+            },
         ] {
             let header = ControlHeader {
                 kind,

@@ -60,6 +60,7 @@ use super::control::{ControlHeader, ControlKind, HEADER_LEN};
 use super::credits::ReceiveCredits;
 use super::ring::{MAX_BATCH, RingEntry, WorkRequestRing};
 use super::window::{SendWindow, WindowConfig};
+use super::windows::Windows;
 use super::wr_id::{self, WrKind};
 use crate::Message;
 use crate::inbound::{InboundBudget, InboundPermit};
@@ -312,7 +313,16 @@ struct SocketTx {
 
 #[derive(Debug)]
 enum Control {
-    Cts { msg_id: u32, addr: u64, rkey: u32 },
+    Cts {
+        msg_id: u32,
+        addr: u64,
+        rkey: u32,
+    },
+    /// Where the peer writes its keepalive (a window on our slot).
+    Slot {
+        addr: u64,
+        rkey: u32,
+    },
     Open(SocketId),
     Accept(SocketId),
     Refuse(SocketId),
@@ -377,6 +387,12 @@ pub struct Engine {
     receives_posted: bool,
     peer_ready: bool,
     keepalive: Option<Keepalive>,
+    /// The memory windows grants go through (none: the pool's own keys).
+    windows: Windows,
+    /// Events held back, in order, until the invalidation of a large
+    /// message's window (the work request id) has completed; what came
+    /// after it waits behind it, so per-socket order holds.
+    held: VecDeque<(Option<u64>, EngineEvent)>,
     events: VecDeque<EngineEvent>,
     next_msg_id: u32,
     next_socket: SocketId,
@@ -457,6 +473,8 @@ impl Engine {
             receives_posted: false,
             peer_ready: false,
             keepalive,
+            windows: Windows::default(),
+            held: VecDeque::new(),
             events: VecDeque::new(),
             next_msg_id: 1,
             next_socket: 1,
@@ -473,10 +491,24 @@ impl Engine {
         HEADER_LEN + self.config.small_message_limit
     }
 
-    /// The slot the peer writes its keepalive into (address, rkey).
+    /// The slot the peer writes its keepalive into (address, rkey), for
+    /// the handshake's hello. `None` with memory windows: the slot's key is
+    /// sent once a window is bound to it (a `Slot` control message).
     pub fn keepalive_slot(&self) -> Option<(u64, u32)> {
+        if self.windows.enabled() {
+            return None;
+        }
         let slot = &self.keepalive.as_ref()?.slot;
         Some((slot.as_ptr() as u64, slot.region()?.rkey))
+    }
+
+    /// Confines the peer's writes (see `rdma/windows.rs`): every grant and
+    /// the keepalive slot go through one of `windows` (type-2 memory
+    /// windows of the device, bindable on this engine's QP; the receive
+    /// pool registered for windows). Call before the handshake's hello
+    /// ([`Engine::keepalive_slot`]); at least two (a grant and the slot).
+    pub fn set_windows(&mut self, windows: Vec<std::sync::Arc<dyn crate::verbs::MemoryWindow>>) {
+        self.windows = Windows::new(windows);
     }
 
     /// The connection is set up: the peer's receives are posted (its
@@ -493,8 +525,35 @@ impl Engine {
             ka.peer_slot = peer.keepalive_slot;
             ka.next_send = ka.peer_slot.map(|_| now);
             ka.last_advance = now;
+            // Our slot through a window of its own: bound first, its key
+            // told behind the bind on the same queue.
+            if let Some(bound) = self.windows.bind_keepalive(&ka.slot) {
+                match bound {
+                    Ok((bind, rkey)) => {
+                        let addr = ka.slot.as_ptr() as u64;
+                        self.push_local(bind);
+                        self.control.push_back(Control::Slot { addr, rkey });
+                    }
+                    Err(_) => self.fail(EngineError::Unregistered("the keepalive slot")),
+                }
+            }
         }
         self.peer_ready = true;
+    }
+
+    /// Queues a work request that moves no data (a window's bind or
+    /// invalidation); returns the id it will be posted with.
+    fn push_local(&mut self, op: SendOp) -> u64 {
+        self.ring.push(RingEntry {
+            wr: SendWr {
+                wr_id: 0,
+                op,
+                sges: Vec::new(),
+                signaled: false,
+            },
+            keep: Vec::new(),
+            bytes: 0,
+        })
     }
 
     /// Counters.
@@ -531,6 +590,7 @@ impl Engine {
                 .all(|s| s.queue.is_empty() && s.large.is_empty())
             && self.ring.in_flight() == 0
             && self.ring.pending() == 0
+            && self.held.is_empty()
     }
 
     fn fail(&mut self, error: EngineError) {
@@ -729,7 +789,7 @@ impl Engine {
         let position = self.control.iter().position(|control| match control {
             Control::Keepalive => true,
             Control::Open(_) | Control::Accept(_) | Control::Refuse(_) => credits.can_send_data(),
-            Control::Cts { .. } => credits.can_send_control(),
+            Control::Cts { .. } | Control::Slot { .. } => credits.can_send_control(),
         });
         let Some(position) = position else {
             return Ok(false);
@@ -747,6 +807,9 @@ impl Engine {
         match control {
             Control::Cts { msg_id, addr, rkey } => {
                 self.push_send(ControlKind::Cts { addr, rkey }, msg_id, 0, &[])?;
+            }
+            Control::Slot { addr, rkey } => {
+                self.push_send(ControlKind::Slot { addr, rkey }, 0, 0, &[])?;
             }
             Control::Open(socket) => self.push_send(ControlKind::Open, 0, socket, &[])?,
             Control::Accept(socket) => self.push_send(ControlKind::Accept, 0, socket, &[])?,
@@ -1168,6 +1231,7 @@ impl Engine {
                     .posted_at
                     .map(|at| now.saturating_duration_since(at));
                 self.window.retire(retired.bytes, delay, now);
+                self.release_held(wr_id);
             }
             WrKind::SharedRecv(_) => {
                 self.fail(EngineError::Protocol(
@@ -1215,14 +1279,43 @@ impl Engine {
     }
 
     fn deliver(&mut self, socket: SocketId, bytes: Bytes) {
+        self.deliver_after(socket, bytes, None);
+    }
+
+    /// Hands a message on, after the work request `after` (a window's
+    /// invalidation) has completed where given, and in any case after
+    /// everything held before it.
+    fn deliver_after(&mut self, socket: SocketId, bytes: Bytes, after: Option<u64>) {
         if !self.open.contains(&socket) {
             self.stats.orphan_messages += 1;
             return;
         }
         self.stats.received += 1;
         self.stats.bytes_received += bytes.len() as u64;
-        self.events
-            .push_back(EngineEvent::Message { socket, bytes });
+        self.emit_ordered(EngineEvent::Message { socket, bytes }, after);
+    }
+
+    /// An event of a socket's stream (a message, its close), behind any
+    /// held one.
+    fn emit_ordered(&mut self, event: EngineEvent, after: Option<u64>) {
+        if after.is_none() && self.held.is_empty() {
+            self.events.push_back(event);
+        } else {
+            self.held.push_back((after, event));
+        }
+    }
+
+    /// Send work requests up to `wr_id` have completed: held events whose
+    /// invalidation was among them go out, in order.
+    fn release_held(&mut self, wr_id: u64) {
+        while let Some((after, _)) = self.held.front() {
+            if after.is_some_and(|id| id > wr_id) {
+                break;
+            }
+            if let Some((_, event)) = self.held.pop_front() {
+                self.events.push_back(event);
+            }
+        }
     }
 
     /// A receive buffer done with: kept for the next repost of this
@@ -1248,7 +1341,8 @@ impl Engine {
                 // One message alone is always granted (validation keeps
                 // the budget above the largest message anyway).
                 || self.incoming.is_empty();
-            if !fits {
+            // With confinement, a grant needs a window too.
+            if !fits || (self.windows.enabled() && self.windows.available() == 0) {
                 break;
             }
             let permit = match &self.inbound {
@@ -1269,13 +1363,20 @@ impl Engine {
                 .region()
                 .ok_or(EngineError::Unregistered("a write destination"))?;
             let addr = dest.as_ptr() as u64;
+            // Confined: a window over exactly these bytes, on this QP,
+            // bound before the CTS (same send queue, in order) tells the
+            // peer its key.
+            let rkey = match self.windows.bind_grant(msg_id, &dest) {
+                None => region.rkey,
+                Some(Ok((bind, rkey))) => {
+                    self.push_local(bind);
+                    rkey
+                }
+                Some(Err(_)) => return Err(EngineError::Unregistered("a write destination")),
+            };
             self.granted_bytes += size;
             self.incoming.insert(msg_id, (socket, dest, permit));
-            self.control.push_back(Control::Cts {
-                msg_id,
-                addr,
-                rkey: region.rkey,
-            });
+            self.control.push_back(Control::Cts { msg_id, addr, rkey });
         }
         Ok(())
     }
@@ -1285,6 +1386,23 @@ impl Engine {
     /// shared with TCP peers; a request to send that does not fit waits.
     pub fn set_inbound_budget(&mut self, budget: InboundBudget) {
         self.inbound = Some(budget);
+    }
+
+    /// The grants the peer holds: (message id, address, bytes, the key
+    /// its CTS carried).
+    #[cfg(test)]
+    pub(crate) fn grants(&self) -> Vec<(u32, u64, usize, u32)> {
+        self.incoming
+            .iter()
+            .map(|(&msg_id, (_, buf, _))| {
+                let rkey = self
+                    .windows
+                    .rkey_of(msg_id)
+                    .or_else(|| buf.region().map(|r| r.rkey))
+                    .unwrap_or(0);
+                (msg_id, buf.as_ptr() as u64, buf.len(), rkey)
+            })
+            .collect()
     }
 
     /// Bytes granted to the peer for large messages now, and requests to
@@ -1300,9 +1418,19 @@ impl Engine {
                 EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
             })?;
             self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
+            // Confined: the window dies before the message is handed on,
+            // so the peer cannot change it once the application has it.
+            let after = self
+                .windows
+                .release_grant(msg_id)
+                .map(|invalidate| self.push_local(invalidate));
             // The server's budget stays held while the message's bytes live,
             // as on TCP.
-            self.deliver(socket, crate::inbound::budgeted(message, [permit, None]));
+            self.deliver_after(
+                socket,
+                crate::inbound::budgeted(message, [permit, None]),
+                after,
+            );
             self.grant_waiting(None)?;
             return Ok(());
         }
@@ -1399,7 +1527,16 @@ impl Engine {
                 self.recycle(buf);
                 let socket = header.socket;
                 if self.open.remove(&socket) {
-                    self.events.push_back(EngineEvent::Closed(socket));
+                    self.emit_ordered(EngineEvent::Closed(socket), None);
+                }
+            }
+            ControlKind::Slot { addr, rkey } => {
+                self.recycle(buf);
+                if let Some(ka) = &mut self.keepalive
+                    && ka.peer_slot.is_none()
+                {
+                    ka.peer_slot = Some((addr, rkey));
+                    ka.next_send = Some(ka.last_advance);
                 }
             }
         }

@@ -731,7 +731,12 @@ impl Worker {
             {
                 self.update_metrics();
             }
-            if next_timer.is_none() {
+            // Recomputed after any work too: what an engine handled may
+            // have brought its timer forward (a keepalive slot learnt
+            // from the peer's `Slot` message starts the keepalive; before,
+            // the thread slept on to the old deadline and both sides took
+            // each other for dead).
+            if next_timer.is_none() || progress {
                 next_timer = self
                     .engines
                     .values()

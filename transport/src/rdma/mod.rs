@@ -3,7 +3,8 @@
 //!
 //! The sans-IO engine ([`engine`]) and its parts: the control header
 //! ([`control`]), the work-request ring ([`ring`]), receive credits
-//! ([`credits`]) and the send window ([`window`]); the I/O threads that
+//! ([`credits`]), the send window ([`window`]) and remote-write
+//! confinement by memory windows ([`windows`]); the I/O threads that
 //! drive engines and the handshake and connection table
 //! ([`connection`]).
 
@@ -15,6 +16,7 @@ pub mod engine;
 pub(crate) mod io;
 pub mod ring;
 pub mod window;
+pub mod windows;
 pub(crate) mod wr_id;
 
 pub use credits::ReceiveCredits;

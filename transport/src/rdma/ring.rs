@@ -89,9 +89,14 @@ impl WorkRequestRing {
         self.depth - self.in_flight.len()
     }
 
-    /// Queues a request.
-    pub fn push(&mut self, entry: RingEntry) {
+    /// Queues a request; returns the id it will be posted with (ids go to
+    /// requests in the order they are queued), so a caller can tell when
+    /// it has completed ([`WorkRequestRing::complete`] retires every id up
+    /// to the one completed).
+    pub fn push(&mut self, entry: RingEntry) -> u64 {
+        let id = self.next_wr_id + self.pending.len() as u64;
         self.pending.push_back(entry);
+        id
     }
 
     /// Bytes of the requests in flight.

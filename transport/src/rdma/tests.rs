@@ -65,16 +65,37 @@ impl Clock {
 }
 
 impl Side {
-    fn new(
+    /// A side whose peer may write only through memory windows bound for
+    /// its grants (`confined`), as the transport runs by default.
+    fn new_with(
         fabric: &SoftFabric,
         name: &str,
         config: &EngineConfig,
         faults: SoftFaults,
         role: Role,
         now: Instant,
+        confined: bool,
     ) -> Self {
         let device = fabric.open(name, faults).unwrap();
-        let (send_pool, recv_pool) = crate::verbs::soft::test_pools(&device, name);
+        Self::on_device(device, name, config, role, now, confined)
+    }
+
+    /// A side on `device` (which other sides may share).
+    fn on_device(
+        device: SoftDevice,
+        name: &str,
+        config: &EngineConfig,
+        role: Role,
+        now: Instant,
+        confined: bool,
+    ) -> Self {
+        let recv_access = if confined {
+            Access::Windows
+        } else {
+            Access::RemoteWrite
+        };
+        let (send_pool, recv_pool) =
+            crate::verbs::soft::test_pools_with(&device, name, recv_access);
         let send_cq = device.create_cq(256).unwrap();
         let recv_cq = device.create_cq(256).unwrap();
         let caps = QpCaps {
@@ -87,7 +108,7 @@ impl Side {
             .create_qp(send_cq.clone(), recv_cq.clone(), caps)
             .unwrap();
         qp.init().unwrap();
-        let engine = Engine::new(
+        let mut engine = Engine::new(
             config.clone(),
             send_pool.clone(),
             recv_pool.clone(),
@@ -95,6 +116,13 @@ impl Side {
             now,
         )
         .unwrap();
+        if confined {
+            engine.set_windows(
+                (0..WINDOWS)
+                    .map(|_| device.alloc_window().unwrap())
+                    .collect(),
+            );
+        }
         Self {
             qp,
             engine,
@@ -187,28 +215,49 @@ fn connected(config: &EngineConfig, faults: SoftFaults) -> (Side, Side) {
 }
 
 fn connected_at(config: &EngineConfig, faults: SoftFaults, now: Instant) -> (Side, Side) {
+    connected_with(config, faults, now, false)
+}
+
+/// Memory windows of each confined side: few, so that grants wait for
+/// them in the tests.
+const WINDOWS: usize = 4;
+
+/// Two connected sides, each confining the other's writes to its grants
+/// (`confined`) or not.
+fn connected_with(
+    config: &EngineConfig,
+    faults: SoftFaults,
+    now: Instant,
+    confined: bool,
+) -> (Side, Side) {
     let fabric = SoftFabric::new();
-    let mut a = Side::new(&fabric, "a", config, faults, Role::Dialer, now);
-    let mut b = Side::new(
+    let mut a = Side::new_with(&fabric, "a", config, faults, Role::Dialer, now, confined);
+    let mut b = Side::new_with(
         &fabric,
         "b",
         config,
         SoftFaults::default(),
         Role::Acceptor,
         now,
+        confined,
     );
+    connect_sides(&mut a, &mut b, now);
+    (a, b)
+}
+
+/// Connects two sides' QPs and engines, as the handshake does.
+fn connect_sides(a: &mut Side, b: &mut Side, now: Instant) {
     a.qp.connect(&b.qp.endpoint()).unwrap();
     b.qp.connect(&a.qp.endpoint()).unwrap();
     // As at connection setup: both sides post their receives before either
     // learns the other's credits.
-    for side in [&mut a, &mut b] {
+    for side in [&mut *a, &mut *b] {
         let wrs = side.engine.poll_recv_post().unwrap();
         side.qp.post_recv(&wrs).unwrap();
     }
     let (info_a, info_b) = (a.info(), b.info());
     a.engine.peer_ready(info_b, now);
     b.engine.peer_ready(info_a, now);
-    (a, b)
 }
 
 /// Runs both sides until neither makes progress.
@@ -290,8 +339,14 @@ fn small_messages_of_every_size_arrive_intact_and_in_order() {
 
 #[test]
 fn large_messages_up_to_64_mib_arrive_intact_in_their_own_buffer() {
+    for confined in [false, true] {
+        large_messages_case(confined);
+    }
+}
+
+fn large_messages_case(confined: bool) {
     let config = EngineConfig::default();
-    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let (mut a, mut b) = connected_with(&config, SoftFaults::default(), Instant::now(), confined);
     let socket = open(&mut a, &mut b);
     let sizes = [
         config.small_message_limit + 1,
@@ -329,12 +384,18 @@ fn large_messages_up_to_64_mib_arrive_intact_in_their_own_buffer() {
 
 #[test]
 fn interleaved_sizes_in_both_directions() {
+    for confined in [false, true] {
+        interleaved_case(confined);
+    }
+}
+
+fn interleaved_case(confined: bool) {
     let config = EngineConfig {
         small_message_limit: 1024,
         fragment_size: 8 << 10,
         ..EngineConfig::default()
     };
-    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let (mut a, mut b) = connected_with(&config, SoftFaults::default(), Instant::now(), confined);
     let socket = open(&mut a, &mut b);
     let sizes: Vec<usize> = (0..200)
         .map(|i| [0usize, 10, 1024, 1025, 5000, 70_000, 300_000][i % 7] + i)
@@ -726,8 +787,14 @@ fn keepalive_tolerates_a_pause_shorter_than_the_timeout_and_catches_a_dead_peer(
         keepalive: Some(keepalive),
         ..EngineConfig::default()
     };
+    for confined in [false, true] {
+        keepalive_case(&config, keepalive, confined);
+    }
+}
+
+fn keepalive_case(config: &EngineConfig, keepalive: KeepaliveConfig, confined: bool) {
     let mut clock = Clock::new();
-    let (mut a, mut b) = connected_at(&config, SoftFaults::default(), clock.now());
+    let (mut a, mut b) = connected_with(config, SoftFaults::default(), clock.now(), confined);
     let tick = Duration::from_millis(1);
     // Both run for a second: no failure.
     run_for(&mut a, &mut b, &mut clock, 1000, tick, true);
@@ -1009,4 +1076,180 @@ fn grants_of_an_accepted_engine_wait_for_the_servers_budget() {
         "granted once budget freed"
     );
     assert_eq!(server.available(), 512 << 10);
+}
+
+/// A raw one-sided WRITE of `len` bytes of 0xee from `from`'s QP, behind
+/// its engine's back; the status it completes with.
+fn raw_write(from: &Side, addr: u64, rkey: u32, len: usize) -> crate::verbs::WcStatus {
+    let mut buf = from.send_pool.alloc(len).unwrap();
+    buf.set_len(len);
+    buf.fill(0xee);
+    let sge = crate::verbs::Sge {
+        addr: buf.as_ptr() as usize,
+        len: len as u32,
+        lkey: buf.region().unwrap().lkey,
+    };
+    from.qp
+        .post_send(&[crate::verbs::SendWr {
+            wr_id: 1 << 41,
+            op: crate::verbs::SendOp::Write {
+                remote_addr: addr as usize,
+                rkey,
+            },
+            sges: vec![sge],
+            signaled: true,
+        }])
+        .unwrap();
+    let mut completions = Vec::new();
+    from.send_cq.poll(&mut completions, 64);
+    completions
+        .iter()
+        .find(|c| c.wr_id == 1 << 41)
+        .map(|c| c.status)
+        .expect("the write completed")
+}
+
+/// Remote-write confinement end to end (issue 16, item 6): a server (two
+/// engines on one device) grants a hostile peer and an honest one a
+/// destination each. The hostile peer can write into its own grant and
+/// nowhere else: not past it, not into the honest peer's grant with that
+/// grant's key, not into the server's keepalive slot with its own key; and
+/// once a message has arrived its key is dead. The honest peer's message
+/// arrives intact. Before (the pool's blocks remotely writable under one
+/// key per block) the stray writes landed.
+#[test]
+fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
+    let keepalive = KeepaliveConfig {
+        interval: Duration::from_millis(50),
+        timeout: Duration::from_secs(30),
+    };
+    let config = EngineConfig {
+        keepalive: Some(keepalive),
+        ..EngineConfig::default()
+    };
+    let now = Instant::now();
+    let fabric = SoftFabric::new();
+    let server = fabric.open("server", SoftFaults::default()).unwrap();
+    let mut hostile = Side::new_with(
+        &fabric,
+        "hostile",
+        &config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut for_hostile = Side::on_device(server.clone(), "s1", &config, Role::Acceptor, now, true);
+    let mut honest = Side::new_with(
+        &fabric,
+        "honest",
+        &config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut for_honest = Side::on_device(server.clone(), "s2", &config, Role::Acceptor, now, true);
+    connect_sides(&mut hostile, &mut for_hostile, now);
+    connect_sides(&mut honest, &mut for_honest, now);
+    let bad = open(&mut hostile, &mut for_hostile);
+    let good = open(&mut honest, &mut for_honest);
+    pump(&mut hostile, &mut for_hostile);
+    pump(&mut honest, &mut for_honest);
+    // The keepalive slots went through windows: no key in the hello.
+    assert_eq!(for_hostile.engine.keepalive_slot(), None);
+
+    // The hostile peer asks for a destination behind its engine's back.
+    raw_rts(&hostile, bad, 7, 100_000);
+    for _ in 0..4 {
+        for_hostile.step(true);
+    }
+    let [(_, own_addr, own_len, own_key)] = for_hostile.engine.grants()[..] else {
+        panic!("one grant: {:?}", for_hostile.engine.grants());
+    };
+    // The honest peer's message: granted, not yet written.
+    let len = 1 << 20;
+    honest
+        .engine
+        .send(good, message(&honest.send_pool, len, 3))
+        .unwrap();
+    honest.step(true);
+    for _ in 0..4 {
+        for_honest.step(true);
+    }
+    let [(_, its_addr, _, its_key)] = for_honest.engine.grants()[..] else {
+        panic!("one grant: {:?}", for_honest.engine.grants());
+    };
+    assert_ne!(its_key, own_key);
+
+    use crate::verbs::WcStatus::{RemoteAccessError, Success};
+    assert_eq!(
+        raw_write(&hostile, own_addr, own_key, 4096),
+        Success,
+        "its own grant"
+    );
+    assert_eq!(
+        raw_write(&hostile, own_addr + own_len as u64 - 8, own_key, 64),
+        RemoteAccessError,
+        "past its grant"
+    );
+    // Its QP failed (as a NIC fails it): a second hostile connection tries
+    // the honest peer's grant and the server's keepalive slot.
+    let mut hostile2 = Side::new_with(
+        &fabric,
+        "hostile2",
+        &config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut for_hostile2 =
+        Side::on_device(server.clone(), "s3", &config, Role::Acceptor, now, true);
+    connect_sides(&mut hostile2, &mut for_hostile2, now);
+    pump(&mut hostile2, &mut for_hostile2);
+    assert_eq!(
+        raw_write(&hostile2, its_addr, its_key, 64),
+        RemoteAccessError,
+        "another connection's grant, with its key"
+    );
+    let mut hostile3 = Side::new_with(
+        &fabric,
+        "hostile3",
+        &config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut for_hostile3 =
+        Side::on_device(server.clone(), "s4", &config, Role::Acceptor, now, true);
+    connect_sides(&mut hostile3, &mut for_hostile3, now);
+    pump(&mut hostile3, &mut for_hostile3);
+    let block_key = for_honest
+        .recv_pool
+        .alloc(64)
+        .unwrap()
+        .region()
+        .unwrap()
+        .rkey;
+    assert_eq!(
+        raw_write(&hostile3, its_addr, block_key, 64),
+        RemoteAccessError,
+        "the receive pool's own key"
+    );
+    assert!(server.stats().remote_access_errors >= 3);
+
+    // The honest message arrives whole, untouched by any of it.
+    pump(&mut honest, &mut for_honest);
+    assert_eq!(for_honest.received.len(), 1);
+    check(&for_honest.received[0], len, 3);
+    assert!(for_honest.engine.grants().is_empty());
+    // Its key died with the message (the honest side's QP tries it).
+    assert_eq!(
+        raw_write(&honest, its_addr, its_key, 64),
+        RemoteAccessError,
+        "a key after its message arrived"
+    );
+    assert!(for_honest.failure.is_none() && for_hostile2.failure.is_none());
 }

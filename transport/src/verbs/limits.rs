@@ -36,6 +36,10 @@ pub struct DeviceLimits {
     pub max_srq_wr: u32,
     /// Bytes of one memory registration.
     pub max_mr_size: u64,
+    /// Type-2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2A`/`2B` in
+    /// `device_cap_flags`, and `max_mw`): the device can confine a peer's
+    /// writes to what it was granted (`rdma.confine_remote_writes`).
+    pub memory_windows: u32,
 }
 
 impl DeviceLimits {
@@ -52,6 +56,7 @@ impl DeviceLimits {
         max_srq: 0x400,
         max_srq_wr: 0x4000,
         max_mr_size: u64::MAX,
+        memory_windows: 0x1_0000,
     };
 
     /// A completion queue of `depth` entries fits.
@@ -141,6 +146,17 @@ pub fn fit(
             "max_cq (one completion queue per I/O thread)",
             limits.max_cq.into(),
         );
+    }
+    if config.confine_remote_writes && limits.memory_windows < config.windows_per_connection {
+        return Err(ConfigError::Invalid {
+            key: "rdma.confine_remote_writes".into(),
+            reason: format!(
+                "device {device} has {} type-2 memory windows, and confining a peer's writes to \
+                 its grants needs {} per connection; set it to false to let peers write \
+                 anywhere in the receive pool (or lower rdma.windows_per_connection)",
+                limits.memory_windows, config.windows_per_connection
+            ),
+        });
     }
     let mut fitted = config.clone();
     if config.cq_depth > limits.max_cqe {

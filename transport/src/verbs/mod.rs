@@ -93,6 +93,33 @@ pub enum SendOp {
         /// The immediate value the peer's completion carries.
         imm: u32,
     },
+    /// Binds the type-2 memory window `window` to this QP over `len` bytes
+    /// at `addr` of the region `region` (registered with
+    /// [`crate::pool::Access::Windows`]), remotely writable under `rkey`
+    /// (the window's [`MemoryWindow::next_rkey`]): from here on, and
+    /// until it is invalidated, the peer of this QP — and nobody else —
+    /// may write those bytes and no others (`IBV_WR_BIND_MW`). Gathers
+    /// nothing; puts nothing on the wire.
+    BindWindow {
+        /// The window ([`MemoryWindow::handle`]).
+        window: u64,
+        /// Its key for this binding.
+        rkey: u32,
+        /// First byte the peer may write.
+        addr: usize,
+        /// Bytes it may write.
+        len: usize,
+        /// The region the bytes lie in: its local key...
+        lkey: u32,
+        /// ...and its provider handle ([`crate::pool::RegisteredRegion::handle`]).
+        region: u64,
+    },
+    /// Invalidates the window bound under `rkey` (`IBV_WR_LOCAL_INV`): once
+    /// this completes, no write through it can land any more.
+    Invalidate {
+        /// The key of the binding to end.
+        rkey: u32,
+    },
 }
 
 /// A send work request.
@@ -359,6 +386,23 @@ pub trait QueuePair: Send + Sync {
     fn fail(&self) -> Result<(), VerbsError>;
 }
 
+/// A type-2 memory window (`ibv_alloc_mw(IBV_MW_TYPE_2)`): bound with
+/// [`SendOp::BindWindow`] on one QP to one byte range of a registered
+/// region, it lets that QP's peer write exactly there, until
+/// [`SendOp::Invalidate`]. Each binding has a fresh key, so a key given out
+/// for an earlier binding never works again.
+///
+/// Dropping it deallocates the window, which ends any binding.
+pub trait MemoryWindow: Send + Sync + std::fmt::Debug {
+    /// What [`SendOp::BindWindow`] names it by.
+    fn handle(&self) -> u64;
+    /// Its key as allocated (bound to nothing).
+    fn rkey(&self) -> u32;
+    /// The key for its next binding after one under `rkey`: same window,
+    /// another tag (`ibv_inc_rkey`). Pure: it does not bind anything.
+    fn next_rkey(&self, rkey: u32) -> u32;
+}
+
 /// An opened RNIC (context and protection domain).
 pub trait Device: Send + Sync {
     /// A name for logs.
@@ -406,6 +450,14 @@ pub trait Device: Send + Sync {
     /// receive posted), where the provider counts them.
     fn rnr_events(&self) -> Option<u64> {
         None
+    }
+    /// A type-2 memory window in the device's protection domain (see
+    /// [`DeviceLimits::memory_windows`]).
+    fn alloc_window(&self) -> Result<Arc<dyn MemoryWindow>, VerbsError> {
+        Err(VerbsError::InvalidRequest(format!(
+            "{} has no type-2 memory windows",
+            self.name()
+        )))
     }
 }
 

@@ -173,6 +173,7 @@ proptest! {
     fn honest_interleavings_deliver_every_message_once_in_order(
         ops in proptest::collection::vec(op(), 1..80),
         delays in any::<bool>(),
+        confined in any::<bool>(),
     ) {
         let faults = SoftFaults {
             seed: 7,
@@ -181,7 +182,7 @@ proptest! {
             ..SoftFaults::default()
         };
         let mut now = Instant::now();
-        let (mut a, mut b) = connected_at(&config(), faults, now);
+        let (mut a, mut b) = connected_with(&config(), faults, now, confined);
         let sockets: Vec<SocketId> = (0..3).map(|_| open_at(&mut a, &mut b, now)).collect();
         let mut sent: [Vec<Vec<(usize, u8)>>; 2] = [vec![Vec::new(); 3], vec![Vec::new(); 3]];
         let mut seed = 0u8;
@@ -215,9 +216,10 @@ proptest! {
             prop_oneof![4 => op().prop_map(Ok), 1 => hostile().prop_map(Err)],
             1..80,
         ),
+        confined in any::<bool>(),
     ) {
         let mut now = Instant::now();
-        let (mut a, mut b) = connected_at(&config(), SoftFaults::default(), now);
+        let (mut a, mut b) = connected_with(&config(), SoftFaults::default(), now, confined);
         let sockets: Vec<SocketId> = (0..3).map(|_| open_at(&mut a, &mut b, now)).collect();
         let mut sent: [Vec<Vec<(usize, u8)>>; 2] = [vec![Vec::new(); 3], vec![Vec::new(); 3]];
         let mut seed = 0u8;

@@ -40,6 +40,7 @@ mod describe;
 mod domain;
 mod events;
 mod mr;
+mod mw;
 mod qp;
 mod srq;
 
@@ -213,6 +214,14 @@ impl IbvDevice {
             max_srq: limit(attr.max_srq),
             max_srq_wr: limit(attr.max_srq_wr),
             max_mr_size: attr.max_mr_size,
+            memory_windows: {
+                let type_2 = ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A.0
+                    | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
+                match attr.device_cap_flags & type_2 {
+                    0 => 0,
+                    _ => limit(attr.max_mw),
+                }
+            },
         };
         // SAFETY: a zeroed ibv_port_attr is a valid out-parameter.
         let mut port_attr: ibv_port_attr = unsafe { std::mem::zeroed() };
@@ -374,6 +383,10 @@ impl Device for IbvDevice {
 
     fn limits(&self) -> DeviceLimits {
         self.ctx.limits
+    }
+
+    fn alloc_window(&self) -> Result<Arc<dyn crate::verbs::MemoryWindow>, VerbsError> {
+        Ok(Arc::new(mw::IbvWindow::allocate(&self.ctx)?))
     }
 
     fn watch_events(

@@ -18,8 +18,12 @@ impl RegistrationHook for IbvRegistration {
         access: Access,
     ) -> Result<RegisteredRegion, RegistrationError> {
         let mut flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        if access.allows_remote_write() {
-            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        match access {
+            Access::LocalOnly => {}
+            Access::RemoteWrite => flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+            // Peers write only through windows bound to parts of it; the
+            // region's own rkey lets nobody in.
+            Access::Windows => flags |= ibv_access_flags::IBV_ACCESS_MW_BIND.0,
         }
         // SAFETY: the pool passes memory it has mapped and keeps mapped
         // until it deregisters it; the PD is alive (held by the Arc).

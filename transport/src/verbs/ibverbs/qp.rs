@@ -294,6 +294,36 @@ impl QueuePair for IbvQp {
                         imm_data: imm.to_be(),
                     };
                 }
+                SendOp::BindWindow {
+                    window,
+                    rkey,
+                    addr,
+                    len,
+                    lkey: _,
+                    region,
+                } => {
+                    entry.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+                    entry.num_sge = 0;
+                    entry.bind_mw_tso_union = bind_mw_tso_union_t {
+                        bind_mw: bind_mw_t {
+                            mw: window as *mut ibv_mw,
+                            rkey,
+                            bind_info: ibv_mw_bind_info {
+                                mr: region as *mut ibv_mr,
+                                addr: addr as u64,
+                                length: len as u64,
+                                mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+                            },
+                        },
+                    };
+                }
+                SendOp::Invalidate { rkey } => {
+                    entry.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+                    entry.num_sge = 0;
+                    entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t {
+                        invalidated_rkey: rkey,
+                    };
+                }
             }
         }
         // Link the list (one doorbell for all of it).

@@ -6,11 +6,12 @@ use std::sync::{Arc, Mutex, Weak};
 use super::agent::{self, Answer, Request};
 use super::cq::SoftCq;
 use super::qp::{SoftQp, SoftQpInner};
-use super::rings::{MemoryRegion, REGION_SLOTS, RegionTable};
+use super::rings::{Binding, GENERATION_MASK, MemoryRegion, REGION_SLOTS, RegionTable};
 use super::srq::SoftSrq;
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
 use crate::verbs::{
     CompletionQueue, Device, DeviceLimits, QpCaps, QueuePair, SharedReceiveQueue, VerbsError,
+    WcStatus,
 };
 
 /// Faults a soft device injects, each with a probability in millionths,
@@ -199,6 +200,7 @@ impl SoftFabric {
             slots: Mutex::new(SlotAllocator {
                 free: (0..REGION_SLOTS).rev().collect(),
                 generation: vec![0; REGION_SLOTS],
+                windows: std::collections::HashSet::new(),
             }),
             region_fds: Mutex::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
@@ -223,11 +225,150 @@ impl SoftFabric {
 }
 
 /// Free region slots and each slot's generation (so a reused slot gets a
-/// new key).
+/// new key), and which slots hold memory windows.
 #[derive(Debug)]
 struct SlotAllocator {
     free: Vec<usize>,
     generation: Vec<u32>,
+    windows: std::collections::HashSet<usize>,
+}
+
+/// The generation after `generation` (never 0: key 0 names nothing).
+fn next_generation(generation: u32) -> u32 {
+    match (generation + 1) & GENERATION_MASK {
+        0 => 1,
+        next => next,
+    }
+}
+
+/// A soft type-2 memory window: a slot of its device's region table, with
+/// nothing published under it until it is bound.
+#[derive(Debug)]
+pub(crate) struct SoftWindow {
+    device: Arc<DeviceInner>,
+    slot: usize,
+    rkey: u32,
+}
+
+impl crate::verbs::MemoryWindow for SoftWindow {
+    fn handle(&self) -> u64 {
+        self.slot as u64
+    }
+
+    fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    fn next_rkey(&self, rkey: u32) -> u32 {
+        RegionTable::key(self.slot, next_generation(rkey >> super::rings::SLOT_BITS))
+    }
+}
+
+impl Drop for SoftWindow {
+    fn drop(&mut self) {
+        // Deallocation ends any binding: whatever key is published under
+        // the slot is withdrawn.
+        self.device.table.retire_slot(self.slot);
+        let mut slots = self.device.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.windows.remove(&self.slot);
+        drop(slots);
+        self.device.free_slot(self.slot);
+    }
+}
+
+impl DeviceInner {
+    fn free_slot(&self, slot: usize) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slot < REGION_SLOTS {
+            slots.free.push(slot);
+        }
+    }
+
+    /// A memory window: a table slot that only bindings publish under.
+    pub(crate) fn alloc_window(self: &Arc<Self>) -> Result<SoftWindow, VerbsError> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slots.windows.len() >= self.limits.memory_windows as usize {
+            return Err(VerbsError::OverLimit {
+                what: "memory windows (max_mw)",
+                asked: u32::try_from(slots.windows.len() + 1).unwrap_or(u32::MAX),
+                max: self.limits.memory_windows,
+            });
+        }
+        let Some(slot) = slots.free.pop() else {
+            return Err(VerbsError::InvalidRequest(format!(
+                "soft NIC region table full ({REGION_SLOTS} regions and windows)"
+            )));
+        };
+        slots.windows.insert(slot);
+        let generation = &mut slots.generation[slot];
+        *generation = next_generation(*generation);
+        let rkey = RegionTable::key(slot, *generation);
+        Ok(SoftWindow {
+            device: Arc::clone(self),
+            slot,
+            rkey,
+        })
+    }
+
+    /// Runs a bind of window `window` under `rkey` to `len` bytes at
+    /// `addr` of the region `lkey`, for writes arriving on QP `qpn`, as a
+    /// NIC checks one: the window must be this device's, the key its slot's
+    /// with a new tag, the region registered for windows and holding the
+    /// range. What a failed check completes with is a local protection
+    /// error (the QP then fails, as on real devices).
+    pub(crate) fn bind_window(
+        &self,
+        window: u64,
+        rkey: u32,
+        addr: usize,
+        len: usize,
+        lkey: u32,
+        qpn: u32,
+    ) -> WcStatus {
+        let slot = RegionTable::slot_of(rkey);
+        let is_window = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.windows.contains(&slot)
+        };
+        if !is_window || window != slot as u64 || rkey >> super::rings::SLOT_BITS == 0 {
+            return WcStatus::LocalProtectionError;
+        }
+        let Some(parent) = self.table.lookup(lkey) else {
+            return WcStatus::LocalProtectionError;
+        };
+        if parent.access != Access::Windows || parent.bound.is_some() || !parent.contains(addr, len)
+        {
+            return WcStatus::LocalProtectionError;
+        }
+        // A new binding replaces the old at once (a bind of a bound type-2
+        // window is allowed only after invalidation on real devices; the
+        // engine always invalidates first, and this stays strict enough:
+        // the old key dies either way).
+        self.table.retire_slot(slot);
+        self.table.publish(
+            rkey,
+            MemoryRegion {
+                addr,
+                len,
+                access: Access::RemoteWrite,
+                bound: Some(Binding { qpn, parent: lkey }),
+            },
+        );
+        WcStatus::Success
+    }
+
+    /// Runs a local invalidation of the window bound under `rkey`: a key
+    /// that is not a window's current binding is a local protection
+    /// error.
+    pub(crate) fn invalidate_window(&self, rkey: u32) -> WcStatus {
+        match self.table.lookup(rkey) {
+            Some(region) if region.bound.is_some() => {
+                self.table.retire(rkey);
+                WcStatus::Success
+            }
+            _ => WcStatus::LocalProtectionError,
+        }
+    }
 }
 
 /// A soft RNIC.
@@ -473,10 +614,7 @@ impl SoftRegistration {
                 });
             };
             let generation = &mut slots.generation[slot];
-            *generation = (*generation + 1) & 0xf_ffff;
-            if *generation == 0 {
-                *generation = 1;
-            }
+            *generation = next_generation(*generation);
             RegionTable::key(slot, *generation)
         };
         if let Some(fd) = memory {
@@ -502,7 +640,7 @@ impl RegistrationHook for SoftRegistration {
         len: usize,
         access: Access,
     ) -> Result<RegisteredRegion, RegistrationError> {
-        self.publish(MemoryRegion { addr, len, access }, None)
+        self.publish(MemoryRegion::registered(addr, len, access), None)
     }
 
     fn shares_memory(&self) -> bool {
@@ -516,7 +654,7 @@ impl RegistrationHook for SoftRegistration {
         access: Access,
         memory: OwnedFd,
     ) -> Result<RegisteredRegion, RegistrationError> {
-        self.publish(MemoryRegion { addr, len, access }, Some(memory))
+        self.publish(MemoryRegion::registered(addr, len, access), Some(memory))
     }
 
     fn deregister(&self, _addr: usize, _len: usize, region: &RegisteredRegion) {
@@ -527,11 +665,7 @@ impl RegistrationHook for SoftRegistration {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&key);
-        let slot = (key & 0xfff) as usize;
-        let mut slots = self.device.slots.lock().unwrap_or_else(|p| p.into_inner());
-        if slot < REGION_SLOTS {
-            slots.free.push(slot);
-        }
+        self.device.free_slot(RegionTable::slot_of(key));
     }
 }
 
@@ -548,6 +682,10 @@ impl Device for SoftDevice {
         Arc::new(SoftRegistration {
             device: Arc::clone(&self.inner),
         })
+    }
+
+    fn alloc_window(&self) -> Result<Arc<dyn crate::verbs::MemoryWindow>, VerbsError> {
+        Ok(Arc::new(self.inner.alloc_window()?))
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>, VerbsError> {

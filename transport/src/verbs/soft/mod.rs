@@ -57,6 +57,17 @@ pub(crate) fn test_pools(
     device: &SoftDevice,
     name: &str,
 ) -> (crate::pool::Pool, crate::pool::Pool) {
+    test_pools_with(device, name, crate::pool::Access::RemoteWrite)
+}
+
+/// A send pool and a receive pool of `device`, the receive pool
+/// registered with `recv_access`.
+#[cfg(test)]
+pub(crate) fn test_pools_with(
+    device: &SoftDevice,
+    name: &str,
+    recv_access: crate::pool::Access,
+) -> (crate::pool::Pool, crate::pool::Pool) {
     use crate::pool::{Access, Pool, PoolConfig};
     use crate::verbs::Device;
     let hook = device.registration_hook();
@@ -68,8 +79,5 @@ pub(crate) fn test_pools(
         )
         .expect("a test pool")
     };
-    (
-        pool("send", Access::LocalOnly),
-        pool("recv", Access::RemoteWrite),
-    )
+    (pool("send", Access::LocalOnly), pool("recv", recv_access))
 }

@@ -135,18 +135,40 @@ impl PeerMemory<'_> {
     }
 
     /// Checks that `len` bytes at the peer's `addr` lie in the region `key`
-    /// names (which allows remote writes if `remote_write`), and maps them.
+    /// names, and maps them. A remote write (`remote_write`: the peer's QP
+    /// it arrives on) needs a key that allows one: a region registered
+    /// remotely writable, or a memory window bound to that very QP (a
+    /// window bound for another connection, or invalidated, is refused).
     pub(crate) fn resolve(
         &self,
         key: u32,
         addr: usize,
         len: usize,
-        remote_write: bool,
+        remote_write: Option<u32>,
     ) -> Option<Target> {
         let region = self.table().lookup(key)?;
-        if !region.contains(addr, len) || (remote_write && region.access != Access::RemoteWrite) {
+        if !region.contains(addr, len) {
             return None;
         }
+        if let Some(qpn) = remote_write {
+            if region.access != Access::RemoteWrite {
+                return None;
+            }
+            if region.bound.is_some_and(|b| b.qpn != qpn) {
+                return None;
+            }
+        }
+        // The memory behind a window is its parent region's.
+        let (key, region) = match region.bound {
+            None => (key, region),
+            Some(binding) => {
+                let parent = self.table().lookup(binding.parent)?;
+                if !parent.contains(addr, len) {
+                    return None;
+                }
+                (binding.parent, parent)
+            }
+        };
         match self {
             PeerMemory::Local(_) => Some(Target {
                 addr,

@@ -175,6 +175,24 @@ impl SoftQpInner {
         path_mtu: u32,
         wr: &SendWr,
     ) -> WcStatus {
+        // Memory-window operations are local: they move nothing.
+        match wr.op {
+            SendOp::BindWindow {
+                window,
+                rkey,
+                addr,
+                len,
+                lkey,
+                region: _,
+            } => {
+                if !wr.sges.is_empty() {
+                    return WcStatus::LocalProtectionError;
+                }
+                return device.bind_window(window, rkey, addr, len, lkey, self.qpn);
+            }
+            SendOp::Invalidate { rkey } => return device.invalidate_window(rkey),
+            SendOp::Send | SendOp::Write { .. } | SendOp::WriteWithImm { .. } => {}
+        }
         if device.roll(Fault::QpError) > 0 {
             device.injected_qp_errors.fetch_add(1, Ordering::Relaxed);
             return WcStatus::RetryExceeded;
@@ -256,8 +274,7 @@ impl SoftQpInner {
                 if total > recv.sge.len as usize || device.roll(Fault::RecvError) > 0 {
                     return fail_peer(recv.wr_id, WcStatus::LocalLengthError);
                 }
-                let Some(target) = memory.resolve(recv.sge.lkey, recv.sge.addr, total, false)
-                else {
+                let Some(target) = memory.resolve(recv.sge.lkey, recv.sge.addr, total, None) else {
                     return fail_peer(recv.wr_id, WcStatus::LocalProtectionError);
                 };
                 copy_gather(gather, target.addr);
@@ -267,7 +284,8 @@ impl SoftQpInner {
                 WcStatus::Success
             }
             SendOp::Write { remote_addr, rkey } => {
-                let Some(target) = memory.resolve(rkey, remote_addr, total, true) else {
+                let Some(target) = memory.resolve(rkey, remote_addr, total, Some(remote.qpn))
+                else {
                     memory.table().count_remote_access_error();
                     return WcStatus::RemoteAccessError;
                 };
@@ -279,7 +297,8 @@ impl SoftQpInner {
                 rkey,
                 imm,
             } => {
-                let Some(target) = memory.resolve(rkey, remote_addr, total, true) else {
+                let Some(target) = memory.resolve(rkey, remote_addr, total, Some(remote.qpn))
+                else {
                     memory.table().count_remote_access_error();
                     return WcStatus::RemoteAccessError;
                 };
@@ -299,6 +318,8 @@ impl SoftQpInner {
                 }
                 WcStatus::Success
             }
+            // Run locally by `execute`, never against the peer.
+            SendOp::BindWindow { .. } | SendOp::Invalidate { .. } => WcStatus::LocalProtectionError,
         }
     }
 }

@@ -915,3 +915,183 @@ fn a_send_retried_after_receiver_not_ready_lands_once_a_receive_is_posted() {
     assert_eq!(b.poll_recv()[0].wr_id, 9);
     assert!(b.device.stats().rnr_events >= 1, "the misses were counted");
 }
+
+/// What a peer may write through a memory window (issue 16, item 6): the
+/// window's bytes, from the QP it is bound to, until it is invalidated or
+/// bound again — and nothing through the region's own key. Every other
+/// write is a remote access error that fails the writer's QP and writes
+/// nothing.
+#[test]
+fn a_window_confines_writes_to_its_bytes_its_connection_and_its_binding() {
+    for case in [
+        "inside the grant",
+        "past the grant",
+        "with the region's own key",
+        "from another connection",
+        "after invalidation",
+        "with an earlier binding's key",
+        "through the new binding",
+    ] {
+        let fabric = SoftFabric::new();
+        let caps = QpCaps::default();
+        let a = Side::new(&fabric, "a", SoftFaults::default(), caps);
+        let c = Side::new(&fabric, "c", SoftFaults::default(), caps);
+        // b's receive memory has no remote access of its own.
+        let device = fabric.open("b", SoftFaults::default()).unwrap();
+        let (_, recv_pool) = crate::verbs::soft::test_pools_with(&device, "b", Access::Windows);
+        let cq = device.create_cq(64).unwrap();
+        let qp_ab = device.create_qp(cq.clone(), cq.clone(), caps).unwrap();
+        let qp_cb = device.create_qp(cq.clone(), cq.clone(), caps).unwrap();
+        for qp in [&qp_ab, &qp_cb] {
+            qp.init().unwrap();
+        }
+        qp_ab.connect(&a.qp.endpoint()).unwrap();
+        a.qp.connect(&qp_ab.endpoint()).unwrap();
+        qp_cb.connect(&c.qp.endpoint()).unwrap();
+        c.qp.connect(&qp_cb.endpoint()).unwrap();
+        let grant = filled(&recv_pool, 256, 0);
+        let neighbour = filled(&recv_pool, 256, 0);
+        let window = device.alloc_window().unwrap();
+        let bind = |rkey: u32, buf: &PoolBuf| {
+            let region = buf.region().unwrap();
+            qp_ab
+                .post_send(&[SendWr {
+                    wr_id: 50,
+                    op: SendOp::BindWindow {
+                        window: window.handle(),
+                        rkey,
+                        addr: buf.as_ptr() as usize,
+                        len: buf.len(),
+                        lkey: region.lkey,
+                        region: region.handle,
+                    },
+                    sges: Vec::new(),
+                    signaled: true,
+                }])
+                .unwrap();
+            let mut done = Vec::new();
+            cq.poll(&mut done, 8);
+            assert_eq!(done[0].status, WcStatus::Success, "{case}: bind");
+        };
+        let first = window.next_rkey(window.rkey());
+        bind(first, &grant);
+        let (writer, addr, rkey, len) = match case {
+            "inside the grant" => (&a, grant.as_ptr() as usize + 64, first, 64),
+            "past the grant" => (&a, grant.as_ptr() as usize + 224, first, 64),
+            "with the region's own key" => (
+                &a,
+                grant.as_ptr() as usize,
+                grant.region().unwrap().rkey,
+                64,
+            ),
+            "from another connection" => (&c, grant.as_ptr() as usize, first, 64),
+            "after invalidation" => {
+                qp_ab
+                    .post_send(&[SendWr {
+                        wr_id: 51,
+                        op: SendOp::Invalidate { rkey: first },
+                        sges: Vec::new(),
+                        signaled: true,
+                    }])
+                    .unwrap();
+                let mut done = Vec::new();
+                cq.poll(&mut done, 8);
+                assert_eq!(done[0].status, WcStatus::Success, "{case}: invalidate");
+                (&a, grant.as_ptr() as usize, first, 64)
+            }
+            "with an earlier binding's key" => {
+                let second = window.next_rkey(first);
+                assert_ne!(second, first);
+                bind(second, &neighbour);
+                (&a, neighbour.as_ptr() as usize, first, 64)
+            }
+            _ => {
+                let second = window.next_rkey(first);
+                bind(second, &neighbour);
+                (&a, neighbour.as_ptr() as usize, second, 64)
+            }
+        };
+        let data = filled(&writer.send_pool, len, 7);
+        writer
+            .qp
+            .post_send(&[SendWr {
+                wr_id: 1,
+                op: SendOp::Write {
+                    remote_addr: addr,
+                    rkey,
+                },
+                sges: vec![sge(&data)],
+                signaled: true,
+            }])
+            .unwrap();
+        let status = writer.poll_send()[0].status;
+        let allowed = matches!(case, "inside the grant" | "through the new binding");
+        if allowed {
+            assert_eq!(status, WcStatus::Success, "{case}");
+            let written = if case == "inside the grant" {
+                &grant[64..128]
+            } else {
+                &neighbour[..64]
+            };
+            assert!(written.iter().all(|&x| x == 7), "{case}: the data landed");
+        } else {
+            assert_eq!(status, WcStatus::RemoteAccessError, "{case}");
+            assert_eq!(writer.qp.state(), QpState::Error, "{case}");
+            assert_eq!(device.stats().remote_access_errors, 1, "{case}");
+            assert!(
+                grant.iter().chain(neighbour.iter()).all(|&x| x == 0),
+                "{case}: nothing written"
+            );
+        }
+    }
+}
+
+/// A bind the NIC must refuse: a key that is not the window's, memory
+/// registered without window binding, a range past the region.
+#[test]
+fn binds_outside_the_rules_are_local_protection_errors() {
+    for case in [
+        "another window's key",
+        "remote-write memory",
+        "past the region",
+    ] {
+        let (a, b) = pair();
+        let _ = &a;
+        let window = b.device.alloc_window().unwrap();
+        let other = b.device.alloc_window().unwrap();
+        let (_, windows_pool) =
+            crate::verbs::soft::test_pools_with(&b.device, "b-windows", Access::Windows);
+        let buf = filled(&windows_pool, 128, 0);
+        let plain = filled(&b.recv_pool, 128, 0);
+        let region = buf.region().unwrap();
+        let (rkey, target, len) = match case {
+            "another window's key" => (other.next_rkey(other.rkey()), &buf, 128),
+            "remote-write memory" => (window.next_rkey(window.rkey()), &plain, 128),
+            _ => (
+                window.next_rkey(window.rkey()),
+                &buf,
+                region.base + region.len - buf.as_ptr() as usize + 1,
+            ),
+        };
+        let target_region = target.region().unwrap();
+        b.qp.post_send(&[SendWr {
+            wr_id: 9,
+            op: SendOp::BindWindow {
+                window: window.handle(),
+                rkey,
+                addr: target.as_ptr() as usize,
+                len,
+                lkey: target_region.lkey,
+                region: target_region.handle,
+            },
+            sges: Vec::new(),
+            signaled: true,
+        }])
+        .unwrap();
+        assert_eq!(
+            b.poll_send()[0].status,
+            WcStatus::LocalProtectionError,
+            "{case}"
+        );
+    }
+}

@@ -27,16 +27,20 @@ use qp_segment::{QpHeader, RecvSlot};
 pub(crate) use qp_segment::{
     QpSegment, STATE_ERROR, STATE_INIT, STATE_READY, STATE_RESET, STATE_RTR,
 };
+pub(crate) use region::{Binding, MemoryRegion, RegionTable};
 use region::{DeviceHeader, RegionSlot};
-pub(crate) use region::{MemoryRegion, RegionTable};
 
 const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTD1");
 const QP_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTQ1");
 const CQ_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTC1");
 
 /// Region slots of a device: keys carry the slot in their low bits.
-pub(crate) const REGION_SLOTS: usize = 4096;
-const SLOT_BITS: u32 = 12;
+/// 16,384: every pool block and dedicated mapping of a device, and the
+/// memory windows of its connections (`rdma.windows_per_connection` each).
+pub(crate) const REGION_SLOTS: usize = 1 << SLOT_BITS;
+pub(crate) const SLOT_BITS: u32 = 14;
+/// Generations of a slot's key: the bits above the slot.
+pub(crate) const GENERATION_MASK: u32 = (1 << (32 - SLOT_BITS)) - 1;
 
 /// A typed view of a shared segment.
 #[derive(Debug)]
@@ -200,6 +204,7 @@ mod tests {
             addr: 4096,
             len: 100,
             access: Access::RemoteWrite,
+            bound: None,
         };
         let old = RegionTable::key(5, 1);
         table.publish(old, region);

@@ -11,9 +11,39 @@ pub(crate) struct MemoryRegion {
     pub(crate) addr: usize,
     pub(crate) len: usize,
     pub(crate) access: Access,
+    /// A memory window's binding: writes through it must arrive on this
+    /// device's QP `qpn`, and land in the region `parent` (whose memory
+    /// peers in other processes map). `None` for a registered region.
+    pub(crate) bound: Option<Binding>,
 }
 
+/// What a bound memory window is bound to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Binding {
+    /// The QP (of the window's device) whose peer may write through it.
+    pub(crate) qpn: u32,
+    /// The key of the registered region the window lies in.
+    pub(crate) parent: u32,
+}
+
+/// How a slot's `access` word says what a key names (the low byte; a
+/// window's QP number sits above it).
+const ACCESS_LOCAL: u32 = 0;
+const ACCESS_REMOTE_WRITE: u32 = 1;
+const ACCESS_WINDOWS: u32 = 2;
+const ACCESS_BOUND_WINDOW: u32 = 3;
+
 impl MemoryRegion {
+    /// A registration (no window).
+    pub(crate) fn registered(addr: usize, len: usize, access: Access) -> Self {
+        Self {
+            addr,
+            len,
+            access,
+            bound: None,
+        }
+    }
+
     pub(crate) fn contains(&self, addr: usize, len: usize) -> bool {
         addr >= self.addr
             && addr
@@ -38,7 +68,8 @@ pub(super) struct RegionSlot {
     pub(super) access: AtomicU32,
     pub(super) base: AtomicU64,
     pub(super) len: AtomicU64,
-    pub(super) _reserved: AtomicU64,
+    /// A bound window's parent region key (else 0).
+    pub(super) parent: AtomicU64,
 }
 
 /// A device's registered regions and the counters its peers update.
@@ -84,6 +115,11 @@ impl RegionTable {
             .at(Self::HEADER + index * size_of::<RegionSlot>())
     }
 
+    /// The slot a key names.
+    pub(crate) fn slot_of(key: u32) -> usize {
+        (key & ((1 << SLOT_BITS) - 1)) as usize
+    }
+
     /// The key for `slot` in its `generation` (never 0).
     pub(crate) fn key(slot: usize, generation: u32) -> u32 {
         (generation << SLOT_BITS) | slot as u32
@@ -91,11 +127,18 @@ impl RegionTable {
 
     /// Makes `region` visible under `key`.
     pub(crate) fn publish(&self, key: u32, region: MemoryRegion) {
-        let slot = self.slot((key & ((1 << SLOT_BITS) - 1)) as usize);
+        let slot = self.slot(Self::slot_of(key));
         slot.base.store(region.addr as u64, Ordering::Relaxed);
         slot.len.store(region.len as u64, Ordering::Relaxed);
-        slot.access.store(
-            u32::from(region.access == Access::RemoteWrite),
+        let access = match (region.bound, region.access) {
+            (Some(binding), _) => ACCESS_BOUND_WINDOW | (binding.qpn << 8),
+            (None, Access::LocalOnly) => ACCESS_LOCAL,
+            (None, Access::RemoteWrite) => ACCESS_REMOTE_WRITE,
+            (None, Access::Windows) => ACCESS_WINDOWS,
+        };
+        slot.access.store(access, Ordering::Relaxed);
+        slot.parent.store(
+            region.bound.map_or(0, |b| u64::from(b.parent)),
             Ordering::Relaxed,
         );
         slot.key.store(key, Ordering::Release);
@@ -103,15 +146,22 @@ impl RegionTable {
 
     /// Withdraws `key`.
     pub(crate) fn retire(&self, key: u32) {
-        let slot = self.slot((key & ((1 << SLOT_BITS) - 1)) as usize);
+        let slot = self.slot(Self::slot_of(key));
         let _ = slot
             .key
             .compare_exchange(key, 0, Ordering::AcqRel, Ordering::Relaxed);
     }
 
+    /// Withdraws whatever key is published under `slot`.
+    pub(crate) fn retire_slot(&self, slot: usize) {
+        if slot < self.capacity {
+            self.slot(slot).key.store(0, Ordering::Release);
+        }
+    }
+
     /// The region `key` names, if it is registered.
     pub(crate) fn lookup(&self, key: u32) -> Option<MemoryRegion> {
-        let index = (key & ((1 << SLOT_BITS) - 1)) as usize;
+        let index = Self::slot_of(key);
         if key == 0 || index >= self.capacity {
             return None;
         }
@@ -119,14 +169,25 @@ impl RegionTable {
         if slot.key.load(Ordering::Acquire) != key {
             return None;
         }
+        let access = slot.access.load(Ordering::Relaxed);
+        let parent = slot.parent.load(Ordering::Relaxed);
+        let (access, bound) = match access & 0xff {
+            ACCESS_REMOTE_WRITE => (Access::RemoteWrite, None),
+            ACCESS_WINDOWS => (Access::Windows, None),
+            ACCESS_BOUND_WINDOW => (
+                Access::RemoteWrite,
+                Some(Binding {
+                    qpn: access >> 8,
+                    parent: u32::try_from(parent).ok()?,
+                }),
+            ),
+            _ => (Access::LocalOnly, None),
+        };
         let region = MemoryRegion {
             addr: usize::try_from(slot.base.load(Ordering::Relaxed)).ok()?,
             len: usize::try_from(slot.len.load(Ordering::Relaxed)).ok()?,
-            access: if slot.access.load(Ordering::Relaxed) == 1 {
-                Access::RemoteWrite
-            } else {
-                Access::LocalOnly
-            },
+            access,
+            bound,
         };
         // Fields are published before the key and never change under one
         // key: a key still in place means they were read whole.
