@@ -121,6 +121,10 @@ enum Command {
         /// The CA whose certificates the servers carry (PEM).
         #[arg(long, requires = "tls_cert", global = true)]
         tls_ca: Option<String>,
+        /// The name the server's certificate must carry, where it is not
+        /// the host dialed.
+        #[arg(long, requires = "tls_cert", global = true)]
+        tls_server_name: Option<String>,
         #[command(subcommand)]
         action: AdminAction,
     },
@@ -231,13 +235,14 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             tls_cert,
             tls_key,
             tls_ca,
+            tls_server_name,
         } => {
             let tls = match (tls_cert, tls_key, tls_ca) {
                 (Some(cert), Some(key), Some(ca)) => Some(tessera_rpc::TlsConfig {
                     cert,
                     key,
                     ca,
-                    server_name: None,
+                    server_name: tls_server_name,
                 }),
                 _ => None,
             };

@@ -170,6 +170,10 @@ pub(crate) fn incoming(
         }));
     };
     let (ready, queued) = tokio::sync::mpsc::channel::<io::Result<GatedStream>>(64);
+    // TLS handshakes at once, at most (each costs a key exchange and a
+    // signature before the client has shown anything); more wait their
+    // turn within the handshake bound, as on the Tessera listener.
+    let turns = Arc::new(tokio::sync::Semaphore::new(256));
     tokio::spawn(async move {
         let mut admitted = std::pin::pin!(admitted);
         loop {
@@ -189,8 +193,12 @@ pub(crate) fn incoming(
             };
             let tls = tls.clone();
             let ready = ready.clone();
+            let turns = Arc::clone(&turns);
             tokio::spawn(async move {
-                let accept = tessera_rpc::tls::accept_with(&tls, stream, peer);
+                let accept = async {
+                    let _turn = turns.acquire().await;
+                    tessera_rpc::tls::accept_with(&tls, stream, peer).await
+                };
                 let outcome = match handshake {
                     Some(limit) => tokio::time::timeout(limit, accept).await.ok(),
                     None => Some(accept.await),

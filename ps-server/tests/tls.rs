@@ -10,8 +10,9 @@
 
 use bytes::Bytes;
 use tessera_proto::v1::{
-    AdminClient, FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
-    ReplicationClient, ShardStatusRequest, StatsRequest, StatsResponse,
+    AdminClient, CheckpointRequest, FetchRequest, HealthRequest, HealthResponse,
+    ParameterServerClient, PushRequest, ReplicationClient, ShardStatusRequest, StatsRequest,
+    StatsResponse,
 };
 use tessera_ps_server::config::{AckMode, PeerConfig, ReplicationConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
@@ -58,6 +59,11 @@ fn channel(addr: &str, transport: TransportKind, tls: Option<TlsConfig>) -> Chan
     config.transport.rdma = tessera_rpc::TransportConfig::soft_rdma().rdma;
     config.transport.tls = tls;
     config.connect_timeout_ms = 2000;
+    // Over RDMA it must be RDMA: no falling back to TCP, which would pass
+    // every assertion if the RDMA handshake over TLS broke.
+    if transport == TransportKind::Rdma {
+        config.fallback.enabled = false;
+    }
     Channel::lazy(addr, config).unwrap()
 }
 
@@ -72,7 +78,10 @@ async fn roles_on_the_tessera_endpoint(transport: TransportKind) {
     let pki = TestPki::new();
     let (a, b) = (free_addr(), free_addr());
     let server_a = pki.identity("ps-a", &["replication"]);
-    let primary = InProcess::start(&config(&a, 0, &b, server_a.clone(), transport)).await;
+    let checkpoints = tempfile::tempdir().unwrap();
+    let mut primary_config = config(&a, 0, &b, server_a.clone(), transport);
+    primary_config.checkpoint.dir = Some(checkpoints.path().to_owned());
+    let primary = InProcess::start(&primary_config).await;
     let replica = InProcess::start(&config(
         &b,
         1,
@@ -112,7 +121,21 @@ async fn roles_on_the_tessera_endpoint(transport: TransportKind) {
         .unwrap();
     assert_eq!(fetched.values.len(), 3 * 4 * 4);
 
-    // The worker's certificate reaches neither Admin nor Replication.
+    // The worker's certificate reaches neither Admin nor Replication:
+    // refused unrun (no checkpoint is taken).
+    assert_eq!(
+        code(
+            AdminClient::new(worker.clone())
+                .checkpoint(CheckpointRequest {})
+                .await
+        ),
+        Code::PermissionDenied
+    );
+    assert_eq!(
+        std::fs::read_dir(checkpoints.path()).unwrap().count(),
+        0,
+        "a refused Checkpoint wrote nothing"
+    );
     assert_eq!(
         code(
             AdminClient::new(worker.clone())
@@ -141,6 +164,11 @@ async fn roles_on_the_tessera_endpoint(transport: TransportKind) {
         .await
         .unwrap();
     assert_eq!(stats.shards.iter().map(|s| s.pushes).sum::<u64>(), 5);
+    AdminClient::new(operator.clone())
+        .checkpoint(CheckpointRequest {})
+        .await
+        .unwrap();
+    assert!(std::fs::read_dir(checkpoints.path()).unwrap().count() > 0);
     assert_eq!(
         code(
             ReplicationClient::new(operator)
@@ -158,10 +186,9 @@ async fn roles_on_the_tessera_endpoint(transport: TransportKind) {
         let refused = ParameterServerClient::new(channel(&a, transport, tls))
             .health(HealthRequest {})
             .await;
-        assert!(refused.is_err(), "{refused:?}");
+        // The handshake fails: the call never reaches a server.
+        assert_eq!(code(refused), Code::Unavailable);
     }
-    // Nothing was applied by the refused calls.
-    assert_eq!(primary.store.version(0).unwrap().position, 5);
     replica.stop().await;
     primary.stop().await;
 }

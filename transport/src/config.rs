@@ -414,6 +414,21 @@ impl Validate for TransportConfig {
         prefixed("send_pool", self.send_pool.validate())?;
         prefixed("recv_pool", self.recv_pool.validate())?;
         prefixed("rdma", self.rdma.validate())?;
+        // mlx5 binds a memory window over at most 2 GiB: a confined grant
+        // of a larger message would fail its connection.
+        if self.kind != TransportKind::Tcp
+            && self.rdma.confine_remote_writes
+            && self.max_message_size > MAX_WINDOW_BYTES
+        {
+            return Err(invalid(
+                "max_message_size",
+                format!(
+                    "{} is above {MAX_WINDOW_BYTES}, the most a memory window can cover on some \
+                     RNICs (mlx5); lower it, or set rdma.confine_remote_writes = false",
+                    self.max_message_size
+                ),
+            ));
+        }
         prefixed("inbound", self.inbound.validate_for(self.max_message_size))?;
         match &self.tls {
             Some(tls) => prefixed("tls", tls.validate()),
@@ -421,6 +436,9 @@ impl Validate for TransportConfig {
         }
     }
 }
+
+/// The largest memory window binding some RNICs take (mlx5: 2 GiB).
+const MAX_WINDOW_BYTES: u64 = 2 << 30;
 
 /// Puts `table.` in front of the key an error names.
 fn prefixed(table: &str, result: Result<(), ConfigError>) -> Result<(), ConfigError> {

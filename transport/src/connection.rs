@@ -101,10 +101,13 @@ impl Transport {
     /// saying why in the log, wherever RDMA would have failed.
     pub fn new(config: TransportConfig) -> Result<Self, TransportError> {
         config.validate()?;
+        // Loaded once, first: a bad certificate is the same error whatever
+        // the transport (not a reason for `auto` to try TCP).
+        let tls = config.tls.as_ref().map(Tls::load).transpose()?;
         match config.kind {
-            TransportKind::Tcp => Self::tcp(config),
-            TransportKind::Rdma => Self::rdma(config),
-            TransportKind::Auto => match Self::rdma(config.clone()) {
+            TransportKind::Tcp => Self::tcp(config, tls),
+            TransportKind::Rdma => Self::rdma(config, tls),
+            TransportKind::Auto => match Self::rdma(config.clone(), tls.clone()) {
                 Ok(transport) => {
                     tracing::info!(
                         device = transport
@@ -118,13 +121,13 @@ impl Transport {
                 }
                 Err(err) => {
                     tracing::warn!(%err, "transport auto: RDMA cannot start here; using TCP");
-                    Self::tcp(config)
+                    Self::tcp(config, tls)
                 }
             },
         }
     }
 
-    fn tcp(config: TransportConfig) -> Result<Self, TransportError> {
+    fn tcp(config: TransportConfig, tls: Option<Tls>) -> Result<Self, TransportError> {
         let hook: Arc<dyn RegistrationHook> = Arc::new(CountingHook::new());
         let send_pool = Pool::new(
             config.send_pool.clone(),
@@ -132,7 +135,6 @@ impl Transport {
             Arc::clone(&hook),
         )?;
         let recv_pool = Pool::new(config.recv_pool.clone(), Access::RemoteWrite, hook)?;
-        let tls = config.tls.as_ref().map(Tls::load).transpose()?;
         Ok(Self {
             inner: Arc::new(TransportInner {
                 inbound: InboundBudget::new(config.inbound.max_bytes),
@@ -148,7 +150,7 @@ impl Transport {
 
     /// The RDMA runtime on the configured device, with the configuration
     /// fitted to the device's limits (what [`Transport::config`] reports).
-    fn rdma(mut config: TransportConfig) -> Result<Self, TransportError> {
+    fn rdma(mut config: TransportConfig, tls: Option<Tls>) -> Result<Self, TransportError> {
         let device = open_device(&config)?;
         // Real NICs pin what they register (the soft one shares it).
         if config.rdma.provider == RdmaProvider::Ibverbs {
@@ -173,7 +175,6 @@ impl Transport {
         };
         let recv_pool = Pool::new(config.recv_pool.clone(), recv_access, hook)?;
         let inbound = InboundBudget::new(config.inbound.max_bytes);
-        let tls = config.tls.as_ref().map(Tls::load).transpose()?;
         let rdma = RdmaRuntime::new(
             device,
             &config,
@@ -497,6 +498,12 @@ impl Listener {
     }
 }
 
+/// Handshakes (TLS, RDMA) a listener runs at once; more wait their turn
+/// within their handshake bound. 256: far more than a fleet's reconnect
+/// burst needs at once, few enough that a flood of TLS handshakes leaves
+/// the cores to the requests.
+const MAX_CONCURRENT_HANDSHAKES: usize = 256;
+
 /// How long a dialer in `auto` mode waits for an RDMA handshake before it
 /// falls back to TCP. 1 s: a handshake takes milliseconds; a TCP-only peer
 /// either closes at once or waits for a frame that never comes.
@@ -531,6 +538,11 @@ async fn accept_handshaking(
     ready: mpsc::Sender<Connection>,
 ) {
     let listener_label = if rdma { "rdma" } else { "tls" };
+    // Handshakes at once, at most: a TLS handshake costs the server a key
+    // exchange and a signature before the client has shown anything, so a
+    // flood of them must not take every core. More wait for a turn,
+    // within their handshake bound.
+    let turns = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HANDSHAKES));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -546,8 +558,12 @@ async fn accept_handshaking(
         let accepted = tokio::time::Instant::now();
         let transport = transport.clone();
         let ready = ready.clone();
+        let turns = Arc::clone(&turns);
         tokio::spawn(async move {
-            let handshake = handshake(&transport, stream, peer, rdma, slot, accepted, &ready);
+            let handshake = async {
+                let _turn = turns.acquire().await;
+                handshake(&transport, stream, peer, rdma, slot, accepted, &ready).await
+            };
             // `handshake_timeout_ms = 0` turns the bound off.
             let limit = match transport.inner.config.inbound.handshake_timeout_ms {
                 0 => Duration::MAX,
@@ -565,7 +581,13 @@ async fn accept_handshaking(
                 }
             };
             match bounded.await {
-                Ok(Ok(())) => {}
+                // Handed on outside the bound: a finished connection is
+                // not dropped for a full queue (the listener's owner is
+                // slow to accept), it waits its turn.
+                Ok(Ok(Some(connection))) => {
+                    let _ = ready.send(connection).await;
+                }
+                Ok(Ok(None)) => {}
                 Ok(Err(err)) => {
                     metrics::counter!(crate::warn_limit::MALFORMED, "listener" => listener_label)
                         .increment(1);
@@ -586,9 +608,9 @@ async fn accept_handshaking(
 }
 
 /// One accepted connection's handshakes: TLS first where configured, then
-/// RDMA's hello or a TCP peer's first frame on an RDMA listener. The
-/// finished connection (TCP), or the sockets its peer opens (RDMA), go to
-/// `ready`.
+/// RDMA's hello or a TCP peer's first frame on an RDMA listener. Returns
+/// the finished connection (TCP) for the caller to hand on; an RDMA
+/// peer's sockets go to `ready` as it opens them.
 async fn handshake(
     transport: &Transport,
     stream: tokio::net::TcpStream,
@@ -597,7 +619,7 @@ async fn handshake(
     slot: (ConnectionSlot, AddressSlot),
     accepted: tokio::time::Instant,
     ready: &mpsc::Sender<Connection>,
-) -> Result<(), TransportError> {
+) -> Result<Option<Connection>, TransportError> {
     crate::tls::prepare(&stream)?;
     // TLS first where configured: it says who the peer is.
     let (wire, identity) = match &transport.inner.tls {
@@ -615,10 +637,12 @@ async fn handshake(
         // A TCP listener: the first message's deadline runs from the
         // accept.
         let limits = transport.inbound_limits(slot, accepted, false);
-        let _ = ready
-            .send(transport.tcp_connection(wire, peer, Some(limits), identity))
-            .await;
-        return Ok(());
+        return Ok(Some(transport.tcp_connection(
+            wire,
+            peer,
+            Some(limits),
+            identity,
+        )));
     };
     // Every RDMA listener also serves TCP peers on the same address: they
     // are clients that fell back to TCP because their RDMA path is broken
@@ -642,10 +666,12 @@ async fn handshake(
         tracing::debug!(%peer, "peer speaks TCP");
         // Its first bytes are here: the handshake is over.
         let limits = transport.inbound_limits(slot, accepted, true);
-        let _ = ready
-            .send(transport.tcp_connection(wire, peer, Some(limits), identity))
-            .await;
-        return Ok(());
+        return Ok(Some(transport.tcp_connection(
+            wire,
+            peer,
+            Some(limits),
+            identity,
+        )));
     }
     let stream: crate::tls::BoxStream = match wire {
         Wire::Plain(stream) => Box::new(stream),
@@ -659,7 +685,7 @@ async fn handshake(
         .establish(stream, peer, Role::Acceptor, Some(ready.clone()), identity)
         .await?;
     drop(slot);
-    Ok(())
+    Ok(None)
 }
 
 /// The sending half of a connection. Cheap to clone; all clones feed one

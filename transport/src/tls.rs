@@ -1,7 +1,9 @@
 //! Mutual TLS on the transport's TCP connections: the TCP transport's
-//! frames, and the control connection of the RDMA handshake (the queue
-//! pair it sets up is then bound to the peer that connection
-//! authenticated).
+//! frames, and the control connection of the RDMA handshake (the hello
+//! that sets up the queue pair travels inside it, and every socket of that
+//! queue pair carries the identity it authenticated; the RDMA data path
+//! itself is neither encrypted nor authenticated per packet, and relies on
+//! the fabric being the fleet's).
 //!
 //! Off by default: on one host, or inside a network only the PS fleet
 //! reaches, anyone who can reach a port is already trusted. A fleet turns

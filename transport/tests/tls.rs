@@ -97,7 +97,9 @@ async fn rdma_peers_authenticate_the_handshake_and_their_sockets_carry_the_roles
 }
 
 /// The client's connection is refused: whatever it sends, it reads an
-/// error or the end, and the listener never yields it.
+/// error or the end (nobody serves this listener, so an answer could
+/// only be a bug: what the timeout below waits for is the server's close),
+/// and the listener never yields it.
 async fn assert_refused(listener: &Listener, mut conn: tessera_transport::Connection) {
     let _ = conn.sender.send(Message::from(vec![1u8; 64])).await;
     let outcome = tokio::time::timeout(std::time::Duration::from_secs(10), conn.receiver.recv())
@@ -209,4 +211,84 @@ fn rustls_pki_types_certs(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'
     rustls::pki_types::CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .unwrap()
+}
+
+/// A message far larger than the sockets' buffers crosses TLS whole to a
+/// reader that starts late, so the writer meets a full socket: what TLS
+/// took into its own buffer is flushed with the batch. Before, the
+/// message's tail could wait there for the next message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_message_crosses_tls_to_a_late_reader() {
+    let pki = TestPki::new();
+    let (listener, addr) = listen(tcp(Some(pki.identity("ps-0", &[])))).await;
+    let (go, start) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        let _ = start.await;
+        let message = conn.receiver.recv().await.unwrap().unwrap();
+        (message, conn)
+    });
+    let client = Transport::new(tcp(Some(pki.identity("trainer", &[])))).unwrap();
+    let conn = client.connect(&addr).await.unwrap();
+    let len = 48 << 20;
+    let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    conn.sender.send(Message::from(payload)).await.unwrap();
+    // The writer fills the socket while nobody reads; then the reader
+    // starts. The pause only makes the full socket likely (the test is
+    // valid whatever the order): with it, the writer without a flush lost
+    // the tail (checked against that code).
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let _ = go.send(());
+    let (message, _server_conn) = tokio::time::timeout(std::time::Duration::from_secs(20), served)
+        .await
+        .expect("the whole message arrives")
+        .unwrap();
+    assert_eq!(message.len(), len);
+    assert!(
+        message
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 251) as u8)
+    );
+    drop(conn);
+}
+
+/// A client that opens a connection and stalls in its TLS handshake holds
+/// up nobody (handshakes run in tasks of their own) and is closed at the
+/// handshake bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_tls_handshake_holds_up_no_one_and_is_closed() {
+    let pki = TestPki::new();
+    let mut config = tcp(Some(pki.identity("ps-0", &[])));
+    config.inbound.handshake_timeout_ms = 300;
+    let (listener, addr) = listen(config).await;
+    // Half a ClientHello (a TLS record header promising more), then
+    // silence.
+    let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    stalled
+        .write_all(&[0x16, 0x03, 0x01, 0x02, 0x00])
+        .await
+        .unwrap();
+    let served = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        let message = conn.receiver.recv().await.unwrap().unwrap();
+        conn.sender.send(Message::from(message)).await.unwrap();
+        let _ = conn.receiver.recv().await;
+    });
+    let client = Transport::new(tcp(Some(pki.identity("trainer", &[])))).unwrap();
+    let mut conn = client.connect(&addr).await.unwrap();
+    conn.sender
+        .send(Message::from(vec![3u8; 100]))
+        .await
+        .unwrap();
+    let answer = conn.receiver.recv().await.unwrap().unwrap();
+    assert_eq!(&answer[..], &[3u8; 100][..]);
+    // The stalled one is closed at its bound (well within 10 s).
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), stalled.read(&mut byte))
+        .await
+        .expect("closed at the handshake bound");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    drop(conn);
+    served.await.unwrap();
 }

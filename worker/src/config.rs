@@ -152,6 +152,10 @@ pub struct WorkerConfig {
     /// the servers'. Needed where the servers run with `[tls]`. Default:
     /// off.
     pub tls: Option<TlsConfig>,
+    /// With `[tls]`: the certificate role (`urn:tessera:role:<name>`) a
+    /// caller of `WorkerAdmin` needs. Default `admin`, as the ps-servers'
+    /// `[roles] admin`: the same operators' tools.
+    pub admin_role: String,
 }
 
 impl Default for WorkerConfig {
@@ -182,6 +186,7 @@ impl Default for WorkerConfig {
             metrics_listen: None,
             admin_listen: None,
             tls: None,
+            admin_role: "admin".into(),
         }
     }
 }
@@ -311,6 +316,9 @@ impl Validate for WorkerConfig {
         self.retry.validate()?;
         self.budget.validate()?;
         self.quarantine.validate()?;
+        if self.admin_role.is_empty() {
+            return Err(invalid("admin_role", "must name a role"));
+        }
         self.channel_config().validate()
     }
 }

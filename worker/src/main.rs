@@ -107,7 +107,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
         let client = Arc::new(PsClient::new(&config)?);
         let _admin = match &config.admin_listen {
-            Some(addr) => Some(serve_admin(addr, Arc::clone(&client), config.tls.clone()).await?),
+            Some(addr) => Some(serve_admin(addr, Arc::clone(&client), &config).await?),
             None => None,
         };
         let progress = Arc::new(AtomicU64::new(0));
@@ -174,22 +174,24 @@ fn progress_bar(
 }
 
 /// Serves `WorkerAdmin` on `addr` until the returned sender is dropped.
-/// Serves `WorkerAdmin` at `addr`; with `tls` (the worker's `[tls]`),
-/// over mutual TLS and only to certificates with the admin role, since
+/// Serves `WorkerAdmin` at `addr`; with the worker's `[tls]`, over
+/// mutual TLS and only to certificates with its `admin_role`, since
 /// clearing a quarantine is an operator's act.
 async fn serve_admin(
     addr: &str,
     client: Arc<PsClient>,
-    tls: Option<tessera_rpc::TlsConfig>,
+    config: &tessera_worker::WorkerConfig,
 ) -> Result<tokio::sync::oneshot::Sender<()>, Box<dyn std::error::Error>> {
-    let secured = tls.is_some();
-    let mut config = tessera_rpc::ServerConfig::default();
-    config.transport.tls = tls;
-    let mut builder = tessera_rpc::Server::builder(config).add_service(
+    let mut server_config = tessera_rpc::ServerConfig::default();
+    server_config.transport.tls = config.tls.clone();
+    let mut builder = tessera_rpc::Server::builder(server_config).add_service(
         tessera_proto::v1::WorkerAdminServer::new(tessera_worker::WorkerAdminService::new(client)),
     )?;
-    if secured {
-        builder = builder.require_role(tessera_proto::v1::WORKER_ADMIN_DESCRIPTOR.name, "admin")?;
+    if config.tls.is_some() {
+        builder = builder.require_role(
+            tessera_proto::v1::WORKER_ADMIN_DESCRIPTOR.name,
+            &config.admin_role,
+        )?;
     }
     let server = builder.bind(addr).await?;
     tracing::info!(addr = %server.local_addr(), "WorkerAdmin listening");

@@ -480,10 +480,12 @@ impl RdmaRuntime {
         let theirs = match role {
             Role::Dialer => {
                 stream.write_all(&mine.encode()).await?;
+                stream.flush().await?;
                 stream.read_exact(&mut raw).await?;
                 let theirs = check(&raw)?;
                 qp.connect(&theirs.endpoint).map_err(failed)?;
                 stream.write_all(&[READY]).await?;
+                stream.flush().await?;
                 theirs
             }
             Role::Acceptor => {
@@ -535,8 +537,18 @@ impl RdmaRuntime {
             return Err(TransportError::rdma_error(RdmaError::ThreadStopped));
         }
         if role == Role::Acceptor {
+            // Until the dialer confirms, the engine is attached but not
+            // ready (no timers, no keepalive): if this future is dropped
+            // (the handshake bound) or fails, the I/O thread must still be
+            // told, or the QP, its windows and its CQ room stay for ever.
+            let mut unconfirmed = DetachUnlessConfirmed {
+                io: io.clone(),
+                qpn,
+                armed: true,
+            };
             let confirmed = async {
                 stream.write_all(&mine.encode()).await?;
+                stream.flush().await?;
                 let mut ready = [0u8; 1];
                 stream.read_exact(&mut ready).await?;
                 if ready[0] != READY {
@@ -544,10 +556,8 @@ impl RdmaRuntime {
                 }
                 Ok(())
             };
-            if let Err(err) = confirmed.await {
-                io.submit(Command::PeerClosed { qpn });
-                return Err(err);
-            }
+            confirmed.await?;
+            unconfirmed.armed = false;
             io.submit(Command::PeerReady { qpn, info });
         }
         // The handshake connection is the peer's liveness line: when it
@@ -564,6 +574,23 @@ impl RdmaRuntime {
             }
         });
         Ok(EngineRef { io, qpn, alive })
+    }
+}
+
+/// Tells the I/O thread that an attached engine's peer is gone when
+/// dropped armed: a handshake that failed or was abandoned after the
+/// engine was attached.
+struct DetachUnlessConfirmed {
+    io: IoThread,
+    qpn: u32,
+    armed: bool,
+}
+
+impl Drop for DetachUnlessConfirmed {
+    fn drop(&mut self) {
+        if self.armed {
+            self.io.submit(Command::PeerClosed { qpn: self.qpn });
+        }
     }
 }
 
@@ -621,5 +648,58 @@ mod tests {
         let mut raw = hello.encode();
         raw[35] = 0xff;
         assert_eq!(Hello::decode(&raw).unwrap().endpoint.psn, 0xabcdef);
+    }
+
+    /// A peer that sends a valid hello and never confirms is dropped at the
+    /// handshake bound with everything its engine held. Before, the
+    /// abandoned handshake left the engine attached and never ready (no
+    /// timers, no keepalive): its QP, windows and CQ room stayed for good,
+    /// and enough such peers filled the completion queues.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unconfirmed_handshake_gives_back_its_engine() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut config = TransportConfig::soft_rdma();
+        config.inbound.handshake_timeout_ms = 300;
+        let server = crate::Transport::new(config).unwrap();
+        let listener = server.listen("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // A QP of our own on the soft fabric, for the server to connect to.
+        let device = crate::verbs::soft::SoftFabric::process()
+            .open("unconfirmed", crate::verbs::soft::SoftFaults::default())
+            .unwrap();
+        let cq = device.create_cq(64).unwrap();
+        let qp = device.create_qp(cq.clone(), cq, QpCaps::default()).unwrap();
+        qp.init().unwrap();
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            endpoint: qp.endpoint(),
+            recv_depth: 64,
+            recv_buffer: 8216,
+            max_message: 64 << 20,
+            keepalive_slot: None,
+            shared_receives: false,
+        };
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(&hello.encode()).await.unwrap();
+        let mut answer = [0u8; HELLO_LEN];
+        stream.read_exact(&mut answer).await.unwrap();
+        assert!(Hello::decode(&answer).is_ok());
+        // Attached (the I/O thread counts it on its next round)...
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut attached = false;
+        loop {
+            let open = server.rdma_stats().unwrap().qps_open;
+            attached |= open == 1;
+            // ...then, with no READY, given back at the handshake bound.
+            if attached && open == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the unconfirmed engine was never given back (attached: {attached})"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(stream);
     }
 }

@@ -352,6 +352,11 @@ struct Keepalive {
 /// One engine (see the module docs).
 #[derive(Debug)]
 pub struct Engine {
+    /// The memory windows grants go through (none: the pool's own keys).
+    /// First, so dropped first: a window still bound to a buffer when it
+    /// is freed would keep its registration from going (ibverbs refuses
+    /// to deregister memory a window is bound to).
+    windows: Windows,
     config: EngineConfig,
     role: Role,
     send_pool: Pool,
@@ -387,8 +392,6 @@ pub struct Engine {
     receives_posted: bool,
     peer_ready: bool,
     keepalive: Option<Keepalive>,
-    /// The memory windows grants go through (none: the pool's own keys).
-    windows: Windows,
     /// Events held back, in order, until the invalidation of a large
     /// message's window (the work request id) has completed; what came
     /// after it waits behind it, so per-socket order holds.
@@ -1305,6 +1308,16 @@ impl Engine {
         }
     }
 
+    /// After the engine failed, once its QP is in error (no write can land
+    /// any more): the messages and closes held for invalidations that will
+    /// never complete, in order, to hand on before the failure.
+    pub fn take_held(&mut self) -> Vec<EngineEvent> {
+        if !self.failed {
+            return Vec::new();
+        }
+        self.held.drain(..).map(|(_, event)| event).collect()
+    }
+
     /// Send work requests up to `wr_id` have completed: held events whose
     /// invalidation was among them go out, in order.
     fn release_held(&mut self, wr_id: u64) {
@@ -1389,20 +1402,36 @@ impl Engine {
     }
 
     /// The grants the peer holds: (message id, address, bytes, the key
-    /// its CTS carried).
+    /// its CTS carried, the key of the registered region it lies in).
     #[cfg(test)]
-    pub(crate) fn grants(&self) -> Vec<(u32, u64, usize, u32)> {
+    pub(crate) fn grants(&self) -> Vec<(u32, u64, usize, u32, u32)> {
         self.incoming
             .iter()
             .map(|(&msg_id, (_, buf, _))| {
-                let rkey = self
-                    .windows
-                    .rkey_of(msg_id)
-                    .or_else(|| buf.region().map(|r| r.rkey))
-                    .unwrap_or(0);
-                (msg_id, buf.as_ptr() as u64, buf.len(), rkey)
+                let region = buf.region().map_or(0, |r| r.rkey);
+                let rkey = self.windows.rkey_of(msg_id).unwrap_or(region);
+                (msg_id, buf.as_ptr() as u64, buf.len(), rkey, region)
             })
             .collect()
+    }
+
+    /// The keepalive slot: (address, the key of the region it lies in).
+    #[cfg(test)]
+    pub(crate) fn own_keepalive_slot(&self) -> Option<(u64, u32)> {
+        let slot = &self.keepalive.as_ref()?.slot;
+        Some((slot.as_ptr() as u64, slot.region()?.rkey))
+    }
+
+    /// Where this engine writes its keepalive (the peer's slot).
+    #[cfg(test)]
+    pub(crate) fn peer_keepalive_slot(&self) -> Option<(u64, u32)> {
+        self.keepalive.as_ref()?.peer_slot
+    }
+
+    /// Events held for invalidations.
+    #[cfg(test)]
+    pub(crate) fn held_len(&self) -> usize {
+        self.held.len()
     }
 
     /// Bytes granted to the peer for large messages now, and requests to

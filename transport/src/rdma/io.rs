@@ -250,6 +250,26 @@ fn isolated<R>(
     }
 }
 
+/// A message for a socket's application, or the end of its stream, into
+/// the socket's backlog (other events are not for the backlog).
+fn to_backlog(sockets: &mut HashMap<SocketId, SocketSlot>, event: EngineEvent) {
+    match event {
+        EngineEvent::Message { socket, bytes } => {
+            if let Some(s) = sockets.get_mut(&socket)
+                && s.deliver.is_some()
+            {
+                s.backlog.push_back(Ok(bytes));
+            }
+        }
+        EngineEvent::Closed(socket) => {
+            if let Some(s) = sockets.get_mut(&socket) {
+                s.rx_closed = true;
+            }
+        }
+        _ => {}
+    }
+}
+
 /// A failed engine's pending opens and sockets get `err`: senders stop
 /// (their permits close), and each open receiver gets it as its last item.
 fn fail_sockets(
@@ -909,11 +929,7 @@ impl Worker {
                             bytes.len()
                         );
                     }
-                    if let Some(s) = sockets.get_mut(&socket)
-                        && s.deliver.is_some()
-                    {
-                        s.backlog.push_back(Ok(bytes));
-                    }
+                    to_backlog(sockets, EngineEvent::Message { socket, bytes });
                 }
                 EngineEvent::Sent(socket) => {
                     if let Some(s) = sockets.get(&socket) {
@@ -955,11 +971,7 @@ impl Worker {
                         }));
                     }
                 }
-                EngineEvent::Closed(socket) => {
-                    if let Some(s) = sockets.get_mut(&socket) {
-                        s.rx_closed = true;
-                    }
-                }
+                EngineEvent::Closed(socket) => to_backlog(sockets, EngineEvent::Closed(socket)),
                 EngineEvent::Failed(super::engine::EngineError::Unused) => {
                     attached.alive.store(false, Ordering::Release);
                 }
@@ -977,6 +989,15 @@ impl Worker {
                         io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
                     }
                     tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
+                    // Messages that arrived whole but wait for their
+                    // window's invalidation go first, once the QP is in
+                    // error: no write can land in them any more.
+                    if let Err(err) = attached.qp.fail() {
+                        tracing::warn!(peer = %attached.peer, %err, "moving the queue pair to error failed");
+                    }
+                    for held in attached.engine.take_held() {
+                        to_backlog(sockets, held);
+                    }
                     fail_sockets(opening, sockets, &err);
                 }
             }

@@ -1164,7 +1164,7 @@ fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
     for _ in 0..4 {
         for_hostile.step(true);
     }
-    let [(_, own_addr, own_len, own_key)] = for_hostile.engine.grants()[..] else {
+    let [(_, own_addr, own_len, own_key, _)] = for_hostile.engine.grants()[..] else {
         panic!("one grant: {:?}", for_hostile.engine.grants());
     };
     // The honest peer's message: granted, not yet written.
@@ -1177,7 +1177,7 @@ fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
     for _ in 0..4 {
         for_honest.step(true);
     }
-    let [(_, its_addr, _, its_key)] = for_honest.engine.grants()[..] else {
+    let [(_, its_addr, _, its_key, its_block_key)] = for_honest.engine.grants()[..] else {
         panic!("one grant: {:?}", for_honest.engine.grants());
     };
     assert_ne!(its_key, own_key);
@@ -1226,19 +1226,57 @@ fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
         Side::on_device(server.clone(), "s4", &config, Role::Acceptor, now, true);
     connect_sides(&mut hostile3, &mut for_hostile3, now);
     pump(&mut hostile3, &mut for_hostile3);
-    let block_key = for_honest
-        .recv_pool
-        .alloc(64)
-        .unwrap()
-        .region()
-        .unwrap()
-        .rkey;
     assert_eq!(
-        raw_write(&hostile3, its_addr, block_key, 64),
+        raw_write(&hostile3, its_addr, its_block_key, 64),
         RemoteAccessError,
-        "the receive pool's own key"
+        "the key of the region the grant lies in"
     );
-    assert!(server.stats().remote_access_errors >= 3);
+    // The server's keepalive slot of the first connection: with the
+    // region's key, and with the key of the window bound to it (which
+    // works only on that connection).
+    let (slot_addr, slot_region_key) = for_hostile.engine.own_keepalive_slot().unwrap();
+    let mut hostile4 = Side::new_with(
+        &fabric,
+        "hostile4",
+        &config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut for_hostile4 =
+        Side::on_device(server.clone(), "s5", &config, Role::Acceptor, now, true);
+    connect_sides(&mut hostile4, &mut for_hostile4, now);
+    pump(&mut hostile4, &mut for_hostile4);
+    assert_eq!(
+        raw_write(&hostile4, slot_addr, slot_region_key, 8),
+        RemoteAccessError,
+        "another connection's keepalive slot, with its region's key"
+    );
+    let mut hostile5 = Side::new_with(
+        &fabric,
+        "hostile5",
+        &config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut for_hostile5 =
+        Side::on_device(server.clone(), "s6", &config, Role::Acceptor, now, true);
+    connect_sides(&mut hostile5, &mut for_hostile5, now);
+    pump(&mut hostile5, &mut for_hostile5);
+    let slot_window_key = hostile
+        .engine
+        .peer_keepalive_slot()
+        .map(|(_, rkey)| rkey)
+        .unwrap();
+    assert_eq!(
+        raw_write(&hostile5, slot_addr, slot_window_key, 8),
+        RemoteAccessError,
+        "another connection's keepalive slot, with its window's key"
+    );
+    assert!(server.stats().remote_access_errors >= 5);
 
     // The honest message arrives whole, untouched by any of it.
     pump(&mut honest, &mut for_honest);
@@ -1252,4 +1290,38 @@ fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
         "a key after its message arrived"
     );
     assert!(for_honest.failure.is_none() && for_hostile2.failure.is_none());
+}
+
+/// A message that arrived whole while its window's invalidation is still
+/// outstanding is not lost when the engine fails meanwhile: once the QP
+/// is in error its owner takes it (and any close behind it) before the
+/// failure. Before, the failure dropped it.
+#[test]
+fn a_held_message_survives_the_engines_failure() {
+    let config = EngineConfig::default();
+    let (mut a, mut b) = connected_with(&config, SoftFaults::default(), Instant::now(), true);
+    let socket = open(&mut a, &mut b);
+    a.engine
+        .send(socket, message(&a.send_pool, 200_000, 9))
+        .unwrap();
+    a.engine.close_socket(socket);
+    for _ in 0..1000 {
+        a.step(true);
+        b.step(true);
+        if b.engine.held_len() > 0 {
+            break;
+        }
+    }
+    assert!(
+        b.engine.held_len() > 0,
+        "the message waits for its invalidation"
+    );
+    assert!(b.received.is_empty());
+    b.engine.handle_peer_closed();
+    b.qp.fail().unwrap();
+    let held = b.engine.take_held();
+    let Some(EngineEvent::Message { bytes, .. }) = held.first() else {
+        panic!("the held message: {held:?}");
+    };
+    check(bytes, 200_000, 9);
 }

@@ -141,7 +141,15 @@ async fn writer_loop(
             slices.push(IoSlice::new(header));
             slices.extend(message.parts().iter().map(|part| IoSlice::new(part)));
         }
-        if let Err(err) = write_all_vectored(&mut write, &mut slices).await {
+        // Flushed after every batch: a TLS stream takes bytes into its own
+        // buffer when the socket is full and sends them only on a flush
+        // (or the next write); without it a message's tail could wait for
+        // the next message (plain TCP's flush does nothing).
+        let written = match write_all_vectored(&mut write, &mut slices).await {
+            Ok(()) => write.flush().await,
+            Err(err) => Err(err),
+        };
+        if let Err(err) = written {
             tracing::debug!(%peer, %err, "TCP write failed; closing the connection");
             return;
         }

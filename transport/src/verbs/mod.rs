@@ -389,8 +389,9 @@ pub trait QueuePair: Send + Sync {
 /// A type-2 memory window (`ibv_alloc_mw(IBV_MW_TYPE_2)`): bound with
 /// [`SendOp::BindWindow`] on one QP to one byte range of a registered
 /// region, it lets that QP's peer write exactly there, until
-/// [`SendOp::Invalidate`]. Each binding has a fresh key, so a key given out
-/// for an earlier binding never works again.
+/// [`SendOp::Invalidate`]. Each binding has a fresh key (a new tag: 8 bits
+/// on RNICs, so tags come round again after 256 bindings), and a key works
+/// only on the QP the window is bound to, for its current range.
 ///
 /// Dropping it deallocates the window, which ends any binding.
 pub trait MemoryWindow: Send + Sync + std::fmt::Debug {

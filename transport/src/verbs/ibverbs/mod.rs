@@ -77,6 +77,18 @@ struct Context {
     limits: DeviceLimits,
     /// The completion vector of the next CQ.
     next_vector: std::sync::atomic::AtomicU32,
+    /// The memory regions and windows alive on this context, by address:
+    /// a bind's handles are checked against it before libibverbs is given
+    /// them as pointers (so a stale or made-up handle is refused, never
+    /// dereferenced), and held while the bind is posted.
+    live: Mutex<Live>,
+}
+
+/// What [`Context::live`] holds.
+#[derive(Debug, Default)]
+struct Live {
+    regions: std::collections::HashSet<u64>,
+    windows: std::collections::HashSet<u64>,
 }
 
 // SAFETY: libibverbs contexts and protection domains may be used from any
@@ -197,6 +209,7 @@ impl IbvDevice {
             traffic_class,
             limits: DeviceLimits::SOFT,
             next_vector: std::sync::atomic::AtomicU32::new(0),
+            live: Mutex::new(Live::default()),
         };
         // SAFETY: a zeroed ibv_device_attr is a valid out-parameter.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };

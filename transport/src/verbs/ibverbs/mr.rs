@@ -37,6 +37,12 @@ impl RegistrationHook for IbvRegistration {
         }
         // SAFETY: `mr` is a valid memory region returned just above.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        self.ctx
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .regions
+            .insert(mr as u64);
         Ok(RegisteredRegion {
             lkey,
             rkey,
@@ -45,8 +51,21 @@ impl RegistrationHook for IbvRegistration {
     }
 
     fn deregister(&self, _addr: usize, _len: usize, region: &RegisteredRegion) {
-        // SAFETY: `handle` is the ibv_mr this hook registered, deregistered
-        // once (the pool calls this once per registration).
-        unsafe { ibv_dereg_mr(region.handle as *mut ibv_mr) };
+        let mut live = self.ctx.live.lock().unwrap_or_else(|p| p.into_inner());
+        if !live.regions.remove(&region.handle) {
+            return;
+        }
+        // SAFETY: `handle` is the ibv_mr this hook registered (it was
+        // live), deregistered once: it left the live set above, under the
+        // lock binds hold while they post.
+        let rc = unsafe { ibv_dereg_mr(region.handle as *mut ibv_mr) };
+        if rc != 0 {
+            // EBUSY/EINVAL while a window is still bound to it: its pinned
+            // memory stays. Engines drop their windows before their buffers.
+            tracing::warn!(
+                errno = rc,
+                "ibv_dereg_mr failed; the region stays registered (a memory window bound to it?)"
+            );
+        }
     }
 }

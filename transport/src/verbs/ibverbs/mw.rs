@@ -14,9 +14,11 @@ pub(super) struct IbvWindow {
 }
 
 // SAFETY: an ibv_mw is used only through verbs calls that libibverbs makes
-// thread safe (posting a bind on a QP, deallocation once, from Drop).
+// thread safe (posting a bind on a QP, deallocation once, from Drop); its
+// `rkey` field is written only by a bind's poster while it holds the
+// context's `live` lock, which deallocation takes too.
 unsafe impl Send for IbvWindow {}
-// SAFETY: as above; the pointer is only read.
+// SAFETY: as above: `&self` methods read nothing through the pointer.
 unsafe impl Sync for IbvWindow {}
 
 impl IbvWindow {
@@ -30,6 +32,11 @@ impl IbvWindow {
         };
         // SAFETY: `mw` was returned valid just above.
         let rkey = unsafe { (*mw).rkey };
+        ctx.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .windows
+            .insert(mw as u64);
         Ok(Self {
             mw,
             _ctx: Arc::clone(ctx),
@@ -40,8 +47,11 @@ impl IbvWindow {
 
 impl Drop for IbvWindow {
     fn drop(&mut self) {
+        let mut live = self._ctx.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.windows.remove(&(self.mw as u64));
         // SAFETY: `mw` was allocated by `allocate` and is deallocated once,
-        // here; deallocation ends any binding.
+        // here, under the lock binds hold while they post; deallocation
+        // ends any binding.
         unsafe { ibv_dealloc_mw(self.mw) };
     }
 }

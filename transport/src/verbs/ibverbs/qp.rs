@@ -239,6 +239,29 @@ impl QueuePair for IbvQp {
         if wrs.is_empty() {
             return Ok(());
         }
+        // A bind hands libibverbs its window and region as pointers: only
+        // ones alive on this context, checked and kept alive (the lock)
+        // until the post is done; a made-up handle is refused here.
+        let binds = wrs
+            .iter()
+            .any(|wr| matches!(wr.op, SendOp::BindWindow { .. }));
+        let live = match binds {
+            false => None,
+            true => {
+                let live = self.ctx.live.lock().unwrap_or_else(|p| p.into_inner());
+                for wr in wrs {
+                    if let SendOp::BindWindow { window, region, .. } = wr.op
+                        && !(live.windows.contains(&window) && live.regions.contains(&region))
+                    {
+                        return Err(VerbsError::InvalidRequest(format!(
+                            "work request {} binds a window or region that is not alive on this device",
+                            wr.wr_id
+                        )));
+                    }
+                }
+                Some(live)
+            }
+        };
         let mut sges: Vec<Vec<ibv_sge>> = wrs
             .iter()
             .map(|wr| {
@@ -335,12 +358,32 @@ impl QueuePair for IbvQp {
         let _one_poster = self.post_guard.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `list` and `sges` outlive the call (the library copies
         // work requests into the send queue before returning); one thread
-        // posts at a time (the guard), as a thread domain requires.
+        // posts at a time (the guard), as a thread domain requires; the
+        // windows and regions a bind names are alive (checked under the
+        // `live` lock, held through the call).
         let rc = unsafe { ibv_post_send(self.qp, list.as_mut_ptr(), &mut bad) };
+        let posted = match rc {
+            0 => wrs.len(),
+            _ => posted_before(list.as_ptr(), list.len(), bad) as usize,
+        };
+        // A window's key is its latest binding's: providers name the window
+        // by `mw->rkey` in the next bind (rxe refuses one whose key is not
+        // the kernel's current one), as `ibv_bind_mw` would have set it.
+        if live.is_some() {
+            for wr in &wrs[..posted.min(wrs.len())] {
+                if let SendOp::BindWindow { window, rkey, .. } = wr.op {
+                    // SAFETY: `window` is a live ibv_mw of this context
+                    // (checked above under the `live` lock, still held, so
+                    // it cannot be deallocated meanwhile).
+                    unsafe { (*(window as *mut ibv_mw)).rkey = rkey };
+                }
+            }
+        }
+        drop(live);
         if rc != 0 {
             return Err(VerbsError::PostFailed {
                 queue: "send",
-                posted: posted_before(list.as_ptr(), list.len(), bad),
+                posted: posted as u32,
                 errno: rc,
             });
         }

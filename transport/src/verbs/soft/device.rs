@@ -326,11 +326,16 @@ impl DeviceInner {
         qpn: u32,
     ) -> WcStatus {
         let slot = RegionTable::slot_of(rkey);
-        let is_window = {
-            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            slots.windows.contains(&slot)
-        };
-        if !is_window || window != slot as u64 || rkey >> super::rings::SLOT_BITS == 0 {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if !slots.windows.contains(&slot)
+            || window != slot as u64
+            || rkey >> super::rings::SLOT_BITS == 0
+        {
+            return WcStatus::LocalProtectionError;
+        }
+        // A type-2 window is bound only when free: a bound one must be
+        // invalidated first (mlx5 and rxe refuse the bind otherwise).
+        if self.table.key_in(slot) != 0 {
             return WcStatus::LocalProtectionError;
         }
         let Some(parent) = self.table.lookup(lkey) else {
@@ -340,11 +345,11 @@ impl DeviceInner {
         {
             return WcStatus::LocalProtectionError;
         }
-        // A new binding replaces the old at once (a bind of a bound type-2
-        // window is allowed only after invalidation on real devices; the
-        // engine always invalidates first, and this stays strict enough:
-        // the old key dies either way).
-        self.table.retire_slot(slot);
+        // The slot's generation follows the window's keys, so that the
+        // slot's next owner (after the window is gone) never reuses a key
+        // this window handed out.
+        slots.generation[slot] = rkey >> super::rings::SLOT_BITS;
+        drop(slots);
         self.table.publish(
             rkey,
             MemoryRegion {

@@ -190,7 +190,20 @@ impl SoftQpInner {
                 }
                 return device.bind_window(window, rkey, addr, len, lkey, self.qpn);
             }
-            SendOp::Invalidate { rkey } => return device.invalidate_window(rkey),
+            SendOp::Invalidate { rkey } => {
+                let status = device.invalidate_window(rkey);
+                // Writes that found the key before it went may still be
+                // copying: the invalidation completes once they are done
+                // (they enter through this QP's DMA guard), as a NIC's
+                // does once no packet of the old binding can land.
+                if status == WcStatus::Success {
+                    std::sync::atomic::fence(Ordering::SeqCst);
+                    if !self.segment.wait_dma_idle(DMA_DRAIN_LIMIT) {
+                        return WcStatus::LocalProtectionError;
+                    }
+                }
+                return status;
+            }
             SendOp::Send | SendOp::Write { .. } | SendOp::WriteWithImm { .. } => {}
         }
         if device.roll(Fault::QpError) > 0 {
@@ -216,12 +229,32 @@ impl SoftQpInner {
         let Some(memory) = peer.memory() else {
             return WcStatus::RetryExceeded;
         };
+        // The receive a SEND or WRITE_WITH_IMM consumes is waited for
+        // (receiver-not-ready retries) before the DMA guard: a sender
+        // waiting there would hold up whatever waits for the peer's guard
+        // to empty (its invalidations, its teardown) while the peer's
+        // thread, the one to post more receives, waits in it.
+        // A responder not (yet, or no longer) taking traffic drops the
+        // packets: the sender's retries run out, whether or not it has
+        // receives posted.
+        if !peer.qp.receiving() {
+            return WcStatus::RetryExceeded;
+        }
+        let recv = match wr.op {
+            SendOp::Send | SendOp::WriteWithImm { .. } => {
+                match take_recv_or_rnr(device, &memory, &peer.recvs, self.caps.rnr_retry) {
+                    Some(recv) => Some(recv),
+                    None => return WcStatus::ReceiverNotReady,
+                }
+            }
+            _ => None,
+        };
         // Inside the peer's DMA guard, so the peer cannot tear the QP down
         // (and free the memory behind it) between the checks and the copy.
         if !peer.qp.begin_dma() {
             return WcStatus::RetryExceeded;
         }
-        let status = self.execute_guarded(device, peer, &memory, remote, wr, &gather, total);
+        let status = self.execute_guarded(device, peer, &memory, remote, wr, recv, &gather, total);
         peer.qp.end_dma();
         if status == WcStatus::Success {
             device
@@ -239,6 +272,7 @@ impl SoftQpInner {
         memory: &PeerMemory<'_>,
         remote: QpEndpoint,
         wr: &SendWr,
+        recv: Option<RecvWr>,
         gather: &[(usize, usize)],
         total: usize,
     ) -> WcStatus {
@@ -267,8 +301,7 @@ impl SoftQpInner {
         };
         match wr.op {
             SendOp::Send => {
-                let Some(recv) = take_recv_or_rnr(device, memory, &peer.recvs, self.caps.rnr_retry)
-                else {
+                let Some(recv) = recv else {
                     return WcStatus::ReceiverNotReady;
                 };
                 if total > recv.sge.len as usize || device.roll(Fault::RecvError) > 0 {
@@ -297,15 +330,18 @@ impl SoftQpInner {
                 rkey,
                 imm,
             } => {
+                // The responder needs a receive before it accepts the data.
+                let Some(recv) = recv else {
+                    return WcStatus::ReceiverNotReady;
+                };
                 let Some(target) = memory.resolve(rkey, remote_addr, total, Some(remote.qpn))
                 else {
+                    // The receive it took completes in error and the
+                    // responder's QP fails too (rxe's responder does so on
+                    // an access error).
                     memory.table().count_remote_access_error();
+                    fail_peer(recv.wr_id, WcStatus::RemoteAccessError);
                     return WcStatus::RemoteAccessError;
-                };
-                // The responder needs a receive before it accepts the data.
-                let Some(recv) = take_recv_or_rnr(device, memory, &peer.recvs, self.caps.rnr_retry)
-                else {
-                    return WcStatus::ReceiverNotReady;
                 };
                 copy_gather(gather, target.addr);
                 if !complete_peer(
@@ -632,6 +668,10 @@ impl QueuePair for SoftQp {
 
     fn fail(&self) -> Result<(), VerbsError> {
         self.inner.enter_error();
+        // Like a NIC's QP in error, it takes no more writes once this
+        // returns: those already copying finish first.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.inner.segment.wait_dma_idle(DMA_DRAIN_LIMIT);
         Ok(())
     }
 }

@@ -973,6 +973,19 @@ fn a_window_confines_writes_to_its_bytes_its_connection_and_its_binding() {
             cq.poll(&mut done, 8);
             assert_eq!(done[0].status, WcStatus::Success, "{case}: bind");
         };
+        let invalidate = |rkey: u32| {
+            qp_ab
+                .post_send(&[SendWr {
+                    wr_id: 51,
+                    op: SendOp::Invalidate { rkey },
+                    sges: Vec::new(),
+                    signaled: true,
+                }])
+                .unwrap();
+            let mut done = Vec::new();
+            cq.poll(&mut done, 8);
+            assert_eq!(done[0].status, WcStatus::Success, "{case}: invalidate");
+        };
         let first = window.next_rkey(window.rkey());
         bind(first, &grant);
         let (writer, addr, rkey, len) = match case {
@@ -986,27 +999,19 @@ fn a_window_confines_writes_to_its_bytes_its_connection_and_its_binding() {
             ),
             "from another connection" => (&c, grant.as_ptr() as usize, first, 64),
             "after invalidation" => {
-                qp_ab
-                    .post_send(&[SendWr {
-                        wr_id: 51,
-                        op: SendOp::Invalidate { rkey: first },
-                        sges: Vec::new(),
-                        signaled: true,
-                    }])
-                    .unwrap();
-                let mut done = Vec::new();
-                cq.poll(&mut done, 8);
-                assert_eq!(done[0].status, WcStatus::Success, "{case}: invalidate");
+                invalidate(first);
                 (&a, grant.as_ptr() as usize, first, 64)
             }
             "with an earlier binding's key" => {
                 let second = window.next_rkey(first);
                 assert_ne!(second, first);
+                invalidate(first);
                 bind(second, &neighbour);
                 (&a, neighbour.as_ptr() as usize, first, 64)
             }
             _ => {
                 let second = window.next_rkey(first);
+                invalidate(first);
                 bind(second, &neighbour);
                 (&a, neighbour.as_ptr() as usize, second, 64)
             }
@@ -1054,6 +1059,7 @@ fn binds_outside_the_rules_are_local_protection_errors() {
         "another window's key",
         "remote-write memory",
         "past the region",
+        "a window still bound",
     ] {
         let (a, b) = pair();
         let _ = &a;
@@ -1066,6 +1072,25 @@ fn binds_outside_the_rules_are_local_protection_errors() {
         let region = buf.region().unwrap();
         let (rkey, target, len) = match case {
             "another window's key" => (other.next_rkey(other.rkey()), &buf, 128),
+            "a window still bound" => {
+                let first = window.next_rkey(window.rkey());
+                b.qp.post_send(&[SendWr {
+                    wr_id: 8,
+                    op: SendOp::BindWindow {
+                        window: window.handle(),
+                        rkey: first,
+                        addr: buf.as_ptr() as usize,
+                        len: 64,
+                        lkey: region.lkey,
+                        region: region.handle,
+                    },
+                    sges: Vec::new(),
+                    signaled: true,
+                }])
+                .unwrap();
+                assert_eq!(b.poll_send()[0].status, WcStatus::Success);
+                (window.next_rkey(first), &buf, 128)
+            }
             "remote-write memory" => (window.next_rkey(window.rkey()), &plain, 128),
             _ => (
                 window.next_rkey(window.rkey()),

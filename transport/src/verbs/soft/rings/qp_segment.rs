@@ -163,10 +163,22 @@ impl QpSegment {
         let header = self.header();
         header.writers.fetch_add(1, Ordering::SeqCst);
         if matches!(header.state.load(Ordering::SeqCst), STATE_READY | STATE_RTR) {
+            // What the writer reads next (the key it writes through) is
+            // read after it counted itself in: an invalidation that
+            // retired the key and then found no writer cannot miss it.
+            std::sync::atomic::fence(Ordering::SeqCst);
             return true;
         }
         header.writers.fetch_sub(1, Ordering::SeqCst);
         false
+    }
+
+    /// Whether the QP takes its peer's traffic now (RTR or RTS).
+    pub(crate) fn receiving(&self) -> bool {
+        matches!(
+            self.header().state.load(Ordering::SeqCst),
+            STATE_READY | STATE_RTR
+        )
     }
 
     pub(crate) fn end_dma(&self) {

@@ -68,7 +68,8 @@ pub(super) struct RegionSlot {
     pub(super) access: AtomicU32,
     pub(super) base: AtomicU64,
     pub(super) len: AtomicU64,
-    /// A bound window's parent region key (else 0).
+    /// A bound window's QP number (high half) and parent region key (low
+    /// half); else 0.
     pub(super) parent: AtomicU64,
 }
 
@@ -128,17 +129,23 @@ impl RegionTable {
     /// Makes `region` visible under `key`.
     pub(crate) fn publish(&self, key: u32, region: MemoryRegion) {
         let slot = self.slot(Self::slot_of(key));
+        // A seqlock's writer: the slot's key is 0 (retired) or about to be
+        // replaced; the fields below must not be seen before that by a
+        // reader who then sees the old key again.
+        std::sync::atomic::fence(Ordering::Release);
         slot.base.store(region.addr as u64, Ordering::Relaxed);
         slot.len.store(region.len as u64, Ordering::Relaxed);
         let access = match (region.bound, region.access) {
-            (Some(binding), _) => ACCESS_BOUND_WINDOW | (binding.qpn << 8),
+            (Some(_), _) => ACCESS_BOUND_WINDOW,
             (None, Access::LocalOnly) => ACCESS_LOCAL,
             (None, Access::RemoteWrite) => ACCESS_REMOTE_WRITE,
             (None, Access::Windows) => ACCESS_WINDOWS,
         };
         slot.access.store(access, Ordering::Relaxed);
         slot.parent.store(
-            region.bound.map_or(0, |b| u64::from(b.parent)),
+            region
+                .bound
+                .map_or(0, |b| (u64::from(b.qpn) << 32) | u64::from(b.parent)),
             Ordering::Relaxed,
         );
         slot.key.store(key, Ordering::Release);
@@ -150,6 +157,14 @@ impl RegionTable {
         let _ = slot
             .key
             .compare_exchange(key, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// The key published under `slot` now (0: none).
+    pub(crate) fn key_in(&self, slot: usize) -> u32 {
+        if slot >= self.capacity {
+            return 0;
+        }
+        self.slot(slot).key.load(Ordering::Acquire)
     }
 
     /// Withdraws whatever key is published under `slot`.
@@ -177,8 +192,8 @@ impl RegionTable {
             ACCESS_BOUND_WINDOW => (
                 Access::RemoteWrite,
                 Some(Binding {
-                    qpn: access >> 8,
-                    parent: u32::try_from(parent).ok()?,
+                    qpn: (parent >> 32) as u32,
+                    parent: parent as u32,
                 }),
             ),
             _ => (Access::LocalOnly, None),
@@ -190,7 +205,9 @@ impl RegionTable {
             bound,
         };
         // Fields are published before the key and never change under one
-        // key: a key still in place means they were read whole.
+        // key: a key still in place means they were read whole (the
+        // seqlock's reader fence: the loads above before the check below).
+        std::sync::atomic::fence(Ordering::Acquire);
         (slot.key.load(Ordering::Acquire) == key).then_some(region)
     }
 
