@@ -21,9 +21,10 @@ use super::{ONE_AT_A_TIME, rdma_soft};
 
 const MIB: usize = 1 << 20;
 /// The worker's Fetch rate: the other drills' 400/s. (It was 200/s while
-/// the attackers were a thread of this process: at 400/s their ratio
-/// measured 2.5-4.0; with the attackers in a process of their own, 1.2-2.5
-/// plain and 1.2-1.3 under two CPU hogs.)
+/// the attackers were a thread of this process. With them in a process of
+/// their own the p99 ratio measured 1.2-4.0 plain, 0.6-4.2 at 200/s, and
+/// 1.1-1.5 under two CPU hogs; the attackers' 600 MiB cross this host's
+/// two cores too, which a fleet's attackers, on other hosts, would not.)
 const FETCHES_PER_SEC: u64 = 400;
 /// The drill's inbound budget: four 60 MiB frames.
 const BUDGET: u64 = 256 << 20;
