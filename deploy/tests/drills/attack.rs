@@ -227,7 +227,7 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     // 3x, or 25 ms (a floor for this VM's own pauses of a few ms). The
     // stalls of 130-460 ms under two CPU hogs (5 of 12 runs, then 3 of 3)
     // were the attackers' starved thread holding this process's
-    // memory-map lock; as a process of their own, none in 12 runs.
+    // memory-map lock; as a process of their own, none in 10 runs.
     let bound = (3.0 * base.2).max(25.0);
     assert!(
         during.2 <= bound,
