@@ -1,6 +1,14 @@
-//! A local etcd process: one member on a loopback port with its data in a
+//! A local etcd process: one member on a loopback port, its log in a
 //! directory of the caller's, for a one-host cluster (`tessera up` with
 //! `local_etcd`) and for tests. Stopped when dropped.
+//!
+//! Its data lives in memory (a directory under `/dev/shm`, removed with
+//! it) where the host has that tmpfs, else in the caller's directory: a
+//! one-host cluster's coordinator needs no durability beyond its own
+//! life, and etcd's fsyncs behind a disk busy writing back a build's
+//! gigabytes could hold up its Raft writes for seconds, past the drills'
+//! 2 s leases (two failover drills of a clean-clone CI run saw a new
+//! primary lose its lease that way, it seems; never on a warm disk).
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -41,6 +49,34 @@ pub struct LocalEtcd {
     endpoint: String,
     log: PathBuf,
     child: Child,
+    /// Its data directory in memory, removed when it goes (after the
+    /// child: fields drop in order, and `Drop` stops the child first).
+    _memory: Option<MemoryDir>,
+}
+
+/// A directory under `/dev/shm`, removed when dropped.
+#[derive(Debug)]
+struct MemoryDir(PathBuf);
+
+impl MemoryDir {
+    /// A fresh one, where the host has `/dev/shm`.
+    fn create() -> Option<Self> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return None;
+        }
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = shm.join(format!("tessera-etcd-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        Some(Self(dir))
+    }
+}
+
+impl Drop for MemoryDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The etcd binary: `explicit`, else `TESSERA_ETCD_BIN`, else `etcd` on
@@ -101,9 +137,14 @@ impl LocalEtcd {
         let (client, peer) = (free_port()?, free_port()?);
         let endpoint = format!("127.0.0.1:{client}");
         let log = dir.join("etcd.log");
+        let memory = MemoryDir::create();
+        let data = match &memory {
+            Some(memory) => memory.0.join("data"),
+            None => dir.join("data"),
+        };
         let child = Command::new(bin)
             .args(["--name", "tessera", "--data-dir"])
-            .arg(dir.join("data"))
+            .arg(data)
             .arg(format!("--listen-client-urls=http://{endpoint}"))
             .arg(format!("--advertise-client-urls=http://{endpoint}"))
             .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
@@ -123,6 +164,7 @@ impl LocalEtcd {
             endpoint,
             log,
             child,
+            _memory: memory,
         };
         etcd.wait_ready(timeout)?;
         Ok(etcd)

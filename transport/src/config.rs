@@ -468,6 +468,35 @@ mod tests {
     }
 
     #[test]
+    fn confinement_caps_the_message_size_at_a_windows_reach() {
+        let big = TransportConfig {
+            max_message_size: 3 << 30,
+            inbound: InboundConfig {
+                max_bytes: 4 << 30,
+                max_connection_bytes: 4 << 30,
+                max_address_bytes: 4 << 30,
+                ..InboundConfig::default()
+            },
+            ..TransportConfig::soft_rdma()
+        };
+        let err = big.validate().unwrap_err();
+        assert_eq!(err.key(), Some("max_message_size"));
+        let open = TransportConfig {
+            rdma: RdmaConfig {
+                confine_remote_writes: false,
+                ..big.rdma.clone()
+            },
+            ..big.clone()
+        };
+        assert!(open.validate().is_ok());
+        let tcp = TransportConfig {
+            kind: TransportKind::Tcp,
+            ..big
+        };
+        assert!(tcp.validate().is_ok());
+    }
+
+    #[test]
     fn defaults_validate_and_zero_limits_do_not() {
         TransportConfig::default().validate().unwrap();
         let config = TransportConfig {

@@ -219,6 +219,24 @@ mod tests {
             ..RdmaConfig::default()
         };
         assert!(fit(&unused, &limits, "soft").is_ok());
+        // A device without type-2 memory windows cannot confine remote
+        // writes: refused naming the key, unless confinement is off.
+        let no_windows = DeviceLimits {
+            memory_windows: 0,
+            ..limits
+        };
+        match fit(&RdmaConfig::default(), &no_windows, "rxe0") {
+            Err(ConfigError::Invalid { key, reason }) => {
+                assert_eq!(key, "rdma.confine_remote_writes");
+                assert!(reason.contains("rxe0"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let open = RdmaConfig {
+            confine_remote_writes: false,
+            ..RdmaConfig::default()
+        };
+        assert!(fit(&open, &no_windows, "rxe0").is_ok());
     }
 
     #[test]
