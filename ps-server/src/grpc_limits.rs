@@ -48,6 +48,26 @@ pub(crate) struct GatedStream {
     _ticket: GateTicket,
 }
 
+impl GatedStream {
+    /// `stream` from `peer` (who its certificate says it is, with TLS),
+    /// holding `ticket`; its first byte is due within `handshake`.
+    fn new(
+        stream: BoxStream,
+        peer: SocketAddr,
+        identity: Option<Arc<PeerIdentity>>,
+        handshake: Option<Duration>,
+        ticket: GateTicket,
+    ) -> Self {
+        Self {
+            stream,
+            peer,
+            identity,
+            first_byte_by: handshake.map(|limit| Box::pin(tokio::time::sleep(limit))),
+            _ticket: ticket,
+        }
+    }
+}
+
 impl std::fmt::Debug for GatedStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GatedStream")
@@ -160,12 +180,8 @@ pub(crate) fn incoming(
         });
     let Some(tls) = tls else {
         return Box::pin(admitted.map(move |accepted| {
-            accepted.map(|(stream, peer, ticket)| GatedStream {
-                stream: Box::new(stream),
-                peer,
-                identity: None,
-                first_byte_by: handshake.map(|limit| Box::pin(tokio::time::sleep(limit))),
-                _ticket: ticket,
+            accepted.map(|(stream, peer, ticket)| {
+                GatedStream::new(Box::new(stream), peer, None, handshake, ticket)
             })
         }));
     };
@@ -206,14 +222,13 @@ pub(crate) fn incoming(
                 match outcome {
                     Some(Ok((stream, identity))) => {
                         let _ = ready
-                            .send(Ok(GatedStream {
-                                stream: Box::new(stream),
+                            .send(Ok(GatedStream::new(
+                                Box::new(stream),
                                 peer,
-                                identity: Some(Arc::new(identity)),
-                                first_byte_by: handshake
-                                    .map(|limit| Box::pin(tokio::time::sleep(limit))),
-                                _ticket: ticket,
-                            }))
+                                Some(Arc::new(identity)),
+                                handshake,
+                                ticket,
+                            )))
                             .await;
                     }
                     Some(Err(err)) => {

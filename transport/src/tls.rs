@@ -160,10 +160,7 @@ impl PeerIdentity {
     pub fn of_certificate(der: &[u8]) -> Self {
         use x509_parser::extensions::GeneralName;
         let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
-            return Self {
-                subject: String::new(),
-                roles: Vec::new(),
-            };
+            return Self::unknown();
         };
         let mut roles = Vec::new();
         if let Ok(Some(san)) = cert.subject_alternative_name() {
@@ -185,13 +182,17 @@ impl PeerIdentity {
     /// The identity of a verified chain's end-entity certificate (rustls
     /// verified one, so there is one; none gives no roles).
     fn of_chain(chain: Option<&[CertificateDer<'_>]>) -> Self {
-        chain.and_then(|chain| chain.first()).map_or_else(
-            || Self {
-                subject: String::new(),
-                roles: Vec::new(),
-            },
-            |cert| Self::of_certificate(cert),
-        )
+        chain
+            .and_then(|chain| chain.first())
+            .map_or_else(Self::unknown, |cert| Self::of_certificate(cert))
+    }
+
+    /// No subject, no roles.
+    fn unknown() -> Self {
+        Self {
+            subject: String::new(),
+            roles: Vec::new(),
+        }
     }
 
     /// The certificate's subject (`CN=worker-3, O=...`), for logs.

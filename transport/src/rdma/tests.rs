@@ -1109,6 +1109,31 @@ fn raw_write(from: &Side, addr: u64, rkey: u32, len: usize) -> crate::verbs::WcS
         .expect("the write completed")
 }
 
+/// A confined peer `name` of `server` (a side of its own on `server`'s
+/// device, `side`), connected and idle: (the peer, the server's side).
+fn server_peer(
+    fabric: &SoftFabric,
+    server: &SoftDevice,
+    name: &str,
+    side: &str,
+    config: &EngineConfig,
+    now: Instant,
+) -> (Side, Side) {
+    let mut peer = Side::new_with(
+        fabric,
+        name,
+        config,
+        SoftFaults::default(),
+        Role::Dialer,
+        now,
+        true,
+    );
+    let mut served = Side::on_device(server.clone(), side, config, Role::Acceptor, now, true);
+    connect_sides(&mut peer, &mut served, now);
+    pump(&mut peer, &mut served);
+    (peer, served)
+}
+
 /// Remote-write confinement end to end (issue 16, item 6): a server (two
 /// engines on one device) grants a hostile peer and an honest one a
 /// destination each. The hostile peer can write into its own grant and
@@ -1195,37 +1220,13 @@ fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
     );
     // Its QP failed (as a NIC fails it): a second hostile connection tries
     // the honest peer's grant and the server's keepalive slot.
-    let mut hostile2 = Side::new_with(
-        &fabric,
-        "hostile2",
-        &config,
-        SoftFaults::default(),
-        Role::Dialer,
-        now,
-        true,
-    );
-    let mut for_hostile2 =
-        Side::on_device(server.clone(), "s3", &config, Role::Acceptor, now, true);
-    connect_sides(&mut hostile2, &mut for_hostile2, now);
-    pump(&mut hostile2, &mut for_hostile2);
+    let (hostile2, for_hostile2) = server_peer(&fabric, &server, "hostile2", "s3", &config, now);
     assert_eq!(
         raw_write(&hostile2, its_addr, its_key, 64),
         RemoteAccessError,
         "another connection's grant, with its key"
     );
-    let mut hostile3 = Side::new_with(
-        &fabric,
-        "hostile3",
-        &config,
-        SoftFaults::default(),
-        Role::Dialer,
-        now,
-        true,
-    );
-    let mut for_hostile3 =
-        Side::on_device(server.clone(), "s4", &config, Role::Acceptor, now, true);
-    connect_sides(&mut hostile3, &mut for_hostile3, now);
-    pump(&mut hostile3, &mut for_hostile3);
+    let (hostile3, _for_hostile3) = server_peer(&fabric, &server, "hostile3", "s4", &config, now);
     assert_eq!(
         raw_write(&hostile3, its_addr, its_block_key, 64),
         RemoteAccessError,
@@ -1235,37 +1236,13 @@ fn a_peer_writes_only_into_its_own_grant_while_it_lasts() {
     // region's key, and with the key of the window bound to it (which
     // works only on that connection).
     let (slot_addr, slot_region_key) = for_hostile.engine.own_keepalive_slot().unwrap();
-    let mut hostile4 = Side::new_with(
-        &fabric,
-        "hostile4",
-        &config,
-        SoftFaults::default(),
-        Role::Dialer,
-        now,
-        true,
-    );
-    let mut for_hostile4 =
-        Side::on_device(server.clone(), "s5", &config, Role::Acceptor, now, true);
-    connect_sides(&mut hostile4, &mut for_hostile4, now);
-    pump(&mut hostile4, &mut for_hostile4);
+    let (hostile4, _for_hostile4) = server_peer(&fabric, &server, "hostile4", "s5", &config, now);
     assert_eq!(
         raw_write(&hostile4, slot_addr, slot_region_key, 8),
         RemoteAccessError,
         "another connection's keepalive slot, with its region's key"
     );
-    let mut hostile5 = Side::new_with(
-        &fabric,
-        "hostile5",
-        &config,
-        SoftFaults::default(),
-        Role::Dialer,
-        now,
-        true,
-    );
-    let mut for_hostile5 =
-        Side::on_device(server.clone(), "s6", &config, Role::Acceptor, now, true);
-    connect_sides(&mut hostile5, &mut for_hostile5, now);
-    pump(&mut hostile5, &mut for_hostile5);
+    let (hostile5, _for_hostile5) = server_peer(&fabric, &server, "hostile5", "s6", &config, now);
     let slot_window_key = hostile
         .engine
         .peer_keepalive_slot()
