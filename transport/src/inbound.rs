@@ -228,6 +228,8 @@ impl Validate for InboundConfig {
 pub struct InboundBudget {
     bytes: Arc<Semaphore>,
     max: usize,
+    /// Messages waiting in [`InboundBudget::acquire`] now.
+    waiting: Arc<AtomicUsize>,
     /// Whether held bytes are reported in [`INBOUND_BYTES`] (the server's
     /// budget; an address's share is part of it, not counted again).
     reported: bool,
@@ -258,6 +260,7 @@ impl InboundBudget {
         Self {
             bytes: Arc::new(Semaphore::new(max)),
             max,
+            waiting: Arc::new(AtomicUsize::new(0)),
             reported: true,
         }
     }
@@ -279,6 +282,11 @@ impl InboundBudget {
     /// The whole budget.
     pub fn capacity(&self) -> usize {
         self.max
+    }
+
+    /// Messages waiting for bytes of this budget now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
     }
 
     fn units(&self, bytes: usize) -> Option<u32> {
@@ -317,6 +325,15 @@ impl InboundBudget {
         }
         let units = self.units(bytes)?;
         metrics::counter!(INBOUND_WAITS).increment(1);
+        /// Counts a waiter for as long as it waits, cancelled or not.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&self.waiting);
         // The semaphore is never closed.
         let permit = Arc::clone(&self.bytes)
             .acquire_many_owned(units)

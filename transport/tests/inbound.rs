@@ -257,6 +257,53 @@ async fn connections_beyond_the_cap_are_closed_at_once_and_a_freed_slot_is_reuse
         .unwrap();
 }
 
+/// A message whose frame timeout passed while it waited for budget is
+/// refused when the budget frees after its deadline, before a buffer is
+/// allocated for it. (Its task runs late when hundreds of connections that
+/// began together reach their deadlines at once: `timeout_at` polls the
+/// wait first, and used to hand the freed budget to a message already past
+/// its bound, which then allocated and read.)
+#[tokio::test(flavor = "current_thread")]
+async fn budget_freed_after_a_messages_deadline_is_not_given_to_it() {
+    let (transport, addr, mut accepted) = serve(InboundConfig {
+        max_bytes: 4 * MIB as u64,
+        max_connection_bytes: 4 * MIB as u64,
+        frame_timeout_ms: 200,
+        ..InboundConfig::default()
+    })
+    .await;
+    let budget = transport.inbound_budget().clone();
+    let held = budget.try_acquire(budget.capacity()).unwrap();
+    let peer = stalled_sender(addr, 4 * MIB, 64 << 10).await;
+    let mut connection = accepted.recv().await.unwrap();
+    let receiver = tokio::spawn(async move { connection.receiver.recv().await });
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while budget.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the message waits for budget");
+    let registrations = transport.recv_pool().stats().registrations;
+    // The runtime's one thread is held past the message's deadline (no
+    // task runs), then the budget frees before the waiting task runs again.
+    std::thread::sleep(Duration::from_millis(400));
+    drop(held);
+    let outcome = receiver.await.unwrap();
+    assert!(
+        matches!(outcome, Err(TransportError::Stalled(Stall::Frame))),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        transport.recv_pool().stats().registrations,
+        registrations,
+        "no buffer is allocated for a message past its deadline"
+    );
+    assert_eq!(budget.available(), budget.capacity());
+    assert_eq!(budget.waiting(), 0);
+    drop(peer);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_received_large_message_holds_its_budget_until_it_is_dropped() {
     let (transport, addr, mut accepted) = serve(InboundConfig {

@@ -178,6 +178,28 @@ async fn write_all_vectored(
     Ok(())
 }
 
+/// Runs `step` within `deadline` (none: for as long as it takes). A
+/// deadline already past fails before `step` is polled: `timeout_at` polls
+/// its future first, so without this check a connection whose task runs
+/// late would still be admitted or read from while its peer keeps bytes
+/// coming, long after its bound.
+async fn within<F: std::future::Future>(
+    deadline: Option<(tokio::time::Instant, crate::Stall)>,
+    step: F,
+) -> Result<F::Output, TransportError> {
+    match deadline {
+        None => Ok(step.await),
+        Some((at, stall)) => {
+            if tokio::time::Instant::now() >= at {
+                return Err(TransportError::Stalled(stall));
+            }
+            tokio::time::timeout_at(at, step)
+                .await
+                .map_err(|_| TransportError::Stalled(stall))
+        }
+    }
+}
+
 /// The receiving half of a TCP connection.
 ///
 /// Reads go into pool buffers of `chunk_size` bytes. When a read completes
@@ -245,13 +267,8 @@ impl TcpReceiver {
         limits: &Option<Box<InboundLimits>>,
         buf: &mut [u8],
     ) -> Result<usize, TransportError> {
-        match limits.as_ref().and_then(|l| l.deadlines.next()) {
-            None => Ok(read.read(buf).await?),
-            Some((at, stall)) => match tokio::time::timeout_at(at, read.read(buf)).await {
-                Ok(read) => Ok(read?),
-                Err(_) => Err(TransportError::Stalled(stall)),
-            },
-        }
+        let deadline = limits.as_ref().and_then(|l| l.deadlines.next());
+        Ok(within(deadline, read.read(buf)).await??)
     }
 
     /// Records that bytes arrived (`partial`: a message is still
@@ -278,12 +295,17 @@ impl TcpReceiver {
             let server = limits.budget.acquire(len).await?;
             Some([address, server])
         };
-        let permits = match limits.deadlines.next() {
-            None => wait.await,
-            Some((at, stall)) => tokio::time::timeout_at(at, wait)
-                .await
-                .map_err(|_| TransportError::Stalled(stall))?,
-        };
+        let deadline = limits.deadlines.next();
+        let permits = within(deadline, wait).await?;
+        // Budget that came after the message's deadline (its task was
+        // polled late: many connections' timers fire at once when they
+        // began together) goes back at once, before a buffer is allocated
+        // for a message that is already too late.
+        if let Some((at, stall)) = deadline
+            && tokio::time::Instant::now() >= at
+        {
+            return Err(TransportError::Stalled(stall));
+        }
         match permits {
             Some(permits) => Ok(Some(permits)),
             // Validation keeps both budgets above max_message_size.
