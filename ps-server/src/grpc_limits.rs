@@ -45,6 +45,9 @@ pub(crate) struct GatedStream {
     peer: SocketAddr,
     identity: Option<Arc<PeerIdentity>>,
     first_byte_by: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether the accepted socket has `TCP_NODELAY`, read back from it
+    /// at accept.
+    nodelay: bool,
     _ticket: GateTicket,
 }
 
@@ -53,19 +56,33 @@ impl GatedStream {
     /// holding `ticket`; its first byte is due within `handshake`.
     fn new(
         stream: BoxStream,
-        peer: SocketAddr,
+        accepted: Accepted,
         identity: Option<Arc<PeerIdentity>>,
         handshake: Option<Duration>,
-        ticket: GateTicket,
     ) -> Self {
         Self {
             stream,
-            peer,
+            peer: accepted.peer,
             identity,
             first_byte_by: handshake.map(|limit| Box::pin(tokio::time::sleep(limit))),
-            _ticket: ticket,
+            nodelay: accepted.nodelay,
+            _ticket: accepted.ticket,
         }
     }
+
+    /// Whether the socket had `TCP_NODELAY` when it was accepted.
+    #[cfg(test)]
+    fn nodelay(&self) -> bool {
+        self.nodelay
+    }
+}
+
+/// What the gate's admission leaves of an accepted socket besides the
+/// socket.
+struct Accepted {
+    peer: SocketAddr,
+    nodelay: bool,
+    ticket: GateTicket,
 }
 
 impl std::fmt::Debug for GatedStream {
@@ -73,6 +90,7 @@ impl std::fmt::Debug for GatedStream {
         f.debug_struct("GatedStream")
             .field("peer", &self.peer)
             .field("identity", &self.identity)
+            .field("nodelay", &self.nodelay)
             .finish_non_exhaustive()
     }
 }
@@ -171,17 +189,26 @@ pub(crate) fn incoming(
         .filter_map(move |accepted| {
             let admitted = match accepted {
                 Err(err) => Some(Err(err)),
-                Ok(stream) => stream
-                    .peer_addr()
-                    .ok()
-                    .and_then(|peer| gate.admit(peer).map(|ticket| Ok((stream, peer, ticket)))),
+                Ok(stream) => stream.peer_addr().ok().and_then(|peer| {
+                    gate.admit(peer).map(|ticket| {
+                        let nodelay = stream.nodelay().unwrap_or(false);
+                        Ok((
+                            stream,
+                            Accepted {
+                                peer,
+                                nodelay,
+                                ticket,
+                            },
+                        ))
+                    })
+                }),
             };
             std::future::ready(admitted)
         });
     let Some(tls) = tls else {
         return Box::pin(admitted.map(move |accepted| {
-            accepted.map(|(stream, peer, ticket)| {
-                GatedStream::new(Box::new(stream), peer, None, handshake, ticket)
+            accepted.map(|(stream, accepted)| {
+                GatedStream::new(Box::new(stream), accepted, None, handshake)
             })
         }));
     };
@@ -197,7 +224,7 @@ pub(crate) fn incoming(
                 () = ready.closed() => return,
                 next = admitted.next() => next,
             };
-            let (stream, peer, ticket) = match next {
+            let (stream, accepted) = match next {
                 None => return,
                 Some(Err(err)) => {
                     if ready.send(Err(err)).await.is_err() {
@@ -210,6 +237,7 @@ pub(crate) fn incoming(
             let tls = tls.clone();
             let ready = ready.clone();
             let turns = Arc::clone(&turns);
+            let peer = accepted.peer;
             tokio::spawn(async move {
                 let accept = async {
                     let _turn = turns.acquire().await;
@@ -224,10 +252,9 @@ pub(crate) fn incoming(
                         let _ = ready
                             .send(Ok(GatedStream::new(
                                 Box::new(stream),
-                                peer,
+                                accepted,
                                 Some(Arc::new(identity)),
                                 handshake,
-                                ticket,
                             )))
                             .await;
                     }
@@ -320,5 +347,24 @@ impl GrpcLimits {
             Some(timeout) => builder.timeout(timeout),
             None => builder,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every socket the endpoint accepts has `TCP_NODELAY`: without it, an
+    /// answer of a few segments waits for the client's delayed ACK (a
+    /// stock gRPC client's 250 KiB Fetch saw p99 about 45 ms against a
+    /// p50 of 1.7 ms).
+    #[tokio::test]
+    async fn accepted_grpc_sockets_have_nodelay() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = incoming(listener, &InboundConfig::default(), None);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let stream = accepted.next().await.unwrap().unwrap();
+        assert!(stream.nodelay(), "{stream:?}");
     }
 }
