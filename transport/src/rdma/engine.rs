@@ -525,7 +525,11 @@ impl Engine {
         let peer_small = (peer.recv_buffer as usize).saturating_sub(HEADER_LEN);
         self.small_limit = self.small_limit.min(peer_small);
         if let Some(ka) = &mut self.keepalive {
-            ka.peer_slot = peer.keepalive_slot;
+            // A confined peer tells its slot in a `Slot` message, not in
+            // its hello; that message may have been handled already (the
+            // dialer's I/O thread can post it before the acceptor's task
+            // hands over the peer's readiness), and is never sent twice.
+            ka.peer_slot = peer.keepalive_slot.or(ka.peer_slot);
             ka.next_send = ka.peer_slot.map(|_| now);
             ka.last_advance = now;
             // Our slot through a window of its own: bound first, its key
