@@ -2,4 +2,6 @@
 
 pub mod alloc;
 pub mod engine;
+pub mod report;
+pub mod rpc;
 pub mod transport;

@@ -8,10 +8,9 @@
 //! - `transport`: the transport alone between two processes, RDMA over
 //!   the soft RNIC against TCP, with memcpy bandwidth as the ceiling (the
 //!   paper's Figures 8 and 9); see `tessera_benches::transport`.
-//! - `rpc-latency`: round-trip latency of a Tessera unary call over TCP on
-//!   loopback, one call outstanding, for several payload sizes, against the
-//!   floor any RPC stack pays: a bare length-prefixed echo over a tokio
-//!   `TcpStream` with no framework at all.
+//! - `rpc`: the ParameterServer service end to end (Fetch of 1,000 keys x
+//!   dim 64, an empty Health), Tessera RPC over tcp and rdma-soft against
+//!   tonic gRPC and a bare TCP floor; see `tessera_benches::rpc`.
 //! - `recovery`: the RPC layer's policy overhead (a call with every policy
 //!   on against a plain channel), RDMA-to-TCP fallback and return times,
 //!   and failover around a SIGKILLed replica; see `recovery.rs`.
@@ -23,20 +22,18 @@ mod replication;
 
 use std::path::PathBuf;
 use std::process::Command as Process;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use hdrhistogram::Histogram;
 use tessera_benches::transport;
-use tessera_rpc::{Channel, ChannelConfig, RequestContext, Server, ServerConfig, Status};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tessera_rpc::{RequestContext, Status};
 
 #[allow(missing_docs, dead_code, clippy::all)]
 mod generated {
     include!(concat!(env!("OUT_DIR"), "/tessera.bench.v1.rs"));
 }
-use generated::{Bench, BenchClient, BenchServer, Payload};
+use generated::{Bench, Payload};
 
 /// Tessera benchmarks.
 #[derive(Debug, Parser)]
@@ -172,15 +169,35 @@ enum Command {
         /// Address to listen on.
         listen: String,
     },
-    /// Unary call latency vs a bare TCP echo.
-    RpcLatency {
-        /// Measured round trips per payload size.
-        #[arg(long, default_value_t = 5000)]
-        iterations: u32,
-        /// Payload sizes in bytes.
-        #[arg(long, value_delimiter = ',', default_values_t = vec![64usize, 4096, 65536, 1 << 20])]
-        sizes: Vec<usize>,
+    /// The ParameterServer service end to end: Tessera RPC over tcp and
+    /// rdma-soft against tonic gRPC and a bare TCP floor, client and
+    /// servers in separate processes.
+    Rpc {
+        /// A short smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Write `rpc.json` and `rpc.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Measured calls per way and call (latency, one outstanding).
+        #[arg(long)]
+        iterations: Option<usize>,
+        /// Seconds of throughput per way and call, over all rounds.
+        #[arg(long)]
+        throughput_secs: Option<f64>,
+        /// Callers outstanding in the throughput runs.
+        #[arg(long)]
+        concurrency: Option<usize>,
     },
+    /// The ps-server child of `rpc`.
+    #[command(hide = true)]
+    RpcPsServer {
+        /// `tcp` or `rdma` (soft provider).
+        kind: tessera_rpc::TransportKind,
+    },
+    /// The bare TCP echo child of `rpc` (the floor).
+    #[command(hide = true)]
+    RpcFloorServer,
 }
 
 /// What the engine benchmarks share.
@@ -291,111 +308,6 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_nanos() / 1000)
         .unwrap_or(u64::MAX)
         .max(1)
-}
-
-async fn bare_tcp(size: usize, iterations: u32) -> Result<Histogram<u64>, BoxError> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let server = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await?;
-        stream.set_nodelay(true)?;
-        let mut buf = Vec::new();
-        loop {
-            let mut len = [0u8; 4];
-            if stream.read_exact(&mut len).await.is_err() {
-                return Ok::<_, std::io::Error>(());
-            }
-            buf.resize(u32::from_le_bytes(len) as usize, 0);
-            stream.read_exact(&mut buf).await?;
-            stream.write_all(&len).await?;
-            stream.write_all(&buf).await?;
-        }
-    });
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
-    let payload = vec![7u8; size];
-    let mut back = vec![0u8; size];
-    let mut hist = histogram()?;
-    let len = u32::try_from(size)?.to_le_bytes();
-    for i in 0..iterations + iterations / 10 {
-        let started = Instant::now();
-        stream.write_all(&len).await?;
-        stream.write_all(&payload).await?;
-        let mut got = [0u8; 4];
-        stream.read_exact(&mut got).await?;
-        stream.read_exact(&mut back).await?;
-        // The first 10% are warm-up.
-        if i >= iterations / 10 {
-            hist.record(micros(started.elapsed()))?;
-        }
-    }
-    drop(stream);
-    server.await??;
-    Ok(hist)
-}
-
-async fn tessera_rpc(size: usize, iterations: u32) -> Result<Histogram<u64>, BoxError> {
-    let server = Server::builder(ServerConfig::default())
-        .add_service(BenchServer::new(EchoService))?
-        .bind("127.0.0.1:0")
-        .await?;
-    let addr = server.local_addr().to_string();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve_with_shutdown(async {
-        let _ = stopped.await;
-    }));
-    let config = ChannelConfig {
-        request_timeout_ms: 10_000,
-        ..ChannelConfig::default()
-    };
-    let client = BenchClient::new(Channel::connect(addr, config).await?);
-    let payload = Bytes::from(vec![7u8; size]);
-    let mut hist = histogram()?;
-    for i in 0..iterations + iterations / 10 {
-        let started = Instant::now();
-        let response = client
-            .echo(Payload {
-                data: payload.clone(),
-            })
-            .await?;
-        if response.data.len() != size {
-            return Err(format!("echo returned {} bytes, sent {size}", response.data.len()).into());
-        }
-        if i >= iterations / 10 {
-            hist.record(micros(started.elapsed()))?;
-        }
-    }
-    let _ = stop.send(());
-    task.await?;
-    Ok(hist)
-}
-
-#[allow(clippy::print_stdout)]
-async fn rpc_latency(iterations: u32, sizes: &[usize]) -> Result<(), BoxError> {
-    println!("rpc-latency: {iterations} round trips per size, one outstanding, loopback TCP");
-    println!(
-        "| payload | bare TCP p50 µs | p99 µs | Tessera p50 µs | p99 µs | p999 µs | p50 ratio | p99 ratio |"
-    );
-    println!(
-        "|--------:|----------------:|-------:|---------------:|-------:|--------:|----------:|----------:|"
-    );
-    for &size in sizes {
-        let base = bare_tcp(size, iterations).await?;
-        let tessera = tessera_rpc(size, iterations).await?;
-        let ratio =
-            |q: f64| tessera.value_at_quantile(q) as f64 / base.value_at_quantile(q).max(1) as f64;
-        println!(
-            "| {size} | {} | {} | {} | {} | {} | {:.2} | {:.2} |",
-            base.value_at_quantile(0.5),
-            base.value_at_quantile(0.99),
-            tessera.value_at_quantile(0.5),
-            tessera.value_at_quantile(0.99),
-            tessera.value_at_quantile(0.999),
-            ratio(0.5),
-            ratio(0.99),
-        );
-    }
-    Ok(())
 }
 
 fn main() -> Result<(), BoxError> {
@@ -555,10 +467,40 @@ fn main() -> Result<(), BoxError> {
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(recovery::child_server(kind, &listen))
         }
-        Command::RpcLatency { iterations, sizes } => {
+        Command::Rpc {
+            quick,
+            out,
+            iterations,
+            throughput_secs,
+            concurrency,
+        } => {
+            let defaults = tessera_benches::rpc::Plan::new(quick);
+            let plan = tessera_benches::rpc::Plan {
+                iterations: iterations.unwrap_or(defaults.iterations),
+                throughput_secs: throughput_secs.unwrap_or(defaults.throughput_secs),
+                concurrency: concurrency.unwrap_or(defaults.concurrency),
+                ..defaults
+            };
+            let meta = tessera_benches::report::Meta::collect("rpc");
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(rpc_latency(iterations, &sizes))
+            let (rows, table) = runtime
+                .block_on(tessera_benches::rpc::run(&plan, &meta))
+                .map_err(|e| e.to_string())?;
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{table}");
+            }
+            if let Some(dir) = out {
+                tessera_benches::report::write(&dir, &meta, &rows, &table)?;
+            }
+            Ok(())
         }
+        Command::RpcPsServer { kind } => tokio::runtime::Runtime::new()?
+            .block_on(tessera_benches::rpc::ps_server_child(kind))
+            .map_err(|e| e.to_string().into()),
+        Command::RpcFloorServer => tokio::runtime::Runtime::new()?
+            .block_on(tessera_benches::rpc::floor_server_child())
+            .map_err(|e| e.to_string().into()),
     }
 }
 

@@ -1,0 +1,684 @@
+//! `tessera-bench rpc`: the parameter-server service end to end, as a
+//! user would call it, against what they would otherwise pick.
+//!
+//! One `ParameterServer` (a real `PsServer` with a table of dim 64) runs in
+//! a child process per transport and serves two calls: a Fetch of 1,000
+//! keys (256,000 bytes of rows back) and an empty Health. The client
+//! process calls it four ways, interleaved in rounds so that drift of the
+//! machine hits every way alike:
+//!
+//! - **tessera-tcp** and **tessera-rdma-soft**: Tessera RPC (the generated
+//!   `ParameterServerClient` over a `Channel`);
+//! - **grpc**: a stock tonic client generated from the same `ps.proto`
+//!   (`tonic-prost-build`, nothing of Tessera's) against the server's gRPC
+//!   endpoint, a tonic server; `TCP_NODELAY` on both sides, as tonic's
+//!   docs recommend;
+//! - **floor**: a bare TCP ping-pong of the same bytes (the encoded
+//!   request out, the encoded response back) with an echo process that
+//!   writes each answer with one `write`: what any stack over TCP pays.
+//!
+//! Latency is measured with one call outstanding (p50, p99, p999, mean);
+//! throughput with `concurrency` callers sharing one client (the floor:
+//! one connection each), as calls per second. Every figure is also a ratio
+//! to gRPC's and to the floor's of the same run.
+
+use std::io::{BufRead, Write as _};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tessera_proto::v1 as ps;
+use tessera_rpc::{Channel, ChannelConfig, TransportKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::report::{Meta, quantile};
+use crate::transport::BoxError;
+
+/// The stock tonic client of `ps.proto`.
+#[allow(missing_docs, dead_code, clippy::all)]
+pub mod grpc {
+    include!(concat!(env!("OUT_DIR"), "/grpc/tessera.ps.v1.rs"));
+}
+
+/// Keys per Fetch.
+pub const FETCH_KEYS: usize = 1000;
+/// The table's dimension.
+pub const DIM: u32 = 64;
+const TABLE: &str = "emb";
+
+/// What a run measures.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Measured calls per way and call for latency, over all rounds.
+    pub iterations: usize,
+    /// Seconds per way and call of throughput, over all rounds.
+    pub throughput_secs: f64,
+    /// Callers outstanding in the throughput runs.
+    pub concurrency: usize,
+    /// Interleaved rounds.
+    pub rounds: usize,
+}
+
+impl Plan {
+    /// The full run, or a smoke run.
+    pub fn new(quick: bool) -> Self {
+        match quick {
+            false => Self {
+                iterations: 5000,
+                throughput_secs: 6.0,
+                concurrency: 32,
+                rounds: 5,
+            },
+            true => Self {
+                iterations: 300,
+                throughput_secs: 0.6,
+                concurrency: 16,
+                rounds: 2,
+            },
+        }
+    }
+}
+
+/// The ways a call is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    /// Bare TCP ping-pong of the same bytes.
+    Floor,
+    /// Tessera RPC over TCP.
+    TesseraTcp,
+    /// Tessera RPC over RDMA on the soft RNIC.
+    TesseraRdma,
+    /// tonic gRPC on both sides.
+    Grpc,
+}
+
+impl Way {
+    const ALL: [Way; 4] = [Way::Floor, Way::TesseraTcp, Way::TesseraRdma, Way::Grpc];
+
+    /// The row label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Way::Floor => "floor (bare TCP)",
+            Way::TesseraTcp => "tessera-tcp",
+            Way::TesseraRdma => "tessera-rdma-soft",
+            Way::Grpc => "grpc (tonic)",
+        }
+    }
+}
+
+/// The calls measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// Fetch of [`FETCH_KEYS`] keys.
+    Fetch,
+    /// An empty Health.
+    Health,
+}
+
+impl Call {
+    fn label(self) -> &'static str {
+        match self {
+            Call::Fetch => "fetch",
+            Call::Health => "health",
+        }
+    }
+}
+
+fn keys() -> Vec<u64> {
+    (0..FETCH_KEYS as u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect()
+}
+
+/// A ps-server child process; killed when dropped.
+struct ServerChild {
+    child: Child,
+    tessera: String,
+    grpc: String,
+}
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `tessera-bench <command>` and reads its `ready <addr>...` line.
+fn spawn_ready(args: &[&str]) -> Result<(Child, Vec<String>), BoxError> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let stdout = child.stdout.take().ok_or("the child's stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    let mut words = line.split_whitespace();
+    if words.next() != Some("ready") {
+        let _ = child.kill();
+        return Err(format!("{args:?} did not start: {line:?}").into());
+    }
+    let addrs = words.map(str::to_owned).collect();
+    Ok((child, addrs))
+}
+
+fn start_server(kind: TransportKind) -> Result<ServerChild, BoxError> {
+    let (child, addrs) = spawn_ready(&["rpc-ps-server", kind.as_str()])?;
+    let [tessera, grpc] =
+        <[String; 2]>::try_from(addrs).map_err(|a| format!("rpc-ps-server printed {a:?}"))?;
+    Ok(ServerChild {
+        child,
+        tessera,
+        grpc,
+    })
+}
+
+/// The `rpc-ps-server` child: a ps-server of one shard with table `emb`
+/// (dim 64) on `kind`, its gRPC endpoint on, both on loopback ports of its
+/// choosing, printed as `ready <tessera> <grpc>`; serves until its stdin
+/// closes (the parent is gone) or SIGTERM.
+pub async fn ps_server_child(kind: TransportKind) -> Result<(), BoxError> {
+    use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
+    let config = PsServerConfig {
+        listen: "127.0.0.1:0".into(),
+        grpc_listen: Some("127.0.0.1:0".into()),
+        transport: kind,
+        rdma: tessera_transport::TransportConfig::soft_rdma().rdma,
+        tables: vec![TableConfig::new(TABLE, DIM)],
+        ..PsServerConfig::default()
+    };
+    let server = PsServer::bind(&config).await?;
+    let grpc = server.grpc_addr().ok_or("no gRPC endpoint")?;
+    announce(&format!("ready {} {grpc}", server.local_addr()))?;
+    server.serve(until_parent_gone()).await;
+    Ok(())
+}
+
+#[allow(clippy::print_stdout)]
+fn announce(line: &str) -> Result<(), BoxError> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Resolves when stdin reaches its end (the parent closed it or died) or
+/// on SIGTERM.
+async fn until_parent_gone() {
+    let stdin_closed = tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    });
+    tokio::select! {
+        _ = stdin_closed => {}
+        () = tessera_rpc::shutdown_signal() => {}
+    }
+}
+
+/// The `rpc-floor-server` child: for each frame `[request length u32 LE]
+/// [answer length u32 LE][request]` it answers `[answer length][answer]`
+/// with one write, on every connection; prints `ready <addr>`.
+pub async fn floor_server_child() -> Result<(), BoxError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    announce(&format!("ready {}", listener.local_addr()?))?;
+    let serve = async {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                stream.set_nodelay(true)?;
+                let mut request = Vec::new();
+                let mut answer = Vec::new();
+                loop {
+                    let mut header = [0u8; 8];
+                    if stream.read_exact(&mut header).await.is_err() {
+                        return Ok::<_, std::io::Error>(());
+                    }
+                    let [a, b, c, d, e, f, g, h] = header;
+                    request.resize(u32::from_le_bytes([a, b, c, d]) as usize, 0);
+                    let answer_len = u32::from_le_bytes([e, f, g, h]) as usize;
+                    stream.read_exact(&mut request).await?;
+                    if answer.len() != 4 + answer_len {
+                        answer = vec![7u8; 4 + answer_len];
+                        answer[..4].copy_from_slice(&[e, f, g, h]);
+                    }
+                    stream.write_all(&answer).await?;
+                }
+            });
+        }
+    };
+    tokio::select! {
+        () = serve => {}
+        () = until_parent_gone() => {}
+    }
+    Ok(())
+}
+
+/// One caller of one way.
+enum Caller {
+    Floor {
+        stream: tokio::net::TcpStream,
+        fetch: Arc<Vec<u8>>,
+        fetch_answer: usize,
+        health: Arc<Vec<u8>>,
+        health_answer: usize,
+        answer: Vec<u8>,
+    },
+    Tessera(ps::ParameterServerClient, Arc<Vec<u64>>),
+    Grpc(
+        grpc::parameter_server_client::ParameterServerClient<tonic::transport::Channel>,
+        Arc<Vec<u64>>,
+    ),
+}
+
+impl Caller {
+    async fn call(&mut self, call: Call) -> Result<(), BoxError> {
+        let want = FETCH_KEYS * DIM as usize * 4;
+        match (self, call) {
+            (
+                Caller::Floor {
+                    stream,
+                    fetch,
+                    fetch_answer,
+                    health,
+                    health_answer,
+                    answer,
+                },
+                call,
+            ) => {
+                let (frame, len) = match call {
+                    Call::Fetch => (fetch, *fetch_answer),
+                    Call::Health => (health, *health_answer),
+                };
+                stream.write_all(frame).await?;
+                answer.resize(4 + len, 0);
+                stream.read_exact(answer).await?;
+            }
+            (Caller::Tessera(client, keys), Call::Fetch) => {
+                let response = client
+                    .fetch(ps::FetchRequest {
+                        table: TABLE.into(),
+                        shard: 0,
+                        keys: keys.to_vec(),
+                    })
+                    .await?;
+                if response.values.len() != want {
+                    return Err(format!("{} bytes of rows", response.values.len()).into());
+                }
+            }
+            (Caller::Tessera(client, _), Call::Health) => {
+                client.health(ps::HealthRequest {}).await?;
+            }
+            (Caller::Grpc(client, keys), Call::Fetch) => {
+                let response = client
+                    .fetch(grpc::FetchRequest {
+                        table: TABLE.into(),
+                        shard: 0,
+                        keys: keys.to_vec(),
+                    })
+                    .await?
+                    .into_inner();
+                if response.values.len() != want {
+                    return Err(format!("{} bytes of rows", response.values.len()).into());
+                }
+            }
+            (Caller::Grpc(client, _), Call::Health) => {
+                client.health(grpc::HealthRequest {}).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The frame the floor sends for a call: its header and the request's
+/// bytes, and the answer's length.
+fn floor_frame(request_len: usize, answer_len: usize) -> Result<Vec<u8>, BoxError> {
+    let mut frame = Vec::with_capacity(8 + request_len);
+    frame.extend_from_slice(&u32::try_from(request_len)?.to_le_bytes());
+    frame.extend_from_slice(&u32::try_from(answer_len)?.to_le_bytes());
+    frame.resize(8 + request_len, 3);
+    Ok(frame)
+}
+
+/// Everything the client side needs to make callers of every way.
+struct Targets {
+    tcp: ServerChild,
+    rdma: ServerChild,
+    floor: Child,
+    floor_addr: String,
+    keys: Arc<Vec<u64>>,
+    fetch: Arc<Vec<u8>>,
+    fetch_answer: usize,
+    health: Arc<Vec<u8>>,
+    health_answer: usize,
+}
+
+impl Drop for Targets {
+    fn drop(&mut self) {
+        let _ = self.floor.kill();
+        let _ = self.floor.wait();
+    }
+}
+
+fn channel_config(kind: TransportKind) -> ChannelConfig {
+    let mut config = ChannelConfig {
+        connect_timeout_ms: 5000,
+        request_timeout_ms: 30_000,
+        ..ChannelConfig::default()
+    };
+    config.transport.kind = kind;
+    config.transport.rdma = tessera_transport::TransportConfig::soft_rdma().rdma;
+    config
+}
+
+impl Targets {
+    async fn start() -> Result<Self, BoxError> {
+        let tcp = start_server(TransportKind::Tcp)?;
+        let rdma = start_server(TransportKind::Rdma)?;
+        let (floor, addrs) = spawn_ready(&["rpc-floor-server"])?;
+        let floor_addr = addrs
+            .into_iter()
+            .next()
+            .ok_or("rpc-floor-server's address")?;
+        let keys = Arc::new(keys());
+        // The floor moves the bytes a call moves: the encoded request out
+        // and the encoded response back (the Fetch creates the rows).
+        let client = ps::ParameterServerClient::new(
+            Channel::connect(tcp.tessera.clone(), channel_config(TransportKind::Tcp)).await?,
+        );
+        let request = ps::FetchRequest {
+            table: TABLE.into(),
+            shard: 0,
+            keys: keys.to_vec(),
+        };
+        let fetched = client.fetch(request.clone()).await?;
+        let health = client.health(ps::HealthRequest {}).await?;
+        // The rdma server's rows too.
+        ps::ParameterServerClient::new(
+            Channel::connect(rdma.tessera.clone(), channel_config(TransportKind::Rdma)).await?,
+        )
+        .fetch(request.clone())
+        .await?;
+        use prost::Message as _;
+        Ok(Self {
+            tcp,
+            rdma,
+            floor,
+            floor_addr,
+            keys,
+            fetch: Arc::new(floor_frame(request.encoded_len(), 0)?),
+            fetch_answer: fetched.encoded_len(),
+            health: Arc::new(floor_frame(0, 0)?),
+            health_answer: health.encoded_len(),
+        }
+        .with_answer_lengths())
+    }
+
+    /// Writes the answer lengths into the floor's frames.
+    fn with_answer_lengths(mut self) -> Self {
+        for (frame, len) in [
+            (&mut self.fetch, self.fetch_answer),
+            (&mut self.health, self.health_answer),
+        ] {
+            let frame = Arc::make_mut(frame);
+            frame[4..8].copy_from_slice(&(len as u32).to_le_bytes());
+        }
+        self
+    }
+
+    /// `n` callers of `way` (one client shared, or a connection each for
+    /// the floor).
+    async fn callers(&self, way: Way, n: usize) -> Result<Vec<Caller>, BoxError> {
+        let mut callers = Vec::with_capacity(n);
+        match way {
+            Way::Floor => {
+                for _ in 0..n {
+                    let stream = tokio::net::TcpStream::connect(&self.floor_addr).await?;
+                    stream.set_nodelay(true)?;
+                    callers.push(Caller::Floor {
+                        stream,
+                        fetch: Arc::clone(&self.fetch),
+                        fetch_answer: self.fetch_answer,
+                        health: Arc::clone(&self.health),
+                        health_answer: self.health_answer,
+                        answer: Vec::new(),
+                    });
+                }
+            }
+            Way::TesseraTcp | Way::TesseraRdma => {
+                let (addr, kind) = match way {
+                    Way::TesseraTcp => (&self.tcp.tessera, TransportKind::Tcp),
+                    _ => (&self.rdma.tessera, TransportKind::Rdma),
+                };
+                let client = ps::ParameterServerClient::new(
+                    Channel::connect(addr.clone(), channel_config(kind)).await?,
+                );
+                for _ in 0..n {
+                    callers.push(Caller::Tessera(client.clone(), Arc::clone(&self.keys)));
+                }
+            }
+            Way::Grpc => {
+                let channel =
+                    tonic::transport::Endpoint::from_shared(format!("http://{}", self.tcp.grpc))?
+                        .tcp_nodelay(true)
+                        .connect()
+                        .await?;
+                let client = grpc::parameter_server_client::ParameterServerClient::new(channel)
+                    .max_decoding_message_size(64 << 20);
+                for _ in 0..n {
+                    callers.push(Caller::Grpc(client.clone(), Arc::clone(&self.keys)));
+                }
+            }
+        }
+        Ok(callers)
+    }
+}
+
+/// What one way measured for one call, over all rounds.
+#[derive(Debug, Default)]
+struct Measured {
+    /// Latencies with one outstanding, µs.
+    latency_us: Vec<f64>,
+    /// Calls per second of each round's throughput run.
+    rates: Vec<f64>,
+}
+
+/// Latency with one call outstanding: `n` measured calls after a tenth
+/// as many unmeasured.
+async fn latency(
+    caller: &mut Caller,
+    call: Call,
+    n: usize,
+    out: &mut Vec<f64>,
+) -> Result<(), BoxError> {
+    for _ in 0..n.div_ceil(10) {
+        caller.call(call).await?;
+    }
+    for _ in 0..n {
+        let started = Instant::now();
+        caller.call(call).await?;
+        out.push(started.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(())
+}
+
+/// Calls per second of `callers` calling for `secs`.
+async fn throughput(callers: Vec<Caller>, call: Call, secs: f64) -> Result<f64, BoxError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for mut caller in callers {
+        let (stop, done) = (Arc::clone(&stop), Arc::clone(&done));
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                caller.call(call).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok::<_, BoxError>(())
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let calls = done.load(Ordering::Relaxed);
+    let elapsed = started.elapsed().as_secs_f64();
+    for task in tasks {
+        task.await.map_err(|e| e.to_string())??;
+    }
+    Ok(calls as f64 / elapsed)
+}
+
+/// Runs `plan` and returns its rows (one per call and way) and table.
+pub async fn run(plan: &Plan, meta: &Meta) -> Result<(Vec<Value>, String), BoxError> {
+    let targets = Targets::start().await?;
+    let calls = [Call::Fetch, Call::Health];
+    let mut measured: Vec<Vec<Measured>> = calls
+        .iter()
+        .map(|_| Way::ALL.iter().map(|_| Measured::default()).collect())
+        .collect();
+    let per_round = plan.iterations.div_ceil(plan.rounds.max(1));
+    let secs = plan.throughput_secs / plan.rounds.max(1) as f64;
+    for round in 0..plan.rounds.max(1) {
+        // Each round starts with another way, so that none always runs
+        // first or last.
+        let mut order = Way::ALL.to_vec();
+        let turn = round % order.len();
+        order.rotate_left(turn);
+        for (c, &call) in calls.iter().enumerate() {
+            for &way in &order {
+                let w = Way::ALL.iter().position(|&x| x == way).unwrap_or(0);
+                let mut one = targets.callers(way, 1).await?;
+                if let Some(caller) = one.first_mut() {
+                    latency(caller, call, per_round, &mut measured[c][w].latency_us).await?;
+                }
+                let many = targets.callers(way, plan.concurrency).await?;
+                let rate = throughput(many, call, secs).await?;
+                measured[c][w].rates.push(rate);
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for (c, &call) in calls.iter().enumerate() {
+        let summary: Vec<Value> = Way::ALL
+            .iter()
+            .enumerate()
+            .map(|(w, &way)| summarize(call, way, &mut measured[c][w]))
+            .collect();
+        let of = |way: Way, key: &str| {
+            let w = Way::ALL.iter().position(|&x| x == way).unwrap_or(0);
+            summary[w][key].as_f64().unwrap_or(0.0).max(1e-9)
+        };
+        for row in &summary {
+            let mut row = row.clone();
+            let mine = |key: &str| row[key].as_f64().unwrap_or(0.0);
+            let ratios = json!({
+                "p50_vs_grpc": mine("p50_us") / of(Way::Grpc, "p50_us"),
+                "p99_vs_grpc": mine("p99_us") / of(Way::Grpc, "p99_us"),
+                "throughput_vs_grpc": mine("calls_per_s") / of(Way::Grpc, "calls_per_s"),
+                "p50_vs_floor": mine("p50_us") / of(Way::Floor, "p50_us"),
+                "throughput_vs_floor": mine("calls_per_s") / of(Way::Floor, "calls_per_s"),
+            });
+            if let (Some(row), Some(ratios)) = (row.as_object_mut(), ratios.as_object()) {
+                row.extend(ratios.clone());
+            }
+            rows.push(row);
+        }
+    }
+    let table = markdown(plan, meta, &rows);
+    drop(targets);
+    Ok((rows, table))
+}
+
+fn summarize(call: Call, way: Way, measured: &mut Measured) -> Value {
+    measured.latency_us.sort_by(f64::total_cmp);
+    let l = &measured.latency_us;
+    let mean = l.iter().sum::<f64>() / l.len().max(1) as f64;
+    let mut rates = measured.rates.clone();
+    rates.sort_by(f64::total_cmp);
+    json!({
+        "bench": "rpc",
+        "call": call.label(),
+        "way": way.label(),
+        "calls_measured": l.len(),
+        "p50_us": quantile(l, 0.5),
+        "p99_us": quantile(l, 0.99),
+        "p999_us": quantile(l, 0.999),
+        "mean_us": mean,
+        "calls_per_s": quantile(&rates, 0.5),
+        "calls_per_s_min": rates.first().copied().unwrap_or(0.0),
+        "calls_per_s_max": rates.last().copied().unwrap_or(0.0),
+    })
+}
+
+/// The table, with the targets checked.
+pub fn markdown(plan: &Plan, meta: &Meta, rows: &[Value]) -> String {
+    let mut out = format!(
+        "## rpc: Fetch of {FETCH_KEYS} keys x dim {DIM} and an empty Health, client and server in separate processes\n\n{}\n\nLatency: {} calls per way and call, one outstanding; throughput: {} callers for {:.1} s per way and call (median of {} interleaved rounds).\n\n",
+        meta.machine_line(),
+        plan.iterations,
+        plan.concurrency,
+        plan.throughput_secs,
+        plan.rounds
+    );
+    out.push_str("| call | way | p50 µs | p99 µs | p999 µs | mean µs | calls/s | p50 vs grpc | throughput vs grpc | p50 vs floor | throughput vs floor |\n");
+    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    let f = |row: &Value, key: &str| row[key].as_f64().unwrap_or(0.0);
+    for row in rows {
+        out.push_str(&format!(
+            "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+            row["call"].as_str().unwrap_or(""),
+            row["way"].as_str().unwrap_or(""),
+            f(row, "p50_us"),
+            f(row, "p99_us"),
+            f(row, "p999_us"),
+            f(row, "mean_us"),
+            f(row, "calls_per_s"),
+            f(row, "p50_vs_grpc"),
+            f(row, "throughput_vs_grpc"),
+            f(row, "p50_vs_floor"),
+            f(row, "throughput_vs_floor"),
+        ));
+    }
+    let find = |call: &str, way: Way| {
+        rows.iter()
+            .find(|r| r["call"] == call && r["way"] == way.label())
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let tcp_fetch = find("fetch", Way::TesseraTcp);
+    let tcp_health = find("health", Way::TesseraTcp);
+    let grpc_fetch = find("fetch", Way::Grpc);
+    let met = |ok: bool| if ok { "met" } else { "missed" };
+    let checks = [
+        (
+            "Tessera over TCP, Fetch throughput >= 2x tonic's",
+            f(&tcp_fetch, "throughput_vs_grpc"),
+            f(&tcp_fetch, "throughput_vs_grpc") >= 2.0,
+        ),
+        (
+            "Tessera over TCP, Fetch p50 <= 0.5x tonic's",
+            f(&tcp_fetch, "p50_vs_grpc"),
+            f(&tcp_fetch, "p50_vs_grpc") <= 0.5,
+        ),
+        (
+            "Tessera over TCP, Health p50 <= 1.3x the floor's",
+            f(&tcp_health, "p50_vs_floor"),
+            f(&tcp_health, "p50_vs_floor") <= 1.3,
+        ),
+        (
+            "gRPC endpoint, Fetch p99 <= 3x its p50 (no Nagle stalls)",
+            f(&grpc_fetch, "p99_us") / f(&grpc_fetch, "p50_us").max(1e-9),
+            f(&grpc_fetch, "p99_us") <= 3.0 * f(&grpc_fetch, "p50_us"),
+        ),
+    ];
+    out.push_str("\n| target | measured | |\n|---|---:|---|\n");
+    for (what, value, ok) in checks {
+        out.push_str(&format!("| {what} | {value:.2} | {} |\n", met(ok)));
+    }
+    out
+}
