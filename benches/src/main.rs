@@ -151,6 +151,12 @@ enum Command {
         /// RDMA probe interval of the fallback measurement, milliseconds.
         #[arg(long, default_value_t = 1000)]
         probe_ms: u64,
+        /// A short smoke run (at most 2,000 calls, one round).
+        #[arg(long)]
+        quick: bool,
+        /// Write `recovery.json` and `recovery.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Push latency by acknowledgement mode: ack = replicas vs primary.
     Replication {
@@ -160,6 +166,12 @@ enum Command {
         /// Interleaved blocks.
         #[arg(long, default_value_t = 20)]
         blocks: u64,
+        /// A short smoke run (at most 400 pushes in 4 blocks).
+        #[arg(long)]
+        quick: bool,
+        /// Write `replication.json` and `replication.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// The server process of `recovery`'s failover measurement.
     #[command(hide = true)]
@@ -228,22 +240,6 @@ impl EngineBenchArgs {
         self.iterations
             .unwrap_or(if self.quick { 100 } else { 3000 })
     }
-
-    #[allow(clippy::print_stdout)]
-    fn report(&self, bench: &str, table: &str, rows: &[serde_json::Value]) -> Result<(), BoxError> {
-        print!("{table}");
-        if let Some(dir) = &self.out {
-            std::fs::create_dir_all(dir)?;
-            let mut json = String::new();
-            for row in rows {
-                json.push_str(&serde_json::to_string(row)?);
-                json.push('\n');
-            }
-            std::fs::write(dir.join(format!("{bench}.json")), json)?;
-            std::fs::write(dir.join(format!("{bench}.md")), table)?;
-        }
-        Ok(())
-    }
 }
 
 fn run_engine_bench(
@@ -255,10 +251,11 @@ fn run_engine_bench(
     title: String,
     columns: &[&str],
 ) -> Result<(), BoxError> {
+    let meta = tessera_benches::report::Meta::collect(bench);
     let runtime = tokio::runtime::Runtime::new()?;
     let rows = runtime.block_on(future).map_err(|e| e.to_string())?;
     let table = tessera_benches::engine::markdown(&title, &rows, columns);
-    common.report(bench, &table, &rows)
+    report(&meta, common.out.as_deref(), &rows, &table)
 }
 
 /// I/O thread settings of the RDMA side of a benchmark.
@@ -310,6 +307,22 @@ fn micros(d: Duration) -> u64 {
         .max(1)
 }
 
+/// Prints `table` and, with `out`, writes the result there.
+#[allow(clippy::print_stdout)]
+fn report(
+    meta: &tessera_benches::report::Meta,
+    out: Option<&std::path::Path>,
+    rows: &[serde_json::Value],
+    table: &str,
+) -> Result<(), BoxError> {
+    let table = format!("{}\n\n{table}", meta.machine_line());
+    print!("{table}");
+    if let Some(dir) = out {
+        tessera_benches::report::write(dir, meta, rows, &table)?;
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), BoxError> {
     tessera_rpc::observe::init_logging("warn");
     let cli = Cli::parse();
@@ -345,26 +358,17 @@ fn main() -> Result<(), BoxError> {
                 concurrency,
                 fragment_sizes,
             };
+            let meta = tessera_benches::report::Meta::collect("transport");
             let runtime = tokio::runtime::Runtime::new()?;
             let rows = runtime
                 .block_on(transport::run(&plan))
                 .map_err(|e| e.to_string())?;
             let table = transport::markdown(&rows, &plan);
-            #[allow(clippy::print_stdout)]
-            {
-                print!("{table}");
-            }
-            if let Some(dir) = out {
-                std::fs::create_dir_all(&dir)?;
-                let mut json = String::new();
-                for row in &rows {
-                    json.push_str(&serde_json::to_string(row)?);
-                    json.push('\n');
-                }
-                std::fs::write(dir.join("transport.json"), json)?;
-                std::fs::write(dir.join("transport.md"), &table)?;
-            }
-            Ok(())
+            let rows = rows
+                .iter()
+                .map(serde_json::to_value)
+                .collect::<Result<Vec<_>, _>>()?;
+            report(&meta, out.as_deref(), &rows, &table)
         }
         Command::Fragment { common, sizes } => {
             let tuning = common.tuning.tuning()?;
@@ -447,21 +451,40 @@ fn main() -> Result<(), BoxError> {
                 .block_on(transport::serve(kind, &tuning))
                 .map_err(|e| e.to_string().into())
         }
-        Command::Replication { pushes, blocks } => {
+        Command::Replication {
+            pushes,
+            blocks,
+            quick,
+            out,
+        } => {
+            let meta = tessera_benches::report::Meta::collect("replication");
+            let (pushes, blocks) = match quick {
+                true => (pushes.min(400), blocks.min(4)),
+                false => (pushes, blocks),
+            };
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(replication::run(pushes.max(1), blocks.max(1)))
+            let (rows, table) = runtime.block_on(replication::run(pushes.max(1), blocks.max(1)))?;
+            report(&meta, out.as_deref(), &rows, &table)
         }
         Command::Recovery {
             calls,
             rounds,
             probe_ms,
+            quick,
+            out,
         } => {
+            let meta = tessera_benches::report::Meta::collect("recovery");
+            let (calls, rounds) = match quick {
+                true => (calls.min(2000), rounds.min(1)),
+                false => (calls, rounds),
+            };
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(recovery::run(
+            let (rows, table) = runtime.block_on(recovery::run(
                 calls,
                 rounds.max(1),
                 Duration::from_millis(probe_ms.max(1)),
-            ))
+            ))?;
+            report(&meta, out.as_deref(), &rows, &table)
         }
         Command::RpcServer { kind, listen } => {
             let runtime = tokio::runtime::Runtime::new()?;
@@ -568,6 +591,7 @@ mod alloc {
         threads: &[usize],
         repeat: usize,
     ) -> Result<(), BoxError> {
+        let meta = tessera_benches::report::Meta::collect("alloc");
         let mut rows: Vec<Row> = Vec::new();
         for workload in [Workload::Large, Workload::Small] {
             let ops = match (workload, quick) {
@@ -593,14 +617,11 @@ mod alloc {
             }
         }
         let table = markdown(&rows, repeat);
-        print!("{table}");
-        if let Some(dir) = out {
-            std::fs::create_dir_all(&dir)?;
-            let json = serde_json::json!({ "bench": "alloc", "rows": rows });
-            std::fs::write(dir.join("alloc.json"), serde_json::to_string_pretty(&json)?)?;
-            std::fs::write(dir.join("alloc.md"), &table)?;
-        }
-        Ok(())
+        let rows = rows
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<Vec<_>, _>>()?;
+        super::report(&meta, out.as_deref(), &rows, &table)
     }
 
     fn markdown(rows: &[Row], repeat: usize) -> String {

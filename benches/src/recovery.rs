@@ -25,8 +25,10 @@
 //!   RDMA was healthy (target 0).
 
 use std::sync::Arc;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use tessera_benches::out_line;
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
@@ -469,35 +471,51 @@ async fn rolling_restart(kind: TransportKind) -> Result<Rolling, BoxError> {
     })
 }
 
-/// Runs the whole benchmark and prints its tables.
-#[allow(clippy::print_stdout)]
-pub(super) async fn run(calls: u32, rounds: u32, probe: Duration) -> Result<(), BoxError> {
+/// Runs the whole benchmark: its rows and tables.
+pub async fn run(
+    calls: u32,
+    rounds: u32,
+    probe: Duration,
+) -> Result<(Vec<serde_json::Value>, String), BoxError> {
+    let mut out = String::new();
+    let mut rows = Vec::new();
     // The policy layer records metrics; measure it with a recorder in place.
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(|err| err.to_string())?;
 
-    println!("policy overhead: 64 B unary echo, {calls} calls each, interleaved in 20 blocks");
-    println!();
-    println!(
+    out_line!(
+        out,
+        "policy overhead: 64 B unary echo, {calls} calls each, interleaved in 20 blocks"
+    );
+    out_line!(out);
+    out_line!(
+        out,
         "| transport | policies off p50 µs | off p99 µs | all on p50 µs | on p99 µs | p50 on/off |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    out_line!(out, "|---|---:|---:|---:|---:|---:|");
     for (name, kind) in TRANSPORTS {
         let (off, on) = overhead(kind, calls).await?;
         let ((off50, off99), (on50, on99)) = (p50_p99(&off), p50_p99(&on));
-        println!(
+        rows.push(serde_json::json!({
+            "bench": "recovery", "test": "policy_overhead", "transport": name,
+            "off_p50_us": off50, "off_p99_us": off99, "on_p50_us": on50, "on_p99_us": on99,
+            "p50_on_vs_off": on50 as f64 / off50.max(1) as f64,
+        }));
+        out_line!(
+            out,
             "| {name} | {off50} | {off99} | {on50} | {on99} | {:.2} |",
             on50 as f64 / off50.max(1) as f64
         );
     }
-    println!();
+    out_line!(out);
 
-    println!(
+    out_line!(
+        out,
         "RDMA-to-TCP fallback and return (rdma-soft behind a fault proxy, probe interval {} ms, {rounds} rounds)",
         probe.as_millis()
     );
-    println!();
+    out_line!(out);
     let mut fallbacks = Vec::new();
     let mut returns = Vec::new();
     for _ in 0..rounds {
@@ -506,50 +524,78 @@ pub(super) async fn run(calls: u32, rounds: u32, probe: Duration) -> Result<(), 
         returns.push(returned.as_secs_f64() * 1e3);
     }
     let max = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
-    println!("| step | median ms | max ms |");
-    println!("|---|---:|---:|");
-    println!(
+    for (step, values) in [("fallback", &fallbacks), ("return", &returns)] {
+        rows.push(serde_json::json!({
+            "bench": "recovery", "test": step, "transport": "rdma-soft",
+            "median_ms": median(values.clone()), "max_ms": max(values),
+            "probe_ms": probe.as_millis() as u64,
+        }));
+    }
+    out_line!(out, "| step | median ms | max ms |");
+    out_line!(out, "|---|---:|---:|");
+    out_line!(
+        out,
         "| break -> first call succeeds (over TCP) | {:.1} | {:.1} |",
         median(fallbacks.clone()),
         max(&fallbacks)
     );
-    println!(
+    out_line!(
+        out,
         "| repair -> back on RDMA | {:.1} | {:.1} |",
         median(returns.clone()),
         max(&returns)
     );
-    println!();
+    out_line!(out);
 
-    println!("failover: 2 server processes, 8 callers, one SIGKILLed after 1 s of a 2.5 s run");
-    println!();
-    println!(
+    out_line!(
+        out,
+        "failover: 2 server processes, 8 callers, one SIGKILLed after 1 s of a 2.5 s run"
+    );
+    out_line!(out);
+    out_line!(
+        out,
         "| transport | round | failed calls | longest call across the kill ms | median call before ms |"
     );
-    println!("|---|---:|---:|---:|---:|");
+    out_line!(out, "|---|---:|---:|---:|---:|");
     for (name, kind) in TRANSPORTS {
         for round in 1..=rounds.min(3) {
             let (failed, spanning, before) = failover(kind).await?;
-            println!(
+            rows.push(serde_json::json!({
+                "bench": "recovery", "test": "failover", "transport": name, "round": round,
+                "failed_calls": failed, "longest_across_kill_ms": spanning as f64 / 1e3,
+                "median_before_ms": before as f64 / 1e3,
+            }));
+            out_line!(
+                out,
                 "| {name} | {round} | {failed} | {:.2} | {:.3} |",
                 spanning as f64 / 1e3,
                 before as f64 / 1e3
             );
         }
     }
-    println!();
+    out_line!(out);
 
-    println!(
+    out_line!(
+        out,
         "rolling restart: 3 server processes, 8 callers of a non-idempotent call, each server in turn SIGTERMed and started again"
     );
-    println!();
-    println!(
+    out_line!(out);
+    out_line!(
+        out,
         "| transport | round | calls | failed calls | quarantined | slowest call ms | median call ms | time on TCP with RDMA healthy ms |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    out_line!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
     for (name, kind) in TRANSPORTS {
         for round in 1..=rounds.min(3) {
             let r = rolling_restart(kind).await?;
-            println!(
+            rows.push(serde_json::json!({
+                "bench": "recovery", "test": "rolling_restart", "transport": name, "round": round,
+                "calls": r.calls, "failed_calls": r.failed, "quarantined": r.quarantined,
+                "slowest_ms": r.slowest_us as f64 / 1e3, "median_ms": r.median_us as f64 / 1e3,
+                "on_tcp_ms": r.on_tcp.as_millis() as u64,
+            }));
+            out_line!(
+                out,
                 "| {name} | {round} | {} | {} | {} | {:.2} | {:.3} | {} |",
                 r.calls,
                 r.failed,
@@ -560,5 +606,5 @@ pub(super) async fn run(calls: u32, rounds: u32, probe: Duration) -> Result<(), 
             );
         }
     }
-    Ok(())
+    Ok((rows, out))
 }

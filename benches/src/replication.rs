@@ -11,7 +11,9 @@
 //! is `replicas / primary`.
 
 use std::sync::Arc;
+
 use std::time::{Duration, Instant};
+use tessera_benches::out_line;
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
@@ -176,16 +178,19 @@ async fn block(
     Ok((all, started.elapsed()))
 }
 
-/// Runs the comparison (module docs) and prints its table.
-#[allow(clippy::print_stdout)]
-pub async fn run(pushes: u64, blocks: u64) -> Result<(), BoxError> {
-    println!(
+/// Runs the comparison (module docs): its rows and table.
+pub async fn run(pushes: u64, blocks: u64) -> Result<(Vec<serde_json::Value>, String), BoxError> {
+    let mut out = String::new();
+    let mut rows = Vec::new();
+    out_line!(
+        out,
         "push latency by ack mode: {KEYS} keys x dim {DIM} (Adam), primary + 1 replica in this process, {pushes} pushes per mode in {blocks} interleaved blocks\n"
     );
-    println!(
+    out_line!(
+        out,
         "| transport | outstanding | ack | p50 µs | p99 µs | mean µs | pushes/s | p50 replicas/primary |"
     );
-    println!("|---|---:|---|---:|---:|---:|---:|---:|");
+    out_line!(out, "|---|---:|---|---:|---:|---:|---:|---:|");
     for (label, transport) in [
         ("tcp", TransportKind::Tcp),
         ("rdma-soft", TransportKind::Rdma),
@@ -210,7 +215,20 @@ pub async fn run(pushes: u64, blocks: u64) -> Result<(), BoxError> {
             let p50 = |h: &Histogram<u64>| h.value_at_quantile(0.5);
             for (i, ack) in ["primary", "replicas"].into_iter().enumerate() {
                 let (h, took) = &results[i];
-                println!(
+                let p50_ratio = p50(h) as f64 / p50(&results[0].0).max(1) as f64;
+                rows.push(serde_json::json!({
+                    "bench": "replication",
+                    "transport": label,
+                    "outstanding": concurrency,
+                    "ack": ack,
+                    "p50_us": p50(h),
+                    "p99_us": h.value_at_quantile(0.99),
+                    "mean_us": h.mean(),
+                    "pushes_per_s": h.len() as f64 / took.as_secs_f64(),
+                    "p50_vs_primary": p50_ratio,
+                }));
+                out_line!(
+                    out,
                     "| {label} | {concurrency} | {ack} | {} | {} | {:.0} | {:.0} | {} |",
                     p50(h),
                     h.value_at_quantile(0.99),
@@ -225,5 +243,5 @@ pub async fn run(pushes: u64, blocks: u64) -> Result<(), BoxError> {
             }
         }
     }
-    Ok(())
+    Ok((rows, out))
 }

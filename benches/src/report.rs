@@ -112,6 +112,18 @@ pub fn write(dir: &Path, meta: &Meta, rows: &[Value], markdown: &str) -> std::io
     Ok(())
 }
 
+/// Appends a formatted line (or an empty one) to a `String` table.
+#[macro_export]
+macro_rules! out_line {
+    ($out:expr) => {
+        $out.push('\n')
+    };
+    ($out:expr, $($arg:tt)*) => {{
+        $out.push_str(&format!($($arg)*));
+        $out.push('\n');
+    }};
+}
+
 /// The value at quantile `q` of `sorted` (ascending), or 0 when empty.
 pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {

@@ -20,11 +20,12 @@ fn run(bench: &str, args: &[&str]) -> Vec<serde_json::Value> {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(dir.path().join(format!("{bench}.md")).exists());
-    std::fs::read_to_string(dir.path().join(format!("{bench}.json")))
-        .unwrap()
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect()
+    let result: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join(format!("{bench}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(result["bench"], bench);
+    result["rows"].as_array().unwrap().clone()
 }
 
 #[test]

@@ -47,7 +47,13 @@ fn quick_rpc_run_measures_every_way_of_both_calls() {
                 .find(|r| r["call"] == call && r["way"] == way)
                 .unwrap_or_else(|| panic!("no row for {call} {way}"));
             assert_eq!(row["calls_measured"], 40, "{row}");
-            for key in ["p50_us", "p99_us", "calls_per_s", "p50_vs_grpc", "p50_vs_floor"] {
+            for key in [
+                "p50_us",
+                "p99_us",
+                "calls_per_s",
+                "p50_vs_grpc",
+                "p50_vs_floor",
+            ] {
                 assert!(row[key].as_f64().unwrap() > 0.0, "{key} of {row}");
             }
         }

@@ -29,11 +29,10 @@ fn quick_transport_run_writes_latency_throughput_and_memcpy_rows() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let rows: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("transport.json"))
-        .unwrap()
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect();
+    let result: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("transport.json")).unwrap())
+            .unwrap();
+    let rows = result["rows"].as_array().unwrap();
     let find = |test: &str, transport: &str, size: u64| {
         rows.iter()
             .filter(|r| r["test"] == test && r["transport"] == transport && r["size"] == size)
@@ -50,7 +49,7 @@ fn quick_transport_run_writes_latency_throughput_and_memcpy_rows() {
         "one per fragment size"
     );
     assert_eq!(find("memcpy", "memcpy", 1 << 20), 1);
-    for row in &rows {
+    for row in rows {
         assert_eq!(row["bench"], "transport");
         match row["test"].as_str().unwrap() {
             "latency" => assert!(row["p50_us"].as_f64().unwrap() > 0.0, "{row}"),
