@@ -1,7 +1,9 @@
 //! Workloads shared by the `tessera-bench` binaries.
 
+pub mod all;
 pub mod alloc;
 pub mod engine;
+pub mod plot;
 pub mod report;
 pub mod rpc;
 pub mod transport;

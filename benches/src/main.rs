@@ -2,6 +2,8 @@
 //! the ratio to a baseline measured in the same run (timings on shared
 //! machines are noisy; ratios travel better than absolute numbers).
 //!
+//! - `all`: every benchmark below into one report with figures; see
+//!   `tessera_benches::all`.
 //! - `alloc`: allocation and free rates and peak memory of Tessera's
 //!   registered-memory pool against the system allocator, mimalloc and
 //!   rpmalloc (the paper's Figure 4); see `tessera_benches::alloc`.
@@ -45,6 +47,19 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Every benchmark, each in a process of its own, into one report:
+    /// `<name>.json`, `<name>.md`, PNG figures and `REPORT.md` in `--out`.
+    All {
+        /// Smoke settings for every benchmark (minutes, not an hour).
+        #[arg(long)]
+        quick: bool,
+        /// The report's directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Only these benchmarks (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
     /// Allocator rates and peak memory: pool vs system, mimalloc, rpmalloc.
     Alloc {
         /// A short smoke run (fewer operations, one repetition).
@@ -327,6 +342,9 @@ fn main() -> Result<(), BoxError> {
     tessera_rpc::observe::init_logging("warn");
     let cli = Cli::parse();
     match cli.command {
+        Command::All { quick, out, only } => {
+            tessera_benches::all::run(quick, &out, &only).map_err(|e| e.to_string().into())
+        }
         Command::Alloc {
             quick,
             out,

@@ -1,0 +1,316 @@
+//! `tessera-bench all`: every benchmark in one run, with one report.
+//!
+//! Each benchmark runs as a child process of its own (`tessera-bench
+//! <name> [--quick] --out DIR`, its output kept in `DIR/<name>.log`) so
+//! that none inherits another's threads, pools or memory. Each writes
+//! `<name>.json` and `<name>.md`; then this draws the figures of each
+//! result as PNGs and writes `REPORT.md`, which embeds them under the
+//! benchmark's table. A benchmark that fails is reported as failed and the
+//! others still run; the command then exits with an error.
+//!
+//! Every `<name>.json` follows `benches/result.schema.json` (checked by the
+//! test suite on a `--quick` run).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use serde_json::Value;
+
+use crate::plot::{Figure, draw};
+use crate::report::Meta;
+use crate::transport::BoxError;
+
+/// One benchmark of the report.
+#[derive(Debug)]
+pub struct Bench {
+    /// Its subcommand (and result name).
+    pub name: &'static str,
+    /// What it measures, one line.
+    pub about: &'static str,
+    /// Its figures.
+    pub figures: &'static [Figure],
+}
+
+const fn figure(file: &'static str, title: &'static str) -> Figure {
+    Figure {
+        file,
+        title,
+        filter: &[],
+        x: "",
+        y: "",
+        series: &[],
+        x_label: "",
+        y_label: "",
+        x_log: false,
+        y_log: false,
+    }
+}
+
+/// Every benchmark, in the order they run.
+pub const BENCHES: &[Bench] = &[
+    Bench {
+        name: "rpc",
+        about: "the ParameterServer service end to end: Tessera over tcp and rdma-soft against tonic gRPC and a bare TCP floor",
+        figures: &[
+            Figure {
+                x: "way",
+                y: "p50_us",
+                series: &["call"],
+                x_label: "way",
+                y_label: "p50 latency, µs (log)",
+                y_log: true,
+                ..figure("rpc-latency.png", "rpc: p50 latency, one call outstanding")
+            },
+            Figure {
+                x: "way",
+                y: "calls_per_s",
+                series: &["call"],
+                x_label: "way",
+                y_label: "calls per second (log)",
+                y_log: true,
+                ..figure("rpc-throughput.png", "rpc: throughput, many callers")
+            },
+        ],
+    },
+    Bench {
+        name: "transport",
+        about: "the transport alone between two processes: rdma-soft against tcp, memcpy as the ceiling",
+        figures: &[
+            Figure {
+                filter: &[("test", "latency")],
+                x: "size",
+                y: "p50_us",
+                series: &["transport"],
+                x_label: "message bytes (log)",
+                y_label: "p50 round trip, µs (log)",
+                x_log: true,
+                y_log: true,
+                ..figure("transport-latency.png", "transport: round trip by size")
+            },
+            Figure {
+                filter: &[("test", "throughput")],
+                x: "transport",
+                y: "gbytes_per_sec",
+                series: &["fragment_size"],
+                x_label: "transport",
+                y_label: "GB/s of 1 MiB messages",
+                ..figure("transport-throughput.png", "transport: throughput")
+            },
+        ],
+    },
+    Bench {
+        name: "alloc",
+        about: "the registered-memory pool against the system allocator, mimalloc and rpmalloc (paper Fig. 4)",
+        figures: &[Figure {
+            x: "system",
+            y: "ops_per_sec",
+            series: &["workload", "threads"],
+            x_label: "allocator",
+            y_label: "allocations + frees per second (log)",
+            y_log: true,
+            ..figure("alloc.png", "alloc: operations per second")
+        }],
+    },
+    Bench {
+        name: "fragment",
+        about: "RDMA throughput of 1 MiB messages by fragment size (paper Fig. 10)",
+        figures: &[Figure {
+            x: "fragment_bytes",
+            y: "gbytes_per_sec",
+            x_label: "fragment bytes (log)",
+            y_label: "GB/s",
+            x_log: true,
+            ..figure("fragment.png", "fragment: throughput by fragment size")
+        }],
+    },
+    Bench {
+        name: "hol",
+        about: "a small flow's round trip next to large flows on one QP, with and without fragmentation (paper Fig. 13)",
+        figures: &[Figure {
+            x: "large_flows",
+            y: "p99_us",
+            series: &["fragmentation"],
+            x_label: "large flows on the QP",
+            y_label: "small-flow p99, µs (log)",
+            y_log: true,
+            ..figure("hol.png", "hol: head-of-line blocking")
+        }],
+    },
+    Bench {
+        name: "incast",
+        about: "many senders towards one receiver, send window off and on (paper Fig. 15, Table 4)",
+        figures: &[Figure {
+            x: "window_bytes",
+            y: "p99_us",
+            x_label: "send window bytes (0: off)",
+            y_label: "p99, µs",
+            ..figure("incast.png", "incast: p99 by send window")
+        }],
+    },
+    Bench {
+        name: "qps",
+        about: "512-byte message rate by number of QPs (paper Fig. 11)",
+        figures: &[Figure {
+            x: "qps",
+            y: "msgs_per_sec",
+            x_label: "QPs (log)",
+            y_label: "messages per second",
+            x_log: true,
+            ..figure("qps.png", "qps: message rate by QPs")
+        }],
+    },
+    Bench {
+        name: "replication",
+        about: "Push latency with ack = replicas against ack = primary",
+        figures: &[Figure {
+            x: "ack",
+            y: "p50_us",
+            series: &["transport", "outstanding"],
+            x_label: "acknowledged by",
+            y_label: "Push p50, µs",
+            ..figure("replication.png", "replication: Push p50 by ack mode")
+        }],
+    },
+    Bench {
+        name: "recovery",
+        about: "policy overhead, RDMA-to-TCP fallback and return, failover around a killed replica, rolling restart",
+        figures: &[Figure {
+            filter: &[("test", "rolling_restart")],
+            x: "transport",
+            y: "slowest_ms",
+            series: &["round"],
+            x_label: "transport",
+            y_label: "slowest call, ms",
+            ..figure(
+                "recovery.png",
+                "recovery: slowest call in a rolling restart",
+            )
+        }],
+    },
+];
+
+/// What became of one benchmark.
+#[derive(Debug)]
+struct Outcome {
+    name: &'static str,
+    secs: f64,
+    error: Option<String>,
+}
+
+/// Runs `benches` (all by default) into `out` and writes `REPORT.md`.
+pub fn run(quick: bool, out: &Path, only: &[String]) -> Result<(), BoxError> {
+    std::fs::create_dir_all(out)?;
+    let meta = Meta::collect("all");
+    let exe = std::env::current_exe()?;
+    let chosen: Vec<&Bench> = BENCHES
+        .iter()
+        .filter(|b| only.is_empty() || only.iter().any(|o| o == b.name))
+        .collect();
+    if chosen.is_empty() {
+        return Err(format!("--only {only:?}: none of {:?}", names()).into());
+    }
+    let bar = indicatif::ProgressBar::new(chosen.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")?
+            .progress_chars("=> "),
+    );
+    let mut outcomes = Vec::new();
+    for bench in &chosen {
+        bar.set_message(format!("{} ({})", bench.name, bench.about));
+        let started = Instant::now();
+        let log = std::fs::File::create(out.join(format!("{}.log", bench.name)))?;
+        let mut command = Command::new(&exe);
+        command.arg(bench.name);
+        if quick {
+            command.arg("--quick");
+        }
+        let status = command
+            .arg("--out")
+            .arg(out)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .status();
+        let error = match status {
+            Ok(s) if s.success() => None,
+            Ok(s) => Some(format!("exited with {s}; see {}.log", bench.name)),
+            Err(err) => Some(err.to_string()),
+        };
+        outcomes.push(Outcome {
+            name: bench.name,
+            secs: started.elapsed().as_secs_f64(),
+            error,
+        });
+        bar.inc(1);
+    }
+    bar.finish_with_message("done");
+    let report = report(&meta, quick, out, &chosen, &outcomes)?;
+    std::fs::write(out.join("REPORT.md"), report)?;
+    let failed: Vec<&str> = outcomes
+        .iter()
+        .filter(|o| o.error.is_some())
+        .map(|o| o.name)
+        .collect();
+    match failed.is_empty() {
+        true => Ok(()),
+        false => Err(format!("benchmarks failed: {failed:?} (see REPORT.md)").into()),
+    }
+}
+
+/// The benchmarks' names.
+pub fn names() -> Vec<&'static str> {
+    BENCHES.iter().map(|b| b.name).collect()
+}
+
+fn report(
+    meta: &Meta,
+    quick: bool,
+    out: &Path,
+    chosen: &[&Bench],
+    outcomes: &[Outcome],
+) -> Result<String, BoxError> {
+    let mut md = format!(
+        "# Tessera benchmark report\n\n{}\n\n{} run; every figure below is also given as a ratio to a baseline measured in the same run (the baseline is named in each table).\n\n| benchmark | what | seconds | result |\n|---|---|---:|---|\n",
+        meta.machine_line(),
+        if quick {
+            "A `--quick` (smoke)"
+        } else {
+            "A full"
+        },
+    );
+    for (bench, outcome) in chosen.iter().zip(outcomes) {
+        md.push_str(&format!(
+            "| [{}](#{}) | {} | {:.0} | {} |\n",
+            bench.name,
+            bench.name,
+            bench.about,
+            outcome.secs,
+            outcome.error.as_deref().unwrap_or("ok"),
+        ));
+    }
+    for (bench, outcome) in chosen.iter().zip(outcomes) {
+        md.push_str(&format!("\n## {}\n\n", bench.name));
+        if let Some(error) = &outcome.error {
+            md.push_str(&format!("**Failed**: {error}\n"));
+            continue;
+        }
+        let table =
+            std::fs::read_to_string(out.join(format!("{}.md", bench.name))).unwrap_or_default();
+        md.push_str(table.trim_end());
+        md.push_str("\n\n");
+        let rows = read_rows(&out.join(format!("{}.json", bench.name)))?;
+        for figure in bench.figures {
+            if draw(out, &rows, figure)? {
+                md.push_str(&format!("![{}]({})\n\n", figure.title, figure.file));
+            }
+        }
+    }
+    Ok(md)
+}
+
+/// The rows of a result file.
+pub fn read_rows(path: &PathBuf) -> Result<Vec<Value>, BoxError> {
+    let result: Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    Ok(result["rows"].as_array().cloned().unwrap_or_default())
+}

@@ -1,0 +1,76 @@
+//! `tessera-bench all --quick` runs every benchmark, writes a result per
+//! benchmark that follows `benches/result.schema.json`, their figures and
+//! one `REPORT.md` embedding them (a smoke run: the figures themselves are
+//! the benchmarks').
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::process::Command;
+
+#[test]
+fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tessera-bench"))
+        .args(["all", "--quick", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        std::fs::read_to_string(dir.path().join("REPORT.md")).unwrap_or_default()
+    );
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../result.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let report = std::fs::read_to_string(dir.path().join("REPORT.md")).unwrap();
+    for bench in [
+        "rpc",
+        "transport",
+        "alloc",
+        "fragment",
+        "hol",
+        "incast",
+        "qps",
+        "replication",
+        "recovery",
+    ] {
+        let result: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join(format!("{bench}.json"))).unwrap(),
+        )
+        .unwrap();
+        let errors: Vec<String> = validator
+            .iter_errors(&result)
+            .map(|e| format!("{} at {}", e, e.instance_path()))
+            .collect();
+        assert!(errors.is_empty(), "{bench}.json: {errors:?}");
+        assert_eq!(result["bench"], bench);
+        assert!(
+            report.contains(&format!("\n## {bench}\n")),
+            "{bench} in the report"
+        );
+    }
+    // Every figure the report embeds is a PNG next to it.
+    let figures: Vec<&str> = report
+        .lines()
+        .filter_map(|l| l.strip_prefix("![")?.split_once("](")?.1.strip_suffix(')'))
+        .collect();
+    assert!(figures.len() >= 9, "{figures:?}");
+    for file in figures {
+        let png = std::fs::read(dir.path().join(file)).unwrap();
+        assert_eq!(&png[1..4], b"PNG", "{file}");
+    }
+}
+
+#[test]
+fn the_schema_refuses_a_result_without_its_machine() {
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../result.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let result = serde_json::json!({
+        "bench": "rpc",
+        "meta": { "command": "tessera-bench rpc", "git_rev": "abc" },
+        "rows": [{ "way": "grpc", "p50_us": 1.0 }]
+    });
+    assert!(!validator.is_valid(&result));
+}
