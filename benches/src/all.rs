@@ -74,6 +74,63 @@ pub const BENCHES: &[Bench] = &[
         ],
     },
     Bench {
+        name: "ps-inference",
+        about: "rankers on a local cluster, tcp against rdma-soft at matched offered load (paper Tables 5, 6)",
+        figures: &[
+            Figure {
+                filter: &[("load", "matched (open loop)")],
+                x: "offered_per_s",
+                y: "fetch_p99_us",
+                series: &["transport"],
+                x_label: "offered user requests per second",
+                y_label: "request p99, µs",
+                ..figure("ps-inference-p99.png", "ps-inference: p99 at matched load")
+            },
+            Figure {
+                filter: &[("load", "matched (open loop)")],
+                x: "offered_per_s",
+                y: "worker_cpu_user_s_per_1k",
+                series: &["transport"],
+                x_label: "offered user requests per second",
+                y_label: "worker user CPU s per 1,000 requests",
+                ..figure(
+                    "ps-inference-cpu.png",
+                    "ps-inference: worker CPU at matched load",
+                )
+            },
+        ],
+    },
+    Bench {
+        name: "ps-training",
+        about: "trainers on a local cluster, tcp against rdma-soft at matched offered load (paper Table 7)",
+        figures: &[
+            Figure {
+                filter: &[("load", "matched (open loop)")],
+                x: "offered_per_s",
+                y: "push_p99_us",
+                series: &["transport"],
+                x_label: "offered steps per second",
+                y_label: "Push p99, µs",
+                ..figure(
+                    "ps-training-push.png",
+                    "ps-training: Push p99 at matched load",
+                )
+            },
+            Figure {
+                filter: &[("load", "matched (open loop)")],
+                x: "offered_per_s",
+                y: "fetch_p99_us",
+                series: &["transport"],
+                x_label: "offered steps per second",
+                y_label: "Fetch p99, µs",
+                ..figure(
+                    "ps-training-fetch.png",
+                    "ps-training: Fetch p99 at matched load",
+                )
+            },
+        ],
+    },
+    Bench {
         name: "transport",
         about: "the transport alone between two processes: rdma-soft against tcp, memcpy as the ceiling",
         figures: &[

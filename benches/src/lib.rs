@@ -4,6 +4,7 @@ pub mod all;
 pub mod alloc;
 pub mod engine;
 pub mod plot;
+pub mod ps;
 pub mod report;
 pub mod rpc;
 pub mod transport;

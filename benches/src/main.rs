@@ -216,6 +216,18 @@ enum Command {
         #[arg(long)]
         concurrency: Option<usize>,
     },
+    /// Rankers over a local cluster, tcp vs rdma-soft at matched load (the
+    /// paper's Tables 5 and 6).
+    PsInference {
+        #[command(flatten)]
+        args: PsArgs,
+    },
+    /// Trainers over a local cluster, tcp vs rdma-soft at matched load
+    /// (the paper's Table 7).
+    PsTraining {
+        #[command(flatten)]
+        args: PsArgs,
+    },
     /// The ps-server child of `rpc`.
     #[command(hide = true)]
     RpcPsServer {
@@ -225,6 +237,43 @@ enum Command {
     /// The bare TCP echo child of `rpc` (the floor).
     #[command(hide = true)]
     RpcFloorServer,
+}
+
+/// What the parameter-server benchmarks share.
+#[derive(Debug, Clone, clap::Args)]
+struct PsArgs {
+    /// A short smoke run.
+    #[arg(long)]
+    quick: bool,
+    /// Write `<bench>.json` and `<bench>.md` here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Seconds per measurement (default 8, quick 1).
+    #[arg(long)]
+    secs: Option<f64>,
+    /// Offered loads as fractions of the lower saturation rate.
+    #[arg(long, value_delimiter = ',')]
+    fractions: Vec<f64>,
+}
+
+impl PsArgs {
+    fn run(&self, workload: tessera_benches::ps::Workload) -> Result<(), BoxError> {
+        let defaults = tessera_benches::ps::Plan::new(self.quick);
+        let plan = tessera_benches::ps::Plan {
+            secs: self.secs.unwrap_or(defaults.secs),
+            fractions: match self.fractions.is_empty() {
+                true => defaults.fractions.clone(),
+                false => self.fractions.clone(),
+            },
+            ..defaults
+        };
+        let meta = tessera_benches::report::Meta::collect(workload.bench());
+        let runtime = tokio::runtime::Runtime::new()?;
+        let (rows, table) = runtime
+            .block_on(tessera_benches::ps::run(workload, &plan, &meta))
+            .map_err(|e| e.to_string())?;
+        report(&meta, self.out.as_deref(), &rows, &table)
+    }
 }
 
 /// What the engine benchmarks share.
@@ -536,6 +585,8 @@ fn main() -> Result<(), BoxError> {
             }
             Ok(())
         }
+        Command::PsInference { args } => args.run(tessera_benches::ps::Workload::Inference),
+        Command::PsTraining { args } => args.run(tessera_benches::ps::Workload::Training),
         Command::RpcPsServer { kind } => tokio::runtime::Runtime::new()?
             .block_on(tessera_benches::rpc::ps_server_child(kind))
             .map_err(|e| e.to_string().into()),

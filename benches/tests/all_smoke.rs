@@ -26,6 +26,8 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
     let report = std::fs::read_to_string(dir.path().join("REPORT.md")).unwrap();
     for bench in [
         "rpc",
+        "ps-inference",
+        "ps-training",
         "transport",
         "alloc",
         "fragment",
@@ -55,7 +57,7 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
         .lines()
         .filter_map(|l| l.strip_prefix("![")?.split_once("](")?.1.strip_suffix(')'))
         .collect();
-    assert!(figures.len() >= 9, "{figures:?}");
+    assert!(figures.len() >= 13, "{figures:?}");
     for file in figures {
         let png = std::fs::read(dir.path().join(file)).unwrap();
         assert_eq!(&png[1..4], b"PNG", "{file}");

@@ -94,6 +94,11 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
+    /// Its process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
     fn name(&self) -> String {
         format!(
             "ps-server group {} shard {} ({})",

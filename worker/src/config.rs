@@ -63,6 +63,14 @@ pub struct WorkloadConfig {
     /// Trainer: extra compute time per step, in microseconds, slept after
     /// computing the gradient (a real but small computation). Default 0.
     pub compute_us: u64,
+    /// Open loop: iterations started per second over all tasks, each task
+    /// at `rate_per_sec / concurrency`, evenly spaced. An iteration's Fetch
+    /// latency counts from when it was due, so waiting behind a slow answer
+    /// counts too (no coordinated omission); `concurrency` bounds how many
+    /// are outstanding. Default 0: closed loop (each task starts its next
+    /// iteration when the last one ends), which measures capacity, not
+    /// latency at a given load.
+    pub rate_per_sec: f64,
 }
 
 impl Default for WorkloadConfig {
@@ -79,6 +87,7 @@ impl Default for WorkloadConfig {
             message_bytes_mean: 20 * 1024,
             message_bytes_p99: 50 * 1024,
             compute_us: 0,
+            rate_per_sec: 0.0,
         }
     }
 }
@@ -303,6 +312,12 @@ impl Validate for WorkerConfig {
         if w.concurrency == 0 {
             return Err(invalid("workload.concurrency", "must be at least 1"));
         }
+        if !w.rate_per_sec.is_finite() || w.rate_per_sec < 0.0 {
+            return Err(invalid(
+                "workload.rate_per_sec",
+                format!("{} is not a rate (0: closed loop)", w.rate_per_sec),
+            ));
+        }
         if w.key_space == 0 {
             return Err(invalid("workload.key_space", "must be at least 1"));
         }
@@ -346,6 +361,7 @@ mod tests {
         for (text, key) in [
             ("transport = \"smoke-signals\"", "transport"),
             ("[workload]\nconcurrency = 0", "workload.concurrency"),
+            ("[workload]\nrate_per_sec = -1.0", "workload.rate_per_sec"),
             (
                 "[[servers]]\naddress = \"a:1\"\nshards = [3]",
                 "servers[0].shards[0]",

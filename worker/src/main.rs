@@ -36,6 +36,10 @@ struct Cli {
     /// Override `workload.concurrency`.
     #[arg(long)]
     concurrency: Option<usize>,
+    /// Override `workload.rate_per_sec`: an open loop at this many
+    /// iterations per second (0: closed loop).
+    #[arg(long)]
+    rate: Option<f64>,
     /// Override `workload.table`.
     #[arg(long)]
     table: Option<String>,
@@ -85,6 +89,9 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     if let Some(concurrency) = cli.concurrency {
         config.workload.concurrency = concurrency;
+    }
+    if let Some(rate) = cli.rate {
+        config.workload.rate_per_sec = rate;
     }
     if let Some(table) = cli.table {
         config.workload.table = table;

@@ -103,6 +103,13 @@ pub struct WorkloadReport {
     /// CPU time of this process (user + system) per completed iteration,
     /// in microseconds.
     pub cpu_us_per_iteration: f64,
+    /// Of which user time.
+    pub cpu_user_us_per_iteration: f64,
+    /// Of which system time.
+    pub cpu_system_us_per_iteration: f64,
+    /// Iterations started per second asked for (`rate_per_sec`); `None`
+    /// for a closed loop.
+    pub offered_rate: Option<f64>,
     /// The first error seen, if any.
     pub first_error: Option<String>,
 }
@@ -241,12 +248,12 @@ fn micros(d: Duration) -> u64 {
         .clamp(1, 60_000_000)
 }
 
-/// CPU time (user + system) this process has used so far, in microseconds.
-fn process_cpu_us() -> u64 {
+/// CPU time (user, system) this process has used so far, in microseconds.
+fn process_cpu_us() -> (u64, u64) {
     use nix::sys::resource::{UsageWho, getrusage};
-    getrusage(UsageWho::RUSAGE_SELF).map_or(0, |usage| {
+    getrusage(UsageWho::RUSAGE_SELF).map_or((0, 0), |usage| {
         let us = |t: nix::sys::time::TimeVal| t.tv_sec() as u64 * 1_000_000 + t.tv_usec() as u64;
-        us(usage.user_time()) + us(usage.system_time())
+        (us(usage.user_time()), us(usage.system_time()))
     })
 }
 
@@ -357,6 +364,9 @@ pub async fn run_with_progress(
                 fetch: LatencySummary::of(&histogram()),
                 push: None,
                 cpu_us_per_iteration: 0.0,
+                cpu_user_us_per_iteration: 0.0,
+                cpu_system_us_per_iteration: 0.0,
+                offered_rate: None,
                 first_error: Some(format!("probing table `{}`: {err}", options.table)),
             };
         }
@@ -406,7 +416,12 @@ pub async fn run_with_progress(
             }
         }
     }
-    let cpu = process_cpu_us().saturating_sub(cpu_before);
+    let cpu_after = process_cpu_us();
+    let (user, system) = (
+        cpu_after.0.saturating_sub(cpu_before.0),
+        cpu_after.1.saturating_sub(cpu_before.1),
+    );
+    let per = |us: u64| us as f64 / iterations.max(1) as f64;
     WorkloadReport {
         kind,
         elapsed: started.elapsed(),
@@ -416,7 +431,10 @@ pub async fn run_with_progress(
         bytes_fetched: bytes,
         fetch: LatencySummary::of(&fetch),
         push: (kind == WorkloadKind::Trainer).then(|| LatencySummary::of(&push)),
-        cpu_us_per_iteration: cpu as f64 / iterations.max(1) as f64,
+        cpu_us_per_iteration: per(user + system),
+        cpu_user_us_per_iteration: per(user),
+        cpu_system_us_per_iteration: per(system),
+        offered_rate: (options.rate_per_sec > 0.0).then_some(options.rate_per_sec),
         first_error,
     }
 }
@@ -446,11 +464,30 @@ async fn run_task(
         sizes: &sizes,
         row_bytes,
     };
-    while Instant::now() < until {
+    // Open loop: this task's iterations are due every `interval`, the
+    // tasks' schedules offset from each other by a fraction of it.
+    let interval = (options.rate_per_sec > 0.0)
+        .then(|| Duration::from_secs_f64(options.concurrency as f64 / options.rate_per_sec));
+    let mut due = Instant::now()
+        + interval.map_or(Duration::ZERO, |i| {
+            i.mul_f64(task as f64 / options.concurrency.max(1) as f64)
+        });
+    loop {
+        if interval.is_some() {
+            tokio::time::sleep_until(due.into()).await;
+        } else {
+            due = Instant::now();
+        }
+        if due >= until {
+            break;
+        }
         let outcome = match kind {
-            WorkloadKind::Ranker => ranker_request(&step, &mut rng, &mut result).await,
-            WorkloadKind::Trainer => trainer_step(&step, &mut rng, &mut result).await,
+            WorkloadKind::Ranker => ranker_request(&step, &mut rng, &mut result, due).await,
+            WorkloadKind::Trainer => trainer_step(&step, &mut rng, &mut result, due).await,
         };
+        if let Some(interval) = interval {
+            due += interval;
+        }
         match outcome {
             Ok(()) => {
                 result.iterations += 1;
@@ -496,6 +533,7 @@ async fn ranker_request(
     step: &Step<'_>,
     rng: &mut SmallRng,
     result: &mut TaskResult,
+    due: Instant,
 ) -> Result<(), String> {
     let (client, options) = (step.client, step.options);
     let keys: Vec<Vec<u64>> = (0..options.models as u64)
@@ -514,9 +552,8 @@ async fn ranker_request(
             keys,
         })
         .collect();
-    let started = Instant::now();
     let answers = client.fetch_many(&specs).await.map_err(|e| e.to_string())?;
-    record(&mut result.fetch, started);
+    record(&mut result.fetch, due);
     for rows in &answers {
         result.count(rows);
     }
@@ -528,18 +565,18 @@ async fn trainer_step(
     step: &Step<'_>,
     rng: &mut SmallRng,
     result: &mut TaskResult,
+    due: Instant,
 ) -> Result<(), String> {
     let (client, options) = (step.client, step.options);
     let n = step.sizes.keys(rng, step.row_bytes);
     let keys: Vec<u64> = (0..n)
         .map(|_| rng.random_range(0..options.key_space))
         .collect();
-    let started = Instant::now();
     let rows = client
         .fetch(&options.table, &keys)
         .await
         .map_err(|e| e.to_string())?;
-    record(&mut result.fetch, started);
+    record(&mut result.fetch, due);
     result.count(&rows);
     // The computation: a gradient that pulls every weight towards a
     // per-key target (L2 towards a random point), so values stay bounded

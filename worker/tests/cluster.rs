@@ -178,6 +178,33 @@ async fn workloads_run_without_errors() {
     cluster.stop().await;
 }
 
+/// At `rate_per_sec` the workload starts iterations on a schedule (open
+/// loop), whatever the answers take: a second at 60/s is 60 of them.
+#[tokio::test]
+async fn an_open_loop_starts_iterations_at_the_offered_rate() {
+    let cluster = cluster().await;
+    let client = Arc::new(PsClient::new(&cluster.config).unwrap());
+    let options = tessera_worker::config::WorkloadConfig {
+        duration_secs: 1.0,
+        concurrency: 4,
+        rate_per_sec: 60.0,
+        ..cluster.config.workload.clone()
+    };
+    for kind in [WorkloadKind::Ranker, WorkloadKind::Trainer] {
+        let report = workload::run(kind, Arc::clone(&client), &options).await;
+        assert_eq!(report.errors, 0, "{:?}", report.first_error);
+        assert!(
+            (58..=60).contains(&report.iterations),
+            "{} iterations in 1 s at 60/s",
+            report.iterations
+        );
+        assert_eq!(report.offered_rate, Some(60.0));
+        let split = report.cpu_user_us_per_iteration + report.cpu_system_us_per_iteration;
+        assert!((split - report.cpu_us_per_iteration).abs() < 1e-6);
+    }
+    cluster.stop().await;
+}
+
 #[tokio::test]
 async fn a_stopped_shard_fails_fetches_with_its_shard_and_address() {
     let mut cluster = cluster().await;
