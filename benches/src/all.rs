@@ -253,6 +253,8 @@ struct Outcome {
     name: &'static str,
     secs: f64,
     error: Option<String>,
+    /// Not run now: an earlier run's result in the directory.
+    earlier: bool,
 }
 
 /// Runs `benches` (all by default) into `out` and writes `REPORT.md`.
@@ -298,11 +300,32 @@ pub fn run(quick: bool, out: &Path, only: &[String]) -> Result<(), BoxError> {
             name: bench.name,
             secs: started.elapsed().as_secs_f64(),
             error,
+            earlier: false,
         });
         bar.inc(1);
     }
     bar.finish_with_message("done");
-    let report = report(&meta, quick, out, &chosen, &outcomes)?;
+    // With --only, the other benchmarks' results already in `out` stay in
+    // the report (each says in its table when and how it was made).
+    let mut shown: Vec<&Bench> = Vec::new();
+    let mut shown_outcomes = Vec::new();
+    for bench in BENCHES {
+        if chosen.iter().any(|c| c.name == bench.name) {
+            // `outcomes` are in `chosen`'s order, which is this one's.
+            shown.push(bench);
+            shown_outcomes.push(outcomes.remove(0));
+        } else if out.join(format!("{}.json", bench.name)).exists() {
+            shown.push(bench);
+            shown_outcomes.push(Outcome {
+                name: bench.name,
+                secs: 0.0,
+                error: None,
+                earlier: true,
+            });
+        }
+    }
+    let outcomes = shown_outcomes;
+    let report = report(&meta, quick, out, &shown, &outcomes)?;
     std::fs::write(out.join("REPORT.md"), report)?;
     let failed: Vec<&str> = outcomes
         .iter()
@@ -343,7 +366,11 @@ fn report(
             bench.name,
             bench.about,
             outcome.secs,
-            outcome.error.as_deref().unwrap_or("ok"),
+            match (&outcome.error, outcome.earlier) {
+                (Some(error), _) => error.as_str(),
+                (None, true) => "ok (an earlier run's)",
+                (None, false) => "ok",
+            },
         ));
     }
     for (bench, outcome) in chosen.iter().zip(outcomes) {

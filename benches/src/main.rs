@@ -282,7 +282,7 @@ struct EngineBenchArgs {
     /// A short smoke run.
     #[arg(long)]
     quick: bool,
-    /// Write `<bench>.json` (one row per line) and `<bench>.md` here.
+    /// Write `<bench>.json` (a result object) and `<bench>.md` here.
     #[arg(long)]
     out: Option<PathBuf>,
     /// Seconds per measurement (default 2, quick 0.3).

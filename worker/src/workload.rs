@@ -473,13 +473,17 @@ async fn run_task(
             i.mul_f64(task as f64 / options.concurrency.max(1) as f64)
         });
     loop {
-        if interval.is_some() {
-            tokio::time::sleep_until(due.into()).await;
-        } else {
+        if interval.is_none() {
             due = Instant::now();
         }
+        // Checked before sleeping: a task whose next iteration falls
+        // after the end must not sleep until then (with many tasks at a
+        // low rate that is most of an interval past the end).
         if due >= until {
             break;
+        }
+        if interval.is_some() {
+            tokio::time::sleep_until(due.into()).await;
         }
         let outcome = match kind {
             WorkloadKind::Ranker => ranker_request(&step, &mut rng, &mut result, due).await,

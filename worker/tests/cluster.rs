@@ -202,6 +202,20 @@ async fn an_open_loop_starts_iterations_at_the_offered_rate() {
         let split = report.cpu_user_us_per_iteration + report.cpu_system_us_per_iteration;
         assert!((split - report.cpu_us_per_iteration).abs() < 1e-6);
     }
+    // Four tasks at 4/s: each task's next iteration falls 1-1.75 s in; the
+    // run ends with its second, not when those are due (before, it slept
+    // until them and took 1.75 s).
+    let slow = tessera_worker::config::WorkloadConfig {
+        rate_per_sec: 4.0,
+        ..options
+    };
+    let report = workload::run(WorkloadKind::Ranker, Arc::clone(&client), &slow).await;
+    assert_eq!(report.iterations, 4);
+    assert!(
+        report.elapsed < std::time::Duration::from_millis(1500),
+        "{:?}",
+        report.elapsed
+    );
     cluster.stop().await;
 }
 
