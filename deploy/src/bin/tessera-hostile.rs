@@ -46,7 +46,7 @@ struct Args {
     /// The bytes of its body each partial sender tries to send.
     #[arg(long, default_value_t = 55 << 20)]
     send: usize,
-    /// Source addresses 127.0.1.1 ..= 127.0.1.<sources>.
+    /// Source addresses `127.0.1.1 ..= 127.0.1.<sources>`.
     #[arg(long, default_value_t = 60)]
     sources: u8,
 }

@@ -2,7 +2,7 @@
 //! coordinator and carried out by the replication layer
 //! ([`crate::replication`]).
 //!
-//! - **static** (`coordinator.kind = "static"`, [`fixed`]): shard `s`'s
+//! - **static** (`coordinator.kind = "static"`, `fixed`): shard `s`'s
 //!   primary is the server of replica group `s % replica_groups`, always.
 //!   At start it recovers the freshest copy from the shard's replicas,
 //!   waiting for every one of them, and takes the next epoch; the others

@@ -6,7 +6,7 @@
 //! Each shard has one **primary**, which takes its Pushes. It applies a
 //! Push under the shard's write lock, gives it the next **position** of the
 //! shard's stream and its own **epoch**, and queues it for every replica
-//! attached to the shard ([`forward`]); a replica applies the positions
+//! attached to the shard (`forward`); a replica applies the positions
 //! strictly in order. A copy of a shard is identified by its
 //! [`Version`](crate::version::Version): the epoch and position of the last
 //! Push it applied. Who the primary is and where epochs come from is the
@@ -17,7 +17,7 @@
 //! A replica that is not in step with its primary (it just started, the
 //! primary changed, it saw a gap, or it was cut off) **attaches**: it sends
 //! the primary its version; if it equals the primary's, it is in step
-//! already; otherwise it copies the whole shard ([`sync`]). A replica never
+//! already; otherwise it copies the whole shard (`sync`). A replica never
 //! takes a copy older than its own. A primary that takes over (a promoted
 //! replica, a restarted primary, any primary in static mode at start)
 //! first **recovers**: it asks the shard's other servers for their

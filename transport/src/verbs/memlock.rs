@@ -6,7 +6,7 @@
 //! many containers, while the RDMA transport's first connection pins a few
 //! pool blocks (4 MiB each by default), so without a raised limit the first
 //! registration fails with a bare ENOMEM. The transport checks the limit
-//! when it starts ([`check`]) and turns a failed registration into an
+//! when it starts (`check`) and turns a failed registration into an
 //! error that says what to raise ([`ADVICE`]). The soft provider pins
 //! nothing (its memory is shared, not locked), so it is not held to this.
 
