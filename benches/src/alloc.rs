@@ -23,6 +23,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tessera_transport::pool::{Access, CountingHook, Pool, PoolConfig};
 
+use crate::transport::BoxError;
+
 /// The allocation pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -265,6 +267,129 @@ pub fn global_allocator_child(system: &str) -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+// The comparison: every system in a process of its own, medians, the table.
+
+const SYSTEMS: [&str; 4] = ["tessera-pool", "system", "mimalloc", "rpmalloc"];
+
+#[allow(clippy::print_stdout)]
+/// The `alloc-child` process: one system's measurement, printed as a JSON
+/// row.
+pub fn child(system: &str, args: &[String]) -> Result<(), BoxError> {
+    let (workload, threads, ops) = parse_child_args(args)?;
+    let row = match system {
+        "tessera-pool" => run(PoolAllocator::new()?, system, workload, threads, ops),
+        "system" => run(GlobalAllocator, system, workload, threads, ops),
+        other => return Err(format!("unknown system {other}").into()),
+    };
+    println!("{}", serde_json::to_string(&row)?);
+    Ok(())
+}
+
+fn measure(system: &str, workload: Workload, threads: usize, ops: usize) -> Result<Row, BoxError> {
+    let exe = std::env::current_exe()?;
+    let args = [
+        workload.name().to_owned(),
+        threads.to_string(),
+        ops.to_string(),
+    ];
+    let mut command = match system {
+        "mimalloc" => std::process::Command::new(exe.with_file_name("alloc-mimalloc")),
+        "rpmalloc" => std::process::Command::new(exe.with_file_name("alloc-rpmalloc")),
+        _ => {
+            let mut c = std::process::Command::new(&exe);
+            c.args(["alloc-child", system]);
+            c
+        }
+    };
+    let output = command.args(&args).output()?;
+    if !output.status.success() {
+        return Err(format!(
+            "{system} {workload:?} x{threads} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+        .into());
+    }
+    Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+#[allow(clippy::print_stdout)]
+/// Every system, workload and thread count, each in a process of its own
+/// (`repeat` times, the median kept): the table, and with `out` the result.
+pub fn compare(
+    quick: bool,
+    out: Option<std::path::PathBuf>,
+    threads: &[usize],
+    repeat: usize,
+) -> Result<(), BoxError> {
+    let meta = crate::report::Meta::collect("alloc");
+    let mut rows: Vec<Row> = Vec::new();
+    for workload in [Workload::Large, Workload::Small] {
+        let ops = match (workload, quick) {
+            (Workload::Large, false) => 200_000,
+            (Workload::Small, false) => 2_000_000,
+            (Workload::Large, true) => 10_000,
+            (Workload::Small, true) => 100_000,
+        };
+        for &n in threads {
+            for system in SYSTEMS {
+                let runs = (0..repeat.max(1))
+                    .map(|_| measure(system, workload, n, ops))
+                    .collect::<Result<Vec<Row>, BoxError>>()?;
+                rows.push(Row {
+                    system: system.to_owned(),
+                    workload,
+                    threads: n,
+                    ops_per_sec: median(runs.iter().map(|r| r.ops_per_sec).collect()),
+                    peak_bytes: median(runs.iter().map(|r| r.peak_bytes as f64).collect()) as u64,
+                });
+            }
+        }
+    }
+    let table = markdown(&rows, repeat);
+    let rows = rows
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(crate::report::emit(&meta, out.as_deref(), &rows, &table)?)
+}
+
+fn markdown(rows: &[Row], repeat: usize) -> String {
+    let mut out = format!(
+        "alloc: operations (allocations + frees) per second and peak RSS, median of {repeat} run(s) each\n\n"
+    );
+    out.push_str("| workload | threads | system | ops/s | vs rpmalloc | vs system | peak MiB | peak vs rpmalloc |\n");
+    out.push_str("|---|---:|---|---:|---:|---:|---:|---:|\n");
+    for row in rows {
+        let find = |system: &str| {
+            rows.iter().find(|r| {
+                r.system == system && r.workload == row.workload && r.threads == row.threads
+            })
+        };
+        let ratio = |other: Option<&Row>, f: fn(&Row) -> f64| {
+            other.map_or("-".to_owned(), |o| {
+                format!("{:.2}", f(row) / f(o).max(f64::EPSILON))
+            })
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.0} | {} | {} | {:.1} | {} |\n",
+            row.workload.name(),
+            row.threads,
+            row.system,
+            row.ops_per_sec,
+            ratio(find("rpmalloc"), |r| r.ops_per_sec),
+            ratio(find("system"), |r| r.ops_per_sec),
+            row.peak_bytes as f64 / (1 << 20) as f64,
+            ratio(find("rpmalloc"), |r| r.peak_bytes as f64),
+        ));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -23,7 +23,6 @@ mod recovery;
 mod replication;
 
 use std::path::PathBuf;
-use std::process::Command as Process;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -372,19 +371,13 @@ fn micros(d: Duration) -> u64 {
 }
 
 /// Prints `table` and, with `out`, writes the result there.
-#[allow(clippy::print_stdout)]
 fn report(
     meta: &tessera_benches::report::Meta,
     out: Option<&std::path::Path>,
     rows: &[serde_json::Value],
     table: &str,
 ) -> Result<(), BoxError> {
-    let table = format!("{}\n\n{table}", meta.machine_line());
-    print!("{table}");
-    if let Some(dir) = out {
-        tessera_benches::report::write(dir, meta, rows, &table)?;
-    }
-    Ok(())
+    tessera_benches::report::emit(meta, out, rows, table).map_err(|e| e.to_string().into())
 }
 
 fn main() -> Result<(), BoxError> {
@@ -399,13 +392,16 @@ fn main() -> Result<(), BoxError> {
             out,
             threads,
             repeat,
-        } => alloc::compare(
+        } => tessera_benches::alloc::compare(
             quick,
             out,
             &threads,
             repeat.unwrap_or(if quick { 1 } else { 3 }),
-        ),
-        Command::AllocChild { system, args } => alloc::child(&system, &args),
+        )
+        .map_err(|e| e.to_string().into()),
+        Command::AllocChild { system, args } => {
+            tessera_benches::alloc::child(&system, &args).map_err(|e| e.to_string().into())
+        }
         Command::Transport {
             quick,
             out,
@@ -593,135 +589,5 @@ fn main() -> Result<(), BoxError> {
         Command::RpcFloorServer => tokio::runtime::Runtime::new()?
             .block_on(tessera_benches::rpc::floor_server_child())
             .map_err(|e| e.to_string().into()),
-    }
-}
-
-mod alloc {
-    use super::*;
-    use tessera_benches::alloc::{
-        GlobalAllocator, PoolAllocator, Row, Workload, parse_child_args, run,
-    };
-
-    const SYSTEMS: [&str; 4] = ["tessera-pool", "system", "mimalloc", "rpmalloc"];
-
-    #[allow(clippy::print_stdout)]
-    pub(super) fn child(system: &str, args: &[String]) -> Result<(), BoxError> {
-        let (workload, threads, ops) = parse_child_args(args)?;
-        let row = match system {
-            "tessera-pool" => run(PoolAllocator::new()?, system, workload, threads, ops),
-            "system" => run(GlobalAllocator, system, workload, threads, ops),
-            other => return Err(format!("unknown system {other}").into()),
-        };
-        println!("{}", serde_json::to_string(&row)?);
-        Ok(())
-    }
-
-    fn measure(
-        system: &str,
-        workload: Workload,
-        threads: usize,
-        ops: usize,
-    ) -> Result<Row, BoxError> {
-        let exe = std::env::current_exe()?;
-        let args = [
-            workload.name().to_owned(),
-            threads.to_string(),
-            ops.to_string(),
-        ];
-        let mut command = match system {
-            "mimalloc" => Process::new(exe.with_file_name("alloc-mimalloc")),
-            "rpmalloc" => Process::new(exe.with_file_name("alloc-rpmalloc")),
-            _ => {
-                let mut c = Process::new(&exe);
-                c.args(["alloc-child", system]);
-                c
-            }
-        };
-        let output = command.args(&args).output()?;
-        if !output.status.success() {
-            return Err(format!(
-                "{system} {workload:?} x{threads} failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            )
-            .into());
-        }
-        Ok(serde_json::from_slice(&output.stdout)?)
-    }
-
-    fn median(mut values: Vec<f64>) -> f64 {
-        values.sort_by(f64::total_cmp);
-        values.get(values.len() / 2).copied().unwrap_or(0.0)
-    }
-
-    #[allow(clippy::print_stdout)]
-    pub(super) fn compare(
-        quick: bool,
-        out: Option<PathBuf>,
-        threads: &[usize],
-        repeat: usize,
-    ) -> Result<(), BoxError> {
-        let meta = tessera_benches::report::Meta::collect("alloc");
-        let mut rows: Vec<Row> = Vec::new();
-        for workload in [Workload::Large, Workload::Small] {
-            let ops = match (workload, quick) {
-                (Workload::Large, false) => 200_000,
-                (Workload::Small, false) => 2_000_000,
-                (Workload::Large, true) => 10_000,
-                (Workload::Small, true) => 100_000,
-            };
-            for &n in threads {
-                for system in SYSTEMS {
-                    let runs = (0..repeat.max(1))
-                        .map(|_| measure(system, workload, n, ops))
-                        .collect::<Result<Vec<Row>, BoxError>>()?;
-                    rows.push(Row {
-                        system: system.to_owned(),
-                        workload,
-                        threads: n,
-                        ops_per_sec: median(runs.iter().map(|r| r.ops_per_sec).collect()),
-                        peak_bytes: median(runs.iter().map(|r| r.peak_bytes as f64).collect())
-                            as u64,
-                    });
-                }
-            }
-        }
-        let table = markdown(&rows, repeat);
-        let rows = rows
-            .iter()
-            .map(serde_json::to_value)
-            .collect::<Result<Vec<_>, _>>()?;
-        super::report(&meta, out.as_deref(), &rows, &table)
-    }
-
-    fn markdown(rows: &[Row], repeat: usize) -> String {
-        let mut out = format!(
-            "alloc: operations (allocations + frees) per second and peak RSS, median of {repeat} run(s) each\n\n"
-        );
-        out.push_str("| workload | threads | system | ops/s | vs rpmalloc | vs system | peak MiB | peak vs rpmalloc |\n");
-        out.push_str("|---|---:|---|---:|---:|---:|---:|---:|\n");
-        for row in rows {
-            let find = |system: &str| {
-                rows.iter().find(|r| {
-                    r.system == system && r.workload == row.workload && r.threads == row.threads
-                })
-            };
-            let ratio = |other: Option<&Row>, f: fn(&Row) -> f64| {
-                other.map_or("-".to_owned(), |o| {
-                    format!("{:.2}", f(row) / f(o).max(f64::EPSILON))
-                })
-            };
-            out.push_str(&format!(
-                "| {} | {} | {} | {:.0} | {} | {} | {:.1} | {} |\n",
-                row.workload.name(),
-                row.threads,
-                row.system,
-                row.ops_per_sec,
-                ratio(find("rpmalloc"), |r| r.ops_per_sec),
-                ratio(find("system"), |r| r.ops_per_sec),
-                row.peak_bytes as f64 / (1 << 20) as f64,
-                ratio(find("rpmalloc"), |r| r.peak_bytes as f64),
-            ));
-        }
-        out
     }
 }

@@ -124,6 +124,18 @@ macro_rules! out_line {
     }};
 }
 
+/// Prints `table` (after the machine line) and, with `out`, writes the
+/// result there.
+#[allow(clippy::print_stdout)]
+pub fn emit(meta: &Meta, out: Option<&Path>, rows: &[Value], table: &str) -> std::io::Result<()> {
+    let table = format!("{}\n\n{table}", meta.machine_line());
+    print!("{table}");
+    if let Some(dir) = out {
+        write(dir, meta, rows, &table)?;
+    }
+    Ok(())
+}
+
 /// The value at quantile `q` of `sorted` (ascending), or 0 when empty.
 pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
