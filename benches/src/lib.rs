@@ -2,9 +2,12 @@
 
 pub mod all;
 pub mod alloc;
+pub mod echo;
 pub mod engine;
 pub mod plot;
 pub mod ps;
+pub mod recovery;
+pub mod replication;
 pub mod report;
 pub mod rpc;
 pub mod transport;

@@ -19,22 +19,11 @@
 //! - `replication`: Push latency with `ack = "replicas"` against `ack =
 //!   "primary"` (primary + replica in-process); see `replication.rs`.
 
-mod recovery;
-mod replication;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use hdrhistogram::Histogram;
 use tessera_benches::transport;
-use tessera_rpc::{RequestContext, Status};
-
-#[allow(missing_docs, dead_code, clippy::all)]
-mod generated {
-    include!(concat!(env!("OUT_DIR"), "/tessera.bench.v1.rs"));
-}
-use generated::{Bench, Payload};
 
 /// Tessera benchmarks.
 #[derive(Debug, Parser)]
@@ -350,25 +339,7 @@ impl TuningArgs {
     }
 }
 
-struct EchoService;
-
-impl Bench for EchoService {
-    async fn echo(&self, _context: RequestContext, request: Payload) -> Result<Payload, Status> {
-        Ok(request)
-    }
-}
-
-type BoxError = Box<dyn std::error::Error>;
-
-fn histogram() -> Result<Histogram<u64>, BoxError> {
-    Ok(Histogram::new_with_bounds(1, 60_000_000, 3)?)
-}
-
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos() / 1000)
-        .unwrap_or(u64::MAX)
-        .max(1)
-}
+type BoxError = tessera_benches::transport::BoxError;
 
 /// Prints `table` and, with `out`, writes the result there.
 fn report(
@@ -526,7 +497,10 @@ fn main() -> Result<(), BoxError> {
                 false => (pushes, blocks),
             };
             let runtime = tokio::runtime::Runtime::new()?;
-            let (rows, table) = runtime.block_on(replication::run(pushes.max(1), blocks.max(1)))?;
+            let (rows, table) = runtime.block_on(tessera_benches::replication::run(
+                pushes.max(1),
+                blocks.max(1),
+            ))?;
             report(&meta, out.as_deref(), &rows, &table)
         }
         Command::Recovery {
@@ -542,7 +516,7 @@ fn main() -> Result<(), BoxError> {
                 false => (calls, rounds),
             };
             let runtime = tokio::runtime::Runtime::new()?;
-            let (rows, table) = runtime.block_on(recovery::run(
+            let (rows, table) = runtime.block_on(tessera_benches::recovery::run(
                 calls,
                 rounds.max(1),
                 Duration::from_millis(probe_ms.max(1)),
@@ -551,7 +525,7 @@ fn main() -> Result<(), BoxError> {
         }
         Command::RpcServer { kind, listen } => {
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(recovery::child_server(kind, &listen))
+            runtime.block_on(tessera_benches::recovery::child_server(kind, &listen))
         }
         Command::Rpc {
             quick,

@@ -28,7 +28,6 @@ use std::sync::Arc;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tessera_benches::out_line;
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
@@ -38,8 +37,9 @@ use tessera_rpc::{
     ServerConfig, Transport, TransportConfig, TransportKind,
 };
 
-use super::generated::{BenchClient, BenchServer, Payload};
-use super::{BoxError, EchoService, histogram, micros};
+use crate::echo::{BenchClient, BenchServer, EchoService, Payload};
+use crate::out_line;
+use crate::transport::{BoxError, histogram, micros};
 
 #[allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 #[path = "../../test-support/src/proxy.rs"]
@@ -312,7 +312,7 @@ async fn failover(kind: TransportKind) -> Result<(u64, u64, u64), BoxError> {
 
 /// The `rpc-server` child of the failover and rolling-restart
 /// measurements: serves until killed, or stops gracefully on SIGTERM.
-pub(super) async fn child_server(kind: TransportKind, listen: &str) -> Result<(), BoxError> {
+pub async fn child_server(kind: TransportKind, listen: &str) -> Result<(), BoxError> {
     let server = Server::builder(ServerConfig {
         transport: transport(kind),
         ..ServerConfig::default()
@@ -400,7 +400,7 @@ async fn rolling_restart(kind: TransportKind) -> Result<Rolling, BoxError> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let failed = Arc::new(AtomicU64::new(0));
     let hist = Arc::new(std::sync::Mutex::new(histogram()?));
-    let method = super::generated::BENCH_DESCRIPTOR.methods[0].id;
+    let method = crate::echo::generated::BENCH_DESCRIPTOR.methods[0].id;
     let body =
         tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(&payload())));
     let mut callers = Vec::new();

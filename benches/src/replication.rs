@@ -13,7 +13,6 @@
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
-use tessera_benches::out_line;
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
@@ -23,7 +22,8 @@ use tessera_ps_server::config::{AckMode, OptimizerConfig, PeerConfig, Replicatio
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, ChannelConfig, RdmaConfig, RdmaProvider, TransportKind};
 
-use super::{BoxError, histogram, micros};
+use crate::out_line;
+use crate::transport::{BoxError, histogram, micros};
 
 const KEYS: u64 = 64;
 const DIM: usize = 32;

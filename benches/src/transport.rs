@@ -263,6 +263,14 @@ pub fn histogram() -> Result<Histogram<u64>, BoxError> {
 }
 
 /// `d` in nanoseconds, at least 1.
+/// Whole microseconds of `d`, at least 1 (histograms record from 1).
+pub fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos() / 1000)
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// Whole nanoseconds of `d`.
 pub fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1)
 }
