@@ -41,6 +41,10 @@ use tonic::transport::server::{Connected, TcpIncoming};
 /// connection preface for ever, and keepalive pings start only after it,
 /// so a silent connection would hold its place under the gate for good.
 pub(crate) struct GatedStream {
+    /// First, so that it is dropped first: the place under the gate is
+    /// free before the socket closes, and a client that reconnects when it
+    /// sees the close is not refused for the place it held.
+    _ticket: GateTicket,
     stream: BoxStream,
     peer: SocketAddr,
     identity: Option<Arc<PeerIdentity>>,
@@ -48,7 +52,6 @@ pub(crate) struct GatedStream {
     /// Whether the accepted socket has `TCP_NODELAY`, read back from it
     /// at accept.
     nodelay: bool,
-    _ticket: GateTicket,
 }
 
 impl GatedStream {
@@ -61,12 +64,12 @@ impl GatedStream {
         handshake: Option<Duration>,
     ) -> Self {
         Self {
+            _ticket: accepted.ticket,
             stream,
             peer: accepted.peer,
             identity,
             first_byte_by: handshake.map(|limit| Box::pin(tokio::time::sleep(limit))),
             nodelay: accepted.nodelay,
-            _ticket: accepted.ticket,
         }
     }
 
