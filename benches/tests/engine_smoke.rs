@@ -3,28 +3,13 @@
 //! are the benchmarks' business, not the tests').
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::Command;
+mod common;
 
 fn run(bench: &str, args: &[&str]) -> Vec<serde_json::Value> {
-    let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_tessera-bench"))
-        .arg(bench)
-        .args(["--quick", "--secs", "0.2", "--polling", "event", "--out"])
-        .arg(dir.path())
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{bench}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let mut all = vec!["--quick", "--secs", "0.2", "--polling", "event"];
+    all.extend_from_slice(args);
+    let (result, dir) = common::run_bench(bench, &all);
     assert!(dir.path().join(format!("{bench}.md")).exists());
-    let result: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join(format!("{bench}.json"))).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(result["bench"], bench);
     result["rows"].as_array().unwrap().clone()
 }
 

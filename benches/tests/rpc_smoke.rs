@@ -3,14 +3,13 @@
 //! the benchmark's).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::Command;
+mod common;
 
 #[test]
 fn quick_rpc_run_measures_every_way_of_both_calls() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_tessera-bench"))
-        .args([
-            "rpc",
+    let (result, dir) = common::run_bench(
+        "rpc",
+        &[
             "--quick",
             "--iterations",
             "40",
@@ -18,20 +17,8 @@ fn quick_rpc_run_measures_every_way_of_both_calls() {
             "0.2",
             "--concurrency",
             "4",
-            "--out",
-        ])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+        ],
     );
-    let result: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("rpc.json")).unwrap())
-            .unwrap();
-    assert_eq!(result["bench"], "rpc");
     assert!(result["meta"]["cores"].as_u64().unwrap() >= 1);
     assert!(!result["meta"]["cpu_model"].as_str().unwrap().is_empty());
     let rows = result["rows"].as_array().unwrap();

@@ -2,14 +2,13 @@
 //! per measurement (a smoke run: the figures themselves are benchmarks').
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::Command;
+mod common;
 
 #[test]
 fn quick_transport_run_writes_latency_throughput_and_memcpy_rows() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_tessera-bench"))
-        .args([
-            "transport",
+    let (result, dir) = common::run_bench(
+        "transport",
+        &[
             "--quick",
             "--iterations",
             "20",
@@ -19,19 +18,8 @@ fn quick_transport_run_writes_latency_throughput_and_memcpy_rows() {
             "0.2",
             "--fragment-sizes",
             "65536,8192",
-            "--out",
-        ])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+        ],
     );
-    let result: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("transport.json")).unwrap())
-            .unwrap();
     let rows = result["rows"].as_array().unwrap();
     let find = |test: &str, transport: &str, size: u64| {
         rows.iter()

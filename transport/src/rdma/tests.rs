@@ -247,17 +247,22 @@ fn connected_with(
 
 /// Connects two sides' QPs and engines, as the handshake does.
 fn connect_sides(a: &mut Side, b: &mut Side, now: Instant) {
+    link_qps(a, b);
+    let (info_a, info_b) = (a.info(), b.info());
+    a.engine.peer_ready(info_b, now);
+    b.engine.peer_ready(info_a, now);
+}
+
+/// Connects two sides' QPs, each with its receives posted (as at
+/// connection setup: before either learns the other's credits); neither
+/// engine is told the peer is ready.
+fn link_qps(a: &mut Side, b: &mut Side) {
     a.qp.connect(&b.qp.endpoint()).unwrap();
     b.qp.connect(&a.qp.endpoint()).unwrap();
-    // As at connection setup: both sides post their receives before either
-    // learns the other's credits.
     for side in [&mut *a, &mut *b] {
         let wrs = side.engine.poll_recv_post().unwrap();
         side.qp.post_recv(&wrs).unwrap();
     }
-    let (info_a, info_b) = (a.info(), b.info());
-    a.engine.peer_ready(info_b, now);
-    b.engine.peer_ready(info_a, now);
 }
 
 /// Runs both sides until neither makes progress.
@@ -777,8 +782,8 @@ fn an_adaptive_window_stays_within_its_maximum() {
     assert!(a.max_window_use <= 32 << 10);
 }
 
-#[test]
-fn keepalive_tolerates_a_pause_shorter_than_the_timeout_and_catches_a_dead_peer() {
+/// Keepalive every 10 ms, a peer dead after 100 ms of silence.
+fn fast_keepalive() -> (KeepaliveConfig, EngineConfig) {
     let keepalive = KeepaliveConfig {
         interval: Duration::from_millis(10),
         timeout: Duration::from_millis(100),
@@ -787,6 +792,12 @@ fn keepalive_tolerates_a_pause_shorter_than_the_timeout_and_catches_a_dead_peer(
         keepalive: Some(keepalive),
         ..EngineConfig::default()
     };
+    (keepalive, config)
+}
+
+#[test]
+fn keepalive_tolerates_a_pause_shorter_than_the_timeout_and_catches_a_dead_peer() {
+    let (keepalive, config) = fast_keepalive();
     for confined in [false, true] {
         keepalive_case(&config, keepalive, confined);
     }
@@ -833,14 +844,7 @@ fn keepalive_case(config: &EngineConfig, keepalive: KeepaliveConfig, confined: b
 /// about 1 run in 8 under CPU hogs).
 #[test]
 fn a_keepalive_slot_told_before_the_peer_is_ready_is_kept() {
-    let keepalive = KeepaliveConfig {
-        interval: Duration::from_millis(10),
-        timeout: Duration::from_millis(100),
-    };
-    let config = EngineConfig {
-        keepalive: Some(keepalive),
-        ..EngineConfig::default()
-    };
+    let (_, config) = fast_keepalive();
     let mut clock = Clock::new();
     let now = clock.now();
     let fabric = SoftFabric::new();
@@ -862,12 +866,7 @@ fn a_keepalive_slot_told_before_the_peer_is_ready_is_kept() {
         now,
         true,
     );
-    a.qp.connect(&b.qp.endpoint()).unwrap();
-    b.qp.connect(&a.qp.endpoint()).unwrap();
-    for side in [&mut a, &mut b] {
-        let wrs = side.engine.poll_recv_post().unwrap();
-        side.qp.post_recv(&wrs).unwrap();
-    }
+    link_qps(&mut a, &mut b);
     let (info_a, info_b) = (a.info(), b.info());
     assert_eq!(
         info_a.keepalive_slot, None,
