@@ -131,6 +131,74 @@ pub const BENCHES: &[Bench] = &[
         ],
     },
     Bench {
+        name: "scale",
+        about: "a ps-server's Fetch latency and memory as keys per Fetch, rows per shard and client connections grow",
+        figures: &[
+            Figure {
+                filter: &[("section", "keys")],
+                x: "keys",
+                y: "p50_us",
+                series: &["transport"],
+                x_label: "keys per Fetch (log)",
+                y_label: "Fetch p50, µs (log)",
+                x_log: true,
+                y_log: true,
+                ..figure("scale-keys.png", "scale: Fetch latency by keys per Fetch")
+            },
+            Figure {
+                filter: &[("section", "rows")],
+                x: "rows",
+                y: "bytes_per_row",
+                x_label: "rows per shard (log)",
+                y_label: "server resident bytes per row (log)",
+                x_log: true,
+                y_log: true,
+                ..figure("scale-rows-memory.png", "scale: server memory per row")
+            },
+            Figure {
+                filter: &[("section", "rows")],
+                x: "rows",
+                y: "p50_us",
+                x_label: "rows per shard (log)",
+                y_label: "Fetch of 1,000 keys, p50 µs (log)",
+                x_log: true,
+                y_log: true,
+                ..figure(
+                    "scale-rows-latency.png",
+                    "scale: Fetch latency by rows per shard",
+                )
+            },
+            Figure {
+                filter: &[("section", "connections")],
+                x: "connections",
+                y: "active_p99_us",
+                series: &["transport"],
+                x_label: "client connections, all busy (log)",
+                y_label: "Fetch p99, µs (log)",
+                x_log: true,
+                y_log: true,
+                ..figure(
+                    "scale-connections.png",
+                    "scale: Fetch p99 by client connections",
+                )
+            },
+            Figure {
+                filter: &[("section", "connections")],
+                x: "connections",
+                y: "server_rss_mib",
+                series: &["transport"],
+                x_label: "client connections (log)",
+                y_label: "server resident MiB (log)",
+                x_log: true,
+                y_log: true,
+                ..figure(
+                    "scale-connections-memory.png",
+                    "scale: server memory by client connections",
+                )
+            },
+        ],
+    },
+    Bench {
         name: "transport",
         about: "the transport alone between two processes: rdma-soft against tcp, memcpy as the ceiling",
         figures: &[

@@ -10,4 +10,5 @@ pub mod recovery;
 pub mod replication;
 pub mod report;
 pub mod rpc;
+pub mod scale;
 pub mod transport;

@@ -13,6 +13,8 @@
 //! - `rpc`: the ParameterServer service end to end (Fetch of 1,000 keys x
 //!   dim 64, an empty Health), Tessera RPC over tcp and rdma-soft against
 //!   tonic gRPC and a bare TCP floor; see `tessera_benches::rpc`.
+//! - `scale`: Fetch latency and server memory as keys per Fetch, rows
+//!   per shard and client connections grow; see `tessera_benches::scale`.
 //! - `recovery`: the RPC layer's policy overhead (a call with every policy
 //!   on against a plain channel), RDMA-to-TCP fallback and return times,
 //!   and failover around a SIGKILLed replica; see `recovery.rs`.
@@ -203,6 +205,13 @@ enum Command {
         /// Callers outstanding in the throughput runs.
         #[arg(long)]
         concurrency: Option<usize>,
+        /// Only these calls (`fetch`, `health`; comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        calls: Vec<tessera_benches::rpc::Call>,
+        /// Only these ways (`floor`, `tessera-tcp`, `tessera-rdma-soft`,
+        /// `grpc`; comma-separated), for example to profile one.
+        #[arg(long, value_delimiter = ',')]
+        ways: Vec<tessera_benches::rpc::Way>,
     },
     /// Rankers over a local cluster, tcp vs rdma-soft at matched load (the
     /// paper's Tables 5 and 6).
@@ -216,15 +225,45 @@ enum Command {
         #[command(flatten)]
         args: PsArgs,
     },
-    /// The ps-server child of `rpc`.
+    /// How a ps-server's latency and memory grow with keys per Fetch, rows
+    /// per shard and client connections (log axes).
+    Scale {
+        /// A short smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Write `scale.json` and `scale.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Keys per Fetch to sweep.
+        #[arg(long, value_delimiter = ',')]
+        keys: Vec<usize>,
+        /// Rows per shard to sweep.
+        #[arg(long, value_delimiter = ',')]
+        rows: Vec<u64>,
+        /// Client connections to sweep.
+        #[arg(long, value_delimiter = ',')]
+        connections: Vec<usize>,
+    },
+    /// The ps-server child of `rpc` and `scale`.
     #[command(hide = true)]
     RpcPsServer {
         /// `tcp` or `rdma` (soft provider).
         kind: tessera_rpc::TransportKind,
+        /// Values per row of table `emb`.
+        #[arg(long, default_value_t = tessera_benches::rpc::DIM)]
+        dim: u32,
     },
     /// The bare TCP echo child of `rpc` (the floor).
     #[command(hide = true)]
     RpcFloorServer,
+}
+
+/// `given` on the command line, or `default` when none was.
+fn given_or<T: Clone>(given: Vec<T>, default: &[T]) -> Vec<T> {
+    match given.is_empty() {
+        true => default.to_vec(),
+        false => given,
+    }
 }
 
 /// What the parameter-server benchmarks share.
@@ -533,12 +572,16 @@ fn main() -> Result<(), BoxError> {
             iterations,
             throughput_secs,
             concurrency,
+            calls,
+            ways,
         } => {
             let defaults = tessera_benches::rpc::Plan::new(quick);
             let plan = tessera_benches::rpc::Plan {
                 iterations: iterations.unwrap_or(defaults.iterations),
                 throughput_secs: throughput_secs.unwrap_or(defaults.throughput_secs),
                 concurrency: concurrency.unwrap_or(defaults.concurrency),
+                calls: given_or(calls, &defaults.calls),
+                ways: given_or(ways, &defaults.ways),
                 ..defaults
             };
             let meta = tessera_benches::report::Meta::collect("rpc");
@@ -557,8 +600,29 @@ fn main() -> Result<(), BoxError> {
         }
         Command::PsInference { args } => args.run(tessera_benches::ps::Workload::Inference),
         Command::PsTraining { args } => args.run(tessera_benches::ps::Workload::Training),
-        Command::RpcPsServer { kind } => tokio::runtime::Runtime::new()?
-            .block_on(tessera_benches::rpc::ps_server_child(kind))
+        Command::Scale {
+            quick,
+            out,
+            keys,
+            rows,
+            connections,
+        } => {
+            let defaults = tessera_benches::scale::Plan::new(quick);
+            let plan = tessera_benches::scale::Plan {
+                keys: given_or(keys, &defaults.keys),
+                rows: given_or(rows, &defaults.rows),
+                connections: given_or(connections, &defaults.connections),
+                ..defaults
+            };
+            let meta = tessera_benches::report::Meta::collect("scale");
+            let runtime = tokio::runtime::Runtime::new()?;
+            let (rows, table) = runtime
+                .block_on(tessera_benches::scale::run(&plan, &meta))
+                .map_err(|e| e.to_string())?;
+            report(&meta, out.as_deref(), &rows, &table)
+        }
+        Command::RpcPsServer { kind, dim } => tokio::runtime::Runtime::new()?
+            .block_on(tessera_benches::rpc::ps_server_child(kind, dim))
             .map_err(|e| e.to_string().into()),
         Command::RpcFloorServer => tokio::runtime::Runtime::new()?
             .block_on(tessera_benches::rpc::floor_server_child())

@@ -28,6 +28,7 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
         "rpc",
         "ps-inference",
         "ps-training",
+        "scale",
         "transport",
         "alloc",
         "fragment",
@@ -52,12 +53,37 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
             "{bench} in the report"
         );
     }
+    // scale sweeps all three dimensions, over both transports where it
+    // should, and says how much bigger a row is than its payload.
+    let scale: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("scale.json")).unwrap())
+            .unwrap();
+    let rows = scale["rows"].as_array().unwrap();
+    for (section, transport) in [
+        ("keys", "tcp"),
+        ("keys", "rdma-soft"),
+        ("rows", "tcp"),
+        ("connections", "tcp"),
+        ("connections", "rdma-soft"),
+    ] {
+        let n = rows
+            .iter()
+            .filter(|r| r["section"] == section && r["transport"] == transport)
+            .count();
+        assert_eq!(n, 3, "{section} over {transport}");
+    }
+    for row in rows.iter().filter(|r| r["section"] == "rows") {
+        assert!(
+            row["bytes_per_row_vs_payload"].as_f64().unwrap() > 1.0,
+            "{row}"
+        );
+    }
     // Every figure the report embeds is a PNG next to it.
     let figures: Vec<&str> = report
         .lines()
         .filter_map(|l| l.strip_prefix("![")?.split_once("](")?.1.strip_suffix(')'))
         .collect();
-    assert!(figures.len() >= 13, "{figures:?}");
+    assert!(figures.len() >= 18, "{figures:?}");
     for file in figures {
         let png = std::fs::read(dir.path().join(file)).unwrap();
         assert_eq!(&png[1..4], b"PNG", "{file}");
