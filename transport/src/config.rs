@@ -94,9 +94,11 @@ pub struct TransportConfig {
     /// waits. Default 1024: deep enough to keep the socket busy while a
     /// writer batches, shallow enough to push back on a runaway producer.
     pub send_queue_depth: usize,
-    /// Most bytes the TCP writer gathers into one `writev`. Default 1 MiB:
-    /// batches many small messages into one system call without delaying the
-    /// first of them behind megabytes of others.
+    /// Most bytes the TCP writer task gathers into one `writev` when
+    /// messages queue (a message sent while the socket is free is written
+    /// by its caller at once). Default 1 MiB: batches many small messages
+    /// into one system call without delaying the first of them behind
+    /// megabytes of others.
     pub write_batch_bytes: usize,
     /// Size of the pool buffers a connection reads into. Default 64 KiB:
     /// many small messages are read with one `read` and handed out as

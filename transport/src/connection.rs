@@ -14,7 +14,7 @@ use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
 use crate::rdma::Role;
 use crate::rdma::connection::{HANDSHAKE_TIMEOUT, RdmaRuntime};
 use crate::rdma::io::RdmaSender;
-use crate::tcp::{self, TcpReceiver, Wire};
+use crate::tcp::{self, TcpReceiver, TcpSender, Wire};
 use crate::tls::{PeerIdentity, Tls};
 use crate::verbs::Device;
 use crate::{Message, RdmaProvider, TransportConfig, TransportError, TransportKind};
@@ -380,7 +380,7 @@ impl Connection {
 
     fn tcp(
         config: &TransportConfig,
-        tx: mpsc::Sender<Message>,
+        tx: TcpSender,
         rx: TcpReceiver,
         peer: SocketAddr,
         identity: Option<Arc<PeerIdentity>>,
@@ -698,18 +698,21 @@ pub struct MessageSender {
 
 #[derive(Debug, Clone)]
 enum SenderInner {
-    /// The TCP writer task's queue.
-    Tcp(mpsc::Sender<Message>),
+    /// The TCP connection's writer (direct, or through its queue).
+    Tcp(TcpSender),
     /// A socket on an RDMA engine.
     Rdma(RdmaSender),
 }
 
 impl MessageSender {
-    /// Queues `message` for sending, waiting while the send queue is full.
+    /// Sends `message`: over TCP it is written at once from the calling
+    /// task when no other write holds the socket, and queued for the
+    /// connection's writer otherwise (waiting while the send queue is
+    /// full); over RDMA it is queued for the engine.
     ///
-    /// Returns once the message is queued, not once it is on the wire; a
-    /// message larger than `max_message_size` is refused here, and the
-    /// connection stays usable.
+    /// Returns once the message is written or queued, not once the peer
+    /// has it; a message larger than `max_message_size` is refused here,
+    /// and the connection stays usable.
     pub async fn send(&self, message: Message) -> Result<(), TransportError> {
         let len = message.len() as u64;
         if len > self.max_message_size {
@@ -719,10 +722,7 @@ impl MessageSender {
             });
         }
         match &self.inner {
-            SenderInner::Tcp(queue) => queue
-                .send(message)
-                .await
-                .map_err(|_| TransportError::Closed),
+            SenderInner::Tcp(sender) => sender.send(message).await,
             SenderInner::Rdma(socket) => socket.send(message).await,
         }
     }
@@ -738,7 +738,7 @@ impl MessageSender {
     /// Whether the connection's writer has stopped (error or shutdown).
     pub fn is_closed(&self) -> bool {
         match &self.inner {
-            SenderInner::Tcp(queue) => queue.is_closed(),
+            SenderInner::Tcp(sender) => sender.is_closed(),
             SenderInner::Rdma(socket) => socket.is_closed(),
         }
     }

@@ -6,12 +6,18 @@ use tessera_transport::pool::lookup;
 use tessera_transport::{Message, Transport, TransportConfig, TransportError};
 use tokio::io::AsyncWriteExt;
 
-#[tokio::test]
-async fn messages_arrive_whole_and_in_order() {
-    let config = TransportConfig::default();
+/// A transport with `config` and a listener of it on a loopback port.
+async fn listening(config: &TransportConfig) -> (Transport, tessera_transport::Listener, String) {
     let transport = Transport::new(config.clone()).unwrap();
     let listener = transport.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    (transport, listener, addr)
+}
+
+#[tokio::test]
+async fn messages_arrive_whole_and_in_order() {
+    let config = TransportConfig::default();
+    let (transport, listener, addr) = listening(&config).await;
     let server = tokio::spawn(async move {
         let mut conn = listener.accept().await.unwrap();
         let mut got = Vec::new();
@@ -60,9 +66,7 @@ async fn oversized_send_is_refused_and_connection_stays_usable() {
         max_message_size: 1024,
         ..TransportConfig::default()
     };
-    let transport = Transport::new(config.clone()).unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let (transport, listener, addr) = listening(&config).await;
     let server = tokio::spawn(async move {
         let mut conn = listener.accept().await.unwrap();
         conn.receiver.recv().await.unwrap()
@@ -93,9 +97,7 @@ async fn hostile_length_prefix_closes_the_connection_with_an_error() {
         max_message_size: 1024,
         ..TransportConfig::default()
     };
-    let transport = Transport::new(config.clone()).unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (_transport, listener, addr) = listening(&config).await;
     let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut conn = listener.accept().await.unwrap();
     raw.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
@@ -113,9 +115,7 @@ async fn hostile_length_prefix_closes_the_connection_with_an_error() {
 #[tokio::test]
 async fn peer_closing_mid_frame_is_reported_as_truncation() {
     let config = TransportConfig::default();
-    let transport = Transport::new(config.clone()).unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (_transport, listener, addr) = listening(&config).await;
     let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut conn = listener.accept().await.unwrap();
     raw.write_all(&100u32.to_le_bytes()).await.unwrap();
@@ -142,9 +142,7 @@ async fn frames_of_every_size_arrive_intact_across_buffer_boundaries() {
         read_buffer_bytes: 256,
         ..TransportConfig::default()
     };
-    let transport = Transport::new(config).unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let (transport, listener, addr) = listening(&config).await;
     let sizes: Vec<usize> = (0..300).map(|i| (i * 37) % 700).collect();
     let expected = sizes.clone();
     let server = tokio::spawn(async move {
@@ -176,5 +174,72 @@ async fn frames_of_every_size_arrive_intact_across_buffer_boundaries() {
                 Some(transport.recv_pool().id())
             );
         }
+    }
+}
+
+/// Many tasks send at once on one connection to a peer that reads slowly:
+/// the socket fills, so messages are written by their callers, cut by a
+/// full socket, queued behind a partly written one and batched by the
+/// writer task. Every message still arrives whole, each sender's in its
+/// order, and the peer sees a clean end after the last sender is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_senders_to_a_slow_reader_keep_every_message_whole_and_in_order() {
+    const SENDERS: u32 = 8;
+    const EACH: u32 = 200;
+    let config = TransportConfig {
+        send_queue_depth: 16,
+        ..TransportConfig::default()
+    };
+    let (transport, listener, addr) = listening(&config).await;
+    let server = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        while let Some(message) = conn.receiver.recv().await.unwrap() {
+            if got.len() % 64 == 0 {
+                // A slow reader: the client's socket buffer fills meanwhile.
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            got.push(message);
+        }
+        got
+    });
+    let conn = transport.connect(&addr).await.unwrap();
+    let mut senders = Vec::new();
+    for sender in 0..SENDERS {
+        let tx = conn.sender.clone();
+        senders.push(tokio::spawn(async move {
+            for seq in 0..EACH {
+                // Sizes from a few bytes to 300 KiB, so that some messages
+                // are larger than what the socket takes at once.
+                let len = ((seq * 7919 + sender * 104_729) % 300_000) as usize;
+                let fill = (sender * EACH + seq) as u8;
+                let message = Message::from_parts([
+                    Bytes::copy_from_slice(&sender.to_le_bytes()),
+                    Bytes::copy_from_slice(&seq.to_le_bytes()),
+                    Bytes::from(vec![fill; len]),
+                ]);
+                tx.send(message).await.unwrap();
+            }
+        }));
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    drop(conn);
+    let got = server.await.unwrap();
+    assert_eq!(got.len(), (SENDERS * EACH) as usize);
+    let mut next = vec![0u32; SENDERS as usize];
+    for message in &got {
+        let sender = u32::from_le_bytes(message[..4].try_into().unwrap());
+        let seq = u32::from_le_bytes(message[4..8].try_into().unwrap());
+        assert_eq!(seq, next[sender as usize], "sender {sender}'s order");
+        next[sender as usize] += 1;
+        let len = ((seq * 7919 + sender * 104_729) % 300_000) as usize;
+        let fill = (sender * EACH + seq) as u8;
+        assert_eq!(message.len(), 8 + len);
+        assert!(
+            message[8..].iter().all(|&b| b == fill),
+            "message {sender}/{seq} intact"
+        );
     }
 }

@@ -1,29 +1,30 @@
 //! The TCP transport: length-prefixed frames over tokio `TcpStream`s.
 //!
-//! Each connection has a writer task that drains the connection's send queue
-//! and writes as many queued messages as fit in `write_batch_bytes` with one
-//! vectored write: headers and payload parts go to `writev` as they are, so a
-//! payload is never copied into a frame buffer. Reads go into a growing
-//! receive buffer and whole frames are split off it without a copy.
+//! Sending (`send.rs`): a caller writes its message itself when the socket
+//! is free; under contention messages queue and the connection's writer
+//! task writes as many as fit in `write_batch_bytes` with one vectored
+//! write. Either way headers and payload parts go to `writev` as they are,
+//! so a payload is never copied into a frame buffer. Reads go into a
+//! growing receive buffer and whole frames are split off it without a copy.
 
 mod frame;
+mod send;
 
-use std::io::IoSlice;
 use std::net::SocketAddr;
 
 use std::collections::VecDeque;
 
 use bytes::Bytes;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::inbound::{InboundLimits, InboundPermit};
 use crate::pool::{Pool, PoolBuf};
-use tokio::sync::mpsc;
 
 pub use frame::{FRAME_HEADER_LEN, FrameDecoder, body_len, encode_frame_header};
+pub(crate) use send::TcpSender;
 
-use crate::{Message, TransportConfig, TransportError};
+use crate::{TransportConfig, TransportError};
 
 /// Most bytes of a large message read by one `read` call.
 const LARGE_READ_STEP: usize = 256 << 10;
@@ -32,7 +33,7 @@ const LARGE_READ_STEP: usize = 256 << 10;
 const YIELD_BYTES: usize = 256 << 10;
 
 /// Most `iovec`s handed to one `writev` (Linux's `IOV_MAX` is 1024).
-const MAX_IOVECS: usize = 512;
+pub(super) const MAX_IOVECS: usize = 512;
 
 /// What a TCP connection's frames travel on.
 pub(crate) enum Wire {
@@ -45,10 +46,10 @@ pub(crate) enum Wire {
 /// The reading half of a connection's byte stream.
 type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
 /// The writing half of a connection's byte stream.
-type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+pub(super) type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
 
 /// Wraps an established connection to `peer` (`TCP_NODELAY` already set:
-/// see [`crate::tls::prepare`]) and starts the writer task. Incoming
+/// see [`crate::tls::prepare`]) and starts its writer task. Incoming
 /// messages are read into buffers of `recv_pool`; an accepted connection's
 /// reads obey `limits` (budget, timeouts: see [`crate::inbound`]).
 pub(crate) fn setup(
@@ -57,25 +58,25 @@ pub(crate) fn setup(
     wire: Wire,
     peer: SocketAddr,
     limits: Option<InboundLimits>,
-) -> (mpsc::Sender<Message>, TcpReceiver) {
-    let (read, write): (ReadHalf, WriteHalf) = match wire {
+) -> (TcpSender, TcpReceiver) {
+    let (read, plain, secured): (ReadHalf, _, Option<WriteHalf>) = match wire {
         Wire::Plain(stream) => {
             let (read, write) = stream.into_split();
-            (Box::new(read), Box::new(write))
+            (Box::new(read), Some(write), None)
         }
         Wire::Secured(stream) => {
             let (read, write) = tokio::io::split(stream);
-            (Box::new(read), Box::new(write))
+            (Box::new(read), None, Some(Box::new(write)))
         }
     };
-    let (tx, rx) = mpsc::channel(config.send_queue_depth);
-    tokio::spawn(writer_loop(
-        write,
-        rx,
+    let tx = TcpSender::start(
+        plain,
+        secured,
+        config.send_queue_depth,
         config.write_batch_bytes,
         config.max_message_size,
         peer,
-    ));
+    );
     let receiver = TcpReceiver {
         read,
         pool: recv_pool,
@@ -99,83 +100,6 @@ pub(crate) async fn bind(addr: &str) -> Result<TcpListener, TransportError> {
             addr: addr.to_owned(),
             source,
         })
-}
-
-async fn writer_loop(
-    mut write: WriteHalf,
-    mut queue: mpsc::Receiver<Message>,
-    batch_bytes: usize,
-    max_message_size: u64,
-    peer: SocketAddr,
-) {
-    let mut batch: Vec<Message> = Vec::new();
-    let mut headers: Vec<[u8; FRAME_HEADER_LEN]> = Vec::new();
-    while let Some(first) = queue.recv().await {
-        let mut bytes = first.len();
-        let mut iovecs = 1 + first.parts().len();
-        batch.push(first);
-        while bytes < batch_bytes && iovecs < MAX_IOVECS {
-            match queue.try_recv() {
-                Ok(next) => {
-                    bytes += next.len();
-                    iovecs += 1 + next.parts().len();
-                    batch.push(next);
-                }
-                Err(_) => break,
-            }
-        }
-        headers.clear();
-        for message in &batch {
-            match encode_frame_header(message.len(), max_message_size) {
-                Ok(header) => headers.push(header),
-                Err(err) => {
-                    // `MessageSender::send` checks sizes, so this is a bug;
-                    // sending a wrong frame would desynchronise the peer.
-                    tracing::error!(%peer, %err, "refusing to write an oversized frame; closing");
-                    return;
-                }
-            }
-        }
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(iovecs);
-        for (message, header) in batch.iter().zip(&headers) {
-            slices.push(IoSlice::new(header));
-            slices.extend(message.parts().iter().map(|part| IoSlice::new(part)));
-        }
-        // Flushed after every batch: a TLS stream takes bytes into its own
-        // buffer when the socket is full and sends them only on a flush
-        // (or the next write); without it a message's tail could wait for
-        // the next message (plain TCP's flush does nothing).
-        let written = match write_all_vectored(&mut write, &mut slices).await {
-            Ok(()) => write.flush().await,
-            Err(err) => Err(err),
-        };
-        if let Err(err) = written {
-            tracing::debug!(%peer, %err, "TCP write failed; closing the connection");
-            return;
-        }
-        metrics::counter!("tessera_transport_messages_sent_total", "transport" => "tcp")
-            .increment(batch.len() as u64);
-        metrics::counter!("tessera_transport_bytes_sent_total", "transport" => "tcp")
-            .increment(bytes as u64);
-        drop(slices);
-        batch.clear();
-    }
-    // Every sender is gone: finish the stream so the peer sees a clean EOF.
-    let _ = write.shutdown().await;
-}
-
-async fn write_all_vectored(
-    write: &mut WriteHalf,
-    mut slices: &mut [IoSlice<'_>],
-) -> std::io::Result<()> {
-    while !slices.is_empty() {
-        let written = write.write_vectored(slices).await?;
-        if written == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        IoSlice::advance_slices(&mut slices, written);
-    }
-    Ok(())
 }
 
 /// Runs `step` within `deadline` (none: for as long as it takes). A
