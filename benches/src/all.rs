@@ -107,6 +107,18 @@ pub const BENCHES: &[Bench] = &[
             Figure {
                 filter: &[("load", "matched (open loop)")],
                 x: "offered_per_s",
+                y: "worker_switches_per_iteration",
+                series: &["transport"],
+                x_label: "offered steps per second",
+                y_label: "worker context switches per step",
+                ..figure(
+                    "ps-training-switches.png",
+                    "ps-training: the worker's context switches per step",
+                )
+            },
+            Figure {
+                filter: &[("load", "matched (open loop)")],
+                x: "offered_per_s",
                 y: "push_p99_us",
                 series: &["transport"],
                 x_label: "offered steps per second",

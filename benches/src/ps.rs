@@ -18,7 +18,9 @@
 //! Reported per run: Fetch latency (mean, p50, p99, p999: a ranker's whole
 //! user request of several Fetches, a trainer step's Fetch), Push p99
 //! (training), and CPU seconds per thousand iterations, user and system
-//! apart, of the worker and of all servers together; each rdma-soft row
+//! apart, and context switches per iteration (every thread's, voluntary
+//! and not: how often the work crossed threads or waited), of the worker
+//! and of all servers together; each rdma-soft row
 //! also as ratios to the tcp row of the same offered load. The paper's
 //! production figures, for reference: -35.7% mean and -43.7% p99 Fetch
 //! latency, -10.69% CPU, -74% p99 Push latency.
@@ -135,20 +137,48 @@ fn cpu_secs(pid: u32) -> (f64, f64) {
     (at(11) / tick, at(12) / tick)
 }
 
-fn servers_cpu(cluster: &Cluster) -> (f64, f64) {
+/// Context switches of every thread of `pid` so far (voluntary and not,
+/// `/proc/<pid>/task/*/status`).
+fn context_switches(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0.0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter_map(|l| {
+                    l.strip_prefix("voluntary_ctxt_switches:")
+                        .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                })
+                .filter_map(|v| v.trim().parse::<f64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// User and system CPU seconds, and context switches, of every server.
+fn servers_usage(cluster: &Cluster) -> (f64, f64, f64) {
     cluster
         .servers()
         .iter()
         .filter_map(|s| s.pid())
-        .map(cpu_secs)
-        .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+        .map(|pid| {
+            let (user, system) = cpu_secs(pid);
+            (user, system, context_switches(pid))
+        })
+        .fold((0.0, 0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2))
 }
 
-/// One measurement: the worker's report, and the servers' CPU over it.
+/// One measurement: the worker's report, and the servers' CPU and
+/// context switches over it.
 struct Measured {
     report: Value,
     servers_user: f64,
     servers_system: f64,
+    servers_switches: f64,
 }
 
 /// Runs the worker once against `cluster`.
@@ -162,7 +192,7 @@ async fn measure(
 ) -> Result<Measured, BoxError> {
     let json = scratch.join("report.json");
     let _ = std::fs::remove_file(&json);
-    let before = servers_cpu(cluster);
+    let before = servers_usage(cluster);
     let mut command = tokio::process::Command::new(sibling("worker")?);
     command
         .arg("--config")
@@ -178,7 +208,7 @@ async fn measure(
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
     let output = command.output().await?;
-    let after = servers_cpu(cluster);
+    let after = servers_usage(cluster);
     if !output.status.success() {
         return Err(format!(
             "worker {} failed: {}",
@@ -195,6 +225,7 @@ async fn measure(
         report,
         servers_user: after.0 - before.0,
         servers_system: after.1 - before.1,
+        servers_switches: after.2 - before.2,
     })
 }
 
@@ -239,6 +270,8 @@ fn row(
         "worker_cpu_system_s_per_1k": us(&r["cpu_system_us_per_iteration"]) / 1000.0,
         "servers_cpu_user_s_per_1k": per_1k(m.servers_user),
         "servers_cpu_system_s_per_1k": per_1k(m.servers_system),
+        "worker_switches_per_iteration": us(&r["context_switches_per_iteration"]),
+        "servers_switches_per_iteration": m.servers_switches / iterations,
     })
 }
 
@@ -342,6 +375,8 @@ fn add_ratios(rows: &mut [Value]) {
             "achieved_vs_tcp": ratio("achieved_per_s"),
             "worker_cpu_vs_tcp": cpu(row, "worker") / cpu(base, "worker").max(1e-12),
             "servers_cpu_vs_tcp": cpu(row, "servers") / cpu(base, "servers").max(1e-12),
+            "worker_switches_vs_tcp": ratio("worker_switches_per_iteration"),
+            "servers_switches_vs_tcp": ratio("servers_switches_per_iteration"),
         });
         if let (Some(row), Some(ratios)) = (row.as_object_mut(), ratios.as_object()) {
             row.extend(ratios.clone());
@@ -367,14 +402,16 @@ fn markdown(workload: Workload, plan: &Plan, meta: &Meta, rows: &[Value]) -> Str
         plan.fractions,
         plan.open_concurrency,
     );
-    out.push_str("| transport | load | offered/s | achieved/s | Fetch mean ms | p50 ms | p99 ms | p999 ms | Push p99 ms | worker CPU user / sys s | servers CPU user / sys s | mean vs tcp | p99 vs tcp | Push p99 vs tcp | worker CPU vs tcp |\n");
-    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| transport | load | offered/s | achieved/s | Fetch mean ms | p50 ms | p99 ms | p999 ms | Push p99 ms | worker CPU user / sys s | servers CPU user / sys s | switches per iteration, worker / servers | mean vs tcp | p99 vs tcp | Push p99 vs tcp | worker CPU vs tcp | switches vs tcp, worker / servers |\n");
+    out.push_str(
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
     let f = |r: &Value, k: &str| r[k].as_f64();
     let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{:.2}", v / 1000.0));
     let x = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2}"));
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {:.3} / {:.3} | {:.3} / {:.3} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {:.3} / {:.3} | {:.3} / {:.3} | {:.1} / {:.1} | {} | {} | {} | {} | {} / {} |\n",
             r["transport"].as_str().unwrap_or(""),
             r["load"].as_str().unwrap_or(""),
             f(r, "offered_per_s").map_or("-".to_owned(), |v| format!("{v:.0}")),
@@ -388,10 +425,14 @@ fn markdown(workload: Workload, plan: &Plan, meta: &Meta, rows: &[Value]) -> Str
             f(r, "worker_cpu_system_s_per_1k").unwrap_or(0.0),
             f(r, "servers_cpu_user_s_per_1k").unwrap_or(0.0),
             f(r, "servers_cpu_system_s_per_1k").unwrap_or(0.0),
+            f(r, "worker_switches_per_iteration").unwrap_or(0.0),
+            f(r, "servers_switches_per_iteration").unwrap_or(0.0),
             x(f(r, "fetch_mean_vs_tcp")),
             x(f(r, "fetch_p99_vs_tcp")),
             x(f(r, "push_p99_vs_tcp")),
             x(f(r, "worker_cpu_vs_tcp")),
+            x(f(r, "worker_switches_vs_tcp")),
+            x(f(r, "servers_switches_vs_tcp")),
         ));
     }
     out

@@ -125,13 +125,14 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     })?;
     println!("{report}");
     println!(
-        "{} iterations in {:.1} s ({:.0}/s), {} rows ({:.1} MiB) fetched, {:.0} µs CPU per iteration, {} errors",
+        "{} iterations in {:.1} s ({:.0}/s), {} rows ({:.1} MiB) fetched, {:.0} µs CPU and {:.1} context switches per iteration, {} errors",
         report.iterations,
         report.elapsed.as_secs_f64(),
         report.throughput(),
         report.rows_fetched,
         report.bytes_fetched as f64 / (1 << 20) as f64,
         report.cpu_us_per_iteration,
+        report.context_switches_per_iteration,
         report.errors
     );
     if let Some(path) = &cli.json {

@@ -107,6 +107,9 @@ pub struct WorkloadReport {
     pub cpu_user_us_per_iteration: f64,
     /// Of which system time.
     pub cpu_system_us_per_iteration: f64,
+    /// Context switches of this process's threads (voluntary and not) per
+    /// completed iteration: how often the work crossed threads or waited.
+    pub context_switches_per_iteration: f64,
     /// Iterations started per second asked for (`rate_per_sec`); `None`
     /// for a closed loop.
     pub offered_rate: Option<f64>,
@@ -248,12 +251,18 @@ fn micros(d: Duration) -> u64 {
         .clamp(1, 60_000_000)
 }
 
-/// CPU time (user, system) this process has used so far, in microseconds.
-fn process_cpu_us() -> (u64, u64) {
+/// CPU time (user, system) this process has used so far, in microseconds,
+/// and its threads' context switches.
+fn process_usage() -> (u64, u64, u64) {
     use nix::sys::resource::{UsageWho, getrusage};
-    getrusage(UsageWho::RUSAGE_SELF).map_or((0, 0), |usage| {
+    getrusage(UsageWho::RUSAGE_SELF).map_or((0, 0, 0), |usage| {
         let us = |t: nix::sys::time::TimeVal| t.tv_sec() as u64 * 1_000_000 + t.tv_usec() as u64;
-        (us(usage.user_time()), us(usage.system_time()))
+        let switches = usage.voluntary_context_switches() + usage.involuntary_context_switches();
+        (
+            us(usage.user_time()),
+            us(usage.system_time()),
+            u64::try_from(switches).unwrap_or(0),
+        )
     })
 }
 
@@ -349,7 +358,7 @@ pub async fn run_with_progress(
     progress: Arc<AtomicU64>,
 ) -> WorkloadReport {
     let started = Instant::now();
-    let cpu_before = process_cpu_us();
+    let cpu_before = process_usage();
     // The row size converts message sizes into key counts.
     let row_bytes = match client.fetch(&options.table, &[0]).await {
         Ok(rows) => rows.dim() * tessera_proto::rows::F32_BYTES,
@@ -366,6 +375,7 @@ pub async fn run_with_progress(
                 cpu_us_per_iteration: 0.0,
                 cpu_user_us_per_iteration: 0.0,
                 cpu_system_us_per_iteration: 0.0,
+                context_switches_per_iteration: 0.0,
                 offered_rate: None,
                 first_error: Some(format!("probing table `{}`: {err}", options.table)),
             };
@@ -416,10 +426,11 @@ pub async fn run_with_progress(
             }
         }
     }
-    let cpu_after = process_cpu_us();
-    let (user, system) = (
+    let cpu_after = process_usage();
+    let (user, system, switches) = (
         cpu_after.0.saturating_sub(cpu_before.0),
         cpu_after.1.saturating_sub(cpu_before.1),
+        cpu_after.2.saturating_sub(cpu_before.2),
     );
     let per = |us: u64| us as f64 / iterations.max(1) as f64;
     WorkloadReport {
@@ -434,6 +445,7 @@ pub async fn run_with_progress(
         cpu_us_per_iteration: per(user + system),
         cpu_user_us_per_iteration: per(user),
         cpu_system_us_per_iteration: per(system),
+        context_switches_per_iteration: per(switches),
         offered_rate: (options.rate_per_sec > 0.0).then_some(options.rate_per_sec),
         first_error,
     }
