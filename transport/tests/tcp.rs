@@ -243,3 +243,52 @@ async fn concurrent_senders_to_a_slow_reader_keep_every_message_whole_and_in_ord
         );
     }
 }
+
+/// A peer that never reads and then resets the connection: its senders,
+/// whether writing, queued behind the full socket or waiting for a place in
+/// the queue, all fail promptly instead of waiting for room that never
+/// comes, and the sender reports the connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_by_a_peer_that_never_read_fails_every_waiting_sender() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let config = TransportConfig {
+        send_queue_depth: 2,
+        ..TransportConfig::default()
+    };
+    let transport = Transport::new(config).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let conn = transport.connect(&addr).await.unwrap();
+    let (peer, _) = listener.accept().unwrap();
+    let message = Message::from(Bytes::from(vec![1u8; 1 << 20]));
+    let sent = std::sync::Arc::new(AtomicU64::new(0));
+    let mut senders = Vec::new();
+    for _ in 0..4 {
+        let (tx, message, sent) = (conn.sender.clone(), message.clone(), sent.clone());
+        senders.push(tokio::spawn(async move {
+            loop {
+                if let Err(err) = tx.send(message.clone()).await {
+                    return err;
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    // The senders are under way (the socket fills: nothing is read).
+    while sent.load(Ordering::Relaxed) < 4 {
+        tokio::task::yield_now().await;
+    }
+    // Unread data in the receive buffer: closing sends a reset.
+    drop(peer);
+    for sender in senders {
+        let err = tokio::time::timeout(std::time::Duration::from_secs(10), sender)
+            .await
+            .expect("every sender returns once the connection is reset")
+            .unwrap();
+        assert!(
+            matches!(err, TransportError::Closed | TransportError::Io(_)),
+            "{err:?}"
+        );
+    }
+    assert!(conn.sender.is_closed());
+}

@@ -219,6 +219,10 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// A write failed: the queue is dropped, waiting and later senders get
+    /// [`TransportError::Closed`]. The write half itself shuts down when
+    /// the last sender is dropped (the connection's reader sees the error
+    /// of a broken connection sooner).
     fn fail(&self, err: &std::io::Error) {
         tracing::debug!(peer = %self.peer, %err, "TCP write failed; closing the connection");
         self.outbox().fail();
@@ -310,44 +314,43 @@ impl TcpSender {
         Ok(())
     }
 
-    /// Writes what the socket takes of `frame` now (the caller holds the
-    /// socket); the rest goes to the writer task.
+    /// Writes what the socket takes of `frame` now, with one `writev` (the
+    /// caller holds the socket); the rest goes to the writer task, which
+    /// waits for room, so that a caller never loops on a large message.
     fn write_direct(
         &self,
         socket: &tokio::net::TcpStream,
         mut frame: Frame,
     ) -> Result<(), TransportError> {
         let shared = &self.handle.shared;
-        let len = frame.len();
-        let outcome = loop {
-            let written = {
+        let written = loop {
+            let attempt = {
                 let mut slices = Vec::with_capacity(1 + frame.message.parts().len());
                 frame.slices(&mut slices);
                 socket.try_write_vectored(&slices)
             };
-            match written {
+            match attempt {
                 Ok(0) => break Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) => {
-                    frame.advance(n);
-                    if frame.remaining() == 0 {
-                        break Ok(());
-                    }
-                }
-                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => break Ok(()),
+                Ok(n) => break Ok(n),
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => break Ok(0),
                 Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(err) => break Err(err),
             }
         };
-        if let Err(err) = outcome {
-            shared.fail(&err);
-            return Err(TransportError::Io(err));
-        }
+        let written = match written {
+            Ok(n) => n,
+            Err(err) => {
+                shared.fail(&err);
+                return Err(TransportError::Io(err));
+            }
+        };
+        frame.advance(written);
         let done = frame.remaining() == 0;
         if shared.outbox().release_direct(Some(frame)) {
             shared.wake.notify_one();
         }
-        if done {
-            count_sent(1, len);
+        if written > 0 {
+            count_sent(usize::from(done), written);
         }
         Ok(())
     }
@@ -503,6 +506,125 @@ mod tests {
                 wire.extend_from_slice(&next[..n]);
                 prop_assert_eq!(frame.advance(n), 0);
             }
+            prop_assert_eq!(wire, expected);
+        }
+    }
+
+    /// What a model run does next: callers and the writer task run on
+    /// different threads, so a caller may queue while another caller, or
+    /// the task, holds the socket.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A caller sends a message of this many bytes (it gets the socket
+        /// or queues).
+        Send { len: usize },
+        /// The caller holding the socket, if any, finishes: the socket took
+        /// `taken` per mille of its frame.
+        DirectDone { taken: u16 },
+        /// The writer task, if awake, takes its next step (claim a batch,
+        /// or write the one it holds) with this batch bound.
+        Task { batch: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..64).prop_map(|len| Op::Send { len }),
+            (0u16..=1000).prop_map(|taken| Op::DirectDone { taken }),
+            (1usize..200).prop_map(|batch| Op::Task { batch }),
+        ]
+    }
+
+    /// The writer task of the model, driven like the real one: a woken
+    /// task claims; with nothing to claim it sleeps unless a wake-up
+    /// (a `Notify` permit) is stored.
+    #[derive(Debug, Default)]
+    struct ModelTask {
+        batch: Option<Vec<Frame>>,
+        asleep: bool,
+        permit: bool,
+        finished: bool,
+    }
+
+    impl ModelTask {
+        fn step(&mut self, outbox: &mut Outbox, batch_bytes: usize, wire: &mut Vec<u8>) {
+            if self.finished || (self.asleep && !self.permit) {
+                return;
+            }
+            if self.asleep {
+                (self.asleep, self.permit) = (false, false);
+            }
+            if let Some(frames) = self.batch.take() {
+                for frame in &frames {
+                    wire.extend(wire_bytes(frame));
+                }
+                outbox.release_batch();
+                return;
+            }
+            match outbox.claim_batch(batch_bytes) {
+                Claim::Batch(frames) => self.batch = Some(frames),
+                Claim::Wait if self.permit => self.permit = false,
+                Claim::Wait => self.asleep = true,
+                Claim::Finish | Claim::Failed => self.finished = true,
+            }
+        }
+    }
+
+    proptest! {
+        /// Any interleaving of callers and the writer task (over plain TCP,
+        /// or TLS where every frame queues): frames reach the
+        /// socket whole and in the order they entered, the task is never
+        /// asleep without a wake-up while frames wait for it, and once
+        /// every sender is gone it finishes after writing everything.
+        #[test]
+        fn callers_and_the_task_keep_frames_in_order_and_never_lose_a_wake(
+            ops in proptest::collection::vec(op(), 0..80),
+            tls in any::<bool>(),
+        ) {
+            let mut outbox = Outbox::default();
+            let mut task = ModelTask::default();
+            let mut direct: Option<Frame> = None;
+            let (mut expected, mut wire) = (Vec::new(), Vec::new());
+            let finish_direct = |outbox: &mut Outbox, task: &mut ModelTask, direct: &mut Option<Frame>, wire: &mut Vec<u8>, taken: u16| {
+                if let Some(mut frame) = direct.take() {
+                    let n = frame.remaining() * usize::from(taken) / 1000;
+                    wire.extend(&wire_bytes(&frame)[..n]);
+                    frame.advance(n);
+                    task.permit |= outbox.release_direct(Some(frame));
+                }
+            };
+            for (id, op) in ops.iter().enumerate() {
+                match *op {
+                    Op::Send { len } => {
+                        let frame = frame(&[&vec![id as u8; len]]);
+                        expected.extend(wire_bytes(&frame));
+                        if outbox.claim_direct(!tls) {
+                            direct = Some(frame);
+                        } else {
+                            task.permit |= outbox.push(frame);
+                        }
+                    }
+                    Op::DirectDone { taken } => {
+                        finish_direct(&mut outbox, &mut task, &mut direct, &mut wire, taken);
+                    }
+                    Op::Task { batch } => task.step(&mut outbox, batch, &mut wire),
+                }
+                let stranded = !outbox.queue.is_empty() && !outbox.writing;
+                prop_assert!(
+                    !(task.asleep && !task.permit && stranded),
+                    "frames wait and the task sleeps without a wake-up"
+                );
+            }
+            // The last caller finishes, every sender goes.
+            finish_direct(&mut outbox, &mut task, &mut direct, &mut wire, 1000);
+            task.permit |= outbox.close();
+            for _ in 0..10_000 {
+                if task.finished {
+                    break;
+                }
+                prop_assert!(!task.asleep || task.permit, "the task sleeps after the close");
+                task.step(&mut outbox, 64, &mut wire);
+            }
+            prop_assert!(task.finished);
             prop_assert_eq!(wire, expected);
         }
     }
