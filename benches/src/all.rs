@@ -160,9 +160,9 @@ pub const BENCHES: &[Bench] = &[
             Figure {
                 filter: &[("section", "rows")],
                 x: "rows",
-                y: "bytes_per_row",
+                y: "bytes_per_added_row",
                 x_label: "rows per shard (log)",
-                y_label: "server resident bytes per row (log)",
+                y_label: "server resident bytes per row added (log)",
                 x_log: true,
                 y_log: true,
                 ..figure("scale-rows-memory.png", "scale: server memory per row")

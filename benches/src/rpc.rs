@@ -667,9 +667,10 @@ fn summarize(call: Call, way: Way, measured: &mut Measured) -> Value {
         "p99_us": quantile(l, 0.99),
         "p999_us": quantile(l, 0.999),
         "mean_us": mean,
-        "calls_per_s": quantile(&rates, 0.5),
-        "calls_per_s_min": rates.first().copied().unwrap_or(0.0),
-        "calls_per_s_max": rates.last().copied().unwrap_or(0.0),
+        // No throughput run (`--throughput-secs 0`): no figure.
+        "calls_per_s": (!rates.is_empty()).then(|| quantile(&rates, 0.5)),
+        "calls_per_s_min": rates.first().copied(),
+        "calls_per_s_max": rates.last().copied(),
     })
 }
 

@@ -9,20 +9,23 @@
 //!
 //! - **keys**: Fetch latency (one call outstanding) and the server's peak
 //!   memory above its resting size, as the keys of one Fetch grow from 10
-//!   to 100,000 (dim 64: 2.5 KiB to 25 MiB of rows back), tcp and
+//!   to 100,000 (dim 64: 2.5 KiB to 24.4 MiB of rows back), tcp and
 //!   rdma-soft interleaved level by level. Ratios: to the fewest keys of
 //!   the same transport, and rdma-soft to tcp.
 //! - **rows**: the server's resident bytes per row as a shard grows from
-//!   10^3 to 10^7 rows (dim 16), against the payload (`dim x 4 + 8`: the
-//!   values and the key), and the latency of a Fetch of 1,000 keys spread
+//!   10^3 to 10^7 rows (dim 16): the growth per row added since the level
+//!   before, against the payload (`dim x 4 + 8`: the values and the key),
+//!   and the average since the empty server; and the latency of a Fetch of 1,000 keys spread
 //!   over all of them; over tcp (the store does not depend on the
 //!   transport). Ratios: to the payload, and to the fewest rows.
 //! - **connections**: 1 to 1,000 client connections (one transport shared
 //!   by the client, a channel each). Idle: the latency of a Fetch of 100
 //!   keys on one of them while the others are open; active: every
 //!   connection with a Fetch outstanding at all times (calls per second,
-//!   p50, p99); the server's resident memory per connection. Ratios: to
-//!   one connection of the same transport, and rdma-soft to tcp.
+//!   p50, p99); the server's resident memory per connection (a fresh
+//!   server per level). Ratios: to one connection of the same transport,
+//!   and rdma-soft to tcp. A channel that is not on its transport (an
+//!   RDMA channel fallen back to TCP) fails the run.
 //!
 //! Rows are created by the Fetches themselves (a training table creates a
 //! missing row on first read), before any measurement.
@@ -47,11 +50,6 @@ const ROWS_DIM: u32 = 16;
 const ROWS_FETCH_KEYS: usize = 1000;
 /// Keys of a Fetch in the connections sweep.
 const CONNECTION_FETCH_KEYS: usize = 100;
-/// Keys per Fetch that creates the keys sweep's rows: small, so that the
-/// buffers the server's allocator keeps after creating them do not hide
-/// the transient memory of the measured Fetches (measured from small to
-/// large, each level's peak is above what every smaller one left).
-const KEYS_CREATE_BATCH: u64 = 1000;
 /// Keys per Fetch that creates the rows sweep's rows (640 KiB back): few
 /// calls for 10^7 rows, retained buffers small next to the rows.
 const ROWS_CREATE_BATCH: u64 = 10_000;
@@ -97,6 +95,30 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// Sorts each sweep's levels (each level's figures are relative to the
+    /// one before) and refuses empty sweeps, zeros and repeats.
+    pub fn validated(mut self) -> Result<Self, BoxError> {
+        fn check<T: Ord + Copy + Default + std::fmt::Debug>(
+            name: &str,
+            levels: &mut [T],
+        ) -> Result<(), BoxError> {
+            levels.sort_unstable();
+            if levels.is_empty() || levels[0] == T::default() {
+                return Err(format!("--{name} {levels:?}: give levels of at least 1").into());
+            }
+            if levels.windows(2).any(|w| w[0] == w[1]) {
+                return Err(format!("--{name} {levels:?}: a level is repeated").into());
+            }
+            Ok(())
+        }
+        check("keys", &mut self.keys)?;
+        check("rows", &mut self.rows)?;
+        check("connections", &mut self.connections)?;
+        Ok(self)
+    }
+}
+
 const TRANSPORTS: [(&str, TransportKind); 2] = [
     ("tcp", TransportKind::Tcp),
     ("rdma-soft", TransportKind::Rdma),
@@ -133,9 +155,18 @@ async fn client(
     server: &ServerChild,
     kind: TransportKind,
 ) -> Result<ps::ParameterServerClient, BoxError> {
-    Ok(ps::ParameterServerClient::new(
-        Channel::connect(server.tessera.clone(), channel_config(kind)).await?,
-    ))
+    let channel = Channel::connect(server.tessera.clone(), channel_config(kind)).await?;
+    on_transport(&channel, kind)?;
+    Ok(ps::ParameterServerClient::new(channel))
+}
+
+/// Fails unless `channel` is connected over `kind` (an RDMA channel may
+/// fall back to TCP; a figure labelled rdma-soft must not be TCP's).
+fn on_transport(channel: &Channel, kind: TransportKind) -> Result<(), BoxError> {
+    match channel.current_transport() {
+        Some(now) if now == kind => Ok(()),
+        now => Err(format!("the channel is on {now:?}, not {kind}").into()),
+    }
 }
 
 async fn fetch(client: &ps::ParameterServerClient, keys: &[u64], dim: u32) -> Result<(), BoxError> {
@@ -208,13 +239,20 @@ fn mib(bytes: u64) -> f64 {
 }
 
 /// Fetch latency and the server's transient memory by keys per Fetch.
+///
+/// The rows are created by Fetches of the fewest keys measured, so that
+/// the buffers the server's allocator keeps afterwards do not hide the
+/// memory of the measured Fetches; the levels run from the fewest keys to
+/// the most, so each level's peak is what it needs above what every
+/// smaller one left.
 async fn keys_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     let most = plan.keys.iter().copied().max().unwrap_or(0) as u64;
+    let fewest = plan.keys.iter().copied().min().unwrap_or(1).max(1) as u64;
     let mut sides = Vec::new();
     for (label, kind) in TRANSPORTS {
         let server = start_server_of(kind, DIM)?;
         let client = client(&server, kind).await?;
-        create_rows(&client, 0, most, DIM, KEYS_CREATE_BATCH).await?;
+        create_rows(&client, 0, most, DIM, fewest).await?;
         sides.push((label, server, client));
     }
     let mut rows = Vec::new();
@@ -228,6 +266,10 @@ async fn keys_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
             let l = latencies(client, &requests, DIM, plan).await?;
             let peak = status_bytes(pid, "VmHWM")?;
             let response_bytes = n * DIM as usize * 4;
+            // A reset the kernel accepted but did not do leaves the old
+            // peak: no figure then.
+            let peak_known =
+                peak_known && peak < resting + (64 << 20).max(8 * response_bytes as u64);
             let above = peak.saturating_sub(resting);
             rows.push(json!({
                 "bench": "scale",
@@ -281,7 +323,7 @@ async fn rows_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     let payload = ROWS_DIM as u64 * 4 + 8;
     let mut random = rand::rngs::StdRng::seed_from_u64(17);
     let mut rows = Vec::new();
-    let mut created = 0;
+    let (mut created, mut before) = (0, empty);
     for &n in &plan.rows {
         create_rows(&client, created, n, ROWS_DIM, ROWS_CREATE_BATCH).await?;
         created = created.max(n);
@@ -295,6 +337,11 @@ async fn rows_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
             .collect();
         let l = latencies(&client, &requests, ROWS_DIM, plan).await?;
         let per_row = rss.saturating_sub(empty) as f64 / n as f64;
+        // The growth since the previous level per row added: free of the
+        // one-time costs (first buffers, arenas, empty maps) that dominate
+        // the average of a small shard.
+        let per_added_row = rss.saturating_sub(before) as f64 / (n - created_before(&rows)) as f64;
+        before = rss;
         rows.push(json!({
             "bench": "scale",
             "section": "rows",
@@ -304,7 +351,8 @@ async fn rows_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
             "payload_bytes_per_row": payload,
             "server_rss_mib": mib(rss),
             "bytes_per_row": per_row,
-            "bytes_per_row_vs_payload": per_row / payload as f64,
+            "bytes_per_added_row": per_added_row,
+            "bytes_per_added_row_vs_payload": per_added_row / payload as f64,
             "calls_measured": l.len(),
             "p50_us": quantile(&l, 0.5),
             "p99_us": quantile(&l, 0.99),
@@ -319,26 +367,35 @@ async fn rows_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     Ok(rows)
 }
 
+/// Rows of the level before (0 for the first).
+fn created_before(rows: &[Value]) -> u64 {
+    rows.last().and_then(|r| r["rows"].as_u64()).unwrap_or(0)
+}
+
 /// Latency, throughput and server memory by client connections.
 async fn connections_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     let keys: Vec<u64> = (0..CONNECTION_FETCH_KEYS as u64).map(key).collect();
     let mut rows = Vec::new();
     for (label, kind) in TRANSPORTS {
-        let server = start_server_of(kind, DIM)?;
-        let pid = server_pid(&server);
-        let config = channel_config(kind);
-        let transport = tessera_transport::Transport::new(config.transport.clone())?;
-        let mut clients: Vec<ps::ParameterServerClient> = Vec::new();
+        // A fresh server and client per level: the server's size with `n`
+        // connections open is then not inflated by buffers an earlier
+        // level's busy phase left.
         for &n in &plan.connections {
+            let server = start_server_of(kind, DIM)?;
+            let pid = server_pid(&server);
+            let config = channel_config(kind);
+            let transport = tessera_transport::Transport::new(config.transport.clone())?;
+            let mut clients: Vec<ps::ParameterServerClient> = Vec::new();
             while clients.len() < n {
                 let channel = Channel::with_transport(
                     server.tessera.clone(),
                     config.clone(),
                     transport.clone(),
                 );
-                let client = ps::ParameterServerClient::new(channel);
+                let client = ps::ParameterServerClient::new(channel.clone());
                 // Connects, and creates the rows on the first.
                 fetch(&client, &keys, DIM).await?;
+                on_transport(&channel, kind)?;
                 clients.push(client);
             }
             let rss = status_bytes(pid, "VmRSS")?;
@@ -449,6 +506,7 @@ fn extend(row: &mut Value, more: Value) {
 
 /// Runs `plan`: its rows and table.
 pub async fn run(plan: &Plan, meta: &Meta) -> Result<(Vec<Value>, String), BoxError> {
+    let plan = &plan.clone().validated()?;
     let mut rows = keys_sweep(plan).await?;
     rows.extend(rows_sweep(plan).await?);
     rows.extend(connections_sweep(plan).await?);
@@ -485,16 +543,17 @@ fn markdown(plan: &Plan, meta: &Meta, rows: &[Value]) -> String {
         ));
     }
     out.push_str(&format!(
-        "\n### Rows per shard (dim {ROWS_DIM}, payload {} bytes per row: values and key; Fetch of {ROWS_FETCH_KEYS} keys spread over every row; tcp)\n\n| rows | server RSS MiB | bytes per row | vs payload | p50 µs | p99 µs | p50 vs fewest rows |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+        "\n### Rows per shard (dim {ROWS_DIM}, payload {} bytes per row: values and key; Fetch of {ROWS_FETCH_KEYS} keys spread over every row; tcp)\n\n| rows | server RSS MiB | RSS growth per row since empty | per row added since the level before | vs payload | p50 µs | p99 µs | p50 vs fewest rows |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         ROWS_DIM * 4 + 8
     ));
     for r in of("rows") {
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r["rows"],
             num(f(r, "server_rss_mib"), 1),
             num(f(r, "bytes_per_row"), 0),
-            num(f(r, "bytes_per_row_vs_payload"), 2),
+            num(f(r, "bytes_per_added_row"), 0),
+            num(f(r, "bytes_per_added_row_vs_payload"), 2),
             num(f(r, "p50_us"), 0),
             num(f(r, "p99_us"), 0),
             num(f(r, "p50_vs_fewest_rows"), 2),
@@ -524,4 +583,34 @@ fn markdown(plan: &Plan, meta: &Meta, rows: &[Value]) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_sorted_and_zeros_or_repeats_refused() {
+        let plan = Plan {
+            keys: vec![1000, 10],
+            ..Plan::new(true)
+        };
+        assert_eq!(plan.validated().unwrap().keys, vec![10, 1000]);
+        for plan in [
+            Plan {
+                rows: vec![0, 10],
+                ..Plan::new(true)
+            },
+            Plan {
+                connections: vec![10, 10],
+                ..Plan::new(true)
+            },
+            Plan {
+                keys: vec![],
+                ..Plan::new(true)
+            },
+        ] {
+            assert!(plan.validated().is_err());
+        }
+    }
 }
