@@ -352,18 +352,7 @@ impl Caller {
                 answer.resize(4 + len, 0);
                 stream.read_exact(answer).await?;
             }
-            (Caller::Tessera(client, keys), Call::Fetch) => {
-                let response = client
-                    .fetch(ps::FetchRequest {
-                        table: TABLE.into(),
-                        shard: 0,
-                        keys: keys.to_vec(),
-                    })
-                    .await?;
-                if response.values.len() != want {
-                    return Err(format!("{} bytes of rows", response.values.len()).into());
-                }
-            }
+            (Caller::Tessera(client, keys), Call::Fetch) => fetch(client, keys, DIM).await?,
             (Caller::Tessera(client, _), Call::Health) => {
                 client.health(ps::HealthRequest {}).await?;
             }
@@ -385,6 +374,27 @@ impl Caller {
             }
         }
         Ok(())
+    }
+}
+
+/// A Tessera Fetch of `keys` from table `emb` (shard 0), checked to bring
+/// back `dim` values per key.
+pub(crate) async fn fetch(
+    client: &ps::ParameterServerClient,
+    keys: &[u64],
+    dim: u32,
+) -> Result<(), BoxError> {
+    let response = client
+        .fetch(ps::FetchRequest {
+            table: TABLE.into(),
+            shard: 0,
+            keys: keys.to_vec(),
+        })
+        .await?;
+    let want = keys.len() * dim as usize * 4;
+    match response.values.len() == want {
+        true => Ok(()),
+        false => Err(format!("{} bytes of rows, not {want}", response.values.len()).into()),
     }
 }
 

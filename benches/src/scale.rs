@@ -39,7 +39,7 @@ use tessera_proto::v1 as ps;
 use tessera_rpc::{Channel, TransportKind};
 
 use crate::report::{Meta, quantile};
-use crate::rpc::{ServerChild, TABLE, channel_config, start_server_of};
+use crate::rpc::{ServerChild, channel_config, fetch, start_server_of};
 use crate::transport::BoxError;
 
 /// Dim of the keys and connections sweeps (as the rpc benchmark's).
@@ -169,21 +169,6 @@ fn on_transport(channel: &Channel, kind: TransportKind) -> Result<(), BoxError> 
     }
 }
 
-async fn fetch(client: &ps::ParameterServerClient, keys: &[u64], dim: u32) -> Result<(), BoxError> {
-    let response = client
-        .fetch(ps::FetchRequest {
-            table: TABLE.into(),
-            shard: 0,
-            keys: keys.to_vec(),
-        })
-        .await?;
-    let want = keys.len() * dim as usize * 4;
-    match response.values.len() == want {
-        true => Ok(()),
-        false => Err(format!("{} bytes of rows, not {want}", response.values.len()).into()),
-    }
-}
-
 /// Creates rows `from..to` of the key space, `batch` per Fetch.
 async fn create_rows(
     client: &ps::ParameterServerClient,
@@ -291,16 +276,7 @@ async fn keys_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     // Ratios: to the fewest keys of the same transport, and to tcp.
     let snapshot = rows.clone();
     for row in &mut rows {
-        let first = snapshot
-            .iter()
-            .find(|r| r["transport"] == row["transport"])
-            .cloned()
-            .unwrap_or(Value::Null);
-        let tcp = snapshot
-            .iter()
-            .find(|r| r["transport"] == "tcp" && r["keys"] == row["keys"])
-            .cloned()
-            .unwrap_or(Value::Null);
+        let (first, tcp) = baselines(&snapshot, row, "keys");
         let r = ratio(row, &first, "p50_us");
         let t = ratio(row, &tcp, "p50_us");
         let t99 = ratio(row, &tcp, "p99_us");
@@ -428,16 +404,7 @@ async fn connections_sweep(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     // Per connection: the server's memory above one connection's.
     let snapshot = rows.clone();
     for row in &mut rows {
-        let one = snapshot
-            .iter()
-            .find(|r| r["transport"] == row["transport"])
-            .cloned()
-            .unwrap_or(Value::Null);
-        let tcp = snapshot
-            .iter()
-            .find(|r| r["transport"] == "tcp" && r["connections"] == row["connections"])
-            .cloned()
-            .unwrap_or(Value::Null);
+        let (one, tcp) = baselines(&snapshot, row, "connections");
         let n = row["connections"].as_f64().unwrap_or(1.0);
         let first_n = one["connections"].as_f64().unwrap_or(1.0);
         let per_connection = (n > first_n).then(|| {
@@ -488,6 +455,21 @@ async fn all_busy(
     let elapsed = started.elapsed().as_secs_f64();
     all.sort_by(f64::total_cmp);
     Ok((all.len() as f64 / elapsed.max(1e-9), all))
+}
+
+/// The baselines of `row` among `rows`: the first (fewest) level of its
+/// transport, and tcp's row of the same `level`.
+fn baselines(rows: &[Value], row: &Value, level: &str) -> (Value, Value) {
+    let find = |pick: &dyn Fn(&Value) -> bool| {
+        rows.iter()
+            .find(|r| pick(r))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    (
+        find(&|r| r["transport"] == row["transport"]),
+        find(&|r| r["transport"] == "tcp" && r[level] == row[level]),
+    )
 }
 
 /// `row[key] / base[key]`, or null when either is missing or zero.
