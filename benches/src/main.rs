@@ -281,6 +281,10 @@ struct PsArgs {
     /// Offered loads as fractions of the lower saturation rate.
     #[arg(long, value_delimiter = ',')]
     fractions: Vec<f64>,
+    /// What drives rdma-soft's completion queues: event, busy or runtime
+    /// (default: the transport's).
+    #[arg(long)]
+    polling: Option<String>,
 }
 
 impl PsArgs {
@@ -292,6 +296,7 @@ impl PsArgs {
                 true => defaults.fractions.clone(),
                 false => self.fractions.clone(),
             },
+            polling: self.polling.as_deref().map(parse_polling).transpose()?,
             ..defaults
         };
         let meta = tessera_benches::report::Meta::collect(workload.bench());
@@ -352,7 +357,8 @@ fn run_engine_bench(
 /// I/O thread settings of the RDMA side of a benchmark.
 #[derive(Debug, Clone, clap::Args)]
 struct TuningArgs {
-    /// `event` or `busy` polling of the RDMA I/O threads.
+    /// What drives the RDMA completion queues: `event` or `busy` I/O
+    /// threads, or the `runtime`.
     #[arg(long, default_value = "busy")]
     polling: String,
     /// Spin budget of event polling, microseconds.
@@ -365,11 +371,7 @@ struct TuningArgs {
 
 impl TuningArgs {
     fn tuning(&self) -> Result<transport::Tuning, BoxError> {
-        let polling = match self.polling.as_str() {
-            "busy" => tessera_transport::Polling::Busy,
-            "event" => tessera_transport::Polling::Event,
-            other => return Err(format!("--polling {other}: allowed: event, busy").into()),
-        };
+        let polling = parse_polling(&self.polling)?;
         Ok(transport::Tuning {
             polling,
             spin_us: self.spin_us,
@@ -379,6 +381,16 @@ impl TuningArgs {
 }
 
 type BoxError = tessera_benches::transport::BoxError;
+
+/// `--polling`'s value.
+fn parse_polling(value: &str) -> Result<tessera_transport::Polling, BoxError> {
+    match value {
+        "busy" => Ok(tessera_transport::Polling::Busy),
+        "event" => Ok(tessera_transport::Polling::Event),
+        "runtime" => Ok(tessera_transport::Polling::Runtime),
+        other => Err(format!("--polling {other}: allowed: event, busy, runtime").into()),
+    }
+}
 
 /// Prints `table` and, with `out`, writes the result there.
 fn report(

@@ -71,6 +71,9 @@ pub struct Plan {
     pub closed_concurrency: usize,
     /// Most iterations outstanding in the open loop.
     pub open_concurrency: usize,
+    /// What drives the rdma-soft rows' completion queues (servers and
+    /// worker alike); `None`: the transport's default.
+    pub polling: Option<tessera_transport::Polling>,
 }
 
 impl Plan {
@@ -82,12 +85,14 @@ impl Plan {
                 fractions: vec![0.25, 0.5, 0.75],
                 closed_concurrency: 8,
                 open_concurrency: 64,
+                polling: None,
             },
             true => Self {
                 secs: 1.0,
                 fractions: vec![0.5],
                 closed_concurrency: 8,
                 open_concurrency: 32,
+                polling: None,
             },
         }
     }
@@ -230,10 +235,18 @@ async fn measure(
 }
 
 /// A cluster over `transport`, in a directory of `scratch`.
-async fn start(transport: TransportKind, scratch: &Path) -> Result<Cluster, BoxError> {
+async fn start(
+    transport: TransportKind,
+    scratch: &Path,
+    polling: Option<tessera_transport::Polling>,
+) -> Result<Cluster, BoxError> {
+    let mut rdma = tessera_transport::TransportConfig::soft_rdma().rdma;
+    if let Some(polling) = polling {
+        rdma.polling = polling;
+    }
     let config = ClusterConfig {
         transport,
-        rdma: tessera_transport::TransportConfig::soft_rdma().rdma,
+        rdma,
         ps_server_bin: Some(sibling("ps-server")?),
         ..ClusterConfig::default()
     };
@@ -288,7 +301,7 @@ pub async fn run(
     // Saturation, each transport on a cluster of its own.
     let mut saturation = Vec::new();
     for (label, kind) in TRANSPORTS {
-        let cluster = start(kind, scratch.path()).await?;
+        let cluster = start(kind, scratch.path(), plan.polling).await?;
         let m = measure(
             &cluster,
             workload,
@@ -311,7 +324,7 @@ pub async fn run(
         .map(|f| (f * lowest).max(1.0).round())
         .collect();
     for (label, kind) in TRANSPORTS {
-        let cluster = start(kind, scratch.path()).await?;
+        let cluster = start(kind, scratch.path(), plan.polling).await?;
         let mut outcome = Ok(());
         for &rate in &rates {
             match measure(

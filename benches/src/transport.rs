@@ -105,7 +105,7 @@ impl Kind {
 /// How the RDMA side's I/O threads run (both processes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tuning {
-    /// Event or busy polling.
+    /// Event or busy I/O threads, or the runtime.
     pub polling: tessera_transport::Polling,
     /// Spin budget of event mode, microseconds.
     pub spin_us: u64,
@@ -118,6 +118,7 @@ impl Tuning {
     pub fn args(&self) -> Vec<String> {
         let polling = match self.polling {
             tessera_transport::Polling::Busy => "busy",
+            tessera_transport::Polling::Runtime => "runtime",
             _ => "event",
         };
         vec![

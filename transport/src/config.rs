@@ -135,16 +135,21 @@ pub enum RdmaProvider {
     Soft,
 }
 
-/// How an idle RDMA I/O thread waits.
+/// What drives the RDMA completion queues, and how it waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Polling {
-    /// Poll for `spin_us`, then sleep until a completion or a message to
-    /// send arrives.
+    /// A dedicated I/O thread per queue: polls for `spin_us`, then sleeps
+    /// until a completion or a message to send arrives.
     #[default]
     Event,
-    /// Never sleep.
+    /// A dedicated I/O thread per queue that never sleeps.
     Busy,
+    /// No I/O thread: a task of the application's tokio runtime drives
+    /// each queue, woken by the queue's notification descriptor, and a
+    /// sending task posts on its own thread when the queue's worker is
+    /// free. Needs a tokio runtime with I/O enabled.
+    Runtime,
 }
 
 /// Settings of the RDMA transport.
@@ -181,10 +186,20 @@ pub struct RdmaConfig {
     /// to it round robin. Default 2: one engine thread per core on small
     /// hosts leaves the rest to the application; raise on big servers.
     pub io_threads: usize,
-    /// How an idle I/O thread waits: `event` (keeps polling `spin_us`
-    /// after its last work, then sleeps until a completion or a message to
-    /// send: an idle server uses no CPU) or `busy` (never sleeps: lowest
-    /// latency, a core per I/O thread spent). Default `event`.
+    /// What drives the completion queues: `event` (an I/O thread per
+    /// queue that keeps polling `spin_us` after its last work, then sleeps
+    /// until a completion or a message to send: an idle server uses no
+    /// CPU), `busy` (an I/O thread that never sleeps: a core per thread
+    /// spent), or `runtime` (no I/O thread: the application's tokio
+    /// runtime drives the queues, woken by their notification
+    /// descriptors, and senders post on their own thread; no thread hop
+    /// per message). Default `event`. On a 2-core host `runtime` halves
+    /// the context switches of the parameter-server workloads and beats
+    /// `event` on their latency, throughput and CPU (README, "Figures");
+    /// it is not the default yet because the soft NIC retries a SEND that
+    /// met an empty shared receive queue (a peer with `srq`) in the posting
+    /// thread, for up to 500 ms, which under `runtime` is a runtime worker
+    /// (it refuses `srq` for this reason).
     pub polling: Polling,
     /// The spin budget: microseconds an `event` thread keeps polling after
     /// its last work before it sleeps. Default 50: the answer to a small
@@ -317,6 +332,17 @@ impl Validate for RdmaConfig {
             return Err(invalid(
                 "keepalive_timeout_ms",
                 "must be 0 (off) or at least twice keepalive_interval_ms",
+            ));
+        }
+        if self.srq && self.polling == Polling::Runtime && self.provider == RdmaProvider::Soft {
+            // A real NIC retries a SEND that met an empty shared queue by
+            // itself; the soft NIC retries in the posting thread, which
+            // under `runtime` is a runtime worker.
+            return Err(invalid(
+                "polling",
+                "\"runtime\" cannot drive the soft provider with srq = true (a SEND that finds \
+                 the shared queue empty retries in the posting thread, which would block the \
+                 runtime); use \"event\"",
             ));
         }
         if self.srq && self.srq_depth < 16 {

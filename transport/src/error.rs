@@ -158,6 +158,18 @@ pub enum RdmaError {
     /// A receive buffer lies outside registered memory.
     #[error("a receive buffer lies outside the registered pool")]
     BufferOutsidePool,
+    /// `rdma.polling = "runtime"` drives completion queues from the tokio
+    /// runtime, and the transport was started outside one.
+    #[error(
+        "rdma.polling = \"runtime\" needs a tokio runtime with I/O enabled: start the transport inside one, or use \"event\""
+    )]
+    NoRuntime,
+    /// `rdma.polling = "runtime"` and the device's completion queues cannot
+    /// notify through a file descriptor.
+    #[error(
+        "rdma.polling = \"runtime\": this device's completion queues cannot notify through a file descriptor; use \"event\""
+    )]
+    NoNotification,
 }
 
 /// Why an RDMA connection handshake was refused.

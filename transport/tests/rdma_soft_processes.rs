@@ -79,8 +79,22 @@ impl Drop for EchoChild {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_of_every_size_cross_to_another_process_and_back() {
-    let echo = EchoChild::start();
-    let client = Transport::new(TransportConfig::soft_rdma()).unwrap();
+    every_size_to_another_process_and_back(TransportConfig::soft_rdma(), &[]).await;
+}
+
+/// The same with both processes' completion queues driven from their
+/// tokio runtimes (`polling = "runtime"`): the peer's pushes wake this
+/// process through the eventfd its agent handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_driven_queues_carry_messages_of_every_size_across_processes() {
+    let mut config = TransportConfig::soft_rdma();
+    config.rdma.polling = tessera_transport::Polling::Runtime;
+    every_size_to_another_process_and_back(config, &["--polling", "runtime"]).await;
+}
+
+async fn every_size_to_another_process_and_back(config: TransportConfig, echo_args: &[&str]) {
+    let echo = EchoChild::start_with(echo_args);
+    let client = Transport::new(config).unwrap();
     let mut conn = client.connect(&echo.addr).await.unwrap();
     let sizes = [
         0usize,

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! tessera-echo [--transport tcp|rdma-soft|rdma|auto] [--listen ADDR]
-//!              [--keepalive INTERVAL_MS,TIMEOUT_MS]
+//!              [--keepalive INTERVAL_MS,TIMEOUT_MS] [--polling event|busy|runtime]
 //! ```
 //!
 //! Prints `listening on ADDR` once it accepts connections, and exits when
@@ -21,7 +21,7 @@ use tessera_transport::{Message, Transport, TransportConfig, TransportKind};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: tessera-echo [--transport tcp|rdma-soft|rdma|auto] [--listen ADDR] [--keepalive INTERVAL_MS,TIMEOUT_MS]"
+        "usage: tessera-echo [--transport tcp|rdma-soft|rdma|auto] [--listen ADDR] [--keepalive INTERVAL_MS,TIMEOUT_MS] [--polling event|busy|runtime]"
     );
     ExitCode::from(2)
 }
@@ -30,6 +30,7 @@ fn main() -> ExitCode {
     let mut transport = "tcp".to_string();
     let mut listen = "127.0.0.1:0".to_string();
     let mut keepalive: Option<(u64, u64)> = None;
+    let mut polling = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let value = args.next();
@@ -44,6 +45,14 @@ fn main() -> ExitCode {
                     Some(pair) => keepalive = Some(pair),
                     None => return usage(),
                 }
+            }
+            ("--polling", Some(v)) => {
+                polling = Some(match v.as_str() {
+                    "event" => tessera_transport::Polling::Event,
+                    "busy" => tessera_transport::Polling::Busy,
+                    "runtime" => tessera_transport::Polling::Runtime,
+                    _ => return usage(),
+                });
             }
             _ => return usage(),
         }
@@ -61,6 +70,9 @@ fn main() -> ExitCode {
         },
         _ => return usage(),
     };
+    if let Some(polling) = polling {
+        config.rdma.polling = polling;
+    }
     if let Some((interval, timeout)) = keepalive {
         config.rdma.keepalive_interval_ms = interval;
         config.rdma.keepalive_timeout_ms = timeout;

@@ -26,6 +26,7 @@ pub mod events;
 pub mod ibverbs;
 pub mod limits;
 pub mod memlock;
+pub mod notify;
 pub mod port;
 pub mod soft;
 
@@ -357,6 +358,24 @@ pub trait CompletionQueue: Send + Sync {
     }
     /// Wakes a thread sleeping in `wait` (from any thread).
     fn wake(&self) {}
+    /// Switches the queue to notification through file descriptors, for a
+    /// driver inside an async runtime: from then on, after [`arm`], the
+    /// next completion or [`wake`] makes one of the returned descriptors
+    /// readable, instead of ending a [`wait`]. The descriptors are
+    /// non-blocking duplicates, for the caller to keep (see
+    /// [`notify::register`]). `None`: the provider cannot (the queue stays
+    /// as it was).
+    ///
+    /// [`arm`]: CompletionQueue::arm
+    /// [`wake`]: CompletionQueue::wake
+    /// [`wait`]: CompletionQueue::wait
+    fn notify_by_fd(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
+        None
+    }
+    /// After a descriptor of [`notify_by_fd`](CompletionQueue::notify_by_fd)
+    /// turned readable: consumes what made it so, never blocking, and
+    /// disarms.
+    fn clear_notification(&self) {}
 }
 
 /// An RC queue pair.

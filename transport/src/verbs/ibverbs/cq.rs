@@ -168,6 +168,43 @@ impl CompletionQueue for IbvCq {
         self.armed.store(false, Ordering::Relaxed);
     }
 
+    fn notify_by_fd(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
+        use std::os::fd::{AsFd, BorrowedFd};
+        // SAFETY: the channel is alive for as long as the CQ, and `self`
+        // borrows the CQ for the borrow's life.
+        let channel = unsafe { BorrowedFd::borrow_raw((*self.channel).fd) };
+        let channel = channel.try_clone_to_owned().ok()?;
+        // Non-blocking, so that `clear_notification` never waits (a file
+        // status flag: the channel's own descriptor shares it).
+        let flags = nix::fcntl::fcntl(&channel, nix::fcntl::FcntlArg::F_GETFL).ok()?;
+        let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&channel, nix::fcntl::FcntlArg::F_SETFL(flags)).ok()?;
+        let wake = self.wake_fd.as_fd().try_clone_to_owned().ok()?;
+        Some(vec![channel, wake])
+    }
+
+    fn clear_notification(&self) {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        // Every event the channel holds, each acknowledged (the channel is
+        // non-blocking after `notify_by_fd`: an empty one says EAGAIN).
+        loop {
+            let mut cq: *mut ibv_cq = std::ptr::null_mut();
+            let mut context: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the channel is alive; out pointers are valid.
+            if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut context) } != 0 {
+                break;
+            }
+            // SAFETY: every event taken is acknowledged, on its CQ.
+            unsafe { ibv_ack_cq_events(cq, 1) };
+        }
+        let mut counter = [0u8; 8];
+        // SAFETY: reading 8 bytes into a buffer of 8 resets the eventfd
+        // (non-blocking: nothing signalled is EAGAIN).
+        unsafe { libc::read(self.wake_fd.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
+        self.armed.store(false, Ordering::Relaxed);
+    }
+
     fn wake(&self) {
         use std::os::fd::AsRawFd;
         use std::sync::atomic::{Ordering, fence};

@@ -31,6 +31,8 @@ pub(crate) enum Request {
     Cq(u32),
     /// A shared receive queue's ring.
     Srq(u32),
+    /// A completion queue's eventfd (to wake an owner sleeping on it).
+    CqEvent(u32),
 }
 
 impl Request {
@@ -41,6 +43,7 @@ impl Request {
             Request::Qp(qpn) => (3, qpn),
             Request::Cq(id) => (4, id),
             Request::Srq(id) => (5, id),
+            Request::CqEvent(id) => (6, id),
         };
         let mut out = [0u8; 16];
         out[0..4].copy_from_slice(&op.to_le_bytes());
@@ -60,6 +63,7 @@ impl Request {
             3 => Request::Qp(id),
             4 => Request::Cq(id),
             5 => Request::Srq(id),
+            6 => Request::CqEvent(id),
             _ => return None,
         };
         Some((request, u64::from_le_bytes(node)))

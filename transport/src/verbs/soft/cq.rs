@@ -1,5 +1,5 @@
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::rings::{CqRing, RingCompletion};
@@ -26,6 +26,8 @@ pub struct SoftCq {
     queue: Mutex<VecDeque<Pending>>,
     /// The wake sequence `arm` saw.
     armed_at: AtomicU32,
+    /// `arm` arms the eventfd, not `wait`'s futex (after `notify_by_fd`).
+    by_fd: AtomicBool,
     /// The device that reports this queue's overrun.
     pub(crate) device: Mutex<std::sync::Weak<super::device::DeviceInner>>,
 }
@@ -42,6 +44,7 @@ impl SoftCq {
             ring,
             queue: Mutex::new(VecDeque::new()),
             armed_at: AtomicU32::new(0),
+            by_fd: AtomicBool::new(false),
             device: Mutex::new(std::sync::Weak::new()),
         })
     }
@@ -138,7 +141,8 @@ impl CompletionQueue for SoftCq {
     }
 
     fn arm(&self) {
-        self.armed_at.store(self.ring.arm(), Ordering::Relaxed);
+        let by_fd = self.by_fd.load(Ordering::Relaxed);
+        self.armed_at.store(self.ring.arm(by_fd), Ordering::Relaxed);
     }
 
     fn wait(&self, timeout: std::time::Duration) {
@@ -158,5 +162,17 @@ impl CompletionQueue for SoftCq {
 
     fn wake(&self) {
         self.ring.wake();
+    }
+
+    fn notify_by_fd(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
+        // The ring's eventfd, which peers in any process write when they
+        // push a completion to an armed queue (as a NIC interrupts).
+        let fd = self.ring.event_fd()?.try_clone_to_owned().ok()?;
+        self.by_fd.store(true, Ordering::Relaxed);
+        Some(vec![fd])
+    }
+
+    fn clear_notification(&self) {
+        self.ring.clear_event();
     }
 }

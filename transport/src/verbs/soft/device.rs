@@ -463,16 +463,18 @@ impl DeviceInner {
                 let srq = self.srq(id)?;
                 plain(agent::dup(srq.segment.fd()))
             }
-            Request::Cq(id) => {
-                let cq = self
-                    .cqs
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&id)
-                    .and_then(Weak::upgrade)?;
-                plain(agent::dup(cq.ring.fd()))
-            }
+            Request::Cq(id) => plain(agent::dup(self.cq(id)?.ring.fd())),
+            Request::CqEvent(id) => plain(agent::dup(self.cq(id)?.ring.event_fd()?)),
         }
+    }
+
+    /// The completion queue `id`, if alive.
+    fn cq(&self, id: u32) -> Option<Arc<SoftCq>> {
+        self.cqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .and_then(Weak::upgrade)
     }
 
     /// The shared receive queue `id`, if alive.

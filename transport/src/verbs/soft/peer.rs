@@ -72,9 +72,12 @@ impl Peer {
             .ask(Request::Qp(remote.qpn))
             .and_then(|answer| QpSegment::open(answer.fd))
             .map_err(|e| failed("queue pair", e))?;
+        let event = device
+            .ask(Request::CqEvent(qp.recv_cq()))
+            .map_err(|e| failed("completion queue's eventfd", e))?;
         let cq = device
             .ask(Request::Cq(qp.recv_cq()))
-            .and_then(|answer| CqRing::open(answer.fd))
+            .and_then(|answer| CqRing::open(answer.fd, Some(event.fd)))
             .map_err(|e| failed("completion queue", e))?;
         let qp = Arc::new(qp);
         let recvs = match qp.srq() {

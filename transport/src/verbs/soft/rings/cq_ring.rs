@@ -1,5 +1,6 @@
 //! A completion queue's ring of completions pushed by peers, its wake-up
-//! (a futex word) and the overrun flag.
+//! (a futex word, or an eventfd for an owner inside an async runtime) and
+//! the overrun flag.
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
@@ -10,7 +11,9 @@ pub(super) struct CqHeader {
     pub(super) capacity: AtomicU64,
     pub(super) enqueue: AtomicU64,
     pub(super) dequeue: AtomicU64,
-    /// Non-zero while the owner sleeps (or is about to) in `wait`.
+    /// Non-zero while the owner sleeps (or is about to): [`ARMED_FUTEX`]
+    /// in `wait`, [`ARMED_FD`] on the eventfd. The first waker takes it
+    /// back to zero, so a burst of completions costs one wake-up.
     pub(super) armed: AtomicU32,
     /// Futex word bumped by wakers.
     pub(super) wake_seq: AtomicU32,
@@ -41,12 +44,21 @@ pub(crate) struct RingCompletion {
     pub(crate) delay_polls: u32,
 }
 
+/// The owner sleeps on the futex word (`wait`).
+const ARMED_FUTEX: u32 = 1;
+/// The owner sleeps on the eventfd (a reactor).
+const ARMED_FD: u32 = 2;
+
 /// A completion queue's ring of completions pushed by peers (many
 /// producers, in any process; one consumer, the owner).
 #[derive(Debug)]
 pub(crate) struct CqRing {
     pub(super) segment: Segment,
     pub(super) capacity: usize,
+    /// The owner's eventfd (created with the ring; a peer's copy comes
+    /// from the owner's agent). Without one, a peer cannot wake an owner
+    /// that sleeps on it.
+    event: Option<OwnedFd>,
 }
 
 impl CqRing {
@@ -61,16 +73,50 @@ impl CqRing {
             size_of::<CqSlot>(),
             capacity,
         )?;
-        let this = Self { segment, capacity };
+        let event = OwnedFd::from(
+            nix::sys::eventfd::EventFd::from_value_and_flags(
+                0,
+                nix::sys::eventfd::EfdFlags::EFD_NONBLOCK
+                    | nix::sys::eventfd::EfdFlags::EFD_CLOEXEC,
+            )
+            .map_err(io::Error::from)?,
+        );
+        let this = Self {
+            segment,
+            capacity,
+            event: Some(event),
+        };
         for position in 0..capacity as u64 {
             this.slot(position).seq.store(position, Ordering::Relaxed);
         }
         Ok(this)
     }
 
-    pub(crate) fn open(fd: OwnedFd) -> io::Result<Self> {
+    /// A peer's view of an owner's ring: its memory `fd` and, to wake an
+    /// owner sleeping on it, its eventfd `event`.
+    pub(crate) fn open(fd: OwnedFd, event: Option<OwnedFd>) -> io::Result<Self> {
         let (segment, capacity) = Segment::open(fd, CQ_MAGIC, Self::HEADER, size_of::<CqSlot>())?;
-        Ok(Self { segment, capacity })
+        Ok(Self {
+            segment,
+            capacity,
+            event,
+        })
+    }
+
+    /// The ring's eventfd, if this side has one.
+    pub(crate) fn event_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.event.as_ref().map(AsFd::as_fd)
+    }
+
+    /// Consumes what the eventfd was signalled (never blocks) and disarms:
+    /// the owner is awake.
+    pub(crate) fn clear_event(&self) {
+        self.header().armed.store(0, Ordering::Relaxed);
+        if let Some(event) = &self.event {
+            let mut counter = [0u8; 8];
+            // Non-blocking: nothing signalled is EAGAIN, which is fine.
+            let _ = nix::unistd::read(event, &mut counter);
+        }
     }
 
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
@@ -132,12 +178,13 @@ impl CqRing {
         true
     }
 
-    /// The owner is about to sleep: returns the wake sequence to wait on.
-    /// The owner must poll once more after arming and sleep only if that
-    /// found nothing.
-    pub(crate) fn arm(&self) -> u32 {
+    /// The owner is about to sleep, in `wait` or (`by_fd`) on the
+    /// eventfd: returns the wake sequence to wait on. The owner must poll
+    /// once more after arming and sleep only if that found nothing.
+    pub(crate) fn arm(&self, by_fd: bool) -> u32 {
         let header = self.header();
-        header.armed.store(1, Ordering::Relaxed);
+        let how = if by_fd { ARMED_FD } else { ARMED_FUTEX };
+        header.armed.store(how, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::SeqCst);
         header.wake_seq.load(Ordering::Acquire)
     }
@@ -157,9 +204,21 @@ impl CqRing {
         // before (a completion, a command) is seen by the owner's last
         // look, or the owner is seen armed here.
         std::sync::atomic::fence(Ordering::SeqCst);
-        if header.armed.load(Ordering::Relaxed) != 0 {
-            header.wake_seq.fetch_add(1, Ordering::AcqRel);
-            futex_wake(&header.wake_seq);
+        if header.armed.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        match header.armed.swap(0, Ordering::AcqRel) {
+            ARMED_FUTEX => {
+                header.wake_seq.fetch_add(1, Ordering::AcqRel);
+                futex_wake(&header.wake_seq);
+            }
+            ARMED_FD => {
+                if let Some(event) = &self.event {
+                    // A full counter (EAGAIN) is already a wake-up.
+                    let _ = nix::unistd::write(event, &1u64.to_ne_bytes());
+                }
+            }
+            _ => {}
         }
     }
 

@@ -10,7 +10,7 @@
 
 use std::io;
 use std::mem::size_of;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::shm::SharedMapping;
@@ -177,6 +177,50 @@ mod tests {
         }
     }
 
+    /// The counter of the ring's eventfd (0 when nothing was signalled).
+    fn signalled(ring: &CqRing) -> u64 {
+        let mut counter = [0u8; 8];
+        match nix::unistd::read(ring.event_fd().unwrap(), &mut counter) {
+            Ok(8) => u64::from_ne_bytes(counter),
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn an_owner_armed_by_fd_is_woken_once_per_arm_through_the_eventfd() {
+        let ring = CqRing::create(16).unwrap();
+        // A peer's view, holding a duplicate of the eventfd as the agent
+        // hands it out.
+        let event = ring.event_fd().unwrap().try_clone_to_owned().unwrap();
+        let peer = CqRing::open(ring.fd().try_clone_to_owned().unwrap(), Some(event)).unwrap();
+        // Not armed: pushes signal nothing (no system call per completion).
+        assert!(peer.push(completion(1)));
+        assert_eq!(signalled(&ring), 0);
+        // Armed by fd: the first push signals, the rest of the burst not.
+        ring.arm(true);
+        for i in 2..6 {
+            assert!(peer.push(completion(i)));
+        }
+        assert_eq!(signalled(&ring), 1, "one wake-up per arm");
+        // Armed again, then woken by the owner's own `wake` (a command).
+        ring.arm(true);
+        ring.wake();
+        assert_eq!(signalled(&ring), 1);
+        // Cleared: disarmed, so a later push signals nothing.
+        ring.arm(true);
+        ring.clear_event();
+        assert!(peer.push(completion(7)));
+        assert_eq!(signalled(&ring), 0);
+        // Armed for the futex: the eventfd stays quiet.
+        let at = ring.arm(false);
+        assert!(peer.push(completion(8)));
+        assert_eq!(signalled(&ring), 0);
+        ring.wait(at, std::time::Duration::from_secs(5));
+        for i in [1, 2, 3, 4, 5, 7, 8] {
+            assert_eq!(ring.pop().map(|e| e.completion.wr_id), Some(i));
+        }
+    }
+
     #[test]
     fn a_segment_opened_from_its_fd_shares_memory_and_refuses_strangers() {
         let qp = QpSegment::create(8, 3, 0).unwrap();
@@ -194,7 +238,7 @@ mod tests {
         assert_eq!(peer.take_recv(), Some(wr));
         assert_eq!(qp.posted(), 0);
         let fd = qp.fd().try_clone_to_owned().unwrap();
-        assert!(CqRing::open(fd).is_err(), "a QP segment is not a CQ");
+        assert!(CqRing::open(fd, None).is_err(), "a QP segment is not a CQ");
     }
 
     #[test]
