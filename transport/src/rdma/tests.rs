@@ -1371,6 +1371,7 @@ fn a_held_message_survives_the_engines_failure() {
     assert!(b.received.is_empty());
     b.engine.handle_peer_closed();
     b.qp.fail().unwrap();
+    b.qp.quiesce();
     let held = b.engine.take_held();
     let Some(EngineEvent::Message { bytes, .. }) = held.first() else {
         panic!("the held message: {held:?}");

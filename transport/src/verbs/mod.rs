@@ -402,7 +402,15 @@ pub trait QueuePair: Send + Sync {
     fn state(&self) -> QpState;
     /// Moves the QP to ERROR (`ibv_modify_qp` to `IBV_QPS_ERR`): everything
     /// outstanding completes as flushed, and so does anything posted later.
+    /// Returns at once: a peer's write already under way may still land
+    /// (see [`quiesce`](QueuePair::quiesce)).
     fn fail(&self) -> Result<(), VerbsError>;
+    /// After [`fail`](QueuePair::fail): returns once no remote write can
+    /// land in memory this QP exposes (a caller about to hand such memory
+    /// on waits here). The soft NIC waits, up to a bound, for peers still
+    /// copying in; a device's QP in ERROR takes no more packets, so the
+    /// default returns at once.
+    fn quiesce(&self) {}
 }
 
 /// A type-2 memory window (`ibv_alloc_mw(IBV_MW_TYPE_2)`): bound with

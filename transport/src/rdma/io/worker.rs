@@ -577,11 +577,17 @@ impl Worker {
                     tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
                     // Messages that arrived whole but wait for their
                     // window's invalidation go first, once the QP is in
-                    // error: no write can land in them any more.
+                    // error and quiet: no write can land in them any more.
+                    // Without such messages the error goes at once (a peer
+                    // frozen in the middle of a copy does not hold it up).
                     if let Err(err) = attached.qp.fail() {
                         tracing::warn!(peer = %attached.peer, %err, "moving the queue pair to error failed");
                     }
-                    for held in attached.engine.take_held() {
+                    let held = attached.engine.take_held();
+                    if !held.is_empty() {
+                        attached.qp.quiesce();
+                    }
+                    for held in held {
                         to_backlog(sockets, held);
                     }
                     fail_sockets(opening, sockets, &err);

@@ -667,12 +667,23 @@ impl QueuePair for SoftQp {
     }
 
     fn fail(&self) -> Result<(), VerbsError> {
+        // New writes are refused from here on; one already copying is
+        // waited for only by `quiesce` (before, here: a peer frozen in the
+        // middle of a copy held up every failure by the drain bound).
         self.inner.enter_error();
+        Ok(())
+    }
+
+    fn quiesce(&self) {
         // Like a NIC's QP in error, it takes no more writes once this
         // returns: those already copying finish first.
         std::sync::atomic::fence(Ordering::SeqCst);
-        self.inner.segment.wait_dma_idle(DMA_DRAIN_LIMIT);
-        Ok(())
+        if !self.inner.segment.wait_dma_idle(DMA_DRAIN_LIMIT) {
+            tracing::warn!(
+                qpn = self.inner.qpn,
+                "a peer did not leave the DMA guard of a failed soft QP"
+            );
+        }
     }
 }
 

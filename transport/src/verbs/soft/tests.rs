@@ -1120,3 +1120,37 @@ fn binds_outside_the_rules_are_local_protection_errors() {
         );
     }
 }
+
+/// `fail` returns at once even while a peer is in the middle of a copy
+/// into the QP (a frozen peer process); `quiesce` is what waits for it.
+/// Before, `fail` waited out the drain bound (1 s), so a SIGSTOPped peer
+/// caught mid-write delayed its connection's error by that much.
+#[test]
+fn fail_does_not_wait_for_a_peer_in_the_middle_of_a_copy_and_quiesce_does() {
+    let (_a, b) = pair();
+    let segment = Arc::clone(&b.device.inner.qp(b.qp.qpn()).unwrap().segment);
+    assert!(segment.begin_dma(), "a peer starts copying in");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let qp = Arc::clone(&b.qp);
+    let failer = std::thread::spawn(move || {
+        qp.fail().unwrap();
+        done_tx.send("failed").unwrap();
+        qp.quiesce();
+        done_tx.send("quiet").unwrap();
+    });
+    // `fail` comes back while the copy is still under way, well within
+    // the drain bound it used to wait out...
+    assert_eq!(
+        done_rx
+            .recv_timeout(std::time::Duration::from_millis(500))
+            .unwrap(),
+        "failed"
+    );
+    assert_eq!(b.qp.state(), QpState::Error);
+    assert!(!segment.begin_dma(), "no new copy starts on a failed QP");
+    // ...and `quiesce` only once it is over.
+    assert!(done_rx.try_recv().is_err(), "quiesce waits for the copy");
+    segment.end_dma();
+    assert_eq!(done_rx.recv().unwrap(), "quiet");
+    failer.join().unwrap();
+}
