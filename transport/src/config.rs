@@ -141,7 +141,6 @@ pub enum RdmaProvider {
 pub enum Polling {
     /// A dedicated I/O thread per queue: polls for `spin_us`, then sleeps
     /// until a completion or a message to send arrives.
-    #[default]
     Event,
     /// A dedicated I/O thread per queue that never sleeps.
     Busy,
@@ -149,6 +148,7 @@ pub enum Polling {
     /// each queue, woken by the queue's notification descriptor, and a
     /// sending task posts on its own thread when the queue's worker is
     /// free. Needs a tokio runtime with I/O enabled.
+    #[default]
     Runtime,
 }
 
@@ -182,9 +182,11 @@ pub struct RdmaConfig {
     /// scheduler interleaves sockets by. Default 64 KiB: the fastest in
     /// `tessera-bench transport` (8 KiB–128 KiB swept).
     pub fragment_size: usize,
-    /// I/O threads; each owns one completion queue and the engines assigned
-    /// to it round robin. Default 2: one engine thread per core on small
-    /// hosts leaves the rest to the application; raise on big servers.
+    /// Completion queues, each with its driver (a runtime task or an I/O
+    /// thread, by `polling`) and the engines assigned to it round robin.
+    /// Default 2: two queues' work can run on two cores at once, and under
+    /// `event` one thread per core on small hosts leaves the rest to the
+    /// application; raise on big servers.
     pub io_threads: usize,
     /// What drives the completion queues: `event` (an I/O thread per
     /// queue that keeps polling `spin_us` after its last work, then sleeps
@@ -193,13 +195,10 @@ pub struct RdmaConfig {
     /// spent), or `runtime` (no I/O thread: the application's tokio
     /// runtime drives the queues, woken by their notification
     /// descriptors, and senders post on their own thread; no thread hop
-    /// per message). Default `event`. On a 2-core host `runtime` halves
-    /// the context switches of the parameter-server workloads and beats
+    /// per message). Default `runtime`: on a 2-core host it halves the
+    /// context switches of the parameter-server workloads and beats
     /// `event` on their latency, throughput and CPU (README, "Figures");
-    /// it is not the default yet because the soft NIC retries a SEND that
-    /// met an empty shared receive queue (a peer with `srq`) in the posting
-    /// thread, for up to 500 ms, which under `runtime` is a runtime worker
-    /// (it refuses `srq` for this reason).
+    /// dedicated threads are for hosts with cores to spare for them.
     pub polling: Polling,
     /// The spin budget: microseconds an `event` thread keeps polling after
     /// its last work before it sleeps. Default 50: the answer to a small
@@ -285,7 +284,7 @@ impl Default for RdmaConfig {
             small_message_limit: 8 << 10,
             fragment_size: 64 << 10,
             io_threads: 2,
-            polling: Polling::Event,
+            polling: Polling::Runtime,
             spin_us: 50,
             multiplex: true,
             window_bytes: 0,
@@ -332,17 +331,6 @@ impl Validate for RdmaConfig {
             return Err(invalid(
                 "keepalive_timeout_ms",
                 "must be 0 (off) or at least twice keepalive_interval_ms",
-            ));
-        }
-        if self.srq && self.polling == Polling::Runtime && self.provider == RdmaProvider::Soft {
-            // A real NIC retries a SEND that met an empty shared queue by
-            // itself; the soft NIC retries in the posting thread, which
-            // under `runtime` is a runtime worker.
-            return Err(invalid(
-                "polling",
-                "\"runtime\" cannot drive the soft provider with srq = true (a SEND that finds \
-                 the shared queue empty retries in the posting thread, which would block the \
-                 runtime); use \"event\"",
             ));
         }
         if self.srq && self.srq_depth < 16 {

@@ -873,15 +873,3 @@ fn runtime_polling_outside_a_runtime_is_a_clear_error() {
     let err = Transport::new(runtime_config()).unwrap_err();
     assert!(err.to_string().contains("needs a tokio runtime"), "{err}");
 }
-
-/// The soft NIC retries a SEND that met an empty shared receive queue in
-/// the posting thread: under `runtime` that would be a runtime worker, so
-/// the combination is refused, naming the key.
-#[test]
-fn runtime_polling_with_soft_shared_receive_queues_is_refused() {
-    use tessera_config::Validate;
-    let mut config = runtime_config();
-    config.rdma.srq = true;
-    let err = config.validate().unwrap_err();
-    assert!(err.to_string().contains("polling"), "{err}");
-}

@@ -38,6 +38,7 @@ mod cq;
 mod device;
 mod peer;
 mod qp;
+mod retry;
 mod rings;
 mod shm;
 mod srq;

@@ -47,6 +47,22 @@ pub(crate) struct SoftQpInner {
     pub(crate) recv_cq: Arc<SoftCq>,
     /// The shared receive queue its receives come from, if any.
     srq: Option<Arc<SoftSrq>>,
+    /// Send work requests behind a receiver-not-ready NAK, for the retry
+    /// engine (`retry.rs`). Held while a work request executes, so that
+    /// posts and retries run one at a time, in order.
+    stalled: Mutex<Stalled>,
+}
+
+/// Work requests waiting behind a receiver-not-ready NAK, in posting order.
+#[derive(Debug, Default)]
+struct Stalled {
+    wrs: std::collections::VecDeque<SendWr>,
+    /// Retries of the head so far.
+    tries: u8,
+    /// When the head first met the NAK.
+    since: Option<std::time::Instant>,
+    /// The QP is destroyed: nothing executes any more.
+    dead: bool,
 }
 
 impl SoftQpInner {
@@ -80,7 +96,75 @@ impl SoftQpInner {
             send_cq,
             recv_cq,
             srq,
+            stalled: Mutex::new(Stalled::default()),
         })
+    }
+
+    fn stalled(&self) -> MutexGuard<'_, Stalled> {
+        self.stalled.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether work requests wait for the retry engine.
+    pub(crate) fn has_stalled(&self) -> bool {
+        !self.stalled().wrs.is_empty()
+    }
+
+    /// Runs one work request now, as its QP stands.
+    fn run_one(&self, wr: &SendWr) -> WcStatus {
+        let (remote, peer, path_mtu) = {
+            let local = self.local();
+            (local.remote, local.peer.clone(), local.path_mtu)
+        };
+        match (self.device.upgrade(), peer, remote, self.state()) {
+            (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
+                self.execute(&device, &peer, remote, path_mtu, wr)
+            }
+            _ => WcStatus::Flushed,
+        }
+    }
+
+    /// Records the final outcome of `wr` (a failure fails the QP).
+    fn finish(&self, wr: &SendWr, status: WcStatus) {
+        if status != WcStatus::Success {
+            self.enter_error();
+        }
+        self.complete_send(wr, status);
+    }
+
+    /// The retry engine's pass: retries the stalled work requests in order
+    /// until one meets the NAK again with retries left. Returns whether
+    /// any is left. Completions made here wake the send CQ's owner.
+    pub(crate) fn retry_stalled(&self) -> bool {
+        let mut stalled = self.stalled();
+        let mut completed = false;
+        while !stalled.dead {
+            let Some(wr) = stalled.wrs.front().cloned() else {
+                break;
+            };
+            let status = self.run_one(&wr);
+            if status == WcStatus::ReceiverNotReady {
+                stalled.tries = stalled.tries.saturating_add(1);
+                let since = *stalled.since.get_or_insert_with(std::time::Instant::now);
+                let again = match self.caps.rnr_retry {
+                    7.. => since.elapsed() < RNR_RETRY_FOREVER,
+                    n => stalled.tries < n,
+                };
+                if again {
+                    break;
+                }
+            }
+            stalled.wrs.pop_front();
+            stalled.tries = 0;
+            stalled.since = None;
+            self.finish(&wr, status);
+            completed = true;
+        }
+        let left = !stalled.dead && !stalled.wrs.is_empty();
+        drop(stalled);
+        if completed {
+            crate::verbs::CompletionQueue::wake(&*self.send_cq);
+        }
+        left
     }
 
     fn local(&self) -> MutexGuard<'_, QpLocal> {
@@ -242,7 +326,7 @@ impl SoftQpInner {
         }
         let recv = match wr.op {
             SendOp::Send | SendOp::WriteWithImm { .. } => {
-                match take_recv_or_rnr(device, &memory, &peer.recvs, self.caps.rnr_retry) {
+                match take_recv_once(device, &memory, &peer.recvs) {
                     Some(recv) => Some(recv),
                     None => return WcStatus::ReceiverNotReady,
                 }
@@ -360,45 +444,27 @@ impl SoftQpInner {
     }
 }
 
-/// Longest a SEND keeps retrying when its QP's `rnr_retry` is 7 ("without
-/// end"): far above any repost delay of a live receiver, and bounded so a
-/// dead one cannot stall the sender's thread for long.
+/// Longest a SEND keeps being retried when its QP's `rnr_retry` is 7
+/// ("without end"): far above any repost delay of a live receiver, and
+/// bounded so a dead one cannot stall the QP for long.
 const RNR_RETRY_FOREVER: Duration = Duration::from_millis(500);
-/// Wait between two tries after a receiver-not-ready NAK.
-const RNR_BACKOFF: Duration = Duration::from_micros(20);
 
-/// A receive from `recvs`, retried `rnr_retry` times (7: until
-/// [`RNR_RETRY_FOREVER`]) while none is posted; every miss is a counted
-/// receiver-not-ready event.
-fn take_recv_or_rnr(
+/// A receive from `recvs`, if one is posted; a miss is a counted
+/// receiver-not-ready event (the retry engine tries again later).
+fn take_recv_once(
     device: &DeviceInner,
     memory: &PeerMemory<'_>,
     recvs: &QpSegment,
-    rnr_retry: u8,
 ) -> Option<RecvWr> {
-    let started = std::time::Instant::now();
-    let mut tries: u8 = 0;
-    loop {
-        let recv = if device.roll(Fault::Rnr) > 0 {
-            None
-        } else {
-            recvs.take_recv()
-        };
-        if recv.is_some() {
-            return recv;
-        }
+    let recv = if device.roll(Fault::Rnr) > 0 {
+        None
+    } else {
+        recvs.take_recv()
+    };
+    if recv.is_none() {
         memory.table().count_rnr();
-        let again = match rnr_retry {
-            0 => false,
-            7.. => started.elapsed() < RNR_RETRY_FOREVER,
-            n => tries < n,
-        };
-        if !again {
-            return None;
-        }
-        tries = tries.saturating_add(1);
-        std::thread::sleep(RNR_BACKOFF);
     }
+    recv
 }
 
 /// Copies the gather list to consecutive bytes at `dest`.
@@ -428,6 +494,14 @@ pub struct SoftQp {
 
 impl Drop for SoftQp {
     fn drop(&mut self) {
+        // The retry engine runs nothing more on it (it waits here for a
+        // retry under way): the memory its stalled requests name is the
+        // owner's to free once the QP is gone.
+        {
+            let mut stalled = self.inner.stalled();
+            stalled.dead = true;
+            stalled.wrs.clear();
+        }
         // Refuse new writes and wait out those in progress.
         self.inner.segment.set_state(STATE_ERROR);
         if !self.inner.segment.wait_dma_idle(DMA_DRAIN_LIMIT) {
@@ -577,17 +651,34 @@ impl QueuePair for SoftQp {
                 depth,
             });
         }
+        let mut stalled = inner.stalled();
+        let mut stalls = false;
         for wr in wrs {
+            // RC order: behind a stalled request, everything waits.
+            if !stalled.wrs.is_empty() {
+                stalled.wrs.push_back(wr.clone());
+                continue;
+            }
             let status = match (&device, &peer, remote, inner.state()) {
                 (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
                     inner.execute(device, peer, remote, path_mtu, wr)
                 }
                 _ => WcStatus::Flushed,
             };
-            if status != WcStatus::Success {
-                inner.enter_error();
+            if status == WcStatus::ReceiverNotReady && inner.caps.rnr_retry > 0 {
+                // The retry engine takes it from here, as a NIC's hardware
+                // does; this thread goes on.
+                stalled.wrs.push_back(wr.clone());
+                stalled.tries = 0;
+                stalled.since = Some(std::time::Instant::now());
+                stalls = true;
+                continue;
             }
-            inner.complete_send(wr, status);
+            inner.finish(wr, status);
+        }
+        drop(stalled);
+        if stalls {
+            super::retry::register(&self.inner);
         }
         match failed {
             Some(posted) => Err(post_failed("send", posted)),

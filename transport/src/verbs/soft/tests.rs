@@ -53,6 +53,25 @@ impl Side {
         out
     }
 
+    /// Send completions, waiting (on the CQ's wake-up) for the first: the
+    /// retry engine makes them on its own thread.
+    fn wait_send(&self) -> Vec<WorkCompletion> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let got = self.poll_send();
+            if !got.is_empty() {
+                return got;
+            }
+            self.send_cq.arm();
+            let got = self.poll_send();
+            if !got.is_empty() {
+                return got;
+            }
+            assert!(std::time::Instant::now() < deadline, "no send completion");
+            self.send_cq.wait(std::time::Duration::from_millis(100));
+        }
+    }
+
     fn poll_recv(&self) -> Vec<WorkCompletion> {
         let mut out = Vec::new();
         self.recv_cq.poll(&mut out, 1024);
@@ -879,7 +898,7 @@ fn qps_on_a_shared_receive_queue_take_from_it_and_misses_are_counted() {
     assert_eq!(c1.poll_send()[0].status, WcStatus::ReceiverNotReady);
     assert_eq!(server.rnr_events(), Some(1));
     c2.qp.post_send(&[send(3, &data2)]).unwrap();
-    assert_eq!(c2.poll_send()[0].status, WcStatus::ReceiverNotReady);
+    assert_eq!(c2.wait_send()[0].status, WcStatus::ReceiverNotReady);
     assert_eq!(server.rnr_events(), Some(5));
 }
 
@@ -911,7 +930,7 @@ fn a_send_retried_after_receiver_not_ready_lands_once_a_receive_is_posted() {
     let data = filled(&a.send_pool, 8, 3);
     a.qp.post_send(&[send(1, &data)]).unwrap();
     poster.join().unwrap();
-    assert_eq!(a.poll_send()[0].status, WcStatus::Success);
+    assert_eq!(a.wait_send()[0].status, WcStatus::Success);
     assert_eq!(b.poll_recv()[0].wr_id, 9);
     assert!(b.device.stats().rnr_events >= 1, "the misses were counted");
 }
@@ -1153,4 +1172,40 @@ fn fail_does_not_wait_for_a_peer_in_the_middle_of_a_copy_and_quiesce_does() {
     segment.end_dma();
     assert_eq!(done_rx.recv().unwrap(), "quiet");
     failer.join().unwrap();
+}
+
+/// A SEND that meets receiver-not-ready is retried off the posting thread,
+/// as an RNIC's hardware retries it: the post returns at once, a WRITE
+/// posted after it waits behind it (RC order), and both complete, in
+/// order, once the receiver posts. Before, the posting thread slept and
+/// retried for up to 500 ms, which under `polling = "runtime"` blocked a
+/// runtime worker.
+#[test]
+fn a_stalled_send_is_retried_off_the_posting_thread_and_later_requests_wait_behind_it() {
+    let caps = QpCaps {
+        rnr_retry: 7,
+        ..QpCaps::default()
+    };
+    let (a, b) = pair_with(SoftFaults::default(), caps);
+    let data = filled(&a.send_pool, 8, 3);
+    let target = filled(&b.recv_pool, 8, 0);
+    a.qp.post_send(&[send(1, &data), write_wr(2, &target, &data, true)])
+        .unwrap();
+    // Nothing completed, nothing written: the WRITE waits behind the SEND.
+    assert!(a.poll_send().is_empty());
+    assert!(target.iter().all(|&byte| byte == 0), "written out of order");
+    let inbox = filled(&b.recv_pool, 64, 0);
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 9,
+        sge: sge(&inbox),
+    }])
+    .unwrap();
+    let mut done = Vec::new();
+    while done.len() < 2 {
+        done.extend(a.wait_send());
+    }
+    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![1, 2]);
+    assert!(done.iter().all(|c| c.status == WcStatus::Success));
+    assert_eq!(b.poll_recv()[0].wr_id, 9);
+    assert!(target.iter().all(|&byte| byte == 3), "the WRITE landed");
 }
