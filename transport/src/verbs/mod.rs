@@ -373,8 +373,10 @@ pub trait CompletionQueue: Send + Sync {
         None
     }
     /// After a descriptor of [`notify_by_fd`](CompletionQueue::notify_by_fd)
-    /// turned readable: consumes what made it so, never blocking, and
-    /// disarms.
+    /// turned readable: consumes what must be consumed (the ibverbs
+    /// channel's events), never blocking, and disarms. The caller watches
+    /// the descriptors edge-triggered (tokio's reactor does), so a
+    /// descriptor that stays readable signals again on its next event.
     fn clear_notification(&self) {}
 }
 

@@ -108,15 +108,13 @@ impl CqRing {
         self.event.as_ref().map(AsFd::as_fd)
     }
 
-    /// Consumes what the eventfd was signalled (never blocks) and disarms:
-    /// the owner is awake.
+    /// Disarms: the owner is awake. The eventfd's counter is left as it
+    /// is: the reactor watches it edge-triggered (each write is a new
+    /// event, whatever the counter holds), so reading it back would be a
+    /// system call per wake-up for nothing; at one write per arming it
+    /// cannot reach its limit (2^64 - 2).
     pub(crate) fn clear_event(&self) {
         self.header().armed.store(0, Ordering::Relaxed);
-        if let Some(event) = &self.event {
-            let mut counter = [0u8; 8];
-            // Non-blocking: nothing signalled is EAGAIN, which is fine.
-            let _ = nix::unistd::read(event, &mut counter);
-        }
     }
 
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
