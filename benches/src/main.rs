@@ -285,6 +285,10 @@ struct PsArgs {
     /// (default: the transport's).
     #[arg(long)]
     polling: Option<String>,
+    /// rdma-soft's `small_message_limit` in bytes (default: the
+    /// transport's).
+    #[arg(long)]
+    small_message_limit: Option<usize>,
 }
 
 impl PsArgs {
@@ -297,6 +301,7 @@ impl PsArgs {
                 false => self.fractions.clone(),
             },
             polling: self.polling.as_deref().map(parse_polling).transpose()?,
+            small_message_limit: self.small_message_limit,
             ..defaults
         };
         let meta = tessera_benches::report::Meta::collect(workload.bench());

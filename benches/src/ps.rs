@@ -74,6 +74,10 @@ pub struct Plan {
     /// What drives the rdma-soft rows' completion queues (servers and
     /// worker alike); `None`: the transport's default.
     pub polling: Option<tessera_transport::Polling>,
+    /// `rdma.small_message_limit` of the rdma-soft rows (messages above it
+    /// go by request-to-send and WRITE, a round trip more); `None`: the
+    /// transport's default.
+    pub small_message_limit: Option<usize>,
 }
 
 impl Plan {
@@ -86,6 +90,7 @@ impl Plan {
                 closed_concurrency: 8,
                 open_concurrency: 64,
                 polling: None,
+                small_message_limit: None,
             },
             true => Self {
                 secs: 1.0,
@@ -93,6 +98,7 @@ impl Plan {
                 closed_concurrency: 8,
                 open_concurrency: 32,
                 polling: None,
+                small_message_limit: None,
             },
         }
     }
@@ -239,10 +245,14 @@ async fn start(
     transport: TransportKind,
     scratch: &Path,
     polling: Option<tessera_transport::Polling>,
+    small_message_limit: Option<usize>,
 ) -> Result<Cluster, BoxError> {
     let mut rdma = tessera_transport::TransportConfig::soft_rdma().rdma;
     if let Some(polling) = polling {
         rdma.polling = polling;
+    }
+    if let Some(limit) = small_message_limit {
+        rdma.small_message_limit = limit;
     }
     let config = ClusterConfig {
         transport,
@@ -301,7 +311,7 @@ pub async fn run(
     // Saturation, each transport on a cluster of its own.
     let mut saturation = Vec::new();
     for (label, kind) in TRANSPORTS {
-        let cluster = start(kind, scratch.path(), plan.polling).await?;
+        let cluster = start(kind, scratch.path(), plan.polling, plan.small_message_limit).await?;
         let m = measure(
             &cluster,
             workload,
@@ -324,7 +334,7 @@ pub async fn run(
         .map(|f| (f * lowest).max(1.0).round())
         .collect();
     for (label, kind) in TRANSPORTS {
-        let cluster = start(kind, scratch.path(), plan.polling).await?;
+        let cluster = start(kind, scratch.path(), plan.polling, plan.small_message_limit).await?;
         let mut outcome = Ok(());
         for &rate in &rates {
             match measure(
