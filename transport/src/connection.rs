@@ -708,7 +708,9 @@ impl MessageSender {
     /// Sends `message`: over TCP it is written at once from the calling
     /// task when no other write holds the socket, and queued for the
     /// connection's writer otherwise (waiting while the send queue is
-    /// full); over RDMA it is queued for the engine.
+    /// full); over RDMA it is queued for the engine, and under the runtime
+    /// driver posted from the calling task when no one else is running
+    /// that engine's worker.
     ///
     /// Returns once the message is written or queued, not once the peer
     /// has it; a message larger than `max_message_size` is refused here,

@@ -873,3 +873,45 @@ fn runtime_polling_outside_a_runtime_is_a_clear_error() {
     let err = Transport::new(runtime_config()).unwrap_err();
     assert!(err.to_string().contains("needs a tokio runtime"), "{err}");
 }
+
+/// Each socket's messages arrive in the order sent, also when its sender
+/// sometimes finds the worker taken (and queues) and sometimes free (and
+/// posts itself). Before, a message posted directly could overtake one
+/// queued a moment earlier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_driven_queues_keep_each_sockets_order_under_contention() {
+    let server = Transport::new(runtime_config()).unwrap();
+    let client = Transport::new(runtime_config()).unwrap();
+    let addr = echo_server(&server).await;
+    let mut tasks = Vec::new();
+    for t in 0..8u32 {
+        let conn = client.connect(&addr).await.unwrap();
+        let (sender, mut receiver) = (conn.sender, conn.receiver);
+        let count = 300u32;
+        let send = tokio::spawn(async move {
+            for i in 0..count {
+                let len = if i % 5 == 0 { 20_000 } else { 16 };
+                let mut body = vec![t as u8; len];
+                body[..4].copy_from_slice(&i.to_le_bytes());
+                sender.send(Message::from(Bytes::from(body))).await.unwrap();
+            }
+            sender
+        });
+        tasks.push(tokio::spawn(async move {
+            for i in 0..count {
+                let back =
+                    tokio::time::timeout(std::time::Duration::from_secs(20), receiver.recv())
+                        .await
+                        .expect("an echo within 20 s")
+                        .unwrap()
+                        .expect("echo");
+                let seq = u32::from_le_bytes([back[0], back[1], back[2], back[3]]);
+                assert_eq!(seq, i, "socket {t}: message {seq} arrived in place of {i}");
+            }
+            drop(send.await.unwrap());
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}

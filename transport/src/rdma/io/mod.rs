@@ -6,9 +6,11 @@
 //! (`worker.rs`) that polls its CQ in batches and dispatches completions
 //! by QP number, so drivers share nothing on the data path. The async side
 //! talks to a driver through an unbounded command queue plus a wake-up of
-//! its CQ ([`CompletionQueue::wake`]), so no tokio worker ever blocks on
-//! it; what the driver has for the async side goes through per-socket
-//! tokio channels.
+//! its CQ ([`CompletionQueue::wake`]); under the runtime driver a sender
+//! that finds the worker free runs its rounds itself (a `try_lock`: it
+//! never waits for the worker), and the driver task holds the worker's
+//! mutex for a round at a time. What the driver has for the async side
+//! goes through per-socket tokio channels.
 //!
 //! Two drivers run a worker (`rdma.polling`):
 //! - a dedicated thread (`event`, `busy`; `thread.rs`), for hosts with
@@ -206,28 +208,36 @@ impl IoThread {
         queued
     }
 
-    /// Sends `message` on this thread if the worker is free (a runtime
-    /// driver's direct path: no hop, no wake-up), else queues it for the
-    /// driver; false if the driver has stopped.
+    /// Queues `message` and, if the worker is free, posts it on this
+    /// thread (a runtime driver's direct path: no hop, no wake-up); else
+    /// wakes the driver. Through the queue either way, so a socket's
+    /// messages keep their order whichever path each takes. False if the
+    /// driver has stopped.
     fn send(&self, qpn: u32, socket: SocketId, message: Message) -> bool {
-        if let Some(direct) = &self.direct {
-            match direct.try_lock() {
-                Ok(mut worker) => {
-                    worker.send_now(qpn, socket, message);
-                    return true;
-                }
-                Err(std::sync::TryLockError::Poisoned(poisoned)) => {
-                    poisoned.into_inner().send_now(qpn, socket, message);
-                    return true;
-                }
-                Err(std::sync::TryLockError::WouldBlock) => {}
-            }
-        }
-        self.submit(Command::Send {
+        let command = Command::Send {
             qpn,
             socket,
             message,
-        })
+        };
+        if self.commands.send(command).is_err() {
+            return false;
+        }
+        if let Some(direct) = &self.direct {
+            match direct.try_lock() {
+                Ok(mut worker) => {
+                    worker.run_direct();
+                    return true;
+                }
+                Err(std::sync::TryLockError::Poisoned(poisoned)) => {
+                    poisoned.into_inner().run_direct();
+                    return true;
+                }
+                // Whoever holds it takes the queue before it sleeps.
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+        }
+        self.cq.wake();
+        true
     }
 }
 

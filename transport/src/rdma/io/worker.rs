@@ -17,8 +17,9 @@ use super::{
 };
 use crate::rdma::engine::{EngineEvent, SocketId};
 use crate::verbs::{CompletionQueue, WorkCompletion};
-use crate::{Connection, Message, TransportError};
+use crate::{Connection, TransportError};
 
+/// A post of `attached`'s QP failed: the QP goes to ERROR (what was posted
 /// is flushed back) and the engine fails, failing its sockets; before, the
 /// error was logged and the engine waited forever for completions of work
 /// requests that were never posted.
@@ -218,24 +219,30 @@ impl Worker {
         self.self_handle = Some(handle);
     }
 
-    /// Sends `message` on the caller's thread (the runtime driver's direct
-    /// path): hands it to its engine and runs rounds until nothing more
-    /// happens, so that it is posted, and what the post completed at once
-    /// (the soft NIC's sends) is handled, before the caller goes on. If
-    /// work is left after [`DIRECT_ROUNDS`] rounds, the driver is woken
-    /// to finish it.
-    pub(super) fn send_now(&mut self, qpn: u32, socket: SocketId, message: Message) {
-        self.handle_command(Command::Send {
-            qpn,
-            socket,
-            message,
-        });
+    /// Runs rounds on the caller's thread (the runtime driver's direct
+    /// path, after the caller queued its message): the queued commands are
+    /// taken in order, so the message is posted behind any queued before
+    /// it, and what the post completed at once (the soft NIC's sends) is
+    /// handled before the caller goes on. The driver is woken if work is
+    /// left after [`DIRECT_ROUNDS`] rounds, or if the rounds brought an
+    /// engine deadline forward (the driver sleeps to the one it saw).
+    pub(super) fn run_direct(&mut self) {
+        let deadline = self.next_timer;
+        let mut left = true;
         for _ in 0..DIRECT_ROUNDS {
             if self.round() != Some(true) {
-                return;
+                left = false;
+                break;
             }
         }
-        self.cq.wake();
+        let earlier = match (self.next_timer, deadline) {
+            (Some(now), Some(before)) => now < before,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if left || earlier {
+            self.cq.wake();
+        }
     }
 
     /// Metrics of every engine, and the thread's gauges.

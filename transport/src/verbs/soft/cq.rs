@@ -143,6 +143,18 @@ impl CompletionQueue for SoftCq {
     fn arm(&self) {
         let by_fd = self.by_fd.load(Ordering::Relaxed);
         self.armed_at.store(self.ring.arm(by_fd), Ordering::Relaxed);
+        // Completions held back in the local queue (a fault-injected
+        // delay counts down per poll) wake no one by themselves: `wait`
+        // returns at once for them, and a reactor is signalled here.
+        if by_fd
+            && !self
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+        {
+            self.ring.wake();
+        }
     }
 
     fn wait(&self, timeout: std::time::Duration) {

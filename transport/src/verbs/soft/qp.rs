@@ -162,7 +162,12 @@ impl SoftQpInner {
         let left = !stalled.dead && !stalled.wrs.is_empty();
         drop(stalled);
         if completed {
+            // Not the owner's thread: its CQs' sleeper is woken (the
+            // receive CQ gets the flushes of a QP that failed here).
             crate::verbs::CompletionQueue::wake(&*self.send_cq);
+            if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+                crate::verbs::CompletionQueue::wake(&*self.recv_cq);
+            }
         }
         left
     }

@@ -28,6 +28,8 @@ pub(crate) const RNR_BACKOFF: Duration = Duration::from_micros(20);
 struct Engine {
     stalled: Mutex<Vec<Weak<SoftQpInner>>>,
     wake: Condvar,
+    /// Whether the retry thread started.
+    running: bool,
 }
 
 fn engine() -> &'static Engine {
@@ -36,21 +38,30 @@ fn engine() -> &'static Engine {
         let started = std::thread::Builder::new()
             .name("tessera-soft-rnr".into())
             .spawn(run);
-        if let Err(err) = started {
-            // Stalled QPs are then retried by their next post (see
-            // `SoftQpInner::retry_stalled`'s callers); said once.
+        if let Err(err) = &started {
+            // Posts then retry in their own thread, as before (see
+            // `register`); said once.
             tracing::warn!(%err, "the soft NIC's retry thread did not start");
         }
         Engine {
             stalled: Mutex::new(Vec::new()),
             wake: Condvar::new(),
+            running: started.is_ok(),
         }
     })
 }
 
 /// Has the engine retry `qp`'s stalled work requests until none is left.
+/// Without a retry thread, the caller's thread retries them now, sleeping
+/// between tries.
 pub(crate) fn register(qp: &Arc<SoftQpInner>) {
     let engine = engine();
+    if !engine.running {
+        while qp.retry_stalled() {
+            std::thread::sleep(RNR_BACKOFF);
+        }
+        return;
+    }
     let mut stalled = engine.stalled.lock().unwrap_or_else(|p| p.into_inner());
     if !stalled
         .iter()

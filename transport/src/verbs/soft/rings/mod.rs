@@ -32,7 +32,9 @@ use region::{DeviceHeader, RegionSlot};
 
 const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTD1");
 const QP_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTQ1");
-const CQ_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTC1");
+/// Version 2: the owner may sleep on an eventfd (`armed` = 2), which a
+/// version-1 peer would disarm without signalling.
+const CQ_MAGIC: u64 = u64::from_le_bytes(*b"TSSOFTC2");
 
 /// Region slots of a device: keys carry the slot in their low bits.
 /// 16,384: every pool block and dedicated mapping of a device, and the
