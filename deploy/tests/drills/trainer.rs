@@ -184,6 +184,42 @@ pub async fn wait_role(addr: &str, role: ShardRole, timeout: Duration) {
     .await;
 }
 
+/// Waits until `shard` has settled: one server its primary, every other
+/// an in-step replica. Which one leads is not the drill's to decide: a
+/// lease that lapses under load (2 s on a loaded 2-core host) can hand the
+/// shard over again, and that is a correct outcome. Returns the primary.
+pub async fn wait_settled(cluster: &Cluster, shard: u32, timeout: Duration) -> String {
+    let started = Instant::now();
+    loop {
+        let mut primary = Vec::new();
+        let mut unsettled = Vec::new();
+        for server in cluster.servers().iter().filter(|s| s.shard == shard) {
+            let settled = match tessera_test_support::health(&server.address).await {
+                Ok(h) => match h.shard_health.iter().find(|s| s.shard == shard) {
+                    Some(s) if s.role == ShardRole::Primary as i32 => {
+                        primary.push(server.address.clone());
+                        true
+                    }
+                    Some(s) => s.role == ShardRole::Replica as i32 && s.in_step,
+                    None => false,
+                },
+                Err(_) => false,
+            };
+            if !settled {
+                unsettled.push(server.address.clone());
+            }
+        }
+        if primary.len() == 1 && unsettled.is_empty() {
+            return primary.remove(0);
+        }
+        assert!(
+            started.elapsed() < timeout,
+            "shard {shard} not settled after {timeout:?}: primaries {primary:?}, not in step {unsettled:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Every server's digests of every table of its shard: equal within a
 /// shard, and at equal versions. Returns when they are (or panics).
 pub async fn wait_identical(cluster: &Cluster) -> Vec<(u32, String)> {
@@ -241,15 +277,9 @@ pub async fn audit(cluster: &Cluster, records: &[PushRecord], transport: Transpo
         ..Audit::default()
     };
     for shard in 0..2u32 {
-        // The primary of the shard now.
-        let mut primary = None;
-        for server in cluster.servers().iter().filter(|s| s.shard == shard) {
-            let h = tessera_test_support::health(&server.address).await.unwrap();
-            if h.primary_shards.contains(&shard) {
-                primary = Some(server.address.clone());
-            }
-        }
-        let client = data_client(&primary.expect("a primary"), transport);
+        // The primary of the shard now (waiting out a hand-over under way).
+        let primary = wait_settled(cluster, shard, Duration::from_secs(30)).await;
+        let client = data_client(&primary, transport);
         let ours: Vec<&PushRecord> = records.iter().filter(|r| r.shard == shard).collect();
         let markers: Vec<u64> = ours.iter().map(|r| r.marker).collect();
         let mut marker_rows = Vec::new();

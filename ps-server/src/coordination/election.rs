@@ -8,9 +8,13 @@
 //! - someone else holds the key: **follow** it;
 //! - nobody does: **campaign** (the transaction that puts the key only if
 //!   it is absent), at once if this server's copy was in step with the
-//!   last primary or it is the shard's preferred server (its replica group
-//!   is `shard % replica_groups`), else after `failover_timeout`, so that
-//!   the servers most likely to hold every Push try first;
+//!   last primary, or it is the shard's preferred server (its replica
+//!   group is `shard % replica_groups`) and has seen no primary yet (a
+//!   fresh cluster), else after `failover_timeout`, so that the servers
+//!   most likely to hold every Push try first. A preferred server that has
+//!   seen a primary and is not in step (restarted, still copying) waits
+//!   too: winning at once, its recovery could miss a primary whose lease
+//!   had just lapsed and lead from its own stale copy;
 //! - the campaign is won under an epoch: **recover** (copy the freshest
 //!   copy among the live servers), then **lead**; a recovery that fails
 //!   **resigns**, so another server can try;
@@ -95,6 +99,8 @@ pub struct Election {
     preferred: bool,
     failover_timeout: Duration,
     phase: Phase,
+    /// The highest epoch of any primary this server has seen (0: none).
+    known_epoch: u64,
     /// The key as last observed while a campaign was on its way, and
     /// whether it was on this server's lease.
     seen_while_campaigning: Option<Option<(PrimaryRecord, bool)>>,
@@ -113,6 +119,7 @@ impl Election {
             preferred,
             failover_timeout,
             phase: Phase::Unknown,
+            known_epoch: 0,
             seen_while_campaigning: None,
             actions: VecDeque::new(),
         }
@@ -134,6 +141,9 @@ impl Election {
         mine: bool,
         in_step: bool,
     ) {
+        if let Some(record) = record {
+            self.known_epoch = self.known_epoch.max(record.epoch);
+        }
         if self.phase == Phase::Campaigning {
             self.seen_while_campaigning = Some(record.map(|r| (r.clone(), mine)));
             return;
@@ -185,7 +195,7 @@ impl Election {
                     self.actions.push_back(Action::StandDown);
                 }
                 let at = now
-                    + if in_step || self.preferred {
+                    + if in_step || (self.preferred && self.known_epoch == 0) {
                         Duration::ZERO
                     } else {
                         self.failover_timeout
@@ -444,8 +454,37 @@ mod tests {
         let mut e = Election::new("a".into(), true, TIMEOUT);
         e.handle_observed(t0, Some(&record("a", 2)), false, false);
         assert_eq!(drain(&mut e, t0), [Action::StandDown]);
+        // Not in step (a restarted process copies anew): it waits like
+        // any server not in step.
         e.handle_observed(t0, None, false, false);
-        assert_eq!(drain(&mut e, t0), [Action::StandDown, Action::Campaign]);
+        assert_eq!(drain(&mut e, t0), [Action::StandDown]);
+        assert_eq!(e.poll_timeout(), Some(t0 + TIMEOUT));
+        assert_eq!(drain(&mut e, t0 + TIMEOUT), [Action::Campaign]);
+    }
+
+    /// A preferred server that followed another and is not in step (it
+    /// restarted and is still copying the shard) does not campaign at
+    /// once when the key goes: before, it did, and could win and lead
+    /// from its stale copy while the primary whose lease had just lapsed
+    /// was no longer registered for its recovery to ask.
+    #[test]
+    fn a_preferred_server_not_in_step_waits_after_having_followed() {
+        let t0 = Instant::now();
+        let mut e = Election::new("a".into(), true, TIMEOUT);
+        e.handle_observed(t0, Some(&record("b", 2)), false, false);
+        drain(&mut e, t0);
+        e.handle_observed(t0, None, false, false);
+        assert_eq!(drain(&mut e, t0), [Action::StandDown]);
+        assert_eq!(e.poll_timeout(), Some(t0 + TIMEOUT));
+        // In step, it would have gone at once.
+        let mut in_step = Election::new("a".into(), true, TIMEOUT);
+        in_step.handle_observed(t0, Some(&record("b", 2)), false, true);
+        drain(&mut in_step, t0);
+        in_step.handle_observed(t0, None, false, true);
+        assert_eq!(
+            drain(&mut in_step, t0),
+            [Action::StandDown, Action::Campaign]
+        );
     }
 
     #[test]
