@@ -141,6 +141,7 @@ pub enum RdmaProvider {
 pub enum Polling {
     /// A dedicated I/O thread per queue: polls for `spin_us`, then sleeps
     /// until a completion or a message to send arrives.
+    #[default]
     Event,
     /// A dedicated I/O thread per queue that never sleeps.
     Busy,
@@ -148,7 +149,6 @@ pub enum Polling {
     /// each queue, woken by the queue's notification descriptor, and a
     /// sending task posts on its own thread when the queue's worker is
     /// free. Needs a tokio runtime with I/O enabled.
-    #[default]
     Runtime,
 }
 
@@ -195,10 +195,13 @@ pub struct RdmaConfig {
     /// spent), or `runtime` (no I/O thread: the application's tokio
     /// runtime drives the queues, woken by their notification
     /// descriptors, and senders post on their own thread; no thread hop
-    /// per message). Default `runtime`: on a 2-core host it halves the
-    /// context switches of the parameter-server workloads and beats
-    /// `event` on their latency, throughput and CPU (README, "Figures");
-    /// dedicated threads are for hosts with cores to spare for them.
+    /// per message). Default `event`. On a 2-core host `runtime` halves
+    /// the context switches of the parameter-server workloads and beats
+    /// `event` on their latency, throughput and CPU (README, "Figures"),
+    /// but every round still walks every engine of its queue, and it runs
+    /// a round per message sent and per wake-up: past about 16 queue pairs
+    /// per queue its message rate collapses (`tessera-bench qps`), so it is
+    /// for hosts with few peers until rounds visit only engines with work.
     pub polling: Polling,
     /// The spin budget: microseconds an `event` thread keeps polling after
     /// its last work before it sleeps. Default 50: the answer to a small
@@ -284,7 +287,7 @@ impl Default for RdmaConfig {
             small_message_limit: 8 << 10,
             fragment_size: 64 << 10,
             io_threads: 2,
-            polling: Polling::Runtime,
+            polling: Polling::Event,
             spin_us: 50,
             multiplex: true,
             window_bytes: 0,
