@@ -49,6 +49,8 @@ impl Notifier {
     /// Switches `cq` to notification through descriptors and registers
     /// them with the current runtime.
     pub(super) fn new(cq: &Arc<dyn CompletionQueue>) -> Result<Self, TransportError> {
+        // Checked before `notify_by_fd`, so that outside a runtime the
+        // queue is not switched to descriptors nobody would watch.
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(TransportError::rdma_error(RdmaError::NoRuntime));
         }
