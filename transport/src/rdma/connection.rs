@@ -285,6 +285,8 @@ impl RdmaRuntime {
             total.keepalive_failures += get(&s.keepalive_failures);
             total.engines_failed += get(&s.engines_failed);
             total.shared_receives_posted += get(&s.shared_receives_posted);
+            total.io_rounds += get(&s.rounds);
+            total.engine_visits += get(&s.engine_visits);
             total.peak_in_flight_bytes =
                 total.peak_in_flight_bytes.max(get(&s.peak_in_flight_bytes));
         }

@@ -67,6 +67,12 @@ pub struct RdmaStats {
     /// without them; at most `io_threads * srq_depth`, below it while
     /// applications are slow to read).
     pub shared_receives_posted: u64,
+    /// Rounds the I/O drivers ran (each takes commands and completions,
+    /// then visits the engines with work).
+    pub io_rounds: u64,
+    /// Engines those rounds visited: per round, about the engines with
+    /// work, however many are open.
+    pub engine_visits: u64,
     /// Asynchronous events the device reported (QP or CQ failed, port
     /// down, device failed; see `verbs/events.rs`).
     pub async_events: u64,

@@ -104,4 +104,8 @@ pub(crate) struct IoStats {
     pub(crate) peak_in_flight_bytes: AtomicU64,
     /// Receives posted on the thread's shared receive queue now.
     pub(crate) shared_receives_posted: AtomicU64,
+    /// Rounds the driver ran.
+    pub(crate) rounds: AtomicU64,
+    /// Engines those rounds visited.
+    pub(crate) engine_visits: AtomicU64,
 }

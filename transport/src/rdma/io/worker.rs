@@ -153,6 +153,20 @@ struct EngineSlot {
     had_socket: bool,
     /// Its engine panicked: it is failed and never called again.
     panicked: bool,
+    /// It is on the worker's ready list.
+    ready: bool,
+    /// Its engine's deadline as it was after the engine last ran.
+    deadline: Option<Instant>,
+}
+
+/// Puts engine `qpn` on the ready list (once).
+fn mark(engines: &mut HashMap<u32, EngineSlot>, ready: &mut Vec<u32>, qpn: u32) {
+    if let Some(slot) = engines.get_mut(&qpn)
+        && !slot.ready
+    {
+        slot.ready = true;
+        ready.push(qpn);
+    }
 }
 
 // Field order is drop order: the engines (and their QPs) go before the
@@ -162,6 +176,15 @@ pub(super) struct Worker {
     /// `soft_faults.panic_on_message_len` (drills of panic isolation).
     panic_on_len: Option<usize>,
     engines: HashMap<u32, EngineSlot>,
+    /// The engines the next round visits: those that got a command, a
+    /// completion or a due timer, that did something in their last visit
+    /// (they may have more), or that hold messages their applications have
+    /// not taken yet. A round costs O(engines with work), not O(engines):
+    /// before, every round walked every engine, and with hundreds of queue
+    /// pairs on one completion queue that walk was most of a round.
+    ready: Vec<u32>,
+    /// The list being visited (kept to spare an allocation per round).
+    visiting: Vec<u32>,
     cq: Arc<dyn CompletionQueue>,
     shared: Option<SharedReceives>,
     queue: mpsc::UnboundedReceiver<Command>,
@@ -178,6 +201,9 @@ pub(super) struct Worker {
     /// Where a round polls completions into (kept to spare an allocation
     /// per round).
     completions: Vec<WorkCompletion>,
+    /// Rounds run and engines visited, published with the metrics.
+    rounds: u64,
+    engine_visits: u64,
 }
 
 /// Rounds a direct send runs at most before it leaves the rest to the
@@ -200,6 +226,8 @@ impl Worker {
         Self {
             panic_on_len,
             engines: HashMap::new(),
+            ready: Vec::new(),
+            visiting: Vec::new(),
             cq,
             shared,
             queue,
@@ -210,6 +238,8 @@ impl Worker {
             last_repost_warning: None,
             next_timer: None,
             completions: Vec::with_capacity(64),
+            rounds: 0,
+            engine_visits: 0,
         }
     }
 
@@ -257,6 +287,14 @@ impl Worker {
         self.stats
             .sockets_open
             .store(sockets as u64, Ordering::Relaxed);
+        let rounds = self.rounds - self.stats.rounds.load(Ordering::Relaxed);
+        let visits = self.engine_visits - self.stats.engine_visits.load(Ordering::Relaxed);
+        metrics::counter!("tessera_rdma_io_rounds_total").increment(rounds);
+        metrics::counter!("tessera_rdma_engine_visits_total").increment(visits);
+        self.stats.rounds.store(self.rounds, Ordering::Relaxed);
+        self.stats
+            .engine_visits
+            .store(self.engine_visits, Ordering::Relaxed);
         if let Some(shared) = &self.shared {
             self.stats
                 .shared_receives_posted
@@ -291,10 +329,14 @@ impl Worker {
         // Shared receives are not reposted while the applications are
         // behind: senders then meet receiver-not-ready and retry (the
         // shared queue's backpressure, as credits are a dedicated one's).
+        // An engine holding messages is always on the ready list, so the
+        // list gives the whole backlog.
         if let Some(shared) = &mut self.shared {
+            let engines = &self.engines;
             let backlog: usize = self
-                .engines
-                .values()
+                .ready
+                .iter()
+                .filter_map(|qpn| engines.get(qpn))
                 .flat_map(|e| e.sockets.values())
                 .map(|s| s.backlog.len())
                 .sum();
@@ -313,65 +355,92 @@ impl Worker {
                 metrics::counter!("tessera_rdma_srq_repost_failures_total").increment(1);
             }
         }
-        // Timers.
+        // Timers: the engines whose deadline has come. A deadline that
+        // moved later since brings a harmless early look (engines check
+        // their own deadlines); the next one is the earliest of the rest,
+        // and of those that run this round once they have.
         if self.next_timer.is_some_and(|at| now >= at) {
             let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
-            for slot in self.engines.values_mut().filter(|s| !s.panicked) {
-                isolated(slot, io.as_ref(), |slot| {
-                    slot.attached.engine.handle_timeout(now)
-                });
+            let mut next: Option<Instant> = None;
+            for (qpn, slot) in self.engines.iter_mut().filter(|(_, s)| !s.panicked) {
+                if slot.deadline.is_some_and(|at| now >= at) {
+                    isolated(slot, io.as_ref(), |slot| {
+                        slot.attached.engine.handle_timeout(now)
+                    });
+                    if !slot.ready {
+                        slot.ready = true;
+                        self.ready.push(*qpn);
+                    }
+                } else if let Some(at) = slot.deadline {
+                    next = Some(next.map_or(at, |n| n.min(at)));
+                }
             }
-            self.next_timer = None;
+            self.next_timer = next;
             progress = true;
         }
-        // Each engine: post, collect events, deliver.
+        // Each engine on the ready list: post, collect events, deliver.
         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
         let panic_on_len = self.panic_on_len;
-        for (qpn, slot) in self.engines.iter_mut().filter(|(_, s)| !s.panicked) {
-            let io = io.as_ref();
-            if isolated(slot, io, |slot| Self::drive(*qpn, slot, io, panic_on_len)) == Some(true) {
-                progress = true;
+        let mut visiting = std::mem::take(&mut self.visiting);
+        visiting.clear();
+        std::mem::swap(&mut visiting, &mut self.ready);
+        self.rounds += 1;
+        self.engine_visits += visiting.len() as u64;
+        let mut removed = false;
+        for &qpn in &visiting {
+            let Some(slot) = self.engines.get_mut(&qpn) else {
+                continue;
+            };
+            slot.ready = false;
+            let mut worked = false;
+            if !slot.panicked {
+                let io = io.as_ref();
+                worked = isolated(slot, io, |slot| Self::drive(qpn, slot, io, panic_on_len))
+                    == Some(true);
             }
-        }
-        drop(io);
-        // A failed engine goes once its sockets have their error.
-        let stats = &self.stats;
-        let before = self.engines.len();
-        self.engines.retain(|_, slot| {
             if slot.panicked {
                 // Its sockets had their error pushed when it panicked.
                 for s in slot.sockets.values_mut() {
                     deliver_backlog(s);
                 }
+            } else {
+                // What it handled may have brought its deadline forward (a
+                // keepalive slot learnt from the peer's `Slot` message
+                // starts the keepalive; before, the thread slept on to the
+                // old deadline and both sides took each other for dead).
+                slot.deadline = slot.attached.engine.poll_timeout();
+                if let Some(at) = slot.deadline {
+                    self.next_timer = Some(self.next_timer.map_or(at, |t| t.min(at)));
+                }
             }
-            let keep = !(slot.panicked || slot.attached.engine.is_failed())
-                || slot.sockets.values().any(|s| !s.backlog.is_empty());
-            if !keep {
+            progress |= worked;
+            let holding = slot.sockets.values().any(|s| !s.backlog.is_empty());
+            // A failed engine goes once its sockets have their error (an
+            // engine fails while it handles something, which puts it on
+            // the list).
+            if (slot.panicked || slot.attached.engine.is_failed()) && !holding {
                 if !slot.panicked {
-                    slot.metrics.update(&slot.attached.engine, stats);
+                    slot.metrics.update(&slot.attached.engine, &self.stats);
                 }
                 metrics::gauge!("tessera_rdma_qps_open").decrement(1.0);
+                self.engines.remove(&qpn);
+                removed = true;
+                continue;
             }
-            keep
-        });
-        if self.engines.len() != before
+            // One that did something may have more; one holding messages
+            // tries to hand them on again.
+            if worked || holding {
+                slot.ready = true;
+                self.ready.push(qpn);
+            }
+        }
+        self.visiting = visiting;
+        drop(io);
+        if removed
             || self.engines.len() as u64 != self.stats.qps_open.load(Ordering::Relaxed)
             || now.saturating_duration_since(self.last_metrics) >= METRICS_INTERVAL
         {
             self.update_metrics();
-        }
-        // Recomputed after any work too: what an engine handled may
-        // have brought its timer forward (a keepalive slot learnt
-        // from the peer's `Slot` message starts the keepalive; before,
-        // the thread slept on to the old deadline and both sides took
-        // each other for dead).
-        if self.next_timer.is_none() || progress {
-            self.next_timer = self
-                .engines
-                .values()
-                .filter(|slot| !slot.panicked)
-                .filter_map(|slot| slot.attached.engine.poll_timeout())
-                .min();
         }
         Some(progress)
     }
@@ -423,6 +492,10 @@ impl Worker {
                 isolated(slot, io.as_ref(), |slot| {
                     Self::deliver_completion(shared, slot, completion, now)
                 });
+                if !slot.ready {
+                    slot.ready = true;
+                    self.ready.push(completion.qpn);
+                }
             }
             None => {
                 // Mostly flushes of QPs already gone; a QP about to be
@@ -623,10 +696,13 @@ impl Worker {
 
     /// Runs `f` on engine `qpn` unless it is gone or panicked, isolated
     /// (see [`isolated`]); `None` if it did not run to its end.
+    /// It goes on the ready list, to run in this round.
     fn with_engine<R>(&mut self, qpn: u32, f: impl FnOnce(&mut EngineSlot) -> R) -> Option<R> {
         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
         let slot = self.engines.get_mut(&qpn).filter(|s| !s.panicked)?;
-        isolated(slot, io.as_ref(), f)
+        let result = isolated(slot, io.as_ref(), f);
+        mark(&mut self.engines, &mut self.ready, qpn);
+        result
     }
 
     fn handle_command(&mut self, command: Command) {
@@ -640,6 +716,8 @@ impl Worker {
                     opening: HashMap::new(),
                     had_socket: false,
                     panicked: false,
+                    ready: false,
+                    deadline: None,
                 };
                 let now = Instant::now();
                 let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
@@ -654,6 +732,7 @@ impl Worker {
                     });
                 }
                 self.engines.insert(qpn, slot);
+                mark(&mut self.engines, &mut self.ready, qpn);
                 metrics::gauge!("tessera_rdma_qps_open").increment(1.0);
             }
             Command::Open { qpn, reply } => {
@@ -728,10 +807,14 @@ impl Worker {
                     | AsyncEvent::DeviceFailed
                     | AsyncEvent::PortDown { .. } => {
                         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
-                        for slot in self.engines.values_mut().filter(|s| !s.panicked) {
+                        for (qpn, slot) in self.engines.iter_mut().filter(|(_, s)| !s.panicked) {
                             isolated(slot, io.as_ref(), |slot| {
                                 slot.attached.engine.handle_device_event(event)
                             });
+                            if !slot.ready {
+                                slot.ready = true;
+                                self.ready.push(*qpn);
+                            }
                         }
                     }
                     _ => {}
