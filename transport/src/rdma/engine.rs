@@ -1070,6 +1070,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether a request to send waits for the inbound budget, which other
+    /// connections free: the driver calls [`Engine::poll_transmit`] again
+    /// at each round while it does, not only at its retry timer.
+    pub fn waits_for_budget(&self) -> bool {
+        self.inbound_retry.is_some()
+    }
+
     /// The next batch of send work requests to post with one `post_send`.
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Vec<SendWr>> {
         if self.failed {
@@ -1367,8 +1374,10 @@ impl Engine {
                 Some(budget) => match budget.try_acquire(size as usize) {
                     Some(permit) => Some(permit),
                     None => {
-                        // Tried again at the next I/O round, or within
-                        // `INBOUND_RETRY` of `now` when the thread sleeps.
+                        // Tried again at each I/O round (an engine
+                        // waiting for the budget stays on its driver's
+                        // ready list: `waits_for_budget`), or within
+                        // `INBOUND_RETRY` of `now` when the driver sleeps.
                         self.inbound_retry = Some(now.unwrap_or_else(Instant::now) + INBOUND_RETRY);
                         break;
                     }

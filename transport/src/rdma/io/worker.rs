@@ -121,6 +121,7 @@ fn deliver_backlog(socket: &mut SocketSlot) -> bool {
     while let Some(item) = socket.backlog.pop_front() {
         let Some(deliver) = &socket.deliver else {
             socket.backlog.clear();
+            delivered = true;
             break;
         };
         match deliver.try_send(item) {
@@ -130,9 +131,13 @@ fn deliver_backlog(socket: &mut SocketSlot) -> bool {
                 break;
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
-                // The application dropped its receiver.
+                // The application dropped its receiver: what it held is
+                // gone, which counts as progress (an engine held at
+                // `BACKLOG_LIMIT` may repost its receives now; before, it
+                // left the ready list with them unposted and stalled).
                 socket.deliver = None;
                 socket.backlog.clear();
+                delivered = true;
                 break;
             }
         }
@@ -381,13 +386,16 @@ impl Worker {
         // Each engine on the ready list: post, collect events, deliver.
         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
         let panic_on_len = self.panic_on_len;
-        let mut visiting = std::mem::take(&mut self.visiting);
-        visiting.clear();
-        std::mem::swap(&mut visiting, &mut self.ready);
+        // What a round cut short by a panic left unvisited goes first (its
+        // engines are still marked ready, so nothing else would list them).
+        self.ready.append(&mut self.visiting);
+        std::mem::swap(&mut self.visiting, &mut self.ready);
         self.rounds += 1;
-        self.engine_visits += visiting.len() as u64;
+        self.engine_visits += self.visiting.len() as u64;
         let mut removed = false;
-        for &qpn in &visiting {
+        let mut next = 0;
+        while let Some(&qpn) = self.visiting.get(next) {
+            next += 1;
             let Some(slot) = self.engines.get_mut(&qpn) else {
                 continue;
             };
@@ -408,7 +416,9 @@ impl Worker {
                 // keepalive slot learnt from the peer's `Slot` message
                 // starts the keepalive; before, the thread slept on to the
                 // old deadline and both sides took each other for dead).
-                slot.deadline = slot.attached.engine.poll_timeout();
+                let io = io.as_ref();
+                slot.deadline =
+                    isolated(slot, io, |slot| slot.attached.engine.poll_timeout()).flatten();
                 if let Some(at) = slot.deadline {
                     self.next_timer = Some(self.next_timer.map_or(at, |t| t.min(at)));
                 }
@@ -428,13 +438,14 @@ impl Worker {
                 continue;
             }
             // One that did something may have more; one holding messages
-            // tries to hand them on again.
-            if worked || holding {
+            // tries to hand them on again; one waiting for the inbound
+            // budget (which other connections free) asks again.
+            if worked || holding || (!slot.panicked && slot.attached.engine.waits_for_budget()) {
                 slot.ready = true;
                 self.ready.push(qpn);
             }
         }
-        self.visiting = visiting;
+        self.visiting.clear();
         drop(io);
         if removed
             || self.engines.len() as u64 != self.stats.qps_open.load(Ordering::Relaxed)
