@@ -141,14 +141,14 @@ pub enum RdmaProvider {
 pub enum Polling {
     /// A dedicated I/O thread per queue: polls for `spin_us`, then sleeps
     /// until a completion or a message to send arrives.
-    #[default]
     Event,
     /// A dedicated I/O thread per queue that never sleeps.
     Busy,
     /// No I/O thread: a task of the application's tokio runtime drives
     /// each queue, woken by the queue's notification descriptor, and a
     /// sending task posts on its own thread when the queue's worker is
-    /// free. Needs a tokio runtime with I/O enabled.
+    /// free. Needs a tokio runtime with I/O enabled. The default.
+    #[default]
     Runtime,
 }
 
@@ -195,13 +195,14 @@ pub struct RdmaConfig {
     /// spent), or `runtime` (no I/O thread: the application's tokio
     /// runtime drives the queues, woken by their notification
     /// descriptors, and senders post on their own thread; no thread hop
-    /// per message). Default `event`. On a 2-core host `runtime` halves
-    /// the context switches of the parameter-server workloads and beats
-    /// `event` on their latency, throughput and CPU (README, "Figures"),
-    /// but every round still walks every engine of its queue, and it runs
-    /// a round per message sent and per wake-up: past about 16 queue pairs
-    /// per queue its message rate collapses (`tessera-bench qps`), so it is
-    /// for hosts with few peers until rounds visit only engines with work.
+    /// per message). Default `runtime`: on a 2-core host it has a half to
+    /// a third of `event`'s context switches in the parameter-server
+    /// workloads, is level with or ahead of it on their latency, throughput
+    /// and CPU, and carries more 512-byte messages per second at every
+    /// queue-pair count from 1 to 256 (README, "Which driver"). `event` or
+    /// `busy` threads are for hosts with cores to spare for them, and for
+    /// applications that create the transport outside a tokio runtime
+    /// (with `runtime` that is refused, naming this setting).
     pub polling: Polling,
     /// The spin budget: microseconds an `event` thread keeps polling after
     /// its last work before it sleeps. Default 50: the answer to a small
@@ -287,7 +288,7 @@ impl Default for RdmaConfig {
             small_message_limit: 8 << 10,
             fragment_size: 64 << 10,
             io_threads: 2,
-            polling: Polling::Event,
+            polling: Polling::Runtime,
             spin_us: 50,
             multiplex: true,
             window_bytes: 0,
