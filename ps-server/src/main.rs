@@ -49,6 +49,12 @@ struct Cli {
     /// even when it is killed with SIGKILL.
     #[arg(long, value_name = "PID")]
     parent_pid: Option<i32>,
+    /// Load and validate the configuration (file and overrides), say
+    /// what is wrong naming the key, and exit without serving: for
+    /// deployment checks (`ExecStartPre=` in the systemd unit, the test
+    /// suite on the Kubernetes manifests' configs).
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> ExitCode {
@@ -121,6 +127,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         config.checkpoint.dir = Some(dir);
     }
     config.validate()?;
+    if cli.check_config {
+        #[allow(clippy::print_stdout)]
+        {
+            println!(
+                "ps-server: configuration ok ({})",
+                cli.config
+                    .as_deref()
+                    .map_or("built-in defaults".into(), |p| p.display().to_string())
+            );
+        }
+        return Ok(());
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         if let Some(addr) = &config.metrics_listen {

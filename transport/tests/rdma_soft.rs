@@ -1,5 +1,10 @@
 //! The RDMA transport over the soft provider, through the same API as TCP.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    missing_docs
+)]
 
 use bytes::Bytes;
 use tessera_transport::pool::lookup;

@@ -46,6 +46,10 @@ struct Cli {
     /// Override `metrics_listen`: a Prometheus endpoint on this address.
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Load and validate the configuration (file and overrides), say what
+    /// is wrong naming the key, and exit without running the workload.
+    #[arg(long)]
+    check_config: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -103,6 +107,18 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         config.admin_listen = Some(addr);
     }
     config.validate()?;
+    if cli.check_config {
+        #[allow(clippy::print_stdout)]
+        {
+            println!(
+                "worker: configuration ok ({})",
+                cli.config
+                    .as_deref()
+                    .map_or("built-in defaults".into(), |p| p.display().to_string())
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let kind = match cli.command {
         Command::Ranker => WorkloadKind::Ranker,
         Command::Trainer => WorkloadKind::Trainer,
