@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod coordination;
 pub mod dedup;
+pub mod grpc_health;
 mod grpc_limits;
 pub mod replication;
 pub mod rowfile;
@@ -238,8 +239,27 @@ impl PsServer {
         } = self;
         replication.start();
         coordination.start(&replication);
+        // The standard health protocol on the gRPC endpoint: NOT_SERVING
+        // until every hosted shard is served, and again from the moment
+        // shutdown begins (before the shards are handed over), so probes
+        // and load balancers stop sending traffic first.
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let reporting = match &grpc {
+            None => None,
+            Some(_) => {
+                grpc_health::report(&reporter, grpc_health::status_of(&replication)).await;
+                Some(AbortOnDropHandle::new(tokio::spawn(
+                    grpc_health::keep_reporting(reporter.clone(), Arc::clone(&replication)),
+                )))
+            }
+        };
+        let ending = reporter.clone();
         let shutdown = async move {
             shutdown.await;
+            if let Some(reporting) = reporting {
+                drop(reporting);
+                grpc_health::report(&reporter, tonic_health::ServingStatus::NotServing).await;
+            }
             coordination.shutdown(shutdown_grace).await;
         };
         let _stop_replication = StopOnDrop(Arc::clone(&replication));
@@ -262,6 +282,7 @@ impl PsServer {
                 .builder()
                 .add_service(grpc.service)
                 .add_service(grpc.admin)
+                .add_service(health_service)
                 .serve_with_incoming_shutdown(
                     grpc_limits::incoming(grpc.listener, &grpc.inbound, grpc.tls),
                     async {
@@ -276,6 +297,10 @@ impl PsServer {
         server
             .serve_with_shutdown(async move {
                 shutdown.await;
+                // A health Watch is an RPC in flight until it ends: end
+                // them (their last message is the NOT_SERVING above), or
+                // the endpoint's graceful stop would wait for them forever.
+                grpc_health::end_watches(ending).await;
                 let _ = stop_grpc.send(());
             })
             .await;

@@ -189,3 +189,108 @@ async fn the_grpc_endpoint_closes_silent_connections_and_caps_an_address() {
     let mut other = grpc_client(grpc_addr).await;
     fetch_four_rows(&mut other).await;
 }
+
+/// A server of shard 0 in `group` of two, knowing the other at `peer`.
+fn replicated(listen: &str, group: u32, peer: &str) -> PsServerConfig {
+    PsServerConfig {
+        listen: listen.to_owned(),
+        grpc_listen: Some(free_addr()),
+        replica_group: group,
+        replica_groups: 2,
+        peers: vec![tessera_ps_server::config::PeerConfig {
+            address: peer.to_owned(),
+            replica_group: 1 - group,
+            shards: vec![0],
+        }],
+        ..PsServerConfig::default()
+    }
+}
+
+/// The standard gRPC health protocol (what Kubernetes' gRPC probes and
+/// `grpc_health_probe` ask): NOT_SERVING while a hosted shard is not
+/// served (a replica whose primary is not there to copy from), SERVING
+/// once it is, and NOT_SERVING again as the server shuts down, before the
+/// endpoint goes away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_health_protocol_serves_once_every_shard_is_served() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+    let primary_addr = free_addr();
+    let replica_addr = free_addr();
+    let replica = InProcess::start(&replicated(&replica_addr, 1, &primary_addr)).await;
+    let grpc_addr = replica.grpc_addr.expect("a gRPC endpoint");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let check = |service: &'static str| {
+        let mut health = health.clone();
+        async move {
+            health
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .map(|r| r.into_inner().status())
+        }
+    };
+    // Its primary is not there: its shard has no copy to serve.
+    assert_eq!(check("").await.unwrap(), ServingStatus::NotServing);
+    assert_eq!(
+        check("tessera.ps.v1.ParameterServer").await.unwrap(),
+        ServingStatus::NotServing
+    );
+    // An unknown service is NOT_FOUND, as the protocol says.
+    assert_eq!(
+        check("no.such.Service").await.unwrap_err().code(),
+        tonic::Code::NotFound
+    );
+    // The primary comes: the replica copies the shard and serves.
+    let primary = InProcess::start(&replicated(&primary_addr, 0, &replica_addr)).await;
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let serving = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(status) = watch.message().await.unwrap() {
+            if status.status() == ServingStatus::Serving {
+                return;
+            }
+        }
+        panic!("the watch ended before SERVING");
+    })
+    .await;
+    assert!(
+        serving.is_ok(),
+        "SERVING within 20 s of the primary's start"
+    );
+    // Shutdown: NOT_SERVING comes before the endpoint goes.
+    let stopping = tokio::spawn(replica.stop());
+    let mut last = ServingStatus::Serving;
+    while let Ok(Some(status)) = watch.message().await {
+        last = status.status();
+        if last == ServingStatus::NotServing {
+            break;
+        }
+    }
+    assert_eq!(
+        last,
+        ServingStatus::NotServing,
+        "NOT_SERVING before the endpoint closed"
+    );
+    // Then the watch ends, and so does the server: an open Watch does not
+    // hold up its graceful stop (before, it waited for it forever).
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while let Ok(Some(_)) = watch.message().await {}
+        stopping.await.unwrap();
+    })
+    .await
+    .expect("the watch ends and the server stops within 20 s");
+    primary.stop().await;
+}
