@@ -70,16 +70,24 @@ pub trait Validate {
 
 /// Reads `path` as TOML into `T` and validates it.
 pub fn load<T: DeserializeOwned + Validate>(path: &Path) -> Result<T, ConfigError> {
+    let config: T = read(path)?;
+    config.validate()?;
+    Ok(config)
+}
+
+/// Reads `path` as TOML into `T` without validating it: for a binary that
+/// applies its command-line overrides first and then validates the whole
+/// (a file may leave a key to a flag, as the Kubernetes manifests leave
+/// `checkpoint.dir` to `--checkpoint-dir`).
+pub fn read<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.display().to_string(),
         source,
     })?;
-    let config: T = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+    toml::from_str(&text).map_err(|source| ConfigError::Parse {
         path: path.display().to_string(),
         source,
-    })?;
-    config.validate()?;
-    Ok(config)
+    })
 }
 
 #[cfg(test)]

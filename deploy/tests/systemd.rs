@@ -11,27 +11,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+use common::{bin_dir, binary};
+
 fn systemd_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd")
-}
-
-/// Where cargo put this build's binaries (`ps-server` and `worker` are
-/// built with the workspace, next to `tessera`).
-fn bin_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_tessera"))
-        .parent()
-        .expect("a directory")
-        .to_owned()
-}
-
-fn binary(name: &str) -> PathBuf {
-    let path = bin_dir().join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built: build the workspace (cargo build --workspace --bins)",
-        path.display()
-    );
-    path
 }
 
 #[test]
@@ -141,4 +125,37 @@ fn a_bad_configuration_is_refused_naming_its_key() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("shards"), "{stderr}");
+}
+
+/// A file may leave a key to a flag: the flags are applied before the
+/// whole is validated. Before, the file was validated alone, so one with
+/// periodic checkpoints and the directory given by `--checkpoint-dir` (as
+/// the Kubernetes manifests do) was refused.
+#[test]
+fn a_flag_completes_the_file_before_validation() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("server.toml");
+    std::fs::write(&path, "[checkpoint]\ninterval_secs = 60\n").unwrap();
+    let output = Command::new(binary("ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--checkpoint-dir")
+        .arg(dir.path().join("state"))
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // Without the flag the file alone is incomplete, and said so.
+    let output = Command::new(binary("ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("checkpoint.dir"));
 }

@@ -41,6 +41,12 @@ struct Cli {
     /// Override `metrics_listen`: a Prometheus endpoint on this address.
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Override `advertise`: this server's address as its peers know it
+    /// (a pod's stable DNS name). A `[[peers]]` entry at this address with
+    /// this server's group and shards is this server itself, and is
+    /// dropped: one fleet-wide shard map serves every server.
+    #[arg(long)]
+    advertise: Option<String>,
     /// Override `checkpoint.dir`.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
@@ -93,7 +99,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         die_with_parent(parent)?;
     }
     let mut config = match &cli.config {
-        Some(path) => PsServerConfig::load(path)?,
+        // Validated below, once the flags are applied.
+        Some(path) => PsServerConfig::read(path)?,
         None => PsServerConfig::default(),
     };
     if let Some(listen) = cli.listen {
@@ -125,6 +132,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(dir) = cli.checkpoint_dir {
         config.checkpoint.dir = Some(dir);
+    }
+    if let Some(addr) = cli.advertise {
+        config.advertise = Some(addr);
+    }
+    if config.drop_own_peer_entry() {
+        tracing::debug!(advertise = %config.advertised(), "this server's own entry of the shard map dropped from peers");
     }
     config.validate()?;
     if cli.check_config {

@@ -206,6 +206,12 @@ impl WorkerConfig {
         tessera_config::load(path)
     }
 
+    /// Reads a TOML file without validating it (the caller applies its
+    /// overrides, then calls [`Validate::validate`]).
+    pub fn read(path: &Path) -> Result<Self, ConfigError> {
+        tessera_config::read(path)
+    }
+
     /// Replica groups of the model: `replica_groups` if set, else one
     /// more than the highest group listed (shard `s`'s primary is in group
     /// `s % replica_groups()`).

@@ -79,7 +79,8 @@ fn main() -> ExitCode {
 #[allow(clippy::print_stdout)]
 fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut config = match &cli.config {
-        Some(path) => WorkerConfig::load(path)?,
+        // Validated below, once the flags are applied.
+        Some(path) => WorkerConfig::read(path)?,
         None => WorkerConfig::default(),
     };
     if let Some(transport) = cli.transport {

@@ -320,6 +320,26 @@ impl PsServerConfig {
         self.primary_group(shard) == self.replica_group
     }
 
+    /// Drops this server's own entry from `peers`, where the list is a
+    /// fleet-wide shard map that names every server (one ConfigMap for
+    /// every pod of a StatefulSet): an entry at the advertised address
+    /// with this server's replica group and shards. An entry at that
+    /// address that disagrees with them stays, and validation refuses it.
+    /// Returns whether one was dropped.
+    pub fn drop_own_peer_entry(&mut self) -> bool {
+        let me = self.advertised().to_owned();
+        let mut shards = self.shards.clone();
+        shards.sort_unstable();
+        let group = self.replica_group;
+        let before = self.peers.len();
+        self.peers.retain(|p| {
+            let mut theirs = p.shards.clone();
+            theirs.sort_unstable();
+            !(p.address == me && p.replica_group == group && theirs == shards)
+        });
+        self.peers.len() != before
+    }
+
     /// This server's address as its peers know it.
     pub fn advertised(&self) -> &str {
         self.advertise.as_deref().unwrap_or(&self.listen)
@@ -328,6 +348,12 @@ impl PsServerConfig {
     /// Reads and validates a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         tessera_config::load(path)
+    }
+
+    /// Reads `path` without validating it (the caller applies overrides,
+    /// then calls [`Validate::validate`]).
+    pub fn read(path: &Path) -> Result<Self, ConfigError> {
+        tessera_config::read(path)
     }
 
     /// The RPC server settings this configuration implies.
@@ -477,6 +503,47 @@ mod tests {
         let config: PsServerConfig = toml::from_str(text).map_err(|e| e.to_string())?;
         config.validate().map_err(|e| e.to_string())?;
         Ok(config)
+    }
+
+    #[test]
+    fn a_fleet_wide_shard_map_drops_this_servers_own_entry_only_when_it_agrees() {
+        let map = r#"
+            num_shards = 2
+            replica_groups = 2
+            [[peers]]
+            address = "ps-g0-0.ps-g0:7000"
+            replica_group = 0
+            shards = [0]
+            [[peers]]
+            address = "ps-g0-1.ps-g0:7000"
+            replica_group = 0
+            shards = [1]
+            [[peers]]
+            address = "ps-g1-0.ps-g1:7000"
+            replica_group = 1
+            shards = [0]
+            [[peers]]
+            address = "ps-g1-1.ps-g1:7000"
+            replica_group = 1
+            shards = [1]
+        "#;
+        let mut config: PsServerConfig = toml::from_str(map).unwrap();
+        config.advertise = Some("ps-g1-0.ps-g1:7000".into());
+        config.replica_group = 1;
+        config.shards = vec![0];
+        // As written, it lists itself: refused.
+        assert!(config.validate().unwrap_err().to_string().contains("peers"));
+        assert!(config.drop_own_peer_entry());
+        assert_eq!(config.peers.len(), 3);
+        config.validate().unwrap();
+        // An entry at its address that says another shard is not itself:
+        // it stays, and validation says so.
+        let mut wrong: PsServerConfig = toml::from_str(map).unwrap();
+        wrong.advertise = Some("ps-g1-0.ps-g1:7000".into());
+        wrong.replica_group = 1;
+        wrong.shards = vec![1];
+        assert!(!wrong.drop_own_peer_entry());
+        assert!(wrong.validate().is_err());
     }
 
     #[test]
