@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod status;
 
 pub use cluster::{Cluster, LaunchError};
 pub use config::ClusterConfig;

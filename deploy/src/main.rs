@@ -6,7 +6,11 @@
 //! - `tessera demo` starts the default cluster, runs a trainer and then a
 //!   ranker against it, prints the results, and shuts everything down.
 //! - `tessera admin ...` calls a running server's `Health` and `Admin`
-//!   (stats, checkpoint) or a worker's `WorkerAdmin` (quarantine).
+//!   (stats, checkpoint) or a worker's `WorkerAdmin` (quarantine)
+//!   (`admin.rs`).
+//! - `tessera status TARGET...` prints every server's state, shards,
+//!   primaries, epochs, transport and replication lag
+//!   ([`tessera_deploy::status`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,6 +21,9 @@ use tessera_deploy::{Cluster, ClusterConfig};
 use tessera_rpc::{RdmaProvider, TransportKind};
 use tessera_worker::PsClient;
 use tessera_worker::workload::{self, WorkloadKind, WorkloadReport, format_comparison};
+
+mod admin;
+use admin::{AdminAction, admin};
 
 /// Tessera's launcher.
 #[derive(Debug, Parser)]
@@ -111,50 +118,58 @@ enum Command {
     PrintConfig,
     /// Operate a running ps-server or worker (over Tessera RPC on TCP).
     Admin {
-        /// Mutual TLS with servers that run with `[tls]`: this tool's
-        /// certificate (PEM; Admin calls need one with the admin role).
-        #[arg(long, requires_all = ["tls_key", "tls_ca"], global = true)]
-        tls_cert: Option<String>,
-        /// The certificate's private key (PEM).
-        #[arg(long, requires = "tls_cert", global = true)]
-        tls_key: Option<String>,
-        /// The CA whose certificates the servers carry (PEM).
-        #[arg(long, requires = "tls_cert", global = true)]
-        tls_ca: Option<String>,
-        /// The name the server's certificate must carry, where it is not
-        /// the host dialed.
-        #[arg(long, requires = "tls_cert", global = true)]
-        tls_server_name: Option<String>,
+        #[command(flatten)]
+        tls: TlsArgs,
         #[command(subcommand)]
         action: AdminAction,
     },
+    /// Every server of a cluster in one table: state, replica group,
+    /// shards, primaries, epochs, transport, replication lag. Exits 1 when
+    /// a server does not answer or does not serve every hosted shard.
+    Status {
+        /// Run directories of `tessera up` (their worker.toml lists the
+        /// servers) or server addresses (`host:port`).
+        #[arg(required = true)]
+        targets: Vec<String>,
+        /// Print the statuses as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        tls: TlsArgs,
+    },
 }
 
-#[derive(Debug, Subcommand)]
-enum AdminAction {
-    /// A server's health: state, shards, primaries, tables.
-    Health {
-        /// The ps-server (`host:port`).
-        server: String,
-    },
-    /// Per-shard rows, bytes, fetches, pushes and evictions of a server.
-    Stats {
-        /// The ps-server (`host:port`).
-        server: String,
-    },
-    /// Save a checkpoint on a server now.
-    Checkpoint {
-        /// The ps-server (`host:port`).
-        server: String,
-    },
-    /// List (and with `--clear` readmit) the servers a worker quarantined.
-    Quarantine {
-        /// The worker's `admin_listen` address.
-        worker: String,
-        /// Readmit them all after listing.
-        #[arg(long)]
-        clear: bool,
-    },
+/// Mutual TLS with servers that run with `[tls]`.
+#[derive(Debug, clap::Args)]
+struct TlsArgs {
+    /// This tool's certificate (PEM; Admin calls need one with the admin
+    /// role).
+    #[arg(long, requires_all = ["tls_key", "tls_ca"], global = true)]
+    tls_cert: Option<String>,
+    /// The certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert", global = true)]
+    tls_key: Option<String>,
+    /// The CA whose certificates the servers carry (PEM).
+    #[arg(long, requires = "tls_cert", global = true)]
+    tls_ca: Option<String>,
+    /// The name the server's certificate must carry, where it is not the
+    /// host dialed.
+    #[arg(long, requires = "tls_cert", global = true)]
+    tls_server_name: Option<String>,
+}
+
+impl TlsArgs {
+    fn config(self) -> Option<tessera_rpc::TlsConfig> {
+        match (self.tls_cert, self.tls_key, self.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(tessera_rpc::TlsConfig {
+                cert,
+                key,
+                ca,
+                server_name: self.tls_server_name,
+            }),
+            _ => None,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -230,24 +245,8 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             )
             .await
         }
-        Command::Admin {
-            action,
-            tls_cert,
-            tls_key,
-            tls_ca,
-            tls_server_name,
-        } => {
-            let tls = match (tls_cert, tls_key, tls_ca) {
-                (Some(cert), Some(key), Some(ca)) => Some(tessera_rpc::TlsConfig {
-                    cert,
-                    key,
-                    ca,
-                    server_name: tls_server_name,
-                }),
-                _ => None,
-            };
-            admin(action, tls.as_ref()).await
-        }
+        Command::Admin { action, tls } => admin(action, tls.config().as_ref()).await,
+        Command::Status { targets, json, tls } => status(&targets, json, tls.config()).await,
         Command::Doctor {
             config,
             transport,
@@ -264,158 +263,40 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
     }
 }
 
-/// A channel for an admin call: generous timeouts (a checkpoint of a big
-/// server takes a while), TCP, mutual TLS with `tls` where given.
-async fn admin_channel(
-    addr: &str,
-    tls: Option<&tessera_rpc::TlsConfig>,
-) -> Result<tessera_rpc::Channel, BoxError> {
-    let mut config = tessera_rpc::ChannelConfig {
-        connect_timeout_ms: 2000,
-        request_timeout_ms: 600_000,
-        ..tessera_rpc::ChannelConfig::default()
-    };
-    config.transport.tls = tls.cloned();
-    Ok(tessera_rpc::Channel::connect(addr, config).await?)
-}
-
-#[allow(clippy::print_stdout)]
-async fn admin(action: AdminAction, tls: Option<&tessera_rpc::TlsConfig>) -> Result<(), BoxError> {
-    use tessera_proto::v1::{
-        AdminClient, CheckpointRequest, HealthRequest, ParameterServerClient, QuarantineRequest,
-        ServerState, StatsRequest, WorkerAdminClient,
-    };
-    match action {
-        AdminAction::Health { server } => {
-            let health = ParameterServerClient::new(admin_channel(&server, tls).await?)
-                .health(HealthRequest {})
-                .await?;
-            let state = ServerState::try_from(health.state).map_or("unknown", |s| s.as_str_name());
-            println!(
-                "{server}: {state}, replica group {}, shards {:?} of {}, primary of {:?}, coordinator {}",
-                health.replica_group,
-                health.shards,
-                health.num_shards,
-                health.primary_shards,
-                if health.coordinator.is_empty() {
-                    "static"
-                } else {
-                    &health.coordinator
-                }
-            );
-            print!("{}", format_shard_health(&health.shard_health));
-            for table in &health.tables {
-                println!(
-                    "  table {}: dim {}, {} rows",
-                    table.name, table.dim, table.rows
-                );
-            }
+/// `tessera status`: the table (or JSON) of every server of `targets`.
+async fn status(
+    targets: &[String],
+    json: bool,
+    tls: Option<tessera_rpc::TlsConfig>,
+) -> Result<(), BoxError> {
+    let mut addresses = Vec::new();
+    for target in targets {
+        let path = std::path::Path::new(target);
+        if path.is_dir() {
+            addresses.extend(tessera_deploy::status::addresses_of_run_dir(path)?);
+        } else {
+            addresses.push(target.clone());
         }
-        AdminAction::Stats { server } => {
-            let stats = AdminClient::new(admin_channel(&server, tls).await?)
-                .stats(StatsRequest {})
-                .await?;
-            println!("| table | shard | rows | bytes | fetches | pushes | evictions |");
-            println!("|---|---:|---:|---:|---:|---:|---:|");
-            for s in &stats.shards {
-                println!(
-                    "| {} | {} | {} | {} | {} | {} | {} |",
-                    s.table, s.shard, s.rows, s.bytes, s.fetches, s.pushes, s.evictions
-                );
-            }
-        }
-        AdminAction::Checkpoint { server } => {
-            let saved = AdminClient::new(admin_channel(&server, tls).await?)
-                .checkpoint(CheckpointRequest {})
-                .await?;
-            println!(
-                "{server}: checkpoint {} ({} rows, {} bytes)",
-                saved.path, saved.rows, saved.bytes
-            );
-        }
-        AdminAction::Quarantine { worker, clear } => {
-            let listed = WorkerAdminClient::new(admin_channel(&worker, tls).await?)
-                .quarantine(QuarantineRequest { clear })
-                .await?;
-            if listed.servers.is_empty() {
-                println!("{worker}: no server quarantined");
-            }
-            for s in &listed.servers {
-                println!(
-                    "shard {} server {}: excluded for {:.0} s more ({} ejections in a row){}",
-                    s.shard,
-                    s.address,
-                    s.seconds_left,
-                    s.ejections,
-                    if clear { ", readmitted" } else { "" }
-                );
-            }
-        }
+    }
+    let statuses = tessera_deploy::status::cluster_status(&addresses, tls.as_ref()).await;
+    #[allow(clippy::print_stdout)]
+    if json {
+        println!("{}", serde_json::to_string_pretty(&statuses)?);
+    } else {
+        print!("{}", tessera_deploy::status::format_table(&statuses));
+    }
+    let bad = statuses
+        .iter()
+        .filter(|s| !s.reachable || !s.serving)
+        .count();
+    if bad > 0 {
+        return Err(format!(
+            "{bad} of {} servers unreachable or not serving",
+            statuses.len()
+        )
+        .into());
     }
     Ok(())
-}
-
-/// Each shard's replication as a table: role, epoch, version, primary,
-/// and a replica's stream or a primary's replicas.
-fn format_shard_health(shards: &[tessera_proto::v1::ShardHealth]) -> String {
-    use std::fmt::Write as _;
-    use tessera_proto::v1::ShardRole;
-    let mut out = String::from(
-        "| shard | role | epoch | version | primary | stream | replicas (lag in pushes) |\n|---:|---|---:|---|---|---|---|\n",
-    );
-    for s in shards {
-        let role = ShardRole::try_from(s.role).map_or("unknown", |r| {
-            r.as_str_name().trim_start_matches("SHARD_ROLE_")
-        });
-        let version = s
-            .version
-            .map_or_else(|| "-".to_owned(), |v| format!("{}:{}", v.epoch, v.position));
-        let stream = if s.role == ShardRole::Replica as i32 {
-            format!(
-                "{}{}, heard {} ms ago{}",
-                if s.in_step { "in step" } else { "out of step" },
-                if s.syncing { ", copying" } else { "" },
-                s.stream_age_ms,
-                if s.receiving { "" } else { ", NOT RECEIVING" }
-            )
-        } else if s.fenced {
-            "FENCED (lease not confirmed)".to_owned()
-        } else {
-            "-".to_owned()
-        };
-        let replicas = s
-            .replicas
-            .iter()
-            .map(|r| {
-                format!(
-                    "{} {} {}",
-                    r.address,
-                    if r.in_step {
-                        "in step"
-                    } else if r.attached {
-                        "attaching"
-                    } else {
-                        "detached"
-                    },
-                    r.lag_pushes
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("; ");
-        let _ = writeln!(
-            out,
-            "| {} | {role} | {} | {version} | {} | {stream} | {} |",
-            s.shard,
-            s.epoch,
-            if s.primary.is_empty() {
-                "none"
-            } else {
-                &s.primary
-            },
-            if replicas.is_empty() { "-" } else { &replicas }
-        );
-    }
-    out
 }
 
 #[allow(clippy::print_stdout)]

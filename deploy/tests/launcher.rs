@@ -1,5 +1,6 @@
 //! The `tessera` launcher as a user runs it: `up` starts and stops a 2x2
-//! cluster of real ps-server processes; `demo` prints its table.
+//! cluster of real ps-server processes (and `status` reports it); `demo`
+//! prints its table.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -34,6 +35,19 @@ fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration
     }
 }
 
+/// Kills the launcher if the test fails before stopping it (its servers
+/// follow it: they run with `--parent-pid`), so a failure leaks nothing.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 #[test]
 fn up_starts_and_stops_a_2x2_cluster() {
     let dir = tempfile::tempdir().unwrap();
@@ -44,7 +58,7 @@ fn up_starts_and_stops_a_2x2_cluster() {
         "num_shards = 2\nreplica_groups = 2\n[[tables]]\nname = \"emb\"\ndim = 4\n",
     )
     .unwrap();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
+    let launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["up", "--config"])
         .arg(&config)
         .arg("--run-dir")
@@ -53,9 +67,10 @@ fn up_starts_and_stops_a_2x2_cluster() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
+    let mut launcher = KillOnDrop(launcher);
     wait_for_file(
         &run_dir.join("worker.toml"),
-        &mut launcher,
+        &mut launcher.0,
         Duration::from_secs(60),
     );
 
@@ -86,14 +101,67 @@ fn up_starts_and_stops_a_2x2_cluster() {
         assert_eq!((rows.len(), rows.dim()), (100, 4));
     });
 
+    // `tessera status RUN_DIR`: every server, serving, each shard with one
+    // primary; exit 0.
+    let status = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["status", "--json"])
+        .arg(&run_dir)
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    let mut primaries: Vec<u64> = Vec::new();
+    for row in rows {
+        assert_eq!(row["reachable"], true, "{row}");
+        assert_eq!(row["serving"], true, "{row}");
+        assert_eq!(row["state"], "SERVING", "{row}");
+        assert_eq!(row["transport"], "tcp", "{row}");
+        primaries.extend(
+            row["primary_of"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap()),
+        );
+    }
+    primaries.sort_unstable();
+    assert_eq!(primaries, [0, 1], "each shard has one primary");
+    let table = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .arg("status")
+        .arg(&run_dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(table.status.success());
+    assert_eq!(text.matches("| SERVING |").count(), 4, "{text}");
+    assert!(text.contains("replicas in step"), "{text}");
+    // A server that does not answer is a row, and the exit code says so.
+    let dead = tessera_test_support::free_addr();
+    let partial = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .arg("status")
+        .arg(&worker.servers[0].address)
+        .arg(&dead)
+        .output()
+        .unwrap();
+    assert!(!partial.status.success());
+    let text = String::from_utf8_lossy(&partial.stdout);
+    assert!(text.contains(&format!("| {dead} | UNREACHABLE")), "{text}");
+    assert_eq!(text.matches("| SERVING |").count(), 1, "{text}");
+
     let status = Command::new("kill")
-        .args(["-INT", &launcher.id().to_string()])
+        .args(["-INT", &launcher.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
     let deadline = Instant::now() + Duration::from_secs(30);
     let exit = loop {
-        if let Some(exit) = launcher.try_wait().unwrap() {
+        if let Some(exit) = launcher.0.try_wait().unwrap() {
             break exit;
         }
         assert!(Instant::now() < deadline, "launcher did not stop");

@@ -119,6 +119,7 @@ impl PsServer {
                 config::CoordinatorKind::Static => "static",
                 config::CoordinatorKind::Etcd => "etcd",
             },
+            config.transport.as_str(),
         );
         let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let grpc = match &config.grpc_listen {

@@ -44,6 +44,8 @@ pub struct PsService {
     replica_group: u32,
     replication: Arc<Replication>,
     coordinator: &'static str,
+    /// The configured transport, as Health reports it.
+    transport: &'static str,
 }
 
 impl PsService {
@@ -54,12 +56,14 @@ impl PsService {
         replica_group: u32,
         replication: Arc<Replication>,
         coordinator: &'static str,
+        transport: &'static str,
     ) -> Self {
         Self {
             store,
             replica_group,
             replication,
             coordinator,
+            transport,
         }
     }
 }
@@ -169,6 +173,7 @@ impl v1::ParameterServer for PsService {
             primary_shards: self.replication.primary_shards(),
             shard_health: self.replication.shard_health(),
             coordinator: self.coordinator.to_owned(),
+            transport: self.transport.to_owned(),
             num_shards: self.store.num_shards(),
             shards: self.store.hosted().to_vec(),
             replica_group: self.replica_group,

@@ -1,0 +1,246 @@
+//! `tessera status`: one line per server of a cluster (its health, shards,
+//! primaries and epochs, transport, replication lag), from the servers
+//! themselves (their `Health` call), as a table or as JSON.
+//!
+//! The servers are named by address, or by a run directory of `tessera
+//! up` (its `worker.toml` lists them). A server that does not answer is a
+//! row too, with the error: a status tool is used when things are wrong.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Serialize;
+use tessera_proto::v1::{
+    HealthRequest, ParameterServerClient, ServerState, ShardHealth, ShardRole,
+};
+
+/// How long one server may take to answer.
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+/// One hosted shard as its server reports it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ShardStatus {
+    /// The shard.
+    pub shard: u32,
+    /// `primary`, `replica`, `recovering`, ...
+    pub role: String,
+    /// The primary's epoch (the one it is, or follows).
+    pub epoch: u64,
+    /// The primary's address, as this server knows it (empty: none).
+    pub primary: String,
+    /// Replica: in step with its primary's stream.
+    pub in_step: bool,
+    /// Replica: copying the shard.
+    pub syncing: bool,
+    /// Replica: milliseconds since the primary's stream was heard.
+    pub stream_age_ms: u64,
+    /// Primary: the largest queue of Pushes of one of its replicas.
+    pub max_replica_lag_pushes: u64,
+    /// Primary: its replicas in step.
+    pub replicas_in_step: usize,
+    /// Primary: its replicas.
+    pub replicas: usize,
+    /// Primary: its lease is not confirmed, so it refuses Pushes.
+    pub fenced: bool,
+}
+
+/// One server's row.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServerStatus {
+    /// Where it was asked.
+    pub address: String,
+    /// Whether it answered.
+    pub reachable: bool,
+    /// Why not, when it did not.
+    pub error: Option<String>,
+    /// `SERVING`, `CATCHING_UP`, `RECOVERING`, ...
+    pub state: String,
+    /// Every hosted shard is served.
+    pub serving: bool,
+    /// Its replica group (failure domain).
+    pub replica_group: u32,
+    /// The shards it hosts.
+    pub shards: Vec<u32>,
+    /// The shards it is the primary of.
+    pub primary_of: Vec<u32>,
+    /// Its configured transport (`tcp`, `rdma`, `auto`).
+    pub transport: String,
+    /// `static` or `etcd`.
+    pub coordinator: String,
+    /// Every hosted shard.
+    pub shard_health: Vec<ShardStatus>,
+}
+
+impl ServerStatus {
+    fn unreachable(address: &str, error: String) -> Self {
+        Self {
+            address: address.to_owned(),
+            reachable: false,
+            error: Some(error),
+            state: "UNREACHABLE".into(),
+            serving: false,
+            replica_group: 0,
+            shards: Vec::new(),
+            primary_of: Vec::new(),
+            transport: String::new(),
+            coordinator: String::new(),
+            shard_health: Vec::new(),
+        }
+    }
+}
+
+fn shard_status(s: &ShardHealth) -> ShardStatus {
+    let role = ShardRole::try_from(s.role).map_or_else(
+        |_| "unknown".to_owned(),
+        |r| {
+            r.as_str_name()
+                .trim_start_matches("SHARD_ROLE_")
+                .to_ascii_lowercase()
+        },
+    );
+    ShardStatus {
+        shard: s.shard,
+        role,
+        epoch: s.epoch,
+        primary: s.primary.clone(),
+        in_step: s.in_step,
+        syncing: s.syncing,
+        stream_age_ms: s.stream_age_ms,
+        max_replica_lag_pushes: s.replicas.iter().map(|r| r.lag_pushes).max().unwrap_or(0),
+        replicas_in_step: s.replicas.iter().filter(|r| r.in_step).count(),
+        replicas: s.replicas.len(),
+        fenced: s.fenced,
+    }
+}
+
+/// Asks `address` for its health (over TCP, with `tls` where the servers
+/// run it).
+pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) -> ServerStatus {
+    let mut config = tessera_rpc::ChannelConfig {
+        connect_timeout_ms: TIMEOUT.as_millis() as u64,
+        request_timeout_ms: TIMEOUT.as_millis() as u64,
+        ..tessera_rpc::ChannelConfig::default()
+    };
+    config.transport.tls = tls.cloned();
+    let channel = match tessera_rpc::Channel::connect(address, config).await {
+        Ok(channel) => channel,
+        Err(err) => return ServerStatus::unreachable(address, err.to_string()),
+    };
+    let health = match ParameterServerClient::new(channel)
+        .health(HealthRequest {})
+        .await
+    {
+        Ok(health) => health,
+        Err(err) => return ServerStatus::unreachable(address, err.to_string()),
+    };
+    ServerStatus {
+        address: address.to_owned(),
+        reachable: true,
+        error: None,
+        state: ServerState::try_from(health.state)
+            .map_or("UNKNOWN", |s| s.as_str_name())
+            .trim_start_matches("SERVER_STATE_")
+            .to_owned(),
+        serving: health.serving,
+        replica_group: health.replica_group,
+        shards: health.shards.clone(),
+        primary_of: health.primary_shards.clone(),
+        transport: health.transport.clone(),
+        coordinator: health.coordinator.clone(),
+        shard_health: health.shard_health.iter().map(shard_status).collect(),
+    }
+}
+
+/// Every server's status, asked at once, in the order given.
+pub async fn cluster_status(
+    addresses: &[String],
+    tls: Option<&tessera_rpc::TlsConfig>,
+) -> Vec<ServerStatus> {
+    futures::future::join_all(addresses.iter().map(|a| server_status(a, tls))).await
+}
+
+/// The servers a run directory's `worker.toml` lists.
+pub fn addresses_of_run_dir(dir: &Path) -> Result<Vec<String>, tessera_config::ConfigError> {
+    let config = tessera_worker::WorkerConfig::load(&dir.join("worker.toml"))?;
+    Ok(config.servers.into_iter().map(|s| s.address).collect())
+}
+
+/// The statuses as a table (Markdown), a row per server.
+pub fn format_table(statuses: &[ServerStatus]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::from(
+        "| server | state | group | shards | primary of | epochs | transport | replication |\n|---|---|---:|---|---|---|---|---|\n",
+    );
+    for s in statuses {
+        if !s.reachable {
+            let _ = writeln!(
+                out,
+                "| {} | UNREACHABLE | - | - | - | - | - | {} |",
+                s.address,
+                s.error.as_deref().unwrap_or("")
+            );
+            continue;
+        }
+        let list = |v: &[u32]| {
+            if v.is_empty() {
+                "-".to_owned()
+            } else {
+                v.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            }
+        };
+        let epochs = s
+            .shard_health
+            .iter()
+            .map(|h| format!("{}:{}", h.shard, h.epoch))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let replication = s
+            .shard_health
+            .iter()
+            .map(|h| {
+                if h.role == "primary" {
+                    format!(
+                        "{}: {}/{} replicas in step, lag {}{}",
+                        h.shard,
+                        h.replicas_in_step,
+                        h.replicas,
+                        h.max_replica_lag_pushes,
+                        if h.fenced { ", FENCED" } else { "" }
+                    )
+                } else if h.role == "replica" {
+                    format!(
+                        "{}: {}{}, heard {} ms ago",
+                        h.shard,
+                        if h.in_step { "in step" } else { "out of step" },
+                        if h.syncing { ", copying" } else { "" },
+                        h.stream_age_ms
+                    )
+                } else {
+                    format!("{}: {}", h.shard, h.role)
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            s.address,
+            s.state,
+            s.replica_group,
+            list(&s.shards),
+            list(&s.primary_of),
+            if epochs.is_empty() { "-" } else { &epochs },
+            if s.transport.is_empty() {
+                "?"
+            } else {
+                &s.transport
+            },
+            if replication.is_empty() {
+                "-"
+            } else {
+                &replication
+            },
+        );
+    }
+    out
+}
