@@ -10,6 +10,7 @@
 pub mod cluster;
 pub mod etcd;
 pub mod health;
+pub mod netns;
 pub mod pki;
 pub mod process;
 pub mod proxy;

@@ -1,0 +1,102 @@
+//! A multi-host test cluster on one machine: hosts are network namespaces
+//! joined by veth pairs through a bridge (`deploy/netns/cluster.sh`, which
+//! the operator can also run by hand). Each host has its own address, so
+//! link faults (down/up, a rate limit) hit one host's traffic only.
+//!
+//! [`NetCluster::create`] says why it cannot build one (not root, no
+//! `ip netns`) instead of failing: a test prints that reason and skips.
+//! Dropping the cluster removes every namespace, killing what still runs in
+//! them, also after a failed test.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Clusters made by this process (their names differ).
+static MADE: AtomicU32 = AtomicU32::new(0);
+
+/// Hosts as network namespaces behind one switch.
+#[derive(Debug)]
+pub struct NetCluster {
+    name: String,
+    hosts: usize,
+}
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/netns/cluster.sh")
+}
+
+fn run(args: &[&str]) -> Result<(), String> {
+    let output = Command::new(script())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|err| format!("cluster.sh: {err}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "cluster.sh {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    }
+}
+
+impl NetCluster {
+    /// Builds `hosts` hosts (1-based: host 1 is `10.77.0.1`), or says why
+    /// it cannot.
+    pub fn create(hosts: usize) -> Result<Self, String> {
+        let name = format!(
+            "ts{}x{}",
+            std::process::id() % 100_000,
+            MADE.fetch_add(1, Ordering::Relaxed)
+        );
+        let cluster = Self { name, hosts };
+        // Left from a crashed run with the same name: gone first.
+        let _ = run(&["down", &cluster.name]);
+        run(&["up", &cluster.name, &hosts.to_string()])?;
+        Ok(cluster)
+    }
+
+    /// Host `host`'s address.
+    pub fn addr(&self, host: usize) -> String {
+        assert!((1..=self.hosts).contains(&host), "no host {host}");
+        format!("10.77.0.{host}")
+    }
+
+    /// `program` to run on host `host` (its network namespace).
+    pub fn command(&self, host: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        assert!((1..=self.hosts).contains(&host), "no host {host}");
+        let mut command = Command::new("ip");
+        command
+            .args(["netns", "exec", &format!("{}-h{host}", self.name)])
+            .arg(program);
+        command
+    }
+
+    /// Takes host `host`'s link down (`false`) or up (`true`).
+    pub fn set_link(&self, host: usize, up: bool) {
+        run(&[
+            "link",
+            &self.name,
+            &host.to_string(),
+            if up { "up" } else { "down" },
+        ])
+        .unwrap_or_else(|err| panic!("{err}"));
+    }
+
+    /// Limits host `host`'s link to `rate` both ways (`tc tbf`, e.g.
+    /// `"10mbit"`; `"off"` lifts it).
+    pub fn set_rate(&self, host: usize, rate: &str) {
+        run(&["rate", &self.name, &host.to_string(), rate]).unwrap_or_else(|err| panic!("{err}"));
+    }
+}
+
+impl Drop for NetCluster {
+    fn drop(&mut self) {
+        if let Err(err) = run(&["down", &self.name]) {
+            eprintln!("removing the test cluster {}: {err}", self.name);
+        }
+    }
+}
