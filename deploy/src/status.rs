@@ -57,16 +57,17 @@ pub struct ServerStatus {
     pub state: String,
     /// Every hosted shard is served.
     pub serving: bool,
-    /// Its replica group (failure domain).
-    pub replica_group: u32,
+    /// Its replica group (failure domain); `None` when it did not answer.
+    pub replica_group: Option<u32>,
     /// The shards it hosts.
     pub shards: Vec<u32>,
     /// The shards it is the primary of.
     pub primary_of: Vec<u32>,
-    /// Its configured transport (`tcp`, `rdma`, `auto`).
-    pub transport: String,
-    /// `static` or `etcd`.
-    pub coordinator: String,
+    /// Its configured transport (`tcp`, `rdma`, `auto`); `None` when it
+    /// did not answer (or is older than the field).
+    pub transport: Option<String>,
+    /// `static` or `etcd`; `None` when it did not answer.
+    pub coordinator: Option<String>,
     /// Every hosted shard.
     pub shard_health: Vec<ShardStatus>,
 }
@@ -79,11 +80,11 @@ impl ServerStatus {
             error: Some(error),
             state: "UNREACHABLE".into(),
             serving: false,
-            replica_group: 0,
+            replica_group: None,
             shards: Vec::new(),
             primary_of: Vec::new(),
-            transport: String::new(),
-            coordinator: String::new(),
+            transport: None,
+            coordinator: None,
             shard_health: Vec::new(),
         }
     }
@@ -142,11 +143,11 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
             .trim_start_matches("SERVER_STATE_")
             .to_owned(),
         serving: health.serving,
-        replica_group: health.replica_group,
+        replica_group: Some(health.replica_group),
         shards: health.shards.clone(),
         primary_of: health.primary_shards.clone(),
-        transport: health.transport.clone(),
-        coordinator: health.coordinator.clone(),
+        transport: (!health.transport.is_empty()).then(|| health.transport.clone()),
+        coordinator: (!health.coordinator.is_empty()).then(|| health.coordinator.clone()),
         shard_health: health.shard_health.iter().map(shard_status).collect(),
     }
 }
@@ -226,15 +227,11 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             s.address,
             s.state,
-            s.replica_group,
+            s.replica_group.map_or("-".to_owned(), |g| g.to_string()),
             list(&s.shards),
             list(&s.primary_of),
             if epochs.is_empty() { "-" } else { &epochs },
-            if s.transport.is_empty() {
-                "?"
-            } else {
-                &s.transport
-            },
+            s.transport.as_deref().unwrap_or("?"),
             if replication.is_empty() {
                 "-"
             } else {

@@ -258,7 +258,11 @@ impl PsServer {
         let shutdown = async move {
             shutdown.await;
             if let Some(reporting) = reporting {
-                drop(reporting);
+                // Stopped for certain before NOT_SERVING is set (an abort
+                // alone leaves a poll running on another thread free to
+                // set SERVING after it).
+                reporting.abort();
+                let _ = reporting.await;
                 grpc_health::report(&reporter, tonic_health::ServingStatus::NotServing).await;
             }
             coordination.shutdown(shutdown_grace).await;
@@ -274,6 +278,7 @@ impl PsServer {
         });
         let Some(grpc) = grpc else {
             server.serve_with_shutdown(shutdown).await;
+            final_checkpoint(checkpoints.as_ref().map(|(c, _)| c), &replication).await;
             return;
         };
         let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -306,6 +311,29 @@ impl PsServer {
             })
             .await;
         let _ = grpc_task.await;
+        final_checkpoint(checkpoints.as_ref().map(|(c, _)| c), &replication).await;
+    }
+}
+
+/// A last checkpoint once the server has stopped taking calls (every
+/// acknowledged Push is in it), so that a restart, even of every copy of a
+/// shard at once, restores all of it rather than the last periodic
+/// checkpoint's state, minutes older. Skipped, and said, while a hosted
+/// shard has no complete copy here (it would record a partial one over a
+/// good older checkpoint).
+async fn final_checkpoint(checkpoints: Option<&Arc<Checkpointer>>, replication: &Replication) {
+    let Some(checkpoints) = checkpoints else {
+        return;
+    };
+    if !replication.caught_up() {
+        tracing::warn!("no checkpoint at shutdown: a hosted shard has no complete copy here");
+        return;
+    }
+    match checkpoints.save().await {
+        Ok(info) => {
+            tracing::info!(rows = info.rows, path = %info.path.display(), "checkpoint at shutdown")
+        }
+        Err(err) => tracing::warn!(%err, "checkpoint at shutdown failed"),
     }
 }
 

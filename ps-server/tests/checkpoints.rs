@@ -1,4 +1,5 @@
 //! Checkpoints through the server: the `Admin.Checkpoint` call saves, a
+//! graceful stop saves, a
 //! server started on the same directory comes back with the same rows, a
 //! periodic checkpoint appears by itself, and a corrupt checkpoint stops
 //! the server from starting with an error that names the file.
@@ -83,8 +84,12 @@ async fn an_admin_checkpoint_survives_a_restart_and_corruption_is_refused() {
     assert_eq!(rows(&restarted, &keys).await, before);
     restarted.stop().await;
 
-    // Corrupt the newest checkpoint: the server refuses to start.
-    let file = Path::new(&saved.path).join("t0-s0.rows");
+    // Corrupt the newest checkpoint (the one the graceful stop just wrote,
+    // after the Admin call's): the server refuses to start.
+    let latest = std::fs::read_to_string(dir.path().join("LATEST")).unwrap();
+    let newest = dir.path().join(latest.trim());
+    assert_ne!(newest, Path::new(&saved.path), "the stop saved a newer one");
+    let file = newest.join("t0-s0.rows");
     let mut bytes = std::fs::read(&file).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
@@ -114,4 +119,43 @@ async fn periodic_checkpoints_appear_while_serving() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     server.stop().await;
+}
+
+/// A graceful stop writes a last checkpoint: a server restarted on the same
+/// directory has every acknowledged Push, not the state of its last
+/// periodic checkpoint. Before, shutdown saved nothing, so a restart of
+/// every copy of a shard at once (a configuration rollout) rolled back up
+/// to `interval_secs` of training.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_saves_a_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    // Periodic checkpoints far apart: only the stop can have saved.
+    let config = config(dir.path(), 3600);
+    let server = start(&config).await.unwrap();
+    let keys: Vec<u64> = (0..50).collect();
+    let mut grads = Vec::new();
+    put_f32s(&mut grads, &vec![0.25; keys.len() * 4]);
+    server
+        .data
+        .push(PushRequest {
+            table: "emb".into(),
+            shard: 0,
+            keys: keys.clone(),
+            gradients: Bytes::from(grads),
+            worker_id: 7,
+            sequence: 1,
+        })
+        .await
+        .unwrap();
+    let before = rows(&server, &keys).await;
+    server.stop().await;
+    let restarted = start(&config).await.unwrap();
+    assert_eq!(
+        rows(&restarted, &keys).await,
+        before,
+        "the pushed rows came back"
+    );
+    let stats = restarted.admin.stats(StatsRequest {}).await.unwrap();
+    assert_eq!(stats.shards[0].rows, 50);
+    restarted.stop().await;
 }

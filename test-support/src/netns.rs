@@ -47,15 +47,20 @@ impl NetCluster {
     /// Builds `hosts` hosts (1-based: host 1 is `10.77.0.1`), or says why
     /// it cannot.
     pub fn create(hosts: usize) -> Result<Self, String> {
+        // The whole pid: two test processes never share a name (a shared
+        // one would let either remove the other's namespaces).
         let name = format!(
             "ts{}x{}",
-            std::process::id() % 100_000,
+            std::process::id(),
             MADE.fetch_add(1, Ordering::Relaxed)
         );
         let cluster = Self { name, hosts };
-        // Left from a crashed run with the same name: gone first.
-        let _ = run(&["down", &cluster.name]);
-        run(&["up", &cluster.name, &hosts.to_string()])?;
+        if let Err(err) = run(&["up", &cluster.name, &hosts.to_string()]) {
+            // What `up` made before it failed goes (it is ours: the name is
+            // this process's).
+            drop(cluster);
+            return Err(err);
+        }
         Ok(cluster)
     }
 
