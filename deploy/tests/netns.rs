@@ -1,6 +1,7 @@
 //! Drills on a multi-host cluster of network namespaces
 //! (`tessera_test_support::netns`): real ps-server processes on their own
-//! hosts and addresses, and faults of the links between them.
+//! hosts and addresses, a worker on another, and faults of the hosts and
+//! of the links between them.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -127,4 +128,115 @@ fn a_hosts_link_going_down_isolates_it_and_it_returns_with_the_link() {
         back.as_secs_f64()
     );
     drop(servers);
+}
+
+/// Issue 19's drill 1: 2 shards x 2 replica groups, a server per host (4
+/// hosts), a ranker on a fifth. The server of group 0 hosting shard 0 is
+/// SIGKILLed a third of the way into the load: every Fetch of the user
+/// requests still succeeds (from group 1, through the replica set's
+/// retries and quarantine), and the run's p99 is printed.
+#[test]
+fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
+    let cluster = match NetCluster::create(5) {
+        Ok(cluster) => cluster,
+        Err(why) => {
+            eprintln!("SKIP: no network namespaces here, so no multi-host drill: {why}");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // Host of (group, shard): 1 + 2 * group + shard.
+    let host = |group: u32, shard: u32| 1 + 2 * group as usize + shard as usize;
+    let address = |group: u32, shard: u32| format!("{}:7000", cluster.addr(host(group, shard)));
+    let table = "[[tables]]\nname = \"emb\"\ndim = 16\n";
+    let mut servers = Vec::new();
+    for group in 0..2u32 {
+        for shard in 0..2u32 {
+            let mut text = format!(
+                "listen = \"{}\"\nnum_shards = 2\nshards = [{shard}]\nreplica_group = {group}\nreplica_groups = 2\nmode = \"inference\"\n",
+                address(group, shard)
+            );
+            for (g, s) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                if (g, s) != (group, shard) {
+                    text += &format!(
+                        "[[peers]]\naddress = \"{}\"\nreplica_group = {g}\nshards = [{s}]\n",
+                        address(g, s)
+                    );
+                }
+            }
+            text += table;
+            let path = dir.path().join(format!("ps-g{group}-s{shard}.toml"));
+            std::fs::write(&path, text).unwrap();
+            let log = std::fs::File::create(path.with_extension("log")).unwrap();
+            servers.push(KillOnDrop(
+                cluster
+                    .command(
+                        host(group, shard),
+                        tessera_test_support::process::ps_server_bin(),
+                    )
+                    .arg("--config")
+                    .arg(&path)
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .unwrap(),
+            ));
+        }
+    }
+    let all: Vec<String> = [(0, 0), (0, 1), (1, 0), (1, 1)]
+        .iter()
+        .map(|&(g, s)| address(g, s))
+        .collect();
+    until(&cluster, 5, &all, Duration::from_secs(30), |s| {
+        s.iter().all(|&(reachable, serving)| reachable && serving)
+    });
+    // The ranker: user requests of 2 models' Fetches at a fixed rate, for
+    // 9 s; the kill comes at 3 s.
+    let mut worker_config = String::from(
+        "transport = \"tcp\"\nnum_shards = 2\nrequest_timeout_ms = 1000\n\
+         [workload]\ntable = \"emb\"\nduration_secs = 9.0\nconcurrency = 8\nmodels = 2\n\
+         rate_per_sec = 100.0\nresponse_bytes_min = 1024\nresponse_bytes_max = 65536\n",
+    );
+    for (g, s) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        worker_config += &format!(
+            "[[servers]]\naddress = \"{}\"\nshards = [{s}]\nreplica_group = {g}\n",
+            address(g, s)
+        );
+    }
+    let worker_path = dir.path().join("worker.toml");
+    std::fs::write(&worker_path, worker_config).unwrap();
+    let report_path = dir.path().join("ranker.json");
+    let ranker = cluster
+        .command(5, common::binary("worker"))
+        .arg("--config")
+        .arg(&worker_path)
+        .arg("--json")
+        .arg(&report_path)
+        .arg("ranker")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ranker = KillOnDrop(ranker);
+    // The drill's schedule: the kill a third of the way in.
+    std::thread::sleep(Duration::from_secs(3));
+    let victim = &mut servers[0].0;
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed = Instant::now();
+    let exit = ranker.0.wait().unwrap();
+    assert!(exit.success(), "the ranker failed: {exit}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    let iterations = report["iterations"].as_u64().unwrap();
+    let errors = report["errors"].as_u64().unwrap();
+    let p99 = &report["fetch"];
+    eprintln!(
+        "drill netns kill-under-ranker: 4 servers on 4 hosts, a ranker on a fifth at 100 requests/s; \
+         group 0's shard-0 server SIGKILLed 3 s in, the load ran {:.1} s more; \
+         {iterations} user requests, {errors} failed (target 0); Fetch latency over the run: {p99}",
+        (Instant::now() - killed).as_secs_f64()
+    );
+    assert!(iterations > 0);
+    assert_eq!(errors, 0, "failed user requests: {}", report["first_error"]);
 }
