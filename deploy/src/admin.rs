@@ -38,13 +38,13 @@ async fn admin_channel(
     addr: &str,
     tls: Option<&tessera_rpc::TlsConfig>,
 ) -> Result<tessera_rpc::Channel, BoxError> {
-    let mut config = tessera_rpc::ChannelConfig {
-        connect_timeout_ms: 2000,
-        request_timeout_ms: 600_000,
-        ..tessera_rpc::ChannelConfig::default()
-    };
-    config.transport.tls = tls.cloned();
-    Ok(tessera_rpc::Channel::connect(addr, config).await?)
+    Ok(tessera_deploy::status::tool_channel(
+        addr,
+        tls,
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(600),
+    )
+    .await?)
 }
 
 #[allow(clippy::print_stdout)]

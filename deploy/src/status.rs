@@ -114,16 +114,28 @@ fn shard_status(s: &ShardHealth) -> ShardStatus {
     }
 }
 
-/// Asks `address` for its health (over TCP, with `tls` where the servers
-/// run it).
-pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) -> ServerStatus {
+/// A channel for an operator's tool to `addr`: TCP, mutual TLS with `tls`
+/// where the servers run it, the given timeouts (`tessera status` and
+/// `tessera admin` share it).
+pub async fn tool_channel(
+    addr: &str,
+    tls: Option<&tessera_rpc::TlsConfig>,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+) -> Result<tessera_rpc::Channel, tessera_rpc::RpcError> {
     let mut config = tessera_rpc::ChannelConfig {
-        connect_timeout_ms: TIMEOUT.as_millis() as u64,
-        request_timeout_ms: TIMEOUT.as_millis() as u64,
+        connect_timeout_ms: u64::try_from(connect_timeout.as_millis()).unwrap_or(u64::MAX),
+        request_timeout_ms: u64::try_from(request_timeout.as_millis()).unwrap_or(u64::MAX),
         ..tessera_rpc::ChannelConfig::default()
     };
     config.transport.tls = tls.cloned();
-    let channel = match tessera_rpc::Channel::connect(address, config).await {
+    tessera_rpc::Channel::connect(addr, config).await
+}
+
+/// Asks `address` for its health (over TCP, with `tls` where the servers
+/// run it).
+pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) -> ServerStatus {
+    let channel = match tool_channel(address, tls, TIMEOUT, TIMEOUT).await {
         Ok(channel) => channel,
         Err(err) => return ServerStatus::unreachable(address, err.to_string()),
     };

@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 use tessera_proto::sharding::shard_for_key;
 use tessera_worker::{PsClient, WorkerConfig};
 
+mod common;
+// The launcher's servers follow it when it is killed (`--parent-pid`).
+use common::KillOnDrop;
+
 /// The ps-server binary of this build (built when missing; see
 /// `tessera_test_support::process::ps_server_bin`).
 fn ps_server_bin() -> PathBuf {
@@ -32,19 +36,6 @@ fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration
             "cluster not up after {timeout:?}"
         );
         std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Kills the launcher if the test fails before stopping it (its servers
-/// follow it: they run with `--parent-pid`), so a failure leaks nothing.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
     }
 }
 

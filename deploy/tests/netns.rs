@@ -9,31 +9,16 @@
     missing_docs
 )]
 
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use tessera_ps_server::config::PeerConfig;
+use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
 use tessera_test_support::netns::NetCluster;
+use tessera_test_support::process::{PsProcess, ps_server_bin};
 
 mod common;
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Shard 0's server of `group` on `me`, the other group's on `peer`.
-fn server_config(me: &str, group: u32, peer: &str) -> String {
-    format!(
-        "listen = \"{me}:7000\"\nnum_shards = 1\nshards = [0]\nreplica_group = {group}\nreplica_groups = 2\n\
-         [[peers]]\naddress = \"{peer}:7000\"\nreplica_group = {}\nshards = [0]\n\
-         [[tables]]\nname = \"emb\"\ndim = 4\n",
-        1 - group
-    )
-}
+use common::KillOnDrop;
 
 /// `tessera status --json` of `servers`, run on host `from`: each server's
 /// (reachable, serving).
@@ -82,35 +67,12 @@ fn until(
 /// is back.
 #[test]
 fn a_hosts_link_going_down_isolates_it_and_it_returns_with_the_link() {
-    let cluster = match NetCluster::create(3) {
-        Ok(cluster) => cluster,
-        Err(why) => {
-            eprintln!("SKIP: no network namespaces here, so no multi-host drill: {why}");
-            return;
-        }
+    let Some(cluster) = NetCluster::create_or_skip(3) else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (h1, h2) = (cluster.addr(1), cluster.addr(2));
-    let mut servers = Vec::new();
-    for (host, group, me, peer) in [(1, 0, &h1, &h2), (2, 1, &h2, &h1)] {
-        let path = dir.path().join(format!("ps-{host}.toml"));
-        std::fs::write(&path, server_config(me, group, peer)).unwrap();
-        let log = std::fs::File::create(dir.path().join(format!("ps-{host}.log"))).unwrap();
-        servers.push(KillOnDrop(
-            cluster
-                .command(host, tessera_test_support::process::ps_server_bin())
-                .arg("--config")
-                .arg(&path)
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        ));
-    }
-    let addresses = [format!("{h1}:7000"), format!("{h2}:7000")];
-    let up = until(&cluster, 3, &addresses, Duration::from_secs(30), |s| {
-        s == [(true, true), (true, true)]
-    });
+    // Shard 0 of 1: group 0's server on host 1, group 1's on host 2.
+    let (_servers, addresses) = start_fleet(&cluster, 1, dir.path(), 3);
     cluster.set_link(1, false);
     let isolated = until(&cluster, 3, &addresses, Duration::from_secs(30), |s| {
         s == [(false, false), (true, true)]
@@ -120,71 +82,81 @@ fn a_hosts_link_going_down_isolates_it_and_it_returns_with_the_link() {
         s == [(true, true), (true, true)]
     });
     eprintln!(
-        "drill netns link-down: 3 hosts (namespaces), servers on 2; both serving {:.2} s after start; \
+        "drill netns link-down: 3 hosts (namespaces), servers on 2; \
          link of host 1 down: unreachable from host 3 within {:.2} s while host 2 serves; \
          link up: both serving again within {:.2} s",
-        up.as_secs_f64(),
         isolated.as_secs_f64(),
         back.as_secs_f64()
     );
-    drop(servers);
 }
 
-/// The four servers of 2 shards x 2 replica groups, one per host: the
-/// server of (group, shard) on host 1 + 2 * group + shard.
-fn fleet_host(group: u32, shard: u32) -> usize {
-    1 + 2 * group as usize + shard as usize
+/// The servers of `num_shards` shards x 2 replica groups, one per host:
+/// the server of (group, shard) on host 1 + group * num_shards + shard.
+fn fleet_host(num_shards: u32, group: u32, shard: u32) -> usize {
+    1 + (group * num_shards + shard) as usize
 }
 
-const FLEET: [(u32, u32); 4] = [(0, 0), (0, 1), (1, 0), (1, 1)];
-
-fn fleet_address(cluster: &NetCluster, group: u32, shard: u32) -> String {
-    format!("{}:7000", cluster.addr(fleet_host(group, shard)))
+fn fleet(num_shards: u32) -> Vec<(u32, u32)> {
+    (0..2)
+        .flat_map(|g| (0..num_shards).map(move |s| (g, s)))
+        .collect()
 }
 
-/// Starts the fleet (inference mode, table `emb` of dim 16) and waits
-/// until host `watcher` sees every server serving.
-fn start_fleet(cluster: &NetCluster, dir: &std::path::Path, watcher: usize) -> Vec<KillOnDrop> {
-    let mut servers = Vec::new();
-    for (group, shard) in FLEET {
-        let mut text = format!(
-            "listen = \"{}\"\nnum_shards = 2\nshards = [{shard}]\nreplica_group = {group}\nreplica_groups = 2\nmode = \"inference\"\n",
-            fleet_address(cluster, group, shard)
-        );
-        for (g, s) in FLEET {
-            if (g, s) != (group, shard) {
-                text += &format!(
-                    "[[peers]]\naddress = \"{}\"\nreplica_group = {g}\nshards = [{s}]\n",
-                    fleet_address(cluster, g, s)
-                );
-            }
-        }
-        text += "[[tables]]\nname = \"emb\"\ndim = 16\n";
-        let path = dir.join(format!("ps-g{group}-s{shard}.toml"));
-        std::fs::write(&path, text).unwrap();
-        let log = std::fs::File::create(path.with_extension("log")).unwrap();
-        servers.push(KillOnDrop(
-            cluster
-                .command(
-                    fleet_host(group, shard),
-                    tessera_test_support::process::ps_server_bin(),
-                )
-                .arg("--config")
-                .arg(&path)
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        ));
-    }
-    let all: Vec<String> = FLEET
+fn fleet_address(cluster: &NetCluster, num_shards: u32, group: u32, shard: u32) -> String {
+    format!(
+        "{}:7000",
+        cluster.addr(fleet_host(num_shards, group, shard))
+    )
+}
+
+/// Starts the fleet of `num_shards` shards x 2 replica groups (inference
+/// mode, table `emb` of dim 16) and waits until host `watcher` sees every
+/// server serving; its processes, and their addresses in host order.
+fn start_fleet(
+    cluster: &NetCluster,
+    num_shards: u32,
+    dir: &std::path::Path,
+    watcher: usize,
+) -> (Vec<PsProcess>, Vec<String>) {
+    let members = fleet(num_shards);
+    let address = |g, s| fleet_address(cluster, num_shards, g, s);
+    let servers: Vec<PsProcess> = members
         .iter()
-        .map(|&(g, s)| fleet_address(cluster, g, s))
+        .map(|&(group, shard)| {
+            let config = PsServerConfig {
+                listen: address(group, shard),
+                num_shards,
+                shards: vec![shard],
+                replica_group: group,
+                replica_groups: 2,
+                mode: Mode::Inference,
+                peers: members
+                    .iter()
+                    .filter(|&&member| member != (group, shard))
+                    .map(|&(g, s)| PeerConfig {
+                        address: address(g, s),
+                        replica_group: g,
+                        shards: vec![s],
+                    })
+                    .collect(),
+                tables: vec![TableConfig::new("emb", 16)],
+                ..PsServerConfig::default()
+            };
+            PsProcess::spawn_under(
+                cluster.prefix(fleet_host(num_shards, group, shard)),
+                &ps_server_bin(),
+                &config,
+                dir,
+                &format!("ps-g{group}-s{shard}"),
+                &[],
+            )
+        })
         .collect();
-    until(cluster, watcher, &all, Duration::from_secs(30), |s| {
+    let addresses: Vec<String> = members.iter().map(|&(g, s)| address(g, s)).collect();
+    until(cluster, watcher, &addresses, Duration::from_secs(30), |s| {
         s.iter().all(|&(reachable, serving)| reachable && serving)
     });
-    servers
+    (servers, addresses)
 }
 
 /// A ranker's configuration against the fleet: user requests of 2 models'
@@ -195,10 +167,10 @@ fn ranker_config(cluster: &NetCluster, secs: f64, extra: &str) -> String {
          [workload]\ntable = \"emb\"\nduration_secs = {secs:.1}\nconcurrency = 8\nmodels = 2\n\
          rate_per_sec = 100.0\nresponse_bytes_min = 1024\nresponse_bytes_max = 65536\n"
     );
-    for (g, s) in FLEET {
+    for (g, s) in fleet(2) {
         text += &format!(
             "[[servers]]\naddress = \"{}\"\nshards = [{s}]\nreplica_group = {g}\n",
-            fleet_address(cluster, g, s)
+            fleet_address(cluster, 2, g, s)
         );
     }
     text
@@ -234,15 +206,11 @@ fn start_ranker(
 /// retries and quarantine), and the run's p99 is printed.
 #[test]
 fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
-    let cluster = match NetCluster::create(5) {
-        Ok(cluster) => cluster,
-        Err(why) => {
-            eprintln!("SKIP: no network namespaces here, so no multi-host drill: {why}");
-            return;
-        }
+    let Some(cluster) = NetCluster::create_or_skip(5) else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let mut servers = start_fleet(&cluster, dir.path(), 5);
+    let (mut servers, _) = start_fleet(&cluster, 2, dir.path(), 5);
     // The ranker runs 9 s; the kill comes at 3 s.
     let worker_path = dir.path().join("worker.toml");
     std::fs::write(
@@ -254,9 +222,7 @@ fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
     let mut ranker = start_ranker(&cluster, 5, &worker_path, &report_path);
     // The drill's schedule: the kill a third of the way in.
     std::thread::sleep(Duration::from_secs(3));
-    let victim = &mut servers[0].0;
-    victim.kill().unwrap();
-    victim.wait().unwrap();
+    servers[0].kill();
     let killed = Instant::now();
     let exit = ranker.0.wait().unwrap();
     assert!(exit.success(), "the ranker failed: {exit}");
@@ -316,15 +282,11 @@ fn fetches_served(cluster: &NetCluster, host: usize, server: &str) -> u64 {
 /// room within the call's 100 ms deadline.
 #[test]
 fn a_link_down_is_quarantined_and_readmitted_after_its_cooldown() {
-    let cluster = match NetCluster::create(5) {
-        Ok(cluster) => cluster,
-        Err(why) => {
-            eprintln!("SKIP: no network namespaces here, so no multi-host drill: {why}");
-            return;
-        }
+    let Some(cluster) = NetCluster::create_or_skip(5) else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let _servers = start_fleet(&cluster, dir.path(), 5);
+    let (_servers, addresses) = start_fleet(&cluster, 2, dir.path(), 5);
     let admin = format!("{}:7090", cluster.addr(5));
     let extra = format!(
         "admin_listen = \"{admin}\"\nrequest_timeout_ms = 40\n[quarantine]\nmax_connect_failures = 2\nmax_request_failures = 3\nbase_cooldown_secs = 10\nwindow_secs = 30\n"
@@ -344,8 +306,9 @@ fn a_link_down_is_quarantined_and_readmitted_after_its_cooldown() {
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_secs(2));
-    let victim = fleet_address(&cluster, 0, 0);
-    cluster.set_link(fleet_host(0, 0), false);
+    let victim = addresses[0].clone();
+    let victim_host = fleet_host(2, 0, 0);
+    cluster.set_link(victim_host, false);
     let down = Instant::now();
     let listed = |text: &Option<String>| text.as_deref().is_some_and(|t| t.contains(&victim));
     while !listed(&quarantined(&cluster, 5, &admin)) {
@@ -356,21 +319,21 @@ fn a_link_down_is_quarantined_and_readmitted_after_its_cooldown() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let moved_away = down.elapsed();
-    let served_while_out = fetches_served(&cluster, fleet_host(0, 0), &victim);
+    let served_while_out = fetches_served(&cluster, victim_host, &victim);
     std::thread::sleep(Duration::from_secs(8).saturating_sub(down.elapsed()));
-    cluster.set_link(fleet_host(0, 0), true);
+    cluster.set_link(victim_host, true);
     let up = Instant::now();
     while listed(&quarantined(&cluster, 5, &admin)) {
         assert!(
-            up.elapsed() < Duration::from_secs(10),
-            "not readmitted within 10 s of the link's return"
+            up.elapsed() < Duration::from_secs(15),
+            "not readmitted within 15 s of the link's return"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
     let returned = up.elapsed();
     let exit = ranker.0.wait().unwrap();
     assert!(exit.success(), "the ranker failed: {exit}");
-    let served_after = fetches_served(&cluster, fleet_host(0, 0), &victim);
+    let served_after = fetches_served(&cluster, victim_host, &victim);
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     let (iterations, errors) = (

@@ -109,6 +109,17 @@ fn the_fleet_configurations_are_accepted() {
     assert_eq!(checked, 5, "four servers and a trainer");
 }
 
+/// `ps-server --config FILE ARGS... --check-config`.
+fn check_server_config(path: &Path, args: &[&std::ffi::OsStr]) -> std::process::Output {
+    Command::new(binary("ps-server"))
+        .arg("--config")
+        .arg(path)
+        .args(args)
+        .arg("--check-config")
+        .output()
+        .unwrap()
+}
+
 /// `--check-config` refuses a bad configuration naming the key, without
 /// serving.
 #[test]
@@ -116,12 +127,7 @@ fn a_bad_configuration_is_refused_naming_its_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.toml");
     std::fs::write(&path, "num_shards = 2\nshards = [5]\n").unwrap();
-    let output = Command::new(binary("ps-server"))
-        .arg("--config")
-        .arg(&path)
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let output = check_server_config(&path, &[]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("shards"), "{stderr}");
@@ -136,26 +142,15 @@ fn a_flag_completes_the_file_before_validation() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("server.toml");
     std::fs::write(&path, "[checkpoint]\ninterval_secs = 60\n").unwrap();
-    let output = Command::new(binary("ps-server"))
-        .arg("--config")
-        .arg(&path)
-        .arg("--checkpoint-dir")
-        .arg(dir.path().join("state"))
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let state = dir.path().join("state");
+    let output = check_server_config(&path, &["--checkpoint-dir".as_ref(), state.as_os_str()]);
     assert!(
         output.status.success(),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
     // Without the flag the file alone is incomplete, and said so.
-    let output = Command::new(binary("ps-server"))
-        .arg("--config")
-        .arg(&path)
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let output = check_server_config(&path, &[]);
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("checkpoint.dir"));
 }

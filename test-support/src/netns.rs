@@ -70,14 +70,36 @@ impl NetCluster {
         format!("10.77.0.{host}")
     }
 
-    /// `program` to run on host `host` (its network namespace).
-    pub fn command(&self, host: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    /// The command that runs a program on host `host` (its network
+    /// namespace): the program and its arguments follow.
+    pub fn prefix(&self, host: usize) -> Vec<String> {
         assert!((1..=self.hosts).contains(&host), "no host {host}");
-        let mut command = Command::new("ip");
+        vec![
+            "ip".into(),
+            "netns".into(),
+            "exec".into(),
+            format!("{}-h{host}", self.name),
+        ]
+    }
+
+    /// `program` to run on host `host`.
+    pub fn command(&self, host: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let prefix = self.prefix(host);
+        let mut command = Command::new(&prefix[0]);
+        command.args(&prefix[1..]).arg(program);
         command
-            .args(["netns", "exec", &format!("{}-h{host}", self.name)])
-            .arg(program);
-        command
+    }
+
+    /// A cluster of `hosts` hosts, or `None` after printing why there can
+    /// be none here (the caller skips).
+    pub fn create_or_skip(hosts: usize) -> Option<Self> {
+        match Self::create(hosts) {
+            Ok(cluster) => Some(cluster),
+            Err(why) => {
+                eprintln!("SKIP: no network namespaces here, so no multi-host drill: {why}");
+                None
+            }
+        }
     }
 
     /// Takes host `host`'s link down (`false`) or up (`true`).

@@ -47,6 +47,9 @@ pub struct PsProcess {
     pub log: PathBuf,
     binary: PathBuf,
     env: Vec<(String, String)>,
+    /// A command it runs under (`ip netns exec HOST` on a test cluster's
+    /// host: [`crate::netns::NetCluster::prefix`]); empty: none.
+    prefix: Vec<String>,
     child: Option<Child>,
 }
 
@@ -65,6 +68,19 @@ impl PsProcess {
         name: &str,
         env: &[(&str, &str)],
     ) -> Self {
+        Self::spawn_under(Vec::new(), binary, config, dir, name, env)
+    }
+
+    /// [`PsProcess::spawn_with_env`] under the command `prefix` (a host of
+    /// a multi-host test cluster: [`crate::netns::NetCluster::prefix`]).
+    pub fn spawn_under(
+        prefix: Vec<String>,
+        binary: &Path,
+        config: &PsServerConfig,
+        dir: &Path,
+        name: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let config_path = dir.join(format!("{name}.toml"));
         std::fs::write(&config_path, toml::to_string(config).unwrap()).unwrap();
         let mut process = Self {
@@ -76,6 +92,7 @@ impl PsProcess {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
+            prefix,
             child: None,
         };
         process.start();
@@ -90,7 +107,15 @@ impl PsProcess {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let child = Command::new(&self.binary)
+        let mut command = match self.prefix.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(&self.binary);
+                command
+            }
+            None => Command::new(&self.binary),
+        };
+        let child = command
             .arg("--config")
             .arg(&self.config_path)
             .envs(self.env.iter().map(|(k, v)| (k, v)))

@@ -1,5 +1,8 @@
 //! Set-up shared by the deployment tests.
 
+// Each test crate uses a part of it.
+#![allow(dead_code)]
+
 use std::path::{Path, PathBuf};
 
 /// Where cargo put this build's binaries (`ps-server` and `worker` are
@@ -20,4 +23,17 @@ pub fn binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A child process killed (and reaped) when the test lets go of it,
+/// also when it fails first.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
 }

@@ -164,13 +164,20 @@ struct EngineSlot {
     deadline: Option<Instant>,
 }
 
-/// Puts engine `qpn` on the ready list (once).
+impl EngineSlot {
+    /// Puts this engine (`qpn`) on the ready list, once.
+    fn list(&mut self, qpn: u32, ready: &mut Vec<u32>) {
+        if !self.ready {
+            self.ready = true;
+            ready.push(qpn);
+        }
+    }
+}
+
+/// Puts engine `qpn`, if there is one, on the ready list (once).
 fn mark(engines: &mut HashMap<u32, EngineSlot>, ready: &mut Vec<u32>, qpn: u32) {
-    if let Some(slot) = engines.get_mut(&qpn)
-        && !slot.ready
-    {
-        slot.ready = true;
-        ready.push(qpn);
+    if let Some(slot) = engines.get_mut(&qpn) {
+        slot.list(qpn, ready);
     }
 }
 
@@ -372,10 +379,7 @@ impl Worker {
                     isolated(slot, io.as_ref(), |slot| {
                         slot.attached.engine.handle_timeout(now)
                     });
-                    if !slot.ready {
-                        slot.ready = true;
-                        self.ready.push(*qpn);
-                    }
+                    slot.list(*qpn, &mut self.ready);
                 } else if let Some(at) = slot.deadline {
                     next = Some(next.map_or(at, |n| n.min(at)));
                 }
@@ -441,8 +445,7 @@ impl Worker {
             // tries to hand them on again; one waiting for the inbound
             // budget (which other connections free) asks again.
             if worked || holding || (!slot.panicked && slot.attached.engine.waits_for_budget()) {
-                slot.ready = true;
-                self.ready.push(qpn);
+                slot.list(qpn, &mut self.ready);
             }
         }
         self.visiting.clear();
@@ -503,10 +506,7 @@ impl Worker {
                 isolated(slot, io.as_ref(), |slot| {
                     Self::deliver_completion(shared, slot, completion, now)
                 });
-                if !slot.ready {
-                    slot.ready = true;
-                    self.ready.push(completion.qpn);
-                }
+                slot.list(completion.qpn, &mut self.ready);
             }
             None => {
                 // Mostly flushes of QPs already gone; a QP about to be
@@ -822,10 +822,7 @@ impl Worker {
                             isolated(slot, io.as_ref(), |slot| {
                                 slot.attached.engine.handle_device_event(event)
                             });
-                            if !slot.ready {
-                                slot.ready = true;
-                                self.ready.push(*qpn);
-                            }
+                            slot.list(*qpn, &mut self.ready);
                         }
                     }
                     _ => {}
