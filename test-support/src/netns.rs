@@ -102,6 +102,30 @@ impl NetCluster {
         }
     }
 
+    /// Runs `f` on a thread of its own inside host `host`'s network
+    /// namespace, and returns what it returns: every socket `f` opens, and
+    /// every thread it starts (a tokio runtime's workers, built inside
+    /// `f`), is on that host. So a test's own client, proxy or trainer
+    /// runs on a host of the cluster without a process of its own. The
+    /// rest of the test process stays where it was (a network namespace
+    /// belongs to a thread, and `setns` changes only the caller's).
+    pub fn run_on<T: Send>(&self, host: usize, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/var/run/netns/{}-h{host}", self.name);
+        assert!((1..=self.hosts).contains(&host), "no host {host}");
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    let ns = std::fs::File::open(&path)
+                        .unwrap_or_else(|err| panic!("opening {path}: {err}"));
+                    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                        .unwrap_or_else(|err| panic!("entering {path}: {err}"));
+                    f()
+                })
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+
     /// Takes host `host`'s link down (`false`) or up (`true`).
     pub fn set_link(&self, host: usize, up: bool) {
         run(&[

@@ -15,9 +15,10 @@ use tessera_test_support::{Layout, PsProcess};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::ONE_AT_A_TIME;
 use super::load::{Load, big_table, fill, percentiles, quiet_window, rss_mib};
+use super::trainer::rdma_soft;
 use super::trainer::{data_client, wait_role};
-use super::{ONE_AT_A_TIME, rdma_soft};
 
 const MIB: usize = 1 << 20;
 /// The worker's Fetch rate: the other drills' 400/s. (The p99 ratio

@@ -20,8 +20,9 @@ use tessera_rpc::{Channel, TransportKind};
 use tessera_test_support::health::patient;
 use tessera_test_support::{Layout, PsProcess, keys_of_shard, wire};
 
+use super::ONE_AT_A_TIME;
+use super::trainer::{TABLE, rdma_soft, table};
 use super::trainer::{Trainer, data_client, hot_keys, wait_identical, wait_role, worker_client};
-use super::{ONE_AT_A_TIME, TABLE, rdma_soft, table};
 
 /// Rows of the large shard of the checkpoint and copy drills, and their
 /// dimension (Adam: three floats per value, 204 bytes a row as saved).
@@ -421,7 +422,7 @@ async fn row_limited_replicas_agree(transport: TransportKind) {
             rows.push(fetched.values);
         }
         compared += keys.len();
-        let width = super::DIM * 4;
+        let width = super::trainer::DIM * 4;
         differ += (0..keys.len())
             .filter(|&i| rows[0][i * width..(i + 1) * width] != rows[1][i * width..(i + 1) * width])
             .count();

@@ -19,11 +19,9 @@ use std::time::{Duration, Instant};
 
 use tessera_deploy::{Cluster, ClusterConfig};
 use tessera_proto::v1::{AdminClient, CheckpointRequest, ShardRole};
-use tessera_ps_server::config::{
-    AckMode, CoordinatorConfig, CoordinatorKind, Initializer, OptimizerConfig,
-};
+use tessera_ps_server::config::{AckMode, CoordinatorConfig, CoordinatorKind};
 use tessera_ps_server::{PsServerConfig, TableConfig};
-use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
+use tessera_rpc::{Channel, TransportKind};
 use tessera_test_support::health::patient;
 use tessera_test_support::{Etcd, FaultProxy, Layout, PsProcess};
 
@@ -37,32 +35,14 @@ mod load;
 mod trainer;
 
 use trainer::{
-    PushRecord, Trainer, audit, data_client, rate, wait_identical, wait_role, wait_settled,
-    worker_client,
+    DIM, PushRecord, TABLE, Trainer, audit, data_client, rate, rdma_soft, table, wait_identical,
+    wait_role, wait_settled, worker_client,
 };
 
-const DIM: usize = 4;
-const TABLE: &str = "drill";
-const HOT_KEYS: usize = 256;
 /// `failover_timeout_ms` of the drills: the default.
 const FAILOVER_MS: u64 = 3000;
 /// The lease it gives each server (a second less).
 const LEASE_MS: u64 = FAILOVER_MS - 1000;
-
-fn table() -> TableConfig {
-    TableConfig {
-        optimizer: OptimizerConfig::sgd(1.0),
-        initializer: Initializer::Zeros,
-        ..TableConfig::new(TABLE, DIM as u32)
-    }
-}
-
-fn rdma_soft() -> RdmaConfig {
-    RdmaConfig {
-        provider: RdmaProvider::Soft,
-        ..RdmaConfig::default()
-    }
-}
 
 fn label(transport: TransportKind) -> &'static str {
     match transport {
@@ -160,6 +140,9 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
         .find(|&t| rate(&steps, t, window) >= RECOVERED * before);
     let failed: Vec<&PushRecord> = records.iter().filter(|r| r.acked_at.is_none()).collect();
     let failed_steps = steps.iter().filter(|s| !s.ok).count();
+    if let Some(error) = steps.iter().find_map(|s| s.fetch_error.as_deref()) {
+        eprintln!("  the first failed Fetch: {error}");
+    }
     // Steps per second in 500 ms windows from 2 s before the kill to 6 s
     // after it, as the figure of the drill.
     let timeline: Vec<String> = (-4i64..12)

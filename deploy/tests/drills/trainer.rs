@@ -1,4 +1,6 @@
-//! The drills' trainer, and what its Pushes left in the rows.
+//! The drills' trainer, and what its Pushes left in the rows (shared by
+//! the drills on a local cluster and those on a multi-host one,
+//! `netns.rs`).
 //!
 //! SGD with learning rate 1 from zero rows and integer gradients (sums of
 //! small integers are exact in f32, in any order), and in every Push one
@@ -22,7 +24,49 @@ use tessera_test_support::health::patient;
 use tessera_test_support::{f32s, wait_for_health};
 use tessera_worker::{PsClient, WorkerConfig};
 
-use super::{DIM, HOT_KEYS, TABLE, rdma_soft};
+use tessera_ps_server::TableConfig;
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
+use tessera_rpc::{RdmaConfig, RdmaProvider};
+
+pub const DIM: usize = 4;
+pub const TABLE: &str = "drill";
+pub const HOT_KEYS: usize = 256;
+
+/// The drills' table: SGD with learning rate 1 from zero rows.
+pub fn table() -> TableConfig {
+    TableConfig {
+        optimizer: OptimizerConfig::sgd(1.0),
+        initializer: Initializer::Zeros,
+        ..TableConfig::new(TABLE, DIM as u32)
+    }
+}
+
+pub fn rdma_soft() -> RdmaConfig {
+    RdmaConfig {
+        provider: RdmaProvider::Soft,
+        ..RdmaConfig::default()
+    }
+}
+
+/// The servers of a drill's fleet: each one's address and shard.
+pub trait Servers {
+    fn servers(&self) -> Vec<(String, u32)>;
+}
+
+impl Servers for Cluster {
+    fn servers(&self) -> Vec<(String, u32)> {
+        Cluster::servers(self)
+            .iter()
+            .map(|s| (s.address.clone(), s.shard))
+            .collect()
+    }
+}
+
+impl Servers for Vec<(String, u32)> {
+    fn servers(&self) -> Vec<(String, u32)> {
+        self.clone()
+    }
+}
 
 /// One Push of the trainer, as acknowledged (or not).
 #[derive(Debug, Clone)]
@@ -39,11 +83,13 @@ pub struct PushRecord {
 }
 
 /// One trainer step.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Step {
     pub started: Instant,
     pub ended: Instant,
     pub ok: bool,
+    /// Why the step's Fetch failed, if it did.
+    pub fetch_error: Option<String>,
 }
 
 /// A trainer of `tasks` concurrent loops: Fetch the step's keys, compute
@@ -109,6 +155,7 @@ impl Trainer {
                         let results = futures::future::join_all(pushes).await;
                         let now = Instant::now();
                         let mut ok = fetched.is_ok();
+                        let fetch_error = fetched.err().map(|e| e.to_string());
                         {
                             let mut out = records.lock().unwrap();
                             for ((shard, marker, keys, grads), result) in
@@ -130,6 +177,7 @@ impl Trainer {
                             started,
                             ended: Instant::now(),
                             ok,
+                            fetch_error,
                         });
                         if !ok {
                             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -188,16 +236,16 @@ pub async fn wait_role(addr: &str, role: ShardRole, timeout: Duration) {
 /// an in-step replica. Which one leads is not the drill's to decide: a
 /// lease that lapses under load (2 s on a loaded 2-core host) can hand the
 /// shard over again, and that is a correct outcome. Returns the primary.
-pub async fn wait_settled(cluster: &Cluster, shard: u32, timeout: Duration) -> String {
+pub async fn wait_settled(cluster: &impl Servers, shard: u32, timeout: Duration) -> String {
     let started = Instant::now();
     loop {
         let mut primary = Vec::new();
         let mut unsettled = Vec::new();
-        for server in cluster.servers().iter().filter(|s| s.shard == shard) {
-            let settled = match tessera_test_support::health(&server.address).await {
+        for (address, _) in cluster.servers().iter().filter(|s| s.1 == shard) {
+            let settled = match tessera_test_support::health(address).await {
                 Ok(h) => match h.shard_health.iter().find(|s| s.shard == shard) {
                     Some(s) if s.role == ShardRole::Primary as i32 => {
-                        primary.push(server.address.clone());
+                        primary.push(address.clone());
                         true
                     }
                     Some(s) => s.role == ShardRole::Replica as i32 && s.in_step,
@@ -206,7 +254,7 @@ pub async fn wait_settled(cluster: &Cluster, shard: u32, timeout: Duration) -> S
                 Err(_) => false,
             };
             if !settled {
-                unsettled.push(server.address.clone());
+                unsettled.push(address.clone());
             }
         }
         if primary.len() == 1 && unsettled.is_empty() {
@@ -222,15 +270,15 @@ pub async fn wait_settled(cluster: &Cluster, shard: u32, timeout: Duration) -> S
 
 /// Every server's digests of every table of its shard: equal within a
 /// shard, and at equal versions. Returns when they are (or panics).
-pub async fn wait_identical(cluster: &Cluster) -> Vec<(u32, String)> {
+pub async fn wait_identical(cluster: &impl Servers) -> Vec<(u32, String)> {
     let started = Instant::now();
     loop {
         let mut by_shard: HashMap<u32, Vec<_>> = HashMap::new();
         let mut ok = true;
-        for server in cluster.servers() {
-            let admin = AdminClient::new(Channel::lazy(&server.address, patient()).unwrap());
+        for (address, shard) in cluster.servers() {
+            let admin = AdminClient::new(Channel::lazy(&address, patient()).unwrap());
             match admin.digest(DigestRequest {}).await {
-                Ok(d) => by_shard.entry(server.shard).or_default().push(d.shards),
+                Ok(d) => by_shard.entry(shard).or_default().push(d.shards),
                 Err(_) => ok = false,
             }
         }
@@ -271,7 +319,11 @@ pub struct Audit {
     pub hot_rows_match: bool,
 }
 
-pub async fn audit(cluster: &Cluster, records: &[PushRecord], transport: TransportKind) -> Audit {
+pub async fn audit(
+    cluster: &impl Servers,
+    records: &[PushRecord],
+    transport: TransportKind,
+) -> Audit {
     let mut audit = Audit {
         hot_rows_match: true,
         ..Audit::default()
