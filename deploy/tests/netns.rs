@@ -86,7 +86,7 @@ fn a_hosts_link_going_down_isolates_it_and_it_returns_with_the_link() {
     };
     let dir = tempfile::tempdir().unwrap();
     // Shard 0 of 1: group 0's server on host 1, group 1's on host 2.
-    let (_servers, addresses) = start_fleet(&cluster, 1, dir.path(), 3, &inference());
+    let (_servers, addresses) = start_fleet(&cluster, 1, dir.path(), 3, &|_, _| inference());
     cluster.set_link(1, false);
     let isolated = until(&cluster, 3, &addresses, Duration::from_secs(30), |s| {
         s == [(false, false), (true, true)]
@@ -134,7 +134,8 @@ fn inference() -> PsServerConfig {
 }
 
 /// Starts the fleet of `num_shards` shards x 2 replica groups, each server
-/// configured as `base` with its own address, shard, group and peers, and
+/// configured as `base(group, shard)` with its own address, shard, group
+/// and peers, and
 /// waits until host `watcher` sees every server serving; its processes,
 /// and their addresses in host order.
 fn start_fleet(
@@ -142,7 +143,7 @@ fn start_fleet(
     num_shards: u32,
     dir: &std::path::Path,
     watcher: usize,
-    base: &PsServerConfig,
+    base: &dyn Fn(u32, u32) -> PsServerConfig,
 ) -> (Vec<PsProcess>, Vec<String>) {
     let members = fleet(num_shards);
     let address = |g, s| fleet_address(cluster, num_shards, g, s);
@@ -164,7 +165,7 @@ fn start_fleet(
                         shards: vec![s],
                     })
                     .collect(),
-                ..base.clone()
+                ..base(group, shard)
             };
             PsProcess::spawn_under(
                 cluster.prefix(fleet_host(num_shards, group, shard)),
@@ -234,7 +235,7 @@ fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (mut servers, _) = start_fleet(&cluster, 2, dir.path(), 5, &inference());
+    let (mut servers, _) = start_fleet(&cluster, 2, dir.path(), 5, &|_, _| inference());
     // The ranker runs 9 s; the kill comes at 3 s.
     let worker_path = dir.path().join("worker.toml");
     std::fs::write(
@@ -310,7 +311,7 @@ fn a_link_down_is_quarantined_and_readmitted_after_its_cooldown() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (_servers, addresses) = start_fleet(&cluster, 2, dir.path(), 5, &inference());
+    let (_servers, addresses) = start_fleet(&cluster, 2, dir.path(), 5, &|_, _| inference());
     let admin = format!("{}:7090", cluster.addr(5));
     let extra = format!(
         "admin_listen = \"{admin}\"\nrequest_timeout_ms = 40\n[quarantine]\nmax_connect_failures = 2\nmax_request_failures = 3\nbase_cooldown_secs = 10\nwindow_secs = 30\n"
@@ -451,7 +452,7 @@ fn pushes_through_a_flapping_link_are_applied_exactly_once() {
         tables: vec![trainer::table()],
         ..PsServerConfig::default()
     };
-    let _servers = start_fleet(&cluster, 2, dir.path(), 5, &base);
+    let _servers = start_fleet(&cluster, 2, dir.path(), 5, &|_, _| base.clone());
     let fleet_servers = training_fleet(&cluster);
     cluster.run_on(5, || {
         runtime().block_on(async {
@@ -595,7 +596,7 @@ fn a_primarys_host_cut_off_fails_over_and_the_stale_primary_rejoins() {
         coordinator: coordinator.clone(),
         ..PsServerConfig::default()
     };
-    let _servers = start_fleet(&cluster, 2, dir.path(), 5, &base);
+    let _servers = start_fleet(&cluster, 2, dir.path(), 5, &|_, _| base.clone());
     let fleet_servers = training_fleet(&cluster);
     cluster.run_on(5, || {
         runtime().block_on(async {
@@ -659,6 +660,168 @@ fn a_primarys_host_cut_off_fails_over_and_the_stale_primary_rejoins() {
             assert!(
                 resumed < Duration::from_millis(FAILOVER_MS + 3000),
                 "Pushes resumed {resumed:?} after the cut"
+            );
+        });
+    });
+}
+
+/// How often drill 3's clients probe RDMA while on TCP: 2 s, so that the
+/// return is measured within the suite's time (the default is 5 s).
+const PROBE_MS: u64 = 2000;
+
+/// Issue 19's drill 3: the fleet over RDMA (soft provider) on hosts 1-4, a
+/// client on host 5. The RDMA path to group 0's shard-0 server breaks
+/// while its TCP works (its soft NIC's port goes down: every queue pair of
+/// the server fails and none can be made, as with an RNIC whose cable is
+/// pulled): calls to it move to TCP (target: under 1 s), and back to RDMA
+/// once the port is up again (target: within the probe interval). A
+/// worker client's Fetches over the whole fleet run meanwhile; what
+/// failed is printed.
+#[test]
+fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
+    let Some(cluster) = NetCluster::create_or_skip(5) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // Each server's NIC port is down while its file exists.
+    let port_file = |g: u32, s: u32| dir.path().join(format!("rnic-down-g{g}-s{s}"));
+    let rdma = |g, s| tessera_rpc::RdmaConfig {
+        soft_port_file: Some(port_file(g, s)),
+        ..trainer::rdma_soft()
+    };
+    let _servers = start_fleet(&cluster, 2, dir.path(), 5, &|g, s| PsServerConfig {
+        transport: TransportKind::Rdma,
+        rdma: rdma(g, s),
+        ..inference()
+    });
+    let victim = fleet_address(&cluster, 2, 0, 0);
+    cluster.run_on(5, || {
+        runtime().block_on(async {
+            let fallback = tessera_rpc::policy::FallbackConfig {
+                probe_interval_ms: PROBE_MS,
+                ..Default::default()
+            };
+            // The fleet's worker client over RDMA, Fetching all along.
+            let worker = Arc::new(
+                PsClient::new(&WorkerConfig {
+                    transport: TransportKind::Rdma,
+                    rdma: trainer::rdma_soft(),
+                    fallback,
+                    num_shards: 2,
+                    servers: fleet(2)
+                        .into_iter()
+                        .map(|(g, s)| ServerEndpoint {
+                            address: fleet_address(&cluster, 2, g, s),
+                            shards: vec![s],
+                            replica_group: g,
+                        })
+                        .collect(),
+                    call_timeout_ms: 1000,
+                    ..WorkerConfig::default()
+                })
+                .unwrap(),
+            );
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let load = tokio::spawn({
+                let (worker, stop) = (Arc::clone(&worker), Arc::clone(&stop));
+                async move {
+                    let keys: Vec<u64> = (0..64).collect();
+                    let (mut ok, mut failed, mut first_error) = (0u64, 0u64, None);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        match worker.fetch("emb", &keys).await {
+                            Ok(_) => ok += 1,
+                            Err(err) => {
+                                failed += 1;
+                                first_error.get_or_insert(err.to_string());
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    (ok, failed, first_error)
+                }
+            });
+            // A channel of its own to the server whose path breaks: which
+            // transport carries its calls.
+            let channel = tessera_rpc::Channel::lazy(
+                &victim,
+                tessera_rpc::ChannelConfig {
+                    connect_timeout_ms: 1000,
+                    request_timeout_ms: 1000,
+                    fallback,
+                    transport: tessera_rpc::TransportConfig::soft_rdma(),
+                },
+            )
+            .unwrap();
+            let data = tessera_proto::v1::ParameterServerClient::new(channel.clone());
+            let call = || {
+                let data = data.clone();
+                async move {
+                    data.fetch(tessera_proto::v1::FetchRequest {
+                        table: "emb".into(),
+                        shard: 0,
+                        keys: tessera_test_support::keys_of_shard(0, 2, 3),
+                    })
+                    .await
+                }
+            };
+            call().await.unwrap();
+            assert_eq!(channel.current_transport(), Some(TransportKind::Rdma));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+
+            std::fs::write(port_file(0, 0), b"").unwrap();
+            let broken = Instant::now();
+            let mut failed = 0;
+            let moved = loop {
+                match call().await {
+                    Ok(_) if channel.current_transport() == Some(TransportKind::Tcp) => {
+                        break broken.elapsed();
+                    }
+                    Ok(_) => {}
+                    Err(_) => failed += 1,
+                }
+                assert!(
+                    broken.elapsed() < Duration::from_secs(10),
+                    "calls never moved to TCP"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            // Stays on TCP while the port is down: the probes fail.
+            let stay = Instant::now() + Duration::from_millis(PROBE_MS + 500);
+            while Instant::now() < stay {
+                call().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(channel.current_transport(), Some(TransportKind::Tcp));
+
+            std::fs::remove_file(port_file(0, 0)).unwrap();
+            let repaired = Instant::now();
+            let returned = loop {
+                call().await.unwrap();
+                if channel.current_transport() == Some(TransportKind::Rdma) {
+                    break repaired.elapsed();
+                }
+                assert!(
+                    repaired.elapsed() < Duration::from_millis(4 * PROBE_MS),
+                    "calls never returned to RDMA"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (fetched, fetch_failed, first_error) = load.await.unwrap();
+            eprintln!(
+                "drill netns rdma-path-breaks: 4 servers over RDMA (soft NIC) on hosts 1-4, a client on host 5; \
+                 group 0's shard-0 server's NIC port down for {:.1} s, its TCP up: calls to it on TCP {:.0} ms after the break \
+                 ({failed} failed on the way); back on RDMA {:.0} ms after the port came up (probe interval {PROBE_MS} ms); \
+                 the worker client's Fetches over the fleet meanwhile: {fetched} ok, {fetch_failed} failed (first: {first_error:?})",
+                (repaired - broken).as_secs_f64(),
+                moved.as_secs_f64() * 1000.0,
+                returned.as_secs_f64() * 1000.0,
+            );
+            assert!(moved < Duration::from_secs(1), "moved to TCP after {moved:?}");
+            assert!(
+                returned <= Duration::from_millis(PROBE_MS + 500),
+                "back on RDMA after {returned:?}"
             );
         });
     });

@@ -253,6 +253,13 @@ pub struct RdmaConfig {
     /// `max_delay_polls`, `post_error_per_million`, `recv_error_per_million`),
     /// for fault drills. Default: none.
     pub soft_faults: crate::verbs::soft::SoftFaults,
+    /// Soft provider only: the device's port is down while this file
+    /// exists (looked at every 10 ms), as an RNIC with its cable pulled:
+    /// every RDMA connection of the process fails and none can be made,
+    /// while TCP to the same host keeps working. A drill's way to break a
+    /// server's RDMA path from outside the process (`touch` it, `rm` it).
+    /// Default: none.
+    pub soft_port_file: Option<std::path::PathBuf>,
     /// Confine what a peer may write to what it was granted: each large
     /// message's destination is exposed through a type-2 memory window
     /// bound on that connection's queue pair to exactly its bytes, and
@@ -300,6 +307,7 @@ impl Default for RdmaConfig {
             srq_depth: 4096,
             cq_depth: 32768,
             soft_faults: crate::verbs::soft::SoftFaults::default(),
+            soft_port_file: None,
             confine_remote_writes: true,
             windows_per_connection: 16,
         }

@@ -67,7 +67,7 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
     match rdma.provider {
         RdmaProvider::Soft => {
             let fabric = crate::verbs::soft::SoftFabric::process();
-            fabric
+            let device = fabric
                 .open(
                     format!(
                         "soft-{}",
@@ -75,8 +75,13 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
                     ),
                     rdma.soft_faults,
                 )
-                .map(|device| Arc::new(device) as Arc<dyn Device>)
-                .map_err(TransportError::rdma_error)
+                .map_err(TransportError::rdma_error)?;
+            if let Some(path) = &rdma.soft_port_file {
+                device
+                    .follow_port_file(path.clone())
+                    .map_err(TransportError::Io)?;
+            }
+            Ok(Arc::new(device) as Arc<dyn Device>)
         }
         #[cfg(feature = "ibverbs")]
         RdmaProvider::Ibverbs => crate::verbs::ibverbs::IbvDevice::open(

@@ -91,7 +91,7 @@ fn socket_name(pid: u32) -> String {
 /// Starts this process's agent for `fabric` (once).
 pub(crate) fn start(fabric: Arc<FabricInner>) -> io::Result<()> {
     let addr = SocketAddr::from_abstract_name(socket_name(std::process::id()))?;
-    let listener = UnixListener::bind_addr(&addr)?;
+    let listener = in_net_namespace("/proc/self/ns/net", || UnixListener::bind_addr(&addr))?;
     std::thread::Builder::new()
         .name("tessera-soft-agent".into())
         .spawn(move || {
@@ -141,6 +141,41 @@ fn reply(stream: &UnixStream, answer: Option<&Answer>) -> io::Result<()> {
     Ok(())
 }
 
+/// Runs `f` in the network namespace that `ns` names (a
+/// `/proc/PID/ns/net` file): in the caller's thread when that is where it
+/// is, else on a short-lived thread of its own that enters it (the socket
+/// `f` makes stays in that namespace, and works from any thread).
+///
+/// Why: abstract sockets belong to a network namespace, while processes of
+/// one machine in different ones, as the hosts of a multi-host test
+/// cluster are, still share its memory and so form one soft fabric. Each
+/// agent listens in the namespace of its process (its main thread's, which
+/// `/proc/PID/ns/net` names, whatever thread opened the first device), and
+/// a peer not found in the caller's namespace is looked for in its
+/// process's. Entering a namespace takes `CAP_SYS_ADMIN`, which whoever
+/// made the namespaces has.
+fn in_net_namespace<T: Send>(ns: &str, f: impl FnOnce() -> io::Result<T> + Send) -> io::Result<T> {
+    use std::os::unix::fs::MetadataExt;
+    let target = std::fs::File::open(ns)?;
+    let (theirs, ours) = (
+        target.metadata()?,
+        std::fs::metadata("/proc/thread-self/ns/net")?,
+    );
+    if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) {
+        return f();
+    }
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                nix::sched::setns(&target, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(io::Error::from)?;
+                f()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("a soft NIC agent socket call panicked")))
+    })
+}
+
 /// A connection to another process's agent.
 #[derive(Debug)]
 pub(crate) struct AgentClient {
@@ -150,10 +185,23 @@ pub(crate) struct AgentClient {
 impl AgentClient {
     /// Connects to the agent of the process that owns `node`.
     pub(crate) fn connect(node: u64) -> io::Result<Self> {
-        let addr = SocketAddr::from_abstract_name(socket_name(node_pid(node)))?;
-        Ok(Self {
-            stream: UnixStream::connect_addr(&addr)?,
-        })
+        let pid = node_pid(node);
+        let addr = SocketAddr::from_abstract_name(socket_name(pid))?;
+        let stream = match UnixStream::connect_addr(&addr) {
+            Ok(stream) => stream,
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+                ) =>
+            {
+                in_net_namespace(&format!("/proc/{pid}/ns/net"), || {
+                    UnixStream::connect_addr(&addr)
+                })?
+            }
+            Err(err) => return Err(err),
+        };
+        Ok(Self { stream })
     }
 
     /// Asks for `request` on `node`.

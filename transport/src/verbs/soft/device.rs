@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::agent::{self, Answer, Request};
 use super::cq::SoftCq;
+use super::port::SoftPort;
 use super::qp::{SoftQp, SoftQpInner};
 use super::rings::{Binding, GENERATION_MASK, MemoryRegion, REGION_SLOTS, RegionTable};
 use super::srq::SoftSrq;
@@ -60,30 +61,6 @@ impl Default for SoftProfile {
         Self {
             limits: DeviceLimits::SOFT,
             port: SoftPort::default(),
-        }
-    }
-}
-
-/// The port of a soft device. Connecting QPs are held to the rules of real
-/// ports ([`crate::verbs::port::agree`]), and a QP whose path MTU is above
-/// its peer's port MTU loses every message larger than the peer's MTU (its
-/// retries run out), as on a real path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SoftPort {
-    /// Default Ethernet (RoCE).
-    pub link_layer: crate::verbs::LinkLayer,
-    /// Default RoCE v2.
-    pub gid_type: crate::verbs::GidType,
-    /// Active MTU in bytes. Default 4096.
-    pub mtu: u32,
-}
-
-impl Default for SoftPort {
-    fn default() -> Self {
-        Self {
-            link_layer: crate::verbs::LinkLayer::Ethernet,
-            gid_type: crate::verbs::GidType::RoceV2,
-            mtu: 4096,
         }
     }
 }
@@ -385,7 +362,7 @@ pub struct SoftDevice {
 #[derive(Debug)]
 pub(crate) struct DeviceInner {
     pub(crate) node: u64,
-    name: String,
+    pub(crate) name: String,
     pub(crate) fabric: Arc<FabricInner>,
     /// Registered regions and the counters peers update (shared memory).
     pub(crate) table: RegionTable,
@@ -430,6 +407,20 @@ pub(crate) enum Fault {
 }
 
 impl DeviceInner {
+    /// Puts every QP of the device in the error state.
+    pub(crate) fn fail_qps(&self) {
+        let qps: Vec<Arc<SoftQpInner>> = self
+            .qps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for qp in qps {
+            qp.enter_error();
+        }
+    }
+
     /// The region `key` names, if registered.
     pub(crate) fn region(&self, key: u32) -> Option<MemoryRegion> {
         self.table.lookup(key)
@@ -572,17 +563,7 @@ impl SoftDevice {
     /// peers' operations towards it fail with `RetryExceeded`.
     pub fn kill(&self) {
         self.inner.table.mark_dead();
-        let qps: Vec<Arc<SoftQpInner>> = self
-            .inner
-            .qps
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for qp in qps {
-            qp.enter_error();
-        }
+        self.inner.fail_qps();
     }
 
     /// Raises `event` as the device would (a drill: a port going down, a

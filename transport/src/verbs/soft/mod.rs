@@ -17,7 +17,9 @@
 //!
 //! Faults, drawn from a seeded generator ([`SoftFaults`]): receiver not
 //! ready, QP errors, delayed completions; and on demand a dead peer
-//! ([`SoftDevice::kill`]).
+//! ([`SoftDevice::kill`]) or a port that goes down and comes back
+//! ([`SoftDevice::set_port_active`], or following a file from outside the
+//! process: [`SoftDevice::follow_port_file`]).
 //!
 //! **Across processes.** Everything a peer's NIC touches lives in shared
 //! memory (memfds): registered pool memory (the pool backs its blocks with
@@ -31,12 +33,16 @@
 //! process's memory, and its completion a push into this process's CQ ring:
 //! the receiving CPU takes no part until it polls, as with a NIC. Devices
 //! of [`SoftFabric::process`] reach other processes; a [`SoftFabric::new`]
-//! fabric is private to the process (tests).
+//! fabric is private to the process (tests). Processes in different
+//! network namespaces of one machine (the hosts of a multi-host test
+//! cluster) form one fabric too: a peer's agent not found in this
+//! process's namespace is looked for in the peer's.
 
 mod agent;
 mod cq;
 mod device;
 mod peer;
+mod port;
 mod qp;
 mod retry;
 mod rings;
@@ -44,7 +50,8 @@ mod shm;
 mod srq;
 
 pub use cq::SoftCq;
-pub use device::{SoftDevice, SoftFabric, SoftFaults, SoftPort, SoftProfile, SoftStats};
+pub use device::{SoftDevice, SoftFabric, SoftFaults, SoftProfile, SoftStats};
+pub use port::SoftPort;
 pub use qp::SoftQp;
 pub use srq::SoftSrq;
 

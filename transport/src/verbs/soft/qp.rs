@@ -295,6 +295,10 @@ impl SoftQpInner {
             }
             SendOp::Send | SendOp::Write { .. } | SendOp::WriteWithImm { .. } => {}
         }
+        // This device's own port down (or the device dead): nothing leaves.
+        if device.table.is_dead() {
+            return WcStatus::RetryExceeded;
+        }
         if device.roll(Fault::QpError) > 0 {
             device.injected_qp_errors.fetch_add(1, Ordering::Relaxed);
             return WcStatus::RetryExceeded;

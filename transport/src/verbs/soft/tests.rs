@@ -1209,3 +1209,105 @@ fn a_stalled_send_is_retried_off_the_posting_thread_and_later_requests_wait_behi
     assert_eq!(b.poll_recv()[0].wr_id, 9);
     assert!(target.iter().all(|&byte| byte == 3), "the WRITE landed");
 }
+
+/// New QPs of `a` and `b`'s devices, connected (on the sides' CQs).
+fn reconnect(a: &Side, b: &Side) -> (Arc<dyn QueuePair>, Arc<dyn QueuePair>) {
+    let qp = |side: &Side| {
+        let qp = side
+            .device
+            .create_qp(
+                side.send_cq.clone(),
+                side.recv_cq.clone(),
+                QpCaps::default(),
+            )
+            .unwrap();
+        qp.init().unwrap();
+        qp
+    };
+    let (qa, qb) = (qp(a), qp(b));
+    qa.connect(&qb.endpoint()).unwrap();
+    qb.connect(&qa.endpoint()).unwrap();
+    (qa, qb)
+}
+
+#[test]
+fn a_port_down_fails_its_qps_both_ways_until_it_comes_back() {
+    use crate::verbs::AsyncEvent;
+    let (a, b) = pair();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let _watch = b
+        .device
+        .watch_events(Arc::new({
+            let seen = Arc::clone(&seen);
+            move |event| seen.lock().unwrap().push(event)
+        }))
+        .unwrap();
+    let target = filled(&b.recv_pool, 64, 0);
+    let back = filled(&a.recv_pool, 64, 0);
+    let data = filled(&a.send_pool, 8, 1);
+    let reply = filled(&b.send_pool, 8, 2);
+
+    b.device.set_port_active(false);
+    assert!(!b.device.port_active());
+    assert_eq!(b.qp.state(), QpState::Error, "its QPs fail");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![AsyncEvent::PortDown { port: 1 }]
+    );
+    // Towards it: the peer's retries run out.
+    a.qp.post_send(&[write_wr(1, &target, &data, true)])
+        .unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::RetryExceeded);
+    // A QP made while it is down connects (as on real verbs) but moves
+    // nothing, either way.
+    let (qa, qb) = reconnect(&a, &b);
+    qa.post_send(&[write_wr(2, &target, &data, true)]).unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::RetryExceeded);
+    qb.post_send(&[write_wr(3, &back, &reply, true)]).unwrap();
+    assert_eq!(b.poll_send()[0].status, WcStatus::RetryExceeded);
+    assert_eq!(back[0], 0);
+
+    // Back up: the failed QPs stay failed, new ones work.
+    b.device.set_port_active(true);
+    assert!(b.device.port_active());
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![
+            AsyncEvent::PortDown { port: 1 },
+            AsyncEvent::PortUp { port: 1 }
+        ]
+    );
+    assert_eq!(qb.state(), QpState::Error);
+    let (qa, qb) = reconnect(&a, &b);
+    qa.post_send(&[write_wr(4, &target, &data, true)]).unwrap();
+    assert_eq!(a.poll_send()[0].status, WcStatus::Success);
+    assert_eq!(target[0], 1);
+    qb.post_send(&[write_wr(5, &back, &reply, true)]).unwrap();
+    assert_eq!(b.poll_send()[0].status, WcStatus::Success);
+    assert_eq!(back[0], 2);
+    // A dead device's port does not come back.
+    b.device.kill();
+    b.device.set_port_active(true);
+    assert!(!b.device.port_active());
+}
+
+#[test]
+fn a_followed_port_file_takes_the_port_down_while_it_exists() {
+    let (_a, b) = pair();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("port-down");
+    b.device.follow_port_file(path.clone()).unwrap();
+    let until = |want: bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while b.device.port_active() != want {
+            assert!(std::time::Instant::now() < deadline, "port never {want}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    until(true);
+    std::fs::write(&path, b"").unwrap();
+    until(false);
+    assert_eq!(b.qp.state(), QpState::Error);
+    std::fs::remove_file(&path).unwrap();
+    until(true);
+}

@@ -52,6 +52,12 @@ impl MemoryRegion {
     }
 }
 
+/// Values of [`DeviceHeader::dead`]: peers read it before every operation
+/// towards the device.
+const REACHABLE: u64 = 0;
+const DEAD: u64 = 1;
+const PORT_DOWN: u64 = 2;
+
 #[repr(C)]
 pub(super) struct DeviceHeader {
     pub(super) magic: AtomicU64,
@@ -211,12 +217,29 @@ impl RegionTable {
         (slot.key.load(Ordering::Acquire) == key).then_some(region)
     }
 
+    /// Whether nothing reaches the device: its host died, or its port
+    /// is down.
     pub(crate) fn is_dead(&self) -> bool {
-        self.header().dead.load(Ordering::Acquire) != 0
+        self.header().dead.load(Ordering::Acquire) != REACHABLE
     }
 
+    /// Its host died: for good.
     pub(crate) fn mark_dead(&self) {
-        self.header().dead.store(1, Ordering::Release);
+        self.header().dead.store(DEAD, Ordering::Release);
+    }
+
+    /// Its port went down (`true`) or came back (`false`); whether that
+    /// changed anything (a dead device's port stays dead).
+    pub(crate) fn set_port_down(&self, down: bool) -> bool {
+        let (from, to) = if down {
+            (REACHABLE, PORT_DOWN)
+        } else {
+            (PORT_DOWN, REACHABLE)
+        };
+        self.header()
+            .dead
+            .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 
     pub(crate) fn count_rnr(&self) {
