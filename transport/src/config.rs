@@ -260,6 +260,13 @@ pub struct RdmaConfig {
     /// server's RDMA path from outside the process (`touch` it, `rm` it).
     /// Default: none.
     pub soft_port_file: Option<std::path::PathBuf>,
+    /// Soft provider only: the rate of the device's link, each way, in
+    /// megabits per second; 0 (the default): unlimited, a copy in memory.
+    /// A SEND or WRITE waits in its send queue until the sender's and the
+    /// receiver's links are free (see `verbs/soft/port.rs`), so many
+    /// senders into one limited port queue as they would behind a real
+    /// one: the incast a send window (`window_bytes`) is for.
+    pub soft_link_mbps: u64,
     /// Confine what a peer may write to what it was granted: each large
     /// message's destination is exposed through a type-2 memory window
     /// bound on that connection's queue pair to exactly its bytes, and
@@ -308,6 +315,7 @@ impl Default for RdmaConfig {
             cq_depth: 32768,
             soft_faults: crate::verbs::soft::SoftFaults::default(),
             soft_port_file: None,
+            soft_link_mbps: 0,
             confine_remote_writes: true,
             windows_per_connection: 16,
         }

@@ -67,13 +67,21 @@ fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportErr
     match rdma.provider {
         RdmaProvider::Soft => {
             let fabric = crate::verbs::soft::SoftFabric::process();
+            let profile = crate::verbs::soft::SoftProfile {
+                port: crate::verbs::soft::SoftPort {
+                    rate_mbps: rdma.soft_link_mbps,
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
             let device = fabric
-                .open(
+                .open_with(
                     format!(
                         "soft-{}",
                         SOFT_DEVICES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                     ),
                     rdma.soft_faults,
+                    profile,
                 )
                 .map_err(TransportError::rdma_error)?;
             if let Some(path) = &rdma.soft_port_file {

@@ -169,6 +169,7 @@ impl SoftFabric {
         let node = (u64::from(std::process::id()) << 32) | (counter & 0xffff_ffff);
         let table = RegionTable::create()
             .map_err(|e| VerbsError::NoDevice(format!("soft NIC shared memory: {e}")))?;
+        table.set_ps_per_byte(super::port::ps_per_byte(port.rate_mbps));
         let inner = Arc::new(DeviceInner {
             node,
             name: name.into(),

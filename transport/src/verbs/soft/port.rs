@@ -12,12 +12,27 @@
 //! A process can be told to follow a file instead
 //! ([`SoftDevice::follow_port_file`]: down while the file exists), so that
 //! a drill breaks the RDMA path of a server process from outside it.
+//!
+//! **Link rate.** A port may have a rate ([`SoftPort::rate_mbps`]), which
+//! holds both directions of its link to it: a SEND or WRITE goes when the
+//! sender's egress and the receiver's ingress are both done with what was
+//! booked on them before, and books its bytes on both ([`admit`]). Until
+//! then it waits in its QP's send queue, in order, as behind a link that
+//! is busy or paused (PFC), and the soft NIC's retry engine sends it when
+//! the link frees. So many senders into one rate-limited port (incast)
+//! queue in their send queues, as on a lossless fabric, which is what a
+//! send window is for. The bookings live in each device's shared header,
+//! on the machine's monotonic clock, so senders in every process share a
+//! receiver's link. A message lands at the start of its slot on the link,
+//! not its end: latency is one message's serialization time early, the
+//! rate is exact.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::device::{DeviceInner, SoftDevice};
+use super::rings::RegionTable;
 use crate::verbs::AsyncEvent;
 
 /// The port of a soft device. Connecting QPs are held to the rules of real
@@ -32,6 +47,9 @@ pub struct SoftPort {
     pub gid_type: crate::verbs::GidType,
     /// Active MTU in bytes. Default 4096.
     pub mtu: u32,
+    /// The link's rate in megabits per second, each way; 0: unlimited
+    /// (the default: a copy in memory).
+    pub rate_mbps: u64,
 }
 
 impl Default for SoftPort {
@@ -40,6 +58,7 @@ impl Default for SoftPort {
             link_layer: crate::verbs::LinkLayer::Ethernet,
             gid_type: crate::verbs::GidType::RoceV2,
             mtu: 4096,
+            rate_mbps: 0,
         }
     }
 }
@@ -90,4 +109,52 @@ fn set_port_active(device: &Arc<DeviceInner>, active: bool) {
         device.fail_qps();
         device.raise(AsyncEvent::PortDown { port: 1 });
     }
+}
+
+/// Picoseconds a byte takes at `rate_mbps` (0: unlimited).
+pub(crate) fn ps_per_byte(rate_mbps: u64) -> u64 {
+    match rate_mbps {
+        0 => 0,
+        // 8 bits of 1 / (rate x 10^6) s, in 10^-12 s; at least 1.
+        rate => (8_000_000 / rate).max(1),
+    }
+}
+
+/// This machine's monotonic clock, in nanoseconds: one clock for every
+/// process, so bookings made by one are read right by another.
+pub(crate) fn now_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        (t.tv_sec() as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(t.tv_nsec() as u64)
+    })
+}
+
+/// Whether `bytes` from the device of table `local` to that of `peer` may
+/// go now; if so they are booked on both links. Otherwise `Err` says
+/// when the busier link frees (monotonic nanoseconds).
+pub(crate) fn admit(local: &RegionTable, peer: &RegionTable, bytes: u64) -> Result<(), u64> {
+    let (out_rate, in_rate) = (local.ps_per_byte(), peer.ps_per_byte());
+    if out_rate == 0 && in_rate == 0 {
+        return Ok(());
+    }
+    let now = now_ns();
+    let mut free = 0;
+    if out_rate > 0 {
+        free = local.link_free_ns(false);
+    }
+    if in_rate > 0 {
+        free = free.max(peer.link_free_ns(true));
+    }
+    if free > now {
+        return Err(free);
+    }
+    let cost = |rate: u64| bytes.saturating_mul(rate) / 1000;
+    if out_rate > 0 {
+        local.book_link(false, now, cost(out_rate));
+    }
+    if in_rate > 0 {
+        peer.book_link(true, now, cost(in_rate));
+    }
+    Ok(())
 }

@@ -53,7 +53,34 @@ pub(crate) struct SoftQpInner {
     stalled: Mutex<Stalled>,
 }
 
-/// Work requests waiting behind a receiver-not-ready NAK, in posting order.
+/// What a QP has left in its send queue after a retry pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Left {
+    /// Nothing.
+    Nothing,
+    /// A head that met a receiver-not-ready NAK again.
+    Rnr,
+    /// A head the link holds until then (monotonic nanoseconds).
+    HeldByLink(u64),
+}
+
+/// Whether the links let `wr` go now (`port.rs`); only SENDs and WRITEs
+/// cross them.
+fn link_admits(device: &DeviceInner, peer: &Peer, wr: &SendWr) -> Result<(), u64> {
+    match wr.op {
+        SendOp::Send | SendOp::Write { .. } | SendOp::WriteWithImm { .. } => {}
+        _ => return Ok(()),
+    }
+    // A peer that is gone fails in `execute`.
+    let Some(memory) = peer.memory() else {
+        return Ok(());
+    };
+    let bytes = wr.sges.iter().map(|sge| u64::from(sge.len)).sum();
+    super::port::admit(&device.table, memory.table(), bytes)
+}
+
+/// Work requests waiting behind a receiver-not-ready NAK or a busy link,
+/// in posting order.
 #[derive(Debug, Default)]
 struct Stalled {
     wrs: std::collections::VecDeque<SendWr>,
@@ -109,18 +136,20 @@ impl SoftQpInner {
         !self.stalled().wrs.is_empty()
     }
 
-    /// Runs one work request now, as its QP stands.
-    fn run_one(&self, wr: &SendWr) -> WcStatus {
+    /// Runs one work request now, as its QP stands; `Err(when)` while the
+    /// link holds it (`port.rs`: when it frees, monotonic nanoseconds).
+    fn run_one(&self, wr: &SendWr) -> Result<WcStatus, u64> {
         let (remote, peer, path_mtu) = {
             let local = self.local();
             (local.remote, local.peer.clone(), local.path_mtu)
         };
-        match (self.device.upgrade(), peer, remote, self.state()) {
+        Ok(match (self.device.upgrade(), peer, remote, self.state()) {
             (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
+                link_admits(&device, &peer, wr)?;
                 self.execute(&device, &peer, remote, path_mtu, wr)
             }
             _ => WcStatus::Flushed,
-        }
+        })
     }
 
     /// Records the final outcome of `wr` (a failure fails the QP).
@@ -132,16 +161,24 @@ impl SoftQpInner {
     }
 
     /// The retry engine's pass: retries the stalled work requests in order
-    /// until one meets the NAK again with retries left. Returns whether
-    /// any is left. Completions made here wake the send CQ's owner.
-    pub(crate) fn retry_stalled(&self) -> bool {
+    /// until one meets the NAK again with retries left, or the link holds
+    /// it. Returns what is left. Completions made here wake the send CQ's
+    /// owner.
+    pub(crate) fn retry_stalled(&self) -> Left {
         let mut stalled = self.stalled();
         let mut completed = false;
+        let mut held_until = None;
         while !stalled.dead {
             let Some(wr) = stalled.wrs.front().cloned() else {
                 break;
             };
-            let status = self.run_one(&wr);
+            let status = match self.run_one(&wr) {
+                Ok(status) => status,
+                Err(free_at) => {
+                    held_until = Some(free_at);
+                    break;
+                }
+            };
             if status == WcStatus::ReceiverNotReady {
                 stalled.tries = stalled.tries.saturating_add(1);
                 let since = *stalled.since.get_or_insert_with(std::time::Instant::now);
@@ -159,7 +196,11 @@ impl SoftQpInner {
             self.finish(&wr, status);
             completed = true;
         }
-        let left = !stalled.dead && !stalled.wrs.is_empty();
+        let left = match (stalled.dead || stalled.wrs.is_empty(), held_until) {
+            (true, _) => Left::Nothing,
+            (false, Some(free_at)) => Left::HeldByLink(free_at),
+            (false, None) => Left::Rnr,
+        };
         drop(stalled);
         if completed {
             // Not the owner's thread: its CQs' sleeper is woken (the
@@ -670,6 +711,13 @@ impl QueuePair for SoftQp {
             }
             let status = match (&device, &peer, remote, inner.state()) {
                 (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
+                    if link_admits(device, peer, wr).is_err() {
+                        // The link is busy: it waits in the send queue,
+                        // and the retry engine sends it when it frees.
+                        stalled.wrs.push_back(wr.clone());
+                        stalls = true;
+                        continue;
+                    }
                     inner.execute(device, peer, remote, path_mtu, wr)
                 }
                 _ => WcStatus::Flushed,

@@ -341,6 +341,7 @@ fn connecting_ports_agree_on_the_smaller_mtu_and_refuse_mismatches() {
             link_layer,
             gid_type,
             mtu,
+            rate_mbps: 0,
         },
         ..SoftProfile::default()
     };
@@ -1310,4 +1311,62 @@ fn a_followed_port_file_takes_the_port_down_while_it_exists() {
     assert_eq!(b.qp.state(), QpState::Error);
     std::fs::remove_file(&path).unwrap();
     until(true);
+}
+
+#[test]
+fn a_rate_limited_port_holds_writes_in_order_until_its_link_frees() {
+    // 80 Mbit/s into b: 10,000 bytes take 1 ms on its link.
+    let fabric = SoftFabric::new();
+    let caps = QpCaps {
+        max_send_wr: 64,
+        ..QpCaps::default()
+    };
+    let a = Side::new(&fabric, "a", SoftFaults::default(), caps);
+    let b = Side::with(
+        &fabric,
+        "b",
+        SoftFaults::default(),
+        caps,
+        SoftProfile {
+            port: SoftPort {
+                rate_mbps: 80,
+                ..SoftPort::default()
+            },
+            ..SoftProfile::default()
+        },
+    );
+    a.qp.connect(&b.qp.endpoint()).unwrap();
+    b.qp.connect(&a.qp.endpoint()).unwrap();
+    let target = filled(&b.recv_pool, 10_000, 0);
+    let data: Vec<PoolBuf> = (0..20)
+        .map(|i| filled(&a.send_pool, 10_000, i + 1))
+        .collect();
+    let started = std::time::Instant::now();
+    let wrs: Vec<SendWr> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| write_wr(i as u64, &target, d, true))
+        .collect();
+    a.qp.post_send(&wrs).unwrap();
+    let mut done = Vec::new();
+    while done.len() < 20 {
+        done.extend(a.wait_send());
+    }
+    // The link cannot have carried 20 x 10,000 bytes in less than the 19
+    // slots after the first (a lower bound: a loaded machine only adds).
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(19),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(done.iter().all(|c| c.status == WcStatus::Success));
+    let order: Vec<u64> = done.iter().map(|c| c.wr_id).collect();
+    assert_eq!(order, (0..20).collect::<Vec<u64>>(), "in posting order");
+    assert_eq!(target[0], 20, "the last WRITE landed last");
+    // Nothing waits on an unlimited port: b's answer goes at once.
+    let back = filled(&a.recv_pool, 8, 0);
+    let reply = filled(&b.send_pool, 8, 7);
+    b.qp.post_send(&[write_wr(99, &back, &reply, true)])
+        .unwrap();
+    assert_eq!(b.poll_send()[0].status, WcStatus::Success);
 }

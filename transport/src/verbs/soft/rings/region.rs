@@ -65,7 +65,12 @@ pub(super) struct DeviceHeader {
     pub(super) dead: AtomicU64,
     pub(super) rnr_events: AtomicU64,
     pub(super) remote_access_errors: AtomicU64,
-    pub(super) _reserved: [AtomicU64; 3],
+    /// The port's link (`port.rs`): when what was booked on its ingress
+    /// and on its egress has gone through (CLOCK_MONOTONIC nanoseconds),
+    /// and its rate in picoseconds per byte (0: unlimited).
+    pub(super) ingress_free_ns: AtomicU64,
+    pub(super) egress_free_ns: AtomicU64,
+    pub(super) ps_per_byte: AtomicU64,
 }
 
 #[repr(C)]
@@ -240,6 +245,40 @@ impl RegionTable {
             .dead
             .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
+    }
+
+    /// The port's link rate, in picoseconds per byte (0: unlimited).
+    pub(crate) fn ps_per_byte(&self) -> u64 {
+        self.header().ps_per_byte.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_ps_per_byte(&self, ps: u64) {
+        self.header().ps_per_byte.store(ps, Ordering::Relaxed);
+    }
+
+    /// When the link's ingress (`true`) or egress is free.
+    pub(crate) fn link_free_ns(&self, ingress: bool) -> u64 {
+        let header = self.header();
+        let free = if ingress {
+            &header.ingress_free_ns
+        } else {
+            &header.egress_free_ns
+        };
+        free.load(Ordering::Acquire)
+    }
+
+    /// Books `cost_ns` of the link's ingress (`true`) or egress from
+    /// `now_ns` or from when it frees, whichever is later.
+    pub(crate) fn book_link(&self, ingress: bool, now_ns: u64, cost_ns: u64) {
+        let header = self.header();
+        let free = if ingress {
+            &header.ingress_free_ns
+        } else {
+            &header.egress_free_ns
+        };
+        let _ = free.fetch_update(Ordering::AcqRel, Ordering::Acquire, |at| {
+            Some(at.max(now_ns).saturating_add(cost_ns))
+        });
     }
 
     pub(crate) fn count_rnr(&self) {
