@@ -115,6 +115,69 @@ pub struct WorkloadReport {
     pub offered_rate: Option<f64>,
     /// The first error seen, if any.
     pub first_error: Option<String>,
+    /// Each second of the run, by when its iterations started: how many
+    /// completed and failed, and their latency. What a failure in the
+    /// middle of a run cost, and when it stopped costing, shows here.
+    pub timeline: Vec<SecondSummary>,
+}
+
+/// One second of a run ([`WorkloadReport::timeline`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SecondSummary {
+    /// Seconds since the start of the run.
+    pub second: u64,
+    /// Iterations that started in it and completed.
+    pub iterations: u64,
+    /// Iterations that started in it and failed.
+    pub errors: u64,
+    /// 99th percentile latency of its completed iterations, µs.
+    pub p99_us: u64,
+    /// Its slowest completed iteration, µs.
+    pub max_us: u64,
+}
+
+/// The iterations of one second, as one task saw them.
+#[derive(Debug)]
+struct Second {
+    iterations: u64,
+    errors: u64,
+    latency: Histogram<u64>,
+}
+
+impl Second {
+    #[allow(clippy::expect_used)]
+    fn new() -> Self {
+        Self {
+            iterations: 0,
+            errors: 0,
+            // Two significant digits: a per-second histogram is small. The
+            // bounds are constants `new_with_bounds` accepts.
+            latency: Histogram::new_with_bounds(1, 60_000_000, 2)
+                .expect("constant histogram bounds are valid"),
+        }
+    }
+}
+
+/// Merges the tasks' seconds into the run's timeline.
+fn timeline(tasks: &[Vec<Second>]) -> Vec<SecondSummary> {
+    let len = tasks.iter().map(Vec::len).max().unwrap_or(0);
+    (0..len)
+        .map(|i| {
+            let mut merged = Second::new();
+            for second in tasks.iter().filter_map(|t| t.get(i)) {
+                merged.iterations += second.iterations;
+                merged.errors += second.errors;
+                let _ = merged.latency.add(&second.latency);
+            }
+            SecondSummary {
+                second: i as u64,
+                iterations: merged.iterations,
+                errors: merged.errors,
+                p99_us: merged.latency.value_at_quantile(0.99),
+                max_us: merged.latency.max(),
+            }
+        })
+        .collect()
 }
 
 fn as_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -338,6 +401,8 @@ struct TaskResult {
     rows: u64,
     bytes: u64,
     first_error: Option<String>,
+    /// By second of the run.
+    seconds: Vec<Second>,
 }
 
 /// Runs `kind` against `client` with `options` until the duration is over.
@@ -378,6 +443,7 @@ pub async fn run_with_progress(
                 context_switches_per_iteration: 0.0,
                 offered_rate: None,
                 first_error: Some(format!("probing table `{}`: {err}", options.table)),
+                timeline: Vec::new(),
             };
         }
     };
@@ -393,7 +459,7 @@ pub async fn run_with_progress(
                     &client,
                     &options,
                     task as u64,
-                    until,
+                    (started, until),
                     row_bytes,
                     &progress,
                 )
@@ -405,9 +471,11 @@ pub async fn run_with_progress(
     let mut push = histogram();
     let (mut iterations, mut errors, mut rows, mut bytes) = (0, 0, 0, 0);
     let mut first_error = None;
+    let mut seconds = Vec::new();
     for task in tasks {
         match task.await {
-            Ok(result) => {
+            Ok(mut result) => {
+                seconds.push(std::mem::take(&mut result.seconds));
                 if let Some(h) = &result.fetch {
                     let _ = fetch.add(h);
                 }
@@ -448,6 +516,7 @@ pub async fn run_with_progress(
         context_switches_per_iteration: per(switches),
         offered_rate: (options.rate_per_sec > 0.0).then_some(options.rate_per_sec),
         first_error,
+        timeline: timeline(&seconds),
     }
 }
 
@@ -456,7 +525,7 @@ async fn run_task(
     client: &PsClient,
     options: &WorkloadConfig,
     task: u64,
-    until: Instant,
+    (started, until): (Instant, Instant),
     row_bytes: usize,
     progress: &AtomicU64,
 ) -> TaskResult {
@@ -501,6 +570,18 @@ async fn run_task(
             WorkloadKind::Ranker => ranker_request(&step, &mut rng, &mut result, due).await,
             WorkloadKind::Trainer => trainer_step(&step, &mut rng, &mut result, due).await,
         };
+        let index = due.saturating_duration_since(started).as_secs() as usize;
+        if result.seconds.len() <= index {
+            result.seconds.resize_with(index + 1, Second::new);
+        }
+        let second = &mut result.seconds[index];
+        match &outcome {
+            Ok(()) => {
+                second.iterations += 1;
+                let _ = second.latency.record(micros(due.elapsed()));
+            }
+            Err(_) => second.errors += 1,
+        }
         if let Some(interval) = interval {
             due += interval;
         }

@@ -199,6 +199,18 @@ async fn an_open_loop_starts_iterations_at_the_offered_rate() {
             report.iterations
         );
         assert_eq!(report.offered_rate, Some(60.0));
+        // The timeline accounts for every iteration, by the second it
+        // was due in: the one second of the run (a late task's last
+        // iteration can be due at its very end).
+        let timeline = &report.timeline;
+        assert!((1..=2).contains(&timeline.len()), "{timeline:?}");
+        assert_eq!(
+            timeline.iter().map(|s| s.iterations).sum::<u64>(),
+            report.iterations
+        );
+        assert_eq!(timeline.iter().map(|s| s.errors).sum::<u64>(), 0);
+        assert!(timeline[0].iterations >= 58, "{timeline:?}");
+        assert!(timeline[0].max_us >= timeline[0].p99_us && timeline[0].p99_us > 0);
         let split = report.cpu_user_us_per_iteration + report.cpu_system_us_per_iteration;
         assert!((split - report.cpu_us_per_iteration).abs() < 1e-6);
     }
