@@ -67,11 +67,8 @@ case "$cmd" in
         ;;
     down)
         for ns in $(ip netns list | awk '{print $1}' | grep -E "^$name-(sw|h[0-9]+)$" || true); do
-            # Whatever still runs in it goes first; not the caller, whose
-            # threads may have entered a host (a test's client does).
-            for pid in $(ip netns pids "$ns" 2>/dev/null); do
-                [ "$pid" = "$PPID" ] || kill -9 "$pid" 2>/dev/null || true
-            done
+            # Whatever still runs in it goes first.
+            for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
             ip netns del "$ns"
         done
         ;;

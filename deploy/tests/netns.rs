@@ -857,9 +857,18 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
                 returned.as_secs_f64() * 1000.0,
             );
             assert!(moved < Duration::from_secs(1), "moved to TCP after {moved:?}");
+            // A probe that began just before the port came back, and
+            // failed, leaves the next one an interval later.
             assert!(
-                returned <= Duration::from_millis(PROBE_MS + 500),
+                returned <= Duration::from_millis(2 * PROBE_MS),
                 "back on RDMA after {returned:?}"
+            );
+            // The fleet's client retries a failed attempt on the other
+            // replica: its Fetches should not fail (0 in the runs here);
+            // held to 1% on two loaded cores, as drill 2.
+            assert!(
+                fetch_failed * 100 <= fetched + fetch_failed,
+                "{fetch_failed} Fetches failed: {first_error:?}"
             );
         });
     });
@@ -867,8 +876,9 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
 
 /// The trainers of drill 6.
 const INCAST_TRAINERS: usize = 16;
-/// The server's link in drill 6, each way: 200 Mbit/s, a fiftieth of a
-/// slow datacenter NIC, so that 16 trainers of 2 cores overrun it.
+/// The server's link in drill 6, each way: 50 Mbit/s, so that 16
+/// trainers on 2 cores overrun it (at 200 Mbit/s the cores were the
+/// bottleneck, not the link).
 const INCAST_LINK_MBPS: u64 = 50;
 
 /// One run of drill 6: what the trainers saw and the server's memory.
@@ -968,6 +978,8 @@ fn incast_run(
                 .arg("--json")
                 .arg(&report)
                 .arg("trainer")
+                // Its warnings (a fallback to TCP among them) are read below.
+                .env_remove("RUST_LOG")
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
@@ -1015,7 +1027,7 @@ fn incast_run(
 }
 
 /// Issue 19's drill 6: incast. 16 trainer processes, each on a host of
-/// its own, push to one server whose link is limited to 200 Mbit/s each
+/// its own, push to one server whose link is limited to 50 Mbit/s each
 /// way: over RDMA (soft NIC with the link's rate) with the send window
 /// off, then at 8 KiB, and over TCP (the same rate by `tc tbf` on the
 /// server's veth) for reference. The figures: Push latency (the median
@@ -1080,13 +1092,13 @@ fn incast_of_16_trainers_with_and_without_a_send_window() {
     }
 }
 
-/// A TCP connection whose link goes silent for 7 s, with a call left
-/// unanswered on it, is dropped by the kernel after
-/// `tcp_user_timeout_ms` (1 s here), so calls reconnect as soon as the
-/// link is back. Before, the stale connection stayed: calls after the
-/// link's return waited for TCP's next retransmission, which after a 7 s
-/// outage is 5-6 s later (and 20 s or more after 30 s: drill 2's full
-/// profile found it).
+/// A TCP link that goes silent for 7 s, with a call left unanswered on
+/// it, is closed by the channel at the next timed-out attempt (nothing
+/// heard for 1 s while a request waited: `rpc/src/silence.rs`), so calls
+/// reconnect as soon as the link is back. Before, the stale connection
+/// stayed: calls after the link's return waited for TCP's next
+/// retransmission, which after a 7 s outage is 5-6 s later (and 20 s or
+/// more after 30 s: drill 2's full profile found it).
 #[test]
 fn a_connection_through_a_silent_link_is_dropped_and_calls_reconnect_when_it_returns() {
     let Some(cluster) = NetCluster::create_or_skip(2) else {
@@ -1114,11 +1126,10 @@ fn a_connection_through_a_silent_link_is_dropped_and_calls_reconnect_when_it_ret
     );
     cluster.run_on(2, || {
         runtime().block_on(async {
-            let mut config = tessera_rpc::ChannelConfig {
+            let config = tessera_rpc::ChannelConfig {
                 connect_timeout_ms: 200,
                 ..Default::default()
             };
-            config.transport.tcp_user_timeout_ms = 1000;
             let channel = tessera_rpc::Channel::lazy(&addr, config).unwrap();
             let data = tessera_proto::v1::ParameterServerClient::new(channel);
             let call = |ms| {

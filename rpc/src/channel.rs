@@ -126,6 +126,8 @@ struct LinkShared {
     healthy: AtomicBool,
     closed: AtomicBool,
     pending: Mutex<PendingTable>,
+    /// Whether the peer went silent (TCP links: `silence.rs`).
+    silence: crate::silence::Silence,
 }
 
 #[derive(Debug, Default)]
@@ -401,6 +403,7 @@ impl Channel {
             .freeze();
         let message =
             Message::from_parts(std::iter::once(header).chain(body.parts().iter().cloned()));
+        link.shared.silence.handle_sent(Instant::now());
         let exchange = async {
             link.sender
                 .send(message)
@@ -426,7 +429,19 @@ impl Channel {
         };
         let (header, body) = match tokio::time::timeout_at(deadline.into(), exchange).await {
             Ok(result) => result?,
-            Err(_) => return Err(RpcError::DeadlineExceeded(timeout)),
+            Err(_) => {
+                if link.kind == TransportKind::Tcp && link.shared.silence.is_silent(Instant::now())
+                {
+                    // Presumed dead: the next call dials again.
+                    metrics::counter!(crate::observe::CLIENT_SILENT_LINKS).increment(1);
+                    tracing::debug!(addr = %link.shared.addr, "link silent; closing it");
+                    link.shared.fail_all(format!(
+                        "nothing heard for {:?} while a request waited: the link went silent",
+                        crate::silence::SILENT_AFTER
+                    ));
+                }
+                return Err(RpcError::DeadlineExceeded(timeout));
+            }
         };
         if header.status == Code::Ok.as_u16() {
             self.note_success(&link);
@@ -623,14 +638,16 @@ impl ChannelInner {
     /// Makes `connection` the channel's current one and starts its reader.
     fn install(inner: &Arc<ChannelInner>, connection: Connection) -> Arc<Link> {
         let kind = connection.kind();
+        let since = Instant::now();
         let shared = Arc::new(LinkShared {
             addr: inner.addr.clone(),
             // Numbered after every dial so far (its own included).
             event: inner.dials.fetch_add(1, Ordering::AcqRel) + 1,
-            since: Instant::now(),
+            since,
             healthy: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             pending: Mutex::new(PendingTable::default()),
+            silence: crate::silence::Silence::new(since),
         });
         let reader = tokio::spawn(read_responses(
             connection.receiver,
@@ -706,29 +723,31 @@ async fn read_responses(
     let mut going_away = false;
     let reason = loop {
         match receiver.recv().await {
-            Ok(Some(message)) => match RpcHeader::decode(&message) {
-                Ok((header, body)) if header.kind == Kind::Response => {
-                    if header.flags & crate::wire::FLAG_GOING_AWAY != 0 && !going_away {
-                        // No new calls here; the outstanding ones are
-                        // still answered on it.
-                        going_away = true;
-                        shared.closed.store(true, Ordering::Release);
-                        tracing::debug!(addr = %shared.addr, "server going away; new calls dial again");
-                    }
-                    let slot = shared.pending().calls.remove(&header.request_id);
-                    match slot {
-                        Some(slot) => {
-                            let _ = slot.send(Ok((header, body)));
+            Ok(Some(message)) => {
+                shared.silence.handle_heard();
+                match RpcHeader::decode(&message) {
+                    Ok((header, body)) if header.kind == Kind::Response => {
+                        if header.flags & crate::wire::FLAG_GOING_AWAY != 0 && !going_away {
+                            // No new calls here; the outstanding ones are
+                            // still answered on it.
+                            going_away = true;
+                            shared.closed.store(true, Ordering::Release);
+                            tracing::debug!(addr = %shared.addr, "server going away; new calls dial again");
                         }
-                        // The caller gave up (deadline) before the answer came.
-                        None => {
-                            metrics::counter!(crate::observe::CLIENT_LATE_RESPONSES).increment(1)
+                        let slot = shared.pending().calls.remove(&header.request_id);
+                        match slot {
+                            Some(slot) => {
+                                let _ = slot.send(Ok((header, body)));
+                            }
+                            // The caller gave up (deadline) before the answer came.
+                            None => metrics::counter!(crate::observe::CLIENT_LATE_RESPONSES)
+                                .increment(1),
                         }
                     }
+                    Ok(_) => break "server sent a request on a client connection".to_owned(),
+                    Err(err) => break format!("malformed response: {err}"),
                 }
-                Ok(_) => break "server sent a request on a client connection".to_owned(),
-                Err(err) => break format!("malformed response: {err}"),
-            },
+            }
             Ok(None) => {
                 // A clean close (a server stopping or restarting), not the
                 // RDMA path failing.

@@ -23,6 +23,7 @@ pub mod observe;
 pub mod policy;
 mod replicas;
 mod server;
+mod silence;
 mod status;
 pub mod wire;
 

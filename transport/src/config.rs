@@ -120,16 +120,6 @@ pub struct TransportConfig {
     /// the `[transport.tls]` table turns it on. Default off: see
     /// [`crate::tls`].
     pub tls: Option<TlsConfig>,
-    /// How long data sent on a TCP connection may go unacknowledged before
-    /// the kernel drops the connection (`TCP_USER_TIMEOUT`), in
-    /// milliseconds; 0 leaves the kernel's default (retransmissions for
-    /// about 15 minutes). Default 5000: a link that went silent ends its
-    /// connections within 5 s, so calls reconnect as soon as it is back
-    /// instead of waiting out TCP's retransmission backoff (after a 30 s
-    /// outage the next retransmission can be 20 s away), while a live
-    /// peer's kernel acknowledges in milliseconds, even with its process
-    /// stopped.
-    pub tcp_user_timeout_ms: u64,
 }
 
 /// Which verbs provider the RDMA transport uses.
@@ -410,7 +400,6 @@ impl Default for TransportConfig {
             rdma: RdmaConfig::default(),
             inbound: InboundConfig::default(),
             tls: None,
-            tcp_user_timeout_ms: 5000,
         }
     }
 }

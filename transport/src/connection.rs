@@ -271,7 +271,6 @@ impl Transport {
                 source,
             })?;
         let peer = crate::tls::prepare(&stream)?;
-        crate::tls::set_user_timeout(&stream, self.inner.config.tcp_user_timeout_ms)?;
         match &self.inner.tls {
             None => Ok(self.tcp_connection(Wire::Plain(stream), peer, None, None)),
             Some(tls) => {
@@ -491,13 +490,7 @@ impl Listener {
                 };
                 let accepted = tokio::time::Instant::now();
                 let limits = transport.inbound_limits(slot, accepted, false);
-                let prepared = crate::tls::prepare(&stream).and_then(|_| {
-                    crate::tls::set_user_timeout(
-                        &stream,
-                        transport.inner.config.tcp_user_timeout_ms,
-                    )
-                });
-                if let Err(err) = prepared {
+                if let Err(err) = crate::tls::prepare(&stream) {
                     tracing::debug!(%peer, %err, "accepted connection already gone");
                     continue;
                 }
@@ -641,7 +634,6 @@ async fn handshake(
     ready: &mpsc::Sender<Connection>,
 ) -> Result<Option<Connection>, TransportError> {
     crate::tls::prepare(&stream)?;
-    crate::tls::set_user_timeout(&stream, transport.inner.config.tcp_user_timeout_ms)?;
     // TLS first where configured: it says who the peer is.
     let (wire, identity) = match &transport.inner.tls {
         None => (Wire::Plain(stream), None),

@@ -458,17 +458,6 @@ pub(crate) fn prepare(stream: &TcpStream) -> io::Result<std::net::SocketAddr> {
     stream.peer_addr()
 }
 
-/// Sets `TCP_USER_TIMEOUT` ([`crate::TransportConfig::tcp_user_timeout_ms`];
-/// 0 leaves the kernel's).
-pub(crate) fn set_user_timeout(stream: &TcpStream, ms: u64) -> io::Result<()> {
-    if ms == 0 {
-        return Ok(());
-    }
-    let ms = u32::try_from(ms).unwrap_or(u32::MAX);
-    nix::sys::socket::setsockopt(stream, nix::sys::socket::sockopt::TcpUserTimeout, &ms)
-        .map_err(io::Error::from)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

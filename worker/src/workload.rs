@@ -115,8 +115,9 @@ pub struct WorkloadReport {
     pub offered_rate: Option<f64>,
     /// The first error seen, if any.
     pub first_error: Option<String>,
-    /// Each second of the run, by when its iterations started: how many
-    /// completed and failed, and their latency. What a failure in the
+    /// Each second of the run, by when its iterations were due (started,
+    /// in a closed loop): how many completed and failed, and their
+    /// latency. What a failure in the
     /// middle of a run cost, and when it stopped costing, shows here.
     pub timeline: Vec<SecondSummary>,
 }
@@ -126,9 +127,9 @@ pub struct WorkloadReport {
 pub struct SecondSummary {
     /// Seconds since the start of the run.
     pub second: u64,
-    /// Iterations that started in it and completed.
+    /// Iterations due in it that completed.
     pub iterations: u64,
-    /// Iterations that started in it and failed.
+    /// Iterations due in it that failed.
     pub errors: u64,
     /// 99th percentile latency of its completed iterations, µs.
     pub p99_us: u64,
@@ -150,10 +151,11 @@ impl Second {
         Self {
             iterations: 0,
             errors: 0,
-            // Two significant digits: a per-second histogram is small. The
-            // bounds are constants `new_with_bounds` accepts.
-            latency: Histogram::new_with_bounds(1, 60_000_000, 2)
-                .expect("constant histogram bounds are valid"),
+            // Two significant digits, growing only as far as the second's
+            // slowest iteration: a second of millisecond requests holds
+            // about 1 KiB (a run keeps one per task per second). The
+            // precision is a constant `new` accepts.
+            latency: Histogram::new(2).expect("constant histogram precision is valid"),
         }
     }
 }

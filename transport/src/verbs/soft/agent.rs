@@ -156,21 +156,30 @@ fn reply(stream: &UnixStream, answer: Option<&Answer>) -> io::Result<()> {
 /// made the namespaces has.
 fn in_net_namespace<T: Send>(ns: &str, f: impl FnOnce() -> io::Result<T> + Send) -> io::Result<T> {
     use std::os::unix::fs::MetadataExt;
-    let target = std::fs::File::open(ns)?;
-    let (theirs, ours) = (
-        target.metadata()?,
-        std::fs::metadata("/proc/thread-self/ns/net")?,
-    );
-    if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) {
-        return f();
-    }
+    let namespaces = std::fs::File::open(ns).and_then(|target| {
+        let theirs = target.metadata()?;
+        let ours = std::fs::metadata("/proc/thread-self/ns/net")?;
+        Ok((
+            target,
+            (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()),
+        ))
+    });
+    let target = match namespaces {
+        Ok((target, false)) => target,
+        // The same namespace; or no /proc to tell (then there is one to
+        // use: ours).
+        Ok((_, true)) | Err(_) => return f(),
+    };
     std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
-                nix::sched::setns(&target, nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(io::Error::from)?;
+        let entered = std::thread::Builder::new()
+            .name("tessera-soft-netns".into())
+            .spawn_scoped(scope, || {
+                nix::sched::setns(&target, nix::sched::CloneFlags::CLONE_NEWNET).map_err(
+                    |err| io::Error::other(format!("entering the network namespace {ns}: {err}")),
+                )?;
                 f()
-            })
+            })?;
+        entered
             .join()
             .unwrap_or_else(|_| Err(io::Error::other("a soft NIC agent socket call panicked")))
     })

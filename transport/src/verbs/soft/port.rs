@@ -16,16 +16,20 @@
 //! **Link rate.** A port may have a rate ([`SoftPort::rate_mbps`]), which
 //! holds both directions of its link to it: a SEND or WRITE goes when the
 //! sender's egress and the receiver's ingress are both done with what was
-//! booked on them before, and books its bytes on both ([`admit`]). Until
-//! then it waits in its QP's send queue, in order, as behind a link that
-//! is busy or paused (PFC), and the soft NIC's retry engine sends it when
-//! the link frees. So many senders into one rate-limited port (incast)
+//! booked on them before ([`admit`]), and once it went, books its bytes on
+//! both ([`book`]). Until then it waits in its QP's send queue, in order,
+//! as behind a link that is busy or paused (PFC), and the soft NIC's retry
+//! engine sends it when the link frees. So many senders into one rate-limited port (incast)
 //! queue in their send queues, as on a lossless fabric, which is what a
 //! send window is for. The bookings live in each device's shared header,
 //! on the machine's monotonic clock, so senders in every process share a
-//! receiver's link. A message lands at the start of its slot on the link,
-//! not its end: latency is one message's serialization time early, the
-//! rate is exact.
+//! receiver's link. The model is coarse: a message lands at the start of
+//! its slot on the link, not its end (one message's serialization time
+//! early); two senders that find a link free at the same moment both go
+//! (a burst of a message each over the rate, paid back by the wait after
+//! it); and a free link goes to whoever asks first, not in turn, so a
+//! sender that asks rarely (one with a small send window) can wait longer
+//! than its share.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Weak};
@@ -130,25 +134,32 @@ pub(crate) fn now_ns() -> u64 {
     })
 }
 
-/// Whether `bytes` from the device of table `local` to that of `peer` may
-/// go now; if so they are booked on both links. Otherwise `Err` says
-/// when the busier link frees (monotonic nanoseconds).
-pub(crate) fn admit(local: &RegionTable, peer: &RegionTable, bytes: u64) -> Result<(), u64> {
-    let (out_rate, in_rate) = (local.ps_per_byte(), peer.ps_per_byte());
-    if out_rate == 0 && in_rate == 0 {
-        return Ok(());
-    }
-    let now = now_ns();
+/// Whether a message from the device of table `local` to that of `peer`
+/// may go now: both links done with what was booked on them. Otherwise
+/// `Err` says when the busier one frees (monotonic nanoseconds).
+pub(crate) fn admit(local: &RegionTable, peer: &RegionTable) -> Result<(), u64> {
     let mut free = 0;
-    if out_rate > 0 {
+    if local.ps_per_byte() > 0 {
         free = local.link_free_ns(false);
     }
-    if in_rate > 0 {
+    if peer.ps_per_byte() > 0 {
         free = free.max(peer.link_free_ns(true));
     }
-    if free > now {
+    if free > now_ns() {
         return Err(free);
     }
+    Ok(())
+}
+
+/// Books `bytes` that went from `local` to `peer` on both links: a
+/// message that went (not one the peer refused, receiver not ready, which
+/// costs a round trip, not its bytes).
+pub(crate) fn book(local: &RegionTable, peer: &RegionTable, bytes: u64) {
+    let (out_rate, in_rate) = (local.ps_per_byte(), peer.ps_per_byte());
+    if out_rate == 0 && in_rate == 0 {
+        return;
+    }
+    let now = now_ns();
     let cost = |rate: u64| bytes.saturating_mul(rate) / 1000;
     if out_rate > 0 {
         local.book_link(false, now, cost(out_rate));
@@ -156,5 +167,4 @@ pub(crate) fn admit(local: &RegionTable, peer: &RegionTable, bytes: u64) -> Resu
     if in_rate > 0 {
         peer.book_link(true, now, cost(in_rate));
     }
-    Ok(())
 }

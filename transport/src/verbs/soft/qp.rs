@@ -67,16 +67,32 @@ pub(crate) enum Left {
 /// Whether the links let `wr` go now (`port.rs`); only SENDs and WRITEs
 /// cross them.
 fn link_admits(device: &DeviceInner, peer: &Peer, wr: &SendWr) -> Result<(), u64> {
-    match wr.op {
-        SendOp::Send | SendOp::Write { .. } | SendOp::WriteWithImm { .. } => {}
-        _ => return Ok(()),
+    if !crosses_link(wr) {
+        return Ok(());
     }
     // A peer that is gone fails in `execute`.
     let Some(memory) = peer.memory() else {
         return Ok(());
     };
-    let bytes = wr.sges.iter().map(|sge| u64::from(sge.len)).sum();
-    super::port::admit(&device.table, memory.table(), bytes)
+    super::port::admit(&device.table, memory.table())
+}
+
+/// Books the bytes of `wr` on the links if it went (`port.rs`).
+fn link_book(device: &DeviceInner, peer: &Peer, wr: &SendWr, status: WcStatus) {
+    if status != WcStatus::Success || !crosses_link(wr) {
+        return;
+    }
+    if let Some(memory) = peer.memory() {
+        let bytes = wr.sges.iter().map(|sge| u64::from(sge.len)).sum();
+        super::port::book(&device.table, memory.table(), bytes);
+    }
+}
+
+fn crosses_link(wr: &SendWr) -> bool {
+    matches!(
+        wr.op,
+        SendOp::Send | SendOp::Write { .. } | SendOp::WriteWithImm { .. }
+    )
 }
 
 /// Work requests waiting behind a receiver-not-ready NAK or a busy link,
@@ -146,7 +162,9 @@ impl SoftQpInner {
         Ok(match (self.device.upgrade(), peer, remote, self.state()) {
             (Some(device), Some(peer), Some(remote), QpState::ReadyToSend) => {
                 link_admits(&device, &peer, wr)?;
-                self.execute(&device, &peer, remote, path_mtu, wr)
+                let status = self.execute(&device, &peer, remote, path_mtu, wr);
+                link_book(&device, &peer, wr, status);
+                status
             }
             _ => WcStatus::Flushed,
         })
@@ -718,7 +736,9 @@ impl QueuePair for SoftQp {
                         stalls = true;
                         continue;
                     }
-                    inner.execute(device, peer, remote, path_mtu, wr)
+                    let status = inner.execute(device, peer, remote, path_mtu, wr);
+                    link_book(device, peer, wr, status);
+                    status
                 }
                 _ => WcStatus::Flushed,
             };

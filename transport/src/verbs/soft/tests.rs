@@ -1363,7 +1363,8 @@ fn a_rate_limited_port_holds_writes_in_order_until_its_link_frees() {
     let order: Vec<u64> = done.iter().map(|c| c.wr_id).collect();
     assert_eq!(order, (0..20).collect::<Vec<u64>>(), "in posting order");
     assert_eq!(target[0], 20, "the last WRITE landed last");
-    // Nothing waits on an unlimited port: b's answer goes at once.
+    // The other way, b's egress is idle and a's port unlimited: b's
+    // answer goes at once.
     let back = filled(&a.recv_pool, 8, 0);
     let reply = filled(&b.send_pool, 8, 7);
     b.qp.post_send(&[write_wr(99, &back, &reply, true)])
