@@ -1093,8 +1093,8 @@ fn incast_of_16_trainers_with_and_without_a_send_window() {
 }
 
 /// A TCP link that goes silent for 7 s, with a call left unanswered on
-/// it, is closed by the channel at the next timed-out attempt (nothing
-/// heard for 1 s while a request waited: `rpc/src/silence.rs`), so calls
+/// it, is closed by the channel at the next timed-out attempt (calls
+/// timing out for 2 s with nothing heard: `rpc/src/silence.rs`), so calls
 /// reconnect as soon as the link is back. Before, the stale connection
 /// stayed: calls after the link's return waited for TCP's next
 /// retransmission, which after a 7 s outage is 5-6 s later (and 20 s or

@@ -403,7 +403,7 @@ impl Channel {
             .freeze();
         let message =
             Message::from_parts(std::iter::once(header).chain(body.parts().iter().cloned()));
-        link.shared.silence.handle_sent(Instant::now());
+        let sent = Instant::now();
         let exchange = async {
             link.sender
                 .send(message)
@@ -430,15 +430,17 @@ impl Channel {
         let (header, body) = match tokio::time::timeout_at(deadline.into(), exchange).await {
             Ok(result) => result?,
             Err(_) => {
+                link.shared.silence.handle_timed_out(sent);
                 if link.kind == TransportKind::Tcp && link.shared.silence.is_silent(Instant::now())
                 {
-                    // Presumed dead: the next call dials again.
+                    // Presumed dead: closed, and the next call dials again.
                     metrics::counter!(crate::observe::CLIENT_SILENT_LINKS).increment(1);
                     tracing::debug!(addr = %link.shared.addr, "link silent; closing it");
                     link.shared.fail_all(format!(
-                        "nothing heard for {:?} while a request waited: the link went silent",
+                        "calls timed out for {:?} with nothing heard: the link went silent",
                         crate::silence::SILENT_AFTER
                     ));
+                    link.sender.abort();
                 }
                 return Err(RpcError::DeadlineExceeded(timeout));
             }

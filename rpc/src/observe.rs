@@ -39,7 +39,7 @@ pub const CLIENT_RECONNECTS: &str = "tessera_rpc_client_rdma_reconnects_total";
 pub const CLIENT_FALLBACKS: &str = "tessera_rpc_client_tcp_fallbacks_total";
 /// Counter: destinations moved back from TCP to RDMA by a probe.
 pub const CLIENT_FALLBACK_RETURNS: &str = "tessera_rpc_client_rdma_returns_total";
-/// Counter: TCP links closed as silent (a request unanswered 1 s with
+/// Counter: TCP links closed as silent (calls timing out for 2 s with
 /// nothing heard, see `silence.rs`).
 pub const CLIENT_SILENT_LINKS: &str = "tessera_rpc_client_silent_links_total";
 

@@ -757,6 +757,17 @@ impl MessageSender {
             SenderInner::Rdma(socket) => socket.is_closed(),
         }
     }
+
+    /// Ends a TCP connection now, for a peer presumed dead (one that went
+    /// silent): sends fail from here on, and the socket is shut down, so
+    /// nothing waits on the kernel's retransmissions to a peer that will
+    /// not answer. RDMA connections are left alone: their keepalive ends
+    /// a silent peer's.
+    pub fn abort(&self) {
+        if let SenderInner::Tcp(sender) = &self.inner {
+            sender.abort();
+        }
+    }
 }
 
 /// The receiving half of a connection.

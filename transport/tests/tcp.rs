@@ -292,3 +292,59 @@ async fn a_reset_by_a_peer_that_never_read_fails_every_waiting_sender() {
     }
     assert!(conn.sender.is_closed());
 }
+
+/// `abort` ends a connection whose peer reads nothing (as one that went
+/// silent): a send blocked on the full socket and every later one fail at
+/// once, instead of waiting on the peer, and the peer sees the end.
+#[tokio::test]
+async fn an_aborted_sender_fails_its_sends_and_the_peer_sees_the_end() {
+    // A short send queue: it fills after a few MiB.
+    let config = TransportConfig {
+        send_queue_depth: 4,
+        ..TransportConfig::default()
+    };
+    let (transport, listener, addr) = listening(&config).await;
+    let conn = transport.connect(&addr).await.unwrap();
+    // The peer accepts and reads nothing until told to.
+    let mut accepted = listener.accept().await.unwrap();
+    let chunk = Bytes::from(vec![1u8; 1 << 20]);
+    // Fill the socket and the send queue: the peer does not read.
+    let sender = conn.sender.clone();
+    let filler = tokio::spawn(async move {
+        loop {
+            if let Err(err) = sender.send(Message::from(chunk.clone())).await {
+                return err;
+            }
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        !filler.is_finished(),
+        "the peer's window holds the sends back"
+    );
+    conn.sender.abort();
+    let err = tokio::time::timeout(std::time::Duration::from_secs(5), filler)
+        .await
+        .expect("a blocked send returns once aborted")
+        .unwrap();
+    assert!(matches!(err, TransportError::Closed), "{err:?}");
+    assert!(conn.sender.is_closed());
+    assert!(matches!(
+        conn.sender
+            .send(Message::from(Bytes::from_static(b"x")))
+            .await,
+        Err(TransportError::Closed)
+    ));
+    // The peer reads what arrived, then the end (clean or reset).
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            match accepted.receiver.recv().await {
+                Ok(Some(_)) => {}
+                other => return other.map(|_| ()),
+            }
+        }
+    })
+    .await
+    .expect("the peer sees the connection end");
+    let _ = end;
+}

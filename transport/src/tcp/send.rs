@@ -286,6 +286,24 @@ impl TcpSender {
         }
     }
 
+    /// Ends the connection now, for a peer presumed dead: queued and later
+    /// sends fail, and the socket is shut down both ways, so a write
+    /// blocked on a peer that acknowledges nothing returns at once instead
+    /// of after the kernel's retransmissions (about 15 minutes), and the
+    /// socket and its queued buffers are freed. Over TLS (no direct socket
+    /// here) only the queue fails, and the writer ends at its next error.
+    pub(crate) fn abort(&self) {
+        let shared = &self.handle.shared;
+        if let Some(socket) = &shared.direct {
+            use std::os::fd::AsRawFd;
+            let _ = nix::sys::socket::shutdown(
+                socket.as_ref().as_raw_fd(),
+                nix::sys::socket::Shutdown::Both,
+            );
+        }
+        shared.fail(&std::io::Error::other("aborted: the peer went silent"));
+    }
+
     /// Writes `message` now if the socket is free, or queues it (waiting
     /// while the queue is full). Returns once it is written or queued.
     pub(crate) async fn send(&self, message: Message) -> Result<(), TransportError> {
