@@ -1,6 +1,6 @@
 //! The drills' trainer, and what its Pushes left in the rows (shared by
 //! the drills on a local cluster and those on a multi-host one,
-//! `netns.rs`).
+//! `netns/`).
 //!
 //! SGD with learning rate 1 from zero rows and integer gradients (sums of
 //! small integers are exact in f32, in any order), and in every Push one
