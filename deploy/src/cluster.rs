@@ -204,11 +204,19 @@ fn free_ports(host: &str, n: usize) -> Result<Vec<u16>, std::io::Error> {
         .collect()
 }
 
+/// Writes `text` to `path` whole or not at all: into a temporary file
+/// beside it, then renamed over it, so a reader that sees the file (a
+/// script waiting for `worker.toml`) never reads it half written.
 fn write_file(path: &Path, text: &str) -> Result<(), LaunchError> {
-    std::fs::write(path, text).map_err(|source| LaunchError::Write {
-        path: path.to_owned(),
-        source,
-    })
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".tmp");
+    let temporary = std::path::PathBuf::from(temporary);
+    std::fs::write(&temporary, text)
+        .and_then(|()| std::fs::rename(&temporary, path))
+        .map_err(|source| LaunchError::Write {
+            path: path.to_owned(),
+            source,
+        })
 }
 
 impl Cluster {
