@@ -222,6 +222,16 @@ impl ReplicaSet {
         self.state().selector.outstanding()
     }
 
+    /// Each replica's address and the transport its channel is connected
+    /// over now (`None` before the first connection or after a broken
+    /// one), in configuration order.
+    pub fn transports(&self) -> Vec<(String, Option<crate::TransportKind>)> {
+        self.channels
+            .iter()
+            .map(|c| (c.addr().to_owned(), c.current_transport()))
+            .collect()
+    }
+
     /// The replicas' addresses, in configuration order.
     pub fn addrs(&self) -> Vec<String> {
         self.channels.iter().map(|c| c.addr().to_owned()).collect()

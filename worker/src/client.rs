@@ -55,6 +55,43 @@ impl Rows {
     pub fn values(&self) -> &[f32] {
         &self.values
     }
+
+    /// All values, row after row, as the block the Fetch merged them into
+    /// (no copy: for handing the rows to another owner, such as a NumPy
+    /// array).
+    pub fn into_values(self) -> Vec<f32> {
+        self.values
+    }
+}
+
+/// A Fetch split by shard that owns its keys ([`PsClient::plan_fetch`]):
+/// sending it ([`PsClient::fetch_planned`]) borrows nothing of the
+/// caller's, so a caller can let go of its keys before it waits (a Python
+/// caller releases its interpreter lock only once its array was read).
+#[derive(Debug, Clone)]
+pub struct PlannedFetch {
+    table: String,
+    plan: FetchPlan,
+}
+
+impl PlannedFetch {
+    /// The caller's keys, counted with repeats (the rows the Fetch returns).
+    pub fn len(&self) -> usize {
+        self.plan.len()
+    }
+
+    /// Whether the Fetch asks for no rows.
+    pub fn is_empty(&self) -> bool {
+        self.plan.is_empty()
+    }
+}
+
+/// A Push whose gradients were summed per key and split by (table, shard),
+/// owning them ([`PsClient::plan_push`], [`PsClient::plan_push_many`]); sent by
+/// [`PsClient::push_planned`].
+#[derive(Debug, Clone)]
+pub struct PlannedPush {
+    parts: Vec<(String, PushPlan)>,
 }
 
 /// One table's part of a batched Fetch ([`PsClient::fetch_many`]).
@@ -289,11 +326,25 @@ impl PsClient {
 
     /// The rows of `keys` in `table`, in the order of `keys`.
     pub async fn fetch(&self, table: &str, keys: &[u64]) -> Result<Rows, WorkerError> {
-        let plan = FetchPlan::new(keys, self.num_shards);
+        self.fetch_planned(&self.plan_fetch(table, keys)).await
+    }
+
+    /// Splits a Fetch of `keys` in `table` by shard (deduplicated), copying
+    /// the keys into its sub-requests; [`PsClient::fetch_planned`] sends it.
+    pub fn plan_fetch(&self, table: &str, keys: &[u64]) -> PlannedFetch {
+        PlannedFetch {
+            table: table.to_owned(),
+            plan: FetchPlan::new(keys, self.num_shards),
+        }
+    }
+
+    /// Sends a planned Fetch (as [`PsClient::fetch`]).
+    pub async fn fetch_planned(&self, planned: &PlannedFetch) -> Result<Rows, WorkerError> {
+        let PlannedFetch { table, plan } = planned;
         let calls = plan.groups().iter().map(|group| {
             let client = &self.fetchers[group.shard as usize];
             let request = FetchRequest {
-                table: table.to_owned(),
+                table: table.clone(),
                 shard: group.shard,
                 keys: group.keys.clone(),
             };
@@ -343,8 +394,15 @@ impl PsClient {
         id: PushId,
         specs: &[PushSpec<'_>],
     ) -> Result<(), WorkerError> {
+        self.push_planned(id, &self.plan_push_many(specs)?).await
+    }
+
+    /// Sums and splits the gradients of several tables' specs as
+    /// [`PsClient::push_many`] does, copying them into the Push's
+    /// sub-requests; [`PsClient::push_planned`] sends it.
+    pub fn plan_push_many(&self, specs: &[PushSpec<'_>]) -> Result<PlannedPush, WorkerError> {
         let tables = crate::push::merge_specs(specs)?;
-        let mut plans = Vec::with_capacity(tables.len());
+        let mut parts = Vec::with_capacity(tables.len());
         for table in &tables {
             let plan = PushPlan::new(&table.keys, &table.gradients, table.dim, self.num_shards)
                 .ok_or(WorkerError::GradientLength {
@@ -352,9 +410,37 @@ impl PsClient {
                     dim: table.dim,
                     gradients: table.gradients.len(),
                 })?;
-            plans.push((table.table, plan));
+            parts.push((table.table.to_owned(), plan));
         }
-        self.send_parts(id, &plans).await
+        Ok(PlannedPush { parts })
+    }
+
+    /// Sums and splits the gradients of one table as [`PsClient::push`]
+    /// does, copying them into the Push's sub-requests.
+    pub fn plan_push(
+        &self,
+        table: &str,
+        keys: &[u64],
+        gradients: &[f32],
+        dim: usize,
+    ) -> Result<PlannedPush, WorkerError> {
+        let plan = PushPlan::new(keys, gradients, dim, self.num_shards).ok_or(
+            WorkerError::GradientLength {
+                keys: keys.len(),
+                dim,
+                gradients: gradients.len(),
+            },
+        )?;
+        Ok(PlannedPush {
+            parts: vec![(table.to_owned(), plan)],
+        })
+    }
+
+    /// Sends a planned Push under `id` (a fresh one from
+    /// [`PsClient::next_push_id`], or a failed Push's id to retry it with
+    /// the same plan: see [`PsClient::push_many_as`]).
+    pub async fn push_planned(&self, id: PushId, planned: &PlannedPush) -> Result<(), WorkerError> {
+        self.send_parts(id, &planned.parts).await
     }
 
     /// Applies `gradients` (`keys.len() * dim` values, row i for `keys[i]`)
@@ -382,19 +468,17 @@ impl PsClient {
         gradients: &[f32],
         dim: usize,
     ) -> Result<(), WorkerError> {
-        let plan = PushPlan::new(keys, gradients, dim, self.num_shards).ok_or(
-            WorkerError::GradientLength {
-                keys: keys.len(),
-                dim,
-                gradients: gradients.len(),
-            },
-        )?;
-        self.send_parts(id, &[(table, plan)]).await
+        self.push_planned(id, &self.plan_push(table, keys, gradients, dim)?)
+            .await
     }
 
     /// Sends every (table, shard) part of a Push and waits for all of
     /// them: none is cancelled because another failed.
-    async fn send_parts(&self, id: PushId, plans: &[(&str, PushPlan)]) -> Result<(), WorkerError> {
+    async fn send_parts(
+        &self,
+        id: PushId,
+        plans: &[(String, PushPlan)],
+    ) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.push_timeout;
         let mut calls = Vec::new();
         for (table, plan) in plans {
@@ -410,7 +494,7 @@ impl PsClient {
                 buf.set_len(len);
                 write_f32s(&mut buf, sums);
                 let request = PushRequest {
-                    table: (*table).to_owned(),
+                    table: table.clone(),
                     shard: group.shard,
                     keys: group.keys.clone(),
                     gradients: buf.freeze(),

@@ -11,6 +11,6 @@ pub mod push;
 pub mod workload;
 
 pub use admin::WorkerAdminService;
-pub use client::{FetchSpec, PsClient, PushSpec, Rows, WorkerError};
+pub use client::{FetchSpec, PlannedFetch, PlannedPush, PsClient, PushSpec, Rows, WorkerError};
 pub use config::{ServerEndpoint, WorkerConfig, WorkloadConfig};
 pub use push::{PartFailure, PushFailure, PushId, SpecError};

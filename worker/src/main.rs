@@ -60,6 +60,22 @@ enum Command {
     Ranker,
     /// Training: Fetch, compute a gradient, Push.
     Trainer,
+    /// Print the rows of KEYS in the table (`--table`, else
+    /// `workload.table`) as JSON: `{"table", "dim", "rows": [[...], ...]}`,
+    /// each value printed so that it reads back as the same f32.
+    Fetch {
+        /// Comma-separated keys.
+        #[arg(long, value_delimiter = ',', required = true)]
+        keys: Vec<u64>,
+    },
+    /// Push gradients to the rows of KEYS in the table (`--table`, else
+    /// `workload.table`), read from stdin as JSON (`[[f32; dim]; keys]`);
+    /// prints the Push's id.
+    Push {
+        /// Comma-separated keys.
+        #[arg(long, value_delimiter = ',', required = true)]
+        keys: Vec<u64>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -123,6 +139,8 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let kind = match cli.command {
         Command::Ranker => WorkloadKind::Ranker,
         Command::Trainer => WorkloadKind::Trainer,
+        Command::Fetch { keys } => return rows(&config, Rows::Fetch(keys)),
+        Command::Push { keys } => return rows(&config, Rows::Push(keys)),
     };
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(async {
@@ -163,6 +181,53 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// What `worker fetch` / `worker push` do.
+enum Rows {
+    Fetch(Vec<u64>),
+    Push(Vec<u64>),
+}
+
+/// One Fetch or Push of `config.workload.table`'s rows, printed as JSON
+/// (for scripts and for checking another client's numbers).
+#[allow(clippy::print_stdout)]
+fn rows(config: &WorkerConfig, op: Rows) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let table = &config.workload.table;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let client = PsClient::new(config)?;
+        match op {
+            Rows::Fetch(keys) => {
+                let rows = client.fetch(table, &keys).await?;
+                let rows: Vec<&[f32]> = (0..rows.len()).map(|i| rows.row(i)).collect();
+                let dim = rows.first().map_or(0, |row| row.len());
+                let out = serde_json::json!({ "table": table, "dim": dim, "rows": rows });
+                println!("{out}");
+            }
+            Rows::Push(keys) => {
+                let gradients: Vec<Vec<f32>> = serde_json::from_reader(std::io::stdin().lock())?;
+                if gradients.len() != keys.len() {
+                    return Err(format!(
+                        "{} gradient rows for {} keys",
+                        gradients.len(),
+                        keys.len()
+                    )
+                    .into());
+                }
+                let dim = gradients.first().map_or(0, Vec::len);
+                if gradients.iter().any(|row| row.len() != dim) {
+                    return Err("gradient rows differ in length".into());
+                }
+                let flat: Vec<f32> = gradients.concat();
+                let id = client.next_push_id();
+                client.push_as(id, table, &keys, &flat, dim).await?;
+                println!("{}", serde_json::json!({ "push_id": id.sequence() }));
+            }
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// A progress line on stderr (indicatif hides it when stderr is not a

@@ -116,6 +116,16 @@ impl FetchPlan {
         &self.groups
     }
 
+    /// The caller's keys, with repeats: the rows the merged answer holds.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether the plan asks for no rows.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// Unique keys in the plan.
     pub fn unique_keys(&self) -> usize {
         self.groups.iter().map(|g| g.keys.len()).sum()

@@ -30,6 +30,13 @@ use crate::client::PushSpec;
 pub struct PushId(pub(crate) u64);
 
 impl PushId {
+    /// The id of sequence number `sequence`: only to name again a Push
+    /// this client numbered (for a caller that keeps ids as plain numbers,
+    /// such as the Python client).
+    pub fn from_sequence(sequence: u64) -> Self {
+        Self(sequence)
+    }
+
     /// The sequence number the sub-requests carry.
     pub fn sequence(self) -> u64 {
         self.0
