@@ -62,7 +62,33 @@ def _native_client(config: Config, overrides: Dict[str, Any]) -> "_native.Client
     raise TypeError(f"config must be a path or a dict, not {type(config).__name__}")
 
 
-class Client:
+class _Base:
+    """What Client and AsyncClient share: the native client and its ids."""
+
+    _native: "_native.Client"
+
+    def __init__(self, config: Config, **overrides: Any) -> None:
+        self._native = _native_client(config, overrides)
+
+    @property
+    def worker_id(self) -> int:
+        """This client's id in Push deduplication (random, never 0)."""
+        return self._native.worker_id
+
+    @property
+    def num_shards(self) -> int:
+        """The model's number of shards."""
+        return self._native.num_shards
+
+    def next_push_id(self) -> int:
+        """A fresh Push id, for a caller that wants it before the first try."""
+        return self._native.next_push_id()
+
+    def __repr__(self) -> str:
+        return f"tessera.{type(self).__name__}(worker_id={self.worker_id:#x}, num_shards={self.num_shards})"
+
+
+class Client(_Base):
     """A client of a sharded, replicated Tessera parameter server.
 
     ``Client(config)`` takes a worker configuration: the path of a TOML file
@@ -120,23 +146,10 @@ class Client:
     ``client.aio`` on an existing client (same connections).
     """
 
-    def __init__(self, config: Config, **overrides: Any) -> None:
-        self._native = _native_client(config, overrides)
-
     @property
     def aio(self) -> "AsyncClient":
         """This client's calls as coroutines (the same connections)."""
         return AsyncClient._wrap(self._native)
-
-    @property
-    def worker_id(self) -> int:
-        """This client's id in Push deduplication (random, never 0)."""
-        return self._native.worker_id
-
-    @property
-    def num_shards(self) -> int:
-        """The model's number of shards."""
-        return self._native.num_shards
 
     def fetch(self, table: str, keys: Keys) -> Rows:
         """The rows of ``keys`` in ``table``: ``float32``, shape
@@ -168,10 +181,6 @@ class Client:
         under one id (see :meth:`push`)."""
         return self._native.push_many(_push_specs(specs), push_id)
 
-    def next_push_id(self) -> int:
-        """A fresh Push id, for a caller that wants it before the first try."""
-        return self._native.next_push_id()
-
     def primary(self, shard: int) -> Optional[Tuple[str, int]]:
         """The server ``shard``'s Pushes go to now, and its epoch."""
         return self._native.primary(shard)
@@ -193,8 +202,6 @@ class Client:
         raised."""
         return dict(self._native.health())
 
-    def __repr__(self) -> str:
-        return f"tessera.Client(worker_id={self.worker_id:#x}, num_shards={self.num_shards})"
 
 
 def _push_specs(specs: Sequence[Tuple[str, Keys, Any]]) -> list:
@@ -205,7 +212,7 @@ def _push_specs(specs: Sequence[Tuple[str, Keys, Any]]) -> list:
     return out
 
 
-class AsyncClient:
+class AsyncClient(_Base):
     """:class:`Client`'s calls as asyncio coroutines::
 
         client = tessera.AsyncClient("run/worker.toml")
@@ -217,24 +224,11 @@ class AsyncClient:
     (``asyncio.gather``). Arrays, errors and exactly-once Push as for
     :class:`Client`."""
 
-    def __init__(self, config: Config, **overrides: Any) -> None:
-        self._native = _native_client(config, overrides)
-
     @classmethod
     def _wrap(cls, native: "_native.Client") -> "AsyncClient":
         client = cls.__new__(cls)
         client._native = native
         return client
-
-    @property
-    def worker_id(self) -> int:
-        """This client's id in Push deduplication."""
-        return self._native.worker_id
-
-    @property
-    def num_shards(self) -> int:
-        """The model's number of shards."""
-        return self._native.num_shards
 
     async def fetch(self, table: str, keys: Keys) -> Rows:
         """See :meth:`Client.fetch`."""
@@ -259,9 +253,3 @@ class AsyncClient:
         """See :meth:`Client.push_many`."""
         return await self._native.push_many_async(_push_specs(specs), push_id)
 
-    def next_push_id(self) -> int:
-        """A fresh Push id."""
-        return self._native.next_push_id()
-
-    def __repr__(self) -> str:
-        return f"tessera.AsyncClient(worker_id={self.worker_id:#x}, num_shards={self.num_shards})"

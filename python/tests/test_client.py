@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tessera
-from support import Cluster
+from support import Cluster, wait_for
 
 
 def test_fetch_and_push_match_the_rust_client(cluster, client, fresh_keys):
@@ -28,19 +28,31 @@ def test_fetch_and_push_match_the_rust_client(cluster, client, fresh_keys):
     # repeated key's gradients are summed.
     grads = np.arange(len(keys) * dim, dtype=np.float32).reshape(len(keys), dim) / 100
     client.push(Cluster.TABLE, keys, grads)
-    after = client.fetch(Cluster.TABLE, keys)
-    np.testing.assert_array_equal(after, np.asarray(cluster.rust_fetch(keys), dtype=np.float32))
     summed = grads.copy()
     summed[3] += grads[-1]
     summed[-1] = summed[3]
-    np.testing.assert_allclose(after, before - lr * summed, rtol=1e-6, atol=1e-7)
+    expected = before - lr * summed
+    # A Fetch may be answered by a replica that applies the Push's stream
+    # an instant after the primary acknowledged it: wait until both
+    # clients read the Push from whichever replica they ask.
+    def settled():
+        after = client.fetch(Cluster.TABLE, keys)
+        rust = np.asarray(cluster.rust_fetch(keys), dtype=np.float32)
+        if np.allclose(after, expected, rtol=1e-6, atol=1e-7) and np.array_equal(after, rust):
+            return (after,)
+        return None
+
+    (after,) = wait_for(settled, 10, "both clients to read the Push")
 
     # The Rust client pushes; the Python one reads it.
     rust_grads = [[1.0 + i] * dim for i in range(len(keys) - 1)]
     cluster.rust_push(keys[:-1], rust_grads)
-    last = client.fetch(Cluster.TABLE, keys[:-1])
     expected = after[:-1] - lr * np.asarray(rust_grads, dtype=np.float32)
-    np.testing.assert_allclose(last, expected, rtol=1e-6, atol=1e-7)
+    wait_for(
+        lambda: np.allclose(client.fetch(Cluster.TABLE, keys[:-1]), expected, rtol=1e-6, atol=1e-7),
+        10,
+        "the Python client to read the Rust client's Push",
+    )
 
 
 def test_fetch_many_and_push_many_cover_several_specs(client, fresh_keys):
