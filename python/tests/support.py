@@ -46,11 +46,14 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
 
 class Cluster:
     """``tessera up`` with n shards x r replica groups and table ``emb``
-    (dim 8, SGD with learning rate 0.5), stopped by :meth:`stop`."""
+    (dim 8, SGD with learning rate 0.5), plus the examples' tables
+    ``wide`` and ``embeddings``; stopped by :meth:`stop`."""
 
     TABLE = "emb"
     DIM = 8
     LEARNING_RATE = 0.5
+    WIDE = "wide"
+    EMBEDDINGS = "embeddings"
 
     def __init__(
         self,
@@ -76,6 +79,14 @@ class Cluster:
             f'[[tables]]\nname = "{self.TABLE}"\ndim = {self.DIM}\n'
             f'optimizer = {{ kind = "sgd", learning_rate = {self.LEARNING_RATE} }}\n'
             'initializer = { kind = "uniform", scale = 0.5 }\n'
+            # The examples' tables: the logistic regression's weights (one
+            # per feature, from zero) and the PyTorch example's embeddings.
+            f'[[tables]]\nname = "{self.WIDE}"\ndim = 1\n'
+            'optimizer = { kind = "adagrad", learning_rate = 0.2, initial_accumulator = 1e-4 }\n'
+            'initializer = { kind = "zeros" }\n'
+            f'[[tables]]\nname = "{self.EMBEDDINGS}"\ndim = 16\n'
+            'optimizer = { kind = "adagrad", learning_rate = 0.1, initial_accumulator = 1e-4 }\n'
+            'initializer = { kind = "normal", std = 0.1 }\n'
         )
         if failover:
             text += '[coordinator]\nkind = "etcd"\nfailover_timeout_ms = 2000\n'
@@ -111,7 +122,9 @@ class Cluster:
         return match.group(1)
 
     def server_pid(self, group: int, shard: int) -> int:
-        name = f"ps-g{group}-s{shard}.toml"
+        # The whole path: every cluster names its files alike, and a
+        # process of another cluster (the session's) must not match.
+        config = str(self.run_dir / f"ps-g{group}-s{shard}.toml").encode()
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -119,9 +132,9 @@ class Cluster:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(name.encode()) for arg in cmdline) and b"--config" in cmdline:
+            if config in cmdline and b"--config" in cmdline:
                 return int(entry.name)
-        raise LookupError(f"no process serves {name}")
+        raise LookupError(f"no process serves {config.decode()}")
 
     def kill(self, group: int, shard: int) -> None:
         """SIGKILLs the server of (group, shard)."""

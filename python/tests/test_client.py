@@ -12,6 +12,13 @@ import tessera
 from support import Cluster, wait_for
 
 
+def settle(predicate, what):
+    """Reads until ``predicate`` holds: a Fetch right after a Push may be
+    answered by a replica that applies the Push's stream an instant after
+    the primary acknowledged it (replicas are not read-your-writes)."""
+    wait_for(predicate, 10, what)
+
+
 def test_fetch_and_push_match_the_rust_client(cluster, client, fresh_keys):
     # Keys over both shards, one repeated.
     keys = fresh_keys(40)
@@ -62,9 +69,14 @@ def test_fetch_many_and_push_many_cover_several_specs(client, fresh_keys):
     ones_a = np.ones((5, Cluster.DIM), np.float32)
     ones_b = np.ones((7, Cluster.DIM), np.float32)
     client.push_many([(Cluster.TABLE, a, ones_a), (Cluster.TABLE, b, ones_b)])
-    after_a, after_b = client.fetch_many([(Cluster.TABLE, a), (Cluster.TABLE, b)])
-    np.testing.assert_allclose(after_a, rows_a - 0.5, rtol=1e-6)
-    np.testing.assert_allclose(after_b, rows_b - 0.5, rtol=1e-6)
+
+    def applied():
+        after_a, after_b = client.fetch_many([(Cluster.TABLE, a), (Cluster.TABLE, b)])
+        return np.allclose(after_a, rows_a - 0.5, rtol=1e-6) and np.allclose(
+            after_b, rows_b - 0.5, rtol=1e-6
+        )
+
+    settle(applied, "fetch_many to read push_many")
 
 
 def test_rows_are_copied_once_into_an_array_numpy_does_not_copy_again(client, fresh_keys):
@@ -187,8 +199,11 @@ def test_threads_run_calls_concurrently(client, fresh_keys):
     assert not errors, errors
     assert most[0] > 1, "no two calls were ever in flight together"
     for k, b in zip(keys, before):
-        np.testing.assert_allclose(
-            client.fetch(Cluster.TABLE, k), b - 0.5 * 0.01 * steps, rtol=1e-5, atol=1e-6
+        settle(
+            lambda: np.allclose(
+                client.fetch(Cluster.TABLE, k), b - 0.5 * 0.01 * steps, rtol=1e-5, atol=1e-6
+            ),
+            "every thread's Pushes to be read",
         )
 
 
@@ -201,7 +216,13 @@ def test_asyncio_calls_share_the_runtime(cluster, client, fresh_keys):
         ones = np.ones((10, Cluster.DIM), np.float32)
         ids = await asyncio.gather(*(aio.push(Cluster.TABLE, k, ones) for k in keys))
         assert len(set(ids)) == len(ids)
-        after = await aio.fetch_many([(Cluster.TABLE, k) for k in keys])
+        # A replica may answer an instant before it applies the Pushes'
+        # stream: read until every row shows its Push.
+        for _ in range(200):
+            after = await aio.fetch_many([(Cluster.TABLE, k) for k in keys])
+            if all(np.allclose(a, r - 0.5, rtol=1e-6) for r, a in zip(rows, after)):
+                break
+            await asyncio.sleep(0.05)
         with pytest.raises(tessera.NotFound):
             await aio.fetch("no_such_table", keys[0])
         # A client of its own, made for asyncio.
@@ -214,7 +235,10 @@ def test_asyncio_calls_share_the_runtime(cluster, client, fresh_keys):
     for r, a in zip(rows, after):
         np.testing.assert_allclose(a, r - 0.5, rtol=1e-6)
     np.testing.assert_array_equal(same, after[0])
-    np.testing.assert_allclose(client.fetch(Cluster.TABLE, keys[0]), rows[0] - 1.0, rtol=1e-6)
+    settle(
+        lambda: np.allclose(client.fetch(Cluster.TABLE, keys[0]), rows[0] - 1.0, rtol=1e-6),
+        "the AsyncClient's Push to be read",
+    )
 
 
 def test_health_names_every_server(cluster, client):

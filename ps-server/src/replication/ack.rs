@@ -176,21 +176,32 @@ impl Replication {
     /// `replica_timeout_ms`, or out of sync). Fails if this server stopped
     /// being the primary meanwhile, or its lease is not proven now (the
     /// Push must then be retried where the shard is led).
+    ///
+    /// The cut-off does not hinge on the caller: when the Push's handler
+    /// is dropped during the wait (the worker gave up on the attempt
+    /// sooner than `replica_timeout_ms`), a task of its own finishes the
+    /// wait and cuts off what did not confirm. Without it a dead replica
+    /// stalled the shard's Pushes for good: every retry was a duplicate
+    /// waiting on the same replica, abandoned before its cut-off.
     pub async fn confirmed(&self, ticket: AckTicket) -> Result<(), Refusal> {
         if !ticket.waits.is_empty() {
             let deadline = Instant::now() + self.replica_timeout;
-            let waits = ticket
-                .waits
-                .iter()
-                .map(|(forwarder, generation)| async move {
-                    let outcome = forwarder
-                        .wait_applied(ticket.shard, *generation, ticket.position, deadline)
-                        .await;
-                    if outcome == Confirmation::TimedOut {
-                        forwarder.cut_off(ticket.shard, *generation, ticket.epoch, ticket.position);
-                    }
-                });
-            futures::future::join_all(waits).await;
+            let mut guard = CutOffOnDrop {
+                waits: ticket.waits.clone(),
+                shard: ticket.shard,
+                epoch: ticket.epoch,
+                position: ticket.position,
+                deadline,
+            };
+            confirm_or_cut_off(
+                &ticket.waits,
+                ticket.shard,
+                ticket.epoch,
+                ticket.position,
+                deadline,
+            )
+            .await;
+            guard.waits.clear();
         }
         let Some(cell) = self.cell(ticket.shard) else {
             return Ok(());
@@ -207,5 +218,94 @@ impl Replication {
             return Err(Refusal::Fenced(ticket.shard));
         }
         Ok(())
+    }
+}
+
+/// Waits for every replica of `waits` to apply `position` of `shard` until
+/// `deadline`, and cuts off each that did not.
+async fn confirm_or_cut_off(
+    waits: &[(Arc<Forwarder>, u64)],
+    shard: u32,
+    epoch: u64,
+    position: u64,
+    deadline: Instant,
+) {
+    let waits = waits.iter().map(|(forwarder, generation)| async move {
+        let outcome = forwarder
+            .wait_applied(shard, *generation, position, deadline)
+            .await;
+        if outcome == Confirmation::TimedOut {
+            forwarder.cut_off(shard, *generation, epoch, position);
+        }
+    });
+    futures::future::join_all(waits).await;
+}
+
+/// The rest of an abandoned confirmation wait ([`Replication::confirmed`]):
+/// dropped with `waits` left, it spawns the wait and cut-off on the
+/// runtime it was dropped on.
+struct CutOffOnDrop {
+    waits: Vec<(Arc<Forwarder>, u64)>,
+    shard: u32,
+    epoch: u64,
+    position: u64,
+    deadline: Instant,
+}
+
+impl Drop for CutOffOnDrop {
+    fn drop(&mut self) {
+        if self.waits.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let waits = std::mem::take(&mut self.waits);
+        let (shard, epoch, position, deadline) =
+            (self.shard, self.epoch, self.position, self.deadline);
+        runtime.spawn(async move {
+            confirm_or_cut_off(&waits, shard, epoch, position, deadline).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::forward::tests::{answer, forwarder, push};
+    use super::*;
+
+    /// The Push's handler is dropped at 1 s (the worker gave up on the
+    /// attempt) while a silent replica has until 2 s to confirm: the
+    /// replica is still cut off at 2 s. Before, the cut-off lived in the
+    /// dropped future, so no Push of the shard was acknowledged again.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_wait_still_cuts_off_a_silent_replica() {
+        let f = Arc::new(forwarder(100));
+        f.attach(0, 0);
+        answer(&f, 0, 0, 1, 0);
+        let generation = f.enqueue(0, 1, 1, &push()).expect("confirmed replica");
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let waits = vec![(Arc::clone(&f), generation)];
+        let guard = CutOffOnDrop {
+            waits: waits.clone(),
+            shard: 0,
+            epoch: 1,
+            position: 1,
+            deadline,
+        };
+        let handler = async move {
+            let _guard = guard;
+            confirm_or_cut_off(&waits, 0, 1, 1, deadline).await;
+        };
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), handler)
+                .await
+                .is_err()
+        );
+        assert!(f.status(0).0, "attached until its deadline");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(!f.status(0).0, "cut off at its deadline");
     }
 }

@@ -532,11 +532,11 @@ impl Forwarder {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use tessera_rpc::{Channel, ChannelConfig};
 
-    fn forwarder(max_lag: usize) -> Forwarder {
+    pub(in crate::replication) fn forwarder(max_lag: usize) -> Forwarder {
         Forwarder::new(
             "127.0.0.1:1".into(),
             vec![0, 1],
@@ -550,13 +550,19 @@ mod tests {
         )
     }
 
-    fn push() -> Arc<Forwarded> {
+    pub(in crate::replication) fn push() -> Arc<Forwarded> {
         Arc::new(Forwarded::default())
     }
 
     /// The replica's answer to what is pending: `processed` entries done,
     /// and `shard` applied up to `position` (under `epoch`).
-    fn answer(f: &Forwarder, processed: u32, shard: u32, epoch: u64, position: u64) {
+    pub(in crate::replication) fn answer(
+        f: &Forwarder,
+        processed: u32,
+        shard: u32,
+        epoch: u64,
+        position: u64,
+    ) {
         let (sent, generations) = f.pending();
         f.acknowledge(
             &sent,
