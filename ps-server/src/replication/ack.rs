@@ -186,15 +186,17 @@ impl Replication {
     pub async fn confirmed(&self, ticket: AckTicket) -> Result<(), Refusal> {
         if !ticket.waits.is_empty() {
             let deadline = Instant::now() + self.replica_timeout;
+            // The guard holds the waits (no copy per Push) and lends them
+            // to the wait; emptied once it finished, it spawns nothing.
             let mut guard = CutOffOnDrop {
-                waits: ticket.waits.clone(),
+                waits: ticket.waits,
                 shard: ticket.shard,
                 epoch: ticket.epoch,
                 position: ticket.position,
                 deadline,
             };
             confirm_or_cut_off(
-                &ticket.waits,
+                &guard.waits,
                 ticket.shard,
                 ticket.epoch,
                 ticket.position,
