@@ -135,11 +135,21 @@ impl EtcdCoordinator {
         ))
     }
 
-    /// Revokes `lease`: every key on it is deleted at once (a clean
-    /// handover on shutdown, instead of waiting for it to expire).
+    /// Revokes `lease`: every key on it is deleted at once, in one
+    /// revision (a clean handover on shutdown, instead of waiting for it
+    /// to expire). A lease etcd no longer knows counts as revoked (its
+    /// keys are gone), so a revocation whose answer was lost can be tried
+    /// again.
     pub async fn revoke_lease(&self, lease: i64) -> Result<(), CoordError> {
         let mut client = self.client.lease_client();
-        self.call(client.revoke(lease)).await.map(|_| ())
+        match self.call(client.revoke(lease)).await {
+            Ok(_) => Ok(()),
+            Err(CoordError::Etcd {
+                source: etcd_client::Error::GRpcStatus(status),
+                ..
+            }) if status.code() == tonic::Code::NotFound => Ok(()),
+            Err(err) => Err(err),
+        }
     }
 
     /// Whether `lease` still exists.

@@ -9,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tessera_proto::v1::{FetchRequest, PushRequest};
 use tessera_ps_server::config::{Initializer, NonFinite, OptimizerConfig};
-use tessera_ps_server::{PushId, PsServerConfig, Store, TableConfig};
+use tessera_ps_server::{PsServerConfig, PushId, Store, TableConfig};
 
 fn store() -> &'static Store {
     static STORE: OnceLock<Store> = OnceLock::new();
@@ -42,16 +42,22 @@ fuzz_target!(|data: &[u8]| {
     };
     let body = Bytes::copy_from_slice(body);
     if which % 2 == 0 {
-        if let Ok(request) = FetchRequest::decode(body) {
-            if let Ok((dim, values)) = store().fetch(&request.table, request.shard, &request.keys) {
-                assert_eq!(values.len(), request.keys.len() * dim as usize * 4);
-            }
+        if let Ok(request) = FetchRequest::decode(body)
+            && let Ok((dim, values)) = store().fetch(&request.table, request.shard, &request.keys)
+        {
+            assert_eq!(values.len(), request.keys.len() * dim as usize * 4);
         }
     } else if let Ok(request) = PushRequest::decode(body) {
         let id = PushId {
             worker: request.worker_id,
             sequence: request.sequence,
         };
-        let _ = store().push(&request.table, request.shard, &request.keys, &request.gradients, id);
+        let _ = store().push(
+            &request.table,
+            request.shard,
+            &request.keys,
+            &request.gradients,
+            id,
+        );
     }
 });

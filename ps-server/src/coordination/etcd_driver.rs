@@ -313,6 +313,17 @@ impl Driver {
 
     /// Stops leading, lets the queues reach the replicas, gives up the
     /// keys and the lease.
+    ///
+    /// The keys go by revoking the lease, not by resigning each shard and
+    /// then revoking: a revocation deletes every key on the lease (the
+    /// primary keys of the shards led here and this server's member record)
+    /// in one etcd revision. Resigning first let a replica see the key go,
+    /// win the shard and read the member list before the revocation landed:
+    /// its recovery then counted this stopping server as live and waited
+    /// its whole failover timeout for an answer (seen as a 2.2 s handover
+    /// on a loaded machine, against about 1 s). A revocation that fails is
+    /// tried again within the shutdown grace; after that the replicas take
+    /// over when the lease expires.
     async fn hand_over(&mut self, lease: i64) {
         let led: Vec<u32> = self
             .elections
@@ -324,12 +335,26 @@ impl Driver {
             self.replication.stand_down_for_handover(shard);
         }
         self.replication.drain(self.shutdown_grace).await;
-        for &shard in &led {
-            let _ = self.coord.resign(shard, lease).await;
+        let deadline = Instant::now() + self.shutdown_grace;
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            match self.coord.revoke_lease(lease).await {
+                Ok(()) => {
+                    tracing::info!(shards = ?led, "handed the shards over");
+                    break;
+                }
+                Err(err) if Instant::now() + backoff < deadline => {
+                    tracing::info!(%err, "revoking the lease failed; trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                Err(err) => {
+                    tracing::warn!(shards = ?led, %err, "cannot revoke the lease: the replicas take these shards over when it expires");
+                    break;
+                }
+            }
         }
-        let _ = self.coord.revoke_lease(lease).await;
         self.fence.lost();
-        tracing::info!(shards = ?led, "handed the shards over");
     }
 }
 
