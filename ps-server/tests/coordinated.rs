@@ -89,6 +89,45 @@ async fn converged(a: &InProcess, b: &InProcess) {
     }
 }
 
+/// Two servers of shard 0 in `cluster`: `first` (group 0, the preferred
+/// primary) at `a` leading it, `second` (group 1) at `b` serving.
+struct Pair {
+    a: String,
+    b: String,
+    first: InProcess,
+    second: InProcess,
+    // Last: dropped after the servers.
+    etcd: Etcd,
+}
+
+async fn led_pair(cluster: &str) -> Pair {
+    let etcd = Etcd::start();
+    let (a, b) = (free_addr(), free_addr());
+    let first = InProcess::start(&config(&a, 0, &b, &etcd, cluster)).await;
+    let second = InProcess::start(&config(&b, 1, &a, &etcd, cluster)).await;
+    wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
+    wait_serving(&b).await;
+    Pair {
+        a,
+        b,
+        first,
+        second,
+        etcd,
+    }
+}
+
+/// A coordinator client of `cluster` on `etcd`.
+async fn coordinator(etcd: &Etcd, cluster: &str) -> tessera_coord::EtcdCoordinator {
+    tessera_coord::EtcdCoordinator::connect(&CoordinatorConfig {
+        kind: CoordinatorKind::Etcd,
+        endpoints: vec![etcd.endpoint.clone()],
+        cluster: cluster.into(),
+        ..CoordinatorConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_takes_over_a_dead_primary_and_the_old_one_rejoins_as_replica() {
     let etcd = Etcd::start();
@@ -143,12 +182,13 @@ async fn a_replica_takes_over_a_dead_primary_and_the_old_one_rejoins_as_replica(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_hands_the_shard_over_without_waiting_for_the_lease() {
-    let etcd = Etcd::start();
-    let (a, b) = (free_addr(), free_addr());
-    let first = InProcess::start(&config(&a, 0, &b, &etcd, "handover")).await;
-    let second = InProcess::start(&config(&b, 1, &a, &etcd, "handover")).await;
-    wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
-    wait_serving(&b).await;
+    let Pair {
+        a,
+        b,
+        first,
+        second,
+        etcd: _etcd,
+    } = led_pair("handover").await;
     wait_replicas_in_step(&a).await;
     for step in 1..=10 {
         first.data.push(push_request(step)).await.unwrap();
@@ -177,12 +217,13 @@ async fn a_graceful_stop_hands_the_shard_over_without_waiting_for_the_lease() {
 async fn a_graceful_stop_gives_up_the_key_and_the_membership_at_once() {
     use etcd_client::{EventType, GetOptions, WatchOptions};
     use tessera_coord::keys::Keys;
-    let etcd = Etcd::start();
-    let (a, b) = (free_addr(), free_addr());
-    let first = InProcess::start(&config(&a, 0, &b, &etcd, "giveup")).await;
-    let second = InProcess::start(&config(&b, 1, &a, &etcd, "giveup")).await;
-    wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
-    wait_serving(&b).await;
+    let Pair {
+        a,
+        b,
+        first,
+        second,
+        etcd,
+    } = led_pair("giveup").await;
     let mut client = etcd_client::Client::connect([etcd.endpoint.as_str()], None)
         .await
         .unwrap();
@@ -240,16 +281,8 @@ async fn a_graceful_stop_gives_up_the_key_and_the_membership_at_once() {
 /// server's live lease and nobody led the shard); another lease loses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_campaign_tried_again_on_the_same_lease_is_won() {
-    use tessera_coord::EtcdCoordinator;
     let etcd = Etcd::start();
-    let coord = EtcdCoordinator::connect(&CoordinatorConfig {
-        kind: CoordinatorKind::Etcd,
-        endpoints: vec![etcd.endpoint.clone()],
-        cluster: "campaign".into(),
-        ..CoordinatorConfig::default()
-    })
-    .await
-    .unwrap();
+    let coord = coordinator(&etcd, "campaign").await;
     let (mine, _) = coord.grant_lease(5).await.unwrap();
     let (theirs, _) = coord.grant_lease(5).await.unwrap();
     let won = coord.campaign(3, "a:1", 0, mine, 0).await.unwrap();
@@ -269,16 +302,9 @@ async fn a_campaign_tried_again_on_the_same_lease_is_won() {
 /// keys went with the first revocation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoking_a_lease_twice_succeeds() {
-    use tessera_coord::{EtcdCoordinator, MemberRecord};
+    use tessera_coord::MemberRecord;
     let etcd = Etcd::start();
-    let coord = EtcdCoordinator::connect(&CoordinatorConfig {
-        kind: CoordinatorKind::Etcd,
-        endpoints: vec![etcd.endpoint.clone()],
-        cluster: "revoke".into(),
-        ..CoordinatorConfig::default()
-    })
-    .await
-    .unwrap();
+    let coord = coordinator(&etcd, "revoke").await;
     let (lease, _) = coord.grant_lease(5).await.unwrap();
     let member = MemberRecord {
         address: "a:1".into(),
