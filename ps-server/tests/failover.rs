@@ -2,7 +2,8 @@
 //! replica and time left in its deadline. Two `ps-server` processes serve
 //! the same shard; concurrent Fetches go through a `ReplicaSet` with the
 //! default retry, budget and quarantine policies; one server is killed in
-//! the middle of the run. Over TCP and over RDMA with the soft provider.
+//! the middle of the run. Over TCP and over RDMA (the provider the suite
+//! runs on: `tessera_test_support::rdma`).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -26,7 +27,7 @@ use tessera_test_support::{PsProcess, free_addr, wait_serving};
 
 fn transport(kind: TransportKind) -> TransportConfig {
     match kind {
-        TransportKind::Rdma => TransportConfig::soft_rdma(),
+        TransportKind::Rdma => tessera_test_support::rdma::transport(),
         _ => TransportConfig::default(),
     }
 }
@@ -156,6 +157,6 @@ async fn tcp_a_killed_replica_under_load_fails_no_call() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rdma_soft_a_killed_replica_under_load_fails_no_call() {
+async fn rdma_a_killed_replica_under_load_fails_no_call() {
     killed_replica_under_load(TransportKind::Rdma).await;
 }

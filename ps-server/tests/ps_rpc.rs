@@ -1,5 +1,6 @@
 //! The parameter server over RPC, in-process and as a binary; the RPC cases
-//! run over TCP and over RDMA with the soft provider (`tcp::`, `rdma_soft::`).
+//! run over TCP and over RDMA (`tcp::`, `rdma::`), the RDMA cases over the
+//! provider the suite runs on (`tessera_test_support::rdma`).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::time::Duration;
@@ -9,31 +10,26 @@ use tessera_proto::rows::put_f32s;
 use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient, PushRequest};
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
-use tessera_rpc::{
-    Channel, ChannelConfig, Code, RdmaConfig, RdmaProvider, TransportConfig, TransportKind,
-};
+use tessera_rpc::{Channel, ChannelConfig, Code, RdmaConfig, TransportConfig, TransportKind};
 use tessera_test_support::{InProcess, PsProcess, f32s, free_addr, keys_of_shard};
 
 /// Which transport a case runs over.
 #[derive(Clone, Copy)]
 enum Over {
     Tcp,
-    RdmaSoft,
+    Rdma,
 }
 
 impl Over {
     fn kind(self) -> TransportKind {
         match self {
             Over::Tcp => TransportKind::Tcp,
-            Over::RdmaSoft => TransportKind::Rdma,
+            Over::Rdma => TransportKind::Rdma,
         }
     }
 
     fn rdma(self) -> RdmaConfig {
-        RdmaConfig {
-            provider: RdmaProvider::Soft,
-            ..RdmaConfig::default()
-        }
+        tessera_test_support::rdma::config_rdma()
     }
 
     /// Generous timeouts: this 2-core host runs many tests at once (the
@@ -279,7 +275,7 @@ fn binary_serves_and_stops_on_sigterm() {
     assert!(exit.success(), "{exit:?}");
 }
 
-/// Every RPC case runs over TCP and over RDMA with the soft provider.
+/// Every RPC case runs over TCP and over RDMA.
 macro_rules! over_both_transports {
     ($($case:ident),* $(,)?) => {
         mod tcp {
@@ -290,11 +286,11 @@ macro_rules! over_both_transports {
                 }
             )*
         }
-        mod rdma_soft {
+        mod rdma {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    super::$case(super::Over::RdmaSoft).await;
+                    super::$case(super::Over::Rdma).await;
                 }
             )*
         }
@@ -307,9 +303,9 @@ over_both_transports!(
     inference_server_serves_zeros_and_refuses_push,
 );
 
-/// A `ps-server` process serving shard 1 of 2 over rdma-soft with `rdma`
+/// A `ps-server` process serving shard 1 of 2 over RDMA with `rdma`
 /// settings, its configuration in `dir`.
-fn spawn_soft_ps_server(rdma: RdmaConfig, dir: &std::path::Path) -> (PsProcess, String) {
+fn spawn_rdma_ps_server(rdma: RdmaConfig, dir: &std::path::Path) -> (PsProcess, String) {
     let addr = free_addr();
     let config = PsServerConfig {
         listen: addr.clone(),
@@ -325,13 +321,13 @@ fn spawn_soft_ps_server(rdma: RdmaConfig, dir: &std::path::Path) -> (PsProcess, 
 }
 
 #[test]
-fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
+fn the_binary_serves_a_client_in_another_process_over_rdma() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addr) = spawn_soft_ps_server(Over::RdmaSoft.rdma(), dir.path());
+    let (mut child, addr) = spawn_rdma_ps_server(Over::Rdma.rdma(), dir.path());
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let rows = runtime.block_on(async {
         for _ in 0..200 {
-            if let Ok(channel) = Channel::connect(addr.clone(), Over::RdmaSoft.channel()).await {
+            if let Ok(channel) = Channel::connect(addr.clone(), Over::Rdma.channel()).await {
                 let client = ParameterServerClient::new(channel);
                 if let Ok(rows) = client
                     .fetch(FetchRequest {
@@ -359,15 +355,15 @@ fn the_binary_serves_a_client_in_another_process_over_rdma_soft() {
 #[test]
 fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addr) = spawn_soft_ps_server(
+    let (mut child, addr) = spawn_rdma_ps_server(
         RdmaConfig {
             keepalive_interval_ms: 50,
             keepalive_timeout_ms: 500,
-            ..Over::RdmaSoft.rdma()
+            ..Over::Rdma.rdma()
         },
         dir.path(),
     );
-    let mut channel_config = Over::RdmaSoft.channel();
+    let mut channel_config = Over::Rdma.channel();
     channel_config.transport.rdma.keepalive_interval_ms = 50;
     channel_config.transport.rdma.keepalive_timeout_ms = 500;
     let runtime = tokio::runtime::Runtime::new().unwrap();

@@ -33,7 +33,7 @@ fn config(
     PsServerConfig {
         listen: listen.to_owned(),
         transport,
-        rdma: tessera_rpc::TransportConfig::soft_rdma().rdma,
+        rdma: tessera_test_support::rdma::config_rdma(),
         replica_group: group,
         replica_groups: 2,
         peers: vec![PeerConfig {
@@ -56,7 +56,7 @@ fn config(
 fn channel(addr: &str, transport: TransportKind, tls: Option<TlsConfig>) -> Channel {
     let mut config = tessera_test_support::health::patient();
     config.transport.kind = transport;
-    config.transport.rdma = tessera_rpc::TransportConfig::soft_rdma().rdma;
+    config.transport.rdma = tessera_test_support::rdma::config_rdma();
     config.transport.tls = tls;
     config.connect_timeout_ms = 2000;
     // Over RDMA it must be RDMA: no falling back to TCP, which would pass

@@ -170,7 +170,7 @@ over_both_transports!(
 /// close) says nothing against the RDMA path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_pattern_a_restarting_server_does_not_move_its_destination_to_tcp() {
-    let t = TransportConfig::soft_rdma();
+    let t = tessera_test_support::rdma::transport();
     let server = start(server_config(&t)).await;
     let addr = server.addr.clone();
     let channel = Channel::connect(&addr, channel_config(&t)).await.unwrap();
@@ -214,7 +214,7 @@ async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
             held.push(socket);
         }
     });
-    let t = TransportConfig::soft_rdma();
+    let t = tessera_test_support::rdma::transport();
     let channel = Channel::lazy(
         addr,
         ChannelConfig {
@@ -260,6 +260,84 @@ async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
         "waited {waited:?} for another call's dial ({err:?})"
     );
     assert!(first.await.unwrap().is_err());
+    hold.abort();
+}
+
+/// A dial cut short by its caller's deadline says nothing about the peer:
+/// the calls that waited for it dial again on their own time. Before, the
+/// cut-short dial was recorded as the connection's failure and every call
+/// waiting for it failed with it at once, however much time it had left
+/// (in the Soft-RoCE VM a loaded ranker failed a third of its requests with
+/// another call's "timed out after 0ns": a call that got the connect lock
+/// at the end of its deadline). The peer here accepts the TCP control
+/// connection and never answers the handshake, so every dial hangs: the
+/// first call's to its connection timeout (a real failure, shared), the
+/// second's to its own deadline, and the third call, queued behind both,
+/// must not inherit the second's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_a_dial_cut_short_by_its_callers_deadline_is_not_shared() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (dialled_tx, mut dialled) = tokio::sync::mpsc::unbounded_channel();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+            let _ = dialled_tx.send(());
+        }
+    });
+    let connect_timeout = Duration::from_millis(400);
+    let channel = Channel::lazy(
+        addr,
+        ChannelConfig {
+            connect_timeout_ms: connect_timeout.as_millis() as u64,
+            request_timeout_ms: 5000,
+            transport: tessera_test_support::rdma::transport(),
+            ..ChannelConfig::default()
+        },
+    )
+    .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let call = |timeout: Duration| {
+        let echo = echo.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let outcome = echo
+                .echo_with_options(
+                    EchoRequest {
+                        payload: Bytes::new(),
+                        delay_ms: 0,
+                        repeat: 0,
+                    },
+                    &CallOptions::with_timeout(timeout),
+                )
+                .await;
+            (outcome, started.elapsed())
+        }
+    };
+    // The first call dials (the peer has its connection) until its
+    // connection timeout.
+    let first = tokio::spawn(call(Duration::from_secs(4)));
+    dialled.recv().await.unwrap();
+    // The second queues for the lock and gets it 100 ms before its
+    // deadline: its dial is cut short.
+    let second = tokio::spawn(call(connect_timeout + Duration::from_millis(100)));
+    // The third queues behind it (the lock is fair; a pause to let the
+    // second queue first: were the order the other way round, the third
+    // would dial before the second and pass without showing anything).
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let third = tokio::spawn(call(Duration::from_millis(1500)));
+    assert!(first.await.unwrap().0.is_err());
+    assert!(second.await.unwrap().0.is_err());
+    let (outcome, waited) = third.await.unwrap();
+    let err = outcome.unwrap_err();
+    // It dialled on its own time (then, its RDMA dial timed out, the
+    // fallback ladder took it to TCP, where the silent peer let its
+    // deadline pass), instead of failing with the second call's dial.
+    assert!(
+        !matches!(err, RpcError::Connect { .. }) && waited >= connect_timeout,
+        "{err:?} after {waited:?}"
+    );
     hold.abort();
 }
 

@@ -29,7 +29,7 @@ use generated::*;
 fn transports() -> [(&'static str, TransportConfig); 2] {
     [
         ("tcp", TransportConfig::default()),
-        ("rdma-soft", TransportConfig::soft_rdma()),
+        ("rdma", tessera_test_support::rdma::transport()),
     ]
 }
 

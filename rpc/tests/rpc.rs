@@ -792,7 +792,7 @@ mod recovery {
                     probe_interval_ms,
                     ..FallbackConfig::default()
                 },
-                transport: TransportConfig::soft_rdma(),
+                transport: tessera_test_support::rdma::transport(),
             },
         )
         .unwrap()
@@ -804,7 +804,7 @@ mod recovery {
     /// 1 s; once RDMA works again, a probe moves the channel back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_broken_rdma_path_falls_back_to_tcp_and_returns() {
-        let server = start(server_config(&TransportConfig::soft_rdma())).await;
+        let server = start(server_config(&tessera_test_support::rdma::transport())).await;
         let proxy = FaultProxy::start(server.addr.clone()).await;
         let probe = Duration::from_millis(300);
         let channel = rdma_channel(&proxy.addr, probe.as_millis() as u64);

@@ -14,6 +14,7 @@ pub mod netns;
 pub mod pki;
 pub mod process;
 pub mod proxy;
+pub mod rdma;
 pub mod rows;
 pub mod server;
 

@@ -66,6 +66,7 @@ async fn ibverbs_messages_of_every_size_cross_to_another_process_and_back() {
         8 << 20,
     ] {
         let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let started = std::time::Instant::now();
         let buf = client.send_pool().alloc_copy(&payload).unwrap();
         conn.sender.send(Message::from(buf.freeze())).await.unwrap();
         let back = tokio::time::timeout(Duration::from_secs(10), conn.receiver.recv())
@@ -74,6 +75,7 @@ async fn ibverbs_messages_of_every_size_cross_to_another_process_and_back() {
             .unwrap()
             .expect("an echo");
         assert_eq!(&back[..], &payload[..], "{len}-byte echo");
+        eprintln!("{len}-byte echo: {:?}", started.elapsed());
     }
     let stats = client.rdma_stats().unwrap();
     eprintln!("ibverbs two-process test: {stats:?}");

@@ -1,6 +1,7 @@
-//! The soft RDMA transport between two processes: the peer is a
-//! `tessera-echo` child, so every WRITE and SEND lands in another process's
-//! memory through the shared mappings of the soft NIC.
+//! The RDMA transport between two processes: the peer is a `tessera-echo`
+//! child, so every WRITE and SEND lands in another process's memory (through
+//! the shared mappings of the soft NIC, or the kernel's verbs when the
+//! suite runs over ibverbs: `tessera_test_support::rdma`).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::io::{BufRead, BufReader};
@@ -14,10 +15,19 @@ use tessera_transport::{Message, Transport, TransportConfig};
 const KEEPALIVE: (u64, u64) = (50, 600);
 
 fn keepalive_config() -> TransportConfig {
-    let mut config = TransportConfig::soft_rdma();
+    let mut config = tessera_test_support::rdma::transport();
     config.rdma.keepalive_interval_ms = KEEPALIVE.0;
     config.rdma.keepalive_timeout_ms = KEEPALIVE.1;
     config
+}
+
+/// `tessera-echo`'s `--transport` for the provider the suite runs over.
+fn echo_transport() -> &'static str {
+    if tessera_test_support::rdma::is_ibverbs() {
+        "rdma"
+    } else {
+        "rdma-soft"
+    }
 }
 
 fn signal(child: &Child, signal: &str) {
@@ -51,7 +61,7 @@ impl EchoChild {
 
     fn start_with(extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tessera-echo"))
-            .args(["--transport", "rdma-soft", "--listen", "127.0.0.1:0"])
+            .args(["--transport", echo_transport(), "--listen", "127.0.0.1:0"])
             .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -79,7 +89,7 @@ impl Drop for EchoChild {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_of_every_size_cross_to_another_process_and_back() {
-    every_size_to_another_process_and_back(TransportConfig::soft_rdma(), &[]).await;
+    every_size_to_another_process_and_back(tessera_test_support::rdma::transport(), &[]).await;
 }
 
 /// The same with both processes' completion queues driven from their
@@ -87,7 +97,7 @@ async fn messages_of_every_size_cross_to_another_process_and_back() {
 /// process through the eventfd its agent handed out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtime_driven_queues_carry_messages_of_every_size_across_processes() {
-    let mut config = TransportConfig::soft_rdma();
+    let mut config = tessera_test_support::rdma::transport();
     config.rdma.polling = tessera_transport::Polling::Runtime;
     every_size_to_another_process_and_back(config, &["--polling", "runtime"]).await;
 }
@@ -138,7 +148,7 @@ async fn every_size_to_another_process_and_back(config: TransportConfig, echo_ar
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_process_that_dies_fails_the_connection_without_a_hang() {
     let mut echo = EchoChild::start();
-    let client = Transport::new(TransportConfig::soft_rdma()).unwrap();
+    let client = Transport::new(tessera_test_support::rdma::transport()).unwrap();
     let mut conn = client.connect(&echo.addr).await.unwrap();
     conn.sender
         .send(Message::from(Bytes::from_static(b"ping")))
@@ -198,6 +208,12 @@ async fn a_peer_frozen_past_the_keepalive_timeout_is_declared_dead() {
         .expect("declared dead within 5 s");
     let waited = stopped.elapsed();
     signal(&echo.child, "-CONT");
+    eprintln!(
+        "{}: a SIGSTOPped peer declared dead {waited:?} after the stop (keepalive {} ms / {} ms): {end:?}",
+        tessera_test_support::rdma::provider_name(),
+        KEEPALIVE.0,
+        KEEPALIVE.1
+    );
     let err = end.expect_err("a dead peer is an error");
     assert!(err.to_string().contains("peer dead"), "{err}");
     let timeout = Duration::from_millis(KEEPALIVE.1);
@@ -226,10 +242,16 @@ async fn a_peer_killed_with_sigkill_is_detected_within_the_keepalive_timeout() {
     let end = tokio::time::timeout(Duration::from_secs(5), conn.receiver.recv())
         .await
         .expect("detected within 5 s");
+    let detected = killed.elapsed();
+    eprintln!(
+        "{}: a SIGKILLed peer detected {detected:?} after the kill (keepalive {} ms / {} ms): {end:?}",
+        tessera_test_support::rdma::provider_name(),
+        KEEPALIVE.0,
+        KEEPALIVE.1
+    );
     assert!(end.is_err(), "{end:?}");
     assert!(
-        killed.elapsed() <= Duration::from_millis(KEEPALIVE.1 + 400),
-        "detected after {:?}",
-        killed.elapsed()
+        detected <= Duration::from_millis(KEEPALIVE.1 + 400),
+        "detected after {detected:?}"
     );
 }

@@ -8,7 +8,7 @@ use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
-use tessera_rpc::{Channel, RdmaConfig, RdmaProvider, TransportKind};
+use tessera_rpc::{Channel, RdmaConfig, TransportKind};
 use tessera_test_support::{InProcess, InProcessCluster, f32s};
 use tessera_worker::workload::{self, WorkloadKind};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig, WorkerError, WorkloadConfig};
@@ -23,17 +23,14 @@ async fn cluster() -> Cluster {
     cluster_over(TransportKind::Tcp).await
 }
 
-fn soft_rdma() -> RdmaConfig {
-    RdmaConfig {
-        provider: RdmaProvider::Soft,
-        ..RdmaConfig::default()
-    }
+fn rdma_settings() -> RdmaConfig {
+    tessera_test_support::rdma::config_rdma()
 }
 
 async fn cluster_over(transport: TransportKind) -> Cluster {
     let base = PsServerConfig {
         transport,
-        rdma: soft_rdma(),
+        rdma: rdma_settings(),
         tables: vec![TableConfig {
             optimizer: OptimizerConfig::sgd(0.5),
             initializer: Initializer::Uniform { scale: 0.1 },
@@ -55,7 +52,7 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
     Cluster {
         config: WorkerConfig {
             transport,
-            rdma: soft_rdma(),
+            rdma: rdma_settings(),
             num_shards: 2,
             servers: endpoints,
             // Generous timeouts: this 2-core host runs many tests at once.
@@ -252,7 +249,7 @@ async fn a_stopped_shard_fails_fetches_with_its_shard_and_address() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fetch_push_and_workloads_over_rdma_soft() {
+async fn fetch_push_and_workloads_over_rdma() {
     let cluster = cluster_over(TransportKind::Rdma).await;
     let client = Arc::new(PsClient::new(&cluster.config).unwrap());
     let keys = [11u64, 4, 11, 900, 4, 77, 3];

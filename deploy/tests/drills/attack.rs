@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 
 use super::ONE_AT_A_TIME;
 use super::load::{Load, big_table, fill, percentiles, quiet_window, rss_mib};
-use super::trainer::rdma_soft;
+use super::trainer::rdma_settings;
 use super::trainer::{data_client, wait_role};
 
 const MIB: usize = 1 << 20;
@@ -60,7 +60,7 @@ async fn loaded_server(transport: TransportKind, base: PsServerConfig) -> Loaded
         0,
         &PsServerConfig {
             transport,
-            rdma: rdma_soft(),
+            rdma: rdma_settings(),
             tables: vec![big_table()],
             ..base
         },
@@ -436,6 +436,6 @@ async fn drill_tcp_a_malformed_flood_against_every_listener() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_a_malformed_flood_against_every_listener() {
+async fn drill_rdma_a_malformed_flood_against_every_listener() {
     malformed_flood(TransportKind::Rdma).await;
 }

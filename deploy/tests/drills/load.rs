@@ -21,7 +21,7 @@ use tessera_test_support::health::patient;
 use tessera_test_support::{Layout, PsProcess, keys_of_shard, wire};
 
 use super::ONE_AT_A_TIME;
-use super::trainer::{TABLE, rdma_soft, table};
+use super::trainer::{TABLE, rdma_settings, table};
 use super::trainer::{Trainer, data_client, hot_keys, wait_identical, wait_role, worker_client};
 
 /// Rows of the large shard of the checkpoint and copy drills, and their
@@ -227,7 +227,7 @@ async fn fetches_during_a_checkpoint(transport: TransportKind) {
         0,
         &PsServerConfig {
             transport,
-            rdma: rdma_soft(),
+            rdma: rdma_settings(),
             tables: vec![big_table()],
             ..PsServerConfig::default()
         },
@@ -286,7 +286,7 @@ async fn a_copy_of_a_large_shard(transport: TransportKind) {
     let layout = Layout::new(1, 2);
     let base = PsServerConfig {
         transport,
-        rdma: rdma_soft(),
+        rdma: rdma_settings(),
         tables: vec![big_table()],
         ..PsServerConfig::default()
     };
@@ -380,7 +380,7 @@ async fn row_limited_replicas_agree(transport: TransportKind) {
         num_shards: 2,
         replica_groups: 2,
         transport,
-        rdma: rdma_soft(),
+        rdma: rdma_settings(),
         tables: vec![TableConfig {
             max_rows: Some(600),
             ..table()
@@ -459,6 +459,6 @@ async fn drill_tcp_replicas_of_a_row_limited_table_agree() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_replicas_of_a_row_limited_table_agree() {
+async fn drill_rdma_replicas_of_a_row_limited_table_agree() {
     row_limited_replicas_agree(TransportKind::Rdma).await;
 }

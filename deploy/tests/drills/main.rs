@@ -35,8 +35,8 @@ mod load;
 mod trainer;
 
 use trainer::{
-    DIM, PushRecord, TABLE, Trainer, audit, data_client, rate, rdma_soft, table, wait_identical,
-    wait_role, wait_settled, worker_client,
+    DIM, PushRecord, TABLE, Trainer, audit, data_client, rate, rdma_settings, table,
+    wait_identical, wait_role, wait_settled, worker_client,
 };
 
 /// `failover_timeout_ms` of the drills: the default.
@@ -47,6 +47,7 @@ const LEASE_MS: u64 = FAILOVER_MS - 1000;
 fn label(transport: TransportKind) -> &'static str {
     match transport {
         TransportKind::Tcp => "tcp",
+        _ if tessera_test_support::rdma::is_ibverbs() => "rdma-ibverbs",
         _ => "rdma-soft",
     }
 }
@@ -63,7 +64,7 @@ async fn cluster(
         num_shards: 2,
         replica_groups: 2,
         transport,
-        rdma: rdma_soft(),
+        rdma: rdma_settings(),
         tables: vec![table()],
         ps_server_bin: Some(tessera_test_support::process::ps_server_bin()),
         coordinator: CoordinatorConfig {
@@ -210,7 +211,7 @@ async fn drill_tcp_kill_the_primary_under_a_trainer_then_restart_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_kill_the_primary_under_a_trainer_then_restart_it() {
+async fn drill_rdma_kill_the_primary_under_a_trainer_then_restart_it() {
     kill_primary_under_a_trainer(TransportKind::Rdma, AckMode::Replicas).await;
 }
 
@@ -220,7 +221,7 @@ async fn drill_tcp_ack_primary_failover_loses_at_most_the_unforwarded_tail() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_ack_primary_failover_loses_at_most_the_unforwarded_tail() {
+async fn drill_rdma_ack_primary_failover_loses_at_most_the_unforwarded_tail() {
     kill_primary_under_a_trainer(TransportKind::Rdma, AckMode::Primary).await;
 }
 
@@ -287,7 +288,7 @@ async fn drill_tcp_static_restarted_primary_recovers_instead_of_rolling_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_static_restarted_primary_recovers_instead_of_rolling_back() {
+async fn drill_rdma_static_restarted_primary_recovers_instead_of_rolling_back() {
     static_restart_recovers(TransportKind::Rdma).await;
 }
 
@@ -310,7 +311,7 @@ fn pair_config(
         index,
         &PsServerConfig {
             transport,
-            rdma: rdma_soft(),
+            rdma: rdma_settings(),
             tables: vec![table()],
             coordinator: CoordinatorConfig {
                 kind: CoordinatorKind::Etcd,
@@ -442,7 +443,7 @@ async fn drill_tcp_fencing_a_primary_cut_off_from_etcd() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_fencing_a_primary_cut_off_from_etcd() {
+async fn drill_rdma_fencing_a_primary_cut_off_from_etcd() {
     fencing(TransportKind::Rdma).await;
 }
 
@@ -458,7 +459,7 @@ async fn kill_during_checkpoint(transport: TransportKind) {
     let checkpoints = dir.path().join("ckpt");
     let base = PsServerConfig {
         transport,
-        rdma: rdma_soft(),
+        rdma: rdma_settings(),
         // Three tables: three row files per checkpoint.
         tables: vec![table(), TableConfig::new("b", 2), TableConfig::new("c", 2)],
         ..PsServerConfig::default()
@@ -566,6 +567,6 @@ async fn drill_tcp_kill_during_a_checkpoint() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_rdma_soft_kill_during_a_checkpoint() {
+async fn drill_rdma_kill_during_a_checkpoint() {
     kill_during_checkpoint(TransportKind::Rdma).await;
 }

@@ -26,7 +26,7 @@ use tessera_worker::{PsClient, WorkerConfig};
 
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
-use tessera_rpc::{RdmaConfig, RdmaProvider};
+use tessera_rpc::RdmaConfig;
 
 pub const DIM: usize = 4;
 pub const TABLE: &str = "drill";
@@ -41,11 +41,10 @@ pub fn table() -> TableConfig {
     }
 }
 
-pub fn rdma_soft() -> RdmaConfig {
-    RdmaConfig {
-        provider: RdmaProvider::Soft,
-        ..RdmaConfig::default()
-    }
+/// The RDMA settings of the drills' servers and clients, over the provider
+/// the suite runs on (`tessera_test_support::rdma`).
+pub fn rdma_settings() -> RdmaConfig {
+    tessera_test_support::rdma::config_rdma()
 }
 
 /// The servers of a drill's fleet: each one's address and shard.
@@ -229,7 +228,7 @@ pub fn worker_client(cluster: &Cluster) -> Arc<PsClient> {
 pub fn data_client(addr: &str, transport: TransportKind) -> ParameterServerClient {
     let mut config = patient();
     config.transport.kind = transport;
-    config.transport.rdma = rdma_soft();
+    config.transport.rdma = rdma_settings();
     ParameterServerClient::new(Channel::lazy(addr, config).unwrap())
 }
 

@@ -170,7 +170,7 @@ fn incast_of_16_trainers_with_and_without_a_send_window() {
     let rdma = |window_bytes| tessera_rpc::RdmaConfig {
         soft_link_mbps: INCAST_LINK_MBPS,
         window_bytes,
-        ..trainer::rdma_soft()
+        ..tessera_rpc::TransportConfig::soft_rdma().rdma
     };
     let mut runs = vec![
         incast_run(

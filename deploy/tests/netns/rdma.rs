@@ -24,7 +24,7 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
     let port_file = |g: u32, s: u32| dir.path().join(format!("rnic-down-g{g}-s{s}"));
     let rdma = |g, s| tessera_rpc::RdmaConfig {
         soft_port_file: Some(port_file(g, s)),
-        ..trainer::rdma_soft()
+        ..tessera_rpc::TransportConfig::soft_rdma().rdma
     };
     let _servers = start_fleet(&cluster, 2, dir.path(), 5, &|g, s| PsServerConfig {
         transport: TransportKind::Rdma,
@@ -42,7 +42,7 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
             let worker = Arc::new(
                 PsClient::new(&WorkerConfig {
                     transport: TransportKind::Rdma,
-                    rdma: trainer::rdma_soft(),
+                    rdma: tessera_rpc::TransportConfig::soft_rdma().rdma,
                     fallback,
                     num_shards: 2,
                     servers: fleet(2)

@@ -17,7 +17,8 @@ use tessera_rpc::{
 use tessera_transport::pool::lookup;
 use tokio::sync::oneshot;
 
-/// Every case runs over TCP and over RDMA with the soft provider.
+/// Every case runs over TCP and over RDMA (over the provider the suite runs
+/// on: `tessera_test_support::rdma`).
 macro_rules! over_both_transports {
     ($($case:ident),* $(,)?) => {
         mod tcp {
@@ -28,11 +29,11 @@ macro_rules! over_both_transports {
                 }
             )*
         }
-        mod rdma_soft {
+        mod rdma {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    super::$case(super::TransportConfig::soft_rdma()).await;
+                    super::$case(tessera_test_support::rdma::transport()).await;
                 }
             )*
         }

@@ -426,15 +426,6 @@ impl RdmaRuntime {
         {
             engine.set_inbound_budget(budget.clone());
         }
-        // Confinement: the peer writes only through windows bound for
-        // its grants (the receive pool has no remote access of its own).
-        if rdma.confine_remote_writes {
-            let windows = (0..rdma.windows_per_connection)
-                .map(|_| self.device.alloc_window())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(failed)?;
-            engine.set_windows(windows);
-        }
         // The QP after the engine: on every early return below, locals drop
         // in reverse, so the QP (which may hold the engine's receive
         // buffers) goes before the engine that owns them.
@@ -451,6 +442,21 @@ impl RdmaRuntime {
         // INIT before the first receives: real providers (rxe, hns) refuse
         // receives on a QP in RESET.
         qp.init().map_err(failed)?;
+        // Confinement: the peer writes only through windows bound for
+        // its grants (the receive pool has no remote access of its own).
+        // Allocated after the QP they will be bound on: a process that dies
+        // without closing its connections has its verbs objects destroyed
+        // by the kernel newest first, so its windows go before its QP (rxe
+        // waits 50 s for a window still bound on a QP being destroyed, and
+        // the dying process with it). None is bound before the engine is
+        // attached, so an early return below drops them in any order.
+        if rdma.confine_remote_writes {
+            let windows = (0..rdma.windows_per_connection)
+                .map(|_| self.device.alloc_window())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(failed)?;
+            engine.set_windows(windows);
+        }
         // Receives go up before the peer can learn of them.
         if let Some(wrs) = engine.poll_recv_post() {
             qp.post_recv(&wrs).map_err(failed)?;

@@ -514,6 +514,17 @@ impl Engine {
         self.windows = Windows::new(windows);
     }
 
+    /// Deallocates the engine's memory windows, which ends their bindings:
+    /// call it before the queue pair they were bound on is destroyed. A
+    /// type-2 window bound on a QP holds a reference to it, and rxe's
+    /// `ibv_destroy_qp` waits for every reference to go, 50 s before it
+    /// gives up (with a kernel warning): every connection's close stalled
+    /// its thread that long. The engine sends nothing more through
+    /// windows afterwards (a grant then finds none free).
+    pub fn release_windows(&mut self) {
+        self.windows = Windows::default();
+    }
+
     /// The connection is set up: the peer's receives are posted (its
     /// initial credits) and what it told is known.
     pub fn peer_ready(&mut self, peer: PeerInfo, now: Instant) {

@@ -110,6 +110,14 @@ pub(crate) struct Attached {
     pub(crate) identity: Option<Arc<crate::tls::PeerIdentity>>,
 }
 
+impl Drop for Attached {
+    fn drop(&mut self) {
+        // The engine's memory windows before the QP they are bound on (the
+        // fields then drop in order: the QP, then the engine's buffers).
+        self.engine.release_windows();
+    }
+}
+
 /// A handle on one I/O driver (a thread, or a task of the runtime).
 #[derive(Clone)]
 pub(crate) struct IoThread {

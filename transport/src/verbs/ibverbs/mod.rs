@@ -35,6 +35,7 @@ use super::{
 };
 use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
 
+mod counters;
 mod cq;
 mod describe;
 mod domain;
@@ -82,6 +83,8 @@ struct Context {
     /// them as pointers (so a stale or made-up handle is refused, never
     /// dereferenced), and held while the bind is posted.
     live: Mutex<Live>,
+    /// The port's receiver-not-ready counter, where the provider has one.
+    rnr: Option<counters::PortCounter>,
 }
 
 /// What [`Context::live`] holds.
@@ -210,6 +213,7 @@ impl IbvDevice {
             limits: DeviceLimits::SOFT,
             next_vector: std::sync::atomic::AtomicU32::new(0),
             live: Mutex::new(Live::default()),
+            rnr: None,
         };
         // SAFETY: a zeroed ibv_device_attr is a valid out-parameter.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -282,6 +286,7 @@ impl IbvDevice {
                 });
             }
         }
+        context.rnr = counters::PortCounter::rnr(&context.name, port);
         Ok(Self {
             ctx: Arc::new(context),
         })
@@ -396,6 +401,10 @@ impl Device for IbvDevice {
 
     fn limits(&self) -> DeviceLimits {
         self.ctx.limits
+    }
+
+    fn rnr_events(&self) -> Option<u64> {
+        self.ctx.rnr.as_ref().map(counters::PortCounter::value)
     }
 
     fn alloc_window(&self) -> Result<Arc<dyn crate::verbs::MemoryWindow>, VerbsError> {

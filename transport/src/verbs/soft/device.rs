@@ -76,6 +76,12 @@ pub struct SoftStats {
     pub injected_qp_errors: u64,
     /// Bytes moved by the device's send queues.
     pub bytes_moved: u64,
+    /// Queue pairs destroyed while a memory window was still bound on
+    /// them. A bound type-2 window holds a reference to its QP, and rxe's
+    /// `ibv_destroy_qp` waits for it up to 50 s (then warns in the
+    /// kernel's log): the soft NIC counts and logs it instead, so the
+    /// suite catches the mistake without a real device.
+    pub qps_destroyed_with_bound_windows: u64,
 }
 
 /// The network that soft devices are attached to.
@@ -192,6 +198,7 @@ impl SoftFabric {
             rng: Mutex::new(faults.seed ^ 0x9e37_79b9_7f4a_7c15 ^ (node & 0xffff_ffff)),
             injected_qp_errors: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
+            qps_destroyed_with_bound_windows: AtomicU64::new(0),
         });
         self.inner
             .devices
@@ -340,6 +347,24 @@ impl DeviceInner {
         WcStatus::Success
     }
 
+    /// How many of this device's windows are bound on QP `qpn` now.
+    pub(crate) fn windows_bound_on(&self, qpn: u32) -> usize {
+        let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots
+            .windows
+            .iter()
+            .filter(|&&slot| {
+                let key = self.table.key_in(slot);
+                key != 0
+                    && self
+                        .table
+                        .lookup(key)
+                        .and_then(|region| region.bound)
+                        .is_some_and(|binding| binding.qpn == qpn)
+            })
+            .count()
+    }
+
     /// Runs a local invalidation of the window bound under `rkey`: a key
     /// that is not a window's current binding is a local protection
     /// error.
@@ -385,6 +410,7 @@ pub(crate) struct DeviceInner {
     rng: Mutex<u64>,
     pub(crate) injected_qp_errors: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
+    pub(crate) qps_destroyed_with_bound_windows: AtomicU64,
 }
 
 /// The watcher of a device's events.
@@ -557,6 +583,10 @@ impl SoftDevice {
             remote_access_errors: self.inner.table.remote_access_errors(),
             injected_qp_errors: self.inner.injected_qp_errors.load(Ordering::Relaxed),
             bytes_moved: self.inner.bytes_moved.load(Ordering::Relaxed),
+            qps_destroyed_with_bound_windows: self
+                .inner
+                .qps_destroyed_with_bound_windows
+                .load(Ordering::Relaxed),
         }
     }
 

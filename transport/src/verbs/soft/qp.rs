@@ -562,6 +562,22 @@ pub struct SoftQp {
 
 impl Drop for SoftQp {
     fn drop(&mut self) {
+        // As strict as rxe: a window still bound here holds the QP there,
+        // and its destruction blocks up to 50 s waiting for it.
+        if let Some(device) = self.inner.device.upgrade() {
+            let bound = device.windows_bound_on(self.inner.qpn);
+            if bound > 0 {
+                device
+                    .qps_destroyed_with_bound_windows
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    qpn = self.inner.qpn,
+                    bound,
+                    "soft NIC: a queue pair destroyed with memory windows still bound on it \
+                     (rxe blocks ibv_destroy_qp up to 50 s for that: deallocate them first)"
+                );
+            }
+        }
         // The retry engine runs nothing more on it (it waits here for a
         // retry under way): the memory its stalled requests name is the
         // owner's to free once the QP is gone.
