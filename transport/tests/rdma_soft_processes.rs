@@ -215,12 +215,25 @@ async fn a_peer_frozen_past_the_keepalive_timeout_is_declared_dead() {
         KEEPALIVE.1
     );
     let err = end.expect_err("a dead peer is an error");
-    assert!(err.to_string().contains("peer dead"), "{err}");
     let timeout = Duration::from_millis(KEEPALIVE.1);
-    // The last keepalive landed up to one interval before the stop.
+    // Never before a whole timeout of silence, as the engine saw it.
+    use tessera_transport::rdma::engine::EngineError;
+    use tessera_transport::{RdmaError, TransportError};
+    match TransportError::rdma(&err) {
+        Some(RdmaError::Engine(EngineError::PeerDead(silent))) => {
+            assert!(
+                *silent >= timeout,
+                "declared dead after {silent:?} of silence"
+            )
+        }
+        other => panic!("expected a dead peer, got {other:?} ({err})"),
+    }
+    // The last keepalive landed about an interval before the stop; two
+    // allow for a late one (the peer's timer on a loaded or emulated CPU:
+    // in the Soft-RoCE VM it came 57 ms before the stop).
     assert!(
-        waited + Duration::from_millis(KEEPALIVE.0) >= timeout,
-        "declared dead after {waited:?}, before the timeout"
+        waited + Duration::from_millis(2 * KEEPALIVE.0) >= timeout,
+        "declared dead {waited:?} after the stop, before the timeout"
     );
     // Scheduling slack: one interval plus the I/O thread's wake-up.
     assert!(

@@ -35,8 +35,18 @@ impl EngineMetrics {
         }
     }
 
-    /// Brings the metrics and the thread's totals up to `now`'s counters.
+    /// Brings the metrics and the thread's totals up to the engine's
+    /// counters, and samples its ring.
     pub(super) fn update(&mut self, engine: &Engine, totals: &IoStats) {
+        self.count(engine, totals);
+        self.ring_occupancy.record(engine.in_flight() as f64);
+    }
+
+    /// Brings the counters and the thread's totals up to the engine's: the
+    /// driver calls it before it hands the engine's events on, so that a
+    /// message the application has is counted in
+    /// [`crate::Transport::rdma_stats`].
+    pub(super) fn count(&mut self, engine: &Engine, totals: &IoStats) {
         let now = engine.stats();
         let last = std::mem::replace(&mut self.last, now);
         let sent = (now.small_sent + now.large_sent) - (last.small_sent + last.large_sent);
@@ -79,7 +89,6 @@ impl EngineMetrics {
                 total.fetch_add(delta, Ordering::Relaxed);
             }
         }
-        self.ring_occupancy.record(engine.in_flight() as f64);
         totals
             .peak_in_flight_bytes
             .fetch_max(now.peak_in_flight_bytes, Ordering::Relaxed);
