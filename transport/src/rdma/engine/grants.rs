@@ -1,0 +1,102 @@
+//! Grants of large messages the peer asks to send: a destination from the
+//! receive pool and a CTS, in arrival order, while they fit in
+//! `max_granted_bytes` and (for an accepted connection) the server's
+//! inbound budget; with confinement each one through a memory window of its
+//! own (`rdma/windows.rs`). A request that does not fit waits, unallocated.
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// How soon a request to send waiting for the server's budget is tried
+/// again when nothing else wakes the engine: 1 ms, a fraction of a large
+/// message's transfer.
+pub(super) const INBOUND_RETRY: Duration = Duration::from_millis(1);
+
+impl Engine {
+    /// Grants waiting requests to send, in order, while they fit in
+    /// `max_granted_bytes` (and the server's budget, for an accepted
+    /// connection): allocates each destination and queues its CTS. `now`
+    /// (when known) schedules a retry while the server's budget is short.
+    pub(super) fn grant_waiting(&mut self, now: Option<Instant>) -> Result<(), EngineError> {
+        self.inbound_retry = None;
+        while let Some(&(msg_id, socket, size)) = self.waiting_rts.front() {
+            let fits = self.granted_bytes + size <= self.config.max_granted_bytes
+                // One message alone is always granted (validation keeps
+                // the budget above the largest message anyway).
+                || self.incoming.is_empty();
+            // With confinement, a grant needs a window too.
+            if !fits || (self.windows.enabled() && self.windows.available() == 0) {
+                break;
+            }
+            let permit = match &self.inbound {
+                None => None,
+                Some(budget) => match budget.try_acquire(size as usize) {
+                    Some(permit) => Some(permit),
+                    None => {
+                        // Tried again at each I/O round (an engine
+                        // waiting for the budget stays on its driver's
+                        // ready list: `waits_for_budget`), or within
+                        // `INBOUND_RETRY` of `now` when the driver sleeps.
+                        self.inbound_retry = Some(now.unwrap_or_else(Instant::now) + INBOUND_RETRY);
+                        break;
+                    }
+                },
+            };
+            self.waiting_rts.pop_front();
+            let dest = Self::alloc(&self.recv_pool, size as usize)?;
+            let region = dest
+                .region()
+                .ok_or(EngineError::Unregistered("a write destination"))?;
+            let addr = dest.as_ptr() as u64;
+            // Confined: a window over exactly these bytes, on this QP,
+            // bound before the CTS (same send queue, in order) tells the
+            // peer its key.
+            let rkey = match self.windows.bind_grant(msg_id, &dest) {
+                None => region.rkey,
+                Some(Ok((bind, rkey))) => {
+                    self.push_local(bind);
+                    rkey
+                }
+                Some(Err(_)) => return Err(EngineError::Unregistered("a write destination")),
+            };
+            self.granted_bytes += size;
+            self.incoming.insert(msg_id, (socket, dest, permit));
+            self.control.push_back(Control::Cts { msg_id, addr, rkey });
+        }
+        Ok(())
+    }
+
+    /// Grants of this engine (an accepted connection's) also draw on the
+    /// server's budget of large inbound messages, `inbound.max_bytes`
+    /// shared with TCP peers; a request to send that does not fit waits.
+    pub fn set_inbound_budget(&mut self, budget: InboundBudget) {
+        self.inbound = Some(budget);
+    }
+
+    /// Whether a request to send waits for the inbound budget, which other
+    /// connections free: the driver calls [`Engine::poll_transmit`] again
+    /// at each round while it does, not only at its retry timer.
+    pub fn waits_for_budget(&self) -> bool {
+        self.inbound_retry.is_some()
+    }
+
+    /// The grants the peer holds: (message id, address, bytes, the key
+    /// its CTS carried, the key of the registered region it lies in).
+    #[cfg(test)]
+    pub(crate) fn grants(&self) -> Vec<(u32, u64, usize, u32, u32)> {
+        self.incoming
+            .iter()
+            .map(|(&msg_id, (_, buf, _))| {
+                let region = buf.region().map_or(0, |r| r.rkey);
+                let rkey = self.windows.rkey_of(msg_id).unwrap_or(region);
+                (msg_id, buf.as_ptr() as u64, buf.len(), rkey, region)
+            })
+            .collect()
+    }
+
+    /// Bytes granted to the peer for large messages now, and requests to
+    /// send waiting for budget.
+    pub fn granted(&self) -> (u64, usize) {
+        (self.granted_bytes, self.waiting_rts.len())
+    }
+}

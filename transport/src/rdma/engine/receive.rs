@@ -1,0 +1,208 @@
+//! Receives and credits (§5.4.2): the engine's own receive queue, posted
+//! whole at start and reposted in batches of d/2 as receives are consumed
+//! (credits returned to the peer), and what a receive completion brings: a
+//! small message, a control message, or a large message's WRITE_WITH_IMM.
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+impl Engine {
+    /// Receive work requests to post: the whole queue at start, then
+    /// batches of d/2 as receives are consumed.
+    pub fn poll_recv_post(&mut self) -> Option<Vec<RecvWr>> {
+        if self.failed || self.config.shared_receives {
+            return None;
+        }
+        let slots: Vec<usize> = if self.receives_posted {
+            let n = self.credits.take_repost() as usize;
+            if n == 0 {
+                return None;
+            }
+            self.consumed_slots
+                .drain(..n.min(self.consumed_slots.len()))
+                .collect()
+        } else {
+            self.receives_posted = true;
+            (0..self.recv_slots.len()).collect()
+        };
+        let size = self.recv_buffer_size();
+        let mut wrs = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let buf = match self.spare.pop() {
+                Some(buf) => buf,
+                None => match Self::alloc(&self.recv_pool, size) {
+                    Ok(buf) => buf,
+                    Err(err) => {
+                        self.fail(err);
+                        return None;
+                    }
+                },
+            };
+            let Some(wr) = recv_wr(wr_id::recv(slot), &buf) else {
+                self.fail(EngineError::Unregistered("a receive buffer"));
+                return None;
+            };
+            wrs.push(wr);
+            self.recv_slots[slot] = Some(buf);
+        }
+        Some(wrs)
+    }
+
+    pub(super) fn received(&mut self, completion: &WorkCompletion, buf: PoolBuf) -> Result<(), EngineError> {
+        if let WcKind::RecvWithImm(msg_id) = completion.kind {
+            self.recycle(buf);
+            let (socket, message, permit) = self.incoming.remove(&msg_id).ok_or_else(|| {
+                EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
+            })?;
+            self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
+            // Confined: the window dies before the message is handed on,
+            // so the peer cannot change it once the application has it.
+            let after = self
+                .windows
+                .release_grant(msg_id)
+                .map(|invalidate| self.push_local(invalidate));
+            // The server's budget stays held while the message's bytes live,
+            // as on TCP.
+            self.deliver_after(
+                socket,
+                crate::inbound::budgeted(message, [permit, None]),
+                after,
+            );
+            self.grant_waiting(None)?;
+            return Ok(());
+        }
+        // The completion's length is the peer's word: checked before any
+        // use (before, a length past the buffer was clamped for decoding
+        // but not for slicing, and the slice panicked the I/O thread).
+        let len = completion.byte_len as usize;
+        if len > buf.len() {
+            return Err(EngineError::Protocol(format!(
+                "a receive of {len} bytes into a buffer of {}",
+                buf.len()
+            )));
+        }
+        let header =
+            ControlHeader::decode(&buf[..len]).map_err(|e| EngineError::Protocol(e.to_string()))?;
+        self.credits.returned(header.credits);
+        match header.kind {
+            ControlKind::Data => {
+                let message = buf.freeze().slice(HEADER_LEN..len);
+                self.deliver(header.socket, message);
+            }
+            ControlKind::Rts { size } => {
+                self.recycle(buf);
+                if size > self.config.max_message_size {
+                    return Err(EngineError::Protocol(format!(
+                        "peer wants to send {size} bytes, above the limit of {}",
+                        self.config.max_message_size
+                    )));
+                }
+                // A message id already granted (or waiting): its buffer's
+                // address and key are the peer's, which may still write
+                // into it, so it is never replaced (and so freed); the
+                // engine fails.
+                if self.incoming.contains_key(&header.msg_id)
+                    || self.waiting_rts.iter().any(|w| w.0 == header.msg_id)
+                {
+                    return Err(EngineError::Protocol(format!(
+                        "request to send message {} again while it is granted",
+                        header.msg_id
+                    )));
+                }
+                if self.waiting_rts.len() >= MAX_WAITING_RTS {
+                    return Err(EngineError::Protocol(format!(
+                        "{MAX_WAITING_RTS} requests to send wait for budget; the peer sends more"
+                    )));
+                }
+                self.waiting_rts
+                    .push_back((header.msg_id, header.socket, size));
+                self.grant_waiting(None)?;
+            }
+            ControlKind::Cts { addr, rkey } => {
+                self.recycle(buf);
+                let socket = self.awaiting_cts.remove(&header.msg_id).ok_or_else(|| {
+                    EngineError::Protocol(format!(
+                        "clear to send for unknown message {}",
+                        header.msg_id
+                    ))
+                })?;
+                if let Some(tx) = self.sockets.get_mut(&socket)
+                    && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == header.msg_id)
+                {
+                    transfer.dest = Some((addr, rkey));
+                    self.schedule(socket);
+                }
+            }
+            ControlKind::Credit => self.recycle(buf),
+            ControlKind::Open => {
+                self.recycle(buf);
+                let socket = header.socket;
+                let theirs = match self.role {
+                    Role::Dialer => socket & ACCEPTOR_BIT != 0,
+                    Role::Acceptor => socket & ACCEPTOR_BIT == 0,
+                };
+                if !theirs || socket & !ACCEPTOR_BIT == 0 || self.open.contains(&socket) {
+                    return Err(EngineError::Protocol(format!(
+                        "peer opened socket {socket:#x}, which is not its to open"
+                    )));
+                }
+                self.open.insert(socket);
+                self.sockets.insert(socket, SocketTx::default());
+                self.events.push_back(EngineEvent::Opened(socket));
+            }
+            ControlKind::Accept => {
+                self.recycle(buf);
+                self.events.push_back(EngineEvent::Accepted(header.socket));
+            }
+            ControlKind::Refuse => {
+                self.recycle(buf);
+                self.open.remove(&header.socket);
+                self.sockets.remove(&header.socket);
+                self.events.push_back(EngineEvent::Refused(header.socket));
+            }
+            ControlKind::Close => {
+                self.recycle(buf);
+                let socket = header.socket;
+                if self.open.remove(&socket) {
+                    self.emit_ordered(EngineEvent::Closed(socket), None);
+                }
+            }
+            ControlKind::Slot { addr, rkey } => {
+                self.recycle(buf);
+                if let Some(ka) = &mut self.keepalive
+                    && ka.peer_slot.is_none()
+                {
+                    ka.peer_slot = Some((addr, rkey));
+                    ka.next_send = Some(ka.last_advance);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A receive buffer done with: kept for the next repost of this
+    /// engine's own receives, at most one per receive slot. With shared
+    /// receives the engine posts none (the I/O thread's queue allocates
+    /// its own), so the buffer goes back to the pool; keeping it, as
+    /// before, grew the pool by every control message for the life of the
+    /// connection.
+    pub(super) fn recycle(&mut self, buf: PoolBuf) {
+        if !self.config.shared_receives && self.spare.len() < self.recv_slots.len() {
+            self.spare.push(buf);
+        }
+    }
+}
+
+/// A receive of all of `buf` (pool memory), returned as `wr_id`; `None` if
+/// the buffer lies outside registered memory.
+pub(crate) fn recv_wr(wr_id: u64, buf: &PoolBuf) -> Option<RecvWr> {
+    let region = buf.region()?;
+    Some(RecvWr {
+        wr_id,
+        sge: Sge {
+            addr: buf.as_ptr() as usize,
+            len: u32::try_from(buf.len()).ok()?,
+            lkey: region.lkey,
+        },
+    })
+}
