@@ -100,7 +100,9 @@ mod sockets;
 mod types;
 
 pub use keepalive::KeepaliveConfig;
-pub use types::{EngineConfig, EngineError, EngineEvent, EngineStats, MAX_WAITING_RTS, PeerInfo, Role};
+pub use types::{
+    EngineConfig, EngineError, EngineEvent, EngineStats, MAX_WAITING_RTS, PeerInfo, Role,
+};
 
 use keepalive::{KEEPALIVE_SLOT_LEN, Keepalive};
 use large::LargeSend;
@@ -526,7 +528,6 @@ impl Engine {
             self.fail(err);
         }
     }
-
 }
 
 /// The engine's error for a failed work completion.
@@ -536,4 +537,3 @@ fn completion_error(completion: &WorkCompletion) -> EngineError {
         vendor_err: completion.vendor_err,
     }
 }
-

@@ -48,7 +48,11 @@ impl Engine {
         Some(wrs)
     }
 
-    pub(super) fn received(&mut self, completion: &WorkCompletion, buf: PoolBuf) -> Result<(), EngineError> {
+    pub(super) fn received(
+        &mut self,
+        completion: &WorkCompletion,
+        buf: PoolBuf,
+    ) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
             let (socket, message, permit) = self.incoming.remove(&msg_id).ok_or_else(|| {
