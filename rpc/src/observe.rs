@@ -23,6 +23,11 @@ pub const CLIENT_CALLS_FINISHED: &str = "tessera_rpc_client_calls_finished_total
 pub const CLIENT_ATTEMPT_DURATION: &str = "tessera_rpc_client_attempt_duration_seconds";
 /// Counter: retries started (`method`).
 pub const CLIENT_RETRIES: &str = "tessera_rpc_client_retries_total";
+/// Counter: attempts moved at once to a replica not tried yet because the
+/// failed one did no work (refused or failed dial, listener gone, server
+/// not ready or shutting down), outside the retry coin and budget
+/// (`method`).
+pub const CLIENT_REDIRECTS: &str = "tessera_rpc_client_unprocessed_redirects_total";
 /// Counter: retries not made because the budget was empty.
 pub const CLIENT_BUDGET_EXHAUSTED: &str = "tessera_rpc_client_retry_budget_exhausted_total";
 /// Counter: connections that could not be made (refused or timed out).

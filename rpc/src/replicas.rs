@@ -292,10 +292,15 @@ impl ReplicaSet {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut tried: Vec<usize> = Vec::new();
+        // Every attempt (numbered for the channel's spans and metrics), and
+        // those the retry policy counts (not the ones that did no work and
+        // moved on to another replica, see `policy::retry`).
         let mut attempt = 0u32;
+        let mut counted = 0u32;
         let mut last_error: Option<RpcError> = None;
         loop {
             attempt += 1;
+            counted += 1;
             let picked = {
                 let mut state = self.state();
                 let now = Instant::now();
@@ -437,17 +442,25 @@ impl ReplicaSet {
                 tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
                 metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
             }
+            let untried = tried.len() < self.channels.len();
             let State { budget, rng, .. } = &mut *state;
             match self
                 .policy
-                .decide(attempt, failure, safe, deadline, now, budget, rng)
+                .decide(counted, failure, safe, untried, deadline, now, budget, rng)
             {
+                RetryDecision::Redirect => {
+                    counted -= 1;
+                    metrics::counter!(crate::observe::CLIENT_REDIRECTS, "method" => method)
+                        .increment(1);
+                    tracing::debug!(attempt, replica = %addr, "did no work there; trying another replica");
+                }
                 RetryDecision::Retry => {
                     metrics::counter!(crate::observe::CLIENT_RETRIES, "method" => method)
                         .increment(1);
-                    tracing::debug!(attempt, "retrying on another replica");
+                    tracing::debug!(attempt, replica = %addr, error = ?result.as_ref().err(), "retrying on another replica");
                 }
                 RetryDecision::GiveUp(why) => {
+                    tracing::debug!(attempt, replica = %addr, why, error = ?result.as_ref().err(), "giving up");
                     if why == "retry budget exhausted" {
                         metrics::counter!(crate::observe::CLIENT_BUDGET_EXHAUSTED).increment(1);
                     }

@@ -18,6 +18,18 @@
 //! node or the path failed, not that it is busy, so the retry goes to
 //! another replica and adds no load to the failed one; the budget still
 //! caps how much retrying a client does.
+//!
+//! One kind of failure skips all of that: an attempt that did no work
+//! anywhere (a dial that failed or was refused, a listener that is gone, a
+//! request never handed to the transport, or a server that answered
+//! `Unavailable`: not ready for the shard, shutting down, starting) is
+//! moved to a replica the call has not tried yet at once and always
+//! ([`RetryDecision::Redirect`]): no coin, no token, and it does not count
+//! as an attempt. Such a failure is the replica's state, not the
+//! request's or the load's (like gRPC's transparent retry of a request the
+//! server never processed, or a primary's redirect), and it costs the
+//! other replica nothing it would not have done anyway. It is bounded by
+//! the replicas: once every replica was tried, the rules above decide.
 
 use std::time::{Duration, Instant};
 
@@ -93,9 +105,21 @@ pub enum AttemptFailure {
     Status,
 }
 
+impl AttemptFailure {
+    /// Whether the attempt did no work anywhere: never sent, or refused
+    /// unprocessed (module docs).
+    pub fn did_no_work(self) -> bool {
+        matches!(self, AttemptFailure::Connect | AttemptFailure::Refused)
+    }
+}
+
 /// What to do after a failed attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryDecision {
+    /// Try a replica not tried yet by this call, at once: the attempt did
+    /// no work (module docs). Drew no coin and no token, and does not
+    /// count as an attempt.
+    Redirect,
     /// Try again (preferably on another replica).
     Retry,
     /// Give up; the reason (for logs and metrics).
@@ -114,16 +138,19 @@ impl RetryPolicy {
         Self { config }
     }
 
-    /// Decides after attempt number `attempt` (1 for the first) failed
+    /// Decides after attempt number `attempt` (1 for the first; attempts
+    /// that ended in a [`RetryDecision::Redirect`] are not counted) failed
     /// with `failure`. `safe` says whether a second application is
     /// harmless (idempotent method, or a request id the server
-    /// deduplicates); `deadline` is the caller's.
+    /// deduplicates); `untried` whether the call has a replica it has not
+    /// tried yet; `deadline` is the caller's.
     #[allow(clippy::too_many_arguments)]
     pub fn decide(
         &self,
         attempt: u32,
         failure: AttemptFailure,
         safe: bool,
+        untried: bool,
         deadline: Instant,
         now: Instant,
         budget: &mut RetryBudget,
@@ -132,6 +159,11 @@ impl RetryPolicy {
         if failure == AttemptFailure::Status {
             return RetryDecision::GiveUp("the server answered");
         }
+        let left = deadline.saturating_duration_since(now);
+        let time_left = left >= Duration::from_millis(self.config.min_remaining_ms);
+        if failure.did_no_work() && untried && time_left {
+            return RetryDecision::Redirect;
+        }
         if attempt >= self.config.max_attempts {
             return RetryDecision::GiveUp("attempts used up");
         }
@@ -139,8 +171,7 @@ impl RetryPolicy {
         if matches!(failure, AttemptFailure::Lost | AttemptFailure::TimedOut) && !safe {
             return RetryDecision::GiveUp("not idempotent");
         }
-        let left = deadline.saturating_duration_since(now);
-        if left < Duration::from_millis(self.config.min_remaining_ms) {
+        if !time_left {
             return RetryDecision::GiveUp("deadline");
         }
         let probability = match failure {
@@ -191,8 +222,16 @@ mod tests {
             let mut share = |failure| {
                 let retried = (0..n)
                     .filter(|_| {
-                        policy.decide(1, failure, true, deadline, now, &mut budget, &mut rng)
-                            == RetryDecision::Retry
+                        policy.decide(
+                            1,
+                            failure,
+                            true,
+                            false,
+                            deadline,
+                            now,
+                            &mut budget,
+                            &mut rng,
+                        ) == RetryDecision::Retry
                     })
                     .count();
                 retried as f64 / n as f64
@@ -229,7 +268,9 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(1);
         let mut b = budget(now);
         let mut decide = |attempt, failure, safe, deadline, budget: &mut RetryBudget| {
-            sure.decide(attempt, failure, safe, deadline, now, budget, &mut rng)
+            sure.decide(
+                attempt, failure, safe, false, deadline, now, budget, &mut rng,
+            )
         };
         assert_eq!(
             decide(1, AttemptFailure::Connect, false, later, &mut b),
@@ -284,5 +325,64 @@ mod tests {
                 RetryDecision::GiveUp("retry budget exhausted"),
             ]
         );
+    }
+
+    #[test]
+    fn work_free_failures_go_to_an_untried_replica_without_coin_or_token() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        // A coin that never retries and an empty budget: only a redirect
+        // can move the call on.
+        let never = RetryPolicy::new(RetryPolicyConfig {
+            probability: 0.0,
+            connection_failure_probability: 0.0,
+            max_attempts: 1,
+            ..RetryPolicyConfig::default()
+        });
+        let mut empty = RetryBudget::new(
+            RetryBudgetConfig {
+                max_tokens: 0.0,
+                reserve_per_sec: 0.0,
+                ..RetryBudgetConfig::default()
+            },
+            now,
+        );
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut decide = |failure, safe, untried, deadline| {
+            never.decide(
+                1, failure, safe, untried, deadline, now, &mut empty, &mut rng,
+            )
+        };
+        for failure in [AttemptFailure::Connect, AttemptFailure::Refused] {
+            for safe in [false, true] {
+                assert_eq!(
+                    decide(failure, safe, true, later),
+                    RetryDecision::Redirect,
+                    "{failure:?}, safe {safe}"
+                );
+            }
+            // Every replica tried: the ordinary rules (here: one attempt).
+            assert_eq!(
+                decide(failure, true, false, later),
+                RetryDecision::GiveUp("attempts used up")
+            );
+            // No time left for it.
+            assert_eq!(
+                decide(failure, true, true, now + Duration::from_millis(1)),
+                RetryDecision::GiveUp("attempts used up")
+            );
+        }
+        // A failure that may have done work is never redirected for free.
+        for failure in [AttemptFailure::Lost, AttemptFailure::TimedOut] {
+            assert_eq!(
+                decide(failure, true, true, later),
+                RetryDecision::GiveUp("attempts used up")
+            );
+        }
+        assert_eq!(
+            decide(AttemptFailure::Status, true, true, later),
+            RetryDecision::GiveUp("the server answered")
+        );
+        assert_eq!(empty.exhausted(), 0, "no token was asked for");
     }
 }
