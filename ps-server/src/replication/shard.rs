@@ -103,7 +103,15 @@ impl ShardState {
     fn readable(&self) -> bool {
         match &self.role {
             Role::Primary { .. } => true,
-            Role::Recovering { .. } => false,
+            // A replica becoming primary serves the copy it holds while it
+            // asks the others for a fresher one (which is installed under
+            // the shard's write lock, all at once): its readers see what
+            // they saw a moment ago, where refusing them left the shard
+            // with no reader at all when the old primary was gone (a
+            // graceful restart under etcd failed Fetches for the recovery's
+            // wait on the dying server). A restarted server holds no copy
+            // yet and still answers nothing.
+            Role::Recovering { .. } => self.has_copy,
             Role::Replica(follow) => self.has_copy && !follow.syncing,
             Role::Idle => self.has_copy,
         }
@@ -268,8 +276,20 @@ mod tests {
         {
             let mut s = cell.lock();
             s.role = Role::Recovering { epoch: 5 };
+            s.has_copy = false;
         }
-        assert!(!cell.readable(), "a recovering primary answers nothing");
+        assert!(
+            !cell.readable(),
+            "a recovering primary without a complete copy answers nothing"
+        );
+        {
+            let mut s = cell.lock();
+            s.has_copy = true;
+        }
+        assert!(
+            cell.readable(),
+            "a replica becoming primary serves the copy it holds"
+        );
         {
             let mut s = cell.lock();
             s.role = Role::Idle;
