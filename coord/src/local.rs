@@ -9,6 +9,15 @@
 //! gigabytes could hold up its Raft writes for seconds, past the drills'
 //! 2 s leases (two failover drills of a clean-clone CI run saw a new
 //! primary lose its lease that way, it seems; never on a warm disk).
+//!
+//! It dies with the process that started it, even one killed with
+//! SIGKILL (no destructor runs then): it is started through util-linux's
+//! `setpriv --pdeathsig KILL` (on every Debian host: util-linux is
+//! essential), which asks the kernel to kill it when its parent goes,
+//! rather than code of ours running in the child between fork and exec.
+//! Where `setpriv` is missing it is started directly and only `Drop`
+//! stops it. The data a killed parent left under `/dev/shm` is removed by
+//! the next local etcd started on the host.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -66,11 +75,44 @@ impl MemoryDir {
         if !shm.is_dir() {
             return None;
         }
+        remove_orphans(shm);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = shm.join(format!("tessera-etcd-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).ok()?;
         Some(Self(dir))
     }
+}
+
+/// Removes the memory directories of processes that are gone (named
+/// `tessera-etcd-PID-N`; a parent killed with SIGKILL could not remove
+/// its own).
+fn remove_orphans(shm: &Path) {
+    let Ok(entries) = std::fs::read_dir(shm) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("tessera-etcd-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!(dir = %entry.path().display(), "removing the data of a local etcd whose parent is gone");
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// `setpriv`, where the host has it (module docs).
+fn setpriv() -> Option<PathBuf> {
+    ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
 }
 
 impl Drop for MemoryDir {
@@ -108,6 +150,12 @@ fn free_port() -> std::io::Result<u16> {
 impl LocalEtcd {
     /// Starts `bin` with its data and log under `dir`, and waits (at most
     /// `timeout`) until it answers.
+    ///
+    /// The kernel kills it when the *thread* that called this ends (that is
+    /// what a parent-death signal follows): call it from a thread that
+    /// lives as long as the etcd should, such as the main thread or a
+    /// runtime's worker, never from a pool thread that exits when idle
+    /// (`spawn_blocking`).
     pub fn start(bin: &Path, dir: &Path, timeout: Duration) -> Result<Self, LocalEtcdError> {
         if !bin.is_file() {
             return Err(LocalEtcdError::NotFound(bin.to_owned()));
@@ -142,7 +190,15 @@ impl LocalEtcd {
             Some(memory) => memory.0.join("data"),
             None => dir.join("data"),
         };
-        let child = Command::new(bin)
+        let mut command = match setpriv() {
+            Some(setpriv) => {
+                let mut command = Command::new(setpriv);
+                command.args(["--pdeathsig", "KILL", "--"]).arg(bin);
+                command
+            }
+            None => Command::new(bin),
+        };
+        let child = command
             .args(["--name", "tessera", "--data-dir"])
             .arg(data)
             .arg(format!("--listen-client-urls=http://{endpoint}"))

@@ -447,6 +447,95 @@ fn servers_stop_when_their_launcher_is_killed() {
     wait_until_gone(&run_dir, Duration::from_secs(15));
 }
 
+/// Pids of the processes whose command line contains `needle`.
+fn processes_with(needle: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Issue 33: the launcher's local etcd outlived a SIGKILLed launcher (its
+/// servers stopped, the etcd ran on with its data in /dev/shm). Now it
+/// stops with its launcher too, and the next launcher removes the data a
+/// killed one left.
+#[test]
+fn the_local_etcd_stops_when_its_launcher_is_killed() {
+    if !Path::new(&tessera_coord::etcd_bin(None)).is_file() {
+        eprintln!("SKIPPED the_local_etcd_stops_when_its_launcher_is_killed: no etcd binary");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "num_shards = 1\nreplica_groups = 2\nlocal_etcd = true\n\
+         [coordinator]\nkind = \"etcd\"\n[[tables]]\nname = \"emb\"\ndim = 4\n",
+    )
+    .unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_file(
+        &run_dir.join("worker.toml"),
+        &mut launcher,
+        Duration::from_secs(60),
+    );
+    // The etcd's data directory is named after its launcher's pid.
+    let marker = format!("tessera-etcd-{}-", launcher.id());
+    let etcd = processes_with(&marker);
+    assert_eq!(etcd.len(), 1, "one local etcd: {etcd:?}");
+    let data: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&marker))
+        .map(|e| e.path())
+        .collect();
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    wait_until_gone(&run_dir, Duration::from_secs(15));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !processes_with(&marker).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the local etcd {etcd:?} outlived its launcher by 15 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The next local etcd started on this host removes the data the killed
+    // launcher's left behind.
+    let next = tessera_coord::LocalEtcd::start(
+        &tessera_coord::etcd_bin(None),
+        &dir.path().join("next-etcd"),
+        Duration::from_secs(20),
+    )
+    .unwrap();
+    for path in &data {
+        assert!(!path.exists(), "{} left behind", path.display());
+    }
+    drop(next);
+}
+
 /// A SIGTERM in the middle of `tessera demo`: the cluster is stopped and
 /// the temporary directory removed.
 #[test]
