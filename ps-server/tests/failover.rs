@@ -20,8 +20,8 @@ use std::path::Path;
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::PsServerConfig;
 use tessera_rpc::{
-    ChannelConfig, RdmaConfig, RdmaProvider, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig,
-    Transport, TransportConfig, TransportKind,
+    ChannelConfig, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, Transport, TransportConfig,
+    TransportKind,
 };
 use tessera_test_support::{PsProcess, free_addr, wait_serving};
 
@@ -38,10 +38,9 @@ fn spawn_server(kind: TransportKind, dir: &std::path::Path, name: &str) -> PsPro
     let config = PsServerConfig {
         listen: free_addr(),
         transport: kind,
-        rdma: RdmaConfig {
-            provider: RdmaProvider::Soft,
-            ..RdmaConfig::default()
-        },
+        // The suite's provider, like the client's (`transport`): soft, or
+        // ibverbs in the Soft-RoCE VM.
+        rdma: tessera_test_support::rdma::config_rdma(),
         ..PsServerConfig::default()
     };
     PsProcess::spawn(
@@ -159,4 +158,92 @@ async fn tcp_a_killed_replica_under_load_fails_no_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_a_killed_replica_under_load_fails_no_call() {
     killed_replica_under_load(TransportKind::Rdma).await;
+}
+
+/// Issue 33's hole: calls outstanding on a peer that was SIGKILLed waited
+/// out their attempt timeout over RDMA (noted at issue 20). A call held by
+/// a stopped server (SIGSTOP: it reads nothing) when the server is killed
+/// now fails as soon as the transport hears of the death (the kernel
+/// closes the killed process's sockets: over RDMA the connection's TCP
+/// side channel, which the transport watches), not at its 20 s timeout
+/// nor at the RDMA keepalive's (turned off here, so that only the death
+/// itself can end the call).
+async fn a_call_held_by_a_killed_server_fails_at_once(kind: TransportKind) {
+    use nix::sys::signal::Signal;
+    let dir = tempfile::tempdir().unwrap();
+    let mut victim = spawn_server(kind, dir.path(), "victim");
+    wait_serving(&victim.addr).await;
+    let mut transport = transport(kind);
+    transport.rdma.keepalive_timeout_ms = 0;
+    let channel = tessera_rpc::Channel::connect(
+        &victim.addr,
+        ChannelConfig {
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 20_000,
+            transport,
+            ..ChannelConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let client = ParameterServerClient::new(channel);
+    let fetch = FetchRequest {
+        table: "embeddings".into(),
+        shard: 0,
+        keys: (0..64).collect(),
+    };
+    client.fetch(fetch.clone()).await.unwrap();
+    victim.signal(Signal::SIGSTOP);
+    // SIGSTOP takes effect asynchronously: wait until every thread of it
+    // is stopped (state T), or a request sent now may still be answered.
+    let pid = victim.pid().unwrap();
+    let stopped = |pid: i32| {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+            .all(|task| {
+                std::fs::read_to_string(task.path().join("stat"))
+                    .ok()
+                    .and_then(|stat| {
+                        let after = stat.rsplit_once(") ")?.1.to_owned();
+                        after.split(' ').next().map(|s| s == "T" || s == "t")
+                    })
+                    .unwrap_or(true)
+            })
+    };
+    let waiting = Instant::now();
+    while !stopped(pid) {
+        assert!(waiting.elapsed() < Duration::from_secs(10), "never stopped");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let held = tokio::spawn({
+        let client = client.clone();
+        async move { client.fetch(fetch).await }
+    });
+    // Whether the call reached the stopped server before the kill or not,
+    // it must end at once after it: both orders are covered.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    victim.kill();
+    let killed = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(15), held)
+        .await
+        .expect("the held call ended")
+        .unwrap();
+    let took = killed.elapsed();
+    eprintln!("{kind}: the held call ended {took:?} after the kill: {outcome:?}");
+    assert!(outcome.is_err(), "a killed server answered: {outcome:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "the held call ended {took:?} after the kill (its timeout is 20 s)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_call_held_by_a_killed_server_fails_at_once() {
+    a_call_held_by_a_killed_server_fails_at_once(TransportKind::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_a_call_held_by_a_killed_server_fails_at_once() {
+    a_call_held_by_a_killed_server_fails_at_once(TransportKind::Rdma).await;
 }
