@@ -478,6 +478,18 @@ async fn serve_connection(
             .await;
         }));
     }
+    // A graceful stop is done with this connection once its answers have
+    // left, not once they were handed to the transport (an RDMA engine
+    // posts them later): what a process does after its server stopped
+    // (exiting, or freeing a large store, whose allocator work held up a
+    // stopping ps-server's last answers for 25-150 ms) cannot delay or
+    // lose them. Bounded by the grace period like the requests.
+    if draining {
+        tokio::select! {
+            () = abort.cancelled() => {}
+            () = sender.flushed() => {}
+        }
+    }
 }
 
 /// Sends the answer to `request`; `going_away` marks it

@@ -53,6 +53,20 @@ impl MessageSender {
         }
     }
 
+    /// Until what was sent so far has left: over RDMA, until every message
+    /// sent on this connection has completed (the peer's NIC took it), or
+    /// the connection failed; over TCP at once (each message was written
+    /// to the kernel or sits in the connection's queue, which its writer
+    /// empties by itself even after the last sender is gone). A server
+    /// stopping gracefully awaits it before its shutdown counts as done,
+    /// so that a process exiting right after still sends its last answers.
+    pub async fn flushed(&self) {
+        match &self.inner {
+            SenderInner::Tcp(_) => {}
+            SenderInner::Rdma(socket) => socket.flushed().await,
+        }
+    }
+
     /// Whether the connection's writer has stopped (error or shutdown).
     pub fn is_closed(&self) -> bool {
         match &self.inner {

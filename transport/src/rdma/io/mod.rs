@@ -306,7 +306,11 @@ pub(crate) struct RdmaSender {
     io: IoThread,
     qpn: u32,
     socket: SocketId,
+    /// One per message that may be queued or in flight: taken by a send,
+    /// given back when its send completed.
     permits: Arc<Semaphore>,
+    /// How many there are in all.
+    depth: u32,
     _closer: Arc<SocketCloser>,
 }
 
@@ -327,6 +331,14 @@ impl RdmaSender {
 
     pub(crate) fn is_closed(&self) -> bool {
         self.permits.is_closed()
+    }
+
+    /// Until every message sent so far has completed (all permits are
+    /// back), or the socket failed (its permits are closed then).
+    pub(crate) async fn flushed(&self) {
+        if let Ok(all) = self.permits.acquire_many(self.depth).await {
+            drop(all);
+        }
     }
 }
 
@@ -366,6 +378,7 @@ fn new_socket(
         qpn,
         socket,
         permits,
+        depth: u32::try_from(depth).unwrap_or(u32::MAX),
         _closer: Arc::new(SocketCloser {
             io: io.clone(),
             qpn,
