@@ -159,7 +159,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             tracing::info!(addr = %bound, "Prometheus endpoint listening");
         }
         let server = PsServer::bind(&config).await?;
-        server.serve(tessera_rpc::shutdown_signal()).await;
+        // The process ends right after: its rows go with it, not one by one.
+        server.serve(tessera_rpc::shutdown_signal()).await.leak();
         tracing::info!("ps-server stopped");
         Ok(())
     })

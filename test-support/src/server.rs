@@ -46,9 +46,17 @@ impl InProcess {
         channel_config.transport.tls = config.tls.clone();
         let channel = Channel::lazy(addr.clone(), channel_config).unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.serve(async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(async move {
+            // The rows are freed when the test's process ends or its store
+            // handle goes (dropped here).
+            drop(
+                server
+                    .serve(async {
+                        let _ = stopped.await;
+                    })
+                    .await,
+            );
+        });
         Ok(Self {
             addr,
             grpc_addr,
