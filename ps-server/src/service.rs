@@ -149,6 +149,8 @@ impl v1::ParameterServer for PsService {
             applied: u32::try_from(outcome.applied).unwrap_or(u32::MAX),
             duplicate: outcome.duplicate,
             epoch,
+            replica_wait_ms: u32::try_from(self.replication.replica_wait().as_millis())
+                .unwrap_or(u32::MAX),
         })
     }
 

@@ -29,6 +29,14 @@
 //! primary. Pushes do not draw on the Fetch retry budget: a trainer would
 //! rather wait out a failover than drop an update, and the backoff bounds
 //! the load to one attempt per 200 ms per outstanding Push.
+//!
+//! A primary that acknowledges only once its replicas applied a Push holds
+//! it up to its `replica_timeout_ms` for a replica that stopped confirming,
+//! then cuts the replica off and acknowledges. Every Push answer says how
+//! long that may be (`replica_wait_ms`), and each attempt gets it on top of
+//! `request_timeout_ms`: a worker whose request timeout is below the
+//! servers' replica timeout no longer gives up on the first Push after a
+//! replica died, and sends it again while the primary is still waiting.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,6 +59,10 @@ struct Known {
 
 /// Every shard's primary as this worker knows it (module docs).
 pub struct Primaries {
+    /// The longest wait for a replica any primary said it may hold a
+    /// Push for (`PushResponse.replica_wait_ms`): each attempt gets it on
+    /// top of the attempt timeout.
+    replica_wait_ms: std::sync::atomic::AtomicU64,
     known: Vec<Mutex<Known>>,
     /// Woken whenever a shard's primary is learned: Pushes waiting out a
     /// backoff go to it at once.
@@ -97,6 +109,7 @@ impl Primaries {
         connect: Connect,
     ) -> Self {
         Self {
+            replica_wait_ms: std::sync::atomic::AtomicU64::new(0),
             known: initial
                 .into_iter()
                 .map(|addr| Mutex::new(Known { addr, epoch: 0 }))
@@ -163,6 +176,16 @@ impl Primaries {
         Some(client)
     }
 
+    /// What a Push attempt gets on top of its attempt timeout: the longest
+    /// wait for a replica a primary said it may hold a Push for (zero
+    /// until a primary answered).
+    pub fn replica_wait(&self) -> Duration {
+        Duration::from_millis(
+            self.replica_wait_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
     /// The server of `shard` after `addr`, round the shard's servers.
     fn next_host(&self, shard: u32, addr: &str) -> String {
         let Some(hosts) = self.hosts.get(shard as usize).filter(|h| !h.is_empty()) else {
@@ -198,9 +221,14 @@ impl Primaries {
                     RpcError::NoReplica(format!("{target} is not configured")),
                 ));
             };
-            let options = CallOptions::with_timeout(remaining.min(attempt_timeout)).deduplicated();
+            let attempt = attempt_timeout.saturating_add(self.replica_wait());
+            let options = CallOptions::with_timeout(remaining.min(attempt)).deduplicated();
             let error = match client.push_with_options(request.clone(), &options).await {
                 Ok(answer) => {
+                    self.replica_wait_ms.fetch_max(
+                        u64::from(answer.replica_wait_ms),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
                     self.learn(shard, &target, answer.epoch);
                     return Ok((target, answer));
                 }

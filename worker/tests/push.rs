@@ -163,3 +163,126 @@ async fn a_worker_listing_one_group_pushes_to_primaries_it_does_not_list() {
     }
     cluster.stop().await;
 }
+
+/// A primary that answers the first Push at once, saying it may hold a
+/// Push 800 ms for a replica, and the second only after 600 ms (a replica
+/// stopped confirming); any later one is a repeat of an applied Push.
+struct SlowAckPrimary {
+    pushes: std::sync::atomic::AtomicU64,
+}
+
+impl tessera_proto::v1::ParameterServer for SlowAckPrimary {
+    async fn fetch(
+        &self,
+        _: tessera_rpc::RequestContext,
+        _: tessera_proto::v1::FetchRequest,
+    ) -> Result<tessera_proto::v1::FetchResponse, tessera_rpc::Status> {
+        Err(tessera_rpc::Status::unimplemented("push only"))
+    }
+
+    async fn push(
+        &self,
+        _: tessera_rpc::RequestContext,
+        _: tessera_proto::v1::PushRequest,
+    ) -> Result<tessera_proto::v1::PushResponse, tessera_rpc::Status> {
+        let n = self
+            .pushes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        if n == 2 {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
+        Ok(tessera_proto::v1::PushResponse {
+            applied: 1,
+            duplicate: n > 2,
+            epoch: 1,
+            replica_wait_ms: 800,
+        })
+    }
+
+    async fn health(
+        &self,
+        _: tessera_rpc::RequestContext,
+        _: tessera_proto::v1::HealthRequest,
+    ) -> Result<tessera_proto::v1::HealthResponse, tessera_rpc::Status> {
+        Err(tessera_rpc::Status::unimplemented("push only"))
+    }
+}
+
+/// Issue 33: a worker whose request timeout (300 ms here) is below the
+/// servers' replica timeout gave up on the first Push after a replica
+/// died while the primary was still waiting the replica out, and sent it
+/// again (a burned attempt, answered as a duplicate). Now every Push
+/// answer says how long the primary may wait (`replica_wait_ms`), and each
+/// attempt gets that on top: the slow Push is one attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_held_for_a_replica_is_not_given_up_and_sent_again() {
+    use std::sync::Arc;
+    use tessera_proto::v1::{ParameterServerClient, ParameterServerServer, PushRequest};
+    use tessera_rpc::{Channel, ChannelConfig, Server, ServerConfig};
+    use tessera_worker::primary::Primaries;
+
+    let primary = Arc::new(SlowAckPrimary {
+        pushes: std::sync::atomic::AtomicU64::new(0),
+    });
+    let server = Server::builder(ServerConfig::default())
+        .add_service(ParameterServerServer::from_arc(Arc::clone(&primary)))
+        .unwrap()
+        .bind("127.0.0.1:0")
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+    let serving = tokio::spawn(server.serve_with_shutdown(std::future::pending()));
+    let client = |addr: &str| {
+        ParameterServerClient::new(
+            Channel::lazy(
+                addr,
+                ChannelConfig {
+                    connect_timeout_ms: 2000,
+                    request_timeout_ms: 10_000,
+                    ..ChannelConfig::default()
+                },
+            )
+            .unwrap(),
+        )
+    };
+    let primaries = Primaries::new(
+        vec![addr.clone()],
+        vec![vec![addr.clone()]],
+        [(addr.clone(), client(&addr))].into_iter().collect(),
+        Box::new(client),
+    );
+    let request = PushRequest {
+        table: "emb".into(),
+        shard: 0,
+        worker_id: 7,
+        sequence: 1,
+        ..PushRequest::default()
+    };
+    let attempt_timeout = Duration::from_millis(300);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (_, first) = primaries
+        .push(&request, attempt_timeout, deadline)
+        .await
+        .unwrap();
+    assert_eq!(first.replica_wait_ms, 800);
+    assert_eq!(primaries.replica_wait(), Duration::from_millis(800));
+    let second = PushRequest {
+        sequence: 2,
+        ..request
+    };
+    let (_, answer) = primaries
+        .push(&second, attempt_timeout, deadline)
+        .await
+        .unwrap();
+    assert!(
+        !answer.duplicate,
+        "the slow Push was given up on and sent again"
+    );
+    assert_eq!(
+        primary.pushes.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "one attempt per Push"
+    );
+    serving.abort();
+}

@@ -267,6 +267,17 @@ impl Replication {
         self.cells.values().all(ShardCell::readable)
     }
 
+    /// The longest a Push may wait for a replica that stopped confirming
+    /// before it is acknowledged: `replica_timeout_ms` when Pushes wait
+    /// for the replicas, zero when they do not (told to clients in every
+    /// Push answer, `PushResponse.replica_wait_ms`).
+    pub fn replica_wait(&self) -> std::time::Duration {
+        match self.ack {
+            AckMode::Replicas => self.replica_timeout,
+            AckMode::Primary => std::time::Duration::ZERO,
+        }
+    }
+
     /// Whether this server takes Pushes for `shard` (as its primary).
     pub fn is_primary(&self, shard: u32) -> bool {
         self.cell(shard)
