@@ -285,6 +285,16 @@ async fn status(
     } else {
         print!("{}", tessera_deploy::status::format_table(&statuses));
     }
+    // A failing checkpoint does not stop serving (the exit status says
+    // whether every server serves), but it is said.
+    for s in &statuses {
+        if let Some(error) = s.checkpoint.as_ref().and_then(|c| c.last_error.as_ref()) {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("warning: {}: checkpoints failing: {error}", s.address);
+            }
+        }
+    }
     let bad = statuses
         .iter()
         .filter(|s| !s.reachable || !s.serving)

@@ -70,6 +70,56 @@ pub struct ServerStatus {
     pub coordinator: Option<String>,
     /// Every hosted shard.
     pub shard_health: Vec<ShardStatus>,
+    /// Its checkpoints; `None` without a checkpoint directory (or when it
+    /// did not answer).
+    pub checkpoint: Option<CheckpointStatus>,
+}
+
+/// How a server's checkpoints are going.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CheckpointStatus {
+    /// The checkpoint directory.
+    pub dir: String,
+    /// How long ago the last save succeeded; `None`: none since it started.
+    pub last_success_age_ms: Option<u64>,
+    /// Why the last save failed (path and cause), until one succeeds.
+    pub last_error: Option<String>,
+    /// Saves failed in a row.
+    pub consecutive_failures: u32,
+    /// A save is running.
+    pub saving: bool,
+}
+
+impl CheckpointStatus {
+    fn of(health: &tessera_proto::v1::CheckpointHealth) -> Self {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Self {
+            dir: health.dir.clone(),
+            last_success_age_ms: (health.last_success_unix_ms > 0)
+                .then(|| now.saturating_sub(health.last_success_unix_ms)),
+            last_error: (!health.last_error.is_empty()).then(|| health.last_error.clone()),
+            consecutive_failures: health.consecutive_failures,
+            saving: health.saving,
+        }
+    }
+
+    /// The table's cell: `FAILING` first, so that it stands out.
+    fn cell(&self) -> String {
+        let last = self
+            .last_success_age_ms
+            .map_or("none yet".to_owned(), |ms| format!("{} s ago", ms / 1000));
+        match &self.last_error {
+            Some(error) => format!(
+                "FAILING x{} (last ok: {last}): {}",
+                self.consecutive_failures,
+                error.replace('|', "/")
+            ),
+            None if self.saving => format!("saving (last ok: {last})"),
+            None => format!("ok: {last}"),
+        }
+    }
 }
 
 impl ServerStatus {
@@ -86,6 +136,7 @@ impl ServerStatus {
             transport: None,
             coordinator: None,
             shard_health: Vec::new(),
+            checkpoint: None,
         }
     }
 }
@@ -161,6 +212,7 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
         transport: (!health.transport.is_empty()).then(|| health.transport.clone()),
         coordinator: (!health.coordinator.is_empty()).then(|| health.coordinator.clone()),
         shard_health: health.shard_health.iter().map(shard_status).collect(),
+        checkpoint: health.checkpoint.as_ref().map(CheckpointStatus::of),
     }
 }
 
@@ -182,13 +234,13 @@ pub fn addresses_of_run_dir(dir: &Path) -> Result<Vec<String>, tessera_config::C
 pub fn format_table(statuses: &[ServerStatus]) -> String {
     use std::fmt::Write as _;
     let mut out = String::from(
-        "| server | state | group | shards | primary of | epochs | transport | replication |\n|---|---|---:|---|---|---|---|---|\n",
+        "| server | state | group | shards | primary of | epochs | transport | replication | checkpoint |\n|---|---|---:|---|---|---|---|---|---|\n",
     );
     for s in statuses {
         if !s.reachable {
             let _ = writeln!(
                 out,
-                "| {} | UNREACHABLE | - | - | - | - | - | {} |",
+                "| {} | UNREACHABLE | - | - | - | - | - | {} | - |",
                 s.address,
                 s.error.as_deref().unwrap_or("")
             );
@@ -236,7 +288,7 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
             .join("; ");
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.address,
             s.state,
             s.replica_group.map_or("-".to_owned(), |g| g.to_string()),
@@ -249,7 +301,71 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
             } else {
                 &replication
             },
+            s.checkpoint
+                .as_ref()
+                .map_or("-".to_owned(), CheckpointStatus::cell),
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serving(checkpoint: Option<CheckpointStatus>) -> ServerStatus {
+        ServerStatus {
+            address: "10.0.0.1:7000".into(),
+            reachable: true,
+            error: None,
+            state: "SERVING".into(),
+            serving: true,
+            replica_group: Some(0),
+            shards: vec![0],
+            primary_of: vec![0],
+            transport: Some("tcp".into()),
+            coordinator: Some("static".into()),
+            shard_health: Vec::new(),
+            checkpoint,
+        }
+    }
+
+    #[test]
+    fn a_failing_checkpoint_shows_in_the_table_with_its_cause() {
+        let failing = CheckpointStatus {
+            dir: "/var/lib/tessera".into(),
+            last_success_age_ms: Some(42_000),
+            last_error: Some(
+                "/var/lib/tessera/LATEST.tmp: No space left on device (os error 28)".into(),
+            ),
+            consecutive_failures: 3,
+            saving: false,
+        };
+        let table = format_table(&[
+            serving(Some(failing)),
+            serving(None),
+            ServerStatus::unreachable("10.0.0.2:7000", "refused".into()),
+        ]);
+        let rows: Vec<&str> = table.lines().collect();
+        assert!(rows[0].ends_with("| checkpoint |"), "{table}");
+        assert!(
+            rows[2].ends_with(
+                "| FAILING x3 (last ok: 42 s ago): /var/lib/tessera/LATEST.tmp: No space left on device (os error 28) |"
+            ),
+            "{table}"
+        );
+        assert!(
+            rows[3].ends_with("| - |"),
+            "no checkpoint directory: {table}"
+        );
+        assert!(rows[4].ends_with("| - |"), "{table}");
+        let ok = CheckpointStatus {
+            dir: "/d".into(),
+            last_success_age_ms: None,
+            last_error: None,
+            consecutive_failures: 0,
+            saving: true,
+        };
+        assert_eq!(ok.cell(), "saving (last ok: none yet)");
+    }
 }

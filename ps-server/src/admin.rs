@@ -21,7 +21,9 @@ pub struct AdminService {
     checkpoints: Option<Arc<Checkpointer>>,
 }
 
-/// Saves checkpoints of a store, one at a time.
+/// Saves checkpoints of a store, one at a time, and remembers how the
+/// last ones went (for Health: a full or read-only disk shows there until
+/// a save succeeds again).
 #[derive(Debug)]
 pub struct Checkpointer {
     store: Arc<Store>,
@@ -29,16 +31,68 @@ pub struct Checkpointer {
     keep: usize,
     /// Held for the whole of a save, by the blocking task doing it.
     running: Arc<tokio::sync::Mutex<()>>,
+    outcomes: std::sync::Mutex<v1::CheckpointHealth>,
+}
+
+fn unix_ms(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl Checkpointer {
     /// Checkpoints of `store` under `dir`, keeping the newest `keep`.
     pub fn new(store: Arc<Store>, dir: PathBuf, keep: usize) -> Self {
+        let outcomes = std::sync::Mutex::new(v1::CheckpointHealth {
+            dir: dir.display().to_string(),
+            ..v1::CheckpointHealth::default()
+        });
         Self {
             store,
             dir,
             keep,
             running: Arc::new(tokio::sync::Mutex::new(())),
+            outcomes,
+        }
+    }
+
+    /// How the checkpoints are going (Health's `checkpoint`).
+    pub fn health(&self) -> v1::CheckpointHealth {
+        let mut health = self
+            .outcomes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        health.saving = self.saving();
+        health
+    }
+
+    /// Records the outcome of a save; a failure is logged with its path
+    /// and cause (saves are rare: at most one a period, or on demand).
+    fn record(&self, outcome: &Result<checkpoint::CheckpointInfo, CheckpointError>) {
+        let now = unix_ms(std::time::SystemTime::now());
+        let mut health = self
+            .outcomes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match outcome {
+            Ok(info) => {
+                health.last_success_unix_ms = now;
+                health.last_success_path = info.path.display().to_string();
+                health.last_error.clear();
+                health.consecutive_failures = 0;
+            }
+            Err(err) => {
+                metrics::counter!("tessera_ps_checkpoint_failures_total").increment(1);
+                health.last_failure_unix_ms = now;
+                health.last_error = err.to_string();
+                health.consecutive_failures = health.consecutive_failures.saturating_add(1);
+                tracing::warn!(
+                    dir = %self.dir.display(),
+                    %err,
+                    failures_in_a_row = health.consecutive_failures,
+                    "checkpoint failed; serving and replication go on, the next save retries"
+                );
+            }
         }
     }
 
@@ -49,17 +103,19 @@ impl Checkpointer {
     pub async fn save(&self) -> Result<checkpoint::CheckpointInfo, CheckpointError> {
         let one_at_a_time = Arc::clone(&self.running).lock_owned().await;
         let (store, dir, keep) = (Arc::clone(&self.store), self.dir.clone(), self.keep);
-        tokio::task::spawn_blocking(move || {
+        let outcome = tokio::task::spawn_blocking(move || {
             let _one_at_a_time = one_at_a_time;
             checkpoint::save(&store, &dir, keep)
         })
         .await
         .unwrap_or_else(|join| {
             Err(CheckpointError::Io {
-                path: PathBuf::new(),
+                path: self.dir.clone(),
                 source: std::io::Error::other(join.to_string()),
             })
-        })
+        });
+        self.record(&outcome);
+        outcome
     }
 }
 

@@ -241,7 +241,6 @@ pub fn save(store: &Store, dir: &Path, keep: usize) -> Result<CheckpointInfo, Ch
             Ok(CheckpointInfo { path, rows, bytes })
         }
         Err(err) => {
-            metrics::counter!("tessera_ps_checkpoint_failures_total").increment(1);
             if let Err(cleanup) = fs::remove_dir_all(&tmp)
                 && cleanup.kind() != std::io::ErrorKind::NotFound
             {

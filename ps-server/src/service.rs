@@ -46,17 +46,22 @@ pub struct PsService {
     coordinator: &'static str,
     /// The configured transport, as Health reports it.
     transport: &'static str,
+    /// The checkpoints, as Health reports them.
+    checkpoints: Option<Arc<crate::admin::Checkpointer>>,
 }
 
 impl PsService {
-    /// A service over `store`, reporting `replica_group` and the
-    /// `coordinator` kind in Health.
+    /// A service over `store`, reporting `replica_group`, the
+    /// `coordinator` kind, the transport and how the checkpoints go
+    /// (`checkpoints`, when the server has a checkpoint directory) in
+    /// Health.
     pub fn new(
         store: Arc<Store>,
         replica_group: u32,
         replication: Arc<Replication>,
         coordinator: &'static str,
         transport: &'static str,
+        checkpoints: Option<Arc<crate::admin::Checkpointer>>,
     ) -> Self {
         Self {
             store,
@@ -64,6 +69,7 @@ impl PsService {
             replication,
             coordinator,
             transport,
+            checkpoints,
         }
     }
 }
@@ -184,6 +190,7 @@ impl v1::ParameterServer for PsService {
                 Mode::Inference => v1::Mode::Inference,
             } as i32,
             tables,
+            checkpoint: self.checkpoints.as_ref().map(|c| c.health()),
         })
     }
 }
