@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod soak;
 pub mod status;
 
 pub use cluster::{Cluster, LaunchError};
