@@ -272,6 +272,12 @@ fn admin_calls_report_health_stats_and_save_a_checkpoint() {
 /// directory every server's `--config` is in).
 fn processes_mentioning(path: &Path) -> Vec<i32> {
     let needle = path.to_string_lossy().into_owned();
+    processes_where(|cmdline| cmdline.contains("ps-server") && cmdline.contains(&needle))
+}
+
+/// Pids of the processes whose command line (arguments joined by spaces)
+/// satisfies `wanted`.
+fn processes_where(wanted: impl Fn(&str) -> bool) -> Vec<i32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = entry
@@ -284,8 +290,7 @@ fn processes_mentioning(path: &Path) -> Vec<i32> {
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
             continue;
         };
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if cmdline.contains("ps-server") && cmdline.contains(&needle) {
+        if wanted(&String::from_utf8_lossy(&cmdline).replace('\0', " ")) {
             found.push(pid);
         }
     }
@@ -449,23 +454,7 @@ fn servers_stop_when_their_launcher_is_killed() {
 
 /// Pids of the processes whose command line contains `needle`.
 fn processes_with(needle: &str) -> Vec<i32> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        if String::from_utf8_lossy(&cmdline).contains(needle) {
-            found.push(pid);
-        }
-    }
-    found
+    processes_where(|cmdline| cmdline.contains(needle))
 }
 
 /// Issue 33: the launcher's local etcd outlived a SIGKILLed launcher (its

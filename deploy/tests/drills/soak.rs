@@ -118,6 +118,36 @@ fn longest_stall(steps: &[Step], from: Instant, to: Instant) -> Duration {
     longest
 }
 
+/// A fault's window as applied: its kind, when it started and ended, and
+/// whether it waited for its shard.
+type Window = (FaultKind, Instant, Instant, bool);
+
+/// Ends, in time order, every fault of `pending` (end time, index in the
+/// schedule) due by `until`, each once its time has come; notes when it
+/// ended in its window.
+async fn end_due(
+    cluster: &mut Cluster,
+    schedule: &Schedule,
+    pending: &mut Vec<(Instant, usize)>,
+    windows: &mut [Window],
+    until: Instant,
+) {
+    pending.sort_by_key(|p| p.0);
+    while let Some(&(at, ended)) = pending.first().filter(|p| p.0 <= until) {
+        tokio::time::sleep_until(at.into()).await;
+        let fault = &schedule.faults[ended];
+        match fault.kind {
+            FaultKind::PauseServer => cluster.signal(fault.target, Signal::SIGCONT),
+            FaultKind::KillServer | FaultKind::RestartServer => {
+                cluster.restart(fault.target).unwrap();
+            }
+            _ => unreachable!("not drawn"),
+        }
+        windows[ended].2 = Instant::now();
+        pending.remove(0);
+    }
+}
+
 async fn soak(transport: TransportKind) {
     let _alone = ONE_AT_A_TIME.lock().await;
     let seed = soak_seed();
@@ -167,23 +197,11 @@ async fn soak(transport: TransportKind) {
     // actually started (a destructive one may wait for its shard).
     let started = Instant::now();
     let mut pending: Vec<(Instant, usize)> = Vec::new();
-    let mut windows: Vec<(FaultKind, Instant, Instant, bool)> = Vec::new();
-    let end_fault = |cluster: &mut Cluster, kind: FaultKind, target: usize| match kind {
-        FaultKind::PauseServer => cluster.signal(target, Signal::SIGCONT),
-        FaultKind::KillServer | FaultKind::RestartServer => cluster.restart(target).unwrap(),
-        _ => unreachable!("not drawn"),
-    };
+    let mut windows: Vec<Window> = Vec::new();
     for (index, fault) in schedule.faults.iter().enumerate() {
         let due = started + fault.at;
         // Ends that fall before this start come first.
-        pending.sort_by_key(|p| p.0);
-        while let Some(&(at, ended)) = pending.first().filter(|p| p.0 <= due) {
-            tokio::time::sleep_until(at.into()).await;
-            let f = &schedule.faults[ended];
-            end_fault(&mut cluster, f.kind, f.target);
-            windows[ended].2 = Instant::now();
-            pending.remove(0);
-        }
+        end_due(&mut cluster, &schedule, &mut pending, &mut windows, due).await;
         tokio::time::sleep_until(due.into()).await;
         let shard = cluster.servers()[fault.target].shard;
         let mut deferred = false;
@@ -193,13 +211,14 @@ async fn soak(transport: TransportKind) {
                 deferred = true;
                 // Faults due to end meanwhile end (the other copy may be
                 // the one a pending restart brings back).
-                pending.sort_by_key(|p| p.0);
-                while let Some(&(at, ended)) = pending.first().filter(|p| p.0 <= Instant::now()) {
-                    let f = &schedule.faults[ended];
-                    end_fault(&mut cluster, f.kind, f.target);
-                    windows[ended].2 = Instant::now().max(at);
-                    pending.remove(0);
-                }
+                end_due(
+                    &mut cluster,
+                    &schedule,
+                    &mut pending,
+                    &mut windows,
+                    Instant::now(),
+                )
+                .await;
                 if waiting.elapsed() > Duration::from_secs(60) {
                     let mut seen = Vec::new();
                     for server in cluster.servers().iter().filter(|s| s.shard == shard) {
@@ -234,13 +253,8 @@ async fn soak(transport: TransportKind) {
         windows.push((fault.kind, at, at + fault.hold, deferred));
         pending.push((at + fault.hold, index));
     }
-    pending.sort_by_key(|p| p.0);
-    for (at, ended) in pending.drain(..) {
-        tokio::time::sleep_until(at.into()).await;
-        let f = &schedule.faults[ended];
-        end_fault(&mut cluster, f.kind, f.target);
-        windows[ended].2 = Instant::now();
-    }
+    let last = pending.iter().map(|p| p.0).max().unwrap_or(started);
+    end_due(&mut cluster, &schedule, &mut pending, &mut windows, last).await;
     // The quiet tail: the cluster settles under load.
     tokio::time::sleep_until((started + duration).into()).await;
     let (records, steps) = trainer.stop().await;
