@@ -15,6 +15,7 @@ use etcd_client::{
 };
 
 use crate::config::CoordinatorConfig;
+use crate::endpoints::Members;
 use crate::keys::{Keys, MemberRecord, PrimaryRecord};
 
 /// Why a coordinator operation failed.
@@ -66,7 +67,7 @@ pub struct PrimaryChange {
 /// A client of the etcd that coordinates one cluster.
 #[derive(Clone)]
 pub struct EtcdCoordinator {
-    client: Client,
+    members: Members,
     keys: Keys,
     endpoints: String,
     timeout: Duration,
@@ -103,9 +104,9 @@ impl EtcdCoordinator {
             // A stream through a dead path errors within two seconds.
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(1))
             .with_keep_alive_while_idle(true);
-        let client = within(timeout, &endpoints, Client::connect(urls, Some(options))).await?;
+        let members = Members::connect(&urls, endpoints.clone(), timeout, options).await?;
         Ok(Self {
-            client,
+            members,
             keys: Keys::new(&config.cluster),
             endpoints,
             timeout,
@@ -117,18 +118,21 @@ impl EtcdCoordinator {
         &self.keys
     }
 
-    async fn call<T>(
-        &self,
-        call: impl Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T, CoordError> {
-        within(self.timeout, &self.endpoints, call).await
+    /// Runs `call` on a member that answers ([`Members::call`]).
+    async fn call<T, F, Fut>(&self, call: F) -> Result<T, CoordError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.members.call(call).await
     }
 
     /// A new lease of `ttl_secs`; returns its id and the TTL etcd granted
     /// (it raises TTLs below its minimum).
     pub async fn grant_lease(&self, ttl_secs: i64) -> Result<(i64, Duration), CoordError> {
-        let mut lease = self.client.lease_client();
-        let granted = self.call(lease.grant(ttl_secs, None)).await?;
+        let granted = self
+            .call(|mut c| async move { c.lease_grant(ttl_secs, None).await })
+            .await?;
         Ok((
             granted.id(),
             Duration::from_secs(granted.ttl().max(0) as u64),
@@ -141,8 +145,10 @@ impl EtcdCoordinator {
     /// keys are gone), so a revocation whose answer was lost can be tried
     /// again.
     pub async fn revoke_lease(&self, lease: i64) -> Result<(), CoordError> {
-        let mut client = self.client.lease_client();
-        match self.call(client.revoke(lease)).await {
+        match self
+            .call(|mut c| async move { c.lease_revoke(lease).await })
+            .await
+        {
             Ok(_) => Ok(()),
             Err(CoordError::Etcd {
                 source: etcd_client::Error::GRpcStatus(status),
@@ -154,15 +160,17 @@ impl EtcdCoordinator {
 
     /// Whether `lease` still exists.
     pub async fn lease_alive(&self, lease: i64) -> Result<bool, CoordError> {
-        let mut client = self.client.lease_client();
-        let answer = self.call(client.time_to_live(lease, None)).await?;
+        let answer = self
+            .call(|mut c| async move { c.lease_time_to_live(lease, None).await })
+            .await?;
         Ok(answer.ttl() > 0)
     }
 
     /// Opens a keep-alive stream for `lease`.
     pub async fn keep_alive(&self, lease: i64) -> Result<LeaseKeepAlive, CoordError> {
-        let mut client = self.client.lease_client();
-        let (keeper, stream) = self.call(client.keep_alive(lease)).await?;
+        let (keeper, stream) = self
+            .call(|mut c| async move { c.lease_keep_alive(lease).await })
+            .await?;
         Ok(LeaseKeepAlive {
             keeper,
             stream,
@@ -178,24 +186,26 @@ impl EtcdCoordinator {
             key: self.keys.member(&member.address),
             source,
         })?;
-        let mut kv = self.client.kv_client();
-        self.call(kv.put(
-            self.keys.member(&member.address),
-            value,
-            Some(PutOptions::new().with_lease(lease)),
-        ))
+        let key = self.keys.member(&member.address);
+        self.call(|mut c| {
+            let (key, value) = (key.clone(), value.clone());
+            async move {
+                c.put(key, value, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
+        })
         .await
         .map(|_| ())
     }
 
     /// Every live member.
     pub async fn members(&self) -> Result<Vec<MemberRecord>, CoordError> {
-        let mut kv = self.client.kv_client();
+        let prefix = self.keys.members_prefix();
         let found = self
-            .call(kv.get(
-                self.keys.members_prefix(),
-                Some(GetOptions::new().with_prefix()),
-            ))
+            .call(|mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
             .await?;
         found
             .kvs()
@@ -207,12 +217,12 @@ impl EtcdCoordinator {
     /// Every shard's primary now with the lease its key is on, and the
     /// revision they were read at (to watch from).
     pub async fn primaries(&self) -> Result<(HashMap<u32, (PrimaryRecord, i64)>, i64), CoordError> {
-        let mut kv = self.client.kv_client();
+        let prefix = self.keys.shards_prefix();
         let found = self
-            .call(kv.get(
-                self.keys.shards_prefix(),
-                Some(GetOptions::new().with_prefix()),
-            ))
+            .call(|mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
             .await?;
         let revision = found.header().map_or(0, |h| h.revision());
         let mut out = HashMap::new();
@@ -241,8 +251,12 @@ impl EtcdCoordinator {
         floor: u64,
     ) -> Result<Option<u64>, CoordError> {
         let (primary_key, epoch_key) = (self.keys.primary(shard), self.keys.epoch(shard));
-        let mut kv = self.client.kv_client();
-        let current = self.call(kv.get(epoch_key.clone(), None)).await?;
+        let current = self
+            .call(|mut c| {
+                let key = epoch_key.clone();
+                async move { c.get(key, None).await }
+            })
+            .await?;
         let (last, epoch_revision) = match current.kvs().first() {
             Some(kv) => (
                 String::from_utf8_lossy(kv.value())
@@ -283,7 +297,12 @@ impl EtcdCoordinator {
             ])
             // Who holds it instead.
             .or_else([TxnOp::get(primary_key, None)]);
-        let answer = self.call(kv.txn(txn)).await?;
+        let answer = self
+            .call(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
         if answer.succeeded() {
             return Ok(Some(epoch));
         }
@@ -305,19 +324,26 @@ impl EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
             .and_then([TxnOp::delete(key, None)]);
-        let mut kv = self.client.kv_client();
-        self.call(kv.txn(txn)).await.map(|_| ())
+        self.call(|mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await
+        .map(|_| ())
     }
 
     /// Watches every shard's primary key from `revision` on (the one
     /// [`EtcdCoordinator::primaries`] returned, plus one).
     pub async fn watch_primaries(&self, revision: i64) -> Result<PrimaryWatch, CoordError> {
-        let mut watch = self.client.watch_client();
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision);
+        let prefix = self.keys.shards_prefix();
         let stream = self
-            .call(watch.watch(self.keys.shards_prefix(), Some(options)))
+            .call(|mut c| {
+                let prefix = prefix.clone();
+                let options = WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision);
+                async move { c.watch(prefix, Some(options)).await }
+            })
             .await?;
         Ok(PrimaryWatch {
             stream,
@@ -413,7 +439,7 @@ fn decode<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Result<T,
     })
 }
 
-async fn within<T>(
+pub(crate) async fn within<T>(
     timeout: Duration,
     endpoints: &str,
     call: impl Future<Output = Result<T, etcd_client::Error>>,

@@ -23,11 +23,13 @@
 //! [`CoordinatorConfig`], the [`keys`] layout and the records stored under
 //! them, [`EtcdCoordinator`], a thin client over `etcd-client` for the
 //! operations Tessera needs (leases, the campaign transaction, primaries
-//! and their watch, members), and [`LocalEtcd`], one etcd process for a
-//! one-host cluster or a test. The decisions (when to campaign, fencing,
+//! and their watch, members; each call fails over between the etcd
+//! members, see `endpoints.rs`), and [`LocalEtcd`], a local etcd of one
+//! or three members for a one-host cluster, a test or a drill. The decisions (when to campaign, fencing,
 //! recovery) are the ps-server's.
 
 mod config;
+mod endpoints;
 mod etcd;
 pub mod keys;
 mod local;

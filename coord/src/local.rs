@@ -1,6 +1,9 @@
-//! A local etcd process: one member on a loopback port, its log in a
-//! directory of the caller's, for a one-host cluster (`tessera up` with
-//! `local_etcd`) and for tests. Stopped when dropped.
+//! A local etcd: one member (or three, five, seven) on loopback ports,
+//! its logs in a directory of the caller's, for a one-host cluster
+//! (`tessera up` with `local_etcd`) and for tests; members can be killed
+//! and restarted, and the leader found, for drills. Stopped when dropped.
+//! (etcd itself, rather than an in-process fake: the coordinator's
+//! leases, transactions and watches are what the drills exercise.)
 //!
 //! Its data lives in memory (a directory under `/dev/shm`, removed with
 //! it) where the host has that tmpfs, else in the caller's directory: a
@@ -47,6 +50,12 @@ pub enum LocalEtcdError {
     /// It did not answer its health check in time.
     #[error("etcd not healthy after {0:?}")]
     Unhealthy(Duration),
+    /// A member count Raft cannot use well.
+    #[error("a local etcd has an odd number of members from 1 to 7, not {0}")]
+    Members(usize),
+    /// No member of that index.
+    #[error("the local etcd has no member {0}")]
+    NoMember(usize),
 }
 
 /// Starts of a local etcd tried when its port was taken meanwhile.
@@ -55,9 +64,12 @@ const START_ATTEMPTS: u32 = 3;
 /// A running local etcd (module docs).
 #[derive(Debug)]
 pub struct LocalEtcd {
-    endpoint: String,
-    log: PathBuf,
-    child: Child,
+    bin: PathBuf,
+    members: Vec<Member>,
+    /// The members' client endpoints, by index.
+    endpoints: Vec<String>,
+    /// `--initial-cluster`: every member's name and peer URL.
+    initial_cluster: String,
     /// Its data directory in memory, removed when it goes (after the
     /// child: fields drop in order, and `Drop` stops the child first).
     _memory: Option<MemoryDir>,
@@ -148,8 +160,8 @@ fn free_port() -> std::io::Result<u16> {
 }
 
 impl LocalEtcd {
-    /// Starts `bin` with its data and log under `dir`, and waits (at most
-    /// `timeout`) until it answers.
+    /// Starts `bin`, one member, with its data and log under `dir`, and
+    /// waits (at most `timeout`) until it answers.
     ///
     /// The kernel kills it when the *thread* that called this ends (that is
     /// what a parent-death signal follows): call it from a thread that
@@ -157,6 +169,24 @@ impl LocalEtcd {
     /// runtime's worker, never from a pool thread that exits when idle
     /// (`spawn_blocking`).
     pub fn start(bin: &Path, dir: &Path, timeout: Duration) -> Result<Self, LocalEtcdError> {
+        Self::start_members(bin, dir, 1, timeout)
+    }
+
+    /// Starts `members` members of one etcd cluster (an odd number from 1
+    /// to 7: Raft's majority), each on loopback ports of its own with its
+    /// log `etcd-N.log` under `dir` (`etcd.log` for one member), and waits
+    /// (at most `timeout`) until every one answers. Three members let a
+    /// one-host cluster (and the fault soak) lose any one of them, its
+    /// leader included. Same thread caveat as [`LocalEtcd::start`].
+    pub fn start_members(
+        bin: &Path,
+        dir: &Path,
+        members: usize,
+        timeout: Duration,
+    ) -> Result<Self, LocalEtcdError> {
+        if !(1..=7).contains(&members) || members.is_multiple_of(2) {
+            return Err(LocalEtcdError::Members(members));
+        }
         if !bin.is_file() {
             return Err(LocalEtcdError::NotFound(bin.to_owned()));
         }
@@ -167,7 +197,7 @@ impl LocalEtcd {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::start_once(bin, dir, timeout) {
+            match Self::start_once(bin, dir, members, timeout) {
                 Err(LocalEtcdError::Exited { status, log })
                     if attempt < START_ATTEMPTS
                         && std::fs::read_to_string(&log)
@@ -181,78 +211,168 @@ impl LocalEtcd {
         }
     }
 
-    fn start_once(bin: &Path, dir: &Path, timeout: Duration) -> Result<Self, LocalEtcdError> {
-        let (client, peer) = (free_port()?, free_port()?);
-        let endpoint = format!("127.0.0.1:{client}");
-        let log = dir.join("etcd.log");
+    fn start_once(
+        bin: &Path,
+        dir: &Path,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<Self, LocalEtcdError> {
         let memory = MemoryDir::create();
-        let data = match &memory {
-            Some(memory) => memory.0.join("data"),
-            None => dir.join("data"),
+        let data_root = match &memory {
+            Some(memory) => memory.0.clone(),
+            None => dir.to_owned(),
         };
-        let mut command = match setpriv() {
-            Some(setpriv) => {
-                let mut command = Command::new(setpriv);
-                command.args(["--pdeathsig", "KILL", "--"]).arg(bin);
-                command
-            }
-            None => Command::new(bin),
-        };
-        let child = command
-            .args(["--name", "tessera", "--data-dir"])
-            .arg(data)
-            .arg(format!("--listen-client-urls=http://{endpoint}"))
-            .arg(format!("--advertise-client-urls=http://{endpoint}"))
-            .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
-            .arg(format!(
-                "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
-            ))
-            .arg(format!("--initial-cluster=tessera=http://127.0.0.1:{peer}"))
-            // One member on loopback: short Raft timings (so leases may be
-            // as short as a second).
-            .args(["--heartbeat-interval=50", "--election-timeout=500"])
-            .args(["--logger=zap", "--log-level=warn"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
+        let mut members = Vec::with_capacity(count);
+        for index in 0..count {
+            let (client, peer) = (free_port()?, free_port()?);
+            let (name, log, data) = if count == 1 {
+                (
+                    "tessera".to_owned(),
+                    dir.join("etcd.log"),
+                    data_root.join("data"),
+                )
+            } else {
+                (
+                    format!("tessera-{index}"),
+                    dir.join(format!("etcd-{index}.log")),
+                    data_root.join("data").join(index.to_string()),
+                )
+            };
+            members.push(Member {
+                name,
+                endpoint: format!("127.0.0.1:{client}"),
+                peer,
+                data,
+                log,
+                child: None,
+            });
+        }
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .collect::<Vec<_>>()
+            .join(",");
         let mut etcd = Self {
-            endpoint,
-            log,
-            child,
+            bin: bin.to_owned(),
+            endpoints: members.iter().map(|m| m.endpoint.clone()).collect(),
+            members,
+            initial_cluster,
             _memory: memory,
         };
+        for index in 0..count {
+            etcd.spawn(index)?;
+        }
         etcd.wait_ready(timeout)?;
         Ok(etcd)
     }
 
-    /// Its client endpoint (`127.0.0.1:<port>`).
-    pub fn endpoint(&self) -> &str {
-        &self.endpoint
+    /// Starts member `index`'s process (its data directory, if any, holds
+    /// its state: a restarted member rejoins).
+    fn spawn(&mut self, index: usize) -> Result<(), LocalEtcdError> {
+        let mut command = match setpriv() {
+            Some(setpriv) => {
+                let mut command = Command::new(setpriv);
+                command.args(["--pdeathsig", "KILL", "--"]).arg(&self.bin);
+                command
+            }
+            None => Command::new(&self.bin),
+        };
+        let member = &mut self.members[index];
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&member.log)?;
+        let child = command
+            .args(["--name", &member.name, "--data-dir"])
+            .arg(&member.data)
+            .arg(format!("--listen-client-urls=http://{}", member.endpoint))
+            .arg(format!(
+                "--advertise-client-urls=http://{}",
+                member.endpoint
+            ))
+            .arg(format!(
+                "--listen-peer-urls=http://127.0.0.1:{}",
+                member.peer
+            ))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{}",
+                member.peer
+            ))
+            .arg(format!("--initial-cluster={}", self.initial_cluster))
+            .arg("--initial-cluster-token=tessera-local")
+            // Loopback: short Raft timings (so leases may be as short as a
+            // second, and a lost leader is replaced within about one).
+            .args(["--heartbeat-interval=50", "--election-timeout=500"])
+            .args(["--logger=zap", "--log-level=warn"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()?;
+        member.child = Some(child);
+        Ok(())
     }
 
-    fn healthy(&self) -> bool {
-        let Ok(mut stream) = std::net::TcpStream::connect(&self.endpoint) else {
+    /// Its first member's client endpoint (`127.0.0.1:<port>`).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoints[0]
+    }
+
+    /// Every member's client endpoint, by member index.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// Kills member `index` with SIGKILL (its data stays, for
+    /// [`LocalEtcd::restart_member`]); false if it was not running.
+    pub fn kill_member(&mut self, index: usize) -> bool {
+        let Some(mut child) = self.members.get_mut(index).and_then(|m| m.child.take()) else {
             return false;
         };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-        let request = format!("GET /health HTTP/1.0\r\nHost: {}\r\n\r\n", self.endpoint);
-        let mut answer = String::new();
-        stream.write_all(request.as_bytes()).is_ok()
-            && stream.read_to_string(&mut answer).is_ok()
-            && answer.contains("\"health\":\"true\"")
+        let _ = child.kill();
+        let _ = child.wait();
+        true
+    }
+
+    /// Starts a killed member again on its ports with its data (it
+    /// rejoins the cluster); does nothing if it runs. Same thread caveat
+    /// as [`LocalEtcd::start`].
+    pub fn restart_member(&mut self, index: usize) -> Result<(), LocalEtcdError> {
+        match self.members.get(index) {
+            None => Err(LocalEtcdError::NoMember(index)),
+            Some(member) if member.child.is_some() => Ok(()),
+            Some(_) => self.spawn(index),
+        }
+    }
+
+    /// The index of the member that leads now, as the running members
+    /// report it (`None` while there is no leader, or none answers).
+    pub fn leader(&self) -> Option<usize> {
+        self.members
+            .iter()
+            .filter(|m| m.child.is_some())
+            .find_map(|m| {
+                let status = status(&m.endpoint)?;
+                (status.leader != 0 && status.leader == status.member).then_some(())?;
+                self.members.iter().position(|x| x.endpoint == m.endpoint)
+            })
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<(), LocalEtcdError> {
         let started = Instant::now();
         loop {
-            if let Some(status) = self.child.try_wait()? {
-                return Err(LocalEtcdError::Exited {
-                    status: status.to_string(),
-                    log: self.log.clone(),
-                });
+            let mut ready = true;
+            for member in &mut self.members {
+                if let Some(child) = member.child.as_mut()
+                    && let Some(status) = child.try_wait()?
+                {
+                    return Err(LocalEtcdError::Exited {
+                        status: status.to_string(),
+                        log: member.log.clone(),
+                    });
+                }
+                ready &= healthy(&member.endpoint);
             }
-            if self.healthy() {
+            if ready {
                 return Ok(());
             }
             if started.elapsed() >= timeout {
@@ -263,9 +383,63 @@ impl LocalEtcd {
     }
 }
 
+/// One member of a [`LocalEtcd`].
+#[derive(Debug)]
+struct Member {
+    name: String,
+    /// Its client endpoint.
+    endpoint: String,
+    peer: u16,
+    data: PathBuf,
+    log: PathBuf,
+    /// `None` while killed.
+    child: Option<Child>,
+}
+
+/// One HTTP/1.0 exchange with a member's JSON gateway: the answer's body
+/// (bounded by a one-second read timeout).
+fn http(endpoint: &str, request: &str) -> Option<String> {
+    let mut stream = std::net::TcpStream::connect(endpoint).ok()?;
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+}
+
+fn healthy(endpoint: &str) -> bool {
+    let request = format!("GET /health HTTP/1.0\r\nHost: {endpoint}\r\n\r\n");
+    http(endpoint, &request).is_some_and(|body| body.contains("\"health\":\"true\""))
+}
+
+/// A member's view of who leads: its own id and the leader's (etcd's
+/// JSON gateway writes 64-bit ids as strings).
+struct Status {
+    member: u64,
+    leader: u64,
+}
+
+fn status(endpoint: &str) -> Option<Status> {
+    let body = "{}";
+    let request = format!(
+        "POST /v3/maintenance/status HTTP/1.0\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer: serde_json::Value = serde_json::from_str(&http(endpoint, &request)?).ok()?;
+    let id = |v: &serde_json::Value| v.as_str().and_then(|s| s.parse::<u64>().ok());
+    Some(Status {
+        member: id(&answer["header"]["member_id"])?,
+        leader: id(&answer["leader"])?,
+    })
+}
+
 impl Drop for LocalEtcd {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for index in 0..self.members.len() {
+            self.kill_member(index);
+        }
     }
 }

@@ -6,7 +6,9 @@
 //! every tenth of its TTL on a thread of its own (each renewal that comes
 //! back moves the fence; see [`super::fence`]). When the lease is lost (etcd says it expired, or
 //! no renewal came back for a whole TTL, so it must be presumed expired)
-//! every shard stands down and a new session starts. On shutdown the
+//! every shard stands down and a new session starts; nothing else ends a
+//! session (a read or watch that fails is tried again while the lease
+//! holds). On shutdown the
 //! shards it leads stop taking Pushes, their queues drain to the replicas,
 //! and the keys and the lease are given up at once.
 
@@ -127,15 +129,41 @@ impl Driver {
             lost_tx,
         );
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        let mut backoff = Duration::from_millis(50);
         loop {
-            // Where every shard's primary stands, then what changes.
-            let (primaries, revision) = self.coord.primaries().await?;
+            // Where every shard's primary stands, then what changes. A
+            // failure to read them is not a lost lease: while the keeper
+            // renews it, this server still holds its shards, and reads
+            // again (etcd electing a leader, or a member gone, fails a
+            // read for a moment; standing down for it moved every shard).
+            let attempt = async {
+                let (primaries, revision) = self.coord.primaries().await?;
+                let watch = self.coord.watch_primaries(revision + 1).await?;
+                Ok::<_, CoordError>((primaries, watch))
+            };
+            let (primaries, mut watch) = match attempt.await {
+                Ok(found) => found,
+                Err(err) => {
+                    tracing::info!(%err, "cannot read the primaries; reading again while the lease holds");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = &mut lost_rx => return Err(CoordError::LeaseExpired(lease)),
+                        _ = stop.cancelled() => {
+                            self.hand_over(lease).await;
+                            drop(keeper);
+                            return Ok(());
+                        }
+                    }
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(50);
             let now = Instant::now();
             for (&shard, election) in &mut self.elections {
                 let found = primaries.get(&shard);
                 observe(election, &self.replication, shard, now, found, lease);
             }
-            let mut watch = self.coord.watch_primaries(revision + 1).await?;
             loop {
                 self.act(Some(lease), &done_tx);
                 let next = self
