@@ -468,7 +468,7 @@ async fn replicate_as(
                 epoch,
                 position,
                 attachment,
-                detached: false,
+                ..Default::default()
             }],
             pushes,
         })

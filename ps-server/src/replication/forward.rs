@@ -100,7 +100,16 @@ struct Attachment {
     queued: usize,
     /// The highest position it confirmed.
     applied: u64,
+    /// The highest position queued for it while it was not confirmed (a
+    /// Push acknowledged without it), or the position it attached at: it
+    /// holds every acknowledged Push once it applied this.
+    alone_through: u64,
 }
+
+/// Per shard: whether the replica is counted for acknowledgements (it is
+/// confirmed), and the highest position acknowledged without it
+/// (`StreamHead.counted`, `acked_alone_through`).
+type Counted = HashMap<u32, (bool, u64)>;
 
 /// Each shard's attachment generation if it was attached, else 0.
 fn attached_generations(generations: &HashMap<u32, (u64, bool)>) -> HashMap<u32, u64> {
@@ -224,6 +233,9 @@ impl Forwarder {
         });
         let attachment = queue.shards.entry(shard).or_default();
         attachment.queued += 1;
+        if !attachment.confirmed {
+            attachment.alone_through = attachment.alone_through.max(position);
+        }
         let wait = attachment.confirmed.then_some(attachment.generation);
         drop(queue);
         self.wake.notify_one();
@@ -298,6 +310,7 @@ impl Forwarder {
         attachment.generation += 1;
         attachment.queued = 0;
         attachment.applied = position;
+        attachment.alone_through = position;
         let generation = attachment.generation;
         drop(queue);
         self.progress.notify_waiters();
@@ -367,17 +380,20 @@ impl Forwarder {
         }
     }
 
-    /// (attached, confirmed, queued, applied) of `shard`, for Health.
+    /// (attached, in step, queued, applied) of `shard`, for Health; in
+    /// step: confirmed, and it applied every Push acknowledged without it
+    /// (while it was copying the shard).
     pub fn status(&self, shard: u32) -> (bool, bool, usize, u64) {
         let queue = lock(&self.queue);
         queue.shards.get(&shard).map_or((false, false, 0, 0), |a| {
-            (a.attached, a.confirmed, a.queued, a.applied)
+            let holds_every_ack = a.confirmed && a.applied >= a.alone_through;
+            (a.attached, holds_every_ack, a.queued, a.applied)
         })
     }
 
     /// Takes up to a batch of entries to send, with every attachment's
     /// generation at that moment, and the shards attached then.
-    fn pending(&self) -> (Vec<Queued>, HashMap<u32, (u64, bool)>) {
+    fn pending(&self) -> (Vec<Queued>, HashMap<u32, (u64, bool)>, Counted) {
         let queue = lock(&self.queue);
         (
             queue
@@ -390,6 +406,11 @@ impl Forwarder {
                 .shards
                 .iter()
                 .map(|(&s, a)| (s, (a.generation, a.attached)))
+                .collect(),
+            queue
+                .shards
+                .iter()
+                .map(|(&s, a)| (s, (a.attached && a.confirmed, a.alone_through)))
                 .collect(),
         )
     }
@@ -444,7 +465,7 @@ impl Forwarder {
             let wake = self.wake.notified();
             tokio::pin!(wake);
             wake.as_mut().enable();
-            let (mut pending, generations) = self.pending();
+            let (mut pending, generations, counted) = self.pending();
             let Some(replication) = weak.upgrade() else {
                 return;
             };
@@ -459,6 +480,8 @@ impl Forwarder {
                     generations.get(&head.shard).copied().unwrap_or((0, false));
                 head.attachment = generation;
                 head.detached = !attached;
+                (head.counted, head.acked_alone_through) =
+                    counted.get(&head.shard).copied().unwrap_or((false, 0));
             }
             for &shard in &self.shards {
                 let (_, _, queued, _) = self.status(shard);
@@ -563,7 +586,7 @@ pub(super) mod tests {
         epoch: u64,
         position: u64,
     ) {
-        let (sent, generations) = f.pending();
+        let (sent, generations, _) = f.pending();
         f.acknowledge(
             &sent,
             &ReplicateResponse {
@@ -623,7 +646,7 @@ pub(super) mod tests {
     fn an_old_out_of_sync_answer_does_not_undo_a_newer_attachment() {
         let f = forwarder(100);
         f.attach(0, 0);
-        let (sent, before) = f.pending();
+        let (sent, before, _) = f.pending();
         // The replica attached again before its answer to the earlier
         // batch came back: forwarding must go on.
         f.attach(0, 0);
@@ -638,7 +661,7 @@ pub(super) mod tests {
         f.enqueue(0, 1, 1, &push());
         assert_eq!(queued(&f, 0).len(), 1, "still attached");
         // An answer about the current attachment does detach.
-        let (sent, now) = f.pending();
+        let (sent, now, _) = f.pending();
         f.acknowledge(
             &sent,
             &ReplicateResponse {
@@ -666,6 +689,35 @@ pub(super) mod tests {
         let generation = f.enqueue(0, 2, 12, &push()).expect("confirmed now");
         assert_eq!(f.confirmed_generation(0), Some(generation));
         assert_eq!(f.status(0), (true, true, 1, 11));
+    }
+
+    /// The soak's lost Pushes (issue 33): a replica that installed its copy
+    /// at 10 while the primary acknowledged 11 and 12 without it was "in
+    /// step" at 10, and the primary was stopped as safe to lose.
+    #[test]
+    fn a_replica_is_in_step_once_it_applied_what_was_acknowledged_without_it() {
+        let f = forwarder(100);
+        f.attach(0, 10);
+        assert_eq!(f.enqueue(0, 2, 11, &push()), None, "acknowledged alone");
+        assert_eq!(f.enqueue(0, 2, 12, &push()), None, "acknowledged alone");
+        let (_, _, counted) = f.pending();
+        assert_eq!(counted[&0], (false, 12), "not counted yet");
+        // Confirmed at 11: waited for from now on, not yet in step.
+        answer(&f, 1, 0, 2, 11);
+        assert!(f.enqueue(0, 2, 13, &push()).is_some(), "waited for now");
+        let (_, _, counted) = f.pending();
+        assert_eq!(counted[&0], (true, 12), "heads tell the replica");
+        assert_eq!(f.status(0), (true, false, 2, 11), "12 only on the primary");
+        answer(&f, 1, 0, 2, 12);
+        assert_eq!(
+            f.status(0),
+            (true, true, 1, 12),
+            "holds every acknowledged Push"
+        );
+        // A new attachment starts from its copy.
+        f.attach(0, 20);
+        let (_, _, counted) = f.pending();
+        assert_eq!(counted[&0], (false, 20));
     }
 
     #[tokio::test(start_paused = true)]

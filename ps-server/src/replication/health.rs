@@ -37,13 +37,13 @@ impl Replication {
                             .iter()
                             .filter(|f| f.shards.contains(&shard))
                             .map(|f| {
-                                let (attached, confirmed, queued, applied) = f.status(shard);
+                                let (attached, in_step, queued, applied) = f.status(shard);
                                 ReplicaStatus {
                                     address: f.addr.clone(),
                                     attached,
                                     lag_pushes: queued as u64,
                                     applied_position: applied,
-                                    in_step: attached && confirmed,
+                                    in_step: attached && in_step,
                                 }
                             })
                             .collect();
@@ -51,7 +51,9 @@ impl Replication {
                     Role::Replica(f) => {
                         health.epoch = f.epoch;
                         health.primary = f.primary.clone();
-                        health.in_step = f.in_step;
+                        // In step: attached to the stream, and holding
+                        // every Push the primary acknowledged.
+                        health.in_step = f.holds_every_ack(version.position);
                         health.syncing = f.syncing;
                         health.stream_age_ms = f
                             .last_heard

@@ -320,6 +320,8 @@ impl Replication {
                     position,
                     attachment: 0,
                     detached: false,
+                    counted: false,
+                    acked_alone_through: 0,
                 })
             })
             .collect()

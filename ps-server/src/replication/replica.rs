@@ -148,8 +148,7 @@ impl Replication {
                     shard,
                     epoch,
                     position: version.position,
-                    attachment: 0,
-                    detached: false,
+                    ..StreamHead::default()
                 });
             }
         }
@@ -213,6 +212,10 @@ impl Replication {
                     if f.syncing {
                         Head::Syncing
                     } else if f.in_step && head.attachment == f.attachment && !head.detached {
+                        if head.counted {
+                            f.counted_through =
+                                Some(f.counted_through.unwrap_or(0).max(head.acked_alone_through));
+                        }
                         Head::Accept(head.epoch)
                     } else if f.in_step && head.attachment < f.attachment {
                         // A batch built before this replica attached,
@@ -525,6 +528,7 @@ impl Replication {
         if let Role::Replica(f) = &mut state.role {
             f.epoch = fetched.epoch;
             f.attachment = fetched.attachment;
+            f.counted_through = None;
             f.in_step = true;
             f.syncing = false;
             f.last_heard = Some(Instant::now());

@@ -38,6 +38,11 @@ pub(crate) struct Follow {
     /// (from the Sync answer); heads under another one mean the primary
     /// does not forward to this replica under it.
     pub attachment: u64,
+    /// Under this attachment: the primary counts this replica among those
+    /// it waits for, and acknowledged Pushes up to this position without
+    /// it (`StreamHead.acked_alone_through`); `None` until a head says it
+    /// counts this replica.
+    pub counted_through: Option<u64>,
 }
 
 impl Follow {
@@ -51,7 +56,18 @@ impl Follow {
             head: Version::default(),
             attach: 0,
             attachment: 0,
+            counted_through: None,
         }
+    }
+
+    /// Whether this copy, at `position`, holds every Push the primary
+    /// acknowledged: in step, counted by the primary, and past what it
+    /// acknowledged without this replica.
+    pub fn holds_every_ack(&self, position: u64) -> bool {
+        self.in_step
+            && self
+                .counted_through
+                .is_some_and(|through| position >= through)
     }
 
     /// A follow of `primary` at `epoch` taking over what `previous` was
@@ -251,6 +267,21 @@ impl ShardCell {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replica_holds_every_ack_once_counted_and_past_what_was_acked_without_it() {
+        let mut f = Follow::new("p".into(), 2);
+        f.in_step = true;
+        assert!(
+            !f.holds_every_ack(100),
+            "the primary has not counted it yet"
+        );
+        f.counted_through = Some(12);
+        assert!(!f.holds_every_ack(11));
+        assert!(f.holds_every_ack(12));
+        f.in_step = false;
+        assert!(!f.holds_every_ack(12), "out of the stream");
+    }
 
     #[test]
     fn only_complete_copies_are_readable() {
