@@ -208,6 +208,12 @@ impl Server {
         let tracker = TaskTracker::new();
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
+        // Dropped without a shutdown (its task aborted, its runtime gone):
+        // the connections' tasks end too, instead of serving on with the
+        // state of a server that is gone (a peer holding such a connection
+        // took its answers for the server's: a restarted replica never
+        // heard its primary, whose stream went to the old one's).
+        let _connections_end_with_it = abort.clone().drop_guard();
         tokio::pin!(shutdown);
         loop {
             tokio::select! {

@@ -507,7 +507,43 @@ async fn statuses_deadlines_and_server_gone(t: TransportConfig) {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
 }
 
+/// A server whose task is aborted (dropped without a shutdown) answers
+/// nothing more, on connections already open too: before, their tasks
+/// served on with the dropped server's state, and a peer holding such a
+/// connection to an in-process server that "crashed" and was started again
+/// on its address talked to the old one.
+async fn a_dropped_server_answers_nothing_more_on_open_connections(t: TransportConfig) {
+    let server = Server::builder(server_config(&t))
+        .transport(Transport::new(t.clone()).unwrap())
+        .add_service(EchoServer::new(EchoImpl::default()))
+        .unwrap()
+        .bind("127.0.0.1:0")
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+    let task = tokio::spawn(server.serve_with_shutdown(std::future::pending::<()>()));
+    let echo = EchoClient::new(Channel::connect(&addr, channel_config(&t)).await.unwrap());
+    let options = CallOptions::with_timeout(Duration::from_secs(2));
+    let request = || EchoRequest {
+        payload: Bytes::from_static(b"x"),
+        delay_ms: 0,
+        repeat: 0,
+    };
+    echo.echo_with_options(request(), &options).await.unwrap();
+    task.abort();
+    let _ = task.await;
+    let err = echo
+        .echo_with_options(request(), &options)
+        .await
+        .unwrap_err();
+    assert!(
+        err.is_connection_failure() || matches!(err, RpcError::ConnectionLost { .. }),
+        "{err:?}"
+    );
+}
+
 over_both_transports!(
+    a_dropped_server_answers_nothing_more_on_open_connections,
     two_generated_services_are_served_and_called_end_to_end,
     handler_status_reaches_the_caller,
     concurrent_calls_on_one_connection_are_matched_by_request_id,
