@@ -10,7 +10,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tessera_coord::{LocalEtcd, LocalEtcdError};
 use tessera_ps_server::PsServerConfig;
-use tessera_ps_server::config::{PeerConfig, ReplicationConfig};
+use tessera_ps_server::config::{CheckpointConfig, PeerConfig, ReplicationConfig};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
 use tokio::process::{Child, Command};
 
@@ -268,8 +268,13 @@ impl Cluster {
         let mut coordinator = config.coordinator.clone();
         if coordinator.is_etcd() && config.local_etcd {
             let bin = tessera_coord::etcd_bin(config.etcd_bin.as_deref());
-            let etcd = LocalEtcd::start(&bin, &self.run_dir.join("etcd"), Duration::from_secs(20))?;
-            coordinator.endpoints = vec![etcd.endpoint().to_owned()];
+            let etcd = LocalEtcd::start_members(
+                &bin,
+                &self.run_dir.join("etcd"),
+                config.local_etcd_members,
+                Duration::from_secs(20),
+            )?;
+            coordinator.endpoints = etcd.endpoints().to_vec();
             self.etcd = Some(etcd);
         }
         // Every server's address first: each one's configuration lists the
@@ -305,7 +310,7 @@ impl Cluster {
                         shards: vec![*s],
                     })
                     .collect();
-                let server_config = PsServerConfig {
+                let mut server_config = PsServerConfig {
                     listen: address.clone(),
                     transport: config.transport,
                     rdma: config.rdma.clone(),
@@ -325,6 +330,13 @@ impl Cluster {
                     ..PsServerConfig::default()
                 };
                 let stem = format!("ps-g{group}-s{shard}");
+                if config.checkpoint_interval_secs > 0 {
+                    server_config.checkpoint = CheckpointConfig {
+                        dir: Some(self.run_dir.join("checkpoints").join(&stem)),
+                        interval_secs: config.checkpoint_interval_secs,
+                        ..CheckpointConfig::default()
+                    };
+                }
                 let config_path = self.run_dir.join(format!("{stem}.toml"));
                 let text = toml::to_string(&server_config).map_err(|err| LaunchError::Write {
                     path: config_path.clone(),
@@ -431,6 +443,12 @@ impl Cluster {
     /// The local etcd's endpoint, when the cluster started one.
     pub fn etcd_endpoint(&self) -> Option<&str> {
         self.etcd.as_ref().map(LocalEtcd::endpoint)
+    }
+
+    /// The local etcd, when the cluster started one (its members can be
+    /// killed and restarted, for drills).
+    pub fn etcd_mut(&mut self) -> Option<&mut LocalEtcd> {
+        self.etcd.as_mut()
     }
 
     /// The index of the server of `group` and `shard`.

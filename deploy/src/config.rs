@@ -73,6 +73,16 @@ pub struct ClusterConfig {
     /// `coordinator.endpoints`. Default true: a one-host cluster has no
     /// etcd of its own; set false to use the one `endpoints` names.
     pub local_etcd: bool,
+    /// Members of the local etcd: 1 (default: a one-host cluster loses its
+    /// coordinator with its host anyway), or 3, 5, 7 to survive the loss of
+    /// a member, its leader included (the fault soak runs three).
+    pub local_etcd_members: usize,
+    /// Seconds between each server's periodic checkpoints, into
+    /// `checkpoints/ps-gG-sS` under the run directory (restored when a
+    /// server starts again). Default 0: none (a local cluster is usually a
+    /// test bed; set it to see saves and `tessera status`'s checkpoint
+    /// column).
+    pub checkpoint_interval_secs: u64,
     /// The etcd binary for `local_etcd`. Default: `etcd` on `PATH`, else
     /// `/usr/bin/etcd` (the environment variable `TESSERA_ETCD_BIN`
     /// overrides).
@@ -104,6 +114,8 @@ impl Default for ClusterConfig {
             worker_call_timeout_ms: 2500,
             coordinator: CoordinatorConfig::default(),
             local_etcd: true,
+            local_etcd_members: 1,
+            checkpoint_interval_secs: 0,
             etcd_bin: None,
             ack: AckMode::Replicas,
         }
@@ -132,6 +144,13 @@ impl Validate for ClusterConfig {
         }
         if self.replica_groups == 0 {
             return Err(invalid("replica_groups", "must be at least 1"));
+        }
+        if !(1..=7).contains(&self.local_etcd_members) || self.local_etcd_members.is_multiple_of(2)
+        {
+            return Err(invalid(
+                "local_etcd_members",
+                "must be 1, 3, 5 or 7 (a Raft majority)",
+            ));
         }
         if self.servers() > MAX_SERVERS {
             return Err(invalid(
@@ -205,6 +224,7 @@ mod tests {
     fn bad_values_name_their_key() {
         for (text, key) in [
             ("replica_groups = 0", "replica_groups"),
+            ("local_etcd_members = 2", "local_etcd_members"),
             ("transport = \"tin-cans\"", "transport"),
             ("[[tables]]\nname = \"t\"\ndim = 0", "tables[0].dim"),
             ("base_port = 65535", "base_port"),

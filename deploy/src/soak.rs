@@ -53,6 +53,34 @@ impl FaultKind {
         FaultKind::FillCheckpointDisk,
     ];
 
+    /// Whether this kind on `target` and `other` on `other_target` hit the
+    /// same thing ([`Fault::same_target`]).
+    pub fn same_target(self, target: usize, other: FaultKind, other_target: usize) -> bool {
+        match (self.targets_etcd(), other.targets_etcd()) {
+            (true, true) => true,
+            (false, false) => target == other_target,
+            _ => false,
+        }
+    }
+
+    /// Its name in reports and `TESSERA_SOAK_KINDS` (snake case).
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::KillServer => "kill_server",
+            FaultKind::PauseServer => "pause_server",
+            FaultKind::RestartServer => "restart_server",
+            FaultKind::KillEtcdLeader => "kill_etcd_leader",
+            FaultKind::CutLink => "cut_link",
+            FaultKind::FlapLink => "flap_link",
+            FaultKind::FillCheckpointDisk => "fill_checkpoint_disk",
+        }
+    }
+
+    /// The kind of `name` ([`FaultKind::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     /// Whether it may lose a server's copy of its shards (the executor
     /// keeps another copy in step before it applies one).
     pub fn destructive(self) -> bool {
@@ -100,6 +128,14 @@ fn millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
 }
 
 impl Fault {
+    /// Whether a fault of `kind` on `target` would hit what this one hits:
+    /// the same server, or etcd (one etcd fault at a time: an etcd fault
+    /// hits whichever member leads, and two at once would take a
+    /// three-member cluster's majority).
+    pub fn same_target(&self, kind: FaultKind, target: usize) -> bool {
+        self.kind.same_target(self.target, kind, target)
+    }
+
     /// When it ends.
     pub fn until(&self) -> Duration {
         self.at + self.hold
@@ -181,7 +217,7 @@ impl Schedule {
                     .then(|| ends[ends.len() - config.max_concurrent]);
                 let busy = faults
                     .iter()
-                    .filter(|f| f.target == target && f.kind.targets_etcd() == kind.targets_etcd())
+                    .filter(|f| f.same_target(kind, target))
                     .map(Fault::until)
                     .filter(|&until| until > start)
                     .max();
@@ -275,12 +311,40 @@ mod tests {
                     "seed {seed}: {in_force:?}"
                 );
                 assert!(
-                    !faults[..i].iter().any(|g| g.target == f.target
-                        && g.kind.targets_etcd() == f.kind.targets_etcd()
-                        && g.until() > f.at),
+                    !faults[..i]
+                        .iter()
+                        .any(|g| g.same_target(f.kind, f.target) && g.until() > f.at),
                     "seed {seed}: two faults on one target at once at {f:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_match_the_serialized_form() {
+        for kind in FaultKind::ALL {
+            assert_eq!(FaultKind::from_name(kind.name()), Some(kind));
+            assert_eq!(
+                serde_json::to_string(&kind).unwrap(),
+                format!("\"{}\"", kind.name())
+            );
+        }
+        assert_eq!(FaultKind::from_name("unplug_everything"), None);
+    }
+
+    #[test]
+    fn one_etcd_fault_at_a_time_whatever_member_was_drawn() {
+        let config = ScheduleConfig {
+            kinds: vec![FaultKind::KillEtcdLeader],
+            mean_gap: Duration::from_millis(500),
+            ..config()
+        };
+        for seed in 0..50 {
+            let faults = Schedule::draw(seed, &config).faults;
+            assert!(
+                faults.windows(2).all(|w| w[0].until() <= w[1].at),
+                "seed {seed}: two etcd faults at once"
+            );
         }
     }
 

@@ -61,7 +61,18 @@ async fn cluster(
     ack: AckMode,
     run_dir: &std::path::Path,
 ) -> Cluster {
-    let config = ClusterConfig {
+    Cluster::start(&cluster_config(transport, coordinator, ack), run_dir)
+        .await
+        .unwrap()
+}
+
+/// The drills' 2 x 2 cluster's configuration.
+fn cluster_config(
+    transport: TransportKind,
+    coordinator: CoordinatorKind,
+    ack: AckMode,
+) -> ClusterConfig {
+    ClusterConfig {
         num_shards: 2,
         replica_groups: 2,
         transport,
@@ -76,8 +87,7 @@ async fn cluster(
         ack,
         startup_timeout_ms: 60_000,
         ..ClusterConfig::default()
-    };
-    Cluster::start(&config, run_dir).await.unwrap()
+    }
 }
 
 /// The share of the steps per second before the kill that counts as

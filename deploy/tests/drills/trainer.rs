@@ -327,6 +327,9 @@ pub struct Audit {
     pub acked_lost: usize,
     pub applied_twice: usize,
     pub hot_rows_match: bool,
+    /// The acknowledged Pushes lost: shard, when acknowledged, and the
+    /// epoch the worker knew then (for a failure's message).
+    pub lost: Vec<(u32, Option<Instant>, u64)>,
 }
 
 pub async fn audit(
@@ -368,6 +371,7 @@ pub async fn audit(
                 (true, 0.0) => {
                     audit.acked += 1;
                     audit.acked_lost += 1;
+                    audit.lost.push((shard, record.acked_at, record.epoch));
                 }
                 (false, _) => audit.unacked += 1,
                 _ => {}
