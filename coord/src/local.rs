@@ -153,10 +153,8 @@ pub fn etcd_bin(explicit: Option<&Path>) -> PathBuf {
     PathBuf::from("/usr/bin/etcd")
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+fn free_port(host: &str) -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind((host, 0))?.local_addr()?.port())
 }
 
 impl LocalEtcd {
@@ -184,6 +182,20 @@ impl LocalEtcd {
         members: usize,
         timeout: Duration,
     ) -> Result<Self, LocalEtcdError> {
+        Self::start_members_on(bin, dir, members, "127.0.0.1", timeout)
+    }
+
+    /// [`LocalEtcd::start_members`] on `host`'s ports instead of
+    /// loopback's (an address of this host, in this thread's network
+    /// namespace): for servers on other hosts, such as network namespaces
+    /// of a multi-host test cluster, that reach it there.
+    pub fn start_members_on(
+        bin: &Path,
+        dir: &Path,
+        members: usize,
+        host: &str,
+        timeout: Duration,
+    ) -> Result<Self, LocalEtcdError> {
         if !(1..=7).contains(&members) || members.is_multiple_of(2) {
             return Err(LocalEtcdError::Members(members));
         }
@@ -197,7 +209,7 @@ impl LocalEtcd {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::start_once(bin, dir, members, timeout) {
+            match Self::start_once(bin, dir, members, host, timeout) {
                 Err(LocalEtcdError::Exited { status, log })
                     if attempt < START_ATTEMPTS
                         && std::fs::read_to_string(&log)
@@ -215,6 +227,7 @@ impl LocalEtcd {
         bin: &Path,
         dir: &Path,
         count: usize,
+        host: &str,
         timeout: Duration,
     ) -> Result<Self, LocalEtcdError> {
         let memory = MemoryDir::create();
@@ -224,7 +237,7 @@ impl LocalEtcd {
         };
         let mut members = Vec::with_capacity(count);
         for index in 0..count {
-            let (client, peer) = (free_port()?, free_port()?);
+            let (client, peer) = (free_port(host)?, free_port(host)?);
             let (name, log, data) = if count == 1 {
                 (
                     "tessera".to_owned(),
@@ -240,8 +253,8 @@ impl LocalEtcd {
             };
             members.push(Member {
                 name,
-                endpoint: format!("127.0.0.1:{client}"),
-                peer,
+                endpoint: format!("{host}:{client}"),
+                peer: format!("{host}:{peer}"),
                 data,
                 log,
                 child: None,
@@ -249,7 +262,7 @@ impl LocalEtcd {
         }
         let initial_cluster = members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .map(|m| format!("{}=http://{}", m.name, m.peer))
             .collect::<Vec<_>>()
             .join(",");
         let mut etcd = Self {
@@ -290,12 +303,9 @@ impl LocalEtcd {
                 "--advertise-client-urls=http://{}",
                 member.endpoint
             ))
+            .arg(format!("--listen-peer-urls=http://{}", member.peer))
             .arg(format!(
-                "--listen-peer-urls=http://127.0.0.1:{}",
-                member.peer
-            ))
-            .arg(format!(
-                "--initial-advertise-peer-urls=http://127.0.0.1:{}",
+                "--initial-advertise-peer-urls=http://{}",
                 member.peer
             ))
             .arg(format!("--initial-cluster={}", self.initial_cluster))
@@ -312,7 +322,7 @@ impl LocalEtcd {
         Ok(())
     }
 
-    /// Its first member's client endpoint (`127.0.0.1:<port>`).
+    /// Its first member's client endpoint (`host:port`, loopback unless started [`LocalEtcd::start_members_on`] another host).
     pub fn endpoint(&self) -> &str {
         &self.endpoints[0]
     }
@@ -389,7 +399,8 @@ struct Member {
     name: String,
     /// Its client endpoint.
     endpoint: String,
-    peer: u16,
+    /// Its peer address (`host:port`).
+    peer: String,
     data: PathBuf,
     log: PathBuf,
     /// `None` while killed.

@@ -11,6 +11,7 @@ use nix::unistd::Pid;
 use tessera_coord::{LocalEtcd, LocalEtcdError};
 use tessera_ps_server::PsServerConfig;
 use tessera_ps_server::config::{CheckpointConfig, PeerConfig, ReplicationConfig};
+use tessera_rpc::RdmaConfig;
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
 use tokio::process::{Child, Command};
 
@@ -74,7 +75,36 @@ pub enum LaunchError {
     /// The start was interrupted (a signal); what had started was stopped.
     #[error("interrupted while starting; every server started was stopped")]
     Interrupted,
+    /// [`Cluster::start_placed`] was given a placement per server for a
+    /// different number of servers.
+    #[error("{given} placements for {servers} servers")]
+    Placements {
+        /// Placements given.
+        given: usize,
+        /// Servers of the cluster.
+        servers: usize,
+    },
 }
+
+/// Where one server of a cluster runs, for [`Cluster::start_placed`]: a
+/// host of its own instead of the launcher's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The address it listens on (its host's).
+    pub host: String,
+    /// The command that runs a program on that host, followed by the
+    /// program and its arguments (`ip netns exec NS` for a network
+    /// namespace); empty: here.
+    pub prefix: Vec<String>,
+    /// Its soft RDMA NIC's port file (`[rdma] soft_port_file`: the port is
+    /// down while the file exists), so that a drill can take its RDMA path
+    /// down with its host's link.
+    pub soft_port_file: Option<PathBuf>,
+}
+
+/// The port of every placed server where `base_port` is 0: each host has
+/// an address of its own, so no port can be taken by another server.
+const PLACED_PORT: u16 = 7000;
 
 /// One running ps-server process.
 #[derive(Debug)]
@@ -90,6 +120,8 @@ pub struct ServerProcess {
     /// Its configuration file.
     pub config_path: PathBuf,
     binary: PathBuf,
+    /// [`Placement::prefix`].
+    prefix: Vec<String>,
     child: Option<Child>,
 }
 
@@ -119,6 +151,7 @@ pub struct Cluster {
 }
 
 fn spawn_server(
+    prefix: &[String],
     binary: &Path,
     config_path: &Path,
     log: &Path,
@@ -138,7 +171,15 @@ fn spawn_server(
     // to the *thread* that spawned it: spawn servers from threads that live
     // as long as the launcher (the `block_on` thread, the runtime's
     // workers), never from `spawn_blocking` or a short-lived thread.
-    Command::new(binary)
+    let mut command = match prefix.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    };
+    command
         .arg("--config")
         .arg(config_path)
         .arg("--parent-pid")
@@ -235,6 +276,29 @@ impl Cluster {
         run_dir: &Path,
         interrupted: impl std::future::Future<Output = ()>,
     ) -> Result<Self, LaunchError> {
+        Self::start_with(config, run_dir, None, interrupted).await
+    }
+
+    /// [`Cluster::start`] with each server on a host of its own:
+    /// `placements` gives, per server in the launcher's order (group-major),
+    /// where it runs. Its port is `base_port + index`, or 7000 where
+    /// `base_port` is 0. The local etcd, if any, listens on `config.host`
+    /// in the caller's network namespace, which every placed host must
+    /// reach. Multi-host drills place servers in network namespaces.
+    pub async fn start_placed(
+        config: &ClusterConfig,
+        run_dir: &Path,
+        placements: Vec<Placement>,
+    ) -> Result<Self, LaunchError> {
+        Self::start_with(config, run_dir, Some(placements), std::future::pending()).await
+    }
+
+    async fn start_with(
+        config: &ClusterConfig,
+        run_dir: &Path,
+        placements: Option<Vec<Placement>>,
+        interrupted: impl std::future::Future<Output = ()>,
+    ) -> Result<Self, LaunchError> {
         let binary = find_ps_server(config)?;
         std::fs::create_dir_all(run_dir).map_err(|source| LaunchError::Write {
             path: run_dir.to_owned(),
@@ -248,7 +312,7 @@ impl Cluster {
             etcd: None,
         };
         let outcome = tokio::select! {
-            outcome = cluster.spawn_all(config, &binary) => outcome,
+            outcome = cluster.spawn_all(config, &binary, placements) => outcome,
             () = interrupted => Err(LaunchError::Interrupted),
         };
         match outcome {
@@ -264,14 +328,16 @@ impl Cluster {
         &mut self,
         config: &ClusterConfig,
         binary: &Path,
+        placements: Option<Vec<Placement>>,
     ) -> Result<(), LaunchError> {
         let mut coordinator = config.coordinator.clone();
         if coordinator.is_etcd() && config.local_etcd {
             let bin = tessera_coord::etcd_bin(config.etcd_bin.as_deref());
-            let etcd = LocalEtcd::start_members(
+            let etcd = LocalEtcd::start_members_on(
                 &bin,
                 &self.run_dir.join("etcd"),
                 config.local_etcd_members,
+                &config.host,
                 Duration::from_secs(20),
             )?;
             coordinator.endpoints = etcd.endpoints().to_vec();
@@ -280,7 +346,26 @@ impl Cluster {
         // Every server's address first: each one's configuration lists the
         // others as its replication peers.
         let servers = (config.replica_groups * config.num_shards) as usize;
-        let ports: Vec<u16> = if config.base_port == 0 {
+        let placements = match placements {
+            Some(placements) if placements.len() != servers => {
+                return Err(LaunchError::Placements {
+                    given: placements.len(),
+                    servers,
+                });
+            }
+            Some(placements) => placements,
+            None => vec![
+                Placement {
+                    host: config.host.clone(),
+                    ..Placement::default()
+                };
+                servers
+            ],
+        };
+        let placed = placements.iter().any(|p| p.host != config.host);
+        let ports: Vec<u16> = if config.base_port == 0 && placed {
+            vec![PLACED_PORT; servers]
+        } else if config.base_port == 0 {
             free_ports(&config.host, servers).map_err(|source| LaunchError::Spawn {
                 what: "port probes".into(),
                 source,
@@ -294,12 +379,14 @@ impl Cluster {
         let mut layout = Vec::new();
         for group in 0..config.replica_groups {
             for shard in 0..config.num_shards {
-                let port = ports[(group * config.num_shards + shard) as usize];
-                layout.push((group, shard, format!("{}:{port}", config.host)));
+                let index = (group * config.num_shards + shard) as usize;
+                let host = &placements[index].host;
+                layout.push((group, shard, format!("{host}:{}", ports[index])));
             }
         }
         let mut endpoints = Vec::new();
-        for (group, shard, address) in layout.clone() {
+        for (index, (group, shard, address)) in layout.clone().into_iter().enumerate() {
+            let placement = &placements[index];
             {
                 let peers = layout
                     .iter()
@@ -313,7 +400,13 @@ impl Cluster {
                 let mut server_config = PsServerConfig {
                     listen: address.clone(),
                     transport: config.transport,
-                    rdma: config.rdma.clone(),
+                    rdma: RdmaConfig {
+                        soft_port_file: placement
+                            .soft_port_file
+                            .clone()
+                            .or_else(|| config.rdma.soft_port_file.clone()),
+                        ..config.rdma.clone()
+                    },
                     mode: config.mode,
                     seed: config.seed,
                     num_shards: config.num_shards,
@@ -346,7 +439,7 @@ impl Cluster {
                 let log = self.run_dir.join(format!("{stem}.log"));
                 let _ = std::fs::remove_file(&log);
                 let what = format!("ps-server group {group} shard {shard} ({address})");
-                let child = spawn_server(binary, &config_path, &log, &what)?;
+                let child = spawn_server(&placement.prefix, binary, &config_path, &log, &what)?;
                 endpoints.push(ServerEndpoint {
                     address: address.clone(),
                     shards: vec![shard],
@@ -359,6 +452,7 @@ impl Cluster {
                     log,
                     config_path,
                     binary: binary.to_owned(),
+                    prefix: placement.prefix.clone(),
                     child: Some(child),
                 });
             }
@@ -508,6 +602,7 @@ impl Cluster {
         }
         let what = server.name();
         server.child = Some(spawn_server(
+            &server.prefix,
             &server.binary,
             &server.config_path,
             &server.log,

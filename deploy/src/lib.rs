@@ -6,5 +6,5 @@ pub mod config;
 pub mod soak;
 pub mod status;
 
-pub use cluster::{Cluster, LaunchError};
+pub use cluster::{Cluster, LaunchError, Placement};
 pub use config::ClusterConfig;

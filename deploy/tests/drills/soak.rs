@@ -3,8 +3,14 @@
 //! load, and a nemesis that applies a seeded schedule of faults
 //! (`tessera_deploy::soak`): SIGKILL and restart of a server, SIGSTOP/
 //! SIGCONT pauses, graceful restarts, SIGKILL of etcd's leader member, a
-//! server's checkpoint disk filled (a small tmpfs), overlapping where the
-//! schedule says so. A destructive fault waits while its shard has no
+//! server's checkpoint disk filled (a small tmpfs), a server's host cut
+//! off the network (its link down for the hold) or its link flapping (down
+//! and up several times, at seeded intervals), overlapping where the
+//! schedule says so. Each server runs on a host of its own (a network
+//! namespace, `tessera_test_support::netns`), the test (trainer, Fetches)
+//! and etcd's members on another, so a cut link isolates one server from
+//! etcd, its peers and the worker; over RDMA its soft NIC's port goes down
+//! with the link. A destructive fault waits while its shard has no
 //! other copy in step (what a replicated cluster is built to survive is one
 //! copy lost at a time). At the end, the audit against the trainer's own
 //! record (an independent model of what was acknowledged): every
@@ -24,11 +30,11 @@
 //! `TESSERA_SOAK_SECS` (default 120), `TESSERA_SOAK_SEED` (default 33;
 //! `random` draws one, printed), `TESSERA_SOAK_KINDS` (the kinds to draw,
 //! by name), `TESSERA_SOAK_TRANSPORT` (`tcp`, or `rdma`) and
-//! `TESSERA_SOAK_KEEP` (keep the run directory) set the run; `scripts/dev
-//! soak` runs it longer. Not drawn here: link cuts and flaps (the netns drills 4 and 5
-//! cover them; the soak's cluster is on one loopback). The disk fault
-//! needs root (to mount the tmpfs); without it, it is not drawn and the
-//! soak says why.
+//! `TESSERA_SOAK_KEEP` (keep the run directory) and `TESSERA_SOAK_NET`
+//! (`loopback`: every process on this host's loopback, no link faults)
+//! set the run; `scripts/dev soak` runs it longer. The link faults need
+//! network namespaces and the disk fault a tmpfs (both root): without
+//! them, they are not drawn and the soak says why.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -37,11 +43,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signal::Signal;
-use tessera_deploy::Cluster;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use tessera_deploy::soak::{FaultKind, Schedule, ScheduleConfig};
+use tessera_deploy::{Cluster, Placement};
 use tessera_proto::v1::ShardRole;
 use tessera_ps_server::config::{AckMode, CoordinatorKind};
 use tessera_rpc::TransportKind;
+use tessera_test_support::netns::NetCluster;
 
 use super::trainer::{Step, TABLE, Trainer, audit, hot_keys, wait_identical, worker_client};
 use super::{ONE_AT_A_TIME, cluster_config, label};
@@ -212,6 +221,66 @@ impl Drop for Disks {
     }
 }
 
+/// The soak's hosts, where it runs on network namespaces: server `i` on
+/// host `i + 1`, the test itself and etcd's members on the last
+/// ([`CLIENT_HOST`]).
+struct Hosts {
+    net: Arc<NetCluster>,
+    /// Each server's soft NIC port file, over RDMA (the port is down
+    /// while it exists): down with the server's link.
+    port_files: Option<Vec<PathBuf>>,
+}
+
+/// The host of the test (trainer, Fetches, audit) and etcd.
+const CLIENT_HOST: usize = 5;
+
+impl Hosts {
+    /// Takes server `index`'s host off the network (`up` false) or back.
+    fn set_link(&self, index: usize, up: bool) {
+        tokio::task::block_in_place(|| {
+            if up {
+                if let Some(files) = &self.port_files {
+                    let _ = std::fs::remove_file(&files[index]);
+                }
+                self.net.set_link(index + 1, true);
+            } else {
+                self.net.set_link(index + 1, false);
+                if let Some(files) = &self.port_files {
+                    std::fs::write(&files[index], b"").unwrap();
+                }
+            }
+        });
+    }
+
+    /// Flaps server `index`'s link until `hold` has passed: down and up
+    /// for 150-1,200 ms each, drawn from `seed`; it ends up.
+    fn flap(
+        self: &Arc<Self>,
+        index: usize,
+        hold: Duration,
+        seed: u64,
+    ) -> tokio::task::JoinHandle<usize> {
+        let hosts = Arc::clone(self);
+        tokio::spawn(async move {
+            let end = Instant::now() + hold;
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let mut downs = 0;
+            loop {
+                hosts.set_link(index, false);
+                downs += 1;
+                let down = Duration::from_millis(rng.random_range(150..=1_200));
+                tokio::time::sleep_until((Instant::now() + down).min(end).into()).await;
+                hosts.set_link(index, true);
+                let up = Duration::from_millis(rng.random_range(150..=1_200));
+                if Instant::now() + up >= end {
+                    break downs;
+                }
+                tokio::time::sleep(up).await;
+            }
+        })
+    }
+}
+
 /// A fault as applied.
 struct Applied {
     kind: FaultKind,
@@ -223,6 +292,8 @@ struct Applied {
     deferred: bool,
     /// When it had recovered (module docs), found by a watcher.
     recovered: Option<tokio::task::JoinHandle<Option<Instant>>>,
+    /// A flapping link's flapper (how many times it went down).
+    flapper: Option<tokio::task::JoinHandle<usize>>,
 }
 
 const RECOVERY_BOUND: Duration = Duration::from_secs(120);
@@ -296,6 +367,7 @@ fn etcd_leader(cluster: &mut Cluster) -> Option<usize> {
 async fn end_due(
     cluster: &mut Cluster,
     disks: &Disks,
+    hosts: Option<&Arc<Hosts>>,
     pending: &mut Vec<(Instant, usize)>,
     applied: &mut [Applied],
     until: Instant,
@@ -314,7 +386,13 @@ async fn end_due(
                 tokio::task::block_in_place(|| etcd.restart_member(fault.target)).unwrap();
             }
             FaultKind::FillCheckpointDisk => Disks::free(&disks.0[fault.target]),
-            kind => unreachable!("{kind:?} is not drawn"),
+            FaultKind::CutLink => hosts.expect("hosts").set_link(fault.target, true),
+            FaultKind::FlapLink => {
+                if let Some(flapper) = fault.flapper.take() {
+                    flapper.await.unwrap();
+                }
+                hosts.expect("hosts").set_link(fault.target, true);
+            }
         }
         fault.to = Instant::now();
         match fault.kind {
@@ -398,7 +476,7 @@ fn ms(d: Duration) -> u128 {
     d.as_millis()
 }
 
-async fn soak(transport: TransportKind) {
+async fn soak(transport: TransportKind, net: Option<Arc<NetCluster>>) {
     let _alone = ONE_AT_A_TIME.lock().await;
     let seed = soak_seed();
     let duration = Duration::from_secs(soak_secs());
@@ -432,7 +510,33 @@ async fn soak(transport: TransportKind) {
             Disks(Vec::new())
         }
     };
-    let mut cluster = Cluster::start(&config, &dir).await.unwrap();
+    let servers = (config.replica_groups * config.num_shards) as usize;
+    let hosts = net.map(|net| {
+        let port_files = (transport == TransportKind::Rdma).then(|| {
+            (0..servers)
+                .map(|i| dir.join(format!("rnic-down-{i}")))
+                .collect()
+        });
+        Arc::new(Hosts { net, port_files })
+    });
+    let mut cluster = match &hosts {
+        Some(hosts) => {
+            assert!(servers < CLIENT_HOST, "a host per server");
+            kinds.extend([FaultKind::CutLink, FaultKind::FlapLink]);
+            config.host = hosts.net.addr(CLIENT_HOST);
+            let placements = (0..servers)
+                .map(|i| Placement {
+                    host: hosts.net.addr(i + 1),
+                    prefix: hosts.net.prefix(i + 1),
+                    soft_port_file: hosts.port_files.as_ref().map(|files| files[i].clone()),
+                })
+                .collect();
+            Cluster::start_placed(&config, &dir, placements)
+                .await
+                .unwrap()
+        }
+        None => Cluster::start(&config, &dir).await.unwrap(),
+    };
     // The launcher's order is group-major, as the disks were mounted.
     for (i, server) in cluster.servers().iter().enumerate().take(disks.0.len()) {
         assert!(
@@ -487,7 +591,15 @@ async fn soak(transport: TransportKind) {
     for fault in &schedule.faults {
         let due = started + fault.at;
         // Ends that fall before this start come first.
-        end_due(&mut cluster, &disks, &mut pending, &mut applied, due).await;
+        end_due(
+            &mut cluster,
+            &disks,
+            hosts.as_ref(),
+            &mut pending,
+            &mut applied,
+            due,
+        )
+        .await;
         tokio::time::sleep_until(due.into()).await;
         // A fault on the same target ends first: the schedule keeps them
         // apart, but a fault's end is due `hold` after it actually started
@@ -502,7 +614,15 @@ async fn soak(transport: TransportKind) {
             .map(|p| p.0)
             .collect();
         if let Some(&until) = same.iter().max() {
-            end_due(&mut cluster, &disks, &mut pending, &mut applied, until).await;
+            end_due(
+                &mut cluster,
+                &disks,
+                hosts.as_ref(),
+                &mut pending,
+                &mut applied,
+                until,
+            )
+            .await;
         }
         let shard = cluster.servers()[fault.target].shard;
         let mut deferred = false;
@@ -515,6 +635,7 @@ async fn soak(transport: TransportKind) {
                 end_due(
                     &mut cluster,
                     &disks,
+                    hosts.as_ref(),
                     &mut pending,
                     &mut applied,
                     Instant::now(),
@@ -540,6 +661,7 @@ async fn soak(transport: TransportKind) {
         let at = Instant::now();
         let mut target = fault.target;
         let mut recovered = None;
+        let mut flapper = None;
         match fault.kind {
             FaultKind::KillServer => cluster.kill(fault.target).await,
             FaultKind::PauseServer => cluster.signal(fault.target, Signal::SIGSTOP),
@@ -569,7 +691,14 @@ async fn soak(transport: TransportKind) {
                 }));
             }
             FaultKind::FillCheckpointDisk => Disks::fill(&disks.0[fault.target]),
-            kind => unreachable!("{kind:?} is not drawn"),
+            FaultKind::CutLink => hosts.as_ref().expect("hosts").set_link(fault.target, false),
+            FaultKind::FlapLink => {
+                flapper = Some(hosts.as_ref().expect("hosts").flap(
+                    fault.target,
+                    fault.hold,
+                    seed ^ (applied.len() as u64 + 1),
+                ));
+            }
         }
         applied.push(Applied {
             kind: fault.kind,
@@ -578,11 +707,20 @@ async fn soak(transport: TransportKind) {
             to: at + fault.hold,
             deferred,
             recovered,
+            flapper,
         });
         pending.push((at + fault.hold, applied.len() - 1));
     }
     let last = pending.iter().map(|p| p.0).max().unwrap_or(started);
-    end_due(&mut cluster, &disks, &mut pending, &mut applied, last).await;
+    end_due(
+        &mut cluster,
+        &disks,
+        hosts.as_ref(),
+        &mut pending,
+        &mut applied,
+        last,
+    )
+    .await;
     // The quiet tail: the cluster settles under load.
     tokio::time::sleep_until((started + duration).into()).await;
     let (records, steps) = trainer.stop().await;
@@ -606,9 +744,9 @@ async fn soak(transport: TransportKind) {
     let mut out: Vec<Vec<(Instant, Instant)>> = vec![Vec::new(); cluster.servers().len()];
     let end_of_run = Instant::now();
     for (fault, at) in applied.iter().zip(&recovered_at) {
-        if matches!(
+        if !matches!(
             fault.kind,
-            FaultKind::KillServer | FaultKind::PauseServer | FaultKind::RestartServer
+            FaultKind::KillEtcdLeader | FaultKind::FillCheckpointDisk
         ) {
             out[fault.target].push((fault.from, at.unwrap_or(end_of_run)));
         }
@@ -802,7 +940,40 @@ fn soak_transport() -> TransportKind {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drill_soak_seeded_faults_cost_no_acknowledged_push_and_no_request_a_copy_could_serve() {
-    soak(soak_transport()).await;
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn drill_soak_seeded_faults_cost_no_acknowledged_push_and_no_request_a_copy_could_serve() {
+    let transport = soak_transport();
+    let net = if std::env::var("TESSERA_SOAK_NET").as_deref() == Ok("loopback") {
+        eprintln!("soak: SKIPPED the link faults (cut_link, flap_link): TESSERA_SOAK_NET=loopback");
+        None
+    } else {
+        match NetCluster::create(CLIENT_HOST) {
+            Ok(net) => Some(Arc::new(net)),
+            Err(why) => {
+                eprintln!(
+                    "soak: SKIPPED the link faults (cut_link, flap_link): no network namespaces here ({why}); every process on loopback"
+                );
+                None
+            }
+        }
+    };
+    match net {
+        // The test's own threads (its runtime's, built inside) on the
+        // client host: the servers' addresses and etcd's are there.
+        Some(net) => {
+            let hosts = Arc::clone(&net);
+            net.run_on(CLIENT_HOST, move || {
+                runtime().block_on(soak(transport, Some(hosts)));
+            });
+        }
+        None => runtime().block_on(soak(transport, None)),
+    }
 }
