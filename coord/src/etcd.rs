@@ -16,7 +16,7 @@ use etcd_client::{
 
 use crate::config::CoordinatorConfig;
 use crate::endpoints::Members;
-use crate::keys::{Keys, MemberRecord, PrimaryRecord};
+use crate::keys::{InStepRecord, Keys, MemberRecord, PrimaryRecord};
 
 /// Why a coordinator operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -316,6 +316,48 @@ impl EtcdCoordinator {
             }
         }
         Ok(None)
+    }
+
+    /// The in-step record of `shard`, if a primary wrote one.
+    pub async fn in_step(&self, shard: u32) -> Result<Option<InStepRecord>, CoordError> {
+        let key = self.keys.in_step(shard);
+        let found = self
+            .call(|mut c| {
+                let key = key.clone();
+                async move { c.get(key, None).await }
+            })
+            .await?;
+        found
+            .kvs()
+            .first()
+            .map(|kv| decode(kv.key(), kv.value()))
+            .transpose()
+    }
+
+    /// Writes `record` as the in-step record of `shard` if `lease` holds
+    /// the shard's primary key (only the primary writes it); whether it
+    /// did.
+    pub async fn publish_in_step(
+        &self,
+        shard: u32,
+        lease: i64,
+        record: &InStepRecord,
+    ) -> Result<bool, CoordError> {
+        let (primary_key, key) = (self.keys.primary(shard), self.keys.in_step(shard));
+        let value = serde_json::to_vec(record).map_err(|source| CoordError::BadRecord {
+            key: key.clone(),
+            source,
+        })?;
+        let txn = Txn::new()
+            .when([Compare::lease(primary_key, CompareOp::Equal, lease)])
+            .and_then([TxnOp::put(key, value, None)]);
+        let answer = self
+            .call(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(answer.succeeded())
     }
 
     /// Gives up the primary key of `shard` if `lease` holds it.

@@ -3,6 +3,7 @@
 //! ```text
 //! /<cluster>/shards/<shard>/primary   PrimaryRecord (JSON), on the primary's lease
 //! /<cluster>/shards/<shard>/epoch     the last epoch issued (decimal), kept forever
+//! /<cluster>/shards/<shard>/in_step   InStepRecord (JSON), written by the primary, kept
 //! /<cluster>/members/<address>        MemberRecord (JSON), on the server's lease
 //! ```
 //!
@@ -22,6 +23,22 @@ pub struct PrimaryRecord {
     pub epoch: u64,
     /// Its replica group.
     pub replica_group: u32,
+}
+
+/// Which copies of a shard hold every Push its primary acknowledged, as
+/// that primary last wrote it (its in-step key; Kafka calls this the
+/// in-sync replica set). The primary writes a replica out *before* it
+/// acknowledges a Push without it, and back in once it holds every
+/// acknowledged Push, so that a server that wins a later campaign can tell
+/// whether its own copy may lead or which live server's copy must be
+/// taken first.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct InStepRecord {
+    /// The epoch of the primary that wrote it.
+    pub epoch: u64,
+    /// The servers (addresses) whose copies hold every acknowledged Push:
+    /// the primary and each replica it waits for.
+    pub members: Vec<String>,
 }
 
 /// A live server, as stored in its member key.
@@ -62,6 +79,11 @@ impl Keys {
     /// The epoch key of `shard`.
     pub fn epoch(&self, shard: u32) -> String {
         format!("{}/shards/{shard:06}/epoch", self.root)
+    }
+
+    /// The in-step key of `shard` ([`InStepRecord`]).
+    pub fn in_step(&self, shard: u32) -> String {
+        format!("{}/shards/{shard:06}/in_step", self.root)
     }
 
     /// The prefix of the member keys.

@@ -36,5 +36,5 @@ mod local;
 
 pub use config::{CoordinatorConfig, CoordinatorKind};
 pub use etcd::{CoordError, EtcdCoordinator, LeaseKeepAlive, PrimaryChange, PrimaryWatch};
-pub use keys::{MemberRecord, PrimaryRecord};
+pub use keys::{InStepRecord, MemberRecord, PrimaryRecord};
 pub use local::{LocalEtcd, LocalEtcdError, etcd_bin};

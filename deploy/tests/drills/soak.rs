@@ -24,8 +24,11 @@
 //! etcd: from the kill until a new leader; disk: from freeing it until the
 //! next checkpoint saved). Every failed request is printed with its error
 //! and whether some shard had no copy serving at the time (every copy of
-//! it under a fault or not yet back in step): a failure while each shard
-//! had a copy serving fails the soak.
+//! it under a fault or not yet back in step), or it was in flight as a
+//! server went silent (paused, its link cut or flapping: a client cannot
+//! tell for up to 2 s, past the request's 1 s deadline); a failure
+//! otherwise fails the soak. A destructive fault waits until another copy
+//! is in step by its own word and its primary's.
 //!
 //! `TESSERA_SOAK_SECS` (default 120), `TESSERA_SOAK_SEED` (default 33;
 //! `random` draws one, printed), `TESSERA_SOAK_KINDS` (the kinds to draw,
@@ -111,10 +114,35 @@ async fn in_step(cluster: &Cluster, index: usize) -> bool {
     })
 }
 
-/// Whether `shard` has a copy in step on a server other than `except`.
+/// Whether `shard` has a copy in step on a server other than `except`:
+/// by its own word and its primary's (a replica the primary cut off, and
+/// acknowledged Pushes without, does not know it until it hears so; the
+/// soak once killed the primary then and lost those Pushes).
 async fn another_copy_in_step(cluster: &Cluster, shard: u32, except: usize) -> bool {
-    for (i, server) in cluster.servers().iter().enumerate() {
-        if i != except && server.shard == shard && in_step(cluster, i).await {
+    let servers = cluster.servers();
+    let mut primary = None;
+    for server in servers.iter().filter(|s| s.shard == shard) {
+        if let Ok(health) = tessera_test_support::health(&server.address).await
+            && let Some(s) = health
+                .shard_health
+                .iter()
+                .find(|s| s.shard == shard && s.role == ShardRole::Primary as i32 && !s.fenced)
+        {
+            primary = Some((server.address.clone(), s.replicas.clone()));
+        }
+    }
+    let Some((primary, replicas)) = primary else {
+        return false;
+    };
+    for (i, server) in servers.iter().enumerate() {
+        if i == except || server.shard != shard || !in_step(cluster, i).await {
+            continue;
+        }
+        if server.address == primary
+            || replicas
+                .iter()
+                .any(|r| r.address == server.address && r.in_step)
+        {
             return true;
         }
     }
@@ -297,6 +325,10 @@ struct Applied {
 }
 
 const RECOVERY_BOUND: Duration = Duration::from_secs(120);
+
+/// How long a client may send requests to a server that went silent
+/// before it can tell: its channel's silence limit (2 s) and a margin.
+const SILENCE_NOTICED: Duration = Duration::from_millis(2500);
 
 /// Polls until server `index` holds a copy in step again.
 fn watch_in_step(cluster: &Cluster, index: usize) -> tokio::task::JoinHandle<Option<Instant>> {
@@ -762,7 +794,32 @@ async fn soak(transport: TransportKind, net: Option<Arc<NetCluster>>) {
             .collect();
         no_copy.extend(all_out(&copies));
     }
-    let explained = |from: Instant, to: Instant| no_copy.iter().any(|&(a, b)| a <= to && from <= b);
+    let no_copy_then =
+        |from: Instant, to: Instant| no_copy.iter().any(|&(a, b)| a <= to && from <= b);
+    // A server that goes silent (paused, its link cut or flapping) gives
+    // no sign: a request already sent there, or sent before the client
+    // could tell (its channel calls a link dead after 2 s with nothing
+    // heard), fails if its deadline (1 s) comes first. No policy but
+    // hedging saves it; these are counted apart.
+    let silent: Vec<(Instant, Instant)> = applied
+        .iter()
+        .filter_map(|f| match f.kind {
+            FaultKind::PauseServer | FaultKind::CutLink => Some((f.from, f.from + SILENCE_NOTICED)),
+            FaultKind::FlapLink => Some((f.from, f.to + SILENCE_NOTICED)),
+            _ => None,
+        })
+        .collect();
+    let went_silent =
+        |from: Instant, to: Instant| silent.iter().any(|&(a, b)| a <= to && from <= b);
+    let cause_of = |from: Instant, to: Instant| {
+        if no_copy_then(from, to) {
+            Some("a shard had no copy serving")
+        } else if went_silent(from, to) {
+            Some("in flight as a server went silent")
+        } else {
+            None
+        }
+    };
 
     // By kind: what the load saw from each fault's start to 3 s after its
     // end (overlapping faults count for each).
@@ -831,18 +888,27 @@ async fn soak(transport: TransportKind, net: Option<Arc<NetCluster>>) {
 
     // Every failed request: its error, and whether a shard had no copy
     // serving while it ran.
-    let mut failures: BTreeMap<(bool, String), (usize, u128)> = BTreeMap::new();
+    // (count, first and last at, in ms from the start)
+    let mut failures: BTreeMap<(Option<&str>, String), (usize, u128, u128)> = BTreeMap::new();
     let push_errors = records.iter().filter_map(|r| r.error.clone());
     let mut unexplained = 0;
+    // The seconds (from the start) with unexplained failures: the faults
+    // around them are printed.
+    let mut unexplained_at = std::collections::BTreeSet::new();
     let mut note = |from: Instant, to: Instant, what: &str, error: &str| {
-        let cause = explained(from, to);
-        unexplained += usize::from(!cause);
+        let cause = cause_of(from, to);
+        unexplained += usize::from(cause.is_none());
+        if cause.is_none() {
+            unexplained_at.insert((from - started).as_secs());
+        }
         let short: String = error.chars().take(160).collect();
+        let at = ms(from - started);
         let entry = failures
             .entry((cause, format!("{what}: {short}")))
-            .or_default();
+            .or_insert((0, at, at));
         entry.0 += 1;
-        entry.1 = ms(from - started);
+        entry.1 = entry.1.min(at);
+        entry.2 = entry.2.max(at);
     };
     for o in &fetches {
         if let Some(error) = &o.error {
@@ -859,14 +925,10 @@ async fn soak(transport: TransportKind, net: Option<Arc<NetCluster>>) {
     let push_errors: Vec<String> = push_errors.take(5).collect();
     let failures: String = failures
         .iter()
-        .map(|((cause, error), (count, last))| {
+        .map(|((cause, error), (count, first, last))| {
             format!(
-                "  {count} x {error} [{}; last at +{last} ms]\n",
-                if *cause {
-                    "a shard had no copy serving"
-                } else {
-                    "UNEXPLAINED: every shard had a copy serving"
-                }
+                "  {count} x {error} [{}; first at +{first}, last at +{last} ms]\n",
+                cause.unwrap_or("UNEXPLAINED: every shard had a copy serving")
             )
         })
         .collect();
@@ -887,6 +949,31 @@ async fn soak(transport: TransportKind, net: Option<Arc<NetCluster>>) {
             audit.hot_rows_match
         ),
     );
+    // Around each unexplained failure: the faults then, with when each
+    // server was back in step.
+    let mut around = Vec::new();
+    for (fault, at) in applied.iter().zip(&recovered_at) {
+        let from = (fault.from - started).as_secs();
+        let back = at.map_or(u64::MAX, |at| (at - started).as_secs());
+        if unexplained_at
+            .iter()
+            .any(|&t| t + 10 >= from && t <= back.saturating_add(10))
+        {
+            around.push(format!(
+                "{} of {} +{}..+{} ms, in step again at {}",
+                fault.kind.name(),
+                fault.target,
+                ms(fault.from - started),
+                ms(fault.to - started),
+                at.map_or("never".into(), |at| format!("+{} ms", ms(at - started)))
+            ));
+        }
+    }
+    if !unexplained_at.is_empty() {
+        eprintln!(
+            "unexplained failures in seconds {unexplained_at:?}; faults around them: {around:?}"
+        );
+    }
     let replay = format!("seed {seed}: replay with TESSERA_SOAK_SEED={seed}");
     if !audit.lost.is_empty() {
         let lost: Vec<String> = audit

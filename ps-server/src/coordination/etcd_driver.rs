@@ -118,6 +118,11 @@ impl Driver {
         }
         self.fence.renewed(sent_at, ttl);
         self.coord.register(&self.member, lease).await?;
+        self.replication
+            .set_in_step_writer(crate::replication::InStepWriter {
+                coord: self.coord.clone(),
+                lease,
+            });
         tracing::info!(lease = format!("{lease:#x}"), ttl = ?ttl, "coordinator session started");
         let (lost_tx, mut lost_rx) = oneshot::channel();
         let keeper = Keeper::start(
@@ -289,8 +294,18 @@ impl Driver {
                         Err(_) => peers,
                     };
                     let deadline = Instant::now() + patience;
+                    // Which copies hold every acknowledged Push: without
+                    // knowing, no copy may lead.
+                    let in_step = match coord.in_step(shard).await {
+                        Ok(record) => record,
+                        Err(err) => {
+                            tracing::warn!(shard, epoch, %err, "cannot read the shard's in-step record; resigning");
+                            let _ = done.send(Done::Recovered(shard, epoch, false));
+                            return;
+                        }
+                    };
                     let ok = match replication
-                        .recover(shard, &servers, Patience::Until(deadline))
+                        .recover(shard, &servers, Patience::Until(deadline), in_step.as_ref())
                         .await
                     {
                         Ok(recovered) => {

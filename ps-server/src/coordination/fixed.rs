@@ -47,7 +47,9 @@ pub(super) async fn run(shards: Vec<u32>, replication: Arc<Replication>, stop: C
         let replication = Arc::clone(&replication);
         async move {
             let servers = replication.peers_of(shard);
-            match replication.recover(shard, &servers, Patience::All).await {
+            match replication
+                .recover(shard, &servers, Patience::All, None)
+                .await {
                 Ok(recovered) => {
                     if recovered.lost > 0 {
                         metrics::counter!("tessera_ps_failover_lost_pushes_total")

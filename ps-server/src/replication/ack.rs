@@ -205,6 +205,10 @@ impl Replication {
             .await;
             guard.waits.clear();
         }
+        // The in-step record lists no copy that lacks this Push
+        // (`in_step`): written first where it would.
+        self.ensure_in_step(ticket.shard, ticket.epoch, ticket.position)
+            .await?;
         let Some(cell) = self.cell(ticket.shard) else {
             return Ok(());
         };

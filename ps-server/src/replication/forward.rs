@@ -391,6 +391,16 @@ impl Forwarder {
         })
     }
 
+    /// Whether the replica holds the Push at `position` of `shard` and every
+    /// one acknowledged before it: attached, confirmed, and past both
+    /// (it may be listed in the in-step record).
+    pub fn holds(&self, shard: u32, position: u64) -> bool {
+        let queue = lock(&self.queue);
+        queue.shards.get(&shard).is_some_and(|a| {
+            a.attached && a.confirmed && a.applied >= a.alone_through.max(position)
+        })
+    }
+
     /// Takes up to a batch of entries to send, with every attachment's
     /// generation at that moment, and the shards attached then.
     fn pending(&self) -> (Vec<Queued>, HashMap<u32, (u64, bool)>, Counted) {

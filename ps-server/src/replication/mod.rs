@@ -55,6 +55,7 @@ mod ack;
 pub(crate) mod copy_stream;
 mod forward;
 mod health;
+mod in_step;
 mod pending;
 mod recovery;
 mod replica;
@@ -74,6 +75,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::ack::{AckTicket, Refusal};
 pub use self::copy_stream::{CopyDecoder, CopyItem, StreamError};
+pub use self::in_step::{InStepWriter, eligible};
 pub use self::recovery::{Patience, Recovered, RecoveryError};
 pub use self::service::ReplicationService;
 pub use self::sync::CopyError;
@@ -102,6 +104,7 @@ pub struct Replication {
     stop: CancellationToken,
     syncs: AtomicU64,
     cutoffs: Arc<AtomicU64>,
+    in_step: in_step::InStepBook,
     weak: Weak<Replication>,
 }
 
@@ -186,6 +189,7 @@ impl Replication {
             stop: CancellationToken::new(),
             syncs: AtomicU64::new(0),
             cutoffs,
+            in_step: in_step::InStepBook::new(&config.shards),
             weak: weak.clone(),
         })
     }

@@ -83,6 +83,21 @@ pub enum RecoveryError {
         /// Why.
         source: CopyError,
     },
+    /// No copy known to hold every acknowledged Push (the shard's in-step
+    /// record, `in_step`) is here or answered, and not every server of
+    /// the shard answered: leading from what answered could lose
+    /// acknowledged Pushes.
+    #[error(
+        "shard {shard}: no copy listed in step at epoch {epoch} ({members:?}) is here or answered; waiting for one"
+    )]
+    NoCopyInStep {
+        /// The shard.
+        shard: u32,
+        /// The record's epoch.
+        epoch: u64,
+        /// The copies it lists.
+        members: Vec<String>,
+    },
     /// The server stopped.
     #[error("stopped")]
     Stopped,
@@ -91,12 +106,16 @@ pub enum RecoveryError {
 impl Replication {
     /// Makes this server's copy of `shard` the freshest among `servers`
     /// (module docs). The shard must be recovering
-    /// ([`Replication::begin_recovery`]).
+    /// ([`Replication::begin_recovery`]). With the shard's in-step record
+    /// (`in_step`), a copy it says holds every acknowledged Push must be
+    /// this server's or among those that answered, unless every server of
+    /// the shard answered.
     pub async fn recover(
         self: &Arc<Self>,
         shard: u32,
         servers: &[String],
         patience: Patience,
+        in_step: Option<&tessera_coord::InStepRecord>,
     ) -> Result<Recovered, RecoveryError> {
         let started = Instant::now();
         let recovering = self.cell(shard).and_then(|c| match c.lock().role {
@@ -114,6 +133,27 @@ impl Replication {
             .store
             .version(shard)
             .ok_or(RecoveryError::NotHosted(shard))?;
+        if let Some(record) = in_step {
+            let mine = self.in_step_epoch(shard);
+            let held = super::in_step::eligible(record, &self.me, mine)
+                || statuses
+                    .iter()
+                    .any(|(addr, s)| super::in_step::eligible(record, addr, s.in_step_epoch));
+            let everyone = self
+                .peers_of(shard)
+                .iter()
+                .all(|peer| statuses.contains_key(peer));
+            if !held && !everyone {
+                return Err(RecoveryError::NoCopyInStep {
+                    shard,
+                    epoch: record.epoch,
+                    members: record.members.clone(),
+                });
+            }
+            if !held {
+                tracing::warn!(shard, epoch = record.epoch, members = ?record.members, "no copy listed in step survives; every server of the shard answered, so the freshest of them leads");
+            }
+        }
         let mut newest_epoch = own.epoch.max(self.known_epoch(shard));
         let mut best: Option<(&String, Version)> = None;
         for (addr, status) in &statuses {

@@ -162,6 +162,9 @@ impl Replication {
             return Head::OutOfStep;
         };
         let mut state = cell.lock();
+        // What this copy held under the role it had, before this head
+        // changes it (the in-step record's measure).
+        state.note_held(writing.version().position);
         if head.epoch < state.known_epoch {
             metrics::counter!("tessera_ps_replication_stale_epoch_total").increment(1);
             return Head::Deposed(state.redirect(head.shard));
@@ -216,6 +219,7 @@ impl Replication {
                             f.counted_through =
                                 Some(f.counted_through.unwrap_or(0).max(head.acked_alone_through));
                         }
+
                         Head::Accept(head.epoch)
                     } else if f.in_step && head.attachment < f.attachment {
                         // A batch built before this replica attached,
@@ -252,6 +256,7 @@ impl Replication {
                 _ => Head::OutOfStep,
             }
         };
+        state.note_held(writing.version().position);
         drop(state);
         drop(writing);
         if attach {
@@ -597,6 +602,7 @@ impl Replication {
                 Role::Replica(f) => Some(f.head.into()),
                 _ => None,
             },
+            in_step_epoch: state.in_step_epoch(version.position),
         }
     }
 }

@@ -14,6 +14,9 @@ impl Replication {
     /// Steps down from `state` (under the shard's write lock): the
     /// replicas are detached, and Pushes waiting for them fail.
     pub(super) fn step_down_locked(&self, shard: u32, state: &mut ShardState, why: &str) {
+        // (The store's version does not wait for the write lock the
+        // caller holds.)
+        state.note_held(self.store.version(shard).map_or(0, |v| v.position));
         if let Role::Primary { epoch, .. } = state.role {
             tracing::warn!(shard, epoch, why, "stepping down as the shard's primary");
             metrics::counter!("tessera_ps_step_downs_total").increment(1);
@@ -41,6 +44,7 @@ impl Replication {
         if epoch < state.known_epoch {
             return;
         }
+        state.note_held(writing.version().position);
         state.learn(epoch, primary);
         if epoch == state.known_epoch {
             state.known_primary = Some(primary.to_owned());
@@ -124,6 +128,7 @@ impl Replication {
         if state.primary_epoch().is_some() {
             self.step_down_locked(shard, &mut state, "recovering again");
         }
+        state.note_held(self.store.version(shard).map_or(0, |v| v.position));
         // The epoch won is the newest there is: the old primary's stream is
         // refused (and told so) from now on, so it cannot get a Push
         // confirmed here while this server takes over.
@@ -170,6 +175,14 @@ impl Replication {
         metrics::gauge!("tessera_ps_shard_epoch", "shard" => shard.to_string()).set(epoch as f64);
         tracing::info!(shard, epoch, from = %base, "primary of the shard");
         Ok(())
+    }
+
+    /// The newest epoch whose primary's every acknowledged Push this
+    /// process's copy of `shard` held (`in_step`); 0: none.
+    pub fn in_step_epoch(&self, shard: u32) -> u64 {
+        let position = self.store.version(shard).map_or(0, |v| v.position);
+        self.cell(shard)
+            .map_or(0, |c| c.lock().in_step_epoch(position))
     }
 
     /// The newest epoch this server has heard of for `shard`.

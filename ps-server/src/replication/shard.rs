@@ -108,6 +108,11 @@ pub(crate) struct ShardState {
     /// recovered as one since it started. A checkpoint alone does not
     /// count: it is only a candidate for recovery.
     pub has_copy: bool,
+    /// The newest epoch whose primary's every acknowledged Push this
+    /// process's copy held (as that primary, or as a replica in step with
+    /// it), as recorded; [`ShardState::in_step_epoch`] adds the current
+    /// role's. 0: none since this process started.
+    pub held_epoch: u64,
     /// A primary handing the shard over (shutting down): it takes no more
     /// Pushes while its queues drain to the replicas.
     pub handing_over: bool,
@@ -116,6 +121,23 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
+    /// The newest epoch whose every acknowledged Push this copy, at
+    /// `position`, holds (the in-step record's measure, see `in_step`).
+    pub fn in_step_epoch(&self, position: u64) -> u64 {
+        let current = match &self.role {
+            Role::Primary { epoch, .. } => *epoch,
+            Role::Replica(f) if f.holds_every_ack(position) => f.epoch,
+            _ => 0,
+        };
+        self.held_epoch.max(current)
+    }
+
+    /// Records what [`ShardState::in_step_epoch`] says now, before the
+    /// role changes.
+    pub fn note_held(&mut self, position: u64) {
+        self.held_epoch = self.in_step_epoch(position);
+    }
+
     fn readable(&self) -> bool {
         match &self.role {
             Role::Primary { .. } => true,
@@ -128,7 +150,13 @@ impl ShardState {
             // wait on the dying server). A restarted server holds no copy
             // yet and still answers nothing.
             Role::Recovering { .. } => self.has_copy,
-            Role::Replica(follow) => self.has_copy && !follow.syncing,
+            // Likewise a replica copying a newer copy (staged aside and
+            // swapped in at once, `sync::Staged`): it serves the complete
+            // copy it holds. Refusing left a shard with no reader while a
+            // new primary recovered from this very copy (the fault soak:
+            // 205 Fetches failed, the replica following the recovering
+            // primary and marked copying before any copy could start).
+            Role::Replica(_) => self.has_copy,
             Role::Idle => self.has_copy,
         }
     }
@@ -236,6 +264,7 @@ impl ShardCell {
                 known_epoch: 0,
                 known_primary: None,
                 has_copy: false,
+                held_epoch: 0,
                 handing_over: false,
                 pending: super::pending::Pending::default(),
             }),
@@ -303,7 +332,10 @@ mod tests {
                 f.syncing = true;
             }
         }
-        assert!(!cell.readable(), "a copy being replaced is not served");
+        assert!(
+            cell.readable(),
+            "a complete copy is served while a newer one is copied"
+        );
         {
             let mut s = cell.lock();
             s.role = Role::Recovering { epoch: 5 };
