@@ -10,8 +10,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse, PutOptions,
+    Txn, TxnOp, WatchOptions,
 };
 
 use crate::config::CoordinatorConfig;
@@ -127,6 +127,16 @@ impl EtcdCoordinator {
         self.members.call(call).await
     }
 
+    /// Reads `key` (every key under it with `prefix`).
+    async fn get(&self, key: &str, prefix: bool) -> Result<GetResponse, CoordError> {
+        self.call(|mut c| {
+            let options = prefix.then(|| GetOptions::new().with_prefix());
+            let key = key.to_owned();
+            async move { c.get(key, options).await }
+        })
+        .await
+    }
+
     /// A new lease of `ttl_secs`; returns its id and the TTL etcd granted
     /// (it raises TTLs below its minimum).
     pub async fn grant_lease(&self, ttl_secs: i64) -> Result<(i64, Duration), CoordError> {
@@ -201,12 +211,7 @@ impl EtcdCoordinator {
     /// Every live member.
     pub async fn members(&self) -> Result<Vec<MemberRecord>, CoordError> {
         let prefix = self.keys.members_prefix();
-        let found = self
-            .call(|mut c| {
-                let prefix = prefix.clone();
-                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
-            })
-            .await?;
+        let found = self.get(&prefix, true).await?;
         found
             .kvs()
             .iter()
@@ -218,12 +223,7 @@ impl EtcdCoordinator {
     /// revision they were read at (to watch from).
     pub async fn primaries(&self) -> Result<(HashMap<u32, (PrimaryRecord, i64)>, i64), CoordError> {
         let prefix = self.keys.shards_prefix();
-        let found = self
-            .call(|mut c| {
-                let prefix = prefix.clone();
-                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
-            })
-            .await?;
+        let found = self.get(&prefix, true).await?;
         let revision = found.header().map_or(0, |h| h.revision());
         let mut out = HashMap::new();
         for kv in found.kvs() {
@@ -251,12 +251,7 @@ impl EtcdCoordinator {
         floor: u64,
     ) -> Result<Option<u64>, CoordError> {
         let (primary_key, epoch_key) = (self.keys.primary(shard), self.keys.epoch(shard));
-        let current = self
-            .call(|mut c| {
-                let key = epoch_key.clone();
-                async move { c.get(key, None).await }
-            })
-            .await?;
+        let current = self.get(&epoch_key, false).await?;
         let (last, epoch_revision) = match current.kvs().first() {
             Some(kv) => (
                 String::from_utf8_lossy(kv.value())
@@ -321,12 +316,7 @@ impl EtcdCoordinator {
     /// The in-step record of `shard`, if a primary wrote one.
     pub async fn in_step(&self, shard: u32) -> Result<Option<InStepRecord>, CoordError> {
         let key = self.keys.in_step(shard);
-        let found = self
-            .call(|mut c| {
-                let key = key.clone();
-                async move { c.get(key, None).await }
-            })
-            .await?;
+        let found = self.get(&key, false).await?;
         found
             .kvs()
             .first()

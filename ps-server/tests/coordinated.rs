@@ -12,52 +12,22 @@
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tessera_proto::v1::{DigestRequest, HealthResponse, PushRequest, ShardRole};
-use tessera_ps_server::config::{CoordinatorConfig, CoordinatorKind, OptimizerConfig, PeerConfig};
-use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_ps_server::PsServerConfig;
 use tessera_test_support::{
-    Etcd, InProcess, free_addr, wait_for_health, wait_replicas_in_step, wait_serving, wire,
+    Etcd, InProcess, etcd_coordination, free_addr, pair_config, pair_push, wait_for_health,
+    wait_replicas_in_step, wait_serving,
 };
 
 fn config(listen: &str, group: u32, peer: &str, etcd: &Etcd, cluster: &str) -> PsServerConfig {
     PsServerConfig {
-        listen: listen.to_owned(),
-        replica_group: group,
-        replica_groups: 2,
-        peers: vec![PeerConfig {
-            address: peer.to_owned(),
-            replica_group: 1 - group,
-            shards: vec![0],
-        }],
-        coordinator: CoordinatorConfig {
-            kind: CoordinatorKind::Etcd,
-            endpoints: vec![etcd.endpoint.clone()],
-            cluster: cluster.to_owned(),
-            failover_timeout_ms: 2000,
-            ..CoordinatorConfig::default()
-        },
-        tables: vec![TableConfig {
-            optimizer: OptimizerConfig::adam(0.01),
-            ..TableConfig::new("emb", 4)
-        }],
-        ..PsServerConfig::default()
+        coordinator: etcd_coordination(etcd, cluster, 2000),
+        ..pair_config(listen, group, peer)
     }
 }
 
 fn push_request(step: u64) -> PushRequest {
-    let keys: Vec<u64> = (0..32).collect();
-    let grads: Vec<f32> = (0..keys.len() * 4)
-        .map(|i| ((i as u64 * 5 + step * 3) % 11) as f32 - 5.0)
-        .collect();
-    PushRequest {
-        table: "emb".into(),
-        shard: 0,
-        keys,
-        gradients: Bytes::from(wire(&grads)),
-        worker_id: 9,
-        sequence: step,
-    }
+    pair_push(step, 32, 9)
 }
 
 fn role(health: &HealthResponse) -> ShardRole {
@@ -118,14 +88,9 @@ async fn led_pair(cluster: &str) -> Pair {
 
 /// A coordinator client of `cluster` on `etcd`.
 async fn coordinator(etcd: &Etcd, cluster: &str) -> tessera_coord::EtcdCoordinator {
-    tessera_coord::EtcdCoordinator::connect(&CoordinatorConfig {
-        kind: CoordinatorKind::Etcd,
-        endpoints: vec![etcd.endpoint.clone()],
-        cluster: cluster.into(),
-        ..CoordinatorConfig::default()
-    })
-    .await
-    .unwrap()
+    tessera_coord::EtcdCoordinator::connect(&etcd_coordination(etcd, cluster, 2000))
+        .await
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

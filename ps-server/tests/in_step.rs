@@ -16,55 +16,27 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use nix::sys::signal::Signal;
 use tessera_proto::v1::{ParameterServerClient, PushRequest, ShardRole};
-use tessera_ps_server::config::{CoordinatorConfig, CoordinatorKind, OptimizerConfig, PeerConfig};
-use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_ps_server::PsServerConfig;
 use tessera_rpc::{CallOptions, Channel};
 use tessera_test_support::health::patient;
 use tessera_test_support::{
-    Etcd, PsProcess, free_addr, health, wait_for_health, wait_replicas_in_step, wait_serving, wire,
+    Etcd, PsProcess, etcd_coordination, free_addr, health, pair_config, pair_push, wait_for_health,
+    wait_replicas_in_step, wait_serving,
 };
 
 const FAILOVER_MS: u64 = 2000;
 
 fn config(listen: &str, group: u32, peer: &str, etcd: &Etcd) -> PsServerConfig {
     PsServerConfig {
-        listen: listen.to_owned(),
-        replica_group: group,
-        replica_groups: 2,
-        peers: vec![PeerConfig {
-            address: peer.to_owned(),
-            replica_group: 1 - group,
-            shards: vec![0],
-        }],
-        coordinator: CoordinatorConfig {
-            kind: CoordinatorKind::Etcd,
-            endpoints: vec![etcd.endpoint.clone()],
-            cluster: "in-step".to_owned(),
-            failover_timeout_ms: FAILOVER_MS,
-            ..CoordinatorConfig::default()
-        },
-        tables: vec![TableConfig {
-            optimizer: OptimizerConfig::sgd(0.1),
-            ..TableConfig::new("emb", 4)
-        }],
-        ..PsServerConfig::default()
+        coordinator: etcd_coordination(etcd, "in-step", FAILOVER_MS),
+        ..pair_config(listen, group, peer)
     }
 }
 
 fn push_request(step: u64) -> PushRequest {
-    let keys: Vec<u64> = (0..16).collect();
-    let grads: Vec<f32> = (0..keys.len() * 4).map(|i| (i % 3) as f32 - 1.0).collect();
-    PushRequest {
-        table: "emb".into(),
-        shard: 0,
-        keys,
-        gradients: Bytes::from(wire(&grads)),
-        worker_id: 3,
-        sequence: step,
-    }
+    pair_push(step, 16, 3)
 }
 
 fn shard_role(h: &tessera_proto::v1::HealthResponse) -> (ShardRole, u64) {

@@ -14,52 +14,28 @@ use prost::Message as _;
 use tessera_proto::v1::{
     DigestRequest, FetchRequest, NotPrimary, PushRequest, StatsRequest, SyncRequest,
 };
-use tessera_ps_server::config::{AckMode, OptimizerConfig, PeerConfig, ReplicationConfig};
-use tessera_ps_server::{PsServerConfig, TableConfig, Version};
+use tessera_ps_server::config::{AckMode, ReplicationConfig};
+use tessera_ps_server::{PsServerConfig, Version};
 use tessera_rpc::{Code, RpcError};
 use tessera_test_support::{
-    FaultProxy, InProcess, PsProcess, free_addr, wait_replicas_in_step, wait_serving, wire,
+    FaultProxy, InProcess, PsProcess, free_addr, pair_config, pair_push, wait_replicas_in_step,
+    wait_serving, wire,
 };
 
-/// A server of shard 0 in `group` (group 0 is the primary), knowing the
-/// other at `peer` (as `peer_group`), advertising itself as `advertise`.
 fn config(listen: &str, group: u32, peer: &str, advertise: &str, max_lag: usize) -> PsServerConfig {
     PsServerConfig {
-        listen: listen.to_owned(),
         advertise: Some(advertise.to_owned()),
-        replica_group: group,
-        replica_groups: 2,
-        peers: vec![PeerConfig {
-            address: peer.to_owned(),
-            replica_group: 1 - group,
-            shards: vec![0],
-        }],
         replication: ReplicationConfig {
             max_lag_pushes: max_lag,
             ..ReplicationConfig::default()
         },
-        tables: vec![TableConfig {
-            optimizer: OptimizerConfig::adam(0.01),
-            ..TableConfig::new("emb", 4)
-        }],
-        ..PsServerConfig::default()
+        ..pair_config(listen, group, peer)
     }
 }
 
-/// Pushes of a step's gradients (every row changes) as `worker`.
+/// Pushes of a step's gradients (every row changes).
 fn push_request(step: u64) -> PushRequest {
-    let keys: Vec<u64> = (0..64).collect();
-    let grads: Vec<f32> = (0..keys.len() * 4)
-        .map(|i| ((i as u64 * 13 + step * 7) % 17) as f32 - 8.0)
-        .collect();
-    PushRequest {
-        table: "emb".into(),
-        shard: 0,
-        keys,
-        gradients: Bytes::from(wire(&grads)),
-        worker_id: 5,
-        sequence: step,
-    }
+    pair_push(step, 64, 5)
 }
 
 async fn push(server: &InProcess, step: u64) -> Result<(), RpcError> {

@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod etcd;
 pub mod health;
 pub mod netns;
+pub mod pair;
 pub mod pki;
 pub mod process;
 pub mod proxy;
@@ -24,6 +25,7 @@ pub use health::{
     health, health_as, wait_for_health, wait_for_health_as, wait_replicas_in_step,
     wait_replicas_in_step_as, wait_serving, wait_serving_as,
 };
+pub use pair::{etcd_coordination, pair_config, pair_push};
 pub use pki::TestPki;
 pub use process::PsProcess;
 pub use proxy::FaultProxy;

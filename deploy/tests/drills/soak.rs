@@ -50,7 +50,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tessera_deploy::soak::{FaultKind, Schedule, ScheduleConfig};
 use tessera_deploy::{Cluster, Placement};
-use tessera_proto::v1::ShardRole;
+use tessera_proto::v1::{HealthResponse, ShardRole};
 use tessera_ps_server::config::{AckMode, CoordinatorKind};
 use tessera_rpc::TransportKind;
 use tessera_test_support::netns::NetCluster;
@@ -100,15 +100,11 @@ const CHECKPOINT_SECS: u64 = 2;
 /// Each server's checkpoint disk (a tmpfs): room for the checkpoints kept.
 const DISK_MIB: u64 = 256;
 
-/// Whether server `index` holds a copy of its shard that serves: a
-/// primary, or a replica in step and not copying.
-async fn in_step(cluster: &Cluster, index: usize) -> bool {
-    let server = &cluster.servers()[index];
-    let Ok(health) = tessera_test_support::health(&server.address).await else {
-        return false;
-    };
+/// Whether `health` says its server holds a copy of `shard` that serves:
+/// a primary, or a replica in step and not copying.
+fn serves(health: &HealthResponse, shard: u32) -> bool {
     health.shard_health.iter().any(|s| {
-        s.shard == server.shard
+        s.shard == shard
             && (s.role == ShardRole::Primary as i32
                 || (s.role == ShardRole::Replica as i32 && s.in_step && !s.syncing))
     })
@@ -117,36 +113,31 @@ async fn in_step(cluster: &Cluster, index: usize) -> bool {
 /// Whether `shard` has a copy in step on a server other than `except`:
 /// by its own word and its primary's (a replica the primary cut off, and
 /// acknowledged Pushes without, does not know it until it hears so; the
-/// soak once killed the primary then and lost those Pushes).
+/// soak once killed the primary then and lost those Pushes). One health
+/// scan of the shard's servers.
 async fn another_copy_in_step(cluster: &Cluster, shard: u32, except: usize) -> bool {
-    let servers = cluster.servers();
-    let mut primary = None;
-    for server in servers.iter().filter(|s| s.shard == shard) {
-        if let Ok(health) = tessera_test_support::health(&server.address).await
-            && let Some(s) = health
-                .shard_health
-                .iter()
-                .find(|s| s.shard == shard && s.role == ShardRole::Primary as i32 && !s.fenced)
+    let mut answers = Vec::new();
+    for (i, server) in cluster.servers().iter().enumerate() {
+        if server.shard == shard
+            && let Ok(health) = tessera_test_support::health(&server.address).await
         {
-            primary = Some((server.address.clone(), s.replicas.clone()));
+            answers.push((i, server.address.as_str(), health));
         }
     }
-    let Some((primary, replicas)) = primary else {
+    let Some((primary, replicas)) = answers.iter().find_map(|(_, address, health)| {
+        health
+            .shard_health
+            .iter()
+            .find(|s| s.shard == shard && s.role == ShardRole::Primary as i32 && !s.fenced)
+            .map(|s| (*address, &s.replicas))
+    }) else {
         return false;
     };
-    for (i, server) in servers.iter().enumerate() {
-        if i == except || server.shard != shard || !in_step(cluster, i).await {
-            continue;
-        }
-        if server.address == primary
-            || replicas
-                .iter()
-                .any(|r| r.address == server.address && r.in_step)
-        {
-            return true;
-        }
-    }
-    false
+    answers.iter().any(|(i, address, health)| {
+        *i != except
+            && serves(health, shard)
+            && (*address == primary || replicas.iter().any(|r| r.address == *address && r.in_step))
+    })
 }
 
 /// One request of the load: when it ran and why it failed, if it did.
@@ -340,11 +331,7 @@ fn watch_in_step(cluster: &Cluster, index: usize) -> tokio::task::JoinHandle<Opt
         let started = Instant::now();
         while started.elapsed() < RECOVERY_BOUND {
             if let Ok(health) = tessera_test_support::health(&address).await
-                && health.shard_health.iter().any(|s| {
-                    s.shard == shard
-                        && (s.role == ShardRole::Primary as i32
-                            || (s.role == ShardRole::Replica as i32 && s.in_step && !s.syncing))
-                })
+                && serves(&health, shard)
             {
                 return Some(Instant::now());
             }

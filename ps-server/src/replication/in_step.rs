@@ -190,16 +190,22 @@ impl Replication {
         if *published_epoch != epoch {
             return false;
         }
-        let holding = self.holding(shard, position);
+        // Runs before every acknowledgement: walks the (few) forwarders
+        // instead of collecting the holding set.
+        let holding = || {
+            self.forwarders
+                .iter()
+                .filter(|f| f.shards.contains(&shard) && f.holds(shard, position))
+        };
         let may_list = listed
             .iter()
             .chain(view.pending.iter().flat_map(|(_, p)| p.iter()));
         for replica in may_list {
-            if !holding.contains(replica) {
+            if !holding().any(|f| f.addr == *replica) {
                 return false;
             }
         }
-        holding.iter().all(|r| listed.contains(r))
+        holding().all(|f| listed.contains(&f.addr))
     }
 }
 
