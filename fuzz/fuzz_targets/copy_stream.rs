@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use tessera_ps_server::image::TableShape;
 use tessera_ps_server::replication::{CopyDecoder, CopyItem};
-use tessera_ps_server::store::TableShape;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&shape, rest)) = data.split_first() else {

@@ -10,6 +10,7 @@ pub mod coordination;
 pub mod dedup;
 pub mod grpc_health;
 mod grpc_limits;
+pub mod image;
 pub mod replication;
 pub mod rowfile;
 mod service;

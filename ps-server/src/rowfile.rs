@@ -15,7 +15,7 @@
 //! for them, and fails (never panics) on short or trailing input.
 
 use crate::dedup::WorkerWindow;
-use crate::table::TableSnapshot;
+use crate::image::{RowImage, ShardImage, ShardSnapshot, TableSnapshot};
 
 /// Magic at the start of every row file.
 const MAGIC: &[u8; 8] = b"TSCKROW1";
@@ -23,28 +23,6 @@ const MAGIC: &[u8; 8] = b"TSCKROW1";
 const COUNT_AT: usize = 16;
 /// Bytes of a worker window's fixed part (worker, highest, words).
 const WINDOW_FIXED: u64 = 20;
-
-/// One row as saved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RowImage {
-    /// Its key.
-    pub key: u64,
-    /// Optimizer steps applied to it.
-    pub steps: u32,
-    /// Its values (`dim`).
-    pub values: Vec<f32>,
-    /// Its optimizer state (`dim * slots`).
-    pub state: Vec<f32>,
-}
-
-/// One (table, shard) as saved: rows and deduplication windows.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct ShardImage {
-    /// The rows, in no particular order.
-    pub rows: Vec<RowImage>,
-    /// The Push deduplication window of every worker remembered.
-    pub dedup: Vec<WorkerWindow>,
-}
 
 /// Writes a row file as rows come.
 struct Writer {
@@ -95,10 +73,24 @@ impl Writer {
 /// bytes and the row count.
 pub fn encode_snapshot(snapshot: &TableSnapshot, dim: u32, slots: u32) -> (Vec<u8>, u64) {
     let mut writer = Writer::new(dim, slots, snapshot.rows.len());
-    for (key, row) in &snapshot.rows {
-        writer.row(*key, row.steps, &row.values, &row.state);
+    for row in snapshot.rows.rows_from(0) {
+        row.encode(&mut writer.out);
+        writer.rows += 1;
     }
     writer.finish(&snapshot.dedup)
+}
+
+/// Each table's row file of a shard snapshot (name, bytes, rows), in name
+/// order.
+pub fn encode_shard(snapshot: &ShardSnapshot) -> Vec<(&str, Vec<u8>, u64)> {
+    snapshot
+        .tables
+        .iter()
+        .map(|(shape, table)| {
+            let (bytes, rows) = encode_snapshot(table, shape.dim, shape.slots);
+            (shape.name.as_str(), bytes, rows)
+        })
+        .collect()
 }
 
 /// A fingerprint of one (table, shard) snapshot that does not depend on
@@ -116,18 +108,12 @@ pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
         tessera_proto::sharding::splitmix64(h)
     }
     let mut digest = 0u64;
-    for (key, row) in &snapshot.rows {
-        let bytes = key
-            .to_le_bytes()
-            .into_iter()
-            .chain(row.steps.to_le_bytes())
-            .chain(
-                row.values
-                    .iter()
-                    .chain(row.state.iter())
-                    .flat_map(|v| v.to_bits().to_le_bytes()),
-            );
-        digest = digest.wrapping_add(fnv(bytes));
+    let mut bytes = Vec::new();
+    for row in snapshot.rows.rows_from(0) {
+        // Key, steps, values and state bits: the row as a row file has it.
+        bytes.clear();
+        row.encode(&mut bytes);
+        digest = digest.wrapping_add(fnv(bytes.iter().copied()));
     }
     for window in &snapshot.dedup {
         let bytes = window

@@ -28,9 +28,9 @@ impl From<StoreError> for Status {
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode
             | StoreError::SequenceTooOld { .. } => Status::failed_precondition(message),
-            StoreError::DedupFull { .. } | StoreError::ResponseTooLarge { .. } => {
-                Status::resource_exhausted(message)
-            }
+            StoreError::DedupFull { .. }
+            | StoreError::ResponseTooLarge { .. }
+            | StoreError::ShardFull { .. } => Status::resource_exhausted(message),
         }
     }
 }

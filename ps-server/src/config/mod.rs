@@ -16,7 +16,7 @@ use tessera_rpc::{
 
 pub use self::checkpoint::CheckpointConfig;
 pub use self::replication::{AckMode, PeerConfig, ReplicationConfig};
-pub use crate::table::{EvictionPolicy, Initializer, OptimizerConfig};
+pub use crate::table::{EvictionPolicy, Initializer, OptimizerConfig, Storage};
 
 /// How a server fills rows it has never seen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
@@ -59,6 +59,14 @@ pub struct TableConfig {
     /// Default `lru`: a row nobody reads any more is the cheapest to lose.
     #[serde(default)]
     pub eviction: EvictionPolicy,
+    /// How values are stored: `f32`, `f16` or `bf16` (half the bytes;
+    /// optimizer math runs in `f32` and rounds once per update, the
+    /// optimizer state stays `f32`, Fetches answer `f32`). Default `f32`:
+    /// exactly what was computed; choose a narrow one for a table whose
+    /// model tolerates 2^-11 (`f16`) or 2^-8 (`bf16`) relative rounding
+    /// per update.
+    #[serde(default)]
+    pub storage: Storage,
     /// What a Push with NaN or infinite gradients gets: `reject` (the whole
     /// Push is refused) or `clip` (NaN becomes 0, every value is clamped to
     /// ±`gradient_clip`). Default `reject`: a NaN gradient is a bug
@@ -96,6 +104,7 @@ impl TableConfig {
             optimizer: OptimizerConfig::default(),
             max_rows: None,
             eviction: EvictionPolicy::default(),
+            storage: Storage::default(),
             non_finite: NonFinite::default(),
             gradient_clip: default_gradient_clip(),
         }
@@ -118,6 +127,17 @@ impl TableConfig {
             return Err(invalid(
                 format!("tables[{i}].max_rows"),
                 "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        if let Some(max) = self.max_rows
+            && max > crate::table::MAX_SHARD_ROWS
+        {
+            return Err(invalid(
+                format!("tables[{i}].max_rows"),
+                format!(
+                    "{max} exceeds the {} rows a shard of a table holds",
+                    crate::table::MAX_SHARD_ROWS
+                ),
             ));
         }
         if !(self.gradient_clip.is_finite() && self.gradient_clip > 0.0) {

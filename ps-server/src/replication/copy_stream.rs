@@ -21,8 +21,7 @@
 //!   any input.
 
 use crate::dedup::WorkerWindow;
-use crate::rowfile::RowImage;
-use crate::store::{ShardSnapshot, TableShape};
+use crate::image::{RowImage, ShardSnapshot, TableShape};
 
 /// Bytes of a row file's header: magic, dim, slots, row count.
 const HEADER: u64 = 24;
@@ -151,12 +150,12 @@ impl CopySource {
                 let hi = end.min(to) - from;
                 let (first, last) = (lo / part.row_bytes, (hi - 1) / part.row_bytes);
                 let mut rows = Vec::with_capacity(((last - first + 1) * part.row_bytes) as usize);
-                for (key, row) in &table.rows[first as usize..=last as usize] {
-                    rows.extend_from_slice(&key.to_le_bytes());
-                    rows.extend_from_slice(&row.steps.to_le_bytes());
-                    for v in row.values.iter().chain(row.state.iter()) {
-                        rows.extend_from_slice(&v.to_le_bytes());
-                    }
+                for row in table
+                    .rows
+                    .rows_from(first as usize)
+                    .take((last - first + 1) as usize)
+                {
+                    row.encode(&mut rows);
                 }
                 let skip = (lo - first * part.row_bytes) as usize;
                 out.extend_from_slice(&rows[skip..skip + (hi - lo) as usize]);
@@ -575,7 +574,7 @@ mod tests {
                 decoder.handle_bytes(&piece, &mut items).unwrap();
             }
             decoder.finish().unwrap();
-            let mut tables: Vec<(String, crate::rowfile::ShardImage)> = Vec::new();
+            let mut tables: Vec<(String, crate::image::ShardImage)> = Vec::new();
             for item in items {
                 match item {
                     CopyItem::Table(name) => tables.push((name, Default::default())),

@@ -29,12 +29,11 @@ use tessera_rpc::{RpcError, Status};
 
 use super::Replication;
 use super::copy_stream::{CopyDecoder, CopyItem, CopySource};
+use crate::image::TableShape;
+#[cfg(test)]
+use crate::image::{ShardImage, ShardSnapshot};
 use crate::rowfile;
-#[cfg(test)]
-use crate::rowfile::ShardImage;
-#[cfg(test)]
-use crate::store::ShardSnapshot;
-use crate::store::{ShardGuard, Store, TableShape};
+use crate::store::{ShardGuard, Store};
 use crate::version::Version;
 
 /// Bytes per `SyncChunk` answer: well under any message limit, large
@@ -100,6 +99,14 @@ pub enum CopyError {
     /// The source is not a configured peer.
     #[error("{0} is not a configured peer")]
     UnknownPeer(String),
+    /// The copy has more rows than a stripe of this server holds.
+    #[error("table `{table}` of the copy: {source}")]
+    Full {
+        /// The table.
+        table: String,
+        /// Why.
+        source: crate::table::StripeFull,
+    },
 }
 
 /// A copy fetched from another server ([`Replication::fetch_copy`]).
@@ -168,7 +175,7 @@ impl Replication {
 /// servers encode chunk by chunk, [`CopySource`]).
 #[cfg(test)]
 pub(crate) fn encode_blob(snapshot: &ShardSnapshot) -> Vec<u8> {
-    let files = snapshot.encode();
+    let files = rowfile::encode_shard(snapshot);
     let mut blob = Vec::with_capacity(
         4 + files
             .iter()
@@ -407,12 +414,13 @@ impl Staged {
             }
             CopyItem::Row(saved) => {
                 let table = self.tables.last().ok_or(CopyError::Truncated)?;
-                let mut row = crate::table::Row::new(
-                    saved.values.into_boxed_slice(),
-                    saved.state.into_boxed_slice(),
-                );
-                row.data_mut().steps = saved.steps;
-                table.rows.insert(saved.key, row);
+                table
+                    .rows
+                    .insert(saved.key, saved.steps, &saved.values, &saved.state)
+                    .map_err(|source| CopyError::Full {
+                        table: table.name.clone(),
+                        source,
+                    })?;
                 self.rows += 1;
             }
             CopyItem::Windows(windows) => {

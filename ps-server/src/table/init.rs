@@ -61,23 +61,33 @@ impl Initializer {
     /// The row of `key` (`dim` values); `base` mixes the seed and the
     /// table name ([`row_base`]).
     pub fn row(&self, base: u64, key: u64, dim: usize) -> Box<[f32]> {
+        let mut out = vec![0.0; dim].into_boxed_slice();
+        self.fill(base, key, &mut out);
+        out
+    }
+
+    /// Writes the row of `key` into `out` (its length is the dimension).
+    pub fn fill(&self, base: u64, key: u64, out: &mut [f32]) {
         let base = base.wrapping_add(splitmix64(key));
         // 24 random bits -> [0, 1), exactly representable in f32.
         let unit = |i: u64| (splitmix64(base.wrapping_add(i)) >> 40) as f32 / (1u32 << 24) as f32;
         match *self {
-            Initializer::Zeros => vec![0.0; dim].into_boxed_slice(),
-            Initializer::Uniform { scale } => (0..dim as u64)
-                .map(|j| scale * (2.0 * unit(j) - 1.0))
-                .collect(),
-            Initializer::Normal { std } => (0..dim as u64)
-                .map(|j| {
+            Initializer::Zeros => out.fill(0.0),
+            Initializer::Uniform { scale } => {
+                for (j, v) in out.iter_mut().enumerate() {
+                    *v = scale * (2.0 * unit(j as u64) - 1.0);
+                }
+            }
+            Initializer::Normal { std } => {
+                for (j, v) in out.iter_mut().enumerate() {
+                    let j = j as u64;
                     // Box-Muller on two independent draws per value; u1 in
                     // (0, 1] so the logarithm is finite.
                     let u1 = 1.0 - unit(2 * j + 1_000_003);
                     let u2 = unit(2 * j + 1_000_004);
-                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-                })
-                .collect(),
+                    *v = std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+                }
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
 
 mod init;
 mod optimizer;
-mod rows;
+pub mod rows;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,10 +12,13 @@ use std::time::{Duration, Instant};
 
 pub use init::{Initializer, row_base};
 pub use optimizer::OptimizerConfig;
-pub use rows::{Eviction, EvictionPolicy, Row, RowData, ShardRows};
+pub use rows::{
+    Eviction, EvictionPolicy, MAX_SHARD_ROWS, RowBytes, RowLayout, RowRef, RowsSnapshot, ShardRows,
+    Storage, StripeFull,
+};
 
 use crate::config::{NonFinite, TableConfig};
-use crate::rowfile::ShardImage;
+use crate::image::{ShardImage, TableSnapshot};
 use crate::store::ShardGuard;
 
 /// Bytes of one f32 on the wire.
@@ -38,22 +41,12 @@ pub struct ShardState {
 impl ShardState {
     fn new(config: &TableConfig, dedup: DedupLimits) -> Self {
         Self {
-            rows: ShardRows::new(config.max_rows, config.eviction),
+            rows: ShardRows::new(row_layout(config), config.max_rows, config.eviction),
             dedup: PushDedup::new(dedup),
             fetches: AtomicU64::new(0),
             pushes: AtomicU64::new(0),
         }
     }
-}
-
-/// One (table, shard) at a cut: rows shared with the live ones, and the
-/// deduplication windows.
-#[derive(Debug, Default, Clone)]
-pub struct TableSnapshot {
-    /// Every row's key and contents.
-    pub rows: Vec<(u64, std::sync::Arc<RowData>)>,
-    /// The Push deduplication windows.
-    pub dedup: Vec<crate::dedup::WorkerWindow>,
 }
 
 /// One table's rows on this server.
@@ -77,6 +70,19 @@ enum Evicting<'a> {
     Choose(&'a mut Vec<Eviction>),
     /// As a replica: the primary's victims, in order, never one's own.
     Follow(&'a [Eviction]),
+}
+
+/// Where the parts of a row of a `config` table lie: `steps` kept for
+/// Adam's bias correction and for LFU eviction, where they are used.
+pub fn row_layout(config: &TableConfig) -> RowLayout {
+    let dim = config.dim as usize;
+    RowLayout::new(
+        dim,
+        config.optimizer.slots() * dim,
+        config.storage,
+        config.optimizer.uses_steps()
+            || (config.max_rows.is_some() && config.eviction == EvictionPolicy::Lfu),
+    )
 }
 
 /// Deduplication settings from the server's configuration.
@@ -127,22 +133,24 @@ impl Table {
         self.shards.values().map(|s| s.rows.evictions()).sum()
     }
 
-    /// The initial values of `key`'s row: a pure function of (seed, table
-    /// name, key), so replicas agree.
+    /// The initial values of `key`'s row as stored: a pure function of
+    /// (seed, table name, key), so replicas agree.
     pub fn initial_row(&self, key: u64) -> Box<[f32]> {
-        self.config
+        let mut values = self
+            .config
             .initializer
-            .row(self.init_base, key, self.config.dim as usize)
+            .row(self.init_base, key, self.config.dim as usize);
+        for v in values.iter_mut() {
+            *v = self.config.storage.round(*v);
+        }
+        values
     }
 
-    /// A new row for `key`: initial values and fresh optimizer state.
-    pub fn new_row(&self, key: u64) -> Row {
-        Row::new(
-            self.initial_row(key),
-            self.config
-                .optimizer
-                .initial_state(self.config.dim as usize),
-        )
+    /// Writes a new row of `key`: initial values and fresh optimizer
+    /// state.
+    pub fn init_row(&self, key: u64, values: &mut [f32], state: &mut [f32]) {
+        self.config.initializer.fill(self.init_base, key, values);
+        self.config.optimizer.fill_initial_state(state);
     }
 
     /// Checks little-endian f32 gradients against the table's non-finite
@@ -248,16 +256,7 @@ impl Table {
         let optimizer = self.config.optimizer;
         let mut grad = vec![0f32; dim];
         let mut clipped = 0;
-        fn update<'g>(optimizer: OptimizerConfig, grad: &'g [f32]) -> impl FnOnce(&mut Row) + 'g {
-            move |row: &mut Row| {
-                let RowData {
-                    values,
-                    state,
-                    steps,
-                } = row.data_mut();
-                optimizer.apply(values, state, steps, grad);
-            }
-        }
+        let mut refused = 0u64;
         for (index, (&key, raw)) in keys
             .iter()
             .zip(gradients.chunks_exact(dim * F32))
@@ -266,11 +265,14 @@ impl Table {
             clipped += self.decode_row(raw, &mut grad);
             match &mut evicting {
                 Evicting::Choose(evicted) => {
-                    let ((), victim) = state.rows.upsert_evicting(
+                    let Ok(((), victim)) = state.rows.upsert_evicting(
                         key,
-                        || self.new_row(key),
-                        update(optimizer, &grad),
-                    );
+                        |values, st| self.init_row(key, values, st),
+                        |values, st, steps| optimizer.apply(values, st, steps, &grad),
+                    ) else {
+                        refused += 1;
+                        continue;
+                    };
                     if let Some(victim) = victim {
                         evicted.push(Eviction {
                             before: u32::try_from(index).unwrap_or(u32::MAX),
@@ -285,16 +287,29 @@ impl Table {
                         followed &= state.rows.evict(first.key);
                         *evictions = rest;
                     }
-                    state.rows.upsert_following(
-                        key,
-                        || self.new_row(key),
-                        update(optimizer, &grad),
-                    );
+                    if state
+                        .rows
+                        .upsert_following(
+                            key,
+                            |values, st| self.init_row(key, values, st),
+                            |values, st, steps| optimizer.apply(values, st, steps, &grad),
+                        )
+                        .is_err()
+                    {
+                        refused += 1;
+                    }
                 }
             }
         }
         if clipped > 0 {
             metrics::counter!("tessera_ps_non_finite_gradients_total", "table" => self.config.name.clone(), "action" => "clipped").increment(clipped);
+        }
+        if refused > 0 {
+            // Checked before the Push ([`ShardRows::has_room`]); only Fetches
+            // inserting rows meanwhile can fill a stripe this far.
+            metrics::counter!("tessera_ps_rows_refused_total", "table" => self.config.name.clone())
+                .increment(refused);
+            tracing::warn!(table = %self.config.name, refused, "rows of a Push not stored: a stripe of the shard is full");
         }
         followed
     }
@@ -309,7 +324,10 @@ impl Table {
                 rows: state.rows.snapshot(),
                 dedup: state.dedup.snapshot(),
             },
-            None => TableSnapshot::default(),
+            None => TableSnapshot {
+                rows: RowsSnapshot::empty(row_layout(&self.config)),
+                dedup: Vec::new(),
+            },
         }
     }
 
@@ -322,12 +340,14 @@ impl Table {
             return;
         };
         for saved in image.rows {
-            let mut row = Row::new(
-                saved.values.into_boxed_slice(),
-                saved.state.into_boxed_slice(),
-            );
-            row.data_mut().steps = saved.steps;
-            state.rows.insert(saved.key, row);
+            if state
+                .rows
+                .insert(saved.key, saved.steps, &saved.values, &saved.state)
+                .is_err()
+            {
+                tracing::warn!(table = %self.config.name, shard, "a stripe of the shard is full: rows of the image are left out");
+                break;
+            }
         }
         state.dedup.restore(&image.dedup, now);
     }
@@ -335,7 +355,11 @@ impl Table {
     /// A new, empty set of rows laid out as this table's (to stage a copy
     /// in before [`Table::swap_in`]).
     pub fn staging_rows(&self) -> ShardRows {
-        ShardRows::new(self.config.max_rows, self.config.eviction)
+        ShardRows::new(
+            row_layout(&self.config),
+            self.config.max_rows,
+            self.config.eviction,
+        )
     }
 
     /// Makes `shard` hold exactly `rows` (staged from a copy) and `dedup`;

@@ -125,13 +125,26 @@ impl OptimizerConfig {
 
     /// The state of a new row of `dim` values.
     pub fn initial_state(&self, dim: usize) -> Box<[f32]> {
+        let mut out = vec![0.0; self.slots() * dim].into_boxed_slice();
+        self.fill_initial_state(&mut out);
+        out
+    }
+
+    /// Writes the state of a new row into `out`.
+    pub fn fill_initial_state(&self, out: &mut [f32]) {
         match self {
             OptimizerConfig::Adagrad {
                 initial_accumulator,
                 ..
-            } => vec![*initial_accumulator; dim].into_boxed_slice(),
-            _ => vec![0.0; self.slots() * dim].into_boxed_slice(),
+            } => out.fill(*initial_accumulator),
+            _ => out.fill(0.0),
         }
+    }
+
+    /// Whether [`OptimizerConfig::apply`] reads the row's step count
+    /// (Adam's bias correction).
+    pub fn uses_steps(&self) -> bool {
+        matches!(self, OptimizerConfig::Adam { .. })
     }
 
     /// Checks the parameters; `key` names the table's optimizer in errors.

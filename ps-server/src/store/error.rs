@@ -1,0 +1,138 @@
+//! Why the store refused a Fetch or Push.
+
+/// Why a Fetch or Push was refused. Nothing is applied when one is returned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A forwarded Push's evictions do not point into its keys in order
+    /// (a corrupt stream entry), or name a row this copy lacks (it is not
+    /// the primary's).
+    #[error("a forwarded push's evictions do not fit its {keys} keys or this copy")]
+    BadEvictions {
+        /// Keys of the Push.
+        keys: usize,
+    },
+    /// No table of that name.
+    #[error("no table named `{0}`")]
+    UnknownTable(String),
+    /// The request names a shard this server does not host.
+    #[error("shard {shard} is not hosted here (hosted: {hosted:?})")]
+    ShardNotHosted {
+        /// The shard requested.
+        shard: u32,
+        /// The shards this server hosts.
+        hosted: Vec<u32>,
+    },
+    /// A key does not belong to the shard named in the request.
+    #[error("key {key} belongs to shard {actual}, not to shard {shard}")]
+    WrongShard {
+        /// The key.
+        key: u64,
+        /// The shard named in the request.
+        shard: u32,
+        /// The shard the key maps to.
+        actual: u32,
+    },
+    /// More keys than `max_keys_per_request`.
+    #[error("{got} keys in one request; at most {max} are accepted")]
+    TooManyKeys {
+        /// Keys sent.
+        got: usize,
+        /// The limit.
+        max: u32,
+    },
+    /// The gradients do not hold `keys * dim` values.
+    #[error("expected {expected} gradient bytes ({keys} keys x dim {dim} x 4), got {got}")]
+    GradientLength {
+        /// Number of keys.
+        keys: usize,
+        /// The table's dimension.
+        dim: u32,
+        /// Bytes expected.
+        expected: usize,
+        /// Bytes received.
+        got: usize,
+    },
+    /// A gradient is NaN or infinite and the table rejects those.
+    #[error("gradient value {index} of the push to `{table}` is not finite; nothing was applied")]
+    NonFiniteGradient {
+        /// The table.
+        table: String,
+        /// Index of the first bad value.
+        index: usize,
+    },
+    /// The Push's sequence number is below the deduplication window: the
+    /// server cannot tell whether it was applied, so it refuses it.
+    #[error(
+        "push {sequence} of worker {worker:#x} is older than the deduplication window (lowest {lowest}); it may already have been applied"
+    )]
+    SequenceTooOld {
+        /// The worker.
+        worker: u64,
+        /// The sequence sent.
+        sequence: u64,
+        /// The lowest sequence still tracked.
+        lowest: u64,
+    },
+    /// A Push's sequence is above the largest accepted or jumps too far
+    /// above the worker's highest (see [`crate::dedup::MAX_JUMP`]).
+    #[error(
+        "push {sequence} of worker {worker:#x} is implausible (its highest is {highest}; at most {} above it, and at most {} in all)",
+        crate::dedup::MAX_JUMP,
+        crate::dedup::MAX_SEQUENCE
+    )]
+    SequenceImplausible {
+        /// The worker.
+        worker: u64,
+        /// The sequence sent.
+        sequence: u64,
+        /// The worker's highest sequence so far.
+        highest: u64,
+    },
+    /// A Fetch's answer would exceed the largest message.
+    #[error(
+        "the answer of {keys} keys x {row_bytes} bytes a row exceeds the largest message ({max} bytes); fetch fewer keys at a time"
+    )]
+    ResponseTooLarge {
+        /// Keys asked for.
+        keys: usize,
+        /// Bytes of a row.
+        row_bytes: usize,
+        /// Most bytes a Fetch's rows may take.
+        max: usize,
+    },
+    /// The Push comes from a worker the shard's deduplication has no room
+    /// for: refused, so that no remembered worker has to be forgotten.
+    #[error(
+        "push deduplication of this shard remembers {max_workers} workers (dedup_max_workers), all seen within dedup_idle_secs; worker {worker:#x} is refused until some go idle"
+    )]
+    DedupFull {
+        /// The refused worker.
+        worker: u64,
+        /// The limit.
+        max_workers: usize,
+    },
+    /// The output buffer of a fetch has the wrong size (a caller bug).
+    #[error("fetch output holds {got} bytes, {expected} needed")]
+    OutputLength {
+        /// Bytes needed.
+        expected: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// Pushes are refused in inference mode.
+    #[error("this server is in inference mode and does not accept pushes")]
+    InferenceMode,
+    /// A stripe of the shard holds as many rows as it can
+    /// ([`crate::table::MAX_SHARD_ROWS`] per shard): add shards, or set
+    /// `max_rows`.
+    #[error(
+        "shard {shard} of table `{table}` holds as many rows as it can; add shards or set max_rows"
+    )]
+    ShardFull {
+        /// The table.
+        table: String,
+        /// The shard.
+        shard: u32,
+    },
+}

@@ -1,0 +1,145 @@
+//! Each shard's write lock ([`ShardGuard`]) and the version it guards:
+//! taken by a thread ([`Store::lock_shard`]) or by a task without blocking
+//! its thread ([`Store::lock_shard_async`]).
+
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::{Mutex, MutexGuard};
+
+use super::Store;
+use crate::version::Version;
+
+/// One shard's write lock, and the wake-up of the async tasks waiting for
+/// it ([`Store::lock_shard_async`]).
+#[derive(Debug, Default)]
+pub(super) struct Writer {
+    version: Mutex<Version>,
+    /// A copy of the version as of the last completed change, for readers
+    /// that must not wait for the write lock (Health, stream heads).
+    published: Mutex<Version>,
+    /// Async waiters registered (a release notifies only if some are).
+    waiting: AtomicUsize,
+    released: tokio::sync::Notify,
+}
+
+/// The write lock of one shard (see [`Store`]), with its version.
+#[derive(Debug)]
+pub struct ShardGuard<'a> {
+    shard: u32,
+    /// `Some` until dropped: released before the waiters are woken.
+    version: Option<MutexGuard<'a, Version>>,
+    writer: &'a Writer,
+}
+
+impl Drop for ShardGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.version.take());
+        // Pairs with the fence in `lock_shard_async`: either this sees the
+        // waiter's count, or the waiter's `try_lock` sees the release.
+        std::sync::atomic::fence(AtomicOrdering::SeqCst);
+        if self.writer.waiting.load(AtomicOrdering::SeqCst) > 0 {
+            self.writer.released.notify_waiters();
+        }
+    }
+}
+
+impl ShardGuard<'_> {
+    /// The shard.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// The version of the shard's rows.
+    pub fn version(&self) -> Version {
+        self.version.as_deref().copied().unwrap_or_default()
+    }
+
+    /// Sets the version of the shard's rows (after changing them).
+    pub fn set_version(&mut self, version: Version) {
+        if let Some(held) = self.version.as_deref_mut() {
+            *held = version;
+            *self
+                .writer
+                .published
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = version;
+        }
+    }
+}
+
+impl Store {
+    /// The write lock of `shard` (see [`Store`]), blocking the thread
+    /// until it is free; `None` if the shard is not hosted here. For
+    /// blocking threads and sections that hold it briefly; async request
+    /// handlers use [`Store::lock_shard_async`].
+    pub fn lock_shard(&self, shard: u32) -> Option<ShardGuard<'_>> {
+        let writer = self.writers.get(&shard)?;
+        Some(ShardGuard {
+            shard,
+            // A panic under the lock leaves at worst one Push half applied
+            // to a row; serving beats failing every later request.
+            version: Some(writer.version.lock().unwrap_or_else(|p| p.into_inner())),
+            writer,
+        })
+    }
+
+    /// The write lock of `shard` without blocking the thread: when it is
+    /// held (a Push of the same shard, a snapshot, a copy being installed),
+    /// the task waits to be woken by its release, and the runtime's
+    /// threads go on serving Fetches, Health and other shards. A Push
+    /// handler that blocked its thread instead would park every runtime
+    /// thread once a few Pushes queue behind a long hold. `None` if the
+    /// shard is not hosted here.
+    pub async fn lock_shard_async(&self, shard: u32) -> Option<ShardGuard<'_>> {
+        let writer = self.writers.get(&shard)?;
+        // Counted as waiting until this returns or is dropped.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, AtomicOrdering::SeqCst);
+            }
+        }
+        writer.waiting.fetch_add(1, AtomicOrdering::SeqCst);
+        let _waiting = Waiting(&writer.waiting);
+        loop {
+            let released = writer.released.notified();
+            tokio::pin!(released);
+            // Registered before trying: a release after this try wakes it.
+            released.as_mut().enable();
+            std::sync::atomic::fence(AtomicOrdering::SeqCst);
+            if let Some(guard) = Self::try_lock_writer(shard, writer) {
+                return Some(guard);
+            }
+            released.await;
+        }
+    }
+
+    /// Async tasks waiting for `shard`'s write lock now (0 if it is not
+    /// hosted).
+    pub fn waiting_for_lock(&self, shard: u32) -> usize {
+        self.writers
+            .get(&shard)
+            .map_or(0, |w| w.waiting.load(AtomicOrdering::SeqCst))
+    }
+
+    fn try_lock_writer(shard: u32, writer: &Writer) -> Option<ShardGuard<'_>> {
+        let held = match writer.version.try_lock() {
+            Ok(held) => held,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(ShardGuard {
+            shard,
+            version: Some(held),
+            writer,
+        })
+    }
+
+    /// The version of `shard`'s rows as of the last completed change
+    /// (`None`: not hosted). Does not wait for the shard's write lock: a
+    /// Push being applied now is not counted yet; who needs the version
+    /// to agree with the rows holds the lock ([`ShardGuard::version`]).
+    pub fn version(&self, shard: u32) -> Option<Version> {
+        let writer = self.writers.get(&shard)?;
+        Some(*writer.published.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}

@@ -1,0 +1,180 @@
+//! The tables a server holds and the checks every Fetch and Push passes
+//! before touching a row: the table exists, the shard is hosted, every key
+//! belongs to it, the request is within the key limit, the gradients have
+//! the right length and are finite (or clipped). Nothing of a refused
+//! request is applied; an accepted Push is applied to every row it names.
+
+mod error;
+mod fetch;
+mod lock;
+mod push;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use tessera_proto::sharding::shard_for_key;
+
+pub use self::error::StoreError;
+pub use self::fetch::CheckedFetch;
+use self::fetch::RESPONSE_OVERHEAD;
+pub use self::lock::ShardGuard;
+use self::lock::Writer;
+pub use self::push::{CheckedPush, PushId, PushOutcome};
+use crate::config::{Mode, PsServerConfig};
+use crate::image::{ShardSnapshot, TableShape};
+pub use crate::table::Table;
+use crate::table::{ShardState, dedup_limits};
+
+/// All tables of one server.
+///
+/// Each hosted shard has one write lock for all its tables, held by
+/// everything that changes its rows (a Push, a copy replacing the shard)
+/// or must see whole Pushes only (a checkpoint, a copy for another
+/// server). It guards the shard's [`crate::version::Version`]: whoever changes the rows
+/// sets the version under the same lock, so a copy and its version always
+/// agree. Fetches do not take it.
+#[derive(Debug)]
+pub struct Store {
+    mode: Mode,
+    num_shards: u32,
+    hosted: Vec<u32>,
+    max_keys: u32,
+    /// Most bytes the rows of one Fetch may take: `max_message_size` less
+    /// room for the response's header and framing.
+    max_response_bytes: usize,
+    tables: HashMap<String, Table>,
+    writers: HashMap<u32, Writer>,
+}
+
+impl Store {
+    /// An empty store for `config`'s tables and shards.
+    pub fn new(config: &PsServerConfig) -> Self {
+        let mut hosted = config.shards.clone();
+        hosted.sort_unstable();
+        let limits = dedup_limits(config.dedup_max_workers, config.dedup_idle_secs);
+        Self {
+            mode: config.mode,
+            num_shards: config.num_shards,
+            max_keys: config.max_keys_per_request,
+            max_response_bytes: usize::try_from(
+                config.max_message_size.saturating_sub(RESPONSE_OVERHEAD),
+            )
+            .unwrap_or(usize::MAX),
+            tables: config
+                .tables
+                .iter()
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        Table::new(t.clone(), config.seed, &hosted, limits),
+                    )
+                })
+                .collect(),
+            writers: hosted.iter().map(|&s| (s, Writer::default())).collect(),
+            hosted,
+        }
+    }
+
+    /// Every table's rows of the shard `writing` locks, at one cut, with
+    /// the shard's version, in table-name order. Costs one reference count
+    /// per row (rows are shared, copied only when a Push changes them
+    /// later: see [`crate::table::Row`]), so the lock is held briefly; the
+    /// caller encodes the snapshot after releasing it.
+    pub fn snapshot_shard(&self, writing: &ShardGuard<'_>) -> ShardSnapshot {
+        let mut tables: Vec<&Table> = self.tables.values().collect();
+        tables.sort_by(|a, b| a.config().name.cmp(&b.config().name));
+        ShardSnapshot {
+            shard: writing.shard(),
+            version: writing.version(),
+            tables: tables
+                .into_iter()
+                .filter(|t| t.shard(writing.shard()).is_some())
+                .map(|t| {
+                    let config = t.config();
+                    let shape = TableShape {
+                        name: config.name.clone(),
+                        dim: config.dim,
+                        slots: config.optimizer.slots() as u32,
+                    };
+                    (shape, t.snapshot(writing, writing.shard()))
+                })
+                .collect(),
+        }
+    }
+
+    /// Training or inference.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Total shards of the model.
+    pub fn num_shards(&self) -> u32 {
+        self.num_shards
+    }
+
+    /// Hosted shards, sorted.
+    pub fn hosted(&self) -> &[u32] {
+        &self.hosted
+    }
+
+    /// The tables, in no particular order.
+    pub fn tables(&self) -> impl Iterator<Item = &Table> {
+        self.tables.values()
+    }
+
+    /// The table called `name`.
+    pub fn table(&self, name: &str) -> Option<&Table> {
+        self.tables.get(name)
+    }
+
+    /// Installs a verified checkpoint (see [`crate::checkpoint::load`]):
+    /// its rows, and each shard's version as saved.
+    pub fn install(&self, checkpoint: crate::image::LoadedCheckpoint) {
+        let now = Instant::now();
+        for (shard, version) in checkpoint.versions {
+            if let Some(mut guard) = self.lock_shard(shard) {
+                guard.set_version(version);
+            }
+        }
+        for (table, shard, image) in checkpoint.shards {
+            if let (Some(table), Some(guard)) = (self.tables.get(&table), self.lock_shard(shard)) {
+                table.install(&guard, shard, image, now);
+            }
+        }
+    }
+
+    fn shard_state(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+    ) -> Result<(&Table, &ShardState), StoreError> {
+        let table_ref = self
+            .tables
+            .get(table)
+            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
+        let state = table_ref
+            .shard(shard)
+            .ok_or_else(|| StoreError::ShardNotHosted {
+                shard,
+                hosted: self.hosted.clone(),
+            })?;
+        if keys.len() > self.max_keys as usize {
+            return Err(StoreError::TooManyKeys {
+                got: keys.len(),
+                max: self.max_keys,
+            });
+        }
+        // A misrouted key would be stored on the wrong shard and silently
+        // diverge from its real row: refuse the whole request instead.
+        for &key in keys {
+            let actual = shard_for_key(key, self.num_shards);
+            if actual != shard {
+                return Err(StoreError::WrongShard { key, shard, actual });
+            }
+        }
+        Ok((table_ref, state))
+    }
+}

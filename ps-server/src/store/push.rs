@@ -1,0 +1,217 @@
+//! Pushes: every check before any lock, then applied under the shard's
+//! write lock once per Push id (or as the primary applied it, on a
+//! replica).
+
+use std::time::Instant;
+
+use tessera_proto::rows::F32_BYTES;
+
+use super::{ShardGuard, Store, StoreError};
+use crate::config::Mode;
+use crate::dedup::Admission;
+use crate::table::{GradientError, ShardState, Table};
+
+/// What a Push did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushOutcome {
+    /// Rows updated (0 for a duplicate).
+    pub applied: usize,
+    /// The Push had been applied before and was only acknowledged.
+    pub duplicate: bool,
+    /// Rows evicted to make room for its rows (a table with `max_rows`),
+    /// in order: the replicas evict the same.
+    pub evicted: Vec<crate::table::Eviction>,
+}
+
+/// The identity of a Push for exactly-once application: the worker and its
+/// sequence number (0 and 0: not deduplicated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PushId {
+    /// The worker (random per worker process).
+    pub worker: u64,
+    /// The worker's sequence number of this Push.
+    pub sequence: u64,
+}
+
+/// A Push that passed every check ([`Store::check_push`]), ready to apply
+/// under its shard's write lock.
+#[derive(Debug)]
+pub struct CheckedPush<'a> {
+    table: &'a Table,
+    state: &'a ShardState,
+    shard: u32,
+    keys: &'a [u64],
+    gradients: &'a [u8],
+    id: PushId,
+}
+
+impl CheckedPush<'_> {
+    /// The shard it goes to.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// Applies it as the shard's primary did (a replica following its
+    /// stream): its id is recorded, never judged, and exactly the rows the
+    /// primary evicted are evicted (`evictions`, in order). Refused, with
+    /// nothing applied, if an eviction does not point into the Push's
+    /// keys in order. The caller holds the shard's write lock.
+    pub fn apply_replicated(
+        &self,
+        writing: &ShardGuard<'_>,
+        evictions: &[crate::table::Eviction],
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
+        let in_order = evictions.windows(2).all(|w| w[0].before <= w[1].before);
+        if !in_order
+            || evictions
+                .iter()
+                .any(|e| e.before as usize >= self.keys.len())
+        {
+            return Err(StoreError::BadEvictions {
+                keys: self.keys.len(),
+            });
+        }
+        let followed = self.table.apply_replicated(
+            writing,
+            self.state,
+            self.keys,
+            self.gradients,
+            self.id.worker,
+            self.id.sequence,
+            evictions,
+            now,
+        );
+        if !followed {
+            // A row the primary evicted is not here: this copy is not the
+            // primary's (applied anyway; the caller copies the shard again).
+            return Err(StoreError::BadEvictions {
+                keys: self.keys.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Applies it, unless its id was applied before (then it is
+    /// acknowledged as a duplicate). The caller holds the shard's write
+    /// lock.
+    pub fn apply(&self, writing: &ShardGuard<'_>, now: Instant) -> Result<PushOutcome, StoreError> {
+        debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
+        let id = self.id;
+        let (admission, evicted) = self.table.apply(
+            writing,
+            self.state,
+            self.keys,
+            self.gradients,
+            id.worker,
+            id.sequence,
+            now,
+        );
+        match admission {
+            Admission::Apply => {
+                metrics::counter!("tessera_ps_push_keys_total").increment(self.keys.len() as u64);
+                Ok(PushOutcome {
+                    applied: self.keys.len(),
+                    duplicate: false,
+                    evicted,
+                })
+            }
+            Admission::Duplicate => {
+                metrics::counter!("tessera_ps_push_duplicates_total").increment(1);
+                Ok(PushOutcome {
+                    applied: 0,
+                    duplicate: true,
+                    evicted,
+                })
+            }
+            Admission::TooOld { lowest } => Err(StoreError::SequenceTooOld {
+                worker: id.worker,
+                sequence: id.sequence,
+                lowest,
+            }),
+            Admission::Full { max_workers } => Err(StoreError::DedupFull {
+                worker: id.worker,
+                max_workers,
+            }),
+            Admission::Implausible { highest } => Err(StoreError::SequenceImplausible {
+                worker: id.worker,
+                sequence: id.sequence,
+                highest,
+            }),
+        }
+    }
+}
+
+impl Store {
+    /// Applies `gradients` (little-endian f32, `keys.len() * dim`) to the
+    /// rows of `keys` with the table's optimizer, once per `id` (a retried
+    /// Push with the same id is acknowledged as a duplicate). Validates
+    /// everything before changing any row; duplicate keys in one request
+    /// are applied once per occurrence. Leaves the shard's version as it
+    /// is: servers apply Pushes through [`Store::check_push`] and
+    /// [`CheckedPush::apply`] and move the version themselves.
+    pub fn push(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+        gradients: &[u8],
+        id: PushId,
+    ) -> Result<PushOutcome, StoreError> {
+        let push = self.check_push(table, shard, keys, gradients, id)?;
+        let guard = self
+            .lock_shard(shard)
+            .ok_or_else(|| StoreError::ShardNotHosted {
+                shard,
+                hosted: self.hosted.clone(),
+            })?;
+        push.apply(&guard, Instant::now())
+    }
+
+    /// Runs every check of a Push (table, shard, keys, key limit, mode,
+    /// gradient length and values) without taking any lock.
+    pub fn check_push<'a>(
+        &'a self,
+        table: &str,
+        shard: u32,
+        keys: &'a [u64],
+        gradients: &'a [u8],
+        id: PushId,
+    ) -> Result<CheckedPush<'a>, StoreError> {
+        if self.mode == Mode::Inference {
+            return Err(StoreError::InferenceMode);
+        }
+        let (table, state) = self.shard_state(table, shard, keys)?;
+        let dim = table.config().dim;
+        let expected = keys.len() * dim as usize * F32_BYTES;
+        if gradients.len() != expected {
+            return Err(StoreError::GradientLength {
+                keys: keys.len(),
+                dim,
+                expected,
+                got: gradients.len(),
+            });
+        }
+        table.check_gradients(gradients).map_err(|err| match err {
+            GradientError::NonFinite(index) => StoreError::NonFiniteGradient {
+                table: table.config().name.clone(),
+                index,
+            },
+        })?;
+        if !state.rows.has_room(keys.len()) {
+            return Err(StoreError::ShardFull {
+                table: table.config().name.clone(),
+                shard,
+            });
+        }
+        Ok(CheckedPush {
+            table,
+            state,
+            shard,
+            keys,
+            gradients,
+            id,
+        })
+    }
+}

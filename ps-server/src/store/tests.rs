@@ -1,0 +1,378 @@
+use super::*;
+use crate::config::{Initializer, OptimizerConfig, TableConfig};
+use tessera_proto::rows::{get_f32s, put_f32s};
+
+const NO_ID: PushId = PushId {
+    worker: 0,
+    sequence: 0,
+};
+
+fn config(mode: Mode) -> PsServerConfig {
+    PsServerConfig {
+        mode,
+        num_shards: 2,
+        shards: vec![0, 1],
+        tables: vec![TableConfig {
+            optimizer: OptimizerConfig::sgd(0.5),
+            initializer: Initializer::Uniform { scale: 0.1 },
+            ..TableConfig::new("t", 3)
+        }],
+        ..PsServerConfig::default()
+    }
+}
+
+fn keys_of_shard(shard: u32, n: usize) -> Vec<u64> {
+    (0..)
+        .filter(|&k| shard_for_key(k, 2) == shard)
+        .take(n)
+        .collect()
+}
+
+fn decode(bytes: &[u8]) -> Vec<f32> {
+    let mut out = vec![0f32; bytes.len() / 4];
+    assert!(get_f32s(bytes, &mut out));
+    out
+}
+
+#[test]
+fn training_fetch_initialises_deterministically_and_stores() {
+    let a = Store::new(&config(Mode::Training));
+    let b = Store::new(&config(Mode::Training));
+    let keys = keys_of_shard(1, 4);
+    let (dim, rows_a) = a.fetch("t", 1, &keys).unwrap();
+    let (_, rows_b) = b.fetch("t", 1, &keys).unwrap();
+    assert_eq!(dim, 3);
+    assert_eq!(rows_a, rows_b, "two replicas initialise identically");
+    let values = decode(&rows_a);
+    assert!(values.iter().all(|v| (-0.1..0.1).contains(v)), "{values:?}");
+    assert!(values.iter().any(|v| *v != 0.0));
+    assert_ne!(values[0..3], values[3..6], "rows differ by key");
+    assert_eq!(a.tables().map(Table::rows).sum::<u64>(), 4);
+    // A second fetch reads the stored rows.
+    assert_eq!(a.fetch("t", 1, &keys).unwrap().1, rows_a);
+}
+
+#[test]
+fn other_seed_or_table_gives_other_rows() {
+    let mut other = config(Mode::Training);
+    other.seed = 7;
+    let keys = keys_of_shard(0, 1);
+    let a = Store::new(&config(Mode::Training))
+        .fetch("t", 0, &keys)
+        .unwrap()
+        .1;
+    let b = Store::new(&other).fetch("t", 0, &keys).unwrap().1;
+    assert_ne!(a, b);
+}
+
+#[test]
+fn inference_fetch_returns_zeros_without_storing_and_refuses_push() {
+    let store = Store::new(&config(Mode::Inference));
+    let keys = keys_of_shard(0, 2);
+    let (_, rows) = store.fetch("t", 0, &keys).unwrap();
+    assert_eq!(decode(&rows), vec![0.0; 6]);
+    assert_eq!(store.tables().map(Table::rows).sum::<u64>(), 0);
+    assert_eq!(
+        store.push("t", 0, &keys, &[0u8; 24], NO_ID),
+        Err(StoreError::InferenceMode)
+    );
+}
+
+#[test]
+fn fetch_returns_rows_in_request_order_with_duplicates() {
+    let store = Store::new(&config(Mode::Training));
+    let keys = keys_of_shard(0, 2);
+    let (_, single) = store.fetch("t", 0, &keys).unwrap();
+    let (_, mixed) = store.fetch("t", 0, &[keys[1], keys[0], keys[1]]).unwrap();
+    assert_eq!(mixed[0..12], single[12..24]);
+    assert_eq!(mixed[12..24], single[0..12]);
+    assert_eq!(mixed[24..36], single[12..24]);
+}
+
+#[test]
+fn sgd_numerics_match_hand_computation() {
+    let store = Store::new(&config(Mode::Training));
+    let key = keys_of_shard(0, 1)[0];
+    let before = decode(&store.fetch("t", 0, &[key]).unwrap().1);
+    let grads = [1.0f32, -2.0, 0.25];
+    let mut wire = Vec::new();
+    put_f32s(&mut wire, &grads);
+    assert_eq!(store.push("t", 0, &[key], &wire, NO_ID).unwrap().applied, 1);
+    let after = decode(&store.fetch("t", 0, &[key]).unwrap().1);
+    // lr = 0.5: w' = w - 0.5 * g
+    let expected = [before[0] - 0.5, before[1] + 1.0, before[2] - 0.125];
+    assert_eq!(after, expected);
+    // Pushing the same key twice in one request applies both.
+    let mut twice = Vec::new();
+    put_f32s(&mut twice, &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
+    store.push("t", 0, &[key, key], &twice, NO_ID).unwrap();
+    let again = decode(&store.fetch("t", 0, &[key]).unwrap().1);
+    assert_eq!(
+        again,
+        [expected[0] - 1.0, expected[1] - 1.0, expected[2] - 1.0]
+    );
+}
+
+#[test]
+fn push_to_a_missing_row_starts_from_its_initial_value() {
+    let store = Store::new(&config(Mode::Training));
+    let key = keys_of_shard(1, 1)[0];
+    let init = store.tables().next().unwrap().initial_row(key);
+    let mut wire = Vec::new();
+    put_f32s(&mut wire, &[2.0, 2.0, 2.0]);
+    store.push("t", 1, &[key], &wire, NO_ID).unwrap();
+    let after = decode(&store.fetch("t", 1, &[key]).unwrap().1);
+    assert_eq!(after, init.iter().map(|w| w - 1.0).collect::<Vec<_>>());
+}
+
+#[test]
+fn bad_requests_are_refused_and_change_nothing() {
+    let store = Store::new(&config(Mode::Training));
+    let good = keys_of_shard(0, 1)[0];
+    let wrong = keys_of_shard(1, 1)[0];
+    assert!(matches!(
+        store.fetch("nope", 0, &[good]),
+        Err(StoreError::UnknownTable(_))
+    ));
+    assert!(matches!(
+        store.fetch("t", 5, &[good]),
+        Err(StoreError::ShardNotHosted { shard: 5, .. })
+    ));
+    assert!(matches!(
+        store.fetch("t", 0, &[good, wrong]),
+        Err(StoreError::WrongShard { .. })
+    ));
+    assert!(matches!(
+        store.push("t", 0, &[good], &[0u8; 8], NO_ID),
+        Err(StoreError::GradientLength {
+            expected: 12,
+            got: 8,
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.push("t", 0, &[good, wrong], &[0u8; 24], NO_ID),
+        Err(StoreError::WrongShard { .. })
+    ));
+    assert_eq!(
+        store.tables().map(Table::rows).sum::<u64>(),
+        0,
+        "nothing stored"
+    );
+}
+
+fn wire(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_f32s(&mut out, values);
+    out
+}
+
+#[test]
+fn non_finite_gradients_are_rejected_or_clipped_per_table() {
+    let mut config = config(Mode::Training);
+    config.tables.push(TableConfig {
+        non_finite: crate::config::NonFinite::Clip,
+        gradient_clip: 2.0,
+        initializer: Initializer::Zeros,
+        optimizer: OptimizerConfig::sgd(1.0),
+        ..TableConfig::new("clipped", 3)
+    });
+    let store = Store::new(&config);
+    let key = keys_of_shard(0, 1)[0];
+    let bad = wire(&[1.0, f32::NAN, 0.5]);
+    assert_eq!(
+        store.push("t", 0, &[key], &bad, NO_ID),
+        Err(StoreError::NonFiniteGradient {
+            table: "t".into(),
+            index: 1
+        })
+    );
+    assert_eq!(store.table("t").unwrap().rows(), 0, "nothing applied");
+    let wild = wire(&[f32::INFINITY, f32::NAN, -5.0]);
+    store.push("clipped", 0, &[key], &wild, NO_ID).unwrap();
+    let row = decode(&store.fetch("clipped", 0, &[key]).unwrap().1);
+    assert_eq!(
+        row,
+        [-2.0, 0.0, 2.0],
+        "clamped to ±2, NaN as 0, then w -= g"
+    );
+}
+
+#[test]
+fn requests_over_the_key_limit_are_refused() {
+    let mut config = config(Mode::Training);
+    config.max_keys_per_request = 3;
+    let store = Store::new(&config);
+    let keys = keys_of_shard(0, 4);
+    assert_eq!(
+        store.fetch("t", 0, &keys).unwrap_err(),
+        StoreError::TooManyKeys { got: 4, max: 3 }
+    );
+    assert!(matches!(
+        store.push("t", 0, &keys, &wire(&[0.0; 12]), NO_ID),
+        Err(StoreError::TooManyKeys { got: 4, max: 3 })
+    ));
+    assert!(store.fetch("t", 0, &keys[..3]).is_ok());
+}
+
+#[test]
+fn a_fetch_whose_answer_exceeds_a_message_is_refused_before_allocating() {
+    // 1 MiB messages, dim 3: 87,040 rows fit, the request's keys are
+    // checked against it before any row is stored or allocated.
+    let mut config = config(Mode::Training);
+    config.max_message_size = 1 << 20;
+    let store = Store::new(&config);
+    let fit = ((1usize << 20) - 4096) / 12;
+    let keys = keys_of_shard(0, fit + 1);
+    assert_eq!(
+        store.fetch_bytes("t", 0, &keys).unwrap_err(),
+        StoreError::ResponseTooLarge {
+            keys: fit + 1,
+            row_bytes: 12,
+            max: (1 << 20) - 4096
+        }
+    );
+    assert!(store.fetch("t", 0, &keys).is_err());
+    assert_eq!(store.table("t").unwrap().rows(), 0, "nothing was inserted");
+    assert_eq!(store.fetch_bytes("t", 0, &keys[..fit]).unwrap(), fit * 12);
+}
+
+#[test]
+fn a_spoofed_huge_sequence_is_refused_and_the_worker_keeps_pushing() {
+    let store = Store::new(&config(Mode::Training));
+    let key = keys_of_shard(0, 1)[0];
+    let grads = wire(&[1.0, 1.0, 1.0]);
+    let id = |sequence| PushId {
+        worker: 9,
+        sequence,
+    };
+    store.push("t", 0, &[key], &grads, id(1)).unwrap();
+    // Before: accepted, and every later Push of worker 9 was "too old"
+    // (and `highest + 1` overflowed in debug builds).
+    for sequence in [
+        u64::MAX,
+        crate::dedup::MAX_SEQUENCE + 1,
+        2 + crate::dedup::MAX_JUMP,
+    ] {
+        assert!(
+            matches!(
+                store.push("t", 0, &[key], &grads, id(sequence)),
+                Err(StoreError::SequenceImplausible { highest: 1, .. })
+            ),
+            "{sequence}"
+        );
+    }
+    let applied = store.push("t", 0, &[key], &grads, id(2)).unwrap();
+    assert_eq!((applied.applied, applied.duplicate), (1, false));
+    let far = store
+        .push("t", 0, &[key], &grads, id(2 + crate::dedup::MAX_JUMP))
+        .unwrap();
+    assert_eq!(far.applied, 1, "a jump within the bound is fine");
+}
+
+#[test]
+fn a_duplicate_push_is_acknowledged_and_not_applied() {
+    let store = Store::new(&config(Mode::Training));
+    let key = keys_of_shard(0, 1)[0];
+    let id = PushId {
+        worker: 77,
+        sequence: 1,
+    };
+    let grads = wire(&[1.0, 1.0, 1.0]);
+    let first = store.push("t", 0, &[key], &grads, id).unwrap();
+    assert_eq!(
+        first,
+        PushOutcome {
+            applied: 1,
+            duplicate: false,
+            evicted: Vec::new(),
+        }
+    );
+    let row = store.fetch("t", 0, &[key]).unwrap().1;
+    let again = store.push("t", 0, &[key], &grads, id).unwrap();
+    assert_eq!(
+        again,
+        PushOutcome {
+            applied: 0,
+            duplicate: true,
+            evicted: Vec::new(),
+        }
+    );
+    assert_eq!(store.fetch("t", 0, &[key]).unwrap().1, row, "unchanged");
+    // A refused Push does not use up its id: fixed, it applies.
+    let next = PushId {
+        worker: 77,
+        sequence: 2,
+    };
+    assert!(store.push("t", 0, &[key], &wire(&[1.0]), next).is_err());
+    assert_eq!(store.push("t", 0, &[key], &grads, next).unwrap().applied, 1);
+}
+
+#[test]
+fn table_row_limits_hold_through_fetches_and_pushes() {
+    let mut config = config(Mode::Training);
+    config.tables[0].max_rows = Some(100);
+    let store = Store::new(&config);
+    let keys = keys_of_shard(0, 1000);
+    for chunk in keys.chunks(50) {
+        store.fetch("t", 0, chunk).unwrap();
+        store
+            .push("t", 0, chunk, &wire(&vec![0.1; chunk.len() * 3]), NO_ID)
+            .unwrap();
+        let table = store.table("t").unwrap();
+        assert!(table.shard(0).unwrap().rows.len() <= 100);
+    }
+    let table = store.table("t").unwrap();
+    assert_eq!(table.rows(), 100, "full, not more");
+    assert!(table.evictions() >= 900, "{} evictions", table.evictions());
+}
+
+fn digest(store: &Store, shard: u32) -> Vec<(u64, u64)> {
+    let cut = store.lock_shard(shard).unwrap();
+    store
+        .snapshot_shard(&cut)
+        .tables
+        .iter()
+        .map(|(_, rows)| crate::rowfile::digest_snapshot(rows))
+        .collect()
+}
+
+proptest::proptest! {
+    /// A replica replaying the primary's evictions holds exactly the
+    /// primary's rows, whatever the keys (repeats, keys evicted by a
+    /// later key of the same Push) and whatever each side fetched.
+    #[test]
+    fn replayed_evictions_keep_a_replica_identical(
+        pushes in proptest::collection::vec(proptest::collection::vec(0usize..300, 1..40), 1..60),
+        fetches in proptest::collection::vec(0usize..300, 0..200),
+    ) {
+        let mut config = config(Mode::Training);
+        config.tables[0].max_rows = Some(100);
+        let (primary, replica) = (Store::new(&config), Store::new(&config));
+        let keys = keys_of_shard(0, 300);
+        for (i, push) in pushes.iter().enumerate() {
+            // Keys deduplicated as the worker sends them.
+            let mut picked: Vec<u64> = Vec::new();
+            for &k in push {
+                if !picked.contains(&keys[k]) {
+                    picked.push(keys[k]);
+                }
+            }
+            let grads = wire(&vec![0.25; picked.len() * 3]);
+            let id = PushId { worker: 1, sequence: i as u64 + 1 };
+            let outcome = primary.push("t", 0, &picked, &grads, id).unwrap();
+            let checked = replica.check_push("t", 0, &picked, &grads, id).unwrap();
+            let guard = replica.lock_shard(0).unwrap();
+            checked.apply_replicated(&guard, &outcome.evicted, Instant::now()).unwrap();
+            drop(guard);
+            // Each side serves Fetches of its own.
+            let (a, b) = fetches.split_at(fetches.len() / 2);
+            let a: Vec<u64> = a.iter().map(|&k| keys[k]).collect();
+            let b: Vec<u64> = b.iter().map(|&k| keys[k]).collect();
+            primary.fetch("t", 0, &a).unwrap();
+            replica.fetch("t", 0, &b).unwrap();
+            proptest::prop_assert!(primary.table("t").unwrap().shard(0).unwrap().rows.len() <= 100);
+        }
+        proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
+    }
+}

@@ -1,0 +1,412 @@
+//! The key index of one stripe: key -> slot of its record in the stripe's
+//! slab, an open-addressing table that grows without a stall.
+//!
+//! **Buckets** are one `u32` each: an 8-bit tag (hash bits the position
+//! does not use) over the slot number plus one (0 is an empty bucket). A
+//! lookup walks buckets from the key's home (linear probing, up to 4/5
+//! full: a few buckets in one cache line) and reads a record's key only
+//! where the tag matches (one in 256 of the others). The key itself stays
+//! in the record, which a Fetch reads next anyway: 4 bytes of index per
+//! bucket, 5-10 bytes per row between growths, where a `HashMap<u64, u32>`
+//! would spend 12-24 and hashbrown's raw table 5-10 plus a tag array it
+//! cannot migrate piecewise. Removal shifts the following entries back
+//! (no tombstones, so the table never rehashes in place).
+//!
+//! **Growth** is incremental. When an insert fills the table to 4/5, a
+//! table of twice the buckets is allocated (zeroed memory: the allocator
+//! hands out fresh pages, so this does not touch them) and the old one is
+//! kept; from then on each insert goes to the new table and first moves
+//! at most [`MIGRATE_PER_INSERT`] of the old table's buckets over, in
+//! bucket order. A lookup tries the new table, then the old one, where it
+//! skips buckets below the migration cursor (copied already) and treats
+//! tombstones (rows removed from the old table during a migration) as
+//! occupied. The migration ends before the new table is 2/3 full (it
+//! starts at 2/5 and takes at most old-buckets / [`MIGRATE_PER_INSERT`]
+//! inserts), so no insert ever waits for more than a bounded number of
+//! moves: the bound the old `IndexMap` store broke, moving every row of a
+//! stripe at once (the cause of the 100 ms Fetch stalls of issue 34).
+//!
+//! Written here rather than taken from `hashbrown`: its `HashTable` grows
+//! (and rehashes in place after removals) all at once and offers no way to
+//! move its entries piecewise, which is the point of this index.
+//!
+//! A stripe holds at most [`MAX_SLOTS`] rows (24 bits of slot): with 64
+//! stripes, about 1.07 billion rows per (table, shard).
+
+use tessera_proto::sharding::splitmix64;
+
+/// Slots an index can name: 24 bits, less the empty and tombstone codes.
+pub const MAX_SLOTS: u32 = (1 << SLOT_BITS) - 2;
+
+/// Old buckets moved to the new table by each insert while growing.
+pub const MIGRATE_PER_INSERT: usize = 8;
+
+const SLOT_BITS: u32 = 24;
+const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
+const EMPTY: u32 = 0;
+/// A row removed from the old table during a migration.
+const TOMBSTONE: u32 = u32::MAX;
+/// Fewest buckets of a table.
+const MIN_BUCKETS: usize = 16;
+/// Mixed into the key before hashing, so that the index's bits are not
+/// the ones that chose the shard and the stripe (all keys of a stripe
+/// share those).
+const SALT: u64 = 0x5eed_1de5_c0ff_ee00;
+
+/// The hash of `key`: position from the high bits, tag from the low byte.
+fn hash(key: u64) -> u64 {
+    splitmix64(key ^ SALT)
+}
+
+fn tag(hash: u64) -> u32 {
+    (hash as u32 & 0xff) << SLOT_BITS
+}
+
+/// One open-addressing table.
+#[derive(Debug)]
+struct Buckets {
+    buckets: Box<[u32]>,
+    /// log2 of the bucket count.
+    bits: u32,
+    /// Live entries (tombstones not counted).
+    len: usize,
+}
+
+impl Buckets {
+    fn with_buckets(n: usize) -> Self {
+        let n = n.max(MIN_BUCKETS).next_power_of_two();
+        Self {
+            // Zeroed: the allocator maps fresh (zero) pages for a large
+            // table instead of writing it.
+            buckets: vec![EMPTY; n].into_boxed_slice(),
+            bits: n.trailing_zeros(),
+            len: 0,
+        }
+    }
+
+    fn home(&self, hash: u64) -> usize {
+        (hash >> (64 - self.bits)) as usize
+    }
+
+    fn next(&self, at: usize) -> usize {
+        (at + 1) & (self.buckets.len() - 1)
+    }
+
+    /// Whether one more entry keeps the table within its load limit (4/5).
+    fn has_room(&self) -> bool {
+        (self.len + 1) * 5 <= self.buckets.len() * 4
+    }
+
+    /// The bucket holding `key`, probing from its home; `skip_below`:
+    /// buckets under it are treated as occupied by other keys.
+    fn find(
+        &self,
+        key: u64,
+        hash: u64,
+        skip_below: usize,
+        key_of: &impl Fn(u32) -> u64,
+    ) -> Option<usize> {
+        let want = tag(hash);
+        let mut at = self.home(hash);
+        loop {
+            let entry = self.buckets[at];
+            if entry == EMPTY {
+                return None;
+            }
+            if entry != TOMBSTONE
+                && at >= skip_below
+                && entry & !SLOT_MASK == want
+                && key_of((entry & SLOT_MASK) - 1) == key
+            {
+                return Some(at);
+            }
+            at = self.next(at);
+        }
+    }
+
+    /// Puts an entry for a key not present; the table has room.
+    fn put(&mut self, hash: u64, slot: u32) {
+        let mut at = self.home(hash);
+        while self.buckets[at] != EMPTY {
+            at = self.next(at);
+        }
+        self.buckets[at] = tag(hash) | (slot + 1);
+        self.len += 1;
+    }
+
+    /// Empties bucket `at` and shifts back the entries after it that
+    /// probed past it (so that no lookup stops early).
+    fn remove_at(&mut self, at: usize, key_of: &impl Fn(u32) -> u64) {
+        let mut hole = at;
+        let mut at = self.next(at);
+        loop {
+            let entry = self.buckets[at];
+            if entry == EMPTY {
+                break;
+            }
+            let home = self.home(hash(key_of((entry & SLOT_MASK) - 1)));
+            // The entry may move into the hole unless its home lies
+            // (cyclically) after the hole and at or before it.
+            let mask = self.buckets.len() - 1;
+            if (at.wrapping_sub(home) & mask) >= (at.wrapping_sub(hole) & mask) {
+                self.buckets[hole] = entry;
+                hole = at;
+            }
+            at = self.next(at);
+        }
+        self.buckets[hole] = EMPTY;
+        self.len -= 1;
+    }
+}
+
+/// A growth in progress: the old table, and the first bucket not moved.
+#[derive(Debug)]
+struct Migration {
+    old: Buckets,
+    cursor: usize,
+}
+
+/// The key index of one stripe (module docs). Keys are compared through
+/// `key_of`, which reads the key of a slot from the stripe's records.
+#[derive(Debug)]
+pub struct KeyIndex {
+    current: Buckets,
+    migration: Option<Migration>,
+}
+
+impl Default for KeyIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl KeyIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self {
+            current: Buckets::with_buckets(MIN_BUCKETS),
+            migration: None,
+        }
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.current.len + self.migration.as_ref().map_or(0, |m| m.old.len)
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of buckets allocated (both tables while growing).
+    pub fn bytes(&self) -> usize {
+        (self.current.buckets.len() + self.migration.as_ref().map_or(0, |m| m.old.buckets.len()))
+            * std::mem::size_of::<u32>()
+    }
+
+    /// Whether a growth is in progress.
+    pub fn growing(&self) -> bool {
+        self.migration.is_some()
+    }
+
+    /// The slot of `key`.
+    pub fn get(&self, key: u64, key_of: impl Fn(u32) -> u64) -> Option<u32> {
+        let hash = hash(key);
+        if let Some(at) = self.current.find(key, hash, 0, &key_of) {
+            return Some((self.current.buckets[at] & SLOT_MASK) - 1);
+        }
+        let migration = self.migration.as_ref()?;
+        let at = migration.old.find(key, hash, migration.cursor, &key_of)?;
+        Some((migration.old.buckets[at] & SLOT_MASK) - 1)
+    }
+
+    /// Adds `key` at `slot` (`key` must not be present, `slot` at most
+    /// [`MAX_SLOTS`]); returns how many entries it moved for a growth
+    /// (at most [`MIGRATE_PER_INSERT`]).
+    pub fn insert(&mut self, key: u64, slot: u32, key_of: impl Fn(u32) -> u64) -> usize {
+        debug_assert!(slot <= MAX_SLOTS, "slot {slot} beyond the index's 24 bits");
+        let moved = self.migrate(&key_of);
+        if self.migration.is_none() && !self.current.has_room() {
+            let doubled = Buckets::with_buckets(self.current.buckets.len() * 2);
+            let old = std::mem::replace(&mut self.current, doubled);
+            self.migration = Some(Migration { old, cursor: 0 });
+        }
+        debug_assert!(self.current.has_room(), "a growth did not finish in time");
+        self.current.put(hash(key), slot);
+        moved
+    }
+
+    /// Removes `key`; its slot, if it was present.
+    pub fn remove(&mut self, key: u64, key_of: impl Fn(u32) -> u64) -> Option<u32> {
+        let hash = hash(key);
+        if let Some(at) = self.current.find(key, hash, 0, &key_of) {
+            let slot = (self.current.buckets[at] & SLOT_MASK) - 1;
+            self.current.remove_at(at, &key_of);
+            return Some(slot);
+        }
+        let migration = self.migration.as_mut()?;
+        let at = migration.old.find(key, hash, migration.cursor, &key_of)?;
+        let slot = (migration.old.buckets[at] & SLOT_MASK) - 1;
+        // Old buckets are not shifted during a migration (the cursor
+        // counts positions): the row is marked gone instead.
+        migration.old.buckets[at] = TOMBSTONE;
+        migration.old.len -= 1;
+        Some(slot)
+    }
+
+    /// Drops every entry (and any growth in progress).
+    pub fn clear(&mut self) {
+        *self = Self::new();
+    }
+
+    /// Moves up to [`MIGRATE_PER_INSERT`] old buckets' entries to the new
+    /// table; ends the migration when the cursor passes the last.
+    fn migrate(&mut self, key_of: &impl Fn(u32) -> u64) -> usize {
+        let Some(migration) = self.migration.as_mut() else {
+            return 0;
+        };
+        let end = (migration.cursor + MIGRATE_PER_INSERT).min(migration.old.buckets.len());
+        let mut moved = 0;
+        for at in migration.cursor..end {
+            let entry = migration.old.buckets[at];
+            if entry != EMPTY && entry != TOMBSTONE {
+                let slot = (entry & SLOT_MASK) - 1;
+                self.current.put(hash(key_of(slot)), slot);
+                migration.old.len -= 1;
+                moved += 1;
+            }
+        }
+        migration.cursor = end;
+        if end == migration.old.buckets.len() {
+            self.migration = None;
+        }
+        moved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// An index over a key array standing in for the slab.
+    #[derive(Default)]
+    struct Model {
+        index: KeyIndex,
+        keys: Vec<u64>,
+        free: Vec<u32>,
+    }
+
+    impl Model {
+        fn insert(&mut self, key: u64) -> usize {
+            let slot = match self.free.pop() {
+                Some(slot) => {
+                    self.keys[slot as usize] = key;
+                    slot
+                }
+                None => {
+                    self.keys.push(key);
+                    (self.keys.len() - 1) as u32
+                }
+            };
+            let keys = &self.keys;
+            self.index.insert(key, slot, |s| keys[s as usize])
+        }
+
+        fn get(&self, key: u64) -> Option<u32> {
+            self.index.get(key, |s| self.keys[s as usize])
+        }
+
+        fn remove(&mut self, key: u64) -> Option<u32> {
+            let keys = &self.keys;
+            let slot = self.index.remove(key, |s| keys[s as usize])?;
+            self.free.push(slot);
+            Some(slot)
+        }
+    }
+
+    #[test]
+    fn no_insert_moves_more_than_the_bound_while_a_million_rows_arrive() {
+        let mut model = Model::default();
+        let mut most = 0;
+        let mut growths = 0;
+        for key in 0..1_000_000u64 {
+            let was_growing = model.index.growing();
+            most = most.max(model.insert(key.wrapping_mul(0x9e37_79b9)));
+            growths += usize::from(!was_growing && model.index.growing());
+        }
+        assert!(growths >= 15, "{growths} growths");
+        assert!(most <= MIGRATE_PER_INSERT, "an insert moved {most} entries");
+        for key in 0..1_000_000u64 {
+            assert!(model.get(key.wrapping_mul(0x9e37_79b9)).is_some());
+        }
+        assert_eq!(model.index.len(), 1_000_000);
+    }
+
+    #[test]
+    fn the_index_stays_within_its_load_bounds() {
+        let mut model = Model::default();
+        for key in 0..300_000u64 {
+            model.insert(key);
+            if !model.index.growing() && key >= 1024 {
+                let per_row = model.index.bytes() as f64 / model.index.len() as f64;
+                assert!(per_row <= 4.0 / 0.4 + 0.5, "{per_row} bytes per row");
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u16),
+        Remove(u16),
+        Get(u16),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => any::<u16>().prop_map(Op::Insert),
+            2 => any::<u16>().prop_map(Op::Remove),
+            1 => any::<u16>().prop_map(Op::Get),
+        ]
+    }
+
+    proptest! {
+        /// Against a HashMap, through growths, removals during a growth
+        /// and backward shifts: every key maps to the slot it was given.
+        #[test]
+        fn the_index_agrees_with_a_hash_map(ops in proptest::collection::vec(op(), 1..4000)) {
+            let mut model = Model::default();
+            let mut reference: HashMap<u64, u32> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Insert(k) => {
+                        // Few distinct keys: many collide in small tables.
+                        let key = u64::from(k % 2048);
+                        if model.get(key).is_none() {
+                            model.insert(key);
+                            let slot = model.get(key);
+                            prop_assert!(slot.is_some());
+                            reference.insert(key, slot.unwrap_or_default());
+                        }
+                    }
+                    Op::Remove(k) => {
+                        let key = u64::from(k % 2048);
+                        prop_assert_eq!(model.remove(key), reference.remove(&key));
+                    }
+                    Op::Get(k) => {
+                        let key = u64::from(k % 2048);
+                        prop_assert_eq!(model.get(key), reference.get(&key).copied());
+                    }
+                }
+                prop_assert_eq!(model.index.len(), reference.len());
+            }
+            for (key, slot) in &reference {
+                prop_assert_eq!(model.get(*key), Some(*slot));
+            }
+        }
+    }
+}

@@ -1,0 +1,590 @@
+//! The rows of one (table, shard): values, optimizer state, and what the
+//! eviction policy needs, in lock stripes of slab records.
+//!
+//! Keys are spread over 64 stripes, each an `RwLock` over a [`Slab`] of
+//! fixed-size records (key, steps, values, optimizer state: see
+//! [`layout`]) in chunks of 64, and a [`KeyIndex`] from key to slot.
+//! Fetches of different stripes never contend and Fetches of one stripe
+//! share its read lock; a row costs its payload, a 4-byte index bucket at
+//! a load of 2/5 to 4/5, and about a byte of chunk bookkeeping, where the
+//! `IndexMap` of `Arc`ed boxed rows this replaces spent 2.65x the payload
+//! (issue 34). The index grows by moving a few entries per insert
+//! ([`index::MIGRATE_PER_INSERT`]), so no insert (and no Fetch behind it)
+//! waits for a stripe's whole table to be rebuilt.
+//!
+//! A snapshot ([`ShardRows::snapshot`]) shares every chunk: one pointer
+//! per 64 rows, copied on write after (see [`slab`]).
+//!
+//! Eviction samples a few rows of a full stripe and evicts the worst by
+//! the table's policy, as Redis does ("approximated LRU/LFU"): exact LRU
+//! would need a list update under a write lock on every read. The last
+//! use of each row is kept beside the records (an atomic per slot, only
+//! for a table with a row limit), so a Fetch marks it under the read
+//! lock.
+//!
+//! A limit of `max_rows` is enforced per stripe as `max_rows / stripes`,
+//! with fewer stripes for small limits (at least 64 rows each), so the
+//! total never exceeds it; a stripe that fills first starts evicting a
+//! little before the whole shard is full.
+
+pub mod index;
+pub mod layout;
+pub mod slab;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use serde::{Deserialize, Serialize};
+use tessera_proto::sharding::splitmix64;
+
+use self::index::{KeyIndex, MAX_SLOTS};
+pub use self::layout::{RowLayout, Storage};
+use self::slab::{CHUNK_ROWS, Slab, SlabSnapshot};
+
+/// Which row a full table gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvictionPolicy {
+    /// Least recently used (read or updated).
+    #[default]
+    Lru,
+    /// Least frequently updated (fewest Pushes; ties: least recently used).
+    Lfu,
+}
+
+/// A row a Push evicted: `key` went just before the Push's key at index
+/// `before` was inserted (replicas replay it at the same point).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    /// Index in the Push's keys of the row whose insertion evicted it.
+    pub before: u32,
+    /// The evicted row's key.
+    pub key: u64,
+}
+
+/// A stripe holds [`MAX_SLOTS`] rows already: the row was not stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a stripe of this shard holds {MAX_SLOTS} rows, its most")]
+pub struct StripeFull;
+
+/// Rows sampled per eviction. 8: Redis's experience is that 5-10 samples
+/// come close to exact LRU at a fraction of its cost.
+const EVICTION_SAMPLES: usize = 8;
+
+/// Stripes per (table, shard).
+const STRIPES: usize = 64;
+
+/// Rows a (table, shard) holds at most: [`MAX_SLOTS`] per stripe.
+pub const MAX_SHARD_ROWS: u64 = STRIPES as u64 * MAX_SLOTS as u64;
+
+/// Fewest rows per stripe of a limited table.
+const MIN_STRIPE_ROWS: usize = 64;
+
+/// One row, read in place.
+#[derive(Debug, Clone, Copy)]
+pub struct RowRef<'a> {
+    layout: &'a RowLayout,
+    record: &'a [u32],
+}
+
+impl RowRef<'_> {
+    /// Its key.
+    pub fn key(&self) -> u64 {
+        self.layout.key(self.record)
+    }
+
+    /// Updates applied (0 where the layout does not keep them).
+    pub fn steps(&self) -> u32 {
+        self.layout.steps(self.record)
+    }
+
+    /// Its values as `f32`.
+    pub fn values(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.layout.dim()];
+        self.layout.read_values(self.record, &mut out);
+        out
+    }
+
+    /// Its optimizer state.
+    pub fn state(&self) -> &[f32] {
+        self.layout.state(self.record)
+    }
+
+    /// Its values as little-endian `f32` into `out` (`4 * dim` bytes).
+    pub fn write_values_le(&self, out: &mut [u8]) {
+        self.layout.write_values_le(self.record, out);
+    }
+
+    /// Appends the row as a row file stores it ([`crate::rowfile`]): key,
+    /// steps, values and state, little-endian `u64`, `u32` and `f32`s.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.key().to_le_bytes());
+        out.extend_from_slice(&self.steps().to_le_bytes());
+        let at = out.len();
+        out.resize(at + self.layout.dim() * 4, 0);
+        self.layout.write_values_le(self.record, &mut out[at..]);
+        for v in self.state() {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+/// One stripe: records, index, and (with a row limit) each slot's last
+/// use.
+#[derive(Debug)]
+struct Stripe {
+    slab: Slab,
+    index: KeyIndex,
+    /// Last use per slot, a chunk of atomics per slab chunk (tables with
+    /// a row limit only): marked by Fetches under the read lock.
+    used: Vec<Box<[AtomicU64]>>,
+    /// The widened values of a row being updated (narrow storage).
+    scratch: Vec<f32>,
+    /// Most entries an insert moved for an index growth, since the last
+    /// [`ShardRows::take_most_moved`].
+    most_moved: usize,
+}
+
+impl Stripe {
+    fn new(layout: &RowLayout) -> Self {
+        Self {
+            slab: Slab::new(layout.words()),
+            index: KeyIndex::new(),
+            used: Vec::new(),
+            scratch: Vec::new(),
+            most_moved: 0,
+        }
+    }
+
+    fn find(&self, layout: &RowLayout, key: u64) -> Option<u32> {
+        let slab = &self.slab;
+        self.index.get(key, |slot| layout.key(slab.record(slot)))
+    }
+
+    fn used(&self, slot: u32) -> Option<&AtomicU64> {
+        let (chunk, at) = (slot as usize / CHUNK_ROWS, slot as usize % CHUNK_ROWS);
+        self.used.get(chunk).map(|c| &c[at])
+    }
+
+    /// A new record for `key` (its contents unset but the key).
+    fn add(&mut self, layout: &RowLayout, key: u64, limited: bool) -> Result<u32, StripeFull> {
+        let slot = self.slab.alloc().ok_or(StripeFull)?;
+        layout.set_key(self.slab.record_mut(slot), key);
+        let slab = &self.slab;
+        let moved = self.index.insert(key, slot, |s| layout.key(slab.record(s)));
+        self.most_moved = self.most_moved.max(moved);
+        if limited {
+            while self.used.len() * CHUNK_ROWS <= slot as usize {
+                self.used
+                    .push((0..CHUNK_ROWS).map(|_| AtomicU64::new(0)).collect());
+            }
+        }
+        Ok(slot)
+    }
+
+    fn remove(&mut self, layout: &RowLayout, key: u64) -> bool {
+        let slab = &self.slab;
+        match self.index.remove(key, |s| layout.key(slab.record(s))) {
+            Some(slot) => {
+                self.slab.release(slot);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// What the rows of a (table, shard) take, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RowBytes {
+    /// Rows held.
+    pub rows: u64,
+    /// Bytes of the records holding rows.
+    pub row_bytes: u64,
+    /// Bytes of the key index.
+    pub index_bytes: u64,
+    /// Bytes of records free in the chunks.
+    pub free_bytes: u64,
+    /// Bytes of bookkeeping (chunk masks and pointers, free lists, last
+    /// use marks).
+    pub overhead_bytes: u64,
+}
+
+impl RowBytes {
+    /// Every byte counted.
+    pub fn total(&self) -> u64 {
+        self.row_bytes + self.index_bytes + self.free_bytes + self.overhead_bytes
+    }
+}
+
+/// The rows of one (table, shard) (module docs).
+#[derive(Debug)]
+pub struct ShardRows {
+    layout: RowLayout,
+    stripes: Box<[RwLock<Stripe>]>,
+    /// Rows per stripe at most (`None`: unlimited).
+    stripe_limit: Option<usize>,
+    policy: EvictionPolicy,
+    clock: AtomicU64,
+    evictions: AtomicU64,
+}
+
+impl ShardRows {
+    /// Empty rows of `layout`, holding at most `max_rows` (`None`:
+    /// unlimited).
+    pub fn new(layout: RowLayout, max_rows: Option<u64>, policy: EvictionPolicy) -> Self {
+        // With a limit, every stripe holds at least MIN_STRIPE_ROWS so that
+        // a small table is not cut to a handful of rows per stripe.
+        let stripes = match max_rows {
+            Some(max) => (max as usize / MIN_STRIPE_ROWS).clamp(1, STRIPES),
+            None => STRIPES,
+        };
+        Self {
+            stripes: (0..stripes)
+                .map(|_| RwLock::new(Stripe::new(&layout)))
+                .collect(),
+            layout,
+            stripe_limit: max_rows.map(|max| (max as usize / stripes).max(1)),
+            policy,
+            clock: AtomicU64::new(1),
+            evictions: AtomicU64::new(0),
+        }
+    }
+
+    /// Where the parts of a row lie.
+    pub fn layout(&self) -> &RowLayout {
+        &self.layout
+    }
+
+    fn stripe(&self, key: u64) -> usize {
+        // High bits: the low ones of the same hash already chose the shard.
+        ((splitmix64(key) >> 32) as usize) % self.stripes.len()
+    }
+
+    fn read_stripe(&self, i: usize) -> RwLockReadGuard<'_, Stripe> {
+        // A panic while a stripe is locked leaves at worst one row half
+        // updated; serving it beats failing every later request.
+        self.stripes[i].read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_stripe(&self, i: usize) -> RwLockWriteGuard<'_, Stripe> {
+        self.stripes[i].write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Marks `slot` used now. Only a table with a row limit keeps the
+    /// clock: it is one shared atomic per row touched, which an unlimited
+    /// table (nothing to evict) should not pay on every Fetch.
+    fn touch(&self, stripe: &Stripe, slot: u32) {
+        if self.stripe_limit.is_some()
+            && let Some(used) = stripe.used(slot)
+        {
+            used.store(self.tick(), Ordering::Relaxed);
+        }
+    }
+
+    /// Calls `read` with the row of `key`, if present (counts as a use).
+    pub fn read<R>(&self, key: u64, read: impl FnOnce(RowRef<'_>) -> R) -> Option<R> {
+        let stripe = self.read_stripe(self.stripe(key));
+        let slot = stripe.find(&self.layout, key)?;
+        self.touch(&stripe, slot);
+        Some(read(RowRef {
+            layout: &self.layout,
+            record: stripe.slab.record(slot),
+        }))
+    }
+
+    /// Calls `update` with the row of `key` as `f32` (values, optimizer
+    /// state, steps), creating it first with `init` (values, state) when
+    /// it is missing (evicting another row if the stripe is full).
+    pub fn upsert<R>(
+        &self,
+        key: u64,
+        init: impl FnOnce(&mut [f32], &mut [f32]),
+        update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
+    ) -> Result<R, StripeFull> {
+        self.upsert_evicting(key, init, update).map(|(r, _)| r)
+    }
+
+    /// [`ShardRows::upsert`], also returning the key of the row evicted to
+    /// make room, if one was.
+    pub fn upsert_evicting<R>(
+        &self,
+        key: u64,
+        init: impl FnOnce(&mut [f32], &mut [f32]),
+        update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
+    ) -> Result<(R, Option<u64>), StripeFull> {
+        let mut stripe = self.write_stripe(self.stripe(key));
+        let evicted = match stripe.find(&self.layout, key) {
+            Some(_) => None,
+            None => self.make_room(&mut stripe, key),
+        };
+        let r = self.upsert_in(&mut stripe, key, init, update)?;
+        Ok((r, evicted))
+    }
+
+    /// [`ShardRows::upsert`] without choosing a victim (a replica replays
+    /// its primary's evictions with [`ShardRows::evict`] instead).
+    pub fn upsert_following<R>(
+        &self,
+        key: u64,
+        init: impl FnOnce(&mut [f32], &mut [f32]),
+        update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
+    ) -> Result<R, StripeFull> {
+        let mut stripe = self.write_stripe(self.stripe(key));
+        self.upsert_in(&mut stripe, key, init, update)
+    }
+
+    fn upsert_in<R>(
+        &self,
+        stripe: &mut Stripe,
+        key: u64,
+        init: impl FnOnce(&mut [f32], &mut [f32]),
+        update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
+    ) -> Result<R, StripeFull> {
+        let layout = &self.layout;
+        let (slot, fresh) = match stripe.find(layout, key) {
+            Some(slot) => (slot, false),
+            None => (stripe.add(layout, key, self.limited())?, true),
+        };
+        self.touch(stripe, slot);
+        let Stripe { slab, scratch, .. } = stripe;
+        Ok(
+            layout.update(slab.record_mut(slot), scratch, |values, state, steps| {
+                if fresh {
+                    *steps = 0;
+                    init(values, state);
+                }
+                update(values, state, steps)
+            }),
+        )
+    }
+
+    /// Evicts the row of `key` (as the primary did); whether it was held.
+    pub fn evict(&self, key: u64) -> bool {
+        let removed = self
+            .write_stripe(self.stripe(key))
+            .remove(&self.layout, key);
+        if removed {
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("tessera_ps_evictions_total").increment(1);
+        }
+        removed
+    }
+
+    /// Whether the table has a row limit (rows are then stored only by
+    /// Pushes and copies, and evicted by the primary alone).
+    pub fn limited(&self) -> bool {
+        self.stripe_limit.is_some()
+    }
+
+    /// Whether every stripe can take `rows` more rows (a Push of that many
+    /// keys is then applied whole).
+    pub fn has_room(&self, rows: usize) -> bool {
+        self.limited()
+            || (0..self.stripes.len())
+                .all(|i| self.read_stripe(i).slab.len() + rows <= MAX_SLOTS as usize)
+    }
+
+    /// Puts a row (as saved or copied) in place of whatever `key` had
+    /// (evicting another row if the stripe is full).
+    pub fn insert(
+        &self,
+        key: u64,
+        steps: u32,
+        values: &[f32],
+        state: &[f32],
+    ) -> Result<(), StripeFull> {
+        let mut stripe = self.write_stripe(self.stripe(key));
+        let layout = &self.layout;
+        let slot = match stripe.find(layout, key) {
+            Some(slot) => slot,
+            None => {
+                self.make_room(&mut stripe, key);
+                stripe.add(layout, key, self.limited())?
+            }
+        };
+        self.touch(&stripe, slot);
+        layout.write(stripe.slab.record_mut(slot), key, steps, values, state);
+        Ok(())
+    }
+
+    /// Evicts a row if `key` (not present) would overfill its stripe;
+    /// returns the victim's key.
+    fn make_room(&self, stripe: &mut Stripe, key: u64) -> Option<u64> {
+        let limit = self.stripe_limit?;
+        if stripe.slab.len() < limit {
+            return None;
+        }
+        let mut draw = splitmix64(key ^ self.tick());
+        let mut victim = None;
+        let mut worst = (u64::MAX, u64::MAX);
+        for _ in 0..EVICTION_SAMPLES.min(stripe.slab.len()) {
+            draw = splitmix64(draw);
+            let Some(slot) = stripe.slab.sample(draw) else {
+                continue;
+            };
+            let used = stripe.used(slot).map_or(0, |u| u.load(Ordering::Relaxed));
+            let score = match self.policy {
+                EvictionPolicy::Lru => (used, 0),
+                EvictionPolicy::Lfu => {
+                    (u64::from(self.layout.steps(stripe.slab.record(slot))), used)
+                }
+            };
+            if score < worst {
+                worst = score;
+                victim = Some(slot);
+            }
+        }
+        let victim = self.layout.key(stripe.slab.record(victim?));
+        stripe.remove(&self.layout, victim);
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("tessera_ps_evictions_total").increment(1);
+        Some(victim)
+    }
+
+    /// Exchanges every row with `other`'s (a copy staged aside, installed
+    /// in one step): afterwards this holds what `other` held and `other`
+    /// the old rows, to be dropped outside any lock.
+    pub fn swap_rows(&self, other: &ShardRows) {
+        if self.stripes.len() == other.stripes.len() && self.layout == other.layout {
+            for i in 0..self.stripes.len() {
+                std::mem::swap(&mut *self.write_stripe(i), &mut *other.write_stripe(i));
+            }
+            return;
+        }
+        // Laid out differently (another row limit): row by row.
+        let (mine, theirs) = (self.snapshot(), other.snapshot());
+        self.clear();
+        other.clear();
+        for (to, from) in [(self, &theirs), (other, &mine)] {
+            for row in from.rows_from(0) {
+                // Rows that do not fit a smaller limit are evicted as usual.
+                let _ = to.insert(row.key(), row.steps(), &row.values(), row.state());
+            }
+        }
+    }
+
+    /// Drops every row.
+    pub fn clear(&self) {
+        for i in 0..self.stripes.len() {
+            let mut stripe = self.write_stripe(i);
+            *stripe = Stripe::new(&self.layout);
+        }
+    }
+
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        (0..self.stripes.len())
+            .map(|i| self.read_stripe(i).slab.len())
+            .sum()
+    }
+
+    /// Whether no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Rows evicted so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
+    }
+
+    /// What the rows take, in bytes.
+    pub fn bytes(&self) -> RowBytes {
+        let mut out = RowBytes::default();
+        for i in 0..self.stripes.len() {
+            let stripe = self.read_stripe(i);
+            let slab = stripe.slab.bytes();
+            out.rows += stripe.slab.len() as u64;
+            out.row_bytes += slab.rows;
+            out.free_bytes += slab.free;
+            out.index_bytes += stripe.index.bytes() as u64;
+            out.overhead_bytes += slab.overhead
+                + (stripe.used.len() * (CHUNK_ROWS * 8 + 16)) as u64
+                + std::mem::size_of::<RwLock<Stripe>>() as u64;
+        }
+        out
+    }
+
+    /// The most index entries one insert moved for a growth since the
+    /// last call, over all stripes (a test's bound on growth work).
+    pub fn take_most_moved(&self) -> usize {
+        (0..self.stripes.len())
+            .map(|i| std::mem::take(&mut self.write_stripe(i).most_moved))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Every row, shared (see [`slab`]): one stripe read-locked at a time,
+    /// each for as long as it takes to clone one pointer per 64 rows. The
+    /// caller holds the shard's write lock, so no Push changes a row
+    /// meanwhile and the snapshot is a cut at the shard's version.
+    /// Fetches go on: of present rows at once, and a Fetch that inserts a
+    /// missing row (its initial values, which any copy re-creates alike)
+    /// waits at most for one stripe.
+    pub fn snapshot(&self) -> RowsSnapshot {
+        let stripes: Vec<SlabSnapshot> = (0..self.stripes.len())
+            .map(|i| self.read_stripe(i).slab.snapshot())
+            .collect();
+        RowsSnapshot {
+            layout: self.layout,
+            len: stripes.iter().map(SlabSnapshot::len).sum(),
+            stripes,
+        }
+    }
+}
+
+/// Every row of a (table, shard) at one cut ([`ShardRows::snapshot`]).
+#[derive(Debug, Clone)]
+pub struct RowsSnapshot {
+    layout: RowLayout,
+    stripes: Vec<SlabSnapshot>,
+    len: usize,
+}
+
+impl RowsSnapshot {
+    /// No rows, of `layout`.
+    pub fn empty(layout: RowLayout) -> Self {
+        Self {
+            layout,
+            stripes: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The rows from the `skip`-th on, in a fixed order (stripe, slot).
+    pub fn rows_from(&self, skip: usize) -> impl Iterator<Item = RowRef<'_>> + '_ {
+        let mut left = skip;
+        let mut first = self.stripes.len();
+        for (i, stripe) in self.stripes.iter().enumerate() {
+            if left < stripe.len() {
+                first = i;
+                break;
+            }
+            left -= stripe.len();
+        }
+        let layout = &self.layout;
+        self.stripes[first.min(self.stripes.len())..]
+            .iter()
+            .enumerate()
+            .flat_map(move |(i, stripe)| stripe.records_from(if i == 0 { left } else { 0 }))
+            .map(move |record| RowRef { layout, record })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,212 @@
+use super::*;
+
+fn layout(dim: usize, steps: bool) -> RowLayout {
+    RowLayout::new(dim, 0, Storage::F32, steps)
+}
+
+fn rows(max: Option<u64>, policy: EvictionPolicy) -> ShardRows {
+    ShardRows::new(layout(1, policy == EvictionPolicy::Lfu), max, policy)
+}
+
+fn put(rows: &ShardRows, key: u64, v: f32) {
+    rows.upsert(key, |values, _| values.fill(v), |_, _, _| ())
+        .unwrap();
+}
+
+#[test]
+fn the_row_limit_holds_and_evictions_are_counted() {
+    for (max, policy) in [(10u64, EvictionPolicy::Lru), (1000, EvictionPolicy::Lfu)] {
+        let rows = rows(Some(max), policy);
+        for key in 0..5 * max {
+            put(&rows, key, 1.0);
+            assert!(rows.len() as u64 <= max, "{} rows, limit {max}", rows.len());
+        }
+        assert_eq!(rows.evictions(), 5 * max - rows.len() as u64);
+    }
+    let unlimited = rows(None, EvictionPolicy::Lru);
+    for key in 0..10_000 {
+        put(&unlimited, key, 0.0);
+    }
+    assert_eq!(unlimited.len(), 10_000);
+    assert_eq!(unlimited.evictions(), 0);
+}
+
+#[test]
+fn lru_keeps_rows_that_are_read_often() {
+    let rows = rows(Some(6400), EvictionPolicy::Lru);
+    let hot: Vec<u64> = (0..640).collect();
+    for key in &hot {
+        put(&rows, *key, 1.0);
+    }
+    for cold in 1_000_000..1_040_000u64 {
+        put(&rows, cold, 0.0);
+        // The hot set is read between every few inserts.
+        if cold.is_multiple_of(8) {
+            for key in &hot {
+                rows.read(*key, |_| ());
+            }
+        }
+    }
+    let kept = hot
+        .iter()
+        .filter(|k| rows.read(**k, |_| ()).is_some())
+        .count();
+    assert!(kept >= 600, "only {kept} of 640 hot rows survived");
+}
+
+#[test]
+fn lfu_keeps_rows_that_are_updated_often() {
+    let rows = rows(Some(640), EvictionPolicy::Lfu);
+    for key in 0..64u64 {
+        rows.upsert(key, |v, _| v.fill(1.0), |_, _, steps| *steps = 100)
+            .unwrap();
+    }
+    for cold in 1_000..20_000u64 {
+        rows.upsert(cold, |v, _| v.fill(0.0), |_, _, steps| *steps = 1)
+            .unwrap();
+    }
+    let kept = (0..64u64)
+        .filter(|k| rows.read(*k, |_| ()).is_some())
+        .count();
+    assert!(
+        kept >= 60,
+        "only {kept} of 64 frequently updated rows survived"
+    );
+}
+
+/// The stall of issue 34: the old store's stripes (`IndexMap`) moved every
+/// row of a stripe when one insert outgrew it (more than 7,000 rows per
+/// stripe past 460,000 rows). Here no insert moves more than the index's
+/// bound, at any size.
+#[test]
+fn no_insert_moves_more_than_a_bounded_number_of_rows_for_a_growth() {
+    let rows = ShardRows::new(layout(4, false), None, EvictionPolicy::Lru);
+    let mut most = 0;
+    for key in 0..600_000u64 {
+        put(&rows, key.wrapping_mul(0x2545_f491_4f6c_dd1d), 0.5);
+        if key % 10_000 == 9_999 {
+            most = most.max(rows.take_most_moved());
+        }
+    }
+    most = most.max(rows.take_most_moved());
+    assert!(most > 0, "the index never grew");
+    assert!(
+        most <= index::MIGRATE_PER_INSERT,
+        "an insert moved {most} rows"
+    );
+    assert_eq!(rows.len(), 600_000);
+    for key in (0..600_000u64).step_by(997) {
+        let key = key.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        assert_eq!(rows.read(key, |r| r.values()), Some(vec![0.5; 4]));
+    }
+}
+
+#[test]
+fn a_snapshot_is_a_cut_while_rows_change_and_go() {
+    let rows = ShardRows::new(
+        RowLayout::new(2, 2, Storage::F32, true),
+        None,
+        EvictionPolicy::Lru,
+    );
+    for key in 0..1000u64 {
+        rows.upsert(
+            key,
+            |v, s| {
+                v.fill(key as f32);
+                s.fill(1.0);
+            },
+            |_, _, steps| *steps += 1,
+        )
+        .unwrap();
+    }
+    let snapshot = rows.snapshot();
+    for key in 0..1000u64 {
+        rows.upsert(
+            key,
+            |_, _| (),
+            |v, s, steps| {
+                v[0] = -1.0;
+                s[1] = -1.0;
+                *steps += 1;
+            },
+        )
+        .unwrap();
+    }
+    for key in 1000..2000u64 {
+        put(&rows, key, 3.0);
+    }
+    for key in 0..10 {
+        rows.evict(key);
+    }
+    assert_eq!(snapshot.len(), 1000);
+    let mut seen: Vec<(u64, Vec<f32>, Vec<f32>, u32)> = snapshot
+        .rows_from(0)
+        .map(|r| (r.key(), r.values(), r.state().to_vec(), r.steps()))
+        .collect();
+    seen.sort_by_key(|r| r.0);
+    for (key, (k, values, state, steps)) in seen.into_iter().enumerate() {
+        assert_eq!(k, key as u64);
+        assert_eq!(values, vec![key as f32; 2]);
+        assert_eq!(state, vec![1.0; 2]);
+        assert_eq!(steps, 1);
+    }
+    // Reading from an offset gives the same order.
+    let all: Vec<u64> = snapshot.rows_from(0).map(|r| r.key()).collect();
+    let tail: Vec<u64> = snapshot.rows_from(371).map(|r| r.key()).collect();
+    assert_eq!(tail, all[371..]);
+    assert_eq!(rows.len(), 1990);
+}
+
+#[test]
+fn narrow_storage_rounds_values_once_per_update_and_keeps_state_exact() {
+    for storage in [Storage::F16, Storage::Bf16] {
+        let rows = ShardRows::new(
+            RowLayout::new(3, 3, storage, true),
+            None,
+            EvictionPolicy::Lru,
+        );
+        rows.upsert(
+            7,
+            |v, s| {
+                v.copy_from_slice(&[0.1, -2.5, 1000.3]);
+                s.copy_from_slice(&[0.1, 0.2, 1e-9]);
+            },
+            |_, _, _| (),
+        )
+        .unwrap();
+        let values = rows.read(7, |r| r.values()).unwrap();
+        let expected: Vec<f32> = [0.1f32, -2.5, 1000.3]
+            .iter()
+            .map(|v| storage.round(*v))
+            .collect();
+        assert_eq!(values, expected, "{storage:?}");
+        assert_eq!(
+            rows.read(7, |r| r.state().to_vec()).unwrap(),
+            vec![0.1, 0.2, 1e-9],
+            "state is f32"
+        );
+        let mut le = vec![0u8; 12];
+        rows.read(7, |r| r.write_values_le(&mut le));
+        let back: Vec<f32> = le
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(back, expected);
+    }
+}
+
+#[test]
+fn rows_swap_between_layouts_of_different_limits() {
+    let a = rows(None, EvictionPolicy::Lru);
+    let b = rows(Some(640), EvictionPolicy::Lru);
+    for key in 0..100 {
+        put(&a, key, 1.0);
+    }
+    for key in 1000..1010 {
+        put(&b, key, 2.0);
+    }
+    a.swap_rows(&b);
+    assert_eq!((a.len(), b.len()), (10, 100));
+    assert_eq!(a.read(1005, |r| r.values()), Some(vec![2.0]));
+    assert_eq!(b.read(5, |r| r.values()), Some(vec![1.0]));
+}
