@@ -143,6 +143,36 @@ pub const BENCHES: &[Bench] = &[
         ],
     },
     Bench {
+        name: "store",
+        about: "one (table, shard)'s row store as it grows: bytes per row, Fetch, Push, growth stalls and snapshots under Pushes, the slab store beside the one before it",
+        figures: &[
+            Figure {
+                filter: &[("section", "rows")],
+                x: "rows",
+                y: "x_payload",
+                series: &["store", "table"],
+                x_label: "rows (log)",
+                y_label: "resident bytes per row / payload",
+                x_log: true,
+                ..figure(
+                    "store-memory.png",
+                    "store: bytes per row against the payload",
+                )
+            },
+            Figure {
+                filter: &[("section", "rows")],
+                x: "rows",
+                y: "fetch_p50_us",
+                series: &["store", "table"],
+                x_label: "rows (log)",
+                y_label: "Fetch of 1,000 rows, p50 µs (log)",
+                x_log: true,
+                y_log: true,
+                ..figure("store-fetch.png", "store: Fetch latency by rows")
+            },
+        ],
+    },
+    Bench {
         name: "scale",
         about: "a ps-server's Fetch latency and memory as keys per Fetch, rows per shard and client connections grow",
         figures: &[

@@ -11,4 +11,5 @@ pub mod replication;
 pub mod report;
 pub mod rpc;
 pub mod scale;
+pub mod store;
 pub mod transport;

@@ -225,6 +225,51 @@ enum Command {
         #[command(flatten)]
         args: PsArgs,
     },
+    /// One (table, shard)'s row store as it grows: bytes per row, Fetch
+    /// and Push, growth stalls, snapshots under Pushes; the slab store
+    /// beside the one before it.
+    Store {
+        /// A short smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Write `store.json` and `store.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Rows per level.
+        #[arg(long, value_delimiter = ',')]
+        rows: Vec<u64>,
+        /// Only these tables (`sgd`, `adagrad`, `adam`).
+        #[arg(long, value_delimiter = ',')]
+        optimizers: Vec<String>,
+    },
+    /// One (store, table) of `store`, in this process.
+    #[command(hide = true)]
+    StoreChild {
+        /// `sgd`, `adagrad` or `adam`.
+        #[arg(long)]
+        optimizer: String,
+        /// Values per row.
+        #[arg(long)]
+        dim: usize,
+        /// `f32`, `f16` or `bf16`.
+        #[arg(long)]
+        storage: String,
+        /// Rows per level.
+        #[arg(long, value_delimiter = ',')]
+        rows: Vec<u64>,
+        /// Seconds per measurement.
+        #[arg(long)]
+        level_secs: f64,
+        /// Seconds of quiet Pushes before the snapshots.
+        #[arg(long)]
+        quiet_secs: f64,
+        /// The store before the slab store.
+        #[arg(long)]
+        old: bool,
+        /// Measure snapshots under Pushes at the largest level.
+        #[arg(long)]
+        snapshots: bool,
+    },
     /// How a ps-server's latency and memory grow with keys per Fetch, rows
     /// per shard and client connections (log axes).
     Scale {
@@ -617,6 +662,58 @@ fn main() -> Result<(), BoxError> {
         }
         Command::PsInference { args } => args.run(tessera_benches::ps::Workload::Inference),
         Command::PsTraining { args } => args.run(tessera_benches::ps::Workload::Training),
+        Command::Store {
+            quick,
+            out,
+            rows,
+            optimizers,
+        } => {
+            let defaults = tessera_benches::store::Plan::new(quick);
+            let plan = tessera_benches::store::Plan {
+                rows: given_or(rows, &defaults.rows),
+                ..defaults
+            };
+            let tables: Vec<_> = tessera_benches::store::TABLES
+                .iter()
+                .filter(|t| optimizers.is_empty() || optimizers.iter().any(|o| o == t.optimizer))
+                .copied()
+                .collect();
+            let meta = tessera_benches::report::Meta::collect("store");
+            let (rows, table) = tessera_benches::store::run(&plan, &tables)?;
+            report(&meta, out.as_deref(), &rows, &table)
+        }
+        Command::StoreChild {
+            optimizer,
+            dim,
+            storage,
+            rows,
+            level_secs,
+            quiet_secs,
+            old,
+            snapshots,
+        } => {
+            let storage = match storage.as_str() {
+                "f16" => tessera_ps_server::table::Storage::F16,
+                "bf16" => tessera_ps_server::table::Storage::Bf16,
+                _ => tessera_ps_server::table::Storage::F32,
+            };
+            let kind = tessera_benches::store::TABLES
+                .iter()
+                .find(|t| t.optimizer == optimizer && t.dim == dim)
+                .map(|t| tessera_benches::store::TableKind { storage, ..*t })
+                .ok_or_else(|| format!("no table {optimizer} dim {dim}"))?;
+            let plan = tessera_benches::store::Plan {
+                rows,
+                level_secs,
+                quiet_secs,
+            };
+            // One JSON object per line, for the parent (`store`).
+            #[allow(clippy::print_stdout)]
+            for row in tessera_benches::store::child(kind, old, &plan, snapshots)? {
+                println!("{row}");
+            }
+            Ok(())
+        }
         Command::Scale {
             quick,
             out,

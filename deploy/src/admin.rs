@@ -86,12 +86,36 @@ pub(crate) async fn admin(
             let stats = AdminClient::new(admin_channel(&server, tls).await?)
                 .stats(StatsRequest {})
                 .await?;
-            println!("| table | shard | rows | bytes | fetches | pushes | evictions |");
-            println!("|---|---:|---:|---:|---:|---:|---:|");
+            println!(
+                "| table | shard | storage | rows | payload bytes | memory bytes | bytes/row | records | index | free | overhead | snapshots | fetches | pushes | evictions |"
+            );
+            println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
             for s in &stats.shards {
+                let memory = s.record_bytes
+                    + s.index_bytes
+                    + s.free_bytes
+                    + s.overhead_bytes
+                    + s.snapshot_bytes;
+                let per_row = if s.rows > 0 {
+                    format!("{:.1}", memory as f64 / s.rows as f64)
+                } else {
+                    "-".to_owned()
+                };
                 println!(
-                    "| {} | {} | {} | {} | {} | {} | {} |",
-                    s.table, s.shard, s.rows, s.bytes, s.fetches, s.pushes, s.evictions
+                    "| {} | {} | {} | {} | {} | {memory} | {per_row} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    s.table,
+                    s.shard,
+                    s.storage,
+                    s.rows,
+                    s.bytes,
+                    s.record_bytes,
+                    s.index_bytes,
+                    s.free_bytes,
+                    s.overhead_bytes,
+                    s.snapshot_bytes,
+                    s.fetches,
+                    s.pushes,
+                    s.evictions
                 );
             }
         }

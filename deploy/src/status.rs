@@ -70,6 +70,11 @@ pub struct ServerStatus {
     pub coordinator: Option<String>,
     /// Every hosted shard.
     pub shard_health: Vec<ShardStatus>,
+    /// Rows it holds, all tables and shards together.
+    pub rows: u64,
+    /// Bytes those rows take in its memory (0 from a server older than
+    /// the field).
+    pub store_bytes: u64,
     /// Its checkpoints; `None` without a checkpoint directory (or when it
     /// did not answer).
     pub checkpoint: Option<CheckpointStatus>,
@@ -136,7 +141,18 @@ impl ServerStatus {
             transport: None,
             coordinator: None,
             shard_health: Vec::new(),
+            rows: 0,
+            store_bytes: 0,
             checkpoint: None,
+        }
+    }
+
+    /// The table's cell: rows, and memory per row.
+    fn rows_cell(&self) -> String {
+        match (self.rows, self.store_bytes) {
+            (0, _) => "0".to_owned(),
+            (rows, 0) => rows.to_string(),
+            (rows, bytes) => format!("{rows} ({:.1} B/row)", bytes as f64 / rows as f64),
         }
     }
 }
@@ -212,6 +228,8 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
         transport: (!health.transport.is_empty()).then(|| health.transport.clone()),
         coordinator: (!health.coordinator.is_empty()).then(|| health.coordinator.clone()),
         shard_health: health.shard_health.iter().map(shard_status).collect(),
+        rows: health.tables.iter().map(|t| t.rows).sum(),
+        store_bytes: health.tables.iter().map(|t| t.store_bytes).sum(),
         checkpoint: health.checkpoint.as_ref().map(CheckpointStatus::of),
     }
 }
@@ -234,13 +252,13 @@ pub fn addresses_of_run_dir(dir: &Path) -> Result<Vec<String>, tessera_config::C
 pub fn format_table(statuses: &[ServerStatus]) -> String {
     use std::fmt::Write as _;
     let mut out = String::from(
-        "| server | state | group | shards | primary of | epochs | transport | replication | checkpoint |\n|---|---|---:|---|---|---|---|---|---|\n",
+        "| server | state | group | shards | primary of | epochs | transport | rows | replication | checkpoint |\n|---|---|---:|---|---|---|---|---:|---|---|\n",
     );
     for s in statuses {
         if !s.reachable {
             let _ = writeln!(
                 out,
-                "| {} | UNREACHABLE | - | - | - | - | - | {} | - |",
+                "| {} | UNREACHABLE | - | - | - | - | - | - | {} | - |",
                 s.address,
                 s.error.as_deref().unwrap_or("")
             );
@@ -288,7 +306,7 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
             .join("; ");
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.address,
             s.state,
             s.replica_group.map_or("-".to_owned(), |g| g.to_string()),
@@ -296,6 +314,7 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
             list(&s.primary_of),
             if epochs.is_empty() { "-" } else { &epochs },
             s.transport.as_deref().unwrap_or("?"),
+            s.rows_cell(),
             if replication.is_empty() {
                 "-"
             } else {
@@ -326,6 +345,8 @@ mod tests {
             transport: Some("tcp".into()),
             coordinator: Some("static".into()),
             shard_health: Vec::new(),
+            rows: 1_000_000,
+            store_bytes: 84_500_000,
             checkpoint,
         }
     }
@@ -359,6 +380,7 @@ mod tests {
             "no checkpoint directory: {table}"
         );
         assert!(rows[4].ends_with("| - |"), "{table}");
+        assert!(rows[2].contains("| 1000000 (84.5 B/row) |"), "{table}");
         let ok = CheckpointStatus {
             dir: "/d".into(),
             last_success_age_ms: None,

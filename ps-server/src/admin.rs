@@ -166,15 +166,21 @@ impl v1::Admin for AdminService {
             let config = table.config();
             let row_bytes = u64::from(config.dim) * (1 + config.optimizer.slots() as u64) * 4;
             for (shard, state) in table.shards() {
-                let rows = state.rows.len() as u64;
+                let memory = state.rows.bytes();
                 shards.push(ShardStats {
                     table: config.name.clone(),
                     shard,
-                    rows,
-                    bytes: rows * row_bytes,
+                    rows: memory.rows,
+                    bytes: memory.rows * row_bytes,
                     fetches: state.fetches.load(Ordering::Relaxed),
                     pushes: state.pushes.load(Ordering::Relaxed),
                     evictions: state.rows.evictions(),
+                    record_bytes: memory.row_bytes,
+                    index_bytes: memory.index_bytes,
+                    free_bytes: memory.free_bytes,
+                    overhead_bytes: memory.overhead_bytes,
+                    snapshot_bytes: memory.cut_bytes,
+                    storage: config.storage.name().to_owned(),
                 });
             }
         }

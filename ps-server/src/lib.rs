@@ -275,6 +275,9 @@ impl PsServer {
             coordination.shutdown(shutdown_grace).await;
         };
         let _stop_replication = StopOnDrop(Arc::clone(&replication));
+        let _store_gauges = AbortOnDropHandle::new(tokio::spawn(publish_store_gauges(Arc::clone(
+            &stopped.store,
+        ))));
         let _periodic = checkpoints.as_ref().and_then(|(checkpoints, every)| {
             (!every.is_zero()).then(|| {
                 AbortOnDropHandle::new(tokio::spawn(periodic_checkpoints(
@@ -374,6 +377,22 @@ struct StopOnDrop(Arc<Replication>);
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
         self.0.shutdown();
+    }
+}
+
+/// Seconds between two publications of the store's gauges (rows and
+/// memory per table and shard): each takes every stripe's read lock for a
+/// moment.
+const STORE_GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+async fn publish_store_gauges(store: Arc<Store>) {
+    let mut ticks = tokio::time::interval(STORE_GAUGES_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        for table in store.tables() {
+            table.publish_gauges();
+        }
     }
 }
 

@@ -73,10 +73,11 @@ impl Writer {
 /// bytes and the row count.
 pub fn encode_snapshot(snapshot: &TableSnapshot, dim: u32, slots: u32) -> (Vec<u8>, u64) {
     let mut writer = Writer::new(dim, slots, snapshot.rows.len());
-    for row in snapshot.rows.rows_from(0) {
+    snapshot.rows.for_each_from(0, |row| {
         row.encode(&mut writer.out);
         writer.rows += 1;
-    }
+        true
+    });
     writer.finish(&snapshot.dedup)
 }
 
@@ -109,12 +110,13 @@ pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
     }
     let mut digest = 0u64;
     let mut bytes = Vec::new();
-    for row in snapshot.rows.rows_from(0) {
+    snapshot.rows.for_each_from(0, |row| {
         // Key, steps, values and state bits: the row as a row file has it.
         bytes.clear();
         row.encode(&mut bytes);
         digest = digest.wrapping_add(fnv(bytes.iter().copied()));
-    }
+        true
+    });
     for window in &snapshot.dedup {
         let bytes = window
             .worker

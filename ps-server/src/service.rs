@@ -172,6 +172,8 @@ impl v1::ParameterServer for PsService {
                 name: t.config().name.clone(),
                 dim: t.config().dim,
                 rows: t.rows(),
+                store_bytes: t.bytes().total(),
+                storage: t.config().storage.name().to_owned(),
             })
             .collect();
         tables.sort_by(|a, b| a.name.cmp(&b.name));

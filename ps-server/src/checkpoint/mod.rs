@@ -27,12 +27,14 @@
 //! loaded.
 //!
 //! Each shard is cut under its write lock, which every Push holds while it
-//! applies: the cut waits for the Push in flight and takes a snapshot that
-//! shares every row ([`crate::store::Store::snapshot_shard`], a reference
-//! count per row, copy-on-write after), so the saved shard reflects whole
-//! Pushes only and matches the [`Version`] the manifest records for it.
-//! Pushes wait only for the snapshot; encoding ([`crate::rowfile`]) and
-//! writing run after the lock is released, on a blocking thread. A restarted server loads the newest complete
+//! applies: the cut waits for the Push in flight and opens a cut of every
+//! row ([`crate::store::Store::snapshot_shard`]: nothing per row; a row a
+//! later Push changes is copied first, see [`crate::table::rows::slab`]),
+//! so the saved shard reflects whole Pushes only and matches the
+//! [`crate::version::Version`] the manifest records for it. Pushes wait
+//! only for the cut; encoding ([`crate::rowfile`]) and writing run after
+//! the lock is released, on a blocking thread. A restarted server loads
+//! the newest complete
 //! checkpoint and then, being behind its replicas, catches up from the
 //! freshest of them (see [`crate::replication`]); a save that fails removes its
 //! `.tmp-` directory; one interrupted by a crash leaves it, never loaded,

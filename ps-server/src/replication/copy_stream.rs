@@ -150,13 +150,12 @@ impl CopySource {
                 let hi = end.min(to) - from;
                 let (first, last) = (lo / part.row_bytes, (hi - 1) / part.row_bytes);
                 let mut rows = Vec::with_capacity(((last - first + 1) * part.row_bytes) as usize);
-                for row in table
-                    .rows
-                    .rows_from(first as usize)
-                    .take((last - first + 1) as usize)
-                {
+                let mut left = last - first + 1;
+                table.rows.for_each_from(first as usize, |row| {
                     row.encode(&mut rows);
-                }
+                    left -= 1;
+                    left > 0
+                });
                 let skip = (lo - first * part.row_bytes) as usize;
                 out.extend_from_slice(&rows[skip..skip + (hi - lo) as usize]);
             }

@@ -63,8 +63,12 @@ impl CheckedFetch<'_> {
                         |values, st| table.init_row(key, values, st),
                         // As stored: rounded to the table's storage.
                         |values, _, _| {
-                            for (out, v) in slot.chunks_exact_mut(F32_BYTES).zip(values.iter()) {
-                                out.copy_from_slice(&storage.round(*v).to_le_bytes());
+                            for (i, (out, v)) in slot
+                                .chunks_exact_mut(F32_BYTES)
+                                .zip(values.iter())
+                                .enumerate()
+                            {
+                                out.copy_from_slice(&storage.round(key, i, *v).to_le_bytes());
                             }
                         },
                     );

@@ -78,10 +78,10 @@ impl Store {
     }
 
     /// Every table's rows of the shard `writing` locks, at one cut, with
-    /// the shard's version, in table-name order. Costs one reference count
-    /// per row (rows are shared, copied only when a Push changes them
-    /// later: see [`crate::table::Row`]), so the lock is held briefly; the
-    /// caller encodes the snapshot after releasing it.
+    /// the shard's version, in table-name order. Costs nothing per row (a
+    /// row is copied only when a Push changes it while the snapshot is
+    /// read: see [`crate::table::rows::slab`]), so the lock is held
+    /// briefly; the caller encodes the snapshot after releasing it.
     pub fn snapshot_shard(&self, writing: &ShardGuard<'_>) -> ShardSnapshot {
         let mut tables: Vec<&Table> = self.tables.values().collect();
         tables.sort_by(|a, b| a.config().name.cmp(&b.config().name));

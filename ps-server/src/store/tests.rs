@@ -376,3 +376,152 @@ proptest::proptest! {
         proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
     }
 }
+
+/// Narrow storage against the `f32` reference, through the store's own
+/// Push and Fetch: the same 100 Pushes (every row updated each step) to
+/// an `f32`, an `f16` and a `bf16` table of each optimizer. Stochastic
+/// rounding makes each update's error a draw of mean zero and at most one
+/// unit in the last place, so after `n` updates a value strays from the
+/// `f32` one like a random walk: about `sqrt(n) / 2` units, and under `5 *
+/// sqrt(n) / 2` units (of the largest value) for every one of many rows.
+/// That bound, `5 * sqrt(n) * 2^-12` for `f16` and `5 * sqrt(n) * 2^-9` for
+/// `bf16` of the largest value, is the one the README states.
+#[test]
+fn narrow_storage_follows_the_f32_reference_within_the_stated_tolerance() {
+    use crate::table::Storage;
+    for optimizer in [
+        OptimizerConfig::sgd(0.05),
+        OptimizerConfig::adagrad(0.05),
+        OptimizerConfig::adam(0.005),
+    ] {
+        let store = |storage: Storage| {
+            Store::new(&PsServerConfig {
+                num_shards: 1,
+                shards: vec![0],
+                tables: vec![TableConfig {
+                    optimizer,
+                    initializer: Initializer::Uniform { scale: 0.05 },
+                    storage,
+                    ..TableConfig::new("t", 16)
+                }],
+                ..PsServerConfig::default()
+            })
+        };
+        let (reference, half, brain) = (
+            store(Storage::F32),
+            store(Storage::F16),
+            store(Storage::Bf16),
+        );
+        let keys: Vec<u64> = (0..64).collect();
+        for step in 0..100u64 {
+            let grads: Vec<f32> = (0..keys.len() * 16)
+                .map(|i| {
+                    let h = tessera_proto::sharding::splitmix64(step * 10_007 + i as u64);
+                    ((h >> 40) as f32 / (1u32 << 24) as f32 - 0.5) * 0.02
+                })
+                .collect();
+            let mut bytes = Vec::new();
+            put_f32s(&mut bytes, &grads);
+            let id = PushId {
+                worker: 3,
+                sequence: step + 1,
+            };
+            for s in [&reference, &half, &brain] {
+                s.push("t", 0, &keys, &bytes, id).unwrap();
+            }
+        }
+        let exact = decode(&reference.fetch("t", 0, &keys).unwrap().1);
+        let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let walk = 5.0 * 100f32.sqrt();
+        for (name, s, tolerance) in [
+            ("f16", &half, walk * 2f32.powi(-12)),
+            ("bf16", &brain, walk * 2f32.powi(-9)),
+        ] {
+            let got = decode(&s.fetch("t", 0, &keys).unwrap().1);
+            let worst = exact
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs() / scale)
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= tolerance,
+                "{} {name}: the largest difference from f32 is {worst} of the largest value, above {tolerance}",
+                optimizer.name()
+            );
+            assert!(
+                worst > 0.0,
+                "{} {name} stored exactly: not narrow",
+                optimizer.name()
+            );
+        }
+    }
+}
+
+/// Updates smaller than half a unit in the last place of a narrow value
+/// still move it on average (stochastic rounding): rounding to nearest
+/// would keep every value above 0.25 (f16) where it started.
+#[test]
+fn small_updates_are_not_lost_in_narrow_storage() {
+    use crate::table::Storage;
+    for (storage, ulp_at_half) in [
+        (Storage::F16, 2f32.powi(-11)),
+        (Storage::Bf16, 2f32.powi(-8)),
+    ] {
+        let store = |storage: Storage| {
+            Store::new(&PsServerConfig {
+                num_shards: 1,
+                shards: vec![0],
+                tables: vec![TableConfig {
+                    optimizer: OptimizerConfig::sgd(0.001),
+                    initializer: Initializer::Uniform { scale: 1.0 },
+                    storage,
+                    ..TableConfig::new("t", 8)
+                }],
+                ..PsServerConfig::default()
+            })
+        };
+        let (exact, narrow) = (store(Storage::F32), store(storage));
+        let keys: Vec<u64> = (0..128).collect();
+        // Each step moves every value by lr * 0.1 = 1e-4, below half a
+        // unit in the last place of any value above 0.25 in f16.
+        let step = 0.001 * 0.1;
+        assert!(storage != Storage::F16 || step < ulp_at_half / 2.0);
+        let mut grads = Vec::new();
+        put_f32s(&mut grads, &vec![0.1; keys.len() * 8]);
+        let start = decode(&exact.fetch("t", 0, &keys).unwrap().1);
+        let steps = 500;
+        for step in 1..=steps {
+            // As a worker sends them: with an identity.
+            let id = PushId {
+                worker: 3,
+                sequence: step,
+            };
+            exact.push("t", 0, &keys, &grads, id).unwrap();
+            narrow.push("t", 0, &keys, &grads, id).unwrap();
+        }
+        let (a, b) = (
+            decode(&exact.fetch("t", 0, &keys).unwrap().1),
+            decode(&narrow.fetch("t", 0, &keys).unwrap().1),
+        );
+        let moved: Vec<f32> = start
+            .iter()
+            .zip(&b)
+            .filter(|(s, _)| s.abs() > 0.5)
+            .map(|(s, n)| s - n)
+            .collect();
+        let mean = moved.iter().sum::<f32>() / moved.len() as f32;
+        let expected = step * steps as f32;
+        assert!(
+            (mean - expected).abs() < 0.1 * expected,
+            "{storage:?}: values above 0.5 moved {mean} on average, f32 {expected}"
+        );
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{storage:?}: mean move {mean} (f32 {expected}), largest difference from f32 {worst}"
+        );
+    }
+}

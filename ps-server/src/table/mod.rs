@@ -128,6 +128,37 @@ impl Table {
         self.shards.values().map(|s| s.rows.len() as u64).sum()
     }
 
+    /// What the rows take in memory, over all hosted shards.
+    pub fn bytes(&self) -> RowBytes {
+        self.shards
+            .values()
+            .map(|s| s.rows.bytes())
+            .fold(RowBytes::default(), |a, b| a + b)
+    }
+
+    /// Publishes every hosted shard's row count and memory as gauges:
+    /// `tessera_ps_store_rows` and `tessera_ps_store_bytes` by `part`
+    /// (`records`, `index`, `free`, `overhead`, `snapshots`), labelled
+    /// with the table and the shard.
+    pub fn publish_gauges(&self) {
+        for (&shard, state) in &self.shards {
+            let b = state.rows.bytes();
+            let (table, shard) = (self.config.name.clone(), shard.to_string());
+            metrics::gauge!("tessera_ps_store_rows", "table" => table.clone(), "shard" => shard.clone())
+                .set(b.rows as f64);
+            for (part, bytes) in [
+                ("records", b.row_bytes),
+                ("index", b.index_bytes),
+                ("free", b.free_bytes),
+                ("overhead", b.overhead_bytes),
+                ("snapshots", b.cut_bytes),
+            ] {
+                metrics::gauge!("tessera_ps_store_bytes", "table" => table.clone(), "shard" => shard.clone(), "part" => part)
+                    .set(bytes as f64);
+            }
+        }
+    }
+
     /// Rows evicted, over all hosted shards.
     pub fn evictions(&self) -> u64 {
         self.shards.values().map(|s| s.rows.evictions()).sum()
@@ -140,8 +171,8 @@ impl Table {
             .config
             .initializer
             .row(self.init_base, key, self.config.dim as usize);
-        for v in values.iter_mut() {
-            *v = self.config.storage.round(*v);
+        for (i, v) in values.iter_mut().enumerate() {
+            *v = self.config.storage.round(key, i, *v);
         }
         values
     }
@@ -214,7 +245,13 @@ impl Table {
             return (admission, Vec::new());
         }
         let mut evicted = Vec::new();
-        self.apply_rows(state, keys, gradients, Evicting::Choose(&mut evicted));
+        self.apply_rows(
+            state,
+            keys,
+            gradients,
+            (worker, sequence),
+            Evicting::Choose(&mut evicted),
+        );
         (admission, evicted)
     }
 
@@ -238,7 +275,13 @@ impl Table {
         now: Instant,
     ) -> bool {
         state.dedup.record(worker, sequence, now);
-        self.apply_rows(state, keys, gradients, Evicting::Follow(evictions))
+        self.apply_rows(
+            state,
+            keys,
+            gradients,
+            (worker, sequence),
+            Evicting::Follow(evictions),
+        )
     }
 
     /// Applies the rows; false when a victim to evict (following) was not
@@ -248,6 +291,7 @@ impl Table {
         state: &ShardState,
         keys: &[u64],
         gradients: &[u8],
+        (worker, sequence): (u64, u64),
         mut evicting: Evicting<'_>,
     ) -> bool {
         let mut followed = true;
@@ -257,6 +301,9 @@ impl Table {
         let mut grad = vec![0f32; dim];
         let mut clipped = 0;
         let mut refused = 0u64;
+        // Narrow values round with draws seeded by the Push (see
+        // `rows::layout`): the replicas apply it with the same identity.
+        let seed = tessera_proto::sharding::splitmix64(worker ^ sequence.rotate_left(32));
         for (index, (&key, raw)) in keys
             .iter()
             .zip(gradients.chunks_exact(dim * F32))
@@ -267,6 +314,7 @@ impl Table {
                 Evicting::Choose(evicted) => {
                     let Ok(((), victim)) = state.rows.upsert_evicting(
                         key,
+                        seed,
                         |values, st| self.init_row(key, values, st),
                         |values, st, steps| optimizer.apply(values, st, steps, &grad),
                     ) else {
@@ -291,6 +339,7 @@ impl Table {
                         .rows
                         .upsert_following(
                             key,
+                            seed,
                             |values, st| self.init_row(key, values, st),
                             |values, st, steps| optimizer.apply(values, st, steps, &grad),
                         )
@@ -315,7 +364,7 @@ impl Table {
     }
 
     /// `shard`'s rows and deduplication windows as they are now, shared
-    /// with the live rows (see [`Row`]); the caller holds the shard's
+    /// with the live rows (see [`rows::slab`]); the caller holds the shard's
     /// write lock (`_writing`), so the snapshot holds whole Pushes only.
     /// Empty if the shard is not hosted.
     pub fn snapshot(&self, _writing: &ShardGuard<'_>, shard: u32) -> TableSnapshot {

@@ -6,10 +6,22 @@
 //! ```
 //!
 //! Values are `f32`, or with `storage = "f16"` / `"bf16"` two per word
-//! (IEEE half, or the top half of an `f32`), rounded to nearest-even when
-//! written and widened to `f32` for every use: optimizer math runs in
-//! `f32` on the widened row and the result is rounded once per update; a
-//! Fetch answers `f32`. The optimizer state (Adagrad's accumulator, Adam's
+//! (IEEE half, or the top half of an `f32`), widened to `f32` for every
+//! use: optimizer math runs in `f32` on the widened row and the result is
+//! rounded once per update; a Fetch answers `f32`.
+//!
+//! Rounding is **stochastic**: a value between two neighbours of the
+//! narrow format becomes the upper one with probability equal to its
+//! distance from the lower one, so a stored value is the exact one on
+//! average. Rounding to nearest loses every update smaller than half a
+//! unit in the last place for good (in `f16`, any step below 1/2048 of the
+//! value: SGD at a small learning rate stops learning). The draw is not
+//! random but a hash of the row's key, the value's index and the exact
+//! result: replicas applying the same Push round alike and stay
+//! bit-identical. The Push's identity (its worker and sequence, which
+//! the replicas apply with it) is mixed in as a seed, so that a value the
+//! same small step keeps nudging draws afresh each time instead of
+//! repeating the draw that kept it in place. The optimizer state (Adagrad's accumulator, Adam's
 //! moments) stays `f32` whatever the storage: Adam's second moment moves
 //! by a thousandth per step (`beta2 = 0.999`), below the resolution of
 //! `bf16` (1/128) and, for small gradients, below `f16`'s smallest
@@ -24,6 +36,7 @@
 
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
+use tessera_proto::sharding::splitmix64;
 
 /// How a table stores its values (optimizer state is always `f32`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -51,14 +64,70 @@ impl Storage {
         }
     }
 
-    /// The value `v` becomes when stored (rounded to nearest-even).
-    pub fn round(self, v: f32) -> f32 {
+    /// The value `v` (value `index` of the row of `key`) becomes when
+    /// stored outside a Push (a new row's initial values; module docs).
+    pub fn round(self, key: u64, index: usize, v: f32) -> f32 {
+        let salt = salt(key, 0);
         match self {
             Storage::F32 => v,
-            Storage::F16 => f16::from_f32(v).to_f32(),
-            Storage::Bf16 => bf16::from_f32(v).to_f32(),
+            Storage::F16 => f16::from_bits(round_f16(salt, index, v)).to_f32(),
+            Storage::Bf16 => bf16::from_bits(round_bf16(salt, index, v)).to_f32(),
         }
     }
+}
+
+/// The draws' salt for the row of `key` under a Push seeded `seed`.
+fn salt(key: u64, seed: u64) -> u64 {
+    key ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93)
+}
+
+/// The draw for rounding value `index` of a row (salted by its key and
+/// the Push) to `v`: 64 bits of a hash of all three.
+fn draw(salt: u64, index: usize, v: f32) -> u64 {
+    splitmix64(
+        salt ^ (index as u64).rotate_left(48)
+            ^ u64::from(v.to_bits()).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    )
+}
+
+/// `v` as bfloat16 bits, rounded stochastically: the 16 bits dropped are
+/// compared with 16 drawn ones (a carry rounds the magnitude up).
+fn round_bf16(salt: u64, index: usize, v: f32) -> u16 {
+    if v.is_nan() {
+        return bf16::from_f32(v).to_bits();
+    }
+    let bits = v.to_bits();
+    // Below infinity's bits nothing carries into the sign; infinity's low
+    // bits are zero and stay so.
+    (bits.saturating_add((draw(salt, index, v) & 0xffff) as u32) >> 16) as u16
+}
+
+/// `v` as IEEE half bits, rounded stochastically between its two
+/// neighbours.
+fn round_f16(salt: u64, index: usize, v: f32) -> u16 {
+    let nearest = f16::from_f32(v);
+    let back = nearest.to_f32();
+    if back == v || !v.is_finite() || back.is_infinite() {
+        return nearest.to_bits();
+    }
+    // The neighbour on v's other side: one unit further from zero or
+    // nearer to it (half bits order magnitudes like integers; `back` is
+    // not zero when it lies further from zero than `v`).
+    let other = if back.abs() < v.abs() {
+        nearest.to_bits() + 1
+    } else {
+        nearest.to_bits() - 1
+    };
+    let other_value = f16::from_bits(other).to_f32();
+    let (lo, hi, lo_bits, hi_bits) = if back < other_value {
+        (back, other_value, nearest.to_bits(), other)
+    } else {
+        (other_value, back, other, nearest.to_bits())
+    };
+    // P(hi) = (v - lo) / (hi - lo), from 24 drawn bits.
+    let p = (v - lo) / (hi - lo);
+    let u = (draw(salt, index, v) >> 40) as f32 / (1u32 << 24) as f32;
+    if u < p { hi_bits } else { lo_bits }
 }
 
 /// Where the parts of a row lie in its record (module docs).
@@ -192,19 +261,24 @@ impl RowLayout {
     /// Stores `values` (rounded to the storage).
     fn write_values(&self, record: &mut [u32], values: &[f32]) {
         let (at, end) = (self.values_at(), self.state_at());
-        self.narrow(&mut record[at..end], values);
+        let salt = salt(self.key(record), 0);
+        self.narrow(&mut record[at..end], values, salt);
     }
 
     /// Runs `update` on the row as `f32`: values (in place with `f32`
     /// storage, else widened into `scratch` and rounded back after),
     /// optimizer state, and steps (a scratch counter where not kept).
+    /// Narrow values are rounded with draws seeded by `seed` (the Push's
+    /// identity, 0 for none) and the row's key.
     pub fn update<R>(
         &self,
         record: &mut [u32],
         scratch: &mut Vec<f32>,
+        seed: u64,
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> R {
         let (values_at, state_at, words) = (self.values_at(), self.state_at(), self.words());
+        let salt = salt(self.key(record), seed);
         let mut no_steps = 0;
         let (head, rest) = record.split_at_mut(values_at);
         let steps = if self.steps {
@@ -220,7 +294,7 @@ impl RowLayout {
                 scratch.resize(self.dim, 0.0);
                 self.widen(values, scratch);
                 let out = update(scratch, state, steps);
-                self.narrow(values, scratch);
+                self.narrow(values, scratch, salt);
                 out
             }
         }
@@ -246,20 +320,82 @@ impl RowLayout {
     }
 
     /// `values` rounded to the storage into the value words `words`.
-    fn narrow(&self, words: &mut [u32], values: &[f32]) {
+    /// (Rounded stochastically, drawn from `salt`: module docs.)
+    fn narrow(&self, words: &mut [u32], values: &[f32], salt: u64) {
         match self.storage {
             Storage::F32 => bytemuck::cast_slice_mut::<u32, f32>(words).copy_from_slice(values),
             Storage::F16 => {
-                let narrow: &mut [f16] = bytemuck::cast_slice_mut(words);
-                for (n, v) in narrow.iter_mut().zip(values) {
-                    *n = f16::from_f32(*v);
+                let narrow: &mut [u16] = bytemuck::cast_slice_mut(words);
+                for (i, (n, v)) in narrow.iter_mut().zip(values).enumerate() {
+                    *n = round_f16(salt, i, *v);
                 }
             }
             Storage::Bf16 => {
-                let narrow: &mut [bf16] = bytemuck::cast_slice_mut(words);
-                for (n, v) in narrow.iter_mut().zip(values) {
-                    *n = bf16::from_f32(*v);
+                let narrow: &mut [u16] = bytemuck::cast_slice_mut(words);
+                for (i, (n, v)) in narrow.iter_mut().zip(values).enumerate() {
+                    *n = round_bf16(salt, i, *v);
                 }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every draw gives one of the two neighbours, exact values stay
+    /// exact, and the mean over many rows is the value itself.
+    #[test]
+    fn stochastic_rounding_picks_a_neighbour_and_is_unbiased() {
+        for storage in [Storage::F16, Storage::Bf16] {
+            for v in [0.1f32, -0.1, 1.0 + 1e-4, -3.3e-6, 1000.3, 7e-8, 1.5, -0.0] {
+                let nearest = match storage {
+                    Storage::F16 => f16::from_f32(v).to_f32(),
+                    _ => bf16::from_f32(v).to_f32(),
+                };
+                let n = 20_000;
+                let mut sum = 0f64;
+                for key in 0..n {
+                    let r = storage.round(key, 3, v);
+                    if nearest == v {
+                        assert_eq!(r.to_bits(), v.to_bits(), "{storage:?} {v} is exact");
+                    }
+                    // r is one of the two narrow values around v.
+                    assert!(
+                        r == nearest || (r - v).signum() != (nearest - v).signum(),
+                        "{storage:?}: {v} became {r}, not a neighbour"
+                    );
+                    let gap = (r - nearest).abs();
+                    assert!(
+                        gap == 0.0 || gap <= 2.0 * (v - nearest).abs() + v.abs() * 0.008 + 1.2e-7,
+                        "{storage:?}: {v} became {r}, nearest {nearest}"
+                    );
+                    sum += f64::from(r);
+                }
+                let mean = sum / n as f64;
+                let gap = (f64::from(nearest) - f64::from(v)).abs().max(1e-12);
+                assert!(
+                    (mean - f64::from(v)).abs() <= gap * 0.1 + 1e-12,
+                    "{storage:?}: the mean of {v} rounded is {mean}"
+                );
+            }
+            assert!(storage.round(1, 0, f32::NAN).is_nan());
+            assert_eq!(storage.round(1, 0, f32::INFINITY), f32::INFINITY);
+        }
+    }
+
+    /// Replicas round alike: the draw depends on the key, the index and
+    /// the value only.
+    #[test]
+    fn the_same_value_of_the_same_row_rounds_alike() {
+        for storage in [Storage::F16, Storage::Bf16] {
+            for i in 0..100 {
+                let v = 0.123_456 + i as f32 * 1e-5;
+                assert_eq!(
+                    storage.round(42, i, v).to_bits(),
+                    storage.round(42, i, v).to_bits()
+                );
             }
         }
     }

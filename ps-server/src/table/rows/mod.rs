@@ -12,8 +12,9 @@
 //! ([`index::MIGRATE_PER_INSERT`]), so no insert (and no Fetch behind it)
 //! waits for a stripe's whole table to be rebuilt.
 //!
-//! A snapshot ([`ShardRows::snapshot`]) shares every chunk: one pointer
-//! per 64 rows, copied on write after (see [`slab`]).
+//! A snapshot ([`ShardRows::snapshot`]) opens a cut on every stripe: it
+//! costs nothing per row; a row changed while the snapshot is read is
+//! copied once, as it was, before it changes (see [`slab`]).
 //!
 //! Eviction samples a few rows of a full stripe and evicts the worst by
 //! the table's policy, as Redis does ("approximated LRU/LFU"): exact LRU
@@ -32,14 +33,14 @@ pub mod layout;
 pub mod slab;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use serde::{Deserialize, Serialize};
 use tessera_proto::sharding::splitmix64;
 
 use self::index::{KeyIndex, MAX_SLOTS};
 pub use self::layout::{RowLayout, Storage};
-use self::slab::{CHUNK_ROWS, Slab, SlabSnapshot};
+use self::slab::{CHUNK_ROWS, Slab};
 
 /// Which row a full table gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -208,12 +209,29 @@ pub struct RowBytes {
     /// Bytes of bookkeeping (chunk masks and pointers, free lists, last
     /// use marks).
     pub overhead_bytes: u64,
+    /// Bytes held for snapshots being read (rows changed since their cut).
+    pub cut_bytes: u64,
+}
+
+impl std::ops::Add for RowBytes {
+    type Output = RowBytes;
+
+    fn add(self, other: RowBytes) -> RowBytes {
+        RowBytes {
+            rows: self.rows + other.rows,
+            row_bytes: self.row_bytes + other.row_bytes,
+            index_bytes: self.index_bytes + other.index_bytes,
+            free_bytes: self.free_bytes + other.free_bytes,
+            overhead_bytes: self.overhead_bytes + other.overhead_bytes,
+            cut_bytes: self.cut_bytes + other.cut_bytes,
+        }
+    }
 }
 
 impl RowBytes {
     /// Every byte counted.
     pub fn total(&self) -> u64 {
-        self.row_bytes + self.index_bytes + self.free_bytes + self.overhead_bytes
+        self.row_bytes + self.index_bytes + self.free_bytes + self.overhead_bytes + self.cut_bytes
     }
 }
 
@@ -221,7 +239,10 @@ impl RowBytes {
 #[derive(Debug)]
 pub struct ShardRows {
     layout: RowLayout,
-    stripes: Box<[RwLock<Stripe>]>,
+    /// Shared with the snapshots being read.
+    stripes: Arc<[RwLock<Stripe>]>,
+    /// The next snapshot's cut id.
+    next_cut: AtomicU64,
     /// Rows per stripe at most (`None`: unlimited).
     stripe_limit: Option<usize>,
     policy: EvictionPolicy,
@@ -244,6 +265,7 @@ impl ShardRows {
                 .map(|_| RwLock::new(Stripe::new(&layout)))
                 .collect(),
             layout,
+            next_cut: AtomicU64::new(1),
             stripe_limit: max_rows.map(|max| (max as usize / stripes).max(1)),
             policy,
             clock: AtomicU64::new(1),
@@ -262,13 +284,11 @@ impl ShardRows {
     }
 
     fn read_stripe(&self, i: usize) -> RwLockReadGuard<'_, Stripe> {
-        // A panic while a stripe is locked leaves at worst one row half
-        // updated; serving it beats failing every later request.
-        self.stripes[i].read().unwrap_or_else(|p| p.into_inner())
+        read(&self.stripes[i])
     }
 
     fn write_stripe(&self, i: usize) -> RwLockWriteGuard<'_, Stripe> {
-        self.stripes[i].write().unwrap_or_else(|p| p.into_inner())
+        write(&self.stripes[i])
     }
 
     fn tick(&self) -> u64 {
@@ -306,14 +326,16 @@ impl ShardRows {
         init: impl FnOnce(&mut [f32], &mut [f32]),
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<R, StripeFull> {
-        self.upsert_evicting(key, init, update).map(|(r, _)| r)
+        self.upsert_evicting(key, 0, init, update).map(|(r, _)| r)
     }
 
-    /// [`ShardRows::upsert`], also returning the key of the row evicted to
-    /// make room, if one was.
+    /// [`ShardRows::upsert`] for a Push seeded `seed` (its identity: the
+    /// rounding of narrow values draws from it, see [`layout`]), also
+    /// returning the key of the row evicted to make room, if one was.
     pub fn upsert_evicting<R>(
         &self,
         key: u64,
+        seed: u64,
         init: impl FnOnce(&mut [f32], &mut [f32]),
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<(R, Option<u64>), StripeFull> {
@@ -322,7 +344,7 @@ impl ShardRows {
             Some(_) => None,
             None => self.make_room(&mut stripe, key),
         };
-        let r = self.upsert_in(&mut stripe, key, init, update)?;
+        let r = self.upsert_in(&mut stripe, key, seed, init, update)?;
         Ok((r, evicted))
     }
 
@@ -331,17 +353,19 @@ impl ShardRows {
     pub fn upsert_following<R>(
         &self,
         key: u64,
+        seed: u64,
         init: impl FnOnce(&mut [f32], &mut [f32]),
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<R, StripeFull> {
         let mut stripe = self.write_stripe(self.stripe(key));
-        self.upsert_in(&mut stripe, key, init, update)
+        self.upsert_in(&mut stripe, key, seed, init, update)
     }
 
     fn upsert_in<R>(
         &self,
         stripe: &mut Stripe,
         key: u64,
+        seed: u64,
         init: impl FnOnce(&mut [f32], &mut [f32]),
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<R, StripeFull> {
@@ -352,15 +376,18 @@ impl ShardRows {
         };
         self.touch(stripe, slot);
         let Stripe { slab, scratch, .. } = stripe;
-        Ok(
-            layout.update(slab.record_mut(slot), scratch, |values, state, steps| {
+        Ok(layout.update(
+            slab.record_mut(slot),
+            scratch,
+            seed,
+            |values, state, steps| {
                 if fresh {
                     *steps = 0;
                     init(values, state);
                 }
                 update(values, state, steps)
-            }),
-        )
+            },
+        ))
     }
 
     /// Evicts the row of `key` (as the primary did); whether it was held.
@@ -448,11 +475,15 @@ impl ShardRows {
 
     /// Exchanges every row with `other`'s (a copy staged aside, installed
     /// in one step): afterwards this holds what `other` held and `other`
-    /// the old rows, to be dropped outside any lock.
+    /// the old rows, to be dropped outside any lock. Snapshots being read
+    /// keep their rows (see [`slab`]).
     pub fn swap_rows(&self, other: &ShardRows) {
         if self.stripes.len() == other.stripes.len() && self.layout == other.layout {
             for i in 0..self.stripes.len() {
-                std::mem::swap(&mut *self.write_stripe(i), &mut *other.write_stripe(i));
+                let (mut mine, mut theirs) = (self.write_stripe(i), other.write_stripe(i));
+                mine.slab.swap_rows(&mut theirs.slab);
+                std::mem::swap(&mut mine.index, &mut theirs.index);
+                std::mem::swap(&mut mine.used, &mut theirs.used);
             }
             return;
         }
@@ -461,18 +492,21 @@ impl ShardRows {
         self.clear();
         other.clear();
         for (to, from) in [(self, &theirs), (other, &mine)] {
-            for row in from.rows_from(0) {
+            from.for_each_from(0, |row| {
                 // Rows that do not fit a smaller limit are evicted as usual.
                 let _ = to.insert(row.key(), row.steps(), &row.values(), row.state());
-            }
+                true
+            });
         }
     }
 
-    /// Drops every row.
+    /// Drops every row (snapshots being read keep theirs).
     pub fn clear(&self) {
         for i in 0..self.stripes.len() {
             let mut stripe = self.write_stripe(i);
-            *stripe = Stripe::new(&self.layout);
+            stripe.slab.clear();
+            stripe.index = KeyIndex::new();
+            stripe.used = Vec::new();
         }
     }
 
@@ -503,6 +537,7 @@ impl ShardRows {
             out.row_bytes += slab.rows;
             out.free_bytes += slab.free;
             out.index_bytes += stripe.index.bytes() as u64;
+            out.cut_bytes += slab.cuts;
             out.overhead_bytes += slab.overhead
                 + (stripe.used.len() * (CHUNK_ROWS * 8 + 16)) as u64
                 + std::mem::size_of::<RwLock<Stripe>>() as u64;
@@ -519,70 +554,158 @@ impl ShardRows {
             .unwrap_or(0)
     }
 
-    /// Every row, shared (see [`slab`]): one stripe read-locked at a time,
-    /// each for as long as it takes to clone one pointer per 64 rows. The
-    /// caller holds the shard's write lock, so no Push changes a row
-    /// meanwhile and the snapshot is a cut at the shard's version.
-    /// Fetches go on: of present rows at once, and a Fetch that inserts a
-    /// missing row (its initial values, which any copy re-creates alike)
-    /// waits at most for one stripe.
+    /// Every row at this cut (see [`slab`]): each stripe write-locked for
+    /// as long as it takes to open a cut on it, which costs nothing per
+    /// row. The caller holds the shard's write lock, so no Push changes a
+    /// row meanwhile and the snapshot is a cut at the shard's version.
+    /// Fetches go on: a Fetch that inserts a missing row (its initial
+    /// values, which any copy re-creates alike) waits at most for one
+    /// stripe, and is not part of the cut.
     pub fn snapshot(&self) -> RowsSnapshot {
-        let stripes: Vec<SlabSnapshot> = (0..self.stripes.len())
-            .map(|i| self.read_stripe(i).slab.snapshot())
-            .collect();
+        let id = self.next_cut.fetch_add(1, Ordering::Relaxed);
+        let lens = (0..self.stripes.len())
+            .map(|i| {
+                let mut stripe = self.write_stripe(i);
+                stripe.slab.open_cut(id);
+                stripe.slab.len()
+            })
+            .collect::<Vec<_>>();
         RowsSnapshot {
-            layout: self.layout,
-            len: stripes.iter().map(SlabSnapshot::len).sum(),
-            stripes,
+            cut: Arc::new(Cut {
+                stripes: Some(Arc::clone(&self.stripes)),
+                id,
+                layout: self.layout,
+                len: lens.iter().sum(),
+                lens,
+                cursor: Mutex::new(Cursor::default()),
+            }),
         }
     }
 }
 
-/// Every row of a (table, shard) at one cut ([`ShardRows::snapshot`]).
+fn read(stripe: &RwLock<Stripe>) -> RwLockReadGuard<'_, Stripe> {
+    // A panic while a stripe is locked leaves at worst one row half
+    // updated; serving it beats failing every later request.
+    stripe.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write(stripe: &RwLock<Stripe>) -> RwLockWriteGuard<'_, Stripe> {
+    stripe.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Slots a snapshot reads per hold of a stripe's read lock: writers to the
+/// stripe wait at most for this many rows to be handed over.
+const READ_SLOTS: u32 = 256;
+
+/// Where the last read of a snapshot stopped: rows before that position,
+/// stripe and slot (sequential reads go on from there).
+#[derive(Debug, Default, Clone, Copy)]
+struct Cursor {
+    before: usize,
+    stripe: usize,
+    slot: u32,
+}
+
+/// A cut open on every stripe, closed when the last handle is dropped.
+#[derive(Debug)]
+struct Cut {
+    stripes: Option<Arc<[RwLock<Stripe>]>>,
+    id: u64,
+    layout: RowLayout,
+    lens: Vec<usize>,
+    len: usize,
+    cursor: Mutex<Cursor>,
+}
+
+impl Drop for Cut {
+    fn drop(&mut self) {
+        for stripe in self.stripes.iter().flat_map(|s| s.iter()) {
+            write(stripe).slab.close_cut(self.id);
+        }
+    }
+}
+
+/// Every row of a (table, shard) at one cut ([`ShardRows::snapshot`]):
+/// what a checkpoint or a copy to another server encodes. Clones share
+/// the cut.
 #[derive(Debug, Clone)]
 pub struct RowsSnapshot {
-    layout: RowLayout,
-    stripes: Vec<SlabSnapshot>,
-    len: usize,
+    cut: Arc<Cut>,
 }
 
 impl RowsSnapshot {
     /// No rows, of `layout`.
     pub fn empty(layout: RowLayout) -> Self {
         Self {
-            layout,
-            stripes: Vec::new(),
-            len: 0,
+            cut: Arc::new(Cut {
+                stripes: None,
+                id: 0,
+                layout,
+                lens: Vec::new(),
+                len: 0,
+                cursor: Mutex::new(Cursor::default()),
+            }),
         }
     }
 
     /// Rows held.
     pub fn len(&self) -> usize {
-        self.len
+        self.cut.len
     }
 
     /// Whether no row is held.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.cut.len == 0
     }
 
-    /// The rows from the `skip`-th on, in a fixed order (stripe, slot).
-    pub fn rows_from(&self, skip: usize) -> impl Iterator<Item = RowRef<'_>> + '_ {
-        let mut left = skip;
-        let mut first = self.stripes.len();
-        for (i, stripe) in self.stripes.iter().enumerate() {
-            if left < stripe.len() {
-                first = i;
-                break;
+    /// Calls `f` with the rows from the `skip`-th on, in a fixed order
+    /// (stripe, slot), while it returns true. Each stripe is read-locked
+    /// for 256 slots at a time; a read that starts where the
+    /// last one stopped does not count the rows before again.
+    pub fn for_each_from(&self, skip: usize, mut f: impl FnMut(RowRef<'_>) -> bool) {
+        let cut = &*self.cut;
+        let Some(stripes) = &cut.stripes else {
+            return;
+        };
+        let mut cursor = cut.cursor.lock().unwrap_or_else(|p| p.into_inner());
+        let mut at = if cursor.before <= skip {
+            *cursor
+        } else {
+            Cursor::default()
+        };
+        let layout = &cut.layout;
+        let mut going = true;
+        while going && at.stripe < stripes.len() {
+            if at.slot == 0 && at.before + cut.lens[at.stripe] <= skip {
+                // The whole stripe is before `skip`.
+                at.before += cut.lens[at.stripe];
+                at.stripe += 1;
+                continue;
             }
-            left -= stripe.len();
+            let stripe = read(&stripes[at.stripe]);
+            let end = stripe.slab.cut_slots(cut.id);
+            if at.slot >= end {
+                at = Cursor {
+                    before: at.before,
+                    stripe: at.stripe + 1,
+                    slot: 0,
+                };
+                continue;
+            }
+            let to = at.slot.saturating_add(READ_SLOTS);
+            let mut before = at.before;
+            let next = stripe.slab.read_cut(cut.id, at.slot, to, |record| {
+                before += 1;
+                if before <= skip {
+                    return true;
+                }
+                going = f(RowRef { layout, record });
+                going
+            });
+            at.before = before;
+            at.slot = next;
         }
-        let layout = &self.layout;
-        self.stripes[first.min(self.stripes.len())..]
-            .iter()
-            .enumerate()
-            .flat_map(move |(i, stripe)| stripe.records_from(if i == 0 { left } else { 0 }))
-            .map(move |record| RowRef { layout, record })
+        *cursor = at;
     }
 }
 

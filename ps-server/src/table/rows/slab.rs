@@ -1,35 +1,64 @@
 //! The records of one stripe: fixed-size rows ([`super::layout`]) in
 //! chunks of [`CHUNK_ROWS`], numbered by slot (chunk * 64 + record), freed
-//! slots reused.
+//! slots reused; and the rows a snapshot still needs.
 //!
 //! A chunk is one allocation of `64 * words` `u32`s and a 64-bit mask of
-//! the records that hold a row. Chunks sit behind an `Arc`: a snapshot
-//! ([`Slab::snapshot`]) clones one pointer per chunk, not per row, and a
-//! write to a chunk a snapshot still holds copies that chunk first
-//! (`Arc::make_mut`), so a Push during a checkpoint pays at most one chunk
-//! copy (64 records) per row it touches, once per snapshot, and the
-//! snapshot stays a consistent cut. Growth adds a chunk; the chunk list
-//! doubles now and then, which copies one pointer per 64 rows (the only
-//! growth cost besides the key index's, which is bounded per insert).
+//! the records that hold a row: about half a byte of bookkeeping per row.
+//! Growth adds a chunk; the chunk list doubles now and then, which copies
+//! one pointer per 64 rows (the only growth cost besides the key index's,
+//! which is bounded per insert).
 //!
-//! 64 rows a chunk: a record of a 64-float Adam row is 780 bytes, so a
-//! chunk is 50 KB at most for such tables and 4.6 KB for SGD at dim 16;
-//! copying one costs microseconds, and the per-chunk bookkeeping (an
-//! `Arc`, a mask, an allocation header: about 64 bytes) is one byte per
-//! row.
-
-use std::sync::Arc;
+//! **Cuts.** A snapshot opens a cut on every stripe ([`Slab::open_cut`]):
+//! it records how many slots there are and allocates a zeroed table of
+//! one `u32` per slot (fresh pages, not written), so taking a snapshot
+//! costs nothing per row. From then on, the first change to a slot below
+//! that mark (an update, an eviction, or a free slot taken for a new row)
+//! saves what the slot held at the cut: a copy of its record, or "no row",
+//! appended to the cut's blocks. The snapshot reads a slot's saved copy if
+//! there is one and the live record otherwise (which is then as it was at
+//! the cut), under the stripe's read lock. A Push during a snapshot pays
+//! one record copy per row it changes, once per open cut: bounded per row
+//! (not per chunk or per shard), and nothing for rows already saved. A cut
+//! is closed when its snapshot is dropped; a stripe replaced or cleared
+//! under an open cut first saves every row the cut still reads live
+//! (`Slab::save_all`).
+//!
+//! Written here rather than with copy-on-write chunks behind `Arc`s (the
+//! first version): a Push of 1,000 random rows after a cut touched 1,000
+//! chunks and copied 64 rows for each, which a Push right after a
+//! checkpoint started paid in full.
 
 use super::index::MAX_SLOTS;
 
 /// Records per chunk (one bit each in the chunk's mask).
 pub const CHUNK_ROWS: usize = 64;
 
-#[derive(Debug, Clone)]
+/// Saved records per block of a cut.
+const SAVE_BLOCK: usize = 256;
+
+/// A cut's slot entry: the live record is the slot's contents at the cut.
+const NOT_SAVED: u32 = 0;
+/// A cut's slot entry: the slot held no row at the cut.
+const ABSENT: u32 = 1;
+/// A cut's slot entry at or above this: saved copy number `entry - 2`.
+const FIRST_COPY: u32 = 2;
+
+#[derive(Debug)]
 struct Chunk {
     /// Bit `i`: record `i` holds a row.
     live: u64,
     words: Box<[u32]>,
+}
+
+/// What a cut still needs of the slots it covers (module docs).
+#[derive(Debug)]
+struct Cut {
+    id: u64,
+    /// Per slot at the cut: [`NOT_SAVED`], [`ABSENT`], or a copy.
+    entries: Vec<u32>,
+    /// The copies, [`SAVE_BLOCK`] records a block.
+    copies: Vec<Box<[u32]>>,
+    saved: usize,
 }
 
 /// The records of one stripe (module docs).
@@ -37,12 +66,14 @@ struct Chunk {
 pub struct Slab {
     /// Words per record.
     words: usize,
-    chunks: Vec<Arc<Chunk>>,
+    chunks: Vec<Chunk>,
     /// Slots freed, reused first (last freed, first reused).
     free: Vec<u32>,
     len: usize,
-    /// Chunks copied because a snapshot held them.
-    copied: u64,
+    /// Open cuts.
+    cuts: Vec<Cut>,
+    /// Records saved for cuts so far.
+    saved: u64,
 }
 
 /// Bytes a slab holds.
@@ -54,6 +85,8 @@ pub struct SlabBytes {
     pub free: u64,
     /// Bytes of bookkeeping: chunk masks and pointers, the free list.
     pub overhead: u64,
+    /// Bytes held for open cuts (slot tables and saved records).
+    pub cuts: u64,
 }
 
 impl Slab {
@@ -64,7 +97,8 @@ impl Slab {
             chunks: Vec::new(),
             free: Vec::new(),
             len: 0,
-            copied: 0,
+            cuts: Vec::new(),
+            saved: 0,
         }
     }
 
@@ -82,28 +116,63 @@ impl Slab {
         self.len == 0
     }
 
-    /// The record at `slot` (which holds a row).
+    /// Slots there are (held or free).
+    pub fn slots(&self) -> usize {
+        self.chunks.len() * CHUNK_ROWS
+    }
+
+    /// The record at `slot`.
     pub fn record(&self, slot: u32) -> &[u32] {
         let (chunk, at) = Self::split(slot);
         &self.chunks[chunk].words[at * self.words..(at + 1) * self.words]
     }
 
-    /// The record at `slot`, to change it: its chunk is copied first if a
-    /// snapshot holds it.
-    pub fn record_mut(&mut self, slot: u32) -> &mut [u32] {
+    fn holds(&self, slot: u32) -> bool {
         let (chunk, at) = Self::split(slot);
-        let words = self.words;
-        let chunk = self.chunk_mut(chunk);
-        &mut chunk.words[at * words..(at + 1) * words]
+        self.chunks
+            .get(chunk)
+            .is_some_and(|c| c.live & (1 << at) != 0)
     }
 
-    fn chunk_mut(&mut self, chunk: usize) -> &mut Chunk {
-        let shared = &mut self.chunks[chunk];
-        if Arc::strong_count(shared) > 1 {
-            self.copied += 1;
-            metrics::counter!("tessera_ps_store_chunks_copied_total").increment(1);
+    /// The record at `slot`, to change it: what it holds is saved first
+    /// for every open cut that still reads it live.
+    pub fn record_mut(&mut self, slot: u32) -> &mut [u32] {
+        self.save(slot);
+        let (chunk, at) = Self::split(slot);
+        let words = self.words;
+        &mut self.chunks[chunk].words[at * words..(at + 1) * words]
+    }
+
+    /// Saves what `slot` holds for every open cut that has not yet.
+    fn save(&mut self, slot: u32) {
+        if self.cuts.is_empty() {
+            return;
         }
-        Arc::make_mut(shared)
+        let (chunk, at) = Self::split(slot);
+        let holds = self.holds(slot);
+        let words = self.words;
+        for cut in &mut self.cuts {
+            let Some(entry) = cut.entries.get_mut(slot as usize) else {
+                continue;
+            };
+            if *entry != NOT_SAVED {
+                continue;
+            }
+            if !holds {
+                *entry = ABSENT;
+                continue;
+            }
+            let (block, within) = (cut.saved / SAVE_BLOCK, cut.saved % SAVE_BLOCK);
+            if block == cut.copies.len() {
+                cut.copies
+                    .push(vec![0; SAVE_BLOCK * words].into_boxed_slice());
+            }
+            cut.copies[block][within * words..(within + 1) * words]
+                .copy_from_slice(&self.chunks[chunk].words[at * words..(at + 1) * words]);
+            *entry = FIRST_COPY + cut.saved as u32;
+            cut.saved += 1;
+            self.saved += 1;
+        }
     }
 
     /// A slot for a new row (its record holds garbage until written);
@@ -116,26 +185,30 @@ impl Slab {
                 if next as u64 > u64::from(MAX_SLOTS) {
                     return None;
                 }
-                self.chunks.push(Arc::new(Chunk {
+                self.chunks.push(Chunk {
                     live: 0,
                     words: vec![0; CHUNK_ROWS * self.words].into_boxed_slice(),
-                }));
+                });
                 // The rest of the new chunk, handed out in slot order.
                 self.free
                     .extend((next as u32 + 1..(next + CHUNK_ROWS) as u32).rev());
                 next as u32
             }
         };
+        // A free slot an open cut covers held no row at its cut (a row
+        // freed since was saved as it went).
+        self.save(slot);
         let (chunk, at) = Self::split(slot);
-        self.chunk_mut(chunk).live |= 1 << at;
+        self.chunks[chunk].live |= 1 << at;
         self.len += 1;
         Some(slot)
     }
 
     /// Frees `slot`'s record (which holds a row).
     pub fn release(&mut self, slot: u32) {
+        self.save(slot);
         let (chunk, at) = Self::split(slot);
-        let chunk = self.chunk_mut(chunk);
+        let chunk = &mut self.chunks[chunk];
         debug_assert!(chunk.live & (1 << at) != 0, "slot {slot} freed twice");
         chunk.live &= !(1 << at);
         self.len -= 1;
@@ -162,37 +235,114 @@ impl Slab {
         None
     }
 
-    /// Drops every row.
+    /// Drops every row (the open cuts keep what they read).
     pub fn clear(&mut self) {
-        self.chunks.clear();
-        self.free.clear();
+        self.save_all();
+        self.chunks = Vec::new();
+        self.free = Vec::new();
         self.len = 0;
     }
 
-    /// Every chunk, shared: the cost is one pointer per chunk.
-    pub fn snapshot(&self) -> SlabSnapshot {
-        SlabSnapshot {
-            words: self.words,
-            chunks: self.chunks.clone(),
-            len: self.len,
+    /// Exchanges the rows with `other`'s; the open cuts stay (each saves
+    /// every row it still reads live first).
+    pub fn swap_rows(&mut self, other: &mut Slab) {
+        self.save_all();
+        other.save_all();
+        std::mem::swap(&mut self.chunks, &mut other.chunks);
+        std::mem::swap(&mut self.free, &mut other.free);
+        std::mem::swap(&mut self.len, &mut other.len);
+    }
+
+    /// Saves, for every open cut, every slot it still reads live.
+    fn save_all(&mut self) {
+        let slots: Vec<u32> = self
+            .cuts
+            .iter()
+            .flat_map(|cut| {
+                cut.entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| **e == NOT_SAVED)
+                    .map(|(slot, _)| slot as u32)
+            })
+            .collect();
+        for slot in slots {
+            self.save(slot);
         }
     }
 
-    /// Chunks copied so far because a snapshot held them.
-    pub fn copied_chunks(&self) -> u64 {
-        self.copied
+    /// Opens cut `id` over the slots there are now.
+    pub fn open_cut(&mut self, id: u64) {
+        self.cuts.push(Cut {
+            id,
+            // Zeroed (NOT_SAVED): fresh pages for a large stripe.
+            entries: vec![NOT_SAVED; self.slots()],
+            copies: Vec::new(),
+            saved: 0,
+        });
+    }
+
+    /// Closes cut `id`, dropping what it saved.
+    pub fn close_cut(&mut self, id: u64) {
+        self.cuts.retain(|cut| cut.id != id);
+    }
+
+    /// Calls `f` with each row of cut `id` at slots `from..to` in order,
+    /// while it returns true; returns the slot after the last one passed
+    /// to `f` (or the end of the range or the cut).
+    pub fn read_cut(&self, id: u64, from: u32, to: u32, mut f: impl FnMut(&[u32]) -> bool) -> u32 {
+        let Some(cut) = self.cuts.iter().find(|c| c.id == id) else {
+            return from;
+        };
+        let words = self.words;
+        let end = (to as usize).min(cut.entries.len());
+        for slot in from as usize..end {
+            let record = match cut.entries[slot] {
+                NOT_SAVED if self.holds(slot as u32) => self.record(slot as u32),
+                NOT_SAVED | ABSENT => continue,
+                copy => {
+                    let n = (copy - FIRST_COPY) as usize;
+                    &cut.copies[n / SAVE_BLOCK]
+                        [(n % SAVE_BLOCK) * words..(n % SAVE_BLOCK + 1) * words]
+                }
+            };
+            if !f(record) {
+                return slot as u32 + 1;
+            }
+        }
+        end.max(from as usize) as u32
+    }
+
+    /// Slots cut `id` covers.
+    pub fn cut_slots(&self, id: u64) -> u32 {
+        self.cuts
+            .iter()
+            .find(|c| c.id == id)
+            .map_or(0, |c| c.entries.len() as u32)
+    }
+
+    /// Records saved for cuts so far.
+    pub fn saved_records(&self) -> u64 {
+        self.saved
     }
 
     /// What the slab holds, in bytes.
     pub fn bytes(&self) -> SlabBytes {
         let record = (self.words * 4) as u64;
-        let records = (self.chunks.len() * CHUNK_ROWS) as u64;
+        let records = self.slots() as u64;
         SlabBytes {
             rows: self.len as u64 * record,
             free: (records - self.len as u64) * record,
-            overhead: (self.chunks.capacity() * std::mem::size_of::<Arc<Chunk>>()
-                + self.chunks.len() * (std::mem::size_of::<Chunk>() + 16)
+            overhead: (self.chunks.capacity() * std::mem::size_of::<Chunk>()
+                + self.chunks.len() * 16
                 + self.free.capacity() * 4) as u64,
+            cuts: self
+                .cuts
+                .iter()
+                .map(|c| {
+                    (c.entries.len() * 4 + c.copies.len() * SAVE_BLOCK * self.words * 4) as u64
+                })
+                .sum(),
         }
     }
 }
@@ -205,83 +355,77 @@ fn nth_set_bit(mut mask: u64, nth: u32) -> usize {
     mask.trailing_zeros() as usize
 }
 
-/// A slab's chunks at one cut (shared with the live slab until it writes
-/// them).
-#[derive(Debug, Clone)]
-pub struct SlabSnapshot {
-    words: usize,
-    chunks: Vec<Arc<Chunk>>,
-    len: usize,
-}
-
-impl SlabSnapshot {
-    /// Rows held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no row is held.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The records holding rows, from the `skip`-th on, in slot order.
-    pub fn records_from(&self, skip: usize) -> impl Iterator<Item = &[u32]> + '_ {
-        // Whole chunks skipped by their row counts; then record by record.
-        let mut left = skip;
-        let mut first = self.chunks.len();
-        for (i, chunk) in self.chunks.iter().enumerate() {
-            let rows = chunk.live.count_ones() as usize;
-            if left < rows {
-                first = i;
-                break;
-            }
-            left -= rows;
-        }
-        let words = self.words;
-        self.chunks[first.min(self.chunks.len())..]
-            .iter()
-            .flat_map(move |chunk| {
-                (0..CHUNK_ROWS)
-                    .filter(move |at| chunk.live & (1 << at) != 0)
-                    .map(move |at| &chunk.words[at * words..(at + 1) * words])
-            })
-            .skip(left)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn rows_of_cut(slab: &Slab, id: u64) -> Vec<u32> {
+        let mut out = Vec::new();
+        slab.read_cut(id, 0, u32::MAX, |r| {
+            out.push(r[0]);
+            true
+        });
+        out
+    }
+
     #[test]
-    fn freed_slots_are_reused_and_a_snapshot_keeps_its_cut() {
+    fn a_cut_reads_its_rows_as_they_were_whatever_changes_after() {
         let mut slab = Slab::new(3);
         let slots: Vec<u32> = (0..200).map(|_| slab.alloc().unwrap()).collect();
         assert_eq!(slots, (0..200).collect::<Vec<_>>(), "slots in order");
         for &slot in &slots {
             slab.record_mut(slot).copy_from_slice(&[slot, slot, slot]);
         }
-        let snapshot = slab.snapshot();
-        slab.release(5);
+        slab.release(7);
+        slab.open_cut(1);
+        assert_eq!(slab.saved_records(), 0, "opening a cut copies nothing");
+        // Changed, freed, freed and reused, a free slot reused, new slots.
         slab.record_mut(6)[0] = 999;
-        assert_eq!(slab.alloc(), Some(5), "the freed slot comes back first");
-        assert_eq!(slab.len(), 200);
-        assert_eq!(slab.copied_chunks(), 1, "one chunk copied for the snapshot");
-        let seen: Vec<u32> = snapshot.records_from(0).map(|r| r[0]).collect();
-        assert_eq!(
-            seen,
-            (0..200).collect::<Vec<_>>(),
-            "the snapshot is the cut"
-        );
-        let from: Vec<u32> = snapshot.records_from(130).map(|r| r[0]).collect();
-        assert_eq!(from, (130..200).collect::<Vec<_>>());
-        assert_eq!(snapshot.records_from(200).count(), 0);
+        slab.record_mut(6)[0] = 998;
+        slab.release(5);
         slab.release(100);
-        let after = slab.snapshot();
-        assert_eq!(after.len(), 199);
-        let rows: Vec<u32> = after.records_from(99).map(|r| r[0]).collect();
-        assert_eq!(rows[..2], [99, 101]);
+        for _ in 0..3 {
+            let slot = slab.alloc().unwrap();
+            slab.record_mut(slot)[0] = 5000 + slot;
+        }
+        assert_eq!(slab.saved_records(), 3, "rows 6, 5 and 100, once each");
+        let expected: Vec<u32> = (0..200).filter(|s| *s != 7).collect();
+        assert_eq!(rows_of_cut(&slab, 1), expected, "the cut as it was");
+        // A second cut sees the rows as they are now.
+        slab.open_cut(2);
+        let now = rows_of_cut(&slab, 2);
+        assert!(now.contains(&998) && now.contains(&(5000 + 7)) && !now.contains(&6));
+        // Reading from a slot on, and stopping early.
+        let mut first = Vec::new();
+        let next = slab.read_cut(1, 10, u32::MAX, |r| {
+            first.push(r[0]);
+            first.len() < 2
+        });
+        assert_eq!((first, next), (vec![10, 11], 12));
+        slab.close_cut(1);
+        slab.record_mut(8)[0] = 1;
+        assert_eq!(slab.saved_records(), 4, "one more, for cut 2 alone");
+        slab.close_cut(2);
+        slab.record_mut(9)[0] = 1;
+        assert_eq!(slab.saved_records(), 4, "none with no cut open");
+    }
+
+    #[test]
+    fn a_cleared_or_swapped_slab_keeps_its_open_cuts_whole() {
+        let mut slab = Slab::new(1);
+        for v in 0..100 {
+            let slot = slab.alloc().unwrap();
+            slab.record_mut(slot)[0] = v;
+        }
+        slab.open_cut(9);
+        let mut other = Slab::new(1);
+        let slot = other.alloc().unwrap();
+        other.record_mut(slot)[0] = 4242;
+        slab.swap_rows(&mut other);
+        assert_eq!(slab.len(), 1);
+        assert_eq!(rows_of_cut(&slab, 9), (0..100).collect::<Vec<_>>());
+        slab.clear();
+        assert_eq!(rows_of_cut(&slab, 9), (0..100).collect::<Vec<_>>());
     }
 
     #[test]

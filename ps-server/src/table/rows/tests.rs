@@ -139,10 +139,11 @@ fn a_snapshot_is_a_cut_while_rows_change_and_go() {
         rows.evict(key);
     }
     assert_eq!(snapshot.len(), 1000);
-    let mut seen: Vec<(u64, Vec<f32>, Vec<f32>, u32)> = snapshot
-        .rows_from(0)
-        .map(|r| (r.key(), r.values(), r.state().to_vec(), r.steps()))
-        .collect();
+    let mut seen: Vec<(u64, Vec<f32>, Vec<f32>, u32)> = Vec::new();
+    snapshot.for_each_from(0, |r| {
+        seen.push((r.key(), r.values(), r.state().to_vec(), r.steps()));
+        true
+    });
     seen.sort_by_key(|r| r.0);
     for (key, (k, values, state, steps)) in seen.into_iter().enumerate() {
         assert_eq!(k, key as u64);
@@ -151,10 +152,31 @@ fn a_snapshot_is_a_cut_while_rows_change_and_go() {
         assert_eq!(steps, 1);
     }
     // Reading from an offset gives the same order.
-    let all: Vec<u64> = snapshot.rows_from(0).map(|r| r.key()).collect();
-    let tail: Vec<u64> = snapshot.rows_from(371).map(|r| r.key()).collect();
-    assert_eq!(tail, all[371..]);
+    let keys_from = |skip: usize, n: usize| {
+        let mut out = Vec::new();
+        snapshot.for_each_from(skip, |r| {
+            out.push(r.key());
+            out.len() < n
+        });
+        out
+    };
+    let all = keys_from(0, usize::MAX);
+    assert_eq!(all.len(), 1000);
+    // From an offset, in pieces as a copy reads them, and back again.
+    assert_eq!(keys_from(371, usize::MAX), all[371..]);
+    let mut pieces = Vec::new();
+    for start in (0..1000).step_by(100) {
+        pieces.extend(keys_from(start, 100));
+    }
+    assert_eq!(pieces, all);
+    assert_eq!(keys_from(5, 3), all[5..8]);
     assert_eq!(rows.len(), 1990);
+    drop(snapshot);
+    assert_eq!(
+        rows.bytes().cut_bytes,
+        0,
+        "a dropped snapshot's copies are freed"
+    );
 }
 
 #[test]
@@ -177,7 +199,8 @@ fn narrow_storage_rounds_values_once_per_update_and_keeps_state_exact() {
         let values = rows.read(7, |r| r.values()).unwrap();
         let expected: Vec<f32> = [0.1f32, -2.5, 1000.3]
             .iter()
-            .map(|v| storage.round(*v))
+            .enumerate()
+            .map(|(i, v)| storage.round(7, i, *v))
             .collect();
         assert_eq!(values, expected, "{storage:?}");
         assert_eq!(

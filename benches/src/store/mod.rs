@@ -1,0 +1,695 @@
+//! `tessera-bench store`: the row store of one (table, shard), the new
+//! slab store beside the previous one ([`baseline`], measured in the same
+//! run), as a shard grows.
+//!
+//! Each (store, table) runs in a child process of its own (`tessera-bench
+//! store-child`), so that its memory is the process's resident size
+//! (`VmRSS`) and no run inherits another's heap. Tables: SGD dim 16, Adagrad
+//! dim 64 and Adam dim 64, each stored as `f32` and `f16` (the old store
+//! has `f32` only). At each level of rows (10^5, 10^6, 10^7 by default):
+//!
+//! - **bytes per row**: resident bytes above the empty store, per row,
+//!   against the payload (values, optimizer state, key: `4 * (dim + state)
+//!   + 8`), and the store's own count where it keeps one;
+//! - **Fetch**: a read of 1,000 random rows into a little-endian `f32`
+//!   buffer (the server's Fetch path below the RPC), p50 and p99;
+//! - **Push**: rows updated per second, 1,000 random rows at a time with
+//!   the table's optimizer;
+//! - **growth**: while the rows grow to the level (1,000 new keys per
+//!   Push, on one thread), another thread Fetches 1,000 random rows of
+//!   those already there, without pause: the largest of those Fetches,
+//!   against the steady p99 at the level reached (a stall shows as a
+//!   maximum far above it).
+//!
+//! At the largest level of SGD `f32`, **snapshots under Pushes**: one
+//! thread Pushes 1,000 random rows at a time under the shard's lock (a
+//! `Mutex`, as the server's write lock is held by each Push), first
+//! quietly, then while a checkpoint (cut under the lock, every row encoded
+//! as the row file has it and written to a file) and while a replica copy
+//! (the cut's rows encoded in 1 MiB pieces and handed to another thread)
+//! run: Push p50/p99 during each against quiet.
+//!
+//! Keys are `i * 0x9E3779B97F4A7C15`, distinct; random draws use a fixed
+//! seed.
+
+pub mod baseline;
+
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use tessera_ps_server::config::{Initializer, OptimizerConfig};
+use tessera_ps_server::table::{EvictionPolicy, RowLayout, ShardRows, Storage};
+
+use crate::report::quantile;
+use crate::transport::BoxError;
+
+/// Rows per Fetch and per Push.
+const BATCH: usize = 1000;
+
+/// The `i`th key (distinct for every `i`).
+fn key(i: u64) -> u64 {
+    i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// A table the benchmark stores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableKind {
+    /// `sgd`, `adagrad` or `adam`.
+    pub optimizer: &'static str,
+    /// Values per row.
+    pub dim: usize,
+    /// How values are stored.
+    pub storage: Storage,
+}
+
+impl TableKind {
+    fn optimizer(&self) -> OptimizerConfig {
+        match self.optimizer {
+            "adagrad" => OptimizerConfig::adagrad(0.01),
+            "adam" => OptimizerConfig::adam(0.001),
+            _ => OptimizerConfig::sgd(0.01),
+        }
+    }
+
+    /// Bytes of a row's payload: values and state as `f32`, and the key.
+    fn payload(&self) -> usize {
+        4 * self.dim * (1 + self.optimizer().slots()) + 8
+    }
+
+    fn name(&self) -> String {
+        format!(
+            "{} dim {} {}",
+            self.optimizer,
+            self.dim,
+            self.storage.name()
+        )
+    }
+}
+
+/// The tables of a run.
+pub const TABLES: &[TableKind] = &[
+    TableKind {
+        optimizer: "sgd",
+        dim: 16,
+        storage: Storage::F32,
+    },
+    TableKind {
+        optimizer: "sgd",
+        dim: 16,
+        storage: Storage::F16,
+    },
+    TableKind {
+        optimizer: "adagrad",
+        dim: 64,
+        storage: Storage::F32,
+    },
+    TableKind {
+        optimizer: "adagrad",
+        dim: 64,
+        storage: Storage::F16,
+    },
+    TableKind {
+        optimizer: "adam",
+        dim: 64,
+        storage: Storage::F32,
+    },
+    TableKind {
+        optimizer: "adam",
+        dim: 64,
+        storage: Storage::F16,
+    },
+];
+
+/// What a run measures.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Rows per level.
+    pub rows: Vec<u64>,
+    /// Seconds of each Fetch and Push measurement.
+    pub level_secs: f64,
+    /// Seconds of quiet Pushes before the snapshots.
+    pub quiet_secs: f64,
+}
+
+impl Plan {
+    /// The full run, or a smoke run.
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                rows: vec![10_000, 100_000],
+                level_secs: 0.3,
+                quiet_secs: 0.5,
+            }
+        } else {
+            Self {
+                rows: vec![100_000, 1_000_000, 10_000_000],
+                level_secs: 2.0,
+                quiet_secs: 3.0,
+            }
+        }
+    }
+}
+
+/// The two stores behind one interface.
+enum Store {
+    Slab(ShardRows),
+    Old(baseline::ShardRows),
+}
+
+/// One table's rows in either store, and how to make and update a row.
+struct Bench {
+    store: Store,
+    kind: TableKind,
+    optimizer: OptimizerConfig,
+    initializer: Initializer,
+}
+
+impl Bench {
+    fn new(kind: TableKind, old: bool) -> Self {
+        let optimizer = kind.optimizer();
+        let layout = RowLayout::new(
+            kind.dim,
+            optimizer.slots() * kind.dim,
+            kind.storage,
+            optimizer.uses_steps(),
+        );
+        Self {
+            store: if old {
+                Store::Old(baseline::ShardRows::default())
+            } else {
+                Store::Slab(ShardRows::new(layout, None, EvictionPolicy::Lru))
+            },
+            kind,
+            optimizer,
+            initializer: Initializer::Uniform { scale: 0.05 },
+        }
+    }
+
+    /// Applies `grad` to the row of `key` (created first if missing).
+    fn push(&self, key: u64, grad: &[f32]) {
+        let (optimizer, initializer, dim) = (self.optimizer, self.initializer, self.kind.dim);
+        match &self.store {
+            Store::Slab(rows) => {
+                let stored = rows.upsert_evicting(
+                    key,
+                    key ^ grad.len() as u64,
+                    |values, state| {
+                        initializer.fill(7, key, values);
+                        optimizer.fill_initial_state(state);
+                    },
+                    |values, state, steps| optimizer.apply(values, state, steps, grad),
+                );
+                debug_assert!(stored.is_ok());
+            }
+            Store::Old(rows) => {
+                rows.upsert(
+                    key,
+                    || {
+                        baseline::Row::new(
+                            initializer.row(7, key, dim),
+                            optimizer.initial_state(dim),
+                        )
+                    },
+                    |row| {
+                        let data = row.data_mut();
+                        optimizer.apply(&mut data.values, &mut data.state, &mut data.steps, grad);
+                    },
+                );
+            }
+        }
+    }
+
+    /// Writes the row of `key` as little-endian `f32` into `out`.
+    fn fetch(&self, key: u64, out: &mut [u8]) -> bool {
+        match &self.store {
+            Store::Slab(rows) => rows.read(key, |row| row.write_values_le(out)).is_some(),
+            Store::Old(rows) => rows
+                .read(key, |row| {
+                    for (o, v) in out.chunks_exact_mut(4).zip(row.data().values.iter()) {
+                        o.copy_from_slice(&v.to_le_bytes());
+                    }
+                })
+                .is_some(),
+        }
+    }
+
+    fn store_bytes(&self) -> Option<u64> {
+        match &self.store {
+            Store::Slab(rows) => Some(rows.bytes().total()),
+            Store::Old(_) => None,
+        }
+    }
+
+    /// Takes a cut of every row (under the caller's shard lock) and
+    /// returns a function that encodes it, in row-file form, piece by
+    /// piece into `sink` (after the lock is released).
+    fn cut(&self) -> Cut {
+        match &self.store {
+            Store::Slab(rows) => Cut::Slab(rows.snapshot()),
+            Store::Old(rows) => Cut::Old(rows.snapshot()),
+        }
+    }
+}
+
+/// A snapshot of either store.
+enum Cut {
+    Slab(tessera_ps_server::table::RowsSnapshot),
+    Old(Vec<(u64, Arc<baseline::RowData>)>),
+}
+
+impl Cut {
+    /// Encodes every row as a row file has it, handing `sink` pieces of
+    /// about `piece` bytes; returns the bytes encoded.
+    fn encode(&self, piece: usize, mut sink: impl FnMut(&[u8])) -> u64 {
+        let mut buf = Vec::with_capacity(piece + 4096);
+        let mut total = 0u64;
+        let mut flush = |buf: &mut Vec<u8>, total: &mut u64| {
+            *total += buf.len() as u64;
+            sink(buf);
+            buf.clear();
+        };
+        match self {
+            Cut::Slab(snapshot) => {
+                snapshot.for_each_from(0, |row| {
+                    row.encode(&mut buf);
+                    if buf.len() >= piece {
+                        flush(&mut buf, &mut total);
+                    }
+                    true
+                });
+            }
+            Cut::Old(rows) => {
+                for (key, row) in rows {
+                    buf.extend_from_slice(&key.to_le_bytes());
+                    buf.extend_from_slice(&row.steps.to_le_bytes());
+                    for v in row.values.iter().chain(row.state.iter()) {
+                        buf.extend_from_slice(&v.to_le_bytes());
+                    }
+                    if buf.len() >= piece {
+                        flush(&mut buf, &mut total);
+                    }
+                }
+            }
+        }
+        flush(&mut buf, &mut total);
+        total
+    }
+}
+
+/// The resident size of this process, bytes.
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// Fetches of `BATCH` random rows of the first `rows` for `secs`; their
+/// latencies, µs.
+fn fetch_for(bench: &Bench, rows: u64, secs: f64, rng: &mut SmallRng) -> Vec<f64> {
+    let mut out = vec![0u8; bench.kind.dim * 4];
+    let mut lat = Vec::new();
+    let started = Instant::now();
+    while started.elapsed().as_secs_f64() < secs || lat.len() < 20 {
+        let keys: Vec<u64> = (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
+        let t = Instant::now();
+        for &k in &keys {
+            assert!(bench.fetch(k, &mut out), "row {k} missing");
+        }
+        lat.push(micros(t.elapsed()));
+    }
+    lat
+}
+
+/// One child's measurement: `kind` in the old store or the new, at each
+/// level of `plan`. JSON objects, one per level (and one for snapshots).
+pub fn child(
+    kind: TableKind,
+    old: bool,
+    plan: &Plan,
+    snapshots: bool,
+) -> Result<Vec<Value>, BoxError> {
+    let bench = Arc::new(Bench::new(kind, old));
+    let empty = rss();
+    let mut rng = SmallRng::seed_from_u64(34);
+    let grad: Vec<f32> = (0..kind.dim)
+        .map(|i| ((i % 7) as f32 - 3.0) * 0.01)
+        .collect();
+    let mut out = Vec::new();
+    let mut held = 0u64;
+    for &level in &plan.rows {
+        // Growth to the level under a Fetch load of the rows already there.
+        let stop = Arc::new(AtomicBool::new(false));
+        let there = Arc::new(AtomicU64::new(held.max(1)));
+        if held == 0 {
+            bench.push(key(0), &grad);
+            held = 1;
+        }
+        let fetcher = {
+            let (bench, stop, there) = (Arc::clone(&bench), Arc::clone(&stop), Arc::clone(&there));
+            std::thread::spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(35);
+                let mut out = vec![0u8; bench.kind.dim * 4];
+                let mut lat = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let rows = there.load(Ordering::Relaxed);
+                    let t = Instant::now();
+                    for _ in 0..BATCH {
+                        bench.fetch(key(rng.random_range(0..rows)), &mut out);
+                    }
+                    lat.push(micros(t.elapsed()));
+                }
+                lat
+            })
+        };
+        let grow_started = Instant::now();
+        while held < level {
+            let end = (held + BATCH as u64).min(level);
+            for i in held..end {
+                bench.push(key(i), &grad);
+            }
+            held = end;
+            there.store(held, Ordering::Relaxed);
+        }
+        let grow_secs = grow_started.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let growth = sorted(fetcher.join().map_err(|_| "the fetch thread panicked")?);
+        let resident = rss().saturating_sub(empty);
+        // Quiet: Fetches, then Pushes of rows already there.
+        let fetches = sorted(fetch_for(&bench, level, plan.level_secs, &mut rng));
+        let mut pushed = 0u64;
+        let started = Instant::now();
+        while started.elapsed().as_secs_f64() < plan.level_secs || pushed < 10 * BATCH as u64 {
+            for _ in 0..BATCH {
+                bench.push(key(rng.random_range(0..level)), &grad);
+            }
+            pushed += BATCH as u64;
+        }
+        let push_rate = pushed as f64 / started.elapsed().as_secs_f64();
+        let p99 = quantile(&fetches, 0.99);
+        let growth_max = growth.last().copied().unwrap_or(0.0);
+        out.push(json!({
+            "section": "rows",
+            "store": if old { "indexmap (before)" } else { "slab" },
+            "table": kind.name(),
+            "optimizer": kind.optimizer,
+            "dim": kind.dim,
+            "storage": kind.storage.name(),
+            "rows": level,
+            "payload_bytes": kind.payload(),
+            "bytes_per_row": resident as f64 / level as f64,
+            "x_payload": resident as f64 / level as f64 / kind.payload() as f64,
+            "store_bytes_per_row": bench.store_bytes().map(|b| b as f64 / level as f64),
+            "fetch_p50_us": quantile(&fetches, 0.5),
+            "fetch_p99_us": p99,
+            "push_rows_per_s": push_rate,
+            "grow_secs": grow_secs,
+            "growth_fetches": growth.len(),
+            "growth_fetch_p99_us": quantile(&growth, 0.99),
+            "growth_fetch_max_us": growth_max,
+            "growth_max_x_steady_p99": if p99 > 0.0 { growth_max / p99 } else { 0.0 },
+        }));
+    }
+    if snapshots {
+        out.push(snapshot_run(&bench, held, plan, &grad)?);
+    }
+    Ok(out)
+}
+
+/// Pushes under a shard lock, quiet and during a checkpoint and a copy.
+fn snapshot_run(
+    bench: &Arc<Bench>,
+    rows: u64,
+    plan: &Plan,
+    grad: &[f32],
+) -> Result<Value, BoxError> {
+    let lock = Arc::new(Mutex::new(()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let log: Arc<Mutex<Vec<(Instant, f64)>>> = Arc::default();
+    let pusher = {
+        let (bench, lock, stop, log) = (
+            Arc::clone(bench),
+            Arc::clone(&lock),
+            Arc::clone(&stop),
+            Arc::clone(&log),
+        );
+        let grad = grad.to_vec();
+        std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(36);
+            while !stop.load(Ordering::Relaxed) {
+                let keys: Vec<u64> = (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
+                let t = Instant::now();
+                {
+                    let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                    for &k in &keys {
+                        bench.push(k, &grad);
+                    }
+                }
+                let done = Instant::now();
+                log.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((done, micros(done - t)));
+            }
+        })
+    };
+    let quiet_from = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(plan.quiet_secs));
+    let quiet_to = Instant::now();
+    // A checkpoint: the cut under the lock, then encoded into a file.
+    let dir = tempfile::tempdir()?;
+    let ckpt_from = Instant::now();
+    let cut = {
+        let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        bench.cut()
+    };
+    let cut_us = micros(ckpt_from.elapsed());
+    let mut file = std::fs::File::create(dir.path().join("t0-s0.rows"))?;
+    let mut failed = None;
+    let ckpt_bytes = cut.encode(1 << 20, |piece| {
+        if let Err(e) = file.write_all(piece) {
+            failed.get_or_insert(e);
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    file.sync_all()?;
+    drop(cut);
+    let ckpt_to = Instant::now();
+    // A copy: the cut encoded in 1 MiB pieces handed to another thread.
+    let copy_from = Instant::now();
+    let cut = {
+        let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        bench.cut()
+    };
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let receiver = std::thread::spawn(move || rx.iter().map(|p| p.len() as u64).sum::<u64>());
+    cut.encode(1 << 20, |piece| {
+        let _ = tx.send(piece.to_vec());
+    });
+    drop(tx);
+    let copied = receiver.join().map_err(|_| "the copy receiver panicked")?;
+    drop(cut);
+    let copy_to = Instant::now();
+    stop.store(true, Ordering::Relaxed);
+    pusher.join().map_err(|_| "the push thread panicked")?;
+    let log = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
+    let during = |from: Instant, to: Instant| {
+        sorted(
+            log.iter()
+                .filter(|(at, _)| *at >= from && *at <= to)
+                .map(|(_, us)| *us)
+                .collect(),
+        )
+    };
+    let (quiet, ckpt, copy) = (
+        during(quiet_from, quiet_to),
+        during(ckpt_from, ckpt_to),
+        during(copy_from, copy_to),
+    );
+    let q99 = quantile(&quiet, 0.99);
+    let ratio = |v: &[f64]| {
+        if q99 > 0.0 {
+            quantile(v, 0.99) / q99
+        } else {
+            0.0
+        }
+    };
+    Ok(json!({
+        "section": "snapshots",
+        "store": if matches!(bench.store, Store::Old(_)) { "indexmap (before)" } else { "slab" },
+        "table": bench.kind.name(),
+        "rows": rows,
+        "cut_us": cut_us,
+        "checkpoint_secs": (ckpt_to - ckpt_from).as_secs_f64(),
+        "checkpoint_bytes": ckpt_bytes,
+        "copy_secs": (copy_to - copy_from).as_secs_f64(),
+        "copy_bytes": copied,
+        "quiet_pushes": quiet.len(),
+        "quiet_push_p50_us": quantile(&quiet, 0.5),
+        "quiet_push_p99_us": q99,
+        "checkpoint_pushes": ckpt.len(),
+        "checkpoint_push_p99_us": quantile(&ckpt, 0.99),
+        "checkpoint_push_max_us": ckpt.last().copied().unwrap_or(0.0),
+        "checkpoint_p99_x_quiet": ratio(&ckpt),
+        "copy_pushes": copy.len(),
+        "copy_push_p99_us": quantile(&copy, 0.99),
+        "copy_push_max_us": copy.last().copied().unwrap_or(0.0),
+        "copy_p99_x_quiet": ratio(&copy),
+    }))
+}
+
+/// Runs every (store, table) child and returns the rows and the table.
+pub fn run(plan: &Plan, tables: &[TableKind]) -> Result<(Vec<Value>, String), BoxError> {
+    let exe = std::env::current_exe()?;
+    let mut rows = Vec::new();
+    for kind in tables {
+        for old in [true, false] {
+            if old && kind.storage != Storage::F32 {
+                continue;
+            }
+            let snapshots = kind.optimizer == "sgd" && kind.storage == Storage::F32;
+            let mut command = std::process::Command::new(&exe);
+            command
+                .arg("store-child")
+                .arg("--optimizer")
+                .arg(kind.optimizer)
+                .arg("--dim")
+                .arg(kind.dim.to_string())
+                .arg("--storage")
+                .arg(kind.storage.name())
+                .arg("--rows")
+                .arg(
+                    plan.rows
+                        .iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                )
+                .arg("--level-secs")
+                .arg(plan.level_secs.to_string())
+                .arg("--quiet-secs")
+                .arg(plan.quiet_secs.to_string());
+            if old {
+                command.arg("--old");
+            }
+            if snapshots {
+                command.arg("--snapshots");
+            }
+            let output = command.output()?;
+            if !output.status.success() {
+                return Err(format!(
+                    "store-child {} {}: {}",
+                    kind.name(),
+                    if old { "old" } else { "slab" },
+                    String::from_utf8_lossy(&output.stderr)
+                )
+                .into());
+            }
+            for line in String::from_utf8_lossy(&output.stdout).lines() {
+                rows.push(serde_json::from_str::<Value>(line)?);
+            }
+        }
+    }
+    let table = markdown(&rows);
+    Ok((rows, table))
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or(0.0)
+}
+
+/// The report's tables: every level, the new store beside the old; the
+/// snapshots.
+pub fn markdown(rows: &[Value]) -> String {
+    let mut out = String::from(
+        "## store: one (table, shard)'s rows, the slab store beside the one before it (indexmap), as it grows\n\n\
+         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store. Fetch: 1,000 random rows read into a little-endian f32 buffer. Push: rows updated per second, 1,000 random rows at a time. Growth: the largest Fetch while the rows grew to the level with Fetches running without pause, against the steady p99 at the level.\n\n\
+         | table | store | rows | bytes/row | x payload | f16/f32 | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s | growth max Fetch µs | x steady p99 |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let levels: Vec<&Value> = rows.iter().filter(|r| r["section"] == "rows").collect();
+    for r in &levels {
+        let smallest = levels
+            .iter()
+            .filter(|o| o["table"] == r["table"] && o["store"] == r["store"])
+            .min_by_key(|o| o["rows"].as_u64().unwrap_or(0))
+            .map_or(0.0, |o| f(o, "fetch_p50_us"));
+        let f32_twin = levels.iter().find(|o| {
+            o["store"] == r["store"]
+                && o["optimizer"] == r["optimizer"]
+                && o["dim"] == r["dim"]
+                && o["rows"] == r["rows"]
+                && o["storage"] == "f32"
+        });
+        let narrow = match f32_twin {
+            Some(t) if r["storage"] != "f32" => {
+                format!("{:.2}", f(r, "bytes_per_row") / f(t, "bytes_per_row"))
+            }
+            _ => "".to_owned(),
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} |\n",
+            r["table"].as_str().unwrap_or(""),
+            r["store"].as_str().unwrap_or(""),
+            r["rows"],
+            f(r, "bytes_per_row"),
+            f(r, "x_payload"),
+            narrow,
+            f(r, "fetch_p50_us"),
+            f(r, "fetch_p99_us"),
+            if smallest > 0.0 { f(r, "fetch_p50_us") / smallest } else { 0.0 },
+            f(r, "push_rows_per_s"),
+            f(r, "growth_fetch_max_us"),
+            f(r, "growth_max_x_steady_p99"),
+        ));
+    }
+    let snaps: Vec<&Value> = rows
+        .iter()
+        .filter(|r| r["section"] == "snapshots")
+        .collect();
+    if !snaps.is_empty() {
+        out.push_str(
+            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet, then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread).\n\n\
+             | table | store | rows | cut µs | checkpoint s | Push p99 quiet µs | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for r in snaps {
+            out.push_str(&format!(
+                "| {} | {} | {} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} |\n",
+                r["table"].as_str().unwrap_or(""),
+                r["store"].as_str().unwrap_or(""),
+                r["rows"],
+                f(r, "cut_us"),
+                f(r, "checkpoint_secs"),
+                f(r, "quiet_push_p99_us"),
+                f(r, "checkpoint_push_p99_us"),
+                f(r, "checkpoint_p99_x_quiet"),
+                f(r, "checkpoint_push_max_us"),
+                f(r, "copy_secs"),
+                f(r, "copy_push_p99_us"),
+                f(r, "copy_p99_x_quiet"),
+                f(r, "copy_push_max_us"),
+            ));
+        }
+    }
+    out
+}
