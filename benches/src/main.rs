@@ -673,9 +673,14 @@ fn main() -> Result<(), BoxError> {
                 rows: given_or(rows, &defaults.rows),
                 ..defaults
             };
+            // A smoke run measures SGD alone (both storages, both stores).
+            let chosen = |t: &tessera_benches::store::TableKind| match optimizers.is_empty() {
+                true => !quick || t.optimizer == "sgd",
+                false => optimizers.iter().any(|o| o == t.optimizer),
+            };
             let tables: Vec<_> = tessera_benches::store::TABLES
                 .iter()
-                .filter(|t| optimizers.is_empty() || optimizers.iter().any(|o| o == t.optimizer))
+                .filter(|t| chosen(t))
                 .copied()
                 .collect();
             let meta = tessera_benches::report::Meta::collect("store");

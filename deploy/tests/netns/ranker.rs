@@ -69,10 +69,22 @@ fn fetches_served(cluster: &NetCluster, host: usize, server: &str) -> u64 {
         .output()
         .unwrap();
     assert!(output.status.success());
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .skip(2)
-        .filter_map(|line| line.split('|').nth(5)?.trim().parse::<u64>().ok())
+    // The column named `fetches` (the table grows columns).
+    let text = String::from_utf8_lossy(&output.stdout);
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split('|')
+        .map(str::trim)
+        .collect();
+    let column = header
+        .iter()
+        .position(|c| *c == "fetches")
+        .unwrap_or_else(|| panic!("no fetches column in `tessera admin stats`: {text}"));
+    lines
+        .skip(1)
+        .filter_map(|line| line.split('|').nth(column)?.trim().parse::<u64>().ok())
         .sum()
 }
 

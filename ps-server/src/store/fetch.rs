@@ -38,14 +38,15 @@ impl CheckedFetch<'_> {
         state
             .fetches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        for (&key, slot) in keys.iter().zip(out.chunks_exact_mut(row_bytes.max(1))) {
-            if state
-                .rows
-                .read(key, |row| row.write_values_le(slot))
-                .is_some()
-            {
-                continue;
-            }
+        let row_bytes = row_bytes.max(1);
+        let mut missing = Vec::new();
+        state.rows.read_many(
+            keys,
+            |i, row| row.write_values_le(&mut out[i * row_bytes..(i + 1) * row_bytes]),
+            &mut missing,
+        );
+        for i in missing {
+            let (key, slot) = (keys[i], &mut out[i * row_bytes..(i + 1) * row_bytes]);
             match self.store.mode {
                 // A table with a row limit stores rows only from Pushes
                 // (under the shard's lock, where the primary's evictions

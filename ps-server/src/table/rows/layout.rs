@@ -10,22 +10,26 @@
 //! use: optimizer math runs in `f32` on the widened row and the result is
 //! rounded once per update; a Fetch answers `f32`.
 //!
+//! The optimizer state (Adagrad's accumulator, Adam's moments) of a
+//! narrow table is stored as `bf16`, whatever the values' format: it has
+//! `f32`'s range (Adam's second moment of a gradient of 1e-4 is 1e-8,
+//! below `f16`'s smallest normal number, and a moment flushed to zero
+//! would divide a step by epsilon).
+//!
 //! Rounding is **stochastic**: a value between two neighbours of the
 //! narrow format becomes the upper one with probability equal to its
 //! distance from the lower one, so a stored value is the exact one on
 //! average. Rounding to nearest loses every update smaller than half a
-//! unit in the last place for good (in `f16`, any step below 1/2048 of the
-//! value: SGD at a small learning rate stops learning). The draw is not
-//! random but a hash of the row's key, the value's index and the exact
-//! result: replicas applying the same Push round alike and stay
-//! bit-identical. The Push's identity (its worker and sequence, which
-//! the replicas apply with it) is mixed in as a seed, so that a value the
+//! unit in the last place for good: in `f16`, any step below 1/2048 of
+//! the value (SGD at a small learning rate stops learning), and Adam's
+//! second moment, which moves by a thousandth per step (`beta2 =
+//! 0.999`), below `bf16`'s resolution (1/128), would never move. The draw
+//! is not random but a hash of the row's key, the value's index and the
+//! exact result: replicas applying the same Push round alike and stay
+//! bit-identical. The Push's identity (its worker and sequence, which the
+//! replicas apply with it) is mixed in as a seed, so that a value the
 //! same small step keeps nudging draws afresh each time instead of
-//! repeating the draw that kept it in place. The optimizer state (Adagrad's accumulator, Adam's
-//! moments) stays `f32` whatever the storage: Adam's second moment moves
-//! by a thousandth per step (`beta2 = 0.999`), below the resolution of
-//! `bf16` (1/128) and, for small gradients, below `f16`'s smallest
-//! normal number, so a narrow copy would stop following the gradients.
+//! repeating the draw that kept it in place.
 //!
 //! `steps` (updates applied) is kept where it is used: Adam's bias
 //! correction and LFU eviction. An SGD or Adagrad row without a row limit
@@ -130,6 +134,14 @@ fn round_f16(salt: u64, index: usize, v: f32) -> u16 {
     if u < p { hi_bits } else { lo_bits }
 }
 
+/// `bf16` words as `f32` into `out`.
+fn widen_bf16(words: &[u32], out: &mut [f32]) {
+    let narrow: &[bf16] = bytemuck::cast_slice(words);
+    for (o, v) in out.iter_mut().zip(narrow) {
+        *o = v.to_f32();
+    }
+}
+
 /// Where the parts of a row lie in its record (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowLayout {
@@ -184,9 +196,16 @@ impl RowLayout {
         self.values_at() + self.value_words()
     }
 
+    fn state_words(&self) -> usize {
+        match self.storage {
+            Storage::F32 => self.state,
+            Storage::F16 | Storage::Bf16 => self.state.div_ceil(2),
+        }
+    }
+
     /// Words of one record.
     pub fn words(&self) -> usize {
-        self.state_at() + self.state
+        self.state_at() + self.state_words()
     }
 
     /// The key of `record`.
@@ -210,9 +229,31 @@ impl RowLayout {
         self.steps
     }
 
-    /// The optimizer state.
-    pub fn state<'r>(&self, record: &'r [u32]) -> &'r [f32] {
-        bytemuck::cast_slice(&record[self.state_at()..self.words()])
+    /// The optimizer state as `f32`, into `out` (`state_len` long).
+    pub fn read_state(&self, record: &[u32], out: &mut [f32]) {
+        let words = &record[self.state_at()..self.words()];
+        match self.storage {
+            Storage::F32 => out.copy_from_slice(bytemuck::cast_slice(words)),
+            Storage::F16 | Storage::Bf16 => widen_bf16(words, out),
+        }
+    }
+
+    /// Appends the optimizer state as little-endian `f32`s to `out`.
+    pub fn write_state_le(&self, record: &[u32], out: &mut Vec<u8>) {
+        let words = &record[self.state_at()..self.words()];
+        match self.storage {
+            Storage::F32 => {
+                for w in words {
+                    out.extend_from_slice(&w.to_le_bytes());
+                }
+            }
+            Storage::F16 | Storage::Bf16 => {
+                let narrow: &[bf16] = bytemuck::cast_slice(words);
+                for v in &narrow[..self.state] {
+                    out.extend_from_slice(&v.to_f32().to_le_bytes());
+                }
+            }
+        }
     }
 
     /// The values as `f32`, into `out` (`dim` long).
@@ -253,9 +294,21 @@ impl RowLayout {
             record[KEY_WORDS] = steps;
         }
         self.write_values(record, values);
-        let state_at = self.state_at();
-        let words = self.words();
-        bytemuck::cast_slice_mut::<u32, f32>(&mut record[state_at..words]).copy_from_slice(state);
+        let (state_at, words) = (self.state_at(), self.words());
+        let salt = salt(key, 0);
+        self.narrow_state(&mut record[state_at..words], state, salt);
+    }
+
+    fn narrow_state(&self, words: &mut [u32], state: &[f32], salt: u64) {
+        match self.storage {
+            Storage::F32 => bytemuck::cast_slice_mut::<u32, f32>(words).copy_from_slice(state),
+            Storage::F16 | Storage::Bf16 => {
+                let narrow: &mut [u16] = bytemuck::cast_slice_mut(words);
+                for (j, (n, v)) in narrow.iter_mut().zip(state).enumerate() {
+                    *n = round_bf16(salt, self.dim + j, *v);
+                }
+            }
+        }
     }
 
     /// Stores `values` (rounded to the storage).
@@ -287,14 +340,21 @@ impl RowLayout {
             &mut no_steps
         };
         let (values, state) = rest.split_at_mut(state_at - values_at);
-        let state: &mut [f32] = bytemuck::cast_slice_mut(&mut state[..words - state_at]);
+        let state = &mut state[..words - state_at];
         match self.storage {
-            Storage::F32 => update(bytemuck::cast_slice_mut(values), state, steps),
+            Storage::F32 => update(
+                bytemuck::cast_slice_mut(values),
+                bytemuck::cast_slice_mut(state),
+                steps,
+            ),
             Storage::F16 | Storage::Bf16 => {
-                scratch.resize(self.dim, 0.0);
-                self.widen(values, scratch);
-                let out = update(scratch, state, steps);
-                self.narrow(values, scratch, salt);
+                scratch.resize(self.dim + self.state, 0.0);
+                let (wide_values, wide_state) = scratch.split_at_mut(self.dim);
+                self.widen(values, wide_values);
+                widen_bf16(state, wide_state);
+                let out = update(wide_values, wide_state, steps);
+                self.narrow(values, wide_values, salt);
+                self.narrow_state(state, wide_state, salt);
                 out
             }
         }

@@ -106,9 +106,11 @@ impl RowRef<'_> {
         out
     }
 
-    /// Its optimizer state.
-    pub fn state(&self) -> &[f32] {
-        self.layout.state(self.record)
+    /// Its optimizer state as `f32`.
+    pub fn state(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.layout.state_len()];
+        self.layout.read_state(self.record, &mut out);
+        out
     }
 
     /// Its values as little-endian `f32` into `out` (`4 * dim` bytes).
@@ -124,9 +126,7 @@ impl RowRef<'_> {
         let at = out.len();
         out.resize(at + self.layout.dim() * 4, 0);
         self.layout.write_values_le(self.record, &mut out[at..]);
-        for v in self.state() {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
+        self.layout.write_state_le(self.record, out);
     }
 }
 
@@ -317,6 +317,68 @@ impl ShardRows {
         }))
     }
 
+    /// Calls `found` with the index in `keys` and the row of every key
+    /// present (each counts as a use), and adds the index of every key
+    /// missing to `missing`. Each stripe is read-locked once for all its
+    /// keys, and their lookups overlap ([`KeyIndex::get_many`]): a Fetch's
+    /// path.
+    pub fn read_many(
+        &self,
+        keys: &[u64],
+        mut found: impl FnMut(usize, RowRef<'_>),
+        missing: &mut Vec<usize>,
+    ) {
+        // The keys' indices grouped by stripe (a counting sort).
+        let stripes = self.stripes.len();
+        let of: Vec<u16> = keys.iter().map(|&k| self.stripe(k) as u16).collect();
+        let mut starts = vec![0usize; stripes + 1];
+        for &s in &of {
+            starts[s as usize + 1] += 1;
+        }
+        for s in 0..stripes {
+            starts[s + 1] += starts[s];
+        }
+        let mut order = vec![0u32; keys.len()];
+        let mut next = starts.clone();
+        for (i, &s) in of.iter().enumerate() {
+            order[next[s as usize]] = i as u32;
+            next[s as usize] += 1;
+        }
+        let mut stripe_keys = Vec::new();
+        let mut slots = Vec::new();
+        for s in 0..stripes {
+            let group = &order[starts[s]..starts[s + 1]];
+            if group.is_empty() {
+                continue;
+            }
+            stripe_keys.clear();
+            stripe_keys.extend(group.iter().map(|&i| keys[i as usize]));
+            slots.clear();
+            slots.resize(group.len(), None);
+            let stripe = self.read_stripe(s);
+            let slab = &stripe.slab;
+            stripe.index.get_many(&stripe_keys, &mut slots, |slot| {
+                self.layout.key(slab.record(slot))
+            });
+            for (&i, slot) in group.iter().zip(&slots) {
+                match *slot {
+                    Some(slot) => {
+                        self.touch(&stripe, slot);
+                        found(
+                            i as usize,
+                            RowRef {
+                                layout: &self.layout,
+                                record: slab.record(slot),
+                            },
+                        );
+                    }
+                    None => missing.push(i as usize),
+                }
+            }
+        }
+        missing.sort_unstable();
+    }
+
     /// Calls `update` with the row of `key` as `f32` (values, optimizer
     /// state, steps), creating it first with `init` (values, state) when
     /// it is missing (evicting another row if the stripe is full).
@@ -494,7 +556,7 @@ impl ShardRows {
         for (to, from) in [(self, &theirs), (other, &mine)] {
             from.for_each_from(0, |row| {
                 // Rows that do not fit a smaller limit are evicted as usual.
-                let _ = to.insert(row.key(), row.steps(), &row.values(), row.state());
+                let _ = to.insert(row.key(), row.steps(), &row.values(), &row.state());
                 true
             });
         }
@@ -659,9 +721,12 @@ impl RowsSnapshot {
     }
 
     /// Calls `f` with the rows from the `skip`-th on, in a fixed order
-    /// (stripe, slot), while it returns true. Each stripe is read-locked
-    /// for 256 slots at a time; a read that starts where the
-    /// last one stopped does not count the rows before again.
+    /// (stripe, slot), while it returns true. The records of 256 slots at
+    /// a time are copied out under the stripe's read lock and handed to
+    /// `f` after it is released: a reader that is slow (encoding, or
+    /// preempted on a busy host) never holds up the stripe's Pushes, nor
+    /// the Fetches queued behind them. A read that starts where the last
+    /// one stopped does not count the rows before again.
     pub fn for_each_from(&self, skip: usize, mut f: impl FnMut(RowRef<'_>) -> bool) {
         let cut = &*self.cut;
         let Some(stripes) = &cut.stripes else {
@@ -674,35 +739,54 @@ impl RowsSnapshot {
             Cursor::default()
         };
         let layout = &cut.layout;
-        let mut going = true;
-        while going && at.stripe < stripes.len() {
+        let words = layout.words();
+        let mut copied: Vec<u32> = Vec::new();
+        let mut slots: Vec<u32> = Vec::new();
+        'stripes: while at.stripe < stripes.len() {
             if at.slot == 0 && at.before + cut.lens[at.stripe] <= skip {
                 // The whole stripe is before `skip`.
                 at.before += cut.lens[at.stripe];
                 at.stripe += 1;
                 continue;
             }
-            let stripe = read(&stripes[at.stripe]);
-            let end = stripe.slab.cut_slots(cut.id);
-            if at.slot >= end {
+            copied.clear();
+            slots.clear();
+            let next = {
+                let stripe = read(&stripes[at.stripe]);
+                let end = stripe.slab.cut_slots(cut.id);
+                if at.slot >= end {
+                    None
+                } else {
+                    Some(stripe.slab.read_cut(
+                        cut.id,
+                        at.slot,
+                        at.slot.saturating_add(READ_SLOTS),
+                        |slot, record| {
+                            slots.push(slot);
+                            copied.extend_from_slice(record);
+                            true
+                        },
+                    ))
+                }
+            };
+            let Some(next) = next else {
                 at = Cursor {
                     before: at.before,
                     stripe: at.stripe + 1,
                     slot: 0,
                 };
                 continue;
-            }
-            let to = at.slot.saturating_add(READ_SLOTS);
-            let mut before = at.before;
-            let next = stripe.slab.read_cut(cut.id, at.slot, to, |record| {
-                before += 1;
-                if before <= skip {
-                    return true;
+            };
+            for (&slot, record) in slots.iter().zip(copied.chunks_exact(words)) {
+                at.before += 1;
+                if at.before <= skip {
+                    continue;
                 }
-                going = f(RowRef { layout, record });
-                going
-            });
-            at.before = before;
+                if !f(RowRef { layout, record }) {
+                    at.slot = slot + 1;
+                    break 'stripes;
+                }
+            }
             at.slot = next;
         }
         *cursor = at;
