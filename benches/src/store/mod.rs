@@ -533,14 +533,20 @@ fn snapshot_run(
     grad: &[f32],
 ) -> Result<Value, BoxError> {
     let lock = Arc::new(Mutex::new(()));
+    // Set while the snapshot waits for the lock: the pusher lets it in
+    // (a `Mutex` is not fair, and a pusher that takes it again at once
+    // kept the snapshot waiting for a second; the server's shard lock
+    // wakes its waiters in turn).
+    let wanted = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let log: Arc<Mutex<Vec<(Instant, f64)>>> = Arc::default();
     let pusher = {
-        let (bench, lock, stop, log) = (
+        let (bench, lock, stop, log, wanted) = (
             Arc::clone(bench),
             Arc::clone(&lock),
             Arc::clone(&stop),
             Arc::clone(&log),
+            Arc::clone(&wanted),
         );
         let grad = grad.to_vec();
         std::thread::spawn(move || {
@@ -548,6 +554,9 @@ fn snapshot_run(
             while !stop.load(Ordering::Relaxed) {
                 let keys: Vec<u64> = (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
                 let t = Instant::now();
+                while wanted.load(Ordering::Acquire) {
+                    std::thread::yield_now();
+                }
                 {
                     let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
                     for &k in &keys {
@@ -567,11 +576,7 @@ fn snapshot_run(
     // A checkpoint: the cut under the lock, then encoded into a file.
     let dir = tempfile::tempdir()?;
     let ckpt_from = Instant::now();
-    let cut = {
-        let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
-        bench.cut()
-    };
-    let cut_us = micros(ckpt_from.elapsed());
+    let (cut, cut_us) = take_cut(bench, &lock, &wanted);
     let mut file = std::fs::File::create(dir.path().join("t0-s0.rows"))?;
     let mut failed = None;
     let ckpt_bytes = cut.encode(1 << 20, |piece| {
@@ -587,10 +592,7 @@ fn snapshot_run(
     let ckpt_to = Instant::now();
     // A copy: the cut encoded in 1 MiB pieces handed to another thread.
     let copy_from = Instant::now();
-    let cut = {
-        let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
-        bench.cut()
-    };
+    let (cut, copy_cut_us) = take_cut(bench, &lock, &wanted);
     let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
     let receiver = std::thread::spawn(move || rx.iter().map(|p| p.len() as u64).sum::<u64>());
     cut.encode(1 << 20, |piece| {
@@ -630,6 +632,7 @@ fn snapshot_run(
         "table": bench.kind.name(),
         "rows": rows,
         "cut_us": cut_us,
+        "copy_cut_us": copy_cut_us,
         "checkpoint_secs": (ckpt_to - ckpt_from).as_secs_f64(),
         "checkpoint_bytes": ckpt_bytes,
         "copy_secs": (copy_to - copy_from).as_secs_f64(),
@@ -646,6 +649,19 @@ fn snapshot_run(
         "copy_push_max_us": copy.last().copied().unwrap_or(0.0),
         "copy_p99_x_quiet": ratio(&copy),
     }))
+}
+
+/// A cut under the shard's lock, and how long the lock was held for it
+/// (µs): what every Push waits for at most.
+fn take_cut(bench: &Bench, lock: &Mutex<()>, wanted: &AtomicBool) -> (Cut, f64) {
+    wanted.store(true, Ordering::Release);
+    let shard = lock.lock().unwrap_or_else(|p| p.into_inner());
+    wanted.store(false, Ordering::Release);
+    let held = Instant::now();
+    let cut = bench.cut();
+    let us = micros(held.elapsed());
+    drop(shard);
+    (cut, us)
 }
 
 /// Runs every (store, table) child and returns the rows and the table.
@@ -763,8 +779,8 @@ pub fn markdown(rows: &[Value]) -> String {
         .collect();
     if !snaps.is_empty() {
         out.push_str(
-            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet, then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread).\n\n\
-             | table | store | rows | cut µs | checkpoint s | Push p99 quiet µs | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs |\n\
+            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet, then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread); the cut's figure is how long it held the shard's lock, which every Push waits for.\n\n\
+             | table | store | rows | lock held for the cut µs | checkpoint s | Push p99 quiet µs | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs |\n\
              |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
         for r in snaps {
