@@ -28,11 +28,16 @@ use crate::transport::{BoxError, histogram, micros};
 const KEYS: u64 = 64;
 const DIM: usize = 32;
 
-fn free_addr() -> Result<String, BoxError> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    Ok(format!("127.0.0.1:{port}"))
+/// Two free loopback addresses, distinct: both ports are held until both
+/// are chosen (the kernel may hand a port just released to the next bind,
+/// and the two servers were once given the same one).
+fn free_addrs() -> Result<(String, String), BoxError> {
+    let a = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let b = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok((
+        format!("127.0.0.1:{}", a.local_addr()?.port()),
+        format!("127.0.0.1:{}", b.local_addr()?.port()),
+    ))
 }
 
 fn rdma_soft() -> RdmaConfig {
@@ -79,7 +84,7 @@ struct Pair {
 }
 
 async fn pair(ack: AckMode, transport: TransportKind) -> Result<Pair, BoxError> {
-    let (a, b) = (free_addr()?, free_addr()?);
+    let (a, b) = free_addrs()?;
     let mut stops = Vec::new();
     for config in [
         server(&a, 0, &b, ack, transport),

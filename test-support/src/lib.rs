@@ -33,13 +33,24 @@ pub use rows::{f32s, keys_of_shard, wire};
 pub use server::InProcess;
 
 /// A free loopback port (released before the caller binds it: on
-/// loopback the window for another process to take it is small).
+/// loopback the window for another process to take it is small), never
+/// one this process was handed before: the kernel may give a port just
+/// released to the next bind, and two servers of a test were once given
+/// the same one (`peers lists this server itself`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// `127.0.0.1:<free port>`.
