@@ -2,14 +2,14 @@
 //! at one cut (to encode), a row as saved, a (table, shard) as saved or
 //! copied, a table's row shape, a loaded checkpoint. The store, the
 //! checkpoint, the row file, the tables and the copy stream all speak
-//! these; this module imports none of them (only the rows' shared
-//! contents and the deduplication windows), so their imports point one
-//! way.
+//! these; this module imports none of them (only the rows' snapshot type
+//! from `table::rows`, which imports nothing of these, and the
+//! deduplication windows), so their imports point one way.
 
 use std::path::PathBuf;
 
 use crate::dedup::WorkerWindow;
-use crate::table::RowsSnapshot;
+use crate::table::rows::RowsSnapshot;
 use crate::version::Version;
 
 /// One row as saved.

@@ -14,7 +14,7 @@ use tessera_proto::v1::{
     ParameterServerClient, PushRequest, ReplicationClient, ShardStatusRequest, StatsRequest,
     StatsResponse,
 };
-use tessera_ps_server::config::{AckMode, PeerConfig, ReplicationConfig};
+use tessera_ps_server::config::{AckMode, ReplicationConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, Code, RpcError, TlsConfig, TransportKind};
 use tessera_test_support::{
@@ -31,16 +31,8 @@ fn config(
     transport: TransportKind,
 ) -> PsServerConfig {
     PsServerConfig {
-        listen: listen.to_owned(),
         transport,
         rdma: tessera_test_support::rdma::config_rdma(),
-        replica_group: group,
-        replica_groups: 2,
-        peers: vec![PeerConfig {
-            address: peer.to_owned(),
-            replica_group: 1 - group,
-            shards: vec![0],
-        }],
         // Acknowledged Pushes are on the replica: replication went through.
         replication: ReplicationConfig {
             ack: AckMode::Replicas,
@@ -48,7 +40,7 @@ fn config(
         },
         tables: vec![TableConfig::new("emb", 4)],
         tls: Some(tls),
-        ..PsServerConfig::default()
+        ..tessera_test_support::pair_config(listen, group, peer)
     }
 }
 

@@ -370,12 +370,7 @@ impl RowLayout {
                     *o = v.to_f32();
                 }
             }
-            Storage::Bf16 => {
-                let narrow: &[bf16] = bytemuck::cast_slice(words);
-                for (o, v) in out.iter_mut().zip(narrow) {
-                    *o = v.to_f32();
-                }
-            }
+            Storage::Bf16 => widen_bf16(words, out),
         }
     }
 

@@ -32,7 +32,7 @@ pub mod index;
 pub mod layout;
 pub mod slab;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use serde::{Deserialize, Serialize};
@@ -243,6 +243,8 @@ pub struct ShardRows {
     stripes: Arc<[RwLock<Stripe>]>,
     /// The next snapshot's cut id.
     next_cut: AtomicU64,
+    /// The most rows any stripe has held ([`ShardRows::has_room`]).
+    largest: AtomicUsize,
     /// Rows per stripe at most (`None`: unlimited).
     stripe_limit: Option<usize>,
     policy: EvictionPolicy,
@@ -266,6 +268,7 @@ impl ShardRows {
                 .collect(),
             layout,
             next_cut: AtomicU64::new(1),
+            largest: AtomicUsize::new(0),
             stripe_limit: max_rows.map(|max| (max as usize / stripes).max(1)),
             policy,
             clock: AtomicU64::new(1),
@@ -402,11 +405,12 @@ impl ShardRows {
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<(R, Option<u64>), StripeFull> {
         let mut stripe = self.write_stripe(self.stripe(key));
-        let evicted = match stripe.find(&self.layout, key) {
+        let found = stripe.find(&self.layout, key);
+        let evicted = match found {
             Some(_) => None,
             None => self.make_room(&mut stripe, key),
         };
-        let r = self.upsert_in(&mut stripe, key, seed, init, update)?;
+        let r = self.upsert_in(&mut stripe, key, found, seed, init, update)?;
         Ok((r, evicted))
     }
 
@@ -420,22 +424,29 @@ impl ShardRows {
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<R, StripeFull> {
         let mut stripe = self.write_stripe(self.stripe(key));
-        self.upsert_in(&mut stripe, key, seed, init, update)
+        let found = stripe.find(&self.layout, key);
+        self.upsert_in(&mut stripe, key, found, seed, init, update)
     }
 
+    /// Updates the row of `key` at `found` (its slot, looked up by the
+    /// caller under the same lock), or adds it.
     fn upsert_in<R>(
         &self,
         stripe: &mut Stripe,
         key: u64,
+        found: Option<u32>,
         seed: u64,
         init: impl FnOnce(&mut [f32], &mut [f32]),
         update: impl FnOnce(&mut [f32], &mut [f32], &mut u32) -> R,
     ) -> Result<R, StripeFull> {
         let layout = &self.layout;
-        let (slot, fresh) = match stripe.find(layout, key) {
+        let (slot, fresh) = match found {
             Some(slot) => (slot, false),
             None => (stripe.add(layout, key, self.limited())?, true),
         };
+        if fresh {
+            self.largest.fetch_max(stripe.slab.len(), Ordering::Relaxed);
+        }
         self.touch(stripe, slot);
         let Stripe { slab, scratch, .. } = stripe;
         Ok(layout.update(
@@ -473,9 +484,10 @@ impl ShardRows {
     /// Whether every stripe can take `rows` more rows (a Push of that many
     /// keys is then applied whole).
     pub fn has_room(&self, rows: usize) -> bool {
-        self.limited()
-            || (0..self.stripes.len())
-                .all(|i| self.read_stripe(i).slab.len() + rows <= MAX_SLOTS as usize)
+        // The largest any stripe has been (it never shrinks: near the
+        // limit a stripe that lost rows counts as full, which errs safe),
+        // rather than 64 read locks on every Push.
+        self.limited() || self.largest.load(Ordering::Relaxed) + rows <= MAX_SLOTS as usize
     }
 
     /// Puts a row (as saved or copied) in place of whatever `key` had
@@ -493,7 +505,9 @@ impl ShardRows {
             Some(slot) => slot,
             None => {
                 self.make_room(&mut stripe, key);
-                stripe.add(layout, key, self.limited())?
+                let slot = stripe.add(layout, key, self.limited())?;
+                self.largest.fetch_max(stripe.slab.len(), Ordering::Relaxed);
+                slot
             }
         };
         self.touch(&stripe, slot);
