@@ -38,6 +38,11 @@ use tessera_proto::sharding::splitmix64;
 /// Slots an index can name: 24 bits, less the empty and tombstone codes.
 pub const MAX_SLOTS: u32 = (1 << SLOT_BITS) - 2;
 
+/// Keys whose lookups [`KeyIndex::get_many`] overlaps: enough for the
+/// memory system to keep many misses in flight, few enough that the
+/// first bucket loaded is still in L1 when its turn comes.
+const LOOKUP_GROUP: usize = 16;
+
 /// Old buckets moved to the new table by each insert while growing.
 pub const MIGRATE_PER_INSERT: usize = 8;
 
@@ -122,6 +127,19 @@ impl Buckets {
             }
             at = self.next(at);
         }
+    }
+
+    /// Whether the probe run from `hash`'s home is longer than `n`
+    /// buckets (a lookup that stopped after `n` did not see all of it).
+    fn run_longer_than(&self, hash: u64, n: usize) -> bool {
+        let mut at = self.home(hash);
+        for _ in 0..n {
+            if self.buckets[at] == EMPTY {
+                return false;
+            }
+            at = self.next(at);
+        }
+        true
     }
 
     /// Puts an entry for a key not present; the table has room.
@@ -221,34 +239,70 @@ impl KeyIndex {
         Some((migration.old.buckets[at] & SLOT_MASK) - 1)
     }
 
-    /// The slots of `keys` into `out` (as long), looked up together: the
-    /// home bucket of every key of a group of 8, then the key of every
-    /// first candidate, are loaded before any is resolved, so that their
-    /// cache misses overlap instead of following one another (a Fetch of
-    /// 1,000 random rows of a large shard is mostly such misses). A key
-    /// whose home bucket does not settle it (a collision, a growth in
-    /// progress) is looked up alone.
+    /// The slots of `keys` into `out` (as long), looked up together so
+    /// that their cache misses overlap instead of following one another
+    /// (a Fetch of 1,000 random rows of a large shard is mostly such
+    /// misses), in three passes over a group of [`LOOKUP_GROUP`] keys:
+    ///
+    /// 1. the home bucket of every key is loaded (no branch on what a
+    ///    load returns, so the loads are all in flight at once);
+    /// 2. each key's probe run is walked (in the cache line the first pass
+    ///    brought in, mostly) to its first bucket with the key's tag, then
+    ///    each of those records' keys is loaded through `key_of`, for
+    ///    every key before any is compared;
+    /// 3. each key is settled: its candidate's key matches (nearly
+    ///    always, tags are 8 bits), or it is looked up alone (another key
+    ///    with the same tag came first, a growth is in progress).
+    ///
+    /// Candidates' keys are loaded in a loop of their own after their
+    /// slots are found, so that many are in flight at once. `key_of` is
+    /// where the caller may also touch the rest of the record it is about
+    /// to read, to bring that in with the key.
     pub fn get_many(&self, keys: &[u64], out: &mut [Option<u32>], key_of: impl Fn(u32) -> u64) {
-        const GROUP: usize = 8;
-        for (keys, out) in keys.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-            let mut hashes = [0u64; GROUP];
-            let mut first = [EMPTY; GROUP];
+        let table = &self.current;
+        if table.len == 0 && self.migration.is_none() {
+            out.fill(None);
+            return;
+        }
+        let mask = table.buckets.len() - 1;
+        for (keys, out) in keys.chunks(LOOKUP_GROUP).zip(out.chunks_mut(LOOKUP_GROUP)) {
+            let mut hashes = [0u64; LOOKUP_GROUP];
+            let mut seen = 0u32;
             for (j, &key) in keys.iter().enumerate() {
                 hashes[j] = hash(key);
-                first[j] = self.current.buckets[self.current.home(hashes[j])];
+                // Summed only so that the load happens now.
+                seen = seen.wrapping_add(table.buckets[table.home(hashes[j])]);
             }
-            let mut candidate = [None; GROUP];
+            std::hint::black_box(seen);
+            let mut slots = [None::<u32>; LOOKUP_GROUP];
             for j in 0..keys.len() {
-                let entry = first[j];
-                if entry != EMPTY && entry & !SLOT_MASK == tag(hashes[j]) {
-                    let slot = (entry & SLOT_MASK) - 1;
-                    candidate[j] = Some((slot, key_of(slot)));
+                let want = tag(hashes[j]);
+                let mut at = table.home(hashes[j]);
+                // A run longer than a few buckets is left to `get`.
+                for _ in 0..8 {
+                    let entry = table.buckets[at];
+                    if entry == EMPTY {
+                        break;
+                    }
+                    if entry & !SLOT_MASK == want {
+                        slots[j] = Some((entry & SLOT_MASK) - 1);
+                        break;
+                    }
+                    at = (at + 1) & mask;
                 }
+            }
+            // A loop of its own, short, so that the processor has many of
+            // these loads in flight at once.
+            let mut candidate = [None::<(u32, u64)>; LOOKUP_GROUP];
+            for (candidate, slot) in candidate.iter_mut().zip(slots) {
+                *candidate = slot.map(|slot| (slot, key_of(slot)));
             }
             for (j, &key) in keys.iter().enumerate() {
                 out[j] = match candidate[j] {
                     Some((slot, found)) if found == key => Some(slot),
-                    _ if first[j] == EMPTY && self.migration.is_none() => None,
+                    None if self.migration.is_none() && !table.run_longer_than(hashes[j], 8) => {
+                        None
+                    }
                     _ => self.get(key, &key_of),
                 };
             }
@@ -355,6 +409,13 @@ mod tests {
             self.index.get(key, |s| self.keys[s as usize])
         }
 
+        fn get_many(&self, keys: &[u64]) -> Vec<Option<u32>> {
+            let mut out = vec![Some(u32::MAX); keys.len()];
+            self.index
+                .get_many(keys, &mut out, |s| self.keys[s as usize]);
+            out
+        }
+
         fn remove(&mut self, key: u64) -> Option<u32> {
             let keys = &self.keys;
             let slot = self.index.remove(key, |s| keys[s as usize])?;
@@ -393,11 +454,55 @@ mod tests {
         }
     }
 
+    /// Keys whose home bucket in a table of `bits` is `home`, and whose
+    /// tags are `tag` where given (found by trying keys in order).
+    fn keys_at(bits: u32, home: usize, tag_of: Option<u32>, n: usize) -> Vec<u64> {
+        let table = Buckets::with_buckets(1 << bits);
+        (0u64..)
+            .filter(|&k| {
+                let h = hash(k);
+                table.home(h) == home && tag_of.is_none_or(|t| tag(h) == t)
+            })
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn get_many_settles_tag_collisions_and_long_runs() {
+        // Two keys with one home and one tag: the second is found past
+        // the first's matching tag.
+        let first = keys_at(4, 3, None, 1)[0];
+        let twin = keys_at(4, 3, Some(tag(hash(first))), 3);
+        let mut model = Model::default();
+        assert_eq!(twin[0], first);
+        model.insert(twin[1]);
+        model.insert(twin[2]);
+        let got = model.get_many(&[twin[2], twin[1], first]);
+        assert_eq!(got, vec![model.get(twin[2]), model.get(twin[1]), None]);
+        assert!(got[0].is_some() && got[1].is_some());
+        // Twelve keys with one home in a table of 16: a run longer than
+        // get_many walks; keys past it, and a missing one, still settle.
+        let crowd = keys_at(4, 9, None, 13);
+        let mut model = Model::default();
+        for &key in &crowd[..12] {
+            model.insert(key);
+        }
+        assert!(!model.index.growing());
+        let got = model.get_many(&crowd);
+        let want: Vec<_> = crowd.iter().map(|&k| model.get(k)).collect();
+        assert_eq!(got, want);
+        assert!(want[..12].iter().all(Option::is_some) && want[12].is_none());
+        // An empty index answers without reading a record.
+        let empty = Model::default();
+        assert_eq!(empty.get_many(&[1, 2]), vec![None, None]);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Insert(u16),
         Remove(u16),
         Get(u16),
+        GetMany(Vec<u16>),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -405,6 +510,7 @@ mod tests {
             4 => any::<u16>().prop_map(Op::Insert),
             2 => any::<u16>().prop_map(Op::Remove),
             1 => any::<u16>().prop_map(Op::Get),
+            1 => proptest::collection::vec(any::<u16>(), 0..40).prop_map(Op::GetMany),
         ]
     }
 
@@ -434,6 +540,11 @@ mod tests {
                     Op::Get(k) => {
                         let key = u64::from(k % 2048);
                         prop_assert_eq!(model.get(key), reference.get(&key).copied());
+                    }
+                    Op::GetMany(ks) => {
+                        let keys: Vec<u64> = ks.iter().map(|&k| u64::from(k % 2048)).collect();
+                        let want: Vec<_> = keys.iter().map(|k| reference.get(k).copied()).collect();
+                        prop_assert_eq!(model.get_many(&keys), want);
                     }
                 }
                 prop_assert_eq!(model.index.len(), reference.len());

@@ -209,6 +209,7 @@ impl RowLayout {
     }
 
     /// The key of `record`.
+    #[inline]
     pub fn key(&self, record: &[u32]) -> u64 {
         u64::from(record[0]) | (u64::from(record[1]) << 32)
     }

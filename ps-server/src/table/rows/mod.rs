@@ -3,10 +3,11 @@
 //!
 //! Keys are spread over 64 stripes, each an `RwLock` over a [`Slab`] of
 //! fixed-size records (key, steps, values, optimizer state: see
-//! [`layout`]) in chunks of 64, and a [`KeyIndex`] from key to slot.
+//! [`layout`]) in blocks of up to 4,096, and a [`KeyIndex`] from key to
+//! slot.
 //! Fetches of different stripes never contend and Fetches of one stripe
 //! share its read lock; a row costs its payload, a 4-byte index bucket at
-//! a load of 2/5 to 4/5, and about a byte of chunk bookkeeping, where the
+//! a load of 2/5 to 4/5, and about a byte of bookkeeping, where the
 //! `IndexMap` of `Arc`ed boxed rows this replaces spent 2.65x the payload
 //! (issue 34). The index grows by moving a few entries per insert
 //! ([`index::MIGRATE_PER_INSERT`]), so no insert (and no Fetch behind it)
@@ -361,7 +362,11 @@ impl ShardRows {
             let stripe = self.read_stripe(s);
             let slab = &stripe.slab;
             stripe.index.get_many(&stripe_keys, &mut slots, |slot| {
-                self.layout.key(slab.record(slot))
+                let record = slab.record(slot);
+                // The record's end may lie in the next cache line: loaded
+                // now, with the key, rather than when `found` reads it.
+                std::hint::black_box(record.last().copied());
+                self.layout.key(record)
             });
             for (&i, slot) in group.iter().zip(&slots) {
                 match *slot {

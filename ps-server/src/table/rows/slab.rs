@@ -1,12 +1,22 @@
-//! The records of one stripe: fixed-size rows ([`super::layout`]) in
-//! chunks of [`CHUNK_ROWS`], numbered by slot (chunk * 64 + record), freed
-//! slots reused; and the rows a snapshot still needs.
+//! The records of one stripe: fixed-size rows ([`super::layout`])
+//! numbered by slot, freed slots reused; and the rows a snapshot still
+//! needs.
 //!
-//! A chunk is one allocation of `64 * words` `u32`s and a 64-bit mask of
-//! the records that hold a row: about half a byte of bookkeeping per row.
-//! Growth adds a chunk; the chunk list doubles now and then, which copies
-//! one pointer per 64 rows (the only growth cost besides the key index's,
-//! which is bounded per insert).
+//! **Blocks.** Records live in blocks of 64, 64, 128, 256, ... records,
+//! doubling up to [`BLOCK_ROWS`] and that size from then on: a slot's
+//! block and place follow from its number by arithmetic, and the list of
+//! blocks is short (about 40 for 150,000 rows), so that finding a record
+//! reads nothing that is not already in cache but the record itself (with
+//! a block per 64 records, the first version, a Fetch of a large shard
+//! missed the cache once for the block's pointer and again for the
+//! record). A block is allocated zeroed and its records are handed out in
+//! order, so the part not reached yet is address space the kernel has not
+//! backed with memory. Growth adds a block and never moves a record (the
+//! only other growth cost is the key index's, bounded per insert).
+//!
+//! **Chunks** are the bookkeeping unit of [`CHUNK_ROWS`] slots: a 64-bit
+//! mask of the records that hold a row (one byte per 8 rows), and a cut's
+//! slot table (below). Slots are opened a chunk at a time.
 //!
 //! **Cuts.** A snapshot opens a cut on every stripe ([`Slab::open_cut`]):
 //! it records how many slots there are and a null pointer per chunk, so
@@ -36,6 +46,14 @@ use super::index::MAX_SLOTS;
 /// Records per chunk (one bit each in the chunk's mask).
 pub const CHUNK_ROWS: usize = 64;
 
+/// Records of the largest block: 4,096 (295 KiB of SGD rows of dim 16,
+/// 3 MiB of Adam rows of dim 64): few blocks per stripe, and a stripe
+/// that stops growing leaves at most one block's tail unused.
+pub const BLOCK_ROWS: usize = CHUNK_ROWS << BLOCK_DOUBLINGS;
+
+/// Doublings from the first block's size to [`BLOCK_ROWS`].
+const BLOCK_DOUBLINGS: u32 = 6;
+
 /// Saved records per block of a cut.
 const SAVE_BLOCK: usize = 256;
 
@@ -46,11 +64,30 @@ const ABSENT: u32 = 1;
 /// A cut's slot entry at or above this: saved copy number `entry - 2`.
 const FIRST_COPY: u32 = 2;
 
-#[derive(Debug)]
-struct Chunk {
-    /// Bit `i`: record `i` holds a row.
-    live: u64,
-    words: Box<[u32]>,
+/// The block holding `slot`, and the slot's record in it (module docs).
+#[inline]
+fn locate(slot: u32) -> (usize, usize) {
+    let slot = slot as usize;
+    if slot < CHUNK_ROWS {
+        return (0, slot);
+    }
+    if slot < 2 * BLOCK_ROWS {
+        // Block b >= 1 holds slots 64 * 2^(b-1) up to twice that.
+        let b = (slot / CHUNK_ROWS).ilog2() as usize + 1;
+        return (b, slot - (CHUNK_ROWS << (b - 1)));
+    }
+    (
+        slot / BLOCK_ROWS + BLOCK_DOUBLINGS as usize,
+        slot % BLOCK_ROWS,
+    )
+}
+
+/// Records in block `b`.
+fn block_rows(b: usize) -> usize {
+    match b {
+        0 => CHUNK_ROWS,
+        _ => CHUNK_ROWS << (b - 1).min(BLOCK_DOUBLINGS as usize),
+    }
 }
 
 /// The entries of one chunk's slots in a cut.
@@ -75,7 +112,10 @@ struct Cut {
 pub struct Slab {
     /// Words per record.
     words: usize,
-    chunks: Vec<Chunk>,
+    /// Per chunk opened, bit `i`: its record `i` holds a row.
+    live: Vec<u64>,
+    /// The records, in blocks (module docs).
+    blocks: Vec<Box<[u32]>>,
     /// Slots freed, reused first (last freed, first reused).
     free: Vec<u32>,
     len: usize,
@@ -90,9 +130,11 @@ pub struct Slab {
 pub struct SlabBytes {
     /// Bytes of the records holding rows.
     pub rows: u64,
-    /// Bytes of chunk records holding no row (freed, or not used yet).
+    /// Bytes of records holding no row in the chunks opened (freed, or
+    /// not used yet); the rest of the last block is not counted: it was
+    /// never written, so the kernel has not backed it with memory.
     pub free: u64,
-    /// Bytes of bookkeeping: chunk masks and pointers, the free list.
+    /// Bytes of bookkeeping: chunk masks, block pointers, the free list.
     pub overhead: u64,
     /// Bytes held for open cuts (slot tables and saved records).
     pub cuts: u64,
@@ -103,7 +145,8 @@ impl Slab {
     pub fn new(words: usize) -> Self {
         Self {
             words: words.max(1),
-            chunks: Vec::new(),
+            live: Vec::new(),
+            blocks: Vec::new(),
             free: Vec::new(),
             len: 0,
             cuts: Vec::new(),
@@ -127,29 +170,30 @@ impl Slab {
 
     /// Slots there are (held or free).
     pub fn slots(&self) -> usize {
-        self.chunks.len() * CHUNK_ROWS
+        self.live.len() * CHUNK_ROWS
     }
 
     /// The record at `slot`.
+    #[inline]
     pub fn record(&self, slot: u32) -> &[u32] {
-        let (chunk, at) = Self::split(slot);
-        &self.chunks[chunk].words[at * self.words..(at + 1) * self.words]
+        let (block, at) = locate(slot);
+        &self.blocks[block][at * self.words..(at + 1) * self.words]
     }
 
     fn holds(&self, slot: u32) -> bool {
         let (chunk, at) = Self::split(slot);
-        self.chunks
+        self.live
             .get(chunk)
-            .is_some_and(|c| c.live & (1 << at) != 0)
+            .is_some_and(|live| live & (1 << at) != 0)
     }
 
     /// The record at `slot`, to change it: what it holds is saved first
     /// for every open cut that still reads it live.
     pub fn record_mut(&mut self, slot: u32) -> &mut [u32] {
         self.save(slot);
-        let (chunk, at) = Self::split(slot);
+        let (block, at) = locate(slot);
         let words = self.words;
-        &mut self.chunks[chunk].words[at * words..(at + 1) * words]
+        &mut self.blocks[block][at * words..(at + 1) * words]
     }
 
     /// Saves what `slot` holds for every open cut that has not yet.
@@ -178,8 +222,9 @@ impl Slab {
                 cut.copies
                     .push(vec![0; SAVE_BLOCK * words].into_boxed_slice());
             }
+            let (from, record) = locate(slot);
             cut.copies[block][within * words..(within + 1) * words]
-                .copy_from_slice(&self.chunks[chunk].words[at * words..(at + 1) * words]);
+                .copy_from_slice(&self.blocks[from][record * words..(record + 1) * words]);
             *entry = FIRST_COPY + cut.saved as u32;
             cut.saved += 1;
             self.saved += 1;
@@ -192,14 +237,18 @@ impl Slab {
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
-                let next = self.chunks.len() * CHUNK_ROWS;
+                let next = self.live.len() * CHUNK_ROWS;
                 if next as u64 > u64::from(MAX_SLOTS) {
                     return None;
                 }
-                self.chunks.push(Chunk {
-                    live: 0,
-                    words: vec![0; CHUNK_ROWS * self.words].into_boxed_slice(),
-                });
+                let (block, _) = locate(next as u32);
+                if block == self.blocks.len() {
+                    // Zeroed: fresh pages from the kernel for a large
+                    // block, backed as its records are first written.
+                    self.blocks
+                        .push(vec![0; block_rows(block) * self.words].into_boxed_slice());
+                }
+                self.live.push(0);
                 // The rest of the new chunk, handed out in slot order.
                 self.free
                     .extend((next as u32 + 1..(next + CHUNK_ROWS) as u32).rev());
@@ -210,7 +259,7 @@ impl Slab {
         // freed since was saved as it went).
         self.save(slot);
         let (chunk, at) = Self::split(slot);
-        self.chunks[chunk].live |= 1 << at;
+        self.live[chunk] |= 1 << at;
         self.len += 1;
         Some(slot)
     }
@@ -219,9 +268,9 @@ impl Slab {
     pub fn release(&mut self, slot: u32) {
         self.save(slot);
         let (chunk, at) = Self::split(slot);
-        let chunk = &mut self.chunks[chunk];
-        debug_assert!(chunk.live & (1 << at) != 0, "slot {slot} freed twice");
-        chunk.live &= !(1 << at);
+        let live = &mut self.live[chunk];
+        debug_assert!(*live & (1 << at) != 0, "slot {slot} freed twice");
+        *live &= !(1 << at);
         self.len -= 1;
         self.free.push(slot);
     }
@@ -232,11 +281,11 @@ impl Slab {
         if self.len == 0 {
             return None;
         }
-        let start = (draw % self.chunks.len() as u64) as usize;
+        let start = (draw % self.live.len() as u64) as usize;
         // Few chunks are empty in a full stripe; walk on from an empty one.
-        for i in 0..self.chunks.len() {
-            let chunk = (start + i) % self.chunks.len();
-            let live = self.chunks[chunk].live;
+        for i in 0..self.live.len() {
+            let chunk = (start + i) % self.live.len();
+            let live = self.live[chunk];
             if live != 0 {
                 let nth = ((draw >> 32) % u64::from(live.count_ones())) as u32;
                 let at = nth_set_bit(live, nth);
@@ -249,7 +298,8 @@ impl Slab {
     /// Drops every row (the open cuts keep what they read).
     pub fn clear(&mut self) {
         self.save_all();
-        self.chunks = Vec::new();
+        self.live = Vec::new();
+        self.blocks = Vec::new();
         self.free = Vec::new();
         self.len = 0;
     }
@@ -259,7 +309,8 @@ impl Slab {
     pub fn swap_rows(&mut self, other: &mut Slab) {
         self.save_all();
         other.save_all();
-        std::mem::swap(&mut self.chunks, &mut other.chunks);
+        std::mem::swap(&mut self.live, &mut other.live);
+        std::mem::swap(&mut self.blocks, &mut other.blocks);
         std::mem::swap(&mut self.free, &mut other.free);
         std::mem::swap(&mut self.len, &mut other.len);
     }
@@ -285,7 +336,7 @@ impl Slab {
         self.cuts.push(Cut {
             id,
             slots: self.slots(),
-            entries: (0..self.chunks.len()).map(|_| None).collect(),
+            entries: (0..self.live.len()).map(|_| None).collect(),
             copies: Vec::new(),
             saved: 0,
         });
@@ -349,8 +400,8 @@ impl Slab {
         SlabBytes {
             rows: self.len as u64 * record,
             free: (records - self.len as u64) * record,
-            overhead: (self.chunks.capacity() * std::mem::size_of::<Chunk>()
-                + self.chunks.len() * 16
+            overhead: (self.live.capacity() * 8
+                + self.blocks.capacity() * std::mem::size_of::<Box<[u32]>>()
                 + self.free.capacity() * 4) as u64,
             cuts: self
                 .cuts
@@ -452,6 +503,36 @@ mod tests {
         assert_eq!(rows_of_cut(&slab, 9), (0..100).collect::<Vec<_>>());
         slab.clear();
         assert_eq!(rows_of_cut(&slab, 9), (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn blocks_double_to_their_cap_and_every_slot_has_its_own_record() {
+        let sizes: Vec<usize> = (0..9).map(block_rows).collect();
+        assert_eq!(sizes, [64, 64, 128, 256, 512, 1024, 2048, 4096, 4096]);
+        // Slots in order fill each block in order, then the next.
+        let mut expected = (0, 0);
+        for slot in 0..(3 * BLOCK_ROWS as u32 + 100) {
+            assert_eq!(locate(slot), expected, "slot {slot}");
+            expected.1 += 1;
+            if expected.1 == block_rows(expected.0) {
+                expected = (expected.0 + 1, 0);
+            }
+        }
+        assert_eq!(locate(MAX_SLOTS).0, MAX_SLOTS as usize / BLOCK_ROWS + 6);
+        // Through a slab: 20,000 rows, each reads back what it was given.
+        let mut slab = Slab::new(2);
+        for v in 0..20_000u32 {
+            let slot = slab.alloc().unwrap();
+            slab.record_mut(slot).copy_from_slice(&[v, !v]);
+        }
+        assert_eq!(
+            slab.blocks.len(),
+            11,
+            "64 + 64 + ... + 2048 = 4,096, then 4 of 4,096"
+        );
+        for v in 0..20_000u32 {
+            assert_eq!(slab.record(v), [v, !v]);
+        }
     }
 
     #[test]
