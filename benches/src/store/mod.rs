@@ -373,6 +373,41 @@ impl Pauses {
     }
 }
 
+/// The time this thread has spent runnable but not running (waiting for a
+/// CPU), from the kernel's scheduler statistics
+/// (`/proc/thread-self/schedstat`, second field, nanoseconds). On this
+/// 2-core VM the thread being measured shares the CPUs with the thread
+/// growing the store or encoding a snapshot: a Fetch or Push preempted
+/// for a scheduler slice (several milliseconds) measures the machine's
+/// cores, not the store, and this is how long that was.
+struct RunQueue(Option<std::fs::File>);
+
+impl RunQueue {
+    /// For the calling thread; `None` readings where the kernel has no
+    /// scheduler statistics.
+    fn of_this_thread() -> Self {
+        Self(std::fs::File::open("/proc/thread-self/schedstat").ok())
+    }
+
+    /// Nanoseconds waited so far.
+    fn waited_ns(&self) -> Option<u64> {
+        use std::os::unix::fs::FileExt as _;
+        let file = self.0.as_ref()?;
+        let mut buf = [0u8; 96];
+        let n = file.read_at(&mut buf, 0).ok()?;
+        let text = std::str::from_utf8(&buf[..n]).ok()?;
+        text.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    /// Microseconds waited since `before` (a reading), 0 without one.
+    fn since(&self, before: Option<u64>) -> f64 {
+        match (before, self.waited_ns()) {
+            (Some(a), Some(b)) => b.saturating_sub(a) as f64 / 1e3,
+            _ => 0.0,
+        }
+    }
+}
+
 /// The resident size of this process, bytes.
 fn rss() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -440,13 +475,16 @@ pub fn child(
                 let mut rng = SmallRng::seed_from_u64(35);
                 let mut out = vec![0u8; bench.kind.dim * 4 * BATCH];
                 let mut lat = Vec::new();
+                let queue = RunQueue::of_this_thread();
                 while !stop.load(Ordering::Relaxed) {
                     let rows = there.load(Ordering::Relaxed);
                     let keys: Vec<u64> =
                         (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
+                    let before = queue.waited_ns();
                     let t = Instant::now();
                     bench.fetch(&keys, &mut out);
-                    lat.push((t, Instant::now()));
+                    let done = Instant::now();
+                    lat.push((t, done, queue.since(before)));
                 }
                 lat
             })
@@ -465,13 +503,18 @@ pub fn child(
         stop.store(true, Ordering::Relaxed);
         let fetched = fetcher.join().map_err(|_| "the fetch thread panicked")?;
         let pauses = pauses.finish()?;
-        let growth = sorted(fetched.iter().map(|(a, b)| micros(*b - *a)).collect());
+        let growth = sorted(fetched.iter().map(|(a, b, _)| micros(*b - *a)).collect());
         // The same, less the Fetches a pause of the whole machine overlapped.
-        let growth_unpaused = sorted(
+        let unpaused = || {
             fetched
                 .iter()
-                .filter(|(a, b)| !pauses.windows.iter().any(|(p, q)| p < b && q > a))
-                .map(|(a, b)| micros(*b - *a))
+                .filter(|(a, b, _)| !pauses.windows.iter().any(|(p, q)| p < b && q > a))
+        };
+        let growth_unpaused = sorted(unpaused().map(|(a, b, _)| micros(*b - *a)).collect());
+        // And less the time each waited for a CPU.
+        let growth_on_cpu = sorted(
+            unpaused()
+                .map(|(a, b, waited)| (micros(*b - *a) - waited).max(0.0))
                 .collect(),
         );
         let resident = rss().saturating_sub(empty);
@@ -517,6 +560,12 @@ pub fn child(
             } else {
                 0.0
             },
+            "growth_on_cpu_max_us": growth_on_cpu.last().copied().unwrap_or(0.0),
+            "growth_on_cpu_max_x_steady_p99": if p99 > 0.0 {
+                growth_on_cpu.last().copied().unwrap_or(0.0) / p99
+            } else {
+                0.0
+            },
         }));
     }
     if snapshots {
@@ -539,7 +588,8 @@ fn snapshot_run(
     // wakes its waiters in turn).
     let wanted = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
-    let log: Arc<Mutex<Vec<(Instant, f64)>>> = Arc::default();
+    // (done, µs, µs of it waiting for a CPU)
+    let log: Arc<Mutex<Vec<(Instant, f64, f64)>>> = Arc::default();
     let pusher = {
         let (bench, lock, stop, log, wanted) = (
             Arc::clone(bench),
@@ -551,8 +601,10 @@ fn snapshot_run(
         let grad = grad.to_vec();
         std::thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(36);
+            let queue = RunQueue::of_this_thread();
             while !stop.load(Ordering::Relaxed) {
                 let keys: Vec<u64> = (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
+                let before = queue.waited_ns();
                 let t = Instant::now();
                 while wanted.load(Ordering::Acquire) {
                     std::thread::yield_now();
@@ -564,9 +616,12 @@ fn snapshot_run(
                     }
                 }
                 let done = Instant::now();
-                log.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push((done, micros(done - t)));
+                let waited = queue.since(before);
+                log.lock().unwrap_or_else(|p| p.into_inner()).push((
+                    done,
+                    micros(done - t),
+                    waited,
+                ));
             }
         })
     };
@@ -605,23 +660,25 @@ fn snapshot_run(
     stop.store(true, Ordering::Relaxed);
     pusher.join().map_err(|_| "the push thread panicked")?;
     let log = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
+    // Push latencies from `from` to `to`, and the same less each one's
+    // wait for a CPU.
     let during = |from: Instant, to: Instant| {
-        sorted(
-            log.iter()
-                .filter(|(at, _)| *at >= from && *at <= to)
-                .map(|(_, us)| *us)
-                .collect(),
+        let window = || log.iter().filter(|(at, _, _)| *at >= from && *at <= to);
+        (
+            sorted(window().map(|(_, us, _)| *us).collect()),
+            sorted(window().map(|(_, us, w)| (us - w).max(0.0)).collect()),
         )
     };
-    let (quiet, ckpt, copy) = (
+    let ((quiet, quiet_cpu), (ckpt, ckpt_cpu), (copy, copy_cpu)) = (
         during(quiet_from, quiet_to),
         during(ckpt_from, ckpt_to),
         during(copy_from, copy_to),
     );
     let q99 = quantile(&quiet, 0.99);
-    let ratio = |v: &[f64]| {
-        if q99 > 0.0 {
-            quantile(v, 0.99) / q99
+    let q99_cpu = quantile(&quiet_cpu, 0.99);
+    let ratio = |v: &[f64], base: f64| {
+        if base > 0.0 {
+            quantile(v, 0.99) / base
         } else {
             0.0
         }
@@ -643,11 +700,16 @@ fn snapshot_run(
         "checkpoint_pushes": ckpt.len(),
         "checkpoint_push_p99_us": quantile(&ckpt, 0.99),
         "checkpoint_push_max_us": ckpt.last().copied().unwrap_or(0.0),
-        "checkpoint_p99_x_quiet": ratio(&ckpt),
+        "checkpoint_p99_x_quiet": ratio(&ckpt, q99),
         "copy_pushes": copy.len(),
         "copy_push_p99_us": quantile(&copy, 0.99),
         "copy_push_max_us": copy.last().copied().unwrap_or(0.0),
-        "copy_p99_x_quiet": ratio(&copy),
+        "copy_p99_x_quiet": ratio(&copy, q99),
+        "quiet_push_on_cpu_p99_us": q99_cpu,
+        "checkpoint_push_on_cpu_p99_us": quantile(&ckpt_cpu, 0.99),
+        "checkpoint_on_cpu_p99_x_quiet": ratio(&ckpt_cpu, q99_cpu),
+        "copy_push_on_cpu_p99_us": quantile(&copy_cpu, 0.99),
+        "copy_on_cpu_p99_x_quiet": ratio(&copy_cpu, q99_cpu),
     }))
 }
 
@@ -729,9 +791,9 @@ fn f(v: &Value, k: &str) -> f64 {
 pub fn markdown(rows: &[Value]) -> String {
     let mut out = String::from(
         "## store: one (table, shard)'s rows, the slab store beside the one before it (indexmap), as it grows\n\n\
-         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store. Fetch: 1,000 random rows read into a little-endian f32 buffer. Push: rows updated per second, 1,000 random rows at a time. Growth: the largest Fetch while the rows grew to the level with Fetches running without pause, against the steady p99 at the level; machine pauses: a thread sleeping 1 ms at a time woke 4 ms or more late (the whole VM stopped), and the largest Fetch no such pause overlapped.\n\n\
-         | table | store | rows | bytes/row | x payload | f16/f32 | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s | growth max Fetch µs | x steady p99 | machine pauses (longest ms) | max without them µs | x steady p99 |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store. Fetch: 1,000 random rows read into a little-endian f32 buffer. Push: rows updated per second, 1,000 random rows at a time. Growth: the largest Fetch while the rows grew to the level with Fetches running without pause, against the steady p99 at the level; machine pauses: a thread sleeping 1 ms at a time woke 4 ms or more late (the whole VM stopped), and the largest Fetch no such pause overlapped; on CPU: the same less the time the Fetch's thread waited for a CPU (scheduler statistics), the three threads sharing two cores.\n\n\
+         | table | store | rows | bytes/row | x payload | f16/f32 | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s | growth max Fetch µs | x steady p99 | machine pauses (longest ms) | max without them µs | x steady p99 | on CPU µs | x steady p99 |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let levels: Vec<&Value> = rows.iter().filter(|r| r["section"] == "rows").collect();
     for r in &levels {
@@ -754,7 +816,7 @@ pub fn markdown(rows: &[Value]) -> String {
             _ => "".to_owned(),
         };
         out.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {} ({:.0}) | {:.0} | {:.2} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {} ({:.0}) | {:.0} | {:.2} | {:.0} | {:.2} |\n",
             r["table"].as_str().unwrap_or(""),
             r["store"].as_str().unwrap_or(""),
             r["rows"],
@@ -771,6 +833,8 @@ pub fn markdown(rows: &[Value]) -> String {
             f(r, "machine_pause_max_ms"),
             f(r, "growth_unpaused_max_us"),
             f(r, "growth_unpaused_max_x_steady_p99"),
+            f(r, "growth_on_cpu_max_us"),
+            f(r, "growth_on_cpu_max_x_steady_p99"),
         ));
     }
     let snaps: Vec<&Value> = rows
@@ -779,13 +843,13 @@ pub fn markdown(rows: &[Value]) -> String {
         .collect();
     if !snaps.is_empty() {
         out.push_str(
-            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet, then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread); the cut's figure is how long it held the shard's lock, which every Push waits for.\n\n\
-             | table | store | rows | lock held for the cut µs | checkpoint s | Push p99 quiet µs | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet, then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread); the cut's figure is how long it held the shard's lock, which every Push waits for; on CPU: p99 of each Push less the time its thread waited for a CPU.\n\n\
+             | table | store | rows | lock held for the cut µs | checkpoint s | Push p99 quiet µs | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs | on CPU: quiet / checkpoint / copy µs |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
         for r in snaps {
             out.push_str(&format!(
-                "| {} | {} | {} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} |\n",
+                "| {} | {} | {} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} |\n",
                 r["table"].as_str().unwrap_or(""),
                 r["store"].as_str().unwrap_or(""),
                 r["rows"],
@@ -799,6 +863,9 @@ pub fn markdown(rows: &[Value]) -> String {
                 f(r, "copy_push_p99_us"),
                 f(r, "copy_p99_x_quiet"),
                 f(r, "copy_push_max_us"),
+                f(r, "quiet_push_on_cpu_p99_us"),
+                f(r, "checkpoint_push_on_cpu_p99_us"),
+                f(r, "copy_push_on_cpu_p99_us"),
             ));
         }
     }
