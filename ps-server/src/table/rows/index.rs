@@ -242,7 +242,7 @@ impl KeyIndex {
     /// The slots of `keys` into `out` (as long), looked up together so
     /// that their cache misses overlap instead of following one another
     /// (a Fetch of 1,000 random rows of a large shard is mostly such
-    /// misses), in three passes over a group of [`LOOKUP_GROUP`] keys:
+    /// misses), in three passes over a group of 16 keys:
     ///
     /// 1. the home bucket of every key is loaded (no branch on what a
     ///    load returns, so the loads are all in flight at once);

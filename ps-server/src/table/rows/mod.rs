@@ -757,7 +757,7 @@ impl RowsSnapshot {
 
     /// Calls `f` with the rows from the `skip`-th on, in a fixed order
     /// (stripe, slot), while it returns true. The records of a few slots
-    /// at a time (about 4 KiB, [`READ_BYTES`]) are copied out under the
+    /// at a time (about 4 KiB) are copied out under the
     /// stripe's read lock and handed to
     /// `f` after it is released: a reader that is slow (encoding, or
     /// preempted on a busy host) never holds up the stripe's Pushes, nor
