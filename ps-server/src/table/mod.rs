@@ -304,48 +304,63 @@ impl Table {
         // Narrow values round with draws seeded by the Push (see
         // `rows::layout`): the replicas apply it with the same identity.
         let seed = tessera_proto::sharding::splitmix64(worker ^ sequence.rotate_left(32));
-        for (index, (&key, raw)) in keys
-            .iter()
-            .zip(gradients.chunks_exact(dim * F32))
-            .enumerate()
-        {
-            clipped += self.decode_row(raw, &mut grad);
-            match &mut evicting {
-                Evicting::Choose(evicted) => {
-                    let Ok(((), victim)) = state.rows.upsert_evicting(
-                        key,
-                        seed,
-                        |values, st| self.init_row(key, values, st),
-                        |values, st, steps| optimizer.apply(values, st, steps, &grad),
-                    ) else {
-                        refused += 1;
-                        continue;
-                    };
-                    if let Some(victim) = victim {
-                        evicted.push(Eviction {
-                            before: u32::try_from(index).unwrap_or(u32::MAX),
-                            key: victim,
-                        });
-                    }
-                }
-                Evicting::Follow(evictions) => {
-                    while let Some((first, rest)) = evictions.split_first()
-                        && first.before as usize <= index
-                    {
-                        followed &= state.rows.evict(first.key);
-                        *evictions = rest;
-                    }
-                    if state
-                        .rows
-                        .upsert_following(
+        let evictions_to_follow = matches!(&evicting, Evicting::Follow(e) if !e.is_empty());
+        if !state.rows.limited() && !evictions_to_follow {
+            // Nothing to evict: every stripe locked once for its rows.
+            let rows: Vec<&[u8]> = gradients.chunks_exact(dim * F32).collect();
+            refused = state.rows.upsert_many(
+                keys,
+                seed,
+                |i, values, st| self.init_row(keys[i], values, st),
+                |i, values, st, steps| {
+                    clipped += self.decode_row(rows[i], &mut grad);
+                    optimizer.apply(values, st, steps, &grad)
+                },
+            ) as u64;
+        } else {
+            for (index, (&key, raw)) in keys
+                .iter()
+                .zip(gradients.chunks_exact(dim * F32))
+                .enumerate()
+            {
+                clipped += self.decode_row(raw, &mut grad);
+                match &mut evicting {
+                    Evicting::Choose(evicted) => {
+                        let Ok(((), victim)) = state.rows.upsert_evicting(
                             key,
                             seed,
                             |values, st| self.init_row(key, values, st),
                             |values, st, steps| optimizer.apply(values, st, steps, &grad),
-                        )
-                        .is_err()
-                    {
-                        refused += 1;
+                        ) else {
+                            refused += 1;
+                            continue;
+                        };
+                        if let Some(victim) = victim {
+                            evicted.push(Eviction {
+                                before: u32::try_from(index).unwrap_or(u32::MAX),
+                                key: victim,
+                            });
+                        }
+                    }
+                    Evicting::Follow(evictions) => {
+                        while let Some((first, rest)) = evictions.split_first()
+                            && first.before as usize <= index
+                        {
+                            followed &= state.rows.evict(first.key);
+                            *evictions = rest;
+                        }
+                        if state
+                            .rows
+                            .upsert_following(
+                                key,
+                                seed,
+                                |values, st| self.init_row(key, values, st),
+                                |values, st, steps| optimizer.apply(values, st, steps, &grad),
+                            )
+                            .is_err()
+                        {
+                            refused += 1;
+                        }
                     }
                 }
             }

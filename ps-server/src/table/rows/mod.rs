@@ -332,22 +332,8 @@ impl ShardRows {
         mut found: impl FnMut(usize, RowRef<'_>),
         missing: &mut Vec<usize>,
     ) {
-        // The keys' indices grouped by stripe (a counting sort).
+        let (order, starts) = self.by_stripe(keys);
         let stripes = self.stripes.len();
-        let of: Vec<u16> = keys.iter().map(|&k| self.stripe(k) as u16).collect();
-        let mut starts = vec![0usize; stripes + 1];
-        for &s in &of {
-            starts[s as usize + 1] += 1;
-        }
-        for s in 0..stripes {
-            starts[s + 1] += starts[s];
-        }
-        let mut order = vec![0u32; keys.len()];
-        let mut next = starts.clone();
-        for (i, &s) in of.iter().enumerate() {
-            order[next[s as usize]] = i as u32;
-            next[s as usize] += 1;
-        }
         let mut stripe_keys = Vec::new();
         let mut slots = Vec::new();
         for s in 0..stripes {
@@ -385,6 +371,71 @@ impl ShardRows {
             }
         }
         missing.sort_unstable();
+    }
+
+    /// The indices of `keys` grouped by stripe, in their order within a
+    /// stripe (a counting sort): stripe `s`'s are `order[starts[s]..
+    /// starts[s + 1]]`.
+    fn by_stripe(&self, keys: &[u64]) -> (Vec<u32>, Vec<usize>) {
+        let stripes = self.stripes.len();
+        let of: Vec<u16> = keys.iter().map(|&k| self.stripe(k) as u16).collect();
+        let mut starts = vec![0usize; stripes + 1];
+        for &s in &of {
+            starts[s as usize + 1] += 1;
+        }
+        for s in 0..stripes {
+            starts[s + 1] += starts[s];
+        }
+        let mut order = vec![0u32; keys.len()];
+        let mut next = starts.clone();
+        for (i, &s) in of.iter().enumerate() {
+            order[next[s as usize]] = i as u32;
+            next[s as usize] += 1;
+        }
+        (order, starts)
+    }
+
+    /// [`ShardRows::upsert_following`] for every key of `keys` (a Push's
+    /// rows, seeded `seed`), with `init` and `update` given the key's
+    /// index; for a table without a row limit (nothing to evict). Each
+    /// stripe is write-locked once for all its keys, where one lock per
+    /// row made a Push of 1,000 rows take 1,000 locks, and sleep behind
+    /// every reader it met (a snapshot being read, Fetches). The rows of
+    /// one key are updated in the order of `keys`; rows of different keys
+    /// do not depend on one another (rounding draws from the key, not
+    /// the position), so the outcome is that of updating them in order.
+    /// Returns how many rows were not stored (their stripe was full).
+    pub fn upsert_many(
+        &self,
+        keys: &[u64],
+        seed: u64,
+        mut init: impl FnMut(usize, &mut [f32], &mut [f32]),
+        mut update: impl FnMut(usize, &mut [f32], &mut [f32], &mut u32),
+    ) -> usize {
+        debug_assert!(!self.limited(), "upsert_many on a table with a row limit");
+        let (order, starts) = self.by_stripe(keys);
+        let mut refused = 0;
+        for s in 0..self.stripes.len() {
+            let group = &order[starts[s]..starts[s + 1]];
+            if group.is_empty() {
+                continue;
+            }
+            let mut stripe = self.write_stripe(s);
+            for &i in group {
+                let (i, key) = (i as usize, keys[i as usize]);
+                let found = stripe.find(&self.layout, key);
+                let stored = self.upsert_in(
+                    &mut stripe,
+                    key,
+                    found,
+                    seed,
+                    |values, state| init(i, values, state),
+                    |values, state, steps| update(i, values, state, steps),
+                );
+                refused += usize::from(stored.is_err());
+            }
+        }
+        refused
     }
 
     /// Calls `update` with the row of `key` as `f32` (values, optimizer

@@ -276,3 +276,61 @@ fn a_snapshot_reads_about_4_kib_of_records_per_hold_of_a_stripe() {
     assert_eq!(read_slots(2000), READ_MIN_SLOTS);
     assert_eq!(read_slots(0), READ_MAX_SLOTS);
 }
+
+/// A Push applied stripe by stripe ([`ShardRows::upsert_many`]) leaves the
+/// rows a row-by-row Push leaves: new and old keys, a key repeated in
+/// one Push (its updates in order), narrow storage rounded alike.
+#[test]
+fn upsert_many_is_upserting_each_row_in_order() {
+    for storage in [Storage::F32, Storage::F16] {
+        let layout = || RowLayout::new(4, 2, storage, true);
+        let (one, many) = (
+            ShardRows::new(layout(), None, EvictionPolicy::Lru),
+            ShardRows::new(layout(), None, EvictionPolicy::Lru),
+        );
+        let mut draw = 7u64;
+        for push in 0..30u64 {
+            let keys: Vec<u64> = (0..200)
+                .map(|_| {
+                    draw = tessera_proto::sharding::splitmix64(draw);
+                    draw % 3_000
+                })
+                .chain([11, 11, 11])
+                .collect();
+            let seed = tessera_proto::sharding::splitmix64(push);
+            let init = |key: u64, v: &mut [f32], s: &mut [f32]| {
+                v.fill(key as f32 * 0.001);
+                s.fill(0.5);
+            };
+            // Not commutative: the order of a key's updates shows.
+            let update = |i: usize, v: &mut [f32], s: &mut [f32], steps: &mut u32| {
+                *steps += 1;
+                for x in v.iter_mut() {
+                    *x = *x * 0.9 + i as f32 * 0.01;
+                }
+                s[0] += v[0];
+            };
+            for (i, &key) in keys.iter().enumerate() {
+                one.upsert_following(
+                    key,
+                    seed,
+                    |v, s| init(key, v, s),
+                    |v, s, steps| update(i, v, s, steps),
+                )
+                .unwrap();
+            }
+            let refused = many.upsert_many(
+                &keys,
+                seed,
+                |i, v, s| init(keys[i], v, s),
+                |i, v, s, steps| update(i, v, s, steps),
+            );
+            assert_eq!(refused, 0);
+        }
+        assert_eq!(one.len(), many.len(), "{storage:?}");
+        for key in 0..3_000u64 {
+            let row = |rows: &ShardRows| rows.read(key, |r| (r.steps(), r.values(), r.state()));
+            assert_eq!(row(&one), row(&many), "{storage:?}: key {key}");
+        }
+    }
+}
