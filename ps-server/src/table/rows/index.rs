@@ -12,9 +12,13 @@
 //! cannot migrate piecewise. Removal shifts the following entries back
 //! (no tombstones, so the table never rehashes in place).
 //!
-//! **Growth** is incremental. When an insert fills the table to 4/5, a
-//! table of twice the buckets is allocated (zeroed memory: the allocator
-//! hands out fresh pages, so this does not touch them) and the old one is
+//! **Growth** is incremental. Shortly before an insert fills the table to
+//! 4/5, a table of twice the buckets is allocated (zeroed memory: the
+//! allocator maps fresh pages, so this writes none of it) and each insert
+//! then writes one bucket of two of its pages, so that every page of it is
+//! the process's own before any lookup reads it (see [`PAGES_PER_INSERT`]
+//! for what a lookup in untouched pages cost). When the table is 4/5
+//! full, the new table takes the inserts and the old one is
 //! kept; from then on each insert goes to the new table and first moves
 //! at most [`MIGRATE_PER_INSERT`] of the old table's buckets over, in
 //! bucket order. A lookup tries the new table, then the old one, where it
@@ -45,6 +49,21 @@ const LOOKUP_GROUP: usize = 16;
 
 /// Old buckets moved to the new table by each insert while growing.
 pub const MIGRATE_PER_INSERT: usize = 8;
+
+/// Pages of the next table each insert writes before the growth starts.
+/// A table allocated zeroed is mapped page by page as it is first used:
+/// read first (by a Fetch's lookup), a page maps the shared zero page,
+/// and the insert that writes it next faults again and has the kernel
+/// take that mapping back from every CPU. At 10^7 rows such Fetches met
+/// 100-220 faults each and ran 700-950 µs where 110 is their p99 (the
+/// growth stalls that remained in issue 34). Written by the inserts ahead
+/// of time, a page costs one fault in the writer, and no Fetch meets one.
+/// Two a time: the writing starts when as many inserts remain before the
+/// growth as the table has pages, and ends halfway there.
+pub const PAGES_PER_INSERT: usize = 2;
+
+/// Buckets in a 4 KiB page.
+const PAGE_BUCKETS: usize = 4096 / std::mem::size_of::<u32>();
 
 const SLOT_BITS: u32 = 24;
 const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
@@ -184,12 +203,40 @@ struct Migration {
     cursor: usize,
 }
 
+/// The next table, allocated ahead of a growth, and the first of its
+/// buckets whose page has not been written yet.
+#[derive(Debug)]
+struct Next {
+    table: Buckets,
+    written: usize,
+}
+
+impl Next {
+    /// Writes up to `pages` more of its pages; how many it wrote.
+    fn write_pages(&mut self, pages: usize) -> usize {
+        let len = self.table.buckets.len();
+        let mut wrote = 0;
+        while wrote < pages && self.written < len {
+            // A store the compiler cannot drop as writing what is there
+            // already (the memory came zeroed): it must reach the page.
+            *std::hint::black_box(&mut self.table.buckets[self.written]) = EMPTY;
+            self.written += PAGE_BUCKETS;
+            wrote += 1;
+        }
+        wrote
+    }
+}
+
 /// The key index of one stripe (module docs). Keys are compared through
 /// `key_of`, which reads the key of a slot from the stripe's records.
 #[derive(Debug)]
 pub struct KeyIndex {
     current: Buckets,
     migration: Option<Migration>,
+    next: Option<Next>,
+    /// Pages of a next table written only as its growth started (none
+    /// unless the readying fell behind; see [`KeyIndex::insert`]).
+    written_late: usize,
 }
 
 impl Default for KeyIndex {
@@ -204,6 +251,8 @@ impl KeyIndex {
         Self {
             current: Buckets::with_buckets(MIN_BUCKETS),
             migration: None,
+            next: None,
+            written_late: 0,
         }
     }
 
@@ -217,15 +266,19 @@ impl KeyIndex {
         self.len() == 0
     }
 
-    /// Bytes of buckets allocated (both tables while growing).
+    /// Bytes of buckets allocated (both tables while growing, and the
+    /// next one while it is made ready).
     pub fn bytes(&self) -> usize {
-        (self.current.buckets.len() + self.migration.as_ref().map_or(0, |m| m.old.buckets.len()))
+        (self.current.buckets.len()
+            + self.migration.as_ref().map_or(0, |m| m.old.buckets.len())
+            + self.next.as_ref().map_or(0, |n| n.table.buckets.len()))
             * std::mem::size_of::<u32>()
     }
 
-    /// Whether a growth is in progress.
+    /// Whether a growth is in progress (its next table being readied, or
+    /// its entries moving over).
     pub fn growing(&self) -> bool {
-        self.migration.is_some()
+        self.migration.is_some() || self.next.is_some()
     }
 
     /// The slot of `key`.
@@ -315,9 +368,17 @@ impl KeyIndex {
     pub fn insert(&mut self, key: u64, slot: u32, key_of: impl Fn(u32) -> u64) -> usize {
         debug_assert!(slot <= MAX_SLOTS, "slot {slot} beyond the index's 24 bits");
         let moved = self.migrate(&key_of);
+        self.ready_next();
         if self.migration.is_none() && !self.current.has_room() {
-            let doubled = Buckets::with_buckets(self.current.buckets.len() * 2);
-            let old = std::mem::replace(&mut self.current, doubled);
+            let mut next = self.next.take().unwrap_or_else(|| Next {
+                table: Buckets::with_buckets(self.current.buckets.len() * 2),
+                written: 0,
+            });
+            // Written already: the readying starts when as many inserts
+            // remain as the table has pages and writes two a time. Should
+            // that ever fall behind, the rest are written now.
+            self.written_late += next.write_pages(usize::MAX);
+            let old = std::mem::replace(&mut self.current, next.table);
             self.migration = Some(Migration { old, cursor: 0 });
         }
         debug_assert!(self.current.has_room(), "a growth did not finish in time");
@@ -346,6 +407,30 @@ impl KeyIndex {
     /// Drops every entry (and any growth in progress).
     pub fn clear(&mut self) {
         *self = Self::new();
+    }
+
+    /// Readies the next table ahead of a growth ([`PAGES_PER_INSERT`]):
+    /// allocates it once as many inserts remain before the growth as it
+    /// has pages, and writes the next pages of it.
+    fn ready_next(&mut self) {
+        if self.migration.is_some() {
+            return;
+        }
+        if self.next.is_none() {
+            let buckets = self.current.buckets.len() * 2;
+            let pages = buckets.div_ceil(PAGE_BUCKETS);
+            let room = (self.current.buckets.len() * 4 / 5).saturating_sub(self.current.len);
+            if room > pages {
+                return;
+            }
+            self.next = Some(Next {
+                table: Buckets::with_buckets(buckets),
+                written: 0,
+            });
+        }
+        if let Some(next) = self.next.as_mut() {
+            next.write_pages(PAGES_PER_INSERT);
+        }
     }
 
     /// Moves up to [`MIGRATE_PER_INSERT`] old buckets' entries to the new
@@ -442,6 +527,43 @@ mod tests {
         assert_eq!(model.index.len(), 1_000_000);
     }
 
+    /// The Fetch stalls of issue 34 that remained after the incremental
+    /// growth: lookups met the new table's pages before any write had
+    /// mapped them. Every page of it is written before it takes inserts
+    /// (and before any lookup reads it), a few pages per insert.
+    #[test]
+    fn every_page_of_a_growths_table_is_written_before_it_is_used() {
+        let mut model = Model::default();
+        let mut growths = 0;
+        for key in 0..2_000_000u64 {
+            let before = model.index.next.as_ref().map_or(0, |n| n.written);
+            let was_migrating = model.index.migration.is_some();
+            model.insert(key.wrapping_mul(0x9e37_79b9));
+            if let Some(next) = &model.index.next {
+                let pages = (next.written - before).div_ceil(PAGE_BUCKETS);
+                assert!(pages <= PAGES_PER_INSERT, "an insert wrote {pages} pages");
+            }
+            if !was_migrating && model.index.migration.is_some() {
+                growths += 1;
+                let current = &model.index.current;
+                assert!(current.buckets.len() >= 2 * MIN_BUCKETS);
+            }
+        }
+        assert!(growths >= 16, "{growths} growths");
+        assert_eq!(
+            model.index.written_late, 0,
+            "pages written as a growth started"
+        );
+        // With removals between the inserts, too.
+        for key in 0..200_000u64 {
+            model.insert(key | 1 << 63);
+            if key % 3 == 0 {
+                model.remove((key / 2) | 1 << 63);
+            }
+        }
+        assert_eq!(model.index.written_late, 0);
+    }
+
     #[test]
     fn the_index_stays_within_its_load_bounds() {
         let mut model = Model::default();
@@ -487,7 +609,7 @@ mod tests {
         for &key in &crowd[..12] {
             model.insert(key);
         }
-        assert!(!model.index.growing());
+        assert!(model.index.migration.is_none());
         let got = model.get_many(&crowd);
         let want: Vec<_> = crowd.iter().map(|&k| model.get(k)).collect();
         assert_eq!(got, want);

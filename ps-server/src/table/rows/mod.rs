@@ -34,7 +34,7 @@ pub mod layout;
 pub mod slab;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use serde::{Deserialize, Serialize};
 use tessera_proto::sharding::splitmix64;
@@ -333,43 +333,43 @@ impl ShardRows {
         missing: &mut Vec<usize>,
     ) {
         let (order, starts) = self.by_stripe(keys);
-        let stripes = self.stripes.len();
         let mut stripe_keys = Vec::new();
         let mut slots = Vec::new();
-        for s in 0..stripes {
-            let group = &order[starts[s]..starts[s + 1]];
-            if group.is_empty() {
-                continue;
-            }
-            stripe_keys.clear();
-            stripe_keys.extend(group.iter().map(|&i| keys[i as usize]));
-            slots.clear();
-            slots.resize(group.len(), None);
-            let stripe = self.read_stripe(s);
-            let slab = &stripe.slab;
-            stripe.index.get_many(&stripe_keys, &mut slots, |slot| {
-                let record = slab.record(slot);
-                // The record's end may lie in the next cache line: loaded
-                // now, with the key, rather than when `found` reads it.
-                std::hint::black_box(record.last().copied());
-                self.layout.key(record)
-            });
-            for (&i, slot) in group.iter().zip(&slots) {
-                match *slot {
-                    Some(slot) => {
-                        self.touch(&stripe, slot);
-                        found(
-                            i as usize,
-                            RowRef {
-                                layout: &self.layout,
-                                record: slab.record(slot),
-                            },
-                        );
+        each_stripe(
+            &starts,
+            |s| try_read(&self.stripes[s]),
+            |s| self.read_stripe(s),
+            |s, stripe| {
+                let group = &order[starts[s]..starts[s + 1]];
+                stripe_keys.clear();
+                stripe_keys.extend(group.iter().map(|&i| keys[i as usize]));
+                slots.clear();
+                slots.resize(group.len(), None);
+                let slab = &stripe.slab;
+                stripe.index.get_many(&stripe_keys, &mut slots, |slot| {
+                    let record = slab.record(slot);
+                    // The record's end may lie in the next cache line: loaded
+                    // now, with the key, rather than when `found` reads it.
+                    std::hint::black_box(record.last().copied());
+                    self.layout.key(record)
+                });
+                for (&i, slot) in group.iter().zip(&slots) {
+                    match *slot {
+                        Some(slot) => {
+                            self.touch(&stripe, slot);
+                            found(
+                                i as usize,
+                                RowRef {
+                                    layout: &self.layout,
+                                    record: slab.record(slot),
+                                },
+                            );
+                        }
+                        None => missing.push(i as usize),
                     }
-                    None => missing.push(i as usize),
                 }
-            }
-        }
+            },
+        );
         missing.sort_unstable();
     }
 
@@ -415,26 +415,26 @@ impl ShardRows {
         debug_assert!(!self.limited(), "upsert_many on a table with a row limit");
         let (order, starts) = self.by_stripe(keys);
         let mut refused = 0;
-        for s in 0..self.stripes.len() {
-            let group = &order[starts[s]..starts[s + 1]];
-            if group.is_empty() {
-                continue;
-            }
-            let mut stripe = self.write_stripe(s);
-            for &i in group {
-                let (i, key) = (i as usize, keys[i as usize]);
-                let found = stripe.find(&self.layout, key);
-                let stored = self.upsert_in(
-                    &mut stripe,
-                    key,
-                    found,
-                    seed,
-                    |values, state| init(i, values, state),
-                    |values, state, steps| update(i, values, state, steps),
-                );
-                refused += usize::from(stored.is_err());
-            }
-        }
+        each_stripe(
+            &starts,
+            |s| try_write(&self.stripes[s]),
+            |s| self.write_stripe(s),
+            |s, mut stripe| {
+                for &i in &order[starts[s]..starts[s + 1]] {
+                    let (i, key) = (i as usize, keys[i as usize]);
+                    let found = stripe.find(&self.layout, key);
+                    let stored = self.upsert_in(
+                        &mut stripe,
+                        key,
+                        found,
+                        seed,
+                        |values, state| init(i, values, state),
+                        |values, state, steps| update(i, values, state, steps),
+                    );
+                    refused += usize::from(stored.is_err());
+                }
+            },
+        );
         refused
     }
 
@@ -723,6 +723,54 @@ fn read(stripe: &RwLock<Stripe>) -> RwLockReadGuard<'_, Stripe> {
 
 fn write(stripe: &RwLock<Stripe>) -> RwLockWriteGuard<'_, Stripe> {
     stripe.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// [`read`] if the lock is free now.
+fn try_read(stripe: &RwLock<Stripe>) -> Option<RwLockReadGuard<'_, Stripe>> {
+    match stripe.try_read() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// [`write`] if the lock is free now.
+fn try_write(stripe: &RwLock<Stripe>) -> Option<RwLockWriteGuard<'_, Stripe>> {
+    match stripe.try_write() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// Calls `visit` once with each stripe `s` that has keys (`starts[s] <
+/// starts[s + 1]`, as [`ShardRows::by_stripe`] gives) and its lock: the
+/// stripes whose lock `try_lock` takes at once first, in order, then the
+/// ones that were busy, waiting for each (`lock`). A Fetch and a Push that
+/// both walked the stripes in order and waited at each busy one fell into
+/// step: each waited for the other at nearly every stripe, a sleep and a
+/// wake-up each time (Fetches of 1,000 rows at p99 1 ms beside a growing
+/// Push, 0.3 ms beside one that only updates). Going round a busy stripe
+/// and coming back breaks the step.
+fn each_stripe<G>(
+    starts: &[usize],
+    try_lock: impl Fn(usize) -> Option<G>,
+    lock: impl Fn(usize) -> G,
+    mut visit: impl FnMut(usize, G),
+) {
+    let mut busy = Vec::new();
+    for (s, range) in starts.windows(2).enumerate() {
+        if range[0] == range[1] {
+            continue;
+        }
+        match try_lock(s) {
+            Some(guard) => visit(s, guard),
+            None => busy.push(s),
+        }
+    }
+    for s in busy {
+        visit(s, lock(s));
+    }
 }
 
 /// Bytes of records a snapshot copies out per hold of a stripe's read
