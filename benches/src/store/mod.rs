@@ -17,10 +17,15 @@
 //!   the table's optimizer;
 //! - **growth**: while the rows grow to the level (1,000 new keys per
 //!   Push, on one thread), another thread Fetches 1,000 random rows of
-//!   those already there, without pause: the largest of those Fetches,
-//!   against the steady p99 at the level reached (a stall shows as a
-//!   maximum far above it). A third thread sleeps 1 ms at a time and
-//!   notes when it wakes 4 ms or more late: the whole machine paused
+//!   those already there, without pause: the p99 and the largest of those
+//!   Fetches against the steady p99 at the level reached (a stall shows
+//!   as a maximum far above it), and how many took over 3x it; **churn**:
+//!   the same with the writer updating rows already there, no growth, for
+//!   as long: the tail a writer beside the Fetches makes without growing.
+//!   Each Fetch's time is split by its thread's CPU clock and scheduler
+//!   statistics into running, waiting for a CPU, and asleep (blocked on a
+//!   stripe's lock or woken late). A third thread sleeps 1 ms at a time
+//!   and notes when it wakes 4 ms or more late: the whole machine paused
 //!   (this VM's hypervisor stops every vCPU for up to about 100 ms now and
 //!   then); the largest Fetch no such pause overlapped is reported beside
 //!   the raw one.
@@ -228,6 +233,32 @@ impl Bench {
         }
     }
 
+    /// Applies `grad` to the rows of `keys` as the server applies a Push
+    /// (the slab store: every stripe write-locked once for its rows; the
+    /// old one: row by row).
+    fn push_many(&self, keys: &[u64], grad: &[f32]) {
+        let (optimizer, initializer) = (self.optimizer, self.initializer);
+        match &self.store {
+            Store::Slab(rows) => {
+                let refused = rows.upsert_many(
+                    keys,
+                    grad.len() as u64,
+                    |i, values, state| {
+                        initializer.fill(7, keys[i], values);
+                        optimizer.fill_initial_state(state);
+                    },
+                    |_, values, state, steps| optimizer.apply(values, state, steps, grad),
+                );
+                debug_assert_eq!(refused, 0);
+            }
+            Store::Old(_) => {
+                for &key in keys {
+                    self.push(key, grad);
+                }
+            }
+        }
+    }
+
     /// Writes the rows of `keys` as little-endian `f32` into `out`, in
     /// order, as the server's Fetch does (the slab store: every stripe
     /// locked once, lookups overlapped; the old one: key by key); how many
@@ -373,39 +404,203 @@ impl Pauses {
     }
 }
 
-/// The time this thread has spent runnable but not running (waiting for a
-/// CPU), from the kernel's scheduler statistics
-/// (`/proc/thread-self/schedstat`, second field, nanoseconds). On this
-/// 2-core VM the thread being measured shares the CPUs with the thread
-/// growing the store or encoding a snapshot: a Fetch or Push preempted
-/// for a scheduler slice (several milliseconds) measures the machine's
-/// cores, not the store, and this is how long that was.
-struct RunQueue(Option<std::fs::File>);
+/// This thread's time on a CPU (its CPU clock) and runnable but waiting
+/// for one (`/proc/thread-self/schedstat`, second field), nanoseconds. On this 2-core VM the thread measured shares the CPUs
+/// with the thread growing the store or encoding a snapshot: a Fetch or
+/// Push preempted for a scheduler slice (several milliseconds) measures
+/// the machine's cores, not the store. A Fetch's time splits three ways:
+/// running, waiting for a CPU, and asleep (blocked on a stripe's lock,
+/// which a writer holds, perhaps preempted itself).
+struct Sched(Option<std::fs::File>);
 
-impl RunQueue {
+/// One reading of [`Sched`], nanoseconds.
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    ran: u64,
+    waited: u64,
+}
+
+impl Sched {
     /// For the calling thread; `None` readings where the kernel has no
     /// scheduler statistics.
     fn of_this_thread() -> Self {
         Self(std::fs::File::open("/proc/thread-self/schedstat").ok())
     }
 
-    /// Nanoseconds waited so far.
-    fn waited_ns(&self) -> Option<u64> {
+    fn read(&self) -> Option<Reading> {
         use std::os::unix::fs::FileExt as _;
         let file = self.0.as_ref()?;
         let mut buf = [0u8; 96];
         let n = file.read_at(&mut buf, 0).ok()?;
         let text = std::str::from_utf8(&buf[..n]).ok()?;
-        text.split_whitespace().nth(1)?.parse().ok()
+        let waited = text.split_whitespace().nth(1)?.parse().ok()?;
+        // The CPU clock brings the thread's run time up to date when read;
+        // schedstat's first field moves only at a tick or a switch.
+        let ran = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).ok()?;
+        let ran = u64::try_from(ran.tv_sec()).ok()? * 1_000_000_000
+            + u64::try_from(ran.tv_nsec()).ok()?;
+        Some(Reading { ran, waited })
     }
 
-    /// Microseconds waited since `before` (a reading), 0 without one.
-    fn since(&self, before: Option<u64>) -> f64 {
-        match (before, self.waited_ns()) {
-            (Some(a), Some(b)) => b.saturating_sub(a) as f64 / 1e3,
-            _ => 0.0,
+    /// Microseconds (ran, waited for a CPU) since `before`; zeros without
+    /// readings.
+    fn since(&self, before: Option<Reading>) -> (f64, f64) {
+        match (before, self.read()) {
+            (Some(a), Some(b)) => (
+                b.ran.saturating_sub(a.ran) as f64 / 1e3,
+                b.waited.saturating_sub(a.waited) as f64 / 1e3,
+            ),
+            _ => (0.0, 0.0),
         }
     }
+}
+
+/// One Fetch beside a writer: when, and how its time was spent.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    from: Instant,
+    to: Instant,
+    /// µs its thread ran on a CPU.
+    ran: f64,
+    /// µs its thread waited for a CPU.
+    waited: f64,
+}
+
+impl Sample {
+    fn us(&self) -> f64 {
+        micros(self.to - self.from)
+    }
+
+    /// µs neither running nor waiting for a CPU: blocked on a lock.
+    fn asleep(&self) -> f64 {
+        (self.us() - self.ran - self.waited).max(0.0)
+    }
+}
+
+/// Fetches of `BATCH` random rows of the first `there`, one after another
+/// until `stop`, on a thread of their own.
+fn fetch_beside(
+    bench: &Arc<Bench>,
+    stop: &Arc<AtomicBool>,
+    there: &Arc<AtomicU64>,
+    seed: u64,
+) -> std::thread::JoinHandle<Vec<Sample>> {
+    let (bench, stop, there) = (Arc::clone(bench), Arc::clone(stop), Arc::clone(there));
+    std::thread::spawn(move || {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut out = vec![0u8; bench.kind.dim * 4 * BATCH];
+        let mut samples = Vec::new();
+        let sched = Sched::of_this_thread();
+        while !stop.load(Ordering::Relaxed) {
+            let rows = there.load(Ordering::Relaxed);
+            let keys: Vec<u64> = (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
+            let before = sched.read();
+            let from = Instant::now();
+            bench.fetch(&keys, &mut out);
+            let to = Instant::now();
+            let (ran, waited) = sched.since(before);
+            samples.push(Sample {
+                from,
+                to,
+                ran,
+                waited,
+            });
+        }
+        samples
+    })
+}
+
+/// A writer's batches beside the Fetches: (from, to, µs it waited for a
+/// CPU).
+type Batches = Vec<(Instant, Instant, f64)>;
+
+/// Runs `batch` on this thread until it returns false, the Fetches of
+/// [`fetch_beside`] and a pause watcher running beside it; the Fetches,
+/// the pauses and the writer's batches.
+fn beside_fetches(
+    bench: &Arc<Bench>,
+    there: &Arc<AtomicU64>,
+    seed: u64,
+    mut batch: impl FnMut() -> bool,
+) -> Result<(Vec<Sample>, Seen, Batches), BoxError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let fetcher = fetch_beside(bench, &stop, there, seed);
+    let pauses = Pauses::watch(Arc::clone(&stop));
+    let sched = Sched::of_this_thread();
+    let mut batches = Vec::new();
+    loop {
+        let before = sched.read();
+        let from = Instant::now();
+        let more = batch();
+        batches.push((from, Instant::now(), sched.since(before).1));
+        if !more {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let fetched = fetcher.join().map_err(|_| "the fetch thread panicked")?;
+    Ok((fetched, pauses.finish()?, batches))
+}
+
+/// The figures of Fetches beside a writer, keys prefixed `prefix`, ratios
+/// to the steady (quiet) p99 `p99`: the largest Fetch, the largest no
+/// machine pause overlapped, the longest any ran on a CPU and was asleep,
+/// and how long the writer waited for a CPU during the Fetch that slept
+/// longest (a writer preempted while it holds a stripe's lock keeps a
+/// Fetch waiting for that stripe that long).
+fn beside_figures(
+    prefix: &str,
+    fetched: &[Sample],
+    pauses: &Seen,
+    batches: &Batches,
+    p99: f64,
+) -> serde_json::Map<String, Value> {
+    let all = sorted(fetched.iter().map(Sample::us).collect());
+    let unpaused = sorted(
+        fetched
+            .iter()
+            .filter(|s| !pauses.windows.iter().any(|(p, q)| *p < s.to && *q > s.from))
+            .map(Sample::us)
+            .collect(),
+    );
+    let max = |v: &[f64]| v.last().copied().unwrap_or(0.0);
+    let x = |v: f64| if p99 > 0.0 { v / p99 } else { 0.0 };
+    let ran_max = fetched.iter().map(|s| s.ran).fold(0.0, f64::max);
+    let sleepiest = fetched
+        .iter()
+        .max_by(|a, b| a.asleep().total_cmp(&b.asleep()));
+    let writer_waited = sleepiest.map_or(0.0, |s| {
+        batches
+            .iter()
+            .filter(|(a, b, _)| *a < s.to && *b > s.from)
+            .map(|(_, _, w)| w)
+            .sum::<f64>()
+            .max(0.0)
+    });
+    let mut m = serde_json::Map::new();
+    let mut put = |k: &str, v: Value| {
+        m.insert(format!("{prefix}_{k}"), v);
+    };
+    put("fetches", json!(all.len()));
+    put("fetch_p99_us", json!(quantile(&all, 0.99)));
+    put("fetch_max_us", json!(max(&all)));
+    put("max_x_steady_p99", json!(x(max(&all))));
+    put("machine_pauses", json!(pauses.windows.len()));
+    put("machine_pause_max_ms", json!(pauses.longest_ms));
+    put("unpaused_max_us", json!(max(&unpaused)));
+    put("unpaused_max_x_steady_p99", json!(x(max(&unpaused))));
+    put(
+        "over_3x_steady_p99",
+        json!(all.iter().filter(|&&us| us > 3.0 * p99).count()),
+    );
+    put("ran_max_us", json!(ran_max));
+    put("ran_max_x_steady_p99", json!(x(ran_max)));
+    put(
+        "asleep_max_us",
+        json!(sleepiest.map_or(0.0, Sample::asleep)),
+    );
+    put("asleep_writer_waited_us", json!(writer_waited));
+    m
 }
 
 /// The resident size of this process, bytes.
@@ -463,75 +658,49 @@ pub fn child(
     let mut held = 0u64;
     for &level in &plan.rows {
         // Growth to the level under a Fetch load of the rows already there.
-        let stop = Arc::new(AtomicBool::new(false));
-        let there = Arc::new(AtomicU64::new(held.max(1)));
         if held == 0 {
             bench.push(key(0), &grad);
             held = 1;
         }
-        let fetcher = {
-            let (bench, stop, there) = (Arc::clone(&bench), Arc::clone(&stop), Arc::clone(&there));
-            std::thread::spawn(move || {
-                let mut rng = SmallRng::seed_from_u64(35);
-                let mut out = vec![0u8; bench.kind.dim * 4 * BATCH];
-                let mut lat = Vec::new();
-                let queue = RunQueue::of_this_thread();
-                while !stop.load(Ordering::Relaxed) {
-                    let rows = there.load(Ordering::Relaxed);
-                    let keys: Vec<u64> =
-                        (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
-                    let before = queue.waited_ns();
-                    let t = Instant::now();
-                    bench.fetch(&keys, &mut out);
-                    let done = Instant::now();
-                    lat.push((t, done, queue.since(before)));
-                }
-                lat
-            })
-        };
-        let pauses = Pauses::watch(Arc::clone(&stop));
+        let there = Arc::new(AtomicU64::new(held));
         let grow_started = Instant::now();
-        while held < level {
+        let (grown, grow_pauses, grow_batches) = beside_fetches(&bench, &there, 35, || {
             let end = (held + BATCH as u64).min(level);
-            for i in held..end {
-                bench.push(key(i), &grad);
-            }
+            let keys: Vec<u64> = (held..end).map(key).collect();
+            bench.push_many(&keys, &grad);
             held = end;
             there.store(held, Ordering::Relaxed);
-        }
+            held < level
+        })?;
         let grow_secs = grow_started.elapsed().as_secs_f64();
-        stop.store(true, Ordering::Relaxed);
-        let fetched = fetcher.join().map_err(|_| "the fetch thread panicked")?;
-        let pauses = pauses.finish()?;
-        let growth = sorted(fetched.iter().map(|(a, b, _)| micros(*b - *a)).collect());
-        // The same, less the Fetches a pause of the whole machine overlapped.
-        let unpaused = || {
-            fetched
-                .iter()
-                .filter(|(a, b, _)| !pauses.windows.iter().any(|(p, q)| p < b && q > a))
-        };
-        let growth_unpaused = sorted(unpaused().map(|(a, b, _)| micros(*b - *a)).collect());
-        // And less the time each waited for a CPU.
-        let growth_on_cpu = sorted(
-            unpaused()
-                .map(|(a, b, waited)| (micros(*b - *a) - waited).max(0.0))
-                .collect(),
-        );
         let resident = rss().saturating_sub(empty);
         // Quiet: Fetches, then Pushes of rows already there.
         let fetches = sorted(fetch_for(&bench, level, plan.level_secs, &mut rng));
         let mut pushed = 0u64;
         let started = Instant::now();
         while started.elapsed().as_secs_f64() < plan.level_secs || pushed < 10 * BATCH as u64 {
-            for _ in 0..BATCH {
-                bench.push(key(rng.random_range(0..level)), &grad);
-            }
+            let keys: Vec<u64> = (0..BATCH)
+                .map(|_| key(rng.random_range(0..level)))
+                .collect();
+            bench.push_many(&keys, &grad);
             pushed += BATCH as u64;
         }
         let push_rate = pushed as f64 / started.elapsed().as_secs_f64();
+        // Churn: the same writer and Fetches, the writer updating rows
+        // already there (no growth), for as long as the growth took
+        // (within 0.5-5 s): what the Fetches' tail is without growth.
+        let churn_secs = grow_secs.clamp(0.5, 5.0);
+        let churn_started = Instant::now();
+        let mut churn_rng = SmallRng::seed_from_u64(37);
+        let (churned, churn_pauses, churn_batches) = beside_fetches(&bench, &there, 38, || {
+            let keys: Vec<u64> = (0..BATCH)
+                .map(|_| key(churn_rng.random_range(0..level)))
+                .collect();
+            bench.push_many(&keys, &grad);
+            churn_started.elapsed().as_secs_f64() < churn_secs
+        })?;
         let p99 = quantile(&fetches, 0.99);
-        let growth_max = growth.last().copied().unwrap_or(0.0);
-        out.push(json!({
+        let mut row = json!({
             "section": "rows",
             "store": if old { "indexmap (before)" } else { "slab" },
             "table": kind.name(),
@@ -547,26 +716,25 @@ pub fn child(
             "fetch_p99_us": p99,
             "push_rows_per_s": push_rate,
             "grow_secs": grow_secs,
-            "growth_fetches": growth.len(),
-            "growth_fetch_p99_us": quantile(&growth, 0.99),
-            "growth_fetch_max_us": growth_max,
-            "growth_max_x_steady_p99": if p99 > 0.0 { growth_max / p99 } else { 0.0 },
-            "machine_pauses": pauses.windows.len(),
-            "machine_pause_max_ms": pauses.longest_ms,
-            "growth_unpaused_fetches": growth_unpaused.len(),
-            "growth_unpaused_max_us": growth_unpaused.last().copied().unwrap_or(0.0),
-            "growth_unpaused_max_x_steady_p99": if p99 > 0.0 {
-                growth_unpaused.last().copied().unwrap_or(0.0) / p99
-            } else {
-                0.0
-            },
-            "growth_on_cpu_max_us": growth_on_cpu.last().copied().unwrap_or(0.0),
-            "growth_on_cpu_max_x_steady_p99": if p99 > 0.0 {
-                growth_on_cpu.last().copied().unwrap_or(0.0) / p99
-            } else {
-                0.0
-            },
-        }));
+            "churn_secs": churn_started.elapsed().as_secs_f64(),
+        });
+        if let Value::Object(m) = &mut row {
+            m.extend(beside_figures(
+                "growth",
+                &grown,
+                &grow_pauses,
+                &grow_batches,
+                p99,
+            ));
+            m.extend(beside_figures(
+                "churn",
+                &churned,
+                &churn_pauses,
+                &churn_batches,
+                p99,
+            ));
+        }
+        out.push(row);
     }
     if snapshots {
         out.push(snapshot_run(&bench, held, plan, &grad)?);
@@ -601,22 +769,20 @@ fn snapshot_run(
         let grad = grad.to_vec();
         std::thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(36);
-            let queue = RunQueue::of_this_thread();
+            let sched = Sched::of_this_thread();
             while !stop.load(Ordering::Relaxed) {
                 let keys: Vec<u64> = (0..BATCH).map(|_| key(rng.random_range(0..rows))).collect();
-                let before = queue.waited_ns();
+                let before = sched.read();
                 let t = Instant::now();
                 while wanted.load(Ordering::Acquire) {
                     std::thread::yield_now();
                 }
                 {
                     let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
-                    for &k in &keys {
-                        bench.push(k, &grad);
-                    }
+                    bench.push_many(&keys, &grad);
                 }
                 let done = Instant::now();
-                let waited = queue.since(before);
+                let waited = sched.since(before).1;
                 log.lock().unwrap_or_else(|p| p.into_inner()).push((
                     done,
                     micros(done - t),
@@ -791,9 +957,9 @@ fn f(v: &Value, k: &str) -> f64 {
 pub fn markdown(rows: &[Value]) -> String {
     let mut out = String::from(
         "## store: one (table, shard)'s rows, the slab store beside the one before it (indexmap), as it grows\n\n\
-         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store. Fetch: 1,000 random rows read into a little-endian f32 buffer. Push: rows updated per second, 1,000 random rows at a time. Growth: the largest Fetch while the rows grew to the level with Fetches running without pause, against the steady p99 at the level; machine pauses: a thread sleeping 1 ms at a time woke 4 ms or more late (the whole VM stopped), and the largest Fetch no such pause overlapped; on CPU: the same less the time the Fetch's thread waited for a CPU (scheduler statistics), the three threads sharing two cores.\n\n\
-         | table | store | rows | bytes/row | x payload | f16/f32 | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s | growth max Fetch µs | x steady p99 | machine pauses (longest ms) | max without them µs | x steady p99 | on CPU µs | x steady p99 |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store. Fetch: 1,000 random rows read into a little-endian f32 buffer, one after another. Push: rows updated per second, 1,000 random rows at a time as the server applies a Push.\n\n\
+         | table | store | rows | bytes/row | x payload | f16/f32 | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let levels: Vec<&Value> = rows.iter().filter(|r| r["section"] == "rows").collect();
     for r in &levels {
@@ -816,7 +982,7 @@ pub fn markdown(rows: &[Value]) -> String {
             _ => "".to_owned(),
         };
         out.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {} ({:.0}) | {:.0} | {:.2} | {:.0} | {:.2} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0} | {:.0} | {:.2} | {:.0} |\n",
             r["table"].as_str().unwrap_or(""),
             r["store"].as_str().unwrap_or(""),
             r["rows"],
@@ -825,17 +991,41 @@ pub fn markdown(rows: &[Value]) -> String {
             narrow,
             f(r, "fetch_p50_us"),
             f(r, "fetch_p99_us"),
-            if smallest > 0.0 { f(r, "fetch_p50_us") / smallest } else { 0.0 },
+            if smallest > 0.0 {
+                f(r, "fetch_p50_us") / smallest
+            } else {
+                0.0
+            },
             f(r, "push_rows_per_s"),
-            f(r, "growth_fetch_max_us"),
-            f(r, "growth_max_x_steady_p99"),
-            r["machine_pauses"],
-            f(r, "machine_pause_max_ms"),
-            f(r, "growth_unpaused_max_us"),
-            f(r, "growth_unpaused_max_x_steady_p99"),
-            f(r, "growth_on_cpu_max_us"),
-            f(r, "growth_on_cpu_max_x_steady_p99"),
         ));
+    }
+    out.push_str(
+        "\nFetches beside a writer. Growth: one thread adds the rows up to the level, 1,000 new keys a Push, while another Fetches 1,000 random rows of those already there without pause; churn: the same writer updating rows already there (no growth) for as long (0.5-5 s). Against the steady (quiet) Fetch p99 at the level: the p99 and the largest Fetch, how many took over 3x the steady p99, the largest no machine pause overlapped (a thread sleeping 1 ms at a time woke 4 ms or more late: the whole VM stopped), the longest a Fetch ran on a CPU (its thread's CPU clock), and the longest one slept (neither running nor waiting for a CPU: blocked on a stripe's lock, or woken late) with how long the writer waited for a CPU meanwhile. Three threads share the two cores.\n\n\
+         | table | store | rows | beside | Fetches | p99 µs | max µs | x steady p99 | over 3x | machine pauses (longest ms) | max without them µs | ran max µs | x steady p99 | slept max µs | writer waited µs |\n\
+         |---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in &levels {
+        for beside in ["growth", "churn"] {
+            let g = |k: &str| f(r, &format!("{beside}_{k}"));
+            out.push_str(&format!(
+                "| {} | {} | {} | {beside} | {:.0} | {:.0} | {:.0} | {:.1} | {:.0} | {:.0} ({:.0}) | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} |\n",
+                r["table"].as_str().unwrap_or(""),
+                r["store"].as_str().unwrap_or(""),
+                r["rows"],
+                g("fetches"),
+                g("fetch_p99_us"),
+                g("fetch_max_us"),
+                g("max_x_steady_p99"),
+                g("over_3x_steady_p99"),
+                g("machine_pauses"),
+                g("machine_pause_max_ms"),
+                g("unpaused_max_us"),
+                g("ran_max_us"),
+                g("ran_max_x_steady_p99"),
+                g("asleep_max_us"),
+                g("asleep_writer_waited_us"),
+            ));
+        }
     }
     let snaps: Vec<&Value> = rows
         .iter()
