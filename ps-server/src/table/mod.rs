@@ -306,14 +306,17 @@ impl Table {
         let seed = tessera_proto::sharding::splitmix64(worker ^ sequence.rotate_left(32));
         let evictions_to_follow = matches!(&evicting, Evicting::Follow(e) if !e.is_empty());
         if !state.rows.limited() && !evictions_to_follow {
-            // Nothing to evict: every stripe locked once for its rows.
-            let rows: Vec<&[u8]> = gradients.chunks_exact(dim * F32).collect();
+            // Nothing to evict: every stripe locked once for its rows. As
+            // the row-by-row path (a zip), rows past the gradients' whole
+            // rows are not applied; row `i` is then in range.
+            let row = dim * F32;
+            let keys = &keys[..keys.len().min(gradients.len() / row.max(1))];
             refused = state.rows.upsert_many(
                 keys,
                 seed,
                 |i, values, st| self.init_row(keys[i], values, st),
                 |i, values, st, steps| {
-                    clipped += self.decode_row(rows[i], &mut grad);
+                    clipped += self.decode_row(&gradients[i * row..(i + 1) * row], &mut grad);
                     optimizer.apply(values, st, steps, &grad)
                 },
             ) as u64;
