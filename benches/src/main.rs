@@ -326,6 +326,10 @@ struct PsArgs {
     /// Offered loads as fractions of the lower saturation rate.
     #[arg(long, value_delimiter = ',')]
     fractions: Vec<f64>,
+    /// Offered loads in iterations per second, instead of fractions: to
+    /// compare two builds at the same rate (worker CPU per iteration).
+    #[arg(long, value_delimiter = ',', conflicts_with = "fractions")]
+    rates: Vec<f64>,
     /// What drives rdma-soft's completion queues: event, busy or runtime
     /// (default: the transport's).
     #[arg(long)]
@@ -345,6 +349,7 @@ impl PsArgs {
                 true => defaults.fractions.clone(),
                 false => self.fractions.clone(),
             },
+            rates: self.rates.clone(),
             polling: self.polling.as_deref().map(parse_polling).transpose()?,
             small_message_limit: self.small_message_limit,
             ..defaults

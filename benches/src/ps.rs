@@ -67,6 +67,9 @@ pub struct Plan {
     pub secs: f64,
     /// Offered loads, as fractions of the lower saturation rate.
     pub fractions: Vec<f64>,
+    /// Offered loads in iterations per second; when not empty, used
+    /// instead of `fractions`.
+    pub rates: Vec<f64>,
     /// Iterations outstanding in the closed loop (saturation).
     pub closed_concurrency: usize,
     /// Most iterations outstanding in the open loop.
@@ -87,6 +90,7 @@ impl Plan {
             false => Self {
                 secs: 8.0,
                 fractions: vec![0.25, 0.5, 0.75],
+                rates: Vec::new(),
                 closed_concurrency: 8,
                 open_concurrency: 64,
                 polling: None,
@@ -95,6 +99,7 @@ impl Plan {
             true => Self {
                 secs: 1.0,
                 fractions: vec![0.5],
+                rates: Vec::new(),
                 closed_concurrency: 8,
                 open_concurrency: 32,
                 polling: None,
@@ -328,11 +333,14 @@ pub async fn run(
         rows.push(r);
     }
     let lowest = saturation.iter().copied().fold(f64::INFINITY, f64::min);
-    let rates: Vec<f64> = plan
-        .fractions
-        .iter()
-        .map(|f| (f * lowest).max(1.0).round())
-        .collect();
+    let rates: Vec<f64> = match plan.rates.is_empty() {
+        true => plan
+            .fractions
+            .iter()
+            .map(|f| (f * lowest).max(1.0).round())
+            .collect(),
+        false => plan.rates.iter().map(|r| r.max(1.0).round()).collect(),
+    };
     for (label, kind) in TRANSPORTS {
         let cluster = start(kind, scratch.path(), plan.polling, plan.small_message_limit).await?;
         let mut outcome = Ok(());
@@ -416,13 +424,16 @@ fn markdown(workload: Workload, plan: &Plan, meta: &Meta, rows: &[Value]) -> Str
             "trainers: a step is Fetch, gradient, Push, messages log-normal (mean 20 KiB, p99 50 KiB); latency is the step's Fetch, and its Push"
         }
     };
+    let offered = match plan.rates.is_empty() {
+        true => format!("{:?} of the lower saturation", plan.fractions),
+        false => format!("{:?} per second", plan.rates),
+    };
     let mut out = format!(
-        "## {}: 2 shards x 2 replica groups, {what}\n\n{}\n\n{} s per measurement; saturation with {} outstanding (closed loop), then the same offered rates for both transports ({:?} of the lower saturation, at most {} outstanding, latency from when each was due). CPU: seconds per 1,000 iterations.\n\n",
+        "## {}: 2 shards x 2 replica groups, {what}\n\n{}\n\n{} s per measurement; saturation with {} outstanding (closed loop), then the same offered rates for both transports ({offered}, at most {} outstanding, latency from when each was due). CPU: seconds per 1,000 iterations.\n\n",
         workload.bench(),
         meta.machine_line(),
         plan.secs,
         plan.closed_concurrency,
-        plan.fractions,
         plan.open_concurrency,
     );
     out.push_str("| transport | load | offered/s | achieved/s | Fetch mean ms | p50 ms | p99 ms | p999 ms | Push p99 ms | worker CPU user / sys s | servers CPU user / sys s | switches per iteration, worker / servers | mean vs tcp | p99 vs tcp | Push p99 vs tcp | worker CPU vs tcp | switches vs tcp, worker / servers |\n");
