@@ -415,6 +415,28 @@ impl PsClient {
         Ok(PlannedPush { parts })
     }
 
+    /// Plans the Push of a training step: the gradients of the rows
+    /// `fetch` returned (`fetch.len() * dim` values, in the order of its
+    /// keys), to the same table, summed and split as [`PsClient::push`]
+    /// does but reusing the Fetch's split (no key hashed again).
+    pub fn plan_push_for(
+        &self,
+        fetch: &PlannedFetch,
+        gradients: &[f32],
+        dim: usize,
+    ) -> Result<PlannedPush, WorkerError> {
+        let plan = PushPlan::for_fetch(&fetch.plan, gradients, dim).ok_or(
+            WorkerError::GradientLength {
+                keys: fetch.plan.len(),
+                dim,
+                gradients: gradients.len(),
+            },
+        )?;
+        Ok(PlannedPush {
+            parts: vec![(fetch.table.clone(), plan)],
+        })
+    }
+
     /// Sums and splits the gradients of one table as [`PsClient::push`]
     /// does, copying them into the Push's sub-requests.
     pub fn plan_push(

@@ -671,8 +671,10 @@ async fn trainer_step(
     let keys: Vec<u64> = (0..n)
         .map(|_| rng.random_range(0..options.key_space))
         .collect();
+    // Planned once: the Push goes to the rows the Fetch returned.
+    let planned = client.plan_fetch(&options.table, &keys);
     let rows = client
-        .fetch(&options.table, &keys)
+        .fetch_planned(&planned)
         .await
         .map_err(|e| e.to_string())?;
     record(&mut result.fetch, due);
@@ -694,8 +696,11 @@ async fn trainer_step(
         tokio::time::sleep(Duration::from_micros(options.compute_us)).await;
     }
     let started = Instant::now();
+    let push = client
+        .plan_push_for(&planned, &gradients, dim)
+        .map_err(|e| e.to_string())?;
     client
-        .push(&options.table, &keys, &gradients, dim)
+        .push_planned(client.next_push_id(), &push)
         .await
         .map_err(|e| e.to_string())?;
     record(&mut result.push, started);
