@@ -31,7 +31,7 @@ use tessera_rpc::{Server, ServerError, Transport, Validate};
 use tokio_util::task::AbortOnDropHandle;
 
 pub use admin::{AdminService, Checkpointer};
-pub use checkpoint::CheckpointError;
+pub use checkpoint::{CheckpointError, Corruption, Difference, Missing};
 pub use coordination::Coordination;
 pub use replication::{Replication, ReplicationService};
 pub use version::Version;
@@ -106,8 +106,8 @@ impl PsServer {
         // Built here rather than by the server so that the gRPC endpoint
         // builds its responses in the same send pool, and replication
         // reaches the peers over it.
-        let transport = Transport::new(server_config.transport.clone())
-            .map_err(|err| PsError::Transport(err.to_string()))?;
+        let transport =
+            Transport::new(server_config.transport.clone()).map_err(PsError::Transport)?;
         let fence = coordination::fence_for(config);
         let replication =
             Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
@@ -419,7 +419,7 @@ pub enum PsError {
     Server(#[from] ServerError),
     /// The transport could not be created (for example no RDMA device).
     #[error("transport: {0}")]
-    Transport(String),
+    Transport(#[source] tessera_rpc::TransportError),
     /// The checkpoint to restore is partial, corrupt or does not fit.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),

@@ -26,10 +26,23 @@ fn code_of(err: &WorkerError) -> Code {
             Code::InvalidArgument
         }
         WorkerError::NoPrimary(_) => Code::Unavailable,
-        WorkerError::Transport(_) => Code::FailedPrecondition,
+        WorkerError::Transport(source) => transport_code(source),
         WorkerError::Memory(_) => Code::ResourceExhausted,
         WorkerError::Merge(_) => Code::Internal,
         _ => Code::Unknown,
+    }
+}
+
+/// The code of a transport that could not be set up: out of memory is
+/// `ResourceExhausted`, a bad setting `InvalidArgument`, and the host
+/// lacking what the transport needs (an RDMA device, locked memory, a
+/// certificate) `FailedPrecondition`.
+fn transport_code(err: &tessera_rpc::TransportError) -> Code {
+    use tessera_rpc::TransportError;
+    match err {
+        TransportError::Memory(_) => Code::ResourceExhausted,
+        TransportError::Config(_) => Code::InvalidArgument,
+        _ => Code::FailedPrecondition,
     }
 }
 

@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use crate::policy::{FallbackLadder, LadderStep, Path};
 use crate::wire::{Kind, RpcHeader};
-use crate::{ChannelConfig, Code, MethodDescriptor, RpcError, Status};
+use crate::{ChannelConfig, Code, LinkClosed, MethodDescriptor, RpcError, Status};
 
 /// Per-call options.
 #[derive(Debug, Clone, Default)]
@@ -133,7 +133,7 @@ struct LinkShared {
 #[derive(Debug, Default)]
 struct PendingTable {
     /// Set once the link is dead; no call may register after that.
-    closed_reason: Option<String>,
+    closed_reason: Option<Arc<LinkClosed>>,
     calls: HashMap<u64, oneshot::Sender<Reply>>,
 }
 
@@ -156,17 +156,18 @@ impl LinkShared {
         lock(&self.pending)
     }
 
-    fn fail_all(&self, reason: String) {
+    fn fail_all(&self, reason: LinkClosed) {
         self.closed.store(true, Ordering::Release);
+        let reason = Arc::new(reason);
         let calls = {
             let mut table = self.pending();
-            table.closed_reason = Some(reason.clone());
+            table.closed_reason = Some(Arc::clone(&reason));
             std::mem::take(&mut table.calls)
         };
         for (_, slot) in calls {
             let _ = slot.send(Err(RpcError::ConnectionLost {
                 addr: self.addr.clone(),
-                reason: reason.clone(),
+                reason: Arc::clone(&reason),
                 event: self.event,
             }));
         }
@@ -279,8 +280,8 @@ impl Channel {
         Req: prost::Message,
         Resp: prost::Message + Default,
     {
-        let body = crate::codegen::encode_to_pool(request, self.send_pool())
-            .map_err(|err| RpcError::Memory(err.to_string()))?;
+        let body =
+            crate::codegen::encode_to_pool(request, self.send_pool()).map_err(RpcError::Memory)?;
         self.unary_message(method, Message::from(body), options)
             .await
     }
@@ -378,7 +379,7 @@ impl Channel {
             if let Some(reason) = &table.closed_reason {
                 return Err(RpcError::ConnectionLost {
                     addr: self.inner.addr.clone(),
-                    reason: reason.clone(),
+                    reason: Arc::clone(reason),
                     event: link.shared.event,
                 });
             }
@@ -399,7 +400,7 @@ impl Channel {
             .transport
             .send_pool()
             .alloc_copy(&header.encode())
-            .map_err(|err| RpcError::Memory(err.to_string()))?
+            .map_err(RpcError::Memory)?
             .freeze();
         let message =
             Message::from_parts(std::iter::once(header).chain(body.parts().iter().cloned()));
@@ -422,7 +423,7 @@ impl Channel {
                 // The reader dropped the slot without answering: it is gone.
                 Err(_) => Err(RpcError::ConnectionLost {
                     addr: self.inner.addr.clone(),
-                    reason: "connection reader stopped".into(),
+                    reason: Arc::new(LinkClosed::ReaderStopped),
                     event: link.shared.event,
                 }),
             }
@@ -436,10 +437,8 @@ impl Channel {
                     // Presumed dead: closed, and the next call dials again.
                     metrics::counter!(crate::observe::CLIENT_SILENT_LINKS).increment(1);
                     tracing::debug!(addr = %link.shared.addr, "link silent; closing it");
-                    link.shared.fail_all(format!(
-                        "calls timed out for {:?} with nothing heard: the link went silent",
-                        crate::silence::SILENT_AFTER
-                    ));
+                    link.shared
+                        .fail_all(LinkClosed::Silent(crate::silence::SILENT_AFTER));
                     link.sender.abort();
                 }
                 return Err(RpcError::DeadlineExceeded(timeout));
@@ -770,23 +769,26 @@ async fn read_responses(
                                 .increment(1),
                         }
                     }
-                    Ok(_) => break "server sent a request on a client connection".to_owned(),
-                    Err(err) => break format!("malformed response: {err}"),
+                    Ok(_) => break LinkClosed::RequestFromServer,
+                    Err(err) => break LinkClosed::Malformed(err),
                 }
             }
             Ok(None) => {
                 // A clean close (a server stopping or restarting), not the
                 // RDMA path failing.
                 going_away = true;
-                break "closed by the server".to_owned();
+                break LinkClosed::ByServer;
             }
-            Err(err) => break err.to_string(),
+            Err(err) => break LinkClosed::Transport(err),
         }
     };
     tracing::debug!(addr = %shared.addr, %reason, "connection ended");
-    shared.fail_all(reason.clone());
-    if !going_away && let Some(channel) = channel.and_then(|weak| weak.upgrade()) {
-        channel.rdma_link_ended(&reason);
+    let why = (!going_away).then(|| reason.to_string());
+    shared.fail_all(reason);
+    if let Some(why) = why
+        && let Some(channel) = channel.and_then(|weak| weak.upgrade())
+    {
+        channel.rdma_link_ended(&why);
     }
 }
 

@@ -107,7 +107,7 @@ pub fn response_encode_error(err: PoolError) -> Status {
 
 /// The error for a request that could not be encoded (no send-pool memory).
 pub fn request_encode_error(err: PoolError) -> RpcError {
-    RpcError::Memory(err.to_string())
+    RpcError::Memory(err)
 }
 
 /// The answer to a method id that the service does not have.

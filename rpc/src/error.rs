@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_config::ConfigError;
@@ -40,8 +41,9 @@ pub enum RpcError {
     ConnectionLost {
         /// The server's address.
         addr: String,
-        /// What ended the connection.
-        reason: String,
+        /// What ended the connection (shared by every call that was
+        /// outstanding on it).
+        reason: Arc<LinkClosed>,
         /// The connection that broke (see [`RpcError::event`]).
         event: u64,
     },
@@ -55,7 +57,7 @@ pub enum RpcError {
     },
     /// No send-pool memory for the request.
     #[error("no buffer memory for the request: {0}")]
-    Memory(String),
+    Memory(#[source] tessera_transport::pool::PoolError),
     /// The channel's configuration is invalid (boxed: it is rare, and a
     /// small error keeps every call's `Result` small).
     #[error(transparent)]
@@ -76,6 +78,33 @@ pub enum RpcError {
         /// The limit.
         max: u64,
     },
+}
+
+/// Why a client connection ended, as the calls outstanding on it learn
+/// ([`RpcError::ConnectionLost`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkClosed {
+    /// The server closed it (stopping or restarting).
+    #[error("closed by the server")]
+    ByServer,
+    /// The server sent a request where only answers may come.
+    #[error("the server sent a request on a client connection")]
+    RequestFromServer,
+    /// An answer's RPC header did not decode.
+    #[error("malformed response: {0}")]
+    Malformed(#[source] crate::wire::WireError),
+    /// The transport failed (reset, framing, an RDMA error).
+    #[error(transparent)]
+    Transport(TransportError),
+    /// Calls timed out for this long with nothing heard from the server:
+    /// the link is presumed dead.
+    #[error("calls timed out for {0:?} with nothing heard: the link went silent")]
+    Silent(Duration),
+    /// The task reading the connection's answers stopped without saying
+    /// why.
+    #[error("connection reader stopped")]
+    ReaderStopped,
 }
 
 impl From<ConfigError> for RpcError {

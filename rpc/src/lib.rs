@@ -32,7 +32,7 @@ pub use config::{ChannelConfig, ServerConfig};
 pub use context::RequestContext;
 pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id, service_tag};
 pub use endpoint::Endpoint;
-pub use error::{RpcError, ServerError};
+pub use error::{LinkClosed, RpcError, ServerError};
 pub use replicas::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
 pub use server::{Server, ServerBuilder, Service, shutdown_signal};
 pub use status::{Code, Status};
@@ -40,9 +40,10 @@ pub use tessera_config::{ConfigError, Validate};
 /// Host checks for the transport (`tessera doctor`).
 pub use tessera_transport::doctor;
 pub use tessera_transport::inbound;
+pub use tessera_transport::pool::PoolError;
 pub use tessera_transport::tls;
 pub use tessera_transport::warn_limit;
 pub use tessera_transport::{
     ConnectionGate, GateTicket, InboundConfig, PeerIdentity, RdmaConfig, RdmaProvider, Stall,
-    TlsConfig, Transport, TransportConfig, TransportKind,
+    TlsConfig, Transport, TransportConfig, TransportError, TransportKind,
 };

@@ -17,7 +17,7 @@ use tessera_transport::{Message, Transport};
 
 use crate::channel::Target;
 use crate::policy::{
-    AttemptFailure, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
+    AttemptFailure, GiveUp, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
     RetryBudgetConfig, RetryDecision, RetryPolicy, RetryPolicyConfig,
 };
 use crate::{CallOptions, Channel, ChannelConfig, Code, MethodDescriptor, RpcError};
@@ -460,8 +460,8 @@ impl ReplicaSet {
                     tracing::debug!(attempt, replica = %addr, error = ?result.as_ref().err(), "retrying on another replica");
                 }
                 RetryDecision::GiveUp(why) => {
-                    tracing::debug!(attempt, replica = %addr, why, error = ?result.as_ref().err(), "giving up");
-                    if why == "retry budget exhausted" {
+                    tracing::debug!(attempt, replica = %addr, %why, error = ?result.as_ref().err(), "giving up");
+                    if why == GiveUp::BudgetExhausted {
                         metrics::counter!(crate::observe::CLIENT_BUDGET_EXHAUSTED).increment(1);
                     }
                     return result;

@@ -149,10 +149,10 @@ pub enum WorkerError {
     Merge(#[from] MergeError),
     /// The transport could not be set up (for example no RDMA device).
     #[error("transport: {0}")]
-    Transport(String),
+    Transport(#[source] tessera_rpc::TransportError),
     /// No send-pool memory for the gradients.
     #[error("no buffer memory for gradients: {0}")]
-    Memory(String),
+    Memory(#[source] tessera_rpc::PoolError),
     /// `gradients.len()` is not `keys.len() * dim`.
     #[error("{gradients} gradient values do not match {keys} keys of dim {dim}")]
     GradientLength {
@@ -210,8 +210,8 @@ impl PsClient {
         let channel_config = config.channel_config();
         // One transport (and so one pair of pools) for all the worker's
         // channels.
-        let transport = Transport::new(channel_config.transport.clone())
-            .map_err(|err| WorkerError::Transport(err.to_string()))?;
+        let transport =
+            Transport::new(channel_config.transport.clone()).map_err(WorkerError::Transport)?;
         let mut channels: HashMap<&str, Channel> = HashMap::new();
         let mut servers = Vec::new();
         let groups = config.replica_groups();
@@ -512,7 +512,7 @@ impl PsClient {
                     .transport
                     .send_pool()
                     .alloc(len)
-                    .map_err(|err| WorkerError::Memory(err.to_string()))?;
+                    .map_err(WorkerError::Memory)?;
                 buf.set_len(len);
                 write_f32s(&mut buf, sums);
                 let request = PushRequest {

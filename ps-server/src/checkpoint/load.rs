@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::dir::LATEST;
 use super::manifest::{MANIFEST, Manifest, VERSION};
-use super::{CheckpointError, tables_sorted};
+use super::{CheckpointError, Corruption, Difference, Missing, tables_sorted};
 use crate::image::LoadedCheckpoint;
 use crate::rowfile;
 use crate::store::Store;
@@ -29,7 +29,7 @@ pub fn load_latest(store: &Store, dir: &Path) -> Result<Option<LoadedCheckpoint>
     if name.is_empty() || name.contains('/') || name.contains("..") {
         return Err(CheckpointError::Corrupt {
             path: latest,
-            why: format!("`{name}` is not a checkpoint name"),
+            why: Corruption::LatestName(name),
         });
     }
     load(store, &dir.join(name)).map(Some)
@@ -43,7 +43,7 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
             return Err(CheckpointError::Partial {
                 path: path.to_owned(),
-                why: format!("no {MANIFEST} (an interrupted save?)"),
+                why: Missing::Manifest,
             });
         }
         Err(source) => {
@@ -56,24 +56,23 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
     let manifest: Manifest =
         serde_json::from_slice(&text).map_err(|err| CheckpointError::Corrupt {
             path: manifest_path.clone(),
-            why: err.to_string(),
+            why: err.into(),
         })?;
-    let mismatch = |why: String| CheckpointError::Mismatch {
+    let mismatch = |why: Difference| CheckpointError::Mismatch {
         path: path.to_owned(),
         why,
     };
     if manifest.version != VERSION && manifest.version != 1 {
-        return Err(mismatch(format!(
-            "format version {} (this server reads {VERSION})",
-            manifest.version
-        )));
+        return Err(mismatch(Difference::Version {
+            saved: manifest.version,
+            reads: VERSION,
+        }));
     }
     if manifest.num_shards != store.num_shards() {
-        return Err(mismatch(format!(
-            "saved with num_shards = {}, configured {}",
-            manifest.num_shards,
-            store.num_shards()
-        )));
+        return Err(mismatch(Difference::Shards {
+            saved: manifest.num_shards,
+            configured: store.num_shards(),
+        }));
     }
     let mut loaded = LoadedCheckpoint {
         path: path.to_owned(),
@@ -97,19 +96,18 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
             .tables
             .iter()
             .find(|t| t.name == config.name)
-            .ok_or_else(|| mismatch(format!("no table `{}` in it", config.name)))?;
+            .ok_or_else(|| mismatch(Difference::NoTable(config.name.clone())))?;
         if saved.dim != config.dim
             || saved.slots != slots
             || saved.optimizer != config.optimizer.name()
         {
-            return Err(mismatch(format!(
-                "table `{}` was saved with dim {} and optimizer {}, configured dim {} and optimizer {}",
-                config.name,
-                saved.dim,
-                saved.optimizer,
-                config.dim,
-                config.optimizer.name()
-            )));
+            return Err(mismatch(Difference::Table {
+                table: config.name.clone(),
+                saved_dim: saved.dim,
+                saved_optimizer: saved.optimizer.clone(),
+                dim: config.dim,
+                optimizer: config.optimizer.name().to_owned(),
+            }));
         }
         for &shard in store.hosted() {
             let entry = manifest
@@ -118,12 +116,15 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
                 .find(|f| f.table == config.name && f.shard == shard)
                 .ok_or_else(|| CheckpointError::Partial {
                     path: path.to_owned(),
-                    why: format!("no file for table `{}` shard {shard}", config.name),
+                    why: Missing::Entry {
+                        table: config.name.clone(),
+                        shard,
+                    },
                 })?;
             if entry.file.contains('/') || entry.file.contains("..") {
                 return Err(CheckpointError::Corrupt {
                     path: manifest_path.clone(),
-                    why: format!("file name `{}`", entry.file),
+                    why: Corruption::FileName(entry.file.clone()),
                 });
             }
             let file = path.join(&entry.file);
@@ -132,37 +133,35 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
                     return Err(CheckpointError::Partial {
                         path: path.to_owned(),
-                        why: format!("{} is missing", entry.file),
+                        why: Missing::File(entry.file.clone()),
                     });
                 }
                 Err(source) => return Err(CheckpointError::Io { path: file, source }),
             };
-            let corrupt = |why: String| CheckpointError::Corrupt {
+            let corrupt = |why: Corruption| CheckpointError::Corrupt {
                 path: file.clone(),
                 why,
             };
             if bytes.len() as u64 != entry.bytes {
-                return Err(corrupt(format!(
-                    "{} bytes, the manifest says {}",
-                    bytes.len(),
-                    entry.bytes
-                )));
+                return Err(corrupt(Corruption::Length {
+                    got: bytes.len() as u64,
+                    expected: entry.bytes,
+                }));
             }
             let crc = crc32fast::hash(&bytes);
             if crc != entry.crc32 {
-                return Err(corrupt(format!(
-                    "CRC-32 {crc:#010x}, the manifest says {:#010x}",
-                    entry.crc32
-                )));
+                return Err(corrupt(Corruption::Crc {
+                    got: crc,
+                    expected: entry.crc32,
+                }));
             }
-            let image = rowfile::decode(&bytes, config.dim, slots)
-                .map_err(|err| corrupt(err.to_string()))?;
+            let image =
+                rowfile::decode(&bytes, config.dim, slots).map_err(|err| corrupt(err.into()))?;
             if image.rows.len() as u64 != entry.rows {
-                return Err(corrupt(format!(
-                    "{} rows, the manifest says {}",
-                    image.rows.len(),
-                    entry.rows
-                )));
+                return Err(corrupt(Corruption::RowCount {
+                    got: image.rows.len() as u64,
+                    expected: entry.rows,
+                }));
             }
             loaded.shards.push((config.name.clone(), shard, image));
         }

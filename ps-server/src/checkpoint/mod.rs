@@ -76,7 +76,7 @@ pub enum CheckpointError {
         /// The file.
         path: PathBuf,
         /// What is wrong.
-        why: String,
+        why: Corruption,
     },
     /// The checkpoint lacks something (an interrupted save, a lost file).
     #[error("checkpoint {path} is incomplete: {why}")]
@@ -84,7 +84,7 @@ pub enum CheckpointError {
         /// The checkpoint directory.
         path: PathBuf,
         /// What is missing.
-        why: String,
+        why: Missing,
     },
     /// The checkpoint does not fit this server's configuration.
     #[error("checkpoint {path} does not match the configuration: {why}")]
@@ -92,7 +92,111 @@ pub enum CheckpointError {
         /// The checkpoint directory.
         path: PathBuf,
         /// What differs.
-        why: String,
+        why: Difference,
+    },
+}
+
+/// What is wrong with a checkpoint file ([`CheckpointError::Corrupt`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Corruption {
+    /// `LATEST` names something that is not a checkpoint directory.
+    #[error("`{0}` is not a checkpoint name")]
+    LatestName(String),
+    /// The manifest is not valid JSON of the manifest's shape.
+    #[error(transparent)]
+    Manifest(#[from] serde_json::Error),
+    /// The manifest names a file outside the checkpoint's directory.
+    #[error("file name `{0}`")]
+    FileName(String),
+    /// A shard file's length is not the manifest's.
+    #[error("{got} bytes, the manifest says {expected}")]
+    Length {
+        /// The file's length.
+        got: u64,
+        /// The manifest's.
+        expected: u64,
+    },
+    /// A shard file's CRC-32 is not the manifest's.
+    #[error("CRC-32 {got:#010x}, the manifest says {expected:#010x}")]
+    Crc {
+        /// The file's.
+        got: u32,
+        /// The manifest's.
+        expected: u32,
+    },
+    /// A shard file does not decode.
+    #[error(transparent)]
+    Rows(#[from] crate::rowfile::DecodeError),
+    /// A shard file holds another number of rows than the manifest says.
+    #[error("{got} rows, the manifest says {expected}")]
+    RowCount {
+        /// Rows in the file.
+        got: u64,
+        /// The manifest's.
+        expected: u64,
+    },
+}
+
+/// What a checkpoint lacks ([`CheckpointError::Partial`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Missing {
+    /// No manifest: the save was interrupted before its last step.
+    #[error("no MANIFEST.json (an interrupted save?)")]
+    Manifest,
+    /// The manifest lists no file for a (table, shard) this server hosts.
+    #[error("no file for table `{table}` shard {shard}")]
+    Entry {
+        /// The table.
+        table: String,
+        /// The shard.
+        shard: u32,
+    },
+    /// A file the manifest lists is not there.
+    #[error("{0} is missing")]
+    File(String),
+}
+
+/// How a checkpoint differs from the server's configuration
+/// ([`CheckpointError::Mismatch`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Difference {
+    /// A manifest format this server cannot read.
+    #[error("format version {saved} (this server reads {reads})")]
+    Version {
+        /// The checkpoint's.
+        saved: u32,
+        /// This server's.
+        reads: u32,
+    },
+    /// Another shard count.
+    #[error("saved with num_shards = {saved}, configured {configured}")]
+    Shards {
+        /// The checkpoint's.
+        saved: u32,
+        /// The configuration's.
+        configured: u32,
+    },
+    /// A configured table the checkpoint does not hold.
+    #[error("no table `{0}` in it")]
+    NoTable(String),
+    /// A table saved with another shape or optimizer.
+    #[error(
+        "table `{table}` was saved with dim {saved_dim} and optimizer {saved_optimizer}, configured dim {dim} and optimizer {optimizer}"
+    )]
+    Table {
+        /// The table.
+        table: String,
+        /// Its dimension in the checkpoint.
+        saved_dim: u32,
+        /// Its optimizer in the checkpoint.
+        saved_optimizer: String,
+        /// The configured dimension.
+        dim: u32,
+        /// The configured optimizer.
+        optimizer: String,
     },
 }
 

@@ -165,14 +165,15 @@ fn a_checkpoint_restores_values_state_and_dedup_bit_identically() {
 #[test]
 fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
     let store = trained_store();
-    let check = |damage: &dyn Fn(&Path), expect: &str| {
+    let check = |damage: &dyn Fn(&Path), expect: &dyn Fn(&CheckpointError) -> bool| {
         let dir = tempfile::tempdir().unwrap();
         let info = save(&store, dir.path(), 3).unwrap();
         damage(&info.path);
         let fresh = Store::new(&config());
-        let err = load_latest(&fresh, dir.path()).unwrap_err().to_string();
-        assert!(err.contains(expect), "expected {expect:?} in: {err}");
+        let err = load_latest(&fresh, dir.path()).unwrap_err();
+        assert!(expect(&err), "unexpected: {err:?}");
     };
+    let file_is = |err_path: &Path, name: &str| err_path.file_name().is_some_and(|f| f == name);
     // A flipped byte in a row file.
     check(
         &|path| {
@@ -181,7 +182,10 @@ fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
             bytes[100] ^= 0x40;
             fs::write(&file, bytes).unwrap();
         },
-        "t0-s1.rows is corrupt: CRC-32",
+        &|err| {
+            matches!(err, CheckpointError::Corrupt { path, why: Corruption::Crc { .. } }
+                if file_is(path, "t0-s1.rows"))
+        },
     );
     // A truncated row file.
     check(
@@ -190,33 +194,52 @@ fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
             let bytes = fs::read(&file).unwrap();
             fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
         },
-        "t1-s0.rows is corrupt",
+        &|err| {
+            matches!(err, CheckpointError::Corrupt { path, why: Corruption::Length { .. } }
+                if file_is(path, "t1-s0.rows"))
+        },
     );
     // A lost file, a lost manifest (an interrupted save).
     check(
         &|path| fs::remove_file(path.join("t0-s0.rows")).unwrap(),
-        "incomplete: t0-s0.rows is missing",
+        &|err| {
+            matches!(err, CheckpointError::Partial { why: Missing::File(file), .. }
+                if file == "t0-s0.rows")
+        },
     );
     check(
         &|path| fs::remove_file(path.join(MANIFEST)).unwrap(),
-        "incomplete: no MANIFEST.json",
+        &|err| {
+            matches!(
+                err,
+                CheckpointError::Partial {
+                    why: Missing::Manifest,
+                    ..
+                }
+            )
+        },
     );
     // A manifest that is not JSON.
     check(
         &|path| fs::write(path.join(MANIFEST), b"{ not json").unwrap(),
-        "MANIFEST.json is corrupt",
+        &|err| {
+            matches!(err, CheckpointError::Corrupt { path, why: Corruption::Manifest(_) }
+                if file_is(path, MANIFEST))
+        },
     );
     // A different shape in the configuration.
     let dir = tempfile::tempdir().unwrap();
     save(&store, dir.path(), 3).unwrap();
     let mut other = config();
     other.tables[0].dim = 4;
-    let err = load_latest(&Store::new(&other), dir.path())
-        .unwrap_err()
-        .to_string();
+    let err = load_latest(&Store::new(&other), dir.path()).unwrap_err();
     assert!(
-        err.contains("does not match") && err.contains("`adam`"),
-        "{err}"
+        matches!(
+            &err,
+            CheckpointError::Mismatch { why: Difference::Table { saved_optimizer, dim: 4, .. }, .. }
+                if saved_optimizer == "adam"
+        ),
+        "{err:?}"
     );
     other = config();
     other.tables[1].optimizer = OptimizerConfig::adagrad(0.1);

@@ -24,5 +24,5 @@ mod select;
 pub use budget::{RetryBudget, RetryBudgetConfig};
 pub use fallback::{FallbackConfig, FallbackLadder, HEALTHY_AFTER, LadderStep, Path};
 pub use quarantine::{Ejection, Quarantine, QuarantineConfig};
-pub use retry::{AttemptFailure, RetryDecision, RetryPolicy, RetryPolicyConfig};
+pub use retry::{AttemptFailure, GiveUp, RetryDecision, RetryPolicy, RetryPolicyConfig};
 pub use select::{Replica, ReplicaSelector};

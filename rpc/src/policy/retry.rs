@@ -122,8 +122,33 @@ pub enum RetryDecision {
     Redirect,
     /// Try again (preferably on another replica).
     Retry,
-    /// Give up; the reason (for logs and metrics).
-    GiveUp(&'static str),
+    /// Give up, and why (for logs and metrics).
+    GiveUp(GiveUp),
+}
+
+/// Why a failed call is not tried again ([`RetryDecision::GiveUp`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GiveUp {
+    /// The server answered with an error status: its answer is final.
+    #[error("the server answered")]
+    ServerAnswered,
+    /// `max_attempts` attempts were made.
+    #[error("attempts used up")]
+    AttemptsUsedUp,
+    /// The request may have been applied and a second application is not
+    /// harmless.
+    #[error("not idempotent")]
+    NotIdempotent,
+    /// Less than `min_remaining_ms` is left before the caller's deadline.
+    #[error("deadline")]
+    Deadline,
+    /// The retry probability's draw said no.
+    #[error("not drawn")]
+    NotDrawn,
+    /// The retry budget has no token left.
+    #[error("retry budget exhausted")]
+    BudgetExhausted,
 }
 
 /// The retry decision of a client (see the module docs).
@@ -157,7 +182,7 @@ impl RetryPolicy {
         rng: &mut impl Rng,
     ) -> RetryDecision {
         if failure == AttemptFailure::Status {
-            return RetryDecision::GiveUp("the server answered");
+            return RetryDecision::GiveUp(GiveUp::ServerAnswered);
         }
         let left = deadline.saturating_duration_since(now);
         let time_left = left >= Duration::from_millis(self.config.min_remaining_ms);
@@ -165,24 +190,24 @@ impl RetryPolicy {
             return RetryDecision::Redirect;
         }
         if attempt >= self.config.max_attempts {
-            return RetryDecision::GiveUp("attempts used up");
+            return RetryDecision::GiveUp(GiveUp::AttemptsUsedUp);
         }
         // A request that was never sent cannot have been applied.
         if matches!(failure, AttemptFailure::Lost | AttemptFailure::TimedOut) && !safe {
-            return RetryDecision::GiveUp("not idempotent");
+            return RetryDecision::GiveUp(GiveUp::NotIdempotent);
         }
         if !time_left {
-            return RetryDecision::GiveUp("deadline");
+            return RetryDecision::GiveUp(GiveUp::Deadline);
         }
         let probability = match failure {
             AttemptFailure::TimedOut => self.config.probability,
             _ => self.config.connection_failure_probability,
         };
         if !rng.random_bool(probability.clamp(0.0, 1.0)) {
-            return RetryDecision::GiveUp("not drawn");
+            return RetryDecision::GiveUp(GiveUp::NotDrawn);
         }
         if !budget.try_withdraw(now) {
-            return RetryDecision::GiveUp("retry budget exhausted");
+            return RetryDecision::GiveUp(GiveUp::BudgetExhausted);
         }
         RetryDecision::Retry
     }
@@ -279,7 +304,7 @@ mod tests {
         for failure in [AttemptFailure::Lost, AttemptFailure::TimedOut] {
             assert_eq!(
                 decide(1, failure, false, later, &mut b),
-                RetryDecision::GiveUp("not idempotent")
+                RetryDecision::GiveUp(GiveUp::NotIdempotent)
             );
             assert_eq!(
                 decide(1, failure, true, later, &mut b),
@@ -288,11 +313,11 @@ mod tests {
         }
         assert_eq!(
             decide(3, AttemptFailure::Connect, true, later, &mut b),
-            RetryDecision::GiveUp("attempts used up")
+            RetryDecision::GiveUp(GiveUp::AttemptsUsedUp)
         );
         assert_eq!(
             decide(1, AttemptFailure::Status, true, later, &mut b),
-            RetryDecision::GiveUp("the server answered")
+            RetryDecision::GiveUp(GiveUp::ServerAnswered)
         );
         assert_eq!(
             decide(
@@ -302,7 +327,7 @@ mod tests {
                 now + Duration::from_millis(1),
                 &mut b
             ),
-            RetryDecision::GiveUp("deadline")
+            RetryDecision::GiveUp(GiveUp::Deadline)
         );
         // An empty budget stops retries.
         let mut empty = RetryBudget::new(
@@ -321,8 +346,8 @@ mod tests {
             [
                 RetryDecision::Retry,
                 RetryDecision::Retry,
-                RetryDecision::GiveUp("retry budget exhausted"),
-                RetryDecision::GiveUp("retry budget exhausted"),
+                RetryDecision::GiveUp(GiveUp::BudgetExhausted),
+                RetryDecision::GiveUp(GiveUp::BudgetExhausted),
             ]
         );
     }
@@ -364,24 +389,24 @@ mod tests {
             // Every replica tried: the ordinary rules (here: one attempt).
             assert_eq!(
                 decide(failure, true, false, later),
-                RetryDecision::GiveUp("attempts used up")
+                RetryDecision::GiveUp(GiveUp::AttemptsUsedUp)
             );
             // No time left for it.
             assert_eq!(
                 decide(failure, true, true, now + Duration::from_millis(1)),
-                RetryDecision::GiveUp("attempts used up")
+                RetryDecision::GiveUp(GiveUp::AttemptsUsedUp)
             );
         }
         // A failure that may have done work is never redirected for free.
         for failure in [AttemptFailure::Lost, AttemptFailure::TimedOut] {
             assert_eq!(
                 decide(failure, true, true, later),
-                RetryDecision::GiveUp("attempts used up")
+                RetryDecision::GiveUp(GiveUp::AttemptsUsedUp)
             );
         }
         assert_eq!(
             decide(AttemptFailure::Status, true, true, later),
-            RetryDecision::GiveUp("the server answered")
+            RetryDecision::GiveUp(GiveUp::ServerAnswered)
         );
         assert_eq!(empty.exhausted(), 0, "no token was asked for");
     }

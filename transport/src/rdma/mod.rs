@@ -22,7 +22,7 @@ pub(crate) mod wr_id;
 pub use credits::ReceiveCredits;
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineEvent, EngineStats, KeepaliveConfig, PeerInfo, Role,
-    SocketId,
+    SocketId, Violation,
 };
 pub use ring::WorkRequestRing;
 pub use window::{SendWindow, WindowConfig};

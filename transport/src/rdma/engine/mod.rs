@@ -101,7 +101,7 @@ mod types;
 
 pub use keepalive::KeepaliveConfig;
 pub use types::{
-    EngineConfig, EngineError, EngineEvent, EngineStats, MAX_WAITING_RTS, PeerInfo, Role,
+    EngineConfig, EngineError, EngineEvent, EngineStats, MAX_WAITING_RTS, PeerInfo, Role, Violation,
 };
 
 use keepalive::{KEEPALIVE_SLOT_LEN, Keepalive};
@@ -485,20 +485,16 @@ impl Engine {
                 self.release_held(wr_id);
             }
             WrKind::SharedRecv(_) => {
-                self.fail(EngineError::Protocol(
-                    "a shared receive came without its buffer".into(),
-                ));
+                self.fail(EngineError::Protocol(Violation::SharedReceiveWithoutBuffer));
             }
             WrKind::Recv(_) if self.config.shared_receives => {
                 self.fail(EngineError::Protocol(
-                    "a receive of its own on an engine with shared receives".into(),
+                    Violation::OwnReceiveWithSharedReceives,
                 ));
             }
             WrKind::Recv(slot) => {
                 let Some(buf) = self.recv_slots.get_mut(slot).and_then(Option::take) else {
-                    self.fail(EngineError::Protocol(format!(
-                        "completion for unknown receive {slot}"
-                    )));
+                    self.fail(EngineError::Protocol(Violation::UnknownReceive(slot)));
                     return;
                 };
                 self.consumed_slots.push(slot);

@@ -55,9 +55,10 @@ impl Engine {
     ) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
-            let (socket, message, permit) = self.incoming.remove(&msg_id).ok_or_else(|| {
-                EngineError::Protocol(format!("write with immediate for unknown message {msg_id}"))
-            })?;
+            let (socket, message, permit) = self
+                .incoming
+                .remove(&msg_id)
+                .ok_or(EngineError::Protocol(Violation::UnknownMessage(msg_id)))?;
             self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
             // Confined: the window dies before the message is handed on,
             // so the peer cannot change it once the application has it.
@@ -80,13 +81,13 @@ impl Engine {
         // but not for slicing, and the slice panicked the I/O thread).
         let len = completion.byte_len as usize;
         if len > buf.len() {
-            return Err(EngineError::Protocol(format!(
-                "a receive of {len} bytes into a buffer of {}",
-                buf.len()
-            )));
+            return Err(EngineError::Protocol(Violation::ReceiveTooLong {
+                len,
+                buffer: buf.len(),
+            }));
         }
         let header =
-            ControlHeader::decode(&buf[..len]).map_err(|e| EngineError::Protocol(e.to_string()))?;
+            ControlHeader::decode(&buf[..len]).map_err(|e| EngineError::Protocol(e.into()))?;
         self.credits.returned(header.credits);
         match header.kind {
             ControlKind::Data => {
@@ -96,10 +97,10 @@ impl Engine {
             ControlKind::Rts { size } => {
                 self.recycle(buf);
                 if size > self.config.max_message_size {
-                    return Err(EngineError::Protocol(format!(
-                        "peer wants to send {size} bytes, above the limit of {}",
-                        self.config.max_message_size
-                    )));
+                    return Err(EngineError::Protocol(Violation::TooLarge {
+                        size,
+                        max: self.config.max_message_size,
+                    }));
                 }
                 // A message id already granted (or waiting): its buffer's
                 // address and key are the peer's, which may still write
@@ -108,14 +109,13 @@ impl Engine {
                 if self.incoming.contains_key(&header.msg_id)
                     || self.waiting_rts.iter().any(|w| w.0 == header.msg_id)
                 {
-                    return Err(EngineError::Protocol(format!(
-                        "request to send message {} again while it is granted",
-                        header.msg_id
+                    return Err(EngineError::Protocol(Violation::RequestAgain(
+                        header.msg_id,
                     )));
                 }
                 if self.waiting_rts.len() >= MAX_WAITING_RTS {
-                    return Err(EngineError::Protocol(format!(
-                        "{MAX_WAITING_RTS} requests to send wait for budget; the peer sends more"
+                    return Err(EngineError::Protocol(Violation::TooManyRequests(
+                        MAX_WAITING_RTS,
                     )));
                 }
                 self.waiting_rts
@@ -124,12 +124,12 @@ impl Engine {
             }
             ControlKind::Cts { addr, rkey } => {
                 self.recycle(buf);
-                let socket = self.awaiting_cts.remove(&header.msg_id).ok_or_else(|| {
-                    EngineError::Protocol(format!(
-                        "clear to send for unknown message {}",
-                        header.msg_id
-                    ))
-                })?;
+                let socket =
+                    self.awaiting_cts
+                        .remove(&header.msg_id)
+                        .ok_or(EngineError::Protocol(Violation::UnknownClearToSend(
+                            header.msg_id,
+                        )))?;
                 if let Some(tx) = self.sockets.get_mut(&socket)
                     && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == header.msg_id)
                 {
@@ -146,9 +146,7 @@ impl Engine {
                     Role::Acceptor => socket & ACCEPTOR_BIT == 0,
                 };
                 if !theirs || socket & !ACCEPTOR_BIT == 0 || self.open.contains(&socket) {
-                    return Err(EngineError::Protocol(format!(
-                        "peer opened socket {socket:#x}, which is not its to open"
-                    )));
+                    return Err(EngineError::Protocol(Violation::NotItsSocket(socket)));
                 }
                 self.open.insert(socket);
                 self.sockets.insert(socket, SocketTx::default());

@@ -104,7 +104,7 @@ pub enum EngineError {
     },
     /// The peer broke the protocol.
     #[error("protocol violation: {0}")]
-    Protocol(String),
+    Protocol(#[source] Violation),
     /// No pool memory.
     #[error("no buffer memory: {0}")]
     Memory(#[from] crate::pool::PoolError),
@@ -201,4 +201,56 @@ pub struct EngineStats {
     pub keepalives_sent: u64,
     /// Messages dropped because their socket was closed.
     pub orphan_messages: u64,
+}
+
+/// How a peer (or its NIC) broke the engine's protocol
+/// ([`EngineError::Protocol`]): each fails the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// A WRITE with immediate named a message that was never granted.
+    #[error("write with immediate for unknown message {0}")]
+    UnknownMessage(u32),
+    /// A completion claimed more bytes than its receive buffer holds.
+    #[error("a receive of {len} bytes into a buffer of {buffer}")]
+    ReceiveTooLong {
+        /// Bytes the completion claimed.
+        len: usize,
+        /// The buffer's size.
+        buffer: usize,
+    },
+    /// A control header did not parse.
+    #[error(transparent)]
+    Header(#[from] crate::rdma::control::ControlError),
+    /// A request to send more than `max_message_size`.
+    #[error("peer wants to send {size} bytes, above the limit of {max}")]
+    TooLarge {
+        /// The size asked for.
+        size: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A request to send a message already granted or waiting.
+    #[error("request to send message {0} again while it is granted")]
+    RequestAgain(u32),
+    /// More requests to send than may wait for budget.
+    #[error("{0} requests to send wait for budget; the peer sends more")]
+    TooManyRequests(usize),
+    /// Clear to send for a message this side never asked about.
+    #[error("clear to send for unknown message {0}")]
+    UnknownClearToSend(u32),
+    /// The peer opened a socket number that is this side's to open, or
+    /// one already open.
+    #[error("peer opened socket {0:#x}, which is not its to open")]
+    NotItsSocket(u32),
+    /// A shared receive completed with no buffer posted for it.
+    #[error("a shared receive came without its buffer")]
+    SharedReceiveWithoutBuffer,
+    /// A receive of the engine's own on an engine that uses shared
+    /// receives.
+    #[error("a receive of its own on an engine with shared receives")]
+    OwnReceiveWithSharedReceives,
+    /// A completion for a receive slot with nothing posted.
+    #[error("completion for unknown receive {0}")]
+    UnknownReceive(usize),
 }
