@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use tessera_rpc::sync::LockExt;
 
 use tessera_proto::v1::{
     self, CheckpointRequest, CheckpointResponse, DigestRequest, DigestResponse, ShardDigest,
@@ -57,11 +58,7 @@ impl Checkpointer {
 
     /// How the checkpoints are going (Health's `checkpoint`).
     pub fn health(&self) -> v1::CheckpointHealth {
-        let mut health = self
-            .outcomes
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let mut health = self.outcomes.locked().clone();
         health.saving = self.saving();
         health
     }
@@ -70,10 +67,7 @@ impl Checkpointer {
     /// and cause (saves are rare: at most one a period, or on demand).
     fn record(&self, outcome: &Result<checkpoint::CheckpointInfo, CheckpointError>) {
         let now = unix_ms(std::time::SystemTime::now());
-        let mut health = self
-            .outcomes
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut health = self.outcomes.locked();
         match outcome {
             Ok(info) => {
                 health.last_success_unix_ms = now;

@@ -33,6 +33,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::LockExt;
 
 /// Sequences remembered below the highest one, per worker and shard.
 /// 1024: far more Pushes than a worker keeps in flight to one shard.
@@ -197,7 +198,7 @@ impl PushDedup {
         if worker == 0 || sequence == 0 {
             return Admission::Apply;
         }
-        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut workers = self.workers.locked();
         if sequence > MAX_SEQUENCE {
             return Admission::Implausible {
                 highest: workers.get(&worker).map_or(0, |w| w.highest),
@@ -230,7 +231,7 @@ impl PushDedup {
         if worker == 0 || sequence == 0 {
             return;
         }
-        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut workers = self.workers.locked();
         if let Some(window) = workers.get_mut(&worker) {
             window.last_seen = now;
             window.mark(sequence);
@@ -245,20 +246,17 @@ impl PushDedup {
 
     /// Forgets every worker.
     pub fn clear(&self) {
-        self.workers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.workers.locked().clear();
     }
 
     /// Workers remembered now.
     pub fn workers(&self) -> usize {
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.workers.locked().len()
     }
 
     /// The window of every worker remembered, for a checkpoint or a copy.
     pub fn snapshot(&self) -> Vec<WorkerWindow> {
-        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let workers = self.workers.locked();
         workers
             .iter()
             .map(|(&worker, w)| WorkerWindow {
@@ -272,7 +270,7 @@ impl PushDedup {
     /// Restores what [`PushDedup::snapshot`] saved (workers count as just
     /// seen).
     pub fn restore(&self, saved: &[WorkerWindow], now: Instant) {
-        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut workers = self.workers.locked();
         for window in saved {
             // Saved before sequences were bounded: such a window would
             // refuse every later Push of its worker as too old. Every copy

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
+use tessera_transport::sync::lock;
 
 use bytes::Bytes;
 use tessera_transport::{
@@ -590,14 +591,6 @@ impl Channel {
             }
         });
     }
-}
-
-/// Locks `mutex`; poisoning is ignored: every value these locks guard is
-/// consistent after any single operation on it.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl ChannelInner {

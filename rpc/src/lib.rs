@@ -41,6 +41,7 @@ pub use tessera_config::{ConfigError, Validate};
 pub use tessera_transport::doctor;
 pub use tessera_transport::inbound;
 pub use tessera_transport::pool::PoolError;
+pub use tessera_transport::sync;
 pub use tessera_transport::tls;
 pub use tessera_transport::warn_limit;
 pub use tessera_transport::{

@@ -9,6 +9,7 @@
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_transport::sync::LockExt;
 
 use bytes::Bytes;
 use rand::SeedableRng;
@@ -197,7 +198,7 @@ impl ReplicaSet {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
     }
 
     /// The replicas excluded now, and until when.
@@ -482,11 +483,7 @@ struct Abandoned<'a> {
 impl Drop for Abandoned<'_> {
     fn drop(&mut self) {
         if let Some(i) = self.replica {
-            self.state
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .selector
-                .abandon(i);
+            self.state.locked().selector.abandon(i);
         }
     }
 }

@@ -31,6 +31,7 @@ pub use process::PsProcess;
 pub use proxy::FaultProxy;
 pub use rows::{f32s, keys_of_shard, wire};
 pub use server::InProcess;
+use tessera_transport::sync::LockExt;
 
 /// A free loopback port (released before the caller binds it: on
 /// loopback the window for another process to take it is small), never
@@ -39,7 +40,7 @@ pub use server::InProcess;
 /// the same one (`peers lists this server itself`).
 pub fn free_port() -> u16 {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    let mut given = GIVEN.locked();
     loop {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()

@@ -41,6 +41,7 @@
 //! Connections this process dialed are not limited here: what they receive
 //! answers what we asked for.
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -576,7 +577,7 @@ impl Addresses {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, AddressEntry>> {
         // A poisoned lock only means a panic elsewhere while holding it;
         // the counts are still whole.
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+        self.entries.locked()
     }
 
     /// A slot for a connection from `ip`, or `None` when the address has

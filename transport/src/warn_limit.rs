@@ -9,6 +9,7 @@
 //! the figure an operator needs; this is one small map behind a mutex,
 //! bounded in size, on a path that is only taken when something is wrong.
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{LazyLock, Mutex};
@@ -63,7 +64,7 @@ impl WarnLimiter {
     pub fn check(&self, peer: IpAddr, now: Instant) -> Option<u64> {
         // A poisoned lock only means a panic elsewhere while holding it;
         // the map is still a valid map.
-        let mut guard = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.peers.locked();
         let Peers {
             entries: peers,
             swept,

@@ -39,16 +39,13 @@
 //! replica died, and sends it again while the primary is still waiting.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::lock;
 
 use prost::Message as _;
 use tessera_proto::v1::{NotPrimary, ParameterServerClient, PushRequest, PushResponse};
 use tessera_rpc::{CallOptions, Code, RpcError};
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The primary of one shard as known now.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,6 +9,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use tessera_transport::sync::RwLockExt;
 
 use indexmap::IndexMap;
 use tessera_proto::sharding::splitmix64;
@@ -84,11 +85,11 @@ impl ShardRows {
     }
 
     fn read_stripe(&self, i: usize) -> RwLockReadGuard<'_, IndexMap<u64, Row>> {
-        self.stripes[i].read().unwrap_or_else(|p| p.into_inner())
+        self.stripes[i].read_locked()
     }
 
     fn write_stripe(&self, i: usize) -> RwLockWriteGuard<'_, IndexMap<u64, Row>> {
-        self.stripes[i].write().unwrap_or_else(|p| p.into_inner())
+        self.stripes[i].write_locked()
     }
 
     /// Calls `read` with the row of `key`, if present.

@@ -47,6 +47,7 @@ use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_transport::sync::LockExt;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -778,16 +779,12 @@ fn snapshot_run(
                     std::thread::yield_now();
                 }
                 {
-                    let _shard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                    let _shard = lock.locked();
                     bench.push_many(&keys, &grad);
                 }
                 let done = Instant::now();
                 let waited = sched.since(before).1;
-                log.lock().unwrap_or_else(|p| p.into_inner()).push((
-                    done,
-                    micros(done - t),
-                    waited,
-                ));
+                log.locked().push((done, micros(done - t), waited));
             }
         })
     };
@@ -825,7 +822,7 @@ fn snapshot_run(
     let copy_to = Instant::now();
     stop.store(true, Ordering::Relaxed);
     pusher.join().map_err(|_| "the push thread panicked")?;
-    let log = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
+    let log = std::mem::take(&mut *log.locked());
     // Push latencies from `from` to `to`, and the same less each one's
     // wait for a CPU.
     let during = |from: Instant, to: Instant| {
@@ -883,7 +880,7 @@ fn snapshot_run(
 /// (µs): what every Push waits for at most.
 fn take_cut(bench: &Bench, lock: &Mutex<()>, wanted: &AtomicBool) -> (Cut, f64) {
     wanted.store(true, Ordering::Release);
-    let shard = lock.lock().unwrap_or_else(|p| p.into_inner());
+    let shard = lock.locked();
     wanted.store(false, Ordering::Release);
     let held = Instant::now();
     let cut = bench.cut();

@@ -18,6 +18,7 @@
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::LockExt;
 
 /// The fence's rule (module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +95,7 @@ impl Fence {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, FenceCore> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
+        self.core.locked()
     }
 
     /// See [`FenceCore::handle_renewed`].

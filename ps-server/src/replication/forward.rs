@@ -27,8 +27,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::lock;
 
 use tessera_proto::v1::{
     PushRequest, ReplicateRequest, ReplicateResponse, ReplicatedPush, ReplicationClient,
@@ -37,10 +38,6 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::Replication;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// One queued forward, with a local id to acknowledge it by. The Push is
 /// shared by every replica's queue (one copy per Push, not per replica);

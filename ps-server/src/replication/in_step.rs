@@ -32,17 +32,14 @@
 //! the same mechanism as the primary key itself.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
+use tessera_rpc::sync::lock;
 
 use tessera_coord::{EtcdCoordinator, InStepRecord};
 
 use super::Replication;
 use super::ack::Refusal;
 use crate::config::AckMode;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Where the record is written: the coordinator and this server's current
 /// lease (set by the etcd coordination at each session).

@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::LockExt;
 
 use tessera_proto::v1::{self, NotPrimary};
 
@@ -283,7 +284,7 @@ impl ShardCell {
     pub fn lock(&self) -> StateGuard<'_> {
         StateGuard {
             cell: self,
-            state: self.state.lock().unwrap_or_else(|p| p.into_inner()),
+            state: self.state.locked(),
         }
     }
 

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::LockExt;
 
 use bytes::Bytes;
 use tessera_proto::v1::{ReplicationClient, SyncChunkRequest, SyncRequest, SyncResponse};
@@ -469,7 +470,7 @@ impl Sessions {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Session>> {
-        self.open.lock().unwrap_or_else(|p| p.into_inner())
+        self.open.locked()
     }
 
     /// Keeps `source` for `caller`'s copy of `shard`, ending any session

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard};
+use tessera_rpc::sync::LockExt;
 
 use super::Store;
 use crate::version::Version;
@@ -57,11 +58,7 @@ impl ShardGuard<'_> {
     pub fn set_version(&mut self, version: Version) {
         if let Some(held) = self.version.as_deref_mut() {
             *held = version;
-            *self
-                .writer
-                .published
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = version;
+            *self.writer.published.locked() = version;
         }
     }
 }
@@ -77,7 +74,7 @@ impl Store {
             shard,
             // A panic under the lock leaves at worst one Push half applied
             // to a row; serving beats failing every later request.
-            version: Some(writer.version.lock().unwrap_or_else(|p| p.into_inner())),
+            version: Some(writer.version.locked()),
             writer,
         })
     }
@@ -140,6 +137,6 @@ impl Store {
     /// to agree with the rows holds the lock ([`ShardGuard::version`]).
     pub fn version(&self, shard: u32) -> Option<Version> {
         let writer = self.writers.get(&shard)?;
-        Some(*writer.published.lock().unwrap_or_else(|p| p.into_inner()))
+        Some(*writer.published.locked())
     }
 }

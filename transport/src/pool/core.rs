@@ -1,10 +1,11 @@
 //! The shared state of a pool: per-class free lists and blocks, dedicated
 //! mappings, accounting.
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use super::config::PoolConfig;
 use super::hook::{Access, RegistrationHook};
@@ -15,14 +16,6 @@ use super::size_class::{class_count, class_size};
 use super::{PoolError, PoolStats};
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves the lists consistent (pushes, pops and
-    // moves of whole entries), so a poisoned lock is safe to keep using.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 // Regions are boxed because the page map points at them: their address must
 // not change when the vectors holding them grow.

@@ -18,6 +18,7 @@
 //! wait for the same setup). An engine that fails leaves the table, and the
 //! next `connect` dials afresh.
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -326,7 +327,7 @@ impl RdmaRuntime {
         }
         for _ in 0..3 {
             let cell = {
-                let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+                let mut table = self.table.locked();
                 Arc::clone(table.entry(addr.to_owned()).or_default())
             };
             let engine = cell.get_or_try_init(|| self.dial(addr)).await?;
@@ -339,7 +340,7 @@ impl RdmaRuntime {
                 }
             }
             // A dead engine leaves the table (unless someone replaced it).
-            let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+            let mut table = self.table.locked();
             if table.get(addr).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
                 table.remove(addr);
             }

@@ -24,6 +24,7 @@
 //! TLS streams have no non-blocking vectored write, so over TLS every
 //! message goes through the writer task (each batch is flushed).
 
+use crate::sync::LockExt;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::net::SocketAddr;
@@ -214,9 +215,7 @@ impl Shared {
     fn outbox(&self) -> MutexGuard<'_, Outbox> {
         // Every change of the outbox is a few field writes that cannot
         // panic half-way, so a poisoned lock still holds a consistent one.
-        self.outbox
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.outbox.locked()
     }
 
     /// A write failed: the queue is dropped, waiting and later senders get

@@ -35,6 +35,7 @@ pub mod slab;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use tessera_rpc::sync::{LockExt, RwLockExt};
 
 use serde::{Deserialize, Serialize};
 use tessera_proto::sharding::splitmix64;
@@ -718,11 +719,11 @@ impl ShardRows {
 fn read(stripe: &RwLock<Stripe>) -> RwLockReadGuard<'_, Stripe> {
     // A panic while a stripe is locked leaves at worst one row half
     // updated; serving it beats failing every later request.
-    stripe.read().unwrap_or_else(|p| p.into_inner())
+    stripe.read_locked()
 }
 
 fn write(stripe: &RwLock<Stripe>) -> RwLockWriteGuard<'_, Stripe> {
-    stripe.write().unwrap_or_else(|p| p.into_inner())
+    stripe.write_locked()
 }
 
 /// [`read`] if the lock is free now.
@@ -867,7 +868,7 @@ impl RowsSnapshot {
         let Some(stripes) = &cut.stripes else {
             return;
         };
-        let mut cursor = cut.cursor.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cursor = cut.cursor.locked();
         let mut at = if cursor.before <= skip {
             *cursor
         } else {

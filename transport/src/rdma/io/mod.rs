@@ -33,6 +33,7 @@ mod shared_receives;
 mod thread;
 mod worker;
 
+use crate::sync::lock;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -247,15 +248,6 @@ impl IoThread {
         self.cq.wake();
         true
     }
-}
-
-/// Locks a runtime driver's worker. A panic while it was held (engine
-/// panics are caught inside, so one in the driver's own code) leaves the
-/// worker as it was: the lock is taken all the same.
-fn lock(worker: &Mutex<Worker>) -> std::sync::MutexGuard<'_, Worker> {
-    worker
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// What the thread keeps of its own handle (to build senders without

@@ -1,8 +1,9 @@
 //! Memory regions: the hook that registers pool blocks with the device's
 //! protection domain (pinning them).
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use crate::sync::LockExt;
 
 /// Registers pool memory with the device's protection domain.
 #[derive(Debug)]
@@ -37,12 +38,7 @@ impl RegistrationHook for IbvRegistration {
         }
         // SAFETY: `mr` is a valid memory region returned just above.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        self.ctx
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .regions
-            .insert(mr as u64);
+        self.ctx.live.locked().regions.insert(mr as u64);
         Ok(RegisteredRegion {
             lkey,
             rkey,
@@ -51,7 +47,7 @@ impl RegistrationHook for IbvRegistration {
     }
 
     fn deregister(&self, _addr: usize, _len: usize, region: &RegisteredRegion) {
-        let mut live = self.ctx.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = self.ctx.live.locked();
         if !live.regions.remove(&region.handle) {
             return;
         }

@@ -1,8 +1,9 @@
 //! Type-2 memory windows (`ibv_alloc_mw`): what confines a peer's writes
 //! to the bytes it was granted (see `rdma/windows.rs`).
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use crate::sync::LockExt;
 
 /// A type-2 memory window of the device's protection domain.
 #[derive(Debug)]
@@ -32,11 +33,7 @@ impl IbvWindow {
         };
         // SAFETY: `mw` was returned valid just above.
         let rkey = unsafe { (*mw).rkey };
-        ctx.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .windows
-            .insert(mw as u64);
+        ctx.live.locked().windows.insert(mw as u64);
         Ok(Self {
             mw,
             _ctx: Arc::clone(ctx),
@@ -47,7 +44,7 @@ impl IbvWindow {
 
 impl Drop for IbvWindow {
     fn drop(&mut self) {
-        let mut live = self._ctx.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = self._ctx.live.locked();
         live.windows.remove(&(self.mw as u64));
         // SAFETY: `mw` was allocated by `allocate` and is deallocated once,
         // here, under the lock binds hold while they post; deallocation

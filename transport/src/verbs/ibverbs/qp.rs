@@ -1,8 +1,9 @@
 //! Queue pairs: creation (with inline data and a thread domain where the
 //! device has them), the RESET -> INIT -> RTR -> RTS transitions, posting.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use crate::sync::LockExt;
 
 /// Inline data asked of every QP: room for a control message (a header
 /// of the RDMA engine is 32 bytes) and a little more.
@@ -166,7 +167,7 @@ impl QueuePair for IbvQp {
                 | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
             "ibv_modify_qp(INIT)",
         )?;
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::Init;
+        *self.state.locked() = QpState::Init;
         Ok(())
     }
 
@@ -212,7 +213,7 @@ impl QueuePair for IbvQp {
                 | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER,
             "ibv_modify_qp(RTR)",
         )?;
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::ReadyToReceive;
+        *self.state.locked() = QpState::ReadyToReceive;
         // SAFETY: as above.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTS;
@@ -231,7 +232,7 @@ impl QueuePair for IbvQp {
                 | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC,
             "ibv_modify_qp(RTS)",
         )?;
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::ReadyToSend;
+        *self.state.locked() = QpState::ReadyToSend;
         Ok(())
     }
 
@@ -248,7 +249,7 @@ impl QueuePair for IbvQp {
         let live = match binds {
             false => None,
             true => {
-                let live = self.ctx.live.lock().unwrap_or_else(|p| p.into_inner());
+                let live = self.ctx.live.locked();
                 for wr in wrs {
                     if let SendOp::BindWindow { window, region, .. } = wr.op
                         && !(live.windows.contains(&window) && live.regions.contains(&region))
@@ -355,7 +356,7 @@ impl QueuePair for IbvQp {
             list[i].next = next;
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        let _one_poster = self.post_guard.lock().unwrap_or_else(|p| p.into_inner());
+        let _one_poster = self.post_guard.locked();
         // SAFETY: `list` and `sges` outlive the call (the library copies
         // work requests into the send queue before returning); one thread
         // posts at a time (the guard), as a thread domain requires; the
@@ -396,7 +397,7 @@ impl QueuePair for IbvQp {
         }
         let mut list = RecvList::new(wrs);
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        let _one_poster = self.post_guard.lock().unwrap_or_else(|p| p.into_inner());
+        let _one_poster = self.post_guard.locked();
         // SAFETY: `list` (and the entries it points to) outlives the call;
         // one thread posts at a time (the guard).
         let rc = unsafe { ibv_post_recv(self.qp, list.head(), &mut bad) };
@@ -411,7 +412,7 @@ impl QueuePair for IbvQp {
     }
 
     fn state(&self) -> QpState {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner())
+        *self.state.locked()
     }
 
     fn fail(&self) -> Result<(), VerbsError> {
@@ -423,7 +424,7 @@ impl QueuePair for IbvQp {
             ibv_qp_attr_mask::IBV_QP_STATE,
             "ibv_modify_qp(ERR)",
         );
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = QpState::Error;
+        *self.state.locked() = QpState::Error;
         result
     }
 }

@@ -1,3 +1,4 @@
+use crate::sync::LockExt;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -50,10 +51,7 @@ impl SoftCq {
     }
 
     pub(crate) fn push(&self, pending: Pending) {
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(pending);
+        self.queue.locked().push_back(pending);
     }
 
     /// Moves what peers pushed into the local queue, behind what is there.
@@ -74,13 +72,13 @@ impl SoftCq {
     /// Takes in what peers pushed so far (before the owner adds completions
     /// that must come after them, such as flushes).
     pub(crate) fn collect(&self) {
-        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = self.queue.locked();
         self.drain_ring(&mut queue);
     }
 
     /// Completions queued (visible or delayed).
     pub fn len(&self) -> usize {
-        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = self.queue.locked();
         self.drain_ring(&mut queue);
         queue.len()
     }
@@ -94,16 +92,12 @@ impl SoftCq {
 impl CompletionQueue for SoftCq {
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
         if self.ring.take_overrun()
-            && let Some(device) = self
-                .device
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .upgrade()
+            && let Some(device) = self.device.locked().upgrade()
         {
             // As a real device: an overrun CQ is reported asynchronously.
             device.raise(crate::verbs::AsyncEvent::CqFailed);
         }
-        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = self.queue.locked();
         self.drain_ring(&mut queue);
         let mut taken = 0;
         while taken < max {
@@ -146,13 +140,7 @@ impl CompletionQueue for SoftCq {
         // Completions held back in the local queue (a fault-injected
         // delay counts down per poll) wake no one by themselves: `wait`
         // returns at once for them, and a reactor is signalled here.
-        if by_fd
-            && !self
-                .queue
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
-        {
+        if by_fd && !self.queue.locked().is_empty() {
             self.ring.wake();
         }
     }
@@ -160,11 +148,7 @@ impl CompletionQueue for SoftCq {
     fn wait(&self, timeout: std::time::Duration) {
         // Completions of the owner's own sends go to the local queue
         // without a wake-up: the owner's thread made them.
-        let has_local = !self
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
+        let has_local = !self.queue.locked().is_empty();
         if has_local {
             return;
         }

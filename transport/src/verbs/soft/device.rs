@@ -1,3 +1,4 @@
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -101,11 +102,7 @@ pub(crate) struct FabricInner {
 
 impl FabricInner {
     pub(crate) fn device(&self, node: u64) -> Option<Arc<DeviceInner>> {
-        self.devices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&node)
-            .and_then(Weak::upgrade)
+        self.devices.locked().get(&node).and_then(Weak::upgrade)
     }
 }
 
@@ -142,8 +139,7 @@ impl SoftFabric {
     pub fn devices(&self) -> Vec<SoftDevice> {
         self.inner
             .devices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .values()
             .filter_map(Weak::upgrade)
             .map(|inner| SoftDevice { inner })
@@ -202,8 +198,7 @@ impl SoftFabric {
         });
         self.inner
             .devices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .insert(node, Arc::downgrade(&inner));
         Ok(SoftDevice { inner })
     }
@@ -254,7 +249,7 @@ impl Drop for SoftWindow {
         // Deallocation ends any binding: whatever key is published under
         // the slot is withdrawn.
         self.device.table.retire_slot(self.slot);
-        let mut slots = self.device.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = self.device.slots.locked();
         slots.windows.remove(&self.slot);
         drop(slots);
         self.device.free_slot(self.slot);
@@ -263,7 +258,7 @@ impl Drop for SoftWindow {
 
 impl DeviceInner {
     fn free_slot(&self, slot: usize) {
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = self.slots.locked();
         if slot < REGION_SLOTS {
             slots.free.push(slot);
         }
@@ -271,7 +266,7 @@ impl DeviceInner {
 
     /// A memory window: a table slot that only bindings publish under.
     pub(crate) fn alloc_window(self: &Arc<Self>) -> Result<SoftWindow, VerbsError> {
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = self.slots.locked();
         if slots.windows.len() >= self.limits.memory_windows as usize {
             return Err(VerbsError::OverLimit {
                 what: "memory windows (max_mw)",
@@ -311,7 +306,7 @@ impl DeviceInner {
         qpn: u32,
     ) -> WcStatus {
         let slot = RegionTable::slot_of(rkey);
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = self.slots.locked();
         if !slots.windows.contains(&slot)
             || window != slot as u64
             || rkey >> super::rings::SLOT_BITS == 0
@@ -349,7 +344,7 @@ impl DeviceInner {
 
     /// How many of this device's windows are bound on QP `qpn` now.
     pub(crate) fn windows_bound_on(&self, qpn: u32) -> usize {
-        let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let slots = self.slots.locked();
         slots
             .windows
             .iter()
@@ -438,8 +433,7 @@ impl DeviceInner {
     pub(crate) fn fail_qps(&self) {
         let qps: Vec<Arc<SoftQpInner>> = self
             .qps
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .values()
             .filter_map(Weak::upgrade)
             .collect();
@@ -466,7 +460,7 @@ impl DeviceInner {
             Request::Table => plain(agent::dup(self.table.fd())),
             Request::Region(key) => {
                 let region = self.table.lookup(key)?;
-                let fds = self.region_fds.lock().unwrap_or_else(|p| p.into_inner());
+                let fds = self.region_fds.locked();
                 Some(Answer {
                     fd: fds.get(&key)?.try_clone().ok()?,
                     base: region.addr as u64,
@@ -488,20 +482,12 @@ impl DeviceInner {
 
     /// The completion queue `id`, if alive.
     fn cq(&self, id: u32) -> Option<Arc<SoftCq>> {
-        self.cqs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .and_then(Weak::upgrade)
+        self.cqs.locked().get(&id).and_then(Weak::upgrade)
     }
 
     /// The shared receive queue `id`, if alive.
     pub(crate) fn srq(&self, id: u32) -> Option<Arc<SoftSrq>> {
-        self.srqs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .and_then(Weak::upgrade)
+        self.srqs.locked().get(&id).and_then(Weak::upgrade)
     }
 
     /// Makes `cq` reachable by peers in other processes.
@@ -509,26 +495,19 @@ impl DeviceInner {
     pub(crate) fn raise(&self, event: crate::verbs::AsyncEvent) {
         // Called under the lock, so that no call comes after the watch's
         // drop has cleared it.
-        let handler = self.events.0.lock().unwrap_or_else(|p| p.into_inner());
+        let handler = self.events.0.locked();
         if let Some(handler) = handler.as_ref() {
             handler(event);
         }
     }
 
     pub(crate) fn adopt_cq(self: &Arc<Self>, cq: &Arc<SoftCq>) {
-        *cq.device.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(self);
-        self.cqs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(cq.id, Arc::downgrade(cq));
+        *cq.device.locked() = Arc::downgrade(self);
+        self.cqs.locked().insert(cq.id, Arc::downgrade(cq));
     }
 
     pub(crate) fn qp(&self, qpn: u32) -> Option<Arc<SoftQpInner>> {
-        self.qps
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&qpn)
-            .and_then(Weak::upgrade)
+        self.qps.locked().get(&qpn).and_then(Weak::upgrade)
     }
 
     /// Rolls the dice for `fault`; for `Delay`, the number of polls (0 = none).
@@ -543,7 +522,7 @@ impl DeviceInner {
         if per_million == 0 {
             return 0;
         }
-        let mut state = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.rng.locked();
         let mut next = || {
             *state ^= *state >> 12;
             *state ^= *state << 25;
@@ -625,7 +604,7 @@ impl SoftRegistration {
         memory: Option<OwnedFd>,
     ) -> Result<RegisteredRegion, RegistrationError> {
         let key = {
-            let mut slots = self.device.slots.lock().unwrap_or_else(|p| p.into_inner());
+            let mut slots = self.device.slots.locked();
             let Some(slot) = slots.free.pop() else {
                 return Err(RegistrationError {
                     len: region.len,
@@ -637,11 +616,7 @@ impl SoftRegistration {
             RegionTable::key(slot, *generation)
         };
         if let Some(fd) = memory {
-            self.device
-                .region_fds
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(key, fd);
+            self.device.region_fds.locked().insert(key, fd);
         }
         self.device.table.publish(key, region);
         Ok(RegisteredRegion {
@@ -679,11 +654,7 @@ impl RegistrationHook for SoftRegistration {
     fn deregister(&self, _addr: usize, _len: usize, region: &RegisteredRegion) {
         let key = region.lkey;
         self.device.table.retire(key);
-        self.device
-            .region_fds
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&key);
+        self.device.region_fds.locked().remove(&key);
         self.device.free_slot(RegionTable::slot_of(key));
     }
 }
@@ -740,8 +711,7 @@ impl Device for SoftDevice {
         )?);
         self.inner
             .srqs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .insert(srq.id, Arc::downgrade(&srq));
         Ok(srq)
     }
@@ -761,16 +731,11 @@ impl Device for SoftDevice {
         &self,
         handler: crate::verbs::EventHandler,
     ) -> Result<crate::verbs::EventWatch, VerbsError> {
-        *self
-            .inner
-            .events
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(handler);
+        *self.inner.events.0.locked() = Some(handler);
         let device = Arc::downgrade(&self.inner);
         Ok(crate::verbs::EventWatch::new(move || {
             if let Some(device) = device.upgrade() {
-                *device.events.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                *device.events.0.locked() = None;
             }
         }))
     }
@@ -802,11 +767,7 @@ impl SoftDevice {
             recv_cq,
             srq,
         )?);
-        self.inner
-            .qps
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(qpn, Arc::downgrade(&qp));
+        self.inner.qps.locked().insert(qpn, Arc::downgrade(&qp));
         Ok(Arc::new(SoftQp { inner: qp }))
     }
 }
@@ -817,7 +778,7 @@ fn live_below<T>(
     what: &'static str,
     max: u32,
 ) -> Result<(), VerbsError> {
-    let mut objects = objects.lock().unwrap_or_else(|p| p.into_inner());
+    let mut objects = objects.locked();
     objects.retain(|_, object| object.strong_count() > 0);
     let live = u32::try_from(objects.len()).unwrap_or(u32::MAX);
     if live >= max {

@@ -2,6 +2,7 @@
 //! receive queue and state, the completion ring its receives complete on,
 //! and a way to reach the memory it registered.
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -210,7 +211,7 @@ impl RemoteDevice {
     fn get(node: u64) -> std::io::Result<Arc<Self>> {
         static DEVICES: OnceLock<Mutex<HashMap<u64, Weak<RemoteDevice>>>> = OnceLock::new();
         let devices = DEVICES.get_or_init(Mutex::default);
-        let mut devices = devices.lock().unwrap_or_else(|p| p.into_inner());
+        let mut devices = devices.locked();
         if let Some(device) = devices.get(&node).and_then(Weak::upgrade) {
             return Ok(device);
         }
@@ -228,16 +229,13 @@ impl RemoteDevice {
     }
 
     fn ask(&self, request: Request) -> std::io::Result<agent::Answer> {
-        self.agent
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .ask(self.node, request)
+        self.agent.locked().ask(self.node, request)
     }
 
     /// The mapping of `region` (registered under `key`), asking the peer's
     /// agent for it the first time.
     fn region(&self, key: u32, region: MemoryRegion) -> Option<Arc<RemoteRegion>> {
-        let mut regions = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut regions = self.regions.locked();
         if let Some(mapped) = regions.get(&key)
             && mapped.base == region.addr
             && mapped.map.len() >= region.len

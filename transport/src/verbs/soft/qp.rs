@@ -1,3 +1,4 @@
+use crate::sync::LockExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -144,7 +145,7 @@ impl SoftQpInner {
     }
 
     fn stalled(&self) -> MutexGuard<'_, Stalled> {
-        self.stalled.lock().unwrap_or_else(|p| p.into_inner())
+        self.stalled.locked()
     }
 
     /// Whether work requests wait for the retry engine.
@@ -232,7 +233,7 @@ impl SoftQpInner {
     }
 
     fn local(&self) -> MutexGuard<'_, QpLocal> {
-        self.local.lock().unwrap_or_else(|p| p.into_inner())
+        self.local.locked()
     }
 
     /// The state; a QP that a peer put in error is flushed when seen.

@@ -21,6 +21,7 @@
 //! under `polling = "runtime"` that thread is a runtime worker, and a
 //! receiver whose repost waited on that runtime never came.
 
+use crate::sync::LockExt;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -76,7 +77,7 @@ pub(crate) fn register(qp: &Arc<SoftQpInner>) {
         }
         return;
     }
-    let mut stalled = engine.stalled.lock().unwrap_or_else(|p| p.into_inner());
+    let mut stalled = engine.stalled.locked();
     if !stalled
         .iter()
         .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(qp)))
@@ -94,7 +95,7 @@ fn run() {
     let mut registrations;
     loop {
         let batch: Vec<Weak<SoftQpInner>> = {
-            let mut stalled = engine.stalled.lock().unwrap_or_else(|p| p.into_inner());
+            let mut stalled = engine.stalled.locked();
             while stalled.is_empty() {
                 stalled = engine.wake.wait(stalled).unwrap_or_else(|p| p.into_inner());
             }
@@ -119,7 +120,7 @@ fn run() {
                 }
             }
         }
-        let mut stalled = engine.stalled.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stalled = engine.stalled.locked();
         if !done.is_empty() {
             // A QP that stalled again since its pass registered anew, which
             // put it back (or kept it): only drop those with nothing left.

@@ -1,3 +1,4 @@
+use crate::sync::LockExt;
 use std::sync::{Arc, Mutex};
 
 use super::rings::QpSegment;
@@ -34,7 +35,7 @@ impl SoftSrq {
 
 impl SharedReceiveQueue for SoftSrq {
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), VerbsError> {
-        let _one = self.poster.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = self.poster.locked();
         let posted = self.segment.posted();
         let full = |posted: usize| VerbsError::QueueFull {
             queue: "srq",
