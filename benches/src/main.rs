@@ -205,6 +205,9 @@ enum Command {
         /// Callers outstanding in the throughput runs.
         #[arg(long)]
         concurrency: Option<usize>,
+        /// Connections of the channel Tessera's callers share (default 16).
+        #[arg(long)]
+        connections: Option<usize>,
         /// Only these calls (`fetch`, `health`; comma-separated).
         #[arg(long, value_delimiter = ',')]
         calls: Vec<tessera_benches::rpc::Call>,
@@ -639,6 +642,7 @@ fn main() -> Result<(), BoxError> {
             iterations,
             throughput_secs,
             concurrency,
+            connections,
             calls,
             ways,
         } => {
@@ -647,6 +651,7 @@ fn main() -> Result<(), BoxError> {
                 iterations: iterations.unwrap_or(defaults.iterations),
                 throughput_secs: throughput_secs.unwrap_or(defaults.throughput_secs),
                 concurrency: concurrency.unwrap_or(defaults.concurrency),
+                connections: connections.unwrap_or(defaults.connections),
                 calls: given_or(calls, &defaults.calls),
                 ways: given_or(ways, &defaults.ways),
                 ..defaults

@@ -1,14 +1,17 @@
 //! The client side: a [`Channel`] to one server address.
 //!
-//! A channel holds at most one connection (a *link*) and multiplexes any
-//! number of outstanding calls over it: each call gets a fresh request id,
-//! registers a one-shot slot in the link's pending table, sends its request,
-//! and waits for the reader task to fill the slot with the response of the
-//! same id. A broken link fails every outstanding call at once; the next call
-//! dials a new one.
+//! A channel holds up to `connections` connections (*links*, one per
+//! *lane*; one by default) and multiplexes any number of outstanding calls
+//! over them: each call takes the next lane in turn, gets a fresh request
+//! id, registers a one-shot slot in the link's pending table, sends its
+//! request, and waits for the reader task to fill the slot with the
+//! response of the same id. A broken link fails every outstanding call on
+//! it at once; the next call on its lane dials a new one. One dial runs at
+//! a time: a call whose lane has no link while another lane's dial is
+//! under way uses a lane that has one rather than wait.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tessera_transport::sync::lock;
@@ -85,7 +88,10 @@ struct ChannelInner {
     addr: String,
     config: ChannelConfig,
     transport: Transport,
-    current: Mutex<Option<Arc<Link>>>,
+    /// The link of each lane (`config.connections` of them).
+    lanes: Mutex<Vec<Option<Arc<Link>>>>,
+    /// The lane the next call takes (modulo the lane count).
+    next_lane: AtomicUsize,
     connecting: tokio::sync::Mutex<()>,
     /// Events (dials and links) numbered so far; the last dial's number
     /// is the count of dials, links take the next numbers too.
@@ -223,12 +229,14 @@ impl Channel {
     ) -> Self {
         let ladder = (transport.config().kind == TransportKind::Rdma && transport.prefers_rdma())
             .then(|| Mutex::new(FallbackLadder::new(config.fallback)));
+        let lanes = config.connections.max(1);
         Self {
             inner: Arc::new(ChannelInner {
                 addr: addr.into(),
                 config,
                 transport,
-                current: Mutex::new(None),
+                lanes: Mutex::new(vec![None; lanes]),
+                next_lane: AtomicUsize::new(0),
                 connecting: tokio::sync::Mutex::new(()),
                 dials: AtomicU64::new(0),
                 last_failed_dial: Mutex::new(None),
@@ -475,18 +483,40 @@ impl Channel {
         }
     }
 
+    /// A usable link of any lane (the first).
     fn current_link(&self) -> Option<Arc<Link>> {
-        lock(&self.inner.current)
-            .as_ref()
+        lock(&self.inner.lanes)
+            .iter()
+            .flatten()
+            .find(|link| link.is_usable())
+            .cloned()
+    }
+
+    /// The link of `lane`, if it is usable.
+    fn lane_link(&self, lane: usize) -> Option<Arc<Link>> {
+        lock(&self.inner.lanes)
+            .get(lane)
+            .and_then(Option::as_ref)
             .filter(|link| link.is_usable())
             .cloned()
     }
 
     async fn link(&self, deadline: Instant) -> Result<Arc<Link>, RpcError> {
-        if let Some(link) = self.current_link() {
+        let lanes = lock(&self.inner.lanes).len();
+        let lane = self.inner.next_lane.fetch_add(1, Ordering::Relaxed) % lanes.max(1);
+        if let Some(link) = self.lane_link(lane) {
             if link.kind == TransportKind::Tcp {
                 self.maybe_probe();
             }
+            return Ok(link);
+        }
+        // Another lane's dial is under way: a lane with a link serves
+        // this call rather than making it wait (its own lane is dialed by
+        // a later call).
+        if lanes > 1
+            && self.inner.connecting.try_lock().is_err()
+            && let Some(link) = self.current_link()
+        {
             return Ok(link);
         }
         // One dialer at a time; the others wait for its result, no longer
@@ -503,7 +533,7 @@ impl Channel {
                 event: self.inner.dials.load(Ordering::Acquire),
             });
         };
-        if let Some(link) = self.current_link() {
+        if let Some(link) = self.lane_link(lane) {
             return Ok(link);
         }
         if let Some((event, reason)) = lock(&self.inner.last_failed_dial).clone()
@@ -551,7 +581,7 @@ impl Channel {
                 }
             },
         };
-        Ok(ChannelInner::install(&self.inner, connection))
+        Ok(ChannelInner::install(&self.inner, connection, lane))
     }
 
     /// On a destination that fell back to TCP: starts an RDMA probe when
@@ -580,7 +610,12 @@ impl Channel {
                 // ladder would say RDMA while calls went over TCP, and no
                 // probe would run again).
                 let _connecting = inner.connecting.lock().await;
-                ChannelInner::install(&inner, connection);
+                ChannelInner::install(&inner, connection, 0);
+                // The other lanes' TCP links take no new calls: their
+                // lanes dial again, over RDMA now.
+                for link in lock(&inner.lanes).iter().skip(1).flatten() {
+                    link.shared.closed.store(true, Ordering::Release);
+                }
             }
             if let Some(ladder) = &inner.ladder {
                 let step = lock(ladder).handle_probe(connected, Instant::now());
@@ -653,8 +688,8 @@ impl ChannelInner {
         Err(failed)
     }
 
-    /// Makes `connection` the channel's current one and starts its reader.
-    fn install(inner: &Arc<ChannelInner>, connection: Connection) -> Arc<Link> {
+    /// Makes `connection` the link of `lane` and starts its reader.
+    fn install(inner: &Arc<ChannelInner>, connection: Connection, lane: usize) -> Arc<Link> {
         let kind = connection.kind();
         let since = Instant::now();
         let shared = Arc::new(LinkShared {
@@ -678,7 +713,9 @@ impl ChannelInner {
             shared,
             reader,
         });
-        *lock(&inner.current) = Some(Arc::clone(&link));
+        if let Some(slot) = lock(&inner.lanes).get_mut(lane) {
+            *slot = Some(Arc::clone(&link));
+        }
         tracing::debug!(addr = %inner.addr, transport = %kind, "connected");
         link
     }

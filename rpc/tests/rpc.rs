@@ -542,7 +542,94 @@ async fn a_dropped_server_answers_nothing_more_on_open_connections(t: TransportC
     );
 }
 
+async fn calls_are_spread_over_the_channels_connections(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let config = ChannelConfig {
+        connections: 3,
+        ..channel_config(&t)
+    };
+    let echo = EchoClient::new(Channel::connect(&server.addr, config).await.unwrap());
+    for i in 0..9u32 {
+        let payload = Bytes::from(format!("call-{i}"));
+        let response = echo
+            .echo(EchoRequest {
+                payload: payload.clone(),
+                delay_ms: 0,
+                repeat: 0,
+            })
+            .await
+            .unwrap();
+        assert_eq!(response.payload, payload);
+    }
+    let peers = server.echo_peers.lock().unwrap().len();
+    if t.kind == tessera_rpc::TransportKind::Tcp {
+        assert_eq!(peers, 3, "one TCP connection per lane");
+    } else {
+        assert!((1..=3).contains(&peers), "{peers} peers");
+    }
+    server.shutdown().await;
+}
+
+/// Over TCP only: a server restarted at the same address in this process
+/// is another RDMA endpoint behind the same address, and the soft
+/// provider's dialer reaches the stopped one's engine first (a restarted
+/// process's engine fails, and the dial goes to the new one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lane_dials_again_after_its_server_restarted() {
+    let t = TransportConfig::default();
+    let server = start(ServerConfig {
+        shutdown_grace_ms: 50,
+        ..server_config(&t)
+    })
+    .await;
+    let addr = server.addr.clone();
+    let channel = Channel::connect(
+        &addr,
+        ChannelConfig {
+            connections: 2,
+            ..channel_config(&t)
+        },
+    )
+    .await
+    .unwrap();
+    let echo = EchoClient::new(channel.clone());
+    let call = || {
+        let echo = echo.clone();
+        async move {
+            echo.echo(EchoRequest {
+                payload: Bytes::from_static(b"x"),
+                delay_ms: 0,
+                repeat: 0,
+            })
+            .await
+        }
+    };
+    for _ in 0..4 {
+        call().await.unwrap();
+    }
+    server.shutdown().await;
+    // Both lanes' readers see the close: no usable link is left.
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        while channel.current_transport().is_some() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(gone.is_ok(), "the closed links are still in use");
+    let server = start_at(server_config(&t), &addr).await;
+    for _ in 0..4 {
+        call().await.unwrap();
+    }
+    assert_eq!(
+        server.echo_peers.lock().unwrap().len(),
+        2,
+        "both lanes dialed"
+    );
+    server.shutdown().await;
+}
+
 over_both_transports!(
+    calls_are_spread_over_the_channels_connections,
     a_dropped_server_answers_nothing_more_on_open_connections,
     two_generated_services_are_served_and_called_end_to_end,
     handler_status_reaches_the_caller,
@@ -868,6 +955,7 @@ mod recovery {
                         ..FallbackConfig::default()
                     },
                     transport: tessera_test_support::rdma::transport(),
+                    connections: 1,
                 },
                 retry: RetryPolicyConfig {
                     probability: 1.0,
@@ -944,6 +1032,7 @@ mod recovery {
                     ..FallbackConfig::default()
                 },
                 transport: tessera_test_support::rdma::transport(),
+                connections: 1,
             },
         )
         .unwrap()

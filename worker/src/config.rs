@@ -103,6 +103,10 @@ pub struct WorkerConfig {
     /// Request timeout Tr in milliseconds: the longest one attempt on one
     /// server may take (see `tessera_rpc::ChannelConfig`).
     pub request_timeout_ms: u64,
+    /// Connections to each server, calls spread over them in turn
+    /// (`tessera_rpc::ChannelConfig::connections`). Default 1; raise it
+    /// for large Fetches under many concurrent calls over TCP.
+    pub connections: usize,
     /// A call's whole deadline, retries on other replicas included, in
     /// milliseconds (see `tessera_rpc::ReplicaSetConfig`). Default 100.
     pub call_timeout_ms: u64,
@@ -174,6 +178,7 @@ impl Default for WorkerConfig {
             transport: TransportKind::Tcp,
             connect_timeout_ms: channel.connect_timeout_ms,
             request_timeout_ms: channel.request_timeout_ms,
+            connections: channel.connections,
             call_timeout_ms: ReplicaSetConfig::default().call_timeout_ms,
             push_timeout_ms: 10_000,
             coordinator: tessera_coord::CoordinatorConfig::default(),
@@ -230,6 +235,7 @@ impl WorkerConfig {
         ChannelConfig {
             connect_timeout_ms: self.connect_timeout_ms,
             request_timeout_ms: self.request_timeout_ms,
+            connections: self.connections,
             fallback: self.fallback,
             transport: TransportConfig {
                 kind: self.transport,

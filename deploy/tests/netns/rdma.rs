@@ -86,6 +86,7 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
                     request_timeout_ms: 1000,
                     fallback,
                     transport: tessera_rpc::TransportConfig::soft_rdma(),
+                    ..Default::default()
                 },
             )
             .unwrap();

@@ -50,6 +50,8 @@ pub use generated::*;
 pub struct EchoImpl {
     /// Echo calls this server's handler has begun.
     pub started: std::sync::Arc<AtomicU64>,
+    /// The peer address of every Echo call (one per client connection).
+    pub peers: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<std::net::SocketAddr>>>,
 }
 
 /// Echo calls whose delay of exactly `SLOW_MARKER_MS` ran to completion.
@@ -65,6 +67,10 @@ impl Echo for EchoImpl {
         request: EchoRequest,
     ) -> Result<EchoResponse, Status> {
         self.started.fetch_add(1, Ordering::SeqCst);
+        self.peers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(context.peer);
         if request.delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(u64::from(request.delay_ms))).await;
         }
@@ -121,6 +127,9 @@ pub struct Running {
     pub addr: String,
     /// Echo calls the server's handler has begun (a signal to wait on).
     pub echo_started: std::sync::Arc<AtomicU64>,
+    /// The peer address of every Echo call.
+    pub echo_peers:
+        std::sync::Arc<std::sync::Mutex<std::collections::HashSet<std::net::SocketAddr>>>,
     pub stop: Option<oneshot::Sender<()>>,
     pub task: tokio::task::JoinHandle<()>,
 }
@@ -156,6 +165,7 @@ pub async fn start_at(config: ServerConfig, addr: &str) -> Running {
     Running {
         addr,
         echo_started: echo.started,
+        echo_peers: echo.peers,
         stop: Some(stop),
         task,
     }
