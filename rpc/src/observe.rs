@@ -148,7 +148,7 @@ where
         Ok(_) => crate::Code::Ok,
         Err(err) => err.code(),
     };
-    let code = crate::channel::code_label(code);
+    let code = code.label();
     metrics::counter!(CLIENT_CALLS_FINISHED, "method" => method, "code" => code).increment(1);
     metrics::histogram!(CLIENT_CALL_DURATION, "method" => method, "code" => code)
         .record(started.elapsed().as_secs_f64());

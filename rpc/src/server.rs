@@ -23,7 +23,6 @@ use tessera_transport::{Connection, Listener, Message, MessageSender, Transport,
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::channel::code_label;
 use crate::wire::{Kind, RpcHeader};
 use crate::{
     Code, MethodDescriptor, RequestContext, ServerConfig, ServerError, ServiceDescriptor, Status,
@@ -517,9 +516,9 @@ async fn respond(
             (status.code(), flags, Message::from(body))
         }
     };
-    metrics::counter!(crate::observe::SERVER_REQUESTS, "method" => method, "code" => code_label(code))
+    metrics::counter!(crate::observe::SERVER_REQUESTS, "method" => method, "code" => code.label())
         .increment(1);
-    metrics::histogram!(crate::observe::SERVER_DURATION, "method" => method, "code" => code_label(code))
+    metrics::histogram!(crate::observe::SERVER_DURATION, "method" => method, "code" => code.label())
         .record(received.elapsed().as_secs_f64());
     let mut header = RpcHeader::response(request, code.as_u16());
     header.flags = flags;

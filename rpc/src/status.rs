@@ -175,6 +175,33 @@ impl Status {
     }
 }
 
+impl Code {
+    /// The code's name in snake case (`ok`, `deadline_exceeded`), a
+    /// `'static` string: the `code` label of every metric (labels must
+    /// not allocate per call).
+    pub fn label(self) -> &'static str {
+        match self {
+            Code::Ok => "ok",
+            Code::Cancelled => "cancelled",
+            Code::InvalidArgument => "invalid_argument",
+            Code::DeadlineExceeded => "deadline_exceeded",
+            Code::NotFound => "not_found",
+            Code::AlreadyExists => "already_exists",
+            Code::PermissionDenied => "permission_denied",
+            Code::ResourceExhausted => "resource_exhausted",
+            Code::FailedPrecondition => "failed_precondition",
+            Code::Aborted => "aborted",
+            Code::OutOfRange => "out_of_range",
+            Code::Unimplemented => "unimplemented",
+            Code::Internal => "internal",
+            Code::Unavailable => "unavailable",
+            Code::DataLoss => "data_loss",
+            Code::Unauthenticated => "unauthenticated",
+            _ => "unknown",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
