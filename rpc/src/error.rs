@@ -67,7 +67,7 @@ pub enum RpcError {
     Decode(#[from] prost::DecodeError),
     /// A replica set had no replica left to try.
     #[error("no replica available: {0}")]
-    NoReplica(String),
+    NoReplica(NoReplica),
     /// The request is larger than the transport's `max_message_size`: it
     /// was not sent, and no replica would take it (final, not retried, no
     /// replica's fault).
@@ -78,6 +78,22 @@ pub enum RpcError {
         /// The limit.
         max: u64,
     },
+}
+
+/// Why a call had no server to go to ([`RpcError::NoReplica`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NoReplica {
+    /// The replica set has no replica.
+    #[error("the replica set is empty")]
+    EmptySet,
+    /// No server is known for the shard (no primary yet).
+    #[error("no server of shard {0}")]
+    Shard(u32),
+    /// The server a redirect or the coordinator named is not in the
+    /// caller's configuration.
+    #[error("{0} is not configured")]
+    NotConfigured(String),
 }
 
 /// Why a client connection ended, as the calls outstanding on it learn

@@ -32,7 +32,7 @@ pub use config::{ChannelConfig, ServerConfig};
 pub use context::RequestContext;
 pub use descriptor::{MethodDescriptor, ServiceDescriptor, method_id, service_tag};
 pub use endpoint::Endpoint;
-pub use error::{LinkClosed, RpcError, ServerError};
+pub use error::{LinkClosed, NoReplica, RpcError, ServerError};
 pub use replicas::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
 pub use server::{Server, ServerBuilder, Service, shutdown_signal};
 pub use status::{Code, Status};

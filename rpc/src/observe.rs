@@ -81,12 +81,29 @@ pub const DURATION_BUCKETS: &[f64] = &[
 
 /// Why the Prometheus endpoint could not be started.
 #[derive(Debug, thiserror::Error)]
-#[error("metrics endpoint on {addr}: {reason}")]
+#[error("metrics endpoint on {addr}: {cause}")]
 pub struct MetricsEndpointError {
     /// The address asked for.
     pub addr: String,
     /// Why.
-    pub reason: String,
+    #[source]
+    pub cause: MetricsEndpointCause,
+}
+
+/// What failed in [`install_prometheus`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetricsEndpointCause {
+    /// The address is not `host:port`.
+    #[error(transparent)]
+    Address(#[from] std::net::AddrParseError),
+    /// The port could not be bound (taken, or not allowed).
+    #[error(transparent)]
+    Bind(#[from] std::io::Error),
+    /// The exporter refused its settings, or a recorder was installed
+    /// already.
+    #[error(transparent)]
+    Exporter(#[from] metrics_exporter_prometheus::BuildError),
 }
 
 /// Installs the process's metrics recorder: a Prometheus endpoint on
@@ -98,17 +115,17 @@ pub struct MetricsEndpointError {
 /// that the whole project records into; its push-gateway feature is off to
 /// keep builds lean.
 pub fn install_prometheus(addr: &str) -> Result<std::net::SocketAddr, MetricsEndpointError> {
-    let error = |reason: String| MetricsEndpointError {
+    let error = |cause: MetricsEndpointCause| MetricsEndpointError {
         addr: addr.to_owned(),
-        reason,
+        cause,
     };
     let socket: std::net::SocketAddr = addr
         .parse()
-        .map_err(|err: std::net::AddrParseError| error(err.to_string()))?;
+        .map_err(|err| error(MetricsEndpointCause::Address(err)))?;
     // Bind first so that a taken port is reported here, not in a
     // background task's log.
-    let probe = std::net::TcpListener::bind(socket).map_err(|err| error(err.to_string()))?;
-    let bound = probe.local_addr().map_err(|err| error(err.to_string()))?;
+    let probe = std::net::TcpListener::bind(socket).map_err(|err| error(err.into()))?;
+    let bound = probe.local_addr().map_err(|err| error(err.into()))?;
     drop(probe);
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(bound)
@@ -116,9 +133,9 @@ pub fn install_prometheus(addr: &str) -> Result<std::net::SocketAddr, MetricsEnd
             metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
             DURATION_BUCKETS,
         )
-        .map_err(|err| error(err.to_string()))?
+        .map_err(|err| error(err.into()))?
         .install()
-        .map_err(|err| error(err.to_string()))?;
+        .map_err(|err| error(err.into()))?;
     Ok(bound)
 }
 

@@ -16,6 +16,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tessera_transport::{Message, Transport};
 
+use crate::NoReplica;
 use crate::channel::Target;
 use crate::policy::{
     AttemptFailure, GiveUp, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
@@ -363,9 +364,7 @@ impl ReplicaSet {
             };
             let Some(i) = picked else {
                 // An empty set.
-                return Err(last_error.unwrap_or_else(|| {
-                    RpcError::NoReplica(format!("{} replicas", self.channels.len()))
-                }));
+                return Err(last_error.unwrap_or(RpcError::NoReplica(NoReplica::EmptySet)));
             };
             tried.push(i);
             // Until the outcome is fed back, a dropped call (its caller

@@ -45,7 +45,7 @@ use tessera_rpc::sync::lock;
 
 use prost::Message as _;
 use tessera_proto::v1::{NotPrimary, ParameterServerClient, PushRequest, PushResponse};
-use tessera_rpc::{CallOptions, Code, RpcError};
+use tessera_rpc::{CallOptions, Code, NoReplica, RpcError};
 
 /// The primary of one shard as known now.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -203,10 +203,7 @@ impl Primaries {
     ) -> Result<(String, PushResponse), (String, RpcError)> {
         let shard = request.shard;
         let Some((mut target, mut target_epoch)) = self.current(shard) else {
-            return Err((
-                String::new(),
-                RpcError::NoReplica(format!("no server of shard {shard}")),
-            ));
+            return Err((String::new(), RpcError::NoReplica(NoReplica::Shard(shard))));
         };
         let mut backoff = Duration::from_millis(10);
         let mut hops = 0;
@@ -215,7 +212,7 @@ impl Primaries {
             let Some(client) = self.client(&target) else {
                 return Err((
                     target.clone(),
-                    RpcError::NoReplica(format!("{target} is not configured")),
+                    RpcError::NoReplica(NoReplica::NotConfigured(target.clone())),
                 ));
             };
             let attempt = attempt_timeout.saturating_add(self.replica_wait());
