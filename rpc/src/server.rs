@@ -1,7 +1,10 @@
 //! The server side: routes requests to generated service dispatchers.
 //!
-//! Each connection gets a task that reads requests; each request runs in its
-//! own task, so many requests of one connection are served concurrently and
+//! Each connection gets a task that reads requests. A lone request runs in
+//! that task at once and is answered from it when its handler finishes
+//! without waiting (the common case: no task, timer or wake-up per call);
+//! a request of a burst, or one whose handler waits, runs in a task of its
+//! own, so many requests of one connection are served concurrently and
 //! answered in completion order (the client matches them by request id).
 //! A request whose deadline has passed is dropped unanswered: the caller has
 //! stopped waiting for it.
@@ -11,6 +14,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -437,21 +441,44 @@ async fn serve_connection(
             send_pool: send_pool.clone(),
             peer_identity: identity.clone(),
         };
+        let deadline = context.deadline;
+        // Expired before dispatch (queued behind other work, or sent with
+        // almost nothing left): the caller has given up; running it could
+        // apply a Push the caller was told failed.
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            metrics::counter!(crate::observe::SERVER_DEADLINE_DROPPED, "method" => route.method.path)
+                .increment(1);
+            continue;
+        }
+        let path = route.method.path;
+        let mut call =
+            AssertUnwindSafe(route.service.call(header.method, context, body)).catch_unwind();
+        // A lone request runs here at once: most handlers (a Fetch, a
+        // Push, Health) finish without waiting, and then the request costs
+        // no task, no timer and no wake-up. A request of a burst (another
+        // one is already here), or one whose handler waits, gets a task of
+        // its own, so that the connection's requests run in parallel and
+        // this loop goes on reading.
+        if !receiver.has_ready()
+            && let Poll::Ready(outcome) = futures::poll!(&mut call)
+        {
+            respond(
+                &sender,
+                &send_pool,
+                &header,
+                path,
+                outcome.unwrap_or_else(|_| panicked(path)),
+                received,
+                stop.is_cancelled(),
+            )
+            .await;
+            continue;
+        }
         let sender = sender.clone();
         let send_pool = send_pool.clone();
         let abort = abort.clone();
         let stop = stop.clone();
         tracker.spawn(inflight.track_future(async move {
-            let deadline = context.deadline;
-            // Expired before dispatch (queued behind other work, or sent
-            // with almost nothing left): the caller has given up; running
-            // it could apply a Push the caller was told failed.
-            if deadline.is_some_and(|d| d <= Instant::now()) {
-                metrics::counter!(crate::observe::SERVER_DEADLINE_DROPPED, "method" => route.method.path)
-                    .increment(1);
-                return;
-            }
-            let call = AssertUnwindSafe(route.service.call(header.method, context, body)).catch_unwind();
             let bounded = async {
                 match deadline {
                     Some(deadline) => tokio::time::timeout_at(deadline.into(), call).await.ok(),
@@ -463,20 +490,16 @@ async fn serve_connection(
                 outcome = bounded => outcome,
             };
             let Some(outcome) = outcome else {
-                metrics::counter!(crate::observe::SERVER_DEADLINE_DROPPED, "method" => route.method.path)
+                metrics::counter!(crate::observe::SERVER_DEADLINE_DROPPED, "method" => path)
                     .increment(1);
                 return;
             };
-            let result = outcome.unwrap_or_else(|_| {
-                tracing::error!(method = route.method.path, "handler panicked");
-                Err(Status::internal("handler panicked"))
-            });
             respond(
                 &sender,
                 &send_pool,
                 &header,
-                route.method.path,
-                result,
+                path,
+                outcome.unwrap_or_else(|_| panicked(path)),
                 received,
                 stop.is_cancelled(),
             )
@@ -495,6 +518,12 @@ async fn serve_connection(
             () = sender.flushed() => {}
         }
     }
+}
+
+/// The answer to a request whose handler panicked.
+fn panicked(method: &'static str) -> Result<Message, Status> {
+    tracing::error!(method, "handler panicked");
+    Err(Status::internal("handler panicked"))
 }
 
 /// Sends the answer to `request`; `going_away` marks it

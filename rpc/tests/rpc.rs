@@ -628,7 +628,40 @@ async fn every_lane_dials_again_after_its_server_restarted() {
     server.shutdown().await;
 }
 
+async fn a_panicking_handler_is_answered_internal_and_the_connection_serves_on(t: TransportConfig) {
+    let server = start(server_config(&t)).await;
+    let echo = EchoClient::new(
+        Channel::connect(&server.addr, channel_config(&t))
+            .await
+            .unwrap(),
+    );
+    // At once (a lone request runs on the connection's task) and after
+    // waiting (its own task).
+    for delay_ms in [0, 5] {
+        let err = echo
+            .echo(EchoRequest {
+                payload: Bytes::from_static(b"panic"),
+                delay_ms,
+                repeat: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::Internal, "{err:?}");
+        let fine = echo
+            .echo(EchoRequest {
+                payload: Bytes::from_static(b"fine"),
+                delay_ms: 0,
+                repeat: 0,
+            })
+            .await
+            .unwrap();
+        assert_eq!(&fine.payload[..], b"fine");
+    }
+    server.shutdown().await;
+}
+
 over_both_transports!(
+    a_panicking_handler_is_answered_internal_and_the_connection_serves_on,
     calls_are_spread_over_the_channels_connections,
     a_dropped_server_answers_nothing_more_on_open_connections,
     two_generated_services_are_served_and_called_end_to_end,

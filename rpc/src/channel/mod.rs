@@ -32,6 +32,13 @@ use crate::wire::RpcHeader;
 use crate::{ChannelConfig, Code, LinkClosed, MethodDescriptor, RpcError, Status};
 use link::{Link, PendingGuard};
 
+/// The least time a request must have left to be sent: less than any
+/// call's round trip (about 10 µs over a real RNIC, tens over TCP), so a
+/// request with less left could only be answered after its caller gave
+/// up. (A call that times out with more left has an unknown outcome, as
+/// always: the retry policy never repeats it unless it is safe.)
+const MIN_REMAINING: Duration = Duration::from_micros(10);
+
 /// Per-call options.
 #[derive(Debug, Clone, Default)]
 pub struct CallOptions {
@@ -315,8 +322,11 @@ impl Channel {
             request_id,
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
-        if remaining.is_zero() {
-            // Nothing left for the server to do it in: never sent.
+        if remaining < MIN_REMAINING {
+            // Too little left for the request to reach the server and its
+            // answer to come back: never sent. (Sent, a lone request runs
+            // at once on arrival and could be applied while its caller,
+            // whose deadline passed on the way back, hears it failed.)
             return Err(RpcError::DeadlineExceeded(timeout));
         }
         let header = RpcHeader::request(target.id, target.service, request_id, Some(remaining));

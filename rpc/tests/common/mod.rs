@@ -80,6 +80,9 @@ impl Echo for EchoImpl {
             let pool = lookup(&request.payload[..]).map_or(0, |r| r.pool_id);
             LAST_REQUEST_PAYLOAD_POOL.store(pool, Ordering::SeqCst);
         }
+        if request.payload.starts_with(b"panic") {
+            panic!("the test asked this handler to panic");
+        }
         if request.delay_ms == SLOW_MARKER_MS {
             SLOW_MARKER_COMPLETED.fetch_add(1, Ordering::SeqCst);
         }

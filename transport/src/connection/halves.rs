@@ -100,6 +100,18 @@ pub(super) enum ReceiverInner {
 }
 
 impl MessageReceiver {
+    /// Whether another whole message is here already, so that
+    /// [`MessageReceiver::recv`] would return at once (frames read off the
+    /// socket and not handed out yet, or delivered by the RDMA engine). A
+    /// server uses it to tell a burst, whose requests it runs on tasks of
+    /// their own in parallel, from a lone request, which it runs at once.
+    pub fn has_ready(&self) -> bool {
+        match &self.inner {
+            ReceiverInner::Tcp(rx) => rx.has_ready(),
+            ReceiverInner::Rdma(rx) => !rx.is_empty(),
+        }
+    }
+
     /// The next whole message; `Ok(None)` when the peer closed cleanly. The
     /// message lies in the transport's receive pool.
     ///

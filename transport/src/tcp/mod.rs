@@ -161,6 +161,11 @@ impl std::fmt::Debug for TcpReceiver {
 }
 
 impl TcpReceiver {
+    /// Whether whole frames are split off and waiting to be returned.
+    pub(crate) fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
     pub(crate) async fn recv(&mut self) -> Result<Option<Bytes>, TransportError> {
         if self.failed {
             return Err(TransportError::Closed);
