@@ -79,6 +79,34 @@ fn inference_fetch_returns_zeros_without_storing_and_refuses_push() {
 }
 
 #[test]
+fn a_fetch_of_new_keys_with_repeats_stores_each_once_and_answers_as_stored() {
+    let store = Store::new(&config(Mode::Training));
+    let keys = keys_of_shard(0, 3);
+    let asked = [keys[0], keys[1], keys[0], keys[2], keys[1]];
+    let (_, first) = store.fetch("t", 0, &asked).unwrap();
+    assert_eq!(store.tables().map(Table::rows).sum::<u64>(), 3);
+    assert_eq!(
+        first[0..12],
+        first[24..36],
+        "a repeated new key reads one row"
+    );
+    assert_eq!(first[12..24], first[48..60]);
+    // What was answered is what was stored, and what a fresh store answers
+    // key by key.
+    assert_eq!(store.fetch("t", 0, &asked).unwrap().1, first);
+    let one_by_one: Vec<u8> = asked
+        .iter()
+        .flat_map(|&k| {
+            Store::new(&config(Mode::Training))
+                .fetch("t", 0, &[k])
+                .unwrap()
+                .1
+        })
+        .collect();
+    assert_eq!(one_by_one, first);
+}
+
+#[test]
 fn fetch_returns_rows_in_request_order_with_duplicates() {
     let store = Store::new(&config(Mode::Training));
     let keys = keys_of_shard(0, 2);
