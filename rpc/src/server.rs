@@ -462,7 +462,7 @@ async fn serve_connection(
         if !receiver.has_ready()
             && let Poll::Ready(outcome) = futures::poll!(&mut call)
         {
-            respond(
+            let answer = respond(
                 &sender,
                 &send_pool,
                 &header,
@@ -470,8 +470,17 @@ async fn serve_connection(
                 outcome.unwrap_or_else(|_| panicked(path)),
                 received,
                 stop.is_cancelled(),
-            )
-            .await;
+            );
+            tokio::pin!(answer);
+            // Sent at once unless the connection's send queue is full; a
+            // peer that stops reading must not keep an aborted server's
+            // connection task waiting here.
+            if futures::poll!(&mut answer).is_pending() {
+                tokio::select! {
+                    () = abort.cancelled() => break,
+                    () = &mut answer => {}
+                }
+            }
             continue;
         }
         let sender = sender.clone();

@@ -39,8 +39,10 @@ impl Channel {
     }
 
     pub(super) async fn link(&self, deadline: Instant) -> Result<Arc<Link>, RpcError> {
-        let lanes = lock(&self.inner.lanes).len();
-        let lane = self.inner.next_lane.fetch_add(1, Ordering::Relaxed) % lanes.max(1);
+        // The lane count is the configuration's (the Vec never changes
+        // length): no lock for it on every call.
+        let lanes = self.inner.config.connections.max(1);
+        let lane = self.inner.next_lane.fetch_add(1, Ordering::Relaxed) % lanes;
         if let Some(link) = self.lane_link(lane) {
             if link.kind == TransportKind::Tcp {
                 self.maybe_probe();
