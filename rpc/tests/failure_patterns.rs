@@ -130,8 +130,8 @@ async fn failure_pattern_a_stopping_server_answers_at_once(t: TransportConfig) {
             .await
         }
     });
-    // The slow call is in flight when the stop comes.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The slow call is in its handler when the stop comes.
+    server.wait_echo_started(1).await;
     let _ = server.stop.take().unwrap().send(());
     for _ in 0..5 {
         let started = std::time::Instant::now();

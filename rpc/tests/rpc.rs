@@ -259,7 +259,8 @@ async fn server_gone_fails_outstanding_and_new_calls(t: TransportConfig) {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The call is in its handler (not merely sent) before the server stops.
+    server.wait_echo_started(1).await;
     server.shutdown().await;
     let err = slow.await.unwrap().unwrap_err();
     assert!(matches!(err, RpcError::ConnectionLost { .. }), "{err:?}");
@@ -293,7 +294,8 @@ async fn graceful_shutdown_answers_in_flight_requests(t: TransportConfig) {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The call is in its handler (not merely sent) before the server stops.
+    server.wait_echo_started(1).await;
     server.shutdown().await;
     assert_eq!(&in_flight.await.unwrap().unwrap().payload[..], b"finish me");
 }

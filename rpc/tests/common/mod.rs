@@ -138,6 +138,18 @@ pub struct Running {
 }
 
 impl Running {
+    /// Waits (at most 10 s) until the server's Echo handler has begun `n`
+    /// calls: the signal a test waits on before it acts on "in flight".
+    pub async fn wait_echo_started(&self, n: u64) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while self.echo_started.load(Ordering::SeqCst) < n {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .expect("the server's Echo handler began the calls");
+    }
+
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
