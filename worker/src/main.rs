@@ -46,6 +46,9 @@ struct Cli {
     /// Override `workload.concurrency`.
     #[arg(long)]
     concurrency: Option<usize>,
+    /// Override `threads` (the runtime's threads; 0: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
     /// Override `workload.rate_per_sec`: an open loop at this many
     /// iterations per second (0: closed loop).
     #[arg(long)]
@@ -121,6 +124,9 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(concurrency) = cli.concurrency {
         config.workload.concurrency = concurrency;
     }
+    if let Some(threads) = cli.threads {
+        config.threads = threads;
+    }
     if let Some(rate) = cli.rate {
         config.workload.rate_per_sec = rate;
     }
@@ -152,7 +158,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Fetch { keys } => return rows(&config, Rows::Fetch(keys)),
         Command::Push { keys } => return rows(&config, Rows::Push(keys)),
     };
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = config.runtime()?;
     let report = runtime.block_on(async {
         if let Some(addr) = &config.metrics_listen {
             tessera_rpc::observe::install_prometheus(addr)?;
@@ -204,7 +210,7 @@ enum Rows {
 #[allow(clippy::print_stdout)]
 fn rows(config: &WorkerConfig, op: Rows) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let table = &config.workload.table;
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = config.runtime()?;
     runtime.block_on(async {
         let client = PsClient::new(config)?;
         match op {
