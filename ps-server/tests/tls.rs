@@ -319,5 +319,12 @@ async fn a_configuration_names_a_missing_certificate_file() {
     })
     .await
     .unwrap_err();
-    assert!(err.to_string().contains("tls.key"), "{err}");
+    let tls = match &err {
+        tessera_ps_server::PsError::Transport(tessera_transport::TransportError::Tls(tls)) => tls,
+        other => panic!("expected a TLS error, got {other:?}"),
+    };
+    assert!(
+        matches!(**tls, tessera_transport::TlsError::File { key: "key", .. }),
+        "{err:?}"
+    );
 }

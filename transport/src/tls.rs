@@ -501,7 +501,7 @@ mod tests {
             server_name: None,
         };
         let err = Tls::load(&config).unwrap_err();
-        assert!(err.to_string().contains("tls.cert"), "{err}");
+        assert!(matches!(err, TlsError::File { key: "cert", .. }), "{err:?}");
     }
 
     #[test]

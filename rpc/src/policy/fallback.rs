@@ -310,7 +310,7 @@ mod tests {
         }
         .validate()
         .unwrap_err();
-        assert!(err.to_string().contains("fallback.probe_interval_ms"));
+        assert_eq!(err.key(), Some("fallback.probe_interval_ms"), "{err}");
     }
 
     /// Failure pattern 8: the ladder says RDMA but the connection is TCP

@@ -39,12 +39,46 @@ pub struct RegisteredRegion {
 
 /// A registration that failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("memory registration of {len} bytes failed: {reason}")]
+#[error("memory registration of {len} bytes failed: {cause}")]
 pub struct RegistrationError {
     /// Bytes that were to be registered.
     pub len: usize,
-    /// The provider's reason.
-    pub reason: String,
+    /// Why the provider refused.
+    #[source]
+    pub cause: RegistrationCause,
+}
+
+/// Why a provider refused to register memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistrationCause {
+    /// The soft NIC's table of regions is full.
+    #[error("the soft NIC's region table is full ({regions} regions)")]
+    RegionTableFull {
+        /// Regions the table holds.
+        regions: usize,
+    },
+    /// `ibv_reg_mr` ran out of lockable memory (`ENOMEM` or `EPERM`):
+    /// registered memory is locked, and `limit` is the locked-memory limit
+    /// (`None`: unlimited).
+    #[error(
+        "ibv_reg_mr: {}; registered memory is locked, and the locked-memory limit is {}: {}",
+        std::io::Error::from_raw_os_error(*errno),
+        limit.map_or("unlimited".to_owned(), |bytes| format!("{bytes} bytes")),
+        crate::verbs::memlock::ADVICE
+    )]
+    LockedMemory {
+        /// The `errno` of `ibv_reg_mr`.
+        errno: i32,
+        /// The process's locked-memory limit in bytes (`None`: unlimited).
+        limit: Option<u64>,
+    },
+    /// `ibv_reg_mr` failed for another reason.
+    #[error("ibv_reg_mr: {}", std::io::Error::from_raw_os_error(*errno))]
+    Kernel {
+        /// The `errno` of `ibv_reg_mr`.
+        errno: i32,
+    },
 }
 
 /// Registers and deregisters memory with a NIC. Implemented by the verbs

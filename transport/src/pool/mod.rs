@@ -48,7 +48,9 @@ use std::sync::Arc;
 
 pub use buffer::PoolBuf;
 pub use config::PoolConfig;
-pub use hook::{Access, CountingHook, RegisteredRegion, RegistrationError, RegistrationHook};
+pub use hook::{
+    Access, CountingHook, RegisteredRegion, RegistrationCause, RegistrationError, RegistrationHook,
+};
 pub use page_map::GRANULE;
 pub use region::RegionInfo;
 use tessera_config::{ConfigError, Validate};

@@ -11,6 +11,7 @@
 //! nothing (its memory is shared, not locked), so it is not held to this.
 
 use crate::TransportConfig;
+use crate::pool::RegistrationCause;
 
 /// What an operator changes when locked memory runs out.
 pub const ADVICE: &str = "raise the locked-memory limit: `ulimit -l unlimited` in the shell, \
@@ -88,22 +89,17 @@ pub struct LockedMemoryError {
     pub need: u64,
 }
 
-/// The text for a registration of `len` bytes that failed with `errno`:
-/// for ENOMEM and EPERM (what `ibv_reg_mr` answers when the limit is
-/// spent) it says what to raise.
-pub fn registration_failure(len: usize, errno: i32) -> String {
-    let err = std::io::Error::from_raw_os_error(errno);
+/// Why a registration that failed with `errno` failed: for ENOMEM and
+/// EPERM (what `ibv_reg_mr` answers when the limit is spent) the limit,
+/// whose message says what to raise.
+pub fn registration_failure(errno: i32) -> RegistrationCause {
     if errno == libc::ENOMEM || errno == libc::EPERM {
-        let limit = match limit() {
-            Some(bytes) => format!("{bytes} bytes"),
-            None => "unlimited".into(),
-        };
-        format!(
-            "ibv_reg_mr of {len} bytes: {err}; registered memory is locked, and the \
-             locked-memory limit is {limit}: {ADVICE}"
-        )
+        RegistrationCause::LockedMemory {
+            errno,
+            limit: limit(),
+        }
     } else {
-        format!("ibv_reg_mr of {len} bytes: {err}")
+        RegistrationCause::Kernel { errno }
     }
 }
 
@@ -128,7 +124,19 @@ mod tests {
         let mut srq = TransportConfig::default();
         srq.rdma.srq = true;
         assert!(first_connection_bytes(&srq) > need);
-        assert!(registration_failure(4096, libc::ENOMEM).contains("ulimit -l"));
-        assert!(!registration_failure(4096, libc::EINVAL).contains("ulimit"));
+        let short = registration_failure(libc::ENOMEM);
+        assert!(
+            matches!(short, RegistrationCause::LockedMemory { errno, .. } if errno == libc::ENOMEM),
+            "{short:?}"
+        );
+        assert!(short.to_string().contains("ulimit -l"), "{short}");
+        let other = registration_failure(libc::EINVAL);
+        assert_eq!(
+            other,
+            RegistrationCause::Kernel {
+                errno: libc::EINVAL
+            }
+        );
+        assert!(!other.to_string().contains("ulimit"), "{other}");
     }
 }

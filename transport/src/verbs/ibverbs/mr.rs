@@ -33,7 +33,7 @@ impl RegistrationHook for IbvRegistration {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
             return Err(RegistrationError {
                 len,
-                reason: crate::verbs::memlock::registration_failure(len, errno),
+                cause: crate::verbs::memlock::registration_failure(errno),
             });
         }
         // SAFETY: `mr` is a valid memory region returned just above.

@@ -10,7 +10,9 @@ use super::port::SoftPort;
 use super::qp::{SoftQp, SoftQpInner};
 use super::rings::{Binding, GENERATION_MASK, MemoryRegion, REGION_SLOTS, RegionTable};
 use super::srq::SoftSrq;
-use crate::pool::{Access, RegisteredRegion, RegistrationError, RegistrationHook};
+use crate::pool::{
+    Access, RegisteredRegion, RegistrationCause, RegistrationError, RegistrationHook,
+};
 use crate::verbs::{
     CompletionQueue, Device, DeviceLimits, QpCaps, QueuePair, SharedReceiveQueue, VerbsError,
     WcStatus,
@@ -608,7 +610,9 @@ impl SoftRegistration {
             let Some(slot) = slots.free.pop() else {
                 return Err(RegistrationError {
                     len: region.len,
-                    reason: format!("soft NIC region table full ({REGION_SLOTS} regions)"),
+                    cause: RegistrationCause::RegionTableFull {
+                        regions: REGION_SLOTS,
+                    },
                 });
             };
             let generation = &mut slots.generation[slot];
