@@ -17,6 +17,11 @@
 //!   request out, the encoded response back) with an echo process that
 //!   writes each answer with one `write`: what any stack over TCP pays.
 //!
+//! With `TESSERA_BENCH_PROMETHEUS=1` in the environment both processes
+//! install the Prometheus recorder first, as the `ps-server` and `worker`
+//! binaries do with `metrics_listen`: the cost of metrics as a fleet runs
+//! them (without it, every `metrics` call is a no-op).
+//!
 //! Latency is measured with one call outstanding (p50, p99, p999, mean);
 //! throughput with `concurrency` callers sharing one client (the floor:
 //! one connection each), as calls per second. Every figure is also a ratio
@@ -237,6 +242,9 @@ pub(crate) fn start_server_of(kind: TransportKind, dim: u32) -> Result<ServerChi
 /// meant for a fleet of client hosts).
 pub async fn ps_server_child(kind: TransportKind, dim: u32) -> Result<(), BoxError> {
     use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
+    if std::env::var_os("TESSERA_BENCH_PROMETHEUS").is_some() {
+        tessera_rpc::observe::install_prometheus("127.0.0.1:0")?;
+    }
     let defaults = PsServerConfig::default();
     let config = PsServerConfig {
         listen: "127.0.0.1:0".into(),
@@ -612,6 +620,9 @@ async fn throughput(callers: Vec<Caller>, call: Call, secs: f64) -> Result<f64, 
 
 /// Runs `plan` and returns its rows (one per call and way) and table.
 pub async fn run(plan: &Plan, meta: &Meta) -> Result<(Vec<Value>, String), BoxError> {
+    if std::env::var_os("TESSERA_BENCH_PROMETHEUS").is_some() {
+        tessera_rpc::observe::install_prometheus("127.0.0.1:0")?;
+    }
     let targets = Targets::start().await?;
     let (calls, ways) = (&plan.calls, &plan.ways);
     let mut measured: Vec<Vec<Measured>> = calls

@@ -129,6 +129,8 @@ pub struct ReplicaSet {
     /// another within the caller's deadline.
     attempt_timeout: Duration,
     state: Arc<Mutex<State>>,
+    /// Handles of the per-method call metrics.
+    call_metrics: Arc<crate::observe::CallMetrics>,
 }
 
 impl std::fmt::Debug for ReplicaSet {
@@ -195,6 +197,7 @@ impl ReplicaSet {
                 was_excluded: vec![false; config.replicas.len()],
                 last_event: vec![None; config.replicas.len()],
             })),
+            call_metrics: Arc::default(),
         }
     }
 
@@ -260,7 +263,8 @@ impl ReplicaSet {
             replicas = self.channels.len()
         );
         crate::observe::measured_call(
-            method.path,
+            &self.call_metrics,
+            method,
             span,
             self.call(method.path, Target::of(method), body, safe, timeout),
         )

@@ -115,6 +115,8 @@ struct ChannelInner {
     /// transport does not dial RDMA (`tcp`), or decides per connection
     /// itself (`auto`).
     ladder: Option<Mutex<FallbackLadder>>,
+    /// Handles of the per-method call metrics.
+    call_metrics: crate::observe::CallMetrics,
 }
 
 impl Channel {
@@ -165,6 +167,7 @@ impl Channel {
                 last_failed_dial: Mutex::new(None),
                 next_request_id: AtomicU64::new(1),
                 ladder,
+                call_metrics: crate::observe::CallMetrics::default(),
             }),
         }
     }
@@ -235,7 +238,8 @@ impl Channel {
         let span = tracing::debug_span!("rpc.call", method = method.path, peer = %self.inner.addr);
         let deadline = Instant::now() + timeout;
         crate::observe::measured_call(
-            method.path,
+            &self.inner.call_metrics,
+            method,
             span,
             self.attempt(method.path, Target::of(method), body, deadline, timeout, 1),
         )

@@ -88,6 +88,8 @@ pub(crate) fn setup(
         chunk_size: config.read_buffer_bytes,
         failed: false,
         limits: limits.map(Box::new),
+        received_messages: metrics::counter!("tessera_transport_messages_received_total", "transport" => "tcp"),
+        received_bytes: metrics::counter!("tessera_transport_bytes_received_total", "transport" => "tcp"),
     };
     (tx, receiver)
 }
@@ -147,6 +149,10 @@ pub(crate) struct TcpReceiver {
     /// An accepted connection's budget and deadlines; `None` for a dialed
     /// one.
     limits: Option<Box<InboundLimits>>,
+    /// `tessera_transport_{messages,bytes}_received_total`, resolved once
+    /// per connection rather than looked up per message.
+    received_messages: metrics::Counter,
+    received_bytes: metrics::Counter,
 }
 
 impl std::fmt::Debug for TcpReceiver {
@@ -173,9 +179,8 @@ impl TcpReceiver {
         let result = self.recv_inner().await;
         match &result {
             Ok(Some(frame)) => {
-                metrics::counter!("tessera_transport_messages_received_total", "transport" => "tcp").increment(1);
-                metrics::counter!("tessera_transport_bytes_received_total", "transport" => "tcp")
-                    .increment(frame.len() as u64);
+                self.received_messages.increment(1);
+                self.received_bytes.increment(frame.len() as u64);
             }
             Ok(None) => {}
             Err(err) => {
