@@ -287,13 +287,13 @@ impl Channel {
             Ok(_) => Code::Ok,
             Err(err) => err.code(),
         };
-        metrics::histogram!(
-            crate::observe::CLIENT_ATTEMPT_DURATION,
-            "method" => method,
-            "code" => code.label(),
-            "transport" => transport
-        )
-        .record(started.elapsed().as_secs_f64());
+        self.inner.call_metrics.attempt(
+            target.id,
+            method,
+            transport,
+            code,
+            started.elapsed().as_secs_f64(),
+        );
         result
     }
 
