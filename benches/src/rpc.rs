@@ -242,9 +242,7 @@ pub(crate) fn start_server_of(kind: TransportKind, dim: u32) -> Result<ServerChi
 /// meant for a fleet of client hosts).
 pub async fn ps_server_child(kind: TransportKind, dim: u32) -> Result<(), BoxError> {
     use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
-    if std::env::var_os("TESSERA_BENCH_PROMETHEUS").is_some() {
-        tessera_rpc::observe::install_prometheus("127.0.0.1:0")?;
-    }
+    install_recorder_if_asked()?;
     let defaults = PsServerConfig::default();
     let config = PsServerConfig {
         listen: "127.0.0.1:0".into(),
@@ -618,11 +616,18 @@ async fn throughput(callers: Vec<Caller>, call: Call, secs: f64) -> Result<f64, 
     Ok(calls as f64 / elapsed)
 }
 
-/// Runs `plan` and returns its rows (one per call and way) and table.
-pub async fn run(plan: &Plan, meta: &Meta) -> Result<(Vec<Value>, String), BoxError> {
+/// Installs the Prometheus recorder when `TESSERA_BENCH_PROMETHEUS` is set
+/// (see the module docs); the server child inherits the variable.
+fn install_recorder_if_asked() -> Result<(), BoxError> {
     if std::env::var_os("TESSERA_BENCH_PROMETHEUS").is_some() {
         tessera_rpc::observe::install_prometheus("127.0.0.1:0")?;
     }
+    Ok(())
+}
+
+/// Runs `plan` and returns its rows (one per call and way) and table.
+pub async fn run(plan: &Plan, meta: &Meta) -> Result<(Vec<Value>, String), BoxError> {
+    install_recorder_if_asked()?;
     let targets = Targets::start().await?;
     let (calls, ways) = (&plan.calls, &plan.ways);
     let mut measured: Vec<Vec<Measured>> = calls

@@ -147,9 +147,10 @@ pub(crate) fn transport_label(kind: tessera_transport::TransportKind) -> &'stati
 /// A client's (a channel's or a replica set's) handles of its per-method
 /// call metrics: the started counter, and the finished counter and
 /// duration histogram of calls that end OK, resolved on a method's first
-/// call (and a channel's attempt histogram per method and transport). A lookup in a Prometheus registry hashes the name and labels; with
-/// three per call and as many on the server, the rpc benchmark with
-/// Prometheus installed lost 4-9% of its throughput to them. Calls that
+/// call (and a channel's attempt histogram per method and transport). A
+/// lookup in a Prometheus registry hashes the name and labels; with three
+/// per call and as many on the server, the rpc benchmark with Prometheus
+/// installed lost 4-9% of its Health throughput to them. Calls that
 /// fail are rare and look theirs up. Handles come from the recorder
 /// installed when they are resolved: install it (`install_prometheus`)
 /// before the first call, as the binaries do first thing.
@@ -236,7 +237,7 @@ impl CallMetrics {
 /// Runs one whole client call of `method` in `span`, decodes its answer,
 /// and records it: started and finished counters, the call duration.
 pub(crate) async fn measured_call<Resp>(
-    metrics: &CallMetrics,
+    resolved: &CallMetrics,
     method: &'static crate::MethodDescriptor,
     span: tracing::Span,
     call: impl std::future::Future<Output = Result<bytes::Bytes, crate::RpcError>>,
@@ -245,7 +246,7 @@ where
     Resp: prost::Message + Default,
 {
     use tracing::Instrument;
-    let handles = metrics.handles(method);
+    let handles = resolved.handles(method);
     let started = std::time::Instant::now();
     handles.started.increment(1);
     let result = call
