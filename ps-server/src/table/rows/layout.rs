@@ -203,6 +203,12 @@ impl RowLayout {
         }
     }
 
+    /// Words from a record's start through its values: what a Fetch
+    /// reads (the key, to check it, and the values).
+    pub fn fetch_words(&self) -> usize {
+        self.state_at()
+    }
+
     /// Words of one record.
     pub fn words(&self) -> usize {
         self.state_at() + self.state_words()

@@ -29,13 +29,15 @@
 //! total never exceeds it; a stripe that fills first starts evicting a
 //! little before the whole shard is full.
 
+mod batch;
 pub mod index;
 pub mod layout;
 pub mod slab;
+mod snapshot;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
-use tessera_rpc::sync::{LockExt, RwLockExt};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use tessera_rpc::sync::RwLockExt;
 
 use serde::{Deserialize, Serialize};
 use tessera_proto::sharding::splitmix64;
@@ -43,6 +45,7 @@ use tessera_proto::sharding::splitmix64;
 use self::index::{KeyIndex, MAX_SLOTS};
 pub use self::layout::{RowLayout, Storage};
 use self::slab::{CHUNK_ROWS, Slab};
+pub use self::snapshot::RowsSnapshot;
 
 /// Which row a full table gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -162,6 +165,15 @@ impl Stripe {
     fn find(&self, layout: &RowLayout, key: u64) -> Option<u32> {
         let slab = &self.slab;
         self.index.get(key, |slot| layout.key(slab.record(slot)))
+    }
+
+    /// [`Stripe::find`] trying `candidate` first ([`KeyIndex::candidates`]):
+    /// it is `key`'s slot if its record holds a row with that key.
+    fn find_from(&self, layout: &RowLayout, key: u64, candidate: u32) -> Option<u32> {
+        match self.slab.live_record(candidate) {
+            Some(record) if layout.key(record) == key => Some(candidate),
+            _ => self.find(layout, key),
+        }
     }
 
     fn used(&self, slot: u32) -> Option<&AtomicU64> {
@@ -320,123 +332,6 @@ impl ShardRows {
             layout: &self.layout,
             record: stripe.slab.record(slot),
         }))
-    }
-
-    /// Calls `found` with the index in `keys` and the row of every key
-    /// present (each counts as a use), and adds the index of every key
-    /// missing to `missing`. Each stripe is read-locked once for all its
-    /// keys, and their lookups overlap ([`KeyIndex::get_many`]): a Fetch's
-    /// path.
-    pub fn read_many(
-        &self,
-        keys: &[u64],
-        mut found: impl FnMut(usize, RowRef<'_>),
-        missing: &mut Vec<usize>,
-    ) {
-        let (order, starts) = self.by_stripe(keys);
-        let mut stripe_keys = Vec::new();
-        let mut slots = Vec::new();
-        each_stripe(
-            &starts,
-            |s| try_read(&self.stripes[s]),
-            |s| self.read_stripe(s),
-            |s, stripe| {
-                let group = &order[starts[s]..starts[s + 1]];
-                stripe_keys.clear();
-                stripe_keys.extend(group.iter().map(|&i| keys[i as usize]));
-                slots.clear();
-                slots.resize(group.len(), None);
-                let slab = &stripe.slab;
-                stripe.index.get_many(&stripe_keys, &mut slots, |slot| {
-                    let record = slab.record(slot);
-                    // The record's end may lie in the next cache line: loaded
-                    // now, with the key, rather than when `found` reads it.
-                    std::hint::black_box(record.last().copied());
-                    self.layout.key(record)
-                });
-                for (&i, slot) in group.iter().zip(&slots) {
-                    match *slot {
-                        Some(slot) => {
-                            self.touch(&stripe, slot);
-                            found(
-                                i as usize,
-                                RowRef {
-                                    layout: &self.layout,
-                                    record: slab.record(slot),
-                                },
-                            );
-                        }
-                        None => missing.push(i as usize),
-                    }
-                }
-            },
-        );
-        missing.sort_unstable();
-    }
-
-    /// The indices of `keys` grouped by stripe, in their order within a
-    /// stripe (a counting sort): stripe `s`'s are `order[starts[s]..
-    /// starts[s + 1]]`.
-    fn by_stripe(&self, keys: &[u64]) -> (Vec<u32>, Vec<usize>) {
-        let stripes = self.stripes.len();
-        let of: Vec<u16> = keys.iter().map(|&k| self.stripe(k) as u16).collect();
-        let mut starts = vec![0usize; stripes + 1];
-        for &s in &of {
-            starts[s as usize + 1] += 1;
-        }
-        for s in 0..stripes {
-            starts[s + 1] += starts[s];
-        }
-        let mut order = vec![0u32; keys.len()];
-        let mut next = starts.clone();
-        for (i, &s) in of.iter().enumerate() {
-            order[next[s as usize]] = i as u32;
-            next[s as usize] += 1;
-        }
-        (order, starts)
-    }
-
-    /// [`ShardRows::upsert_following`] for every key of `keys` (a Push's
-    /// rows, seeded `seed`), with `init` and `update` given the key's
-    /// index; for a table without a row limit (nothing to evict). Each
-    /// stripe is write-locked once for all its keys, where one lock per
-    /// row made a Push of 1,000 rows take 1,000 locks, and sleep behind
-    /// every reader it met (a snapshot being read, Fetches). The rows of
-    /// one key are updated in the order of `keys`; rows of different keys
-    /// do not depend on one another (rounding draws from the key, not
-    /// the position), so the outcome is that of updating them in order.
-    /// Returns how many rows were not stored (their stripe was full).
-    pub fn upsert_many(
-        &self,
-        keys: &[u64],
-        seed: u64,
-        mut init: impl FnMut(usize, &mut [f32], &mut [f32]),
-        mut update: impl FnMut(usize, &mut [f32], &mut [f32], &mut u32),
-    ) -> usize {
-        debug_assert!(!self.limited(), "upsert_many on a table with a row limit");
-        let (order, starts) = self.by_stripe(keys);
-        let mut refused = 0;
-        each_stripe(
-            &starts,
-            |s| try_write(&self.stripes[s]),
-            |s| self.write_stripe(s),
-            |s, mut stripe| {
-                for &i in &order[starts[s]..starts[s + 1]] {
-                    let (i, key) = (i as usize, keys[i as usize]);
-                    let found = stripe.find(&self.layout, key);
-                    let stored = self.upsert_in(
-                        &mut stripe,
-                        key,
-                        found,
-                        seed,
-                        |values, state| init(i, values, state),
-                        |values, state, steps| update(i, values, state, steps),
-                    );
-                    refused += usize::from(stored.is_err());
-                }
-            },
-        );
-        refused
     }
 
     /// Calls `update` with the row of `key` as `f32` (values, optimizer
@@ -686,34 +581,6 @@ impl ShardRows {
             .max()
             .unwrap_or(0)
     }
-
-    /// Every row at this cut (see [`slab`]): each stripe write-locked for
-    /// as long as it takes to open a cut on it, which costs nothing per
-    /// row. The caller holds the shard's write lock, so no Push changes a
-    /// row meanwhile and the snapshot is a cut at the shard's version.
-    /// Fetches go on: a Fetch that inserts a missing row (its initial
-    /// values, which any copy re-creates alike) waits at most for one
-    /// stripe, and is not part of the cut.
-    pub fn snapshot(&self) -> RowsSnapshot {
-        let id = self.next_cut.fetch_add(1, Ordering::Relaxed);
-        let lens = (0..self.stripes.len())
-            .map(|i| {
-                let mut stripe = self.write_stripe(i);
-                stripe.slab.open_cut(id);
-                stripe.slab.len()
-            })
-            .collect::<Vec<_>>();
-        RowsSnapshot {
-            cut: Arc::new(Cut {
-                stripes: Some(Arc::clone(&self.stripes)),
-                id,
-                layout: self.layout,
-                len: lens.iter().sum(),
-                lens,
-                cursor: Mutex::new(Cursor::default()),
-            }),
-        }
-    }
 }
 
 fn read(stripe: &RwLock<Stripe>) -> RwLockReadGuard<'_, Stripe> {
@@ -741,191 +608,6 @@ fn try_write(stripe: &RwLock<Stripe>) -> Option<RwLockWriteGuard<'_, Stripe>> {
         Ok(guard) => Some(guard),
         Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
         Err(TryLockError::WouldBlock) => None,
-    }
-}
-
-/// Calls `visit` once with each stripe `s` that has keys (`starts[s] <
-/// starts[s + 1]`, as [`ShardRows::by_stripe`] gives) and its lock: the
-/// stripes whose lock `try_lock` takes at once first, in order, then the
-/// ones that were busy, waiting for each (`lock`). A Fetch and a Push that
-/// both walked the stripes in order and waited at each busy one fell into
-/// step: each waited for the other at nearly every stripe, a sleep and a
-/// wake-up each time (Fetches of 1,000 rows at p99 1 ms beside a growing
-/// Push, 0.3 ms beside one that only updates). Going round a busy stripe
-/// and coming back breaks the step.
-fn each_stripe<G>(
-    starts: &[usize],
-    try_lock: impl Fn(usize) -> Option<G>,
-    lock: impl Fn(usize) -> G,
-    mut visit: impl FnMut(usize, G),
-) {
-    let mut busy = Vec::new();
-    for (s, range) in starts.windows(2).enumerate() {
-        if range[0] == range[1] {
-            continue;
-        }
-        match try_lock(s) {
-            Some(guard) => visit(s, guard),
-            None => busy.push(s),
-        }
-    }
-    for s in busy {
-        visit(s, lock(s));
-    }
-}
-
-/// Bytes of records a snapshot copies out per hold of a stripe's read
-/// lock (at least [`READ_MIN_SLOTS`] records, at most [`READ_MAX_SLOTS`]):
-/// a writer that finds the lock held waits about a microsecond, within
-/// the spinning a lock does before it puts a thread to sleep. With 256
-/// records a hold (18 KiB of SGD rows, 200 KiB of Adam rows), a Push of
-/// 1,000 random rows during a copy (which takes a stripe's lock per row)
-/// found the reader's hold some 20 times and slept each time; the p99 of
-/// those Pushes was 5-6x that of quiet ones.
-const READ_BYTES: usize = 4096;
-const READ_MIN_SLOTS: u32 = 4;
-const READ_MAX_SLOTS: u32 = 256;
-
-/// Slots a snapshot reads per hold of a stripe's read lock, for records
-/// of `words` words ([`READ_BYTES`]).
-fn read_slots(words: usize) -> u32 {
-    u32::try_from(READ_BYTES / (words * 4).max(1))
-        .unwrap_or(READ_MAX_SLOTS)
-        .clamp(READ_MIN_SLOTS, READ_MAX_SLOTS)
-}
-
-/// Where the last read of a snapshot stopped: rows before that position,
-/// stripe and slot (sequential reads go on from there).
-#[derive(Debug, Default, Clone, Copy)]
-struct Cursor {
-    before: usize,
-    stripe: usize,
-    slot: u32,
-}
-
-/// A cut open on every stripe, closed when the last handle is dropped.
-#[derive(Debug)]
-struct Cut {
-    stripes: Option<Arc<[RwLock<Stripe>]>>,
-    id: u64,
-    layout: RowLayout,
-    lens: Vec<usize>,
-    len: usize,
-    cursor: Mutex<Cursor>,
-}
-
-impl Drop for Cut {
-    fn drop(&mut self) {
-        for stripe in self.stripes.iter().flat_map(|s| s.iter()) {
-            write(stripe).slab.close_cut(self.id);
-        }
-    }
-}
-
-/// Every row of a (table, shard) at one cut ([`ShardRows::snapshot`]):
-/// what a checkpoint or a copy to another server encodes. Clones share
-/// the cut.
-#[derive(Debug, Clone)]
-pub struct RowsSnapshot {
-    cut: Arc<Cut>,
-}
-
-impl RowsSnapshot {
-    /// No rows, of `layout`.
-    pub fn empty(layout: RowLayout) -> Self {
-        Self {
-            cut: Arc::new(Cut {
-                stripes: None,
-                id: 0,
-                layout,
-                lens: Vec::new(),
-                len: 0,
-                cursor: Mutex::new(Cursor::default()),
-            }),
-        }
-    }
-
-    /// Rows held.
-    pub fn len(&self) -> usize {
-        self.cut.len
-    }
-
-    /// Whether no row is held.
-    pub fn is_empty(&self) -> bool {
-        self.cut.len == 0
-    }
-
-    /// Calls `f` with the rows from the `skip`-th on, in a fixed order
-    /// (stripe, slot), while it returns true. The records of a few slots
-    /// at a time (about 4 KiB) are copied out under the
-    /// stripe's read lock and handed to
-    /// `f` after it is released: a reader that is slow (encoding, or
-    /// preempted on a busy host) never holds up the stripe's Pushes, nor
-    /// the Fetches queued behind them. A read that starts where the last
-    /// one stopped does not count the rows before again.
-    pub fn for_each_from(&self, skip: usize, mut f: impl FnMut(RowRef<'_>) -> bool) {
-        let cut = &*self.cut;
-        let Some(stripes) = &cut.stripes else {
-            return;
-        };
-        let mut cursor = cut.cursor.locked();
-        let mut at = if cursor.before <= skip {
-            *cursor
-        } else {
-            Cursor::default()
-        };
-        let layout = &cut.layout;
-        let words = layout.words();
-        let mut copied: Vec<u32> = Vec::new();
-        let mut slots: Vec<u32> = Vec::new();
-        'stripes: while at.stripe < stripes.len() {
-            if at.slot == 0 && at.before + cut.lens[at.stripe] <= skip {
-                // The whole stripe is before `skip`.
-                at.before += cut.lens[at.stripe];
-                at.stripe += 1;
-                continue;
-            }
-            copied.clear();
-            slots.clear();
-            let next = {
-                let stripe = read(&stripes[at.stripe]);
-                let end = stripe.slab.cut_slots(cut.id);
-                if at.slot >= end {
-                    None
-                } else {
-                    Some(stripe.slab.read_cut(
-                        cut.id,
-                        at.slot,
-                        at.slot.saturating_add(read_slots(words)),
-                        |slot, record| {
-                            slots.push(slot);
-                            copied.extend_from_slice(record);
-                            true
-                        },
-                    ))
-                }
-            };
-            let Some(next) = next else {
-                at = Cursor {
-                    before: at.before,
-                    stripe: at.stripe + 1,
-                    slot: 0,
-                };
-                continue;
-            };
-            for (&slot, record) in slots.iter().zip(copied.chunks_exact(words)) {
-                at.before += 1;
-                if at.before <= skip {
-                    continue;
-                }
-                if !f(RowRef { layout, record }) {
-                    at.slot = slot + 1;
-                    break 'stripes;
-                }
-            }
-            at.slot = next;
-        }
-        *cursor = at;
     }
 }
 

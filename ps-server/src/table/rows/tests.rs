@@ -267,16 +267,6 @@ fn a_batched_read_agrees_with_reading_key_by_key() {
     }
 }
 
-#[test]
-fn a_snapshot_reads_about_4_kib_of_records_per_hold_of_a_stripe() {
-    // SGD dim 16 in f32: 18 words, 72 bytes.
-    assert_eq!(read_slots(18), 56);
-    // Small records: at most 256 a hold; large ones: at least 4.
-    assert_eq!(read_slots(1), READ_MAX_SLOTS);
-    assert_eq!(read_slots(2000), READ_MIN_SLOTS);
-    assert_eq!(read_slots(0), READ_MAX_SLOTS);
-}
-
 /// A Push applied stripe by stripe ([`ShardRows::upsert_many`]) leaves the
 /// rows a row-by-row Push leaves: new and old keys, a key repeated in
 /// one Push (its updates in order), narrow storage rounded alike.
