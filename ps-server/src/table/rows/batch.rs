@@ -32,8 +32,8 @@ impl ShardRows {
     /// after another, or 16 at a time with loads, stop the processor once
     /// its window of outstanding loads is full: a Fetch of 1,000 random
     /// SGD rows took 85-110 µs where the same rows in cache took 30. So
-    /// the keys are read in batches of [`READ_BATCH`], each in three
-    /// passes over its stripes ([`ShardRows::prefetch`]):
+    /// the keys are read in batches of 1,024, each in three passes over
+    /// its stripes:
     /// 1. every key's home bucket is prefetched;
     /// 2. every key's candidate slot is read from its bucket (now in
     ///    cache) and its record prefetched through its values;

@@ -11,7 +11,7 @@ use tessera_rpc::sync::LockExt;
 use super::{RowLayout, RowRef, ShardRows, Stripe, read, write};
 
 impl ShardRows {
-    /// Every row at this cut (see [`slab`]): each stripe write-locked for
+    /// Every row at this cut (see [`super::slab`]): each stripe write-locked for
     /// as long as it takes to open a cut on it, which costs nothing per
     /// row. The caller holds the shard's write lock, so no Push changes a
     /// row meanwhile and the snapshot is a cut at the shard's version.
