@@ -3,7 +3,7 @@
 //! for its keys, their cache misses overlapped by prefetching.
 
 use super::index::NO_SLOT;
-use super::{RowRef, ShardRows, try_read, try_write};
+use super::{RowRef, ShardRows, Stripe, try_read, try_write};
 
 /// Keys [`ShardRows::read_many`] prefetches together: their buckets and
 /// records (192 KiB of SGD rows of dim 16, 400 KiB of dim 64) stay in a
@@ -52,41 +52,61 @@ impl ShardRows {
         mut found: impl FnMut(usize, RowRef<'_>),
         missing: &mut Vec<usize>,
     ) {
+        self.each_key(
+            keys,
+            self.layout.fetch_words(),
+            |s| try_read(&self.stripes[s]),
+            |s| self.read_stripe(s),
+            |stripe, i, _, slot| match slot {
+                Some(slot) => {
+                    self.touch(stripe, slot);
+                    found(
+                        i,
+                        RowRef {
+                            layout: &self.layout,
+                            record: stripe.slab.record(slot),
+                        },
+                    );
+                }
+                None => missing.push(i),
+            },
+        );
+        missing.sort_unstable();
+    }
+
+    /// [`ShardRows::read_many`]'s passes over `keys`, in batches of
+    /// [`READ_BATCH`]: the first two ([`ShardRows::prefetch`], `words` words
+    /// of each record), then each stripe with keys locked once
+    /// ([`each_stripe`] with `try_lock` and `lock`) and `visit` called
+    /// for each of its keys with the guard, the key's index in `keys`, the
+    /// key, and its slot (the candidate if its record holds the key, else
+    /// a lookup's answer).
+    fn each_key<G: std::ops::Deref<Target = Stripe>>(
+        &self,
+        keys: &[u64],
+        words: usize,
+        try_lock: impl Fn(usize) -> Option<G>,
+        lock: impl Fn(usize) -> G,
+        mut visit: impl FnMut(&mut G, usize, u64, Option<u32>),
+    ) {
         let mut batch = Batch::default();
         for (n, keys) in keys.chunks(READ_BATCH).enumerate() {
             let base = n * READ_BATCH;
-            self.prefetch(keys, &mut batch, self.layout.fetch_words());
+            self.prefetch(keys, &mut batch, words);
             let Batch {
                 order,
                 starts,
                 candidates,
                 ..
             } = &batch;
-            each_stripe(
-                starts,
-                |s| try_read(&self.stripes[s]),
-                |s| self.read_stripe(s),
-                |s, stripe| {
-                    for at in starts[s]..starts[s + 1] {
-                        let i = order[at] as usize;
-                        match stripe.find_from(&self.layout, keys[i], candidates[at]) {
-                            Some(slot) => {
-                                self.touch(&stripe, slot);
-                                found(
-                                    base + i,
-                                    RowRef {
-                                        layout: &self.layout,
-                                        record: stripe.slab.record(slot),
-                                    },
-                                );
-                            }
-                            None => missing.push(base + i),
-                        }
-                    }
-                },
-            );
+            each_stripe(starts, &try_lock, &lock, |s, mut stripe| {
+                for at in starts[s]..starts[s + 1] {
+                    let i = order[at] as usize;
+                    let slot = stripe.find_from(&self.layout, keys[i], candidates[at]);
+                    visit(&mut stripe, base + i, keys[i], slot);
+                }
+            });
         }
-        missing.sort_unstable();
     }
 
     /// Passes 1 and 2 of [`ShardRows::read_many`] for `keys` (at most
@@ -170,41 +190,24 @@ impl ShardRows {
     ) -> usize {
         debug_assert!(!self.limited(), "upsert_many on a table with a row limit");
         let mut refused = 0;
-        let mut batch = Batch::default();
-        for (n, keys) in keys.chunks(READ_BATCH).enumerate() {
-            let base = n * READ_BATCH;
-            // The rows' cache misses overlapped ahead of the updates, as a
-            // Fetch's are (`read_many`): whole records, all of which an
-            // update reads and writes.
-            self.prefetch(keys, &mut batch, self.layout.words());
-            let Batch {
-                order,
-                starts,
-                candidates,
-                ..
-            } = &batch;
-            each_stripe(
-                starts,
-                |s| try_write(&self.stripes[s]),
-                |s| self.write_stripe(s),
-                |s, mut stripe| {
-                    for at in starts[s]..starts[s + 1] {
-                        let i = order[at] as usize;
-                        let key = keys[i];
-                        let found = stripe.find_from(&self.layout, key, candidates[at]);
-                        let stored = self.upsert_in(
-                            &mut stripe,
-                            key,
-                            found,
-                            seed,
-                            |values, state| init(base + i, values, state),
-                            |values, state, steps| update(base + i, values, state, steps),
-                        );
-                        refused += usize::from(stored.is_err());
-                    }
-                },
-            );
-        }
+        // Whole records prefetched: an update reads and writes them all.
+        self.each_key(
+            keys,
+            self.layout.words(),
+            |s| try_write(&self.stripes[s]),
+            |s| self.write_stripe(s),
+            |stripe, i, key, slot| {
+                let stored = self.upsert_in(
+                    stripe,
+                    key,
+                    slot,
+                    seed,
+                    |values, state| init(i, values, state),
+                    |values, state, steps| update(i, values, state, steps),
+                );
+                refused += usize::from(stored.is_err());
+            },
+        );
         refused
     }
 }
