@@ -5,6 +5,12 @@
 pub mod rows;
 pub mod sharding;
 
+/// Push sequences a server remembers below a worker's highest one (per
+/// shard): a Push retried under an id this far below the newest it has
+/// seen from the worker cannot be told applied or not, and is refused.
+/// Workers keep the ids they have in flight within half of it.
+pub const DEDUP_WINDOW: u64 = 1024;
+
 /// Messages and stubs of `tessera.ps.v1`, generated from `ps.proto`.
 #[allow(missing_docs, clippy::all)]
 pub mod v1 {

@@ -36,8 +36,9 @@ use std::time::{Duration, Instant};
 use tessera_rpc::sync::LockExt;
 
 /// Sequences remembered below the highest one, per worker and shard.
-/// 1024: far more Pushes than a worker keeps in flight to one shard.
-pub const WINDOW: u64 = 1024;
+/// 1024: far more Pushes than a worker keeps in flight to one shard (it
+/// keeps them within half of it: `tessera_worker`'s `spread`).
+pub const WINDOW: u64 = tessera_proto::DEDUP_WINDOW;
 const WORDS: usize = (WINDOW / 64) as usize;
 
 /// The largest sequence accepted: 2^48, a million Pushes a second for

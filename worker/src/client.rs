@@ -22,6 +22,7 @@ use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
 use crate::primary::Primaries;
 use crate::push::{PartFailure, PushFailure, PushId, SpecError};
+use crate::spread::InFlight;
 
 /// Rows returned by a Fetch, in the caller's key order.
 #[derive(Debug, Clone, PartialEq)]
@@ -198,6 +199,8 @@ pub struct PsClient {
     worker_id: u64,
     /// The last Push sequence number used.
     sequence: AtomicU64,
+    /// The Push ids in flight, kept within the servers' window.
+    in_flight: InFlight,
     servers: Vec<(String, ParameterServerClient)>,
     transport: Transport,
 }
@@ -300,6 +303,7 @@ impl PsClient {
             attempt_timeout: Duration::from_millis(config.request_timeout_ms),
             worker_id: rand::random::<u64>().max(1),
             sequence: AtomicU64::new(0),
+            in_flight: InFlight::default(),
             servers,
             transport,
         })
@@ -501,6 +505,9 @@ impl PsClient {
         id: PushId,
         plans: &[(String, PushPlan)],
     ) -> Result<(), WorkerError> {
+        // Before the deadline starts: a Push held back here has sent
+        // nothing yet.
+        let _in_flight = self.in_flight.enter(id.0).await;
         let deadline = Instant::now() + self.push_timeout;
         let mut calls = Vec::new();
         for (table, plan) in plans {

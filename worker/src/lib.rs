@@ -8,6 +8,7 @@ pub mod config;
 pub mod plan;
 pub mod primary;
 pub mod push;
+pub mod spread;
 pub mod workload;
 
 pub use admin::WorkerAdminService;
