@@ -20,6 +20,10 @@ struct Batch {
     starts: Vec<usize>,
     sorted: Vec<u64>,
     candidates: Vec<u32>,
+    /// Each key's stripe, and the counting sort's cursors (buffers of
+    /// `by_stripe`).
+    stripe_of: Vec<u16>,
+    next: Vec<usize>,
 }
 
 impl ShardRows {
@@ -115,12 +119,13 @@ impl ShardRows {
     /// first `words` words of those records prefetched. A stripe a writer
     /// holds is skipped (its keys keep no candidate).
     fn prefetch(&self, keys: &[u64], batch: &mut Batch, words: usize) {
-        (batch.order, batch.starts) = self.by_stripe(keys);
+        self.by_stripe(keys, batch);
         let Batch {
             order,
             starts,
             sorted,
             candidates,
+            ..
         } = batch;
         sorted.clear();
         sorted.extend(order.iter().map(|&i| keys[i as usize]));
@@ -150,25 +155,35 @@ impl ShardRows {
     }
 
     /// The indices of `keys` grouped by stripe, in their order within a
-    /// stripe (a counting sort): stripe `s`'s are `order[starts[s]..
-    /// starts[s + 1]]`.
-    fn by_stripe(&self, keys: &[u64]) -> (Vec<u32>, Vec<usize>) {
+    /// stripe (a counting sort), into `batch`: stripe `s`'s are
+    /// `order[starts[s]..starts[s + 1]]`. The batch's buffers are reused.
+    fn by_stripe(&self, keys: &[u64], batch: &mut Batch) {
         let stripes = self.stripes.len();
-        let of: Vec<u16> = keys.iter().map(|&k| self.stripe(k) as u16).collect();
-        let mut starts = vec![0usize; stripes + 1];
-        for &s in &of {
+        let Batch {
+            order,
+            starts,
+            stripe_of,
+            next,
+            ..
+        } = batch;
+        stripe_of.clear();
+        stripe_of.extend(keys.iter().map(|&k| self.stripe(k) as u16));
+        starts.clear();
+        starts.resize(stripes + 1, 0);
+        for &s in stripe_of.iter() {
             starts[s as usize + 1] += 1;
         }
         for s in 0..stripes {
             starts[s + 1] += starts[s];
         }
-        let mut order = vec![0u32; keys.len()];
-        let mut next = starts.clone();
-        for (i, &s) in of.iter().enumerate() {
+        order.clear();
+        order.resize(keys.len(), 0);
+        next.clear();
+        next.extend_from_slice(starts);
+        for (i, &s) in stripe_of.iter().enumerate() {
             order[next[s as usize]] = i as u32;
             next[s as usize] += 1;
         }
-        (order, starts)
     }
 
     /// [`ShardRows::upsert_following`] for every key of `keys` (a Push's
