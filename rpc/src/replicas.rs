@@ -304,6 +304,9 @@ impl ReplicaSet {
         let mut attempt = 0u32;
         let mut counted = 0u32;
         let mut last_error: Option<RpcError> = None;
+        // Each failed attempt's replica and failure, for the log of a call
+        // that gives up (allocated only once an attempt failed).
+        let mut failures: Vec<(usize, AttemptFailure)> = Vec::new();
         loop {
             attempt += 1;
             counted += 1;
@@ -333,28 +336,7 @@ impl ReplicaSet {
                     }
                     *was = now_excluded;
                 }
-                let down: Vec<bool> = (0..selector.replicas().len())
-                    .map(|i| selector.is_down(i, now))
-                    .collect();
-                let usable = |i: usize| !tried.contains(&i) && !down[i];
-                let pick = selector
-                    .pick(
-                        |i, _| usable(i) && !excluded.get(i).copied().unwrap_or(true),
-                        now,
-                        rng,
-                    )
-                    // Every usable replica is quarantined: use one anyway
-                    // (the quarantine never empties a set).
-                    .or_else(|| selector.pick(|i, _| usable(i), now, rng))
-                    // Every replica not tried yet is backing off: try one
-                    // rather than fail without trying.
-                    .or_else(|| selector.pick(|i, _| !tried.contains(&i), now, rng))
-                    // Every replica was tried and attempts remain: again,
-                    // preferring one that did not fail last (a set of one
-                    // replica retries on it: a fresh connection if its
-                    // connection broke).
-                    .or_else(|| selector.pick(|i, _| tried.last() != Some(&i), now, rng))
-                    .or_else(|| tried.last().copied());
+                let pick = selector.pick_for_attempt(&tried, &excluded, now, rng);
                 if let Some(i) = pick {
                     selector.start(i);
                 }
@@ -446,6 +428,7 @@ impl ReplicaSet {
                 tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
                 metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
             }
+            failures.push((i, failure));
             let untried = tried.len() < self.channels.len();
             let State { budget, rng, .. } = &mut *state;
             match self
@@ -464,7 +447,7 @@ impl ReplicaSet {
                     tracing::debug!(attempt, replica = %addr, error = ?result.as_ref().err(), "retrying on another replica");
                 }
                 RetryDecision::GiveUp(why) => {
-                    tracing::debug!(attempt, replica = %addr, %why, error = ?result.as_ref().err(), "giving up");
+                    tracing::debug!(attempt, replica = %addr, %why, ?failures, error = ?result.as_ref().err(), "giving up");
                     if why == GiveUp::BudgetExhausted {
                         metrics::counter!(crate::observe::CLIENT_BUDGET_EXHAUSTED).increment(1);
                     }

@@ -1,14 +1,15 @@
 //! Shared set-up of Tessera's tests, so that no test file keeps its own
 //! copy: free ports, keys of a shard and f32 rows, a ps-server in-process
 //! or as a process (started, SIGKILLed, restarted), waiting for a server's
-//! health, a local etcd, a fault-injecting TCP proxy, and a throw-away
-//! PKI for TLS.
+//! health, a local etcd, a fault-injecting TCP proxy, a throw-away PKI
+//! for TLS, and the RPC layer's record of calls that gave up.
 //!
 //! Everything here panics on failure: it is how a test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
 pub mod cluster;
 pub mod etcd;
+pub mod give_ups;
 pub mod health;
 pub mod netns;
 pub mod pair;
@@ -21,6 +22,7 @@ pub mod server;
 
 pub use cluster::{InProcessCluster, Layout};
 pub use etcd::Etcd;
+pub use give_ups::GiveUps;
 pub use health::{
     health, health_as, wait_for_health, wait_for_health_as, wait_replicas_in_step,
     wait_replicas_in_step_as, wait_serving, wait_serving_as,

@@ -103,6 +103,8 @@ const RECOVERED: f64 = 0.5;
 /// the failover; restart it without a checkpoint and check every copy.
 async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
     let _alone = ONE_AT_A_TIME.lock().await;
+    // The attempts of a call that gave up, printed with a failed Fetch.
+    let give_ups = tessera_test_support::GiveUps::install();
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = cluster(transport, CoordinatorKind::Etcd, ack, dir.path()).await;
     let client = worker_client(&cluster);
@@ -154,6 +156,9 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
     let failed_steps = steps.iter().filter(|s| !s.ok).count();
     if let Some(error) = steps.iter().find_map(|s| s.fetch_error.as_deref()) {
         eprintln!("  the first failed Fetch: {error}");
+        for call in give_ups.iter().flat_map(|g| g.events()).take(8) {
+            eprintln!("  a call gave up: {call}");
+        }
     }
     // Steps per second in 500 ms windows from 2 s before the kill to 6 s
     // after it, as the figure of the drill.

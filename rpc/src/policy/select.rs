@@ -181,6 +181,48 @@ impl ReplicaSelector {
         }
     }
 
+    /// Picks the replica for a call's next attempt at `now`, given the
+    /// replicas the call `tried` already (in order) and those the
+    /// quarantine `excluded` (indexed like the replicas; missing entries
+    /// count as excluded). In this order of preference:
+    ///
+    /// 1. not tried, not down, not quarantined;
+    /// 2. not tried, not down (the quarantine never empties a set);
+    /// 3. not tried (every replica left is backing off: try one rather than
+    ///    fail without trying);
+    /// 4. every replica was tried: one that is not down, preferring one
+    ///    that did not fail last;
+    /// 5. any but the one that failed last, then that one (a set of one
+    ///    replica retries on it: a fresh connection if its connection
+    ///    broke).
+    ///
+    /// Step 4 keeps a replica known to be unreachable from taking a call's
+    /// attempts while a reachable one is there: with a primary killed and
+    /// its replica slow once, the retry went back to the dead address,
+    /// found it refused, and the call used up its attempts there.
+    pub fn pick_for_attempt(
+        &self,
+        tried: &[usize],
+        excluded: &[bool],
+        now: Instant,
+        rng: &mut impl Rng,
+    ) -> Option<usize> {
+        let untried = |i: usize| !tried.contains(&i);
+        let up = |i: usize| !self.is_down(i, now);
+        let not_last = |i: usize| tried.last() != Some(&i);
+        self.pick(
+            |i, _| untried(i) && up(i) && !excluded.get(i).copied().unwrap_or(true),
+            now,
+            rng,
+        )
+        .or_else(|| self.pick(|i, _| untried(i) && up(i), now, rng))
+        .or_else(|| self.pick(|i, _| untried(i), now, rng))
+        .or_else(|| self.pick(|i, _| up(i) && not_last(i), now, rng))
+        .or_else(|| self.pick(|i, _| up(i), now, rng))
+        .or_else(|| self.pick(|i, _| not_last(i), now, rng))
+        .or_else(|| tried.last().copied())
+    }
+
     /// An attempt on replica `i` starts.
     pub fn start(&mut self, i: usize) {
         if let Some(r) = self.replicas.get_mut(i) {
@@ -493,5 +535,89 @@ mod tests {
         }
         selector.abandon(2);
         assert_eq!(selector.outstanding(), vec![0, 0, 0, 0]);
+    }
+
+    /// The drill `drill_rdma_ack_primary_failover_loses_at_most_the_unforwarded_tail`
+    /// (2 of 7 suites): a Fetch's attempt on a killed primary failed, its
+    /// retry on the replica failed too, and the third attempt went back to
+    /// the dead primary ("any but the one that failed last"), was refused,
+    /// and the Fetch gave up with its attempts used up while the replica
+    /// served. A replica in connection backoff takes no retry while one
+    /// that is not is there, even the one that failed last.
+    #[test]
+    fn failure_pattern_a_retry_does_not_go_back_to_a_dead_replica() {
+        let mut selector =
+            ReplicaSelector::new(vec![Replica::new("a", ""), Replica::new("b", "")], "");
+        let mut rng = StdRng::seed_from_u64(11);
+        // The primary's connection broke; the replica then timed out.
+        selector.start(0);
+        selector.connection_failed(0, t0());
+        selector.start(1);
+        selector.finish(1, Duration::from_secs(1), t0());
+        let soon = t0() + Duration::from_millis(10);
+        for tried in [[0, 1], [1, 0]] {
+            for _ in 0..100 {
+                assert_eq!(
+                    selector.pick_for_attempt(&tried, &[false, false], soon, &mut rng),
+                    Some(1),
+                    "tried {tried:?}"
+                );
+            }
+        }
+        // Once its backoff ran out, the primary is worth a try again, as
+        // the one that did not fail last.
+        let later = t0() + Duration::from_secs(1);
+        assert_eq!(
+            selector.pick_for_attempt(&[0, 1], &[false, false], later, &mut rng),
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn an_attempt_prefers_untried_then_reachable_then_unquarantined_replicas() {
+        let mut selector = ReplicaSelector::new(
+            vec![
+                Replica::new("a", ""),
+                Replica::new("b", ""),
+                Replica::new("c", ""),
+            ],
+            "",
+        );
+        let mut rng = StdRng::seed_from_u64(12);
+        let now = t0();
+        let mut pick = |selector: &ReplicaSelector, tried: &[usize], excluded: &[bool]| {
+            selector.pick_for_attempt(tried, excluded, now, &mut rng)
+        };
+        // Not tried and not quarantined first.
+        for _ in 0..50 {
+            assert_eq!(pick(&selector, &[0], &[false, true, false]), Some(2));
+        }
+        // Every untried replica quarantined: one of them anyway.
+        for _ in 0..50 {
+            assert_eq!(pick(&selector, &[0, 2], &[false, true, true]), Some(1));
+        }
+        // An untried replica down: the untried one that is up.
+        selector.start(1);
+        selector.connection_failed(1, now);
+        for _ in 0..50 {
+            assert_eq!(pick(&selector, &[0], &[false; 3]), Some(2));
+        }
+        // Only a down replica untried: it, rather than a second try.
+        assert_eq!(pick(&selector, &[0, 2], &[false; 3]), Some(1));
+        // All tried: one that is up and did not fail last.
+        for _ in 0..50 {
+            assert_eq!(pick(&selector, &[1, 2, 0], &[false; 3]), Some(2));
+        }
+        // Every replica down: any but the last, then the last.
+        selector.start(0);
+        selector.connection_failed(0, now);
+        selector.start(2);
+        selector.connection_failed(2, now);
+        for _ in 0..50 {
+            assert_ne!(pick(&selector, &[0, 1, 2], &[false; 3]), Some(2));
+        }
+        let single = ReplicaSelector::new(vec![Replica::new("a", "")], "");
+        assert_eq!(pick(&single, &[0], &[false]), Some(0));
+        assert_eq!(pick(&single, &[], &[false]), Some(0));
     }
 }
