@@ -30,10 +30,12 @@
 //! little before the whole shard is full.
 
 mod batch;
+mod cut;
 pub mod index;
 pub mod layout;
 pub mod slab;
 mod snapshot;
+mod spares;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};

@@ -19,37 +19,19 @@
 //! slot table (below). Slots are opened a chunk at a time.
 //!
 //! **Cuts.** A snapshot opens a cut on every stripe ([`Slab::open_cut`]):
-//! it records how many slots there are and, per chunk, a mask of the
-//! slots changed since and the last copy saved of one of them (twelve
-//! bytes per 64 rows). From then on, the first change to a slot below
-//! that mark (an update, an eviction, or a free slot taken for a new row)
-//! marks it and, if it held a row, saves a copy of its record, appended
-//! to the cut's blocks behind a link word (the chunk's previous copy and
-//! the slot's place in the chunk). The snapshot reads a slot's live
-//! record if it is unmarked (it is then as it was at the cut), and the
-//! copy its chunk's chain names otherwise (no copy: the slot held no
-//! row), under the stripe's read lock. A Push during a snapshot pays one
-//! record copy and a mark per row it changes, once per open cut: bounded
-//! per row (not per chunk or per shard), and nothing for rows already
-//! saved. A cut is closed when its snapshot is dropped; a stripe replaced
-//! or cleared under an open cut first saves every row the cut still reads
-//! live (`Slab::save_all`).
-//!
-//! The first version kept a table of 64 entries per chunk, allocated at
-//! the chunk's first change: a Push of 1,000 random rows just after a
-//! cut allocated and zeroed 1,000 of them (256 KiB, 64 fresh pages to
-//! fault in) besides its copies, and its on-CPU time nearly tripled. A
-//! slot table for the whole stripe, allocated zeroed at the cut, cost a
-//! page fault per row a Push changed (2-5 ms per Push).
-//!
-//! Written here rather than with copy-on-write chunks behind `Arc`s (the
-//! first version): a Push of 1,000 random rows after a cut touched 1,000
-//! chunks and copied 64 rows for each, which a Push right after a
-//! checkpoint started paid in full.
+//! from then on the first change to a slot the cut covers saves what it
+//! held (`rows::cut`); the snapshot reads each slot's record as it was
+//! at the cut, live or saved, under the stripe's read lock
+//! ([`Slab::read_cut`]). A stripe replaced or cleared under an open cut
+//! first saves every row the cut still reads live (`Slab::save_all`).
 
 use prefetch_index::prefetch_index;
 
+use std::sync::Arc;
+
+use super::cut::{Cut, SAVE_BLOCK};
 use super::index::MAX_SLOTS;
+use super::spares::Spares;
 
 /// Records per chunk (one bit each in the chunk's mask).
 pub const CHUNK_ROWS: usize = 64;
@@ -61,13 +43,6 @@ pub const BLOCK_ROWS: usize = CHUNK_ROWS << BLOCK_DOUBLINGS;
 
 /// Doublings from the first block's size to [`BLOCK_ROWS`].
 const BLOCK_DOUBLINGS: u32 = 6;
-
-/// Saved records per block of a cut.
-const SAVE_BLOCK: usize = 256;
-
-/// A copy's link word: the slot's place in its chunk in the low bits,
-/// the chunk's previous copy (plus one; 0: none) above them.
-const LINK_AT_BITS: u32 = CHUNK_ROWS.trailing_zeros();
 
 /// The block holding `slot`, and the slot's record in it (module docs).
 #[inline]
@@ -93,25 +68,6 @@ fn block_rows(b: usize) -> usize {
         0 => CHUNK_ROWS,
         _ => CHUNK_ROWS << (b - 1).min(BLOCK_DOUBLINGS as usize),
     }
-}
-
-/// What a cut still needs of the slots it covers (module docs).
-#[derive(Debug)]
-struct Cut {
-    id: u64,
-    /// Slots at the cut.
-    slots: usize,
-    /// Per chunk at the cut, bit `i`: slot `i` changed since (its record
-    /// as it was is saved, or it held no row).
-    changed: Vec<u64>,
-    /// Per chunk, the last copy saved of one of its slots, plus one (0:
-    /// none); each copy's link word names the one before.
-    last: Vec<u32>,
-    /// The copies, [`SAVE_BLOCK`] a block, each a link word and a record.
-    copies: Vec<Vec<u32>>,
-    /// Words per copy: the link word and a record.
-    stride: usize,
-    saved: usize,
 }
 
 /// The records of one stripe (module docs).
@@ -217,10 +173,7 @@ impl Slab {
         // update saves the row first): its chunk's mark and chain.
         let chunk = slot as usize / CHUNK_ROWS;
         for cut in &self.cuts {
-            if chunk < cut.changed.len() {
-                prefetch_index(&cut.changed, chunk);
-                prefetch_index(&cut.last, chunk);
-            }
+            cut.prefetch(chunk);
         }
     }
 
@@ -245,43 +198,15 @@ impl Slab {
         if self.cuts.is_empty() {
             return;
         }
-        let (chunk, at) = Self::split(slot);
-        let holds = self.holds(slot);
+        let (blocks, words) = (&self.blocks, self.words);
+        let record = self.holds(slot).then(|| {
+            let (block, at) = locate(slot);
+            &blocks[block][at * words..(at + 1) * words]
+        });
         for cut in &mut self.cuts {
-            let stride = cut.stride;
-            if slot as usize >= cut.slots {
-                continue;
+            if cut.save(slot, record) {
+                self.saved += 1;
             }
-            let changed = &mut cut.changed[chunk];
-            if *changed & (1 << at) != 0 {
-                continue;
-            }
-            *changed |= 1 << at;
-            if !holds {
-                continue;
-            }
-            let block = cut.saved / SAVE_BLOCK;
-            if block == cut.copies.len() {
-                // Allocated, not zeroed: the copies are appended, so each
-                // page is written (and faulted in) once, by the save that
-                // reaches it. Zeroed, a block of Adam rows (200 KiB) was
-                // cleared whole by the save that opened it, and on this
-                // VM, where fresh memory is slow to touch, Pushes during a
-                // snapshot of 10^7 such rows took 2 ms at the median.
-                cut.copies.push(Vec::with_capacity(SAVE_BLOCK * stride));
-            }
-            let link = cut.last[chunk] << LINK_AT_BITS | at as u32;
-            let (from, record) = locate(slot);
-            let copies = &mut cut.copies[block];
-            copies.push(link);
-            copies.extend_from_slice(
-                &self.blocks[from][record * self.words..(record + 1) * self.words],
-            );
-            cut.saved += 1;
-            // At most one copy per slot: the link fits its 26 bits.
-            debug_assert!(cut.saved <= cut.slots);
-            cut.last[chunk] = cut.saved as u32;
-            self.saved += 1;
         }
     }
 
@@ -375,7 +300,7 @@ impl Slab {
             .cuts
             .iter()
             .flat_map(|cut| {
-                (0..cut.slots)
+                (0..cut.slots())
                     .filter(|&slot| !cut.changed(slot))
                     .map(|slot| slot as u32)
             })
@@ -385,77 +310,46 @@ impl Slab {
         }
     }
 
-    /// Opens cut `id` over the slots there are now.
-    pub fn open_cut(&mut self, id: u64) {
-        self.cuts.push(Cut {
-            id,
-            slots: self.slots(),
-            stride: self.words + 1,
-            changed: vec![0; self.live.len()],
-            last: vec![0; self.live.len()],
-            copies: Vec::new(),
-            saved: 0,
-        });
+    /// Opens cut `id` over the slots there are now, its copies' blocks
+    /// taken from `spares` where it has one (`rows::spares`).
+    pub fn open_cut(&mut self, id: u64, spares: Arc<Spares>) {
+        self.cuts
+            .push(Cut::open(id, self.live.len(), self.words, spares));
     }
 
-    /// Closes cut `id`, dropping what it saved.
-    pub fn close_cut(&mut self, id: u64) {
-        self.cuts.retain(|cut| cut.id != id);
+    /// Words of a block of cut copies of this slab's records.
+    pub fn cut_block_words(&self) -> usize {
+        SAVE_BLOCK * (self.words + 1)
+    }
+
+    /// Closes cut `id`, handing back what it saved, for the caller to
+    /// drop once it has released the stripe's lock: freeing a cut's copies
+    /// (hundreds of MiB after a long snapshot of a large shard under
+    /// Pushes) returns memory to the kernel, which held a Push waiting for
+    /// the stripe up to 40 ms.
+    #[must_use = "dropping the cut frees its copies: drop it outside the stripe's lock"]
+    pub fn close_cut(&mut self, id: u64) -> Option<Cut> {
+        let at = self.cuts.iter().position(|cut| cut.id() == id)?;
+        Some(self.cuts.swap_remove(at))
     }
 
     /// Calls `f` with the slot and record of each row of cut `id` at
     /// slots `from..to` in order, while it returns true; returns the slot
     /// after the last one passed to `f` (or the end of the range or the
     /// cut).
-    pub fn read_cut(
-        &self,
-        id: u64,
-        from: u32,
-        to: u32,
-        mut f: impl FnMut(u32, &[u32]) -> bool,
-    ) -> u32 {
-        let Some(cut) = self.cuts.iter().find(|c| c.id == id) else {
-            return from;
-        };
-        let end = (to as usize).min(cut.slots);
-        let mut slot = from as usize;
-        while slot < end {
-            let chunk = slot / CHUNK_ROWS;
-            let chunk_end = ((chunk + 1) * CHUNK_ROWS).min(end);
-            let changed = cut.changed[chunk];
-            // The copies of the chunk's changed slots, by place.
-            let mut copy_at = [None; CHUNK_ROWS];
-            if changed != 0 {
-                cut.copies_of(chunk, |at, copy| copy_at[at] = Some(copy));
-            }
-            for slot in slot..chunk_end {
-                let at = slot % CHUNK_ROWS;
-                let record = if changed & (1 << at) == 0 {
-                    match self.live_record(slot as u32) {
-                        Some(record) => record,
-                        None => continue,
-                    }
-                } else {
-                    match copy_at[at] {
-                        Some(copy) => copy,
-                        None => continue,
-                    }
-                };
-                if !f(slot as u32, record) {
-                    return slot as u32 + 1;
-                }
-            }
-            slot = chunk_end;
+    pub fn read_cut(&self, id: u64, from: u32, to: u32, f: impl FnMut(u32, &[u32]) -> bool) -> u32 {
+        match self.cuts.iter().find(|c| c.id() == id) {
+            Some(cut) => cut.read(from, to, |slot| self.live_record(slot), f),
+            None => from,
         }
-        end.max(from as usize) as u32
     }
 
     /// Slots cut `id` covers.
     pub fn cut_slots(&self, id: u64) -> u32 {
         self.cuts
             .iter()
-            .find(|c| c.id == id)
-            .map_or(0, |c| c.slots as u32)
+            .find(|c| c.id() == id)
+            .map_or(0, |c| c.slots() as u32)
     }
 
     /// Records saved for cuts so far.
@@ -473,37 +367,7 @@ impl Slab {
             overhead: (self.live.capacity() * 8
                 + self.blocks.capacity() * std::mem::size_of::<Box<[u32]>>()
                 + self.free.capacity() * 4) as u64,
-            cuts: self
-                .cuts
-                .iter()
-                .map(|c| {
-                    (c.changed.len() * 8
-                        + c.last.len() * 4
-                        + c.copies.len() * SAVE_BLOCK * (self.words + 1) * 4)
-                        as u64
-                })
-                .sum(),
-        }
-    }
-}
-
-impl Cut {
-    /// Whether `slot` changed since the cut.
-    fn changed(&self, slot: usize) -> bool {
-        self.changed[slot / CHUNK_ROWS] & (1 << (slot % CHUNK_ROWS)) != 0
-    }
-
-    /// Calls `each` with the place in `chunk` and the saved record of
-    /// every copy of one of its slots.
-    fn copies_of<'a>(&'a self, chunk: usize, mut each: impl FnMut(usize, &'a [u32])) {
-        let stride = self.stride;
-        let mut link = self.last[chunk];
-        while link != 0 {
-            let n = (link - 1) as usize;
-            let copy = &self.copies[n / SAVE_BLOCK]
-                [(n % SAVE_BLOCK) * stride..(n % SAVE_BLOCK + 1) * stride];
-            each((copy[0] & (CHUNK_ROWS as u32 - 1)) as usize, &copy[1..]);
-            link = copy[0] >> LINK_AT_BITS;
+            cuts: self.cuts.iter().map(Cut::bytes).sum(),
         }
     }
 }
@@ -519,6 +383,11 @@ fn nth_set_bit(mut mask: u64, nth: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No spare blocks: saves allocate their own.
+    fn spares(slab: &Slab) -> Arc<Spares> {
+        Arc::new(Spares::new(slab.cut_block_words(), 0))
+    }
 
     fn rows_of_cut(slab: &Slab, id: u64) -> Vec<u32> {
         let mut out = Vec::new();
@@ -538,7 +407,7 @@ mod tests {
             slab.record_mut(slot).copy_from_slice(&[slot, slot, slot]);
         }
         slab.release(7);
-        slab.open_cut(1);
+        slab.open_cut(1, spares(&slab));
         assert_eq!(slab.saved_records(), 0, "opening a cut copies nothing");
         // Changed, freed, freed and reused, a free slot reused, new slots.
         slab.record_mut(6)[0] = 999;
@@ -553,7 +422,7 @@ mod tests {
         let expected: Vec<u32> = (0..200).filter(|s| *s != 7).collect();
         assert_eq!(rows_of_cut(&slab, 1), expected, "the cut as it was");
         // A second cut sees the rows as they are now.
-        slab.open_cut(2);
+        slab.open_cut(2, spares(&slab));
         let now = rows_of_cut(&slab, 2);
         assert!(now.contains(&998) && now.contains(&(5000 + 7)) && !now.contains(&6));
         // Reading from a slot on, and stopping early.
@@ -563,10 +432,10 @@ mod tests {
             first.len() < 2
         });
         assert_eq!((first, next), (vec![10, 11], 12));
-        slab.close_cut(1);
+        drop(slab.close_cut(1));
         slab.record_mut(8)[0] = 1;
         assert_eq!(slab.saved_records(), 4, "one more, for cut 2 alone");
-        slab.close_cut(2);
+        drop(slab.close_cut(2));
         slab.record_mut(9)[0] = 1;
         assert_eq!(slab.saved_records(), 4, "none with no cut open");
     }
@@ -578,7 +447,7 @@ mod tests {
             let slot = slab.alloc().unwrap();
             slab.record_mut(slot)[0] = v;
         }
-        slab.open_cut(9);
+        slab.open_cut(9, spares(&slab));
         let mut other = Slab::new(1);
         let slot = other.alloc().unwrap();
         other.record_mut(slot)[0] = 4242;
@@ -697,13 +566,13 @@ mod tests {
                     }
                     Op::Open => {
                         next_id += 1;
-                        slab.open_cut(next_id);
+                        slab.open_cut(next_id, spares(&slab));
                         cuts.push((next_id, live.clone()));
                         possible += live.len() as u64;
                     }
                     Op::Close(c) if !cuts.is_empty() => {
                         let (id, _) = cuts.remove(c as usize % cuts.len());
-                        slab.close_cut(id);
+                        drop(slab.close_cut(id));
                     }
                     Op::Close(_) => {}
                     Op::Read(c, from, n, stop) if !cuts.is_empty() => {

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tessera_rpc::sync::LockExt;
 
+use super::cut::SAVE_BLOCK;
+use super::spares::Spares;
 use super::{RowLayout, RowRef, ShardRows, Stripe, read, write};
 
 impl ShardRows {
@@ -20,10 +22,16 @@ impl ShardRows {
     /// stripe, and is not part of the cut.
     pub fn snapshot(&self) -> RowsSnapshot {
         let id = self.next_cut.fetch_add(1, Ordering::Relaxed);
+        // At most one copy per row of the cut; each stripe may leave a
+        // block part-filled.
+        let spares = Arc::new(Spares::new(
+            self.read_stripe(0).slab.cut_block_words(),
+            self.len() / SAVE_BLOCK + self.stripes.len(),
+        ));
         let lens = (0..self.stripes.len())
             .map(|i| {
                 let mut stripe = self.write_stripe(i);
-                stripe.slab.open_cut(id);
+                stripe.slab.open_cut(id, Arc::clone(&spares));
                 stripe.slab.len()
             })
             .collect::<Vec<_>>();
@@ -35,6 +43,7 @@ impl ShardRows {
                 len: lens.iter().sum(),
                 lens,
                 cursor: Mutex::new(Cursor::default()),
+                spares: Some(spares),
             }),
         }
     }
@@ -78,12 +87,17 @@ struct Cut {
     lens: Vec<usize>,
     len: usize,
     cursor: Mutex<Cursor>,
+    /// Blocks for the Pushes' copies, touched ahead by the reader
+    /// ([`super::spares`]).
+    spares: Option<Arc<Spares>>,
 }
 
 impl Drop for Cut {
     fn drop(&mut self) {
         for stripe in self.stripes.iter().flat_map(|s| s.iter()) {
-            write(stripe).slab.close_cut(self.id);
+            let closed = write(stripe).slab.close_cut(self.id);
+            // Freed here, the stripe's lock released.
+            drop(closed);
         }
     }
 }
@@ -107,6 +121,7 @@ impl RowsSnapshot {
                 lens: Vec::new(),
                 len: 0,
                 cursor: Mutex::new(Cursor::default()),
+                spares: None,
             }),
         }
     }
@@ -171,6 +186,11 @@ impl RowsSnapshot {
                     ))
                 }
             };
+            // Between holds, the blocks the stripes' next saves will
+            // fill get their pages here rather than in a Push.
+            if let Some(spares) = &cut.spares {
+                spares.top_up();
+            }
             let Some(next) = next else {
                 at = Cursor {
                     before: at.before,
