@@ -3,7 +3,20 @@
 //! for its keys, their cache misses overlapped by prefetching.
 
 use super::index::NO_SLOT;
+use super::slab::touched_block;
 use super::{RowRef, ShardRows, Stripe, try_read, try_write};
+
+// `upsert_many` keeps a bit per stripe.
+const _: () = assert!(super::STRIPES <= u64::BITS as usize);
+
+/// Blocks a Push makes ahead at most ([`ShardRows::ready_blocks`]). The
+/// stripes of a shard fill at the same pace, so they all come near a new
+/// block within a few Pushes of one another: unbounded, one Push would
+/// make all 64 (19 MiB of SGD records, some 4,600 page faults) and carry
+/// them in its own latency. A stripe asks half a block ahead (over 100
+/// Pushes of 1,000 rows for the largest blocks), so two a Push serve them
+/// all in time; a stripe not served opens a block as before.
+const READY_BLOCKS: usize = 2;
 
 /// Keys [`ShardRows::read_many`] prefetches together: their buckets and
 /// records (192 KiB of SGD rows of dim 16, 400 KiB of dim 64) stay in a
@@ -205,6 +218,8 @@ impl ShardRows {
     ) -> usize {
         debug_assert!(!self.limited(), "upsert_many on a table with a row limit");
         let mut refused = 0;
+        // Stripes that got new rows (bit per stripe, 64 of them).
+        let mut grew = 0u64;
         // Whole records prefetched: an update reads and writes them all.
         self.each_key(
             keys,
@@ -212,6 +227,9 @@ impl ShardRows {
             |s| try_write(&self.stripes[s]),
             |s| self.write_stripe(s),
             |stripe, i, key, slot| {
+                if slot.is_none() {
+                    grew |= 1 << self.stripe(key);
+                }
                 let stored = self.upsert_in(
                     stripe,
                     key,
@@ -223,7 +241,32 @@ impl ShardRows {
                 refused += usize::from(stored.is_err());
             },
         );
+        self.ready_blocks(grew);
         refused
+    }
+
+    /// For each stripe in `grew` (bit `s`: stripe `s` got new rows) whose
+    /// slab will soon open a block ([`Slab::wants_block`]): the block,
+    /// its pages written here, with no lock held, then handed over. A
+    /// growing shard's first writes to a fresh block faulted its pages in
+    /// under the stripe's write lock, one per 4 KiB, while the stripe's
+    /// Fetches waited.
+    fn ready_blocks(&self, grew: u64) {
+        let mut grew = grew;
+        let mut made = 0;
+        while grew != 0 && made < READY_BLOCKS {
+            let s = grew.trailing_zeros() as usize;
+            grew &= grew - 1;
+            let Some(stripe) = self.stripes.get(s) else {
+                continue;
+            };
+            let wanted = try_read(stripe).and_then(|stripe| stripe.slab.wants_block());
+            if let Some(words) = wanted {
+                let block = touched_block(words);
+                self.write_stripe(s).slab.give_block(block);
+                made += 1;
+            }
+        }
     }
 }
 

@@ -79,6 +79,11 @@ pub struct Slab {
     live: Vec<u64>,
     /// The records, in blocks (module docs).
     blocks: Vec<Box<[u32]>>,
+    /// The next block, its pages written by a Push outside the stripe's
+    /// lock ([`Slab::wants_block`]).
+    next_block: Option<Box<[u32]>>,
+    /// Blocks opened that were made ahead ([`Slab::give_block`]).
+    blocks_ahead: u64,
     /// Slots freed, reused first (last freed, first reused).
     free: Vec<u32>,
     len: usize,
@@ -110,6 +115,8 @@ impl Slab {
             words: words.max(1),
             live: Vec::new(),
             blocks: Vec::new(),
+            next_block: None,
+            blocks_ahead: 0,
             free: Vec::new(),
             len: 0,
             cuts: Vec::new(),
@@ -222,10 +229,14 @@ impl Slab {
                 }
                 let (block, _) = locate(next as u32);
                 if block == self.blocks.len() {
-                    // Zeroed: fresh pages from the kernel for a large
-                    // block, backed as its records are first written.
+                    let words = block_rows(block) * self.words;
+                    let ready = self.next_block.take().filter(|b| b.len() == words);
+                    self.blocks_ahead += u64::from(ready.is_some());
+                    // Else zeroed: fresh pages from the kernel for a large
+                    // block, backed as its records are first written,
+                    // under the stripe's lock.
                     self.blocks
-                        .push(vec![0; block_rows(block) * self.words].into_boxed_slice());
+                        .push(ready.unwrap_or_else(|| vec![0; words].into_boxed_slice()));
                 }
                 self.live.push(0);
                 // The rest of the new chunk, handed out in slot order.
@@ -241,6 +252,38 @@ impl Slab {
         self.live[chunk] |= 1 << at;
         self.len += 1;
         Some(slot)
+    }
+
+    /// The words of the block this slab will open next, when it is near
+    /// (fewer free and unopened slots left than half the last block) and
+    /// none is ready: a caller that is about to add rows makes one with
+    /// [`touched_block`] outside the stripe's lock and hands it over
+    /// ([`Slab::give_block`]), so that no page of it is faulted in while
+    /// the lock is held (the stripe's Fetches wait for that).
+    pub fn wants_block(&self) -> Option<usize> {
+        if self.next_block.is_some() {
+            return None;
+        }
+        let opened = self.live.len() * CHUNK_ROWS;
+        let in_blocks: usize = (0..self.blocks.len()).map(block_rows).sum();
+        let left = in_blocks - opened + self.free.len();
+        let last = self.blocks.len().checked_sub(1).map_or(0, block_rows);
+        (left < last / 2 + CHUNK_ROWS)
+            .then(|| block_rows(self.blocks.len()) * self.words)
+            .filter(|_| opened < MAX_SLOTS as usize)
+    }
+
+    /// Keeps `block` for the next block the slab opens, if it is the size
+    /// [`Slab::wants_block`] asked for and none is kept yet.
+    pub fn give_block(&mut self, block: Box<[u32]>) {
+        if self.next_block.is_none() && Some(block.len()) == self.wants_block() {
+            self.next_block = Some(block);
+        }
+    }
+
+    /// Blocks opened so far that a caller made ahead.
+    pub fn blocks_ahead(&self) -> u64 {
+        self.blocks_ahead
     }
 
     /// Frees `slot`'s record (which holds a row).
@@ -279,6 +322,7 @@ impl Slab {
         self.save_all();
         self.live = Vec::new();
         self.blocks = Vec::new();
+        self.next_block = None;
         self.free = Vec::new();
         self.len = 0;
     }
@@ -290,6 +334,7 @@ impl Slab {
         other.save_all();
         std::mem::swap(&mut self.live, &mut other.live);
         std::mem::swap(&mut self.blocks, &mut other.blocks);
+        std::mem::swap(&mut self.next_block, &mut other.next_block);
         std::mem::swap(&mut self.free, &mut other.free);
         std::mem::swap(&mut self.len, &mut other.len);
     }
@@ -363,13 +408,27 @@ impl Slab {
         let records = self.slots() as u64;
         SlabBytes {
             rows: self.len as u64 * record,
-            free: (records - self.len as u64) * record,
+            free: (records - self.len as u64) * record
+                + self.next_block.as_ref().map_or(0, |b| b.len() as u64 * 4),
             overhead: (self.live.capacity() * 8
                 + self.blocks.capacity() * std::mem::size_of::<Box<[u32]>>()
                 + self.free.capacity() * 4) as u64,
             cuts: self.cuts.iter().map(Cut::bytes).sum(),
         }
     }
+}
+
+/// A block of `words` words, every page of it written (zeros): made
+/// outside a stripe's lock for [`Slab::give_block`]. Not `vec![0; n]`:
+/// calloc hands out fresh pages unwritten, to be faulted in later.
+#[allow(
+    clippy::slow_vector_initialization,
+    reason = "calloc would not write the pages"
+)]
+pub fn touched_block(words: usize) -> Box<[u32]> {
+    let mut block = Vec::with_capacity(words);
+    block.resize(words, 0u32);
+    block.into_boxed_slice()
 }
 
 /// The position of the `nth` set bit of `mask` (which has more than `nth`).
@@ -485,6 +544,37 @@ mod tests {
         );
         for v in 0..20_000u32 {
             assert_eq!(slab.record(v), [v, !v]);
+        }
+    }
+
+    #[test]
+    fn a_growing_slab_asks_for_its_next_block_ahead_and_opens_the_one_given() {
+        let mut slab = Slab::new(3);
+        let mut given = Vec::new();
+        for _ in 0..3 * BLOCK_ROWS {
+            if let Some(words) = slab.wants_block() {
+                let block = touched_block(words);
+                given.push(block.as_ptr());
+                slab.give_block(block);
+                // One at a time, and only the size asked for.
+                assert_eq!(slab.wants_block(), None);
+            }
+            slab.alloc().unwrap();
+        }
+        // Every block after the first came from a caller, ahead of need.
+        assert_eq!(slab.blocks.len(), 2 + BLOCK_DOUBLINGS as usize + 1);
+        for block in &slab.blocks[1..] {
+            assert!(given.contains(&block.as_ptr()));
+        }
+        // A block of the wrong size is not kept.
+        let mut other = Slab::new(3);
+        other.alloc().unwrap();
+        for _ in 0..CHUNK_ROWS {
+            other.alloc();
+        }
+        if let Some(words) = other.wants_block() {
+            other.give_block(touched_block(words + 1));
+            assert!(other.next_block.is_none());
         }
     }
 

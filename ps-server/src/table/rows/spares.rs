@@ -27,6 +27,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tessera_rpc::sync::LockExt;
 
+use super::slab::touched_block;
+
 /// The most bytes of blocks a pool keeps ready: some 100 Pushes of
 /// 1,000 SGD rows of dim 16 changed for the first time since the cut.
 /// The reader adds up to [`TOP_UP_BLOCKS`] between two holds of a
@@ -79,21 +81,14 @@ impl Spares {
     /// Adds up to [`TOP_UP_BLOCKS`] blocks while the pool is below its
     /// bound (the reader's side): each is allocated and written whole
     /// outside the lock, then added.
-    #[allow(
-        clippy::slow_vector_initialization,
-        reason = "calloc would not write the pages (see below)"
-    )]
     pub fn top_up(&self) {
         for _ in 0..TOP_UP_BLOCKS {
             if self.count.load(Ordering::Relaxed) >= self.target {
                 return;
             }
-            // Written, not `vec![0; n]`: calloc hands out fresh pages
-            // unwritten (it knows they are zero), which is the fault this
-            // is here to take.
-            let mut block = Vec::with_capacity(self.block_words);
-            block.resize(self.block_words, 0u32);
-            std::hint::black_box(&mut block);
+            // Every page written once (`touched_block`), then emptied:
+            // the capacity stays.
+            let mut block = touched_block(self.block_words).into_vec();
             block.clear();
             let mut ready = self.ready.locked();
             ready.push(block);
