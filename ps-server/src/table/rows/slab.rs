@@ -267,7 +267,7 @@ impl Slab {
 
     /// The words of the block this slab will open next, when it is near
     /// (fewer free and unopened slots left than half the last block), none
-    /// is ready, and the slab holds [`AHEAD_FROM_BLOCKS`] blocks already:
+    /// is ready, and the slab holds `AHEAD_FROM_BLOCKS` blocks already:
     /// a caller that is about to add rows makes one with
     /// [`touched_block`] outside the stripe's lock and hands it over
     /// ([`Slab::give_block`]), so that no page of it is faulted in while
