@@ -38,6 +38,12 @@ use super::spares::Spares;
 /// Saved records per block of a cut.
 pub const SAVE_BLOCK: usize = 256;
 
+/// Words of a block of copies of `record_words`-word records (each copy
+/// a link word and a record).
+pub fn block_words(record_words: usize) -> usize {
+    SAVE_BLOCK * (record_words + 1)
+}
+
 /// A copy's link word: the slot's place in its chunk in the low bits,
 /// the chunk's previous copy (plus one; 0: none) above them.
 const LINK_AT_BITS: u32 = CHUNK_ROWS.trailing_zeros();

@@ -29,7 +29,7 @@ use prefetch_index::prefetch_index;
 
 use std::sync::Arc;
 
-use super::cut::{Cut, SAVE_BLOCK};
+use super::cut::Cut;
 use super::index::MAX_SLOTS;
 use super::spares::Spares;
 
@@ -78,6 +78,18 @@ fn block_rows(b: usize) -> usize {
     match b {
         0 => CHUNK_ROWS,
         _ => CHUNK_ROWS << (b - 1).min(BLOCK_DOUBLINGS as usize),
+    }
+}
+
+/// Records in blocks `0..n`: they double up to [`BLOCK_ROWS`] (the first
+/// `BLOCK_DOUBLINGS + 1` blocks hold `CHUNK_ROWS << (n - 1)`), then
+/// `BLOCK_ROWS` a block.
+fn slots_in_blocks(n: usize) -> usize {
+    let doubling = BLOCK_DOUBLINGS as usize + 1;
+    match n {
+        0 => 0,
+        _ if n <= doubling => CHUNK_ROWS << (n - 1),
+        _ => BLOCK_ROWS * (n - doubling + 1),
     }
 }
 
@@ -277,8 +289,7 @@ impl Slab {
             return None;
         }
         let opened = self.live.len() * CHUNK_ROWS;
-        let in_blocks: usize = (0..self.blocks.len()).map(block_rows).sum();
-        let left = in_blocks - opened + self.free.len();
+        let left = slots_in_blocks(self.blocks.len()) - opened + self.free.len();
         let last = self.blocks.len().checked_sub(1).map_or(0, block_rows);
         (left < last / 2 + CHUNK_ROWS)
             .then(|| block_rows(self.blocks.len()) * self.words)
@@ -374,11 +385,6 @@ impl Slab {
             .push(Cut::open(id, self.live.len(), self.words, spares));
     }
 
-    /// Words of a block of cut copies of this slab's records.
-    pub fn cut_block_words(&self) -> usize {
-        SAVE_BLOCK * (self.words + 1)
-    }
-
     /// Closes cut `id`, handing back what it saved, for the caller to
     /// drop once it has released the stripe's lock: freeing a cut's copies
     /// (hundreds of MiB after a long snapshot of a large shard under
@@ -457,7 +463,9 @@ mod tests {
 
     /// No spare blocks: saves allocate their own.
     fn spares(slab: &Slab) -> Arc<Spares> {
-        Arc::new(Spares::new(slab.cut_block_words(), 0))
+        let spares = Spares::new(super::super::cut::block_words(slab.words));
+        spares.bound(0);
+        Arc::new(spares)
     }
 
     fn rows_of_cut(slab: &Slab, id: u64) -> Vec<u32> {
@@ -533,6 +541,13 @@ mod tests {
     fn blocks_double_to_their_cap_and_every_slot_has_its_own_record() {
         let sizes: Vec<usize> = (0..9).map(block_rows).collect();
         assert_eq!(sizes, [64, 64, 128, 256, 512, 1024, 2048, 4096, 4096]);
+        for n in 0..40 {
+            assert_eq!(
+                slots_in_blocks(n),
+                (0..n).map(block_rows).sum::<usize>(),
+                "{n} blocks"
+            );
+        }
         // Slots in order fill each block in order, then the next.
         let mut expected = (0, 0);
         for slot in 0..(3 * BLOCK_ROWS as u32 + 100) {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tessera_rpc::sync::LockExt;
 
-use super::cut::SAVE_BLOCK;
+use super::cut;
 use super::spares::Spares;
 use super::{RowLayout, RowRef, ShardRows, Stripe, read, write};
 
@@ -22,12 +22,7 @@ impl ShardRows {
     /// stripe, and is not part of the cut.
     pub fn snapshot(&self) -> RowsSnapshot {
         let id = self.next_cut.fetch_add(1, Ordering::Relaxed);
-        // At most one copy per row of the cut; each stripe may leave a
-        // block part-filled.
-        let spares = Arc::new(Spares::new(
-            self.read_stripe(0).slab.cut_block_words(),
-            self.len() / SAVE_BLOCK + self.stripes.len(),
-        ));
+        let spares = Arc::new(Spares::new(cut::block_words(self.layout.words())));
         let lens = (0..self.stripes.len())
             .map(|i| {
                 let mut stripe = self.write_stripe(i);
@@ -35,12 +30,16 @@ impl ShardRows {
                 stripe.slab.len()
             })
             .collect::<Vec<_>>();
+        // At most one copy per row of the cut; each stripe may leave a
+        // block part-filled.
+        let len = lens.iter().sum::<usize>();
+        spares.bound(len / cut::SAVE_BLOCK + self.stripes.len());
         RowsSnapshot {
             cut: Arc::new(Cut {
                 stripes: Some(Arc::clone(&self.stripes)),
                 id,
                 layout: self.layout,
-                len: lens.iter().sum(),
+                len,
                 lens,
                 cursor: Mutex::new(Cursor::default()),
                 spares: Some(spares),

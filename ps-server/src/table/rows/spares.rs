@@ -44,8 +44,8 @@ const TOP_UP_BLOCKS: usize = 2;
 pub struct Spares {
     /// Words per block.
     block_words: usize,
-    /// Blocks kept ready at most.
-    target: usize,
+    /// Blocks kept ready at most ([`Spares::bound`] lowers it).
+    target: AtomicUsize,
     /// The blocks: empty, with room for `block_words` words, every page
     /// written once.
     ready: Mutex<Vec<Vec<u32>>>,
@@ -54,17 +54,21 @@ pub struct Spares {
 }
 
 impl Spares {
-    /// A pool of blocks of `block_words` words, for a cut that can fill at
-    /// most `most_blocks` of them.
-    pub fn new(block_words: usize, most_blocks: usize) -> Self {
+    /// A pool of blocks of `block_words` words, at most [`SPARE_BYTES`].
+    pub fn new(block_words: usize) -> Self {
         let block_words = block_words.max(1);
-        let target = (SPARE_BYTES / (block_words * 4)).clamp(1, most_blocks.max(1));
         Self {
             block_words,
-            target,
+            target: AtomicUsize::new((SPARE_BYTES / (block_words * 4)).max(1)),
             ready: Mutex::new(Vec::new()),
             count: AtomicUsize::new(0),
         }
+    }
+
+    /// The cut this pool serves can fill at most `most_blocks` blocks:
+    /// no more are kept ready.
+    pub fn bound(&self, most_blocks: usize) {
+        self.target.fetch_min(most_blocks.max(1), Ordering::Relaxed);
     }
 
     /// A ready block, if one is there and taking it means no wait.
@@ -83,7 +87,7 @@ impl Spares {
     /// outside the lock, then added.
     pub fn top_up(&self) {
         for _ in 0..TOP_UP_BLOCKS {
-            if self.count.load(Ordering::Relaxed) >= self.target {
+            if self.count.load(Ordering::Relaxed) >= self.target.load(Ordering::Relaxed) {
                 return;
             }
             // Every page written once (`touched_block`), then emptied:
@@ -97,12 +101,14 @@ impl Spares {
     }
 
     /// Blocks ready now.
-    pub fn ready(&self) -> usize {
+    #[cfg(test)]
+    fn ready(&self) -> usize {
         self.count.load(Ordering::Relaxed)
     }
 
     /// Bytes of the blocks ready now.
-    pub fn bytes(&self) -> u64 {
+    #[cfg(test)]
+    fn bytes(&self) -> u64 {
         (self.ready() * self.block_words * 4) as u64
     }
 }
@@ -114,12 +120,14 @@ mod tests {
     #[test]
     fn a_pool_fills_to_its_bound_and_hands_out_empty_blocks_of_its_size() {
         // Few blocks for a small cut, at most SPARE_BYTES for a large one.
-        let small = Spares::new(1000, 3);
+        let small = Spares::new(1000);
+        small.bound(3);
         small.top_up();
         assert_eq!(small.ready(), TOP_UP_BLOCKS);
         small.top_up();
         assert_eq!(small.ready(), 3);
-        let large = Spares::new(1 << 16, 1 << 20);
+        let large = Spares::new(1 << 16);
+        large.bound(1 << 20);
         for _ in 0..SPARE_BYTES {
             large.top_up();
         }
