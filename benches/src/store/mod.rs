@@ -606,14 +606,24 @@ fn beside_figures(
 
 /// The resident size of this process, bytes.
 fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    proc_kib("/proc/self/status", "VmRSS:") * 1024
+}
+
+/// Bytes of this process's anonymous memory on transparent huge pages.
+fn huge_pages() -> u64 {
+    proc_kib("/proc/self/smaps_rollup", "AnonHugePages:") * 1024
+}
+
+/// A `kB` field of a `/proc` file; 0 where it is missing.
+fn proc_kib(file: &str, field: &str) -> u64 {
+    std::fs::read_to_string(file)
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
-        .map_or(0, |kib| kib * 1024)
+        .unwrap_or(0)
 }
 
 fn micros(d: Duration) -> f64 {
@@ -675,6 +685,7 @@ pub fn child(
         })?;
         let grow_secs = grow_started.elapsed().as_secs_f64();
         let resident = rss().saturating_sub(empty);
+        let huge = huge_pages();
         // Quiet: Fetches, then Pushes of rows already there.
         let fetches = sorted(fetch_for(&bench, level, plan.level_secs, &mut rng));
         let mut pushed = 0u64;
@@ -712,6 +723,7 @@ pub fn child(
             "payload_bytes": kind.payload(),
             "bytes_per_row": resident as f64 / level as f64,
             "x_payload": resident as f64 / level as f64 / kind.payload() as f64,
+            "huge_page_share": huge as f64 / resident.max(1) as f64,
             "store_bytes_per_row": bench.store_bytes().map(|b| b as f64 / level as f64),
             "fetch_p50_us": quantile(&fetches, 0.5),
             "fetch_p99_us": p99,
@@ -954,9 +966,9 @@ fn f(v: &Value, k: &str) -> f64 {
 pub fn markdown(rows: &[Value]) -> String {
     let mut out = String::from(
         "## store: one (table, shard)'s rows, the slab store beside the one before it (indexmap), as it grows\n\n\
-         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store. Fetch: 1,000 random rows read into a little-endian f32 buffer, one after another. Push: rows updated per second, 1,000 random rows at a time as the server applies a Push.\n\n\
-         | table | store | rows | bytes/row | x payload | f16/f32 | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         Each (store, table) in a process of its own; bytes per row are its resident size above the empty store; on huge pages: the share of it on transparent huge pages (`AnonHugePages`; the slab store asks for them for large blocks made ahead, `rows::block`). Fetch: 1,000 random rows read into a little-endian f32 buffer, one after another. Push: rows updated per second, 1,000 random rows at a time as the server applies a Push.\n\n\
+         | table | store | rows | bytes/row | x payload | f16/f32 | on huge pages | Fetch p50 µs | p99 µs | p50 / smallest level | Push rows/s |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let levels: Vec<&Value> = rows.iter().filter(|r| r["section"] == "rows").collect();
     for r in &levels {
@@ -979,13 +991,14 @@ pub fn markdown(rows: &[Value]) -> String {
             _ => "".to_owned(),
         };
         out.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0} | {:.0} | {:.2} | {:.0} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {} | {:.0}% | {:.0} | {:.0} | {:.2} | {:.0} |\n",
             r["table"].as_str().unwrap_or(""),
             r["store"].as_str().unwrap_or(""),
             r["rows"],
             f(r, "bytes_per_row"),
             f(r, "x_payload"),
             narrow,
+            f(r, "huge_page_share") * 100.0,
             f(r, "fetch_p50_us"),
             f(r, "fetch_p99_us"),
             if smallest > 0.0 {

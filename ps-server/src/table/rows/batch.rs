@@ -2,8 +2,8 @@
 //! Push's updates ([`ShardRows::upsert_many`]), each stripe locked once
 //! for its keys, their cache misses overlapped by prefetching.
 
+use super::block::Block;
 use super::index::NO_SLOT;
-use super::slab::touched_block;
 use super::{RowRef, ShardRows, Stripe, try_read, try_write};
 
 // `upsert_many` keeps a bit per stripe.
@@ -262,8 +262,10 @@ impl ShardRows {
             };
             let wanted = try_read(stripe).and_then(|stripe| stripe.slab.wants_block());
             if let Some(words) = wanted {
-                let block = touched_block(words);
-                self.write_stripe(s).slab.give_block(block);
+                let block = Block::touched(words);
+                let refused = self.write_stripe(s).slab.give_block(block);
+                // Unmapped here, with the stripe's lock released.
+                drop(refused);
                 made += 1;
             }
         }

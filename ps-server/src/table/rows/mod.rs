@@ -30,6 +30,7 @@
 //! little before the whole shard is full.
 
 mod batch;
+pub mod block;
 mod cut;
 pub mod index;
 pub mod layout;

@@ -11,7 +11,9 @@
 //! missed the cache once for the block's pointer and again for the
 //! record). A block is allocated zeroed and its records are handed out in
 //! order, so the part not reached yet is address space the kernel has not
-//! backed with memory. Growth adds a block and never moves a record (the
+//! backed with memory. A large stripe's next block is made ahead, outside
+//! its lock, on huge pages where it is 2 MiB or more ([`Slab::wants_block`],
+//! `rows::block`). Growth adds a block and never moves a record (the
 //! only other growth cost is the key index's, bounded per insert).
 //!
 //! **Chunks** are the bookkeeping unit of [`CHUNK_ROWS`] slots: a 64-bit
@@ -29,6 +31,7 @@ use prefetch_index::prefetch_index;
 
 use std::sync::Arc;
 
+use super::block::Block;
 use super::cut::Cut;
 use super::index::MAX_SLOTS;
 use super::spares::Spares;
@@ -101,10 +104,10 @@ pub struct Slab {
     /// Per chunk opened, bit `i`: its record `i` holds a row.
     live: Vec<u64>,
     /// The records, in blocks (module docs).
-    blocks: Vec<Box<[u32]>>,
+    blocks: Vec<Block>,
     /// The next block, its pages written by a Push outside the stripe's
     /// lock ([`Slab::wants_block`]).
-    next_block: Option<Box<[u32]>>,
+    next_block: Option<Block>,
     /// Blocks opened that were made ahead ([`Slab::give_block`]).
     blocks_ahead: u64,
     /// Slots freed, reused first (last freed, first reused).
@@ -186,7 +189,7 @@ impl Slab {
     #[inline]
     pub fn prefetch(&self, slot: u32, words: usize) {
         let (block, at) = locate(slot);
-        let Some(block) = self.blocks.get(block) else {
+        let Some(block) = self.blocks.get(block).map(|b| &b[..]) else {
             return;
         };
         let start = at * self.words;
@@ -257,9 +260,9 @@ impl Slab {
                     self.blocks_ahead += u64::from(ready.is_some());
                     // Else zeroed: fresh pages from the kernel for a large
                     // block, backed as its records are first written,
-                    // under the stripe's lock.
+                    // under the stripe's lock (small pages: `rows::block`).
                     self.blocks
-                        .push(ready.unwrap_or_else(|| vec![0; words].into_boxed_slice()));
+                        .push(ready.unwrap_or_else(|| Block::zeroed(words)));
                 }
                 self.live.push(0);
                 // The rest of the new chunk, handed out in slot order.
@@ -281,7 +284,7 @@ impl Slab {
     /// (fewer free and unopened slots left than half the last block), none
     /// is ready, and the slab holds `AHEAD_FROM_BLOCKS` blocks already:
     /// a caller that is about to add rows makes one with
-    /// [`touched_block`] outside the stripe's lock and hands it over
+    /// [`Block::touched`] outside the stripe's lock and hands it over
     /// ([`Slab::give_block`]), so that no page of it is faulted in while
     /// the lock is held (the stripe's Fetches wait for that).
     pub fn wants_block(&self) -> Option<usize> {
@@ -297,11 +300,16 @@ impl Slab {
     }
 
     /// Keeps `block` for the next block the slab opens, if it is the size
-    /// [`Slab::wants_block`] asked for and none is kept yet.
-    pub fn give_block(&mut self, block: Box<[u32]>) {
+    /// [`Slab::wants_block`] asked for and none is kept yet; else hands it
+    /// back, for the caller to drop once it has released the stripe's
+    /// lock (unmapping a block is not free).
+    #[must_use = "a block not kept is dropped: drop it outside the stripe's lock"]
+    pub fn give_block(&mut self, block: Block) -> Option<Block> {
         if self.next_block.is_none() && Some(block.len()) == self.wants_block() {
             self.next_block = Some(block);
+            return None;
         }
+        Some(block)
     }
 
     /// Blocks opened so far that a caller made ahead.
@@ -429,24 +437,11 @@ impl Slab {
             free: (records - self.len as u64) * record
                 + self.next_block.as_ref().map_or(0, |b| b.len() as u64 * 4),
             overhead: (self.live.capacity() * 8
-                + self.blocks.capacity() * std::mem::size_of::<Box<[u32]>>()
+                + self.blocks.capacity() * std::mem::size_of::<Block>()
                 + self.free.capacity() * 4) as u64,
             cuts: self.cuts.iter().map(Cut::bytes).sum(),
         }
     }
-}
-
-/// A block of `words` words, every page of it written (zeros): made
-/// outside a stripe's lock for [`Slab::give_block`]. Not `vec![0; n]`:
-/// calloc hands out fresh pages unwritten, to be faulted in later.
-#[allow(
-    clippy::slow_vector_initialization,
-    reason = "calloc would not write the pages"
-)]
-pub fn touched_block(words: usize) -> Box<[u32]> {
-    let mut block = Vec::with_capacity(words);
-    block.resize(words, 0u32);
-    block.into_boxed_slice()
 }
 
 /// The position of the `nth` set bit of `mask` (which has more than `nth`).
@@ -459,6 +454,7 @@ fn nth_set_bit(mut mask: u64, nth: u32) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::super::block::HUGE_PAGE;
     use super::*;
 
     /// No spare blocks: saves allocate their own.
@@ -576,33 +572,41 @@ mod tests {
 
     #[test]
     fn a_growing_slab_asks_for_its_next_block_ahead_and_opens_the_one_given() {
-        let mut slab = Slab::new(3);
-        let mut given = Vec::new();
-        let first_ahead =
-            2 * BLOCK_ROWS + (AHEAD_FROM_BLOCKS - BLOCK_DOUBLINGS as usize - 2) * BLOCK_ROWS;
-        for n in 0..first_ahead + 3 * BLOCK_ROWS {
-            // Small slabs are never served ahead.
-            if n < first_ahead - BLOCK_ROWS {
-                assert_eq!(slab.wants_block(), None, "at {n}");
+        // Small records, and records whose blocks are 2 MiB (mapped).
+        for words in [3, HUGE_PAGE / 4 / BLOCK_ROWS] {
+            let mut slab = Slab::new(words);
+            let mut given = Vec::new();
+            let first_ahead =
+                2 * BLOCK_ROWS + (AHEAD_FROM_BLOCKS - BLOCK_DOUBLINGS as usize - 2) * BLOCK_ROWS;
+            for n in 0..first_ahead + 3 * BLOCK_ROWS {
+                // Small slabs are never served ahead.
+                if n < first_ahead - BLOCK_ROWS {
+                    assert_eq!(slab.wants_block(), None, "at {n}");
+                }
+                if let Some(wanted) = slab.wants_block() {
+                    // A block of the wrong size is not kept.
+                    assert!(slab.give_block(Block::touched(wanted + 1)).is_some());
+                    assert!(slab.next_block.is_none());
+                    let block = Block::touched(wanted);
+                    assert_eq!(block.is_mapped(), wanted * 4 >= HUGE_PAGE);
+                    given.push(block.as_ptr());
+                    assert!(slab.give_block(block).is_none());
+                    // One at a time, and only the size asked for.
+                    assert_eq!(slab.wants_block(), None);
+                }
+                let slot = slab.alloc().unwrap();
+                slab.record_mut(slot).fill(slot);
             }
-            if let Some(words) = slab.wants_block() {
-                // A block of the wrong size is not kept.
-                slab.give_block(touched_block(words + 1));
-                assert!(slab.next_block.is_none());
-                let block = touched_block(words);
-                given.push(block.as_ptr());
-                slab.give_block(block);
-                // One at a time, and only the size asked for.
-                assert_eq!(slab.wants_block(), None);
+            // The three blocks past the mark came from a caller, ahead of
+            // need; none before it.
+            assert_eq!(slab.blocks.len(), AHEAD_FROM_BLOCKS + 3);
+            assert_eq!(slab.blocks_ahead(), 3);
+            for block in &slab.blocks[AHEAD_FROM_BLOCKS..] {
+                assert!(given.contains(&block.as_ptr()));
             }
-            slab.alloc().unwrap();
-        }
-        // The three blocks past the mark came from a caller, ahead of
-        // need; none before it.
-        assert_eq!(slab.blocks.len(), AHEAD_FROM_BLOCKS + 3);
-        assert_eq!(slab.blocks_ahead(), 3);
-        for block in &slab.blocks[AHEAD_FROM_BLOCKS..] {
-            assert!(given.contains(&block.as_ptr()));
+            for slot in (0..slab.slots() as u32).step_by(997) {
+                assert!(slab.record(slot).iter().all(|&w| w == slot), "{words}");
+            }
         }
     }
 

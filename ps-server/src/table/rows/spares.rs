@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tessera_rpc::sync::LockExt;
 
-use super::slab::touched_block;
+use super::block::touched_vec;
 
 /// The most bytes of blocks a pool keeps ready: some 100 Pushes of
 /// 1,000 SGD rows of dim 16 changed for the first time since the cut.
@@ -90,9 +90,9 @@ impl Spares {
             if self.count.load(Ordering::Relaxed) >= self.target.load(Ordering::Relaxed) {
                 return;
             }
-            // Every page written once (`touched_block`), then emptied:
+            // Every page written once (`touched_vec`), then emptied:
             // the capacity stays.
-            let mut block = touched_block(self.block_words).into_vec();
+            let mut block = touched_vec(self.block_words);
             block.clear();
             let mut ready = self.ready.locked();
             ready.push(block);
