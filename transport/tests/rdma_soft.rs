@@ -229,6 +229,30 @@ async fn a_received_message_is_in_the_counters() {
     }
 }
 
+/// Answers of a request/response connection after the first go to the
+/// destination the client offered (`rdma/engine/offers.rs`), with no
+/// request to send, over the transport end to end: every echo comes back
+/// intact, and the server's counters show the offered sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_answers_after_the_first_go_to_the_clients_offer() {
+    let server = Transport::new(soft_config()).unwrap();
+    let addr = echo_server(&server).await;
+    let client = Transport::new(soft_config()).unwrap();
+    let mut conn = client.connect(&addr).await.unwrap();
+    for i in 0..6u8 {
+        let len = 200_000 + usize::from(i) * 1000;
+        let body: Vec<u8> = (0..len).map(|j| (j % 251) as u8 ^ i).collect();
+        conn.sender.send(Message::from(body.clone())).await.unwrap();
+        let back = conn.receiver.recv().await.unwrap().unwrap();
+        assert!(back[..] == body[..], "echo {i} differs");
+    }
+    let served = server.rdma_stats().unwrap();
+    assert_eq!(served.offered_sends, 5, "{served:?}");
+    // The server draws on its inbound budget: it offers nothing, so the
+    // client's requests all asked.
+    assert_eq!(client.rdma_stats().unwrap().offered_sends, 0);
+}
+
 #[tokio::test]
 async fn ibverbs_without_a_device_is_a_clear_error() {
     let config = TransportConfig {

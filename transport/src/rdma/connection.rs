@@ -38,7 +38,7 @@ use crate::verbs::{Device, GidType, LinkLayer, QpCaps, QpEndpoint};
 use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// First bytes of every hello (how an `auto` listener tells RDMA from TCP).
 pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
@@ -283,6 +283,7 @@ impl RdmaRuntime {
             total.credit_stalls += get(&s.credit_stalls);
             total.window_stalls += get(&s.window_stalls);
             total.keepalives_sent += get(&s.keepalives_sent);
+            total.offered_sends += get(&s.offered_sends);
             total.keepalive_failures += get(&s.keepalive_failures);
             total.engines_failed += get(&s.engines_failed);
             total.shared_receives_posted += get(&s.shared_receives_posted);
@@ -413,6 +414,8 @@ impl RdmaRuntime {
             rts_ahead: 4,
             max_granted_bytes: self.config.inbound.connection_bytes(),
             shared_receives: rdma.srq,
+            // Both ends speak the same protocol version, which has them.
+            offers: true,
         };
         let mut engine = Engine::new(
             engine_config,

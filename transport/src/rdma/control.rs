@@ -12,7 +12,10 @@
 //! `addr` and `rkey`; `Credit` only returns credits; `Open` and `Close`
 //! start and end a logical socket on the engine's queue pair, `Accept` and
 //! `Refuse` answer an `Open`; `Slot` tells where (`addr`, `rkey`) the peer
-//! writes its keepalive, once a memory window confines it there.
+//! writes its keepalive, once a memory window confines it there; `Offer`
+//! gives a destination (`addr`, `rkey`) for `socket`'s next large message
+//! before it is asked for (`engine/offers.rs`): its id in `msg id`, and
+//! the bytes offered in 8 more bytes after the header (u64 LE).
 
 /// First byte of every control header.
 pub const MAGIC: u8 = 0xbe;
@@ -54,6 +57,24 @@ pub enum ControlKind {
         /// The window's key.
         rkey: u32,
     },
+    /// A destination for socket `socket`'s next large message, offer
+    /// `msg_id`; its size follows the header ([`OFFER_LEN`]).
+    Offer {
+        /// Destination address.
+        addr: u64,
+        /// Its remote key.
+        rkey: u32,
+    },
+}
+
+/// Bytes of an `Offer`: the header and the size offered (u64 LE).
+pub const OFFER_LEN: usize = HEADER_LEN + 8;
+
+/// The size an `Offer` carries after its header; `None` if `bytes` (the
+/// whole message) is too short to hold it.
+pub fn offer_size(bytes: &[u8]) -> Option<u64> {
+    let raw: [u8; 8] = bytes.get(HEADER_LEN..OFFER_LEN)?.try_into().ok()?;
+    Some(u64::from_le_bytes(raw))
 }
 
 /// A decoded control header.
@@ -99,6 +120,7 @@ impl ControlHeader {
             ControlKind::Accept => (7, 0, 0),
             ControlKind::Refuse => (8, 0, 0),
             ControlKind::Slot { addr, rkey } => (9, addr, rkey),
+            ControlKind::Offer { addr, rkey } => (10, addr, rkey),
         };
         out[1] = kind;
         out[2..4].copy_from_slice(&self.credits.to_le_bytes());
@@ -131,6 +153,7 @@ impl ControlHeader {
             7 => ControlKind::Accept,
             8 => ControlKind::Refuse,
             9 => ControlKind::Slot { addr: a, rkey: b },
+            10 => ControlKind::Offer { addr: a, rkey: b },
             other => return Err(ControlError::UnknownKind(other)),
         };
         Ok(Self {
@@ -165,6 +188,10 @@ mod tests {
                 addr: 0x7f00_0000_0008,
                 rkey: 0x4321,
             },
+            ControlKind::Offer {
+                addr: 0x7f00_0000_1000,
+                rkey: 0x5678,
+            },
         ] {
             let header = ControlHeader {
                 kind,
@@ -180,10 +207,27 @@ mod tests {
         );
     }
 
+    #[test]
+    fn an_offer_carries_its_size_after_the_header() {
+        let mut bytes = ControlHeader {
+            kind: ControlKind::Offer { addr: 64, rkey: 7 },
+            credits: 0,
+            msg_id: 1 << 31,
+            socket: 3,
+        }
+        .encode()
+        .to_vec();
+        assert_eq!(offer_size(&bytes), None);
+        bytes.extend_from_slice(&(300_000u64).to_le_bytes());
+        assert_eq!(offer_size(&bytes), Some(300_000));
+        assert_eq!(offer_size(&bytes[..OFFER_LEN - 1]), None);
+    }
+
     proptest! {
         #[test]
         fn garbage_never_panics(data in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = ControlHeader::decode(&data);
+            let _ = offer_size(&data);
         }
     }
 }

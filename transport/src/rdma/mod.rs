@@ -53,6 +53,9 @@ pub struct RdmaStats {
     pub window_stalls: u64,
     /// Keepalive writes sent.
     pub keepalives_sent: u64,
+    /// Large messages sent to a destination the peer offered, with no
+    /// request to send (`rdma/engine/offers.rs`).
+    pub offered_sends: u64,
     /// Peers declared dead by keepalive.
     pub keepalive_failures: u64,
     /// Engines that failed (any reason).

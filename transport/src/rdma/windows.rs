@@ -94,6 +94,11 @@ impl Windows {
         self.free.len()
     }
 
+    /// Windows for grants, free or bound.
+    pub fn count(&self) -> usize {
+        self.free.len() + self.granted.len()
+    }
+
     /// Binds a free window to all of `buf` for message `msg_id`: the
     /// bind's operation (to post before anything that tells the peer its
     /// key) and the key. `None` when no window is free.

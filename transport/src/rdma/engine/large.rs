@@ -5,6 +5,7 @@
 //! handled on receipt (`receive.rs`), grants made by the receiver in
 //! `grants.rs`; this file writes the fragments.
 
+use super::offers::{OFFER_BIT, PREFIX_LEN};
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
@@ -78,7 +79,15 @@ impl Engine {
             self.events.push_back(EngineEvent::Sent(socket));
             self.credits.spend();
             self.stats.large_sent += 1;
-            self.stats.bytes_sent += done.map_or(0, |d| d.message.len as u64);
+            // Less the length prefix of a message sent to an offer.
+            self.stats.bytes_sent += done.map_or(0, |d| {
+                let prefix = if d.msg_id & OFFER_BIT != 0 {
+                    PREFIX_LEN
+                } else {
+                    0
+                };
+                (d.message.len - prefix) as u64
+            });
         }
         self.window.add(length);
         self.ring.push(RingEntry {

@@ -52,6 +52,9 @@
 //!   `fragment_size` bytes, the last as WRITE_WITH_IMM carrying the
 //!   message id; the receiver learns of the message from that completion
 //!   alone. A socket asks for up to `rts_ahead` destinations ahead.
+//! - `offers.rs`: after a large message of a socket, the receiver offers a
+//!   destination for the next one unasked; a message that fits goes there
+//!   behind an 8-byte length prefix, with no RTS/CTS round trip.
 //! - `scheduler.rs`: the fragment scheduler. Engine-level control messages
 //!   (CTS, credit returns, keepalives) first; then sockets with work take
 //!   turns, round robin, one fragment per turn, so a small message waits
@@ -93,6 +96,7 @@ mod delivery;
 mod grants;
 mod keepalive;
 mod large;
+mod offers;
 mod receive;
 mod scheduler;
 mod small;
@@ -106,6 +110,8 @@ pub use types::{
 
 use keepalive::{KEEPALIVE_SLOT_LEN, Keepalive};
 use large::LargeSend;
+#[cfg(test)]
+pub(crate) use offers::{OFFER_BIT, PREFIX_LEN};
 pub(crate) use receive::recv_wr;
 use scheduler::{Control, Turn};
 use sockets::{Item, Outgoing, SocketTx};
@@ -139,8 +145,18 @@ pub struct Engine {
     active: VecDeque<SocketId>,
     awaiting_cts: HashMap<u32, SocketId>,
     incoming: HashMap<u32, (SocketId, PoolBuf, Option<InboundPermit>)>,
-    /// Bytes of the buffers in `incoming` (granted to the peer).
+    /// Bytes of the buffers in `incoming` (granted or offered to the peer).
     granted_bytes: u64,
+    /// Per socket, the offer out for its next large message (its id in
+    /// `incoming`).
+    offered: HashMap<SocketId, u32>,
+    /// Bytes of those offers (also in `granted_bytes`).
+    offered_bytes: u64,
+    /// The next offer's id, less [`offers::OFFER_BIT`].
+    next_offer_id: u32,
+    /// Buffers of offers withdrawn, kept until their window's
+    /// invalidation (the send work request id) has completed.
+    retiring: VecDeque<(u64, PoolBuf)>,
     /// The server's budget of large inbound messages, for an engine of an
     /// accepted connection (see [`Engine::set_inbound_budget`]).
     inbound: Option<InboundBudget>,
@@ -231,6 +247,10 @@ impl Engine {
             awaiting_cts: HashMap::new(),
             incoming: HashMap::new(),
             granted_bytes: 0,
+            offered: HashMap::new(),
+            offered_bytes: 0,
+            next_offer_id: 1,
+            retiring: VecDeque::new(),
             inbound: None,
             inbound_retry: None,
             waiting_rts: VecDeque::new(),
@@ -483,6 +503,7 @@ impl Engine {
                     .map(|at| now.saturating_duration_since(at));
                 self.window.retire(retired.bytes, delay, now);
                 self.release_held(wr_id);
+                self.release_retiring(wr_id);
             }
             WrKind::SharedRecv(_) => {
                 self.fail(EngineError::Protocol(Violation::SharedReceiveWithoutBuffer));

@@ -3,8 +3,10 @@
 //! (credits returned to the peer), and what a receive completion brings: a
 //! small message, a control message, or a large message's WRITE_WITH_IMM.
 
+use super::offers::{OFFER_BIT, PeerOffer};
 #[allow(clippy::wildcard_imports)]
 use super::*;
+use crate::rdma::control::offer_size;
 
 impl Engine {
     /// Receive work requests to post: the whole queue at start, then
@@ -55,6 +57,10 @@ impl Engine {
     ) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
+            if msg_id & OFFER_BIT != 0 {
+                self.received_offered(msg_id)?;
+                return self.grant_waiting(None);
+            }
             let (socket, message, permit) = self
                 .incoming
                 .remove(&msg_id)
@@ -68,11 +74,13 @@ impl Engine {
                 .map(|invalidate| self.push_local(invalidate));
             // The server's budget stays held while the message's bytes live,
             // as on TCP.
+            let len = message.len();
             self.deliver_after(
                 socket,
                 crate::inbound::budgeted(message, [permit, None]),
                 after,
             );
+            self.offer_after(socket, len);
             self.grant_waiting(None)?;
             return Ok(());
         }
@@ -96,6 +104,11 @@ impl Engine {
             }
             ControlKind::Rts { size } => {
                 self.recycle(buf);
+                if header.msg_id & OFFER_BIT != 0 {
+                    return Err(EngineError::Protocol(Violation::MessageIdInOfferRange(
+                        header.msg_id,
+                    )));
+                }
                 if size > self.config.max_message_size {
                     return Err(EngineError::Protocol(Violation::TooLarge {
                         size,
@@ -165,9 +178,24 @@ impl Engine {
             ControlKind::Close => {
                 self.recycle(buf);
                 let socket = header.socket;
+                self.withdraw_offer(socket);
                 if self.open.remove(&socket) {
                     self.emit_ordered(EngineEvent::Closed(socket), None);
                 }
+            }
+            ControlKind::Offer { addr, rkey } => {
+                let size = offer_size(&buf[..len])
+                    .ok_or(EngineError::Protocol(Violation::ShortOffer(len)))?;
+                self.recycle(buf);
+                self.take_offer(
+                    header.socket,
+                    PeerOffer {
+                        id: header.msg_id,
+                        addr,
+                        rkey,
+                        size,
+                    },
+                )?;
             }
             ControlKind::Slot { addr, rkey } => {
                 self.recycle(buf);

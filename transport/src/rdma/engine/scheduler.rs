@@ -6,8 +6,10 @@
 //! one fragment: a small message waits behind at most (n−1)·S bytes, never
 //! behind a whole large message.
 
+use super::offers::{OFFER_BIT, PREFIX_LEN};
 #[allow(clippy::wildcard_imports)]
 use super::*;
+use crate::rdma::control::OFFER_LEN;
 
 /// An engine-level control message waiting for its turn.
 #[derive(Debug)]
@@ -21,6 +23,14 @@ pub(super) enum Control {
     Slot {
         addr: u64,
         rkey: u32,
+    },
+    /// A destination for `socket`'s next large message (`offers.rs`).
+    Offer {
+        id: u32,
+        socket: SocketId,
+        addr: u64,
+        rkey: u32,
+        size: u64,
     },
     Open(SocketId),
     Accept(SocketId),
@@ -45,7 +55,9 @@ impl Engine {
         let credits = &self.credits;
         let position = self.control.iter().position(|control| match control {
             Control::Keepalive => true,
-            Control::Open(_) | Control::Accept(_) | Control::Refuse(_) => credits.can_send_data(),
+            Control::Open(_) | Control::Accept(_) | Control::Refuse(_) | Control::Offer { .. } => {
+                credits.can_send_data()
+            }
             Control::Cts { .. } | Control::Slot { .. } => credits.can_send_control(),
         });
         let Some(position) = position else {
@@ -53,6 +65,7 @@ impl Engine {
         };
         let bytes = match self.control[position] {
             Control::Keepalive => KEEPALIVE_SLOT_LEN,
+            Control::Offer { .. } => OFFER_LEN,
             _ => HEADER_LEN,
         };
         if !self.window.admit(bytes) {
@@ -68,6 +81,20 @@ impl Engine {
             Control::Slot { addr, rkey } => {
                 self.push_send(ControlKind::Slot { addr, rkey }, 0, 0, &[])?;
             }
+            Control::Offer {
+                id,
+                socket,
+                addr,
+                rkey,
+                size,
+            } => {
+                let size = self
+                    .send_pool
+                    .alloc_copy(&size.to_le_bytes())
+                    .map_err(EngineError::Memory)?
+                    .freeze();
+                self.push_send(ControlKind::Offer { addr, rkey }, id, socket, &[size])?;
+            }
             Control::Open(socket) => self.push_send(ControlKind::Open, 0, socket, &[])?,
             Control::Accept(socket) => self.push_send(ControlKind::Accept, 0, socket, &[])?,
             Control::Refuse(socket) => self.push_send(ControlKind::Refuse, 0, socket, &[])?,
@@ -80,6 +107,41 @@ impl Engine {
     pub(super) fn socket_turn(&mut self, socket: SocketId) -> Result<Turn, EngineError> {
         let small_limit = self.small_limit;
         let rts_ahead = self.config.rts_ahead.max(1);
+        let Some(tx) = self.sockets.get(&socket) else {
+            return Ok(Turn::Done);
+        };
+        // A large message that fits the peer's offer goes there, unasked.
+        let offered = match (tx.queue.front(), tx.offer) {
+            (Some(Item::Message(m)), Some(offer))
+                if m.len > small_limit && (m.len + PREFIX_LEN) as u64 <= offer.size =>
+            {
+                Some((m.len, offer))
+            }
+            _ => None,
+        };
+        if let Some((len, offer)) = offered {
+            let prefix = self
+                .send_pool
+                .alloc_copy(&(len as u64).to_le_bytes())
+                .map_err(EngineError::Memory)?
+                .freeze();
+            let Some(tx) = self.sockets.get_mut(&socket) else {
+                return Ok(Turn::Done);
+            };
+            let Some(Item::Message(mut message)) = tx.queue.pop_front() else {
+                return Ok(Turn::Done);
+            };
+            tx.offer = None;
+            message.parts.insert(0, prefix);
+            message.len += PREFIX_LEN;
+            tx.large.push_back(LargeSend {
+                msg_id: offer.id,
+                message,
+                dest: Some((offer.addr, offer.rkey)),
+                offset: 0,
+            });
+            self.stats.offered_sends += 1;
+        }
         let Some(tx) = self.sockets.get(&socket) else {
             return Ok(Turn::Done);
         };
@@ -102,7 +164,8 @@ impl Engine {
                 return Ok(Turn::Done);
             };
             let msg_id = self.next_msg_id;
-            self.next_msg_id = self.next_msg_id.wrapping_add(1).max(1);
+            // Below the offers' ids (`offers.rs`).
+            self.next_msg_id = (self.next_msg_id.wrapping_add(1) & !OFFER_BIT).max(1);
             let size = message.len as u64;
             tx.large.push_back(LargeSend {
                 msg_id,

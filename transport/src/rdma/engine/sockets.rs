@@ -2,6 +2,7 @@
 //! opened, accepted, refused and closed by control messages, and the queue
 //! of messages each one sends.
 
+use super::offers::PeerOffer;
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
@@ -26,6 +27,9 @@ pub(super) struct SocketTx {
     pub(super) queue: VecDeque<Item>,
     pub(super) large: VecDeque<LargeSend>,
     pub(super) scheduled: bool,
+    /// The destination the peer offered for this socket's next large
+    /// message (`offers.rs`).
+    pub(super) offer: Option<PeerOffer>,
 }
 
 impl Engine {

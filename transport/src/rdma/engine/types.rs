@@ -41,6 +41,11 @@ pub struct EngineConfig {
     /// engine fails. Default 256 MiB (`inbound.max_connection_bytes`); at
     /// least `max_message_size`, so every message can be granted alone.
     pub max_granted_bytes: u64,
+    /// Offers (`engine/offers.rs`): after a large message of a socket, give
+    /// the peer a destination for the next one, and use the peer's offers,
+    /// so that large messages after the first on a socket go without the
+    /// RTS/CTS round trip. Default on; off in tests of the RTS path.
+    pub offers: bool,
 }
 
 /// Requests to send an engine keeps waiting for budget before it fails:
@@ -63,6 +68,7 @@ impl Default for EngineConfig {
             rts_ahead: 4,
             shared_receives: false,
             max_granted_bytes: 256 << 20,
+            offers: true,
         }
     }
 }
@@ -201,6 +207,12 @@ pub struct EngineStats {
     pub keepalives_sent: u64,
     /// Messages dropped because their socket was closed.
     pub orphan_messages: u64,
+    /// Destinations offered to the peer (`engine/offers.rs`).
+    pub offers_made: u64,
+    /// Messages that arrived in a destination offered.
+    pub offers_used: u64,
+    /// Messages sent to a destination the peer offered (no RTS).
+    pub offered_sends: u64,
 }
 
 /// How a peer (or its NIC) broke the engine's protocol
@@ -253,4 +265,24 @@ pub enum Violation {
     /// A completion for a receive slot with nothing posted.
     #[error("completion for unknown receive {0}")]
     UnknownReceive(usize),
+    /// An offered message's length prefix claims more than the offer.
+    #[error("an offered message of {len} bytes in an offer of {room}")]
+    OfferOverrun {
+        /// Bytes the prefix claims.
+        len: u64,
+        /// Bytes the offer holds after the prefix.
+        room: u64,
+    },
+    /// An `Offer` whose id lies outside the offers' range.
+    #[error("offer with id {0:#x}, outside the offers' range")]
+    NotAnOffer(u32),
+    /// A request to send whose id lies in the offers' range.
+    #[error("request to send with id {0:#x}, in the offers' range")]
+    MessageIdInOfferRange(u32),
+    /// A second offer for a socket whose first one is unused.
+    #[error("a second offer for socket {0:#x} while one is unused")]
+    OfferAgain(u32),
+    /// An `Offer` too short to carry its size.
+    #[error("an offer of {0} bytes, too short for its size")]
+    ShortOffer(usize),
 }

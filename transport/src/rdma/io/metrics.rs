@@ -16,6 +16,7 @@ pub(super) struct EngineMetrics {
     credit_stalls: metrics::Counter,
     window_stalls: metrics::Counter,
     keepalives_sent: metrics::Counter,
+    offered_sends: metrics::Counter,
     ring_occupancy: metrics::Histogram,
 }
 
@@ -31,6 +32,7 @@ impl EngineMetrics {
             credit_stalls: metrics::counter!("tessera_rdma_credit_stalls_total", "peer" => peer.clone()),
             window_stalls: metrics::counter!("tessera_rdma_window_stalls_total", "peer" => peer.clone()),
             keepalives_sent: metrics::counter!("tessera_rdma_keepalives_sent_total", "peer" => peer.clone()),
+            offered_sends: metrics::counter!("tessera_rdma_offered_sends_total", "peer" => peer.clone()),
             ring_occupancy: metrics::histogram!("tessera_rdma_ring_occupancy", "peer" => peer),
         }
     }
@@ -82,6 +84,11 @@ impl EngineMetrics {
                 &totals.keepalives_sent,
                 now.keepalives_sent - last.keepalives_sent,
             ),
+            (
+                &self.offered_sends,
+                &totals.offered_sends,
+                now.offered_sends - last.offered_sends,
+            ),
         ];
         for (counter, total, delta) in pairs {
             if delta > 0 {
@@ -108,6 +115,7 @@ pub(crate) struct IoStats {
     pub(crate) credit_stalls: AtomicU64,
     pub(crate) window_stalls: AtomicU64,
     pub(crate) keepalives_sent: AtomicU64,
+    pub(crate) offered_sends: AtomicU64,
     pub(crate) keepalive_failures: AtomicU64,
     pub(crate) engines_failed: AtomicU64,
     pub(crate) peak_in_flight_bytes: AtomicU64,

@@ -6,7 +6,8 @@
 //! send queue never exceeded (the helpers assert both at each post), the
 //! bytes granted to the peer within the budget; at the end, an honest run
 //! delivers every message exactly once, intact and in per-socket order,
-//! and leaves nothing granted.
+//! leaves nothing granted but the offers for the sockets' next messages,
+//! and nothing at all once the sockets are closed.
 
 use std::time::{Duration, Instant};
 
@@ -31,13 +32,37 @@ enum Op {
 
 #[derive(Debug, Clone)]
 enum Hostile {
-    Rts { msg_id: u32, size: u64 },
-    Cts { msg_id: u32, addr: u64, rkey: u32 },
-    Data { socket_bits: u32 },
-    Credit { credits: u16 },
-    Open { socket_bits: u32 },
-    Close { socket_bits: u32 },
-    Garbage { bytes: Vec<u8> },
+    Rts {
+        msg_id: u32,
+        size: u64,
+    },
+    Cts {
+        msg_id: u32,
+        addr: u64,
+        rkey: u32,
+    },
+    Data {
+        socket_bits: u32,
+    },
+    Credit {
+        credits: u16,
+    },
+    Open {
+        socket_bits: u32,
+    },
+    Close {
+        socket_bits: u32,
+    },
+    Offer {
+        msg_id: u32,
+        addr: u64,
+        rkey: u32,
+        size: Option<u64>,
+        socket: Result<usize, u32>,
+    },
+    Garbage {
+        bytes: Vec<u8>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -64,6 +89,14 @@ fn hostile() -> impl Strategy<Value = Hostile> {
         2 => (0u16..16).prop_map(|credits| Hostile::Credit { credits }),
         1 => any::<u32>().prop_map(|socket_bits| Hostile::Open { socket_bits }),
         2 => any::<u32>().prop_map(|socket_bits| Hostile::Close { socket_bits }),
+        2 => (
+            prop_oneof![Just(OFFER_BIT | 7), any::<u32>()],
+            any::<u64>(),
+            any::<u32>(),
+            proptest::option::of(0u64..(2 << 20)),
+            prop_oneof![(0usize..3).prop_map(Ok), any::<u32>().prop_map(Err)],
+        )
+            .prop_map(|(msg_id, addr, rkey, size, socket)| Hostile::Offer { msg_id, addr, rkey, size, socket }),
         1 => proptest::collection::vec(any::<u8>(), 0..64)
             .prop_map(|bytes| Hostile::Garbage { bytes }),
     ]
@@ -205,9 +238,21 @@ proptest! {
                 }
             }
         }
+        // Granted now: the offers for the sockets' next messages only.
+        prop_assert_eq!(a.engine.granted(), (a.engine.offers_out().1, 0));
+        prop_assert_eq!(b.engine.granted(), (b.engine.offers_out().1, 0));
+        prop_assert!(a.engine.is_idle() && b.engine.is_idle());
+        // Closed both ways, the sockets leave nothing granted.
+        for &socket in &sockets {
+            a.engine.close_socket(socket);
+            b.engine.close_socket(socket);
+        }
+        pump_at(&mut a, &mut b, now);
+        prop_assert!(a.failure.is_none() && b.failure.is_none(), "{:?} {:?}", a.failure, b.failure);
         prop_assert_eq!(a.engine.granted(), (0, 0));
         prop_assert_eq!(b.engine.granted(), (0, 0));
-        prop_assert!(a.engine.is_idle() && b.engine.is_idle());
+        prop_assert_eq!(a.engine.offers_out(), (0, 0));
+        prop_assert_eq!(b.engine.offers_out(), (0, 0));
     }
 
     #[test]
@@ -247,6 +292,14 @@ proptest! {
                         .to_vec(),
                         Hostile::Open { socket_bits } => header(ControlKind::Open, 0, socket_bits),
                         Hostile::Close { socket_bits } => header(ControlKind::Close, 0, socket_bits),
+                        Hostile::Offer { msg_id, addr, rkey, size, socket } => {
+                            let socket = socket.map_or_else(|bits| bits, |i| sockets[i]);
+                            let mut bytes = header(ControlKind::Offer { addr, rkey }, msg_id, socket);
+                            if let Some(size) = size {
+                                bytes.extend_from_slice(&size.to_le_bytes());
+                            }
+                            bytes
+                        }
                         Hostile::Garbage { bytes } => bytes,
                     };
                     if a.engine.is_failed() || b.engine.is_failed() {
