@@ -246,7 +246,19 @@ async fn large_answers_after_the_first_go_to_the_clients_offer() {
         let back = conn.receiver.recv().await.unwrap().unwrap();
         assert!(back[..] == body[..], "echo {i} differs");
     }
-    let served = server.rdma_stats().unwrap();
+    // The server's thread counts its sends after posting them: wait for
+    // the count, not for a guessed time.
+    let served = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let stats = server.rdma_stats().unwrap();
+            if stats.offered_sends >= 5 {
+                return stats;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the server counts its offered sends");
     assert_eq!(served.offered_sends, 5, "{served:?}");
     // The server draws on its inbound budget: it offers nothing, so the
     // client's requests all asked.

@@ -1119,6 +1119,14 @@ fn large_messages_beyond_the_budget_arrive_whole_as_grants_free() {
     }
     // What stays granted is the offers for the sockets' next messages.
     assert_eq!(b.engine.granted(), (b.engine.offers_out().1, 0));
+    // Closed both ways, nothing.
+    for socket in sockets {
+        a.engine.close_socket(socket);
+        b.engine.close_socket(socket);
+    }
+    pump(&mut a, &mut b);
+    assert_eq!(b.engine.granted(), (0, 0));
+    assert_eq!(b.engine.offers_out(), (0, 0));
 }
 
 /// An accepted engine's grants draw on the server's budget too (shared

@@ -22,8 +22,10 @@ impl Engine {
         while let Some(&(msg_id, socket, size)) = self.waiting_rts.front() {
             let fits = self.granted_bytes + size <= self.config.max_granted_bytes
                 // One message alone is always granted (validation keeps
-                // the budget above the largest message anyway).
-                || self.incoming.is_empty();
+                // the budget above the largest message anyway); offers
+                // waiting for a socket's next message do not count
+                // (`offers.rs`: an idle one would hold it back for ever).
+                || self.incoming.len() == self.offered.len();
             // With confinement, a grant needs a window too.
             if !fits || (self.windows.enabled() && self.windows.available() == 0) {
                 break;

@@ -12,7 +12,10 @@
 //! and offers hold at most half of `max_granted_bytes` and half of the
 //! memory windows, so that requests to send are always granted in the end:
 //! a socket whose next message is larger than its offer asks by RTS, and a
-//! grant never waits for an offer to be used. An engine of an accepted
+//! grant never waits for an offer to be used (a request alone but for
+//! offers is granted whatever its size, as one alone always was: the
+//! granted bytes may then exceed `max_granted_bytes` by the offers'
+//! bytes, at most half of it). An engine of an accepted
 //! connection that draws on the server's inbound budget makes none (an
 //! idle offer would hold budget other connections need).
 //!
@@ -27,10 +30,13 @@
 //! window, delivers the message (the buffer's bytes after the prefix) in
 //! order, and offers again.
 //!
-//! **End.** An offer not used is freed when the peer closes the socket
-//! (its `Close` comes after its last message, in order on the queue pair)
-//! or with the engine; where a window was bound over it, the buffer goes
-//! back to the pool only once the window's invalidation has completed.
+//! **End.** An offer not used is freed when the peer closes or refuses the
+//! socket (its `Close` comes after its last message, in order on the
+//! queue pair), or this side refuses it, or with the engine; an `Offer`
+//! not yet sent is dropped; where a window was bound over it, the buffer
+//! goes back to the pool only once the window's invalidation has
+//! completed. After an overrun the engine fails and the buffer stays
+//! with it (the peer may write into it until the queue pair is in error).
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
@@ -119,22 +125,30 @@ impl Engine {
     /// The WRITE_WITH_IMM of offer `id` completed: the message behind the
     /// prefix is delivered, and the socket offered a destination again.
     pub(super) fn received_offered(&mut self, id: u32) -> Result<(), EngineError> {
-        let (socket, dest, permit) = self
-            .incoming
-            .remove(&id)
-            .ok_or(EngineError::Protocol(Violation::UnknownMessage(id)))?;
+        let unknown = EngineError::Protocol(Violation::UnknownMessage(id));
+        let (len, room) = {
+            let (_, dest, _) = self.incoming.get(&id).ok_or(unknown.clone())?;
+            let prefix: [u8; PREFIX_LEN] = dest
+                .get(..PREFIX_LEN)
+                .and_then(|p| p.try_into().ok())
+                .ok_or(unknown.clone())?;
+            (
+                u64::from_le_bytes(prefix),
+                dest.len().saturating_sub(PREFIX_LEN) as u64,
+            )
+        };
+        if len > room {
+            // The buffer stays in `incoming`, its window bound: the peer
+            // may write into it until the queue pair is in error, so it
+            // goes with the engine (`Engine::fail`'s rule).
+            return Err(EngineError::Protocol(Violation::OfferOverrun { len, room }));
+        }
+        let (socket, dest, permit) = self.incoming.remove(&id).ok_or(unknown)?;
         let size = dest.len() as u64;
         self.granted_bytes = self.granted_bytes.saturating_sub(size);
         self.offered_bytes = self.offered_bytes.saturating_sub(size);
         if self.offered.get(&socket) == Some(&id) {
             self.offered.remove(&socket);
-        }
-        let mut prefix = [0u8; PREFIX_LEN];
-        prefix.copy_from_slice(&dest[..PREFIX_LEN]);
-        let len = u64::from_le_bytes(prefix);
-        let room = (dest.len() - PREFIX_LEN) as u64;
-        if len > room {
-            return Err(EngineError::Protocol(Violation::OfferOverrun { len, room }));
         }
         let len = len as usize;
         let after = self
@@ -149,12 +163,16 @@ impl Engine {
         Ok(())
     }
 
-    /// The peer closed `socket`: the offer it did not use is freed (once
-    /// its window's invalidation has completed, where one was bound).
+    /// The peer closed or refused `socket` (or this side refused it): the
+    /// offer it did not use is freed (once its window's invalidation has
+    /// completed, where one was bound), its `Offer` dropped if not sent.
     pub(super) fn withdraw_offer(&mut self, socket: SocketId) {
         let Some(id) = self.offered.remove(&socket) else {
             return;
         };
+        self.control.retain(
+            |control| !matches!(control, Control::Offer { id: queued, .. } if *queued == id),
+        );
         let Some((_, dest, _permit)) = self.incoming.remove(&id) else {
             return;
         };
@@ -198,6 +216,13 @@ impl Engine {
     #[cfg(test)]
     pub(crate) fn offers_out(&self) -> (usize, u64) {
         (self.offered.len(), self.offered_bytes)
+    }
+
+    /// Buffers of withdrawn offers waiting for their window's
+    /// invalidation.
+    #[cfg(test)]
+    pub(crate) fn retiring_len(&self) -> usize {
+        self.retiring.len()
     }
 
     /// Buffers withdrawn from offers whose window invalidation has

@@ -171,6 +171,7 @@ impl Engine {
             }
             ControlKind::Refuse => {
                 self.recycle(buf);
+                self.withdraw_offer(header.socket);
                 self.open.remove(&header.socket);
                 self.sockets.remove(&header.socket);
                 self.events.push_back(EngineEvent::Refused(header.socket));

@@ -69,6 +69,7 @@ impl Engine {
     pub fn refuse_socket(&mut self, socket: SocketId) {
         if self.open.remove(&socket) {
             self.sockets.remove(&socket);
+            self.withdraw_offer(socket);
             self.control.push_back(Control::Refuse(socket));
         }
     }

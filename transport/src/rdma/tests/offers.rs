@@ -182,6 +182,86 @@ fn an_offered_message_longer_than_its_offer_fails_the_engine() {
         }))
     );
     assert_eq!(b.received.len(), 1, "nothing delivered from the forgery");
+    // The buffer stays with the failed engine, its window still bound:
+    // the peer may write until the queue pair is in error. Before, it
+    // went back to the pool at once.
+    assert!(b.engine.grants().iter().any(|g| g.0 == id));
+}
+
+/// A message as large as the whole budget is granted beside an idle
+/// offer of another message's socket. Before, the offer counted as a
+/// grant outstanding, so the message waited for ever: the socket's own
+/// offer was too small, and its queue stood behind the request.
+#[test]
+fn a_message_as_large_as_the_budget_is_granted_beside_an_idle_offer() {
+    let config = EngineConfig {
+        max_message_size: 1 << 20,
+        max_granted_bytes: 1 << 20,
+        ..EngineConfig::default()
+    };
+    let (mut a, mut b) = connected_with(&config, SoftFaults::default(), Instant::now(), true);
+    let socket = open(&mut a, &mut b);
+    one_by_one(&mut a, &mut b, socket, &[300_000, 1 << 20, 200_000]);
+    assert!(a.failure.is_none() && b.failure.is_none());
+    assert_eq!(b.received.len(), 3);
+    for (i, (got, len)) in b
+        .received
+        .iter()
+        .zip([300_000, 1 << 20, 200_000])
+        .enumerate()
+    {
+        check(got, len, i as u8 + 1);
+    }
+    assert_eq!(
+        a.engine.stats().offered_sends,
+        1,
+        "the third took the offer"
+    );
+}
+
+/// A socket refused after its peer sent on it anyway (before answering
+/// the open: not the protocol) leaves no offer behind. Before, the offer
+/// made for its next message stayed for the life of the engine.
+#[test]
+fn a_refused_socket_withdraws_the_offer_made_on_it() {
+    let config = EngineConfig::default();
+    let (mut a, mut b) = connected(&config, SoftFaults::default());
+    let socket = a.engine.open_socket().unwrap();
+    pump(&mut a, &mut b);
+    assert!(b.opened.contains(&socket));
+    // From b's queue pair behind its engine's back: a large message on
+    // the socket, then the refusal.
+    raw_rts(&b, socket, 5, 100_000);
+    for _ in 0..4 {
+        a.step(true);
+    }
+    let [(5, addr, _, rkey, _)] = a.engine.grants()[..] else {
+        panic!("one grant: {:?}", a.engine.grants());
+    };
+    assert_eq!(
+        raw_write_imm(&b, addr, rkey, &[7u8; 100_000], 5),
+        WcStatus::Success
+    );
+    for _ in 0..4 {
+        a.step(true);
+    }
+    assert_eq!(a.received.len(), 1);
+    assert_eq!(a.engine.offers_out().0, 1);
+    let refuse = ControlHeader {
+        kind: ControlKind::Refuse,
+        credits: 0,
+        msg_id: 0,
+        socket,
+    }
+    .encode();
+    raw_send(&b, &refuse);
+    for _ in 0..4 {
+        a.step(true);
+    }
+    assert!(a.failure.is_none(), "{:?}", a.failure);
+    assert_eq!(a.refused, vec![socket]);
+    assert_eq!(a.engine.offers_out(), (0, 0));
+    assert_eq!(a.engine.granted(), (0, 0));
 }
 
 #[test]
@@ -265,8 +345,22 @@ fn the_peers_close_frees_its_unused_offer_after_the_windows_invalidation() {
         panic!("one offer: {:?}", b.engine.grants());
     };
     a.engine.close_socket(socket);
+    // Step by step: the buffer is kept while the invalidation is out.
+    let mut kept = false;
+    for _ in 0..100 {
+        a.step(true);
+        b.step(true);
+        if !b.closed.is_empty() {
+            kept |= b.engine.retiring_len() == 1;
+        }
+    }
     pump(&mut a, &mut b);
     assert_eq!(b.closed, vec![socket]);
+    assert!(
+        kept,
+        "the withdrawn offer's buffer waited for its invalidation"
+    );
+    assert_eq!(b.engine.retiring_len(), 0);
     assert_eq!(b.engine.offers_out(), (0, 0));
     assert_eq!(b.engine.granted(), (0, 0));
     // The message (held by the test) and no offer remain in use.
