@@ -516,6 +516,10 @@ impl ShardRows {
                 std::mem::swap(&mut mine.index, &mut theirs.index);
                 std::mem::swap(&mut mine.used, &mut theirs.used);
             }
+            // The largest stripe goes with the rows (`has_room`).
+            let theirs = other.largest.load(Ordering::Relaxed);
+            let mine = self.largest.swap(theirs, Ordering::Relaxed);
+            other.largest.store(mine, Ordering::Relaxed);
             return;
         }
         // Laid out differently (another row limit): row by row.

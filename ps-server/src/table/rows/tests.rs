@@ -238,6 +238,24 @@ fn rows_swap_between_layouts_of_different_limits() {
     assert_eq!(b.read(5, |r| r.values()), Some(vec![1.0]));
 }
 
+/// The largest stripe goes with the rows in a swap (a copy installed
+/// whole), so the room check before a Push counts the rows installed.
+/// Before, the receiving rows kept their own figure (an empty shard's 0):
+/// a Push near the limit passed the check and was refused row by row.
+#[test]
+fn a_swap_carries_the_largest_stripe_into_the_room_check() {
+    let a = rows(None, EvictionPolicy::Lru);
+    let b = rows(None, EvictionPolicy::Lru);
+    for key in 0..6400 {
+        put(&b, key, 1.0);
+    }
+    let near = super::index::MAX_SLOTS as usize - 50;
+    assert!(a.has_room(near) && !b.has_room(near));
+    a.swap_rows(&b);
+    assert!(!a.has_room(near), "a holds b's rows now");
+    assert!(b.has_room(near), "b holds a's empty stripes");
+}
+
 /// A Fetch's batched read finds what a key-by-key read finds, in order,
 /// with duplicates and missing keys, also while the index grows.
 #[test]
