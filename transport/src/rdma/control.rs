@@ -72,7 +72,7 @@ pub const OFFER_LEN: usize = HEADER_LEN + 8;
 
 /// The size an `Offer` carries after its header; `None` if `bytes` (the
 /// whole message) is too short to hold it.
-pub fn offer_size(bytes: &[u8]) -> Option<u64> {
+pub fn decode_offer_size(bytes: &[u8]) -> Option<u64> {
     let raw: [u8; 8] = bytes.get(HEADER_LEN..OFFER_LEN)?.try_into().ok()?;
     Some(u64::from_le_bytes(raw))
 }
@@ -217,17 +217,17 @@ mod tests {
         }
         .encode()
         .to_vec();
-        assert_eq!(offer_size(&bytes), None);
+        assert_eq!(decode_offer_size(&bytes), None);
         bytes.extend_from_slice(&(300_000u64).to_le_bytes());
-        assert_eq!(offer_size(&bytes), Some(300_000));
-        assert_eq!(offer_size(&bytes[..OFFER_LEN - 1]), None);
+        assert_eq!(decode_offer_size(&bytes), Some(300_000));
+        assert_eq!(decode_offer_size(&bytes[..OFFER_LEN - 1]), None);
     }
 
     proptest! {
         #[test]
         fn garbage_never_panics(data in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = ControlHeader::decode(&data);
-            let _ = offer_size(&data);
+            let _ = decode_offer_size(&data);
         }
     }
 }

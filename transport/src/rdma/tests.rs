@@ -1172,21 +1172,28 @@ fn grants_of_an_accepted_engine_wait_for_the_servers_budget() {
 /// A raw one-sided WRITE of `len` bytes of 0xee from `from`'s QP, behind
 /// its engine's back; the status it completes with.
 fn raw_write(from: &Side, addr: u64, rkey: u32, len: usize) -> crate::verbs::WcStatus {
-    let mut buf = from.send_pool.alloc(len).unwrap();
-    buf.set_len(len);
-    buf.fill(0xee);
+    let op = crate::verbs::SendOp::Write {
+        remote_addr: addr as usize,
+        rkey,
+    };
+    raw_post(from, op, &vec![0xee; len])
+}
+
+/// `op` with `bytes` posted signalled on `from`'s QP behind its engine's
+/// back; the status it completes with.
+fn raw_post(from: &Side, op: crate::verbs::SendOp, bytes: &[u8]) -> crate::verbs::WcStatus {
+    let mut buf = from.send_pool.alloc(bytes.len()).unwrap();
+    buf.set_len(bytes.len());
+    buf.copy_from_slice(bytes);
     let sge = crate::verbs::Sge {
         addr: buf.as_ptr() as usize,
-        len: len as u32,
+        len: bytes.len() as u32,
         lkey: buf.region().unwrap().lkey,
     };
     from.qp
         .post_send(&[crate::verbs::SendWr {
             wr_id: 1 << 41,
-            op: crate::verbs::SendOp::Write {
-                remote_addr: addr as usize,
-                rkey,
-            },
+            op,
             sges: vec![sge],
             signaled: true,
         }])
@@ -1197,7 +1204,7 @@ fn raw_write(from: &Side, addr: u64, rkey: u32, len: usize) -> crate::verbs::WcS
         .iter()
         .find(|c| c.wr_id == 1 << 41)
         .map(|c| c.status)
-        .expect("the write completed")
+        .expect("the work request completed")
 }
 
 /// A confined peer `name` of `server` (a side of its own on `server`'s

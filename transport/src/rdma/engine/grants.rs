@@ -46,26 +46,32 @@ impl Engine {
             };
             self.waiting_rts.pop_front();
             let dest = Self::alloc(&self.recv_pool, size as usize)?;
-            let region = dest
-                .region()
-                .ok_or(EngineError::Unregistered("a write destination"))?;
             let addr = dest.as_ptr() as u64;
-            // Confined: a window over exactly these bytes, on this QP,
-            // bound before the CTS (same send queue, in order) tells the
-            // peer its key.
-            let rkey = match self.windows.bind_grant(msg_id, &dest) {
-                None => region.rkey,
-                Some(Ok((bind, rkey))) => {
-                    self.push_local(bind);
-                    rkey
-                }
-                Some(Err(_)) => return Err(EngineError::Unregistered("a write destination")),
-            };
+            let rkey = self
+                .expose(msg_id, &dest)
+                .ok_or(EngineError::Unregistered("a write destination"))?;
             self.granted_bytes += size;
             self.incoming.insert(msg_id, (socket, dest, permit));
             self.control.push_back(Control::Cts { msg_id, addr, rkey });
         }
         Ok(())
+    }
+
+    /// The key the peer writes `dest` with, for grant or offer `id`: where
+    /// confined, a window over exactly these bytes on this QP, its bind
+    /// queued here, before the CTS or `Offer` that tells the key (same
+    /// send queue, in order); else the key of the region `dest` lies in.
+    /// `None` when `dest` is outside registered memory or no window binds.
+    pub(super) fn expose(&mut self, id: u32, dest: &PoolBuf) -> Option<u32> {
+        let region = dest.region()?;
+        match self.windows.bind_grant(id, dest) {
+            None => Some(region.rkey),
+            Some(Ok((bind, rkey))) => {
+                self.push_local(bind);
+                Some(rkey)
+            }
+            Some(Err(_)) => None,
+        }
     }
 
     /// Grants of this engine (an accepted connection's) also draw on the

@@ -88,9 +88,6 @@ impl Engine {
         let Ok(dest) = Self::alloc(&self.recv_pool, size) else {
             return;
         };
-        let Some(region) = dest.region() else {
-            return;
-        };
         let id = loop {
             let id = self.next_offer_id | OFFER_BIT;
             self.next_offer_id = self.next_offer_id.wrapping_add(1) & !OFFER_BIT;
@@ -99,14 +96,9 @@ impl Engine {
             }
         };
         let addr = dest.as_ptr() as u64;
-        let rkey = match self.windows.bind_grant(id, &dest) {
-            None => region.rkey,
-            Some(Ok((bind, rkey))) => {
-                self.push_local(bind);
-                rkey
-            }
-            // No window to spare: no offer.
-            Some(Err(_)) => return,
+        // No window to spare (or no key): no offer.
+        let Some(rkey) = self.expose(id, &dest) else {
+            return;
         };
         self.granted_bytes += bytes;
         self.offered_bytes += bytes;

@@ -6,7 +6,7 @@
 use super::offers::{OFFER_BIT, PeerOffer};
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::rdma::control::offer_size;
+use crate::rdma::control::decode_offer_size;
 
 impl Engine {
     /// Receive work requests to post: the whole queue at start, then
@@ -185,7 +185,7 @@ impl Engine {
                 }
             }
             ControlKind::Offer { addr, rkey } => {
-                let size = offer_size(&buf[..len])
+                let size = decode_offer_size(&buf[..len])
                     .ok_or(EngineError::Protocol(Violation::ShortOffer(len)))?;
                 self.recycle(buf);
                 self.take_offer(

@@ -6,7 +6,7 @@
 use super::*;
 use crate::rdma::control::{ControlHeader, ControlKind};
 use crate::rdma::engine::{EngineError, Violation};
-use crate::verbs::{SendOp, SendWr, Sge, WcStatus};
+use crate::verbs::{SendOp, WcStatus};
 
 /// `count` messages of `len` bytes (seeds 1, 2, ...) from `a` to `b` on
 /// `socket`, each sent once the one before has arrived, as a caller
@@ -127,33 +127,12 @@ fn an_engine_on_the_servers_inbound_budget_makes_no_offer() {
 /// A WRITE_WITH_IMM of `bytes` to (`addr`, `rkey`) carrying `imm`, from
 /// `from`'s QP behind its engine's back; the status it completes with.
 fn raw_write_imm(from: &Side, addr: u64, rkey: u32, bytes: &[u8], imm: u32) -> WcStatus {
-    let mut buf = from.send_pool.alloc(bytes.len()).unwrap();
-    buf.set_len(bytes.len());
-    buf.copy_from_slice(bytes);
-    let sge = Sge {
-        addr: buf.as_ptr() as usize,
-        len: bytes.len() as u32,
-        lkey: buf.region().unwrap().lkey,
+    let op = SendOp::WriteWithImm {
+        remote_addr: addr as usize,
+        rkey,
+        imm,
     };
-    from.qp
-        .post_send(&[SendWr {
-            wr_id: 1 << 42,
-            op: SendOp::WriteWithImm {
-                remote_addr: addr as usize,
-                rkey,
-                imm,
-            },
-            sges: vec![sge],
-            signaled: true,
-        }])
-        .unwrap();
-    let mut completions = Vec::new();
-    from.send_cq.poll(&mut completions, 64);
-    completions
-        .iter()
-        .find(|c| c.wr_id == 1 << 42)
-        .map(|c| c.status)
-        .expect("the write completed")
+    super::raw_post(from, op, bytes)
 }
 
 #[test]
