@@ -20,7 +20,12 @@ pub const fn splitmix64(key: u64) -> u64 {
 /// Lamping & Veach's jump consistent hash: a bucket in `0..buckets`.
 /// `buckets` of 0 is treated as 1.
 pub fn jump_consistent_hash(mut key: u64, buckets: u32) -> u32 {
-    let buckets = i64::from(buckets.max(1));
+    if buckets <= 1 {
+        // The loop below ends after one step with 0; a server checks every
+        // key of every request, so the one-shard case skips its division.
+        return 0;
+    }
+    let buckets = i64::from(buckets);
     let mut b: i64 = -1;
     let mut j: i64 = 0;
     while j < buckets {
@@ -43,6 +48,9 @@ pub fn primary_group(shard: u32, replica_groups: u32) -> u32 {
 
 /// The shard of `key` among `num_shards` shards.
 pub fn shard_for_key(key: u64, num_shards: u32) -> u32 {
+    if num_shards <= 1 {
+        return 0;
+    }
     jump_consistent_hash(splitmix64(key), num_shards)
 }
 

@@ -3,7 +3,7 @@
 //! for its keys, their cache misses overlapped by prefetching.
 
 use super::block::Block;
-use super::index::NO_SLOT;
+use super::index::{self, NO_SLOT};
 use super::{RowRef, ShardRows, Stripe, try_read, try_write};
 
 // `upsert_many` keeps a bit per stripe.
@@ -31,7 +31,8 @@ const READ_BATCH: usize = 1024;
 struct Batch {
     order: Vec<u32>,
     starts: Vec<usize>,
-    sorted: Vec<u64>,
+    /// The keys' index hashes ([`super::index::hash`]), in `order`.
+    hashes: Vec<u64>,
     candidates: Vec<u32>,
     /// Each key's stripe, and the counting sort's cursors (buffers of
     /// `by_stripe`).
@@ -136,12 +137,12 @@ impl ShardRows {
         let Batch {
             order,
             starts,
-            sorted,
+            hashes,
             candidates,
             ..
         } = batch;
-        sorted.clear();
-        sorted.extend(order.iter().map(|&i| keys[i as usize]));
+        hashes.clear();
+        hashes.extend(order.iter().map(|&i| index::hash(keys[i as usize])));
         candidates.clear();
         candidates.resize(keys.len(), NO_SLOT);
         for s in 0..self.stripes.len() {
@@ -150,7 +151,7 @@ impl ShardRows {
             {
                 stripe
                     .index
-                    .prefetch_homes(&sorted[starts[s]..starts[s + 1]]);
+                    .prefetch_homes(&hashes[starts[s]..starts[s + 1]]);
             }
         }
         for s in 0..self.stripes.len() {
@@ -159,7 +160,7 @@ impl ShardRows {
                 && let Some(stripe) = try_read(&self.stripes[s])
             {
                 let candidates = &mut candidates[range.clone()];
-                stripe.index.candidates(&sorted[range], candidates);
+                stripe.index.candidates(&hashes[range], candidates);
                 for &slot in candidates.iter() {
                     stripe.slab.prefetch(slot, words);
                 }

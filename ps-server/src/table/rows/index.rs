@@ -81,7 +81,9 @@ const MIN_BUCKETS: usize = 16;
 const SALT: u64 = 0x5eed_1de5_c0ff_ee00;
 
 /// The hash of `key`: position from the high bits, tag from the low byte.
-fn hash(key: u64) -> u64 {
+/// [`KeyIndex::prefetch_homes`] and [`KeyIndex::candidates`] take these,
+/// so that a batch hashes each key once for both.
+pub fn hash(key: u64) -> u64 {
     splitmix64(key ^ SALT)
 }
 
@@ -301,15 +303,14 @@ impl KeyIndex {
         Some((migration.old.buckets[at] & SLOT_MASK) - 1)
     }
 
-    /// Asks the processor to load the home bucket of every key of `keys`
-    /// (in both tables while a growth moves entries) without waiting for
-    /// any: a prefetch retires at once, so a thousand of them are in
+    /// Asks the processor to load the home bucket of every key hashed in
+    /// `hashes` ([`hash`]; in both tables while a growth moves entries)
+    /// without waiting for any: a prefetch retires at once, so a thousand of them are in
     /// flight together, where loads stop the processor once its window
     /// of outstanding ones is full (about 16-20 here). The first of
     /// [`super::ShardRows::read_many`]'s passes.
-    pub fn prefetch_homes(&self, keys: &[u64]) {
-        for &key in keys {
-            let hash = hash(key);
+    pub fn prefetch_homes(&self, hashes: &[u64]) {
+        for &hash in hashes {
             prefetch_index(&self.current.buckets, self.current.home(hash));
             if let Some(migration) = &self.migration {
                 prefetch_index(&migration.old.buckets, migration.old.home(hash));
@@ -317,17 +318,16 @@ impl KeyIndex {
         }
     }
 
-    /// The slot each key of `keys` most likely has, into `out` (as long;
-    /// [`NO_SLOT`] where none): the first entry with its tag near its
+    /// The slot each key hashed in `hashes` ([`hash`]) most likely has,
+    /// into `out` (as long; [`NO_SLOT`] where none): the first entry with its tag near its
     /// home, the record's key not compared. [`super::ShardRows::read_many`]
     /// prefetches these records, then takes a key's candidate as its slot
     /// if the record there holds a row with that key (a live record
     /// holding the key is its row: a stripe holds a key once), and looks
     /// the key up otherwise. A candidate may name another key's slot (a
     /// tag shared with a key before it), which costs that lookup.
-    pub fn candidates(&self, keys: &[u64], out: &mut [u32]) {
-        for (&key, out) in keys.iter().zip(out) {
-            let hash = hash(key);
+    pub fn candidates(&self, hashes: &[u64], out: &mut [u32]) {
+        for (&hash, out) in hashes.iter().zip(out) {
             *out = self
                 .current
                 .candidate(hash)
@@ -444,6 +444,10 @@ mod tests {
 
     use super::*;
 
+    fn hashes(keys: &[u64]) -> Vec<u64> {
+        keys.iter().map(|&key| hash(key)).collect()
+    }
+
     /// An index over a key array standing in for the slab.
     #[derive(Default)]
     struct Model {
@@ -477,7 +481,7 @@ mod tests {
         /// lookup otherwise.
         fn through_candidates(&self, keys: &[u64]) -> Vec<Option<u32>> {
             let mut candidates = vec![0; keys.len()];
-            self.index.candidates(keys, &mut candidates);
+            self.index.candidates(&hashes(keys), &mut candidates);
             keys.iter()
                 .zip(candidates)
                 .map(|(&key, slot)| {
@@ -592,7 +596,7 @@ mod tests {
         let mut candidates = [0; 3];
         model
             .index
-            .candidates(&[twin[2], twin[1], first], &mut candidates);
+            .candidates(&hashes(&[twin[2], twin[1], first]), &mut candidates);
         assert_eq!(candidates[0], candidates[1], "the twins share a candidate");
         let got = model.through_candidates(&[twin[2], twin[1], first]);
         assert_eq!(got, vec![model.get(twin[2]), model.get(twin[1]), None]);
@@ -629,7 +633,7 @@ mod tests {
             model.insert(key);
         }
         let mut candidates = vec![0; keys.len()];
-        model.index.candidates(&keys, &mut candidates);
+        model.index.candidates(&hashes(&keys), &mut candidates);
         let right = keys
             .iter()
             .zip(&candidates)

@@ -273,6 +273,12 @@ impl RowLayout {
     pub fn write_values_le(&self, record: &[u32], out: &mut [u8]) {
         let words = &record[self.values_at()..self.state_at()];
         match self.storage {
+            // Stored as their bits: on a little-endian machine the row is
+            // its wire form, one copy.
+            Storage::F32 if cfg!(target_endian = "little") => {
+                let n = out.len().min(words.len() * 4);
+                out[..n].copy_from_slice(&bytemuck::cast_slice(words)[..n]);
+            }
             Storage::F32 => {
                 for (o, w) in out.chunks_exact_mut(4).zip(words) {
                     o.copy_from_slice(&w.to_le_bytes());

@@ -365,3 +365,23 @@ fn a_growing_shard_opens_blocks_made_ahead_of_its_locks() {
     // half a block, 130 Pushes, before it needs one; a Push makes two).
     assert!(ahead.iter().all(|&n| n >= 1), "{ahead:?}");
 }
+
+#[test]
+fn keys_spread_evenly_over_any_count_of_stripes() {
+    // 64 stripes (no limit) and 5 (a limit of 5 x MIN_STRIPE_ROWS): the
+    // stripe is scaled from the hash by a multiply, not a remainder, so a
+    // count that is no power of two must still spread evenly.
+    for (max, stripes) in [(None, STRIPES), (Some(5 * MIN_STRIPE_ROWS as u64), 5)] {
+        let rows = rows(max, EvictionPolicy::Lru);
+        assert_eq!(rows.stripes.len(), stripes);
+        let mut counts = vec![0usize; stripes];
+        let keys = 1000 * stripes as u64;
+        for key in 0..keys {
+            counts[rows.stripe(key.wrapping_mul(0x9e37_79b9_7f4a_7c15))] += 1;
+        }
+        assert!(
+            counts.iter().all(|&n| (850..1150).contains(&n)),
+            "{counts:?}"
+        );
+    }
+}
