@@ -158,8 +158,18 @@ pub enum Polling {
 pub struct RdmaConfig {
     /// `ibverbs` or `soft`. Default `ibverbs`.
     pub provider: RdmaProvider,
-    /// Device name (ibverbs); default: the first device.
+    /// Device name (ibverbs); default: the first device. One rail; for
+    /// several see `devices`.
     pub device: Option<String>,
+    /// The rails (ibverbs): devices, each a rail, `["mlx5_0", "mlx5_1"]`,
+    /// or `"all"` (every device whose `port` is active, in the kernel's
+    /// order). Every pool is registered on each (one registration per
+    /// device), so any buffer may go out on any rail. Default: unset, one
+    /// rail (`device`); not together with `device`. At most 8. **Today
+    /// the first rail carries all traffic; the others are opened and
+    /// registered, and listed by `tessera doctor`** (striping and moving
+    /// to another rail on a port error are the next steps of this work).
+    pub devices: Option<Devices>,
     /// Port of the device. Default 1 (the first port).
     pub port: u8,
     /// GID table entry (RoCE). Default: picked — a RoCE v2 entry of an
@@ -267,6 +277,14 @@ pub struct RdmaConfig {
     /// senders into one limited port queue as they would behind a real
     /// one: the incast a send window (`window_bytes`) is for.
     pub soft_link_mbps: u64,
+    /// Soft provider only: several soft devices, each a rail with its own
+    /// link and port (`[[rdma.soft_rails]]` tables of `link_mbps` and
+    /// `port_file`, meaning what `soft_link_mbps` and `soft_port_file` mean
+    /// for one device), so that tests and drills on one host exercise
+    /// rails as `devices` does on a host with several NICs. Default: empty,
+    /// one device from `soft_link_mbps` and `soft_port_file`; not together
+    /// with them. At most 8.
+    pub soft_rails: Vec<SoftRail>,
     /// Confine what a peer may write to what it was granted: each large
     /// message's destination is exposed through a type-2 memory window
     /// bound on that connection's queue pair to exactly its bytes, and
@@ -294,6 +312,7 @@ impl Default for RdmaConfig {
         Self {
             provider: RdmaProvider::Ibverbs,
             device: None,
+            devices: None,
             port: 1,
             gid_index: None,
             traffic_class: 0,
@@ -316,14 +335,101 @@ impl Default for RdmaConfig {
             soft_faults: crate::verbs::soft::SoftFaults::default(),
             soft_port_file: None,
             soft_link_mbps: 0,
+            soft_rails: Vec::new(),
             confine_remote_writes: true,
             windows_per_connection: 16,
         }
     }
 }
 
+/// `[rdma] devices`: which devices are rails.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Devices {
+    /// `"all"`: every device whose port is active.
+    All(AllDevices),
+    /// These devices, in this order (the first is the primary rail).
+    Named(Vec<String>),
+}
+
+/// The word `all` of [`Devices::All`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllDevices {
+    /// Every device with an active port.
+    All,
+}
+
+/// One soft device of `[[rdma.soft_rails]]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SoftRail {
+    /// Its link's rate each way in megabits per second; 0: unlimited.
+    pub link_mbps: u64,
+    /// Its port is down while this file exists (looked at every 10 ms).
+    pub port_file: Option<std::path::PathBuf>,
+}
+
+/// Rails a transport may have at most (devices a pool registers on).
+pub const MAX_RAILS: usize = crate::pool::MAX_RAILS;
+
+impl RdmaConfig {
+    /// How many rails this configuration asks for, where that is known
+    /// without looking at the host (`None`: `devices = "all"`).
+    pub fn rail_count(&self) -> Option<usize> {
+        match (&self.provider, &self.devices) {
+            (RdmaProvider::Soft, _) => Some(self.soft_rails.len().max(1)),
+            (_, Some(Devices::All(_))) => None,
+            (_, Some(Devices::Named(names))) => Some(names.len()),
+            (_, None) => Some(1),
+        }
+    }
+
+    fn validate_rails(&self) -> Result<(), ConfigError> {
+        if let Some(devices) = &self.devices {
+            if self.device.is_some() {
+                return Err(invalid(
+                    "devices",
+                    "set `device` (one rail) or `devices` (several), not both",
+                ));
+            }
+            if self.provider == RdmaProvider::Soft {
+                return Err(invalid(
+                    "devices",
+                    "names ibverbs devices; soft rails are `[[rdma.soft_rails]]`",
+                ));
+            }
+            if let Devices::Named(names) = devices {
+                if names.is_empty() || names.len() > MAX_RAILS {
+                    return Err(invalid(
+                        "devices",
+                        format!("must name 1 to {MAX_RAILS} devices, or be \"all\""),
+                    ));
+                }
+                let mut seen = std::collections::HashSet::new();
+                if let Some(twice) = names.iter().find(|name| !seen.insert(name.as_str())) {
+                    return Err(invalid("devices", format!("names {twice:?} twice")));
+                }
+            }
+        }
+        if !self.soft_rails.is_empty() {
+            if self.soft_rails.len() > MAX_RAILS {
+                return Err(invalid("soft_rails", format!("at most {MAX_RAILS} rails")));
+            }
+            if self.soft_link_mbps != 0 || self.soft_port_file.is_some() {
+                return Err(invalid(
+                    "soft_rails",
+                    "each rail has its own `link_mbps` and `port_file`: leave `soft_link_mbps` and `soft_port_file` unset",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Validate for RdmaConfig {
     fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_rails()?;
         if self.send_queue_depth < 2 {
             return Err(invalid("send_queue_depth", "must be at least 2"));
         }
@@ -501,6 +607,88 @@ mod tests {
             "rdma".parse::<TransportKind>().unwrap(),
             TransportKind::Rdma
         );
+    }
+
+    #[test]
+    fn rails_are_named_devices_all_or_soft_rails() {
+        let rdma = |text: &str| toml::from_str::<RdmaConfig>(text).unwrap();
+        let two = rdma("devices = [\"mlx5_0\", \"mlx5_1\"]");
+        assert_eq!(
+            two.devices,
+            Some(Devices::Named(vec!["mlx5_0".into(), "mlx5_1".into()]))
+        );
+        assert_eq!(two.rail_count(), Some(2));
+        assert!(two.validate().is_ok());
+        let all = rdma("devices = \"all\"");
+        assert_eq!(all.devices, Some(Devices::All(AllDevices::All)));
+        assert_eq!(all.rail_count(), None);
+        assert!(toml::from_str::<RdmaConfig>("devices = \"some\"").is_err());
+        let soft = rdma(
+            "provider = \"soft\"\n[[soft_rails]]\nlink_mbps = 1000\n[[soft_rails]]\nport_file = \"/tmp/p\"",
+        );
+        assert_eq!(soft.rail_count(), Some(2));
+        assert_eq!(soft.soft_rails[0].link_mbps, 1000);
+        assert!(soft.validate().is_ok());
+        assert_eq!(RdmaConfig::default().rail_count(), Some(1));
+        // A round trip keeps them.
+        let text = toml::to_string(&soft).unwrap();
+        assert_eq!(toml::from_str::<RdmaConfig>(&text).unwrap(), soft);
+    }
+
+    #[test]
+    fn rail_settings_that_contradict_are_refused_naming_the_key() {
+        let key = |rdma: RdmaConfig| {
+            let config = TransportConfig {
+                rdma,
+                ..TransportConfig::default()
+            };
+            config.validate().unwrap_err().key().map(str::to_owned)
+        };
+        let named = |names: &[&str]| {
+            Some(Devices::Named(
+                names.iter().map(|n| n.to_string()).collect(),
+            ))
+        };
+        let cases = [
+            RdmaConfig {
+                device: Some("mlx5_0".into()),
+                devices: named(&["mlx5_1"]),
+                ..RdmaConfig::default()
+            },
+            RdmaConfig {
+                devices: named(&[]),
+                ..RdmaConfig::default()
+            },
+            RdmaConfig {
+                devices: named(&["a", "b", "a"]),
+                ..RdmaConfig::default()
+            },
+            RdmaConfig {
+                devices: named(&["a"; 9]),
+                ..RdmaConfig::default()
+            },
+            RdmaConfig {
+                provider: RdmaProvider::Soft,
+                devices: Some(Devices::All(AllDevices::All)),
+                ..RdmaConfig::default()
+            },
+        ];
+        for case in cases {
+            assert_eq!(
+                key(case.clone()).as_deref(),
+                Some("rdma.devices"),
+                "{case:?}"
+            );
+        }
+        let soft = |rails: usize, link: u64| RdmaConfig {
+            provider: RdmaProvider::Soft,
+            soft_rails: vec![SoftRail::default(); rails],
+            soft_link_mbps: link,
+            ..RdmaConfig::default()
+        };
+        assert_eq!(key(soft(9, 0)).as_deref(), Some("rdma.soft_rails"));
+        assert_eq!(key(soft(2, 100)).as_deref(), Some("rdma.soft_rails"));
+        assert!(soft(8, 0).validate().is_ok());
     }
 
     #[test]

@@ -37,6 +37,19 @@ pub struct Memlock {
     pub ok: bool,
 }
 
+/// One rail (device) of the configured transport, with what the host
+/// says of its place: NUMA node and link rate (`None` where it says
+/// nothing, as for the soft NIC and Soft-RoCE: such rails are equal).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RailReport {
+    /// The device's name.
+    pub name: String,
+    /// Its NUMA node.
+    pub numa_node: Option<u32>,
+    /// Its port's link rate in Gbit/s.
+    pub link_gbps: Option<f64>,
+}
+
 /// Everything `tessera doctor` found.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Report {
@@ -46,6 +59,9 @@ pub struct Report {
     pub can_run: bool,
     /// What it would run on (`auto`: RDMA or TCP, and why).
     pub would_use: String,
+    /// The rails the configured RDMA transport opened, the primary first
+    /// (empty where it does not start or runs over TCP).
+    pub rails: Vec<RailReport>,
     /// The host's RDMA devices (ibverbs).
     #[cfg(feature = "ibverbs")]
     pub devices: Vec<crate::verbs::ibverbs::DeviceReport>,
@@ -119,7 +135,9 @@ pub async fn diagnose(config: &TransportConfig) -> Report {
         }
     }
     let limit = memlock::limit();
-    let need = memlock::first_connection_bytes(config);
+    // Every rail registers the pools: pinned once per rail.
+    let need = memlock::first_connection_bytes(config)
+        .saturating_mul(config.rdma.rail_count().unwrap_or(1) as u64);
     let memlock = Memlock {
         limit,
         ipc_lock: memlock::has_ipc_lock(),
@@ -147,16 +165,37 @@ pub async fn diagnose(config: &TransportConfig) -> Report {
         });
     }
     // The verdict: start what the configuration starts.
+    let mut rails = Vec::new();
     let (can_run, would_use) = match config.kind {
         TransportKind::Tcp => (true, "TCP".to_owned()),
         TransportKind::Rdma | TransportKind::Auto => {
             let mut rdma = config.clone();
             rdma.kind = TransportKind::Rdma;
             match Transport::new(rdma) {
-                Ok(transport) => (
-                    true,
-                    format!("RDMA on {}", transport.rdma_device().unwrap_or("?")),
-                ),
+                Ok(transport) => {
+                    let names = transport.rails();
+                    #[cfg(feature = "ibverbs")]
+                    let port_of = |name: &str| {
+                        devices.iter().find(|d| d.name == name).map(|d| {
+                            let port = d.ports.iter().find(|p| p.port == config.rdma.port);
+                            (d.numa_node, port.and_then(|p| p.link_gbps))
+                        })
+                    };
+                    #[cfg(not(feature = "ibverbs"))]
+                    let port_of = |_: &str| None::<(Option<u32>, Option<f64>)>;
+                    rails = names
+                        .iter()
+                        .map(|name| {
+                            let (numa_node, link_gbps) = port_of(name).unwrap_or((None, None));
+                            RailReport {
+                                name: name.clone(),
+                                numa_node,
+                                link_gbps,
+                            }
+                        })
+                        .collect();
+                    (true, format!("RDMA on {}", names.join(", ")))
+                }
                 Err(err) => {
                     let why = err.to_string();
                     if config.kind == TransportKind::Rdma {
@@ -181,6 +220,7 @@ pub async fn diagnose(config: &TransportConfig) -> Report {
         configured,
         can_run,
         would_use,
+        rails,
         #[cfg(feature = "ibverbs")]
         devices,
         devices_error,
@@ -250,6 +290,31 @@ impl fmt::Display for Report {
             },
             self.would_use
         )?;
+        if !self.rails.is_empty() {
+            writeln!(
+                f,
+                "rails                  {} ({}; the first carries the traffic)",
+                self.rails.len(),
+                if self
+                    .rails
+                    .iter()
+                    .all(|r| r.numa_node.is_none() && r.link_gbps.is_none())
+                {
+                    "the host says nothing of their place: equal"
+                } else {
+                    "NUMA node, link rate"
+                }
+            )?;
+            for rail in &self.rails {
+                let numa = rail
+                    .numa_node
+                    .map_or_else(|| "-".to_owned(), |n| n.to_string());
+                let rate = rail
+                    .link_gbps
+                    .map_or_else(|| "-".to_owned(), |g| format!("{g} Gbit/s"));
+                writeln!(f, "  {:<20} NUMA {numa:<4} {rate}", rail.name)?;
+            }
+        }
         writeln!(f)?;
         writeln!(f, "RDMA devices")?;
         if let Some(err) = &self.devices_error {
@@ -273,12 +338,17 @@ impl fmt::Display for Report {
             for port in &device.ports {
                 writeln!(
                     f,
-                    "    port {}  {}  {}  MTU {}  LID {}  GID picked: {}",
+                    "    port {}  {}  {}  {}  MTU {}  LID {}  NUMA {}  GID picked: {}",
                     port.port,
                     if port.active { "ACTIVE" } else { "not active" },
                     port.link_layer,
+                    port.link_gbps
+                        .map_or_else(|| "rate ?".to_owned(), |g| format!("{g} Gbit/s")),
                     port.mtu,
                     port.lid,
+                    device
+                        .numa_node
+                        .map_or_else(|| "-".to_owned(), |n| n.to_string()),
                     port.picked_gid
                         .map_or_else(|| "-".to_owned(), |i| i.to_string())
                 )?;
@@ -361,5 +431,33 @@ mod tests {
             let auto = diagnose(&rdma).await;
             assert!(auto.can_run && auto.would_use.starts_with("TCP"), "{auto}");
         }
+    }
+
+    /// Soft rails are listed, primary first, as equal (the soft NIC says
+    /// nothing of NUMA or rate), and the memory check counts a pinning
+    /// per rail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_report_lists_the_rails() {
+        let mut config = TransportConfig::soft_rdma();
+        config.rdma.soft_rails = vec![crate::SoftRail::default(); 3];
+        let report = diagnose(&config).await;
+        assert!(report.can_run, "{report}");
+        let names: Vec<&str> = report.rails.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names.len(), 3, "{report}");
+        assert!(names[1] == format!("{}.1", names[0]), "{names:?}");
+        assert!(
+            report
+                .rails
+                .iter()
+                .all(|r| r.numa_node.is_none() && r.link_gbps.is_none())
+        );
+        let text = report.to_string();
+        assert!(
+            text.contains("rails                  3 (the host says nothing"),
+            "{text}"
+        );
+        let one = diagnose(&TransportConfig::soft_rdma()).await;
+        assert_eq!(one.rails.len(), 1);
+        assert_eq!(report.memlock.need, 3 * one.memlock.need);
     }
 }

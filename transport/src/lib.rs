@@ -31,7 +31,10 @@ pub mod tls;
 pub mod verbs;
 pub mod warn_limit;
 
-pub use config::{Polling, RdmaConfig, RdmaProvider, TransportConfig, TransportKind};
+pub use config::{
+    AllDevices, Devices, Polling, RdmaConfig, RdmaProvider, SoftRail, TransportConfig,
+    TransportKind,
+};
 pub use connection::{Connection, Listener, MessageReceiver, MessageSender, Transport};
 pub use error::{HandshakeError, RdmaError, TransportError};
 pub use inbound::{ConnectionGate, GateTicket, InboundConfig, Stall};

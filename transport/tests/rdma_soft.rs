@@ -1222,3 +1222,58 @@ async fn a_dropped_receiver_does_not_stall_the_other_sockets_of_its_queue_pair()
     a_dropped_receiver_frees_its_queue_pair(tessera_transport::Polling::Event).await;
     a_dropped_receiver_frees_its_queue_pair(tessera_transport::Polling::Runtime).await;
 }
+
+/// Two soft rails a transport: both opened, the pools registered on both,
+/// and (until striping lands) the first carrying every byte. Soft NIC on
+/// both sides: `soft_rails` is its way of giving a host several NICs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soft_rails_are_opened_and_registered_and_the_first_carries_the_traffic() {
+    use tessera_transport::SoftRail;
+    use tessera_transport::verbs::Device;
+    let mut config = TransportConfig::soft_rdma();
+    config.rdma.soft_rails = vec![SoftRail::default(), SoftRail::default()];
+    let server = Transport::new(config.clone()).unwrap();
+    let client = Transport::new(config).unwrap();
+    let rails = client.rails();
+    let first = client.rdma_device().unwrap().to_owned();
+    assert_eq!(rails, vec![first.clone(), format!("{first}.1")]);
+    assert_eq!(
+        Transport::new(TransportConfig::soft_rdma())
+            .unwrap()
+            .rails()
+            .len(),
+        1
+    );
+    let buf = client.send_pool().alloc(1 << 20).unwrap();
+    assert!(buf.region_on(0).is_some() && buf.region_on(1).is_some());
+    assert_eq!(buf.region_on(2), None);
+    drop(buf);
+
+    let addr = echo_server(&server).await;
+    let mut conn = client.connect(&addr).await.unwrap();
+    for len in [100, 1 << 20] {
+        let mut buf = client.send_pool().alloc(len).unwrap();
+        buf.fill(3);
+        conn.sender.send(Message::from(buf.freeze())).await.unwrap();
+        let back = conn.receiver.recv().await.unwrap().expect("echo");
+        assert_eq!(back.len(), len);
+        assert!(back.iter().all(|&b| b == 3));
+    }
+    let moved = |name: &str| {
+        tessera_transport::verbs::soft::SoftFabric::process()
+            .devices()
+            .into_iter()
+            .find(|d| d.name() == name)
+            .map(|d| d.stats().bytes_moved)
+            .unwrap()
+    };
+    assert!(
+        moved(&first) > 1 << 20,
+        "the first rail carried the messages"
+    );
+    assert_eq!(
+        moved(&format!("{first}.1")),
+        0,
+        "the second stays idle for now"
+    );
+}

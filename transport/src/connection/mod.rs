@@ -29,6 +29,7 @@ use tokio::io::AsyncReadExt;
 mod halves;
 mod handshake;
 mod listener;
+mod rails;
 
 pub use halves::{MessageReceiver, MessageSender};
 pub use listener::Listener;
@@ -53,6 +54,9 @@ struct TransportInner {
     /// The RDMA device and I/O threads (kind `rdma`, or `auto` with a
     /// device).
     rdma: Option<Arc<RdmaRuntime>>,
+    /// Every rail's device, the primary (the runtime's) first: held open,
+    /// the pools registered on each.
+    rails: Vec<Arc<dyn Device>>,
     /// Bytes of large messages on accepted connections, all listeners
     /// together (`inbound.max_bytes`).
     inbound: InboundBudget,
@@ -71,53 +75,6 @@ impl std::fmt::Debug for TransportInner {
                 &self.rdma.as_ref().map(|r| r.device_name().to_owned()),
             )
             .finish()
-    }
-}
-
-/// Soft devices opened by transports of this process (each its own name).
-static SOFT_DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Opens the RDMA device `config` names.
-fn open_device(config: &TransportConfig) -> Result<Arc<dyn Device>, TransportError> {
-    let rdma = &config.rdma;
-    match rdma.provider {
-        RdmaProvider::Soft => {
-            let fabric = crate::verbs::soft::SoftFabric::process();
-            let profile = crate::verbs::soft::SoftProfile {
-                port: crate::verbs::soft::SoftPort {
-                    rate_mbps: rdma.soft_link_mbps,
-                    ..Default::default()
-                },
-                ..Default::default()
-            };
-            let device = fabric
-                .open_with(
-                    format!(
-                        "soft-{}",
-                        SOFT_DEVICES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                    ),
-                    rdma.soft_faults,
-                    profile,
-                )
-                .map_err(TransportError::rdma_error)?;
-            if let Some(path) = &rdma.soft_port_file {
-                device
-                    .follow_port_file(path.clone())
-                    .map_err(TransportError::Io)?;
-            }
-            Ok(Arc::new(device) as Arc<dyn Device>)
-        }
-        #[cfg(feature = "ibverbs")]
-        RdmaProvider::Ibverbs => crate::verbs::ibverbs::IbvDevice::open(
-            rdma.device.as_deref(),
-            rdma.port,
-            rdma.gid_index,
-            rdma.traffic_class,
-        )
-        .map(|device| Arc::new(device) as Arc<dyn Device>)
-        .map_err(TransportError::rdma_error),
-        #[cfg(not(feature = "ibverbs"))]
-        RdmaProvider::Ibverbs => Err(TransportError::rdma_error(crate::RdmaError::NoProvider)),
     }
 }
 
@@ -172,6 +129,7 @@ impl Transport {
                 send_pool,
                 recv_pool,
                 rdma: None,
+                rails: Vec::new(),
                 tls,
             }),
         })
@@ -180,21 +138,30 @@ impl Transport {
     /// The RDMA runtime on the configured device, with the configuration
     /// fitted to the device's limits (what [`Transport::config`] reports).
     fn rdma(mut config: TransportConfig, tls: Option<Tls>) -> Result<Self, TransportError> {
-        let device = open_device(&config)?;
-        // Real NICs pin what they register (the soft one shares it).
+        let rails = rails::open_rails(&config)?;
+        let device = Arc::clone(&rails[0]);
+        // Real NICs pin what they register (the soft one shares it), once
+        // per rail: every rail registers the pools.
         if config.rdma.provider == RdmaProvider::Ibverbs {
             use crate::verbs::memlock;
-            let need = memlock::first_connection_bytes(&config);
+            let need = memlock::first_connection_bytes(&config).saturating_mul(rails.len() as u64);
             if let Some(err) = memlock::shortfall(memlock::limit(), need) {
                 return Err(err.into());
             }
         }
-        config.rdma = crate::verbs::limits::fit(&config.rdma, &device.limits(), device.name())?;
-        let hook = device.registration_hook();
-        let send_pool = Pool::new(
+        for rail in &rails {
+            config.rdma = crate::verbs::limits::fit(&config.rdma, &rail.limits(), rail.name())?;
+        }
+        if rails.len() > 1 {
+            tracing::info!(
+                rails = ?rails.iter().map(|r| r.name().to_owned()).collect::<Vec<_>>(),
+                "RDMA rails open and registered; the first carries the traffic"
+            );
+        }
+        let send_pool = Pool::on_rails(
             config.send_pool.clone(),
             Access::LocalOnly,
-            Arc::clone(&hook),
+            rails::hooks(&rails),
         )?;
         // Confined: peers reach receive memory only through the windows
         // bound for their grants.
@@ -202,7 +169,8 @@ impl Transport {
             true => Access::Windows,
             false => Access::RemoteWrite,
         };
-        let recv_pool = Pool::new(config.recv_pool.clone(), recv_access, hook)?;
+        let recv_pool =
+            Pool::on_rails(config.recv_pool.clone(), recv_access, rails::hooks(&rails))?;
         let inbound = InboundBudget::new(config.inbound.max_bytes);
         let rdma = RdmaRuntime::new(
             device,
@@ -219,9 +187,20 @@ impl Transport {
                 send_pool,
                 recv_pool,
                 rdma: Some(Arc::new(rdma)),
+                rails,
                 tls,
             }),
         })
+    }
+
+    /// The names of the rails (RDMA devices) this transport opened, the
+    /// primary first; empty over TCP.
+    pub fn rails(&self) -> Vec<String> {
+        self.inner
+            .rails
+            .iter()
+            .map(|d| d.name().to_owned())
+            .collect()
     }
 
     /// The name of the RDMA device this transport runs on, if it does.

@@ -86,6 +86,15 @@ impl PoolBuf {
         }
     }
 
+    /// The buffer's region as rail `rail` registered it (`None` past the
+    /// pool's rails).
+    pub fn region_on(&self, rail: usize) -> Option<RegionInfo> {
+        match &self.dedicated {
+            Some(region) => region.info_on(rail),
+            None => super::lookup_on(&self[..], rail),
+        }
+    }
+
     /// The id of the pool the buffer came from.
     pub fn pool_id(&self) -> u64 {
         self.pool.id()

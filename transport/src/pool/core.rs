@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::config::PoolConfig;
-use super::hook::{Access, RegistrationHook};
+use super::hook::{
+    Access, RegisteredRegion, RegistrationCause, RegistrationError, RegistrationHook,
+};
 use super::os;
 use super::page_map::{self, GRANULE};
 use super::region::Region;
@@ -43,7 +45,9 @@ pub(crate) struct PoolInner {
     id: u64,
     pub(crate) config: PoolConfig,
     access: Access,
-    hook: Arc<dyn RegistrationHook>,
+    /// One hook per rail (device), the first the primary: every region is
+    /// registered with each ([`Region::keys`]).
+    hooks: Vec<Arc<dyn RegistrationHook>>,
     classes: Vec<Mutex<ClassLists>>,
     dedicated: Mutex<DedicatedCache>,
     registered: AtomicU64,
@@ -71,7 +75,12 @@ impl std::fmt::Debug for PoolInner {
 }
 
 impl PoolInner {
-    pub(crate) fn new(config: PoolConfig, access: Access, hook: Arc<dyn RegistrationHook>) -> Self {
+    /// `hooks` must not be empty ([`super::Pool::on_rails`] checks).
+    pub(crate) fn new(
+        config: PoolConfig,
+        access: Access,
+        hooks: Vec<Arc<dyn RegistrationHook>>,
+    ) -> Self {
         let count = class_count(config.max_class_size);
         let classes = (0..count)
             .map(|_| Mutex::new(ClassLists::default()))
@@ -84,7 +93,7 @@ impl PoolInner {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             config,
             access,
-            hook,
+            hooks,
             classes,
             dedicated: Mutex::new(DedicatedCache::default()),
             registered: AtomicU64::new(0),
@@ -169,7 +178,8 @@ impl PoolInner {
     /// them and maps them in the page map.
     fn acquire(&self, len: usize, align: usize) -> Result<Box<Region>, PoolError> {
         self.reserve(len)?;
-        let (memory, shared) = if self.hook.shares_memory() {
+        let shares = self.hooks.iter().any(|hook| hook.shares_memory());
+        let (memory, shared) = if shares {
             match os::map_shared_aligned(len, align) {
                 Some((memory, fd)) => (Some(memory), Some(fd)),
                 None => (None, None),
@@ -182,16 +192,12 @@ impl PoolInner {
             return Err(PoolError::OutOfMemory { len });
         };
         let base = memory.as_ptr() as usize;
-        let registered = match shared {
-            Some(fd) => self.hook.register_shared(base, len, self.access, fd),
-            None => self.hook.register(base, len, self.access),
-        };
-        let keys = match registered {
+        let keys = match self.register_on_rails(base, len, shared) {
             Ok(keys) => keys,
             Err(err) => {
                 os::unmap(base, len);
                 self.registered.fetch_sub(len as u64, Ordering::AcqRel);
-                return Err(PoolError::Registration(err));
+                return Err(err);
             }
         };
         self.registrations.fetch_add(1, Ordering::Relaxed);
@@ -207,11 +213,56 @@ impl PoolInner {
         Ok(region)
     }
 
+    /// Registers `len` bytes at `base` with every rail's hook, in rail
+    /// order; `shared` (the memfd behind a shared mapping) goes to each hook
+    /// as a descriptor of its own. If one refuses, those before it are
+    /// deregistered again and its error returned.
+    fn register_on_rails(
+        &self,
+        base: usize,
+        len: usize,
+        shared: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Vec<RegisteredRegion>, PoolError> {
+        let mut keys = Vec::with_capacity(self.hooks.len());
+        let mut shared = shared;
+        for (rail, hook) in self.hooks.iter().enumerate() {
+            let last = rail + 1 == self.hooks.len();
+            let registered = match shared.take() {
+                Some(fd) if last => hook.register_shared(base, len, self.access, fd),
+                Some(fd) => match fd.try_clone() {
+                    Ok(copy) => {
+                        shared = Some(fd);
+                        hook.register_shared(base, len, self.access, copy)
+                    }
+                    Err(err) => Err(RegistrationError {
+                        len,
+                        cause: RegistrationCause::Descriptor {
+                            errno: err.raw_os_error().unwrap_or(0),
+                        },
+                    }),
+                },
+                None => hook.register(base, len, self.access),
+            };
+            match registered {
+                Ok(region) => keys.push(region),
+                Err(err) => {
+                    for (hook, keys) in self.hooks.iter().zip(&keys) {
+                        hook.deregister(base, len, keys);
+                    }
+                    return Err(PoolError::Registration(err));
+                }
+            }
+        }
+        Ok(keys)
+    }
+
     /// Unmaps, deregisters and frees a region.
     #[allow(clippy::boxed_local)] // the box is what the page map pointed at
     fn release(&self, region: Box<Region>) {
         page_map::remove(region.base, region.len);
-        self.hook.deregister(region.base, region.len, &region.keys);
+        for (hook, keys) in self.hooks.iter().zip(&region.keys) {
+            hook.deregister(region.base, region.len, keys);
+        }
         // No buffer refers to the region any more: blocks are released only
         // when all their objects are free, dedicated regions only when their
         // buffer is gone.

@@ -73,6 +73,13 @@ pub enum RegistrationCause {
         /// The process's locked-memory limit in bytes (`None`: unlimited).
         limit: Option<u64>,
     },
+    /// The descriptor of shared pool memory could not be duplicated for a
+    /// second rail's registration (`dup`: the open-file limit).
+    #[error("duplicating the pool memory's descriptor for another rail: {}", std::io::Error::from_raw_os_error(*errno))]
+    Descriptor {
+        /// The `errno` of `dup`.
+        errno: i32,
+    },
     /// `ibv_reg_mr` failed for another reason.
     #[error("ibv_reg_mr: {}", std::io::Error::from_raw_os_error(*errno))]
     Kernel {

@@ -53,6 +53,9 @@ pub use hook::{
 };
 pub use page_map::GRANULE;
 pub use region::RegionInfo;
+
+/// Rails (devices) a pool registers its memory on at most.
+pub const MAX_RAILS: usize = 8;
 use tessera_config::{ConfigError, Validate};
 
 /// Why an allocation failed.
@@ -138,9 +141,30 @@ impl Pool {
         access: Access,
         hook: Arc<dyn RegistrationHook>,
     ) -> Result<Self, ConfigError> {
+        Self::on_rails(config, access, vec![hook])
+    }
+
+    /// A pool whose memory each of `hooks` registers with `access`: one per
+    /// rail (device) a buffer may cross, the first the primary. A buffer's
+    /// keys for rail `r` are [`lookup_on`]'s and [`PoolBuf::region_on`]'s.
+    /// At least one hook, at most [`MAX_RAILS`].
+    pub fn on_rails(
+        config: PoolConfig,
+        access: Access,
+        hooks: Vec<Arc<dyn RegistrationHook>>,
+    ) -> Result<Self, ConfigError> {
         config.validate()?;
+        if hooks.is_empty() || hooks.len() > MAX_RAILS {
+            return Err(ConfigError::Invalid {
+                key: "rdma.devices".into(),
+                reason: format!(
+                    "{} devices: a pool registers on 1 to {MAX_RAILS}",
+                    hooks.len()
+                ),
+            });
+        }
         let inner: &'static core::PoolInner =
-            Box::leak(Box::new(core::PoolInner::new(config, access, hook)));
+            Box::leak(Box::new(core::PoolInner::new(config, access, hooks)));
         Ok(Self {
             handle: Arc::new(PoolHandle { inner }),
         })
@@ -213,6 +237,16 @@ impl Pool {
 /// could name a region being freed at that moment).
 pub fn lookup(bytes: &[u8]) -> Option<RegionInfo> {
     lookup_address(bytes.as_ptr() as usize)
+}
+
+/// [`lookup`] for rail `rail`: the keys the region was registered with on
+/// that rail's device; `None` outside every pool, or past its rails.
+pub fn lookup_on(bytes: &[u8], rail: usize) -> Option<RegionInfo> {
+    let region = page_map::get(bytes.as_ptr() as usize)?;
+    // SAFETY: as in `lookup_address`: the page map holds pointers to mapped
+    // regions, removed before they are freed, and `bytes` is a live borrow
+    // of memory inside one, which keeps it mapped while borrowed.
+    unsafe { &*region }.info_on(rail)
 }
 
 /// [`lookup`] by address, for the crate's buffers, whose address is inside

@@ -7,7 +7,8 @@ use super::hook::{Access, RegisteredRegion};
 pub(crate) struct Region {
     pub(crate) base: usize,
     pub(crate) len: usize,
-    pub(crate) keys: RegisteredRegion,
+    /// Its registration on each rail, in rail order (never empty).
+    pub(crate) keys: Vec<RegisteredRegion>,
     pub(crate) access: Access,
     pub(crate) pool_id: u64,
 }
@@ -34,15 +35,30 @@ pub struct RegionInfo {
 }
 
 impl Region {
+    /// The region as rail 0 (the primary device) registered it.
     pub(crate) fn info(&self) -> RegionInfo {
-        RegionInfo {
+        self.info_on(0).unwrap_or(RegionInfo {
             base: self.base,
             len: self.len,
-            lkey: self.keys.lkey,
-            rkey: self.keys.rkey,
-            handle: self.keys.handle,
+            lkey: 0,
+            rkey: 0,
+            handle: 0,
             access: self.access,
             pool_id: self.pool_id,
-        }
+        })
+    }
+
+    /// The region as `rail` registered it; `None` past the pool's rails.
+    pub(crate) fn info_on(&self, rail: usize) -> Option<RegionInfo> {
+        let keys = self.keys.get(rail)?;
+        Some(RegionInfo {
+            base: self.base,
+            len: self.len,
+            lkey: keys.lkey,
+            rkey: keys.rkey,
+            handle: keys.handle,
+            access: self.access,
+            pool_id: self.pool_id,
+        })
     }
 }

@@ -298,3 +298,69 @@ fn a_dropped_pool_releases_memory_cached_by_other_threads_when_they_exit() {
     );
     assert_eq!(hook.registrations(), hook.deregistrations());
 }
+
+/// Refuses every registration.
+#[derive(Debug)]
+struct Refusing;
+
+impl RegistrationHook for Refusing {
+    fn register(
+        &self,
+        _addr: usize,
+        len: usize,
+        _access: Access,
+    ) -> Result<RegisteredRegion, RegistrationError> {
+        Err(RegistrationError {
+            len,
+            cause: RegistrationCause::Kernel { errno: 12 },
+        })
+    }
+
+    fn deregister(&self, _addr: usize, _len: usize, _region: &RegisteredRegion) {
+        unreachable!("nothing was registered");
+    }
+}
+
+#[test]
+fn a_pool_on_rails_registers_on_each_and_unwinds_a_refusal() {
+    let (first, second) = (Arc::new(CountingHook::new()), Arc::new(CountingHook::new()));
+    let pool = Pool::on_rails(
+        PoolConfig::named("two-rails"),
+        Access::RemoteWrite,
+        vec![first.clone(), second.clone()],
+    )
+    .unwrap();
+    let buf = pool.alloc(1000).unwrap();
+    assert_eq!((first.registrations(), second.registrations()), (1, 1));
+    let (on0, on1) = (buf.region_on(0).unwrap(), buf.region_on(1).unwrap());
+    assert_eq!(buf.region(), Some(on0));
+    assert_eq!((on0.base, on0.len), (on1.base, on1.len));
+    assert_eq!(lookup_on(&buf, 1), Some(on1));
+    assert_eq!(buf.region_on(2), None);
+    drop(buf);
+    pool.flush_thread_cache();
+    pool.trim();
+    assert_eq!((first.deregistrations(), second.deregistrations()), (1, 1));
+
+    // The second rail refuses: the first's registration is taken back and
+    // the allocation fails with the refusal.
+    let lone = Arc::new(CountingHook::new());
+    let pool = Pool::on_rails(
+        PoolConfig::named("refused-rail"),
+        Access::RemoteWrite,
+        vec![lone.clone(), Arc::new(Refusing)],
+    )
+    .unwrap();
+    assert!(matches!(pool.alloc(1000), Err(PoolError::Registration(_))));
+    assert_eq!((lone.registrations(), lone.deregistrations()), (1, 1));
+    assert_eq!(pool.stats().registered_bytes, 0);
+
+    // No rails, or more than a pool registers on, is a configuration error.
+    for hooks in [
+        Vec::new(),
+        vec![lone.clone() as Arc<dyn RegistrationHook>; MAX_RAILS + 1],
+    ] {
+        let err = Pool::on_rails(PoolConfig::named("none"), Access::LocalOnly, hooks).unwrap_err();
+        assert_eq!(err.key(), Some("rdma.devices"));
+    }
+}

@@ -12,6 +12,9 @@ pub struct DeviceReport {
     pub name: String,
     /// Its limits, if it could be queried.
     pub limits: Option<DeviceLimitsReport>,
+    /// The NUMA node its PCI function hangs off (sysfs; `None` where the
+    /// host does not say, as for Soft-RoCE and single-node hosts).
+    pub numa_node: Option<u32>,
     /// Its ports.
     pub ports: Vec<PortReport>,
     /// Why it could not be opened or queried, if it could not.
@@ -48,6 +51,10 @@ pub struct PortReport {
     pub mtu: u32,
     /// Its LID (InfiniBand; 0 on RoCE).
     pub lid: u16,
+    /// Its link's signalling rate in Gbit/s (lanes x lane rate, as
+    /// `ibv_devinfo` reads `active_width` and `active_speed`); `None` for
+    /// codes this build does not know.
+    pub link_gbps: Option<f64>,
     /// Filled GID table entries: index, GID, type.
     pub gids: Vec<(u8, String, String)>,
     /// The entry Tessera would pick (RoCE).
@@ -66,6 +73,7 @@ pub(super) fn describe(name: &str) -> DeviceReport {
     let mut report = DeviceReport {
         name: name.to_owned(),
         limits: None,
+        numa_node: numa_node(name),
         ports: Vec::new(),
         error: None,
     };
@@ -130,6 +138,7 @@ pub(super) fn describe(name: &str) -> DeviceReport {
                 link_layer: if ethernet { "Ethernet" } else { "InfiniBand" }.to_owned(),
                 mtu: mtu_bytes(port_attr.active_mtu),
                 lid: port_attr.lid,
+                link_gbps: link_gbps(port_attr.active_width, port_attr.active_speed),
                 gids,
                 picked_gid: if ethernet {
                     port::pick_gid(&entries, None).ok().map(|e| e.index)
@@ -144,4 +153,52 @@ pub(super) fn describe(name: &str) -> DeviceReport {
     // SAFETY: closing the context opened above, used by nothing else.
     unsafe { ibv_close_device(ctx) };
     report
+}
+
+/// The NUMA node of device `name` from sysfs (`-1`, absent or unreadable:
+/// `None`).
+pub fn numa_node(name: &str) -> Option<u32> {
+    let path = format!("/sys/class/infiniband/{name}/device/numa_node");
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// A port's signalling rate in Gbit/s from `ibv_port_attr`'s
+/// `active_width` (lanes: 1 = 1x, 2 = 4x, 4 = 8x, 8 = 12x, 16 = 2x) and
+/// `active_speed` (per lane: 1 SDR 2.5, 2 DDR 5, 4 QDR 10, 8 FDR10 10,
+/// 16 FDR 14, 32 EDR 25, 64 HDR 50, 128 NDR 100 Gbit/s).
+pub fn link_gbps(width: u8, speed: u8) -> Option<f64> {
+    let lanes = match width {
+        1 => 1.0,
+        2 => 4.0,
+        4 => 8.0,
+        8 => 12.0,
+        16 => 2.0,
+        _ => return None,
+    };
+    let lane = match speed {
+        1 => 2.5,
+        2 => 5.0,
+        4 | 8 => 10.0,
+        16 => 14.0,
+        32 => 25.0,
+        64 => 50.0,
+        128 => 100.0,
+        _ => return None,
+    };
+    Some(lanes * lane)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::link_gbps;
+
+    #[test]
+    fn link_rates_read_as_ibv_devinfo_reads_them() {
+        assert_eq!(link_gbps(2, 32), Some(100.0), "4x EDR");
+        assert_eq!(link_gbps(2, 64), Some(200.0), "4x HDR");
+        assert_eq!(link_gbps(1, 1), Some(2.5), "1x SDR (rxe reports this)");
+        assert_eq!(link_gbps(16, 128), Some(200.0), "2x NDR");
+        assert_eq!(link_gbps(3, 32), None);
+        assert_eq!(link_gbps(2, 3), None);
+    }
 }

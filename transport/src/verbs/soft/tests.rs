@@ -1371,3 +1371,79 @@ fn a_rate_limited_port_holds_writes_in_order_until_its_link_frees() {
         .unwrap();
     assert_eq!(b.poll_send()[0].status, WcStatus::Success);
 }
+
+#[test]
+fn a_pool_on_two_rails_is_reachable_on_each_with_that_rails_keys() {
+    let fabric = SoftFabric::new();
+    let open = |name: &str| fabric.open(name, SoftFaults::default()).unwrap();
+    let (a0, a1, b0, b1) = (open("a0"), open("a1"), open("b0"), open("b1"));
+    // A registration on each second rail first, so that the rails' keys
+    // for the pools below differ (each device numbers its own).
+    let (_a_spare, _) = crate::verbs::soft::test_pools(&a1, "a1-spare");
+    let (_b_spare, b_spare_recv) = crate::verbs::soft::test_pools(&b1, "b1-spare");
+    let _held = b_spare_recv.alloc(64).unwrap();
+    let _held_a = _a_spare.alloc(64).unwrap();
+    let pool = |name: &str, access, devices: [&SoftDevice; 2]| {
+        Pool::on_rails(
+            PoolConfig::named(name),
+            access,
+            devices.iter().map(|d| d.registration_hook()).collect(),
+        )
+        .unwrap()
+    };
+    let send_pool = pool("rails-send", Access::LocalOnly, [&a0, &a1]);
+    let recv_pool = pool("rails-recv", Access::RemoteWrite, [&b0, &b1]);
+    let connect = |a: &SoftDevice, b: &SoftDevice| {
+        let cq = |d: &SoftDevice| d.create_cq(64).unwrap();
+        let (a_cq, b_cq) = (cq(a), cq(b));
+        let qa = a
+            .create_qp(a_cq.clone(), a_cq.clone(), QpCaps::default())
+            .unwrap();
+        let qb = b.create_qp(b_cq.clone(), b_cq, QpCaps::default()).unwrap();
+        qa.init().unwrap();
+        qb.init().unwrap();
+        qa.connect(&qb.endpoint()).unwrap();
+        qb.connect(&qa.endpoint()).unwrap();
+        (qa, a_cq, qb)
+    };
+    let data = filled(&send_pool, 1000, 7);
+    let target = filled(&recv_pool, 4096, 0);
+    let (keys0, keys1) = (target.region_on(0).unwrap(), target.region_on(1).unwrap());
+    assert_ne!(keys0.rkey, keys1.rkey, "each device's own key");
+    assert_eq!(target.region(), Some(keys0), "rail 0 is the primary");
+    assert_eq!(target.region_on(2), None, "two rails only");
+    let write = |rail: usize, rkey_rail: usize, offset: usize| SendWr {
+        wr_id: rail as u64,
+        op: SendOp::Write {
+            remote_addr: target.as_ptr() as usize + offset,
+            rkey: target.region_on(rkey_rail).unwrap().rkey,
+        },
+        sges: vec![Sge {
+            addr: data.as_ptr() as usize,
+            len: 1000,
+            lkey: data.region_on(rail).unwrap().lkey,
+        }],
+        signaled: true,
+    };
+    let poll = |cq: &Arc<dyn CompletionQueue>| {
+        let mut out = Vec::new();
+        cq.poll(&mut out, 8);
+        out
+    };
+    // Each rail writes with its own keys.
+    for (rail, (a, b)) in [(&a0, &b0), (&a1, &b1)].into_iter().enumerate() {
+        let (qp, cq, _peer) = connect(a, b);
+        qp.post_send(&[write(rail, rail, rail * 2000)]).unwrap();
+        assert_eq!(poll(&cq)[0].status, WcStatus::Success, "rail {rail}");
+        let at = rail * 2000;
+        assert!(target[at..at + 1000].iter().all(|&x| x == 7), "rail {rail}");
+    }
+    // Rail 0's key means nothing to rail 1's device.
+    let (qp, cq, _peer) = connect(&a1, &b1);
+    qp.post_send(&[write(1, 0, 1000)]).unwrap();
+    assert_eq!(poll(&cq)[0].status, WcStatus::RemoteAccessError);
+    assert!(
+        target[1000..2000].iter().all(|&x| x == 0),
+        "nothing written"
+    );
+}
