@@ -48,10 +48,60 @@ pub fn transport() -> TransportConfig {
     config
 }
 
-/// The RDMA settings' defaults over [`provider`].
+/// The environment variable naming the ibverbs device the tests use
+/// (`scripts/dev vm-test`: `rxe0`, the device whose netdev the port drill
+/// takes down); unset: the first device.
+pub const DEVICE_VAR: &str = "TESSERA_TEST_RDMA_DEVICE";
+
+/// The RDMA settings' defaults over [`provider`] (over ibverbs on the
+/// device [`DEVICE_VAR`] names, if it names one).
 pub fn config_rdma() -> RdmaConfig {
+    let device = match provider() {
+        RdmaProvider::Soft => None,
+        _ => std::env::var(DEVICE_VAR)
+            .ok()
+            .filter(|name| !name.is_empty()),
+    };
     RdmaConfig {
         provider: provider(),
+        device,
         ..TransportConfig::soft_rdma().rdma
     }
+}
+
+/// The environment variable naming the devices a rails test may open over
+/// ibverbs, comma-separated (`scripts/dev vm-test`: `rxe0,rxe1`, two
+/// Soft-RoCE devices on two dummy interfaces).
+pub const RAILS_VAR: &str = "TESSERA_TEST_RDMA_RAILS";
+
+/// [`config_rdma`] with `rails` rails: `rails` soft devices on the soft
+/// NIC, or over ibverbs the first `rails` devices [`RAILS_VAR`] names.
+/// `Err` says why there are not that many (the test then prints it as a
+/// skip).
+pub fn config_rails(rails: usize) -> Result<RdmaConfig, String> {
+    let mut config = config_rdma();
+    match provider() {
+        RdmaProvider::Soft => {
+            config.soft_rails = vec![tessera_transport::SoftRail::default(); rails];
+        }
+        _ => {
+            let names: Vec<String> = std::env::var(RAILS_VAR)
+                .unwrap_or_default()
+                .split(',')
+                .filter(|name| !name.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if names.len() < rails {
+                return Err(format!(
+                    "{RAILS_VAR} names {} ibverbs devices, the test needs {rails}",
+                    names.len()
+                ));
+            }
+            config.device = None;
+            config.devices = Some(tessera_transport::Devices::Named(
+                names.into_iter().take(rails).collect(),
+            ));
+        }
+    }
+    Ok(config)
 }

@@ -163,7 +163,10 @@ fn apply(
     }
     let (granted, _) = b.engine.granted();
     let (_, offered) = b.engine.offers_out();
-    assert!(within_budget(granted, offered), "{granted} granted, {offered} of it offered");
+    assert!(
+        within_budget(granted, offered),
+        "{granted} granted, {offered} of it offered"
+    );
 }
 
 /// The grant budget as `offers.rs` documents it: offers hold at most half
