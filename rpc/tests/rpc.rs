@@ -1073,6 +1073,177 @@ mod recovery {
         .unwrap()
     }
 
+    /// How a rails drill takes a rail's port down: the soft NIC's port
+    /// files (the server's devices), or the netdevs under the Soft-RoCE
+    /// devices (`ip link`, both processes' rails at once).
+    enum RailSwitch {
+        Files(Vec<std::path::PathBuf>),
+        Netdevs(Vec<String>),
+    }
+
+    impl RailSwitch {
+        fn set(&self, rail: usize, down: bool) {
+            match self {
+                RailSwitch::Files(files) if down => std::fs::write(&files[rail], b"").unwrap(),
+                RailSwitch::Files(files) => {
+                    let _ = std::fs::remove_file(&files[rail]);
+                }
+                RailSwitch::Netdevs(netdevs) => {
+                    set_link(&netdevs[rail], if down { "down" } else { "up" });
+                }
+            }
+        }
+    }
+
+    impl Drop for RailSwitch {
+        /// Every rail back up, whatever became of the drill.
+        fn drop(&mut self) {
+            for rail in 0..2 {
+                self.set(rail, false);
+            }
+        }
+    }
+
+    /// Rails before TCP: client and server have two rails each; the first
+    /// rail's port goes down for a second under a stream of calls. No
+    /// call fails and none goes over TCP: the lost connection is made
+    /// again over the second rail. Then every rail goes down, and calls
+    /// move to TCP, still with none failed. On the soft NIC the server's
+    /// rails go down (port files); over ibverbs (the Soft-RoCE VM: `rxe0`
+    /// and `rxe1` on `d0` and `d1`, named by `TESSERA_TEST_RDMA_RAILS` and
+    /// `TESSERA_TEST_RDMA_RAIL_NETDEVS`) the netdevs do, under both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rail_going_down_moves_rdma_calls_to_the_other_rail_not_to_tcp() {
+        use tessera_transport::SoftRail;
+        let dir = tempfile::tempdir().unwrap();
+        let (server_transport, client_transport, switch) = if tessera_test_support::rdma::is_ibverbs(
+        ) {
+            let rails = match tessera_test_support::rdma::config_rails(2) {
+                Ok(rails) => rails,
+                Err(why) => {
+                    eprintln!("SKIPPED rails drill: {why}");
+                    return;
+                }
+            };
+            let netdevs: Vec<String> = std::env::var("TESSERA_TEST_RDMA_RAIL_NETDEVS")
+                .unwrap_or_default()
+                .split(',')
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if netdevs.len() < 2 {
+                eprintln!(
+                    "SKIPPED rails drill: TESSERA_TEST_RDMA_RAIL_NETDEVS names no two netdevs to take down \
+                         (scripts/dev vm-test sets it in the Soft-RoCE VM)"
+                );
+                return;
+            }
+            let config = TransportConfig {
+                rdma: rails,
+                ..tessera_test_support::rdma::transport()
+            };
+            (config.clone(), config, RailSwitch::Netdevs(netdevs))
+        } else {
+            let files = vec![dir.path().join("rail0"), dir.path().join("rail1")];
+            let mut server = TransportConfig::soft_rdma();
+            server.rdma.soft_rails = files
+                .iter()
+                .map(|file| SoftRail {
+                    port_file: Some(file.clone()),
+                    ..SoftRail::default()
+                })
+                .collect();
+            let mut client = TransportConfig::soft_rdma();
+            client.rdma.soft_rails = vec![SoftRail::default(), SoftRail::default()];
+            (server, client, RailSwitch::Files(files))
+        };
+        let server = start(server_config(&server_transport)).await;
+        let client = Transport::new(client_transport.clone()).unwrap();
+        let set = ReplicaSet::new(
+            ReplicaSetConfig {
+                replicas: vec![ReplicaEndpoint {
+                    addr: server.addr.clone(),
+                    domain: String::new(),
+                }],
+                call_timeout_ms: 3000,
+                channel: ChannelConfig {
+                    connect_timeout_ms: 500,
+                    request_timeout_ms: 1000,
+                    fallback: FallbackConfig {
+                        probe_interval_ms: 500,
+                        ..FallbackConfig::default()
+                    },
+                    transport: client_transport,
+                    connections: 1,
+                },
+                retry: RetryPolicyConfig {
+                    probability: 1.0,
+                    ..RetryPolicyConfig::default()
+                },
+                seed: Some(7),
+                ..ReplicaSetConfig::default()
+            },
+            client.clone(),
+        );
+        let echo = EchoClient::new(set.clone());
+        let kind = || set.transports()[0].1;
+        echo.echo(echo_request(0)).await.unwrap();
+        assert_eq!(kind(), Some(TransportKind::Rdma));
+        let (mut calls, mut failed, mut on_tcp) = (0u32, Vec::<String>::new(), 0u32);
+        let call = || async {
+            echo.echo(echo_request(0))
+                .await
+                .err()
+                .map(|e| e.to_string())
+        };
+        macro_rules! call {
+            () => {{
+                let over = kind();
+                calls += 1;
+                failed.extend(call().await);
+                on_tcp += u32::from(over == Some(TransportKind::Tcp));
+            }};
+        }
+        // The first rail down for a second.
+        switch.set(0, true);
+        let down = Instant::now();
+        while down.elapsed() < Duration::from_secs(1) {
+            call!();
+        }
+        switch.set(0, false);
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!(on_tcp, 0, "{calls} calls, {on_tcp} of them over TCP");
+        assert_eq!(kind(), Some(TransportKind::Rdma));
+        let rails = client.rail_stats();
+        assert!(
+            rails[1].messages_sent > 0,
+            "the second rail carried the calls: {rails:?}"
+        );
+        let one_down = calls;
+        // Every rail down: TCP, and still nothing failed.
+        switch.set(0, true);
+        switch.set(1, true);
+        let all_down = Instant::now();
+        while all_down.elapsed() < Duration::from_secs(2) && kind() != Some(TransportKind::Tcp) {
+            call!();
+        }
+        let on_tcp_after = all_down.elapsed();
+        for _ in 0..20 {
+            call!();
+        }
+        switch.set(0, false);
+        switch.set(1, false);
+        assert_eq!(kind(), Some(TransportKind::Tcp), "every rail down: TCP");
+        assert!(failed.is_empty(), "{failed:?}");
+        eprintln!(
+            "rails drill ({}): one rail down 1 s: {one_down} calls, none failed, none over TCP; \
+             every rail down: on TCP after {on_tcp_after:?}; {calls} calls in all ({on_tcp} over TCP), \
+             none failed",
+            tessera_test_support::rdma::provider_name()
+        );
+        server.shutdown().await;
+    }
+
     /// The recovery ladder's transport rungs: an RDMA path to a healthy
     /// server breaks (its control stream is reset and new RDMA handshakes
     /// are turned away, TCP still passes): calls succeed over TCP within

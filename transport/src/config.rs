@@ -164,11 +164,13 @@ pub struct RdmaConfig {
     /// The rails (ibverbs): devices, each a rail, `["mlx5_0", "mlx5_1"]`,
     /// or `"all"` (every device whose `port` is active, in the kernel's
     /// order). Every pool is registered on each (one registration per
-    /// device), so any buffer may go out on any rail. Default: unset, one
-    /// rail (`device`); not together with `device`. At most 8. **Today
-    /// the first rail carries all traffic; the others are opened and
-    /// registered, and listed by `tessera doctor`** (striping and moving
-    /// to another rail on a port error are the next steps of this work).
+    /// device), so any buffer may go out on any rail. A connection takes
+    /// the first rail whose port is up and whose handshake succeeds; a
+    /// port going down fails that rail's connections, and the RPC layer's
+    /// reconnect lands on another rail before TCP (`rdma/rails.rs`).
+    /// Default: unset, one rail (`device`); not together with `device`.
+    /// At most 8. One connection uses one rail (striping a connection's
+    /// large messages over rails is not built yet).
     pub devices: Option<Devices>,
     /// Port of the device. Default 1 (the first port).
     pub port: u8,

@@ -148,6 +148,13 @@ pub enum RdmaError {
         /// The address.
         addr: String,
     },
+    /// Every rail's port is down: no RDMA connection can be made (the RPC
+    /// layer then falls back to TCP).
+    #[error("the port of every RDMA rail ({rails}) is down")]
+    RailsDown {
+        /// Rails the transport has.
+        rails: usize,
+    },
     /// The transport runs without an RDMA device (TCP, or `auto` without
     /// one).
     #[error("this transport has no RDMA device")]
@@ -196,4 +203,11 @@ pub enum HandshakeError {
     /// The hello names a GID type this build does not know.
     #[error("peer's hello names GID type {0}")]
     GidType(u8),
+    /// The rail the dialer chose has its port down here: it tries its
+    /// next rail.
+    #[error("rail {rail} of the accepting side has its port down")]
+    RailDown {
+        /// The rail the hello named.
+        rail: u8,
+    },
 }

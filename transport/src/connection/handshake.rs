@@ -104,7 +104,7 @@ pub(super) async fn handshake(
     // engine's own limits (queue pairs, completion queue room) bound what
     // comes after.
     runtime
-        .establish(stream, peer, Role::Acceptor, Some(ready.clone()), identity)
+        .accept(stream, peer, ready.clone(), identity)
         .await?;
     drop(slot);
     Ok(None)

@@ -17,9 +17,9 @@ use crate::inbound::{
 };
 use crate::inbound::{Addresses, ConnectionCap};
 use crate::pool::{Access, CountingHook, Pool, RegistrationHook};
-use crate::rdma::Role;
-use crate::rdma::connection::{HANDSHAKE_TIMEOUT, RdmaRuntime};
+use crate::rdma::connection::HANDSHAKE_TIMEOUT;
 use crate::rdma::io::RdmaSender;
+use crate::rdma::rails::RdmaRails;
 use crate::tcp::{self, TcpReceiver, TcpSender, Wire};
 use crate::tls::{PeerIdentity, Tls};
 use crate::verbs::Device;
@@ -53,7 +53,7 @@ struct TransportInner {
     recv_pool: Pool,
     /// The RDMA device and I/O threads (kind `rdma`, or `auto` with a
     /// device).
-    rdma: Option<Arc<RdmaRuntime>>,
+    rdma: Option<Arc<RdmaRails>>,
     /// Every rail's device, the primary (the runtime's) first: held open,
     /// the pools registered on each.
     rails: Vec<Arc<dyn Device>>,
@@ -139,7 +139,6 @@ impl Transport {
     /// fitted to the device's limits (what [`Transport::config`] reports).
     fn rdma(mut config: TransportConfig, tls: Option<Tls>) -> Result<Self, TransportError> {
         let rails = rails::open_rails(&config)?;
-        let device = Arc::clone(&rails[0]);
         // Real NICs pin what they register (the soft one shares it), once
         // per rail: every rail registers the pools.
         if config.rdma.provider == RdmaProvider::Ibverbs {
@@ -172,8 +171,8 @@ impl Transport {
         let recv_pool =
             Pool::on_rails(config.recv_pool.clone(), recv_access, rails::hooks(&rails))?;
         let inbound = InboundBudget::new(config.inbound.max_bytes);
-        let rdma = RdmaRuntime::new(
-            device,
+        let rdma = RdmaRails::new(
+            &rails,
             &config,
             (send_pool.clone(), recv_pool.clone()),
             Some(inbound.clone()),
@@ -221,6 +220,15 @@ impl Transport {
     /// The pool incoming messages are received into.
     pub fn recv_pool(&self) -> &Pool {
         &self.inner.recv_pool
+    }
+
+    /// Counters of each RDMA rail, the primary first (empty without
+    /// RDMA): which rail carries the traffic, and which is down.
+    pub fn rail_stats(&self) -> Vec<crate::rdma::RdmaStats> {
+        self.inner
+            .rdma
+            .as_ref()
+            .map_or_else(Vec::new, |rdma| rdma.rail_stats())
     }
 
     /// Counters of the RDMA side (`None` without one).

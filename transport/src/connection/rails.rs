@@ -2,10 +2,9 @@
 //! `[[rdma.soft_rails]]` for the soft provider), each registered with every
 //! pool so that any buffer may leave on any of them.
 //!
-//! Opening is all this file does: which rail a queue pair uses, striping a
-//! large message over rails and moving to another rail when a port fails
-//! belong to the RDMA runtime. Today the runtime runs on the first rail and
-//! the others stay open and registered (`Transport::rails` lists them).
+//! Opening is all this file does: which rail a connection takes, and
+//! taking another when a port fails, belong to the RDMA side
+//! (`rdma/rails.rs`: a runtime per rail).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

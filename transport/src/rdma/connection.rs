@@ -43,6 +43,9 @@ pub const PROTOCOL_VERSION: u16 = 6;
 pub const HELLO_MAGIC: &[u8; 4] = b"TSRD";
 /// Bytes of a hello.
 pub const HELLO_LEN: usize = 96;
+/// Where a hello carries its sender's rail (a byte that was zero before
+/// rails: a peer that predates them dials on rail 0).
+pub(crate) const RAIL_BYTE: usize = 82;
 /// The dialer's last handshake byte: its QP is connected too.
 const READY: u8 = 0x52;
 
@@ -59,6 +62,9 @@ pub struct Hello {
     pub recv_buffer: u32,
     /// Largest message the sender accepts.
     pub max_message: u64,
+    /// The sender's rail (its place among its devices, 0 the primary): the
+    /// acceptor sets up its side on its rail of the same place.
+    pub rail: u8,
     /// Where the peer writes its keepalive (address, rkey), if the sender
     /// runs keepalive without remote-write confinement (a confined sender
     /// tells it later, in a `Slot` control message behind the bind of a
@@ -94,6 +100,7 @@ impl Hello {
         out[76..80].copy_from_slice(&self.endpoint.mtu.to_le_bytes());
         out[80] = self.endpoint.link_layer.code();
         out[81] = self.endpoint.gid_type.code();
+        out[RAIL_BYTE] = self.rail;
         out
     }
 
@@ -141,6 +148,7 @@ impl Hello {
             recv_buffer: u32_at(56),
             keepalive_slot: (u32_at(60) & 1 == 1).then(|| (u64_at(64), u32_at(72))),
             shared_receives: u32_at(60) & 2 == 2,
+            rail: raw[RAIL_BYTE],
         })
     }
 }
@@ -158,6 +166,12 @@ pub(crate) struct RdmaRuntime {
     /// Events seen.
     async_events: Arc<std::sync::atomic::AtomicU64>,
     device: Arc<dyn Device>,
+    /// The device's place among the transport's rails (0: the primary):
+    /// the engines' buffers use that rail's keys.
+    rail: usize,
+    /// Whether the device's port is up, as its last port event said (a
+    /// rail whose port is down takes no new connection).
+    port_up: Arc<AtomicBool>,
     config: TransportConfig,
     pools: (Pool, Pool),
     threads: Vec<IoThread>,
@@ -190,9 +204,10 @@ pub(crate) struct EngineRef {
 }
 
 impl RdmaRuntime {
-    /// Starts the I/O threads of a transport.
+    /// Starts the I/O threads of a transport's rail `rail` (on `device`).
     pub(crate) fn new(
         device: Arc<dyn Device>,
+        rail: usize,
         config: &TransportConfig,
         pools: (Pool, Pool),
         inbound: Option<crate::inbound::InboundBudget>,
@@ -209,6 +224,7 @@ impl RdmaRuntime {
                         pools.1.clone(),
                         super::control::HEADER_LEN + rdma.small_message_limit,
                         rdma.srq_depth,
+                        rail,
                     )?),
                     false => None,
                 };
@@ -226,13 +242,27 @@ impl RdmaRuntime {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let async_events = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let port_up = Arc::new(AtomicBool::new(true));
         let events = device
             .watch_events(Arc::new({
                 let threads = threads.clone();
                 let seen = Arc::clone(&async_events);
+                let port_up = Arc::clone(&port_up);
+                let our_port = rdma.port;
                 let name = device.name().to_owned();
                 move |event: crate::verbs::AsyncEvent| {
                     seen.fetch_add(1, Ordering::Relaxed);
+                    // The rail's own port (another port of the device is
+                    // another rail's, or none).
+                    match event {
+                        crate::verbs::AsyncEvent::PortDown { port } if port == our_port => {
+                            port_up.store(false, Ordering::Release);
+                        }
+                        crate::verbs::AsyncEvent::PortUp { port } if port == our_port => {
+                            port_up.store(true, Ordering::Release);
+                        }
+                        _ => {}
+                    }
                     metrics::counter!("tessera_rdma_async_events_total", "event" => event.label())
                         .increment(1);
                     tracing::warn!(device = %name, ?event, "rdma device event");
@@ -251,6 +281,8 @@ impl RdmaRuntime {
             _events: events,
             async_events,
             device,
+            rail,
+            port_up,
             config: config.clone(),
             pools,
             threads,
@@ -267,10 +299,14 @@ impl RdmaRuntime {
         self.device.name()
     }
 
-    /// Counters summed over the I/O threads (brought up to date every
-    /// 100 ms and whenever an engine comes or goes).
-    pub(crate) fn stats(&self) -> super::RdmaStats {
-        let mut total = super::RdmaStats::default();
+    /// Whether the device's port is up (as its last port event said).
+    pub(crate) fn port_up(&self) -> bool {
+        self.port_up.load(Ordering::Acquire)
+    }
+
+    /// Adds its counters, summed over the I/O threads (brought up to date
+    /// every 100 ms and whenever an engine comes or goes), to `total`.
+    pub(crate) fn add_stats(&self, total: &mut super::RdmaStats) {
         for thread in &self.threads {
             let s = thread.stats();
             let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -293,10 +329,9 @@ impl RdmaRuntime {
                 total.peak_in_flight_bytes.max(get(&s.peak_in_flight_bytes));
         }
         if let Some(rnr) = self.device.rnr_events() {
-            total.rnr_events = rnr;
+            total.rnr_events += rnr;
         }
-        total.async_events = self.async_events.load(Ordering::Relaxed);
-        total
+        total.async_events += self.async_events.load(Ordering::Relaxed);
     }
 
     /// The next I/O thread, round robin, whose CQ has room for one more
@@ -416,6 +451,7 @@ impl RdmaRuntime {
             shared_receives: rdma.srq,
             // Both ends speak the same protocol version, which has them.
             offers: true,
+            rail: self.rail,
         };
         let mut engine = Engine::new(
             engine_config,
@@ -473,6 +509,7 @@ impl RdmaRuntime {
             max_message: self.config.max_message_size,
             keepalive_slot: engine.keepalive_slot(),
             shared_receives: rdma.srq,
+            rail: u8::try_from(self.rail).unwrap_or(0),
         };
         // Three legs, so that neither side sends before the other's QP is
         // connected (a SEND into a QP that is not ready is lost, and an RC
@@ -642,6 +679,7 @@ mod tests {
             max_message: 64 << 20,
             keepalive_slot: Some((0x7f00_0000_1000, 77)),
             shared_receives: true,
+            rail: 3,
         };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
         let without = Hello {
@@ -690,6 +728,7 @@ mod tests {
             max_message: 64 << 20,
             keepalive_slot: None,
             shared_receives: false,
+            rail: 0,
         };
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.write_all(&hello.encode()).await.unwrap();

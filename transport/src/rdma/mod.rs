@@ -14,6 +14,7 @@ pub(crate) mod cq_budget;
 pub mod credits;
 pub mod engine;
 pub(crate) mod io;
+pub(crate) mod rails;
 pub mod ring;
 pub mod window;
 pub mod windows;
@@ -76,7 +77,9 @@ pub struct RdmaStats {
     /// Engines those rounds visited: per round, about the engines with
     /// work, however many are open.
     pub engine_visits: u64,
-    /// Asynchronous events the device reported (QP or CQ failed, port
+    /// Asynchronous events the devices reported (QP or CQ failed, port
     /// down, device failed; see `verbs/events.rs`).
     pub async_events: u64,
+    /// Rails whose port is down now (they take no new connection).
+    pub rails_down: u64,
 }

@@ -59,6 +59,9 @@ pub struct Windows {
     free: Vec<Bound>,
     granted: HashMap<u32, Bound>,
     keepalive: Option<Bound>,
+    /// The rail the windows' QP is on: binds name that rail's
+    /// registration of the buffer.
+    rail: usize,
 }
 
 /// A window and the key of its latest binding.
@@ -69,8 +72,9 @@ struct Bound {
 }
 
 impl Windows {
-    /// The engine's windows (none: confinement off).
-    pub fn new(windows: Vec<Arc<dyn MemoryWindow>>) -> Self {
+    /// The engine's windows (none: confinement off), on a QP of rail
+    /// `rail`.
+    pub fn new(windows: Vec<Arc<dyn MemoryWindow>>, rail: usize) -> Self {
         Self {
             free: windows
                 .into_iter()
@@ -81,6 +85,7 @@ impl Windows {
                 .collect(),
             granted: HashMap::new(),
             keepalive: None,
+            rail,
         }
     }
 
@@ -124,7 +129,7 @@ impl Windows {
         keep: impl FnOnce(&mut Self, Bound),
     ) -> Option<Result<(SendOp, u32), WindowError>> {
         let mut bound = self.free.pop()?;
-        match bind(&mut bound, buf) {
+        match bind(&mut bound, buf, self.rail) {
             Ok(bind) => {
                 let rkey = bound.rkey;
                 keep(self, bound);
@@ -157,8 +162,8 @@ impl Windows {
 }
 
 /// The operation binding `bound` to `buf` under its next key.
-fn bind(bound: &mut Bound, buf: &PoolBuf) -> Result<SendOp, WindowError> {
-    let region = buf.region().ok_or(WindowError::Unregistered)?;
+fn bind(bound: &mut Bound, buf: &PoolBuf, rail: usize) -> Result<SendOp, WindowError> {
+    let region = buf.region_on(rail).ok_or(WindowError::Unregistered)?;
     let rkey = bound.window.next_rkey(bound.rkey);
     bound.rkey = rkey;
     Ok(SendOp::BindWindow {

@@ -63,7 +63,7 @@ impl Engine {
     /// send queue, in order); else the key of the region `dest` lies in.
     /// `None` when `dest` is outside registered memory or no window binds.
     pub(super) fn expose(&mut self, id: u32, dest: &PoolBuf) -> Option<u32> {
-        let region = dest.region()?;
+        let region = dest.region_on(self.config.rail)?;
         match self.windows.bind_grant(id, dest) {
             None => Some(region.rkey),
             Some(Ok((bind, rkey))) => {

@@ -41,7 +41,7 @@ impl Engine {
             return None;
         }
         let slot = &self.keepalive.as_ref()?.slot;
-        Some((slot.as_ptr() as u64, slot.region()?.rkey))
+        Some((slot.as_ptr() as u64, slot.region_on(self.config.rail)?.rkey))
     }
 
     /// Queues the next keepalive WRITE into the peer's slot (once known).
@@ -58,7 +58,8 @@ impl Engine {
             .alloc_copy(&ka.seq.to_le_bytes())
             .map_err(EngineError::Memory)?
             .freeze();
-        let sge = Self::sge(&source).ok_or(EngineError::Unregistered("the keepalive slot"))?;
+        let sge = Self::sge(&source, self.config.rail)
+            .ok_or(EngineError::Unregistered("the keepalive slot"))?;
         self.window.add(KEEPALIVE_SLOT_LEN);
         self.stats.keepalives_sent += 1;
         self.ring.push(RingEntry {

@@ -25,6 +25,7 @@ impl Engine {
         let max_sge = self.config.max_sge as usize;
         let fragment_size = self.fragment_size;
         let can_finish = self.credits.can_send_data();
+        let rail = self.config.rail;
         let Some(tx) = self.sockets.get_mut(&socket) else {
             return Ok(Turn::Done);
         };
@@ -49,7 +50,7 @@ impl Engine {
             }
             let take = (part.len() - skip).min(room);
             let slice = part.slice(skip..skip + take);
-            sges.push(Self::sge(&slice).ok_or(EngineError::Unregistered("a send buffer"))?);
+            sges.push(Self::sge(&slice, rail).ok_or(EngineError::Unregistered("a send buffer"))?);
             keep.push(slice);
             room -= take;
             skip = 0;

@@ -283,7 +283,7 @@ impl Engine {
     /// pool registered for windows). Call before the handshake's hello
     /// ([`Engine::keepalive_slot`]); at least two (a grant and the slot).
     pub fn set_windows(&mut self, windows: Vec<std::sync::Arc<dyn crate::verbs::MemoryWindow>>) {
-        self.windows = Windows::new(windows);
+        self.windows = Windows::new(windows, self.config.rail);
     }
 
     /// Deallocates the engine's memory windows, which ends their bindings:

@@ -40,7 +40,7 @@ impl Engine {
                     }
                 },
             };
-            let Some(wr) = recv_wr(wr_id::recv(slot), &buf) else {
+            let Some(wr) = recv_wr(wr_id::recv(slot), &buf, self.config.rail) else {
                 self.fail(EngineError::Unregistered("a receive buffer"));
                 return None;
             };
@@ -226,8 +226,8 @@ impl Engine {
 
 /// A receive of all of `buf` (pool memory), returned as `wr_id`; `None` if
 /// the buffer lies outside registered memory.
-pub(crate) fn recv_wr(wr_id: u64, buf: &PoolBuf) -> Option<RecvWr> {
-    let region = buf.region()?;
+pub(crate) fn recv_wr(wr_id: u64, buf: &PoolBuf, rail: usize) -> Option<RecvWr> {
+    let region = buf.region_on(rail)?;
     Some(RecvWr {
         wr_id,
         sge: Sge {

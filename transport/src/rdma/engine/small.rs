@@ -30,7 +30,8 @@ impl Engine {
         let mut sges = Vec::with_capacity(payload.len() + 1);
         let mut bytes = 0;
         for part in std::iter::once(&header).chain(payload) {
-            let sge = Self::sge(part).ok_or(EngineError::Unregistered("a send buffer"))?;
+            let sge = Self::sge(part, self.config.rail)
+                .ok_or(EngineError::Unregistered("a send buffer"))?;
             bytes += part.len();
             sges.push(sge);
             keep.push(part.clone());

@@ -147,8 +147,10 @@ impl Engine {
         Ok(())
     }
 
-    pub(super) fn sge(bytes: &Bytes) -> Option<Sge> {
-        let region = lookup(&bytes[..])?;
+    /// A scatter/gather entry for `bytes` (pool memory) with its local key
+    /// on rail `rail`.
+    pub(super) fn sge(bytes: &Bytes, rail: usize) -> Option<Sge> {
+        let region = crate::pool::lookup_on(&bytes[..], rail)?;
         Some(Sge {
             addr: bytes.as_ptr() as usize,
             len: u32::try_from(bytes.len()).ok()?,

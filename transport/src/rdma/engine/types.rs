@@ -46,6 +46,10 @@ pub struct EngineConfig {
     /// so that large messages after the first on a socket go without the
     /// RTS/CTS round trip. Default on; off in tests of the RTS path.
     pub offers: bool,
+    /// The rail (device) the engine's queue pair is on: its buffers' keys
+    /// are that rail's registrations (`PoolBuf::region_on`). Default 0,
+    /// the primary.
+    pub rail: usize,
 }
 
 /// Requests to send an engine keeps waiting for budget before it fails:
@@ -69,6 +73,7 @@ impl Default for EngineConfig {
             shared_receives: false,
             max_granted_bytes: 256 << 20,
             offers: true,
+            rail: 0,
         }
     }
 }

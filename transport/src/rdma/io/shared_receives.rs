@@ -16,15 +16,19 @@ pub(crate) struct SharedReceives {
     slots: Vec<Option<PoolBuf>>,
     /// Slots whose receive was consumed, to post again.
     free: Vec<usize>,
+    /// The rail (device) of the queue: its buffers' keys are that rail's.
+    rail: usize,
 }
 
 impl SharedReceives {
-    /// A queue of `depth` receives of `buffer` bytes from `pool`, posted.
+    /// A queue of `depth` receives of `buffer` bytes from `pool`, posted,
+    /// on a device of rail `rail`.
     pub(crate) fn new(
         srq: Arc<dyn SharedReceiveQueue>,
         pool: Pool,
         buffer: usize,
         depth: u32,
+        rail: usize,
     ) -> Result<Self, TransportError> {
         let mut this = Self {
             srq,
@@ -32,6 +36,7 @@ impl SharedReceives {
             buffer,
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth as usize).collect(),
+            rail,
         };
         this.repost()?;
         Ok(this)
@@ -54,7 +59,7 @@ impl SharedReceives {
                 }
             };
             buf.set_len(self.buffer);
-            let wr = recv_wr(crate::rdma::wr_id::shared_recv(slot), &buf).ok_or(
+            let wr = recv_wr(crate::rdma::wr_id::shared_recv(slot), &buf, self.rail).ok_or(
                 TransportError::rdma_error(crate::RdmaError::BufferOutsidePool),
             )?;
             wrs.push(wr);

@@ -1,0 +1,163 @@
+//! Rails at the connection level: one [`RdmaRuntime`] per rail (device,
+//! completion queues, I/O drivers, engine table), all sharing the
+//! transport's pools, which every rail has registered.
+//!
+//! **Which rail a connection takes.** A dialer takes the first rail, in
+//! the configured order, whose port is up (the last port event of its
+//! device said so) and whose handshake with the peer succeeds; its hello
+//! names the rail ([`RAIL_BYTE`]), and the acceptor sets up its side on
+//! its own rail of that place (its primary when it has fewer), refusing
+//! the handshake when that rail's port is down so that the dialer moves on
+//! at once. Only when no rail connects does the dial fail, and the RPC
+//! layer's ladder (`rpc/src/policy/fallback.rs`) falls back to TCP, as
+//! with one device.
+//!
+//! **A port going down.** The device's `PortDown` fails every engine on
+//! that rail (`rdma/io/worker.rs`); their calls end as with any lost
+//! connection, and the RPC layer reconnects, which the dialer now puts on
+//! a rail that is up: the paper's "reconnect over another port" before
+//! TCP. `PortUp` makes the rail eligible again for new connections (the
+//! lowest rail that is up is preferred, so new connections return to the
+//! primary when it comes back).
+//!
+//! What this does not do yet: spread one connection's large messages over
+//! several rails (striping), or move a connection's messages in flight to
+//! another rail without the RPC layer's retry.
+
+use std::sync::Arc;
+
+use tokio::io::AsyncReadExt;
+use tokio::sync::mpsc;
+
+use super::connection::{HELLO_LEN, HELLO_MAGIC, Hello, RAIL_BYTE, RdmaRuntime};
+use super::engine::Role;
+use crate::tls::BoxStream;
+use crate::verbs::Device;
+use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
+
+/// The RDMA side of a transport: a runtime per rail, the primary first.
+#[derive(Debug)]
+pub(crate) struct RdmaRails {
+    runtimes: Vec<Arc<RdmaRuntime>>,
+}
+
+impl RdmaRails {
+    /// A runtime on each of `devices` (at least one), sharing `pools`.
+    pub(crate) fn new(
+        devices: &[Arc<dyn Device>],
+        config: &TransportConfig,
+        pools: (crate::pool::Pool, crate::pool::Pool),
+        inbound: Option<crate::inbound::InboundBudget>,
+        tls: Option<crate::tls::Tls>,
+    ) -> Result<Self, TransportError> {
+        let runtimes = devices
+            .iter()
+            .enumerate()
+            .map(|(rail, device)| {
+                RdmaRuntime::new(
+                    Arc::clone(device),
+                    rail,
+                    config,
+                    pools.clone(),
+                    inbound.clone(),
+                    tls.clone(),
+                )
+                .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if runtimes.is_empty() {
+            return Err(TransportError::rdma_error(RdmaError::NoDevice));
+        }
+        Ok(Self { runtimes })
+    }
+
+    /// The primary rail's device name.
+    pub(crate) fn device_name(&self) -> &str {
+        self.runtimes[0].device_name()
+    }
+
+    /// Counters of every rail, summed.
+    pub(crate) fn stats(&self) -> super::RdmaStats {
+        let mut total = super::RdmaStats::default();
+        for runtime in &self.runtimes {
+            runtime.add_stats(&mut total);
+        }
+        total.rails_down = self.runtimes.iter().filter(|r| !r.port_up()).count() as u64;
+        total
+    }
+
+    /// Counters of each rail, in rail order (`rails_down`: 1 where that
+    /// rail's port is down).
+    pub(crate) fn rail_stats(&self) -> Vec<super::RdmaStats> {
+        self.runtimes
+            .iter()
+            .map(|runtime| {
+                let mut stats = super::RdmaStats::default();
+                runtime.add_stats(&mut stats);
+                stats.rails_down = u64::from(!runtime.port_up());
+                stats
+            })
+            .collect()
+    }
+
+    /// A new logical connection to `addr` on the first rail that is up and
+    /// connects (see the module doc). A refused or unreachable TCP address
+    /// ends the search at once: no rail reaches a peer that is not there.
+    pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
+        let mut last = None;
+        for (rail, runtime) in self.runtimes.iter().enumerate() {
+            if !runtime.port_up() {
+                continue;
+            }
+            match runtime.connect(addr).await {
+                Ok(connection) => return Ok(connection),
+                Err(err @ TransportError::Connect { .. }) => return Err(err),
+                Err(err) => {
+                    if rail + 1 < self.runtimes.len() {
+                        tracing::warn!(%addr, rail, device = runtime.device_name(), %err, "rail did not connect; trying the next");
+                    }
+                    last = Some(err);
+                }
+            }
+        }
+        Err(
+            last.unwrap_or(TransportError::rdma_error(RdmaError::RailsDown {
+                rails: self.runtimes.len(),
+            })),
+        )
+    }
+
+    /// Sets up an accepted RDMA connection on the rail its hello names:
+    /// the hello is read here, then handed to that rail's handshake with
+    /// the rest of the stream.
+    pub(crate) async fn accept(
+        &self,
+        mut stream: BoxStream,
+        peer: std::net::SocketAddr,
+        accepts: mpsc::Sender<Connection>,
+        identity: Option<Arc<crate::tls::PeerIdentity>>,
+    ) -> Result<(), TransportError> {
+        let mut raw = [0u8; HELLO_LEN];
+        // A stranger is turned away at its first bytes.
+        stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
+        if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
+            return Err(TransportError::rdma_error(HandshakeError::NotTessera));
+        }
+        stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
+        let hello = Hello::decode(&raw)?;
+        let rail = usize::from(hello.rail);
+        let runtime = self.runtimes.get(rail).unwrap_or(&self.runtimes[0]);
+        if !runtime.port_up() {
+            return Err(TransportError::rdma_error(HandshakeError::RailDown {
+                rail: hello.rail,
+            }));
+        }
+        let stream: BoxStream = Box::new(crate::tls::Prefixed::new(raw.to_vec(), stream));
+        runtime
+            .establish(stream, peer, Role::Acceptor, Some(accepts), identity)
+            .await
+            .map(drop)
+    }
+}
+
+const _: () = assert!(RAIL_BYTE < HELLO_LEN);
