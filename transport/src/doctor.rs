@@ -136,8 +136,7 @@ pub async fn diagnose(config: &TransportConfig) -> Report {
     }
     let limit = memlock::limit();
     // Every rail registers the pools: pinned once per rail.
-    let need = memlock::first_connection_bytes(config)
-        .saturating_mul(config.rdma.rail_count().unwrap_or(1) as u64);
+    let need = memlock::first_connection_bytes(config);
     let memlock = Memlock {
         limit,
         ipc_lock: memlock::has_ipc_lock(),
@@ -293,7 +292,7 @@ impl fmt::Display for Report {
         if !self.rails.is_empty() {
             writeln!(
                 f,
-                "rails                  {} ({}; the first carries the traffic)",
+                "rails                  {} ({}; a connection takes the first that is up)",
                 self.rails.len(),
                 if self
                     .rails

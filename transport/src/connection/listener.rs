@@ -172,6 +172,19 @@ pub(super) async fn accept_handshaking(
                     let _ = ready.send(connection).await;
                 }
                 Ok(Ok(None)) => {}
+                // A dialer asked for a rail whose port is down here: it
+                // tries its next one. Failover, not hostile input.
+                Ok(Err(err))
+                    if matches!(
+                        err.rdma(),
+                        Some(crate::RdmaError::Handshake(
+                            crate::HandshakeError::RailDown { .. }
+                        ))
+                    ) =>
+                {
+                    metrics::counter!("tessera_rdma_rail_refusals_total").increment(1);
+                    tracing::debug!(%peer, %err, "handshake on a rail whose port is down refused");
+                }
                 Ok(Err(err)) => {
                     metrics::counter!(crate::warn_limit::MALFORMED, "listener" => listener_label)
                         .increment(1);

@@ -143,7 +143,7 @@ impl Transport {
         // per rail: every rail registers the pools.
         if config.rdma.provider == RdmaProvider::Ibverbs {
             use crate::verbs::memlock;
-            let need = memlock::first_connection_bytes(&config).saturating_mul(rails.len() as u64);
+            let need = memlock::first_connection_bytes_on(&config, rails.len() as u64);
             if let Some(err) = memlock::shortfall(memlock::limit(), need) {
                 return Err(err.into());
             }
@@ -154,7 +154,7 @@ impl Transport {
         if rails.len() > 1 {
             tracing::info!(
                 rails = ?rails.iter().map(|r| r.name().to_owned()).collect::<Vec<_>>(),
-                "RDMA rails open and registered; the first carries the traffic"
+                "RDMA rails open and registered: connections take the first that is up"
             );
         }
         let send_pool = Pool::on_rails(
@@ -202,7 +202,8 @@ impl Transport {
             .collect()
     }
 
-    /// The name of the RDMA device this transport runs on, if it does.
+    /// The name of the primary rail's RDMA device, if the transport runs
+    /// on RDMA ([`Transport::rails`] lists them all).
     pub fn rdma_device(&self) -> Option<&str> {
         self.inner.rdma.as_ref().map(|r| r.device_name())
     }

@@ -61,6 +61,8 @@ fn open_soft(config: &TransportConfig) -> Result<Vec<Arc<dyn Device>>, Transport
             .open_with(name, rdma.soft_faults, profile)
             .map_err(TransportError::rdma_error)?;
         if let Some(path) = &rail.port_file {
+            // Its state now, before anyone reads it; then followed.
+            device.set_port_active(!path.exists());
             device
                 .follow_port_file(path.clone())
                 .map_err(TransportError::Io)?;

@@ -76,7 +76,8 @@ impl PoolBuf {
         Some(word.load(std::sync::atomic::Ordering::Acquire))
     }
 
-    /// The registered region the buffer lies in (keys, access rights).
+    /// The registered region the buffer lies in (keys, access rights), with
+    /// the primary rail's keys ([`PoolBuf::region_on`] for another rail's).
     /// Always `Some` for a live buffer; an `Option` only because the lookup
     /// goes through the process-wide map.
     pub fn region(&self) -> Option<RegionInfo> {

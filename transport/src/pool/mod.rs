@@ -230,7 +230,8 @@ impl Pool {
     }
 }
 
-/// The registered region holding `bytes`, if they lie in a pool's memory.
+/// The registered region holding `bytes`, if they lie in a pool's memory,
+/// with the primary rail's keys ([`lookup_on`] for another rail's).
 /// O(1) and lock-free. It takes the bytes, not an address: a borrowed
 /// slice of pool memory proves an allocation is alive there, which keeps
 /// its region alive while it is read (an arbitrary address, as before,

@@ -12,8 +12,9 @@
 //! closing tells the other side at once that the peer went away (keepalive
 //! covers hosts that vanish without closing it).
 //!
-//! **Connection table** (§6.1). With `multiplex` on, a transport keeps one
-//! engine per remote address: `connect` opens a new logical socket on it,
+//! **Connection table** (§6.1). With `multiplex` on, each rail of a
+//! transport keeps one engine per remote address (`rdma/rails.rs` picks
+//! the rail): `connect` opens a new logical socket on it,
 //! or dials and sets one up first (concurrent connects to the same address
 //! wait for the same setup). An engine that fails leaves the table, and the
 //! next `connect` dials afresh.
@@ -157,7 +158,8 @@ impl Hello {
 /// handshake on a loaded host, short enough that silent peers do not pile up.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The RDMA side of a transport: device, I/O threads, engine table.
+/// One rail of a transport's RDMA side (`rdma/rails.rs` holds them all):
+/// device, I/O threads, engine table.
 pub(crate) struct RdmaRuntime {
     /// The device's asynchronous events, handed to the I/O threads (first:
     /// dropped first, so that its handler's handles on the threads go
@@ -248,17 +250,24 @@ impl RdmaRuntime {
                 let threads = threads.clone();
                 let seen = Arc::clone(&async_events);
                 let port_up = Arc::clone(&port_up);
-                let our_port = rdma.port;
+                // The rail's own port (another port of the device is
+                // another rail's, or none); the soft NIC has port 1 only.
+                let ours = {
+                    let (configured, soft) =
+                        (rdma.port, rdma.provider == crate::RdmaProvider::Soft);
+                    move |port: u8| soft || port == configured
+                };
                 let name = device.name().to_owned();
                 move |event: crate::verbs::AsyncEvent| {
                     seen.fetch_add(1, Ordering::Relaxed);
-                    // The rail's own port (another port of the device is
-                    // another rail's, or none).
                     match event {
-                        crate::verbs::AsyncEvent::PortDown { port } if port == our_port => {
+                        crate::verbs::AsyncEvent::PortDown { port } if ours(port) => {
                             port_up.store(false, Ordering::Release);
                         }
-                        crate::verbs::AsyncEvent::PortUp { port } if port == our_port => {
+                        crate::verbs::AsyncEvent::DeviceFailed => {
+                            port_up.store(false, Ordering::Release);
+                        }
+                        crate::verbs::AsyncEvent::PortUp { port } if ours(port) => {
                             port_up.store(true, Ordering::Release);
                         }
                         _ => {}
@@ -272,6 +281,11 @@ impl RdmaRuntime {
                 }
             }))
             .map_err(failed)?;
+        // A port that went down before the watch began raised its event to
+        // nobody: its state now, with the watch in place, is the start.
+        if !device.port_active() {
+            port_up.store(false, Ordering::Release);
+        }
         let fixed = if rdma.srq { rdma.srq_depth } else { 0 };
         let budgets = threads
             .iter()

@@ -63,12 +63,12 @@ pub struct RdmaStats {
     pub engines_failed: u64,
     /// Most bytes one engine had posted and not completed at once.
     pub peak_in_flight_bytes: u64,
-    /// Receiver-not-ready events on this transport's device (SENDs that
+    /// Receiver-not-ready events on this transport's devices (SENDs that
     /// found no receive posted; 0 with dedicated receive queues, where
     /// credits prevent them), where the provider counts them.
     pub rnr_events: u64,
     /// Receives posted on the I/O threads' shared receive queues now (0
-    /// without them; at most `io_threads * srq_depth`, below it while
+    /// without them; at most `io_threads * srq_depth` per rail, below it while
     /// applications are slow to read).
     pub shared_receives_posted: u64,
     /// Rounds the I/O drivers ran (each takes commands and completions,

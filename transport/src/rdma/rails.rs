@@ -6,9 +6,13 @@
 //! the configured order, whose port is up (the last port event of its
 //! device said so) and whose handshake with the peer succeeds; its hello
 //! names the rail ([`RAIL_BYTE`]), and the acceptor sets up its side on
-//! its own rail of that place (its primary when it has fewer), refusing
-//! the handshake when that rail's port is down so that the dialer moves on
-//! at once. Only when no rail connects does the dial fail, and the RPC
+//! its own rail of that place (its last when it has fewer), refusing the
+//! handshake when that rail's port is down so that the dialer moves on at
+//! once (rails pair by place: rail i of each host on the same fabric, so
+//! another rail of the acceptor may not reach the dialer's). A rail the
+//! address refused is tried last for a while ([`REFUSAL_MEMORY`]), so that
+//! dials during a peer's rail outage do not each pay a refused handshake
+//! first. Only when no rail connects does the dial fail, and the RPC
 //! layer's ladder (`rpc/src/policy/fallback.rs`) falls back to TCP, as
 //! with one device.
 //!
@@ -24,21 +28,37 @@
 //! several rails (striping), or move a connection's messages in flight to
 //! another rail without the RPC layer's retry.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
+
+use crate::sync::LockExt;
 use tokio::sync::mpsc;
 
-use super::connection::{HELLO_LEN, HELLO_MAGIC, Hello, RAIL_BYTE, RdmaRuntime};
+use super::connection::{HELLO_LEN, HELLO_MAGIC, Hello, PROTOCOL_VERSION, RAIL_BYTE, RdmaRuntime};
 use super::engine::Role;
 use crate::tls::BoxStream;
 use crate::verbs::Device;
 use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
 
+/// How long a rail whose handshake with an address failed is tried last
+/// for that address: 500 ms, so that a dial during a peer's rail outage
+/// does not pay a refused handshake first each time, and the rail is
+/// preferred again soon after the peer's port is back.
+const REFUSAL_MEMORY: Duration = Duration::from_millis(500);
+
+/// Refusals remembered at most ((address, rail) pairs): a client of a
+/// whole fleet in an outage stays within a few hundred KiB.
+const MAX_REFUSALS: usize = 4096;
+
 /// The RDMA side of a transport: a runtime per rail, the primary first.
 #[derive(Debug)]
 pub(crate) struct RdmaRails {
     runtimes: Vec<Arc<RdmaRuntime>>,
+    /// When a rail's handshake with an address last failed.
+    refused: Mutex<HashMap<(String, usize), Instant>>,
 }
 
 impl RdmaRails {
@@ -68,7 +88,10 @@ impl RdmaRails {
         if runtimes.is_empty() {
             return Err(TransportError::rdma_error(RdmaError::NoDevice));
         }
-        Ok(Self { runtimes })
+        Ok(Self {
+            runtimes,
+            refused: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The primary rail's device name.
@@ -100,21 +123,43 @@ impl RdmaRails {
             .collect()
     }
 
-    /// A new logical connection to `addr` on the first rail that is up and
-    /// connects (see the module doc). A refused or unreachable TCP address
-    /// ends the search at once: no rail reaches a peer that is not there.
+    /// A new logical connection to `addr` (see the module doc): on the
+    /// first rail that is up, those whose handshake with `addr` failed
+    /// within [`REFUSAL_MEMORY`] tried last.
+    /// A refused or unreachable TCP address ends the search at once: no
+    /// rail reaches a peer that is not there.
     pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
+        let now = Instant::now();
+        let recently_refused = |rail: usize| {
+            self.refused
+                .locked()
+                .get(&(addr.to_owned(), rail))
+                .is_some_and(|at| now.duration_since(*at) < REFUSAL_MEMORY)
+        };
+        let mut order: Vec<usize> = (0..self.runtimes.len())
+            .filter(|&rail| self.runtimes[rail].port_up())
+            .collect();
+        order.sort_by_key(|&rail| (recently_refused(rail), rail));
         let mut last = None;
-        for (rail, runtime) in self.runtimes.iter().enumerate() {
-            if !runtime.port_up() {
-                continue;
-            }
+        for (k, &rail) in order.iter().enumerate() {
+            let runtime = &self.runtimes[rail];
             match runtime.connect(addr).await {
-                Ok(connection) => return Ok(connection),
+                Ok(connection) => {
+                    self.refused.locked().remove(&(addr.to_owned(), rail));
+                    return Ok(connection);
+                }
                 Err(err @ TransportError::Connect { .. }) => return Err(err),
                 Err(err) => {
-                    if rail + 1 < self.runtimes.len() {
+                    if k + 1 < order.len() {
                         tracing::warn!(%addr, rail, device = runtime.device_name(), %err, "rail did not connect; trying the next");
+                    }
+                    let mut refused = self.refused.locked();
+                    // Bounded: entries older than the memory go first.
+                    if refused.len() >= MAX_REFUSALS {
+                        refused.retain(|_, at| now.duration_since(*at) < REFUSAL_MEMORY);
+                    }
+                    if refused.len() < MAX_REFUSALS {
+                        refused.insert((addr.to_owned(), rail), now);
                     }
                     last = Some(err);
                 }
@@ -145,11 +190,19 @@ impl RdmaRails {
         }
         stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
         let hello = Hello::decode(&raw)?;
-        let rail = usize::from(hello.rail);
-        let runtime = self.runtimes.get(rail).unwrap_or(&self.runtimes[0]);
-        if !runtime.port_up() {
+        // Another version is refused as such (by the handshake below),
+        // whatever its rail byte means.
+        let rail = match hello.version == PROTOCOL_VERSION {
+            true => usize::from(hello.rail).min(self.runtimes.len() - 1),
+            false => 0,
+        };
+        let runtime = &self.runtimes[rail];
+        if hello.version == PROTOCOL_VERSION && !runtime.port_up() {
+            // Rails pair by place (rail i of each host on the same fabric):
+            // another rail here may not reach the dialer's, whose next
+            // rail will.
             return Err(TransportError::rdma_error(HandshakeError::RailDown {
-                rail: hello.rail,
+                rail: u8::try_from(rail).unwrap_or(u8::MAX),
             }));
         }
         let stream: BoxStream = Box::new(crate::tls::Prefixed::new(raw.to_vec(), stream));

@@ -53,17 +53,28 @@ pub fn has_ipc_lock() -> bool {
 /// Bytes the RDMA transport of `config` pins by its first connection: a
 /// block of each pool for its first size classes (receive buffers and
 /// control messages, the keepalive slot and small sends), and with shared
-/// receive queues the buffers every I/O thread posts on its own.
+/// receive queues the buffers every I/O thread posts on its own; all of it
+/// once per rail the configuration names (`devices = "all"` counts one:
+/// the transport checks again with the rails it opened,
+/// [`first_connection_bytes_on`]).
 pub fn first_connection_bytes(config: &TransportConfig) -> u64 {
+    first_connection_bytes_on(config, config.rdma.rail_count().unwrap_or(1) as u64)
+}
+
+/// [`first_connection_bytes`] with `rails` rails: every rail registers
+/// every block (pinned once per rail), and every rail's I/O threads post
+/// shared receives of their own, each registered on every rail.
+pub fn first_connection_bytes_on(config: &TransportConfig, rails: u64) -> u64 {
+    let rails = rails.max(1);
     let send = config.send_pool.block_size as u64;
     let recv = config.recv_pool.block_size as u64;
     let mut need = 2 * send + 2 * recv;
     if config.rdma.srq {
         let buffer = (config.rdma.small_message_limit + 64) as u64;
         let posted = config.rdma.io_threads as u64 * u64::from(config.rdma.srq_depth) * buffer;
-        need += posted.div_ceil(recv) * recv;
+        need += posted.div_ceil(recv) * recv * rails;
     }
-    need
+    need.saturating_mul(rails)
 }
 
 /// The error for a transport that would pin `need` bytes under a limit of
@@ -138,5 +149,21 @@ mod tests {
             }
         );
         assert!(!other.to_string().contains("ulimit"), "{other}");
+    }
+
+    #[test]
+    fn every_rail_pins_the_blocks_and_its_own_shared_receives_on_every_rail() {
+        let one = TransportConfig::default();
+        let base = first_connection_bytes(&one);
+        assert_eq!(first_connection_bytes_on(&one, 3), 3 * base);
+        let mut two = one.clone();
+        two.rdma.devices = Some(crate::Devices::Named(vec!["a".into(), "b".into()]));
+        assert_eq!(first_connection_bytes(&two), 2 * base);
+        let mut srq = TransportConfig::default();
+        srq.rdma.srq = true;
+        let posted = first_connection_bytes(&srq) - base;
+        // Two rails: the blocks twice, and two rails' posted receives,
+        // each registered on both.
+        assert_eq!(first_connection_bytes_on(&srq, 2), 2 * base + 4 * posted);
     }
 }

@@ -481,6 +481,12 @@ pub trait Device: Send + Sync {
     fn rnr_events(&self) -> Option<u64> {
         None
     }
+    /// Whether the device's port is up now, as far as the provider can
+    /// tell (default: yes). A transport reads it once its event watch is in
+    /// place, so that a port that went down before is not missed.
+    fn port_active(&self) -> bool {
+        true
+    }
     /// A type-2 memory window in the device's protection domain (see
     /// [`DeviceLimits::memory_windows`]).
     fn alloc_window(&self) -> Result<Arc<dyn MemoryWindow>, VerbsError> {

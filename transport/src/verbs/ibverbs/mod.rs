@@ -407,6 +407,15 @@ impl Device for IbvDevice {
         self.ctx.rnr.as_ref().map(counters::PortCounter::value)
     }
 
+    fn port_active(&self) -> bool {
+        // SAFETY: a zeroed ibv_port_attr is a valid out-parameter.
+        let mut port_attr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open for as long as `self.ctx` lives, and
+        // `port_attr` is a valid out-pointer.
+        let queried = unsafe { ___ibv_query_port(self.ctx.ctx, self.ctx.port, &mut port_attr) };
+        queried == 0 && port_attr.state == ibv_port_state::IBV_PORT_ACTIVE
+    }
+
     fn alloc_window(&self) -> Result<Arc<dyn crate::verbs::MemoryWindow>, VerbsError> {
         Ok(Arc::new(mw::IbvWindow::allocate(&self.ctx)?))
     }

@@ -744,6 +744,10 @@ impl Device for SoftDevice {
         }))
     }
 
+    fn port_active(&self) -> bool {
+        !self.inner.table.is_dead()
+    }
+
     fn rnr_events(&self) -> Option<u64> {
         Some(self.inner.table.rnr_events())
     }
