@@ -322,6 +322,7 @@ pub fn markdown(title: &str, rows: &[Value], columns: &[&str]) -> String {
             .map(|c| match &row[*c] {
                 Value::Number(n) if n.is_f64() => format!("{:.2}", n.as_f64().unwrap_or(0.0)),
                 Value::Null => "-".into(),
+                Value::String(text) => text.clone(),
                 other => other.to_string(),
             })
             .collect();

@@ -6,6 +6,7 @@ pub mod echo;
 pub mod engine;
 pub mod plot;
 pub mod ps;
+pub mod rails;
 pub mod recovery;
 pub mod replication;
 pub mod report;

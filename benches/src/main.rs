@@ -117,6 +117,24 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 1, 2, 4, 8])]
         large: Vec<usize>,
     },
+    /// 1 MiB throughput over 1, 2 and 4 soft rails whose links run at a
+    /// set rate each (issue 36).
+    Rails {
+        #[command(flatten)]
+        common: EngineBenchArgs,
+        /// Rail counts.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
+        counts: Vec<usize>,
+        /// Each soft device's link rate, Mbit/s.
+        #[arg(long, default_value_t = 1000)]
+        link_mbps: u64,
+        /// Connections sending at once.
+        #[arg(long, default_value_t = 8)]
+        sockets: usize,
+        /// Interleaved rounds (median reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Many senders towards one receiver, send window off and on
     /// (Figure 15, Table 4).
     Incast {
@@ -543,6 +561,33 @@ fn main() -> Result<(), BoxError> {
                     "p50_us",
                     "p99_us",
                     "mean_us",
+                ],
+            )
+        }
+        Command::Rails {
+            common,
+            counts,
+            link_mbps,
+            sockets,
+            rounds,
+        } => {
+            let tuning = common.tuning.tuning()?;
+            let secs = common.secs();
+            let rounds = if common.quick { 1 } else { rounds };
+            run_engine_bench(
+                &common,
+                "rails",
+                tessera_benches::rails::rails(&counts, link_mbps, sockets, secs, rounds, &tuning),
+                format!(
+                    "rails: 1 MiB messages from {sockets} connections (they take the rails in turn) into a sink, soft devices at {link_mbps} Mbit/s each on both sides, {secs} s per measurement, median of {rounds} interleaved rounds, client and server in one process"
+                ),
+                &[
+                    "rails",
+                    "mbytes_per_sec",
+                    "runs_mbytes_per_sec",
+                    "of_the_links",
+                    "x_one_rail",
+                    "target",
                 ],
             )
         }

@@ -292,7 +292,7 @@ impl fmt::Display for Report {
         if !self.rails.is_empty() {
             writeln!(
                 f,
-                "rails                  {} ({}; a connection takes the first that is up)",
+                "rails                  {} ({}; connections take them in turn)",
                 self.rails.len(),
                 if self
                     .rails

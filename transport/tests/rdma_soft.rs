@@ -1224,10 +1224,11 @@ async fn a_dropped_receiver_does_not_stall_the_other_sockets_of_its_queue_pair()
 }
 
 /// Two soft rails a transport: both opened, the pools registered on both,
-/// and (until striping lands) the first carrying every byte. Soft NIC on
-/// both sides: `soft_rails` is its way of giving a host several NICs.
+/// and connections taking them in turn (the first on the first rail, the
+/// second on the second). Soft NIC on both sides: `soft_rails` is its way
+/// of giving a host several NICs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soft_rails_are_opened_and_registered_and_the_first_carries_the_traffic() {
+async fn soft_rails_are_opened_and_registered_and_connections_take_them_in_turn() {
     use tessera_transport::SoftRail;
     use tessera_transport::verbs::Device;
     let mut config = TransportConfig::soft_rdma();
@@ -1271,10 +1272,23 @@ async fn soft_rails_are_opened_and_registered_and_the_first_carries_the_traffic(
         moved(&first) > 1 << 20,
         "the first rail carried the messages"
     );
+    let second = format!("{first}.1");
+    assert_eq!(moved(&second), 0, "one connection, one rail");
+    let mut other = client.connect(&addr).await.unwrap();
+    let mut buf = client.send_pool().alloc(1 << 20).unwrap();
+    buf.fill(4);
+    other
+        .sender
+        .send(Message::from(buf.freeze()))
+        .await
+        .unwrap();
     assert_eq!(
-        moved(&format!("{first}.1")),
-        0,
-        "the second stays idle for now"
+        other.receiver.recv().await.unwrap().expect("echo").len(),
+        1 << 20
+    );
+    assert!(
+        moved(&second) > 1 << 20,
+        "the next connection took the second rail"
     );
 }
 

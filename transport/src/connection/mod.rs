@@ -154,7 +154,7 @@ impl Transport {
         if rails.len() > 1 {
             tracing::info!(
                 rails = ?rails.iter().map(|r| r.name().to_owned()).collect::<Vec<_>>(),
-                "RDMA rails open and registered: connections take the first that is up"
+                "RDMA rails open and registered: connections take them in turn"
             );
         }
         let send_pool = Pool::on_rails(

@@ -2,9 +2,11 @@
 //! completion queues, I/O drivers, engine table), all sharing the
 //! transport's pools, which every rail has registered.
 //!
-//! **Which rail a connection takes.** A dialer takes the first rail, in
-//! the configured order, whose port is up (the last port event of its
-//! device said so) and whose handshake with the peer succeeds; its hello
+//! **Which rail a connection takes.** Connections take the rails in turn
+//! (the first connection the first rail, the next the second, and so on),
+//! so that many connections, an RPC channel's, spread over the links; a
+//! dialer passes over a rail whose port is down (the last port event of
+//! its device said so) or whose handshake with the peer fails; its hello
 //! names the rail ([`RAIL_BYTE`]), and the acceptor sets up its side on
 //! its own rail of that place (its last when it has fewer), refusing the
 //! handshake when that rail's port is down so that the dialer moves on at
@@ -20,13 +22,14 @@
 //! that rail (`rdma/io/worker.rs`); their calls end as with any lost
 //! connection, and the RPC layer reconnects, which the dialer now puts on
 //! a rail that is up: the paper's "reconnect over another port" before
-//! TCP. `PortUp` makes the rail eligible again for new connections (the
-//! lowest rail that is up is preferred, so new connections return to the
-//! primary when it comes back).
+//! TCP. `PortUp` makes the rail eligible again for new connections, which
+//! take it in their turn.
 //!
-//! What this does not do yet: spread one connection's large messages over
-//! several rails (striping), or move a connection's messages in flight to
-//! another rail without the RPC layer's retry.
+//! What this does not do yet: spread *one* connection's large messages
+//! over several rails (striping fragments by free window), or move a
+//! connection's messages in flight to another rail without the RPC
+//! layer's retry. Spread is per connection: a single busy socket uses one
+//! link.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -59,6 +62,8 @@ pub(crate) struct RdmaRails {
     runtimes: Vec<Arc<RdmaRuntime>>,
     /// When a rail's handshake with an address last failed.
     refused: Mutex<HashMap<(String, usize), Instant>>,
+    /// The rail whose turn it is to take the next connection.
+    next: std::sync::atomic::AtomicUsize,
 }
 
 impl RdmaRails {
@@ -91,6 +96,7 @@ impl RdmaRails {
         Ok(Self {
             runtimes,
             refused: Mutex::new(HashMap::new()),
+            next: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -124,8 +130,9 @@ impl RdmaRails {
     }
 
     /// A new logical connection to `addr` (see the module doc): on the
-    /// first rail that is up, those whose handshake with `addr` failed
-    /// within [`REFUSAL_MEMORY`] tried last.
+    /// next rail in turn that is up (connections take the rails in
+    /// rotation, so that many of them spread over the links), those whose
+    /// handshake with `addr` failed within [`REFUSAL_MEMORY`] tried last.
     /// A refused or unreachable TCP address ends the search at once: no
     /// rail reaches a peer that is not there.
     pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
@@ -139,7 +146,9 @@ impl RdmaRails {
         let mut order: Vec<usize> = (0..self.runtimes.len())
             .filter(|&rail| self.runtimes[rail].port_up())
             .collect();
-        order.sort_by_key(|&rail| (recently_refused(rail), rail));
+        let n = self.runtimes.len();
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
+        order.sort_by_key(|&rail| (recently_refused(rail), (rail + n - turn) % n));
         let mut last = None;
         for (k, &rail) in order.iter().enumerate() {
             let runtime = &self.runtimes[rail];
