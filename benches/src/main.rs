@@ -579,7 +579,7 @@ fn main() -> Result<(), BoxError> {
                 "rails",
                 tessera_benches::rails::rails(&counts, link_mbps, sockets, secs, rounds, &tuning),
                 format!(
-                    "rails: 1 MiB messages from {sockets} connections (they take the rails in turn) into a sink, soft devices at {link_mbps} Mbit/s each on both sides, {secs} s per measurement, median of {rounds} interleaved rounds, client and server in one process"
+                    "rails: 1 MiB messages from {sockets} connections (each on the least-used rail) into a sink, soft devices at {link_mbps} Mbit/s each on both sides, {secs} s per measurement, median of {rounds} interleaved rounds, client and server in one process"
                 ),
                 &[
                     "rails",

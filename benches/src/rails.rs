@@ -2,8 +2,8 @@
 //! one process with 1, 2 and 4 soft rails, each device's link limited to
 //! the same rate, so that the links and not the CPU are the bottleneck.
 //!
-//! The client opens `sockets` connections (RDMA connections take the
-//! rails in turn, `transport/src/rdma/rails.rs`) and keeps each sending
+//! The client opens `sockets` connections (each RDMA connection goes to
+//! the least-used rail, `transport/src/rdma/rails.rs`) and keeps each sending
 //! 1 MiB messages into a sink that counts what arrives; the figure is the
 //! bytes received in the measured seconds, after a warm-up. Rounds are
 //! interleaved (1, 2, 4 rails, then again), and each rail count reports

@@ -1174,7 +1174,9 @@ mod recovery {
                         ..FallbackConfig::default()
                     },
                     transport: client_transport,
-                    connections: 1,
+                    // Two links, one a rail at first; after the return the
+                    // displaced one dials again onto the first rail.
+                    connections: 2,
                 },
                 retry: RetryPolicyConfig {
                     probability: 1.0,
@@ -1210,14 +1212,32 @@ mod recovery {
         while down.elapsed() < Duration::from_secs(1) {
             call!();
         }
-        switch.set(0, false);
-        assert!(failed.is_empty(), "{failed:?}");
-        assert_eq!(on_tcp, 0, "{calls} calls, {on_tcp} of them over TCP");
-        assert_eq!(kind(), Some(TransportKind::Rdma));
         let rails = client.rail_stats();
         assert!(
             rails[1].messages_sent > 0,
             "the second rail carried the calls: {rails:?}"
+        );
+        // Back up: the link that moved comes back to the first rail within
+        // 2 s (it dials again after 1 s; a rail the peer refused is tried
+        // last for 500 ms).
+        let first_before = client.rail_stats()[0].messages_sent;
+        switch.set(0, false);
+        let up = Instant::now();
+        while client.rail_stats()[0].messages_sent == first_before {
+            assert!(
+                up.elapsed() < Duration::from_secs(5),
+                "no call on the first rail 5 s after its return: {:?}",
+                client.rail_stats()
+            );
+            call!();
+        }
+        let back = up.elapsed();
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!(on_tcp, 0, "{calls} calls, {on_tcp} of them over TCP");
+        assert_eq!(kind(), Some(TransportKind::Rdma));
+        assert!(
+            back < Duration::from_secs(2),
+            "the first rail in use again only {back:?} after its return"
         );
         let one_down = calls;
         // Every rail down: TCP, and still nothing failed.
@@ -1236,7 +1256,8 @@ mod recovery {
         assert_eq!(kind(), Some(TransportKind::Tcp), "every rail down: TCP");
         assert!(failed.is_empty(), "{failed:?}");
         eprintln!(
-            "rails drill ({}): one rail down 1 s: {one_down} calls, none failed, none over TCP; \
+            "rails drill ({}): one rail down 1 s: {one_down} calls, none failed, none over TCP, \
+             the first rail in use again {back:?} after its return; \
              every rail down: on TCP after {on_tcp_after:?}; {calls} calls in all ({on_tcp} over TCP), \
              none failed",
             tessera_test_support::rdma::provider_name()

@@ -164,9 +164,9 @@ pub struct RdmaConfig {
     /// The rails (ibverbs): devices, each a rail, `["mlx5_0", "mlx5_1"]`,
     /// or `"all"` (every device whose `port` is active, in the kernel's
     /// order). Every pool is registered on each (one registration per
-    /// device), so any buffer may go out on any rail. Connections take the
-    /// rails in turn, passing over one whose port is down or whose
-    /// handshake fails; a port going down fails that rail's connections,
+    /// device), so any buffer may go out on any rail. A connection goes to
+    /// the rail with the fewest live connections to its address, passing
+    /// over one whose port is down or whose handshake fails; a port going down fails that rail's connections,
     /// and the RPC layer's reconnect lands on another rail before TCP
     /// (`rdma/rails.rs`).
     /// Default: unset, one rail (`device`); not together with `device`.

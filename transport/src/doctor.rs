@@ -292,7 +292,7 @@ impl fmt::Display for Report {
         if !self.rails.is_empty() {
             writeln!(
                 f,
-                "rails                  {} ({}; connections take them in turn)",
+                "rails                  {} ({}; a connection goes to the least used)",
                 self.rails.len(),
                 if self
                     .rails

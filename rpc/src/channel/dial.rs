@@ -29,12 +29,13 @@ impl Channel {
             .cloned()
     }
 
-    /// The link of `lane`, if it is usable.
+    /// The link of `lane`, if it is usable (a displaced one that has
+    /// served its while is not: the lane dials again).
     pub(super) fn lane_link(&self, lane: usize) -> Option<Arc<Link>> {
         lock(&self.inner.lanes)
             .get(lane)
             .and_then(Option::as_ref)
-            .filter(|link| link.is_usable())
+            .filter(|link| link.is_usable() && !link.retire_if_displaced())
             .cloned()
     }
 
@@ -234,6 +235,7 @@ impl ChannelInner {
         lane: usize,
     ) -> Arc<Link> {
         let kind = connection.kind();
+        let displaced = connection.displaced();
         let since = Instant::now();
         let shared = Arc::new(LinkShared {
             addr: inner.addr.clone(),
@@ -255,6 +257,7 @@ impl ChannelInner {
             kind,
             shared,
             reader,
+            displaced,
         });
         if let Some(slot) = lock(&inner.lanes).get_mut(lane) {
             *slot = Some(Arc::clone(&link));

@@ -25,7 +25,19 @@ pub(super) struct Link {
     pub(super) kind: TransportKind,
     pub(super) shared: Arc<LinkShared>,
     pub(super) reader: tokio::task::JoinHandle<()>,
+    /// The transport put it on another RDMA rail than it would have taken
+    /// with every rail up (one was down or refused the peer): after
+    /// [`RETURN_AFTER`] the lane dials again, so that links come back to a
+    /// rail once it is up.
+    pub(super) displaced: bool,
 }
+
+/// How long a displaced link serves before its lane dials again: 1 s, so
+/// that links return to a rail within about 1.5 s of its port's return
+/// (the transport tries a rail a peer refused last for 500 ms), while an
+/// outage costs each displaced link one dial a second (a socket on a
+/// queue pair already there, as a rule).
+pub(super) const RETURN_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Debug)]
 pub(super) struct LinkShared {
@@ -58,6 +70,17 @@ impl Drop for Link {
 impl Link {
     pub(super) fn is_usable(&self) -> bool {
         !self.shared.closed.load(Ordering::Acquire) && !self.sender.is_closed()
+    }
+
+    /// A displaced link that has served [`RETURN_AFTER`]: it takes no new
+    /// calls from now on (those outstanding finish on it), and its lane
+    /// dials again.
+    pub(super) fn retire_if_displaced(&self) -> bool {
+        let due = self.displaced && self.shared.since.elapsed() >= RETURN_AFTER;
+        if due {
+            self.shared.closed.store(true, Ordering::Release);
+        }
+        due
     }
 }
 

@@ -10,6 +10,9 @@ use super::*;
 pub struct MessageSender {
     pub(super) inner: SenderInner,
     pub(super) max_message_size: u64,
+    /// Counts this connection among its rail's live ones to the peer for
+    /// as long as a clone of the sender lives (`rdma/rails.rs`).
+    pub(super) live: Option<Arc<crate::rdma::rails::LiveGuard>>,
 }
 
 #[derive(Debug, Clone)]

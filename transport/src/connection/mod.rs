@@ -154,7 +154,7 @@ impl Transport {
         if rails.len() > 1 {
             tracing::info!(
                 rails = ?rails.iter().map(|r| r.name().to_owned()).collect::<Vec<_>>(),
-                "RDMA rails open and registered: connections take them in turn"
+                "RDMA rails open and registered: connections go to the least used"
             );
         }
         let send_pool = Pool::on_rails(
@@ -355,9 +355,29 @@ pub struct Connection {
     pub receiver: MessageReceiver,
     peer: SocketAddr,
     identity: Option<Arc<PeerIdentity>>,
+    /// On another rail than the one it would have taken with every rail up
+    /// (see [`Connection::displaced`]).
+    displaced: bool,
 }
 
 impl Connection {
+    /// Whether this RDMA connection sits on another rail than the one it
+    /// would have taken with every rail up and willing (that rail's port
+    /// was down, or the peer refused it: `rdma/rails.rs`). A caller that
+    /// holds connections for long may dial again after a while, so that
+    /// connections return to a rail once it is back (the RPC channel does,
+    /// after a second). Always false over TCP and with one rail.
+    pub fn displaced(&self) -> bool {
+        self.displaced
+    }
+
+    /// Marks the connection placed by the rails (`live` counts it among
+    /// its rail's connections to the peer while its sender lives).
+    pub(crate) fn placed(&mut self, displaced: bool, live: Arc<crate::rdma::rails::LiveGuard>) {
+        self.displaced = displaced;
+        self.sender.live = Some(live);
+    }
+
     /// The peer's address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer
@@ -386,12 +406,14 @@ impl Connection {
             sender: MessageSender {
                 inner: SenderInner::Rdma(sender),
                 max_message_size,
+                live: None,
             },
             receiver: MessageReceiver {
                 inner: ReceiverInner::Rdma(receiver),
             },
             peer,
             identity,
+            displaced: false,
         }
     }
 
@@ -406,12 +428,14 @@ impl Connection {
             sender: MessageSender {
                 inner: SenderInner::Tcp(tx),
                 max_message_size: config.max_message_size,
+                live: None,
             },
             receiver: MessageReceiver {
                 inner: ReceiverInner::Tcp(rx),
             },
             peer,
             identity,
+            displaced: false,
         }
     }
 }

@@ -2,11 +2,15 @@
 //! completion queues, I/O drivers, engine table), all sharing the
 //! transport's pools, which every rail has registered.
 //!
-//! **Which rail a connection takes.** Connections take the rails in turn
-//! (the first connection the first rail, the next the second, and so on),
-//! so that many connections, an RPC channel's, spread over the links; a
-//! dialer passes over a rail whose port is down (the last port event of
-//! its device said so) or whose handshake with the peer fails; its hello
+//! **Which rail a connection takes.** The rail with the fewest live
+//! connections to that address (each counted while its sender lives;
+//! ties go in turn), so that many connections, an RPC channel's, spread
+//! over the links; a dialer passes over a rail whose port is down (the
+//! last port event of its device said so) or whose handshake with the
+//! peer fails, and the connection is then *displaced*
+//! (`Connection::displaced`): the RPC channel dials such a link again
+//! after a second, and it lands on the rail that came back, the least
+//! used; its hello
 //! names the rail ([`RAIL_BYTE`]), and the acceptor sets up its side on
 //! its own rail of that place (its last when it has fewer), refusing the
 //! handshake when that rail's port is down so that the dialer moves on at
@@ -22,8 +26,8 @@
 //! that rail (`rdma/io/worker.rs`); their calls end as with any lost
 //! connection, and the RPC layer reconnects, which the dialer now puts on
 //! a rail that is up: the paper's "reconnect over another port" before
-//! TCP. `PortUp` makes the rail eligible again for new connections, which
-//! take it in their turn.
+//! TCP. `PortUp` makes the rail eligible again, and being the least used
+//! it takes the next connections, displaced links' included.
 //!
 //! What this does not do yet: spread *one* connection's large messages
 //! over several rails (striping fragments by free window), or move a
@@ -32,6 +36,7 @@
 //! link.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,8 +67,25 @@ pub(crate) struct RdmaRails {
     runtimes: Vec<Arc<RdmaRuntime>>,
     /// When a rail's handshake with an address last failed.
     refused: Mutex<HashMap<(String, usize), Instant>>,
-    /// The rail whose turn it is to take the next connection.
+    /// Live connections per address and rail (each held by its
+    /// connection's sender, [`LiveGuard`]).
+    live: Mutex<HashMap<String, Arc<[AtomicUsize]>>>,
+    /// Breaks ties between rails equally used: the next in turn.
     next: std::sync::atomic::AtomicUsize,
+}
+
+/// One live connection on a rail to an address: counted while a clone of
+/// its sender lives.
+#[derive(Debug)]
+pub(crate) struct LiveGuard {
+    counts: Arc<[AtomicUsize]>,
+    rail: usize,
+}
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.counts[self.rail].fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl RdmaRails {
@@ -96,6 +118,7 @@ impl RdmaRails {
         Ok(Self {
             runtimes,
             refused: Mutex::new(HashMap::new()),
+            live: Mutex::new(HashMap::new()),
             next: std::sync::atomic::AtomicUsize::new(0),
         })
     }
@@ -129,9 +152,9 @@ impl RdmaRails {
             .collect()
     }
 
-    /// A new logical connection to `addr` (see the module doc): on the
-    /// next rail in turn that is up (connections take the rails in
-    /// rotation, so that many of them spread over the links), those whose
+    /// A new logical connection to `addr` (see the module doc): on the rail
+    /// that is up with the fewest live connections to `addr` (ties in
+    /// turn), so that connections spread over the links; rails whose
     /// handshake with `addr` failed within [`REFUSAL_MEMORY`] tried last.
     /// A refused or unreachable TCP address ends the search at once: no
     /// rail reaches a peer that is not there.
@@ -143,18 +166,43 @@ impl RdmaRails {
                 .get(&(addr.to_owned(), rail))
                 .is_some_and(|at| now.duration_since(*at) < REFUSAL_MEMORY)
         };
-        let mut order: Vec<usize> = (0..self.runtimes.len())
+        let n = self.runtimes.len();
+        let counts = {
+            let mut live = self.live.locked();
+            if live.len() >= MAX_REFUSALS && !live.contains_key(addr) {
+                // Bounded: addresses with no live connection go first.
+                live.retain(|_, counts| {
+                    counts
+                        .iter()
+                        .any(|c| c.load(std::sync::atomic::Ordering::Acquire) > 0)
+                });
+            }
+            Arc::clone(
+                live.entry(addr.to_owned())
+                    .or_insert_with(|| (0..n).map(|_| AtomicUsize::new(0)).collect()),
+            )
+        };
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
+        let used = |rail: usize| counts[rail].load(std::sync::atomic::Ordering::Acquire);
+        let rank = |rail: usize| (used(rail), (rail + n - turn) % n);
+        // Where it would go with every rail up and willing.
+        let best = (0..n).min_by_key(|&rail| rank(rail)).unwrap_or(0);
+        let mut order: Vec<usize> = (0..n)
             .filter(|&rail| self.runtimes[rail].port_up())
             .collect();
-        let n = self.runtimes.len();
-        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
-        order.sort_by_key(|&rail| (recently_refused(rail), (rail + n - turn) % n));
+        order.sort_by_key(|&rail| (recently_refused(rail), rank(rail)));
         let mut last = None;
         for (k, &rail) in order.iter().enumerate() {
             let runtime = &self.runtimes[rail];
             match runtime.connect(addr).await {
-                Ok(connection) => {
+                Ok(mut connection) => {
                     self.refused.locked().remove(&(addr.to_owned(), rail));
+                    counts[rail].fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                    let guard = Arc::new(LiveGuard {
+                        counts: Arc::clone(&counts),
+                        rail,
+                    });
+                    connection.placed(rail != best, guard);
                     return Ok(connection);
                 }
                 Err(err @ TransportError::Connect { .. }) => return Err(err),
