@@ -975,31 +975,12 @@ mod recovery {
         let server = start(server_config(&tessera_test_support::rdma::transport())).await;
         let probe = Duration::from_millis(500);
         let client = Transport::new(tessera_test_support::rdma::transport()).unwrap();
-        let set = ReplicaSet::new(
-            ReplicaSetConfig {
-                replicas: vec![ReplicaEndpoint {
-                    addr: server.addr.clone(),
-                    domain: String::new(),
-                }],
-                call_timeout_ms: 3000,
-                channel: ChannelConfig {
-                    connect_timeout_ms: 500,
-                    request_timeout_ms: 1000,
-                    fallback: FallbackConfig {
-                        probe_interval_ms: probe.as_millis() as u64,
-                        ..FallbackConfig::default()
-                    },
-                    transport: tessera_test_support::rdma::transport(),
-                    connections: 1,
-                },
-                retry: RetryPolicyConfig {
-                    probability: 1.0,
-                    ..RetryPolicyConfig::default()
-                },
-                seed: Some(7),
-                ..ReplicaSetConfig::default()
-            },
-            client.clone(),
+        let set = drill_set(
+            &server.addr,
+            probe,
+            tessera_test_support::rdma::transport(),
+            1,
+            &client,
         );
         let echo = EchoClient::new(set.clone());
         let kind = || set.transports()[0].1;
@@ -1071,6 +1052,45 @@ mod recovery {
             },
         )
         .unwrap()
+    }
+
+    /// The replica set of the port and rails drills: one server, calls
+    /// retried on another attempt whatever the failure (probability 1),
+    /// short connect and request timeouts, a TCP fallback probe every
+    /// `probe`, over `transport` with `connections` links.
+    fn drill_set(
+        addr: &str,
+        probe: Duration,
+        transport: TransportConfig,
+        connections: usize,
+        client: &Transport,
+    ) -> ReplicaSet {
+        ReplicaSet::new(
+            ReplicaSetConfig {
+                replicas: vec![ReplicaEndpoint {
+                    addr: addr.to_owned(),
+                    domain: String::new(),
+                }],
+                call_timeout_ms: 3000,
+                channel: ChannelConfig {
+                    connect_timeout_ms: 500,
+                    request_timeout_ms: 1000,
+                    fallback: FallbackConfig {
+                        probe_interval_ms: probe.as_millis() as u64,
+                        ..FallbackConfig::default()
+                    },
+                    transport,
+                    connections,
+                },
+                retry: RetryPolicyConfig {
+                    probability: 1.0,
+                    ..RetryPolicyConfig::default()
+                },
+                seed: Some(7),
+                ..ReplicaSetConfig::default()
+            },
+            client.clone(),
+        )
     }
 
     /// How a rails drill takes a rail's port down: the soft NIC's port
@@ -1159,33 +1179,14 @@ mod recovery {
         };
         let server = start(server_config(&server_transport)).await;
         let client = Transport::new(client_transport.clone()).unwrap();
-        let set = ReplicaSet::new(
-            ReplicaSetConfig {
-                replicas: vec![ReplicaEndpoint {
-                    addr: server.addr.clone(),
-                    domain: String::new(),
-                }],
-                call_timeout_ms: 3000,
-                channel: ChannelConfig {
-                    connect_timeout_ms: 500,
-                    request_timeout_ms: 1000,
-                    fallback: FallbackConfig {
-                        probe_interval_ms: 500,
-                        ..FallbackConfig::default()
-                    },
-                    transport: client_transport,
-                    // Two links, one a rail at first; after the return the
-                    // displaced one dials again onto the first rail.
-                    connections: 2,
-                },
-                retry: RetryPolicyConfig {
-                    probability: 1.0,
-                    ..RetryPolicyConfig::default()
-                },
-                seed: Some(7),
-                ..ReplicaSetConfig::default()
-            },
-            client.clone(),
+        // Two links, one a rail at first; after the return the displaced
+        // one dials again onto the first rail.
+        let set = drill_set(
+            &server.addr,
+            Duration::from_millis(500),
+            client_transport,
+            2,
+            &client,
         );
         let echo = EchoClient::new(set.clone());
         let kind = || set.transports()[0].1;

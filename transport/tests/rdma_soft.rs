@@ -1230,7 +1230,6 @@ async fn a_dropped_receiver_does_not_stall_the_other_sockets_of_its_queue_pair()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soft_rails_are_opened_and_registered_and_connections_take_them_in_turn() {
     use tessera_transport::SoftRail;
-    use tessera_transport::verbs::Device;
     let mut config = TransportConfig::soft_rdma();
     config.rdma.soft_rails = vec![SoftRail::default(), SoftRail::default()];
     let server = Transport::new(config.clone()).unwrap();
@@ -1260,14 +1259,7 @@ async fn soft_rails_are_opened_and_registered_and_connections_take_them_in_turn(
         assert_eq!(back.len(), len);
         assert!(back.iter().all(|&b| b == 3));
     }
-    let moved = |name: &str| {
-        tessera_transport::verbs::soft::SoftFabric::process()
-            .devices()
-            .into_iter()
-            .find(|d| d.name() == name)
-            .map(|d| d.stats().bytes_moved)
-            .unwrap()
-    };
+    let moved = soft_bytes_moved;
     assert!(
         moved(&first) > 1 << 20,
         "the first rail carried the messages"

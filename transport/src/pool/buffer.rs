@@ -81,10 +81,7 @@ impl PoolBuf {
     /// Always `Some` for a live buffer; an `Option` only because the lookup
     /// goes through the process-wide map.
     pub fn region(&self) -> Option<RegionInfo> {
-        match &self.dedicated {
-            Some(region) => Some(region.info()),
-            None => super::lookup_address(self.ptr.as_ptr() as usize),
-        }
+        self.region_on(0)
     }
 
     /// The buffer's region as rail `rail` registered it (`None` past the
@@ -92,7 +89,7 @@ impl PoolBuf {
     pub fn region_on(&self, rail: usize) -> Option<RegionInfo> {
         match &self.dedicated {
             Some(region) => region.info_on(rail),
-            None => super::lookup_on(&self[..], rail),
+            None => super::lookup_address(self.ptr.as_ptr() as usize, rail),
         }
     }
 

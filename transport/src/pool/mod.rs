@@ -237,28 +237,24 @@ impl Pool {
 /// its region alive while it is read (an arbitrary address, as before,
 /// could name a region being freed at that moment).
 pub fn lookup(bytes: &[u8]) -> Option<RegionInfo> {
-    lookup_address(bytes.as_ptr() as usize)
+    lookup_address(bytes.as_ptr() as usize, 0)
 }
 
 /// [`lookup`] for rail `rail`: the keys the region was registered with on
 /// that rail's device; `None` outside every pool, or past its rails.
 pub fn lookup_on(bytes: &[u8], rail: usize) -> Option<RegionInfo> {
-    let region = page_map::get(bytes.as_ptr() as usize)?;
-    // SAFETY: as in `lookup_address`: the page map holds pointers to mapped
-    // regions, removed before they are freed, and `bytes` is a live borrow
-    // of memory inside one, which keeps it mapped while borrowed.
-    unsafe { &*region }.info_on(rail)
+    lookup_address(bytes.as_ptr() as usize, rail)
 }
 
 /// [`lookup`] by address, for the crate's buffers, whose address is inside
 /// an allocation they own (the condition the read below relies on).
-pub(crate) fn lookup_address(address: usize) -> Option<RegionInfo> {
+pub(crate) fn lookup_address(address: usize, rail: usize) -> Option<RegionInfo> {
     let region = page_map::get(address)?;
     // SAFETY: the page map holds pointers to regions that are mapped; a
     // region is unmapped from it before it is freed, and the callers pass
     // an address inside an allocation they hold, which keeps its region
     // alive.
-    Some(unsafe { &*region }.info())
+    unsafe { &*region }.info_on(rail)
 }
 
 #[cfg(test)]

@@ -35,19 +35,6 @@ pub struct RegionInfo {
 }
 
 impl Region {
-    /// The region as rail 0 (the primary device) registered it.
-    pub(crate) fn info(&self) -> RegionInfo {
-        self.info_on(0).unwrap_or(RegionInfo {
-            base: self.base,
-            len: self.len,
-            lkey: 0,
-            rkey: 0,
-            handle: 0,
-            access: self.access,
-            pool_id: self.pool_id,
-        })
-    }
-
     /// The region as `rail` registered it; `None` past the pool's rails.
     pub(crate) fn info_on(&self, rail: usize) -> Option<RegionInfo> {
         let keys = self.keys.get(rail)?;

@@ -36,7 +36,7 @@
 //! link.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -57,34 +57,61 @@ use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportErr
 /// preferred again soon after the peer's port is back.
 const REFUSAL_MEMORY: Duration = Duration::from_millis(500);
 
-/// Refusals remembered at most ((address, rail) pairs): a client of a
-/// whole fleet in an outage stays within a few hundred KiB.
-const MAX_REFUSALS: usize = 4096;
+/// Addresses remembered at most (their live connections per rail and
+/// their recent refusals): a client of a whole fleet stays within a few
+/// hundred KiB; past it, addresses with nothing to remember go first.
+const MAX_ADDRESSES: usize = 4096;
 
 /// The RDMA side of a transport: a runtime per rail, the primary first.
 #[derive(Debug)]
 pub(crate) struct RdmaRails {
     runtimes: Vec<Arc<RdmaRuntime>>,
-    /// When a rail's handshake with an address last failed.
-    refused: Mutex<HashMap<(String, usize), Instant>>,
-    /// Live connections per address and rail (each held by its
-    /// connection's sender, [`LiveGuard`]).
-    live: Mutex<HashMap<String, Arc<[AtomicUsize]>>>,
+    /// Per address: its live connections and recent refusals per rail.
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
     /// Breaks ties between rails equally used: the next in turn.
     next: std::sync::atomic::AtomicUsize,
+}
+
+/// What the rails know of one address, per rail.
+#[derive(Debug)]
+struct Peer {
+    /// Live connections (each held by its sender's [`LiveGuard`]).
+    live: Box<[AtomicUsize]>,
+    /// When the address last refused the rail's handshake.
+    refused: Mutex<Box<[Option<Instant>]>>,
+}
+
+impl Peer {
+    fn new(rails: usize) -> Self {
+        Self {
+            live: (0..rails).map(|_| AtomicUsize::new(0)).collect(),
+            refused: Mutex::new(vec![None; rails].into_boxed_slice()),
+        }
+    }
+
+    /// Whether there is anything to remember at `now`.
+    fn remembers(&self, now: Instant) -> bool {
+        self.live.iter().any(|c| c.load(Ordering::Acquire) > 0)
+            || self
+                .refused
+                .locked()
+                .iter()
+                .flatten()
+                .any(|at| now.duration_since(*at) < REFUSAL_MEMORY)
+    }
 }
 
 /// One live connection on a rail to an address: counted while a clone of
 /// its sender lives.
 #[derive(Debug)]
 pub(crate) struct LiveGuard {
-    counts: Arc<[AtomicUsize]>,
+    peer: Arc<Peer>,
     rail: usize,
 }
 
 impl Drop for LiveGuard {
     fn drop(&mut self) {
-        self.counts[self.rail].fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.peer.live[self.rail].fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -117,8 +144,7 @@ impl RdmaRails {
         }
         Ok(Self {
             runtimes,
-            refused: Mutex::new(HashMap::new()),
-            live: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
             next: std::sync::atomic::AtomicUsize::new(0),
         })
     }
@@ -160,46 +186,46 @@ impl RdmaRails {
     /// rail reaches a peer that is not there.
     pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, TransportError> {
         let now = Instant::now();
-        let recently_refused = |rail: usize| {
-            self.refused
-                .locked()
-                .get(&(addr.to_owned(), rail))
-                .is_some_and(|at| now.duration_since(*at) < REFUSAL_MEMORY)
-        };
         let n = self.runtimes.len();
-        let counts = {
-            let mut live = self.live.locked();
-            if live.len() >= MAX_REFUSALS && !live.contains_key(addr) {
-                // Bounded: addresses with no live connection go first.
-                live.retain(|_, counts| {
-                    counts
-                        .iter()
-                        .any(|c| c.load(std::sync::atomic::Ordering::Acquire) > 0)
-                });
+        let peer = {
+            let mut peers = self.peers.locked();
+            if peers.len() >= MAX_ADDRESSES && !peers.contains_key(addr) {
+                peers.retain(|_, peer| peer.remembers(now));
             }
             Arc::clone(
-                live.entry(addr.to_owned())
-                    .or_insert_with(|| (0..n).map(|_| AtomicUsize::new(0)).collect()),
+                peers
+                    .entry(addr.to_owned())
+                    .or_insert_with(|| Arc::new(Peer::new(n))),
             )
         };
-        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
-        let used = |rail: usize| counts[rail].load(std::sync::atomic::Ordering::Acquire);
-        let rank = |rail: usize| (used(rail), (rail + n - turn) % n);
+        let refused: Vec<bool> = peer
+            .refused
+            .locked()
+            .iter()
+            .map(|at| at.is_some_and(|at| now.duration_since(at) < REFUSAL_MEMORY))
+            .collect();
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let rank = |rail: usize| {
+            (
+                peer.live[rail].load(Ordering::Acquire),
+                (rail + n - turn) % n,
+            )
+        };
         // Where it would go with every rail up and willing.
         let best = (0..n).min_by_key(|&rail| rank(rail)).unwrap_or(0);
         let mut order: Vec<usize> = (0..n)
             .filter(|&rail| self.runtimes[rail].port_up())
             .collect();
-        order.sort_by_key(|&rail| (recently_refused(rail), rank(rail)));
+        order.sort_by_key(|&rail| (refused[rail], rank(rail)));
         let mut last = None;
         for (k, &rail) in order.iter().enumerate() {
             let runtime = &self.runtimes[rail];
             match runtime.connect(addr).await {
                 Ok(mut connection) => {
-                    self.refused.locked().remove(&(addr.to_owned(), rail));
-                    counts[rail].fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                    peer.refused.locked()[rail] = None;
+                    peer.live[rail].fetch_add(1, Ordering::AcqRel);
                     let guard = Arc::new(LiveGuard {
-                        counts: Arc::clone(&counts),
+                        peer: Arc::clone(&peer),
                         rail,
                     });
                     connection.placed(rail != best, guard);
@@ -210,14 +236,7 @@ impl RdmaRails {
                     if k + 1 < order.len() {
                         tracing::warn!(%addr, rail, device = runtime.device_name(), %err, "rail did not connect; trying the next");
                     }
-                    let mut refused = self.refused.locked();
-                    // Bounded: entries older than the memory go first.
-                    if refused.len() >= MAX_REFUSALS {
-                        refused.retain(|_, at| now.duration_since(*at) < REFUSAL_MEMORY);
-                    }
-                    if refused.len() < MAX_REFUSALS {
-                        refused.insert((addr.to_owned(), rail), now);
-                    }
+                    peer.refused.locked()[rail] = Some(now);
                     last = Some(err);
                 }
             }
