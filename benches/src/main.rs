@@ -579,14 +579,16 @@ fn main() -> Result<(), BoxError> {
                 "rails",
                 tessera_benches::rails::rails(&counts, link_mbps, sockets, secs, rounds, &tuning),
                 format!(
-                    "rails: 1 MiB messages from {sockets} connections (each on the least-used rail) into a sink, soft devices at {link_mbps} Mbit/s each on both sides, {secs} s per measurement, median of {rounds} interleaved rounds, client and server in one process"
+                    "rails: 1 MiB messages into a sink, soft devices at {link_mbps} Mbit/s each on both sides; spread = {sockets} connections (each on the least-used rail, confinement on: no striping), striped = 1 connection, confinement off, its messages striped over the rails; {secs} s per measurement, median of {rounds} interleaved rounds, client and server in one process"
                 ),
                 &[
+                    "layout",
                     "rails",
                     "mbytes_per_sec",
                     "runs_mbytes_per_sec",
                     "of_the_links",
                     "x_one_rail",
+                    "rail_shares",
                     "target",
                 ],
             )

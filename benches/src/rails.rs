@@ -2,14 +2,18 @@
 //! one process with 1, 2 and 4 soft rails, each device's link limited to
 //! the same rate, so that the links and not the CPU are the bottleneck.
 //!
-//! The client opens `sockets` connections (each RDMA connection goes to
-//! the least-used rail, `transport/src/rdma/rails.rs`) and keeps each sending
-//! 1 MiB messages into a sink that counts what arrives; the figure is the
-//! bytes received in the measured seconds, after a warm-up. Rounds are
-//! interleaved (1, 2, 4 rails, then again), and each rail count reports
-//! its median and its ratio to one rail's median of the same run. One
-//! connection uses one rail: several connections spread over the rails,
-//! a single busy socket does not (striping is not built yet).
+//! Two layouts, each measured on 1, 2 and 4 rails:
+//! - `spread`: the client opens `sockets` connections (each RDMA
+//!   connection goes to the least-used rail, `transport/src/rdma/rails.rs`),
+//!   the default configuration (confinement on, so no striping);
+//! - `striped`: one connection, confinement off, so that its messages are
+//!   striped over every rail (`transport/src/rdma/engine/stripes.rs`).
+//!
+//! Each connection keeps sending 1 MiB messages into a sink that counts
+//! what arrives; the figure is the bytes received in the measured seconds,
+//! after a warm-up. Rounds are interleaved (every layout and rail count,
+//! then again), and each row reports its median and its ratio to one
+//! rail's median of the same layout and run.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,16 +27,40 @@ use crate::transport::{BoxError, Tuning};
 /// Bytes of each message.
 const MESSAGE: usize = 1 << 20;
 
+/// How the client loads the rails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Many connections, each on one rail (no striping).
+    Spread,
+    /// One connection, its messages striped over the rails.
+    Striped,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Spread => "spread",
+            Layout::Striped => "striped",
+        }
+    }
+}
+
 /// One measurement: bytes per second through `rails` rails.
 async fn once(
+    layout: Layout,
     rails: usize,
     link_mbps: u64,
     sockets: usize,
     secs: f64,
     tuning: &Tuning,
-) -> Result<f64, BoxError> {
+) -> Result<(f64, Vec<f64>), BoxError> {
+    let sockets = match layout {
+        Layout::Spread => sockets,
+        Layout::Striped => 1,
+    };
     let config = || {
         let mut config = TransportConfig::soft_rdma();
+        config.rdma.confine_remote_writes = layout == Layout::Spread;
         config.rdma.polling = tuning.polling;
         config.rdma.spin_us = tuning.spin_us;
         config.rdma.io_threads = tuning.io_threads;
@@ -91,10 +119,27 @@ async fn once(
     // With a connection per rail at least, every rail must have carried
     // some: the figure is then the rails', not one rail's.
     let spread = client.rail_stats();
-    if sockets >= rails && spread.iter().any(|rail| rail.messages_sent == 0) {
+    let carried = |rail: &tessera_transport::rdma::RdmaStats| match layout {
+        Layout::Spread => rail.messages_sent > 0,
+        Layout::Striped => rail.messages_sent > 0 || rail.striped_bytes > 0,
+    };
+    if (sockets >= rails || layout == Layout::Striped) && !spread.iter().all(carried) {
         return Err(format!("a rail carried nothing: {spread:?}").into());
     }
-    Ok((to - from) as f64 / elapsed.as_secs_f64())
+    // Each rail's share of the bytes the client put on the wire (the
+    // whole run, warm-up included): its own messages' bytes less what
+    // other rails wrote of them, plus what it wrote of theirs.
+    let striped: u64 = spread.iter().map(|r| r.striped_bytes).sum();
+    let wire: Vec<u64> = spread
+        .iter()
+        .map(|r| match r.stripe_chunks > 0 {
+            true => r.bytes_sent.saturating_sub(striped) + r.striped_bytes,
+            false => r.bytes_sent + r.striped_bytes,
+        })
+        .collect();
+    let total = wire.iter().sum::<u64>().max(1) as f64;
+    let shares = wire.iter().map(|&w| w as f64 / total).collect();
+    Ok(((to - from) as f64 / elapsed.as_secs_f64(), shares))
 }
 
 /// Throughput of 1 MiB messages over each count of `rails` (soft devices
@@ -109,10 +154,19 @@ pub async fn rails(
     rounds: usize,
     tuning: &Tuning,
 ) -> Result<Vec<Value>, BoxError> {
-    let mut measured: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    let layouts = [Layout::Spread, Layout::Striped];
+    let cases: Vec<(Layout, usize)> = layouts
+        .iter()
+        .flat_map(|&layout| counts.iter().map(move |&rails| (layout, rails)))
+        .collect();
+    let mut measured: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    // The rails' shares in each case's last run.
+    let mut shares: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     for _ in 0..rounds.max(1) {
-        for (i, &rails) in counts.iter().enumerate() {
-            measured[i].push(once(rails, link_mbps, sockets, secs, tuning).await?);
+        for (i, &(layout, rails)) in cases.iter().enumerate() {
+            let (rate, share) = once(layout, rails, link_mbps, sockets, secs, tuning).await?;
+            measured[i].push(rate);
+            shares[i] = share;
         }
     }
     let median = |v: &[f64]| {
@@ -120,15 +174,18 @@ pub async fn rails(
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let one = counts
-        .iter()
-        .position(|&c| c == 1)
-        .map(|i| median(&measured[i]));
+    // One rail's median of the same layout.
+    let one = |layout: Layout| {
+        cases
+            .iter()
+            .position(|&case| case == (layout, 1))
+            .map(|i| median(&measured[i]))
+    };
     let link = link_mbps as f64 * 1e6 / 8.0;
-    Ok(counts
+    Ok(cases
         .iter()
-        .zip(&measured)
-        .map(|(&rails, runs)| {
+        .zip(measured.iter().zip(&shares))
+        .map(|(&(layout, rails), (runs, share))| {
             let m = median(runs);
             let target = match rails {
                 2 => json!(">= 1.8"),
@@ -138,13 +195,15 @@ pub async fn rails(
             json!({
                 "bench": "rails",
                 "test": "rails",
+                "layout": layout.name(),
                 "rails": rails,
                 "link_mbps": link_mbps,
-                "sockets": sockets,
+                "sockets": if layout == Layout::Spread { sockets } else { 1 },
                 "mbytes_per_sec": m / 1e6,
                 "runs_mbytes_per_sec": runs.iter().map(|r| format!("{:.1}", r / 1e6)).collect::<Vec<_>>().join(", "),
                 "of_the_links": m / (link * rails as f64),
-                "x_one_rail": one.map(|one| m / one),
+                "x_one_rail": one(layout).map(|one| m / one),
+                "rail_shares": share.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", "),
                 "target": target,
             })
         })

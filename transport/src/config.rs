@@ -308,6 +308,22 @@ pub struct RdmaConfig {
     /// the byte budget does. Default 16: four sockets' `rts_ahead` of 4 in
     /// flight, far beyond what keeps a link busy with 64 KiB fragments.
     pub windows_per_connection: u32,
+    /// With several rails: a large message of at least this many bytes is
+    /// striped, its bytes written through the queue pairs of every rail to
+    /// the peer at once (`rdma/engine/stripes.rs`), so that one busy
+    /// connection uses every link. Needs `confine_remote_writes = false`
+    /// (a memory window is bound on one queue pair, and the peer's other
+    /// rails could not write through it): confined, connections spread
+    /// over rails but each message stays on one. 0 turns striping off.
+    /// Default 256 KiB: below it, handing chunks to another rail's I/O
+    /// driver and back costs more than the bytes it moves.
+    pub stripe_min_bytes: usize,
+    /// Bytes of each chunk a striped message hands to another rail (each
+    /// rail has two at once and takes the next as one completes, so rails
+    /// share a message in proportion to what they carry). Default 128 KiB:
+    /// a 1 MiB message gives each of 4 rails about two. At least
+    /// `fragment_size`.
+    pub stripe_chunk_bytes: usize,
 }
 
 impl Default for RdmaConfig {
@@ -341,6 +357,8 @@ impl Default for RdmaConfig {
             soft_rails: Vec::new(),
             confine_remote_writes: true,
             windows_per_connection: 16,
+            stripe_min_bytes: 256 << 10,
+            stripe_chunk_bytes: 128 << 10,
         }
     }
 }
@@ -441,6 +459,15 @@ impl Validate for RdmaConfig {
         }
         if self.small_message_limit == 0 {
             return Err(invalid("small_message_limit", "must be at least 1"));
+        }
+        if self.stripe_min_bytes > 0 && self.stripe_chunk_bytes < self.fragment_size {
+            return Err(invalid(
+                "stripe_chunk_bytes",
+                format!(
+                    "{} is below fragment_size ({}): a chunk is one fragment at least",
+                    self.stripe_chunk_bytes, self.fragment_size
+                ),
+            ));
         }
         if self.fragment_size < 1024 {
             return Err(invalid("fragment_size", "must be at least 1024"));

@@ -30,8 +30,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{OnceCell, mpsc, oneshot};
 
 use super::cq_budget::{CqBudget, CqReservation};
-use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role};
+use super::engine::{Engine, EngineConfig, KeepaliveConfig, PeerInfo, Role, StripeConfig};
 use super::io::{Attached, Command, IoThread, SharedReceives};
+use super::partners::Partners;
 use super::window::WindowConfig;
 use crate::pool::Pool;
 use crate::tls::BoxStream;
@@ -47,6 +48,10 @@ pub const HELLO_LEN: usize = 96;
 /// Where a hello carries its sender's rail (a byte that was zero before
 /// rails: a peer that predates them dials on rail 0).
 pub(crate) const RAIL_BYTE: usize = 82;
+/// Where a hello carries its sender's transport instance (8 bytes, a
+/// random number per transport; 0 before striping): the acceptor knows
+/// its engines to one peer on several rails by it (`rdma/partners.rs`).
+pub(crate) const INSTANCE_AT: usize = 84;
 /// The dialer's last handshake byte: its QP is connected too.
 const READY: u8 = 0x52;
 
@@ -73,6 +78,9 @@ pub struct Hello {
     pub keepalive_slot: Option<(u64, u32)>,
     /// The sender's receives come from a shared receive queue.
     pub shared_receives: bool,
+    /// The sender's transport (random per transport; 0: unknown), which
+    /// engines on several rails to one peer share (`rdma/partners.rs`).
+    pub instance: u64,
 }
 
 impl Hello {
@@ -102,6 +110,7 @@ impl Hello {
         out[80] = self.endpoint.link_layer.code();
         out[81] = self.endpoint.gid_type.code();
         out[RAIL_BYTE] = self.rail;
+        out[INSTANCE_AT..INSTANCE_AT + 8].copy_from_slice(&self.instance.to_le_bytes());
         out
     }
 
@@ -150,6 +159,7 @@ impl Hello {
             keepalive_slot: (u32_at(60) & 1 == 1).then(|| (u64_at(64), u32_at(72))),
             shared_receives: u32_at(60) & 2 == 2,
             rail: raw[RAIL_BYTE],
+            instance: u64_at(INSTANCE_AT),
         })
     }
 }
@@ -186,6 +196,9 @@ pub(crate) struct RdmaRuntime {
     tls: Option<crate::tls::Tls>,
     next_thread: AtomicUsize,
     table: Mutex<HashMap<String, Arc<OnceCell<EngineRef>>>>,
+    /// The engines to each peer on every rail, for striping
+    /// (`rdma/partners.rs`; shared by the transport's rails).
+    partners: Arc<Partners>,
 }
 
 impl std::fmt::Debug for RdmaRuntime {
@@ -214,6 +227,7 @@ impl RdmaRuntime {
         pools: (Pool, Pool),
         inbound: Option<crate::inbound::InboundBudget>,
         tls: Option<crate::tls::Tls>,
+        partners: Arc<Partners>,
     ) -> Result<Self, TransportError> {
         let rdma = &config.rdma;
         let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
@@ -305,6 +319,7 @@ impl RdmaRuntime {
             tls,
             next_thread: AtomicUsize::new(0),
             table: Mutex::new(HashMap::new()),
+            partners,
         })
     }
 
@@ -334,6 +349,9 @@ impl RdmaRuntime {
             total.window_stalls += get(&s.window_stalls);
             total.keepalives_sent += get(&s.keepalives_sent);
             total.offered_sends += get(&s.offered_sends);
+            total.stripe_chunks += get(&s.stripe_chunks);
+            total.stripe_redone += get(&s.stripe_redone);
+            total.striped_bytes += get(&s.striped_bytes);
             total.keepalive_failures += get(&s.keepalive_failures);
             total.engines_failed += get(&s.engines_failed);
             total.shared_receives_posted += get(&s.shared_receives_posted);
@@ -466,6 +484,12 @@ impl RdmaRuntime {
             // Both ends speak the same protocol version, which has them.
             offers: true,
             rail: self.rail,
+            rails: self.partners.rails(),
+            stripe: self.partners.striping().then(|| StripeConfig {
+                min_bytes: rdma.stripe_min_bytes,
+                chunk_bytes: rdma.stripe_chunk_bytes,
+                ..StripeConfig::default()
+            }),
         };
         let mut engine = Engine::new(
             engine_config,
@@ -524,6 +548,7 @@ impl RdmaRuntime {
             keepalive_slot: engine.keepalive_slot(),
             shared_receives: rdma.srq,
             rail: u8::try_from(self.rail).unwrap_or(0),
+            instance: self.partners.instance(),
         };
         // Three legs, so that neither side sends before the other's QP is
         // connected (a SEND into a QP that is not ready is lost, and an RC
@@ -636,7 +661,54 @@ impl RdmaRuntime {
                 _ = stopped => {}
             }
         });
+        // Ready on both ends: its rail's engines to the same peer may hand
+        // it chunks, and it them.
+        self.partners.join(
+            theirs.instance,
+            super::io::Partner {
+                rail: self.rail,
+                io: io.clone(),
+                qpn,
+                alive: Arc::clone(&alive),
+            },
+        );
         Ok(EngineRef { io, qpn, alive })
+    }
+
+    /// Makes sure this rail has an engine to `addr` (dials one if not), for
+    /// striping: a connection on another rail to `addr` then has a partner
+    /// here. Only with multiplexing (engines shared per address).
+    pub(crate) async fn ensure_engine(&self, addr: &str) -> Result<(), TransportError> {
+        if !self.config.rdma.multiplex || !self.port_up() {
+            return Ok(());
+        }
+        let cell = {
+            let mut table = self.table.locked();
+            Arc::clone(table.entry(addr.to_owned()).or_default())
+        };
+        if cell
+            .get()
+            .is_some_and(|engine| engine.alive.load(Ordering::Acquire))
+        {
+            return Ok(());
+        }
+        if cell.initialized() {
+            // A dead engine leaves the table; the next dial replaces it.
+            let mut table = self.table.locked();
+            if table.get(addr).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                table.remove(addr);
+            }
+            return Ok(());
+        }
+        cell.get_or_try_init(|| self.dial(addr)).await.map(drop)
+    }
+
+    /// Whether this rail has a live engine to `addr` now.
+    pub(crate) fn has_engine(&self, addr: &str) -> bool {
+        self.table.locked().get(addr).is_some_and(|cell| {
+            cell.get()
+                .is_some_and(|engine| engine.alive.load(Ordering::Acquire))
+        })
     }
 }
 
@@ -694,6 +766,7 @@ mod tests {
             keepalive_slot: Some((0x7f00_0000_1000, 77)),
             shared_receives: true,
             rail: 3,
+            instance: 0x1234_5678_9abc_def0,
         };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
         let without = Hello {
@@ -743,6 +816,7 @@ mod tests {
             keepalive_slot: None,
             shared_receives: false,
             rail: 0,
+            instance: 0,
         };
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.write_all(&hello.encode()).await.unwrap();

@@ -16,6 +16,15 @@
 //! gives a destination (`addr`, `rkey`) for `socket`'s next large message
 //! before it is asked for (`engine/offers.rs`): its id in `msg id`, and
 //! the bytes offered in 8 more bytes after the header (u64 LE).
+//!
+//! **Rail keys.** Where the receiver has several rails and the peer may
+//! write anywhere in its registered memory (no confinement), a `Cts` and
+//! an `Offer` are followed by the destination's key on each of the
+//! receiver's rails, u32 LE in rail order ([`encode_rail_keys`]): the
+//! sender may then write parts of the message through its queue pairs on
+//! the other rails (`engine/stripes.rs`). A receiver with one rail, or a
+//! confined one (whose windows are bound on this queue pair only), sends
+//! none.
 
 /// First byte of every control header.
 pub const MAGIC: u8 = 0xbe;
@@ -75,6 +84,31 @@ pub const OFFER_LEN: usize = HEADER_LEN + 8;
 pub fn decode_offer_size(bytes: &[u8]) -> Option<u64> {
     let raw: [u8; 8] = bytes.get(HEADER_LEN..OFFER_LEN)?.try_into().ok()?;
     Some(u64::from_le_bytes(raw))
+}
+
+/// Most rail keys a `Cts` or `Offer` carries (more rails are not used for
+/// striping).
+pub const MAX_RAIL_KEYS: usize = 16;
+
+/// The rail keys to put after a `Cts` header or an `Offer`'s size.
+pub fn encode_rail_keys(keys: &[u32]) -> Vec<u8> {
+    keys.iter()
+        .take(MAX_RAIL_KEYS)
+        .flat_map(|key| key.to_le_bytes())
+        .collect()
+}
+
+/// The rail keys in `bytes` (the whole message) from offset `from`: as
+/// many whole u32 as there are, at most [`MAX_RAIL_KEYS`]; none if the
+/// message ends before `from`.
+pub fn decode_rail_keys(bytes: &[u8], from: usize) -> Vec<u32> {
+    bytes
+        .get(from..)
+        .unwrap_or_default()
+        .chunks_exact(4)
+        .take(MAX_RAIL_KEYS)
+        .map(|raw| u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
+        .collect()
 }
 
 /// A decoded control header.
@@ -228,6 +262,22 @@ mod tests {
         fn garbage_never_panics(data in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = ControlHeader::decode(&data);
             let _ = decode_offer_size(&data);
+            let keys = decode_rail_keys(&data, HEADER_LEN);
+            prop_assert!(keys.len() <= MAX_RAIL_KEYS);
+        }
+
+        #[test]
+        fn rail_keys_round_trip_behind_a_header(keys in proptest::collection::vec(any::<u32>(), 0..20)) {
+            let mut bytes = vec![0u8; OFFER_LEN];
+            bytes.extend(encode_rail_keys(&keys));
+            let back = decode_rail_keys(&bytes, OFFER_LEN);
+            prop_assert_eq!(&back[..], &keys[..keys.len().min(MAX_RAIL_KEYS)]);
+            // A torn key is not read.
+            bytes.pop();
+            prop_assert_eq!(
+                decode_rail_keys(&bytes, OFFER_LEN).len(),
+                keys.len().min(MAX_RAIL_KEYS).saturating_sub(1)
+            );
         }
     }
 }

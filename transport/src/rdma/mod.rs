@@ -14,6 +14,7 @@ pub(crate) mod cq_budget;
 pub mod credits;
 pub mod engine;
 pub(crate) mod io;
+pub(crate) mod partners;
 pub(crate) mod rails;
 pub mod ring;
 pub mod window;
@@ -82,4 +83,13 @@ pub struct RdmaStats {
     pub async_events: u64,
     /// Rails whose port is down now (they take no new connection).
     pub rails_down: u64,
+    /// Chunks of large messages handed to another rail's queue pair
+    /// (striping, `rdma/engine/stripes.rs`).
+    pub stripe_chunks: u64,
+    /// Of those, chunks the other rail did not write (it failed), written
+    /// again by the message's own queue pair.
+    pub stripe_redone: u64,
+    /// Bytes written for messages of another rail's queue pair (the
+    /// chunks this rail took).
+    pub striped_bytes: u64,
 }

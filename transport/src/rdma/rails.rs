@@ -29,11 +29,14 @@
 //! TCP. `PortUp` makes the rail eligible again, and being the least used
 //! it takes the next connections, displaced links' included.
 //!
-//! What this does not do yet: spread *one* connection's large messages
-//! over several rails (striping fragments by free window), or move a
-//! connection's messages in flight to another rail without the RPC
-//! layer's retry. Spread is per connection: a single busy socket uses one
-//! link.
+//! **Striping.** With `rdma.stripe_min_bytes` above 0 and confinement
+//! off, a connection's large messages are written through the engines to
+//! the same peer on every rail (`rdma/engine/stripes.rs`, partners in
+//! `rdma/partners.rs`): a connection to an address makes sure each rail
+//! has an engine there. A rail failing under a striped message costs its
+//! chunks a rewrite on the others, not the message. What is not done: a
+//! connection's *home* rail failing still ends the connection (its small
+//! messages and order live there), which the RPC layer retries.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,6 +73,9 @@ pub(crate) struct RdmaRails {
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     /// Breaks ties between rails equally used: the next in turn.
     next: std::sync::atomic::AtomicUsize,
+    /// Large messages are striped over rails (`rdma/partners.rs`): a
+    /// connection to an address makes sure every rail has an engine there.
+    striping: bool,
 }
 
 /// What the rails know of one address, per rail.
@@ -124,6 +130,17 @@ impl RdmaRails {
         inbound: Option<crate::inbound::InboundBudget>,
         tls: Option<crate::tls::Tls>,
     ) -> Result<Self, TransportError> {
+        let rdma = &config.rdma;
+        let partners = Arc::new(super::partners::Partners::new(
+            devices.len(),
+            rdma.stripe_min_bytes > 0 && !rdma.confine_remote_writes && rdma.multiplex,
+        ));
+        if devices.len() > 1 && rdma.stripe_min_bytes > 0 && rdma.confine_remote_writes {
+            tracing::info!(
+                "rails: large messages are not striped while rdma.confine_remote_writes is on \
+                 (a memory window is bound on one queue pair); connections still spread over rails"
+            );
+        }
         let runtimes = devices
             .iter()
             .enumerate()
@@ -135,6 +152,7 @@ impl RdmaRails {
                     pools.clone(),
                     inbound.clone(),
                     tls.clone(),
+                    Arc::clone(&partners),
                 )
                 .map(Arc::new)
             })
@@ -143,6 +161,7 @@ impl RdmaRails {
             return Err(TransportError::rdma_error(RdmaError::NoDevice));
         }
         Ok(Self {
+            striping: partners.striping(),
             runtimes,
             peers: Mutex::new(HashMap::new()),
             next: std::sync::atomic::AtomicUsize::new(0),
@@ -229,6 +248,7 @@ impl RdmaRails {
                         rail,
                     });
                     connection.placed(rail != best, guard);
+                    self.complete_partners(addr, rail);
                     return Ok(connection);
                 }
                 Err(err @ TransportError::Connect { .. }) => return Err(err),
@@ -246,6 +266,26 @@ impl RdmaRails {
                 rails: self.runtimes.len(),
             })),
         )
+    }
+
+    /// With striping: dials `addr` on every other rail that is up and has
+    /// no engine there yet, in the background (the connection on `rail`
+    /// goes on at once, and stripes over them as they join its group).
+    fn complete_partners(&self, addr: &str, rail: usize) {
+        if !self.striping {
+            return;
+        }
+        for (other, runtime) in self.runtimes.iter().enumerate() {
+            if other == rail || !runtime.port_up() || runtime.has_engine(addr) {
+                continue;
+            }
+            let (runtime, addr) = (Arc::clone(runtime), addr.to_owned());
+            tokio::spawn(async move {
+                if let Err(err) = runtime.ensure_engine(&addr).await {
+                    tracing::debug!(%addr, rail = other, %err, "no partner engine on this rail");
+                }
+            });
+        }
     }
 
     /// Sets up an accepted RDMA connection on the rail its hello names:

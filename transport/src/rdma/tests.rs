@@ -199,6 +199,8 @@ impl Side {
                 EngineEvent::Refused(socket) => self.refused.push(socket),
                 EngineEvent::Closed(socket) => self.closed.push(socket),
                 EngineEvent::Sent(_) => {}
+                // No partners in these tests (`stripes.rs`'s own drive them).
+                EngineEvent::StripeDone { .. } => {}
                 EngineEvent::Failed(err) => self.failure = Some(err),
             }
             progress = true;

@@ -50,9 +50,15 @@ impl Engine {
             let rkey = self
                 .expose(msg_id, &dest)
                 .ok_or(EngineError::Unregistered("a write destination"))?;
+            let keys = self.rail_keys(&dest);
             self.granted_bytes += size;
             self.incoming.insert(msg_id, (socket, dest, permit));
-            self.control.push_back(Control::Cts { msg_id, addr, rkey });
+            self.control.push_back(Control::Cts {
+                msg_id,
+                addr,
+                rkey,
+                keys,
+            });
         }
         Ok(())
     }
@@ -72,6 +78,39 @@ impl Engine {
             }
             Some(Err(_)) => None,
         }
+    }
+
+    /// The keys of `dest` on each of the transport's rails, for the peer to
+    /// stripe its message over them (`stripes.rs`): none with one rail,
+    /// with striping off, or where confined (windows are bound on this
+    /// queue pair alone). Once any are told, the engine keeps its grants'
+    /// buffers from the pool for a while after it fails
+    /// ([`Engine::take_exposed`]): the peer's other queue pairs may still
+    /// be writing into them.
+    pub(super) fn rail_keys(&mut self, dest: &PoolBuf) -> Vec<u32> {
+        if self.config.rails < 2 || self.config.stripe.is_none() || self.windows.enabled() {
+            return Vec::new();
+        }
+        let keys: Option<Vec<u32>> =
+            (0..self.config.rails.min(crate::rdma::control::MAX_RAIL_KEYS))
+                .map(|rail| dest.region_on(rail).map(|region| region.rkey))
+                .collect();
+        let keys = keys.unwrap_or_default();
+        self.exposed_rail_keys |= !keys.is_empty();
+        keys
+    }
+
+    /// After the engine failed (its queue pair in error): the buffers of
+    /// its grants and offers, if their keys on other rails were told
+    /// (empty otherwise). The peer's queue pairs on those rails live on
+    /// and may still write a chunk into them, so the owner holds them a
+    /// while before they go back to the pool, instead of freeing them
+    /// with the engine.
+    pub fn take_exposed(&mut self) -> Vec<PoolBuf> {
+        if !self.failed || !self.exposed_rail_keys {
+            return Vec::new();
+        }
+        self.incoming.drain().map(|(_, (_, buf, _))| buf).collect()
     }
 
     /// Grants of this engine (an accepted connection's) also draw on the

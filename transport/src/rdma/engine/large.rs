@@ -6,6 +6,7 @@
 //! `grants.rs`; this file writes the fragments.
 
 use super::offers::{OFFER_BIT, PREFIX_LEN};
+use super::stripes::{Range, Striping, slices};
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
@@ -16,12 +17,21 @@ pub(super) struct LargeSend {
     pub(super) msg_id: u32,
     pub(super) message: Outgoing,
     pub(super) dest: Option<(u64, u32)>,
+    /// Bytes written in order from the start (not striped), or of the
+    /// last fragment's range (striped).
     pub(super) offset: usize,
+    /// The destination's key on each of the receiver's rails (none: it
+    /// cannot be striped).
+    pub(super) rail_keys: Vec<u32>,
+    /// Its striping over other rails, once planned (`stripes.rs`).
+    pub(super) stripe: Option<Striping>,
 }
 
 impl Engine {
-    /// The next WRITE fragment of `socket`'s first large message.
+    /// The next WRITE fragment of `socket`'s first large message (a
+    /// striped one's: a range the partners did not take, `stripes.rs`).
     pub(super) fn push_fragment(&mut self, socket: SocketId) -> Result<Turn, EngineError> {
+        self.plan_stripes(socket);
         let max_sge = self.config.max_sge as usize;
         let fragment_size = self.fragment_size;
         let can_finish = self.credits.can_send_data();
@@ -35,36 +45,79 @@ impl Engine {
         let Some((addr, rkey)) = transfer.dest else {
             return Ok(Turn::Blocked);
         };
-        let remaining = transfer.message.len - transfer.offset;
-        let mut sges = Vec::new();
-        let mut keep = Vec::new();
-        let mut skip = transfer.offset;
-        let mut room = fragment_size.min(remaining);
-        for part in &transfer.message.parts {
-            if room == 0 || sges.len() == max_sge {
-                break;
-            }
-            if skip >= part.len() {
-                skip -= part.len();
-                continue;
-            }
-            let take = (part.len() - skip).min(room);
-            let slice = part.slice(skip..skip + take);
-            sges.push(Self::sge(&slice, rail).ok_or(EngineError::Unregistered("a send buffer"))?);
-            keep.push(slice);
-            room -= take;
-            skip = 0;
+        let len = transfer.message.len;
+        // Striped, the home takes bytes of the shared range as a partner
+        // does: no more in flight than a partner's chunks, or it would
+        // queue most of the message at once and leave the other rails
+        // little. It goes on when its writes complete.
+        let share = self
+            .config
+            .stripe
+            .map_or(0, |c| c.depth.max(1) * c.chunk_bytes);
+        if transfer
+            .stripe
+            .as_ref()
+            .is_some_and(Striping::has_body_left)
+            && self.window.in_flight() >= share
+        {
+            self.stripes_throttled(socket);
+            return Ok(Turn::Blocked);
+        }
+        let Some(tx) = self.sockets.get_mut(&socket) else {
+            return Ok(Turn::Done);
+        };
+        let Some(transfer) = tx.large.front_mut() else {
+            return Ok(Turn::Done);
+        };
+        let range = match transfer.stripe.as_mut() {
+            None => Range {
+                start: transfer.offset,
+                len: fragment_size.min(len - transfer.offset),
+            },
+            // Waiting for chunks on other rails before the last fragment.
+            Some(stripe) => match stripe.take_own(transfer.offset, len, fragment_size) {
+                Some(range) => range,
+                None => return Ok(Turn::Blocked),
+            },
+        };
+        // The range the home writes in order up to the end (the whole
+        // message unstriped, the last fragment striped): `offset` follows
+        // it; a range below is the striping's to take back if not written.
+        let tail = transfer
+            .stripe
+            .as_ref()
+            .is_none_or(|stripe| range.start >= stripe.end());
+        let keep = slices(&transfer.message.parts, range.start, range.len, max_sge);
+        let mut sges = Vec::with_capacity(keep.len());
+        for slice in &keep {
+            sges.push(Self::sge(slice, rail).ok_or(EngineError::Unregistered("a send buffer"))?);
         }
         let length: usize = sges.iter().map(|s| s.len as usize).sum();
-        let last = length == remaining;
-        if last && !can_finish {
+        let last = tail && range.start + length == len;
+        let blocked = if last && !can_finish {
             self.stats.credit_stalls += 1;
-            return Ok(Turn::NoCredit);
+            Some(Turn::NoCredit)
+        } else if !self.window.admit(length) {
+            Some(Turn::NoWindow)
+        } else {
+            None
+        };
+        if let Some(turn) = blocked {
+            if !tail && let Some(stripe) = transfer.stripe.as_mut() {
+                stripe.give_back(range.start, range.len);
+            }
+            return Ok(turn);
         }
-        if !self.window.admit(length) {
-            return Ok(Turn::NoWindow);
+        if tail {
+            transfer.offset = range.start + length;
+        } else if length < range.len
+            && let Some(stripe) = transfer.stripe.as_mut()
+        {
+            // Fewer scatter/gather entries than the range needed: the rest
+            // is taken again.
+            stripe.give_back(range.start + length, range.len - length);
         }
-        let remote_addr = addr as usize + transfer.offset;
+        let remote_addr = addr as usize + range.start;
         let op = if last {
             SendOp::WriteWithImm {
                 remote_addr,
@@ -74,7 +127,6 @@ impl Engine {
         } else {
             SendOp::Write { remote_addr, rkey }
         };
-        transfer.offset += length;
         if last {
             let done = tx.large.pop_front();
             self.events.push_back(EngineEvent::Sent(socket));

@@ -71,6 +71,12 @@
 //! - `keepalive.rs` (§7.2): a growing sequence number WRITten into the
 //!   peer's slot every `interval`; a slot of ours that stands still for
 //!   `timeout` fails the engine with [`EngineError::PeerDead`].
+//! - `stripes.rs`: a large message's bytes written through the queue
+//!   pairs of other rails to the same peer as well (chunks handed out with
+//!   [`Engine::poll_delegation`], answered by [`Engine::handle_stripe_done`];
+//!   the last fragment, the WRITE_WITH_IMM, once every chunk is placed),
+//!   and chunks of other engines written here
+//!   ([`Engine::handle_stripe_writes`], [`EngineEvent::StripeDone`]).
 //! - `delivery.rs`: per socket, messages are delivered in the order sent
 //!   (a socket sends a small message or `Close` only once its large
 //!   messages are fully written, RC delivers in posting order, and a
@@ -101,11 +107,14 @@ mod receive;
 mod scheduler;
 mod small;
 mod sockets;
+mod stripes;
 mod types;
 
 pub use keepalive::KeepaliveConfig;
+pub use stripes::{Delegation, StripeChunk};
 pub use types::{
-    EngineConfig, EngineError, EngineEvent, EngineStats, MAX_WAITING_RTS, PeerInfo, Role, Violation,
+    EngineConfig, EngineError, EngineEvent, EngineStats, MAX_WAITING_RTS, PeerInfo, Role,
+    StripeConfig, Violation,
 };
 
 use keepalive::{KEEPALIVE_SLOT_LEN, Keepalive};
@@ -181,6 +190,10 @@ pub struct Engine {
     next_socket: SocketId,
     failed: bool,
     stats: EngineStats,
+    /// Striping over other rails, both roles (`stripes.rs`).
+    stripes: stripes::Stripes,
+    /// Grants or offers told their keys on other rails (`grants.rs`).
+    exposed_rail_keys: bool,
     /// Every socket-level fragment queued: (socket, bytes). Tests check the
     /// scheduler's fairness bound against it.
     #[cfg(test)]
@@ -266,6 +279,8 @@ impl Engine {
             next_socket: 1,
             failed: false,
             stats: EngineStats::default(),
+            stripes: stripes::Stripes::default(),
+            exposed_rail_keys: false,
             #[cfg(test)]
             fragment_log: Vec::new(),
             config,
@@ -381,6 +396,7 @@ impl Engine {
             && self.ring.in_flight() == 0
             && self.ring.pending() == 0
             && self.held.is_empty()
+            && self.stripes_idle()
     }
 
     pub(super) fn fail(&mut self, error: EngineError) {
@@ -421,6 +437,7 @@ impl Engine {
             self.fail(err);
             return None;
         }
+        self.fill_delegations();
         self.ring.take_batch(now)
     }
 
@@ -504,6 +521,7 @@ impl Engine {
                 self.window.retire(retired.bytes, delay, now);
                 self.release_held(wr_id);
                 self.release_retiring(wr_id);
+                self.ack_stripes(wr_id);
             }
             WrKind::SharedRecv(_) => {
                 self.fail(EngineError::Protocol(Violation::SharedReceiveWithoutBuffer));

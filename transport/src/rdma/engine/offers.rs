@@ -55,12 +55,14 @@ pub fn offer_size(len: usize) -> usize {
 }
 
 /// An offer the peer made for one of this engine's sockets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct PeerOffer {
     pub(super) id: u32,
     pub(super) addr: u64,
     pub(super) rkey: u32,
     pub(super) size: u64,
+    /// The buffer's key on each of the peer's rails (`stripes.rs`).
+    pub(super) rail_keys: Vec<u32>,
 }
 
 impl Engine {
@@ -100,6 +102,7 @@ impl Engine {
         let Some(rkey) = self.expose(id, &dest) else {
             return;
         };
+        let keys = self.rail_keys(&dest);
         self.granted_bytes += bytes;
         self.offered_bytes += bytes;
         self.offered.insert(socket, id);
@@ -111,6 +114,7 @@ impl Engine {
             addr,
             rkey,
             size: bytes,
+            keys,
         });
     }
 

@@ -6,7 +6,7 @@
 use super::offers::{OFFER_BIT, PeerOffer};
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::rdma::control::decode_offer_size;
+use crate::rdma::control::{OFFER_LEN, decode_offer_size, decode_rail_keys};
 
 impl Engine {
     /// Receive work requests to post: the whole queue at start, then
@@ -136,6 +136,7 @@ impl Engine {
                 self.grant_waiting(None)?;
             }
             ControlKind::Cts { addr, rkey } => {
+                let keys = decode_rail_keys(&buf[..len], HEADER_LEN);
                 self.recycle(buf);
                 let socket =
                     self.awaiting_cts
@@ -147,6 +148,7 @@ impl Engine {
                     && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == header.msg_id)
                 {
                     transfer.dest = Some((addr, rkey));
+                    transfer.rail_keys = keys;
                     self.schedule(socket);
                 }
             }
@@ -158,7 +160,11 @@ impl Engine {
                     Role::Dialer => socket & ACCEPTOR_BIT != 0,
                     Role::Acceptor => socket & ACCEPTOR_BIT == 0,
                 };
-                if !theirs || socket & !ACCEPTOR_BIT == 0 || self.open.contains(&socket) {
+                if !theirs
+                    || socket & !ACCEPTOR_BIT == 0
+                    || socket == super::stripes::STRIPES
+                    || self.open.contains(&socket)
+                {
                     return Err(EngineError::Protocol(Violation::NotItsSocket(socket)));
                 }
                 self.open.insert(socket);
@@ -187,6 +193,7 @@ impl Engine {
             ControlKind::Offer { addr, rkey } => {
                 let size = decode_offer_size(&buf[..len])
                     .ok_or(EngineError::Protocol(Violation::ShortOffer(len)))?;
+                let rail_keys = decode_rail_keys(&buf[..len], OFFER_LEN);
                 self.recycle(buf);
                 self.take_offer(
                     header.socket,
@@ -195,6 +202,7 @@ impl Engine {
                         addr,
                         rkey,
                         size,
+                        rail_keys,
                     },
                 )?;
             }

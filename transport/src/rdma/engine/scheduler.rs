@@ -9,7 +9,7 @@
 use super::offers::{OFFER_BIT, PREFIX_LEN};
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::rdma::control::OFFER_LEN;
+use crate::rdma::control::{OFFER_LEN, encode_rail_keys};
 
 /// An engine-level control message waiting for its turn.
 #[derive(Debug)]
@@ -18,6 +18,8 @@ pub(super) enum Control {
         msg_id: u32,
         addr: u64,
         rkey: u32,
+        /// The destination's key on each rail (`stripes.rs`; often none).
+        keys: Vec<u32>,
     },
     /// Where the peer writes its keepalive (a window on our slot).
     Slot {
@@ -31,6 +33,7 @@ pub(super) enum Control {
         addr: u64,
         rkey: u32,
         size: u64,
+        keys: Vec<u32>,
     },
     Open(SocketId),
     Accept(SocketId),
@@ -63,9 +66,10 @@ impl Engine {
         let Some(position) = position else {
             return Ok(false);
         };
-        let bytes = match self.control[position] {
+        let bytes = match &self.control[position] {
             Control::Keepalive => KEEPALIVE_SLOT_LEN,
-            Control::Offer { .. } => OFFER_LEN,
+            Control::Offer { keys, .. } => OFFER_LEN + 4 * keys.len(),
+            Control::Cts { keys, .. } => HEADER_LEN + 4 * keys.len(),
             _ => HEADER_LEN,
         };
         if !self.window.admit(bytes) {
@@ -75,8 +79,22 @@ impl Engine {
             return Ok(false);
         };
         match control {
-            Control::Cts { msg_id, addr, rkey } => {
-                self.push_send(ControlKind::Cts { addr, rkey }, msg_id, 0, &[])?;
+            Control::Cts {
+                msg_id,
+                addr,
+                rkey,
+                keys,
+            } => {
+                let parts = match keys.is_empty() {
+                    true => Vec::new(),
+                    false => vec![
+                        self.send_pool
+                            .alloc_copy(&encode_rail_keys(&keys))
+                            .map_err(EngineError::Memory)?
+                            .freeze(),
+                    ],
+                };
+                self.push_send(ControlKind::Cts { addr, rkey }, msg_id, 0, &parts)?;
             }
             Control::Slot { addr, rkey } => {
                 self.push_send(ControlKind::Slot { addr, rkey }, 0, 0, &[])?;
@@ -87,10 +105,13 @@ impl Engine {
                 addr,
                 rkey,
                 size,
+                keys,
             } => {
+                let mut raw = size.to_le_bytes().to_vec();
+                raw.extend(encode_rail_keys(&keys));
                 let size = self
                     .send_pool
-                    .alloc_copy(&size.to_le_bytes())
+                    .alloc_copy(&raw)
                     .map_err(EngineError::Memory)?
                     .freeze();
                 self.push_send(ControlKind::Offer { addr, rkey }, id, socket, &[size])?;
@@ -111,15 +132,15 @@ impl Engine {
             return Ok(Turn::Done);
         };
         // A large message that fits the peer's offer goes there, unasked.
-        let offered = match (tx.queue.front(), tx.offer) {
+        let offered = match (tx.queue.front(), tx.offer.as_ref()) {
             (Some(Item::Message(m)), Some(offer))
                 if m.len > small_limit && (m.len + PREFIX_LEN) as u64 <= offer.size =>
             {
-                Some((m.len, offer))
+                Some(m.len)
             }
             _ => None,
         };
-        if let Some((len, offer)) = offered {
+        if let Some(len) = offered {
             let prefix = self
                 .send_pool
                 .alloc_copy(&(len as u64).to_le_bytes())
@@ -128,10 +149,12 @@ impl Engine {
             let Some(tx) = self.sockets.get_mut(&socket) else {
                 return Ok(Turn::Done);
             };
+            let Some(offer) = tx.offer.take() else {
+                return Ok(Turn::Done);
+            };
             let Some(Item::Message(mut message)) = tx.queue.pop_front() else {
                 return Ok(Turn::Done);
             };
-            tx.offer = None;
             message.parts.insert(0, prefix);
             message.len += PREFIX_LEN;
             tx.large.push_back(LargeSend {
@@ -139,6 +162,8 @@ impl Engine {
                 message,
                 dest: Some((offer.addr, offer.rkey)),
                 offset: 0,
+                rail_keys: offer.rail_keys,
+                stripe: None,
             });
             self.stats.offered_sends += 1;
         }
@@ -172,6 +197,8 @@ impl Engine {
                 message,
                 dest: None,
                 offset: 0,
+                rail_keys: Vec::new(),
+                stripe: None,
             });
             self.awaiting_cts.insert(msg_id, socket);
             self.push_send(ControlKind::Rts { size }, msg_id, socket, &[])?;
@@ -240,7 +267,10 @@ impl Engine {
             };
             #[cfg(test)]
             let before = self.window.in_flight();
-            let turn = self.socket_turn(socket)?;
+            let turn = match socket {
+                stripes::STRIPES => self.stripe_turn()?,
+                socket => self.socket_turn(socket)?,
+            };
             #[cfg(test)]
             if matches!(turn, Turn::Fragment) {
                 let bytes = self.window.in_flight() - before;
@@ -252,7 +282,9 @@ impl Engine {
                     self.active.push_back(socket);
                 }
                 Turn::Blocked | Turn::Done => {
-                    if let Some(tx) = self.sockets.get_mut(&socket) {
+                    if socket == stripes::STRIPES {
+                        self.stripes_unscheduled();
+                    } else if let Some(tx) = self.sockets.get_mut(&socket) {
                         tx.scheduled = false;
                     }
                 }

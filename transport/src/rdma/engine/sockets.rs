@@ -46,6 +46,7 @@ impl Engine {
             };
             self.next_socket = self.next_socket.wrapping_add(1).max(1);
             if candidate & !ACCEPTOR_BIT != 0
+                && candidate != super::stripes::STRIPES
                 && !self.open.contains(&candidate)
                 && !self.sockets.contains_key(&candidate)
             {

@@ -50,6 +50,38 @@ pub struct EngineConfig {
     /// are that rail's registrations (`PoolBuf::region_on`). Default 0,
     /// the primary.
     pub rail: usize,
+    /// Rails of the transport (devices the pools are registered on). With
+    /// more than one, striping on and no confinement, grants and offers
+    /// tell the destination's key on each (`control.rs`, rail keys).
+    /// Default 1.
+    pub rails: usize,
+    /// Striping of large messages over the queue pairs of other rails to
+    /// the same peer (`stripes.rs`); `None`: off. Default off.
+    pub stripe: Option<StripeConfig>,
+}
+
+/// How large messages are striped over rails (`stripes.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StripeConfig {
+    /// Smallest message striped: below it, the hop to another rail's I/O
+    /// driver and back costs more than the bytes it moves. Default 256 KiB.
+    pub min_bytes: usize,
+    /// Bytes of each chunk handed to another rail. Default 128 KiB: a
+    /// 1 MiB message gives each of 4 rails about two.
+    pub chunk_bytes: usize,
+    /// Chunks each other rail has at once: 2, so that a rail always has
+    /// the next while the last completes, and a slow rail takes fewer.
+    pub depth: usize,
+}
+
+impl Default for StripeConfig {
+    fn default() -> Self {
+        Self {
+            min_bytes: 256 << 10,
+            chunk_bytes: 128 << 10,
+            depth: 2,
+        }
+    }
 }
 
 /// Requests to send an engine keeps waiting for budget before it fails:
@@ -74,6 +106,8 @@ impl Default for EngineConfig {
             max_granted_bytes: 256 << 20,
             offers: true,
             rail: 0,
+            rails: 1,
+            stripe: None,
         }
     }
 }
@@ -180,6 +214,18 @@ pub enum EngineEvent {
     /// A message of the socket is wholly on its way (its last fragment
     /// queued for posting): room for one more in the socket's send queue.
     Sent(SocketId),
+    /// A chunk another engine handed this one to write
+    /// ([`Engine::handle_stripe_writes`]) is written (`ok`: its writes
+    /// completed) or abandoned: tell its origin
+    /// ([`Engine::handle_stripe_done`] there).
+    StripeDone {
+        /// The origin engine, as the owner named it.
+        origin: u64,
+        /// The origin's token for the chunk.
+        token: u64,
+        /// Written and completed (else the origin writes it itself).
+        ok: bool,
+    },
     /// The engine failed; nothing more will happen on it.
     Failed(EngineError),
 }
@@ -218,6 +264,14 @@ pub struct EngineStats {
     pub offers_used: u64,
     /// Messages sent to a destination the peer offered (no RTS).
     pub offered_sends: u64,
+    /// Chunks of this engine's messages handed to other rails.
+    pub stripe_chunks: u64,
+    /// Of those, chunks the other rail did not write (it failed), which
+    /// this engine wrote itself.
+    pub stripe_redone: u64,
+    /// Bytes this engine wrote for other engines' messages (chunks handed
+    /// to it).
+    pub striped_bytes: u64,
 }
 
 /// How a peer (or its NIC) broke the engine's protocol

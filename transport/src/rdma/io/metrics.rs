@@ -17,6 +17,9 @@ pub(super) struct EngineMetrics {
     window_stalls: metrics::Counter,
     keepalives_sent: metrics::Counter,
     offered_sends: metrics::Counter,
+    stripe_chunks: metrics::Counter,
+    stripe_redone: metrics::Counter,
+    striped_bytes: metrics::Counter,
     ring_occupancy: metrics::Histogram,
 }
 
@@ -33,6 +36,9 @@ impl EngineMetrics {
             window_stalls: metrics::counter!("tessera_rdma_window_stalls_total", "peer" => peer.clone()),
             keepalives_sent: metrics::counter!("tessera_rdma_keepalives_sent_total", "peer" => peer.clone()),
             offered_sends: metrics::counter!("tessera_rdma_offered_sends_total", "peer" => peer.clone()),
+            stripe_chunks: metrics::counter!("tessera_rdma_stripe_chunks_total", "peer" => peer.clone()),
+            stripe_redone: metrics::counter!("tessera_rdma_stripe_redone_total", "peer" => peer.clone()),
+            striped_bytes: metrics::counter!("tessera_rdma_striped_bytes_total", "peer" => peer.clone()),
             ring_occupancy: metrics::histogram!("tessera_rdma_ring_occupancy", "peer" => peer),
         }
     }
@@ -89,6 +95,21 @@ impl EngineMetrics {
                 &totals.offered_sends,
                 now.offered_sends - last.offered_sends,
             ),
+            (
+                &self.stripe_chunks,
+                &totals.stripe_chunks,
+                now.stripe_chunks - last.stripe_chunks,
+            ),
+            (
+                &self.stripe_redone,
+                &totals.stripe_redone,
+                now.stripe_redone - last.stripe_redone,
+            ),
+            (
+                &self.striped_bytes,
+                &totals.striped_bytes,
+                now.striped_bytes - last.striped_bytes,
+            ),
         ];
         for (counter, total, delta) in pairs {
             if delta > 0 {
@@ -116,6 +137,9 @@ pub(crate) struct IoStats {
     pub(crate) window_stalls: AtomicU64,
     pub(crate) keepalives_sent: AtomicU64,
     pub(crate) offered_sends: AtomicU64,
+    pub(crate) stripe_chunks: AtomicU64,
+    pub(crate) stripe_redone: AtomicU64,
+    pub(crate) striped_bytes: AtomicU64,
     pub(crate) keepalive_failures: AtomicU64,
     pub(crate) engines_failed: AtomicU64,
     pub(crate) peak_in_flight_bytes: AtomicU64,

@@ -43,7 +43,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::rdma::engine::{Engine, PeerInfo, SocketId};
+use crate::rdma::engine::{Engine, PeerInfo, SocketId, StripeChunk};
 use crate::verbs::{CompletionQueue, QueuePair, SharedReceiveQueue};
 use crate::{Connection, Message, Polling, TransportError};
 pub(crate) use metrics::IoStats;
@@ -84,6 +84,43 @@ pub(crate) enum Command {
     PeerReady { qpn: u32, info: PeerInfo },
     /// The peer's handshake connection closed.
     PeerClosed { qpn: u32 },
+    /// The engines on other rails to the same peer (`rdma/partners.rs`).
+    Partners { qpn: u32, partners: Vec<Partner> },
+    /// A chunk of engine `origin`'s message to write (`stripes.rs`);
+    /// answered to `reply` (the origin's driver and QP number).
+    StripeWrites {
+        qpn: u32,
+        origin: u64,
+        token: u64,
+        chunk: StripeChunk,
+        reply: (IoThread, u32),
+    },
+    /// The answer for a chunk this engine handed out.
+    StripeDone { qpn: u32, token: u64, ok: bool },
+    /// Engine `origin` failed: drop its chunks not yet written.
+    StripeCancel { qpn: u32, origin: u64 },
+}
+
+/// An engine on another rail to the same peer, as its partners know it.
+#[derive(Clone)]
+pub(crate) struct Partner {
+    /// Its rail.
+    pub(crate) rail: usize,
+    /// Its driver.
+    pub(crate) io: IoThread,
+    /// Its QP number there.
+    pub(crate) qpn: u32,
+    /// Whether it still runs.
+    pub(crate) alive: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Partner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Partner")
+            .field("rail", &self.rail)
+            .field("qpn", &self.qpn)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A connected engine and what goes with it.

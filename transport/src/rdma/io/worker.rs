@@ -162,7 +162,22 @@ struct EngineSlot {
     ready: bool,
     /// Its engine's deadline as it was after the engine last ran.
     deadline: Option<Instant>,
+    /// Its name as the origin of chunks it hands to partners (unique in
+    /// the process).
+    origin: u64,
+    /// Engines on other rails to the same peer (`rdma/partners.rs`).
+    partners: Vec<super::Partner>,
 }
+
+/// Names of engines as origins of chunks (`stripes.rs`).
+static NEXT_ORIGIN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// How long the buffers of a failed engine's grants stay out of the pool
+/// when their keys on other rails were told (`Engine::take_exposed`): a
+/// chunk the peer's queue pair on another rail posted before it learnt of
+/// the failure may still land. 5 s: a queue pair's own retries give up
+/// within about that on the default transport timeouts.
+const LATE_WRITE_HOLD: Duration = Duration::from_secs(5);
 
 impl EngineSlot {
     /// Puts this engine (`qpn`) on the ready list, once.
@@ -220,6 +235,12 @@ pub(super) struct Worker {
     /// Rounds run and engines visited, published with the metrics.
     rounds: u64,
     engine_visits: u64,
+    /// Where the answers for chunks of other drivers' engines go, by the
+    /// origin's name: its driver and QP number (`stripes.rs`).
+    origins: HashMap<u64, (IoThread, u32)>,
+    /// Buffers of failed engines held until late writes cannot land
+    /// ([`LATE_WRITE_HOLD`]).
+    late: std::collections::VecDeque<(Instant, Vec<crate::pool::PoolBuf>)>,
 }
 
 /// Rounds a direct send runs at most before it leaves the rest to the
@@ -257,6 +278,8 @@ impl Worker {
             completions: Vec::with_capacity(64),
             rounds: 0,
             engine_visits: 0,
+            origins: HashMap::new(),
+            late: std::collections::VecDeque::new(),
         }
     }
 
@@ -397,6 +420,10 @@ impl Worker {
         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
         let panic_on_len = self.panic_on_len;
         let totals = Arc::clone(&self.stats);
+        let origins = &self.origins;
+        while self.late.front().is_some_and(|(until, _)| now >= *until) {
+            self.late.pop_front();
+        }
         // What a round cut short by a panic left unvisited goes first (its
         // engines are still marked ready, so nothing else would list them).
         self.ready.append(&mut self.visiting);
@@ -415,7 +442,7 @@ impl Worker {
             if !slot.panicked {
                 let io = io.as_ref();
                 worked = isolated(slot, io, |slot| {
-                    Self::drive(qpn, slot, io, &totals, panic_on_len)
+                    Self::drive(qpn, slot, io, &totals, panic_on_len, origins)
                 }) == Some(true);
             }
             if slot.panicked {
@@ -443,6 +470,10 @@ impl Worker {
             if (slot.panicked || slot.attached.engine.is_failed()) && !holding {
                 if !slot.panicked {
                     slot.metrics.update(&slot.attached.engine, &self.stats);
+                    let exposed = slot.attached.engine.take_exposed();
+                    if !exposed.is_empty() {
+                        self.late.push_back((now + LATE_WRITE_HOLD, exposed));
+                    }
                 }
                 metrics::gauge!("tessera_rdma_qps_open").decrement(1.0);
                 self.engines.remove(&qpn);
@@ -580,6 +611,7 @@ impl Worker {
         io: Option<&IoThread>,
         totals: &IoStats,
         panic_on_len: Option<usize>,
+        origins: &HashMap<u64, (IoThread, u32)>,
     ) -> bool {
         let mut progress = false;
         let now = Instant::now();
@@ -590,6 +622,8 @@ impl Worker {
             opening,
             had_socket,
             metrics,
+            origin,
+            partners,
             ..
         } = slot;
         if !sockets.is_empty() {
@@ -609,6 +643,27 @@ impl Worker {
             progress = true;
             if let Err(err) = attached.qp.post_send(&batch) {
                 post_failed(attached, err);
+            }
+        }
+        // Chunks for the other rails' engines (`stripes.rs`); one whose
+        // engine is gone comes back at once, to be written here.
+        while let Some(delegation) = attached.engine.poll_delegation() {
+            progress = true;
+            let partner = partners
+                .iter()
+                .find(|p| p.rail == delegation.rail && p.is_alive());
+            let handed = match (partner, io) {
+                (Some(partner), Some(io)) => partner.io.submit(Command::StripeWrites {
+                    qpn: partner.qpn,
+                    origin: *origin,
+                    token: delegation.token,
+                    chunk: delegation.chunk,
+                    reply: (io.clone(), qpn),
+                }),
+                _ => false,
+            };
+            if !handed {
+                attached.engine.handle_stripe_done(delegation.token, false);
             }
         }
         // Counted before they are handed on: a message the application has
@@ -674,6 +729,15 @@ impl Worker {
                     }
                 }
                 EngineEvent::Closed(socket) => to_backlog(sockets, EngineEvent::Closed(socket)),
+                EngineEvent::StripeDone { origin, token, ok } => {
+                    if let Some((io, qpn)) = origins.get(&origin) {
+                        io.submit(Command::StripeDone {
+                            qpn: *qpn,
+                            token,
+                            ok,
+                        });
+                    }
+                }
                 EngineEvent::Failed(crate::rdma::engine::EngineError::Unused) => {
                     attached.alive.store(false, Ordering::Release);
                 }
@@ -702,6 +766,24 @@ impl Worker {
                     let held = attached.engine.take_held();
                     if !held.is_empty() {
                         attached.qp.quiesce();
+                    }
+                    // Its QP in error: chunks of other engines it did not
+                    // write go back to be written by their own, and its
+                    // own chunks on other rails are no longer wanted.
+                    for (origin, token) in attached.engine.take_abandoned_stripes() {
+                        if let Some((io, qpn)) = origins.get(&origin) {
+                            io.submit(Command::StripeDone {
+                                qpn: *qpn,
+                                token,
+                                ok: false,
+                            });
+                        }
+                    }
+                    for partner in partners.iter() {
+                        partner.io.submit(Command::StripeCancel {
+                            qpn: partner.qpn,
+                            origin: *origin,
+                        });
                     }
                     for held in held {
                         to_backlog(sockets, held);
@@ -754,6 +836,8 @@ impl Worker {
                     panicked: false,
                     ready: false,
                     deadline: None,
+                    origin: NEXT_ORIGIN.fetch_add(1, Ordering::Relaxed),
+                    partners: Vec::new(),
                 };
                 let now = Instant::now();
                 let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
@@ -824,6 +908,44 @@ impl Worker {
             }
             Command::PeerClosed { qpn } => {
                 self.with_engine(qpn, |slot| slot.attached.engine.handle_peer_closed());
+            }
+            Command::Partners { qpn, partners } => {
+                self.with_engine(qpn, |slot| {
+                    let rails = partners.iter().map(|p| p.rail).collect();
+                    slot.partners = partners;
+                    slot.attached.engine.set_stripe_rails(rails);
+                });
+            }
+            Command::StripeWrites {
+                qpn,
+                origin,
+                token,
+                chunk,
+                reply,
+            } => {
+                let answer = reply.clone();
+                self.origins.insert(origin, reply);
+                let taken = self.with_engine(qpn, |slot| {
+                    slot.attached
+                        .engine
+                        .handle_stripe_writes(origin, token, chunk);
+                });
+                if taken.is_none() {
+                    answer.0.submit(Command::StripeDone {
+                        qpn: answer.1,
+                        token,
+                        ok: false,
+                    });
+                }
+            }
+            Command::StripeDone { qpn, token, ok } => {
+                self.with_engine(qpn, |slot| {
+                    slot.attached.engine.handle_stripe_done(token, ok);
+                });
+            }
+            Command::StripeCancel { qpn, origin } => {
+                self.origins.remove(&origin);
+                self.with_engine(qpn, |slot| slot.attached.engine.cancel_stripes(origin));
             }
             Command::Event(event) => {
                 use crate::verbs::AsyncEvent;
