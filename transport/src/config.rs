@@ -321,8 +321,8 @@ pub struct RdmaConfig {
     /// Bytes of each chunk a striped message hands to another rail (each
     /// rail has two at once and takes the next as one completes, so rails
     /// share a message in proportion to what they carry). Default 128 KiB:
-    /// a 1 MiB message gives each of 4 rails about two. At least
-    /// `fragment_size`.
+    /// a 1 MiB message gives each of 4 rails about two. At least 1024 (a
+    /// chunk is written in fragments of at most `fragment_size`).
     pub stripe_chunk_bytes: usize,
 }
 
@@ -460,14 +460,8 @@ impl Validate for RdmaConfig {
         if self.small_message_limit == 0 {
             return Err(invalid("small_message_limit", "must be at least 1"));
         }
-        if self.stripe_min_bytes > 0 && self.stripe_chunk_bytes < self.fragment_size {
-            return Err(invalid(
-                "stripe_chunk_bytes",
-                format!(
-                    "{} is below fragment_size ({}): a chunk is one fragment at least",
-                    self.stripe_chunk_bytes, self.fragment_size
-                ),
-            ));
+        if self.stripe_min_bytes > 0 && self.stripe_chunk_bytes < 1024 {
+            return Err(invalid("stripe_chunk_bytes", "must be at least 1024"));
         }
         if self.fragment_size < 1024 {
             return Err(invalid("fragment_size", "must be at least 1024"));
@@ -719,6 +713,23 @@ mod tests {
         assert_eq!(key(soft(9, 0)).as_deref(), Some("rdma.soft_rails"));
         assert_eq!(key(soft(2, 100)).as_deref(), Some("rdma.soft_rails"));
         assert!(soft(8, 0).validate().is_ok());
+        let chunk = |min: usize, chunk: usize| RdmaConfig {
+            stripe_min_bytes: min,
+            stripe_chunk_bytes: chunk,
+            ..RdmaConfig::default()
+        };
+        assert_eq!(
+            key(chunk(256 << 10, 512)).as_deref(),
+            Some("rdma.stripe_chunk_bytes")
+        );
+        // Striping off: the chunk size is not looked at; a chunk below a
+        // fragment is written as one WRITE.
+        assert!(chunk(0, 0).validate().is_ok());
+        let one_write = RdmaConfig {
+            fragment_size: 64 << 20,
+            ..RdmaConfig::default()
+        };
+        assert!(one_write.validate().is_ok());
     }
 
     #[test]
