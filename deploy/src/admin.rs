@@ -87,9 +87,11 @@ pub(crate) async fn admin(
                 .stats(StatsRequest {})
                 .await?;
             println!(
-                "| table | shard | storage | rows | payload bytes | memory bytes | bytes/row | records | index | free | overhead | snapshots | fetches | pushes | evictions |"
+                "| table | shard | storage | rows | payload bytes | memory bytes | bytes/row | records | index | free | overhead | snapshots | fetches | pushes | evictions | candidates | admitted | admission bytes |"
             );
-            println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            println!(
+                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            );
             for s in &stats.shards {
                 let memory = s.record_bytes
                     + s.index_bytes
@@ -102,7 +104,7 @@ pub(crate) async fn admin(
                     "-".to_owned()
                 };
                 println!(
-                    "| {} | {} | {} | {} | {} | {memory} | {per_row} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {memory} | {per_row} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     s.table,
                     s.shard,
                     s.storage,
@@ -115,7 +117,10 @@ pub(crate) async fn admin(
                     s.snapshot_bytes,
                     s.fetches,
                     s.pushes,
-                    s.evictions
+                    s.evictions,
+                    s.admission_candidates,
+                    s.rows_admitted,
+                    s.admission_bytes
                 );
             }
         }

@@ -161,6 +161,8 @@ impl v1::Admin for AdminService {
             let row_bytes = u64::from(config.dim) * (1 + config.optimizer.slots() as u64) * 4;
             for (shard, state) in table.shards() {
                 let memory = state.rows.bytes();
+                let (admission_candidates, rows_admitted, admission_bytes) =
+                    state.admission_counts();
                 shards.push(ShardStats {
                     table: config.name.clone(),
                     shard,
@@ -175,6 +177,9 @@ impl v1::Admin for AdminService {
                     overhead_bytes: memory.overhead_bytes,
                     snapshot_bytes: memory.cut_bytes,
                     storage: config.storage.name().to_owned(),
+                    admission_candidates,
+                    rows_admitted,
+                    admission_bytes,
                 });
             }
         }

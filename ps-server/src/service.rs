@@ -22,7 +22,8 @@ impl From<StoreError> for Status {
             | StoreError::TooManyKeys { .. }
             | StoreError::SequenceImplausible { .. }
             | StoreError::NonFiniteGradient { .. }
-            | StoreError::BadEvictions { .. } => Status::invalid_argument(message),
+            | StoreError::BadEvictions { .. }
+            | StoreError::BadAdmissions { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
@@ -146,7 +147,7 @@ impl v1::ParameterServer for PsService {
                 let version = writing.version().next(epoch);
                 writing.set_version(version);
                 self.replication
-                    .record_push(request.shard, version, &request, &outcome.evicted)
+                    .record_push(request.shard, version, &request, &outcome)
             };
             (outcome, epoch, ticket)
         };

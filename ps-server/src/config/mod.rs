@@ -76,6 +76,15 @@ pub struct TableConfig {
     /// Largest gradient magnitude with `non_finite = "clip"`. Default 1000.
     #[serde(default = "default_gradient_clip")]
     pub gradient_clip: f32,
+    /// Feature admission (`table/admission.rs`): a row is created for an
+    /// id only once it has been pushed `min_pushes` times (`{ kind =
+    /// "count", min_pushes = 2 }`, counted in a sketch of
+    /// `4 * sketch_width` bytes per shard) or with probability `p` per
+    /// Push (`{ kind = "probability", p = 0.1 }`); earlier Pushes of it
+    /// are dropped, Fetches of it answer the initializer's values. Default
+    /// none: every pushed id gets a row (a table whose ids all matter).
+    #[serde(default)]
+    pub admission: Option<crate::table::AdmissionConfig>,
 }
 
 fn default_gradient_clip() -> f32 {
@@ -107,6 +116,7 @@ impl TableConfig {
             storage: Storage::default(),
             non_finite: NonFinite::default(),
             gradient_clip: default_gradient_clip(),
+            admission: None,
         }
     }
 
@@ -145,6 +155,9 @@ impl TableConfig {
                 format!("tables[{i}].gradient_clip"),
                 format!("{} must be a positive number", self.gradient_clip),
             ));
+        }
+        if let Some(admission) = &self.admission {
+            admission.validate(&format!("tables[{i}]"))?;
         }
         Ok(())
     }

@@ -119,7 +119,7 @@ impl Replication {
         shard: u32,
         version: Version,
         push: &PushRequest,
-        evictions: &[crate::table::Eviction],
+        outcome: &crate::store::PushOutcome,
     ) -> AckTicket {
         let mut ticket = AckTicket {
             shard,
@@ -133,8 +133,9 @@ impl Replication {
                 let push = shared.get_or_insert_with(|| {
                     Arc::new(super::forward::Forwarded {
                         request: push.clone(),
-                        evicted_before: evictions.iter().map(|e| e.before).collect(),
-                        evicted_keys: evictions.iter().map(|e| e.key).collect(),
+                        evicted_before: outcome.evicted.iter().map(|e| e.before).collect(),
+                        evicted_keys: outcome.evicted.iter().map(|e| e.key).collect(),
+                        not_admitted: outcome.not_admitted.clone(),
                     })
                 });
                 if let Some(generation) =

@@ -61,6 +61,8 @@ pub(crate) struct Forwarded {
     pub evicted_before: Vec<u32>,
     /// See `ReplicatedPush.evicted_keys`.
     pub evicted_keys: Vec<u64>,
+    /// See `ReplicatedPush.not_admitted`.
+    pub not_admitted: Vec<u32>,
 }
 
 impl Queued {
@@ -80,6 +82,11 @@ impl Queued {
                 .push
                 .as_ref()
                 .map(|p| p.evicted_keys.clone())
+                .unwrap_or_default(),
+            not_admitted: self
+                .push
+                .as_ref()
+                .map(|p| p.not_admitted.clone())
                 .unwrap_or_default(),
         }
     }

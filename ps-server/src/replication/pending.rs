@@ -47,6 +47,7 @@ fn size(entry: &ReplicatedPush) -> usize {
         .as_ref()
         .map_or(0, |p| p.gradients.len() + p.keys.len() * 8)
         + entry.evicted_keys.len() * 12
+        + entry.not_admitted.len() * 4
         + 64
 }
 

@@ -349,7 +349,7 @@ impl Replication {
                         keys: push.keys.len(),
                     });
                 }
-                checked.apply_replicated(writing, &evictions, now)
+                checked.apply_replicated(writing, &evictions, &entry.not_admitted, now)
             });
             if let Err(err) = applied {
                 // The primary applied it, so this server is configured

@@ -4,6 +4,13 @@
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
+    /// A forwarded Push's keys left out by admission do not point into its
+    /// keys in ascending order, or its table has no admission here.
+    #[error("a forwarded push's admissions do not fit its {keys} keys or this table")]
+    BadAdmissions {
+        /// Keys of the Push.
+        keys: usize,
+    },
     /// A forwarded Push's evictions do not point into its keys in order
     /// (a corrupt stream entry), or name a row this copy lacks (it is not
     /// the primary's).

@@ -51,10 +51,12 @@ impl CheckedFetch<'_> {
                 // A table with a row limit stores rows only from Pushes
                 // (under the shard's lock, where the primary's evictions
                 // go into the stream): a Fetch storing one would evict a
-                // trained row that no replica hears of. The initial values
-                // are a pure function of the key, so the answer is the
-                // same either way.
-                Mode::Training if state.rows.limited() => {
+                // trained row that no replica hears of. A table with
+                // admission creates rows only for ids pushed often enough
+                // (`table/admission.rs`). The initial values are a pure
+                // function of the key, so the answer is the same either
+                // way.
+                Mode::Training if state.rows.limited() || state.admission.is_some() => {
                     write_f32s(slot, &table.initial_row(key));
                 }
                 Mode::Training => {

@@ -21,6 +21,9 @@ pub struct PushOutcome {
     /// Rows evicted to make room for its rows (a table with `max_rows`),
     /// in order: the replicas evict the same.
     pub evicted: Vec<crate::table::Eviction>,
+    /// Indices of its keys that admission left without a row (a table
+    /// with `admission`), ascending: the replicas leave out the same.
+    pub not_admitted: Vec<u32>,
 }
 
 /// The identity of a Push for exactly-once application: the worker and its
@@ -52,14 +55,17 @@ impl CheckedPush<'_> {
     }
 
     /// Applies it as the shard's primary did (a replica following its
-    /// stream): its id is recorded, never judged, and exactly the rows the
-    /// primary evicted are evicted (`evictions`, in order). Refused, with
-    /// nothing applied, if an eviction does not point into the Push's
-    /// keys in order. The caller holds the shard's write lock.
+    /// stream): its id is recorded, never judged, exactly the rows the
+    /// primary evicted are evicted (`evictions`, in order), and no row is
+    /// created for the keys admission left out there (`not_admitted`).
+    /// Refused, with nothing applied, if an eviction or a key left out
+    /// does not point into the Push's keys in order. The caller holds the
+    /// shard's write lock.
     pub fn apply_replicated(
         &self,
         writing: &ShardGuard<'_>,
         evictions: &[crate::table::Eviction],
+        not_admitted: &[u32],
         now: Instant,
     ) -> Result<(), StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
@@ -73,6 +79,17 @@ impl CheckedPush<'_> {
                 keys: self.keys.len(),
             });
         }
+        let ascending = not_admitted.windows(2).all(|w| w[0] < w[1]);
+        if !ascending
+            || not_admitted
+                .last()
+                .is_some_and(|&i| i as usize >= self.keys.len())
+            || (!not_admitted.is_empty() && self.table.config().admission.is_none())
+        {
+            return Err(StoreError::BadAdmissions {
+                keys: self.keys.len(),
+            });
+        }
         let followed = self.table.apply_replicated(
             writing,
             self.state,
@@ -81,11 +98,13 @@ impl CheckedPush<'_> {
             self.id.worker,
             self.id.sequence,
             evictions,
+            not_admitted,
             now,
         );
         if !followed {
-            // A row the primary evicted is not here: this copy is not the
-            // primary's (applied anyway; the caller copies the shard again).
+            // A row the primary evicted is not here, or one it left out
+            // is: this copy is not the primary's (applied anyway; the
+            // caller copies the shard again).
             return Err(StoreError::BadEvictions {
                 keys: self.keys.len(),
             });
@@ -99,7 +118,7 @@ impl CheckedPush<'_> {
     pub fn apply(&self, writing: &ShardGuard<'_>, now: Instant) -> Result<PushOutcome, StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
         let id = self.id;
-        let (admission, evicted) = self.table.apply(
+        let (admission, applied) = self.table.apply(
             writing,
             self.state,
             self.keys,
@@ -111,10 +130,15 @@ impl CheckedPush<'_> {
         match admission {
             Admission::Apply => {
                 metrics::counter!("tessera_ps_push_keys_total").increment(self.keys.len() as u64);
+                if !applied.not_admitted.is_empty() {
+                    metrics::counter!("tessera_ps_admission_dropped_total", "table" => self.table.config().name.clone())
+                        .increment(applied.not_admitted.len() as u64);
+                }
                 Ok(PushOutcome {
-                    applied: self.keys.len(),
+                    applied: self.keys.len() - applied.not_admitted.len(),
                     duplicate: false,
-                    evicted,
+                    evicted: applied.evicted,
+                    not_admitted: applied.not_admitted,
                 })
             }
             Admission::Duplicate => {
@@ -122,7 +146,8 @@ impl CheckedPush<'_> {
                 Ok(PushOutcome {
                     applied: 0,
                     duplicate: true,
-                    evicted,
+                    evicted: applied.evicted,
+                    not_admitted: applied.not_admitted,
                 })
             }
             Admission::TooOld { lowest } => Err(StoreError::SequenceTooOld {

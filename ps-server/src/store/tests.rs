@@ -314,6 +314,7 @@ fn a_duplicate_push_is_acknowledged_and_not_applied() {
             applied: 1,
             duplicate: false,
             evicted: Vec::new(),
+            not_admitted: Vec::new(),
         }
     );
     let row = store.fetch("t", 0, &[key]).unwrap().1;
@@ -324,6 +325,7 @@ fn a_duplicate_push_is_acknowledged_and_not_applied() {
             applied: 0,
             duplicate: true,
             evicted: Vec::new(),
+            not_admitted: Vec::new(),
         }
     );
     assert_eq!(store.fetch("t", 0, &[key]).unwrap().1, row, "unchanged");
@@ -391,7 +393,7 @@ proptest::proptest! {
             let outcome = primary.push("t", 0, &picked, &grads, id).unwrap();
             let checked = replica.check_push("t", 0, &picked, &grads, id).unwrap();
             let guard = replica.lock_shard(0).unwrap();
-            checked.apply_replicated(&guard, &outcome.evicted, Instant::now()).unwrap();
+            checked.apply_replicated(&guard, &outcome.evicted, &outcome.not_admitted, Instant::now()).unwrap();
             drop(guard);
             // Each side serves Fetches of its own.
             let (a, b) = fetches.split_at(fetches.len() / 2);
@@ -402,6 +404,149 @@ proptest::proptest! {
             proptest::prop_assert!(primary.table("t").unwrap().shard(0).unwrap().rows.len() <= 100);
         }
         proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
+    }
+}
+
+/// A table admitting ids at their second Push.
+fn admitting(admission: crate::table::AdmissionConfig, max_rows: Option<u64>) -> PsServerConfig {
+    let mut config = config(Mode::Training);
+    config.tables[0].admission = Some(admission);
+    config.tables[0].max_rows = max_rows;
+    config
+}
+
+const TWICE: crate::table::AdmissionConfig = crate::table::AdmissionConfig::Count {
+    min_pushes: 2,
+    sketch_width: 1 << 12,
+};
+
+/// Admission (issue 37): the first Push of an id creates no row and is
+/// dropped; the second creates it (and only its gradient is applied);
+/// Fetches of an id without a row answer its initial values and store
+/// nothing, whatever the order.
+#[test]
+fn an_id_gets_its_row_at_its_second_push_and_fetches_store_nothing() {
+    let store = Store::new(&admitting(TWICE, None));
+    let plain = Store::new(&config(Mode::Training));
+    let keys = keys_of_shard(0, 3);
+    let initial = plain.fetch("t", 0, &keys).unwrap().1;
+    assert_eq!(store.fetch("t", 0, &keys).unwrap().1, initial);
+    assert_eq!(store.table("t").unwrap().rows(), 0, "a Fetch stores no row");
+    let grads = wire(&[1.0; 9]);
+    let first = store.push("t", 0, &keys, &grads, NO_ID).unwrap();
+    assert_eq!(
+        (first.applied, &first.not_admitted[..]),
+        (0, &[0, 1, 2][..])
+    );
+    assert_eq!(store.table("t").unwrap().rows(), 0);
+    assert_eq!(store.fetch("t", 0, &keys).unwrap().1, initial);
+    // The second Push of the first two keys: their rows, with that one
+    // gradient applied (SGD, learning rate 0.5).
+    let second = store
+        .push("t", 0, &keys[..2], &wire(&[1.0; 6]), NO_ID)
+        .unwrap();
+    assert_eq!((second.applied, second.not_admitted.len()), (2, 0));
+    assert_eq!(store.table("t").unwrap().rows(), 2);
+    let got = decode(&store.fetch("t", 0, &keys).unwrap().1);
+    let want = decode(&initial);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let expected = if i < 6 { w - 0.5 } else { *w };
+        assert!((g - expected).abs() < 1e-6, "value {i}: {g} vs {expected}");
+    }
+    let (candidates, admitted, bytes) = store
+        .table("t")
+        .unwrap()
+        .shard(0)
+        .unwrap()
+        .admission_counts();
+    assert_eq!((candidates, admitted, bytes), (5, 2, 4 << 12));
+}
+
+proptest::proptest! {
+    /// A replica following the primary's admissions (and evictions, with a
+    /// row limit) holds exactly the primary's rows and the same sketch,
+    /// whatever the keys, repeats within a Push included, and whatever
+    /// each side fetched; the sketch small enough to halve on the way.
+    #[test]
+    fn followed_admissions_keep_a_replica_identical(
+        pushes in proptest::collection::vec(proptest::collection::vec(0usize..400, 1..40), 1..80),
+        fetches in proptest::collection::vec(0usize..400, 0..100),
+        limited in proptest::bool::ANY,
+        probability in proptest::bool::ANY,
+    ) {
+        let admission = match probability {
+            true => crate::table::AdmissionConfig::Probability { p: 0.3 },
+            false => crate::table::AdmissionConfig::Count { min_pushes: 2, sketch_width: 1 << 10 },
+        };
+        let config = admitting(admission, limited.then_some(100));
+        let (primary, replica) = (Store::new(&config), Store::new(&config));
+        let keys = keys_of_shard(0, 400);
+        for (i, push) in pushes.iter().enumerate() {
+            // Repeats kept: a Push may name a key twice.
+            let picked: Vec<u64> = push.iter().map(|&k| keys[k]).collect();
+            let grads = wire(&vec![0.25; picked.len() * 3]);
+            let id = PushId { worker: 1, sequence: i as u64 + 1 };
+            let outcome = primary.push("t", 0, &picked, &grads, id).unwrap();
+            let checked = replica.check_push("t", 0, &picked, &grads, id).unwrap();
+            let guard = replica.lock_shard(0).unwrap();
+            checked.apply_replicated(&guard, &outcome.evicted, &outcome.not_admitted, Instant::now()).unwrap();
+            drop(guard);
+            let (a, b) = fetches.split_at(fetches.len() / 2);
+            let a: Vec<u64> = a.iter().map(|&k| keys[k]).collect();
+            let b: Vec<u64> = b.iter().map(|&k| keys[k]).collect();
+            primary.fetch("t", 0, &a).unwrap();
+            replica.fetch("t", 0, &b).unwrap();
+        }
+        proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
+        let sketch = |store: &Store| {
+            let table = store.table("t").unwrap();
+            let state = table.shard(0).unwrap();
+            let admission = state.admission.as_ref().unwrap().lock().unwrap();
+            let (counters, since) = admission.image();
+            (counters.to_vec(), since, admission.counts())
+        };
+        proptest::prop_assert_eq!(sketch(&primary), sketch(&replica));
+    }
+}
+
+/// A replica whose rows are not the primary's (it holds a row the primary
+/// left out) says so, as a missing victim does: it copies the shard again.
+#[test]
+fn a_replica_holding_a_row_the_primary_left_out_is_told_apart() {
+    let primary = Store::new(&admitting(TWICE, None));
+    let replica = Store::new(&config(Mode::Training));
+    let key = keys_of_shard(0, 1)[0];
+    let one = [key];
+    let grads = wire(&[1.0; 3]);
+    let outcome = primary.push("t", 0, &one, &grads, NO_ID).unwrap();
+    assert_eq!(outcome.not_admitted, vec![0]);
+    // A replica without admission is configured differently: refused.
+    let checked = replica.check_push("t", 0, &one, &grads, NO_ID).unwrap();
+    let guard = replica.lock_shard(0).unwrap();
+    assert!(
+        checked
+            .apply_replicated(&guard, &[], &outcome.not_admitted, Instant::now())
+            .is_err()
+    );
+    drop(guard);
+    // One with admission that has the row (from elsewhere): told apart.
+    let other = Store::new(&admitting(TWICE, None));
+    other.push("t", 0, &[key], &grads, NO_ID).unwrap();
+    other.push("t", 0, &[key], &grads, NO_ID).unwrap();
+    let checked = other.check_push("t", 0, &one, &grads, NO_ID).unwrap();
+    let guard = other.lock_shard(0).unwrap();
+    assert!(
+        checked
+            .apply_replicated(&guard, &[], &outcome.not_admitted, Instant::now())
+            .is_err()
+    );
+    // Out of order or out of range: refused before anything applies.
+    for bad in [&[1u32][..], &[0, 0][..]] {
+        assert!(
+            checked
+                .apply_replicated(&guard, &[], bad, Instant::now())
+                .is_err()
+        );
     }
 }
 

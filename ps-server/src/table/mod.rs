@@ -2,14 +2,18 @@
 //! hosted shard its rows (values and optimizer state) and its Push
 //! deduplication.
 
+mod admission;
 mod init;
 mod optimizer;
 pub mod rows;
 
 use std::collections::HashMap;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use tessera_rpc::sync::LockExt;
 
+pub use admission::{AdmissionConfig, FeatureAdmission, SKETCH_DEPTH};
 pub use init::{Initializer, row_base};
 pub use optimizer::OptimizerConfig;
 pub use rows::{
@@ -36,6 +40,9 @@ pub struct ShardState {
     pub fetches: AtomicU64,
     /// Pushes applied (duplicates not counted).
     pub pushes: AtomicU64,
+    /// Feature admission, if the table has it (used under the shard's
+    /// write lock, with the Pushes).
+    pub admission: Option<std::sync::Mutex<FeatureAdmission>>,
 }
 
 impl ShardState {
@@ -45,8 +52,35 @@ impl ShardState {
             dedup: PushDedup::new(dedup),
             fetches: AtomicU64::new(0),
             pushes: AtomicU64::new(0),
+            admission: config
+                .admission
+                .map(|c| std::sync::Mutex::new(FeatureAdmission::new(c))),
         }
     }
+
+    /// Candidate Pushes counted by admission, rows it admitted, and the
+    /// bytes its sketch takes (zeros without admission).
+    pub fn admission_counts(&self) -> (u64, u64, u64) {
+        match &self.admission {
+            None => (0, 0, 0),
+            Some(admission) => {
+                let a = admission.locked();
+                let (candidates, admitted) = a.counts();
+                (candidates, admitted, a.bytes() as u64)
+            }
+        }
+    }
+}
+
+/// What applying a Push decided, for its replicas: the rows evicted to
+/// make room, and the keys admission left without a row.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Rows evicted (a table with `max_rows`), in order.
+    pub evicted: Vec<Eviction>,
+    /// Indices into the Push's keys of the rows not created (admission),
+    /// ascending.
+    pub not_admitted: Vec<u32>,
 }
 
 /// One table's rows on this server.
@@ -62,6 +96,14 @@ pub struct Table {
 pub enum GradientError {
     /// A NaN or infinite value at this index, with `non_finite = "reject"`.
     NonFinite(usize),
+}
+
+/// How a Push admits new ids (a table with admission).
+enum Admitting<'a> {
+    /// As the primary: decide, and list the keys left out.
+    Choose(&'a mut Vec<u32>),
+    /// As a replica: the primary's list, never a decision of one's own.
+    Follow(&'a [u32]),
 }
 
 /// How a Push makes room in a table with a row limit.
@@ -139,7 +181,9 @@ impl Table {
     /// Publishes every hosted shard's row count and memory as gauges:
     /// `tessera_ps_store_rows` and `tessera_ps_store_bytes` by `part`
     /// (`records`, `index`, `free`, `overhead`, `snapshots`), labelled
-    /// with the table and the shard.
+    /// with the table and the shard; with admission, its candidates, rows
+    /// admitted and sketch bytes (`tessera_ps_admission_candidates`,
+    /// `_admitted`, `_bytes`).
     pub fn publish_gauges(&self) {
         for (&shard, state) in &self.shards {
             let b = state.rows.bytes();
@@ -154,6 +198,15 @@ impl Table {
                 ("snapshots", b.cut_bytes),
             ] {
                 metrics::gauge!("tessera_ps_store_bytes", "table" => table.clone(), "shard" => shard.clone(), "part" => part)
+                    .set(bytes as f64);
+            }
+            if state.admission.is_some() {
+                let (candidates, admitted, bytes) = state.admission_counts();
+                metrics::gauge!("tessera_ps_admission_candidates", "table" => table.clone(), "shard" => shard.clone())
+                    .set(candidates as f64);
+                metrics::gauge!("tessera_ps_admission_admitted", "table" => table.clone(), "shard" => shard.clone())
+                    .set(admitted as f64);
+                metrics::gauge!("tessera_ps_admission_bytes", "table" => table.clone(), "shard" => shard.clone())
                     .set(bytes as f64);
             }
         }
@@ -227,8 +280,9 @@ impl Table {
     /// `state`, unless (`worker`, `sequence`) was applied before. The caller
     /// holds the shard's write lock (`_writing`). Rows are decoded one at a
     /// time into a row-sized scratch buffer: the payload itself is never
-    /// copied. Returns the admission decision and the rows evicted to make
-    /// room (which the replicas replay).
+    /// copied. Returns the deduplication decision and what the replicas
+    /// replay: the rows evicted to make room, the keys admission left
+    /// without a row.
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
@@ -239,29 +293,32 @@ impl Table {
         worker: u64,
         sequence: u64,
         now: Instant,
-    ) -> (Admission, Vec<Eviction>) {
+    ) -> (Admission, Applied) {
         let admission = state.dedup.admit(worker, sequence, now);
         if admission != Admission::Apply {
-            return (admission, Vec::new());
+            return (admission, Applied::default());
         }
-        let mut evicted = Vec::new();
+        let mut applied = Applied::default();
         self.apply_rows(
             state,
             keys,
             gradients,
             (worker, sequence),
-            Evicting::Choose(&mut evicted),
+            Evicting::Choose(&mut applied.evicted),
+            Admitting::Choose(&mut applied.not_admitted),
         );
-        (admission, evicted)
+        (admission, applied)
     }
 
     /// Applies a Push the shard's primary applied (a replica following its
     /// stream): records its id without deciding anything (see
-    /// [`PushDedup::record`]), always applies it, and evicts exactly the
-    /// rows the primary evicted, at the same points (`evictions`, in
-    /// order, each `before` an index into `keys`). False when a row to
-    /// evict was missing: this copy is not the primary's. The caller holds
-    /// the shard's write lock.
+    /// [`PushDedup::record`]), always applies it, evicts exactly the rows
+    /// the primary evicted, at the same points (`evictions`, in order, each
+    /// `before` an index into `keys`), and creates no row for the keys
+    /// admission left out there (`not_admitted`, ascending indices). False
+    /// when this copy is not the primary's: a row to evict was missing, or
+    /// a key left out has a row here. The caller holds the shard's write
+    /// lock.
     #[allow(clippy::too_many_arguments)]
     pub fn apply_replicated(
         &self,
@@ -272,6 +329,7 @@ impl Table {
         worker: u64,
         sequence: u64,
         evictions: &[Eviction],
+        not_admitted: &[u32],
         now: Instant,
     ) -> bool {
         state.dedup.record(worker, sequence, now);
@@ -281,11 +339,63 @@ impl Table {
             gradients,
             (worker, sequence),
             Evicting::Follow(evictions),
+            Admitting::Follow(not_admitted),
         )
     }
 
+    /// Which of the first `n` keys of a Push get their rows applied, with
+    /// admission (`table/admission.rs`): those with a row, and those
+    /// admitted now (choosing, the rest listed in `not_admitted`; or
+    /// following the primary's list). Keys already admitted by this Push
+    /// count as having a row. Sets `followed` to false when a key the
+    /// primary left out has a row here.
+    fn admit(
+        admission: &mut FeatureAdmission,
+        state: &ShardState,
+        keys: &[u64],
+        n: usize,
+        seed: u64,
+        admitting: Admitting<'_>,
+        followed: &mut bool,
+    ) -> Vec<usize> {
+        let mut kept = Vec::with_capacity(n);
+        let mut admitted_now = std::collections::HashSet::new();
+        match admitting {
+            Admitting::Choose(left_out) => {
+                for (i, &key) in keys.iter().enumerate().take(n) {
+                    if admitted_now.contains(&key) || state.rows.contains(key) {
+                        kept.push(i);
+                    } else if admission.candidate(key, seed) {
+                        admitted_now.insert(key);
+                        kept.push(i);
+                    } else {
+                        left_out.push(u32::try_from(i).unwrap_or(u32::MAX));
+                    }
+                }
+            }
+            Admitting::Follow(left_out) => {
+                let mut listed = left_out.iter().copied().peekable();
+                for (i, &key) in keys.iter().enumerate().take(n) {
+                    let out = listed.next_if(|&l| l as usize == i).is_some();
+                    let known = admitted_now.contains(&key) || state.rows.contains(key);
+                    if out {
+                        *followed &= !known;
+                        admission.follow(key, false);
+                        continue;
+                    }
+                    if !known {
+                        admission.follow(key, true);
+                        admitted_now.insert(key);
+                    }
+                    kept.push(i);
+                }
+            }
+        }
+        kept
+    }
+
     /// Applies the rows; false when a victim to evict (following) was not
-    /// there.
+    /// there, or a key admission left out (following) has a row here.
     fn apply_rows(
         &self,
         state: &ShardState,
@@ -293,6 +403,7 @@ impl Table {
         gradients: &[u8],
         (worker, sequence): (u64, u64),
         mut evicting: Evicting<'_>,
+        admitting: Admitting<'_>,
     ) -> bool {
         let mut followed = true;
         state.pushes.fetch_add(1, Ordering::Relaxed);
@@ -304,28 +415,45 @@ impl Table {
         // Narrow values round with draws seeded by the Push (see
         // `rows::layout`): the replicas apply it with the same identity.
         let seed = tessera_proto::sharding::splitmix64(worker ^ sequence.rotate_left(32));
+        let row = dim * F32;
+        // Rows past the gradients' whole rows are not applied.
+        let n = keys.len().min(gradients.len() / row.max(1));
+        // The keys applied, by their index in the Push: all of them, or
+        // those admission lets through.
+        let kept: Option<Vec<usize>> = state.admission.as_ref().map(|admission| {
+            Self::admit(
+                &mut admission.locked(),
+                state,
+                keys,
+                n,
+                seed,
+                admitting,
+                &mut followed,
+            )
+        });
+        let index_of = |j: usize| kept.as_ref().map_or(j, |kept| kept[j]);
+        let applied_keys: std::borrow::Cow<'_, [u64]> = match &kept {
+            None => std::borrow::Cow::Borrowed(&keys[..n]),
+            Some(kept) => kept.iter().map(|&i| keys[i]).collect(),
+        };
         let evictions_to_follow = matches!(&evicting, Evicting::Follow(e) if !e.is_empty());
         if !state.rows.limited() && !evictions_to_follow {
-            // Nothing to evict: every stripe locked once for its rows. As
-            // the row-by-row path (a zip), rows past the gradients' whole
-            // rows are not applied; row `i` is then in range.
-            let row = dim * F32;
-            let keys = &keys[..keys.len().min(gradients.len() / row.max(1))];
+            // Nothing to evict: every stripe locked once for its rows.
+            let keys = &applied_keys[..];
             refused = state.rows.upsert_many(
                 keys,
                 seed,
-                |i, values, st| self.init_row(keys[i], values, st),
-                |i, values, st, steps| {
+                |j, values, st| self.init_row(keys[j], values, st),
+                |j, values, st, steps| {
+                    let i = index_of(j);
                     clipped += self.decode_row(&gradients[i * row..(i + 1) * row], &mut grad);
                     optimizer.apply(values, st, steps, &grad)
                 },
             ) as u64;
         } else {
-            for (index, (&key, raw)) in keys
-                .iter()
-                .zip(gradients.chunks_exact(dim * F32))
-                .enumerate()
-            {
+            for (j, &key) in applied_keys.iter().enumerate() {
+                let index = index_of(j);
+                let raw = &gradients[index * row..(index + 1) * row];
                 clipped += self.decode_row(raw, &mut grad);
                 match &mut evicting {
                     Evicting::Choose(evicted) => {

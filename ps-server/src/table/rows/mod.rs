@@ -329,6 +329,13 @@ impl ShardRows {
         }
     }
 
+    /// Whether `key` has a row (not a use: an LRU clock stays as it is).
+    pub fn contains(&self, key: u64) -> bool {
+        self.read_stripe(self.stripe(key))
+            .find(&self.layout, key)
+            .is_some()
+    }
+
     /// Calls `read` with the row of `key`, if present (counts as a use).
     pub fn read<R>(&self, key: u64, read: impl FnOnce(RowRef<'_>) -> R) -> Option<R> {
         let stripe = self.read_stripe(self.stripe(key));
