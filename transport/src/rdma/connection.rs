@@ -37,7 +37,7 @@ use super::window::WindowConfig;
 use crate::pool::Pool;
 use crate::tls::BoxStream;
 use crate::verbs::{Device, GidType, LinkLayer, QpCaps, QpEndpoint};
-use crate::{Connection, HandshakeError, RdmaError, TransportConfig, TransportError};
+use crate::{Connection, HandshakeError, Polling, RdmaError, TransportConfig, TransportError};
 
 /// Version of the RDMA connection protocol (handshake and control header).
 pub const PROTOCOL_VERSION: u16 = 6;
@@ -231,6 +231,20 @@ impl RdmaRuntime {
     ) -> Result<Self, TransportError> {
         let rdma = &config.rdma;
         let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
+        // The CPUs of the NIC's NUMA node, where the host says (threads
+        // only: runtime drivers run on the application's threads).
+        let node = device.numa_node();
+        let cpus = node.and_then(super::topology::node_cpus);
+        if let (Some(node), Some(cpus), Polling::Event | Polling::Busy) =
+            (node, &cpus, rdma.polling)
+        {
+            tracing::info!(
+                device = device.name(),
+                node,
+                cpus = cpus.len(),
+                "RDMA I/O threads pinned to the NIC's NUMA node"
+            );
+        }
         let threads = (0..rdma.io_threads)
             .map(|i| {
                 let cq = device.create_cq(rdma.cq_depth).map_err(failed)?;
@@ -254,6 +268,7 @@ impl RdmaRuntime {
                         (crate::RdmaProvider::Soft, len) if len > 0 => Some(len as usize),
                         _ => None,
                     },
+                    cpus.clone(),
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;

@@ -17,6 +17,7 @@ pub(crate) mod io;
 pub(crate) mod partners;
 pub(crate) mod rails;
 pub mod ring;
+pub(crate) mod topology;
 pub mod window;
 pub mod windows;
 pub(crate) mod wr_id;

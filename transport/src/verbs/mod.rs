@@ -487,6 +487,11 @@ pub trait Device: Send + Sync {
     fn port_active(&self) -> bool {
         true
     }
+    /// The NUMA node the device hangs off, where the host says (default:
+    /// none; `rdma/topology.rs` pins the rail's I/O threads there).
+    fn numa_node(&self) -> Option<u32> {
+        None
+    }
     /// A type-2 memory window in the device's protection domain (see
     /// [`DeviceLimits::memory_windows`]).
     fn alloc_window(&self) -> Result<Arc<dyn MemoryWindow>, VerbsError> {

@@ -185,6 +185,7 @@ impl IoThread {
         polling: Polling,
         spin: Duration,
         panic_on_len: Option<usize>,
+        cpus: Option<Vec<usize>>,
     ) -> Result<Self, TransportError> {
         let (commands, queue) = mpsc::unbounded_channel();
         let stats = Arc::new(IoStats::default());
@@ -213,9 +214,15 @@ impl IoThread {
             }
             Polling::Event | Polling::Busy => {
                 worker.set_handle(handle.downgrade());
-                std::thread::Builder::new()
-                    .name(name)
-                    .spawn(move || thread::run(worker, polling, spin))?;
+                std::thread::Builder::new().name(name).spawn(move || {
+                    // Next to its rail's NIC (`rdma/topology.rs`).
+                    if let Some(cpus) = cpus
+                        && let Err(err) = crate::rdma::topology::pin_current_thread(&cpus)
+                    {
+                        tracing::warn!(%err, ?cpus, "could not pin an RDMA I/O thread to its NIC's NUMA node");
+                    }
+                    thread::run(worker, polling, spin)
+                })?;
             }
         }
         Ok(handle)

@@ -416,6 +416,10 @@ impl Device for IbvDevice {
         queried == 0 && port_attr.state == ibv_port_state::IBV_PORT_ACTIVE
     }
 
+    fn numa_node(&self) -> Option<u32> {
+        describe::numa_node(&self.ctx.name)
+    }
+
     fn alloc_window(&self) -> Result<Arc<dyn crate::verbs::MemoryWindow>, VerbsError> {
         Ok(Arc::new(mw::IbvWindow::allocate(&self.ctx)?))
     }
