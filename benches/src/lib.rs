@@ -1,5 +1,6 @@
 //! Workloads shared by the `tessera-bench` binaries.
 
+pub mod admission;
 pub mod all;
 pub mod alloc;
 pub mod echo;

@@ -293,6 +293,19 @@ enum Command {
     },
     /// How a ps-server's latency and memory grow with keys per Fetch, rows
     /// per shard and client connections (log axes).
+    /// Feature admission over a drifting Zipf id stream: rows, memory and
+    /// hit share against an unlimited table and a row limit (issue 37).
+    Admission {
+        /// A short smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Write `admission.json` and `admission.md` into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Pushes (default 4000, quick 200).
+        #[arg(long)]
+        pushes: Option<u64>,
+    },
     Scale {
         /// A short smoke run.
         #[arg(long)]
@@ -775,6 +788,16 @@ fn main() -> Result<(), BoxError> {
                 println!("{row}");
             }
             Ok(())
+        }
+        Command::Admission { quick, out, pushes } => {
+            let defaults = tessera_benches::admission::Plan::new(quick);
+            let plan = tessera_benches::admission::Plan {
+                pushes: pushes.unwrap_or(defaults.pushes),
+                ..defaults
+            };
+            let meta = tessera_benches::report::Meta::collect("admission");
+            let (rows, table) = tessera_benches::admission::run(&plan)?;
+            report(&meta, out.as_deref(), &rows, &table)
         }
         Command::Scale {
             quick,
