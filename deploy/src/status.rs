@@ -75,6 +75,14 @@ pub struct ServerStatus {
     /// Bytes those rows take in its memory (0 from a server older than
     /// the field).
     pub store_bytes: u64,
+    /// Feature admission, all tables together: rows admitted and Pushes
+    /// of ids without a row counted since it started, and the bytes of
+    /// its sketches (zeros without admission).
+    pub rows_admitted: u64,
+    /// See `rows_admitted`.
+    pub admission_candidates: u64,
+    /// See `rows_admitted`.
+    pub admission_bytes: u64,
     /// Its checkpoints; `None` without a checkpoint directory (or when it
     /// did not answer).
     pub checkpoint: Option<CheckpointStatus>,
@@ -143,16 +151,27 @@ impl ServerStatus {
             shard_health: Vec::new(),
             rows: 0,
             store_bytes: 0,
+            rows_admitted: 0,
+            admission_candidates: 0,
+            admission_bytes: 0,
             checkpoint: None,
         }
     }
 
-    /// The table's cell: rows, and memory per row.
+    /// The table's cell: rows, memory per row, and what admission did.
     fn rows_cell(&self) -> String {
-        match (self.rows, self.store_bytes) {
+        let rows = match (self.rows, self.store_bytes) {
             (0, _) => "0".to_owned(),
             (rows, 0) => rows.to_string(),
             (rows, bytes) => format!("{rows} ({:.1} B/row)", bytes as f64 / rows as f64),
+        };
+        match self.admission_candidates {
+            0 => rows,
+            candidates => format!(
+                "{rows}; admitted {} of {candidates} candidate pushes, sketch {} KiB",
+                self.rows_admitted,
+                self.admission_bytes / 1024
+            ),
         }
     }
 }
@@ -230,6 +249,9 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
         shard_health: health.shard_health.iter().map(shard_status).collect(),
         rows: health.tables.iter().map(|t| t.rows).sum(),
         store_bytes: health.tables.iter().map(|t| t.store_bytes).sum(),
+        rows_admitted: health.tables.iter().map(|t| t.rows_admitted).sum(),
+        admission_candidates: health.tables.iter().map(|t| t.admission_candidates).sum(),
+        admission_bytes: health.tables.iter().map(|t| t.admission_bytes).sum(),
         checkpoint: health.checkpoint.as_ref().map(CheckpointStatus::of),
     }
 }
@@ -347,6 +369,9 @@ mod tests {
             shard_health: Vec::new(),
             rows: 1_000_000,
             store_bytes: 84_500_000,
+            rows_admitted: 0,
+            admission_candidates: 0,
+            admission_bytes: 0,
             checkpoint,
         }
     }
@@ -389,5 +414,20 @@ mod tests {
             saving: true,
         };
         assert_eq!(ok.cell(), "saving (last ok: none yet)");
+    }
+
+    #[test]
+    fn admission_shows_beside_the_rows_where_a_table_has_it() {
+        let admitting = ServerStatus {
+            rows_admitted: 250,
+            admission_candidates: 4_000,
+            admission_bytes: 4 << 20,
+            ..serving(None)
+        };
+        assert_eq!(
+            admitting.rows_cell(),
+            "1000000 (84.5 B/row); admitted 250 of 4000 candidate pushes, sketch 4096 KiB"
+        );
+        assert_eq!(serving(None).rows_cell(), "1000000 (84.5 B/row)");
     }
 }

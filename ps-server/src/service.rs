@@ -172,12 +172,19 @@ impl v1::ParameterServer for PsService {
             .map(|t| {
                 // One walk over the stripes for both figures.
                 let bytes = t.bytes();
+                let (candidates, admitted, sketch) = t
+                    .shards()
+                    .map(|(_, s)| s.admission_counts())
+                    .fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2));
                 TableInfo {
                     name: t.config().name.clone(),
                     dim: t.config().dim,
                     rows: bytes.rows,
                     store_bytes: bytes.total(),
                     storage: t.config().storage.name().to_owned(),
+                    rows_admitted: admitted,
+                    admission_candidates: candidates,
+                    admission_bytes: sketch,
                 }
             })
             .collect();
