@@ -110,21 +110,9 @@ impl Channel {
                 Ok(connection) => connection,
                 Err(err) if !self.inner.is_rdma_path_failure(&err) => return Err(err),
                 Err(err) => {
-                    let (step, now_on) = {
-                        let mut ladder = lock(ladder);
-                        (ladder.handle_rdma_failure(Instant::now()), ladder.path())
-                    };
+                    let (step, to_tcp) = after_rdma_dial_failure(&mut lock(ladder), Instant::now());
                     self.inner.record_step(step, &err.to_string());
-                    // Fallen back, by this failure or meanwhile (another
-                    // link of the channel broke while this dial ran, and
-                    // its end moved the ladder to TCP): this very call goes
-                    // over TCP if its deadline leaves time. Before, only a
-                    // fall back by this failure did; one that came first
-                    // failed the call's attempt although TCP was the path,
-                    // and with every rail down the rails drill lost a call
-                    // once in about a hundred runs under two CPU hogs
-                    // (three attempts, each behind such a dial).
-                    if now_on != Path::Tcp || Instant::now() >= deadline {
+                    if !to_tcp || Instant::now() >= deadline {
                         return Err(err);
                     }
                     self.inner.dial(Path::Tcp, deadline).await?
@@ -176,6 +164,23 @@ impl Channel {
             }
         });
     }
+}
+
+/// An RDMA dial of a call failed (a path failure): records it on
+/// `ladder`, and says whether this very call goes over TCP now (when its
+/// deadline leaves time): whenever the ladder is on TCP, by this failure
+/// or meanwhile (another link of the channel broke while this dial ran,
+/// and its end moved the ladder). Before, only a fall back by this
+/// failure did; one that came first failed the call's attempt although
+/// TCP was the path, and with every rail down the rails drill lost a call
+/// about once in a hundred runs under two CPU hogs (three attempts, each
+/// behind such a dial).
+fn after_rdma_dial_failure(
+    ladder: &mut crate::policy::FallbackLadder,
+    now: Instant,
+) -> (Option<LadderStep>, bool) {
+    let step = ladder.handle_rdma_failure(now);
+    (step, ladder.path() == Path::Tcp)
 }
 
 impl ChannelInner {
@@ -318,6 +323,40 @@ impl ChannelInner {
                 metrics::counter!(crate::observe::CLIENT_FALLBACK_RETURNS).increment(1);
             }
             None => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{FallbackConfig, FallbackLadder};
+
+    /// A dial that fails after the ladder already fell back (another
+    /// link's end moved it) goes over TCP in the same attempt, as one whose
+    /// own failure makes the ladder fall back does; a first failure
+    /// reconnects over RDMA, and with the fallback off nothing goes to TCP.
+    /// Before, the first case failed the call's attempt.
+    #[test]
+    fn a_call_goes_over_tcp_whenever_the_ladder_is_on_tcp_after_its_rdma_dial_failed() {
+        let now = Instant::now();
+        let mut ladder = FallbackLadder::new(FallbackConfig::default());
+        assert_eq!(
+            after_rdma_dial_failure(&mut ladder, now),
+            (Some(LadderStep::Reconnect), false)
+        );
+        assert_eq!(
+            after_rdma_dial_failure(&mut ladder, now),
+            (Some(LadderStep::FallBack), true)
+        );
+        // Fallen back meanwhile: no step of its own, still over TCP.
+        assert_eq!(after_rdma_dial_failure(&mut ladder, now), (None, true));
+        let mut off = FallbackLadder::new(FallbackConfig {
+            enabled: false,
+            ..FallbackConfig::default()
+        });
+        for _ in 0..3 {
+            assert!(!after_rdma_dial_failure(&mut off, now).1);
         }
     }
 }
