@@ -367,6 +367,38 @@ fn digest(store: &Store, shard: u32) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Pushes `keys` (gradients 0.25, sequence `sequence`) to `primary` and
+/// applies it on `replica` as the primary's stream entry says (its
+/// evictions and the keys admission left out).
+fn replay(primary: &Store, replica: &Store, keys: &[u64], sequence: u64) {
+    let grads = wire(&vec![0.25; keys.len() * 3]);
+    let id = PushId {
+        worker: 1,
+        sequence,
+    };
+    let outcome = primary.push("t", 0, keys, &grads, id).unwrap();
+    let checked = replica.check_push("t", 0, keys, &grads, id).unwrap();
+    let guard = replica.lock_shard(0).unwrap();
+    checked
+        .apply_replicated(
+            &guard,
+            &outcome.evicted,
+            &outcome.not_admitted,
+            Instant::now(),
+        )
+        .unwrap();
+}
+
+/// Each side serves Fetches of its own: the first half of `fetches` (as
+/// indices into `keys`) on `primary`, the rest on `replica`.
+fn fetch_apart(primary: &Store, replica: &Store, keys: &[u64], fetches: &[usize]) {
+    let (a, b) = fetches.split_at(fetches.len() / 2);
+    let a: Vec<u64> = a.iter().map(|&k| keys[k]).collect();
+    let b: Vec<u64> = b.iter().map(|&k| keys[k]).collect();
+    primary.fetch("t", 0, &a).unwrap();
+    replica.fetch("t", 0, &b).unwrap();
+}
+
 proptest::proptest! {
     /// A replica replaying the primary's evictions holds exactly the
     /// primary's rows, whatever the keys (repeats, keys evicted by a
@@ -388,19 +420,8 @@ proptest::proptest! {
                     picked.push(keys[k]);
                 }
             }
-            let grads = wire(&vec![0.25; picked.len() * 3]);
-            let id = PushId { worker: 1, sequence: i as u64 + 1 };
-            let outcome = primary.push("t", 0, &picked, &grads, id).unwrap();
-            let checked = replica.check_push("t", 0, &picked, &grads, id).unwrap();
-            let guard = replica.lock_shard(0).unwrap();
-            checked.apply_replicated(&guard, &outcome.evicted, &outcome.not_admitted, Instant::now()).unwrap();
-            drop(guard);
-            // Each side serves Fetches of its own.
-            let (a, b) = fetches.split_at(fetches.len() / 2);
-            let a: Vec<u64> = a.iter().map(|&k| keys[k]).collect();
-            let b: Vec<u64> = b.iter().map(|&k| keys[k]).collect();
-            primary.fetch("t", 0, &a).unwrap();
-            replica.fetch("t", 0, &b).unwrap();
+            replay(&primary, &replica, &picked, i as u64 + 1);
+            fetch_apart(&primary, &replica, &keys, &fetches);
             proptest::prop_assert!(primary.table("t").unwrap().shard(0).unwrap().rows.len() <= 100);
         }
         proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
@@ -484,18 +505,8 @@ proptest::proptest! {
         for (i, push) in pushes.iter().enumerate() {
             // Repeats kept: a Push may name a key twice.
             let picked: Vec<u64> = push.iter().map(|&k| keys[k]).collect();
-            let grads = wire(&vec![0.25; picked.len() * 3]);
-            let id = PushId { worker: 1, sequence: i as u64 + 1 };
-            let outcome = primary.push("t", 0, &picked, &grads, id).unwrap();
-            let checked = replica.check_push("t", 0, &picked, &grads, id).unwrap();
-            let guard = replica.lock_shard(0).unwrap();
-            checked.apply_replicated(&guard, &outcome.evicted, &outcome.not_admitted, Instant::now()).unwrap();
-            drop(guard);
-            let (a, b) = fetches.split_at(fetches.len() / 2);
-            let a: Vec<u64> = a.iter().map(|&k| keys[k]).collect();
-            let b: Vec<u64> = b.iter().map(|&k| keys[k]).collect();
-            primary.fetch("t", 0, &a).unwrap();
-            replica.fetch("t", 0, &b).unwrap();
+            replay(&primary, &replica, &picked, i as u64 + 1);
+            fetch_apart(&primary, &replica, &keys, &fetches);
         }
         proptest::prop_assert_eq!(digest(&primary, 0), digest(&replica, 0));
         let sketch = |store: &Store| {
