@@ -1,7 +1,8 @@
-//! Feature admission (issue 37): a table's rows and memory over a long id
-//! stream shaped like a recommendation model's, with and without
-//! admission, beside a row limit, and what each costs in Fetches that find
-//! a trained row.
+//! Feature admission and expiry (issue 37): a table's rows and memory
+//! over a long id stream shaped like a recommendation model's, with and
+//! without admission and expiry, beside a row limit, and what each costs
+//! in Fetches that find a trained row; and the Fetch latency beside the
+//! expiry sweep.
 //!
 //! **The stream.** Pushes of `keys_per_push` ids (distinct within a Push,
 //! as a worker sends them) drawn from a Zipf distribution of exponent
@@ -14,7 +15,11 @@
 //! (one shard, SGD, dim 8, in this process): every id gets a row
 //! (`unlimited`), a row limit with LRU eviction (`max_rows` the
 //! unlimited table's rows at the end divided by 3), admission at the
-//! 2nd and 3rd Push (count kind, the default sketch).
+//! 2nd and 3rd Push (count kind, the default sketch), expiry after
+//! `expire_after` Pushes alone and with admission at the 2nd. The expiry
+//! sweep runs as a server's does, in steps of at most 4,096 record slots
+//! under the shard's write lock, here one step after each Push (a pass
+//! over the table every ~100 Pushes).
 //!
 //! **Figures.** Rows and memory at ten points of the run and at its end,
 //! memory being the store's own count (records, key index, free records,
@@ -24,9 +29,19 @@
 //! (a trained one: a row exists only once an id was pushed). The unlimited
 //! table's hit share is the most any configuration can have.
 //!
-//! Not yet measured here: expiry (issue 37 builds it next), which is what
-//! keeps memory flat as the popular set moves.
+//! **Fetch latency beside the sweep.** In the expiry configurations a
+//! second thread sends Fetches of `fetch_keys` ids drawn from the stream
+//! (1,000 by default), one every ~200 µs, while the Pushes and sweep
+//! steps go on. Each Fetch is marked as overlapping a sweep step or not;
+//! the report gives the steady Fetches' p50, p99 and maximum, the
+//! overlapping ones' p99 and maximum, the maximum's ratio to the steady
+//! p99 (issue 37 asks for at most 3), and the longest the sweep held a
+//! stripe's write lock (the most a Fetch can have waited for it). A run
+//! of the same configuration with the sweep off is the reference: its
+//! "overlapping" Fetches overlap only the marks, so their maximum is the
+//! machine's own noise.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use rand::rngs::SmallRng;
@@ -34,7 +49,8 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use tessera_proto::sharding::splitmix64;
 use tessera_ps_server::config::{OptimizerConfig, PsServerConfig, TableConfig};
-use tessera_ps_server::table::AdmissionConfig;
+use tessera_ps_server::table::expiry::SWEEP_STEP_SLOTS;
+use tessera_ps_server::table::{AdmissionConfig, ExpiryConfig};
 use tessera_ps_server::{PushId, Store};
 
 use crate::transport::BoxError;
@@ -54,6 +70,10 @@ pub struct Plan {
     pub drift: f64,
     /// Fetch keys drawn at each measuring point for the hit share.
     pub probe_keys: usize,
+    /// Pushes after which a row not pushed expires.
+    pub expire_after: u64,
+    /// Ids per Fetch of the latency thread.
+    pub fetch_keys: usize,
 }
 
 impl Plan {
@@ -67,6 +87,8 @@ impl Plan {
                 zipf_s: 1.05,
                 drift: 20.0,
                 probe_keys: 20_000,
+                expire_after: 1000,
+                fetch_keys: 1000,
             },
             true => Self {
                 pushes: 200,
@@ -75,6 +97,8 @@ impl Plan {
                 zipf_s: 1.05,
                 drift: 20.0,
                 probe_keys: 2_000,
+                expire_after: 50,
+                fetch_keys: 200,
             },
         }
     }
@@ -116,6 +140,11 @@ struct Case {
     name: &'static str,
     max_rows: Option<u64>,
     admission: Option<AdmissionConfig>,
+    expiry: Option<ExpiryConfig>,
+    /// Run the Fetch latency thread beside it.
+    fetches: bool,
+    /// Run the expiry sweep (off: the reference for Fetch latency).
+    sweep: bool,
 }
 
 /// What one configuration measured.
@@ -124,7 +153,58 @@ struct Measured {
     bytes: Vec<u64>,
     hits: Vec<f64>,
     dropped: u64,
+    expired: u64,
     secs: f64,
+    /// Fetch latencies in µs: (steady, overlapping a sweep step).
+    latencies: Option<(Vec<f64>, Vec<f64>)>,
+    /// The longest the sweep held a stripe's write lock, µs.
+    longest_hold_us: f64,
+}
+
+/// Sweep steps as a counter, odd while one runs: a Fetch overlapped one
+/// if the counter was odd when it started or moved while it ran.
+struct SweepMarks(AtomicU64);
+
+impl SweepMarks {
+    fn overlapped(&self, before: u64) -> bool {
+        before % 2 == 1 || self.0.load(Ordering::Acquire) != before
+    }
+}
+
+/// The latency thread: Fetches of `plan.fetch_keys` ids drawn at the
+/// stream's current Push `at`, back to back until `done`.
+fn fetch_loop(
+    store: &Store,
+    plan: &Plan,
+    zipf: &Zipf,
+    at: &AtomicU64,
+    marks: &SweepMarks,
+    done: &AtomicBool,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut rng = SmallRng::seed_from_u64(99);
+    let (mut steady, mut swept) = (Vec::new(), Vec::new());
+    let mut keys = Vec::with_capacity(plan.fetch_keys);
+    while !done.load(Ordering::Acquire) {
+        let t = at.load(Ordering::Relaxed);
+        keys.clear();
+        keys.extend((0..plan.fetch_keys).map(|_| id(zipf.draw(&mut rng), t, plan.drift)));
+        let before = marks.0.load(Ordering::Acquire);
+        let started = Instant::now();
+        if store.fetch("t", 0, &keys).is_err() {
+            break;
+        }
+        let micros = started.elapsed().as_secs_f64() * 1e6;
+        if marks.overlapped(before) {
+            swept.push(micros);
+        } else {
+            steady.push(micros);
+        }
+        // A Fetch every ~200 µs, not back to back: a server has spare
+        // cores, and two busy threads on this 2-core machine measure the
+        // scheduler's time slices instead of the store.
+        std::thread::sleep(std::time::Duration::from_micros(150));
+    }
+    (steady, swept)
 }
 
 fn run_case(plan: &Plan, zipf: &Zipf, case: &Case) -> Result<Measured, BoxError> {
@@ -132,6 +212,7 @@ fn run_case(plan: &Plan, zipf: &Zipf, case: &Case) -> Result<Measured, BoxError>
         optimizer: OptimizerConfig::sgd(0.01),
         max_rows: case.max_rows,
         admission: case.admission,
+        expiry: case.expiry,
         ..TableConfig::new("t", 8)
     };
     let config = PsServerConfig {
@@ -141,6 +222,37 @@ fn run_case(plan: &Plan, zipf: &Zipf, case: &Case) -> Result<Measured, BoxError>
         ..PsServerConfig::default()
     };
     let store = Store::new(&config);
+    let at = AtomicU64::new(0);
+    let marks = SweepMarks(AtomicU64::new(0));
+    let done = AtomicBool::new(false);
+    let (pushed, latencies) = std::thread::scope(|scope| {
+        let fetcher = case
+            .fetches
+            .then(|| scope.spawn(|| fetch_loop(&store, plan, zipf, &at, &marks, &done)));
+        let pushed = push_stream(plan, zipf, &store, &at, &marks, case.sweep);
+        done.store(true, Ordering::Release);
+        let latencies = fetcher.and_then(|f| f.join().ok());
+        (pushed, latencies)
+    });
+    let mut measured = pushed?;
+    measured.latencies = latencies;
+    Ok(measured)
+}
+
+/// Pushes the stream into `store` (publishing the Push number in `at`),
+/// with a sweep step after each where the table expires rows, measuring
+/// as it goes.
+fn push_stream(
+    plan: &Plan,
+    zipf: &Zipf,
+    store: &Store,
+    at: &AtomicU64,
+    marks: &SweepMarks,
+    sweep: bool,
+) -> Result<Measured, BoxError> {
+    let expiring = store
+        .table("t")
+        .is_some_and(|t| t.config().expiry.is_some());
     // The same stream for every configuration.
     let mut rng = SmallRng::seed_from_u64(37);
     let mut probe_rng = SmallRng::seed_from_u64(73);
@@ -171,6 +283,17 @@ fn run_case(plan: &Plan, zipf: &Zipf, case: &Case) -> Result<Measured, BoxError>
             },
         )?;
         dropped += outcome.not_admitted.len() as u64;
+        at.store(t, Ordering::Relaxed);
+        if expiring {
+            marks.0.fetch_add(1, Ordering::AcqRel);
+            let guard = store.lock_shard(0).ok_or("no shard")?;
+            let secs = tessera_ps_server::table::expiry::unix_secs();
+            if sweep {
+                store.expire_step(&guard, "t", secs, SWEEP_STEP_SLOTS);
+            }
+            drop(guard);
+            marks.0.fetch_add(1, Ordering::AcqRel);
+        }
         if (t + 1) % every == 0 {
             let table = store.table("t").ok_or("no table")?;
             let b = table.bytes();
@@ -200,7 +323,12 @@ fn run_case(plan: &Plan, zipf: &Zipf, case: &Case) -> Result<Measured, BoxError>
         bytes,
         hits,
         dropped,
+        expired: store.table("t").map_or(0, |t| t.expired()),
         secs: started.elapsed().as_secs_f64(),
+        latencies: None,
+        longest_hold_us: store.table("t").and_then(|t| t.shard(0)).map_or(0.0, |s| {
+            s.rows.take_longest_sweep_hold().as_secs_f64() * 1e6
+        }),
     })
 }
 
@@ -214,6 +342,10 @@ pub fn run(plan: &Plan) -> Result<(Vec<Value>, String), BoxError> {
             name: "unlimited",
             max_rows: None,
             admission: None,
+            expiry: None,
+            // Its Fetches would store rows (an unlimited table does).
+            fetches: false,
+            sweep: false,
         },
     )?;
     let final_rows = *unlimited.rows.last().unwrap_or(&0);
@@ -223,21 +355,55 @@ pub fn run(plan: &Plan) -> Result<(Vec<Value>, String), BoxError> {
             sketch_width: 1 << 20,
         })
     };
+    let expiry = Some(ExpiryConfig::after_pushes(plan.expire_after));
     let cases = [
         Case {
             name: "max_rows = unlimited / 3 (lru)",
             max_rows: Some((final_rows / 3).max(1)),
             admission: None,
+            expiry: None,
+            fetches: false,
+            sweep: false,
         },
         Case {
             name: "admission N=2",
             max_rows: None,
             admission: count(2),
+            expiry: None,
+            fetches: false,
+            sweep: false,
         },
         Case {
             name: "admission N=3",
             max_rows: None,
             admission: count(3),
+            expiry: None,
+            fetches: false,
+            sweep: false,
+        },
+        Case {
+            name: "expiry",
+            max_rows: None,
+            admission: None,
+            expiry,
+            fetches: true,
+            sweep: true,
+        },
+        Case {
+            name: "admission N=2 + expiry",
+            max_rows: None,
+            admission: count(2),
+            expiry,
+            fetches: true,
+            sweep: true,
+        },
+        Case {
+            name: "admission N=2 + expiry, sweep off (reference)",
+            max_rows: None,
+            admission: count(2),
+            expiry,
+            fetches: true,
+            sweep: false,
         },
     ];
     let mut measured = vec![("unlimited", unlimited)];
@@ -251,7 +417,36 @@ pub fn run(plan: &Plan) -> Result<(Vec<Value>, String), BoxError> {
         .map(|(name, m)| {
             let last = |v: &[u64]| *v.last().unwrap_or(&0);
             let mean_hits = m.hits.iter().sum::<f64>() / m.hits.len().max(1) as f64;
-            json!({
+            // Growth over the second half of the run: flat memory is ~1.
+            let half = m.bytes.len() / 2;
+            let growth = match (m.bytes.get(half.saturating_sub(1)), m.bytes.last()) {
+                (Some(&mid), Some(&end)) if mid > 0 => end as f64 / mid as f64,
+                _ => 0.0,
+            };
+            let fetch = m.latencies.as_ref().map(|(steady, swept)| {
+                let sorted = |v: &[f64]| {
+                    let mut v = v.to_vec();
+                    v.sort_by(f64::total_cmp);
+                    v
+                };
+                let (steady, swept) = (sorted(steady), sorted(swept));
+                let q = crate::report::quantile;
+                let p99 = q(&steady, 0.99);
+                let max_any = steady.last().copied().unwrap_or(0.0).max(swept.last().copied().unwrap_or(0.0));
+                json!({
+                    "fetches": steady.len() + swept.len(),
+                    "fetch_p50_us": q(&steady, 0.5),
+                    "fetch_p99_us": p99,
+                    "fetches_beside_sweep": swept.len(),
+                    "beside_sweep_p99_us": q(&swept, 0.99),
+                    "beside_sweep_max_us": swept.last().copied().unwrap_or(0.0),
+                    "max_beside_sweep_vs_p99": swept.last().map_or(0.0, |m| m / p99.max(1e-9)),
+                    "fetch_max_us": max_any,
+                    "steady_max_us": steady.last().copied().unwrap_or(0.0),
+                    "sweep_longest_lock_us": m.longest_hold_us,
+                })
+            });
+            let mut row = json!({
                 "bench": "admission",
                 "test": "admission",
                 "config": name,
@@ -263,15 +458,28 @@ pub fn run(plan: &Plan) -> Result<(Vec<Value>, String), BoxError> {
                 "hit_share_end": m.hits.last().copied().unwrap_or(0.0),
                 "hit_share_mean": mean_hits,
                 "pushes_dropped": m.dropped,
+                "rows_expired": m.expired,
+                "bytes_growth_second_half": growth,
+                "bytes_over_time": m.bytes.iter().map(|b| format!("{:.1}", *b as f64 / 1e6)).collect::<Vec<_>>().join(" "),
                 "secs": m.secs,
-            })
+            });
+            if let (Some(Value::Object(fetch)), Value::Object(out)) = (fetch, &mut row) {
+                out.extend(fetch);
+            }
+            row
         })
         .collect();
     let about = format!(
-        "admission: {} Pushes of {} Zipf ids (s = {}, {} ranks, the popular set moving {} ranks per Push), one shard, SGD dim 8, in one process; memory = the store's own count plus the admission sketch; hit share = of {} Fetch ids drawn at that moment, those with a row",
-        plan.pushes, plan.keys_per_push, plan.zipf_s, plan.ranks, plan.drift, plan.probe_keys
+        "admission: {} Pushes of {} Zipf ids (s = {}, {} ranks, the popular set moving {} ranks per Push), one shard, SGD dim 8, in one process; expiry after {} Pushes of the table, one sweep step (4,096 slots) after each Push; memory = the store's own count plus the admission sketch (MB at ten points in bytes_over_time); hit share = of {} Fetch ids drawn at that moment, those with a row",
+        plan.pushes,
+        plan.keys_per_push,
+        plan.zipf_s,
+        plan.ranks,
+        plan.drift,
+        plan.expire_after,
+        plan.probe_keys
     );
-    let table = crate::engine::markdown(
+    let mut table = crate::engine::markdown(
         &about,
         &rows,
         &[
@@ -280,11 +488,39 @@ pub fn run(plan: &Plan) -> Result<(Vec<Value>, String), BoxError> {
             "mbytes",
             "rows_vs_unlimited",
             "bytes_vs_unlimited",
+            "bytes_growth_second_half",
             "hit_share_end",
             "hit_share_mean",
             "pushes_dropped",
+            "rows_expired",
             "rows_over_time",
+            "bytes_over_time",
         ],
     );
+    let fetched: Vec<Value> = rows
+        .iter()
+        .filter(|r| r.get("fetches").is_some())
+        .cloned()
+        .collect();
+    table.push('\n');
+    table.push_str(&crate::engine::markdown(
+        &format!(
+            "Fetch latency beside the sweep: Fetches of {} ids from a second thread during the same runs; steady = overlapping no sweep step; latencies in microseconds",
+            plan.fetch_keys
+        ),
+        &fetched,
+        &[
+            "config",
+            "fetches",
+            "fetch_p50_us",
+            "fetch_p99_us",
+            "fetches_beside_sweep",
+            "beside_sweep_p99_us",
+            "beside_sweep_max_us",
+            "max_beside_sweep_vs_p99",
+            "steady_max_us",
+            "sweep_longest_lock_us",
+        ],
+    ));
     Ok((rows, table))
 }

@@ -291,10 +291,9 @@ enum Command {
         #[arg(long)]
         snapshots: bool,
     },
-    /// How a ps-server's latency and memory grow with keys per Fetch, rows
-    /// per shard and client connections (log axes).
-    /// Feature admission over a drifting Zipf id stream: rows, memory and
-    /// hit share against an unlimited table and a row limit (issue 37).
+    /// Feature admission and expiry over a drifting Zipf id stream: rows,
+    /// memory and hit share against an unlimited table and a row limit,
+    /// and Fetch latency beside the expiry sweep (issue 37).
     Admission {
         /// A short smoke run.
         #[arg(long)]
@@ -306,6 +305,8 @@ enum Command {
         #[arg(long)]
         pushes: Option<u64>,
     },
+    /// How a ps-server's latency and memory grow with keys per Fetch, rows
+    /// per shard and client connections (log axes).
     Scale {
         /// A short smoke run.
         #[arg(long)]

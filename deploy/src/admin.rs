@@ -87,10 +87,10 @@ pub(crate) async fn admin(
                 .stats(StatsRequest {})
                 .await?;
             println!(
-                "| table | shard | storage | rows | payload bytes | memory bytes | bytes/row | records | index | free | overhead | snapshots | fetches | pushes | evictions | candidates | admitted | admission bytes |"
+                "| table | shard | storage | rows | payload bytes | memory bytes | bytes/row | records | index | free | overhead | snapshots | fetches | pushes | evictions | candidates | admitted | admission bytes | expired |"
             );
             println!(
-                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
             );
             for s in &stats.shards {
                 let memory = s.record_bytes
@@ -104,7 +104,7 @@ pub(crate) async fn admin(
                     "-".to_owned()
                 };
                 println!(
-                    "| {} | {} | {} | {} | {} | {memory} | {per_row} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {memory} | {per_row} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     s.table,
                     s.shard,
                     s.storage,
@@ -120,7 +120,8 @@ pub(crate) async fn admin(
                     s.evictions,
                     s.admission_candidates,
                     s.rows_admitted,
-                    s.admission_bytes
+                    s.admission_bytes,
+                    s.rows_expired
                 );
             }
         }

@@ -83,6 +83,8 @@ pub struct ServerStatus {
     pub admission_candidates: u64,
     /// See `rows_admitted`.
     pub admission_bytes: u64,
+    /// Rows removed by expiry since it started, all tables together.
+    pub rows_expired: u64,
     /// Its checkpoints; `None` without a checkpoint directory (or when it
     /// did not answer).
     pub checkpoint: Option<CheckpointStatus>,
@@ -154,24 +156,30 @@ impl ServerStatus {
             rows_admitted: 0,
             admission_candidates: 0,
             admission_bytes: 0,
+            rows_expired: 0,
             checkpoint: None,
         }
     }
 
-    /// The table's cell: rows, memory per row, and what admission did.
+    /// The table's cell: rows, memory per row, and what admission and
+    /// expiry did.
     fn rows_cell(&self) -> String {
         let rows = match (self.rows, self.store_bytes) {
             (0, _) => "0".to_owned(),
             (rows, 0) => rows.to_string(),
             (rows, bytes) => format!("{rows} ({:.1} B/row)", bytes as f64 / rows as f64),
         };
-        match self.admission_candidates {
+        let rows = match self.admission_candidates {
             0 => rows,
             candidates => format!(
                 "{rows}; admitted {} of {candidates} candidate pushes, sketch {} KiB",
                 self.rows_admitted,
                 self.admission_bytes / 1024
             ),
+        };
+        match self.rows_expired {
+            0 => rows,
+            expired => format!("{rows}; {expired} expired"),
         }
     }
 }
@@ -252,6 +260,7 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
         rows_admitted: health.tables.iter().map(|t| t.rows_admitted).sum(),
         admission_candidates: health.tables.iter().map(|t| t.admission_candidates).sum(),
         admission_bytes: health.tables.iter().map(|t| t.admission_bytes).sum(),
+        rows_expired: health.tables.iter().map(|t| t.rows_expired).sum(),
         checkpoint: health.checkpoint.as_ref().map(CheckpointStatus::of),
     }
 }
@@ -372,6 +381,7 @@ mod tests {
             rows_admitted: 0,
             admission_candidates: 0,
             admission_bytes: 0,
+            rows_expired: 0,
             checkpoint,
         }
     }
@@ -429,5 +439,13 @@ mod tests {
             "1000000 (84.5 B/row); admitted 250 of 4000 candidate pushes, sketch 4096 KiB"
         );
         assert_eq!(serving(None).rows_cell(), "1000000 (84.5 B/row)");
+        let expiring = ServerStatus {
+            rows_expired: 7,
+            ..admitting
+        };
+        assert_eq!(
+            expiring.rows_cell(),
+            "1000000 (84.5 B/row); admitted 250 of 4000 candidate pushes, sketch 4096 KiB; 7 expired"
+        );
     }
 }

@@ -180,6 +180,7 @@ impl v1::Admin for AdminService {
                     admission_candidates,
                     rows_admitted,
                     admission_bytes,
+                    rows_expired: state.rows.expired(),
                 });
             }
         }

@@ -19,6 +19,8 @@ pub struct RowImage {
     pub key: u64,
     /// Optimizer steps applied to it.
     pub steps: u32,
+    /// Its expiry stamp (`table/expiry.rs`; 0: none, or unknown).
+    pub stamp: u32,
     /// Its values (`dim`).
     pub values: Vec<f32>,
     /// Its optimizer state (`dim * slots`).
@@ -79,4 +81,7 @@ pub struct LoadedCheckpoint {
     pub shards: Vec<(String, u32, ShardImage)>,
     /// shard -> the version it was saved at.
     pub versions: Vec<(u32, Version)>,
+    /// When it was saved, seconds since the Unix epoch (its cut's time
+    /// for expiry).
+    pub saved_at_secs: u64,
 }

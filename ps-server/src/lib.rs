@@ -15,6 +15,7 @@ pub mod replication;
 pub mod rowfile;
 mod service;
 pub mod store;
+mod sweeper;
 pub mod table;
 pub mod version;
 
@@ -278,6 +279,10 @@ impl PsServer {
         let _store_gauges = AbortOnDropHandle::new(tokio::spawn(publish_store_gauges(Arc::clone(
             &stopped.store,
         ))));
+        let _sweeper = AbortOnDropHandle::new(tokio::spawn(sweeper::run(
+            Arc::clone(&stopped.store),
+            Arc::clone(&replication),
+        )));
         let _periodic = checkpoints.as_ref().and_then(|(checkpoints, every)| {
             (!every.is_zero()).then(|| {
                 AbortOnDropHandle::new(tokio::spawn(periodic_checkpoints(

@@ -5,10 +5,15 @@
 //! bytes it likes.
 //!
 //! ```text
-//! magic "TSCKROW1" | dim u32 | slots u32 | rows u64
-//! rows x (key u64 | steps u32 | values dim x f32 | state dim*slots x f32)
+//! magic "TSCKROW2" | dim u32 | slots u32 | rows u64
+//! rows x (key u64 | steps u32 | stamp u32 | values dim x f32 | state dim*slots x f32)
 //! workers u64 | workers x (worker u64 | highest u64 | words u32 | words x u64)
 //! ```
+//!
+//! `stamp` is the row's expiry stamp (`table/expiry.rs`; 0 in a table
+//! without expiry). Files of the first format (magic "TSCKROW1", rows
+//! without `stamp`) still decode, their stamps 0 ("unknown": a table with
+//! expiry stamps them at load).
 //!
 //! Little-endian throughout. Decoding checks the shape against the table's
 //! configuration, refuses counts the input cannot hold before allocating
@@ -17,8 +22,27 @@
 use crate::dedup::WorkerWindow;
 use crate::image::{RowImage, ShardImage, ShardSnapshot, TableSnapshot};
 
-/// Magic at the start of every row file.
-const MAGIC: &[u8; 8] = b"TSCKROW1";
+/// Magic at the start of every row file written now.
+pub(crate) const MAGIC: &[u8; 8] = b"TSCKROW2";
+/// Magic of the first format (no stamps).
+pub(crate) const MAGIC_V1: &[u8; 8] = b"TSCKROW1";
+
+/// Bytes of a row's fixed part (key, steps, and stamp from the second
+/// format on) after `magic`; `None` for anything but a row file's magic.
+pub(crate) fn row_head(magic: &[u8]) -> Option<u64> {
+    if magic == MAGIC {
+        Some(16)
+    } else if magic == MAGIC_V1 {
+        Some(12)
+    } else {
+        None
+    }
+}
+
+/// Bytes of one row of `dim` values and `slots` state slots, written now.
+pub(crate) fn row_bytes(dim: u32, slots: u32) -> u64 {
+    16 + u64::from(dim) * (1 + u64::from(slots)) * 4
+}
 /// Where the row count sits: after the magic, dim and slots.
 const COUNT_AT: usize = 16;
 /// Bytes of a worker window's fixed part (worker, highest, words).
@@ -32,7 +56,7 @@ struct Writer {
 
 impl Writer {
     fn new(dim: u32, slots: u32, rows_hint: usize) -> Self {
-        let row_bytes = 12 + dim as usize * (1 + slots as usize) * 4;
+        let row_bytes = row_bytes(dim, slots) as usize;
         let mut out = Vec::with_capacity(32 + rows_hint * row_bytes);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&dim.to_le_bytes());
@@ -41,9 +65,10 @@ impl Writer {
         Self { out, rows: 0 }
     }
 
-    fn row(&mut self, key: u64, steps: u32, values: &[f32], state: &[f32]) {
+    fn row(&mut self, key: u64, steps: u32, stamp: u32, values: &[f32], state: &[f32]) {
         self.out.extend_from_slice(&key.to_le_bytes());
         self.out.extend_from_slice(&steps.to_le_bytes());
+        self.out.extend_from_slice(&stamp.to_le_bytes());
         for v in values.iter().chain(state) {
             self.out.extend_from_slice(&v.to_le_bytes());
         }
@@ -111,9 +136,12 @@ pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
     let mut digest = 0u64;
     let mut bytes = Vec::new();
     snapshot.rows.for_each_from(0, |row| {
-        // Key, steps, values and state bits: the row as a row file has it.
+        // Key, steps, values and state bits: the row as a row file has
+        // it, less the expiry stamp (each copy's own Fetch marks may move
+        // it: `table/expiry.rs`).
         bytes.clear();
         row.encode(&mut bytes);
+        bytes.drain(12..16);
         digest = digest.wrapping_add(fnv(bytes.iter().copied()));
         true
     });
@@ -135,7 +163,7 @@ pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
 pub fn encode(image: &ShardImage, dim: u32, slots: u32) -> Vec<u8> {
     let mut writer = Writer::new(dim, slots, image.rows.len());
     for row in &image.rows {
-        writer.row(row.key, row.steps, &row.values, &row.state);
+        writer.row(row.key, row.steps, row.stamp, &row.values, &row.state);
     }
     writer.finish(&image.dedup).0
 }
@@ -223,9 +251,7 @@ pub enum DecodeError {
 /// state slots per row.
 pub fn decode(bytes: &[u8], dim: u32, slots: u32) -> Result<ShardImage, DecodeError> {
     let mut r = Reader { bytes, at: 0 };
-    if r.take(MAGIC.len())? != MAGIC {
-        return Err(DecodeError::BadMagic);
-    }
+    let head = row_head(r.take(MAGIC.len())?).ok_or(DecodeError::BadMagic)?;
     let (file_dim, file_slots) = (r.u32()?, r.u32()?);
     if (file_dim, file_slots) != (dim, slots) {
         return Err(DecodeError::Shape {
@@ -236,7 +262,7 @@ pub fn decode(bytes: &[u8], dim: u32, slots: u32) -> Result<ShardImage, DecodeEr
         });
     }
     let count = r.u64()?;
-    let row_bytes = 12 + u64::from(dim) * (1 + u64::from(slots)) * 4;
+    let row_bytes = head + u64::from(dim) * (1 + u64::from(slots)) * 4;
     if count.saturating_mul(row_bytes) > bytes.len() as u64 {
         return Err(DecodeError::Count {
             what: "rows",
@@ -248,11 +274,13 @@ pub fn decode(bytes: &[u8], dim: u32, slots: u32) -> Result<ShardImage, DecodeEr
     for _ in 0..count {
         let key = r.u64()?;
         let steps = r.u32()?;
+        let stamp = if head == 16 { r.u32()? } else { 0 };
         let values = r.f32s(dim as usize)?;
         let state = r.f32s(dim as usize * slots as usize)?;
         image.rows.push(RowImage {
             key,
             steps,
+            stamp,
             values,
             state,
         });
@@ -294,15 +322,16 @@ mod tests {
         fn row_files_round_trip_and_every_truncation_is_refused(
             dim in 1u32..6,
             slots in 0u32..3,
-            rows in proptest::collection::vec((any::<u64>(), any::<u32>(), any::<u32>()), 0..20),
+            rows in proptest::collection::vec((any::<u64>(), any::<u32>(), any::<u32>(), any::<u32>()), 0..20),
             dedup in proptest::collection::vec((any::<u64>(), any::<u64>(), proptest::collection::vec(any::<u64>(), 0..17)), 0..4),
         ) {
             let image = ShardImage {
                 rows: rows
                     .iter()
-                    .map(|&(key, steps, seed)| RowImage {
+                    .map(|&(key, steps, stamp, seed)| RowImage {
                         key,
                         steps,
+                        stamp,
                         values: (0..dim).map(|j| (seed ^ j) as f32 * 0.5).collect(),
                         state: (0..dim * slots).map(|j| f32::from_bits(seed.wrapping_add(j) & 0x7f7f_ffff)).collect(),
                     })
@@ -328,7 +357,7 @@ mod tests {
         ));
         assert_eq!(
             decode(
-                b"TSCKROW1\x02\0\0\0\0\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff",
+                b"TSCKROW2\x02\0\0\0\0\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff",
                 2,
                 0
             ),
@@ -344,5 +373,31 @@ mod tests {
         ));
         ok.push(0);
         assert_eq!(decode(&ok, 2, 0), Err(DecodeError::Trailing(1)));
+    }
+
+    #[test]
+    fn files_of_the_first_format_decode_with_unknown_stamps() {
+        // TSCKROW1, dim 1, no slots, one row (key 7, steps 3, value 1.5),
+        // no workers.
+        let mut v1 = b"TSCKROW1".to_vec();
+        for word in [1u32, 0] {
+            v1.extend_from_slice(&word.to_le_bytes());
+        }
+        v1.extend_from_slice(&1u64.to_le_bytes());
+        v1.extend_from_slice(&7u64.to_le_bytes());
+        v1.extend_from_slice(&3u32.to_le_bytes());
+        v1.extend_from_slice(&1.5f32.to_le_bytes());
+        v1.extend_from_slice(&0u64.to_le_bytes());
+        let image = decode(&v1, 1, 0).unwrap();
+        assert_eq!(
+            image.rows,
+            vec![RowImage {
+                key: 7,
+                steps: 3,
+                stamp: 0,
+                values: vec![1.5],
+                state: vec![],
+            }]
+        );
     }
 }

@@ -23,7 +23,8 @@ impl From<StoreError> for Status {
             | StoreError::SequenceImplausible { .. }
             | StoreError::NonFiniteGradient { .. }
             | StoreError::BadEvictions { .. }
-            | StoreError::BadAdmissions { .. } => Status::invalid_argument(message),
+            | StoreError::BadAdmissions { .. }
+            | StoreError::BadExpiry { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
@@ -185,6 +186,7 @@ impl v1::ParameterServer for PsService {
                     rows_admitted: admitted,
                     admission_candidates: candidates,
                     admission_bytes: sketch,
+                    rows_expired: t.expired(),
                 }
             })
             .collect();

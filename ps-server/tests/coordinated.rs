@@ -284,12 +284,9 @@ async fn revoking_a_lease_twice_succeeds() {
     assert!(!coord.lease_alive(lease).await.unwrap());
 }
 
-/// A Push of `step` to pair-table keys drawn from `0..span` (repeats
-/// across Pushes, and within one), for admission to sort.
-fn drawn_push(step: u64, span: u64) -> PushRequest {
-    let keys: Vec<u64> = (0..24)
-        .map(|i| tessera_proto::sharding::splitmix64(step * 1000 + i) % span)
-        .collect();
+/// A Push of `step` (worker `worker`) to pair-table `keys`, with
+/// gradients that vary by step and position.
+fn push_of(keys: Vec<u64>, step: u64, worker: u64) -> PushRequest {
     let dim = tessera_test_support::pair::PAIR_DIM as usize;
     let grads: Vec<f32> = (0..keys.len() * dim)
         .map(|i| ((i as u64 * 13 + step * 7) % 17) as f32 - 8.0)
@@ -299,8 +296,70 @@ fn drawn_push(step: u64, span: u64) -> PushRequest {
         shard: 0,
         keys,
         gradients: bytes::Bytes::from(tessera_test_support::wire(&grads)),
-        worker_id: 11,
+        worker_id: worker,
         sequence: step,
+    }
+}
+
+/// A Push of `step` to pair-table keys drawn from `0..span` (repeats
+/// across Pushes, and within one), for admission to sort.
+fn drawn_push(step: u64, span: u64) -> PushRequest {
+    let keys: Vec<u64> = (0..24)
+        .map(|i| tessera_proto::sharding::splitmix64(step * 1000 + i) % span)
+        .collect();
+    push_of(keys, step, 11)
+}
+
+/// A Push of 24 ids moving on by 12 a step: each id is pushed at two
+/// consecutive steps and never again.
+fn drifting_push(step: u64) -> PushRequest {
+    push_of((0..24).map(|i| step * 12 + i).collect(), step, 12)
+}
+
+/// Two servers of shard 0 after a failover: `first` (group 0) led and
+/// took `steps[0]` Pushes, crashed; `second` took over and took
+/// `steps[1]` more; `first` came back as its replica and `steps[2]` more
+/// followed; both configured by `configure`. Returns them converged.
+async fn across_a_failover(
+    cluster: &str,
+    configure: impl Fn(PsServerConfig) -> PsServerConfig,
+    push: impl Fn(u64) -> PushRequest,
+    steps: [u64; 3],
+) -> Pair {
+    let etcd = Etcd::start();
+    let (a, b) = (free_addr(), free_addr());
+    let a_config = configure(config(&a, 0, &b, &etcd, cluster));
+    let first = InProcess::start(&a_config).await;
+    let second = InProcess::start(&configure(config(&b, 1, &a, &etcd, cluster))).await;
+    wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
+    wait_serving(&b).await;
+    wait_replicas_in_step(&a).await;
+    let mut step = 0;
+    for _ in 0..steps[0] {
+        step += 1;
+        first.data.push(push(step)).await.unwrap();
+    }
+    converged(&first, &second).await;
+    first.crash();
+    wait_role(&b, ShardRole::Primary, Duration::from_secs(20)).await;
+    for _ in 0..steps[1] {
+        step += 1;
+        second.data.push(push(step)).await.unwrap();
+    }
+    let first = InProcess::start(&a_config).await;
+    wait_role(&a, ShardRole::Replica, Duration::from_secs(20)).await;
+    wait_serving(&a).await;
+    for _ in 0..steps[2] {
+        step += 1;
+        second.data.push(push(step)).await.unwrap();
+    }
+    converged(&first, &second).await;
+    Pair {
+        a,
+        b,
+        first,
+        second,
+        etcd,
     }
 }
 
@@ -312,39 +371,22 @@ fn drawn_push(step: u64, span: u64) -> PushRequest {
 /// left ids seen once without a row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_decisions_survive_a_failover_and_every_copy_holds_the_same_rows() {
-    let etcd = Etcd::start();
-    let (a, b) = (free_addr(), free_addr());
-    let admitting = |mut config: PsServerConfig| {
-        config.tables[0].admission = Some(tessera_ps_server::table::AdmissionConfig::Count {
-            min_pushes: 2,
-            sketch_width: 1 << 12,
-        });
-        config
-    };
-    let a_config = admitting(config(&a, 0, &b, &etcd, "admission"));
-    let first = InProcess::start(&a_config).await;
-    let second = InProcess::start(&admitting(config(&b, 1, &a, &etcd, "admission"))).await;
-    wait_role(&a, ShardRole::Primary, Duration::from_secs(20)).await;
-    wait_serving(&b).await;
-    wait_replicas_in_step(&a).await;
     let span = 3000;
-    for step in 1..=40 {
-        first.data.push(drawn_push(step, span)).await.unwrap();
-    }
-    converged(&first, &second).await;
-    first.crash();
-    wait_role(&b, ShardRole::Primary, Duration::from_secs(20)).await;
-    for step in 41..=80 {
-        second.data.push(drawn_push(step, span)).await.unwrap();
-    }
-    let first = InProcess::start(&a_config).await;
-    wait_role(&a, ShardRole::Replica, Duration::from_secs(20)).await;
-    wait_serving(&a).await;
-    for step in 81..=100 {
-        second.data.push(drawn_push(step, span)).await.unwrap();
-    }
-    converged(&first, &second).await;
-    let stats = second
+    let pair = across_a_failover(
+        "admission",
+        |mut config| {
+            config.tables[0].admission = Some(tessera_ps_server::table::AdmissionConfig::Count {
+                min_pushes: 2,
+                sketch_width: 1 << 12,
+            });
+            config
+        },
+        |step| drawn_push(step, span),
+        [40, 40, 20],
+    )
+    .await;
+    let stats = pair
+        .second
         .admin
         .stats(tessera_proto::v1::StatsRequest {})
         .await
@@ -361,6 +403,77 @@ async fn admission_decisions_survive_a_failover_and_every_copy_holds_the_same_ro
     );
     assert!(shard.rows > 0 && (shard.rows as usize) < distinct.len());
     assert!(shard.admission_candidates > 0 && shard.admission_bytes == 4 << 12);
-    first.stop().await;
-    second.stop().await;
+    pair.first.stop().await;
+    pair.second.stop().await;
+}
+
+/// Expiry with admission across a failover (issue 37): ids admitted at
+/// their second Push expire once 20 more Pushes of the table came, swept
+/// by the primary in the background while Pushes go on; the primary dies
+/// mid-run, the replica takes over and goes on sweeping, the old primary
+/// rejoins (copying the shard, stamps and all): every copy holds exactly
+/// the same rows, and only the ids pushed lately.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_decisions_survive_a_failover_and_every_copy_holds_the_same_rows() {
+    let pair = across_a_failover(
+        "expiry",
+        |mut config| {
+            config.tables[0].admission = Some(tessera_ps_server::table::AdmissionConfig::Count {
+                min_pushes: 2,
+                sketch_width: 1 << 12,
+            });
+            config.tables[0].expiry =
+                Some(tessera_ps_server::table::ExpiryConfig::after_pushes(20));
+            config
+        },
+        drifting_push,
+        [60, 60, 40],
+    )
+    .await;
+    let (first, second) = (&pair.first, &pair.second);
+    // The sweep goes on after the last Push until nothing is left to
+    // expire: wait for the rows to stop changing, then compare copies.
+    let stats = |server: &InProcess| {
+        let admin = server.admin.clone();
+        async move {
+            admin
+                .stats(tessera_proto::v1::StatsRequest {})
+                .await
+                .unwrap()
+                .shards[0]
+                .clone()
+        }
+    };
+    let started = Instant::now();
+    let mut last = stats(second).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = stats(second).await;
+        if now.rows == last.rows && now.rows_expired == last.rows_expired {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the sweep never settles"
+        );
+        last = now;
+    }
+    converged(first, second).await;
+    let (shard, replica) = (stats(second).await, stats(first).await);
+    eprintln!(
+        "expiry across a failover: {} rows held of {} ids admitted; {} expired on the new primary, {} on the rejoined replica since its start",
+        shard.rows,
+        160 * 12,
+        shard.rows_expired,
+        replica.rows_expired
+    );
+    // Ids are admitted at their second Push and kept while at most 20
+    // more Pushes of the table come: the ids pushed last at steps 140 to
+    // 160 (12 a step, the last step's second half seen once only), where
+    // keeping every admitted id would be 1,920 rows.
+    assert_eq!(shard.rows, 21 * 12);
+    assert_eq!(replica.rows, shard.rows);
+    assert!(shard.rows_expired > 0);
+    pair.first.stop().await;
+    pair.second.stop().await;
 }

@@ -76,6 +76,7 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
     }
     let mut loaded = LoadedCheckpoint {
         path: path.to_owned(),
+        saved_at_secs: manifest.created_unix_ms / 1000,
         shards: Vec::new(),
         versions: store
             .hosted()

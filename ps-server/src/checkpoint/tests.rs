@@ -395,3 +395,58 @@ fn a_failed_save_removes_its_files_and_leaves_latest_alone() {
     let next = save(&store, dir.path(), 5).unwrap();
     assert!(next.path > good.path);
 }
+
+/// Expiry (issue 37): a row's stamp survives a checkpoint, and rows
+/// expired at the checkpoint's cut (not swept yet) are not restored.
+#[test]
+fn stamps_survive_a_checkpoint_and_rows_expired_at_its_cut_stay_out() {
+    let mut config = config();
+    config.tables[1].expiry = Some(crate::table::ExpiryConfig::after_pushes(5));
+    let store = Store::new(&config);
+    let ks = keys(0, 4);
+    let push = |keys: &[u64]| {
+        let mut guard = store.lock_shard(0).unwrap();
+        store
+            .check_push(
+                "counter",
+                0,
+                keys,
+                &wire(&vec![1.0; keys.len() * 2]),
+                PushId::default(),
+            )
+            .unwrap()
+            .apply(&guard, std::time::Instant::now())
+            .unwrap();
+        let next = guard.version().next(1);
+        guard.set_version(next);
+    };
+    push(&ks[..2]);
+    for _ in 0..6 {
+        push(&ks[2..]);
+    }
+    // Positions: ks[..2] at 1 (age 6 at 7: expired), ks[2..] at 7.
+    let dir = tempfile::tempdir().unwrap();
+    save(&store, dir.path(), 3).unwrap();
+    let restored = Store::new(&config);
+    restored.install(load_latest(&restored, dir.path()).unwrap().unwrap());
+    let stamps = |store: &Store| {
+        let table = store.table("counter").unwrap();
+        let mut out: Vec<(u64, u32)> = Vec::new();
+        table
+            .shard(0)
+            .unwrap()
+            .rows
+            .snapshot()
+            .for_each_from(0, |row| {
+                out.push((row.key(), row.stamp()));
+                true
+            });
+        out.sort_unstable();
+        out
+    };
+    let mut want: Vec<(u64, u32)> = ks[2..].iter().map(|&k| (k, 7)).collect();
+    want.sort_unstable();
+    assert_eq!(stamps(&restored), want);
+    assert_eq!(stamps(&store).len(), 4, "the live store still holds them");
+    assert_eq!(restored.table("counter").unwrap().expired(), 0);
+}

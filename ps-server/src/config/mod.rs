@@ -85,6 +85,15 @@ pub struct TableConfig {
     /// none: every pushed id gets a row (a table whose ids all matter).
     #[serde(default)]
     pub admission: Option<crate::table::AdmissionConfig>,
+    /// Expiry (`table/expiry.rs`): rows not pushed for `after_secs`
+    /// seconds (`{ after_secs = 604800 }`) or while
+    /// `after_pushes_to_shard` Pushes reached their shard are removed by
+    /// a background sweep on the shard's primary (`refresh = "access"`:
+    /// Fetches keep rows too; `sweep_rows_per_sec`, default 1,000,000,
+    /// paces it). Costs 4 bytes per row. Default none: rows stay until a
+    /// row limit evicts them.
+    #[serde(default)]
+    pub expiry: Option<crate::table::ExpiryConfig>,
 }
 
 fn default_gradient_clip() -> f32 {
@@ -117,6 +126,7 @@ impl TableConfig {
             non_finite: NonFinite::default(),
             gradient_clip: default_gradient_clip(),
             admission: None,
+            expiry: None,
         }
     }
 
@@ -158,6 +168,9 @@ impl TableConfig {
         }
         if let Some(admission) = &self.admission {
             admission.validate(&format!("tables[{i}]"))?;
+        }
+        if let Some(expiry) = &self.expiry {
+            expiry.validate(&format!("tables[{i}]"))?;
         }
         Ok(())
     }

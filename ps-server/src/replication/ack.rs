@@ -83,6 +83,21 @@ pub struct AckTicket {
 }
 
 impl Replication {
+    /// The epoch an expiry step of `shard` is applied under, if this
+    /// server may apply one now: as for a Push (primary, not handing
+    /// over, fence valid), without counting a refusal. Called under the
+    /// shard's write lock.
+    pub fn expiry_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
+        let cell = self.cell(shard)?;
+        let state = cell.lock();
+        match &state.role {
+            Role::Primary { epoch, .. } if !state.handing_over && self.fence.is_valid(now) => {
+                Some(*epoch)
+            }
+            _ => None,
+        }
+    }
+
     /// Whether a Push to `shard` may be applied now; returns the epoch to
     /// apply it under. Called under the shard's write lock.
     pub fn admit_push(&self, shard: u32, now: Instant) -> Result<u64, Refusal> {
@@ -136,6 +151,8 @@ impl Replication {
                         evicted_before: outcome.evicted.iter().map(|e| e.before).collect(),
                         evicted_keys: outcome.evicted.iter().map(|e| e.key).collect(),
                         not_admitted: outcome.not_admitted.clone(),
+                        stamp: outcome.stamp,
+                        expired: None,
                     })
                 });
                 if let Some(generation) =
@@ -147,6 +164,28 @@ impl Replication {
             }
         }
         ticket
+    }
+
+    /// Queues an expiry step of `shard`'s sweep, just applied at
+    /// `version` (it removed `expired`), for the replicas. Nothing waits
+    /// for it: a replica that misses it is out of step and copies the
+    /// shard again. Called under the shard's write lock, in stream order.
+    pub fn record_expiry(&self, shard: u32, version: Version, expired: &crate::store::Expired) {
+        let mut shared = None;
+        for forwarder in &self.forwarders {
+            if forwarder.shards.contains(&shard) {
+                let entry = shared.get_or_insert_with(|| {
+                    Arc::new(super::forward::Forwarded {
+                        expired: Some(tessera_proto::v1::ExpiredRows {
+                            table: expired.table.clone(),
+                            keys: expired.keys.clone(),
+                        }),
+                        ..Default::default()
+                    })
+                });
+                forwarder.enqueue(shard, version.epoch, version.position, entry);
+            }
+        }
     }
 
     /// What acknowledging a duplicate of a Push already applied to `shard`

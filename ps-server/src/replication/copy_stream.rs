@@ -25,17 +25,12 @@ use crate::image::{RowImage, ShardSnapshot, TableShape};
 
 /// Bytes of a row file's header: magic, dim, slots, row count.
 const HEADER: u64 = 24;
-/// Magic at the start of every row file.
-const MAGIC: &[u8; 8] = b"TSCKROW1";
+use crate::rowfile::{MAGIC, row_bytes, row_head};
 /// Longest table name a copy may carry.
 const MAX_NAME: usize = 4096;
 /// Most words in one deduplication window a copy may carry (a window has
 /// 16; the bound keeps a corrupt count from allocating much).
 const MAX_WORDS: usize = 1024;
-
-fn row_bytes(dim: u32, slots: u32) -> u64 {
-    12 + u64::from(dim) * (1 + u64::from(slots)) * 4
-}
 
 /// One table's place in the stream.
 #[derive(Debug)]
@@ -247,6 +242,9 @@ pub struct CopyDecoder<F> {
     workers_left: u64,
     windows: Vec<WorkerWindow>,
     window: (u64, u64),
+    /// Bytes of a row's fixed part in the current table's file (its
+    /// format's: [`row_head`]).
+    head: u64,
 }
 
 impl<F: Fn(&str) -> Option<TableShape>> CopyDecoder<F> {
@@ -264,6 +262,7 @@ impl<F: Fn(&str) -> Option<TableShape>> CopyDecoder<F> {
             workers_left: 0,
             windows: Vec::new(),
             window: (0, 0),
+            head: 16,
         }
     }
 
@@ -273,10 +272,9 @@ impl<F: Fn(&str) -> Option<TableShape>> CopyDecoder<F> {
             Need::Name(n) => n,
             Need::FileLen | Need::Workers => 8,
             Need::Header => HEADER as usize,
-            Need::Row => self
-                .table
-                .as_ref()
-                .map_or(0, |t| row_bytes(t.dim, t.slots) as usize),
+            Need::Row => self.table.as_ref().map_or(0, |t| {
+                (self.head + u64::from(t.dim) * (1 + u64::from(t.slots)) * 4) as usize
+            }),
             Need::WindowHead => 20,
             Need::Words(n) => n * 8,
             Need::Done => 0,
@@ -387,9 +385,10 @@ impl<F: Fn(&str) -> Option<TableShape>> CopyDecoder<F> {
                     dim: 0,
                     slots: 0,
                 });
-                if &item[..8] != MAGIC {
+                let Some(head) = row_head(&item[..8]) else {
                     return Err(StreamError::BadMagic(table.name));
-                }
+                };
+                self.head = head;
                 let (dim, slots) = (u32_at(8), u32_at(12));
                 if (dim, slots) != (table.dim, table.slots) {
                     return Err(StreamError::Shape {
@@ -403,7 +402,8 @@ impl<F: Fn(&str) -> Option<TableShape>> CopyDecoder<F> {
                 self.rows_left = u64_at(16);
                 // The rows must fit in what the file says it holds (a
                 // corrupt count cannot make the decoder wait forever).
-                if self.rows_left.saturating_mul(row_bytes(dim, slots)) > self.file_left {
+                let row = head + u64::from(dim) * (1 + u64::from(slots)) * 4;
+                if self.rows_left.saturating_mul(row) > self.file_left {
                     return Err(StreamError::Length(table.name));
                 }
                 self.need = if self.rows_left == 0 {
@@ -417,12 +417,14 @@ impl<F: Fn(&str) -> Option<TableShape>> CopyDecoder<F> {
                 let dim = self.table.as_ref().map_or(0, |t| t.dim as usize);
                 let f32_at =
                     |i: usize| f32::from_le_bytes([item[i], item[i + 1], item[i + 2], item[i + 3]]);
-                let floats = (item.len() - 12) / 4;
+                let head = self.head as usize;
+                let floats = (item.len() - head) / 4;
                 out.push(CopyItem::Row(RowImage {
                     key: u64_at(0),
                     steps: u32_at(8),
-                    values: (0..dim).map(|j| f32_at(12 + 4 * j)).collect(),
-                    state: (dim..floats).map(|j| f32_at(12 + 4 * j)).collect(),
+                    stamp: if head == 16 { u32_at(12) } else { 0 },
+                    values: (0..dim).map(|j| f32_at(head + 4 * j)).collect(),
+                    state: (dim..floats).map(|j| f32_at(head + 4 * j)).collect(),
                 }));
                 self.rows_left -= 1;
                 if self.rows_left == 0 {

@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 use tessera_rpc::sync::lock;
 
 use tessera_proto::v1::{
-    PushRequest, ReplicateRequest, ReplicateResponse, ReplicatedPush, ReplicationClient,
+    ExpiredRows, PushRequest, ReplicateRequest, ReplicateResponse, ReplicatedPush,
+    ReplicationClient,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -52,11 +53,15 @@ pub(crate) struct Queued {
 }
 
 /// A Push as the primary applied it, for its replicas: the request and
-/// the rows its application evicted.
+/// the rows its application evicted; or an expiry step of its sweep.
 #[derive(Debug, Default)]
 pub(crate) struct Forwarded {
-    /// The Push.
+    /// The Push (unused for an expiry step).
     pub request: PushRequest,
+    /// See `ReplicatedPush.stamp`.
+    pub stamp: u32,
+    /// An expiry step instead of a Push (`ReplicatedPush.expired`).
+    pub expired: Option<ExpiredRows>,
     /// See `ReplicatedPush.evicted_before` in `ps.proto`.
     pub evicted_before: Vec<u32>,
     /// See `ReplicatedPush.evicted_keys`.
@@ -68,11 +73,18 @@ pub(crate) struct Forwarded {
 impl Queued {
     /// The entry as sent (prost encodes owned messages).
     fn to_wire(&self) -> ReplicatedPush {
+        let expired = self.push.as_ref().and_then(|p| p.expired.clone());
         ReplicatedPush {
             shard: self.shard,
             position: self.position,
-            push: self.push.as_ref().map(|p| p.request.clone()),
+            push: self
+                .push
+                .as_ref()
+                .filter(|p| p.expired.is_none())
+                .map(|p| p.request.clone()),
             gap: self.push.is_none(),
+            expired,
+            stamp: self.push.as_ref().map_or(0, |p| p.stamp),
             evicted_before: self
                 .push
                 .as_ref()

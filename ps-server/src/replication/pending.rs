@@ -48,6 +48,7 @@ fn size(entry: &ReplicatedPush) -> usize {
         .map_or(0, |p| p.gradients.len() + p.keys.len() * 8)
         + entry.evicted_keys.len() * 12
         + entry.not_admitted.len() * 4
+        + entry.expired.as_ref().map_or(0, |e| e.keys.len() * 8)
         + 64
 }
 

@@ -319,6 +319,18 @@ impl Replication {
             metrics::counter!("tessera_ps_replication_out_of_sync_total").increment(1);
             return Entry::Resync;
         }
+        if let Some(expired) = &entry.expired {
+            let expired = crate::store::Expired {
+                table: expired.table.clone(),
+                keys: expired.keys.clone(),
+            };
+            if let Err(err) = self.store.apply_expired(writing, &expired) {
+                metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);
+                tracing::error!(shard = entry.shard, %err, "a forwarded expiry step does not apply here; copying the shard again");
+                follow.in_step = false;
+                return Entry::Resync;
+            }
+        }
         if let Some(push) = &entry.push {
             let checked = if push.shard == entry.shard {
                 self.store.check_push(
@@ -349,7 +361,7 @@ impl Replication {
                         keys: push.keys.len(),
                     });
                 }
-                checked.apply_replicated(writing, &evictions, &entry.not_admitted, now)
+                checked.apply_replicated(writing, &evictions, &entry.not_admitted, now, entry.stamp)
             });
             if let Err(err) = applied {
                 // The primary applied it, so this server is configured

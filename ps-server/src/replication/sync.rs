@@ -417,7 +417,13 @@ impl Staged {
                 let table = self.tables.last().ok_or(CopyError::Truncated)?;
                 table
                     .rows
-                    .insert(saved.key, saved.steps, &saved.values, &saved.state)
+                    .insert(
+                        saved.key,
+                        saved.steps,
+                        saved.stamp,
+                        &saved.values,
+                        &saved.state,
+                    )
                     .map_err(|source| CopyError::Full {
                         table: table.name.clone(),
                         source,
@@ -615,7 +621,7 @@ mod tests {
     #[test]
     fn sessions_serve_any_chunk_until_released_replaced_or_idle() {
         let source = store();
-        let keys: Vec<u64> = (0..100_000).collect();
+        let keys: Vec<u64> = (0..80_000).collect();
         let mut grads = Vec::new();
         put_f32s(&mut grads, &vec![0.5; keys.len() * 2]);
         source

@@ -4,6 +4,14 @@
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
+    /// Rows a forwarded expiry step removed at the primary are not all
+    /// here (this copy is not the primary's), or the table does not
+    /// expire rows here.
+    #[error("rows the primary expired from table {table} are not all in this copy")]
+    BadExpiry {
+        /// The table.
+        table: String,
+    },
     /// A forwarded Push's keys left out by admission do not point into its
     /// keys in ascending order, or its table has no admission here.
     #[error("a forwarded push's admissions do not fit its {keys} keys or this table")]

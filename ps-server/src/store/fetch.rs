@@ -53,10 +53,17 @@ impl CheckedFetch<'_> {
                 // go into the stream): a Fetch storing one would evict a
                 // trained row that no replica hears of. A table with
                 // admission creates rows only for ids pushed often enough
-                // (`table/admission.rs`). The initial values are a pure
-                // function of the key, so the answer is the same either
-                // way.
-                Mode::Training if state.rows.limited() || state.admission.is_some() => {
+                // (`table/admission.rs`). A table with expiry neither: its
+                // primary's sweep removes rows by the stream, and a row a
+                // Fetch stored on one copy only would be missing on the
+                // others when the sweep names it (`table/expiry.rs`). The
+                // initial values are a pure function of the key, so the
+                // answer is the same either way.
+                Mode::Training
+                    if state.rows.limited()
+                        || state.admission.is_some()
+                        || table.config().expiry.is_some() =>
+                {
                     write_f32s(slot, &table.initial_row(key));
                 }
                 Mode::Training => {

@@ -5,6 +5,7 @@
 //! request is applied; an accepted Push is applied to every row it names.
 
 mod error;
+mod expire;
 mod fetch;
 mod lock;
 mod push;
@@ -17,6 +18,7 @@ use std::time::Instant;
 use tessera_proto::sharding::shard_for_key;
 
 pub use self::error::StoreError;
+pub use self::expire::Expired;
 pub use self::fetch::CheckedFetch;
 use self::fetch::RESPONSE_OVERHEAD;
 pub use self::lock::ShardGuard;
@@ -140,7 +142,10 @@ impl Store {
         }
         for (table, shard, image) in checkpoint.shards {
             if let (Some(table), Some(guard)) = (self.tables.get(&table), self.lock_shard(shard)) {
-                table.install(&guard, shard, image, now);
+                // Rows expired when it was saved stay out (`table/expiry.rs`):
+                // by the checkpoint's own clock, so every server loading it
+                // keeps the same rows.
+                table.install(&guard, shard, image, now, Some(checkpoint.saved_at_secs));
             }
         }
     }

@@ -24,6 +24,10 @@ pub struct PushOutcome {
     /// Indices of its keys that admission left without a row (a table
     /// with `admission`), ascending: the replicas leave out the same.
     pub not_admitted: Vec<u32>,
+    /// The expiry stamp its rows got (a table with expiry: its wall
+    /// clock or Push count, `table/expiry.rs`; 0 otherwise): the replicas
+    /// stamp them alike.
+    pub stamp: u32,
 }
 
 /// The identity of a Push for exactly-once application: the worker and its
@@ -59,14 +63,16 @@ impl CheckedPush<'_> {
     /// primary evicted are evicted (`evictions`, in order), and no row is
     /// created for the keys admission left out there (`not_admitted`).
     /// Refused, with nothing applied, if an eviction or a key left out
-    /// does not point into the Push's keys in order. The caller holds the
-    /// shard's write lock.
+    /// does not point into the Push's keys in order. Rows are stamped
+    /// `stamp`, as the primary stamped them (`table/expiry.rs`). The
+    /// caller holds the shard's write lock.
     pub fn apply_replicated(
         &self,
         writing: &ShardGuard<'_>,
         evictions: &[crate::table::Eviction],
         not_admitted: &[u32],
         now: Instant,
+        stamp: u32,
     ) -> Result<(), StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
         let in_order = evictions.windows(2).all(|w| w[0].before <= w[1].before);
@@ -100,6 +106,7 @@ impl CheckedPush<'_> {
             evictions,
             not_admitted,
             now,
+            stamp,
         );
         if !followed {
             // A row the primary evicted is not here, or one it left out
@@ -113,9 +120,21 @@ impl CheckedPush<'_> {
     }
 
     /// Applies it, unless its id was applied before (then it is
-    /// acknowledged as a duplicate). The caller holds the shard's write
-    /// lock.
+    /// acknowledged as a duplicate). With expiry, its rows are stamped
+    /// (`table/expiry.rs`) with the wall clock now. The caller holds the
+    /// shard's write lock.
     pub fn apply(&self, writing: &ShardGuard<'_>, now: Instant) -> Result<PushOutcome, StoreError> {
+        self.apply_at(writing, now, crate::table::expiry::unix_secs())
+    }
+
+    /// [`CheckedPush::apply`] with the wall clock read as `secs` (seconds
+    /// since the Unix epoch; tests and benchmarks move it by hand).
+    pub fn apply_at(
+        &self,
+        writing: &ShardGuard<'_>,
+        now: Instant,
+        secs: u64,
+    ) -> Result<PushOutcome, StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
         let id = self.id;
         let (admission, applied) = self.table.apply(
@@ -126,6 +145,7 @@ impl CheckedPush<'_> {
             id.worker,
             id.sequence,
             now,
+            secs,
         );
         match admission {
             Admission::Apply => {
@@ -139,6 +159,7 @@ impl CheckedPush<'_> {
                     duplicate: false,
                     evicted: applied.evicted,
                     not_admitted: applied.not_admitted,
+                    stamp: applied.stamp,
                 })
             }
             Admission::Duplicate => {
@@ -148,6 +169,7 @@ impl CheckedPush<'_> {
                     duplicate: true,
                     evicted: applied.evicted,
                     not_admitted: applied.not_admitted,
+                    stamp: 0,
                 })
             }
             Admission::TooOld { lowest } => Err(StoreError::SequenceTooOld {

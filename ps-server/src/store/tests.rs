@@ -7,7 +7,7 @@ const NO_ID: PushId = PushId {
     sequence: 0,
 };
 
-fn config(mode: Mode) -> PsServerConfig {
+pub(super) fn config(mode: Mode) -> PsServerConfig {
     PsServerConfig {
         mode,
         num_shards: 2,
@@ -21,14 +21,14 @@ fn config(mode: Mode) -> PsServerConfig {
     }
 }
 
-fn keys_of_shard(shard: u32, n: usize) -> Vec<u64> {
+pub(super) fn keys_of_shard(shard: u32, n: usize) -> Vec<u64> {
     (0..)
         .filter(|&k| shard_for_key(k, 2) == shard)
         .take(n)
         .collect()
 }
 
-fn decode(bytes: &[u8]) -> Vec<f32> {
+pub(super) fn decode(bytes: &[u8]) -> Vec<f32> {
     let mut out = vec![0f32; bytes.len() / 4];
     assert!(get_f32s(bytes, &mut out));
     out
@@ -189,7 +189,7 @@ fn bad_requests_are_refused_and_change_nothing() {
     );
 }
 
-fn wire(values: &[f32]) -> Vec<u8> {
+pub(super) fn wire(values: &[f32]) -> Vec<u8> {
     let mut out = Vec::new();
     put_f32s(&mut out, values);
     out
@@ -315,6 +315,7 @@ fn a_duplicate_push_is_acknowledged_and_not_applied() {
             duplicate: false,
             evicted: Vec::new(),
             not_admitted: Vec::new(),
+            stamp: 0,
         }
     );
     let row = store.fetch("t", 0, &[key]).unwrap().1;
@@ -326,6 +327,7 @@ fn a_duplicate_push_is_acknowledged_and_not_applied() {
             duplicate: true,
             evicted: Vec::new(),
             not_admitted: Vec::new(),
+            stamp: 0,
         }
     );
     assert_eq!(store.fetch("t", 0, &[key]).unwrap().1, row, "unchanged");
@@ -357,7 +359,7 @@ fn table_row_limits_hold_through_fetches_and_pushes() {
     assert!(table.evictions() >= 900, "{} evictions", table.evictions());
 }
 
-fn digest(store: &Store, shard: u32) -> Vec<(u64, u64)> {
+pub(super) fn digest(store: &Store, shard: u32) -> Vec<(u64, u64)> {
     let cut = store.lock_shard(shard).unwrap();
     store
         .snapshot_shard(&cut)
@@ -385,8 +387,15 @@ fn replay(primary: &Store, replica: &Store, keys: &[u64], sequence: u64) {
             &outcome.evicted,
             &outcome.not_admitted,
             Instant::now(),
+            clock_of(&guard, &outcome),
         )
         .unwrap();
+}
+
+/// The stamp the primary gave `outcome`'s rows, for a replica replaying
+/// it.
+fn clock_of(_guard: &ShardGuard<'_>, outcome: &PushOutcome) -> u32 {
+    outcome.stamp
 }
 
 /// Each side serves Fetches of its own: the first half of `fetches` (as
@@ -536,7 +545,13 @@ fn a_replica_holding_a_row_the_primary_left_out_is_told_apart() {
     let guard = replica.lock_shard(0).unwrap();
     assert!(
         checked
-            .apply_replicated(&guard, &[], &outcome.not_admitted, Instant::now())
+            .apply_replicated(
+                &guard,
+                &[],
+                &outcome.not_admitted,
+                Instant::now(),
+                clock_of(&guard, &outcome),
+            )
             .is_err()
     );
     drop(guard);
@@ -548,14 +563,20 @@ fn a_replica_holding_a_row_the_primary_left_out_is_told_apart() {
     let guard = other.lock_shard(0).unwrap();
     assert!(
         checked
-            .apply_replicated(&guard, &[], &outcome.not_admitted, Instant::now())
+            .apply_replicated(
+                &guard,
+                &[],
+                &outcome.not_admitted,
+                Instant::now(),
+                clock_of(&guard, &outcome),
+            )
             .is_err()
     );
     // Out of order or out of range: refused before anything applies.
     for bad in [&[1u32][..], &[0, 0][..]] {
         assert!(
             checked
-                .apply_replicated(&guard, &[], bad, Instant::now())
+                .apply_replicated(&guard, &[], bad, Instant::now(), clock_of(&guard, &outcome))
                 .is_err()
         );
     }

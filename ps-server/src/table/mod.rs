@@ -3,6 +3,7 @@
 //! deduplication.
 
 mod admission;
+pub mod expiry;
 mod init;
 mod optimizer;
 pub mod rows;
@@ -14,6 +15,7 @@ use std::time::{Duration, Instant};
 use tessera_rpc::sync::LockExt;
 
 pub use admission::{AdmissionConfig, FeatureAdmission, SKETCH_DEPTH};
+pub use expiry::{ExpiryConfig, Refresh};
 pub use init::{Initializer, row_base};
 pub use optimizer::OptimizerConfig;
 pub use rows::{
@@ -43,18 +45,21 @@ pub struct ShardState {
     /// Feature admission, if the table has it (used under the shard's
     /// write lock, with the Pushes).
     pub admission: Option<std::sync::Mutex<FeatureAdmission>>,
+    /// Where the expiry sweep goes on (a table with expiry).
+    pub sweep: std::sync::Mutex<expiry::SweepCursor>,
 }
 
 impl ShardState {
     fn new(config: &TableConfig, dedup: DedupLimits) -> Self {
         Self {
-            rows: ShardRows::new(row_layout(config), config.max_rows, config.eviction),
+            rows: new_rows(config),
             dedup: PushDedup::new(dedup),
             fetches: AtomicU64::new(0),
             pushes: AtomicU64::new(0),
             admission: config
                 .admission
                 .map(|c| std::sync::Mutex::new(FeatureAdmission::new(c))),
+            sweep: std::sync::Mutex::new(expiry::SweepCursor::default()),
         }
     }
 
@@ -81,6 +86,8 @@ pub struct Applied {
     /// Indices into the Push's keys of the rows not created (admission),
     /// ascending.
     pub not_admitted: Vec<u32>,
+    /// The stamp its rows got (a table with expiry; 0 otherwise).
+    pub stamp: u32,
 }
 
 /// One table's rows on this server.
@@ -115,16 +122,30 @@ enum Evicting<'a> {
 }
 
 /// Where the parts of a row of a `config` table lie: `steps` kept for
-/// Adam's bias correction and for LFU eviction, where they are used.
+/// Adam's bias correction and for LFU eviction, where they are used; a
+/// stamp for expiry.
 pub fn row_layout(config: &TableConfig) -> RowLayout {
     let dim = config.dim as usize;
-    RowLayout::new(
+    let layout = RowLayout::new(
         dim,
         config.optimizer.slots() * dim,
         config.storage,
         config.optimizer.uses_steps()
             || (config.max_rows.is_some() && config.eviction == EvictionPolicy::Lfu),
-    )
+    );
+    match config.expiry {
+        Some(_) => layout.with_stamp(),
+        None => layout,
+    }
+}
+
+/// Empty rows for a `config` table.
+fn new_rows(config: &TableConfig) -> ShardRows {
+    let rows = ShardRows::new(row_layout(config), config.max_rows, config.eviction);
+    match config.expiry {
+        Some(e) if e.refresh == Refresh::Access => rows.marking_access(),
+        _ => rows,
+    }
 }
 
 /// Deduplication settings from the server's configuration.
@@ -212,6 +233,11 @@ impl Table {
         }
     }
 
+    /// Rows expired, over all hosted shards.
+    pub fn expired(&self) -> u64 {
+        self.shards.values().map(|s| s.rows.expired()).sum()
+    }
+
     /// Rows evicted, over all hosted shards.
     pub fn evictions(&self) -> u64 {
         self.shards.values().map(|s| s.rows.evictions()).sum()
@@ -283,6 +309,8 @@ impl Table {
     /// copied. Returns the deduplication decision and what the replicas
     /// replay: the rows evicted to make room, the keys admission left
     /// without a row.
+    /// With expiry, the rows are stamped at `secs` (the primary's wall
+    /// clock) or with the table's next Push count (`table/expiry.rs`).
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
@@ -293,12 +321,17 @@ impl Table {
         worker: u64,
         sequence: u64,
         now: Instant,
+        secs: u64,
     ) -> (Admission, Applied) {
         let admission = state.dedup.admit(worker, sequence, now);
         if admission != Admission::Apply {
             return (admission, Applied::default());
         }
         let mut applied = Applied::default();
+        if let Some(expiry) = &self.config.expiry {
+            applied.stamp = expiry.bound().push_stamp(secs, state.rows.stamp_now());
+            state.rows.set_stamp_now(applied.stamp);
+        }
         self.apply_rows(
             state,
             keys,
@@ -318,7 +351,7 @@ impl Table {
     /// admission left out there (`not_admitted`, ascending indices). False
     /// when this copy is not the primary's: a row to evict was missing, or
     /// a key left out has a row here. The caller holds the shard's write
-    /// lock.
+    /// lock. Rows are stamped `stamp`, as the primary stamped them.
     #[allow(clippy::too_many_arguments)]
     pub fn apply_replicated(
         &self,
@@ -331,8 +364,12 @@ impl Table {
         evictions: &[Eviction],
         not_admitted: &[u32],
         now: Instant,
+        stamp: u32,
     ) -> bool {
         state.dedup.record(worker, sequence, now);
+        if self.config.expiry.is_some() {
+            state.rows.set_stamp_now(stamp);
+        }
         self.apply_rows(
             state,
             keys,
@@ -341,6 +378,58 @@ impl Table {
             Evicting::Follow(evictions),
             Admitting::Follow(not_admitted),
         )
+    }
+
+    /// One step of `state`'s expiry sweep at `secs` (the primary's wall
+    /// clock; a table expiring after Pushes judges at its latest Push),
+    /// visiting at most `max_slots` record
+    /// slots: the keys of the rows it removed (none without expiry). The
+    /// caller holds the shard's write lock, and sends the keys to the
+    /// replicas ([`Table::remove_expired`]).
+    pub fn expire_step(
+        &self,
+        _writing: &ShardGuard<'_>,
+        state: &ShardState,
+        secs: u64,
+        max_slots: usize,
+    ) -> Vec<u64> {
+        let Some(expiry) = &self.config.expiry else {
+            return Vec::new();
+        };
+        let bound = expiry.bound();
+        let now = bound.now(secs, state.rows.stamp_now());
+        // Fetch marks from now on carry this time (seconds move between
+        // Pushes; positions only with them).
+        state
+            .rows
+            .set_stamp_now(expiry::later(state.rows.stamp_now(), now));
+        let mut cursor = state.sweep.locked();
+        let removed = state.rows.sweep(&mut cursor, max_slots, now, bound);
+        if !removed.is_empty() {
+            metrics::counter!("tessera_ps_expired_rows_total", "table" => self.config.name.clone())
+                .increment(removed.len() as u64);
+        }
+        removed
+    }
+
+    /// Removes the rows of `keys` as the primary's sweep did; false when
+    /// one was not here (this copy is not the primary's). The caller
+    /// holds the shard's write lock.
+    pub fn remove_expired(
+        &self,
+        _writing: &ShardGuard<'_>,
+        state: &ShardState,
+        keys: &[u64],
+    ) -> bool {
+        let mut all = true;
+        for &key in keys {
+            all &= state.rows.remove_expired(key);
+        }
+        if !keys.is_empty() {
+            metrics::counter!("tessera_ps_expired_rows_total", "table" => self.config.name.clone())
+                .increment(keys.len() as u64);
+        }
+        all
     }
 
     /// Which of the first `n` keys of a Push get their rows applied, with
@@ -529,15 +618,51 @@ impl Table {
     /// Adds a checkpoint's image to `shard`'s rows and deduplication
     /// windows (rows beyond `max_rows` are evicted as usual). Existing rows
     /// stay unless the image has them; see [`Table::replace`] to drop them
-    /// first. The caller holds the shard's write lock.
-    pub fn install(&self, _writing: &ShardGuard<'_>, shard: u32, image: ShardImage, now: Instant) {
+    /// first. With expiry and a `cut` (the checkpoint's wall clock when
+    /// saved), rows expired at the cut are left out (counted in Pushes:
+    /// as of the image's latest stamp), and rows without a stamp (an
+    /// older file) are stamped with it. The caller holds the shard's
+    /// write lock.
+    pub fn install(
+        &self,
+        _writing: &ShardGuard<'_>,
+        shard: u32,
+        image: ShardImage,
+        now: Instant,
+        cut: Option<u64>,
+    ) {
         let Some(state) = self.shards.get(&shard) else {
             return;
         };
-        for saved in image.rows {
+        let latest = image
+            .rows
+            .iter()
+            .fold(state.rows.stamp_now(), |a, r| expiry::later(a, r.stamp));
+        let expiring = self
+            .config
+            .expiry
+            .zip(cut)
+            .map(|(e, secs)| (e.bound(), e.bound().now(secs, latest)));
+        let mut left_out = 0;
+        for mut saved in image.rows {
+            if let Some((bound, at)) = expiring {
+                if saved.stamp == 0 {
+                    saved.stamp = at;
+                }
+                if expiry::expired(saved.stamp, at, bound) {
+                    left_out += 1;
+                    continue;
+                }
+            }
             if state
                 .rows
-                .insert(saved.key, saved.steps, &saved.values, &saved.state)
+                .insert(
+                    saved.key,
+                    saved.steps,
+                    saved.stamp,
+                    &saved.values,
+                    &saved.state,
+                )
                 .is_err()
             {
                 tracing::warn!(table = %self.config.name, shard, "a stripe of the shard is full: rows of the image are left out");
@@ -545,16 +670,15 @@ impl Table {
             }
         }
         state.dedup.restore(&image.dedup, now);
+        if left_out > 0 {
+            tracing::info!(table = %self.config.name, shard, rows = left_out, "rows expired by the checkpoint's time left out");
+        }
     }
 
     /// A new, empty set of rows laid out as this table's (to stage a copy
     /// in before [`Table::swap_in`]).
     pub fn staging_rows(&self) -> ShardRows {
-        ShardRows::new(
-            row_layout(&self.config),
-            self.config.max_rows,
-            self.config.eviction,
-        )
+        new_rows(&self.config)
     }
 
     /// Makes `shard` hold exactly `rows` (staged from a copy) and `dedup`;
@@ -583,6 +707,6 @@ impl Table {
             state.rows.clear();
             state.dedup.clear();
         }
-        self.install(writing, shard, image, now);
+        self.install(writing, shard, image, now, None);
     }
 }

@@ -2,7 +2,7 @@
 //! its values are stored in.
 //!
 //! ```text
-//! key (2 words, low first) | steps (1 word, where kept) | values | optimizer state
+//! key (2 words, low first) | steps (1 word, where kept) | stamp (1 word, where kept) | values | optimizer state
 //! ```
 //!
 //! Values are `f32`, or with `storage = "f16"` / `"bf16"` two per word
@@ -30,6 +30,9 @@
 //! replicas apply with it) is mixed in as a seed, so that a value the
 //! same small step keeps nudging draws afresh each time instead of
 //! repeating the draw that kept it in place.
+//!
+//! `stamp` (when the row was last pushed, or touched, in the table's
+//! expiry clock: `table/expiry.rs`) is kept for a table with expiry only.
 //!
 //! `steps` (updates applied) is kept where it is used: Adam's bias
 //! correction and LFU eviction. An SGD or Adagrad row without a row limit
@@ -149,6 +152,7 @@ pub struct RowLayout {
     state: usize,
     storage: Storage,
     steps: bool,
+    stamp: bool,
 }
 
 /// Words of the key.
@@ -163,6 +167,40 @@ impl RowLayout {
             state,
             storage,
             steps,
+            stamp: false,
+        }
+    }
+
+    /// The same layout with a `stamp` word (a table with expiry).
+    pub fn with_stamp(self) -> Self {
+        Self {
+            stamp: true,
+            ..self
+        }
+    }
+
+    /// Whether `stamp` is kept.
+    pub fn keeps_stamp(&self) -> bool {
+        self.stamp
+    }
+
+    fn stamp_at(&self) -> usize {
+        KEY_WORDS + usize::from(self.steps)
+    }
+
+    /// The row's expiry stamp (0 where not kept).
+    pub fn stamp(&self, record: &[u32]) -> u32 {
+        if self.stamp {
+            record[self.stamp_at()]
+        } else {
+            0
+        }
+    }
+
+    /// Sets the row's expiry stamp (nothing where not kept).
+    pub fn set_stamp(&self, record: &mut [u32], stamp: u32) {
+        if self.stamp {
+            record[self.stamp_at()] = stamp;
         }
     }
 
@@ -182,7 +220,7 @@ impl RowLayout {
     }
 
     fn values_at(&self) -> usize {
-        KEY_WORDS + usize::from(self.steps)
+        KEY_WORDS + usize::from(self.steps) + usize::from(self.stamp)
     }
 
     fn value_words(&self) -> usize {

@@ -1,7 +1,7 @@
 //! The rows of one (table, shard): values, optimizer state, and what the
 //! eviction policy needs, in lock stripes of slab records.
 //!
-//! Keys are spread over 64 stripes, each an `RwLock` over a [`Slab`] of
+//! Keys are spread over 64 stripes, each an `RwLock` over a [`Slab`](slab::Slab) of
 //! fixed-size records (key, steps, values, optimizer state: see
 //! [`layout`]) in blocks of up to 4,096, and a [`KeyIndex`] from key to
 //! slot.
@@ -24,6 +24,12 @@
 //! for a table with a row limit), so a Fetch marks it under the read
 //! lock.
 //!
+//! A table with expiry keeps a stamp in each record (`table/expiry.rs`),
+//! set to the shard's current stamp ([`ShardRows::set_stamp_now`]) by
+//! every update; with `refresh = "access"`, Fetches mark the rows they
+//! find beside the records (an atomic per slot, like the last use), and
+//! [`ShardRows::sweep`] folds the marks into the stamps as it passes.
+//!
 //! A limit of `max_rows` is enforced per stripe as `max_rows / stripes`,
 //! with fewer stripes for small limits (at least 64 rows each), so the
 //! total never exceeds it; a stripe that fills first starts evicting a
@@ -37,8 +43,10 @@ pub mod layout;
 pub mod slab;
 mod snapshot;
 mod spares;
+mod stripe;
+mod sweep;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use tessera_rpc::sync::RwLockExt;
 
@@ -47,8 +55,9 @@ use tessera_proto::sharding::splitmix64;
 
 use self::index::{KeyIndex, MAX_SLOTS};
 pub use self::layout::{RowLayout, Storage};
-use self::slab::{CHUNK_ROWS, Slab};
+use self::slab::CHUNK_ROWS;
 pub use self::snapshot::RowsSnapshot;
+use self::stripe::Stripe;
 
 /// Which row a full table gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -107,6 +116,11 @@ impl RowRef<'_> {
         self.layout.steps(self.record)
     }
 
+    /// Its expiry stamp (0 where the layout does not keep it).
+    pub fn stamp(&self) -> u32 {
+        self.layout.stamp(self.record)
+    }
+
     /// Its values as `f32`.
     pub fn values(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.layout.dim()];
@@ -127,88 +141,16 @@ impl RowRef<'_> {
     }
 
     /// Appends the row as a row file stores it ([`crate::rowfile`]): key,
-    /// steps, values and state, little-endian `u64`, `u32` and `f32`s.
+    /// steps, stamp, values and state, little-endian `u64`, `u32`s and
+    /// `f32`s.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.key().to_le_bytes());
         out.extend_from_slice(&self.steps().to_le_bytes());
+        out.extend_from_slice(&self.stamp().to_le_bytes());
         let at = out.len();
         out.resize(at + self.layout.dim() * 4, 0);
         self.layout.write_values_le(self.record, &mut out[at..]);
         self.layout.write_state_le(self.record, out);
-    }
-}
-
-/// One stripe: records, index, and (with a row limit) each slot's last
-/// use.
-#[derive(Debug)]
-struct Stripe {
-    slab: Slab,
-    index: KeyIndex,
-    /// Last use per slot, a chunk of atomics per slab chunk (tables with
-    /// a row limit only): marked by Fetches under the read lock.
-    used: Vec<Box<[AtomicU64]>>,
-    /// The widened values of a row being updated (narrow storage).
-    scratch: Vec<f32>,
-    /// Most entries an insert moved for an index growth, since the last
-    /// [`ShardRows::take_most_moved`].
-    most_moved: usize,
-}
-
-impl Stripe {
-    fn new(layout: &RowLayout) -> Self {
-        Self {
-            slab: Slab::new(layout.words()),
-            index: KeyIndex::new(),
-            used: Vec::new(),
-            scratch: Vec::new(),
-            most_moved: 0,
-        }
-    }
-
-    fn find(&self, layout: &RowLayout, key: u64) -> Option<u32> {
-        let slab = &self.slab;
-        self.index.get(key, |slot| layout.key(slab.record(slot)))
-    }
-
-    /// [`Stripe::find`] trying `candidate` first ([`KeyIndex::candidates`]):
-    /// it is `key`'s slot if its record holds a row with that key.
-    fn find_from(&self, layout: &RowLayout, key: u64, candidate: u32) -> Option<u32> {
-        match self.slab.live_record(candidate) {
-            Some(record) if layout.key(record) == key => Some(candidate),
-            _ => self.find(layout, key),
-        }
-    }
-
-    fn used(&self, slot: u32) -> Option<&AtomicU64> {
-        let (chunk, at) = (slot as usize / CHUNK_ROWS, slot as usize % CHUNK_ROWS);
-        self.used.get(chunk).map(|c| &c[at])
-    }
-
-    /// A new record for `key` (its contents unset but the key).
-    fn add(&mut self, layout: &RowLayout, key: u64, limited: bool) -> Result<u32, StripeFull> {
-        let slot = self.slab.alloc().ok_or(StripeFull)?;
-        layout.set_key(self.slab.record_mut(slot), key);
-        let slab = &self.slab;
-        let moved = self.index.insert(key, slot, |s| layout.key(slab.record(s)));
-        self.most_moved = self.most_moved.max(moved);
-        if limited {
-            while self.used.len() * CHUNK_ROWS <= slot as usize {
-                self.used
-                    .push((0..CHUNK_ROWS).map(|_| AtomicU64::new(0)).collect());
-            }
-        }
-        Ok(slot)
-    }
-
-    fn remove(&mut self, layout: &RowLayout, key: u64) -> bool {
-        let slab = &self.slab;
-        match self.index.remove(key, |s| layout.key(slab.record(s))) {
-            Some(slot) => {
-                self.slab.release(slot);
-                true
-            }
-            None => false,
-        }
     }
 }
 
@@ -267,6 +209,16 @@ pub struct ShardRows {
     policy: EvictionPolicy,
     clock: AtomicU64,
     evictions: AtomicU64,
+    /// The stamp updates and (expiring on access) Fetches mark rows with
+    /// (`table/expiry.rs`).
+    stamp_now: AtomicU32,
+    /// Fetches mark the rows they find (a table expiring on access).
+    access: bool,
+    /// Rows expired so far (swept here, or as the primary swept them).
+    expired: AtomicU64,
+    /// The longest the sweep held a stripe's write lock, nanoseconds
+    /// ([`ShardRows::take_longest_sweep_hold`]).
+    longest_sweep_hold: AtomicU64,
 }
 
 impl ShardRows {
@@ -290,7 +242,31 @@ impl ShardRows {
             policy,
             clock: AtomicU64::new(1),
             evictions: AtomicU64::new(0),
+            stamp_now: AtomicU32::new(0),
+            access: false,
+            expired: AtomicU64::new(0),
+            longest_sweep_hold: AtomicU64::new(0),
         }
+    }
+
+    /// The same rows with Fetches marking the rows they find (a table
+    /// expiring on access; its layout keeps stamps).
+    pub fn marking_access(self) -> Self {
+        Self {
+            access: self.layout.keeps_stamp(),
+            ..self
+        }
+    }
+
+    /// Sets the stamp later updates (and Fetch marks) give rows. The
+    /// caller of an update sets it first, under the shard's write lock.
+    pub fn set_stamp_now(&self, stamp: u32) {
+        self.stamp_now.store(stamp, Ordering::Relaxed);
+    }
+
+    /// The stamp updates give rows now.
+    pub fn stamp_now(&self) -> u32 {
+        self.stamp_now.load(Ordering::Relaxed)
     }
 
     /// Where the parts of a row lie.
@@ -326,6 +302,11 @@ impl ShardRows {
             && let Some(used) = stripe.used(slot)
         {
             used.store(self.tick(), Ordering::Relaxed);
+        }
+        if self.access
+            && let Some(touched) = stripe.touched(slot)
+        {
+            touched.store(self.stamp_now(), Ordering::Relaxed);
         }
     }
 
@@ -407,25 +388,27 @@ impl ShardRows {
         let layout = &self.layout;
         let (slot, fresh) = match found {
             Some(slot) => (slot, false),
-            None => (stripe.add(layout, key, self.limited())?, true),
+            None => (
+                stripe.add(layout, key, self.limited(), self.access, self.stamp_now())?,
+                true,
+            ),
         };
         if fresh {
             self.largest.fetch_max(stripe.slab.len(), Ordering::Relaxed);
         }
         self.touch(stripe, slot);
         let Stripe { slab, scratch, .. } = stripe;
-        Ok(layout.update(
-            slab.record_mut(slot),
-            scratch,
-            seed,
-            |values, state, steps| {
+        let record = slab.record_mut(slot);
+        layout.set_stamp(record, self.stamp_now());
+        Ok(
+            layout.update(record, scratch, seed, |values, state, steps| {
                 if fresh {
                     *steps = 0;
                     init(values, state);
                 }
                 update(values, state, steps)
-            },
-        ))
+            }),
+        )
     }
 
     /// Evicts the row of `key` (as the primary did); whether it was held.
@@ -455,12 +438,13 @@ impl ShardRows {
         self.limited() || self.largest.load(Ordering::Relaxed) + rows <= MAX_SLOTS as usize
     }
 
-    /// Puts a row (as saved or copied) in place of whatever `key` had
-    /// (evicting another row if the stripe is full).
+    /// Puts a row (as saved or copied, stamped `stamp`) in place of
+    /// whatever `key` had (evicting another row if the stripe is full).
     pub fn insert(
         &self,
         key: u64,
         steps: u32,
+        stamp: u32,
         values: &[f32],
         state: &[f32],
     ) -> Result<(), StripeFull> {
@@ -470,13 +454,28 @@ impl ShardRows {
             Some(slot) => slot,
             None => {
                 self.make_room(&mut stripe, key);
-                let slot = stripe.add(layout, key, self.limited())?;
+                let slot = stripe.add(layout, key, self.limited(), self.access, stamp)?;
                 self.largest.fetch_max(stripe.slab.len(), Ordering::Relaxed);
                 slot
             }
         };
-        self.touch(&stripe, slot);
-        layout.write(stripe.slab.record_mut(slot), key, steps, values, state);
+        if self.stripe_limit.is_some()
+            && let Some(used) = stripe.used(slot)
+        {
+            used.store(self.tick(), Ordering::Relaxed);
+        }
+        if let Some(touched) = stripe.touched(slot) {
+            touched.store(stamp, Ordering::Relaxed);
+        }
+        let record = stripe.slab.record_mut(slot);
+        layout.write(record, key, steps, values, state);
+        layout.set_stamp(record, stamp);
+        if layout.keeps_stamp() {
+            // The table's clock starts from its latest row (a count of
+            // Pushes goes on from there: `table/expiry.rs`).
+            let latest = super::expiry::later(self.stamp_now(), stamp);
+            self.set_stamp_now(latest);
+        }
         Ok(())
     }
 
@@ -525,11 +524,15 @@ impl ShardRows {
                 mine.slab.swap_rows(&mut theirs.slab);
                 std::mem::swap(&mut mine.index, &mut theirs.index);
                 std::mem::swap(&mut mine.used, &mut theirs.used);
+                std::mem::swap(&mut mine.touched, &mut theirs.touched);
             }
             // The largest stripe goes with the rows (`has_room`).
             let theirs = other.largest.load(Ordering::Relaxed);
             let mine = self.largest.swap(theirs, Ordering::Relaxed);
             other.largest.store(mine, Ordering::Relaxed);
+            let theirs = other.stamp_now();
+            let mine = self.stamp_now.swap(theirs, Ordering::Relaxed);
+            other.set_stamp_now(mine);
             return;
         }
         // Laid out differently (another row limit): row by row.
@@ -539,7 +542,13 @@ impl ShardRows {
         for (to, from) in [(self, &theirs), (other, &mine)] {
             from.for_each_from(0, |row| {
                 // Rows that do not fit a smaller limit are evicted as usual.
-                let _ = to.insert(row.key(), row.steps(), &row.values(), &row.state());
+                let _ = to.insert(
+                    row.key(),
+                    row.steps(),
+                    row.stamp(),
+                    &row.values(),
+                    &row.state(),
+                );
                 true
             });
         }
@@ -552,6 +561,7 @@ impl ShardRows {
             stripe.slab.clear();
             stripe.index = KeyIndex::new();
             stripe.used = Vec::new();
+            stripe.touched = Vec::new();
         }
     }
 
@@ -585,6 +595,7 @@ impl ShardRows {
             out.cut_bytes += slab.cuts;
             out.overhead_bytes += slab.overhead
                 + (stripe.used.len() * (CHUNK_ROWS * 8 + 16)) as u64
+                + (stripe.touched.len() * (CHUNK_ROWS * 4 + 16)) as u64
                 + std::mem::size_of::<RwLock<Stripe>>() as u64;
         }
         out
