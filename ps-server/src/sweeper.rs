@@ -26,8 +26,8 @@ const LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// What one step did.
 enum Step {
-    /// Removed this many rows.
-    Removed(u64),
+    /// Removed this many rows; whether it finished a pass.
+    Removed(u64, bool),
     /// This server is not the shard's primary now.
     NotPrimary,
     /// The table is not hosted here.
@@ -55,7 +55,7 @@ fn step(
         writing.set_version(version);
         replication.record_expiry(writing.shard(), version, &expired);
     }
-    Step::Removed(expired.keys.len() as u64)
+    Step::Removed(expired.keys.len() as u64, expired.pass_done)
 }
 
 /// Runs the sweeps until dropped; returns at once without a table with
@@ -93,7 +93,15 @@ pub(crate) async fn run(store: Arc<Store>, replication: Arc<Replication>) {
                         step(&store, &replication, &mut writing, table, slots)
                     };
                     match swept {
-                        Step::Removed(rows) => logged[t].0 += rows,
+                        Step::Removed(rows, pass_done) => {
+                            logged[t].0 += rows;
+                            if pass_done {
+                                // At most a pass a tick: a small table is
+                                // not walked over and over for its credit.
+                                *left = 0.0;
+                                break;
+                            }
+                        }
                         Step::NotPrimary => {
                             // Not this server's to sweep (a replica follows).
                             *left = 0.0;

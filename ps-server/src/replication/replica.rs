@@ -323,6 +323,7 @@ impl Replication {
             let expired = crate::store::Expired {
                 table: expired.table.clone(),
                 keys: expired.keys.clone(),
+                pass_done: false,
             };
             if let Err(err) = self.store.apply_expired(writing, &expired) {
                 metrics::counter!("tessera_ps_replication_apply_failures_total").increment(1);

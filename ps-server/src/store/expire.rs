@@ -11,6 +11,8 @@ pub struct Expired {
     pub table: String,
     /// The keys of the rows removed.
     pub keys: Vec<u64>,
+    /// The step finished a pass over the table's rows of the shard.
+    pub pass_done: bool,
 }
 
 impl Store {
@@ -43,9 +45,12 @@ impl Store {
         let t = self.tables.get(table)?;
         t.config().expiry?;
         let state = t.shard(writing.shard())?;
+        let mut pass_done = false;
+        let keys = t.expire_step(writing, state, secs, max_slots, &mut pass_done);
         Some(Expired {
             table: table.to_owned(),
-            keys: t.expire_step(writing, state, secs, max_slots),
+            keys,
+            pass_done,
         })
     }
 
@@ -280,6 +285,7 @@ mod tests {
         let expired = Expired {
             table: "t".into(),
             keys: vec![key],
+            pass_done: false,
         };
         assert!(matches!(
             store.apply_expired(&guard, &expired),

@@ -383,7 +383,8 @@ impl Table {
     /// One step of `state`'s expiry sweep at `secs` (the primary's wall
     /// clock; a table expiring after Pushes judges at its latest Push),
     /// visiting at most `max_slots` record
-    /// slots: the keys of the rows it removed (none without expiry). The
+    /// slots: the keys of the rows it removed (none without expiry);
+    /// `pass_done` says whether it finished a pass over the rows. The
     /// caller holds the shard's write lock, and sends the keys to the
     /// replicas ([`Table::remove_expired`]).
     pub fn expire_step(
@@ -392,6 +393,7 @@ impl Table {
         state: &ShardState,
         secs: u64,
         max_slots: usize,
+        pass_done: &mut bool,
     ) -> Vec<u64> {
         let Some(expiry) = &self.config.expiry else {
             return Vec::new();
@@ -404,7 +406,9 @@ impl Table {
             .rows
             .set_stamp_now(expiry::later(state.rows.stamp_now(), now));
         let mut cursor = state.sweep.locked();
+        let passes = cursor.passes;
         let removed = state.rows.sweep(&mut cursor, max_slots, now, bound);
+        *pass_done = cursor.passes != passes;
         if !removed.is_empty() {
             metrics::counter!("tessera_ps_expired_rows_total", "table" => self.config.name.clone())
                 .increment(removed.len() as u64);

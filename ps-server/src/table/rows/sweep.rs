@@ -13,7 +13,8 @@ const SWEEP_WRITE_BATCH: usize = 256;
 
 impl ShardRows {
     /// One step of the expiry sweep (`table/expiry.rs`): visits up to
-    /// `max_slots` record slots from `cursor` on (moving it), removes the
+    /// `max_slots` record slots from `cursor` on (moving it; a step ends
+    /// where a pass over every stripe does), removes the
     /// rows expired at `now` under `bound`, and returns their keys. Fetch
     /// marks (a table expiring on access) later than a row's stamp are
     /// folded into it first.
@@ -73,6 +74,12 @@ impl ShardRows {
                 cursor.stripe += 1;
                 cursor.slot = 0;
                 stripes_seen += 1;
+                if cursor.stripe >= self.stripes.len() {
+                    // A pass ends a step: the caller paces passes.
+                    cursor.stripe = 0;
+                    cursor.passes += 1;
+                    break;
+                }
             } else {
                 cursor.slot = end;
             }
