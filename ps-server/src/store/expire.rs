@@ -247,6 +247,22 @@ mod tests {
         assert_eq!(pair.primary.table("t").unwrap().rows(), 1);
     }
 
+    /// A step ends where a pass does, whatever its budget: the sweeper
+    /// paces passes, and a small table is not walked twice in one step.
+    #[test]
+    fn a_step_ends_at_the_end_of_a_pass() {
+        let mut pair = Pair::new(&expiring(ExpiryConfig::after_pushes(100)));
+        pair.push(&keys_of_shard(0, 10));
+        let g = pair.primary.lock_shard(0).unwrap();
+        let step = pair.primary.expire_step(&g, "t", 0, 1 << 20).unwrap();
+        assert!(step.pass_done && step.keys.is_empty());
+        let state = pair.primary.table("t").unwrap().shard(0).unwrap();
+        let cursor = *state.sweep.lock().unwrap();
+        assert_eq!((cursor.passes, cursor.stripe, cursor.slot), (1, 0, 0));
+        let step = pair.primary.expire_step(&g, "t", 0, 1).unwrap();
+        assert!(!step.pass_done);
+    }
+
     #[test]
     fn wall_clock_expiry_follows_the_primarys_seconds_and_fetches_refresh_on_access() {
         for refresh in [Refresh::Push, Refresh::Access] {
