@@ -45,6 +45,7 @@ fn step(
     slots: usize,
 ) -> Step {
     let Some(epoch) = replication.expiry_epoch(writing.shard(), Instant::now()) else {
+        store.advance_clock(writing, table, unix_secs());
         return Step::NotPrimary;
     };
     let Some(expired) = store.expire_step(writing, table, unix_secs(), slots) else {

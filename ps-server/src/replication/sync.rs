@@ -258,6 +258,9 @@ struct StagedTable {
     name: String,
     rows: crate::table::ShardRows,
     dedup: Vec<crate::dedup::WorkerWindow>,
+    /// The stamp of a copied row without one (a table expiring
+    /// `after_secs`: the time the copy arrived; 0 otherwise).
+    unstamped: u32,
 }
 
 impl Staged {
@@ -284,6 +287,7 @@ impl Staged {
                     name: table.config().name.clone(),
                     rows: table.staging_rows(),
                     dedup: Vec::new(),
+                    unstamped: 0,
                 },
             };
             rows += table.swap_in(guard, shard, &staged.rows, &staged.dedup, now);
@@ -407,14 +411,26 @@ impl Staged {
                 if self.tables.iter().any(|t| t.name == name) {
                     return Err(CopyError::DuplicateTable(name));
                 }
+                let unstamped = match table.config().expiry.map(|e| e.bound()) {
+                    Some(bound @ crate::table::expiry::Bound::Secs(_)) => {
+                        bound.now(crate::table::expiry::unix_secs(), 0)
+                    }
+                    _ => 0,
+                };
                 self.tables.push(StagedTable {
                     name,
                     rows: table.staging_rows(),
                     dedup: Vec::new(),
+                    unstamped,
                 });
             }
-            CopyItem::Row(saved) => {
+            CopyItem::Row(mut saved) => {
                 let table = self.tables.last().ok_or(CopyError::Truncated)?;
+                if saved.stamp == 0 {
+                    // No stamp (a copy from a server without expiry): the
+                    // row counts as pushed now, not in 1970.
+                    saved.stamp = table.unstamped;
+                }
                 table
                     .rows
                     .insert(

@@ -54,6 +54,22 @@ impl Store {
         })
     }
 
+    /// Moves `table`'s clock on the shard `writing` locks to the wall
+    /// clock `secs` (a table expiring `after_secs`, on a server that does
+    /// not sweep the shard): Fetch marks (`refresh = "access"`) then
+    /// carry the time they happened, not that of the last Push, should
+    /// this server lead the shard later.
+    pub fn advance_clock(&self, writing: &ShardGuard<'_>, table: &str, secs: u64) {
+        let Some(t) = self.tables.get(table) else {
+            return;
+        };
+        if let (Some(expiry), Some(state)) = (t.config().expiry, t.shard(writing.shard()))
+            && matches!(expiry.bound(), crate::table::expiry::Bound::Secs(_))
+        {
+            state.rows.note_stamp(expiry.bound().now(secs, 0));
+        }
+    }
+
     /// Removes the rows the primary's sweep removed (`expired`) from the
     /// shard `writing` locks. Refused when the table does not expire here
     /// or a row is missing (this copy is not the primary's; the rest are
@@ -245,6 +261,52 @@ mod tests {
         }
         assert!(steps >= 20, "{steps} steps for 20,000 rows of 1,000 slots");
         assert_eq!(pair.primary.table("t").unwrap().rows(), 1);
+    }
+
+    /// A table's clock starts from its rows' latest stamp when rows are
+    /// installed, also past 2^31 (the first version compared with an
+    /// unset 0, called every stamp past 2^31 earlier, and a promoted
+    /// replica's first sweep then removed nearly every row).
+    #[test]
+    fn the_clock_starts_from_installed_stamps_past_two_to_the_31() {
+        let store = Store::new(&expiring(ExpiryConfig::after_pushes(100)));
+        let rows = &store.table("t").unwrap().shard(0).unwrap().rows;
+        let key = keys_of_shard(0, 2);
+        rows.insert(key[0], 0, 3_000_000_000, &[0.0; 3], &[])
+            .unwrap();
+        assert_eq!(rows.stamp_now(), 3_000_000_000);
+        rows.insert(key[1], 0, 2_999_999_990, &[0.0; 3], &[])
+            .unwrap();
+        assert_eq!(rows.stamp_now(), 3_000_000_000, "the later of the two");
+        let g = store.lock_shard(0).unwrap();
+        let step = store.expire_step(&g, "t", 0, 1 << 20).unwrap();
+        assert!(step.keys.is_empty(), "{:?} swept", step.keys);
+    }
+
+    /// A server that does not sweep a shard (a replica) still moves a
+    /// wall-clock table's clock on, so its Fetch marks carry their own
+    /// time, not that of the last Push it followed.
+    #[test]
+    fn a_replica_marks_fetches_with_the_time_they_happen() {
+        let mut pair = Pair::new(&expiring(ExpiryConfig {
+            refresh: Refresh::Access,
+            ..ExpiryConfig::after_secs(60)
+        }));
+        let keys = keys_of_shard(0, 1);
+        pair.push(&keys);
+        let g = pair.replica.lock_shard(0).unwrap();
+        pair.replica.advance_clock(&g, "t", pair.secs + 500);
+        drop(g);
+        let rows = &pair.replica.table("t").unwrap().shard(0).unwrap().rows;
+        assert_eq!(rows.stamp_now(), 1_000_500);
+        // Promoted, the replica's sweep 50 s later keeps the row it served.
+        pair.replica.fetch("t", 0, &keys).unwrap();
+        let g = pair.replica.lock_shard(0).unwrap();
+        let step = pair
+            .replica
+            .expire_step(&g, "t", 1_000_550, 1 << 20)
+            .unwrap();
+        assert!(step.keys.is_empty());
     }
 
     /// A step ends where a pass does, whatever its budget: the sweeper

@@ -142,9 +142,8 @@ impl Store {
         }
         for (table, shard, image) in checkpoint.shards {
             if let (Some(table), Some(guard)) = (self.tables.get(&table), self.lock_shard(shard)) {
-                // Rows expired when it was saved stay out (`table/expiry.rs`):
-                // by the checkpoint's own clock, so every server loading it
-                // keeps the same rows.
+                // Rows without a stamp get the checkpoint's own time, so
+                // every server loading it stamps alike (`table/expiry.rs`).
                 table.install(&guard, shard, image, now, Some(checkpoint.saved_at_secs));
             }
         }

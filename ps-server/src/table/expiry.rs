@@ -28,15 +28,23 @@
 //! go into the replication stream as an entry of their own, and replicas
 //! remove exactly those: no copy ever decides an expiry by its own clock,
 //! so every copy holds the same rows. A row is thus removed between
-//! `bound` and `bound` plus one pass over the shard's rows after its last
-//! Push (a pass takes `rows / sweep_rows_per_sec` seconds).
+//! `bound` and `bound` plus one pass over the shard's record slots after
+//! its last Push (a pass takes `slots / sweep_rows_per_sec` seconds;
+//! slots are rows plus the free records a shrunken slab keeps).
 //!
-//! **Checkpoints** leave out the rows expired at the time they are taken;
-//! stamps survive in them. A **copy** to a replica is the primary's rows
-//! as they are, expired rows not yet swept included: a replica that left
-//! them out would differ from its primary until the sweep came by, and a
-//! Push to such a row in between would give the two different values.
-//! The sweep's next pass removes them on every copy at once.
+//! **Checkpoints and copies** hold the primary's rows as they are, with
+//! their stamps, expired rows not yet swept included. A server that left
+//! them out (a replica installing a copy, a server loading its own
+//! checkpoint) would differ from a copy at the same version that kept
+//! them, for good if no copy follows, and a Push to such a row would give
+//! the two different values. The sweep's next pass removes them on every
+//! copy at once. Rows without a stamp (an older row file, a copy from a
+//! server without expiry) are stamped at install: with the checkpoint's
+//! save time, or the time a copy arrives.
+//!
+//! A server that does not sweep a shard (a replica) still moves a
+//! wall-clock table's clock on ([`crate::store::Store::advance_clock`]),
+//! so its own Fetch marks carry their time should it lead later.
 //!
 //! Written here rather than taken from a crate: the expiry decision is
 //! part of the replicated state machine (positions and stamps of the

@@ -402,9 +402,7 @@ impl Table {
         let now = bound.now(secs, state.rows.stamp_now());
         // Fetch marks from now on carry this time (seconds move between
         // Pushes; positions only with them).
-        state
-            .rows
-            .set_stamp_now(expiry::later(state.rows.stamp_now(), now));
+        state.rows.note_stamp(now);
         let mut cursor = state.sweep.locked();
         let passes = cursor.passes;
         let removed = state.rows.sweep(&mut cursor, max_slots, now, bound);
@@ -623,10 +621,13 @@ impl Table {
     /// windows (rows beyond `max_rows` are evicted as usual). Existing rows
     /// stay unless the image has them; see [`Table::replace`] to drop them
     /// first. With expiry and a `cut` (the checkpoint's wall clock when
-    /// saved), rows expired at the cut are left out (counted in Pushes:
-    /// as of the image's latest stamp), and rows without a stamp (an
-    /// older file) are stamped with it. The caller holds the shard's
-    /// write lock.
+    /// saved), rows without a stamp (an older file) are stamped with it
+    /// (counted in Pushes: the image's latest stamp), so every server
+    /// loading the file stamps alike. Expired rows are installed too: a
+    /// server leaving them out at load would hold other rows than a
+    /// replica at the same version that did not restart; the primary's
+    /// sweep removes them through the stream. The caller holds the
+    /// shard's write lock.
     pub fn install(
         &self,
         _writing: &ShardGuard<'_>,
@@ -638,25 +639,20 @@ impl Table {
         let Some(state) = self.shards.get(&shard) else {
             return;
         };
-        let latest = image
-            .rows
-            .iter()
-            .fold(state.rows.stamp_now(), |a, r| expiry::later(a, r.stamp));
-        let expiring = self
-            .config
-            .expiry
-            .zip(cut)
-            .map(|(e, secs)| (e.bound(), e.bound().now(secs, latest)));
-        let mut left_out = 0;
+        let unstamped = self.config.expiry.zip(cut).map(|(e, secs)| {
+            let latest = image
+                .rows
+                .iter()
+                .map(|r| r.stamp)
+                .filter(|&s| s != 0)
+                .reduce(expiry::later);
+            e.bound().now(secs, latest.unwrap_or(0))
+        });
         for mut saved in image.rows {
-            if let Some((bound, at)) = expiring {
-                if saved.stamp == 0 {
-                    saved.stamp = at;
-                }
-                if expiry::expired(saved.stamp, at, bound) {
-                    left_out += 1;
-                    continue;
-                }
+            if let Some(at) = unstamped
+                && saved.stamp == 0
+            {
+                saved.stamp = at;
             }
             if state
                 .rows
@@ -674,9 +670,6 @@ impl Table {
             }
         }
         state.dedup.restore(&image.dedup, now);
-        if left_out > 0 {
-            tracing::info!(table = %self.config.name, shard, rows = left_out, "rows expired by the checkpoint's time left out");
-        }
     }
 
     /// A new, empty set of rows laid out as this table's (to stage a copy

@@ -46,7 +46,7 @@ mod spares;
 mod stripe;
 mod sweep;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use tessera_rpc::sync::RwLockExt;
 
@@ -212,6 +212,9 @@ pub struct ShardRows {
     /// The stamp updates and (expiring on access) Fetches mark rows with
     /// (`table/expiry.rs`).
     stamp_now: AtomicU32,
+    /// `stamp_now` was set (by an update, a row installed, or a clock):
+    /// before, it is no stamp to compare others with.
+    stamp_known: AtomicBool,
     /// Fetches mark the rows they find (a table expiring on access).
     access: bool,
     /// Rows expired so far (swept here, or as the primary swept them).
@@ -243,6 +246,7 @@ impl ShardRows {
             clock: AtomicU64::new(1),
             evictions: AtomicU64::new(0),
             stamp_now: AtomicU32::new(0),
+            stamp_known: AtomicBool::new(false),
             access: false,
             expired: AtomicU64::new(0),
             longest_sweep_hold: AtomicU64::new(0),
@@ -262,6 +266,23 @@ impl ShardRows {
     /// caller of an update sets it first, under the shard's write lock.
     pub fn set_stamp_now(&self, stamp: u32) {
         self.stamp_now.store(stamp, Ordering::Relaxed);
+        self.stamp_known.store(true, Ordering::Relaxed);
+    }
+
+    /// Moves the current stamp on to `stamp` if that is later (or none
+    /// was set yet: a wrapping comparison with an unset 0 would call
+    /// stamps past 2^31 earlier).
+    pub fn note_stamp(&self, stamp: u32) {
+        let latest = match self.stamp_known.load(Ordering::Relaxed) {
+            true => super::expiry::later(self.stamp_now(), stamp),
+            false => stamp,
+        };
+        self.set_stamp_now(latest);
+    }
+
+    /// Whether a current stamp was set.
+    pub fn stamp_known(&self) -> bool {
+        self.stamp_known.load(Ordering::Relaxed)
     }
 
     /// The stamp updates give rows now.
@@ -473,8 +494,7 @@ impl ShardRows {
         if layout.keeps_stamp() {
             // The table's clock starts from its latest row (a count of
             // Pushes goes on from there: `table/expiry.rs`).
-            let latest = super::expiry::later(self.stamp_now(), stamp);
-            self.set_stamp_now(latest);
+            self.note_stamp(stamp);
         }
         Ok(())
     }
@@ -532,7 +552,10 @@ impl ShardRows {
             other.largest.store(mine, Ordering::Relaxed);
             let theirs = other.stamp_now();
             let mine = self.stamp_now.swap(theirs, Ordering::Relaxed);
-            other.set_stamp_now(mine);
+            other.stamp_now.store(mine, Ordering::Relaxed);
+            let theirs = other.stamp_known();
+            let mine = self.stamp_known.swap(theirs, Ordering::Relaxed);
+            other.stamp_known.store(mine, Ordering::Relaxed);
             return;
         }
         // Laid out differently (another row limit): row by row.
