@@ -145,6 +145,9 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     let mut peak = rss_before;
     let mut closed = Vec::new();
     let mut late = 0usize;
+    // Late peers' closes, from their announcement: the handshake bound may
+    // have closed them earlier than the frame timeout, but never later.
+    let mut late_closed = Vec::new();
     let mut sent = 0usize;
     // Bounded, generously: the attackers' process is the last to get this
     // host's CPU (each is checked against its own announcement below).
@@ -158,10 +161,12 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
                     let ["closed", after, was_late, bytes] = fields[..] else {
                         panic!("an attacker could not connect: {line}");
                     };
+                    let after = Duration::from_millis(after.parse().unwrap());
                     if was_late == "1" {
                         late += 1;
+                        late_closed.push(after);
                     } else {
-                        closed.push(Duration::from_millis(after.parse().unwrap()));
+                        closed.push(after);
                     }
                     sent += bytes.parse::<usize>().unwrap();
                 }
@@ -209,17 +214,22 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     );
     assert_eq!(closed.len() + late, STALLED + PARTIAL);
     let timeout = Duration::from_millis(FRAME_TIMEOUT_MS);
+    match closed.first() {
+        Some(&first) => assert!(
+            first >= timeout - Duration::from_millis(500),
+            "closed by the frame timeout, not before: {first:?}"
+        ),
+        // Beside two CPU hogs the attackers' process (at the lowest
+        // priority) once announced every peer over a second after its
+        // connect: none can be timed from its announcement.
+        None => eprintln!(
+            "drill hostile-peers: every attacker announced over a second after connecting (a starved attacker process); the frame timeout's lower bound is not checked this run"
+        ),
+    }
+    let last = closed.iter().chain(&late_closed).max().copied();
     assert!(
-        closed
-            .first()
-            .is_some_and(|&first| first >= timeout - Duration::from_millis(500)),
-        "closed by the frame timeout, not before: {:?}",
-        closed.first()
-    );
-    assert!(
-        closed.last().is_some_and(|&last| last <= 3 * timeout),
-        "every attacker closed soon after its frame timeout: {:?}",
-        closed.last()
+        last.is_some_and(|last| last <= 3 * timeout),
+        "every attacker closed soon after its frame timeout: {last:?}"
     );
     assert!(
         peak - rss_before <= budget_mib,
