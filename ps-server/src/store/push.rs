@@ -124,7 +124,12 @@ impl CheckedPush<'_> {
     /// (`table/expiry.rs`) with the wall clock now. The caller holds the
     /// shard's write lock.
     pub fn apply(&self, writing: &ShardGuard<'_>, now: Instant) -> Result<PushOutcome, StoreError> {
-        self.apply_at(writing, now, crate::table::expiry::unix_secs())
+        // The wall clock only where a table's rows are stamped with it.
+        let secs = match self.table.config().expiry {
+            Some(_) => crate::table::expiry::unix_secs(),
+            None => 0,
+        };
+        self.apply_at(writing, now, secs)
     }
 
     /// [`CheckedPush::apply`] with the wall clock read as `secs` (seconds
