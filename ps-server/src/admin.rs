@@ -213,6 +213,7 @@ impl v1::Admin for AdminService {
                         version: Some(snapshot.version.into()),
                         rows: count,
                         digest,
+                        values_digest: crate::rowfile::values_digest(rows),
                     });
                 }
             }

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod coordination;
 pub mod dedup;
+pub mod delta;
 pub mod grpc_health;
 mod grpc_limits;
 pub mod image;
@@ -26,7 +27,8 @@ use std::sync::Arc;
 use tessera_proto::v1::admin_server::AdminServer as AdminGrpcServer;
 use tessera_proto::v1::parameter_server_server::ParameterServerServer as GrpcServer;
 use tessera_proto::v1::{
-    AdminGrpc, AdminServer, ParameterServerGrpc, ParameterServerServer, ReplicationServer,
+    AdminGrpc, AdminServer, DeltaServer, ParameterServerGrpc, ParameterServerServer,
+    ReplicationServer,
 };
 use tessera_rpc::{Server, ServerError, Transport, Validate};
 use tokio_util::task::AbortOnDropHandle;
@@ -53,6 +55,10 @@ pub struct PsServer {
     replication: Arc<Replication>,
     coordination: Coordination,
     shutdown_grace: std::time::Duration,
+    /// A training server's delta stream (`[delta]`).
+    sender: Option<Arc<delta::Sender>>,
+    /// A serving server's feed (`mode = "serving"`).
+    feed: Option<Arc<delta::Feed>>,
 }
 
 struct GrpcEndpoint {
@@ -113,6 +119,17 @@ impl PsServer {
         let replication =
             Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
         let coordination = Coordination::prepare(config, &replication, fence).await?;
+        let sender = (config.delta.enabled() && config.mode == Mode::Training).then(|| {
+            delta::Sender::new(
+                Arc::clone(&store),
+                Arc::clone(&replication),
+                &config.delta,
+                config.advertised().to_owned(),
+                &transport,
+            )
+        });
+        let feed = (config.mode == Mode::Serving)
+            .then(|| delta::Feed::new(Arc::clone(&store), config.serving.max_delay_ms, &transport));
         let service = PsService::new(
             Arc::clone(&store),
             config.replica_group,
@@ -123,7 +140,8 @@ impl PsServer {
             },
             config.transport.as_str(),
             checkpoints.clone(),
-        );
+        )
+        .with_delta(feed.clone(), sender.clone());
         let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let grpc = match &config.grpc_listen {
             None => None,
@@ -165,7 +183,12 @@ impl PsServer {
             .add_service(AdminServer::new(admin))?
             .add_service(ReplicationServer::new(ReplicationService::new(Arc::clone(
                 &replication,
-            ))))?;
+            ))))?
+            .add_service(DeltaServer::new(delta::DeltaService::new(
+                Arc::clone(&store),
+                feed.clone(),
+                sender.clone(),
+            )))?;
         // With TLS, who may call is said by certificates: workers Fetch
         // and Push; only operators' tools (admin) take checkpoints, and
         // only the fleet's servers (replication) write to replicas.
@@ -177,6 +200,12 @@ impl PsServer {
                 )?
                 .require_role(
                     tessera_proto::v1::REPLICATION_DESCRIPTOR.name,
+                    &config.roles.replication,
+                )?
+                // Deltas write a serving fleet's rows, and copies read a
+                // training shard's: servers of the fleets only.
+                .require_role(
+                    tessera_proto::v1::DELTA_DESCRIPTOR.name,
                     &config.roles.replication,
                 )?;
         }
@@ -197,6 +226,8 @@ impl PsServer {
             replication,
             coordination,
             shutdown_grace: std::time::Duration::from_millis(config.shutdown_grace_ms),
+            sender,
+            feed,
             checkpoints: checkpoints.map(|c| {
                 (
                     c,
@@ -244,6 +275,8 @@ impl PsServer {
             mut coordination,
             checkpoints,
             shutdown_grace,
+            sender,
+            feed,
             ..
         } = self;
         replication.start();
@@ -279,6 +312,11 @@ impl PsServer {
         let _store_gauges = AbortOnDropHandle::new(tokio::spawn(publish_store_gauges(Arc::clone(
             &stopped.store,
         ))));
+        let stop_delta = tokio_util::sync::CancellationToken::new();
+        let _stop_delta = stop_delta.clone().drop_guard();
+        let _delta = sender
+            .map(|sender| AbortOnDropHandle::new(tokio::spawn(sender.run(stop_delta.clone()))));
+        let _stop_feed = feed.map(FeedOnDrop);
         let _sweeper = AbortOnDropHandle::new(tokio::spawn(sweeper::run(
             Arc::clone(&stopped.store),
             Arc::clone(&replication),
@@ -373,6 +411,15 @@ async fn final_checkpoint(checkpoints: Option<&Arc<Checkpointer>>, replication: 
             tracing::info!(rows = info.rows, path = %info.path.display(), "checkpoint at shutdown")
         }
         Err(err) => tracing::warn!(%err, "checkpoint at shutdown failed"),
+    }
+}
+
+/// Stops a serving server's copy tasks when it stops serving.
+struct FeedOnDrop(Arc<delta::Feed>);
+
+impl Drop for FeedOnDrop {
+    fn drop(&mut self) {
+        self.0.shutdown();
     }
 }
 

@@ -126,13 +126,6 @@ pub fn encode_shard(snapshot: &ShardSnapshot) -> Vec<(&str, Vec<u8>, u64)> {
 /// windows give equal digests on any server. Returns the row count and the
 /// digest.
 pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
-    fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in bytes {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        tessera_proto::sharding::splitmix64(h)
-    }
     let mut digest = 0u64;
     let mut bytes = Vec::new();
     snapshot.rows.for_each_from(0, |row| {
@@ -156,6 +149,34 @@ pub fn digest_snapshot(snapshot: &TableSnapshot) -> (u64, u64) {
         digest = digest.wrapping_add(fnv(bytes));
     }
     (snapshot.rows.len() as u64, digest)
+}
+
+/// FNV-1a, then SplitMix64's finaliser.
+fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    tessera_proto::sharding::splitmix64(h)
+}
+
+/// The wrapping sum of a hash of every row's key and values (as f32 bits)
+/// of `snapshot`: summed over the shards of a fleet's copy, the same for
+/// any two fleets holding the same rows, whatever their shard counts,
+/// optimizer state and Push history (`ShardDigest.values_digest`).
+pub fn values_digest(snapshot: &TableSnapshot) -> u64 {
+    let mut digest = 0u64;
+    let mut bytes = Vec::new();
+    snapshot.rows.for_each_from(0, |row| {
+        bytes.clear();
+        bytes.extend_from_slice(&row.key().to_le_bytes());
+        for v in row.values() {
+            bytes.extend_from_slice(&v.to_bits().to_le_bytes());
+        }
+        digest = digest.wrapping_add(fnv(bytes.iter().copied()));
+        true
+    });
+    digest
 }
 
 /// The row file of an image (tests and tools; servers write from the live

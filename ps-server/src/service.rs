@@ -24,11 +24,13 @@ impl From<StoreError> for Status {
             | StoreError::NonFiniteGradient { .. }
             | StoreError::BadEvictions { .. }
             | StoreError::BadAdmissions { .. }
-            | StoreError::BadExpiry { .. } => Status::invalid_argument(message),
+            | StoreError::BadExpiry { .. }
+            | StoreError::DeltaLength { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode
+            | StoreError::ServingMode
             | StoreError::SequenceTooOld { .. } => Status::failed_precondition(message),
             StoreError::DedupFull { .. }
             | StoreError::ResponseTooLarge { .. }
@@ -50,6 +52,10 @@ pub struct PsService {
     transport: &'static str,
     /// The checkpoints, as Health reports them.
     checkpoints: Option<Arc<crate::admin::Checkpointer>>,
+    /// A serving server's feed (freshness, Fetch refusals).
+    feed: Option<Arc<crate::delta::Feed>>,
+    /// A training server's delta stream, as Health reports it.
+    sender: Option<Arc<crate::delta::Sender>>,
 }
 
 impl PsService {
@@ -72,7 +78,21 @@ impl PsService {
             coordinator,
             transport,
             checkpoints,
+            feed: None,
+            sender: None,
         }
+    }
+
+    /// With the delta stream's ends: a serving server's `feed`, a
+    /// training server's `sender`.
+    pub fn with_delta(
+        mut self,
+        feed: Option<Arc<crate::delta::Feed>>,
+        sender: Option<Arc<crate::delta::Sender>>,
+    ) -> Self {
+        self.feed = feed;
+        self.sender = sender;
+        self
     }
 }
 
@@ -88,6 +108,22 @@ impl v1::ParameterServer for PsService {
                 "shard {} has no complete copy here yet (it is being copied, or recovered)",
                 request.shard
             )));
+        }
+        if let Some(feed) = &self.feed
+            && !feed.fresh()
+        {
+            metrics::counter!("tessera_ps_serving_stale_fetches_total").increment(1);
+            let bound = feed.max_delay().unwrap_or_default();
+            return Err(Status::unavailable(match feed.delay() {
+                Some(delay) => format!(
+                    "this serving copy is {delay:?} behind its training fleet (serving.max_delay_ms = {})",
+                    bound.as_millis()
+                ),
+                None => format!(
+                    "this serving copy is not in step with every training shard yet (copying, or not heard from; serving.max_delay_ms = {})",
+                    bound.as_millis()
+                ),
+            }));
         }
         // The rows are written straight into a send-pool buffer, which then
         // goes out as its own part of the response: no copy after this one.
@@ -204,9 +240,12 @@ impl v1::ParameterServer for PsService {
             mode: match self.store.mode() {
                 Mode::Training => v1::Mode::Training,
                 Mode::Inference => v1::Mode::Inference,
+                Mode::Serving => v1::Mode::Serving,
             } as i32,
             tables,
             checkpoint: self.checkpoints.as_ref().map(|c| c.health()),
+            delta_streams: self.sender.as_ref().map(|s| s.health()).unwrap_or_default(),
+            serving_feed: self.feed.as_ref().map(|f| f.health()),
         })
     }
 }

@@ -13,7 +13,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::Mode;
 use crate::replication::Replication;
 use crate::store::Store;
 use crate::table::expiry::{SWEEP_STEP_SLOTS, unix_secs};
@@ -44,7 +43,7 @@ fn step(
     table: &str,
     slots: usize,
 ) -> Step {
-    let Some(epoch) = replication.expiry_epoch(writing.shard(), Instant::now()) else {
+    let Some(epoch) = replication.leading_epoch(writing.shard(), Instant::now()) else {
         store.advance_clock(writing, table, unix_secs());
         return Step::NotPrimary;
     };
@@ -60,10 +59,11 @@ fn step(
 }
 
 /// Runs the sweeps until dropped; returns at once without a table with
-/// expiry, or in inference mode (rows there are only read).
+/// expiry, or in inference or serving mode (rows there are only read,
+/// or removed by the training fleet's stream).
 pub(crate) async fn run(store: Arc<Store>, replication: Arc<Replication>) {
     let tables = store.expiring_tables();
-    if tables.is_empty() || store.mode() == Mode::Inference {
+    if tables.is_empty() || store.mode().read_only() {
         return;
     }
     let mut ticks = tokio::time::interval(TICK);

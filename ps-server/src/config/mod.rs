@@ -1,6 +1,7 @@
 //! Configuration of a ps-server, read from TOML and overridable by flags.
 
 mod checkpoint;
+mod delta;
 mod replication;
 
 use std::collections::HashSet;
@@ -15,6 +16,7 @@ use tessera_rpc::{
 };
 
 pub use self::checkpoint::CheckpointConfig;
+pub use self::delta::{DeltaConfig, ServingConfig, ServingServer};
 pub use self::replication::{AckMode, PeerConfig, ReplicationConfig};
 pub use crate::table::{EvictionPolicy, Initializer, OptimizerConfig, Storage};
 
@@ -28,6 +30,17 @@ pub enum Mode {
     Training,
     /// Missing rows read as zeros and are not stored; Push is refused.
     Inference,
+    /// As `inference`, and the rows come from a training fleet's delta
+    /// stream (`crate::delta`): every server stands alone (no peers, no
+    /// coordinator), fed by the training primaries directly.
+    Serving,
+}
+
+impl Mode {
+    /// Whether Pushes are refused and missing rows read as zeros.
+    pub fn read_only(self) -> bool {
+        matches!(self, Mode::Inference | Mode::Serving)
+    }
 }
 
 /// One embedding table.
@@ -187,7 +200,8 @@ pub struct PsServerConfig {
     pub transport: TransportKind,
     /// Largest RPC message in bytes. Default 64 MiB (see the transport docs).
     pub max_message_size: u64,
-    /// `training` or `inference`. Default `training`.
+    /// `training`, `inference` or `serving` (fed by a training fleet's
+    /// `[delta]` stream). Default `training`.
     pub mode: Mode,
     /// Seed of the deterministic row initialiser. Every replica of a shard
     /// must use the same seed so that they initialise rows identically.
@@ -269,6 +283,12 @@ pub struct PsServerConfig {
     /// The roles callers' certificates must give to use the Admin and
     /// Replication services (`[roles]`), checked when `[tls]` is on.
     pub roles: RolesConfig,
+    /// A training server's stream of changed rows to a serving fleet
+    /// (`[delta]`: `num_shards`, `[[delta.servers]]`, `interval_ms`,
+    /// `max_rows`, `optimizer_state`). Default: none.
+    pub delta: DeltaConfig,
+    /// A serving server's freshness bound (`[serving]`: `max_delay_ms`).
+    pub serving: ServingConfig,
 }
 
 /// Which certificate role each guarded service requires (`[roles]`).
@@ -347,6 +367,8 @@ impl Default for PsServerConfig {
             max_requests_per_connection: ServerConfig::default().max_requests_per_connection,
             tls: None,
             roles: RolesConfig::default(),
+            delta: DeltaConfig::default(),
+            serving: ServingConfig::default(),
         }
     }
 }
@@ -361,9 +383,10 @@ impl PsServerConfig {
         tessera_proto::sharding::primary_group(shard, self.replica_groups)
     }
 
-    /// Whether this server is the primary of `shard`.
+    /// Whether this server is the primary of `shard` (a serving server
+    /// leads all its shards: each copy stands alone).
     pub fn is_primary(&self, shard: u32) -> bool {
-        self.primary_group(shard) == self.replica_group
+        self.mode == Mode::Serving || self.primary_group(shard) == self.replica_group
     }
 
     /// Drops this server's own entry from `peers`, where the list is a
@@ -494,9 +517,32 @@ impl Validate for PsServerConfig {
                 ));
             }
         }
+        if self.mode == Mode::Serving {
+            // Each serving server is fed by the training primaries on its
+            // own: nothing to replicate, no primary to elect.
+            if !self.peers.is_empty() {
+                return Err(invalid(
+                    "peers",
+                    "a serving server has no peers: the training fleet feeds every copy",
+                ));
+            }
+            if self.coordinator.kind != CoordinatorKind::Static {
+                return Err(invalid(
+                    "coordinator.kind",
+                    "a serving server takes no Pushes and needs no primary: use `static`",
+                ));
+            }
+        }
+        if self.delta.enabled() && self.mode != Mode::Training {
+            return Err(invalid(
+                "delta.servers",
+                "only a training server sends a delta stream",
+            ));
+        }
         for (i, &shard) in self.shards.iter().enumerate() {
             let primary = self.primary_group(shard);
-            if primary != self.replica_group
+            if self.mode != Mode::Serving
+                && primary != self.replica_group
                 && !self
                     .peers
                     .iter()
@@ -512,6 +558,8 @@ impl Validate for PsServerConfig {
         }
         self.replication.validate()?;
         self.coordinator.validate()?;
+        self.delta.validate()?;
+        self.serving.validate()?;
         if self.peers.iter().any(|p| p.address == self.advertised()) {
             return Err(invalid(
                 "peers",

@@ -83,11 +83,11 @@ pub struct AckTicket {
 }
 
 impl Replication {
-    /// The epoch an expiry step of `shard` is applied under, if this
-    /// server may apply one now: as for a Push (primary, not handing
-    /// over, fence valid), without counting a refusal. Called under the
-    /// shard's write lock.
-    pub fn expiry_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
+    /// The epoch this server leads `shard` under, if it may change the
+    /// shard's rows now: as for a Push (primary, not handing over, fence
+    /// valid), without counting a refusal. An expiry step is applied, and
+    /// a delta cut, under it. Called under the shard's write lock.
+    pub fn leading_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
         let cell = self.cell(shard)?;
         let state = cell.lock();
         match &state.role {

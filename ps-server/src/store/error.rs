@@ -27,6 +27,22 @@ pub enum StoreError {
         /// Keys of the Push.
         keys: usize,
     },
+    /// A delta's (or a delta copy's) rows do not have the table's shape.
+    #[error(
+        "a delta of table `{table}` has {got} bytes of {part} for {keys} rows; the table takes {expected}"
+    )]
+    DeltaLength {
+        /// The table.
+        table: String,
+        /// `values` or `state`.
+        part: &'static str,
+        /// Rows in it.
+        keys: usize,
+        /// Bytes the table's shape takes.
+        expected: usize,
+        /// Bytes it had.
+        got: usize,
+    },
     /// No table of that name.
     #[error("no table named `{0}`")]
     UnknownTable(String),
@@ -138,6 +154,12 @@ pub enum StoreError {
     /// Pushes are refused in inference mode.
     #[error("this server is in inference mode and does not accept pushes")]
     InferenceMode,
+    /// Pushes are refused by a serving server: its rows come from a
+    /// training fleet's delta stream.
+    #[error(
+        "this server serves a training fleet's rows (mode = serving) and does not accept pushes: push to the training fleet"
+    )]
+    ServingMode,
     /// A stripe of the shard holds as many rows as it can
     /// ([`crate::table::MAX_SHARD_ROWS`] per shard): add shards, or set
     /// `max_rows`.

@@ -82,12 +82,16 @@ impl CheckedFetch<'_> {
                             }
                         },
                     );
-                    if stored.is_err() {
+                    match stored {
+                        // A row the delta stream sends (it now exists).
+                        Ok(()) => state.note_changed([key]),
                         // A full stripe: answered, not stored.
-                        write_f32s(slot, &table.initial_row(key));
+                        Err(_) => {
+                            write_f32s(slot, &table.initial_row(key));
+                        }
                     }
                 }
-                Mode::Inference => slot.fill(0),
+                Mode::Inference | Mode::Serving => slot.fill(0),
             }
         }
         metrics::counter!("tessera_ps_fetch_keys_total").increment(keys.len() as u64);

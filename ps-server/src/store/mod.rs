@@ -4,6 +4,7 @@
 //! the right length and are finite (or clipped). Nothing of a refused
 //! request is applied; an accepted Push is applied to every row it names.
 
+mod delta;
 mod error;
 mod expire;
 mod fetch;
@@ -17,6 +18,7 @@ use std::time::Instant;
 
 use tessera_proto::sharding::shard_for_key;
 
+pub use self::delta::DeltaRows;
 pub use self::error::StoreError;
 pub use self::expire::Expired;
 pub use self::fetch::CheckedFetch;
@@ -48,6 +50,11 @@ pub struct Store {
     max_response_bytes: usize,
     tables: HashMap<String, Table>,
     writers: HashMap<u32, Writer>,
+    /// Woken when a shard's set of changed keys reaches `delta.max_rows`
+    /// (a training server with `[delta]`: `table/changes.rs`).
+    changes_wake: std::sync::Arc<tokio::sync::Notify>,
+    /// Whether changed keys are kept for a delta stream.
+    tracks_changes: bool,
 }
 
 impl Store {
@@ -56,6 +63,9 @@ impl Store {
         let mut hosted = config.shards.clone();
         hosted.sort_unstable();
         let limits = dedup_limits(config.dedup_max_workers, config.dedup_idle_secs);
+        let changes_wake = std::sync::Arc::new(tokio::sync::Notify::new());
+        let tracks_changes = config.delta.enabled() && config.mode == Mode::Training;
+        let wake_at = usize::try_from(config.delta.max_rows).unwrap_or(usize::MAX);
         Self {
             mode: config.mode,
             num_shards: config.num_shards,
@@ -68,15 +78,39 @@ impl Store {
                 .tables
                 .iter()
                 .map(|t| {
-                    (
-                        t.name.clone(),
-                        Table::new(t.clone(), config.seed, &hosted, limits),
-                    )
+                    let mut t = t.clone();
+                    if config.mode == Mode::Serving {
+                        // The training fleet decides which rows exist (its
+                        // evictions, admission and expiry come through the
+                        // stream): a serving shard, laid out by another
+                        // shard count, must not choose victims of its own.
+                        t.max_rows = None;
+                        t.admission = None;
+                        t.expiry = None;
+                    }
+                    let mut table = Table::new(t.clone(), config.seed, &hosted, limits);
+                    if tracks_changes {
+                        table.track_changes(wake_at, &changes_wake);
+                    }
+                    (t.name.clone(), table)
                 })
                 .collect(),
             writers: hosted.iter().map(|&s| (s, Writer::default())).collect(),
             hosted,
+            changes_wake,
+            tracks_changes,
         }
+    }
+
+    /// Whether the keys every Push, expiry and row-creating Fetch changes
+    /// are kept for a delta stream (`table/changes.rs`).
+    pub fn tracks_changes(&self) -> bool {
+        self.tracks_changes
+    }
+
+    /// Woken when a shard's set of changed keys reaches `delta.max_rows`.
+    pub fn changes_wake(&self) -> &std::sync::Arc<tokio::sync::Notify> {
+        &self.changes_wake
     }
 
     /// Every table's rows of the shard `writing` locks, at one cut, with

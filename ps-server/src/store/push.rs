@@ -154,6 +154,15 @@ impl CheckedPush<'_> {
         );
         match admission {
             Admission::Apply => {
+                // For the delta stream: the rows written, and those evicted
+                // for them (keys admission left out have no row: they are
+                // sent as absent, which changes nothing downstream).
+                self.state.note_changed(
+                    self.keys
+                        .iter()
+                        .copied()
+                        .chain(applied.evicted.iter().map(|e| e.key)),
+                );
                 metrics::counter!("tessera_ps_push_keys_total").increment(self.keys.len() as u64);
                 if !applied.not_admitted.is_empty() {
                     metrics::counter!("tessera_ps_admission_dropped_total", "table" => self.table.config().name.clone())
@@ -231,8 +240,10 @@ impl Store {
         gradients: &'a [u8],
         id: PushId,
     ) -> Result<CheckedPush<'a>, StoreError> {
-        if self.mode == Mode::Inference {
-            return Err(StoreError::InferenceMode);
+        match self.mode {
+            Mode::Training => {}
+            Mode::Inference => return Err(StoreError::InferenceMode),
+            Mode::Serving => return Err(StoreError::ServingMode),
         }
         let (table, state) = self.shard_state(table, shard, keys)?;
         let dim = table.config().dim;

@@ -3,6 +3,7 @@
 //! deduplication.
 
 mod admission;
+pub mod changes;
 pub mod expiry;
 mod init;
 mod optimizer;
@@ -47,6 +48,9 @@ pub struct ShardState {
     pub admission: Option<std::sync::Mutex<FeatureAdmission>>,
     /// Where the expiry sweep goes on (a table with expiry).
     pub sweep: std::sync::Mutex<expiry::SweepCursor>,
+    /// The keys changed since the delta stream last took them (a
+    /// training server with `[delta]`; `table/changes.rs`).
+    pub changes: Option<changes::Changes>,
 }
 
 impl ShardState {
@@ -60,6 +64,15 @@ impl ShardState {
                 .admission
                 .map(|c| std::sync::Mutex::new(FeatureAdmission::new(c))),
             sweep: std::sync::Mutex::new(expiry::SweepCursor::default()),
+            changes: None,
+        }
+    }
+
+    /// Notes, for the delta stream, that the rows of `keys` changed (a
+    /// no-op without one).
+    pub fn note_changed(&self, keys: impl IntoIterator<Item = u64>) {
+        if let Some(changes) = &self.changes {
+            changes.record(keys, changes::unix_ms());
         }
     }
 
@@ -168,6 +181,15 @@ impl Table {
             config,
             init_base,
             shards,
+        }
+    }
+
+    /// Keeps the keys each hosted shard changes for the delta stream
+    /// (`table/changes.rs`), waking `wake` when a shard's set reaches
+    /// `wake_at` keys.
+    pub fn track_changes(&mut self, wake_at: usize, wake: &std::sync::Arc<tokio::sync::Notify>) {
+        for state in self.shards.values_mut() {
+            state.changes = Some(changes::Changes::new(wake_at, std::sync::Arc::clone(wake)));
         }
     }
 
@@ -407,6 +429,7 @@ impl Table {
         let passes = cursor.passes;
         let removed = state.rows.sweep(&mut cursor, max_slots, now, bound);
         *pass_done = cursor.passes != passes;
+        state.note_changed(removed.iter().copied());
         if !removed.is_empty() {
             metrics::counter!("tessera_ps_expired_rows_total", "table" => self.config.name.clone())
                 .increment(removed.len() as u64);

@@ -67,6 +67,28 @@ impl ShardRows {
     pub fn read_many(
         &self,
         keys: &[u64],
+        found: impl FnMut(usize, RowRef<'_>),
+        missing: &mut Vec<usize>,
+    ) {
+        self.read_many_with(keys, true, found, missing);
+    }
+
+    /// [`ShardRows::read_many`] that does not count as a use (no LRU
+    /// clock or access mark moves): the delta stream reading the rows it
+    /// sends must not keep them alive.
+    pub fn peek_many(
+        &self,
+        keys: &[u64],
+        found: impl FnMut(usize, RowRef<'_>),
+        missing: &mut Vec<usize>,
+    ) {
+        self.read_many_with(keys, false, found, missing);
+    }
+
+    fn read_many_with(
+        &self,
+        keys: &[u64],
+        touch: bool,
         mut found: impl FnMut(usize, RowRef<'_>),
         missing: &mut Vec<usize>,
     ) {
@@ -77,7 +99,9 @@ impl ShardRows {
             |s| self.read_stripe(s),
             |stripe, i, _, slot| match slot {
                 Some(slot) => {
-                    self.touch(stripe, slot);
+                    if touch {
+                        self.touch(stripe, slot);
+                    }
                     found(
                         i,
                         RowRef {

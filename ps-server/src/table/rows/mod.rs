@@ -140,6 +140,11 @@ impl RowRef<'_> {
         self.layout.write_values_le(self.record, out);
     }
 
+    /// Appends its optimizer state as little-endian `f32`s to `out`.
+    pub fn write_state_le(&self, out: &mut Vec<u8>) {
+        self.layout.write_state_le(self.record, out);
+    }
+
     /// Appends the row as a row file stores it ([`crate::rowfile`]): key,
     /// steps, stamp, values and state, little-endian `u64`, `u32`s and
     /// `f32`s.
@@ -442,6 +447,13 @@ impl ShardRows {
             metrics::counter!("tessera_ps_evictions_total").increment(1);
         }
         removed
+    }
+
+    /// Removes the row of `key` (the delta stream says it is gone at the
+    /// training fleet); whether it was held.
+    pub fn remove(&self, key: u64) -> bool {
+        self.write_stripe(self.stripe(key))
+            .remove(&self.layout, key)
     }
 
     /// Whether the table has a row limit (rows are then stored only by

@@ -1,0 +1,379 @@
+//! A training server's side of the delta stream: every interval (or
+//! sooner, when a shard's changes reach `delta.max_rows`), each shard it
+//! leads is **cut** under the shard's write lock (the keys changed since
+//! the last cut, the next delta number, the stream position), the rows of
+//! those keys are read as they are now, routed to the serving shards of
+//! their keys, and queued for every serving server of those shards.
+//!
+//! Each serving server has a queue of [`QUEUE_DELTAS`] deltas and one
+//! call in flight: a server that is down or slow loses deltas (counted as
+//! failed or dropped) rather than holding the others back or growing a
+//! queue, and copies the shard when it sees the gap (`follower.rs`).
+//!
+//! A stream is a term of this server as the shard's primary: a new id
+//! whenever it starts leading the shard (at start, after a failover, with
+//! a new epoch), so that no receiver mistakes one term's deltas for
+//! another's.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tessera_proto::v1::{DeltaClient, DeltaRequest, DeltaStreamHealth, DeltaTable};
+use tessera_rpc::sync::LockExt;
+use tessera_rpc::{Channel, ChannelConfig, Transport};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::parts::{pack, route};
+use crate::config::DeltaConfig;
+use crate::replication::Replication;
+use crate::store::Store;
+use crate::table::changes::{Taken, unix_ms};
+
+/// Deltas queued for one serving server at most.
+pub const QUEUE_DELTAS: usize = 4;
+
+/// How often a warning about one serving server is logged at most.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Where a shard's stream stands (read under the shard's write lock).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Mark {
+    /// The stream (0: none: this server does not lead the shard).
+    pub stream: u64,
+    /// The last delta cut.
+    pub seq: u64,
+    /// The epoch it leads the shard under.
+    pub epoch: u64,
+    /// The stream position the last delta reached.
+    pub position: u64,
+}
+
+#[derive(Debug, Default)]
+struct ShardCounters {
+    rows: AtomicU64,
+    failed: AtomicU64,
+    dropped: AtomicU64,
+    last_error: Mutex<String>,
+}
+
+/// One delta for one serving server: its parts, and the training shard
+/// it is of.
+#[derive(Debug)]
+struct Outgoing {
+    shard: u32,
+    parts: Vec<DeltaRequest>,
+}
+
+#[derive(Debug)]
+struct Destination {
+    /// Serving shard -> hosted here.
+    hosts: Vec<bool>,
+    queue: mpsc::Sender<Outgoing>,
+}
+
+/// The delta stream of a training server (module docs).
+#[derive(Debug)]
+pub struct Sender {
+    store: Arc<Store>,
+    replication: Arc<Replication>,
+    config: DeltaConfig,
+    /// This server as serving servers reach it (to copy from).
+    me: String,
+    marks: HashMap<u32, Mutex<Mark>>,
+    counters: HashMap<u32, ShardCounters>,
+    destinations: Vec<Destination>,
+    /// The queues' receiving ends, taken by [`Sender::run`].
+    receivers: Mutex<Vec<(String, DeltaClient, mpsc::Receiver<Outgoing>)>>,
+}
+
+impl Sender {
+    /// The stream of `store`'s shards to the serving fleet `config`
+    /// names, over `transport`; `me` is this server's address as the
+    /// serving servers reach it.
+    pub fn new(
+        store: Arc<Store>,
+        replication: Arc<Replication>,
+        config: &DeltaConfig,
+        me: String,
+        transport: &Transport,
+    ) -> Arc<Self> {
+        let channel_config = ChannelConfig {
+            // Background traffic: a busy serving server must not look dead.
+            connect_timeout_ms: 1000,
+            request_timeout_ms: 10_000,
+            ..ChannelConfig::default()
+        };
+        let mut destinations = Vec::new();
+        let mut receivers = Vec::new();
+        for server in &config.servers {
+            let (queue, rx) = mpsc::channel(QUEUE_DELTAS);
+            let mut hosts = vec![false; config.num_shards as usize];
+            for &s in &server.shards {
+                if let Some(h) = hosts.get_mut(s as usize) {
+                    *h = true;
+                }
+            }
+            destinations.push(Destination { hosts, queue });
+            let client = DeltaClient::new(Channel::with_transport(
+                &server.address,
+                channel_config.clone(),
+                transport.clone(),
+            ));
+            receivers.push((server.address.clone(), client, rx));
+        }
+        let hosted = store.hosted().to_vec();
+        Arc::new(Self {
+            store,
+            replication,
+            config: config.clone(),
+            me,
+            marks: hosted.iter().map(|&s| (s, Mutex::default())).collect(),
+            counters: hosted
+                .iter()
+                .map(|&s| (s, ShardCounters::default()))
+                .collect(),
+            destinations,
+            receivers: Mutex::new(receivers),
+        })
+    }
+
+    /// Where `shard`'s stream stands. The caller holds the shard's write
+    /// lock, so that the mark and what it reads of the rows agree (a copy
+    /// for a serving server: `source.rs`).
+    pub fn mark(&self, shard: u32) -> Mark {
+        self.marks
+            .get(&shard)
+            .map(|m| *m.locked())
+            .unwrap_or_default()
+    }
+
+    /// Each led shard's stream, for Health.
+    pub fn health(&self) -> Vec<DeltaStreamHealth> {
+        let mut out: Vec<DeltaStreamHealth> = self
+            .marks
+            .iter()
+            .filter_map(|(&shard, mark)| {
+                let mark = *mark.locked();
+                let c = self.counters.get(&shard)?;
+                (mark.stream != 0).then(|| DeltaStreamHealth {
+                    shard,
+                    stream: mark.stream,
+                    seq: mark.seq,
+                    position: mark.position,
+                    rows_sent: c.rows.load(Ordering::Relaxed),
+                    failed: c.failed.load(Ordering::Relaxed),
+                    dropped: c.dropped.load(Ordering::Relaxed),
+                    last_error: c.last_error.locked().clone(),
+                })
+            })
+            .collect();
+        out.sort_by_key(|h| h.shard);
+        out
+    }
+
+    /// Cuts and sends every interval (or when a shard's changes reach
+    /// `max_rows`) until `stop`.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        let receivers = std::mem::take(&mut *self.receivers.locked());
+        let mut deliveries = tokio::task::JoinSet::new();
+        for (address, client, rx) in receivers {
+            deliveries.spawn(Arc::clone(&self).deliver(address, client, rx, stop.clone()));
+        }
+        let every = Duration::from_millis(self.config.interval_ms);
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let wake = Arc::clone(self.store.changes_wake());
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = wake.notified() => {}
+                () = stop.cancelled() => break,
+            }
+            for &shard in self.store.hosted() {
+                self.cut_and_send(shard).await;
+            }
+        }
+        deliveries.shutdown().await;
+    }
+
+    /// One delta of `shard`, if this server leads it: cut under the write
+    /// lock, read, routed and queued.
+    async fn cut_and_send(&self, shard: u32) {
+        let Some((mark, changes)) = self.cut(shard).await else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        let (num_shards, with_state) = (self.config.num_shards, self.config.optimizer_state);
+        let rows_of = tokio::task::spawn_blocking(move || {
+            read_and_route(&store, shard, changes, num_shards, with_state)
+        })
+        .await;
+        let Ok((per_shard, rows, oldest_ms)) = rows_of else {
+            return;
+        };
+        if let Some(c) = self.counters.get(&shard) {
+            c.rows.fetch_add(rows, Ordering::Relaxed);
+        }
+        metrics::counter!("tessera_ps_delta_rows_total").increment(rows);
+        let taken_ms = unix_ms();
+        for dest in &self.destinations {
+            let tables: Vec<DeltaTable> = per_shard
+                .iter()
+                .enumerate()
+                .filter(|(t, _)| dest.hosts.get(*t).copied().unwrap_or(false))
+                .flat_map(|(_, tables)| tables.iter().cloned())
+                .collect();
+            let packed = pack(tables);
+            let n = packed.len();
+            let parts = packed
+                .into_iter()
+                .enumerate()
+                .map(|(i, tables)| DeltaRequest {
+                    source_shard: shard,
+                    source_shards: self.store.num_shards(),
+                    stream: mark.stream,
+                    seq: mark.seq,
+                    part: i as u32,
+                    last: i + 1 == n,
+                    epoch: mark.epoch,
+                    position: mark.position,
+                    source: self.me.clone(),
+                    oldest_change_unix_ms: oldest_ms,
+                    taken_unix_ms: taken_ms,
+                    tables,
+                    optimizer_state: with_state,
+                    num_shards,
+                })
+                .collect();
+            if let Err(mpsc::error::TrySendError::Full(_)) =
+                dest.queue.try_send(Outgoing { shard, parts })
+            {
+                // It is behind: it will see the gap and copy the shard.
+                if let Some(c) = self.counters.get(&shard) {
+                    c.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                metrics::counter!("tessera_ps_delta_dropped_total").increment(1);
+            }
+        }
+    }
+
+    /// Cuts `shard` under its write lock: the next delta's mark and the
+    /// keys changed since the last, or `None` when this server does not
+    /// lead it (its stream ends).
+    async fn cut(&self, shard: u32) -> Option<(Mark, Vec<(String, Taken)>)> {
+        let writing = self.store.lock_shard_async(shard).await?;
+        let leading = self.replication.leading_epoch(shard, Instant::now());
+        let mut mark = self.marks.get(&shard)?.locked();
+        let Some(epoch) = leading else {
+            if mark.stream != 0 {
+                tracing::info!(shard, stream = %format_args!("{:#x}", mark.stream), "delta stream ends: no longer the shard's primary");
+            }
+            *mark = Mark::default();
+            // Changes are kept only while leading; a new term starts over.
+            drop(self.store.take_changes(&writing));
+            return None;
+        };
+        let position = writing.version().position;
+        if mark.stream == 0 || mark.epoch != epoch {
+            // A new term: receivers copy the shard once, as of a cut of
+            // this stream, so what changed before it need not be sent.
+            *mark = Mark {
+                stream: rand::random::<u64>() | 1,
+                seq: 0,
+                epoch,
+                position,
+            };
+            drop(self.store.take_changes(&writing));
+            tracing::info!(shard, epoch, stream = %format_args!("{:#x}", mark.stream), "delta stream starts");
+        }
+        mark.seq += 1;
+        mark.position = position;
+        Some((*mark, self.store.take_changes(&writing)))
+    }
+
+    /// Sends one serving server its queue, one delta at a time, until
+    /// `stop`.
+    async fn deliver(
+        self: Arc<Self>,
+        address: String,
+        client: DeltaClient,
+        mut rx: mpsc::Receiver<Outgoing>,
+        stop: CancellationToken,
+    ) {
+        let mut warned: Option<Instant> = None;
+        let mut failures = 0u64;
+        loop {
+            let outgoing = tokio::select! {
+                o = rx.recv() => o,
+                () = stop.cancelled() => return,
+            };
+            let Some(outgoing) = outgoing else {
+                return;
+            };
+            for part in outgoing.parts {
+                let sent = tokio::select! {
+                    sent = client.apply(part) => sent,
+                    () = stop.cancelled() => return,
+                };
+                if let Err(err) = sent {
+                    // The rest of this delta is of no use to it now: it
+                    // sees the gap at the next and copies.
+                    failures += 1;
+                    if let Some(c) = self.counters.get(&outgoing.shard) {
+                        c.failed.fetch_add(1, Ordering::Relaxed);
+                        *c.last_error.locked() = format!("{address}: {err}");
+                    }
+                    metrics::counter!("tessera_ps_delta_failed_total").increment(1);
+                    if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                        tracing::warn!(server = %address, shard = outgoing.shard, %err, failures, "a delta did not reach a serving server");
+                        warned = Some(Instant::now());
+                        failures = 0;
+                    }
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The rows of `changes` on `shard` as they are now, routed to the
+/// serving shards (element `t`: the tables for serving shard `t`); the
+/// rows read, and the oldest change's time.
+fn read_and_route(
+    store: &Store,
+    shard: u32,
+    changes: Vec<(String, Taken)>,
+    num_shards: u32,
+    with_state: bool,
+) -> (Vec<Vec<DeltaTable>>, u64, u64) {
+    let mut per_shard: Vec<Vec<DeltaTable>> = vec![Vec::new(); num_shards as usize];
+    let mut rows = 0u64;
+    let mut oldest = 0u64;
+    for (name, taken) in changes {
+        if taken.keys.is_empty() {
+            continue;
+        }
+        if oldest == 0 || taken.oldest_ms < oldest {
+            oldest = taken.oldest_ms;
+        }
+        let Some(table) = store.table(&name) else {
+            continue;
+        };
+        let dim = table.config().dim as usize;
+        let state_len = dim * table.config().optimizer.slots();
+        let Ok(read) = store.read_rows(&name, shard, &taken.keys, with_state) else {
+            continue;
+        };
+        rows += taken.keys.len() as u64;
+        for (t, tables) in route(&name, &read, dim, state_len, num_shards)
+            .into_iter()
+            .enumerate()
+        {
+            per_shard[t].extend(tables);
+        }
+    }
+    (per_shard, rows, oldest)
+}

@@ -1,0 +1,200 @@
+//! A training server's copies for serving servers that fell out of a
+//! delta stream (or never were in one): a snapshot of the shard, taken
+//! under its write lock with the stream's mark (`sender.rs`), read page
+//! by page, each page the rows whose keys the asking server hosts.
+//!
+//! A snapshot costs nothing per row (`table/rows/slab.rs`), so the lock
+//! is held for a moment; pages are read from it while Pushes go on. A
+//! session idle for [`SESSION_IDLE`] is dropped, and at most
+//! [`MAX_SESSIONS`] are open (the oldest goes first).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tessera_proto::sharding::shard_for_key;
+use tessera_proto::v1::{DeltaCopyRequest, DeltaCopyResponse, DeltaTable};
+use tessera_rpc::Status;
+use tessera_rpc::sync::LockExt;
+
+use super::sender::{Mark, Sender};
+use crate::image::ShardSnapshot;
+use crate::store::Store;
+
+/// How long an unused copy session is kept.
+pub const SESSION_IDLE: Duration = Duration::from_secs(60);
+
+/// Copy sessions open at once at most.
+pub const MAX_SESSIONS: usize = 64;
+
+/// Bytes of rows one page carries at most.
+pub const PAGE_BYTES: usize = 4 << 20;
+
+/// Rows one page reads at most (a page of a server hosting few of the
+/// serving shards skips most rows; this bounds the time one takes).
+pub const PAGE_SCAN_ROWS: u64 = 1 << 18;
+
+/// Most serving shards a copy request may name.
+pub const MAX_SERVING_SHARDS: u32 = 1 << 16;
+
+#[derive(Debug)]
+struct Session {
+    snapshot: ShardSnapshot,
+    mark: Mark,
+    last_used: Instant,
+}
+
+/// The copy sessions of a training server.
+#[derive(Debug)]
+pub struct Sources {
+    open: Mutex<HashMap<u64, Session>>,
+    next: AtomicU64,
+}
+
+impl Default for Sources {
+    fn default() -> Self {
+        Self {
+            open: Mutex::new(HashMap::new()),
+            // Random, odd, stepping by two: never 0, hard to guess.
+            next: AtomicU64::new(rand::random::<u64>() | 1),
+        }
+    }
+}
+
+impl Sources {
+    /// One page of a copy (a new session when `request.session` is 0):
+    /// blocking, for a blocking thread.
+    pub fn page(
+        &self,
+        store: &Store,
+        sender: Option<&Sender>,
+        request: &DeltaCopyRequest,
+    ) -> Result<DeltaCopyResponse, Status> {
+        if request.num_shards == 0 || request.num_shards > MAX_SERVING_SHARDS {
+            return Err(Status::invalid_argument(format!(
+                "num_shards = {} is outside 1..={MAX_SERVING_SHARDS}",
+                request.num_shards
+            )));
+        }
+        let mut wanted = vec![false; request.num_shards as usize];
+        for &s in &request.shards {
+            match wanted.get_mut(s as usize) {
+                Some(w) => *w = true,
+                None => {
+                    return Err(Status::invalid_argument(format!(
+                        "serving shard {s} is not below num_shards = {}",
+                        request.num_shards
+                    )));
+                }
+            }
+        }
+        let session = match request.session {
+            0 => self.start(store, sender, request.source_shard)?,
+            id => id,
+        };
+        let (snapshot, mark) = {
+            let mut open = self.open.locked();
+            let found = open
+                .get_mut(&session)
+                .ok_or_else(|| Status::not_found(format!("no delta copy session {session:#x}")))?;
+            found.last_used = Instant::now();
+            (found.snapshot.clone(), found.mark)
+        };
+        let mut response = DeltaCopyResponse {
+            session,
+            stream: mark.stream,
+            seq: mark.seq,
+            epoch: mark.epoch,
+            position: mark.position,
+            ..DeltaCopyResponse::default()
+        };
+        let (mut t, mut row) = (request.table as usize, request.row);
+        let mut bytes = 0usize;
+        let mut scanned = 0u64;
+        while t < snapshot.tables.len() && bytes < PAGE_BYTES && scanned < PAGE_SCAN_ROWS {
+            let (shape, table) = &snapshot.tables[t];
+            let mut out = DeltaTable {
+                name: shape.name.clone(),
+                ..DeltaTable::default()
+            };
+            let (mut values, mut state) = (Vec::new(), Vec::new());
+            let mut at = row;
+            let row_bytes = shape.dim as usize * 4;
+            table
+                .rows
+                .for_each_from(usize::try_from(row).unwrap_or(usize::MAX), |r| {
+                    at += 1;
+                    scanned += 1;
+                    let key = r.key();
+                    if wanted[shard_for_key(key, request.num_shards) as usize] {
+                        out.keys.push(key);
+                        let from = values.len();
+                        values.resize(from + row_bytes, 0);
+                        r.write_values_le(&mut values[from..]);
+                        if request.optimizer_state {
+                            r.write_state_le(&mut state);
+                        }
+                        bytes += row_bytes + 8;
+                    }
+                    bytes < PAGE_BYTES && scanned < PAGE_SCAN_ROWS
+                });
+            out.values = values.into();
+            out.state = state.into();
+            if !out.keys.is_empty() {
+                response.tables.push(out);
+            }
+            if at >= table.rows.len() as u64 {
+                t += 1;
+                row = 0;
+            } else {
+                row = at;
+            }
+        }
+        response.next_table = t as u32;
+        response.next_row = row;
+        response.done = t >= snapshot.tables.len();
+        if response.done {
+            self.open.locked().remove(&session);
+        }
+        Ok(response)
+    }
+
+    /// A new session on `shard`: its snapshot and stream mark, taken
+    /// together under the shard's write lock.
+    fn start(&self, store: &Store, sender: Option<&Sender>, shard: u32) -> Result<u64, Status> {
+        let (snapshot, mark) = {
+            let writing = store.lock_shard(shard).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "shard {shard} is not hosted here (hosted: {:?})",
+                    store.hosted()
+                ))
+            })?;
+            let mark = sender.map(|s| s.mark(shard)).unwrap_or_default();
+            (store.snapshot_shard(&writing), mark)
+        };
+        let id = self.next.fetch_add(2, Ordering::Relaxed);
+        let mut open = self.open.locked();
+        open.retain(|_, s| s.last_used.elapsed() < SESSION_IDLE);
+        while open.len() >= MAX_SESSIONS {
+            let Some(oldest) = open
+                .iter()
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(&id, _)| id)
+            else {
+                break;
+            };
+            open.remove(&oldest);
+        }
+        open.insert(
+            id,
+            Session {
+                snapshot,
+                mark,
+                last_used: Instant::now(),
+            },
+        );
+        metrics::counter!("tessera_ps_delta_copies_served_total").increment(1);
+        Ok(id)
+    }
+}

@@ -1,0 +1,226 @@
+//! What the delta stream (`crate::delta`) asks of the store: at a
+//! training primary, the keys each table changed (taken under the shard's
+//! write lock, so that they line up with a stream position) and their
+//! rows as they are now; at a serving server, rows put in place and rows
+//! removed as the training fleet says.
+
+use tessera_proto::rows::F32_BYTES;
+use tessera_proto::sharding::shard_for_key;
+
+use super::{ShardGuard, Store, StoreError};
+use crate::table::changes::Taken;
+
+/// Rows of one table as a delta carries them.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct DeltaRows {
+    /// Keys with a row, in the order read.
+    pub keys: Vec<u64>,
+    /// Their values: `keys.len() * dim` little-endian f32.
+    pub values: Vec<u8>,
+    /// Their optimizer state when asked: `keys.len() * dim * slots`
+    /// little-endian f32; empty otherwise.
+    pub state: Vec<u8>,
+    /// Keys asked for that have no row.
+    pub removed: Vec<u64>,
+}
+
+impl Store {
+    /// Every table's keys changed on the shard `writing` locks since the
+    /// last take (`table/changes.rs`), by table name; the sets start
+    /// again empty. Taken under the lock, so that they are exactly the
+    /// changes up to the shard's version.
+    pub fn take_changes(&self, writing: &ShardGuard<'_>) -> Vec<(String, Taken)> {
+        let mut out: Vec<(String, Taken)> = self
+            .tables
+            .values()
+            .filter_map(|t| {
+                let changes = t.shard(writing.shard())?.changes.as_ref()?;
+                Some((t.config().name.clone(), changes.take()))
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// The rows of `keys` in `table`'s `shard` as they are now, without
+    /// counting as a use (an LRU clock or an access mark stays as it is);
+    /// keys without a row are listed as removed. With `with_state`, their
+    /// optimizer state too.
+    pub fn read_rows(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+        with_state: bool,
+    ) -> Result<DeltaRows, StoreError> {
+        let table_ref = self
+            .tables
+            .get(table)
+            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
+        let state = table_ref
+            .shard(shard)
+            .ok_or_else(|| StoreError::ShardNotHosted {
+                shard,
+                hosted: self.hosted.clone(),
+            })?;
+        let row_bytes = table_ref.config().dim as usize * F32_BYTES;
+        let mut out = DeltaRows::default();
+        let mut missing = Vec::new();
+        // Rows land in key order of the read; the values are written at
+        // each row's index in `keys`, then compacted.
+        let mut values = vec![0u8; keys.len() * row_bytes];
+        let mut states: Vec<(usize, Vec<u8>)> = Vec::new();
+        state.rows.peek_many(
+            keys,
+            |i, row| {
+                row.write_values_le(&mut values[i * row_bytes..(i + 1) * row_bytes]);
+                if with_state {
+                    let mut bytes = Vec::new();
+                    row.write_state_le(&mut bytes);
+                    states.push((i, bytes));
+                }
+            },
+            &mut missing,
+        );
+        states.sort_unstable_by_key(|(i, _)| *i);
+        let mut gone = missing.iter().peekable();
+        out.keys.reserve(keys.len() - missing.len());
+        out.values.reserve((keys.len() - missing.len()) * row_bytes);
+        for (i, &key) in keys.iter().enumerate() {
+            if gone.peek() == Some(&&i) {
+                gone.next();
+                out.removed.push(key);
+            } else {
+                out.keys.push(key);
+                out.values
+                    .extend_from_slice(&values[i * row_bytes..(i + 1) * row_bytes]);
+            }
+        }
+        for (_, bytes) in states {
+            out.state.extend_from_slice(&bytes);
+        }
+        Ok(out)
+    }
+
+    /// Puts the rows of `keys` with `values` (`keys.len() * dim`
+    /// little-endian f32) and `state` (the same times the table's slots,
+    /// or empty: zeros) in place of whatever the shard `writing` locks
+    /// held for them: a serving server applying a delta. Every key must
+    /// belong to that shard. Checks everything before changing a row.
+    pub fn put_rows(
+        &self,
+        writing: &ShardGuard<'_>,
+        table: &str,
+        keys: &[u64],
+        values: &[u8],
+        state: &[u8],
+    ) -> Result<(), StoreError> {
+        let shard = writing.shard();
+        let table_ref = self
+            .tables
+            .get(table)
+            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
+        let rows = &table_ref
+            .shard(shard)
+            .ok_or_else(|| StoreError::ShardNotHosted {
+                shard,
+                hosted: self.hosted.clone(),
+            })?
+            .rows;
+        let dim = table_ref.config().dim as usize;
+        let state_len = rows.layout().state_len();
+        let length = |part: &'static str, expected: usize, got: usize| StoreError::DeltaLength {
+            table: table.to_owned(),
+            part,
+            keys: keys.len(),
+            expected,
+            got,
+        };
+        if values.len() != keys.len() * dim * F32_BYTES {
+            return Err(length("values", keys.len() * dim * F32_BYTES, values.len()));
+        }
+        if !state.is_empty() && state.len() != keys.len() * state_len * F32_BYTES {
+            return Err(length(
+                "state",
+                keys.len() * state_len * F32_BYTES,
+                state.len(),
+            ));
+        }
+        for &key in keys {
+            let actual = shard_for_key(key, self.num_shards);
+            if actual != shard {
+                return Err(StoreError::WrongShard { key, shard, actual });
+            }
+        }
+        let mut row_values = vec![0f32; dim];
+        let mut row_state = vec![0f32; state_len];
+        for (i, &key) in keys.iter().enumerate() {
+            decode_f32s(
+                &values[i * dim * F32_BYTES..(i + 1) * dim * F32_BYTES],
+                &mut row_values,
+            );
+            if !state.is_empty() {
+                let n = state_len * F32_BYTES;
+                decode_f32s(&state[i * n..(i + 1) * n], &mut row_state);
+            }
+            rows.insert(key, 0, 0, &row_values, &row_state)
+                .map_err(|_| StoreError::ShardFull {
+                    table: table.to_owned(),
+                    shard,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Removes the rows of `keys` from the shard `writing` locks, where
+    /// held (a serving server applying a delta's removals, or dropping
+    /// rows a copy of the training shard no longer has). Returns how many
+    /// were held.
+    pub fn remove_rows(
+        &self,
+        writing: &ShardGuard<'_>,
+        table: &str,
+        keys: &[u64],
+    ) -> Result<usize, StoreError> {
+        let table_ref = self
+            .tables
+            .get(table)
+            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
+        let Some(state) = table_ref.shard(writing.shard()) else {
+            return Ok(0);
+        };
+        Ok(keys.iter().filter(|&&k| state.rows.remove(k)).count())
+    }
+
+    /// The keys of `table`'s rows on the shard `writing` locks for which
+    /// `pick` says yes (a serving server finding the rows of one training
+    /// shard that a copy of it did not hold).
+    pub fn keys_where(
+        &self,
+        writing: &ShardGuard<'_>,
+        table: &str,
+        mut pick: impl FnMut(u64) -> bool,
+    ) -> Vec<u64> {
+        let Some(state) = self
+            .tables
+            .get(table)
+            .and_then(|t| t.shard(writing.shard()))
+        else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        state.rows.snapshot().for_each_from(0, |row| {
+            if pick(row.key()) {
+                out.push(row.key());
+            }
+            true
+        });
+        out
+    }
+}
+
+fn decode_f32s(bytes: &[u8], out: &mut [f32]) {
+    for (v, b) in out.iter_mut().zip(bytes.chunks_exact(F32_BYTES)) {
+        *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
