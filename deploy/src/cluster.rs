@@ -109,6 +109,9 @@ const PLACED_PORT: u16 = 7000;
 /// One running ps-server process.
 #[derive(Debug)]
 pub struct ServerProcess {
+    /// Whether it belongs to the serving fleet (`[serving]`), fed by the
+    /// training fleet's delta stream.
+    pub serving: bool,
     /// Replica group.
     pub group: u32,
     /// Hosted shard.
@@ -133,8 +136,11 @@ impl ServerProcess {
 
     fn name(&self) -> String {
         format!(
-            "ps-server group {} shard {} ({})",
-            self.group, self.shard, self.address
+            "{}ps-server group {} shard {} ({})",
+            if self.serving { "serving " } else { "" },
+            self.group,
+            self.shard,
+            self.address
         )
     }
 }
@@ -144,6 +150,8 @@ impl ServerProcess {
 pub struct Cluster {
     servers: Vec<ServerProcess>,
     worker_config: WorkerConfig,
+    /// The serving fleet's, when there is one (`ranker.toml`).
+    serving_config: Option<WorkerConfig>,
     run_dir: PathBuf,
     stop_timeout: Duration,
     /// Stopped (dropped) after the servers.
@@ -307,6 +315,7 @@ impl Cluster {
         let mut cluster = Cluster {
             servers: Vec::new(),
             worker_config: WorkerConfig::default(),
+            serving_config: None,
             run_dir: run_dir.to_owned(),
             stop_timeout: Duration::from_millis(config.stop_timeout_ms),
             etcd: None,
@@ -363,18 +372,56 @@ impl Cluster {
             ],
         };
         let placed = placements.iter().any(|p| p.host != config.host);
-        let ports: Vec<u16> = if config.base_port == 0 && placed {
-            vec![PLACED_PORT; servers]
+        // The serving fleet's servers (on `host`) after the training ones.
+        let serving_servers = config.serving.as_ref().map_or(0, |s| s.servers() as usize);
+        let all = servers + serving_servers;
+        let mut ports: Vec<u16> = if config.base_port == 0 && placed {
+            let mut ports = vec![PLACED_PORT; servers];
+            ports.extend(free_ports(&config.host, serving_servers).map_err(|source| {
+                LaunchError::Spawn {
+                    what: "port probes".into(),
+                    source,
+                }
+            })?);
+            ports
         } else if config.base_port == 0 {
-            free_ports(&config.host, servers).map_err(|source| LaunchError::Spawn {
+            free_ports(&config.host, all).map_err(|source| LaunchError::Spawn {
                 what: "port probes".into(),
                 source,
             })?
         } else {
             // Validation guarantees base_port + index <= 65535.
-            (0..servers)
+            (0..all)
                 .map(|index| config.base_port + index as u16)
                 .collect()
+        };
+        let serving_ports = ports.split_off(servers);
+        let serving_layout: Vec<(u32, u32, String)> = match &config.serving {
+            None => Vec::new(),
+            Some(serving) => (0..serving.replica_groups)
+                .flat_map(|g| (0..serving.num_shards).map(move |s| (g, s)))
+                .zip(&serving_ports)
+                .map(|((g, s), port)| (g, s, format!("{}:{port}", config.host)))
+                .collect(),
+        };
+        if let Some(serving) = &config.serving {
+            self.spawn_serving(config, serving, &serving_layout, binary)?;
+        }
+        let delta = match &config.serving {
+            None => tessera_ps_server::config::DeltaConfig::default(),
+            Some(serving) => tessera_ps_server::config::DeltaConfig {
+                num_shards: serving.num_shards,
+                servers: serving_layout
+                    .iter()
+                    .map(|(_, s, a)| tessera_ps_server::config::ServingServer {
+                        address: a.clone(),
+                        shards: vec![*s],
+                    })
+                    .collect(),
+                interval_ms: serving.interval_ms,
+                max_rows: serving.max_rows,
+                ..tessera_ps_server::config::DeltaConfig::default()
+            },
         };
         let mut layout = Vec::new();
         for group in 0..config.replica_groups {
@@ -420,6 +467,7 @@ impl Cluster {
                         ack: config.ack,
                         ..ReplicationConfig::default()
                     },
+                    delta: delta.clone(),
                     ..PsServerConfig::default()
                 };
                 let stem = format!("ps-g{group}-s{shard}");
@@ -446,6 +494,7 @@ impl Cluster {
                     replica_group: group,
                 });
                 self.servers.push(ServerProcess {
+                    serving: false,
                     group,
                     shard,
                     address,
@@ -474,6 +523,14 @@ impl Cluster {
         }
         self.wait_healthy(Duration::from_millis(config.startup_timeout_ms))
             .await?;
+        if let Some(serving) = &self.serving_config {
+            let path = self.run_dir.join("ranker.toml");
+            let text = toml::to_string(serving).map_err(|err| LaunchError::Write {
+                path: path.clone(),
+                source: std::io::Error::other(err),
+            })?;
+            write_file(&path, &text)?;
+        }
         let worker_path = self.run_dir.join("worker.toml");
         let text = toml::to_string(&self.worker_config).map_err(|err| LaunchError::Write {
             path: worker_path.clone(),
@@ -484,8 +541,95 @@ impl Cluster {
         Ok(())
     }
 
+    /// Starts the serving fleet's servers (`mode = "serving"`, each on
+    /// its own: no peers, static) at `layout`, and its workers' config.
+    fn spawn_serving(
+        &mut self,
+        config: &ClusterConfig,
+        serving: &crate::config::ServingFleetConfig,
+        layout: &[(u32, u32, String)],
+        binary: &Path,
+    ) -> Result<(), LaunchError> {
+        let tables: Vec<_> = config
+            .tables
+            .iter()
+            .cloned()
+            .map(|mut t| {
+                if let Some(storage) = serving.storage {
+                    t.storage = storage;
+                }
+                t
+            })
+            .collect();
+        let mut endpoints = Vec::new();
+        for (group, shard, address) in layout {
+            let server_config = PsServerConfig {
+                listen: address.clone(),
+                transport: config.transport,
+                rdma: config.rdma.clone(),
+                mode: tessera_ps_server::Mode::Serving,
+                seed: config.seed,
+                num_shards: serving.num_shards,
+                shards: vec![*shard],
+                replica_group: *group,
+                replica_groups: serving.replica_groups,
+                tables: tables.clone(),
+                serving: tessera_ps_server::config::ServingConfig {
+                    max_delay_ms: serving.max_delay_ms,
+                },
+                ..PsServerConfig::default()
+            };
+            let stem = format!("serving-g{group}-s{shard}");
+            let config_path = self.run_dir.join(format!("{stem}.toml"));
+            let text = toml::to_string(&server_config).map_err(|err| LaunchError::Write {
+                path: config_path.clone(),
+                source: std::io::Error::other(err),
+            })?;
+            write_file(&config_path, &text)?;
+            let log = self.run_dir.join(format!("{stem}.log"));
+            let _ = std::fs::remove_file(&log);
+            let what = format!("serving ps-server group {group} shard {shard} ({address})");
+            let child = spawn_server(&[], binary, &config_path, &log, &what)?;
+            endpoints.push(ServerEndpoint {
+                address: address.clone(),
+                shards: vec![*shard],
+                replica_group: *group,
+            });
+            self.servers.push(ServerProcess {
+                serving: true,
+                group: *group,
+                shard: *shard,
+                address: address.clone(),
+                log,
+                config_path,
+                binary: binary.to_owned(),
+                prefix: Vec::new(),
+                child: Some(child),
+            });
+        }
+        let mut ranker = WorkerConfig {
+            transport: config.transport,
+            rdma: config.rdma.clone(),
+            num_shards: serving.num_shards,
+            replica_groups: Some(serving.replica_groups),
+            servers: endpoints,
+            connect_timeout_ms: config.worker_connect_timeout_ms,
+            request_timeout_ms: config.worker_request_timeout_ms,
+            call_timeout_ms: config.worker_call_timeout_ms,
+            ..WorkerConfig::default()
+        };
+        if let Some(table) = config.tables.first() {
+            ranker.workload.table = table.name.clone();
+        }
+        self.serving_config = Some(ranker);
+        Ok(())
+    }
+
     async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), LaunchError> {
-        let client = PsClient::new(&self.worker_config)?;
+        let mut clients = vec![PsClient::new(&self.worker_config)?];
+        if let Some(serving) = &self.serving_config {
+            clients.push(PsClient::new(serving)?);
+        }
         let deadline = Instant::now() + timeout;
         loop {
             for server in &mut self.servers {
@@ -497,7 +641,10 @@ impl Cluster {
                     });
                 }
             }
-            let health = client.health().await;
+            let mut health = Vec::new();
+            for client in &clients {
+                health.extend(client.health().await);
+            }
             let unhealthy: Vec<String> = health
                 .iter()
                 .filter_map(|(addr, result)| match result {
@@ -524,9 +671,15 @@ impl Cluster {
         &self.servers
     }
 
-    /// A worker configuration that reaches every server.
+    /// A worker configuration that reaches every (training) server.
     pub fn worker_config(&self) -> &WorkerConfig {
         &self.worker_config
+    }
+
+    /// A worker configuration for rankers of the serving fleet, when the
+    /// cluster has one (`ranker.toml`).
+    pub fn serving_config(&self) -> Option<&WorkerConfig> {
+        self.serving_config.as_ref()
     }
 
     /// The run directory (server configs, logs, `worker.toml`).
@@ -545,11 +698,18 @@ impl Cluster {
         self.etcd.as_mut()
     }
 
-    /// The index of the server of `group` and `shard`.
+    /// The index of the training server of `group` and `shard`.
     pub fn index_of(&self, group: u32, shard: u32) -> Option<usize> {
         self.servers
             .iter()
-            .position(|s| s.group == group && s.shard == shard)
+            .position(|s| !s.serving && s.group == group && s.shard == shard)
+    }
+
+    /// The index of the serving server of `group` and `shard`.
+    pub fn serving_index_of(&self, group: u32, shard: u32) -> Option<usize> {
+        self.servers
+            .iter()
+            .position(|s| s.serving && s.group == group && s.shard == shard)
     }
 
     /// SIGKILLs server `index` and reaps it (a crash; nothing is handed

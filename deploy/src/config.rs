@@ -7,6 +7,7 @@ pub use tessera_config::ConfigError;
 use tessera_config::{Validate, invalid};
 use tessera_coord::CoordinatorConfig;
 use tessera_ps_server::config::AckMode;
+use tessera_ps_server::config::Storage;
 use tessera_ps_server::{Mode, TableConfig};
 use tessera_rpc::{RdmaConfig, TransportKind};
 
@@ -92,6 +93,56 @@ pub struct ClusterConfig {
     /// it applied it: faster; a failover may lose the unforwarded tail).
     /// Default `replicas`.
     pub ack: AckMode,
+    /// A serving fleet fed by this (training) fleet's delta stream
+    /// (`[serving]`: `num_shards`, `replica_groups`, `interval_ms`,
+    /// `max_rows`, `max_delay_ms`, `storage`): started first, its servers
+    /// in `mode = "serving"`, every training server given `[delta]`
+    /// naming all of them; rankers use `ranker.toml`. Default: none.
+    pub serving: Option<ServingFleetConfig>,
+}
+
+/// A serving fleet beside the training fleet (`[serving]` of a cluster
+/// file).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServingFleetConfig {
+    /// Its shard count (rows are routed by key; it may differ from the
+    /// training fleet's). Default 3.
+    pub num_shards: u32,
+    /// Copies of each serving shard. Default 2: rankers have another copy
+    /// to read while one restarts or copies.
+    pub replica_groups: u32,
+    /// `delta.interval_ms` of the training servers. Default 1000.
+    pub interval_ms: u64,
+    /// `delta.max_rows` of the training servers. Default 100,000.
+    pub max_rows: u64,
+    /// `serving.max_delay_ms` of the serving servers. Default 0 (always
+    /// answer).
+    pub max_delay_ms: u64,
+    /// How the serving fleet stores values (`f32`, `f16`, `bf16`), for
+    /// every table. Default: as the training table says.
+    pub storage: Option<Storage>,
+}
+
+impl Default for ServingFleetConfig {
+    fn default() -> Self {
+        let delta = tessera_ps_server::config::DeltaConfig::default();
+        Self {
+            num_shards: 3,
+            replica_groups: 2,
+            interval_ms: delta.interval_ms,
+            max_rows: delta.max_rows,
+            max_delay_ms: 0,
+            storage: None,
+        }
+    }
+}
+
+impl ServingFleetConfig {
+    /// Number of serving server processes.
+    pub fn servers(&self) -> u32 {
+        self.num_shards.saturating_mul(self.replica_groups)
+    }
 }
 
 impl Default for ClusterConfig {
@@ -118,6 +169,7 @@ impl Default for ClusterConfig {
             checkpoint_interval_secs: 0,
             etcd_bin: None,
             ack: AckMode::Replicas,
+            serving: None,
         }
     }
 }
@@ -131,9 +183,15 @@ impl ClusterConfig {
         tessera_config::load(path)
     }
 
-    /// Number of server processes.
+    /// Number of training server processes.
     pub fn servers(&self) -> u32 {
         self.num_shards.saturating_mul(self.replica_groups)
+    }
+
+    /// Number of server processes, serving fleet included.
+    pub fn all_servers(&self) -> u32 {
+        self.servers()
+            .saturating_add(self.serving.as_ref().map_or(0, ServingFleetConfig::servers))
     }
 }
 
@@ -152,22 +210,70 @@ impl Validate for ClusterConfig {
                 "must be 1, 3, 5 or 7 (a Raft majority)",
             ));
         }
-        if self.servers() > MAX_SERVERS {
+        if let Some(serving) = &self.serving {
+            if serving.num_shards == 0 {
+                return Err(invalid("serving.num_shards", "must be at least 1"));
+            }
+            if serving.replica_groups == 0 {
+                return Err(invalid("serving.replica_groups", "must be at least 1"));
+            }
+            if self.mode != Mode::Training {
+                return Err(invalid(
+                    "serving",
+                    "a serving fleet is fed by a training fleet: mode must be `training`",
+                ));
+            }
+            let delta = tessera_ps_server::config::DeltaConfig {
+                num_shards: serving.num_shards,
+                interval_ms: serving.interval_ms,
+                max_rows: serving.max_rows,
+                servers: vec![tessera_ps_server::config::ServingServer {
+                    address: "probe:1".into(),
+                    shards: (0..serving.num_shards).collect(),
+                }],
+                ..Default::default()
+            };
+            let probe = tessera_ps_server::PsServerConfig {
+                delta,
+                ..tessera_ps_server::PsServerConfig::default()
+            };
+            probe.validate().map_err(|err| match err {
+                tessera_ps_server::ConfigError::Invalid { key, reason } => ConfigError::Invalid {
+                    key: key.replacen("delta.", "serving.", 1),
+                    reason,
+                },
+                other => invalid("serving", other.to_string()),
+            })?;
+            let serving_probe = tessera_ps_server::PsServerConfig {
+                mode: Mode::Serving,
+                serving: tessera_ps_server::config::ServingConfig {
+                    max_delay_ms: serving.max_delay_ms,
+                },
+                ..tessera_ps_server::PsServerConfig::default()
+            };
+            serving_probe.validate().map_err(|err| match err {
+                tessera_ps_server::ConfigError::Invalid { key, reason } => {
+                    ConfigError::Invalid { key, reason }
+                }
+                other => invalid("serving", other.to_string()),
+            })?;
+        }
+        if self.all_servers() > MAX_SERVERS {
             return Err(invalid(
                 "num_shards",
                 format!(
-                    "num_shards x replica_groups = {} exceeds {MAX_SERVERS} processes",
-                    self.servers()
+                    "{} processes (both fleets) exceed {MAX_SERVERS}",
+                    self.all_servers()
                 ),
             ));
         }
-        if self.base_port != 0 && u32::from(self.base_port) + self.servers() > 65_536 {
+        if self.base_port != 0 && u32::from(self.base_port) + self.all_servers() > 65_536 {
             return Err(invalid(
                 "base_port",
                 format!(
                     "{} leaves no room for {} servers",
                     self.base_port,
-                    self.servers()
+                    self.all_servers()
                 ),
             ));
         }
@@ -221,6 +327,15 @@ mod tests {
     }
 
     #[test]
+    fn the_serving_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("local/serving.toml");
+        let config = ClusterConfig::load(&path).unwrap();
+        let serving = config.serving.expect("a serving fleet");
+        assert_eq!((serving.num_shards, serving.replica_groups), (3, 2));
+        assert_eq!(config.all_servers(), 10);
+    }
+
+    #[test]
     fn bad_values_name_their_key() {
         for (text, key) in [
             ("replica_groups = 0", "replica_groups"),
@@ -228,6 +343,9 @@ mod tests {
             ("transport = \"tin-cans\"", "transport"),
             ("[[tables]]\nname = \"t\"\ndim = 0", "tables[0].dim"),
             ("base_port = 65535", "base_port"),
+            ("[serving]\nnum_shards = 0", "serving.num_shards"),
+            ("[serving]\ninterval_ms = 1", "serving.interval_ms"),
+            ("[serving]\nmax_rows = 0", "serving.max_rows"),
             (
                 "[coordinator]\nkind = \"etcd\"\nfailover_timeout_ms = 10",
                 "coordinator.failover_timeout_ms",

@@ -5,6 +5,10 @@
 //!   matching `worker.toml`, and stops them all on Ctrl-C or SIGTERM.
 //! - `tessera demo` starts the default cluster, runs a trainer and then a
 //!   ranker against it, prints the results, and shuts everything down.
+//!   With `--serving` (or a `[serving]` fleet in the config), trainers
+//!   push into the training fleet while rankers read a serving fleet fed
+//!   by its delta stream, and a probe measures the delay from a Push to
+//!   its visibility there.
 //! - `tessera admin ...` calls a running server's `Health` and `Admin`
 //!   (stats, checkpoint) or a worker's `WorkerAdmin` (quarantine)
 //!   (`admin.rs`).
@@ -20,6 +24,7 @@ use clap::{Parser, Subcommand};
 use tessera_deploy::{Cluster, ClusterConfig};
 use tessera_rpc::{RdmaProvider, TransportKind};
 use tessera_worker::PsClient;
+use tessera_worker::freshness::{self, DelayReport, ProbeConfig};
 use tessera_worker::workload::{self, WorkloadKind, WorkloadReport, format_comparison};
 
 mod admin;
@@ -92,6 +97,10 @@ enum Command {
         /// Cluster description (TOML); built-in defaults without it.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Add a serving fleet (the built-in `[serving]` where the config
+        /// has none): trainer and ranker run at once, on separate fleets.
+        #[arg(long)]
+        serving: bool,
     },
     /// Check this host for the transport: RDMA devices and ports (state,
     /// link layer, MTU, GIDs), locked memory against what the transport
@@ -235,15 +244,14 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             duration_secs,
             transports,
             config,
+            serving,
         } => {
             let mut interrupt = Interrupt::install()?;
-            demo(
-                load(config.as_ref())?,
-                duration_secs,
-                &transports,
-                &mut interrupt,
-            )
-            .await
+            let mut config = load(config.as_ref())?;
+            if serving && config.serving.is_none() {
+                config.serving = Some(tessera_deploy::config::ServingFleetConfig::default());
+            }
+            demo(config, duration_secs, &transports, &mut interrupt).await
         }
         Command::Admin { action, tls } => admin(action, tls.config().as_ref()).await,
         Command::Status { targets, json, tls } => status(&targets, json, tls.config()).await,
@@ -311,12 +319,19 @@ async fn status(
 
 #[allow(clippy::print_stdout)]
 fn print_cluster(cluster: &Cluster) {
-    println!("| server | replica group | shard | address |");
-    println!("|--------|---------------|-------|---------|");
+    println!("| server | fleet | replica group | shard | address |");
+    println!("|--------|-------|---------------|-------|---------|");
     for (i, server) in cluster.servers().iter().enumerate() {
         println!(
-            "| {i} | {} | {} | {} |",
-            server.group, server.shard, server.address
+            "| {i} | {} | {} | {} | {} |",
+            if server.serving {
+                "serving"
+            } else {
+                "training"
+            },
+            server.group,
+            server.shard,
+            server.address
         );
     }
 }
@@ -342,6 +357,12 @@ async fn up(
         cluster.servers().len(),
         dir.join("worker.toml").display()
     );
+    if cluster.serving_config().is_some() {
+        println!(
+            "serving fleet (fed by the training fleet's delta stream); ranker config: {}",
+            dir.join("ranker.toml").display()
+        );
+    }
     println!("Press Ctrl-C to stop.");
     interrupt.recv().await;
     println!("stopping...");
@@ -364,9 +385,14 @@ async fn demo(
         return Err("--transports names no transport".into());
     }
     let mut runs = Vec::new();
+    let mut delays = Vec::new();
     for &transport in transports {
-        let reports = demo_once(transport.apply(config.clone()), duration_secs, interrupt).await?;
+        let (reports, delay) =
+            demo_once(transport.apply(config.clone()), duration_secs, interrupt).await?;
         runs.push((transport.label().to_string(), reports));
+        if let Some(delay) = delay {
+            delays.push((transport.label(), delay));
+        }
     }
     let w = tessera_worker::WorkloadConfig::default();
     println!();
@@ -401,6 +427,34 @@ async fn demo(
             failed |= report.iterations == 0 || report.errors > 0;
         }
     }
+    if let Some(serving) = &config.serving {
+        let interval = serving.interval_ms as f64;
+        println!(
+            "training to serving ({} shards x {} groups, delta every {} ms), delay from a Push's send to a ranker's first Fetch that sees it:",
+            serving.num_shards, serving.replica_groups, serving.interval_ms
+        );
+        for (label, delay) in &delays {
+            let ms = |d: Option<std::time::Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+            let (p50, p99) = (ms(delay.percentile(50.0)), ms(delay.percentile(99.0)));
+            println!(
+                "{label}: {}; target p50 <= {:.0} ms {}, p99 <= {:.0} ms {}",
+                delay.summary(),
+                interval + 100.0,
+                if p50 <= interval + 100.0 {
+                    "met"
+                } else {
+                    "MISSED"
+                },
+                2.0 * interval,
+                if p99 <= 2.0 * interval {
+                    "met"
+                } else {
+                    "MISSED"
+                },
+            );
+            failed |= delay.delays.is_empty() || delay.unseen > 0;
+        }
+    }
     if failed {
         return Err("the demo saw errors (see above)".into());
     }
@@ -414,7 +468,7 @@ async fn demo_once(
     config: ClusterConfig,
     duration_secs: f64,
     interrupt: &mut Interrupt,
-) -> Result<Vec<WorkloadReport>, BoxError> {
+) -> Result<(Vec<WorkloadReport>, Option<DelayReport>), BoxError> {
     let temp = tempfile::Builder::new().prefix("tessera-demo-").tempdir()?;
     let provider = match config.transport {
         TransportKind::Tcp => String::new(),
@@ -428,14 +482,53 @@ async fn demo_once(
     print_cluster(&cluster);
     let mut worker_config = cluster.worker_config().clone();
     worker_config.workload.duration_secs = duration_secs;
+    let serving_config = cluster.serving_config().cloned().map(|mut c| {
+        c.workload.duration_secs = duration_secs;
+        c
+    });
+    let dim = config.tables.first().map_or(32, |t| t.dim as usize);
     let outcome = async {
         let client = Arc::new(PsClient::new(&worker_config)?);
-        let mut reports = Vec::new();
-        for kind in [WorkloadKind::Trainer, WorkloadKind::Ranker] {
-            println!("running {kind:?} for {duration_secs} s...");
-            reports.push(workload::run(kind, Arc::clone(&client), &worker_config.workload).await);
-        }
-        Ok::<_, BoxError>(reports)
+        let Some(serving_config) = &serving_config else {
+            let mut reports = Vec::new();
+            for kind in [WorkloadKind::Trainer, WorkloadKind::Ranker] {
+                println!("running {kind:?} for {duration_secs} s...");
+                reports
+                    .push(workload::run(kind, Arc::clone(&client), &worker_config.workload).await);
+            }
+            return Ok::<_, BoxError>((reports, None));
+        };
+        // Trainers and rankers at once, on their own fleets, and the probe
+        // of the delay between them.
+        let serving = Arc::new(PsClient::new(serving_config)?);
+        println!(
+            "running the trainer (training fleet), the ranker (serving fleet) and the delay probe for {duration_secs} s..."
+        );
+        let probe_config = ProbeConfig {
+            table: worker_config.workload.table.clone(),
+            dim,
+            ..ProbeConfig::default()
+        };
+        let duration = std::time::Duration::from_secs_f64(duration_secs);
+        let (trainer, ranker, delay) = tokio::join!(
+            workload::run(
+                WorkloadKind::Trainer,
+                Arc::clone(&client),
+                &worker_config.workload
+            ),
+            workload::run(
+                WorkloadKind::Ranker,
+                Arc::clone(&serving),
+                &serving_config.workload
+            ),
+            freshness::probe(
+                Arc::clone(&client),
+                Arc::clone(&serving),
+                &probe_config,
+                tokio::time::sleep(duration)
+            ),
+        );
+        Ok((vec![trainer, ranker], Some(delay)))
     };
     let outcome = tokio::select! {
         outcome = outcome => outcome,

@@ -88,6 +88,86 @@ pub struct ServerStatus {
     /// Its checkpoints; `None` without a checkpoint directory (or when it
     /// did not answer).
     pub checkpoint: Option<CheckpointStatus>,
+    /// A serving server: how fresh its rows are (`None` otherwise).
+    pub feed: Option<FeedStatus>,
+    /// A training server with `[delta]`: its streams, one per shard it
+    /// leads.
+    pub delta: Vec<DeltaStatus>,
+}
+
+/// A serving server's freshness, over the training shards feeding it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FeedStatus {
+    /// The training fleet's shard count (0: no delta heard yet).
+    pub source_shards: u32,
+    /// Training shards followed (in step with their stream).
+    pub following: usize,
+    /// Training shards being copied (out of their stream).
+    pub copying: usize,
+    /// The largest time since a training shard's last delta was applied.
+    pub max_applied_age_ms: u64,
+    /// The largest delay of a last delta's oldest change (training Push to
+    /// serving visibility).
+    pub max_delay_ms: u64,
+    /// Within `serving.max_delay_ms` (always without a bound).
+    pub fresh: bool,
+    /// The bound (0: none).
+    pub bound_ms: u64,
+}
+
+/// One shard's delta stream at a training primary.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeltaStatus {
+    /// The shard.
+    pub shard: u32,
+    /// The last delta's number, and the position it reached.
+    pub seq: u64,
+    /// See `seq`.
+    pub position: u64,
+    /// Rows sent since it started.
+    pub rows_sent: u64,
+    /// Deltas that failed to reach, or were dropped for, a serving server.
+    pub failed: u64,
+    /// See `failed`.
+    pub dropped: u64,
+}
+
+impl FeedStatus {
+    fn of(feed: &tessera_proto::v1::ServingHealth) -> Self {
+        Self {
+            source_shards: feed.source_shards,
+            following: feed
+                .sources
+                .iter()
+                .filter(|s| !s.copying && s.seq > 0)
+                .count(),
+            copying: feed.sources.iter().filter(|s| s.copying).count(),
+            max_applied_age_ms: feed
+                .sources
+                .iter()
+                .map(|s| s.applied_age_ms)
+                .max()
+                .unwrap_or(0),
+            max_delay_ms: feed.sources.iter().map(|s| s.delay_ms).max().unwrap_or(0),
+            fresh: feed.fresh,
+            bound_ms: feed.max_delay_ms,
+        }
+    }
+
+    /// The table's cell.
+    fn cell(&self) -> String {
+        let mut cell = format!(
+            "fed by {}/{} training shards, delay {} ms, applied {} ms ago",
+            self.following, self.source_shards, self.max_delay_ms, self.max_applied_age_ms
+        );
+        if self.copying > 0 {
+            cell.push_str(&format!(", copying {}", self.copying));
+        }
+        if !self.fresh {
+            cell.push_str(&format!(", STALE (bound {} ms)", self.bound_ms));
+        }
+        cell
+    }
 }
 
 /// How a server's checkpoints are going.
@@ -158,6 +238,8 @@ impl ServerStatus {
             admission_bytes: 0,
             rows_expired: 0,
             checkpoint: None,
+            feed: None,
+            delta: Vec::new(),
         }
     }
 
@@ -262,6 +344,19 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
         admission_bytes: health.tables.iter().map(|t| t.admission_bytes).sum(),
         rows_expired: health.tables.iter().map(|t| t.rows_expired).sum(),
         checkpoint: health.checkpoint.as_ref().map(CheckpointStatus::of),
+        feed: health.serving_feed.as_ref().map(FeedStatus::of),
+        delta: health
+            .delta_streams
+            .iter()
+            .map(|d| DeltaStatus {
+                shard: d.shard,
+                seq: d.seq,
+                position: d.position,
+                rows_sent: d.rows_sent,
+                failed: d.failed,
+                dropped: d.dropped,
+            })
+            .collect(),
     }
 }
 
@@ -273,10 +368,17 @@ pub async fn cluster_status(
     futures::future::join_all(addresses.iter().map(|a| server_status(a, tls))).await
 }
 
-/// The servers a run directory's `worker.toml` lists.
+/// The servers a run directory's `worker.toml` lists, and its
+/// `ranker.toml` (the serving fleet) where there is one.
 pub fn addresses_of_run_dir(dir: &Path) -> Result<Vec<String>, tessera_config::ConfigError> {
     let config = tessera_worker::WorkerConfig::load(&dir.join("worker.toml"))?;
-    Ok(config.servers.into_iter().map(|s| s.address).collect())
+    let mut out: Vec<String> = config.servers.into_iter().map(|s| s.address).collect();
+    let ranker = dir.join("ranker.toml");
+    if ranker.is_file() {
+        let serving = tessera_worker::WorkerConfig::load(&ranker)?;
+        out.extend(serving.servers.into_iter().map(|s| s.address));
+    }
+    Ok(out)
 }
 
 /// The statuses as a table (Markdown), a row per server.
@@ -333,6 +435,21 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
                     format!("{}: {}", h.shard, h.role)
                 }
             })
+            .chain(s.feed.as_ref().map(FeedStatus::cell))
+            .chain(s.delta.iter().map(|d| {
+                format!(
+                    "{}: delta {} at {}, {} rows sent{}",
+                    d.shard,
+                    d.seq,
+                    d.position,
+                    d.rows_sent,
+                    if d.failed + d.dropped > 0 {
+                        format!(", {} failed, {} dropped", d.failed, d.dropped)
+                    } else {
+                        String::new()
+                    }
+                )
+            }))
             .collect::<Vec<_>>()
             .join("; ");
         let _ = writeln!(
@@ -383,6 +500,8 @@ mod tests {
             admission_bytes: 0,
             rows_expired: 0,
             checkpoint,
+            feed: None,
+            delta: Vec::new(),
         }
     }
 
@@ -424,6 +543,44 @@ mod tests {
             saving: true,
         };
         assert_eq!(ok.cell(), "saving (last ok: none yet)");
+    }
+
+    #[test]
+    fn a_serving_servers_freshness_and_a_training_servers_streams_show() {
+        let fed = ServerStatus {
+            feed: Some(FeedStatus {
+                source_shards: 2,
+                following: 1,
+                copying: 1,
+                max_applied_age_ms: 900,
+                max_delay_ms: 640,
+                fresh: false,
+                bound_ms: 500,
+            }),
+            ..serving(None)
+        };
+        let training = ServerStatus {
+            delta: vec![DeltaStatus {
+                shard: 0,
+                seq: 12,
+                position: 340,
+                rows_sent: 5000,
+                failed: 1,
+                dropped: 0,
+            }],
+            ..serving(None)
+        };
+        let table = format_table(&[fed, training]);
+        assert!(
+            table.contains(
+                "fed by 1/2 training shards, delay 640 ms, applied 900 ms ago, copying 1, STALE (bound 500 ms)"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("0: delta 12 at 340, 5000 rows sent, 1 failed, 0 dropped"),
+            "{table}"
+        );
     }
 
     #[test]

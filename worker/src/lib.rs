@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod client;
 pub mod config;
+pub mod freshness;
 pub mod plan;
 pub mod primary;
 pub mod push;

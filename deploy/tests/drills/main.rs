@@ -32,6 +32,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 mod attack;
 mod load;
+mod serving;
 mod soak;
 mod trainer;
 
