@@ -330,7 +330,7 @@ mod tests {
     fn the_serving_example_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("local/serving.toml");
         let config = ClusterConfig::load(&path).unwrap();
-        let serving = config.serving.expect("a serving fleet");
+        let serving = config.serving.as_ref().expect("a serving fleet");
         assert_eq!((serving.num_shards, serving.replica_groups), (3, 2));
         assert_eq!(config.all_servers(), 10);
     }

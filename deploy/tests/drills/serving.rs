@@ -206,7 +206,9 @@ async fn serving_markers(serving: &PsClient, records: &[PushRecord]) -> (usize, 
 async fn serving_drill(transport: TransportKind) {
     let _alone = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let mut cluster = Cluster::start(&config(transport), dir.path()).await.unwrap();
+    let mut cluster = Cluster::start(&config(transport), dir.path())
+        .await
+        .unwrap();
     let client = worker_client(&cluster);
     let serving = ranker_client(&cluster);
     let victim = cluster.index_of(0, 0).unwrap();
@@ -265,11 +267,17 @@ async fn serving_drill(transport: TransportKind) {
         let window: Vec<Duration> = delay
             .timeline
             .iter()
-            .filter(|(pushed, _)| *pushed + Duration::from_secs(1) >= at && *pushed <= at + Duration::from_secs(5))
+            .filter(|(pushed, _)| {
+                *pushed + Duration::from_secs(1) >= at && *pushed <= at + Duration::from_secs(5)
+            })
             .map(|(_, d)| *d)
             .collect();
         let max = window.iter().max().copied().unwrap_or_default();
-        format!("{} probes, max {:.0} ms", window.len(), max.as_secs_f64() * 1e3)
+        format!(
+            "{} probes, max {:.0} ms",
+            window.len(),
+            max.as_secs_f64() * 1e3
+        )
     };
     eprintln!(
         "drill serving [{}]: {} steps ({} failed), {} Pushes ({acked} acknowledged); delay over the run: {}; around the training failover: {}; around the serving kill: {}; serving fleet agreed {:.0} ms after the trainer stopped ({rows} rows, values digest {digest_value:016x}); ranker requests {ranker_ok} ok, {ranker_failed} failed; serving markers not 1: {wrong_markers}; training audit: {training_audit:?}",
@@ -282,7 +290,10 @@ async fn serving_drill(transport: TransportKind) {
         around(serving_killed),
         drained.as_secs_f64() * 1e3,
     );
-    assert_eq!(wrong_markers, 0, "acknowledged Pushes not applied exactly once at the serving fleet");
+    assert_eq!(
+        wrong_markers, 0,
+        "acknowledged Pushes not applied exactly once at the serving fleet"
+    );
     assert_eq!(training_audit.applied_twice, 0);
     assert_eq!(training_audit.acked_lost, 0);
     assert!(training_audit.hot_rows_match);
@@ -290,7 +301,10 @@ async fn serving_drill(transport: TransportKind) {
         ranker_failed, 0,
         "ranker requests failed; the first: {ranker_error:?}"
     );
-    assert_eq!(delay.unseen, 0, "a probed Push never reached the serving fleet");
+    assert_eq!(
+        delay.unseen, 0,
+        "a probed Push never reached the serving fleet"
+    );
     assert!(!delay.delays.is_empty());
     cluster.stop().await.unwrap();
 }
