@@ -224,3 +224,124 @@ fn decode_f32s(bytes: &[u8], out: &mut [f32]) {
         *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Mode, OptimizerConfig, PsServerConfig, Storage, TableConfig};
+    use crate::store::PushId;
+
+    fn store(mode: Mode, num_shards: u32, storage: Storage, max_rows: Option<u64>) -> Store {
+        Store::new(&PsServerConfig {
+            mode,
+            num_shards,
+            shards: (0..num_shards).collect(),
+            tables: vec![TableConfig {
+                optimizer: OptimizerConfig::adagrad(0.1),
+                storage,
+                max_rows,
+                ..TableConfig::new("t", 4)
+            }],
+            delta: crate::config::DeltaConfig {
+                servers: vec![crate::config::ServingServer {
+                    address: "serving:1".into(),
+                    shards: vec![0],
+                }],
+                ..Default::default()
+            },
+            ..PsServerConfig::default()
+        })
+    }
+
+    fn keys(n: u64) -> Vec<u64> {
+        (0..n).collect()
+    }
+
+    /// Rows read at a training shard with their state and put at serving
+    /// shards of another count hold the same values and state; keys
+    /// without a row are listed as removed.
+    #[test]
+    fn rows_and_state_travel_whole_between_shard_counts() {
+        let training = store(Mode::Training, 1, Storage::F32, None);
+        let keys = keys(200);
+        let grads: Vec<u8> = (0..keys.len() * 4)
+            .flat_map(|i| ((i % 5) as f32 - 2.0).to_le_bytes())
+            .collect();
+        training
+            .push("t", 0, &keys, &grads, PushId::default())
+            .unwrap();
+        let mut asked = keys.clone();
+        asked.push(10_000);
+        let read = training.read_rows("t", 0, &asked, true).unwrap();
+        assert_eq!(read.keys, keys);
+        assert_eq!(read.removed, vec![10_000]);
+        assert_eq!(read.values.len(), 200 * 4 * 4);
+        assert_eq!(read.state.len(), 200 * 4 * 4, "Adagrad: one slot");
+        // Every key changed was noted for the stream, once.
+        let taken = training.take_changes(&training.lock_shard(0).unwrap());
+        assert_eq!(taken.len(), 1);
+        let mut noted = taken[0].1.keys.clone();
+        noted.sort_unstable();
+        assert_eq!(noted, keys);
+
+        let serving = store(Mode::Serving, 3, Storage::F32, Some(1));
+        for shard in 0..3 {
+            let mine: Vec<usize> = (0..keys.len())
+                .filter(|&i| shard_for_key(keys[i], 3) == shard)
+                .collect();
+            let ks: Vec<u64> = mine.iter().map(|&i| keys[i]).collect();
+            let vs: Vec<u8> = mine
+                .iter()
+                .flat_map(|&i| read.values[i * 16..(i + 1) * 16].to_vec())
+                .collect();
+            let ss: Vec<u8> = mine
+                .iter()
+                .flat_map(|&i| read.state[i * 16..(i + 1) * 16].to_vec())
+                .collect();
+            let writing = serving.lock_shard(shard).unwrap();
+            // A key of another serving shard is refused whole.
+            if let Some(&other) = keys.iter().find(|&&k| shard_for_key(k, 3) != shard) {
+                assert!(matches!(
+                    serving.put_rows(&writing, "t", &[other], &vs[..16], &[]),
+                    Err(StoreError::WrongShard { .. })
+                ));
+            }
+            serving.put_rows(&writing, "t", &ks, &vs, &ss).unwrap();
+            // A row limit of 1 does not apply to a serving server.
+            let back = serving.read_rows("t", shard, &ks, true).unwrap();
+            assert_eq!(back.keys, ks);
+            assert_eq!(back.values, vs);
+            assert_eq!(back.state, ss);
+            assert_eq!(serving.remove_rows(&writing, "t", &ks[..1]).unwrap(), 1);
+            assert_eq!(serving.remove_rows(&writing, "t", &ks[..1]).unwrap(), 0);
+        }
+        let writing = serving.lock_shard(0).unwrap();
+        assert!(matches!(
+            serving.put_rows(&writing, "t", &[0], &[0; 12], &[]),
+            Err(StoreError::DeltaLength { part: "values", .. })
+        ));
+        // A serving server notes no changes of its own.
+        assert!(serving.take_changes(&writing).is_empty());
+    }
+
+    /// A serving table stored as `f16` holds each value within half a
+    /// unit of `f16` of what training sent.
+    #[test]
+    fn a_narrow_serving_table_holds_the_values_within_its_rounding() {
+        let serving = store(Mode::Serving, 1, Storage::F16, None);
+        let values: Vec<f32> = (0..400).map(|i| (i as f32 - 200.0) * 0.0137).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let ks = keys(100);
+        serving
+            .put_rows(&serving.lock_shard(0).unwrap(), "t", &ks, &bytes, &[])
+            .unwrap();
+        let back = serving.read_rows("t", 0, &ks, false).unwrap();
+        for (got, want) in back.values.chunks_exact(4).zip(&values) {
+            let got = f32::from_le_bytes([got[0], got[1], got[2], got[3]]);
+            assert!(
+                (got - want).abs() <= want.abs() * 2f32.powi(-10) + 1e-7,
+                "{got} for {want}"
+            );
+        }
+    }
+}
