@@ -162,16 +162,25 @@ async fn fleet_digest(servers: &[&InProcess]) -> Vec<(String, u64, u64)> {
 /// Waits until every serving group holds exactly the training fleet's
 /// rows.
 async fn wait_converged(training: &[InProcess], serving: &[InProcess], what: &str) {
+    wait_converged_groups(training, serving, SERVING_GROUPS as usize, what).await;
+}
+
+/// [`wait_converged`] for `groups` groups of `serving` (group-major).
+async fn wait_converged_groups(
+    training: &[InProcess],
+    serving: &[InProcess],
+    groups: usize,
+    what: &str,
+) {
     let deadline = Instant::now() + Duration::from_secs(60);
+    let per_group = serving.len() / groups;
     loop {
         let want = fleet_digest(&training.iter().collect::<Vec<_>>()).await;
         let mut all = true;
         let mut last = Vec::new();
-        for g in 0..SERVING_GROUPS as usize {
-            let group: Vec<&InProcess> = serving
-                [g * SERVING_SHARDS as usize..(g + 1) * SERVING_SHARDS as usize]
-                .iter()
-                .collect();
+        for g in 0..groups {
+            let group: Vec<&InProcess> =
+                serving[g * per_group..(g + 1) * per_group].iter().collect();
             let got = fleet_digest(&group).await;
             all &= got == want;
             last = got;
@@ -416,6 +425,127 @@ async fn a_freshness_bound_refuses_fetches_while_the_stream_is_not_in() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for server in serving {
+        server.stop().await;
+    }
+}
+
+/// One training server leading four shards (one delivery queue per
+/// serving server carries all four streams, cut every 20 ms and at 50
+/// changed rows), and a serving server that restarts from its own
+/// checkpoint holding rows the training fleet has since evicted: its copy
+/// removes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_streams_per_server_and_a_serving_restart_with_rows_gone_since() {
+    let dir = tempfile::tempdir().unwrap();
+    let kind = TransportKind::Tcp;
+    let layout: Vec<(u32, u32, String)> = (0..2).map(|s| (0, s, free_addr())).collect();
+    let serving_at = |i: usize| PsServerConfig {
+        listen: layout[i].2.clone(),
+        mode: Mode::Serving,
+        num_shards: 2,
+        shards: vec![layout[i].1],
+        checkpoint: tessera_ps_server::config::CheckpointConfig {
+            dir: Some(dir.path().join(format!("serving-{i}"))),
+            ..Default::default()
+        },
+        ..base(kind)
+    };
+    let mut serving = Vec::new();
+    for i in 0..2 {
+        serving.push(InProcess::start(&serving_at(i)).await);
+    }
+    let training = InProcess::start(&PsServerConfig {
+        listen: free_addr(),
+        num_shards: 4,
+        shards: vec![0, 1, 2, 3],
+        delta: DeltaConfig {
+            num_shards: 2,
+            servers: layout
+                .iter()
+                .map(|(_, s, a)| ServingServer {
+                    address: a.clone(),
+                    shards: vec![*s],
+                })
+                .collect(),
+            interval_ms: 20,
+            max_rows: 50,
+            ..DeltaConfig::default()
+        },
+        ..base(kind)
+    })
+    .await;
+    wait_serving(&training.addr).await;
+    let data = training.data.clone();
+    let push = |round: u32, skip: usize| {
+        let data = data.clone();
+        async move {
+            for shard in 0..4u32 {
+                for (table, dim, keys) in [
+                    ("emb", 8, keys_of_shard(shard, 4, 100)),
+                    (
+                        "small",
+                        4,
+                        keys_of_shard(shard, 4, 400)
+                            .into_iter()
+                            .skip(skip)
+                            .take(80)
+                            .collect(),
+                    ),
+                ] {
+                    let grads: Vec<f32> = (0..keys.len() * dim)
+                        .map(|i| ((i as u32 + round) % 5) as f32 - 2.0)
+                        .collect();
+                    data.push(PushRequest {
+                        table: table.into(),
+                        shard,
+                        keys,
+                        gradients: Bytes::from(wire(&grads)),
+                        ..PushRequest::default()
+                    })
+                    .await
+                    .unwrap();
+                }
+            }
+        }
+    };
+    let training_fleet = [training];
+    for round in 0..6 {
+        push(round, 0).await;
+    }
+    wait_converged_groups(&training_fleet, &serving, 1, "four streams").await;
+    // Four streams through one queue per serving server: none failed
+    // while every serving server is up (a burst of Pushes can fill a
+    // queue: a delta dropped then is a gap, which the copy covers).
+    let health = training_fleet[0]
+        .data
+        .health(HealthRequest {})
+        .await
+        .unwrap();
+    assert_eq!(health.delta_streams.len(), 4);
+    assert!(
+        health
+            .delta_streams
+            .iter()
+            .all(|d| d.failed == 0 && d.seq > 1),
+        "{:?}",
+        health.delta_streams
+    );
+    // Serving server 0 stops (saving its rows), the training server moves
+    // the small table's rows on (evicting those it held), and it starts
+    // again from its checkpoint.
+    serving.remove(0).stop().await;
+    for round in 6..12 {
+        push(round, 200).await;
+    }
+    serving.insert(0, InProcess::start(&serving_at(0)).await);
+    wait_converged_groups(
+        &training_fleet,
+        &serving,
+        1,
+        "after a restart with old rows",
+    )
+    .await;
+    for server in training_fleet.into_iter().chain(serving) {
         server.stop().await;
     }
 }

@@ -194,8 +194,20 @@ impl Feed {
         }
     }
 
-    /// Takes one delta (the `Apply` call).
+    /// Takes one delta (the `Apply` call). Judged and applied by a task
+    /// of its own, which holds the training shard's lock until the delta
+    /// is in: a call given up at its deadline must not let the next delta
+    /// be written beside (or before) this one.
     pub async fn apply(&self, request: DeltaRequest) -> Result<DeltaResponse, Status> {
+        let Some(feed) = self.weak.upgrade() else {
+            return Err(Status::unavailable("the server is stopping"));
+        };
+        tokio::spawn(async move { feed.apply_in_order(request).await })
+            .await
+            .map_err(|err| Status::internal(format!("applying the delta failed: {err}")))?
+    }
+
+    async fn apply_in_order(&self, request: DeltaRequest) -> Result<DeltaResponse, Status> {
         if request.source_shards == 0 || request.source_shard >= request.source_shards {
             return Err(Status::invalid_argument(format!(
                 "source shard {} of {} does not exist",
@@ -207,6 +219,15 @@ impl Feed {
                 "the training fleet routes rows to {} serving shards; this serving fleet has {} (delta.num_shards must equal the serving fleet's num_shards)",
                 request.num_shards,
                 self.store.num_shards()
+            )));
+        }
+        let mut shards = request.shards.clone();
+        shards.sort_unstable();
+        shards.dedup();
+        if shards != self.store.hosted() {
+            return Err(Status::failed_precondition(format!(
+                "the training fleet sends this server the rows of serving shards {shards:?}; it hosts {:?} (fix its delta.servers entry)",
+                self.store.hosted()
             )));
         }
         let known = self
@@ -224,6 +245,7 @@ impl Feed {
         let mut slot = slot.lock().await;
         let header = Header {
             stream: request.stream,
+            epoch: request.epoch,
             seq: request.seq,
             part: request.part,
             last: request.last,
@@ -341,7 +363,7 @@ impl Feed {
                     let resume =
                         guard
                             .follower
-                            .handle_copied(mark.stream, mark.seq, Instant::now());
+                            .handle_copied(mark.stream, mark.seq, mark.epoch, mark.asked);
                     for request in resume.apply {
                         self.apply_delta(&mut guard, request).await;
                     }
@@ -380,6 +402,45 @@ impl Feed {
         }
         let started = Instant::now();
         let client = self.client(from).ok_or(FeedError::NoSource)?;
+        let mut session = 0;
+        let copied = self
+            .copy_pages(shard, from, with_state, &client, &mut session)
+            .await;
+        if copied.is_err() && session != 0 {
+            // Best effort: the source lets the snapshot go now rather than
+            // when it has been idle long enough.
+            let _ = client
+                .copy(DeltaCopyRequest {
+                    session,
+                    release: true,
+                    ..DeltaCopyRequest::default()
+                })
+                .await;
+        }
+        let (mark, rows) = copied?;
+        let (stream, seq, epoch, position) = mark;
+        Ok(Copied {
+            stream,
+            seq,
+            epoch,
+            position,
+            rows,
+            asked: started,
+            took: started.elapsed(),
+        })
+    }
+
+    /// The pages of one copy, written as they come; then the rows of that
+    /// training shard the copy did not hold are removed. Returns the
+    /// copy's mark (stream, seq, epoch, position) and rows.
+    async fn copy_pages(
+        &self,
+        shard: u32,
+        from: &str,
+        with_state: bool,
+        client: &DeltaClient,
+        session: &mut u64,
+    ) -> Result<((u64, u64, u64, u64), u64), FeedError> {
         let mut request = DeltaCopyRequest {
             source_shard: shard,
             num_shards: self.store.num_shards(),
@@ -401,6 +462,7 @@ impl Feed {
             if mark.is_none() {
                 mark = Some((page.stream, page.seq, page.epoch, page.position));
             }
+            *session = page.session;
             rows += page.tables.iter().map(|t| t.keys.len() as u64).sum::<u64>();
             self.write(page.tables, Some(Arc::clone(&seen))).await?;
             if page.done {
@@ -442,15 +504,8 @@ impl Feed {
                 "removed rows the training shard no longer has"
             );
         }
-        let (stream, seq, epoch, position) = mark.unwrap_or_default();
-        Ok(Copied {
-            stream,
-            seq,
-            epoch,
-            position,
-            rows,
-            took: started.elapsed(),
-        })
+        *session = 0;
+        Ok((mark.unwrap_or_default(), rows))
     }
 
     fn client(&self, addr: &str) -> Option<DeltaClient> {
@@ -533,6 +588,8 @@ struct Copied {
     epoch: u64,
     position: u64,
     rows: u64,
+    /// When it was asked for (its rows are at least that fresh).
+    asked: Instant,
     took: Duration,
 }
 
@@ -551,6 +608,16 @@ fn write_tables(
         } else {
             table.state.len() / table.keys.len()
         };
+        if table.state.len() != state_bytes * table.keys.len() {
+            return Err(StoreError::DeltaLength {
+                table: table.name.clone(),
+                part: "state",
+                keys: table.keys.len(),
+                expected: state_bytes * table.keys.len(),
+                got: table.state.len(),
+            }
+            .into());
+        }
         if table.values.len() != table.keys.len() * row_bytes {
             return Err(StoreError::DeltaLength {
                 table: table.name.clone(),

@@ -10,6 +10,9 @@
 //! applied number n may apply n+1 (part 0, then 1, ...) and nothing else.
 //! Anything else is:
 //! - a **repeat** (a number or part already applied): ignored;
+//! - **stale** (an epoch below the stream followed: a deposed primary
+//!   draining its queue): ignored, and not taken as the source to copy
+//!   from;
 //! - a **gap** (another stream, a number beyond the next, a part beyond
 //!   the next): the receiver cannot know what it missed, so it **copies**
 //!   the training shard's rows ([`Verdict::Copy`]). The copy says which
@@ -19,7 +22,10 @@
 //! While a copy is taken, arriving deltas are **held** (up to
 //! [`MAX_HELD_BYTES`]; beyond, all are dropped, and the copy is followed
 //! by another if the next delta does not follow it), and those after the
-//! copy's number are applied when it is in ([`Resume`]).
+//! copy's number are applied when it is in ([`Resume`]). A held delta
+//! that does not follow the copy asks for one more copy and is dropped:
+//! each held delta causes at most one copy, so a late delta of an old
+//! stream cannot keep a receiver copying.
 //!
 //! # Call order
 //!
@@ -44,6 +50,8 @@ pub const MAX_HELD_BYTES: usize = 64 << 20;
 pub struct Header {
     /// The stream (a primary term of the training shard).
     pub stream: u64,
+    /// The epoch of the primary that sends it.
+    pub epoch: u64,
     /// Its number in the stream.
     pub seq: u64,
     /// Its part, and whether it is the last.
@@ -59,6 +67,8 @@ pub enum Verdict {
     Apply,
     /// Applied before: ignore it.
     Repeat,
+    /// From a primary older than the stream followed: ignore it.
+    Stale,
     /// Held until the copy in progress is in.
     Held,
     /// Dropped: too much is held already (a copy is in progress).
@@ -81,6 +91,8 @@ pub struct Resume<T> {
 pub struct Follower<T> {
     /// The stream followed (0: none yet).
     stream: u64,
+    /// The newest epoch heard of (deltas of older ones are stale).
+    epoch: u64,
     /// The last delta applied whole.
     seq: u64,
     /// The next part of delta `seq + 1` (0: none of it applied).
@@ -103,6 +115,7 @@ impl<T> Default for Follower<T> {
     fn default() -> Self {
         Self {
             stream: 0,
+            epoch: 0,
             seq: 0,
             part: 0,
             copying: None,
@@ -129,6 +142,10 @@ impl<T> Follower<T> {
         bytes: usize,
         now: Instant,
     ) -> (Verdict, Option<T>) {
+        if header.epoch < self.epoch {
+            return (Verdict::Stale, Some(item));
+        }
+        self.epoch = header.epoch;
         if self.source != source {
             self.source = source.to_owned();
         }
@@ -159,25 +176,38 @@ impl<T> Follower<T> {
         }
     }
 
-    /// A copy is in: it holds every change of `stream` through delta
-    /// `seq` (a `stream` of 0: of no stream, so the next delta is a gap).
-    /// Returns the held deltas to apply now, in order.
-    pub fn handle_copied(&mut self, stream: u64, seq: u64, now: Instant) -> Resume<T> {
+    /// A copy is in: it holds every change of `stream` (of `epoch`)
+    /// through delta `seq` (a `stream` of 0: of no stream, so the next
+    /// delta is a gap), as of `taken` (when it was asked for: its rows
+    /// are at least that fresh). Returns the held deltas to apply now, in
+    /// order.
+    pub fn handle_copied(
+        &mut self,
+        stream: u64,
+        seq: u64,
+        epoch: u64,
+        taken: Instant,
+    ) -> Resume<T> {
         self.stream = stream;
+        self.epoch = self.epoch.max(epoch);
         self.seq = seq;
         self.part = 0;
-        self.applied_at = Some(now);
+        self.applied_at = Some(taken);
         let mut held = self.copying.take().map(|h| h.items).unwrap_or_default();
         let mut apply = Vec::new();
-        while let Some((header, item, bytes)) = held.pop_front() {
+        while let Some((header, item, _)) = held.pop_front() {
+            if header.epoch < self.epoch {
+                continue;
+            }
             match self.judge(header) {
                 Judged::Next => {
-                    self.advance(header, now);
+                    self.advance(header, taken);
                     apply.push(item);
                 }
                 Judged::Repeat => {}
                 Judged::Gap => {
-                    held.push_front((header, item, bytes));
+                    // One more copy for it (taken after it arrived, so as
+                    // new as it), and it is done with.
                     let bytes = held.iter().map(|h| h.2).sum();
                     self.copying = Some(Held { items: held, bytes });
                     return Resume {
@@ -285,6 +315,7 @@ mod tests {
     fn h(stream: u64, seq: u64) -> Header {
         Header {
             stream,
+            epoch: stream,
             seq,
             part: 0,
             last: true,
@@ -294,6 +325,7 @@ mod tests {
     fn part(stream: u64, seq: u64, part: u32, last: bool) -> Header {
         Header {
             stream,
+            epoch: stream,
             seq,
             part,
             last,
@@ -310,7 +342,7 @@ mod tests {
         assert_eq!(f.handle_delta(h(7, 5), "a", 5, 10, now).0, Verdict::Held);
         assert!(f.copying());
         // The copy was taken after delta 4 was cut.
-        let resume = f.handle_copied(7, 4, now);
+        let resume = f.handle_copied(7, 4, 7, now);
         assert_eq!(resume.apply, vec![5]);
         assert!(!resume.copy_again);
         assert_eq!(f.seq(), 5);
@@ -325,9 +357,9 @@ mod tests {
         let now = Instant::now();
         let mut f = Follower::new();
         f.handle_delta(h(7, 1), "a", (), 1, now);
-        f.handle_copied(7, 1, now);
+        f.handle_copied(7, 1, 7, now);
         assert_eq!(f.handle_delta(h(7, 3), "a", (), 1, now).0, Verdict::Copy);
-        f.handle_copied(7, 3, now);
+        f.handle_copied(7, 3, 7, now);
         // A new primary (or a restarted one): another stream.
         assert_eq!(f.handle_delta(h(9, 1), "b", (), 1, now).0, Verdict::Copy);
         assert_eq!(f.source(), "b");
@@ -338,7 +370,7 @@ mod tests {
         let now = Instant::now();
         let mut f = Follower::new();
         f.handle_delta(h(1, 1), "a", (), 1, now);
-        f.handle_copied(1, 1, now);
+        f.handle_copied(1, 1, 1, now);
         assert_eq!(
             f.handle_delta(part(1, 2, 0, false), "a", (), 1, now).0,
             Verdict::Apply
@@ -363,7 +395,7 @@ mod tests {
         let now = Instant::now();
         let mut f = Follower::new();
         f.handle_delta(h(4, 1), "a", (), 1, now);
-        let resume = f.handle_copied(0, 0, now);
+        let resume = f.handle_copied(0, 0, 0, now);
         // The held delta does not follow a copy of no stream: copy again.
         assert!(resume.copy_again);
         assert!(f.copying());
@@ -380,13 +412,50 @@ mod tests {
         );
         assert_eq!(f.handle_delta(h(1, 3), "a", 3, 10, now).0, Verdict::Held);
         // Copied as of delta 1: delta 3 does not follow.
-        let resume = f.handle_copied(1, 1, now);
+        let resume = f.handle_copied(1, 1, 1, now);
         assert!(resume.apply.is_empty());
         assert!(resume.copy_again);
         // The second copy, as of delta 3, resumes.
-        let resume = f.handle_copied(1, 3, now);
+        let resume = f.handle_copied(1, 3, 1, now);
         assert!(resume.apply.is_empty() && !resume.copy_again);
         assert_eq!(f.handle_delta(h(1, 4), "a", 4, 10, now).0, Verdict::Apply);
+    }
+
+    /// A deposed primary's late deltas (an older epoch) are ignored, and
+    /// do not become the source to copy from.
+    #[test]
+    fn a_deposed_primarys_late_deltas_are_stale() {
+        let now = Instant::now();
+        let mut f = Follower::new();
+        f.handle_delta(h(2, 5), "new", (), 1, now);
+        f.handle_copied(2, 5, 2, now);
+        assert_eq!(f.handle_delta(h(1, 9), "old", (), 1, now).0, Verdict::Stale);
+        assert_eq!(f.source(), "new");
+        assert!(!f.copying());
+        assert_eq!(f.handle_delta(h(2, 6), "new", (), 1, now).0, Verdict::Apply);
+    }
+
+    /// A held delta of another stream at the same epoch (a lone server
+    /// restarted without its checkpoint) asks for one more copy, once:
+    /// it cannot keep the follower copying.
+    #[test]
+    fn a_held_delta_that_does_not_follow_causes_one_copy_at_most() {
+        let now = Instant::now();
+        let mut f = Follower::new();
+        let other = Header {
+            stream: 8,
+            epoch: 1,
+            ..h(1, 3)
+        };
+        assert_eq!(f.handle_delta(h(1, 1), "a", 1, 1, now).0, Verdict::Copy);
+        assert_eq!(f.handle_delta(other, "a", 2, 1, now).0, Verdict::Held);
+        assert_eq!(f.handle_delta(h(1, 2), "a", 3, 1, now).0, Verdict::Held);
+        let resume = f.handle_copied(1, 1, 1, now);
+        assert!(resume.copy_again && resume.apply.is_empty());
+        // The next copy is of stream 1 again; delta 2 of it follows.
+        let resume = f.handle_copied(1, 1, 1, now);
+        assert_eq!(resume.apply, vec![3]);
+        assert!(!resume.copy_again && !f.copying());
     }
 
     #[test]
@@ -395,7 +464,7 @@ mod tests {
         let bound = Duration::from_millis(500);
         let mut f = Follower::new();
         f.handle_delta(h(1, 1), "a", (), 1, start);
-        f.handle_copied(1, 1, start);
+        f.handle_copied(1, 1, 1, start);
         assert!(f.fresh(start + Duration::from_millis(400), bound));
         assert!(!f.fresh(start + Duration::from_millis(600), bound));
         f.handle_delta(h(1, 2), "a", (), 1, start + Duration::from_millis(600));
@@ -484,7 +553,7 @@ mod tests {
                     }
                     Event::CopyDone if f.copying() => {
                         mine = source;
-                        let resume = f.handle_copied(stream, seq, now);
+                        let resume = f.handle_copied(stream, seq, stream, now);
                         for changes in resume.apply {
                             apply(&mut mine, &changes);
                         }
@@ -495,14 +564,25 @@ mod tests {
                     prop_assert_eq!(mine, source);
                 }
             }
-            // Drain: a heartbeat delta, copies until in step.
+            // Drain: every delta still on the wire arrives (old streams'
+            // too), then a heartbeat; copies are taken until the follower
+            // is in step, which one copy does (stale deltas are dropped).
+            for (header, changes) in std::mem::take(&mut wire) {
+                deliver(&mut f, &mut mine, header, changes);
+            }
             seq += 1;
             deliver(&mut f, &mut mine, h(stream, seq), Vec::new());
-            if f.copying() {
+            let mut copies = 0;
+            while f.copying() {
+                copies += 1;
+                prop_assert!(copies <= 1, "copied again and again");
                 mine = source;
-                let resume = f.handle_copied(stream, seq, now);
-                prop_assert!(resume.apply.is_empty());
+                let resume = f.handle_copied(stream, seq, stream, now);
+                for changes in resume.apply {
+                    apply(&mut mine, &changes);
+                }
             }
+            prop_assert!(!f.copying());
             prop_assert_eq!(mine, source);
         }
     }

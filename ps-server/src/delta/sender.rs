@@ -5,10 +5,11 @@
 //! those keys are read as they are now, routed to the serving shards of
 //! their keys, and queued for every serving server of those shards.
 //!
-//! Each serving server has a queue of [`QUEUE_DELTAS`] deltas and one
-//! call in flight: a server that is down or slow loses deltas (counted as
-//! failed or dropped) rather than holding the others back or growing a
-//! queue, and copies the shard when it sees the gap (`follower.rs`).
+//! Each serving server has a queue of [`QUEUE_DELTAS`] deltas per shard
+//! this server hosts and one call in flight: a server that is down or
+//! slow loses deltas (counted as failed or dropped) rather than holding
+//! the others back or growing a queue, and copies the shard when it sees
+//! the gap (`follower.rs`).
 //!
 //! A stream is a term of this server as the shard's primary: a new id
 //! whenever it starts leading the shard (at start, after a failover, with
@@ -32,7 +33,8 @@ use crate::replication::Replication;
 use crate::store::Store;
 use crate::table::changes::{Taken, unix_ms};
 
-/// Deltas queued for one serving server at most.
+/// Deltas of one shard queued for one serving server at most (a server
+/// leading several shards queues as many per shard).
 pub const QUEUE_DELTAS: usize = 4;
 
 /// How often a warning about one serving server is logged at most.
@@ -71,6 +73,9 @@ struct Outgoing {
 struct Destination {
     /// Serving shard -> hosted here.
     hosts: Vec<bool>,
+    /// The serving shards it hosts, as configured (sent with each delta,
+    /// which it checks).
+    shards: Vec<u32>,
     queue: mpsc::Sender<Outgoing>,
 }
 
@@ -108,15 +113,20 @@ impl Sender {
         };
         let mut destinations = Vec::new();
         let mut receivers = Vec::new();
+        let per_shard = store.hosted().len().max(1);
         for server in &config.servers {
-            let (queue, rx) = mpsc::channel(QUEUE_DELTAS);
+            let (queue, rx) = mpsc::channel(QUEUE_DELTAS * per_shard);
             let mut hosts = vec![false; config.num_shards as usize];
             for &s in &server.shards {
                 if let Some(h) = hosts.get_mut(s as usize) {
                     *h = true;
                 }
             }
-            destinations.push(Destination { hosts, queue });
+            destinations.push(Destination {
+                hosts,
+                shards: server.shards.clone(),
+                queue,
+            });
             let client = DeltaClient::new(Channel::with_transport(
                 &server.address,
                 channel_config.clone(),
@@ -186,14 +196,19 @@ impl Sender {
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let wake = Arc::clone(self.store.changes_wake());
+        let max_rows = usize::try_from(self.config.max_rows).unwrap_or(usize::MAX);
         loop {
-            tokio::select! {
-                _ = ticks.tick() => {}
-                () = wake.notified() => {}
+            // Every shard at the interval; woken early, only those whose
+            // changes reached `max_rows`.
+            let all = tokio::select! {
+                _ = ticks.tick() => true,
+                () = wake.notified() => false,
                 () = stop.cancelled() => break,
-            }
+            };
             for &shard in self.store.hosted() {
-                self.cut_and_send(shard).await;
+                if all || self.store.changed_rows(shard) >= max_rows {
+                    self.cut_and_send(shard).await;
+                }
             }
         }
         deliveries.shutdown().await;
@@ -211,8 +226,18 @@ impl Sender {
             read_and_route(&store, shard, changes, num_shards, with_state)
         })
         .await;
-        let Ok((per_shard, rows, oldest_ms)) = rows_of else {
-            return;
+        let (per_shard, rows, oldest_ms) = match rows_of {
+            Ok(Ok(routed)) => routed,
+            // Not sent: its changes would be lost. The next delta's number
+            // is a gap, so every receiver copies the shard.
+            Ok(Err(err)) => {
+                tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
+                return;
+            }
+            Err(err) => {
+                tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
+                return;
+            }
         };
         if let Some(c) = self.counters.get(&shard) {
             c.rows.fetch_add(rows, Ordering::Relaxed);
@@ -246,6 +271,7 @@ impl Sender {
                     tables,
                     optimizer_state: with_state,
                     num_shards,
+                    shards: dest.shards.clone(),
                 })
                 .collect();
             if let Err(mpsc::error::TrySendError::Full(_)) =
@@ -348,7 +374,7 @@ fn read_and_route(
     changes: Vec<(String, Taken)>,
     num_shards: u32,
     with_state: bool,
-) -> (Vec<Vec<DeltaTable>>, u64, u64) {
+) -> Result<(Vec<Vec<DeltaTable>>, u64, u64), crate::store::StoreError> {
     let mut per_shard: Vec<Vec<DeltaTable>> = vec![Vec::new(); num_shards as usize];
     let mut rows = 0u64;
     let mut oldest = 0u64;
@@ -359,14 +385,12 @@ fn read_and_route(
         if oldest == 0 || taken.oldest_ms < oldest {
             oldest = taken.oldest_ms;
         }
-        let Some(table) = store.table(&name) else {
-            continue;
-        };
+        let table = store
+            .table(&name)
+            .ok_or_else(|| crate::store::StoreError::UnknownTable(name.clone()))?;
         let dim = table.config().dim as usize;
         let state_len = dim * table.config().optimizer.slots();
-        let Ok(read) = store.read_rows(&name, shard, &taken.keys, with_state) else {
-            continue;
-        };
+        let read = store.read_rows(&name, shard, &taken.keys, with_state)?;
         rows += taken.keys.len() as u64;
         for (t, tables) in route(&name, &read, dim, state_len, num_shards)
             .into_iter()
@@ -375,5 +399,5 @@ fn read_and_route(
             per_shard[t].extend(tables);
         }
     }
-    (per_shard, rows, oldest)
+    Ok((per_shard, rows, oldest))
 }

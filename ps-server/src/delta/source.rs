@@ -22,10 +22,13 @@ use super::sender::{Mark, Sender};
 use crate::image::ShardSnapshot;
 use crate::store::Store;
 
-/// How long an unused copy session is kept.
-pub const SESSION_IDLE: Duration = Duration::from_secs(60);
+/// How long an unused copy session is kept (its snapshot holds a copy of
+/// every row Pushes change meanwhile).
+pub const SESSION_IDLE: Duration = Duration::from_secs(30);
 
-/// Copy sessions open at once at most.
+/// Copy sessions open at once at most: one more is refused
+/// (`RESOURCE_EXHAUSTED`; the serving server tries again later), never
+/// made by ending one in use.
 pub const MAX_SESSIONS: usize = 64;
 
 /// Bytes of rows one page carries at most.
@@ -71,6 +74,13 @@ impl Sources {
         sender: Option<&Sender>,
         request: &DeltaCopyRequest,
     ) -> Result<DeltaCopyResponse, Status> {
+        self.open
+            .locked()
+            .retain(|_, s| s.last_used.elapsed() < SESSION_IDLE);
+        if request.release {
+            self.open.locked().remove(&request.session);
+            return Ok(DeltaCopyResponse::default());
+        }
         if request.num_shards == 0 || request.num_shards > MAX_SERVING_SHARDS {
             return Err(Status::invalid_argument(format!(
                 "num_shards = {} is outside 1..={MAX_SERVING_SHARDS}",
@@ -175,16 +185,10 @@ impl Sources {
         };
         let id = self.next.fetch_add(2, Ordering::Relaxed);
         let mut open = self.open.locked();
-        open.retain(|_, s| s.last_used.elapsed() < SESSION_IDLE);
-        while open.len() >= MAX_SESSIONS {
-            let Some(oldest) = open
-                .iter()
-                .min_by_key(|(_, s)| s.last_used)
-                .map(|(&id, _)| id)
-            else {
-                break;
-            };
-            open.remove(&oldest);
+        if open.len() >= MAX_SESSIONS {
+            return Err(Status::resource_exhausted(format!(
+                "{MAX_SESSIONS} delta copies are in progress here; try again shortly"
+            )));
         }
         open.insert(
             id,
@@ -196,5 +200,107 @@ impl Sources {
         );
         metrics::counter!("tessera_ps_delta_copies_served_total").increment(1);
         Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Mode, PsServerConfig, TableConfig};
+    use crate::store::PushId;
+
+    fn store() -> Store {
+        let store = Store::new(&PsServerConfig {
+            mode: Mode::Training,
+            tables: vec![TableConfig::new("t", 2)],
+            ..PsServerConfig::default()
+        });
+        let keys: Vec<u64> = (0..1000).collect();
+        let grads = vec![0u8; keys.len() * 2 * 4];
+        store
+            .push("t", 0, &keys, &grads, PushId::default())
+            .unwrap();
+        store
+    }
+
+    fn ask(session: u64, table: u32, row: u64) -> DeltaCopyRequest {
+        DeltaCopyRequest {
+            source_shard: 0,
+            num_shards: 3,
+            shards: vec![1, 2],
+            session,
+            table,
+            row,
+            ..DeltaCopyRequest::default()
+        }
+    }
+
+    /// A copy's pages hold exactly the rows of the serving shards asked
+    /// for, once each; the session ends with the last page.
+    #[test]
+    fn pages_hold_the_asked_shards_rows_once() {
+        let store = store();
+        let sources = Sources::default();
+        let mut seen = Vec::new();
+        let mut page = sources.page(&store, None, &ask(0, 0, 0)).unwrap();
+        loop {
+            for t in &page.tables {
+                assert_eq!(t.values.len(), t.keys.len() * 8);
+                seen.extend(t.keys.iter().copied());
+            }
+            if page.done {
+                break;
+            }
+            page = sources
+                .page(
+                    &store,
+                    None,
+                    &ask(page.session, page.next_table, page.next_row),
+                )
+                .unwrap();
+        }
+        seen.sort_unstable();
+        let want: Vec<u64> = (0..1000).filter(|&k| shard_for_key(k, 3) != 0).collect();
+        assert_eq!(seen, want);
+        assert!(sources.open.locked().is_empty(), "the last page ends it");
+        // No stream here (no sender): the mark is empty.
+        assert_eq!((page.stream, page.seq), (0, 0));
+    }
+
+    /// A session is let go when its caller gives up (`release`), and
+    /// when it has been idle; beyond the limit a new one is refused
+    /// rather than an open one ended.
+    #[test]
+    fn sessions_are_released_swept_and_bounded() {
+        let store = store();
+        let sources = Sources::default();
+        let first = sources.page(&store, None, &ask(0, 0, 0)).unwrap();
+        // 1,000 rows fit one page: it ended at once. Open one that stays.
+        assert!(first.done);
+        let id = sources.start(&store, None, 0).unwrap();
+        assert_eq!(sources.open.locked().len(), 1);
+        sources
+            .page(
+                &store,
+                None,
+                &DeltaCopyRequest {
+                    session: id,
+                    release: true,
+                    ..DeltaCopyRequest::default()
+                },
+            )
+            .unwrap();
+        assert!(sources.open.locked().is_empty());
+        for _ in 0..MAX_SESSIONS {
+            sources.start(&store, None, 0).unwrap();
+        }
+        let refused = sources.start(&store, None, 0).unwrap_err();
+        assert_eq!(refused.code(), tessera_rpc::Code::ResourceExhausted);
+        // Idle ones go at the next page.
+        for s in sources.open.locked().values_mut() {
+            s.last_used = Instant::now() - SESSION_IDLE - Duration::from_secs(1);
+        }
+        let _ = sources.page(&store, None, &ask(0, 0, 0)).unwrap();
+        assert!(sources.open.locked().is_empty());
     }
 }

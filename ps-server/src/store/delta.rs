@@ -42,6 +42,17 @@ impl Store {
         out
     }
 
+    /// The most keys one table of `shard` changed since the last take
+    /// (`table/changes.rs`): whether its delta is due before the
+    /// interval ends.
+    pub fn changed_rows(&self, shard: u32) -> usize {
+        self.tables
+            .values()
+            .filter_map(|t| t.shard(shard)?.changes.as_ref().map(|c| c.len()))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The rows of `keys` in `table`'s `shard` as they are now, without
     /// counting as a use (an LRU clock or an access mark stays as it is);
     /// keys without a row are listed as removed. With `with_state`, their
