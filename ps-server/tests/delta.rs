@@ -322,10 +322,9 @@ async fn serving_follows_training(kind: TransportKind) {
         eprintln!(
             "restarts skipped over RDMA in-process (see the comment above; the serving drill restarts processes over RDMA)"
         );
-        assert_eq!(
-            copies(&serving).await,
-            u64::from(TRAINING_SHARDS) * serving.len() as u64
-        );
+        // At least one each (a slow host may drop a delta into a gap,
+        // and copy again).
+        assert!(copies(&serving).await >= u64::from(TRAINING_SHARDS) * serving.len() as u64);
     }
 
     // Health says where each serving server stands, per training shard.
