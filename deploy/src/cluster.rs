@@ -478,16 +478,9 @@ impl Cluster {
                         ..CheckpointConfig::default()
                     };
                 }
-                let config_path = self.run_dir.join(format!("{stem}.toml"));
-                let text = toml::to_string(&server_config).map_err(|err| LaunchError::Write {
-                    path: config_path.clone(),
-                    source: std::io::Error::other(err),
-                })?;
-                write_file(&config_path, &text)?;
-                let log = self.run_dir.join(format!("{stem}.log"));
-                let _ = std::fs::remove_file(&log);
                 let what = format!("ps-server group {group} shard {shard} ({address})");
-                let child = spawn_server(&placement.prefix, binary, &config_path, &log, &what)?;
+                let (config_path, log, child) =
+                    self.write_and_spawn(&stem, &server_config, &placement.prefix, binary, &what)?;
                 endpoints.push(ServerEndpoint {
                     address: address.clone(),
                     shards: vec![shard],
@@ -541,6 +534,29 @@ impl Cluster {
         Ok(())
     }
 
+    /// Writes `server_config` to `<stem>.toml` in the run directory and
+    /// starts a server from it, logging to a fresh `<stem>.log`; returns
+    /// both paths and the process.
+    fn write_and_spawn(
+        &self,
+        stem: &str,
+        server_config: &PsServerConfig,
+        prefix: &[String],
+        binary: &Path,
+        what: &str,
+    ) -> Result<(PathBuf, PathBuf, Child), LaunchError> {
+        let config_path = self.run_dir.join(format!("{stem}.toml"));
+        let text = toml::to_string(server_config).map_err(|err| LaunchError::Write {
+            path: config_path.clone(),
+            source: std::io::Error::other(err),
+        })?;
+        write_file(&config_path, &text)?;
+        let log = self.run_dir.join(format!("{stem}.log"));
+        let _ = std::fs::remove_file(&log);
+        let child = spawn_server(prefix, binary, &config_path, &log, what)?;
+        Ok((config_path, log, child))
+    }
+
     /// Starts the serving fleet's servers (`mode = "serving"`, each on
     /// its own: no peers, static) at `layout`, and its workers' config.
     fn spawn_serving(
@@ -580,16 +596,9 @@ impl Cluster {
                 ..PsServerConfig::default()
             };
             let stem = format!("serving-g{group}-s{shard}");
-            let config_path = self.run_dir.join(format!("{stem}.toml"));
-            let text = toml::to_string(&server_config).map_err(|err| LaunchError::Write {
-                path: config_path.clone(),
-                source: std::io::Error::other(err),
-            })?;
-            write_file(&config_path, &text)?;
-            let log = self.run_dir.join(format!("{stem}.log"));
-            let _ = std::fs::remove_file(&log);
             let what = format!("serving ps-server group {group} shard {shard} ({address})");
-            let child = spawn_server(&[], binary, &config_path, &log, &what)?;
+            let (config_path, log, child) =
+                self.write_and_spawn(&stem, &server_config, &[], binary, &what)?;
             endpoints.push(ServerEndpoint {
                 address: address.clone(),
                 shards: vec![*shard],

@@ -78,6 +78,23 @@ fn serving_config(
     }
 }
 
+/// `[delta]` to the serving servers of `layout` (`num_shards` of them),
+/// every `interval_ms`.
+fn delta_to(layout: &[(u32, u32, String)], num_shards: u32, interval_ms: u64) -> DeltaConfig {
+    DeltaConfig {
+        num_shards,
+        servers: layout
+            .iter()
+            .map(|(_, s, a)| ServingServer {
+                address: a.clone(),
+                shards: vec![*s],
+            })
+            .collect(),
+        interval_ms,
+        ..DeltaConfig::default()
+    }
+}
+
 fn training_config(
     kind: TransportKind,
     addrs: &[String],
@@ -89,18 +106,7 @@ fn training_config(
         listen: addrs[shard as usize].clone(),
         num_shards: TRAINING_SHARDS,
         shards: vec![shard],
-        delta: DeltaConfig {
-            num_shards: SERVING_SHARDS,
-            servers: serving
-                .iter()
-                .map(|(_, s, a)| ServingServer {
-                    address: a.clone(),
-                    shards: vec![*s],
-                })
-                .collect(),
-            interval_ms: 50,
-            ..DeltaConfig::default()
-        },
+        delta: delta_to(serving, SERVING_SHARDS, 50),
         checkpoint: tessera_ps_server::config::CheckpointConfig {
             dir: Some(checkpoints.join(format!("s{shard}"))),
             ..Default::default()
@@ -458,17 +464,8 @@ async fn many_streams_per_server_and_a_serving_restart_with_rows_gone_since() {
         num_shards: 4,
         shards: vec![0, 1, 2, 3],
         delta: DeltaConfig {
-            num_shards: 2,
-            servers: layout
-                .iter()
-                .map(|(_, s, a)| ServingServer {
-                    address: a.clone(),
-                    shards: vec![*s],
-                })
-                .collect(),
-            interval_ms: 20,
             max_rows: 50,
-            ..DeltaConfig::default()
+            ..delta_to(&layout, 2, 20)
         },
         ..base(kind)
     })

@@ -64,16 +64,7 @@ impl Store {
         keys: &[u64],
         with_state: bool,
     ) -> Result<DeltaRows, StoreError> {
-        let table_ref = self
-            .tables
-            .get(table)
-            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
-        let state = table_ref
-            .shard(shard)
-            .ok_or_else(|| StoreError::ShardNotHosted {
-                shard,
-                hosted: self.hosted.clone(),
-            })?;
+        let (table_ref, state) = self.table_shard(table, shard)?;
         let row_bytes = table_ref.config().dim as usize * F32_BYTES;
         let mut out = DeltaRows::default();
         let mut missing = Vec::new();
@@ -127,17 +118,8 @@ impl Store {
         state: &[u8],
     ) -> Result<(), StoreError> {
         let shard = writing.shard();
-        let table_ref = self
-            .tables
-            .get(table)
-            .ok_or_else(|| StoreError::UnknownTable(table.to_owned()))?;
-        let rows = &table_ref
-            .shard(shard)
-            .ok_or_else(|| StoreError::ShardNotHosted {
-                shard,
-                hosted: self.hosted.clone(),
-            })?
-            .rows;
+        let (table_ref, shard_state) = self.table_shard(table, shard)?;
+        let rows = &shard_state.rows;
         let dim = table_ref.config().dim as usize;
         let state_len = rows.layout().state_len();
         let length = |part: &'static str, expected: usize, got: usize| StoreError::DeltaLength {

@@ -183,12 +183,8 @@ impl Store {
         }
     }
 
-    fn shard_state(
-        &self,
-        table: &str,
-        shard: u32,
-        keys: &[u64],
-    ) -> Result<(&Table, &ShardState), StoreError> {
+    /// `table` and its state of `shard`, or why not.
+    fn table_shard(&self, table: &str, shard: u32) -> Result<(&Table, &ShardState), StoreError> {
         let table_ref = self
             .tables
             .get(table)
@@ -199,6 +195,16 @@ impl Store {
                 shard,
                 hosted: self.hosted.clone(),
             })?;
+        Ok((table_ref, state))
+    }
+
+    fn shard_state(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+    ) -> Result<(&Table, &ShardState), StoreError> {
+        let (table_ref, state) = self.table_shard(table, shard)?;
         if keys.len() > self.max_keys as usize {
             return Err(StoreError::TooManyKeys {
                 got: keys.len(),
