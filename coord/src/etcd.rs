@@ -17,6 +17,7 @@ use etcd_client::{
 use crate::config::CoordinatorConfig;
 use crate::endpoints::Members;
 use crate::keys::{InStepRecord, Keys, MemberRecord, PrimaryRecord};
+use crate::shard_map::ShardMap;
 
 /// Why a coordinator operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -311,6 +312,45 @@ impl EtcdCoordinator {
             }
         }
         Ok(None)
+    }
+
+    /// The cluster's shard map and the revision it was written at, if
+    /// one was written.
+    pub async fn shard_map(&self) -> Result<Option<(ShardMap, i64)>, CoordError> {
+        let key = self.keys.shard_map();
+        let found = self.get(&key, false).await?;
+        found
+            .kvs()
+            .first()
+            .map(|kv| Ok((decode(kv.key(), kv.value())?, kv.mod_revision())))
+            .transpose()
+    }
+
+    /// Writes `map` if the shard-map key is still at `revision` (0: not
+    /// written yet), as [`EtcdCoordinator::shard_map`] read it: a
+    /// transition of a resize (`shard_map.rs`) computed from one state
+    /// wins only if nobody else's did first. Returns whether it was
+    /// written.
+    pub async fn write_shard_map(&self, map: &ShardMap, revision: i64) -> Result<bool, CoordError> {
+        let key = self.keys.shard_map();
+        let value = serde_json::to_vec(map).map_err(|source| CoordError::BadRecord {
+            key: key.clone(),
+            source,
+        })?;
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::put(key, value, None)]);
+        let answer = self
+            .call(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(answer.succeeded())
     }
 
     /// The in-step record of `shard`, if a primary wrote one.

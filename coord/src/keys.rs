@@ -5,6 +5,7 @@
 //! /<cluster>/shards/<shard>/epoch     the last epoch issued (decimal), kept forever
 //! /<cluster>/shards/<shard>/in_step   InStepRecord (JSON), written by the primary, kept
 //! /<cluster>/members/<address>        MemberRecord (JSON), on the server's lease
+//! /<cluster>/shard_map                ShardMap (JSON): the shard count and any resize
 //! ```
 //!
 //! Shards are written with six digits (`000007`) so that keys sort by
@@ -84,6 +85,11 @@ impl Keys {
     /// The in-step key of `shard` ([`InStepRecord`]).
     pub fn in_step(&self, shard: u32) -> String {
         format!("{}/shards/{shard:06}/in_step", self.root)
+    }
+
+    /// The shard-map key ([`crate::ShardMap`]).
+    pub fn shard_map(&self) -> String {
+        format!("{}/shard_map", self.root)
     }
 
     /// The prefix of the member keys.

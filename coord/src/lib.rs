@@ -33,8 +33,10 @@ mod endpoints;
 mod etcd;
 pub mod keys;
 mod local;
+pub mod shard_map;
 
 pub use config::{CoordinatorConfig, CoordinatorKind};
 pub use etcd::{CoordError, EtcdCoordinator, LeaseKeepAlive, PrimaryChange, PrimaryWatch};
 pub use keys::{InStepRecord, MemberRecord, PrimaryRecord};
 pub use local::{LocalEtcd, LocalEtcdError, etcd_bin};
+pub use shard_map::{Resize, ResizeError, ResizeState, ShardMap};

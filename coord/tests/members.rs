@@ -86,3 +86,40 @@ fn member_counts_raft_cannot_use_are_refused() {
         );
     }
 }
+
+/// The shard map is written only by the one who read its current
+/// revision: of two participants stepping the same resize, one wins; the
+/// record survives the client that wrote it (a new client reads it back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_map_step_is_written_only_over_the_revision_it_was_computed_from() {
+    use tessera_coord::ShardMap;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = tokio::task::block_in_place(|| {
+        LocalEtcd::start_members(&etcd_bin(None), dir.path(), 1, Duration::from_secs(30))
+    })
+    .unwrap_or_else(|err| panic!("{err}"));
+    let mut config = config(&etcd);
+    config.cluster = "shard-map-test".into();
+    let coord = EtcdCoordinator::connect(&config).await.unwrap();
+    assert!(coord.shard_map().await.unwrap().is_none());
+    let first = ShardMap::new(2);
+    assert!(coord.write_shard_map(&first, 0).await.unwrap());
+    // A second creator loses.
+    assert!(!coord.write_shard_map(&ShardMap::new(5), 0).await.unwrap());
+    let (read, revision) = coord.shard_map().await.unwrap().unwrap();
+    assert_eq!(read, first);
+    // Two operators plan from the same state: one plan is written.
+    let to_3 = read.plan(3).unwrap();
+    let to_4 = read.plan(4).unwrap();
+    assert!(coord.write_shard_map(&to_3, revision).await.unwrap());
+    assert!(!coord.write_shard_map(&to_4, revision).await.unwrap());
+    // The one who started it goes; another client carries on from etcd.
+    drop(coord);
+    let other = EtcdCoordinator::connect(&config).await.unwrap();
+    let (read, revision) = other.shard_map().await.unwrap().unwrap();
+    assert_eq!(read, to_3);
+    let copying = read.start_copying().unwrap();
+    assert!(other.write_shard_map(&copying, revision).await.unwrap());
+    let (read, _) = other.shard_map().await.unwrap().unwrap();
+    assert_eq!(read.active().unwrap().to, 3);
+}

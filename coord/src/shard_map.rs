@@ -1,0 +1,467 @@
+//! The shard map of a cluster and its resizes (issue 39): how many shards
+//! the keys are spread over, under a version that only grows, and a
+//! resize from `n` to `m` shards as a state machine stored with it in one
+//! etcd key, so that it survives the restart of any participant, the one
+//! that started it included.
+//!
+//! ```text
+//!            plan(m)            every new shard ready        cut_over done
+//!   (none) ─────────> Planned ─> Copying ───────────────> CutOver ─────────> Done
+//!                        │          │
+//!                        └──────────┴── cancel ──> Cancelled   (the map stays n)
+//! ```
+//!
+//! - **Planned**: the operator (`tessera reshard --to M`) wrote the plan;
+//!   nothing moved yet.
+//! - **Copying**: the servers of the shards that receive keys copy the
+//!   moving keys from their current owners and follow those owners'
+//!   streams; each reports ready ([`ShardMap::handle_ready`]) once in step.
+//!   A shard that falls out of step reports not ready again.
+//! - **CutOver**: every receiving shard is ready; one coordinator
+//!   transaction (this record, compared on its revision) moves ownership
+//!   to the new count under a new version: old owners refuse the moved
+//!   keys from then on and redirect.
+//! - **Done** / **Cancelled**: the resize is over; a new one may be
+//!   planned. Cancelling is allowed only before the cut-over: after it,
+//!   the moved keys' Pushes have gone to the new owners.
+//!
+//! This module is sans-IO: each transition takes the record and returns
+//! the next, or says why not; the caller writes it with a compare on the
+//! revision it read (`EtcdCoordinator::write_shard_map`), so that two
+//! participants acting on the same state cannot both win.
+//!
+//! Which keys move is the jump consistent hash's
+//! (`tessera_proto::sharding::shard_for_key`): growing from `n` to `m`,
+//! keys move only into the new shards `n..m`; shrinking, only out of the
+//! shards `m..n`.
+
+use serde::{Deserialize, Serialize};
+
+/// The most shards a resize may target.
+pub const MAX_SHARDS: u32 = 1 << 16;
+
+/// The cluster's shard map, as stored (JSON) in its shard-map key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardMap {
+    /// Grows by one with every change (a plan, a step of a resize): what
+    /// workers and servers compare to know they hold the latest.
+    pub version: u64,
+    /// The shard count keys are routed by now.
+    pub num_shards: u32,
+    /// The resize in progress or last finished, if any.
+    pub resize: Option<Resize>,
+}
+
+/// One resize of the shard count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resize {
+    /// The map version that planned it (names the resize).
+    pub id: u64,
+    /// The shard count before it.
+    pub from: u32,
+    /// The shard count after it.
+    pub to: u32,
+    /// Where it stands.
+    pub state: ResizeState,
+    /// The receiving shards in step with the keys they receive (while
+    /// copying), sorted.
+    pub ready: Vec<u32>,
+}
+
+/// Where a resize stands (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResizeState {
+    /// Written; nothing moved yet.
+    Planned,
+    /// Receiving shards copy and follow the moving keys.
+    Copying,
+    /// Ownership moved to the new count.
+    CutOver,
+    /// Finished: the old owners dropped the moved keys.
+    Done,
+    /// Given up before the cut-over: the map is as it was.
+    Cancelled,
+}
+
+/// Why a transition was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResizeError {
+    /// A resize is in progress already.
+    #[error("a resize from {from} to {to} shards is in progress ({state:?})")]
+    InProgress {
+        /// Its shard counts.
+        from: u32,
+        /// See `from`.
+        to: u32,
+        /// Where it stands.
+        state: ResizeState,
+    },
+    /// The target is the count already, zero, or beyond [`MAX_SHARDS`].
+    #[error("cannot resize {from} shards to {to}")]
+    BadTarget {
+        /// The count now.
+        from: u32,
+        /// The target.
+        to: u32,
+    },
+    /// No resize is in progress.
+    #[error("no resize is in progress")]
+    NoResize,
+    /// The transition does not apply in this state.
+    #[error("a resize that is {state:?} cannot {action}")]
+    WrongState {
+        /// Where it stands.
+        state: ResizeState,
+        /// What was asked.
+        action: &'static str,
+    },
+    /// The shard does not receive keys in this resize.
+    #[error("shard {shard} receives no keys when {from} shards become {to}")]
+    NotReceiving {
+        /// The shard.
+        shard: u32,
+        /// The resize's counts.
+        from: u32,
+        /// See `from`.
+        to: u32,
+    },
+    /// Not every receiving shard is ready.
+    #[error("shards {missing:?} are not in step with the keys they receive yet")]
+    NotReady {
+        /// The receiving shards not ready.
+        missing: Vec<u32>,
+    },
+}
+
+impl ShardMap {
+    /// The map of a cluster created with `num_shards` shards (version 1,
+    /// no resize).
+    pub fn new(num_shards: u32) -> Self {
+        Self {
+            version: 1,
+            num_shards,
+            resize: None,
+        }
+    }
+
+    /// The resize in progress (not done or cancelled), if any.
+    pub fn active(&self) -> Option<&Resize> {
+        self.resize
+            .as_ref()
+            .filter(|r| !matches!(r.state, ResizeState::Done | ResizeState::Cancelled))
+    }
+
+    /// Plans a resize to `to` shards.
+    pub fn plan(&self, to: u32) -> Result<Self, ResizeError> {
+        if let Some(r) = self.active() {
+            return Err(ResizeError::InProgress {
+                from: r.from,
+                to: r.to,
+                state: r.state,
+            });
+        }
+        if to == 0 || to == self.num_shards || to > MAX_SHARDS {
+            return Err(ResizeError::BadTarget {
+                from: self.num_shards,
+                to,
+            });
+        }
+        let version = self.version + 1;
+        Ok(Self {
+            version,
+            num_shards: self.num_shards,
+            resize: Some(Resize {
+                id: version,
+                from: self.num_shards,
+                to,
+                state: ResizeState::Planned,
+                ready: Vec::new(),
+            }),
+        })
+    }
+
+    /// The receiving shards have started copying.
+    pub fn start_copying(&self) -> Result<Self, ResizeError> {
+        self.step("start copying", &[ResizeState::Planned], |r| {
+            r.state = ResizeState::Copying;
+            Ok(())
+        })
+    }
+
+    /// Receiving shard `shard` is in step with the keys it receives
+    /// (`ready`), or fell out of step (`!ready`).
+    pub fn handle_ready(&self, shard: u32, ready: bool) -> Result<Self, ResizeError> {
+        self.step("report a shard ready", &[ResizeState::Copying], |r| {
+            if !r.receiving().any(|s| s == shard) {
+                return Err(ResizeError::NotReceiving {
+                    shard,
+                    from: r.from,
+                    to: r.to,
+                });
+            }
+            match (ready, r.ready.binary_search(&shard)) {
+                (true, Err(at)) => r.ready.insert(at, shard),
+                (false, Ok(at)) => {
+                    r.ready.remove(at);
+                }
+                _ => {}
+            }
+            Ok(())
+        })
+    }
+
+    /// Moves ownership to the new count: every receiving shard must be
+    /// ready.
+    pub fn cut_over(&self) -> Result<Self, ResizeError> {
+        let mut next = self.step("cut over", &[ResizeState::Copying], |r| {
+            let missing: Vec<u32> = r
+                .receiving()
+                .filter(|s| r.ready.binary_search(s).is_err())
+                .collect();
+            if !missing.is_empty() {
+                return Err(ResizeError::NotReady { missing });
+            }
+            r.state = ResizeState::CutOver;
+            Ok(())
+        })?;
+        if let Some(r) = &next.resize {
+            next.num_shards = r.to;
+        }
+        Ok(next)
+    }
+
+    /// The old owners have dropped the moved keys: the resize is done.
+    pub fn finish(&self) -> Result<Self, ResizeError> {
+        self.step("finish", &[ResizeState::CutOver], |r| {
+            r.state = ResizeState::Done;
+            Ok(())
+        })
+    }
+
+    /// Gives the resize up, before its cut-over: the map is as it was.
+    pub fn cancel(&self) -> Result<Self, ResizeError> {
+        self.step(
+            "be cancelled",
+            &[ResizeState::Planned, ResizeState::Copying],
+            |r| {
+                r.state = ResizeState::Cancelled;
+                r.ready.clear();
+                Ok(())
+            },
+        )
+    }
+
+    /// The next map: the active resize changed by `change`, allowed only
+    /// in `states`; the version one up.
+    fn step(
+        &self,
+        action: &'static str,
+        states: &[ResizeState],
+        change: impl FnOnce(&mut Resize) -> Result<(), ResizeError>,
+    ) -> Result<Self, ResizeError> {
+        let mut resize = self.active().cloned().ok_or(ResizeError::NoResize)?;
+        if !states.contains(&resize.state) {
+            return Err(ResizeError::WrongState {
+                state: resize.state,
+                action,
+            });
+        }
+        change(&mut resize)?;
+        Ok(Self {
+            version: self.version + 1,
+            num_shards: self.num_shards,
+            resize: Some(resize),
+        })
+    }
+}
+
+impl Resize {
+    /// The shards that receive keys: the new ones when growing, the
+    /// remaining ones when shrinking (jump hashing moves keys only there).
+    pub fn receiving(&self) -> impl Iterator<Item = u32> {
+        if self.to > self.from {
+            self.from..self.to
+        } else {
+            0..self.to
+        }
+    }
+
+    /// The shards that give keys away: every old shard when growing, the
+    /// removed ones when shrinking.
+    pub fn giving(&self) -> impl Iterator<Item = u32> {
+        if self.to > self.from {
+            0..self.from
+        } else {
+            self.to..self.from
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resize_goes_planned_copying_cut_over_done() {
+        let map = ShardMap::new(2);
+        let planned = map.plan(4).unwrap();
+        assert_eq!(planned.version, 2);
+        assert_eq!(
+            planned.num_shards, 2,
+            "routing changes only at the cut-over"
+        );
+        let copying = planned.start_copying().unwrap();
+        let r = copying.active().unwrap();
+        assert_eq!(r.receiving().collect::<Vec<_>>(), vec![2, 3]);
+        assert_eq!(r.giving().collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(
+            copying.cut_over().unwrap_err(),
+            ResizeError::NotReady {
+                missing: vec![2, 3]
+            }
+        );
+        let one = copying.handle_ready(3, true).unwrap();
+        assert!(matches!(
+            one.handle_ready(1, true),
+            Err(ResizeError::NotReceiving { shard: 1, .. })
+        ));
+        // A shard that falls out of step is not ready again.
+        let both = one
+            .handle_ready(2, true)
+            .unwrap()
+            .handle_ready(3, false)
+            .unwrap();
+        assert_eq!(both.active().unwrap().ready, vec![2]);
+        let both = both.handle_ready(3, true).unwrap();
+        let cut = both.cut_over().unwrap();
+        assert_eq!(cut.num_shards, 4);
+        assert!(matches!(
+            cut.cancel(),
+            Err(ResizeError::WrongState {
+                state: ResizeState::CutOver,
+                ..
+            })
+        ));
+        let done = cut.finish().unwrap();
+        assert!(done.active().is_none());
+        assert_eq!(done.num_shards, 4);
+        // Another may be planned now: back down to 3.
+        let down = done.plan(3).unwrap();
+        let r = down.active().unwrap();
+        assert_eq!(r.receiving().collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(r.giving().collect::<Vec<_>>(), vec![3]);
+    }
+
+    #[test]
+    fn cancelling_before_the_cut_over_leaves_the_map_as_it_was() {
+        let map = ShardMap::new(3);
+        for at in 0..2 {
+            let mut resizing = map.plan(5).unwrap();
+            if at == 1 {
+                resizing = resizing
+                    .start_copying()
+                    .unwrap()
+                    .handle_ready(4, true)
+                    .unwrap();
+            }
+            let cancelled = resizing.cancel().unwrap();
+            assert_eq!(cancelled.num_shards, 3);
+            assert!(cancelled.active().is_none());
+            assert!(cancelled.version > resizing.version);
+            assert!(cancelled.plan(4).is_ok());
+        }
+    }
+
+    #[test]
+    fn bad_plans_and_steps_are_refused() {
+        let map = ShardMap::new(2);
+        for to in [0, 2, MAX_SHARDS + 1] {
+            assert!(matches!(map.plan(to), Err(ResizeError::BadTarget { .. })));
+        }
+        assert_eq!(map.finish().unwrap_err(), ResizeError::NoResize);
+        let planned = map.plan(3).unwrap();
+        assert!(matches!(
+            planned.plan(4),
+            Err(ResizeError::InProgress { from: 2, to: 3, .. })
+        ));
+        assert!(matches!(
+            planned.cut_over(),
+            Err(ResizeError::WrongState {
+                state: ResizeState::Planned,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_record_round_trips_as_json() {
+        let map = ShardMap::new(2).plan(3).unwrap().start_copying().unwrap();
+        let text = serde_json::to_string(&map).unwrap();
+        assert!(text.contains("\"copying\""), "{text}");
+        assert_eq!(serde_json::from_str::<ShardMap>(&text).unwrap(), map);
+    }
+
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Plan(u32),
+        Start,
+        Ready(u32, bool),
+        CutOver,
+        Finish,
+        Cancel,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (0u32..8).prop_map(Step::Plan),
+            Just(Step::Start),
+            (0u32..8, any::<bool>()).prop_map(|(s, r)| Step::Ready(s, r)),
+            Just(Step::CutOver),
+            Just(Step::Finish),
+            Just(Step::Cancel),
+        ]
+    }
+
+    proptest! {
+        /// Whatever is asked in whatever order: every accepted step raises
+        /// the version by one; the routed count changes only at a cut-over,
+        /// to the resize's target, after every receiving shard was ready;
+        /// a cancelled resize leaves the count it found; `ready` holds only
+        /// receiving shards, sorted.
+        #[test]
+        fn every_accepted_step_keeps_the_map_sound(steps in proptest::collection::vec(step(), 1..60)) {
+            let mut map = ShardMap::new(3);
+            for s in steps {
+                let next = match s {
+                    Step::Plan(to) => map.plan(to),
+                    Step::Start => map.start_copying(),
+                    Step::Ready(shard, ready) => map.handle_ready(shard, ready),
+                    Step::CutOver => map.cut_over(),
+                    Step::Finish => map.finish(),
+                    Step::Cancel => map.cancel(),
+                };
+                let Ok(next) = next else { continue };
+                prop_assert_eq!(next.version, map.version + 1);
+                if next.num_shards != map.num_shards {
+                    let r = next.resize.as_ref().unwrap();
+                    prop_assert_eq!(r.state, ResizeState::CutOver);
+                    prop_assert_eq!(next.num_shards, r.to);
+                    let before = map.active().unwrap();
+                    prop_assert!(before.receiving().all(|s| before.ready.contains(&s)));
+                }
+                if let Some(r) = &next.resize {
+                    prop_assert!(r.ready.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(r.ready.iter().all(|s| r.receiving().any(|x| x == *s)));
+                    if r.state == ResizeState::Cancelled {
+                        prop_assert_eq!(next.num_shards, r.from);
+                    }
+                }
+                map = next;
+            }
+        }
+    }
+}
