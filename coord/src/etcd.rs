@@ -53,6 +53,19 @@ pub enum CoordError {
     /// The watch stream ended.
     #[error("the etcd watch ended")]
     WatchEnded,
+    /// This server is configured with another shard count than the
+    /// cluster's shard map says (`shard_map.rs`).
+    #[error(
+        "the cluster's shard map (version {version}) routes keys to {map} shards; this server is configured with num_shards = {configured}"
+    )]
+    ShardCount {
+        /// The map's count.
+        map: u32,
+        /// The map's version.
+        version: u64,
+        /// The configured count.
+        configured: u32,
+    },
 }
 
 /// A change of one shard's primary, as a watch reports it.
@@ -351,6 +364,36 @@ impl EtcdCoordinator {
             })
             .await?;
         Ok(answer.succeeded())
+    }
+
+    /// The cluster's shard map, written as `ShardMap::new(num_shards)` by
+    /// the first server to start; a server configured with another count
+    /// than the map routes by (or, during a resize, than its target) is
+    /// refused ([`CoordError::ShardCount`]): it would look for its keys
+    /// on the wrong shards.
+    pub async fn join_shard_map(&self, num_shards: u32) -> Result<ShardMap, CoordError> {
+        loop {
+            let map = match self.shard_map().await? {
+                Some((map, _)) => map,
+                None => {
+                    let map = ShardMap::new(num_shards);
+                    if self.write_shard_map(&map, 0).await? {
+                        return Ok(map);
+                    }
+                    // Another server wrote it first: read theirs.
+                    continue;
+                }
+            };
+            let target = map.active().map(|r| r.to);
+            if map.num_shards != num_shards && target != Some(num_shards) {
+                return Err(CoordError::ShardCount {
+                    map: map.num_shards,
+                    version: map.version,
+                    configured: num_shards,
+                });
+            }
+            return Ok(map);
+        }
     }
 
     /// The in-step record of `shard`, if a primary wrote one.

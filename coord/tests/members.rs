@@ -123,3 +123,37 @@ async fn a_shard_map_step_is_written_only_over_the_revision_it_was_computed_from
     let (read, _) = other.shard_map().await.unwrap().unwrap();
     assert_eq!(read.active().unwrap().to, 3);
 }
+
+/// The first server writes the cluster's shard map; servers configured
+/// with the same count join it; one with another count is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_join_the_shard_map_and_another_count_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = tokio::task::block_in_place(|| {
+        LocalEtcd::start_members(&etcd_bin(None), dir.path(), 1, Duration::from_secs(30))
+    })
+    .unwrap_or_else(|err| panic!("{err}"));
+    let mut config = config(&etcd);
+    config.cluster = "join-test".into();
+    let coord = EtcdCoordinator::connect(&config).await.unwrap();
+    let map = coord.join_shard_map(4).await.unwrap();
+    assert_eq!((map.num_shards, map.version), (4, 1));
+    assert_eq!(coord.join_shard_map(4).await.unwrap(), map);
+    match coord.join_shard_map(3).await {
+        Err(tessera_coord::CoordError::ShardCount {
+            map: 4,
+            configured: 3,
+            ..
+        }) => {}
+        other => panic!("unexpected: {other:?}"),
+    }
+    // During a resize to 6, a server of the target count joins too.
+    let (map, revision) = coord.shard_map().await.unwrap().unwrap();
+    assert!(
+        coord
+            .write_shard_map(&map.plan(6).unwrap(), revision)
+            .await
+            .unwrap()
+    );
+    assert_eq!(coord.join_shard_map(6).await.unwrap().num_shards, 4);
+}

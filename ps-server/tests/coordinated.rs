@@ -477,3 +477,34 @@ async fn expiry_decisions_survive_a_failover_and_every_copy_holds_the_same_rows(
     pair.first.stop().await;
     pair.second.stop().await;
 }
+
+/// The cluster's shard map in etcd: the first server writes it; a server
+/// configured with another shard count does not start (it would look for
+/// its keys on the wrong shards), and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_with_another_shard_count_than_the_clusters_map_does_not_start() {
+    let etcd = Etcd::start();
+    let (a, b) = (free_addr(), free_addr());
+    let first = InProcess::start(&config(&a, 0, &b, &etcd, "shard-map")).await;
+    let map = coordinator(&etcd, "shard-map")
+        .await
+        .shard_map()
+        .await
+        .unwrap()
+        .expect("the first server wrote the map")
+        .0;
+    assert_eq!(map.num_shards, 1);
+    let wrong = PsServerConfig {
+        num_shards: 2,
+        ..config(&b, 1, &a, &etcd, "shard-map")
+    };
+    let Err(refused) = InProcess::try_start(&wrong).await else {
+        panic!("a server with another shard count started");
+    };
+    let refused = refused.to_string();
+    assert!(
+        refused.contains("shard map") && refused.contains("num_shards = 2"),
+        "{refused}"
+    );
+    first.stop().await;
+}

@@ -53,6 +53,12 @@ impl Driver {
         fence: Arc<Fence>,
     ) -> Result<Self, CoordError> {
         let coord = EtcdCoordinator::connect(&config.coordinator).await?;
+        let map = coord.join_shard_map(config.num_shards).await?;
+        tracing::info!(
+            num_shards = map.num_shards,
+            version = map.version,
+            "joined the cluster's shard map"
+        );
         let timeout = Duration::from_millis(config.coordinator.failover_timeout_ms);
         let me = config.advertised().to_owned();
         let elections = config
