@@ -53,12 +53,22 @@ impl Driver {
         fence: Arc<Fence>,
     ) -> Result<Self, CoordError> {
         let coord = EtcdCoordinator::connect(&config.coordinator).await?;
-        let map = coord.join_shard_map(config.num_shards).await?;
-        tracing::info!(
-            num_shards = map.num_shards,
-            version = map.version,
-            "joined the cluster's shard map"
-        );
+        // A server whose shard count disagrees with the cluster's map
+        // does not start; one that cannot read the map now (etcd not up
+        // yet) starts as before, unchecked, and says so: its sessions wait
+        // for etcd anyway.
+        match coord.join_shard_map(config.num_shards).await {
+            Ok(map) => tracing::info!(
+                num_shards = map.num_shards,
+                version = map.version,
+                "joined the cluster's shard map"
+            ),
+            Err(err @ CoordError::ShardCount { .. }) => return Err(err),
+            Err(err) => tracing::warn!(
+                %err,
+                "the cluster's shard map could not be read at start; this server's num_shards is not checked against it"
+            ),
+        }
         let timeout = Duration::from_millis(config.coordinator.failover_timeout_ms);
         let me = config.advertised().to_owned();
         let elections = config
