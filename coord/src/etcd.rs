@@ -141,6 +141,15 @@ impl EtcdCoordinator {
         self.members.call(call).await
     }
 
+    /// Runs the transaction `txn`.
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, CoordError> {
+        self.call(|mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await
+    }
+
     /// Reads `key` (every key under it with `prefix`).
     async fn get(&self, key: &str, prefix: bool) -> Result<GetResponse, CoordError> {
         self.call(|mut c| {
@@ -306,12 +315,7 @@ impl EtcdCoordinator {
             ])
             // Who holds it instead.
             .or_else([TxnOp::get(primary_key, None)]);
-        let answer = self
-            .call(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         if answer.succeeded() {
             return Ok(Some(epoch));
         }
@@ -357,12 +361,7 @@ impl EtcdCoordinator {
                 revision,
             )])
             .and_then([TxnOp::put(key, value, None)]);
-        let answer = self
-            .call(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         Ok(answer.succeeded())
     }
 
@@ -424,12 +423,7 @@ impl EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::lease(primary_key, CompareOp::Equal, lease)])
             .and_then([TxnOp::put(key, value, None)]);
-        let answer = self
-            .call(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         Ok(answer.succeeded())
     }
 

@@ -633,6 +633,24 @@ fn write_tables(
         for (i, &k) in table.keys.iter().enumerate() {
             by_shard.entry(shard_for_key(k, n)).or_default().push(i);
         }
+        if by_shard.len() == 1
+            && let Some(&shard) = by_shard.keys().next()
+        {
+            // One serving shard (the sender routes per shard, so nearly
+            // always): the rows as they came, no copy.
+            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
+                shard,
+                hosted: store.hosted().to_vec(),
+            })?;
+            store.put_rows(
+                &writing,
+                &table.name,
+                &table.keys,
+                &table.values,
+                &table.state,
+            )?;
+            by_shard.clear();
+        }
         for (shard, rows) in by_shard {
             let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
                 shard,

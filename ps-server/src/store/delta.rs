@@ -66,41 +66,52 @@ impl Store {
     ) -> Result<DeltaRows, StoreError> {
         let (table_ref, state) = self.table_shard(table, shard)?;
         let row_bytes = table_ref.config().dim as usize * F32_BYTES;
-        let mut out = DeltaRows::default();
+        let state_bytes = if with_state {
+            state.rows.layout().state_len() * F32_BYTES
+        } else {
+            0
+        };
         let mut missing = Vec::new();
-        // Rows land in key order of the read; the values are written at
-        // each row's index in `keys`, then compacted.
+        // Each row lands at its key's index (rows are read stripe by
+        // stripe, not in key order); rows missing are squeezed out after,
+        // in place.
         let mut values = vec![0u8; keys.len() * row_bytes];
-        let mut states: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut states = vec![0u8; keys.len() * state_bytes];
+        let mut scratch = Vec::with_capacity(state_bytes);
         state.rows.peek_many(
             keys,
             |i, row| {
                 row.write_values_le(&mut values[i * row_bytes..(i + 1) * row_bytes]);
                 if with_state {
-                    let mut bytes = Vec::new();
-                    row.write_state_le(&mut bytes);
-                    states.push((i, bytes));
+                    scratch.clear();
+                    row.write_state_le(&mut scratch);
+                    states[i * state_bytes..(i + 1) * state_bytes].copy_from_slice(&scratch);
                 }
             },
             &mut missing,
         );
-        states.sort_unstable_by_key(|(i, _)| *i);
-        let mut gone = missing.iter().peekable();
-        out.keys.reserve(keys.len() - missing.len());
-        out.values.reserve((keys.len() - missing.len()) * row_bytes);
-        for (i, &key) in keys.iter().enumerate() {
-            if gone.peek() == Some(&&i) {
-                gone.next();
-                out.removed.push(key);
-            } else {
+        let mut out = DeltaRows::default();
+        if missing.is_empty() {
+            out.keys = keys.to_vec();
+        } else {
+            let mut gone = missing.iter().peekable();
+            let mut kept = 0;
+            for (i, &key) in keys.iter().enumerate() {
+                if gone.peek() == Some(&&i) {
+                    gone.next();
+                    out.removed.push(key);
+                    continue;
+                }
+                values.copy_within(i * row_bytes..(i + 1) * row_bytes, kept * row_bytes);
+                states.copy_within(i * state_bytes..(i + 1) * state_bytes, kept * state_bytes);
                 out.keys.push(key);
-                out.values
-                    .extend_from_slice(&values[i * row_bytes..(i + 1) * row_bytes]);
+                kept += 1;
             }
+            values.truncate(kept * row_bytes);
+            states.truncate(kept * state_bytes);
         }
-        for (_, bytes) in states {
-            out.state.extend_from_slice(&bytes);
-        }
+        out.values = values;
+        out.state = states;
         Ok(out)
     }
 
