@@ -130,6 +130,8 @@ pub struct DeltaStatus {
     pub failed: u64,
     /// See `failed`.
     pub dropped: u64,
+    /// Cuts that waited for a serving server keeping up with a full queue.
+    pub waited: u64,
 }
 
 impl FeedStatus {
@@ -355,6 +357,7 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
                 rows_sent: d.rows_sent,
                 failed: d.failed,
                 dropped: d.dropped,
+                waited: d.waited,
             })
             .collect(),
     }
@@ -438,13 +441,18 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
             .chain(s.feed.as_ref().map(FeedStatus::cell))
             .chain(s.delta.iter().map(|d| {
                 format!(
-                    "{}: delta {} at {}, {} rows sent{}",
+                    "{}: delta {} at {}, {} rows sent{}{}",
                     d.shard,
                     d.seq,
                     d.position,
                     d.rows_sent,
                     if d.failed + d.dropped > 0 {
                         format!(", {} failed, {} dropped", d.failed, d.dropped)
+                    } else {
+                        String::new()
+                    },
+                    if d.waited > 0 {
+                        format!(", {} cuts waited", d.waited)
                     } else {
                         String::new()
                     }
@@ -567,6 +575,7 @@ mod tests {
                 rows_sent: 5000,
                 failed: 1,
                 dropped: 0,
+                waited: 3,
             }],
             ..serving(None)
         };
@@ -578,7 +587,8 @@ mod tests {
             "{table}"
         );
         assert!(
-            table.contains("0: delta 12 at 340, 5000 rows sent, 1 failed, 0 dropped"),
+            table
+                .contains("0: delta 12 at 340, 5000 rows sent, 1 failed, 0 dropped, 3 cuts waited"),
             "{table}"
         );
     }

@@ -6,10 +6,18 @@
 //! their keys, and queued for every serving server of those shards.
 //!
 //! Each serving server has a queue of [`QUEUE_DELTAS`] deltas per shard
-//! this server hosts and one call in flight: a server that is down or
-//! slow loses deltas (counted as failed or dropped) rather than holding
-//! the others back or growing a queue, and copies the shard when it sees
-//! the gap (`follower.rs`).
+//! this server hosts and one call in flight. When a queue is full and its
+//! server is keeping up (its last delta arrived within [`stall_bound`] and
+//! none failed since), the cut **waits**: the changed keys keep
+//! gathering, and the next cut, once the queue has room, sends them in one
+//! larger delta. A slow serving server so gets fewer, bigger deltas and
+//! never a gap (a gap costs it a copy of the whole shard, which made a
+//! server a little too slow for the interval copy over and over). A
+//! server that is down, failing or stalled loses deltas instead (counted
+//! as failed or dropped) rather than holding the others back, and copies
+//! the shard when it sees the gap (`follower.rs`). While one server of a
+//! shard's stream holds a cut back, every server of it waits: the stream
+//! is one sequence for all of them.
 //!
 //! A stream is a term of this server as the shard's primary: a new id
 //! whenever it starts leading the shard (at start, after a failover, with
@@ -24,7 +32,7 @@ use std::time::{Duration, Instant};
 use tessera_proto::v1::{DeltaClient, DeltaRequest, DeltaStreamHealth, DeltaTable};
 use tessera_rpc::sync::LockExt;
 use tessera_rpc::{Channel, ChannelConfig, Transport};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::parts::{pack, route};
@@ -39,6 +47,24 @@ pub const QUEUE_DELTAS: usize = 4;
 
 /// How often a warning about one serving server is logged at most.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// How long a serving server with a full queue may go without a delta
+/// arriving and still hold cuts back: ten intervals, and at least 5 s (a
+/// busy server's call of several megabytes; the call timeout is 10 s).
+/// Beyond, it is stalled and loses deltas rather than holding every other
+/// server of the stream back.
+pub fn stall_bound(interval_ms: u64) -> Duration {
+    Duration::from_millis(interval_ms.saturating_mul(10)).max(Duration::from_secs(5))
+}
+
+/// What became of one shard's turn to be cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// Cut and queued (or nothing to do: not led, or not readable).
+    Done,
+    /// Not cut: a serving server that is keeping up has a full queue.
+    Waiting,
+}
 
 /// Where a shard's stream stands (read under the shard's write lock).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -58,7 +84,19 @@ struct ShardCounters {
     rows: AtomicU64,
     failed: AtomicU64,
     dropped: AtomicU64,
+    waited: AtomicU64,
     last_error: Mutex<String>,
+}
+
+/// How a serving server's deliveries go, for the cut's choice between
+/// waiting and dropping.
+#[derive(Debug, Default)]
+struct Delivery {
+    /// Milliseconds from the sender's start to the last delta that
+    /// arrived whole (0: none yet; the start counts as one).
+    last_ok_ms: AtomicU64,
+    /// Whether a delta failed since the last that arrived.
+    failing: std::sync::atomic::AtomicBool,
 }
 
 /// One delta for one serving server: its parts, and the training shard
@@ -77,6 +115,7 @@ struct Destination {
     /// which it checks).
     shards: Vec<u32>,
     queue: mpsc::Sender<Outgoing>,
+    delivery: Arc<Delivery>,
 }
 
 /// The delta stream of a training server (module docs).
@@ -91,8 +130,15 @@ pub struct Sender {
     counters: HashMap<u32, ShardCounters>,
     destinations: Vec<Destination>,
     /// The queues' receiving ends, taken by [`Sender::run`].
-    receivers: Mutex<Vec<(String, DeltaClient, mpsc::Receiver<Outgoing>)>>,
+    receivers: Mutex<Vec<Receiver>>,
+    /// Told whenever a delivery finishes a delta (a queue has room).
+    room: Arc<Notify>,
+    started: Instant,
+    stall: Duration,
 }
+
+/// A serving server's end of its queue.
+type Receiver = (String, DeltaClient, mpsc::Receiver<Outgoing>, Arc<Delivery>);
 
 impl Sender {
     /// The stream of `store`'s shards to the serving fleet `config`
@@ -116,6 +162,7 @@ impl Sender {
         let per_shard = store.hosted().len().max(1);
         for server in &config.servers {
             let (queue, rx) = mpsc::channel(QUEUE_DELTAS * per_shard);
+            let delivery = Arc::new(Delivery::default());
             let mut hosts = vec![false; config.num_shards as usize];
             for &s in &server.shards {
                 if let Some(h) = hosts.get_mut(s as usize) {
@@ -126,13 +173,14 @@ impl Sender {
                 hosts,
                 shards: server.shards.clone(),
                 queue,
+                delivery: Arc::clone(&delivery),
             });
             let client = DeltaClient::new(Channel::with_transport(
                 &server.address,
                 channel_config.clone(),
                 transport.clone(),
             ));
-            receivers.push((server.address.clone(), client, rx));
+            receivers.push((server.address.clone(), client, rx, delivery));
         }
         let hosted = store.hosted().to_vec();
         Arc::new(Self {
@@ -147,6 +195,9 @@ impl Sender {
                 .collect(),
             destinations,
             receivers: Mutex::new(receivers),
+            room: Arc::new(Notify::new()),
+            started: Instant::now(),
+            stall: stall_bound(config.interval_ms),
         })
     }
 
@@ -176,6 +227,7 @@ impl Sender {
                     rows_sent: c.rows.load(Ordering::Relaxed),
                     failed: c.failed.load(Ordering::Relaxed),
                     dropped: c.dropped.load(Ordering::Relaxed),
+                    waited: c.waited.load(Ordering::Relaxed),
                     last_error: c.last_error.locked().clone(),
                 })
             })
@@ -189,36 +241,73 @@ impl Sender {
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let receivers = std::mem::take(&mut *self.receivers.locked());
         let mut deliveries = tokio::task::JoinSet::new();
-        for (address, client, rx) in receivers {
-            deliveries.spawn(Arc::clone(&self).deliver(address, client, rx, stop.clone()));
+        for (address, client, rx, delivery) in receivers {
+            deliveries.spawn(Arc::clone(&self).deliver(
+                address,
+                client,
+                rx,
+                delivery,
+                stop.clone(),
+            ));
         }
         let every = Duration::from_millis(self.config.interval_ms);
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let wake = Arc::clone(self.store.changes_wake());
         let max_rows = usize::try_from(self.config.max_rows).unwrap_or(usize::MAX);
+        // Shards whose cut waits for a queue's room.
+        let mut waiting: Vec<u32> = Vec::new();
         loop {
-            // Every shard at the interval; woken early, only those whose
-            // changes reached `max_rows`.
+            // Every shard at the interval; woken early, those whose
+            // changes reached `max_rows`, and (once a queue has room) those
+            // that waited. While some wait, `max_rows` wakes are not
+            // listened to: they would only find the queue still full.
             let all = tokio::select! {
                 _ = ticks.tick() => true,
-                () = wake.notified() => false,
+                () = wake.notified(), if waiting.is_empty() => false,
+                () = self.room.notified(), if !waiting.is_empty() => false,
                 () = stop.cancelled() => break,
             };
+            let waited = std::mem::take(&mut waiting);
             for &shard in self.store.hosted() {
-                if all || self.store.changed_rows(shard) >= max_rows {
-                    self.cut_and_send(shard).await;
+                if (all || waited.contains(&shard) || self.store.changed_rows(shard) >= max_rows)
+                    && self.cut_and_send(shard).await == Turn::Waiting
+                {
+                    waiting.push(shard);
                 }
             }
         }
         deliveries.shutdown().await;
     }
 
+    /// Whether a cut should wait: some serving server's queue is full
+    /// while it keeps up (module docs).
+    fn must_wait(&self) -> bool {
+        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let stall_ms = u64::try_from(self.stall.as_millis()).unwrap_or(u64::MAX);
+        self.destinations.iter().any(|dest| {
+            dest.queue.capacity() == 0
+                && !dest.delivery.failing.load(Ordering::Relaxed)
+                && now_ms.saturating_sub(dest.delivery.last_ok_ms.load(Ordering::Relaxed))
+                    < stall_ms
+        })
+    }
+
     /// One delta of `shard`, if this server leads it: cut under the write
-    /// lock, read, routed and queued.
-    async fn cut_and_send(&self, shard: u32) {
+    /// lock, read, routed and queued; or not cut yet, when a serving
+    /// server that keeps up has no room for it.
+    async fn cut_and_send(&self, shard: u32) -> Turn {
+        // Only this task queues deltas, so a queue with room now still
+        // has it below.
+        if self.must_wait() {
+            if let Some(c) = self.counters.get(&shard) {
+                c.waited.fetch_add(1, Ordering::Relaxed);
+            }
+            metrics::counter!("tessera_ps_delta_waits_total").increment(1);
+            return Turn::Waiting;
+        }
         let Some((mark, changes)) = self.cut(shard).await else {
-            return;
+            return Turn::Done;
         };
         let store = Arc::clone(&self.store);
         let (num_shards, with_state) = (self.config.num_shards, self.config.optimizer_state);
@@ -232,11 +321,11 @@ impl Sender {
             // is a gap, so every receiver copies the shard.
             Ok(Err(err)) => {
                 tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
-                return;
+                return Turn::Done;
             }
             Err(err) => {
                 tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
-                return;
+                return Turn::Done;
             }
         };
         if let Some(c) = self.counters.get(&shard) {
@@ -277,13 +366,15 @@ impl Sender {
             if let Err(mpsc::error::TrySendError::Full(_)) =
                 dest.queue.try_send(Outgoing { shard, parts })
             {
-                // It is behind: it will see the gap and copy the shard.
+                // It is down, failing or stalled: it will see the gap and
+                // copy the shard.
                 if let Some(c) = self.counters.get(&shard) {
                     c.dropped.fetch_add(1, Ordering::Relaxed);
                 }
                 metrics::counter!("tessera_ps_delta_dropped_total").increment(1);
             }
         }
+        Turn::Done
     }
 
     /// Cuts `shard` under its write lock: the next delta's mark and the
@@ -327,6 +418,7 @@ impl Sender {
         address: String,
         client: DeltaClient,
         mut rx: mpsc::Receiver<Outgoing>,
+        delivery: Arc<Delivery>,
         stop: CancellationToken,
     ) {
         let mut warned: Option<Instant> = None;
@@ -339,6 +431,7 @@ impl Sender {
             let Some(outgoing) = outgoing else {
                 return;
             };
+            let mut whole = true;
             for part in outgoing.parts {
                 let sent = tokio::select! {
                     sent = client.apply(part) => sent,
@@ -358,9 +451,19 @@ impl Sender {
                         warned = Some(Instant::now());
                         failures = 0;
                     }
+                    whole = false;
                     break;
                 }
             }
+            if whole {
+                let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                delivery.last_ok_ms.store(now_ms.max(1), Ordering::Relaxed);
+                delivery.failing.store(false, Ordering::Relaxed);
+            } else {
+                delivery.failing.store(true, Ordering::Relaxed);
+            }
+            // A cut waiting for this queue's room may go now.
+            self.room.notify_one();
         }
     }
 }
