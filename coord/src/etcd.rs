@@ -66,6 +66,21 @@ pub enum CoordError {
         /// The configured count.
         configured: u32,
     },
+    /// The cluster has no shard map yet: no server of it has started in
+    /// etcd mode.
+    #[error(
+        "cluster {cluster} has no shard map in etcd ({endpoints}): start its servers (etcd mode) first"
+    )]
+    NoShardMap {
+        /// The cluster's name (`coordinator.cluster`).
+        cluster: String,
+        /// The configured endpoints.
+        endpoints: String,
+    },
+    /// A transition of the cluster's resize was refused in the state
+    /// the map is in.
+    #[error(transparent)]
+    Resize(#[from] crate::shard_map::ResizeError),
 }
 
 /// A change of one shard's primary, as a watch reports it.
@@ -363,6 +378,29 @@ impl EtcdCoordinator {
             .and_then([TxnOp::put(key, value, None)]);
         let answer = self.txn(txn).await?;
         Ok(answer.succeeded())
+    }
+
+    /// Reads the shard map, computes the next with `step` and writes it
+    /// over the revision read; when another writer got in between, again
+    /// from what it wrote. Returns the map written, or why `step` refused
+    /// the state it found ([`CoordError::Resize`]).
+    pub async fn update_shard_map(
+        &self,
+        step: impl Fn(&ShardMap) -> Result<ShardMap, crate::shard_map::ResizeError>,
+    ) -> Result<ShardMap, CoordError> {
+        loop {
+            let (map, revision) =
+                self.shard_map()
+                    .await?
+                    .ok_or_else(|| CoordError::NoShardMap {
+                        cluster: self.keys.cluster().to_owned(),
+                        endpoints: self.endpoints.clone(),
+                    })?;
+            let next = step(&map)?;
+            if self.write_shard_map(&next, revision).await? {
+                return Ok(next);
+            }
+        }
     }
 
     /// The cluster's shard map, written as `ShardMap::new(num_shards)` by

@@ -67,6 +67,11 @@ impl Keys {
         }
     }
 
+    /// The cluster's name (`coordinator.cluster`).
+    pub fn cluster(&self) -> &str {
+        self.root.strip_prefix('/').unwrap_or(&self.root)
+    }
+
     /// The prefix of every shard's keys.
     pub fn shards_prefix(&self) -> String {
         format!("{}/shards/", self.root)

@@ -122,6 +122,35 @@ async fn a_shard_map_step_is_written_only_over_the_revision_it_was_computed_from
     assert!(other.write_shard_map(&copying, revision).await.unwrap());
     let (read, _) = other.shard_map().await.unwrap().unwrap();
     assert_eq!(read.active().unwrap().to, 3);
+
+    // Two receiving shards report ready at once through the read-modify-
+    // write helper: the loser reads the winner's map and writes over it,
+    // so both reports stand.
+    let (read, revision) = other.shard_map().await.unwrap().unwrap();
+    let to_5 = read
+        .cancel()
+        .and_then(|m| m.plan(5))
+        .and_then(|m| m.start_copying())
+        .unwrap();
+    assert!(other.write_shard_map(&to_5, revision).await.unwrap());
+    let a = EtcdCoordinator::connect(&config).await.unwrap();
+    let (first, second) = tokio::join!(
+        a.update_shard_map(|m| m.handle_ready(3, true)),
+        other.update_shard_map(|m| m.handle_ready(4, true)),
+    );
+    first.unwrap();
+    second.unwrap();
+    let (read, _) = other.shard_map().await.unwrap().unwrap();
+    assert_eq!(read.active().unwrap().ready, vec![3, 4]);
+    assert_eq!(read.version, to_5.version + 2);
+    // A refused step is the resize's own error, the map unchanged.
+    match a.update_shard_map(|m| m.plan(7)).await {
+        Err(tessera_coord::CoordError::Resize(tessera_coord::ResizeError::InProgress {
+            to: 5,
+            ..
+        })) => {}
+        other => panic!("unexpected: {other:?}"),
+    }
 }
 
 /// The first server writes the cluster's shard map; servers configured

@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod reshard;
 pub mod soak;
 pub mod status;
 

@@ -146,6 +146,33 @@ enum Command {
         #[command(flatten)]
         tls: TlsArgs,
     },
+    /// Change a running cluster's shard count (etcd mode): plan a resize
+    /// to `--to M` shards, `--cancel` the one in progress before its
+    /// cut-over, or show where the shard map stands (the default). The
+    /// servers carry the resize out; this tool only writes the plan.
+    Reshard {
+        /// Cluster description (TOML) whose `[coordinator]` names etcd
+        /// and the cluster; built-in defaults without it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// etcd's client endpoints, comma-separated (instead of the
+        /// config's `coordinator.endpoints`).
+        #[arg(long, value_delimiter = ',')]
+        endpoints: Vec<String>,
+        /// The cluster's name in etcd (instead of the config's
+        /// `coordinator.cluster`).
+        #[arg(long)]
+        cluster: Option<String>,
+        /// Plan a resize to this many shards.
+        #[arg(long, conflicts_with = "cancel")]
+        to: Option<u32>,
+        /// Cancel the resize in progress (refused after its cut-over).
+        #[arg(long)]
+        cancel: bool,
+        /// Print the shard map as JSON instead of words.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Mutual TLS with servers that run with `[tls]`.
@@ -261,6 +288,42 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             provider,
             json,
         } => doctor(load(config.as_ref())?, transport, provider, json).await,
+        Command::Reshard {
+            config,
+            endpoints,
+            cluster,
+            to,
+            cancel,
+            json,
+        } => {
+            let mut coordinator = load(config.as_ref())?.coordinator;
+            if !endpoints.is_empty() {
+                coordinator.endpoints = endpoints;
+            } else if !coordinator.is_etcd() {
+                return Err(
+                    "the cluster's coordinator is static: resharding needs etcd mode ([coordinator] kind = \"etcd\", or --endpoints)"
+                        .into(),
+                );
+            }
+            if let Some(cluster) = cluster {
+                coordinator.cluster = cluster;
+            }
+            let action = match (to, cancel) {
+                (Some(to), _) => tessera_deploy::reshard::Action::To(to),
+                (None, true) => tessera_deploy::reshard::Action::Cancel,
+                (None, false) => tessera_deploy::reshard::Action::Status,
+            };
+            let map = tessera_deploy::reshard::run(&coordinator, action).await?;
+            #[allow(clippy::print_stdout)]
+            {
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&map)?);
+                } else {
+                    println!("{}", tessera_deploy::reshard::describe(&map));
+                }
+            }
+            Ok(())
+        }
         Command::PrintConfig => {
             #[allow(clippy::print_stdout)]
             {
