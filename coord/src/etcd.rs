@@ -479,6 +479,81 @@ impl EtcdCoordinator {
         .map(|_| ())
     }
 
+    /// Watches the cluster's shard-map key from `revision` (0: from now).
+    pub async fn watch_shard_map(&self, revision: i64) -> Result<ShardMapWatch, CoordError> {
+        let key = self.keys.shard_map();
+        let stream = self
+            .call(|mut c| {
+                let key = key.clone();
+                let options = WatchOptions::new().with_start_revision(revision);
+                async move { c.watch(key, Some(options)).await }
+            })
+            .await?;
+        Ok(ShardMapWatch {
+            stream,
+            endpoints: self.endpoints.clone(),
+        })
+    }
+
+    /// Keeps `out` holding the cluster's shard map as etcd has it (`None`
+    /// until one is written) until every receiver of `out` is gone: reads
+    /// the map, then follows a watch of its key from the revision read; a
+    /// read or watch that fails is tried again after `retry`, from a fresh
+    /// read, so no change is missed for long. Only a newer version
+    /// replaces the one held (a read racing a watch cannot step back).
+    pub async fn follow_shard_map(
+        &self,
+        out: tokio::sync::watch::Sender<Option<ShardMap>>,
+        retry: Duration,
+    ) {
+        let offer = |map: ShardMap| {
+            out.send_if_modified(|held| {
+                let newer = held.as_ref().is_none_or(|h| map.version > h.version);
+                if newer {
+                    *held = Some(map);
+                }
+                newer
+            });
+        };
+        let follow = async {
+            loop {
+                let watched = async {
+                    let revision = match self.shard_map().await? {
+                        Some((map, revision)) => {
+                            offer(map);
+                            revision
+                        }
+                        // Watch from now on for the first write.
+                        None => 0,
+                    };
+                    let mut watch = self
+                        .watch_shard_map(if revision == 0 { 0 } else { revision + 1 })
+                        .await?;
+                    if revision == 0 {
+                        // Written between the read and the watch: not in
+                        // the watch, which starts from its own present.
+                        if let Some((map, _)) = self.shard_map().await? {
+                            offer(map);
+                        }
+                    }
+                    loop {
+                        offer(watch.next().await?);
+                    }
+                };
+                let err: CoordError = match watched.await {
+                    Err(err) => err,
+                    Ok(()) => CoordError::WatchEnded,
+                };
+                tracing::debug!(%err, "following the shard map: reading it again");
+                tokio::time::sleep(retry).await;
+            }
+        };
+        tokio::select! {
+            () = follow => {}
+            () = out.closed() => {}
+        }
+    }
+
     /// Watches every shard's primary key from `revision` on (the one
     /// [`EtcdCoordinator::primaries`] returned, plus one).
     pub async fn watch_primaries(&self, revision: i64) -> Result<PrimaryWatch, CoordError> {
@@ -539,6 +614,51 @@ pub struct PrimaryWatch {
 impl std::fmt::Debug for PrimaryWatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrimaryWatch").finish_non_exhaustive()
+    }
+}
+
+/// A watch of the cluster's shard-map key
+/// ([`EtcdCoordinator::watch_shard_map`]).
+pub struct ShardMapWatch {
+    stream: etcd_client::WatchStream,
+    endpoints: String,
+}
+
+impl std::fmt::Debug for ShardMapWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardMapWatch").finish_non_exhaustive()
+    }
+}
+
+impl ShardMapWatch {
+    /// The next map written; an error when the watch broke or the key
+    /// was deleted (the caller reads the map again and watches anew).
+    pub async fn next(&mut self) -> Result<ShardMap, CoordError> {
+        loop {
+            let answer = self
+                .stream
+                .message()
+                .await
+                .map_err(|source| CoordError::Etcd {
+                    endpoints: self.endpoints.clone(),
+                    source,
+                })?
+                .ok_or(CoordError::WatchEnded)?;
+            if answer.canceled() {
+                return Err(CoordError::WatchEnded);
+            }
+            let mut latest = None;
+            for event in answer.events() {
+                let Some(kv) = event.kv() else { continue };
+                match event.event_type() {
+                    EventType::Put => latest = Some(decode(kv.key(), kv.value())?),
+                    EventType::Delete => return Err(CoordError::WatchEnded),
+                }
+            }
+            if let Some(map) = latest {
+                return Ok(map);
+            }
+        }
     }
 }
 

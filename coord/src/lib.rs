@@ -36,7 +36,9 @@ mod local;
 pub mod shard_map;
 
 pub use config::{CoordinatorConfig, CoordinatorKind};
-pub use etcd::{CoordError, EtcdCoordinator, LeaseKeepAlive, PrimaryChange, PrimaryWatch};
+pub use etcd::{
+    CoordError, EtcdCoordinator, LeaseKeepAlive, PrimaryChange, PrimaryWatch, ShardMapWatch,
+};
 pub use keys::{InStepRecord, MemberRecord, PrimaryRecord};
 pub use local::{LocalEtcd, LocalEtcdError, etcd_bin};
 pub use shard_map::{Resize, ResizeError, ResizeState, ShardMap};

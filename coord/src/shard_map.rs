@@ -34,6 +34,43 @@
 //! (`tessera_proto::sharding::shard_for_key`): growing from `n` to `m`,
 //! keys move only into the new shards `n..m`; shrinking, only out of the
 //! shards `m..n`.
+//!
+//! ## How rows move (the design; issue 39 builds it in steps)
+//!
+//! Built so far: this record and its transitions, the operator's tool
+//! (`tessera reshard`), servers that refuse a count the map does not name
+//! and follow the map through a watch of its key
+//! (`EtcdCoordinator::follow_shard_map`, reported in Health and `tessera
+//! status`). The movement of rows, below, is the plan for the next steps.
+//!
+//! - **Copy and follow through the delta stream, not the replication
+//!   stream.** A receiving shard's primary copies the moving keys from
+//!   each giving shard's primary with the delta stream's paged, filtered
+//!   copy (routed by the target count), optimizer state, step counts and
+//!   expiry stamps included, then follows that primary's delta stream for
+//!   them. The replication stream was weighed and set aside: its
+//!   replicas are configured peers of the same shard id, its copy is a
+//!   whole-shard byte range swapped in whole, and its forwarded Pushes
+//!   carry per-request indices (evictions, admissions) that a key filter
+//!   would have to re-base; the delta stream is state-based (rows as they
+//!   are now), idempotent, routed by key and recovers a gap by copying.
+//! - **Cut-over.** Once every receiving shard reports ready (in step
+//!   within a delta), one compare-and-swap writes `CutOver` with the new
+//!   count. Each giving primary, seeing it, fences the moving keys under
+//!   its shard lock (their Pushes and Fetches answered with a redirect
+//!   naming the map version, as `NotPrimary` names a primary) and cuts one
+//!   last delta of them; the receiving primary takes their Pushes only
+//!   once it has applied that delta (until then it answers
+//!   `UNAVAILABLE`, which workers retry). Only the moving keys pause, for
+//!   about one delta.
+//! - **Exactly once.** A worker's Push id is shared by its per-shard
+//!   parts, so the receiving shard keeps the giving shards' dedup
+//!   windows apart (keyed by origin shard and worker, shipped with the
+//!   last delta), and a part retried across the cut-over names its
+//!   origin: a part applied at one giving shard must not make its sibling
+//!   from another giving shard look applied.
+//! - **Workers** follow the same key (the version) and re-plan by the new
+//!   count; a redirect also tells them to read the map.
 
 use serde::{Deserialize, Serialize};
 

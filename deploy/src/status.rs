@@ -93,6 +93,8 @@ pub struct ServerStatus {
     /// A training server with `[delta]`: its streams, one per shard it
     /// leads.
     pub delta: Vec<DeltaStatus>,
+    /// The cluster's shard map as the server last read it (etcd mode).
+    pub shard_map: Option<tessera_coord::ShardMap>,
 }
 
 /// A serving server's freshness, over the training shards feeding it.
@@ -242,6 +244,7 @@ impl ServerStatus {
             checkpoint: None,
             feed: None,
             delta: Vec::new(),
+            shard_map: None,
         }
     }
 
@@ -360,6 +363,32 @@ pub async fn server_status(address: &str, tls: Option<&tessera_rpc::TlsConfig>) 
                 waited: d.waited,
             })
             .collect(),
+        shard_map: health.shard_map.as_ref().map(shard_map_of),
+    }
+}
+
+/// A server's report of the shard map, as the coordinator's record.
+fn shard_map_of(h: &tessera_proto::v1::ShardMapHealth) -> tessera_coord::ShardMap {
+    use tessera_coord::ResizeState as S;
+    use tessera_proto::v1::ResizeState as P;
+    let state = match P::try_from(h.resize_state) {
+        Ok(P::Planned) => Some(S::Planned),
+        Ok(P::Copying) => Some(S::Copying),
+        Ok(P::CutOver) => Some(S::CutOver),
+        Ok(P::Done) => Some(S::Done),
+        Ok(P::Cancelled) => Some(S::Cancelled),
+        Ok(P::None) | Err(_) => None,
+    };
+    tessera_coord::ShardMap {
+        version: h.version,
+        num_shards: h.num_shards,
+        resize: state.map(|state| tessera_coord::Resize {
+            id: h.resize_id,
+            from: h.resize_from,
+            to: h.resize_to,
+            state,
+            ready: h.ready.clone(),
+        }),
     }
 }
 
@@ -481,6 +510,25 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
                 .map_or("-".to_owned(), CheckpointStatus::cell),
         );
     }
+    // The shard map (etcd mode): the newest any server holds, and whether
+    // some are behind it (a watch catching up, or cut off from etcd).
+    let maps: Vec<&tessera_coord::ShardMap> = statuses
+        .iter()
+        .filter_map(|s| s.shard_map.as_ref())
+        .collect();
+    if let Some(newest) = maps.iter().max_by_key(|m| m.version) {
+        out.push('\n');
+        out.push_str(&crate::reshard::describe(newest));
+        let behind = maps.iter().filter(|m| m.version < newest.version).count();
+        if behind > 0 {
+            let _ = write!(
+                out,
+                "\n  {behind} of {} servers still hold an older version",
+                maps.len()
+            );
+        }
+        out.push('\n');
+    }
     out
 }
 
@@ -510,6 +558,7 @@ mod tests {
             checkpoint,
             feed: None,
             delta: Vec::new(),
+            shard_map: None,
         }
     }
 
@@ -614,5 +663,39 @@ mod tests {
             expiring.rows_cell(),
             "1000000 (84.5 B/row); admitted 250 of 4000 candidate pushes, sketch 4096 KiB; 7 expired"
         );
+    }
+
+    #[test]
+    fn the_shard_map_shows_under_the_table_with_servers_behind_it() {
+        let old = tessera_coord::ShardMap::new(2);
+        let planned = old.plan(3).unwrap();
+        let a = ServerStatus {
+            shard_map: Some(planned.clone()),
+            ..serving(None)
+        };
+        let b = ServerStatus {
+            shard_map: Some(old),
+            ..serving(None)
+        };
+        let table = format_table(&[a.clone(), b]);
+        assert!(
+            table.contains(&crate::reshard::describe(&planned))
+                && table.contains("1 of 2 servers still hold an older version"),
+            "{table}"
+        );
+        // In static mode (no map), nothing is said.
+        assert!(!format_table(&[serving(None)]).contains("shard map"));
+        // A report survives the proto and back.
+        let health = tessera_proto::v1::ShardMapHealth {
+            version: planned.version,
+            num_shards: 2,
+            resize_state: tessera_proto::v1::ResizeState::Planned as i32,
+            resize_from: 2,
+            resize_to: 3,
+            ready: Vec::new(),
+            resize_id: 2,
+        };
+        assert_eq!(shard_map_of(&health), planned);
+        assert_eq!(a.shard_map, Some(planned));
     }
 }

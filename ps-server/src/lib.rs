@@ -141,7 +141,8 @@ impl PsServer {
             config.transport.as_str(),
             checkpoints.clone(),
         )
-        .with_delta(feed.clone(), sender.clone());
+        .with_delta(feed.clone(), sender.clone())
+        .with_shard_map(coordination.shard_map());
         let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let grpc = match &config.grpc_listen {
             None => None,

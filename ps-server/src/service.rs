@@ -56,6 +56,8 @@ pub struct PsService {
     feed: Option<Arc<crate::delta::Feed>>,
     /// A training server's delta stream, as Health reports it.
     sender: Option<Arc<crate::delta::Sender>>,
+    /// The cluster's shard map as the coordination last read it.
+    shard_map: Option<tokio::sync::watch::Receiver<Option<tessera_coord::ShardMap>>>,
 }
 
 impl PsService {
@@ -80,7 +82,17 @@ impl PsService {
             checkpoints,
             feed: None,
             sender: None,
+            shard_map: None,
         }
+    }
+
+    /// With the cluster's shard map as the coordination follows it.
+    pub fn with_shard_map(
+        mut self,
+        shard_map: tokio::sync::watch::Receiver<Option<tessera_coord::ShardMap>>,
+    ) -> Self {
+        self.shard_map = Some(shard_map);
+        self
     }
 
     /// With the delta stream's ends: a serving server's `feed`, a
@@ -246,6 +258,34 @@ impl v1::ParameterServer for PsService {
             checkpoint: self.checkpoints.as_ref().map(|c| c.health()),
             delta_streams: self.sender.as_ref().map(|s| s.health()).unwrap_or_default(),
             serving_feed: self.feed.as_ref().map(|f| f.health()),
+            shard_map: self
+                .shard_map
+                .as_ref()
+                .and_then(|m| m.borrow().as_ref().map(shard_map_health)),
         })
     }
+}
+
+/// The shard map as Health reports it.
+fn shard_map_health(map: &tessera_coord::ShardMap) -> v1::ShardMapHealth {
+    use tessera_coord::ResizeState as S;
+    let mut health = v1::ShardMapHealth {
+        version: map.version,
+        num_shards: map.num_shards,
+        ..v1::ShardMapHealth::default()
+    };
+    if let Some(r) = &map.resize {
+        health.resize_state = match r.state {
+            S::Planned => v1::ResizeState::Planned,
+            S::Copying => v1::ResizeState::Copying,
+            S::CutOver => v1::ResizeState::CutOver,
+            S::Done => v1::ResizeState::Done,
+            S::Cancelled => v1::ResizeState::Cancelled,
+        } as i32;
+        health.resize_from = r.from;
+        health.resize_to = r.to;
+        health.ready.clone_from(&r.ready);
+        health.resize_id = r.id;
+    }
+    health
 }

@@ -508,3 +508,62 @@ async fn a_server_with_another_shard_count_than_the_clusters_map_does_not_start(
     );
     first.stop().await;
 }
+
+/// A server follows the cluster's shard map through etcd's watch and
+/// reports it in Health: the count keys are routed by, a resize planned
+/// (by an operator's tool, not the server) and then cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_reports_the_shard_map_as_it_changes() {
+    use tessera_proto::v1::ResizeState;
+    let etcd = Etcd::start();
+    let (a, b) = (free_addr(), free_addr());
+    let server = InProcess::start(&config(&a, 0, &b, &etcd, "map-watch")).await;
+    let map_of = |addr: String| async move {
+        tessera_test_support::health(&addr)
+            .await
+            .ok()
+            .and_then(|h| h.shard_map)
+    };
+    let wait_for = |want: u64| {
+        let addr = a.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Some(map) = map_of(addr.clone()).await
+                    && map.version >= want
+                {
+                    return map;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the server never reported version {want} of the shard map"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let first = wait_for(1).await;
+    assert_eq!((first.version, first.num_shards), (1, 1));
+    assert_eq!(first.resize_state, ResizeState::None as i32);
+
+    let coord = coordinator(&etcd, "map-watch").await;
+    coord.update_shard_map(|m| m.plan(3)).await.unwrap();
+    let planned = wait_for(2).await;
+    assert_eq!(
+        planned.num_shards, 1,
+        "routing changes only at the cut-over"
+    );
+    assert_eq!(
+        (
+            planned.resize_state,
+            planned.resize_from,
+            planned.resize_to,
+            planned.resize_id
+        ),
+        (ResizeState::Planned as i32, 1, 3, 2)
+    );
+    coord.update_shard_map(|m| m.cancel()).await.unwrap();
+    let cancelled = wait_for(3).await;
+    assert_eq!(cancelled.resize_state, ResizeState::Cancelled as i32);
+    server.stop().await;
+}

@@ -96,6 +96,11 @@ impl Driver {
         })
     }
 
+    /// Its client of the cluster's etcd.
+    pub fn coordinator(&self) -> &EtcdCoordinator {
+        &self.coord
+    }
+
     fn failover_timeout(&self) -> Duration {
         Duration::from_millis(self.config.failover_timeout_ms)
     }

@@ -17,7 +17,9 @@
 //!   the campaign for it, recovers and leads; the old primary is fenced
 //!   ([`fence`]) and, when it comes back, follows the new one. See
 //!   [`election`] for one server's part in it and `tessera_coord` for why
-//!   etcd.
+//!   etcd. The server also follows the cluster's shard map
+//!   (`tessera_coord::shard_map`, a watch of its key) and reports it in
+//!   Health: the count keys are routed by and the resize in progress.
 
 pub mod election;
 mod etcd_driver;
@@ -28,7 +30,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use fence::{Fence, FenceCore};
-use tessera_coord::{CoordError, CoordinatorKind};
+use tessera_coord::{CoordError, CoordinatorKind, ShardMap};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
@@ -57,13 +60,23 @@ pub struct Coordination {
     /// Aborted when dropped: a server dropped without a shutdown (a crash,
     /// in tests) stops renewing its lease.
     task: Option<AbortOnDropHandle<()>>,
+    /// The cluster's shard map as last read (always `None` in static
+    /// mode), and its follower (etcd mode, once started).
+    shard_map: watch::Receiver<Option<ShardMap>>,
+    map_task: Option<AbortOnDropHandle<()>>,
 }
+
+/// How soon a failed read or watch of the shard map is tried again.
+const MAP_RETRY: Duration = Duration::from_millis(500);
 
 #[derive(Debug)]
 enum Plan {
     /// Static mode: the shards left to recover.
     Fixed(Vec<u32>),
-    Etcd(Option<Box<etcd_driver::Driver>>),
+    Etcd(
+        Option<Box<etcd_driver::Driver>>,
+        Option<watch::Sender<Option<ShardMap>>>,
+    ),
 }
 
 impl Coordination {
@@ -75,17 +88,29 @@ impl Coordination {
         replication: &Arc<Replication>,
         fence: Arc<Fence>,
     ) -> Result<Self, CoordError> {
+        let (map_tx, shard_map) = watch::channel(None);
         let plan = match config.coordinator.kind {
             CoordinatorKind::Static => Plan::Fixed(fixed::assign(config, replication)),
-            CoordinatorKind::Etcd => Plan::Etcd(Some(Box::new(
-                etcd_driver::Driver::new(config, Arc::clone(replication), fence).await?,
-            ))),
+            CoordinatorKind::Etcd => Plan::Etcd(
+                Some(Box::new(
+                    etcd_driver::Driver::new(config, Arc::clone(replication), fence).await?,
+                )),
+                Some(map_tx),
+            ),
         };
         Ok(Self {
             plan,
             stop: CancellationToken::new(),
             task: None,
+            shard_map,
+            map_task: None,
         })
+    }
+
+    /// The cluster's shard map as this server last read it (`None` in
+    /// static mode, and until the first read).
+    pub fn shard_map(&self) -> watch::Receiver<Option<ShardMap>> {
+        self.shard_map.clone()
     }
 
     /// Starts it (once the server serves: recoveries ask its peers, who
@@ -101,8 +126,16 @@ impl Coordination {
                 Arc::clone(replication),
                 stop,
             )),
-            Plan::Etcd(driver) => match driver.take() {
-                Some(driver) => tokio::spawn(driver.run(stop)),
+            Plan::Etcd(driver, map_tx) => match driver.take() {
+                Some(driver) => {
+                    if let Some(map_tx) = map_tx.take() {
+                        let coord = driver.coordinator().clone();
+                        self.map_task = Some(AbortOnDropHandle::new(tokio::spawn(async move {
+                            coord.follow_shard_map(map_tx, MAP_RETRY).await;
+                        })));
+                    }
+                    tokio::spawn(driver.run(stop))
+                }
                 None => return,
             },
         }));
