@@ -618,6 +618,18 @@ fn write_tables(
             }
             .into());
         }
+        for (part, got) in [("steps", table.steps.len()), ("stamps", table.stamps.len())] {
+            if got != 0 && got != table.keys.len() {
+                return Err(StoreError::DeltaLength {
+                    table: table.name.clone(),
+                    part,
+                    keys: table.keys.len(),
+                    expected: table.keys.len(),
+                    got,
+                }
+                .into());
+            }
+        }
         if table.values.len() != table.keys.len() * row_bytes {
             return Err(StoreError::DeltaLength {
                 table: table.name.clone(),
@@ -642,12 +654,14 @@ fn write_tables(
                 shard,
                 hosted: store.hosted().to_vec(),
             })?;
-            store.put_rows(
+            store.put_whole_rows(
                 &writing,
                 &table.name,
                 &table.keys,
                 &table.values,
                 &table.state,
+                &table.steps,
+                &table.stamps,
             )?;
             by_shard.clear();
         }
@@ -665,7 +679,23 @@ fn write_tables(
                     state.extend_from_slice(&table.state[i * state_bytes..(i + 1) * state_bytes]);
                 }
             }
-            store.put_rows(&writing, &table.name, &keys, &values, &state)?;
+            // (Each empty or one per key: checked above.)
+            let pick = |all: &[u32]| -> Vec<u32> {
+                if all.is_empty() {
+                    Vec::new()
+                } else {
+                    rows.iter().map(|&i| all[i]).collect()
+                }
+            };
+            store.put_whole_rows(
+                &writing,
+                &table.name,
+                &keys,
+                &values,
+                &state,
+                &pick(&table.steps),
+                &pick(&table.stamps),
+            )?;
         }
         let mut removed: HashMap<u32, Vec<u64>> = HashMap::new();
         for &k in &table.removed {

@@ -53,7 +53,7 @@ mod source;
 
 pub use self::feed::{Feed, FeedError};
 pub use self::follower::{Follower, Header, MAX_HELD_BYTES, Resume, Verdict};
-pub use self::parts::{CHUNK_BYTES, PART_BYTES};
+pub use self::parts::{CHUNK_BYTES, PART_BYTES, route as route_rows};
 pub use self::sender::{Mark, QUEUE_DELTAS, Sender, stall_bound};
 pub use self::service::DeltaService;
 pub use self::source::Sources;

@@ -19,7 +19,10 @@ pub const PART_BYTES: usize = 8 << 20;
 
 /// Bytes a table's rows take on the wire.
 pub fn table_bytes(table: &DeltaTable) -> usize {
-    table.values.len() + table.state.len() + 8 * (table.keys.len() + table.removed.len())
+    table.values.len()
+        + table.state.len()
+        + 8 * (table.keys.len() + table.removed.len())
+        + 4 * (table.steps.len() + table.stamps.len())
 }
 
 /// The rows of `table` (`dim` values and `state_len` state values each)
@@ -39,7 +42,9 @@ pub fn route(
     } else {
         state_len * F32_BYTES
     };
-    let per_chunk = (CHUNK_BYTES / (row_bytes + state_bytes + 8).max(1)).max(1);
+    let whole = !rows.steps.is_empty();
+    let meta_bytes = if whole { 8 } else { 0 };
+    let per_chunk = (CHUNK_BYTES / (row_bytes + state_bytes + meta_bytes + 8).max(1)).max(1);
     let mut out: Vec<Vec<DeltaTable>> = vec![Vec::new(); num_shards as usize];
     let open = |tables: &mut Vec<DeltaTable>| -> usize {
         let full = tables
@@ -67,6 +72,14 @@ pub fn route(
         values[t][at].extend_from_slice(&rows.values[i * row_bytes..(i + 1) * row_bytes]);
         if state_bytes > 0 {
             states[t][at].extend_from_slice(&rows.state[i * state_bytes..(i + 1) * state_bytes]);
+        }
+        if whole {
+            out[t][at]
+                .steps
+                .push(rows.steps.get(i).copied().unwrap_or(0));
+            out[t][at]
+                .stamps
+                .push(rows.stamps.get(i).copied().unwrap_or(0));
         }
     }
     for &key in &rows.removed {
@@ -124,6 +137,8 @@ mod tests {
             keys,
             values,
             state: Vec::new(),
+            steps: Vec::new(),
+            stamps: Vec::new(),
             removed: vec![1_000, 1_001],
         }
     }

@@ -144,6 +144,8 @@ impl Sources {
                         r.write_values_le(&mut values[from..]);
                         if request.optimizer_state {
                             r.write_state_le(&mut state);
+                            out.steps.push(r.steps());
+                            out.stamps.push(r.stamp());
                         }
                         bytes += row_bytes + 8;
                     }
@@ -265,6 +267,30 @@ mod tests {
         assert!(sources.open.locked().is_empty(), "the last page ends it");
         // No stream here (no sender): the mark is empty.
         assert_eq!((page.stream, page.seq), (0, 0));
+        // Asked with the optimizer state, a page's rows come whole: each
+        // with its updates applied and expiry stamp (zeros for this SGD
+        // table without expiry, which keeps neither; the store's tests
+        // cover rows that keep both).
+        let whole = sources
+            .page(
+                &store,
+                None,
+                &DeltaCopyRequest {
+                    optimizer_state: true,
+                    ..ask(0, 0, 0)
+                },
+            )
+            .unwrap();
+        let t = &whole.tables[0];
+        assert_eq!(
+            (t.steps.len(), t.stamps.len()),
+            (t.keys.len(), t.keys.len())
+        );
+        let back = store.read_rows("t", 0, &t.keys, true).unwrap();
+        assert_eq!(
+            (back.steps, back.stamps),
+            (t.steps.clone(), t.stamps.clone())
+        );
     }
 
     /// A session is let go when its caller gives up (`release`), and

@@ -20,6 +20,11 @@ pub struct DeltaRows {
     /// Their optimizer state when asked: `keys.len() * dim * slots`
     /// little-endian f32; empty otherwise.
     pub state: Vec<u8>,
+    /// With the state: each row's updates applied and expiry stamp (one
+    /// per key); empty otherwise.
+    pub steps: Vec<u32>,
+    /// See `steps`.
+    pub stamps: Vec<u32>,
     /// Keys asked for that have no row.
     pub removed: Vec<u64>,
 }
@@ -56,7 +61,8 @@ impl Store {
     /// The rows of `keys` in `table`'s `shard` as they are now, without
     /// counting as a use (an LRU clock or an access mark stays as it is);
     /// keys without a row are listed as removed. With `with_state`, their
-    /// optimizer state too.
+    /// optimizer state, updates applied and expiry stamps too: the whole
+    /// row.
     pub fn read_rows(
         &self,
         table: &str,
@@ -77,6 +83,8 @@ impl Store {
         // in place.
         let mut values = vec![0u8; keys.len() * row_bytes];
         let mut states = vec![0u8; keys.len() * state_bytes];
+        let meta_len = if with_state { keys.len() } else { 0 };
+        let (mut steps, mut stamps) = (vec![0u32; meta_len], vec![0u32; meta_len]);
         let mut scratch = Vec::with_capacity(state_bytes);
         state.rows.peek_many(
             keys,
@@ -86,6 +94,8 @@ impl Store {
                     scratch.clear();
                     row.write_state_le(&mut scratch);
                     states[i * state_bytes..(i + 1) * state_bytes].copy_from_slice(&scratch);
+                    steps[i] = row.steps();
+                    stamps[i] = row.stamp();
                 }
             },
             &mut missing,
@@ -104,14 +114,22 @@ impl Store {
                 }
                 values.copy_within(i * row_bytes..(i + 1) * row_bytes, kept * row_bytes);
                 states.copy_within(i * state_bytes..(i + 1) * state_bytes, kept * state_bytes);
+                if with_state {
+                    steps[kept] = steps[i];
+                    stamps[kept] = stamps[i];
+                }
                 out.keys.push(key);
                 kept += 1;
             }
             values.truncate(kept * row_bytes);
             states.truncate(kept * state_bytes);
+            steps.truncate(kept.min(meta_len));
+            stamps.truncate(kept.min(meta_len));
         }
         out.values = values;
         out.state = states;
+        out.steps = steps;
+        out.stamps = stamps;
         Ok(out)
     }
 
@@ -127,6 +145,23 @@ impl Store {
         keys: &[u64],
         values: &[u8],
         state: &[u8],
+    ) -> Result<(), StoreError> {
+        self.put_whole_rows(writing, table, keys, values, state, &[], &[])
+    }
+
+    /// [`Store::put_rows`] with each row's updates applied (`steps`) and
+    /// expiry stamp (`stamps`), one per key, or empty (zeros): rows as
+    /// [`Store::read_rows`] read them whole.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_whole_rows(
+        &self,
+        writing: &ShardGuard<'_>,
+        table: &str,
+        keys: &[u64],
+        values: &[u8],
+        state: &[u8],
+        steps: &[u32],
+        stamps: &[u32],
     ) -> Result<(), StoreError> {
         let shard = writing.shard();
         let (table_ref, shard_state) = self.table_shard(table, shard)?;
@@ -150,6 +185,12 @@ impl Store {
                 state.len(),
             ));
         }
+        if !steps.is_empty() && steps.len() != keys.len() {
+            return Err(length("steps", keys.len(), steps.len()));
+        }
+        if !stamps.is_empty() && stamps.len() != keys.len() {
+            return Err(length("stamps", keys.len(), stamps.len()));
+        }
         for &key in keys {
             let actual = shard_for_key(key, self.num_shards);
             if actual != shard {
@@ -167,7 +208,11 @@ impl Store {
                 let n = state_len * F32_BYTES;
                 decode_f32s(&state[i * n..(i + 1) * n], &mut row_state);
             }
-            rows.insert(key, 0, 0, &row_values, &row_state)
+            let (steps, stamp) = (
+                steps.get(i).copied().unwrap_or(0),
+                stamps.get(i).copied().unwrap_or(0),
+            );
+            rows.insert(key, steps, stamp, &row_values, &row_state)
                 .map_err(|_| StoreError::ShardFull {
                     table: table.to_owned(),
                     shard,
@@ -326,6 +371,79 @@ mod tests {
         ));
         // A serving server notes no changes of its own.
         assert!(serving.take_changes(&writing).is_empty());
+    }
+
+    /// Rows read whole (state, updates applied, expiry stamps), routed by
+    /// another shard count and put at a training store of that count (a
+    /// resize's receiving shards) are the same rows, bit for bit: an Adam
+    /// row's bias correction and an expiring row's age go with it. Lengths
+    /// that do not match the keys are refused.
+    #[test]
+    fn whole_rows_move_between_training_stores_of_other_counts() {
+        let config = |num_shards: u32| PsServerConfig {
+            num_shards,
+            shards: (0..num_shards).collect(),
+            tables: vec![TableConfig {
+                optimizer: OptimizerConfig::adam(0.01),
+                expiry: Some(crate::table::ExpiryConfig {
+                    after_secs: None,
+                    after_pushes_to_shard: Some(1_000),
+                    refresh: Default::default(),
+                    sweep_rows_per_sec: 1_000_000,
+                }),
+                ..TableConfig::new("t", 4)
+            }],
+            ..PsServerConfig::default()
+        };
+        let giving = Store::new(&config(1));
+        let keys = keys(300);
+        // Rows pushed a different number of times: steps and stamps differ.
+        for round in 0..4u64 {
+            let ks: Vec<u64> = keys.iter().copied().filter(|k| k % 4 >= round).collect();
+            let grads: Vec<u8> = (0..ks.len() * 4)
+                .flat_map(|i| ((i as u64 % 7 + round) as f32 * 0.25 - 1.0).to_le_bytes())
+                .collect();
+            giving.push("t", 0, &ks, &grads, PushId::default()).unwrap();
+        }
+        let read = giving.read_rows("t", 0, &keys, true).unwrap();
+        assert_eq!(read.steps.len(), keys.len());
+        assert!(read.steps.contains(&1) && read.steps.contains(&4));
+        assert!(
+            read.stamps.iter().any(|&s| s != read.stamps[0]),
+            "stamps differ by last Push"
+        );
+        let receiving = Store::new(&config(3));
+        let state_len = 4 * 2;
+        for (shard, tables) in crate::delta::route_rows("t", &read, 4, state_len, 3)
+            .into_iter()
+            .enumerate()
+        {
+            let writing = receiving.lock_shard(shard as u32).unwrap();
+            for t in tables {
+                assert_eq!(t.steps.len(), t.keys.len());
+                receiving
+                    .put_whole_rows(
+                        &writing, "t", &t.keys, &t.values, &t.state, &t.steps, &t.stamps,
+                    )
+                    .unwrap();
+            }
+        }
+        for &key in &keys {
+            let at = keys.iter().position(|&k| k == key).unwrap();
+            let shard = shard_for_key(key, 3);
+            let back = receiving.read_rows("t", shard, &[key], true).unwrap();
+            assert_eq!(back.values, read.values[at * 16..(at + 1) * 16]);
+            assert_eq!(back.state, read.state[at * 32..(at + 1) * 32]);
+            assert_eq!(
+                (back.steps[0], back.stamps[0]),
+                (read.steps[at], read.stamps[at])
+            );
+        }
+        let writing = receiving.lock_shard(0).unwrap();
+        assert!(matches!(
+            receiving.put_whole_rows(&writing, "t", &[0], &[0; 16], &[], &[1, 2], &[]),
+            Err(StoreError::DeltaLength { part: "steps", .. })
+        ));
     }
 
     /// A serving table stored as `f16` holds each value within half a

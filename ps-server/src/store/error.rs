@@ -29,18 +29,18 @@ pub enum StoreError {
     },
     /// A delta's (or a delta copy's) rows do not have the table's shape.
     #[error(
-        "a delta of table `{table}` has {got} bytes of {part} for {keys} rows; the table takes {expected}"
+        "a delta of table `{table}` has {got} (bytes or entries) of {part} for {keys} rows; the table takes {expected}"
     )]
     DeltaLength {
         /// The table.
         table: String,
-        /// `values` or `state`.
+        /// `values` or `state` (bytes), `steps` or `stamps` (entries).
         part: &'static str,
         /// Rows in it.
         keys: usize,
-        /// Bytes the table's shape takes.
+        /// Bytes (entries) the table's shape takes.
         expected: usize,
-        /// Bytes it had.
+        /// Bytes (entries) it had.
         got: usize,
     },
     /// No table of that name.
