@@ -13,6 +13,7 @@ pub mod grpc_health;
 mod grpc_limits;
 pub mod image;
 pub mod replication;
+pub mod reshard;
 pub mod rowfile;
 mod service;
 pub mod store;
@@ -55,10 +56,14 @@ pub struct PsServer {
     replication: Arc<Replication>,
     coordination: Coordination,
     shutdown_grace: std::time::Duration,
-    /// A training server's delta stream (`[delta]`).
+    /// A training server's delta stream (`[delta]`, or etcd mode: a
+    /// resize's giving side).
     sender: Option<Arc<delta::Sender>>,
-    /// A serving server's feed (`mode = "serving"`).
+    /// A serving server's feed (`mode = "serving"`), or a training
+    /// server's for resizes (etcd mode: the receiving side).
     feed: Option<Arc<delta::Feed>>,
+    /// Its part in resizes of the cluster (etcd mode, training).
+    resharding: Option<reshard::Resharding>,
 }
 
 struct GrpcEndpoint {
@@ -119,17 +124,39 @@ impl PsServer {
         let replication =
             Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
         let coordination = Coordination::prepare(config, &replication, fence).await?;
-        let sender = (config.delta.enabled() && config.mode == Mode::Training).then(|| {
-            delta::Sender::new(
+        // In etcd mode a training server may give keys to a resize, and
+        // take them in one: it has both ends of the delta stream.
+        let resizes = config.mode == Mode::Training && config.coordinator.is_etcd();
+        let sender =
+            (config.mode == Mode::Training && (config.delta.enabled() || resizes)).then(|| {
+                delta::Sender::new(
+                    Arc::clone(&store),
+                    Arc::clone(&replication),
+                    &config.delta,
+                    config.advertised().to_owned(),
+                    &transport,
+                )
+            });
+        let feed = match config.mode {
+            Mode::Serving => Some(delta::Feed::new(
+                Arc::clone(&store),
+                config.serving.max_delay_ms,
+                &transport,
+            )),
+            _ if resizes => Some(delta::Feed::for_resizes(Arc::clone(&store), &transport)),
+            _ => None,
+        };
+        let resharding = coordination.etcd().filter(|_| resizes).map(|coord| {
+            reshard::Resharding::new(
+                coord,
+                coordination.shard_map(),
                 Arc::clone(&store),
                 Arc::clone(&replication),
-                &config.delta,
-                config.advertised().to_owned(),
-                &transport,
+                sender.clone(),
+                feed.clone(),
+                std::time::Duration::from_millis(config.delta.interval_ms),
             )
         });
-        let feed = (config.mode == Mode::Serving)
-            .then(|| delta::Feed::new(Arc::clone(&store), config.serving.max_delay_ms, &transport));
         let service = PsService::new(
             Arc::clone(&store),
             config.replica_group,
@@ -229,6 +256,7 @@ impl PsServer {
             shutdown_grace: std::time::Duration::from_millis(config.shutdown_grace_ms),
             sender,
             feed,
+            resharding,
             checkpoints: checkpoints.map(|c| {
                 (
                     c,
@@ -278,6 +306,7 @@ impl PsServer {
             shutdown_grace,
             sender,
             feed,
+            resharding,
             ..
         } = self;
         replication.start();
@@ -317,6 +346,9 @@ impl PsServer {
         let _stop_delta = stop_delta.clone().drop_guard();
         let _delta = sender
             .map(|sender| AbortOnDropHandle::new(tokio::spawn(sender.run(stop_delta.clone()))));
+        let _resharding = resharding.map(|resharding| {
+            AbortOnDropHandle::new(tokio::spawn(resharding.run(stop_delta.clone())))
+        });
         let _stop_feed = feed.map(FeedOnDrop);
         let _sweeper = AbortOnDropHandle::new(tokio::spawn(sweeper::run(
             Arc::clone(&stopped.store),

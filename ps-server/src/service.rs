@@ -257,7 +257,11 @@ impl v1::ParameterServer for PsService {
             tables,
             checkpoint: self.checkpoints.as_ref().map(|c| c.health()),
             delta_streams: self.sender.as_ref().map(|s| s.health()).unwrap_or_default(),
-            serving_feed: self.feed.as_ref().map(|f| f.health()),
+            serving_feed: self
+                .feed
+                .as_ref()
+                .filter(|f| f.is_open())
+                .map(|f| f.health()),
             shard_map: self
                 .shard_map
                 .as_ref()

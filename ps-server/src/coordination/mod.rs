@@ -64,6 +64,8 @@ pub struct Coordination {
     /// mode), and its follower (etcd mode, once started).
     shard_map: watch::Receiver<Option<ShardMap>>,
     map_task: Option<AbortOnDropHandle<()>>,
+    /// A client of the cluster's etcd (etcd mode).
+    etcd: Option<tessera_coord::EtcdCoordinator>,
 }
 
 /// How soon a failed read or watch of the shard map is tried again.
@@ -89,14 +91,15 @@ impl Coordination {
         fence: Arc<Fence>,
     ) -> Result<Self, CoordError> {
         let (map_tx, shard_map) = watch::channel(None);
+        let mut etcd = None;
         let plan = match config.coordinator.kind {
             CoordinatorKind::Static => Plan::Fixed(fixed::assign(config, replication)),
-            CoordinatorKind::Etcd => Plan::Etcd(
-                Some(Box::new(
-                    etcd_driver::Driver::new(config, Arc::clone(replication), fence).await?,
-                )),
-                Some(map_tx),
-            ),
+            CoordinatorKind::Etcd => {
+                let driver =
+                    etcd_driver::Driver::new(config, Arc::clone(replication), fence).await?;
+                etcd = Some(driver.coordinator().clone());
+                Plan::Etcd(Some(Box::new(driver)), Some(map_tx))
+            }
         };
         Ok(Self {
             plan,
@@ -104,7 +107,13 @@ impl Coordination {
             task: None,
             shard_map,
             map_task: None,
+            etcd,
         })
+    }
+
+    /// A client of the cluster's etcd (etcd mode only).
+    pub fn etcd(&self) -> Option<tessera_coord::EtcdCoordinator> {
+        self.etcd.clone()
     }
 
     /// The cluster's shard map as this server last read it (`None` in

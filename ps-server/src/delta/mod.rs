@@ -33,6 +33,13 @@
 //!   refuses Fetches (`Unavailable`) while a training shard's rows are
 //!   older than that, so rankers read another copy.
 //!
+//! - **Resizes** (`crate::reshard`) use the same stream inside one
+//!   training cluster: while a shard gives keys to a resize, its primary
+//!   adds a route (`route.rs`) to the receiving shards' servers, rows
+//!   whole (optimizer state, updates applied, expiry stamps) and routed
+//!   by the new shard count; a receiving training server's feed, open
+//!   only then, copies and follows as a serving server does.
+//!
 //! # Consistency
 //!
 //! A serving copy converges to the training fleet: once Pushes stop and
@@ -47,6 +54,7 @@
 mod feed;
 mod follower;
 mod parts;
+mod route;
 mod sender;
 mod service;
 mod source;
@@ -54,6 +62,7 @@ mod source;
 pub use self::feed::{Feed, FeedError};
 pub use self::follower::{Follower, Header, MAX_HELD_BYTES, Resume, Verdict};
 pub use self::parts::{CHUNK_BYTES, PART_BYTES, route as route_rows};
+pub use self::route::ResizePlan;
 pub use self::sender::{Mark, QUEUE_DELTAS, Sender, stall_bound};
 pub use self::service::DeltaService;
 pub use self::source::Sources;

@@ -19,6 +19,10 @@
 //! shard's stream holds a cut back, every server of it waits: the stream
 //! is one sequence for all of them.
 //!
+//! The same cut goes to every route (`route.rs`): the serving fleet's,
+//! and while this server gives keys to a resize, the receiving shards'
+//! servers', with rows whole and routed by the resize's target count.
+//!
 //! A stream is a term of this server as the shard's primary: a new id
 //! whenever it starts leading the shard (at start, after a failover, with
 //! a new epoch), so that no receiver mistakes one term's deltas for
@@ -36,6 +40,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::parts::{pack, route};
+use super::route::{Destination, Outgoing, ResizePlan, Route};
 use crate::config::DeltaConfig;
 use crate::replication::Replication;
 use crate::store::Store;
@@ -88,36 +93,6 @@ struct ShardCounters {
     last_error: Mutex<String>,
 }
 
-/// How a serving server's deliveries go, for the cut's choice between
-/// waiting and dropping.
-#[derive(Debug, Default)]
-struct Delivery {
-    /// Milliseconds from the sender's start to the last delta that
-    /// arrived whole (0: none yet; the start counts as one).
-    last_ok_ms: AtomicU64,
-    /// Whether a delta failed since the last that arrived.
-    failing: std::sync::atomic::AtomicBool,
-}
-
-/// One delta for one serving server: its parts, and the training shard
-/// it is of.
-#[derive(Debug)]
-struct Outgoing {
-    shard: u32,
-    parts: Vec<DeltaRequest>,
-}
-
-#[derive(Debug)]
-struct Destination {
-    /// Serving shard -> hosted here.
-    hosts: Vec<bool>,
-    /// The serving shards it hosts, as configured (sent with each delta,
-    /// which it checks).
-    shards: Vec<u32>,
-    queue: mpsc::Sender<Outgoing>,
-    delivery: Arc<Delivery>,
-}
-
 /// The delta stream of a training server (module docs).
 #[derive(Debug)]
 pub struct Sender {
@@ -128,17 +103,24 @@ pub struct Sender {
     me: String,
     marks: HashMap<u32, Mutex<Mark>>,
     counters: HashMap<u32, ShardCounters>,
-    destinations: Vec<Destination>,
-    /// The queues' receiving ends, taken by [`Sender::run`].
-    receivers: Mutex<Vec<Receiver>>,
+    /// The serving fleet's route (`[delta]`; empty without).
+    serving: Route,
+    /// A resize's route, while this server gives keys to one.
+    resize: Mutex<Option<Arc<Route>>>,
+    /// Queues whose delivery has not started yet (before
+    /// [`Sender::run`], or beside it when a resize's route changes).
+    pending: Mutex<Vec<(Arc<Destination>, mpsc::Receiver<Outgoing>)>>,
+    /// Told when `pending` has queues to start.
+    pending_wake: Notify,
     /// Told whenever a delivery finishes a delta (a queue has room).
     room: Arc<Notify>,
     started: Instant,
     stall: Duration,
+    /// What receivers' clients are made over; let go when `run` ends (a
+    /// transport held by a stopped server's tasks keeps its endpoints).
+    transport: Mutex<Option<Transport>>,
+    channel_config: ChannelConfig,
 }
-
-/// A serving server's end of its queue.
-type Receiver = (String, DeltaClient, mpsc::Receiver<Outgoing>, Arc<Delivery>);
 
 impl Sender {
     /// The stream of `store`'s shards to the serving fleet `config`
@@ -158,29 +140,13 @@ impl Sender {
             ..ChannelConfig::default()
         };
         let mut destinations = Vec::new();
-        let mut receivers = Vec::new();
-        let per_shard = store.hosted().len().max(1);
+        let mut pending = Vec::new();
+        let depth = QUEUE_DELTAS * store.hosted().len().max(1);
         for server in &config.servers {
-            let (queue, rx) = mpsc::channel(QUEUE_DELTAS * per_shard);
-            let delivery = Arc::new(Delivery::default());
-            let mut hosts = vec![false; config.num_shards as usize];
-            for &s in &server.shards {
-                if let Some(h) = hosts.get_mut(s as usize) {
-                    *h = true;
-                }
-            }
-            destinations.push(Destination {
-                hosts,
-                shards: server.shards.clone(),
-                queue,
-                delivery: Arc::clone(&delivery),
-            });
-            let client = DeltaClient::new(Channel::with_transport(
-                &server.address,
-                channel_config.clone(),
-                transport.clone(),
-            ));
-            receivers.push((server.address.clone(), client, rx, delivery));
+            let (dest, rx) =
+                Destination::new(&server.address, &server.shards, config.num_shards, depth);
+            destinations.push(Arc::clone(&dest));
+            pending.push((dest, rx));
         }
         let hosted = store.hosted().to_vec();
         Arc::new(Self {
@@ -193,12 +159,80 @@ impl Sender {
                 .iter()
                 .map(|&s| (s, ShardCounters::default()))
                 .collect(),
-            destinations,
-            receivers: Mutex::new(receivers),
+            serving: Route {
+                num_shards: config.num_shards,
+                whole_rows: config.optimizer_state,
+                destinations,
+                plan: None,
+            },
+            resize: Mutex::new(None),
+            pending: Mutex::new(pending),
+            pending_wake: Notify::new(),
             room: Arc::new(Notify::new()),
             started: Instant::now(),
             stall: stall_bound(config.interval_ms),
+            transport: Mutex::new(Some(transport.clone())),
+            channel_config,
         })
+    }
+
+    /// Ends every shard's stream: the next cut starts a new one, which
+    /// every receiver copies once (changes were not kept for a while).
+    pub fn new_streams(&self) {
+        for mark in self.marks.values() {
+            *mark.locked() = Mark::default();
+        }
+    }
+
+    /// Sends every cut also to the servers of `plan` (a resize this
+    /// server gives keys to), rows whole and routed by its count; `None`
+    /// stops. Servers kept from the last plan keep their queues.
+    pub fn set_resize(&self, plan: Option<ResizePlan>) {
+        let mut resize = self.resize.locked();
+        if resize.as_ref().and_then(|r| r.plan.as_ref()) == plan.as_ref() {
+            return;
+        }
+        let Some(plan) = plan else {
+            if resize.take().is_some() {
+                tracing::info!("resize stream ends");
+            }
+            return;
+        };
+        let depth = QUEUE_DELTAS * self.store.hosted().len().max(1);
+        let mut destinations = Vec::new();
+        let mut started = Vec::new();
+        for (address, shards) in &plan.servers {
+            let kept = resize.as_ref().and_then(|r| {
+                (r.num_shards == plan.num_shards)
+                    .then(|| {
+                        r.destinations
+                            .iter()
+                            .find(|d| &d.address == address && &d.shards == shards)
+                    })
+                    .flatten()
+                    .cloned()
+            });
+            match kept {
+                Some(dest) => destinations.push(dest),
+                None => {
+                    let (dest, rx) = Destination::new(address, shards, plan.num_shards, depth);
+                    destinations.push(Arc::clone(&dest));
+                    started.push((dest, rx));
+                }
+            }
+        }
+        tracing::info!(num_shards = plan.num_shards, servers = ?plan.servers, "resize stream to the receiving shards' servers");
+        *resize = Some(Arc::new(Route {
+            num_shards: plan.num_shards,
+            whole_rows: true,
+            destinations,
+            plan: Some(plan),
+        }));
+        drop(resize);
+        if !started.is_empty() {
+            self.pending.locked().extend(started);
+            self.pending_wake.notify_one();
+        }
     }
 
     /// Where `shard`'s stream stands. The caller holds the shard's write
@@ -239,17 +273,8 @@ impl Sender {
     /// Cuts and sends every interval (or when a shard's changes reach
     /// `max_rows`) until `stop`.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
-        let receivers = std::mem::take(&mut *self.receivers.locked());
         let mut deliveries = tokio::task::JoinSet::new();
-        for (address, client, rx, delivery) in receivers {
-            deliveries.spawn(Arc::clone(&self).deliver(
-                address,
-                client,
-                rx,
-                delivery,
-                stop.clone(),
-            ));
-        }
+        self.start_deliveries(&mut deliveries, &stop);
         let every = Duration::from_millis(self.config.interval_ms);
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -266,8 +291,15 @@ impl Sender {
                 _ = ticks.tick() => true,
                 () = wake.notified(), if waiting.is_empty() => false,
                 () = self.room.notified(), if !waiting.is_empty() => false,
+                () = self.pending_wake.notified() => {
+                    self.start_deliveries(&mut deliveries, &stop);
+                    continue;
+                }
                 () = stop.cancelled() => break,
             };
+            // Deliveries whose queue is gone (a resize's server dropped)
+            // have ended.
+            while deliveries.try_join_next().is_some() {}
             let waited = std::mem::take(&mut waiting);
             for &shard in self.store.hosted() {
                 if (all || waited.contains(&shard) || self.store.changed_rows(shard) >= max_rows)
@@ -278,62 +310,121 @@ impl Sender {
             }
         }
         deliveries.shutdown().await;
+        self.pending.locked().clear();
+        *self.transport.locked() = None;
     }
 
-    /// Whether a cut should wait: some serving server's queue is full
+    /// Starts delivering every pending queue.
+    fn start_deliveries(
+        self: &Arc<Self>,
+        deliveries: &mut tokio::task::JoinSet<()>,
+        stop: &CancellationToken,
+    ) {
+        let pending = std::mem::take(&mut *self.pending.locked());
+        let Some(transport) = self.transport.locked().clone() else {
+            return;
+        };
+        for (dest, rx) in pending {
+            let client = DeltaClient::new(Channel::with_transport(
+                &dest.address,
+                self.channel_config.clone(),
+                transport.clone(),
+            ));
+            deliveries.spawn(Arc::clone(self).deliver(
+                dest.address.clone(),
+                client,
+                rx,
+                Arc::clone(&dest.delivery),
+                stop.clone(),
+            ));
+        }
+    }
+
+    /// Whether a cut should wait: some receiving server's queue is full
     /// while it keeps up (module docs).
-    fn must_wait(&self) -> bool {
+    fn must_wait(&self, routes: &[&Route]) -> bool {
         let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let stall_ms = u64::try_from(self.stall.as_millis()).unwrap_or(u64::MAX);
-        self.destinations.iter().any(|dest| {
-            dest.queue.capacity() == 0
-                && !dest.delivery.failing.load(Ordering::Relaxed)
-                && now_ms.saturating_sub(dest.delivery.last_ok_ms.load(Ordering::Relaxed))
-                    < stall_ms
-        })
+        routes
+            .iter()
+            .flat_map(|r| &r.destinations)
+            .any(|dest| dest.holds_back(now_ms, self.stall))
     }
 
     /// One delta of `shard`, if this server leads it: cut under the write
     /// lock, read, routed and queued; or not cut yet, when a serving
     /// server that keeps up has no room for it.
     async fn cut_and_send(&self, shard: u32) -> Turn {
+        let resize = self.resize.locked().clone();
+        let routes: Vec<&Route> = std::iter::once(&self.serving)
+            .chain(resize.as_deref())
+            .filter(|r| !r.is_empty())
+            .collect();
+        if routes.is_empty() {
+            // Nobody to send to: no cut (the changes keep gathering where
+            // they are kept at all).
+            return Turn::Done;
+        }
         // Only this task queues deltas, so a queue with room now still
         // has it below.
-        if self.must_wait() {
+        if self.must_wait(&routes) {
             if let Some(c) = self.counters.get(&shard) {
                 c.waited.fetch_add(1, Ordering::Relaxed);
             }
             metrics::counter!("tessera_ps_delta_waits_total").increment(1);
             return Turn::Waiting;
         }
-        let Some((mark, changes)) = self.cut(shard).await else {
+        let Some((mark, mut changes)) = self.cut(shard).await else {
             return Turn::Done;
         };
-        let store = Arc::clone(&self.store);
-        let (num_shards, with_state) = (self.config.num_shards, self.config.optimizer_state);
-        let rows_of = tokio::task::spawn_blocking(move || {
-            read_and_route(&store, shard, changes, num_shards, with_state)
-        })
-        .await;
-        let (per_shard, rows, oldest_ms) = match rows_of {
-            Ok(Ok(routed)) => routed,
-            // Not sent: its changes would be lost. The next delta's number
-            // is a gap, so every receiver copies the shard.
-            Ok(Err(err)) => {
-                tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
-                return Turn::Done;
-            }
-            Err(err) => {
-                tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
-                return Turn::Done;
-            }
-        };
-        if let Some(c) = self.counters.get(&shard) {
-            c.rows.fetch_add(rows, Ordering::Relaxed);
-        }
-        metrics::counter!("tessera_ps_delta_rows_total").increment(rows);
         let taken_ms = unix_ms();
-        for dest in &self.destinations {
+        for (i, route) in routes.iter().enumerate() {
+            let store = Arc::clone(&self.store);
+            let changes = if i + 1 == routes.len() {
+                std::mem::take(&mut changes)
+            } else {
+                changes.clone()
+            };
+            let (num_shards, whole) = (route.num_shards, route.whole_rows);
+            let rows_of = tokio::task::spawn_blocking(move || {
+                read_and_route(&store, shard, changes, num_shards, whole)
+            })
+            .await;
+            let (per_shard, rows, oldest_ms) = match rows_of {
+                Ok(Ok(routed)) => routed,
+                // Not sent: its changes would be lost. The next delta's
+                // number is a gap, so every receiver copies the shard.
+                Ok(Err(err)) => {
+                    tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
+                    continue;
+                }
+                Err(err) => {
+                    tracing::warn!(shard, seq = mark.seq, %err, "a delta could not be read; receivers will copy the shard");
+                    continue;
+                }
+            };
+            if i == 0 {
+                if let Some(c) = self.counters.get(&shard) {
+                    c.rows.fetch_add(rows, Ordering::Relaxed);
+                }
+                metrics::counter!("tessera_ps_delta_rows_total").increment(rows);
+            }
+            self.queue(shard, mark, route, &per_shard, oldest_ms, taken_ms);
+        }
+        Turn::Done
+    }
+
+    /// Queues one cut's rows (`per_shard`: by receiving shard of the
+    /// route's count) for every server of `route`.
+    fn queue(
+        &self,
+        shard: u32,
+        mark: Mark,
+        route: &Route,
+        per_shard: &[Vec<DeltaTable>],
+        oldest_ms: u64,
+        taken_ms: u64,
+    ) {
+        for dest in &route.destinations {
             let tables: Vec<DeltaTable> = per_shard
                 .iter()
                 .enumerate()
@@ -358,8 +449,8 @@ impl Sender {
                     oldest_change_unix_ms: oldest_ms,
                     taken_unix_ms: taken_ms,
                     tables,
-                    optimizer_state: with_state,
-                    num_shards,
+                    optimizer_state: route.whole_rows,
+                    num_shards: route.num_shards,
                     shards: dest.shards.clone(),
                 })
                 .collect();
@@ -374,7 +465,6 @@ impl Sender {
                 metrics::counter!("tessera_ps_delta_dropped_total").increment(1);
             }
         }
-        Turn::Done
     }
 
     /// Cuts `shard` under its write lock: the next delta's mark and the
@@ -418,7 +508,7 @@ impl Sender {
         address: String,
         client: DeltaClient,
         mut rx: mpsc::Receiver<Outgoing>,
-        delivery: Arc<Delivery>,
+        delivery: Arc<super::route::Delivery>,
         stop: CancellationToken,
     ) {
         let mut warned: Option<Instant> = None;

@@ -53,8 +53,12 @@ pub struct Store {
     /// Woken when a shard's set of changed keys reaches `delta.max_rows`
     /// (a training server with `[delta]`: `table/changes.rs`).
     changes_wake: std::sync::Arc<tokio::sync::Notify>,
-    /// Whether changed keys are kept for a delta stream.
-    tracks_changes: bool,
+    /// Whether changed keys are kept for a delta stream now: always with
+    /// `[delta]`; while giving keys to a resize in etcd mode
+    /// ([`Store::track_changes_for_resize`]).
+    changes_on: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// `[delta]` on a training server: changes are always kept.
+    delta_configured: bool,
 }
 
 impl Store {
@@ -64,7 +68,12 @@ impl Store {
         hosted.sort_unstable();
         let limits = dedup_limits(config.dedup_max_workers, config.dedup_idle_secs);
         let changes_wake = std::sync::Arc::new(tokio::sync::Notify::new());
-        let tracks_changes = config.delta.enabled() && config.mode == Mode::Training;
+        let delta_configured = config.delta.enabled() && config.mode == Mode::Training;
+        // Sets exist where a stream may need them: with `[delta]`, or on
+        // a training server in etcd mode, which may give keys to a resize.
+        let keeps_sets =
+            delta_configured || (config.mode == Mode::Training && config.coordinator.is_etcd());
+        let changes_on = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(delta_configured));
         let wake_at = usize::try_from(config.delta.max_rows).unwrap_or(usize::MAX);
         Self {
             mode: config.mode,
@@ -89,8 +98,8 @@ impl Store {
                         t.expiry = None;
                     }
                     let mut table = Table::new(t.clone(), config.seed, &hosted, limits);
-                    if tracks_changes {
-                        table.track_changes(wake_at, &changes_wake);
+                    if keeps_sets {
+                        table.track_changes(wake_at, &changes_wake, &changes_on);
                     }
                     (t.name.clone(), table)
                 })
@@ -98,14 +107,36 @@ impl Store {
             writers: hosted.iter().map(|&s| (s, Writer::default())).collect(),
             hosted,
             changes_wake,
-            tracks_changes,
+            changes_on,
+            delta_configured,
         }
     }
 
     /// Whether the keys every Push, expiry and row-creating Fetch changes
-    /// are kept for a delta stream (`table/changes.rs`).
+    /// are kept for a delta stream now (`table/changes.rs`).
     pub fn tracks_changes(&self) -> bool {
-        self.tracks_changes
+        self.changes_on.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Keeps changed keys while this server gives keys to a resize
+    /// (`crate::reshard`), or stops (unless `[delta]` keeps them anyway;
+    /// the sets are emptied then). Returns whether keeping started now
+    /// (changes made before were not kept: a stream must start anew).
+    pub fn track_changes_for_resize(&self, on: bool) -> bool {
+        let on = on || self.delta_configured;
+        let was = self
+            .changes_on
+            .swap(on, std::sync::atomic::Ordering::Relaxed);
+        if was && !on {
+            for table in self.tables.values() {
+                for (_, state) in table.shards() {
+                    if let Some(changes) = &state.changes {
+                        drop(changes.take());
+                    }
+                }
+            }
+        }
+        on && !was
     }
 
     /// Woken when a shard's set of changed keys reaches `delta.max_rows`.

@@ -1,6 +1,8 @@
 //! The rows of a (table, shard) changed since the delta stream last took
-//! them (`crate::delta`): a set of keys, kept only on a training server
-//! with `[delta]`.
+//! them (`crate::delta`): a set of keys, kept on a training server with
+//! `[delta]` always, and on one in etcd mode while it gives keys to a
+//! resize (`crate::reshard`); switched by one flag for the whole store,
+//! so that a server that streams nothing pays one atomic load per write.
 //!
 //! Keys, not rows: the delta reads each changed row's values when it is
 //! sent, so a row pushed a thousand times in an interval is sent once, as
@@ -15,6 +17,7 @@
 //! uncontended but for the sender's [`Changes::take`], once per interval.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tessera_rpc::sync::LockExt;
@@ -30,6 +33,8 @@ pub struct Changes {
     /// Keys at which [`Changes::record`] wakes the sender.
     wake_at: usize,
     wake: Arc<Notify>,
+    /// Whether changes are recorded now (the store's switch).
+    on: Arc<AtomicBool>,
 }
 
 #[derive(Debug, Default)]
@@ -49,18 +54,23 @@ pub struct Taken {
 }
 
 impl Changes {
-    /// An empty set that wakes `wake` once it holds `wake_at` keys.
-    pub fn new(wake_at: usize, wake: Arc<Notify>) -> Self {
+    /// An empty set that wakes `wake` once it holds `wake_at` keys,
+    /// recording while `on` is set.
+    pub fn new(wake_at: usize, wake: Arc<Notify>, on: Arc<AtomicBool>) -> Self {
         Self {
             inner: Mutex::new(Inner::default()),
             wake_at: wake_at.max(1),
             wake,
+            on,
         }
     }
 
     /// Notes that the rows of `keys` changed (were written, created or
     /// removed) at `now_ms` (Unix ms).
     pub fn record(&self, keys: impl IntoIterator<Item = u64>, now_ms: u64) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
         let len = {
             let mut inner = self.inner.locked();
             let before = inner.keys.len();
@@ -111,7 +121,11 @@ mod tests {
 
     #[test]
     fn a_key_changed_many_times_is_taken_once_with_the_oldest_time() {
-        let changes = Changes::new(100, Arc::new(Notify::new()));
+        let changes = Changes::new(
+            100,
+            Arc::new(Notify::new()),
+            Arc::new(AtomicBool::new(true)),
+        );
         changes.record([1, 2, 3], 1_000);
         changes.record([2, 3, 4], 2_000);
         let mut taken = changes.take();
@@ -127,7 +141,7 @@ mod tests {
     #[tokio::test]
     async fn reaching_the_threshold_wakes_the_sender() {
         let wake = Arc::new(Notify::new());
-        let changes = Changes::new(3, Arc::clone(&wake));
+        let changes = Changes::new(3, Arc::clone(&wake), Arc::new(AtomicBool::new(true)));
         changes.record([1, 2], 1);
         changes.record([2], 1);
         // Not yet: a permit would make this resolve at once.

@@ -187,9 +187,18 @@ impl Table {
     /// Keeps the keys each hosted shard changes for the delta stream
     /// (`table/changes.rs`), waking `wake` when a shard's set reaches
     /// `wake_at` keys.
-    pub fn track_changes(&mut self, wake_at: usize, wake: &std::sync::Arc<tokio::sync::Notify>) {
+    pub fn track_changes(
+        &mut self,
+        wake_at: usize,
+        wake: &std::sync::Arc<tokio::sync::Notify>,
+        on: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) {
         for state in self.shards.values_mut() {
-            state.changes = Some(changes::Changes::new(wake_at, std::sync::Arc::clone(wake)));
+            state.changes = Some(changes::Changes::new(
+                wake_at,
+                std::sync::Arc::clone(wake),
+                std::sync::Arc::clone(on),
+            ));
         }
     }
 

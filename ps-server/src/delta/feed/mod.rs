@@ -4,6 +4,11 @@
 //! (`source.rs`), then the deltas held meanwhile; and how fresh the rows
 //! are, for Health, metrics and the `serving.max_delay_ms` bound.
 //!
+//! A training server in etcd mode has a feed too, closed but while one of
+//! its shards receives keys in a resize (`crate::reshard`): the giving
+//! shards' primaries stream it their moving rows, whole, and it follows
+//! them exactly as a serving server follows its training fleet.
+//!
 //! Deltas of one training shard are applied one at a time (a lock per
 //! training shard, held while one applies); different training shards
 //! apply side by side. Rows are written under the serving shard's write
@@ -23,16 +28,16 @@ use tessera_rpc::sync::LockExt;
 use tessera_rpc::{Channel, ChannelConfig, RpcError, Status, Transport};
 use tokio_util::sync::CancellationToken;
 
+mod copy;
+mod write;
+
+use self::write::write_tables;
 use super::follower::{Follower, Header, Verdict};
 use crate::store::{Store, StoreError};
 use crate::table::changes::unix_ms;
 
 /// The keys a copy held, by table.
 type Seen = Mutex<HashMap<String, HashSet<u64>>>;
-
-/// How long a failed copy waits before the next try, at first and at
-/// most.
-const COPY_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
 /// How often a warning about one training shard is logged at most.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -107,12 +112,60 @@ pub struct Feed {
     clients: Mutex<HashMap<String, DeltaClient>>,
     stop: CancellationToken,
     weak: Weak<Feed>,
+    /// A training server's feed: `Some(the resize's shard count)` while
+    /// one of its shards receives keys, `None` while closed. Absent on a
+    /// serving server, which always takes deltas.
+    resize_gate: Option<Mutex<Option<u32>>>,
 }
 
 impl Feed {
     /// The feed of `store`, refusing Fetches while older than
     /// `max_delay_ms` (0: never), copying over `transport`.
     pub fn new(store: Arc<Store>, max_delay_ms: u64, transport: &Transport) -> Arc<Self> {
+        Self::build(store, max_delay_ms, transport, None)
+    }
+
+    /// A training server's feed for resizes: closed until
+    /// [`Feed::open_for_resize`].
+    pub fn for_resizes(store: Arc<Store>, transport: &Transport) -> Arc<Self> {
+        Self::build(store, 0, transport, Some(Mutex::new(None)))
+    }
+
+    /// Takes deltas routed by `num_shards` (a resize's target, in which a
+    /// shard of this server receives keys), or, with `None`, refuses
+    /// deltas again and forgets the streams followed (a later resize
+    /// starts with copies). A no-op on a serving server's feed.
+    pub fn open_for_resize(&self, num_shards: Option<u32>) {
+        let Some(gate) = &self.resize_gate else {
+            return;
+        };
+        let mut gate = gate.locked();
+        if *gate == num_shards {
+            return;
+        }
+        *gate = num_shards;
+        if num_shards.is_none() {
+            self.slots.locked().clear();
+            *self.status.locked() = Published::default();
+            self.source_shards.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether it takes deltas now (a serving server's always; a
+    /// training server's while one of its shards receives keys): Health
+    /// reports it then.
+    pub fn is_open(&self) -> bool {
+        self.resize_gate
+            .as_ref()
+            .is_none_or(|gate| gate.locked().is_some())
+    }
+
+    fn build(
+        store: Arc<Store>,
+        max_delay_ms: u64,
+        transport: &Transport,
+        resize_gate: Option<Mutex<Option<u32>>>,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|weak| Self {
             store,
             max_delay: (max_delay_ms > 0).then(|| Duration::from_millis(max_delay_ms)),
@@ -125,6 +178,7 @@ impl Feed {
             clients: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             weak: weak.clone(),
+            resize_gate,
         })
     }
 
@@ -208,6 +262,16 @@ impl Feed {
     }
 
     async fn apply_in_order(&self, request: DeltaRequest) -> Result<DeltaResponse, Status> {
+        if let Some(gate) = &self.resize_gate {
+            let open = *gate.locked();
+            if open != Some(request.num_shards) {
+                return Err(Status::failed_precondition(format!(
+                    "this training server takes no rows routed by {} shards now (no shard of it receives keys in the cluster's resize{})",
+                    request.num_shards,
+                    open.map_or(String::new(), |n| format!(" to {n} shards"))
+                )));
+            }
+        }
         if request.source_shards == 0 || request.source_shard >= request.source_shards {
             return Err(Status::invalid_argument(format!(
                 "source shard {} of {} does not exist",
@@ -337,198 +401,6 @@ impl Feed {
             .map_err(|err| FeedError::Task(err.to_string()))?
     }
 
-    /// Copies `shard` until a copy is in and the stream resumes after it.
-    async fn copy_loop(self: Arc<Self>, shard: u32) {
-        let slot = self.slot(shard);
-        let mut backoff = COPY_BACKOFF.0;
-        loop {
-            let (from, with_state) = {
-                let slot = slot.lock().await;
-                (slot.follower.source().to_owned(), slot.optimizer_state)
-            };
-            let copied = tokio::select! {
-                copied = self.copy_once(shard, &from, with_state) => copied,
-                () = self.stop.cancelled() => return,
-            };
-            let mut guard = slot.lock().await;
-            match copied {
-                Ok(mark) => {
-                    backoff = COPY_BACKOFF.0;
-                    guard.copies += 1;
-                    guard.rows_applied += mark.rows;
-                    guard.epoch = mark.epoch;
-                    guard.position = mark.position;
-                    metrics::counter!("tessera_ps_serving_copies_total").increment(1);
-                    tracing::info!(source_shard = shard, from = %from, rows = mark.rows, took = ?mark.took, "copied a training shard's rows");
-                    let resume =
-                        guard
-                            .follower
-                            .handle_copied(mark.stream, mark.seq, mark.epoch, mark.asked);
-                    for request in resume.apply {
-                        self.apply_delta(&mut guard, request).await;
-                    }
-                    if !resume.copy_again && !guard.follower.copying() {
-                        guard.copy_running = false;
-                        self.publish(shard, &guard);
-                        return;
-                    }
-                    self.publish(shard, &guard);
-                }
-                Err(err) => {
-                    guard.follower.handle_copy_failed();
-                    self.warn(&mut guard, shard, &err);
-                    drop(guard);
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        () = self.stop.cancelled() => return,
-                    }
-                    backoff = (backoff * 2).min(COPY_BACKOFF.1);
-                }
-            }
-        }
-    }
-
-    /// One copy of the rows this server hosts from training shard `shard`
-    /// at `from`; then drops the rows of that training shard the copy did
-    /// not hold.
-    async fn copy_once(
-        &self,
-        shard: u32,
-        from: &str,
-        with_state: bool,
-    ) -> Result<Copied, FeedError> {
-        if from.is_empty() {
-            return Err(FeedError::NoSource);
-        }
-        let started = Instant::now();
-        let client = self.client(from).ok_or(FeedError::NoSource)?;
-        let mut session = 0;
-        let copied = self
-            .copy_pages(shard, from, with_state, &client, &mut session)
-            .await;
-        if copied.is_err() && session != 0 {
-            // Best effort: the source lets the snapshot go now rather than
-            // when it has been idle long enough.
-            let _ = client
-                .copy(DeltaCopyRequest {
-                    session,
-                    release: true,
-                    ..DeltaCopyRequest::default()
-                })
-                .await;
-        }
-        let (mark, rows) = copied?;
-        let (stream, seq, epoch, position) = mark;
-        Ok(Copied {
-            stream,
-            seq,
-            epoch,
-            position,
-            rows,
-            asked: started,
-            took: started.elapsed(),
-        })
-    }
-
-    /// The pages of one copy, written as they come; then the rows of that
-    /// training shard the copy did not hold are removed. Returns the
-    /// copy's mark (stream, seq, epoch, position) and rows.
-    async fn copy_pages(
-        &self,
-        shard: u32,
-        from: &str,
-        with_state: bool,
-        client: &DeltaClient,
-        session: &mut u64,
-    ) -> Result<((u64, u64, u64, u64), u64), FeedError> {
-        let mut request = DeltaCopyRequest {
-            source_shard: shard,
-            num_shards: self.store.num_shards(),
-            shards: self.store.hosted().to_vec(),
-            optimizer_state: with_state,
-            ..DeltaCopyRequest::default()
-        };
-        let seen: Arc<Seen> = Arc::new(Mutex::new(HashMap::new()));
-        let mut mark = None;
-        let mut rows = 0u64;
-        loop {
-            let page = client
-                .copy(request.clone())
-                .await
-                .map_err(|source| FeedError::Rpc {
-                    addr: from.to_owned(),
-                    source,
-                })?;
-            if mark.is_none() {
-                mark = Some((page.stream, page.seq, page.epoch, page.position));
-            }
-            *session = page.session;
-            rows += page.tables.iter().map(|t| t.keys.len() as u64).sum::<u64>();
-            self.write(page.tables, Some(Arc::clone(&seen))).await?;
-            if page.done {
-                break;
-            }
-            request.session = page.session;
-            request.table = page.next_table;
-            request.row = page.next_row;
-        }
-        // Rows of this training shard that it no longer has (removed
-        // while this server was out of the stream).
-        let store = Arc::clone(&self.store);
-        let source_shards = self.source_shards.load(Ordering::Relaxed).max(1);
-        let removed = tokio::task::spawn_blocking(move || {
-            let seen = seen.locked();
-            let mut removed = 0usize;
-            for &serving in store.hosted() {
-                let Some(writing) = store.lock_shard(serving) else {
-                    continue;
-                };
-                let names: Vec<String> = store.tables().map(|t| t.config().name.clone()).collect();
-                for name in names {
-                    let kept = seen.get(&name);
-                    let gone = store.keys_where(&writing, &name, |k| {
-                        shard_for_key(k, source_shards) == shard
-                            && !kept.is_some_and(|kept| kept.contains(&k))
-                    });
-                    removed += store.remove_rows(&writing, &name, &gone).unwrap_or(0);
-                }
-            }
-            removed
-        })
-        .await
-        .map_err(|err| FeedError::Task(err.to_string()))?;
-        if removed > 0 {
-            tracing::info!(
-                source_shard = shard,
-                removed,
-                "removed rows the training shard no longer has"
-            );
-        }
-        *session = 0;
-        Ok((mark.unwrap_or_default(), rows))
-    }
-
-    fn client(&self, addr: &str) -> Option<DeltaClient> {
-        let transport = self.transport.locked().clone()?;
-        Some(
-            self.clients
-                .locked()
-                .entry(addr.to_owned())
-                .or_insert_with(|| {
-                    DeltaClient::new(Channel::with_transport(
-                        addr,
-                        ChannelConfig {
-                            connect_timeout_ms: 1000,
-                            request_timeout_ms: 30_000,
-                            ..ChannelConfig::default()
-                        },
-                        transport,
-                    ))
-                })
-                .clone(),
-        )
-    }
-
     fn warn(&self, slot: &mut Slot, shard: u32, err: &dyn std::fmt::Display) {
         if slot.warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
             tracing::warn!(source_shard = shard, %err, "the delta stream of a training shard is interrupted here");
@@ -578,140 +450,4 @@ impl Feed {
         self.fresh_until
             .store(until.unwrap_or(0), Ordering::Relaxed);
     }
-}
-
-/// A copy's mark and size.
-#[derive(Debug)]
-struct Copied {
-    stream: u64,
-    seq: u64,
-    epoch: u64,
-    position: u64,
-    rows: u64,
-    /// When it was asked for (its rows are at least that fresh).
-    asked: Instant,
-    took: Duration,
-}
-
-/// Writes rows and removals of `tables` into `store`, each chunk's rows
-/// under their serving shard's write lock.
-fn write_tables(
-    store: &Store,
-    tables: &[DeltaTable],
-    seen: Option<&Seen>,
-) -> Result<(), FeedError> {
-    let n = store.num_shards();
-    for table in tables {
-        let row_bytes = store.row_bytes(&table.name)?;
-        let state_bytes = if table.keys.is_empty() {
-            0
-        } else {
-            table.state.len() / table.keys.len()
-        };
-        if table.state.len() != state_bytes * table.keys.len() {
-            return Err(StoreError::DeltaLength {
-                table: table.name.clone(),
-                part: "state",
-                keys: table.keys.len(),
-                expected: state_bytes * table.keys.len(),
-                got: table.state.len(),
-            }
-            .into());
-        }
-        for (part, got) in [("steps", table.steps.len()), ("stamps", table.stamps.len())] {
-            if got != 0 && got != table.keys.len() {
-                return Err(StoreError::DeltaLength {
-                    table: table.name.clone(),
-                    part,
-                    keys: table.keys.len(),
-                    expected: table.keys.len(),
-                    got,
-                }
-                .into());
-            }
-        }
-        if table.values.len() != table.keys.len() * row_bytes {
-            return Err(StoreError::DeltaLength {
-                table: table.name.clone(),
-                part: "values",
-                keys: table.keys.len(),
-                expected: table.keys.len() * row_bytes,
-                got: table.values.len(),
-            }
-            .into());
-        }
-        // Rows by serving shard, in order.
-        let mut by_shard: HashMap<u32, Vec<usize>> = HashMap::new();
-        for (i, &k) in table.keys.iter().enumerate() {
-            by_shard.entry(shard_for_key(k, n)).or_default().push(i);
-        }
-        if by_shard.len() == 1
-            && let Some(&shard) = by_shard.keys().next()
-        {
-            // One serving shard (the sender routes per shard, so nearly
-            // always): the rows as they came, no copy.
-            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
-                shard,
-                hosted: store.hosted().to_vec(),
-            })?;
-            store.put_whole_rows(
-                &writing,
-                &table.name,
-                &table.keys,
-                &table.values,
-                &table.state,
-                &table.steps,
-                &table.stamps,
-            )?;
-            by_shard.clear();
-        }
-        for (shard, rows) in by_shard {
-            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
-                shard,
-                hosted: store.hosted().to_vec(),
-            })?;
-            let keys: Vec<u64> = rows.iter().map(|&i| table.keys[i]).collect();
-            let mut values = Vec::with_capacity(rows.len() * row_bytes);
-            let mut state = Vec::with_capacity(rows.len() * state_bytes);
-            for &i in &rows {
-                values.extend_from_slice(&table.values[i * row_bytes..(i + 1) * row_bytes]);
-                if state_bytes > 0 {
-                    state.extend_from_slice(&table.state[i * state_bytes..(i + 1) * state_bytes]);
-                }
-            }
-            // (Each empty or one per key: checked above.)
-            let pick = |all: &[u32]| -> Vec<u32> {
-                if all.is_empty() {
-                    Vec::new()
-                } else {
-                    rows.iter().map(|&i| all[i]).collect()
-                }
-            };
-            store.put_whole_rows(
-                &writing,
-                &table.name,
-                &keys,
-                &values,
-                &state,
-                &pick(&table.steps),
-                &pick(&table.stamps),
-            )?;
-        }
-        let mut removed: HashMap<u32, Vec<u64>> = HashMap::new();
-        for &k in &table.removed {
-            removed.entry(shard_for_key(k, n)).or_default().push(k);
-        }
-        for (shard, keys) in removed {
-            if let Some(writing) = store.lock_shard(shard) {
-                store.remove_rows(&writing, &table.name, &keys)?;
-            }
-        }
-        if let Some(seen) = seen {
-            seen.locked()
-                .entry(table.name.clone())
-                .or_default()
-                .extend(table.keys.iter().copied());
-        }
-    }
-    Ok(())
 }

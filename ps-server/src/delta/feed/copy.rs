@@ -1,0 +1,220 @@
+//! A feed's copies of a training shard (or, in a resize, of a giving
+//! shard): on a gap, the rows this server hosts are copied page by page
+//! from the shard's primary (`delta/source.rs`), the rows of that shard
+//! the copy no longer holds are removed, and the deltas held meanwhile
+//! are applied; a failed copy is tried again with a growing pause.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// How long a failed copy waits before the next try, at first and at
+/// most.
+const COPY_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
+
+/// A copy's mark and size.
+#[derive(Debug)]
+struct Copied {
+    stream: u64,
+    seq: u64,
+    epoch: u64,
+    position: u64,
+    rows: u64,
+    /// When it was asked for (its rows are at least that fresh).
+    asked: Instant,
+    took: Duration,
+}
+
+impl Feed {
+    /// Copies `shard` until a copy is in and the stream resumes after it.
+    pub(super) async fn copy_loop(self: Arc<Self>, shard: u32) {
+        let slot = self.slot(shard);
+        let mut backoff = COPY_BACKOFF.0;
+        loop {
+            let (from, with_state) = {
+                let slot = slot.lock().await;
+                (slot.follower.source().to_owned(), slot.optimizer_state)
+            };
+            let copied = tokio::select! {
+                copied = self.copy_once(shard, &from, with_state) => copied,
+                () = self.stop.cancelled() => return,
+            };
+            let mut guard = slot.lock().await;
+            match copied {
+                Ok(mark) => {
+                    backoff = COPY_BACKOFF.0;
+                    guard.copies += 1;
+                    guard.rows_applied += mark.rows;
+                    guard.epoch = mark.epoch;
+                    guard.position = mark.position;
+                    metrics::counter!("tessera_ps_serving_copies_total").increment(1);
+                    tracing::info!(source_shard = shard, from = %from, rows = mark.rows, took = ?mark.took, "copied a training shard's rows");
+                    let resume =
+                        guard
+                            .follower
+                            .handle_copied(mark.stream, mark.seq, mark.epoch, mark.asked);
+                    for request in resume.apply {
+                        self.apply_delta(&mut guard, request).await;
+                    }
+                    if !resume.copy_again && !guard.follower.copying() {
+                        guard.copy_running = false;
+                        self.publish(shard, &guard);
+                        return;
+                    }
+                    self.publish(shard, &guard);
+                }
+                Err(err) => {
+                    guard.follower.handle_copy_failed();
+                    self.warn(&mut guard, shard, &err);
+                    drop(guard);
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = self.stop.cancelled() => return,
+                    }
+                    backoff = (backoff * 2).min(COPY_BACKOFF.1);
+                }
+            }
+        }
+    }
+
+    /// One copy of the rows this server hosts from training shard `shard`
+    /// at `from`; then drops the rows of that training shard the copy did
+    /// not hold.
+    async fn copy_once(
+        &self,
+        shard: u32,
+        from: &str,
+        with_state: bool,
+    ) -> Result<Copied, FeedError> {
+        if from.is_empty() {
+            return Err(FeedError::NoSource);
+        }
+        let started = Instant::now();
+        let client = self.client(from).ok_or(FeedError::NoSource)?;
+        let mut session = 0;
+        let copied = self
+            .copy_pages(shard, from, with_state, &client, &mut session)
+            .await;
+        if copied.is_err() && session != 0 {
+            // Best effort: the source lets the snapshot go now rather than
+            // when it has been idle long enough.
+            let _ = client
+                .copy(DeltaCopyRequest {
+                    session,
+                    release: true,
+                    ..DeltaCopyRequest::default()
+                })
+                .await;
+        }
+        let (mark, rows) = copied?;
+        let (stream, seq, epoch, position) = mark;
+        Ok(Copied {
+            stream,
+            seq,
+            epoch,
+            position,
+            rows,
+            asked: started,
+            took: started.elapsed(),
+        })
+    }
+
+    /// The pages of one copy, written as they come; then the rows of that
+    /// training shard the copy did not hold are removed. Returns the
+    /// copy's mark (stream, seq, epoch, position) and rows.
+    async fn copy_pages(
+        &self,
+        shard: u32,
+        from: &str,
+        with_state: bool,
+        client: &DeltaClient,
+        session: &mut u64,
+    ) -> Result<((u64, u64, u64, u64), u64), FeedError> {
+        let mut request = DeltaCopyRequest {
+            source_shard: shard,
+            num_shards: self.store.num_shards(),
+            shards: self.store.hosted().to_vec(),
+            optimizer_state: with_state,
+            ..DeltaCopyRequest::default()
+        };
+        let seen: Arc<Seen> = Arc::new(Mutex::new(HashMap::new()));
+        let mut mark = None;
+        let mut rows = 0u64;
+        loop {
+            let page = client
+                .copy(request.clone())
+                .await
+                .map_err(|source| FeedError::Rpc {
+                    addr: from.to_owned(),
+                    source,
+                })?;
+            if mark.is_none() {
+                mark = Some((page.stream, page.seq, page.epoch, page.position));
+            }
+            *session = page.session;
+            rows += page.tables.iter().map(|t| t.keys.len() as u64).sum::<u64>();
+            self.write(page.tables, Some(Arc::clone(&seen))).await?;
+            if page.done {
+                break;
+            }
+            request.session = page.session;
+            request.table = page.next_table;
+            request.row = page.next_row;
+        }
+        // Rows of this training shard that it no longer has (removed
+        // while this server was out of the stream).
+        let store = Arc::clone(&self.store);
+        let source_shards = self.source_shards.load(Ordering::Relaxed).max(1);
+        let removed = tokio::task::spawn_blocking(move || {
+            let seen = seen.locked();
+            let mut removed = 0usize;
+            for &serving in store.hosted() {
+                let Some(writing) = store.lock_shard(serving) else {
+                    continue;
+                };
+                let names: Vec<String> = store.tables().map(|t| t.config().name.clone()).collect();
+                for name in names {
+                    let kept = seen.get(&name);
+                    let gone = store.keys_where(&writing, &name, |k| {
+                        shard_for_key(k, source_shards) == shard
+                            && !kept.is_some_and(|kept| kept.contains(&k))
+                    });
+                    removed += store.remove_rows(&writing, &name, &gone).unwrap_or(0);
+                }
+            }
+            removed
+        })
+        .await
+        .map_err(|err| FeedError::Task(err.to_string()))?;
+        if removed > 0 {
+            tracing::info!(
+                source_shard = shard,
+                removed,
+                "removed rows the training shard no longer has"
+            );
+        }
+        *session = 0;
+        Ok((mark.unwrap_or_default(), rows))
+    }
+
+    fn client(&self, addr: &str) -> Option<DeltaClient> {
+        let transport = self.transport.locked().clone()?;
+        Some(
+            self.clients
+                .locked()
+                .entry(addr.to_owned())
+                .or_insert_with(|| {
+                    DeltaClient::new(Channel::with_transport(
+                        addr,
+                        ChannelConfig {
+                            connect_timeout_ms: 1000,
+                            request_timeout_ms: 30_000,
+                            ..ChannelConfig::default()
+                        },
+                        transport,
+                    ))
+                })
+                .clone(),
+        )
+    }
+}

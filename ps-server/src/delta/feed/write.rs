@@ -1,0 +1,127 @@
+//! Writing a delta's rows into the store: each table chunk's rows under
+//! their shard's write lock, on a blocking thread.
+
+use super::*;
+
+/// Writes rows and removals of `tables` into `store`, each chunk's rows
+/// under their serving shard's write lock.
+pub(super) fn write_tables(
+    store: &Store,
+    tables: &[DeltaTable],
+    seen: Option<&Seen>,
+) -> Result<(), FeedError> {
+    let n = store.num_shards();
+    for table in tables {
+        let row_bytes = store.row_bytes(&table.name)?;
+        let state_bytes = if table.keys.is_empty() {
+            0
+        } else {
+            table.state.len() / table.keys.len()
+        };
+        if table.state.len() != state_bytes * table.keys.len() {
+            return Err(StoreError::DeltaLength {
+                table: table.name.clone(),
+                part: "state",
+                keys: table.keys.len(),
+                expected: state_bytes * table.keys.len(),
+                got: table.state.len(),
+            }
+            .into());
+        }
+        for (part, got) in [("steps", table.steps.len()), ("stamps", table.stamps.len())] {
+            if got != 0 && got != table.keys.len() {
+                return Err(StoreError::DeltaLength {
+                    table: table.name.clone(),
+                    part,
+                    keys: table.keys.len(),
+                    expected: table.keys.len(),
+                    got,
+                }
+                .into());
+            }
+        }
+        if table.values.len() != table.keys.len() * row_bytes {
+            return Err(StoreError::DeltaLength {
+                table: table.name.clone(),
+                part: "values",
+                keys: table.keys.len(),
+                expected: table.keys.len() * row_bytes,
+                got: table.values.len(),
+            }
+            .into());
+        }
+        // Rows by serving shard, in order.
+        let mut by_shard: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, &k) in table.keys.iter().enumerate() {
+            by_shard.entry(shard_for_key(k, n)).or_default().push(i);
+        }
+        if by_shard.len() == 1
+            && let Some(&shard) = by_shard.keys().next()
+        {
+            // One serving shard (the sender routes per shard, so nearly
+            // always): the rows as they came, no copy.
+            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
+                shard,
+                hosted: store.hosted().to_vec(),
+            })?;
+            store.put_whole_rows(
+                &writing,
+                &table.name,
+                &table.keys,
+                &table.values,
+                &table.state,
+                &table.steps,
+                &table.stamps,
+            )?;
+            by_shard.clear();
+        }
+        for (shard, rows) in by_shard {
+            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
+                shard,
+                hosted: store.hosted().to_vec(),
+            })?;
+            let keys: Vec<u64> = rows.iter().map(|&i| table.keys[i]).collect();
+            let mut values = Vec::with_capacity(rows.len() * row_bytes);
+            let mut state = Vec::with_capacity(rows.len() * state_bytes);
+            for &i in &rows {
+                values.extend_from_slice(&table.values[i * row_bytes..(i + 1) * row_bytes]);
+                if state_bytes > 0 {
+                    state.extend_from_slice(&table.state[i * state_bytes..(i + 1) * state_bytes]);
+                }
+            }
+            // (Each empty or one per key: checked above.)
+            let pick = |all: &[u32]| -> Vec<u32> {
+                if all.is_empty() {
+                    Vec::new()
+                } else {
+                    rows.iter().map(|&i| all[i]).collect()
+                }
+            };
+            store.put_whole_rows(
+                &writing,
+                &table.name,
+                &keys,
+                &values,
+                &state,
+                &pick(&table.steps),
+                &pick(&table.stamps),
+            )?;
+        }
+        let mut removed: HashMap<u32, Vec<u64>> = HashMap::new();
+        for &k in &table.removed {
+            removed.entry(shard_for_key(k, n)).or_default().push(k);
+        }
+        for (shard, keys) in removed {
+            if let Some(writing) = store.lock_shard(shard) {
+                store.remove_rows(&writing, &table.name, &keys)?;
+            }
+        }
+        if let Some(seen) = seen {
+            seen.locked()
+                .entry(table.name.clone())
+                .or_default()
+                .extend(table.keys.iter().copied());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! Where a training server's deltas go: a **route** is a shard count to
+//! route rows by, whether rows go whole (optimizer state, updates applied,
+//! expiry stamps) and the servers that receive them, each behind a queue
+//! of its own with one call in flight (`sender.rs` delivers). A training
+//! server has up to two: the serving fleet's (`[delta]`, fixed at start)
+//! and a resize's (the receiving shards' servers, whole rows, set while
+//! it gives keys to one: `crate::reshard`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use tessera_proto::v1::DeltaRequest;
+
+/// How a receiving server's deliveries go, for the cut's choice between
+/// waiting and dropping.
+#[derive(Debug, Default)]
+pub(super) struct Delivery {
+    /// Milliseconds from the sender's start to the last delta that
+    /// arrived whole (0: none yet; the start counts as one).
+    pub last_ok_ms: AtomicU64,
+    /// Whether a delta failed since the last that arrived.
+    pub failing: AtomicBool,
+}
+
+/// One delta for one receiving server: its parts, and the training shard
+/// it is of.
+#[derive(Debug)]
+pub(super) struct Outgoing {
+    pub shard: u32,
+    pub parts: Vec<DeltaRequest>,
+}
+
+/// One receiving server of a route.
+#[derive(Debug)]
+pub(super) struct Destination {
+    pub address: String,
+    /// Receiving shard -> hosted there.
+    pub hosts: Vec<bool>,
+    /// The receiving shards it hosts (sent with each delta, which it
+    /// checks).
+    pub shards: Vec<u32>,
+    pub queue: mpsc::Sender<Outgoing>,
+    pub delivery: Arc<Delivery>,
+}
+
+impl Destination {
+    /// A destination at `address` hosting `shards` of `num_shards`, with
+    /// a queue of `depth` deltas, and the queue's receiving end.
+    pub fn new(
+        address: &str,
+        shards: &[u32],
+        num_shards: u32,
+        depth: usize,
+    ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
+        let (queue, rx) = mpsc::channel(depth.max(1));
+        let mut hosts = vec![false; num_shards as usize];
+        for &s in shards {
+            if let Some(h) = hosts.get_mut(s as usize) {
+                *h = true;
+            }
+        }
+        (
+            Arc::new(Self {
+                address: address.to_owned(),
+                hosts,
+                shards: shards.to_vec(),
+                queue,
+                delivery: Arc::new(Delivery::default()),
+            }),
+            rx,
+        )
+    }
+
+    /// Whether a cut should wait for this destination: its queue is full
+    /// while it keeps up (a delta arrived within `stall`, none failed
+    /// since), `now_ms` after the sender's start.
+    pub fn holds_back(&self, now_ms: u64, stall: Duration) -> bool {
+        let stall_ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
+        self.queue.capacity() == 0
+            && !self.delivery.failing.load(Ordering::Relaxed)
+            && now_ms.saturating_sub(self.delivery.last_ok_ms.load(Ordering::Relaxed)) < stall_ms
+    }
+}
+
+/// The servers a resize's deltas go to, as `crate::reshard` sets them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResizePlan {
+    /// The shard count after the resize: rows are routed by it.
+    pub num_shards: u32,
+    /// Each receiving server's address and the receiving shards it
+    /// hosts.
+    pub servers: Vec<(String, Vec<u32>)>,
+}
+
+/// A shard count, whether rows go whole, and the servers (module docs).
+#[derive(Debug)]
+pub(super) struct Route {
+    pub num_shards: u32,
+    pub whole_rows: bool,
+    pub destinations: Vec<Arc<Destination>>,
+    /// What it was built from (a resize's plan), to tell a change.
+    pub plan: Option<ResizePlan>,
+}
+
+impl Route {
+    /// Whether it sends anywhere.
+    pub fn is_empty(&self) -> bool {
+        self.destinations.is_empty()
+    }
+}
