@@ -630,23 +630,32 @@ impl std::fmt::Debug for ShardMapWatch {
     }
 }
 
+/// A watch's next answer; an error when the watch broke or was
+/// cancelled.
+async fn next_answer(
+    stream: &mut etcd_client::WatchStream,
+    endpoints: &str,
+) -> Result<etcd_client::WatchResponse, CoordError> {
+    let answer = stream
+        .message()
+        .await
+        .map_err(|source| CoordError::Etcd {
+            endpoints: endpoints.to_owned(),
+            source,
+        })?
+        .ok_or(CoordError::WatchEnded)?;
+    if answer.canceled() {
+        return Err(CoordError::WatchEnded);
+    }
+    Ok(answer)
+}
+
 impl ShardMapWatch {
     /// The next map written; an error when the watch broke or the key
     /// was deleted (the caller reads the map again and watches anew).
     pub async fn next(&mut self) -> Result<ShardMap, CoordError> {
         loop {
-            let answer = self
-                .stream
-                .message()
-                .await
-                .map_err(|source| CoordError::Etcd {
-                    endpoints: self.endpoints.clone(),
-                    source,
-                })?
-                .ok_or(CoordError::WatchEnded)?;
-            if answer.canceled() {
-                return Err(CoordError::WatchEnded);
-            }
+            let answer = next_answer(&mut self.stream, &self.endpoints).await?;
             let mut latest = None;
             for event in answer.events() {
                 let Some(kv) = event.kv() else { continue };
@@ -667,18 +676,7 @@ impl PrimaryWatch {
     /// caller reads the primaries again and watches anew).
     pub async fn next(&mut self) -> Result<Vec<PrimaryChange>, CoordError> {
         loop {
-            let answer = self
-                .stream
-                .message()
-                .await
-                .map_err(|source| CoordError::Etcd {
-                    endpoints: self.endpoints.clone(),
-                    source,
-                })?
-                .ok_or(CoordError::WatchEnded)?;
-            if answer.canceled() {
-                return Err(CoordError::WatchEnded);
-            }
+            let answer = next_answer(&mut self.stream, &self.endpoints).await?;
             let mut changes = Vec::new();
             for event in answer.events() {
                 let Some(kv) = event.kv() else { continue };

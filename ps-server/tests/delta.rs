@@ -603,13 +603,9 @@ impl v1::Delta for Gated {
     }
 }
 
-/// A serving server that is slow but keeping up (its first delta held
-/// while the training server cuts every 20 ms, well past its queue of 4)
-/// gets every change in fewer, larger deltas, numbered without a gap: no
-/// delta dropped, so no copy of the shard. Before, the fifth cut behind a
-/// full queue was dropped and the server had to copy the whole shard.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
+/// A [`Gated`] serving server (its gate closed), the layout naming it as
+/// the one serving shard, and its task.
+async fn start_gated() -> (Gated, Vec<(u32, u32, String)>, tokio::task::JoinHandle<()>) {
     let gated = Gated {
         seen: Default::default(),
         gate: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
@@ -621,10 +617,19 @@ async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
         .bind("127.0.0.1:0")
         .await
         .unwrap();
-    let serving_addr = server.local_addr().to_string();
-    let serving_task = tokio::spawn(server.serve_with_shutdown(std::future::pending::<()>()));
+    let layout = vec![(0, 0, server.local_addr().to_string())];
+    let task = tokio::spawn(server.serve_with_shutdown(std::future::pending::<()>()));
+    (gated, layout, task)
+}
 
-    let layout = vec![(0, 0, serving_addr)];
+/// A serving server that is slow but keeping up (its first delta held
+/// while the training server cuts every 20 ms, well past its queue of 4)
+/// gets every change in fewer, larger deltas, numbered without a gap: no
+/// delta dropped, so no copy of the shard. Before, the fifth cut behind a
+/// full queue was dropped and the server had to copy the whole shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
+    let (gated, layout, serving_task) = start_gated().await;
     let training = InProcess::start(&PsServerConfig {
         listen: free_addr(),
         num_shards: 1,
@@ -723,19 +728,7 @@ async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
 /// on for the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_serving_server_loses_deltas_instead_of_holding_the_stream() {
-    let gated = Gated {
-        seen: Default::default(),
-        gate: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
-        arrived: Default::default(),
-    };
-    let server = Server::builder(ServerConfig::default())
-        .add_service(DeltaServer::new(gated.clone()))
-        .unwrap()
-        .bind("127.0.0.1:0")
-        .await
-        .unwrap();
-    let layout = vec![(0, 0, server.local_addr().to_string())];
-    let serving_task = tokio::spawn(server.serve_with_shutdown(std::future::pending::<()>()));
+    let (gated, layout, serving_task) = start_gated().await;
     // (The bound runs from the sender's start, after this.)
     let started = Instant::now();
     let training = InProcess::start(&PsServerConfig {
