@@ -349,13 +349,25 @@ impl EtcdCoordinator {
     /// The cluster's shard map and the revision it was written at, if
     /// one was written.
     pub async fn shard_map(&self) -> Result<Option<(ShardMap, i64)>, CoordError> {
+        Ok(self.shard_map_read().await?.0)
+    }
+
+    /// The shard map with the revision it was written at (if one was),
+    /// and the store's revision at the read: a watch from one past that
+    /// misses nothing, and starts above any compaction (a map written
+    /// long ago has a revision etcd may have compacted away).
+    async fn shard_map_read(&self) -> Result<(Option<(ShardMap, i64)>, i64), CoordError> {
         let key = self.keys.shard_map();
         let found = self.get(&key, false).await?;
-        found
+        let revision = found.header().map_or(0, |h| h.revision());
+        let map = found
             .kvs()
             .first()
-            .map(|kv| Ok((decode(kv.key(), kv.value())?, kv.mod_revision())))
-            .transpose()
+            .map(|kv| -> Result<(ShardMap, i64), CoordError> {
+                Ok((decode(kv.key(), kv.value())?, kv.mod_revision()))
+            })
+            .transpose()?;
+        Ok((map, revision))
     }
 
     /// Writes `map` if the shard-map key is still at `revision` (0: not
@@ -518,24 +530,11 @@ impl EtcdCoordinator {
         let follow = async {
             loop {
                 let watched = async {
-                    let revision = match self.shard_map().await? {
-                        Some((map, revision)) => {
-                            offer(map);
-                            revision
-                        }
-                        // Watch from now on for the first write.
-                        None => 0,
-                    };
-                    let mut watch = self
-                        .watch_shard_map(if revision == 0 { 0 } else { revision + 1 })
-                        .await?;
-                    if revision == 0 {
-                        // Written between the read and the watch: not in
-                        // the watch, which starts from its own present.
-                        if let Some((map, _)) = self.shard_map().await? {
-                            offer(map);
-                        }
+                    let (map, revision) = self.shard_map_read().await?;
+                    if let Some((map, _)) = map {
+                        offer(map);
                     }
+                    let mut watch = self.watch_shard_map(revision + 1).await?;
                     loop {
                         offer(watch.next().await?);
                     }

@@ -344,6 +344,7 @@ impl PsServer {
         ))));
         let stop_delta = tokio_util::sync::CancellationToken::new();
         let _stop_delta = stop_delta.clone().drop_guard();
+        let _sender_shutdown = sender.clone().map(SenderOnDrop);
         let _delta = sender
             .map(|sender| AbortOnDropHandle::new(tokio::spawn(sender.run(stop_delta.clone()))));
         let _resharding = resharding.map(|resharding| {
@@ -451,6 +452,16 @@ async fn final_checkpoint(checkpoints: Option<&Arc<Checkpointer>>, replication: 
 struct FeedOnDrop(Arc<delta::Feed>);
 
 impl Drop for FeedOnDrop {
+    fn drop(&mut self) {
+        self.0.shutdown();
+    }
+}
+
+/// Lets a training server's delta sender go of its transport when the
+/// server stops serving (its task may be aborted before its own end).
+struct SenderOnDrop(Arc<delta::Sender>);
+
+impl Drop for SenderOnDrop {
     fn drop(&mut self) {
         self.0.shutdown();
     }

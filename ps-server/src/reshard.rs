@@ -7,19 +7,22 @@
 //!
 //! - **A giving primary** (it leads a shard that gives keys away, and is
 //!   configured with the resize's old count) keeps its changed keys and
-//!   sends every cut of the shard to each server hosting a receiving
-//!   shard (read from etcd's members), rows whole and routed by the new
-//!   count: the delta stream's resize route (`delta/route.rs`).
-//! - **A receiving server** (it hosts a receiving shard, configured with
-//!   the new count) opens its feed to those deltas, so that it copies the
-//!   moving rows from each giving primary and follows its stream, as a
-//!   serving server follows a training fleet (`delta/feed.rs`). Every copy
-//!   of a receiving shard is fed on its own, so the shard's replicas fill
-//!   the same way as its primary. The one that leads a receiving shard
-//!   moves the resize from planned to copying, and reports its shard
-//!   ready (in step with every giving shard: each followed, none being
-//!   copied, each applied within a few intervals) or, fallen behind, not
-//!   ready again.
+//!   sends every cut of the shard to the primary of each receiving shard
+//!   (etcd's primary keys), rows whole and routed by the new count: the
+//!   delta stream's resize route (`delta/route.rs`).
+//! - **A receiving primary** (it leads a receiving shard, configured
+//!   with the new count) opens its feed to those deltas, so that it
+//!   copies the moving rows from each giving primary and follows its
+//!   stream, as a serving server follows a training fleet
+//!   (`delta/feed.rs`). Only the primary follows: its replicas will copy
+//!   the shard from it at the cut-over, as any replica out of step does
+//!   (a replica fed on its own could apply a giving shard's last delta
+//!   after Pushes its primary forwarded, and differ from it). It moves
+//!   the resize from planned to copying, and reports its shard ready (in
+//!   step with every giving shard: each followed, none being copied, each
+//!   applied within three intervals and a second, or the giving side's
+//!   stall bound if longer) or, fallen behind (twice that), not ready
+//!   again. Losing the lead closes its feed; the new primary copies.
 //!
 //! Why the delta stream and not the replication stream: see the design in
 //! `tessera_coord::shard_map`. Built so far: growing (shrinking is
@@ -53,7 +56,8 @@ pub struct Resharding {
     sender: Option<Arc<Sender>>,
     feed: Option<Arc<Feed>>,
     /// How old a giving shard's last applied delta may be for its stream
-    /// to count as in step.
+    /// to count as in step (twice that, once reported ready, before it
+    /// counts as behind: a slow receiver does not flip back and forth).
     in_step_within: Duration,
 }
 
@@ -77,7 +81,11 @@ impl Resharding {
             replication,
             sender,
             feed,
-            in_step_within: interval * 3 + Duration::from_secs(1),
+            // A giving primary may hold a cut back for a receiver that
+            // keeps up for as long as its stall bound.
+            in_step_within: (interval * 3 + Duration::from_secs(1)).max(crate::delta::stall_bound(
+                u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+            )),
         }
     }
 
@@ -121,18 +129,16 @@ impl Resharding {
         } else {
             Vec::new()
         };
-        if receiving.is_empty() {
+        let leads: Vec<u32> = receiving
+            .iter()
+            .copied()
+            .filter(|&s| self.replication.leading_epoch(s, now).is_some())
+            .collect();
+        if leads.is_empty() {
             self.receive(None);
         } else {
             self.receive(Some(resize.to));
-            let leads: Vec<u32> = receiving
-                .iter()
-                .copied()
-                .filter(|&s| self.replication.leading_epoch(s, now).is_some())
-                .collect();
-            if !leads.is_empty() {
-                self.drive(resize, &leads).await;
-            }
+            self.drive(resize, &leads).await;
         }
         // Giving: the primary of a giving shard, of the old count.
         let gives = num_shards == resize.from
@@ -163,9 +169,14 @@ impl Resharding {
                 self.update("start copying", |m| m.start_copying()).await;
             }
             ResizeState::Copying => {
-                let in_step = self.in_step(resize);
                 for &shard in leads {
                     let ready = resize.ready.binary_search(&shard).is_ok();
+                    let within = if ready {
+                        self.in_step_within * 2
+                    } else {
+                        self.in_step_within
+                    };
+                    let in_step = self.in_step(resize, within);
                     if ready != in_step {
                         tracing::info!(
                             shard,
@@ -184,12 +195,12 @@ impl Resharding {
 
     /// Whether this server's feed follows every giving shard, none being
     /// copied, each applied lately.
-    fn in_step(&self, resize: &Resize) -> bool {
+    fn in_step(&self, resize: &Resize, within: Duration) -> bool {
         let Some(feed) = &self.feed else {
             return false;
         };
         let health = feed.health();
-        let within = u64::try_from(self.in_step_within.as_millis()).unwrap_or(u64::MAX);
+        let within = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
         health.source_shards == resize.from
             && resize.giving().all(|g| {
                 health.sources.iter().any(|s| {
@@ -212,28 +223,20 @@ impl Resharding {
         }
     }
 
-    /// The servers hosting receiving shards (etcd's members), each with
-    /// the receiving shards it hosts.
+    /// The primaries of the receiving shards (etcd's primary keys), each
+    /// with the receiving shards it leads.
     async fn receivers(&self, resize: &Resize) -> Result<Vec<(String, Vec<u32>)>, CoordError> {
-        let receiving: Vec<u32> = resize.receiving().collect();
-        let mut servers: Vec<(String, Vec<u32>)> = self
-            .coord
-            .members()
-            .await?
-            .into_iter()
-            .filter_map(|m| {
-                let mut shards: Vec<u32> = m
-                    .shards
-                    .iter()
-                    .copied()
-                    .filter(|s| receiving.contains(s))
-                    .collect();
-                shards.sort_unstable();
-                (!shards.is_empty()).then_some((m.address, shards))
-            })
-            .collect();
-        servers.sort();
-        Ok(servers)
+        let (primaries, _) = self.coord.primaries().await?;
+        let mut servers: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+        for shard in resize.receiving() {
+            if let Some((record, _)) = primaries.get(&shard) {
+                servers
+                    .entry(record.address.clone())
+                    .or_default()
+                    .push(shard);
+            }
+        }
+        Ok(servers.into_iter().collect())
     }
 
     /// Streams to a resize's receiving servers, or stops.
@@ -242,14 +245,18 @@ impl Resharding {
             return;
         };
         // Changes are kept from before the first cut that goes to a
-        // receiving server, and whenever they were not kept for a while
-        // the streams start anew: every receiver copies as of a cut made
-        // while they were kept, so none misses a change.
+        // receiving server, and the route goes before they stop being
+        // kept; each switch starts new streams at the next cuts (the
+        // store's generation of change keeping), so a receiver copies as
+        // of a cut made while they were kept and misses none.
         let streaming = plan.as_ref().is_some_and(|p| !p.servers.is_empty());
-        if self.store.track_changes_for_resize(streaming) {
-            sender.new_streams();
+        if streaming {
+            self.store.track_changes_for_resize(true);
+            sender.set_resize(plan);
+        } else {
+            sender.set_resize(None);
+            self.store.track_changes_for_resize(false);
         }
-        sender.set_resize(plan);
     }
 
     /// Takes a resize's deltas, routed by `num_shards`, or refuses them.

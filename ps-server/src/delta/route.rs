@@ -19,7 +19,8 @@ use tessera_proto::v1::DeltaRequest;
 #[derive(Debug, Default)]
 pub(super) struct Delivery {
     /// Milliseconds from the sender's start to the last delta that
-    /// arrived whole (0: none yet; the start counts as one).
+    /// arrived whole (at first: when the destination was made, which
+    /// counts as one).
     pub last_ok_ms: AtomicU64,
     /// Whether a delta failed since the last that arrived.
     pub failing: AtomicBool,
@@ -48,12 +49,14 @@ pub(super) struct Destination {
 
 impl Destination {
     /// A destination at `address` hosting `shards` of `num_shards`, with
-    /// a queue of `depth` deltas, and the queue's receiving end.
+    /// a queue of `depth` deltas, made `now_ms` after the sender's start;
+    /// and the queue's receiving end.
     pub fn new(
         address: &str,
         shards: &[u32],
         num_shards: u32,
         depth: usize,
+        now_ms: u64,
     ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
         let (queue, rx) = mpsc::channel(depth.max(1));
         let mut hosts = vec![false; num_shards as usize];
@@ -68,7 +71,10 @@ impl Destination {
                 hosts,
                 shards: shards.to_vec(),
                 queue,
-                delivery: Arc::new(Delivery::default()),
+                delivery: Arc::new(Delivery {
+                    last_ok_ms: AtomicU64::new(now_ms),
+                    failing: AtomicBool::new(false),
+                }),
             }),
             rx,
         )

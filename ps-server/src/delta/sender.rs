@@ -82,6 +82,9 @@ pub struct Mark {
     pub epoch: u64,
     /// The stream position the last delta reached.
     pub position: u64,
+    /// The store's generation of change keeping the stream started under
+    /// (`Store::changes_generation`): another one starts a new stream.
+    pub changes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -144,7 +147,7 @@ impl Sender {
         let depth = QUEUE_DELTAS * store.hosted().len().max(1);
         for server in &config.servers {
             let (dest, rx) =
-                Destination::new(&server.address, &server.shards, config.num_shards, depth);
+                Destination::new(&server.address, &server.shards, config.num_shards, depth, 0);
             destinations.push(Arc::clone(&dest));
             pending.push((dest, rx));
         }
@@ -176,12 +179,12 @@ impl Sender {
         })
     }
 
-    /// Ends every shard's stream: the next cut starts a new one, which
-    /// every receiver copies once (changes were not kept for a while).
-    pub fn new_streams(&self) {
-        for mark in self.marks.values() {
-            *mark.locked() = Mark::default();
-        }
+    /// Lets go of the transport and the queues not yet delivered (the
+    /// server stopped: `run` may have been aborted before its end).
+    pub fn shutdown(&self) {
+        self.pending.locked().clear();
+        *self.transport.locked() = None;
+        *self.resize.locked() = None;
     }
 
     /// Sends every cut also to the servers of `plan` (a resize this
@@ -215,7 +218,8 @@ impl Sender {
             match kept {
                 Some(dest) => destinations.push(dest),
                 None => {
-                    let (dest, rx) = Destination::new(address, shards, plan.num_shards, depth);
+                    let (dest, rx) =
+                        Destination::new(address, shards, plan.num_shards, depth, self.now_ms());
                     destinations.push(Arc::clone(&dest));
                     started.push((dest, rx));
                 }
@@ -340,10 +344,15 @@ impl Sender {
         }
     }
 
+    /// Milliseconds since the sender was made.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
     /// Whether a cut should wait: some receiving server's queue is full
     /// while it keeps up (module docs).
     fn must_wait(&self, routes: &[&Route]) -> bool {
-        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let now_ms = self.now_ms();
         routes
             .iter()
             .flat_map(|r| &r.destinations)
@@ -484,7 +493,8 @@ impl Sender {
             return None;
         };
         let position = writing.version().position;
-        if mark.stream == 0 || mark.epoch != epoch {
+        let changes = self.store.changes_generation();
+        if mark.stream == 0 || mark.epoch != epoch || mark.changes != changes {
             // A new term: receivers copy the shard once, as of a cut of
             // this stream, so what changed before it need not be sent.
             *mark = Mark {
@@ -492,6 +502,7 @@ impl Sender {
                 seq: 0,
                 epoch,
                 position,
+                changes,
             };
             drop(self.store.take_changes(&writing));
             tracing::info!(shard, epoch, stream = %format_args!("{:#x}", mark.stream), "delta stream starts");

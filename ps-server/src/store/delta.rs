@@ -197,6 +197,15 @@ impl Store {
                 return Err(StoreError::WrongShard { key, shard, actual });
             }
         }
+        // A stamp counted in Pushes is the giving shard's own count, which
+        // means nothing here (another shard's count, or several): such
+        // rows start from this shard's clock, and live a whole period
+        // from their arrival. Stamps in wall-clock seconds are kept.
+        let counted = matches!(
+            table_ref.config().expiry.map(|e| e.bound()),
+            Some(crate::table::expiry::Bound::Pushes(_))
+        );
+        let here = rows.stamp_now();
         let mut row_values = vec![0f32; dim];
         let mut row_state = vec![0f32; state_len];
         for (i, &key) in keys.iter().enumerate() {
@@ -210,7 +219,11 @@ impl Store {
             }
             let (steps, stamp) = (
                 steps.get(i).copied().unwrap_or(0),
-                stamps.get(i).copied().unwrap_or(0),
+                if counted {
+                    here
+                } else {
+                    stamps.get(i).copied().unwrap_or(0)
+                },
             );
             rows.insert(key, steps, stamp, &row_values, &row_state)
                 .map_err(|_| StoreError::ShardFull {
@@ -376,74 +389,78 @@ mod tests {
     /// Rows read whole (state, updates applied, expiry stamps), routed by
     /// another shard count and put at a training store of that count (a
     /// resize's receiving shards) are the same rows, bit for bit: an Adam
-    /// row's bias correction and an expiring row's age go with it. Lengths
-    /// that do not match the keys are refused.
+    /// row's bias correction goes with it, and so does a wall-clock
+    /// expiry stamp; a stamp counted in the giving shard's Pushes is
+    /// replaced by the receiving shard's clock (another shard's count
+    /// means nothing there). Lengths that do not match the keys are
+    /// refused.
     #[test]
     fn whole_rows_move_between_training_stores_of_other_counts() {
-        let config = |num_shards: u32| PsServerConfig {
-            num_shards,
-            shards: (0..num_shards).collect(),
-            tables: vec![TableConfig {
-                optimizer: OptimizerConfig::adam(0.01),
-                expiry: Some(crate::table::ExpiryConfig {
-                    after_secs: None,
-                    after_pushes_to_shard: Some(1_000),
-                    refresh: Default::default(),
-                    sweep_rows_per_sec: 1_000_000,
-                }),
-                ..TableConfig::new("t", 4)
-            }],
-            ..PsServerConfig::default()
-        };
-        let giving = Store::new(&config(1));
-        let keys = keys(300);
-        // Rows pushed a different number of times: steps and stamps differ.
-        for round in 0..4u64 {
-            let ks: Vec<u64> = keys.iter().copied().filter(|k| k % 4 >= round).collect();
-            let grads: Vec<u8> = (0..ks.len() * 4)
-                .flat_map(|i| ((i as u64 % 7 + round) as f32 * 0.25 - 1.0).to_le_bytes())
-                .collect();
-            giving.push("t", 0, &ks, &grads, PushId::default()).unwrap();
-        }
-        let read = giving.read_rows("t", 0, &keys, true).unwrap();
-        assert_eq!(read.steps.len(), keys.len());
-        assert!(read.steps.contains(&1) && read.steps.contains(&4));
-        assert!(
-            read.stamps.iter().any(|&s| s != read.stamps[0]),
-            "stamps differ by last Push"
-        );
-        let receiving = Store::new(&config(3));
-        let state_len = 4 * 2;
-        for (shard, tables) in crate::delta::route_rows("t", &read, 4, state_len, 3)
-            .into_iter()
-            .enumerate()
-        {
-            let writing = receiving.lock_shard(shard as u32).unwrap();
-            for t in tables {
-                assert_eq!(t.steps.len(), t.keys.len());
-                receiving
-                    .put_whole_rows(
-                        &writing, "t", &t.keys, &t.values, &t.state, &t.steps, &t.stamps,
-                    )
-                    .unwrap();
+        use crate::table::ExpiryConfig;
+        for (expiry, counted) in [
+            (ExpiryConfig::after_secs(3_600), false),
+            (ExpiryConfig::after_pushes(1_000), true),
+        ] {
+            let config = |num_shards: u32| PsServerConfig {
+                num_shards,
+                shards: (0..num_shards).collect(),
+                tables: vec![TableConfig {
+                    optimizer: OptimizerConfig::adam(0.01),
+                    expiry: Some(expiry),
+                    ..TableConfig::new("t", 4)
+                }],
+                ..PsServerConfig::default()
+            };
+            let giving = Store::new(&config(1));
+            let keys = keys(300);
+            // Rows pushed a different number of times: steps (and stamps
+            // counted in Pushes) differ.
+            for round in 0..4u64 {
+                let ks: Vec<u64> = keys.iter().copied().filter(|k| k % 4 >= round).collect();
+                let grads: Vec<u8> = (0..ks.len() * 4)
+                    .flat_map(|i| ((i as u64 % 7 + round) as f32 * 0.25 - 1.0).to_le_bytes())
+                    .collect();
+                giving.push("t", 0, &ks, &grads, PushId::default()).unwrap();
             }
+            let read = giving.read_rows("t", 0, &keys, true).unwrap();
+            assert_eq!(read.steps.len(), keys.len());
+            assert!(read.steps.contains(&1) && read.steps.contains(&4));
+            assert!(read.stamps.iter().all(|&s| s != 0));
+            let receiving = Store::new(&config(3));
+            let state_len = 4 * 2;
+            for (shard, tables) in crate::delta::route_rows("t", &read, 4, state_len, 3)
+                .into_iter()
+                .enumerate()
+            {
+                let writing = receiving.lock_shard(shard as u32).unwrap();
+                for t in tables {
+                    assert_eq!(t.steps.len(), t.keys.len());
+                    receiving
+                        .put_whole_rows(
+                            &writing, "t", &t.keys, &t.values, &t.state, &t.steps, &t.stamps,
+                        )
+                        .unwrap();
+                }
+            }
+            for (at, &key) in keys.iter().enumerate() {
+                let shard = shard_for_key(key, 3);
+                let back = receiving.read_rows("t", shard, &[key], true).unwrap();
+                assert_eq!(back.values, read.values[at * 16..(at + 1) * 16]);
+                assert_eq!(back.state, read.state[at * 32..(at + 1) * 32]);
+                assert_eq!(back.steps[0], read.steps[at]);
+                if counted {
+                    // The receiving shard had no Push: its clock is 0.
+                    assert_eq!(back.stamps[0], 0, "{expiry:?}");
+                } else {
+                    assert_eq!(back.stamps[0], read.stamps[at], "{expiry:?}");
+                }
+            }
+            let writing = receiving.lock_shard(0).unwrap();
+            assert!(matches!(
+                receiving.put_whole_rows(&writing, "t", &[0], &[0; 16], &[], &[1, 2], &[]),
+                Err(StoreError::DeltaLength { part: "steps", .. })
+            ));
         }
-        for &key in &keys {
-            let at = keys.iter().position(|&k| k == key).unwrap();
-            let shard = shard_for_key(key, 3);
-            let back = receiving.read_rows("t", shard, &[key], true).unwrap();
-            assert_eq!(back.values, read.values[at * 16..(at + 1) * 16]);
-            assert_eq!(back.state, read.state[at * 32..(at + 1) * 32]);
-            assert_eq!(
-                (back.steps[0], back.stamps[0]),
-                (read.steps[at], read.stamps[at])
-            );
-        }
-        let writing = receiving.lock_shard(0).unwrap();
-        assert!(matches!(
-            receiving.put_whole_rows(&writing, "t", &[0], &[0; 16], &[], &[1, 2], &[]),
-            Err(StoreError::DeltaLength { part: "steps", .. })
-        ));
     }
 
     /// A serving table stored as `f16` holds each value within half a

@@ -59,6 +59,9 @@ pub struct Store {
     changes_on: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// `[delta]` on a training server: changes are always kept.
     delta_configured: bool,
+    /// Moves on each time keeping changes is switched on or off: a
+    /// stream cut under another generation starts anew (`delta/sender.rs`).
+    changes_generation: std::sync::atomic::AtomicU64,
 }
 
 impl Store {
@@ -109,7 +112,16 @@ impl Store {
             changes_wake,
             changes_on,
             delta_configured,
+            changes_generation: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// How many times keeping changes was switched
+    /// ([`Store::track_changes_for_resize`]): a delta stream holds every
+    /// change only within one generation.
+    pub fn changes_generation(&self) -> u64 {
+        self.changes_generation
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Whether the keys every Push, expiry and row-creating Fetch changes
@@ -120,13 +132,19 @@ impl Store {
 
     /// Keeps changed keys while this server gives keys to a resize
     /// (`crate::reshard`), or stops (unless `[delta]` keeps them anyway;
-    /// the sets are emptied then). Returns whether keeping started now
-    /// (changes made before were not kept: a stream must start anew).
-    pub fn track_changes_for_resize(&self, on: bool) -> bool {
+    /// the sets are emptied then). Each switch moves the generation on,
+    /// so that the next cut of every shard starts a new stream (whose
+    /// receivers copy as of it) rather than send a delta that lacks the
+    /// changes made while none were kept.
+    pub fn track_changes_for_resize(&self, on: bool) {
         let on = on || self.delta_configured;
         let was = self
             .changes_on
-            .swap(on, std::sync::atomic::Ordering::Relaxed);
+            .swap(on, std::sync::atomic::Ordering::SeqCst);
+        if was != on {
+            self.changes_generation
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
         if was && !on {
             for table in self.tables.values() {
                 for (_, state) in table.shards() {
@@ -136,7 +154,6 @@ impl Store {
                 }
             }
         }
-        on && !was
     }
 
     /// Woken when a shard's set of changed keys reaches `delta.max_rows`.

@@ -26,20 +26,35 @@ struct Copied {
 }
 
 impl Feed {
-    /// Copies `shard` until a copy is in and the stream resumes after it.
-    pub(super) async fn copy_loop(self: Arc<Self>, shard: u32) {
-        let slot = self.slot(shard);
+    /// Copies `shard` into `slot` until a copy is in and the stream
+    /// resumes after it, or the slot is of an older generation than the
+    /// feed (then nothing more is written).
+    pub(super) async fn copy_loop(
+        self: Arc<Self>,
+        shard: u32,
+        slot: Arc<tokio::sync::Mutex<Slot>>,
+    ) {
         let mut backoff = COPY_BACKOFF.0;
         loop {
-            let (from, with_state) = {
+            let (from, with_state, generation) = {
                 let slot = slot.lock().await;
-                (slot.follower.source().to_owned(), slot.optimizer_state)
+                if !self.current(&slot) {
+                    return;
+                }
+                (
+                    slot.follower.source().to_owned(),
+                    slot.optimizer_state,
+                    slot.generation,
+                )
             };
             let copied = tokio::select! {
-                copied = self.copy_once(shard, &from, with_state) => copied,
+                copied = self.copy_once(shard, &from, with_state, generation) => copied,
                 () = self.stop.cancelled() => return,
             };
             let mut guard = slot.lock().await;
+            if !self.current(&guard) {
+                return;
+            }
             match copied {
                 Ok(mark) => {
                     backoff = COPY_BACKOFF.0;
@@ -85,6 +100,7 @@ impl Feed {
         shard: u32,
         from: &str,
         with_state: bool,
+        generation: u64,
     ) -> Result<Copied, FeedError> {
         if from.is_empty() {
             return Err(FeedError::NoSource);
@@ -93,7 +109,7 @@ impl Feed {
         let client = self.client(from).ok_or(FeedError::NoSource)?;
         let mut session = 0;
         let copied = self
-            .copy_pages(shard, from, with_state, &client, &mut session)
+            .copy_pages(shard, from, with_state, generation, &client, &mut session)
             .await;
         if copied.is_err() && session != 0 {
             // Best effort: the source lets the snapshot go now rather than
@@ -127,6 +143,7 @@ impl Feed {
         shard: u32,
         from: &str,
         with_state: bool,
+        generation: u64,
         client: &DeltaClient,
         session: &mut u64,
     ) -> Result<((u64, u64, u64, u64), u64), FeedError> {
@@ -153,6 +170,9 @@ impl Feed {
             }
             *session = page.session;
             rows += page.tables.iter().map(|t| t.keys.len() as u64).sum::<u64>();
+            if self.generation.load(Ordering::SeqCst) != generation {
+                return Err(FeedError::Reset);
+            }
             self.write(page.tables, Some(Arc::clone(&seen))).await?;
             if page.done {
                 break;
@@ -163,6 +183,9 @@ impl Feed {
         }
         // Rows of this training shard that it no longer has (removed
         // while this server was out of the stream).
+        if self.generation.load(Ordering::SeqCst) != generation {
+            return Err(FeedError::Reset);
+        }
         let store = Arc::clone(&self.store);
         let source_shards = self.source_shards.load(Ordering::Relaxed).max(1);
         let removed = tokio::task::spawn_blocking(move || {

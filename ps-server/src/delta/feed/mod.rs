@@ -60,6 +60,10 @@ pub enum FeedError {
     /// No training server is known to copy from.
     #[error("no training server to copy from")]
     NoSource,
+    /// The feed was closed or opened again for another resize while the
+    /// copy ran: its rows are of no use now.
+    #[error("the feed was reset during the copy")]
+    Reset,
     /// The blocking task applying rows died.
     #[error("applying rows failed: {0}")]
     Task(String),
@@ -68,6 +72,8 @@ pub enum FeedError {
 /// One training shard as this server follows it.
 #[derive(Debug, Default)]
 struct Slot {
+    /// The feed's generation it belongs to (`Feed::generation`).
+    generation: u64,
     follower: Follower<DeltaRequest>,
     /// The training version its rows reached.
     epoch: u64,
@@ -116,6 +122,9 @@ pub struct Feed {
     /// one of its shards receives keys, `None` while closed. Absent on a
     /// serving server, which always takes deltas.
     resize_gate: Option<Mutex<Option<u32>>>,
+    /// Moves on each time a resize feed opens or closes: slots (and the
+    /// copies and applies of slots) of an older generation write nothing.
+    generation: AtomicU64,
 }
 
 impl Feed {
@@ -144,11 +153,25 @@ impl Feed {
             return;
         }
         *gate = num_shards;
-        if num_shards.is_none() {
-            self.slots.locked().clear();
-            *self.status.locked() = Published::default();
-            self.source_shards.store(0, Ordering::Relaxed);
-        }
+        // Whatever was followed belongs to another resize (or none): a
+        // copy or an apply still running for it writes nothing more, and
+        // the next resize's streams start with copies.
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.slots.locked().clear();
+        *self.status.locked() = Published::default();
+        self.source_shards.store(0, Ordering::Relaxed);
+    }
+
+    /// Whether deltas routed by `num_shards` are taken now.
+    fn admits(&self, num_shards: u32) -> bool {
+        self.resize_gate
+            .as_ref()
+            .is_none_or(|gate| *gate.locked() == Some(num_shards))
+    }
+
+    /// Whether `slot` belongs to the feed as it is now.
+    fn current(&self, slot: &Slot) -> bool {
+        slot.generation == self.generation.load(Ordering::SeqCst)
     }
 
     /// Whether it takes deltas now (a serving server's always; a
@@ -179,6 +202,7 @@ impl Feed {
             stop: CancellationToken::new(),
             weak: weak.clone(),
             resize_gate,
+            generation: AtomicU64::new(0),
         })
     }
 
@@ -288,7 +312,14 @@ impl Feed {
         let mut shards = request.shards.clone();
         shards.sort_unstable();
         shards.dedup();
-        if shards != self.store.hosted() {
+        let fits = if self.resize_gate.is_some() {
+            // A resize's deltas name the receiving shards of this server,
+            // which may host others too.
+            !shards.is_empty() && shards.iter().all(|s| self.store.hosted().contains(s))
+        } else {
+            shards == self.store.hosted()
+        };
+        if !fits {
             return Err(Status::failed_precondition(format!(
                 "the training fleet sends this server the rows of serving shards {shards:?}; it hosts {:?} (fix its delta.servers entry)",
                 self.store.hosted()
@@ -305,8 +336,14 @@ impl Feed {
             );
         }
         let shard = request.source_shard;
-        let slot = self.slot(shard);
-        let mut slot = slot.lock().await;
+        let slot_ref = self.slot(shard);
+        let mut slot = slot_ref.lock().await;
+        // Closed, or opened for another resize, since the check above.
+        if !self.admits(request.num_shards) || !self.current(&slot) {
+            return Err(Status::unavailable(
+                "this server's resize feed changed while the delta waited; send it again",
+            ));
+        }
         let header = Header {
             stream: request.stream,
             epoch: request.epoch,
@@ -334,7 +371,7 @@ impl Feed {
                 if !slot.copy_running {
                     slot.copy_running = true;
                     if let Some(feed) = self.weak.upgrade() {
-                        tokio::spawn(feed.copy_loop(shard));
+                        tokio::spawn(feed.copy_loop(shard, Arc::clone(&slot_ref)));
                     }
                 }
                 DeltaResponse {
@@ -352,12 +389,21 @@ impl Feed {
     }
 
     fn slot(&self, shard: u32) -> Arc<tokio::sync::Mutex<Slot>> {
-        Arc::clone(self.slots.locked().entry(shard).or_default())
+        let generation = self.generation.load(Ordering::SeqCst);
+        Arc::clone(self.slots.locked().entry(shard).or_insert_with(|| {
+            Arc::new(tokio::sync::Mutex::new(Slot {
+                generation,
+                ..Slot::default()
+            }))
+        }))
     }
 
     /// Applies a delta the follower said to, and notes what it did; a
     /// delta that does not fit loses the stream (the next one copies).
     async fn apply_delta(&self, slot: &mut Slot, request: DeltaRequest) {
+        if !self.current(slot) {
+            return;
+        }
         let rows = request
             .tables
             .iter()
@@ -410,6 +456,9 @@ impl Feed {
 
     /// Publishes `slot`'s state for Health and Fetches.
     fn publish(&self, shard: u32, slot: &Slot) {
+        if !self.current(slot) {
+            return;
+        }
         let mut status = self.status.locked();
         let applied_at = slot.follower.applied_at();
         status
