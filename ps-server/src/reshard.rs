@@ -113,22 +113,26 @@ impl Resharding {
     /// One look at the resize in progress.
     async fn step(&self, map: Option<&ShardMap>) {
         let resize = map.and_then(ShardMap::active).filter(|r| r.to > r.from);
+        let num_shards = self.store.num_shards();
+        // Receiving: a server of the new count hosting a receiving shard.
+        let receiving: Vec<u32> = match resize {
+            Some(r) if num_shards == r.to => r
+                .receiving()
+                .filter(|s| self.store.hosted().contains(s))
+                .collect(),
+            _ => Vec::new(),
+        };
+        // Its rows are incomplete until the cut-over: no copy of it serves
+        // (the cut-over, once built, opens it; a cancel does now).
+        for &shard in self.store.hosted() {
+            self.store.set_receiving(shard, receiving.contains(&shard));
+        }
         let Some(resize) = resize else {
             self.give(None);
             self.receive(None);
             return;
         };
         let now = Instant::now();
-        let num_shards = self.store.num_shards();
-        // Receiving: a server of the new count hosting a receiving shard.
-        let receiving: Vec<u32> = if num_shards == resize.to {
-            resize
-                .receiving()
-                .filter(|s| self.store.hosted().contains(s))
-                .collect()
-        } else {
-            Vec::new()
-        };
         let leads: Vec<u32> = receiving
             .iter()
             .copied()

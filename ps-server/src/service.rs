@@ -114,6 +114,7 @@ impl v1::ParameterServer for PsService {
         context: RequestContext,
         request: FetchRequest,
     ) -> Result<FetchResponse, Status> {
+        refuse_receiving(&self.store, request.shard)?;
         if self.store.hosted().contains(&request.shard) && !self.replication.readable(request.shard)
         {
             return Err(Status::unavailable(format!(
@@ -162,6 +163,7 @@ impl v1::ParameterServer for PsService {
         _context: RequestContext,
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
+        refuse_receiving(&self.store, request.shard)?;
         let checked = self.store.check_push(
             &request.table,
             request.shard,
@@ -268,6 +270,17 @@ impl v1::ParameterServer for PsService {
                 .and_then(|m| m.borrow().as_ref().map(shard_map_health)),
         })
     }
+}
+
+/// A shard that receives its keys in a resize is not served until the
+/// resize's cut-over: `UNAVAILABLE`, which callers try elsewhere.
+fn refuse_receiving(store: &Store, shard: u32) -> Result<(), Status> {
+    if store.receiving(shard) {
+        return Err(Status::unavailable(format!(
+            "shard {shard} receives its keys in a resize of the cluster (copying them from the old shards); it is served from the cut-over on"
+        )));
+    }
+    Ok(())
 }
 
 /// The shard map as Health reports it.

@@ -18,10 +18,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
-use tessera_proto::v1::{HealthRequest, PushRequest};
+use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
 use tessera_ps_server::config::{DeltaConfig, OptimizerConfig};
 use tessera_ps_server::table::ExpiryConfig;
 use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_rpc::{Code, RpcError};
 use tessera_test_support::{Etcd, InProcess, etcd_coordination, free_addr, wait_serving, wire};
 
 const DIM: usize = 8;
@@ -64,6 +65,18 @@ fn push(step: u64, shard: u32, keys: &[u64]) -> PushRequest {
         worker_id: 11,
         sequence: step,
     }
+}
+
+/// A Fetch of `key` at the new shard's server.
+async fn fetch_new(new: &InProcess, key: u64) -> Result<Vec<u8>, RpcError> {
+    new.data
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: OLD,
+            keys: vec![key],
+        })
+        .await
+        .map(|r| r.values.to_vec())
 }
 
 async fn map(coord: &EtcdCoordinator) -> ShardMap {
@@ -235,6 +248,15 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
         .expect("a receiving primary reports its feed");
     assert_eq!(feed.source_shards, OLD);
     assert!(feed.sources.iter().all(|s| s.copies >= 1), "{feed:?}");
+    // Its rows are incomplete until the cut-over: it serves none.
+    let key = c.keys[0].1[0];
+    match fetch_new(&c.new, key).await {
+        Err(RpcError::Status(status)) => {
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("resize"), "{status:?}");
+        }
+        other => panic!("a receiving shard served a Fetch: {other:?}"),
+    }
 
     // A cancel: the streams to the new shard end, its feed closes, and
     // the old shards stop keeping changes.
@@ -257,6 +279,13 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(map(&c.coord).await.num_shards, OLD);
+    // Cancelled, the new server serves its shard again (nobody routes to
+    // it: the operator stops it).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fetch_new(&c.new, key).await.is_err() {
+        assert!(Instant::now() < deadline, "still refusing after the cancel");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // Planned again, with Pushes meanwhile: the new shard starts over
     // (copies) and is in step again.

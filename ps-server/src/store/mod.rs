@@ -62,6 +62,9 @@ pub struct Store {
     /// Moves on each time keeping changes is switched on or off: a
     /// stream cut under another generation starts anew (`delta/sender.rs`).
     changes_generation: std::sync::atomic::AtomicU64,
+    /// Per hosted shard: whether it receives its keys in a resize now
+    /// (`crate::reshard`), and so serves no Fetch or Push.
+    receiving: HashMap<u32, std::sync::atomic::AtomicBool>,
 }
 
 impl Store {
@@ -113,7 +116,31 @@ impl Store {
             changes_on,
             delta_configured,
             changes_generation: std::sync::atomic::AtomicU64::new(0),
+            receiving: config
+                .shards
+                .iter()
+                .map(|&s| (s, std::sync::atomic::AtomicBool::new(false)))
+                .collect(),
         }
+    }
+
+    /// Marks `shard` as receiving its keys in a resize (or no longer):
+    /// while it does, its rows are incomplete and it serves no Fetch or
+    /// Push ([`Store::receiving`]). A no-op for a shard not hosted.
+    pub fn set_receiving(&self, shard: u32, receiving: bool) {
+        if let Some(flag) = self.receiving.get(&shard) {
+            let was = flag.swap(receiving, std::sync::atomic::Ordering::SeqCst);
+            if was != receiving {
+                tracing::info!(shard, receiving, "shard receiving keys in a resize");
+            }
+        }
+    }
+
+    /// Whether `shard` receives its keys in a resize now.
+    pub fn receiving(&self, shard: u32) -> bool {
+        self.receiving
+            .get(&shard)
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// How many times keeping changes was switched
