@@ -238,6 +238,17 @@ pub fn find_ps_server(config: &ClusterConfig) -> Result<PathBuf, LaunchError> {
     Err(LaunchError::BinaryNotFound { looked })
 }
 
+/// Starts of a cluster on ports the launcher picks, at most: a start
+/// whose server lost its port to another process is tried again.
+const PORT_ATTEMPTS: u32 = 3;
+
+/// Whether the server whose log is `log` exited because its address was
+/// taken.
+fn lost_its_port(log: &Path) -> bool {
+    std::fs::read_to_string(log)
+        .is_ok_and(|text| text.contains("Address already in use") || text.contains("os error 98"))
+}
+
 /// `n` distinct free ports on `host`. Every probe socket stays bound until
 /// all are chosen, so the kernel cannot hand one port out twice (probing
 /// and releasing one at a time did, for large clusters); they are released
@@ -307,6 +318,32 @@ impl Cluster {
         placements: Option<Vec<Placement>>,
         interrupted: impl std::future::Future<Output = ()>,
     ) -> Result<Self, LaunchError> {
+        tokio::pin!(interrupted);
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(config, run_dir, placements.clone(), &mut interrupted).await {
+                // A probed port is released just before its server binds
+                // it; another process may take it in between (a test suite
+                // binding ports by the hundred did, one 64-server start in
+                // a few dozen). Only ports the launcher picked can be
+                // picked again: the whole start is tried once more.
+                Err(LaunchError::EarlyExit { what, log, .. })
+                    if config.base_port == 0 && attempt < PORT_ATTEMPTS && lost_its_port(&log) =>
+                {
+                    tracing::warn!(server = %what, attempt, "a server lost its port to another process; starting again on new ports");
+                    attempt += 1;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn start_once(
+        config: &ClusterConfig,
+        run_dir: &Path,
+        placements: Option<Vec<Placement>>,
+        interrupted: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    ) -> Result<Self, LaunchError> {
         let binary = find_ps_server(config)?;
         std::fs::create_dir_all(run_dir).map_err(|source| LaunchError::Write {
             path: run_dir.to_owned(),
@@ -322,7 +359,7 @@ impl Cluster {
         };
         let outcome = tokio::select! {
             outcome = cluster.spawn_all(config, &binary, placements) => outcome,
-            () = interrupted => Err(LaunchError::Interrupted),
+            () = interrupted.as_mut() => Err(LaunchError::Interrupted),
         };
         match outcome {
             Ok(()) => Ok(cluster),
@@ -808,5 +845,32 @@ impl Cluster {
             return Err(LaunchError::Killed(killed));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server that lost its port says so in its log, in the words the
+    /// ps-server binary uses; any other early exit is not retried.
+    #[test]
+    fn a_lost_port_is_told_from_other_early_exits() {
+        let dir = tempfile::tempdir().unwrap();
+        let lost = dir.path().join("lost.log");
+        std::fs::write(
+            &lost,
+            "2026-12-06T10:42:06Z ERROR ps_server: listen on 127.0.0.1:47111: Address already in use (os error 98)\n",
+        )
+        .unwrap();
+        assert!(lost_its_port(&lost));
+        let other = dir.path().join("other.log");
+        std::fs::write(
+            &other,
+            "ps-server: config: tables[0].dim must be at least 1\n",
+        )
+        .unwrap();
+        assert!(!lost_its_port(&other));
+        assert!(!lost_its_port(&dir.path().join("missing.log")));
     }
 }
