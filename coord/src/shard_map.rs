@@ -41,7 +41,11 @@
 //! (`tessera reshard`), servers that refuse a count the map does not name
 //! and follow the map through a watch of its key
 //! (`EtcdCoordinator::follow_shard_map`, reported in Health and `tessera
-//! status`). The movement of rows, below, is the plan for the next steps.
+//! status`), and growing up to the cut-over: the copy and the stream
+//! below, readiness, receiving shards closed to Fetches and Pushes
+//! (`ps-server/src/reshard.rs`). The cut-over, exactly-once across it,
+//! workers switching maps, the end of a resize and shrinking are the next
+//! steps.
 //!
 //! - **Copy and follow through the delta stream, not the replication
 //!   stream.** A receiving shard's primary copies the moving keys from
@@ -56,13 +60,20 @@
 //!   are now), idempotent, routed by key and recovers a gap by copying.
 //! - **Cut-over.** Once every receiving shard reports ready (in step
 //!   within a delta), one compare-and-swap writes `CutOver` with the new
-//!   count. Each giving primary, seeing it, fences the moving keys under
-//!   its shard lock (their Pushes and Fetches answered with a redirect
-//!   naming the map version, as `NotPrimary` names a primary) and cuts one
-//!   last delta of them; the receiving primary takes their Pushes only
-//!   once it has applied that delta (until then it answers
-//!   `UNAVAILABLE`, which workers retry). Only the moving keys pause, for
-//!   about one delta.
+//!   count (the writer checks first that each ready shard's primary still
+//!   holds its key: a `ready` outlives a restart). Each giving primary,
+//!   seeing it, fences the moving keys under its shard lock (their Pushes
+//!   and Fetches answered with a redirect naming the map version, as
+//!   `NotPrimary` names a primary) and cuts one last delta of them, marked
+//!   fenced; the mark is also in copies taken after the fence, so a
+//!   receiver that lost the last delta and copies still knows it is
+//!   complete. From the fence on the giving shard leaves the moving rows
+//!   as they are (its expiry sweep and its evictions pass them over), so
+//!   such a copy holds them all. The receiving primary takes their Pushes
+//!   only once it has applied every giving shard's fenced delta (until
+//!   then it answers `UNAVAILABLE`, which workers retry), and then cuts its
+//!   replicas off, so that they copy the shard from it as any replica out
+//!   of step does. Only the moving keys pause, for about one delta.
 //! - **Exactly once.** A worker's Push id is shared by its per-shard
 //!   parts, so the receiving shard keeps the giving shards' dedup
 //!   windows apart (keyed by origin shard and worker, shipped with the
