@@ -4,15 +4,21 @@
 //! of its own with one call in flight (`sender.rs` delivers). A training
 //! server has up to two: the serving fleet's (`[delta]`, fixed at start)
 //! and a resize's (the receiving shards' servers, whole rows, set while
-//! it gives keys to one: `crate::reshard`).
+//! it gives keys to one: `crate::reshard`). [`deliver`] sends one
+//! server its queue.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use tessera_proto::v1::{DeltaClient, DeltaRequest};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
-use tessera_proto::v1::DeltaRequest;
+use super::sender::Sender;
+
+/// How often a warning about one receiving server is logged at most.
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// How a receiving server's deliveries go, for the cut's choice between
 /// waiting and dropping.
@@ -115,5 +121,59 @@ impl Route {
     /// Whether it sends anywhere.
     pub fn is_empty(&self) -> bool {
         self.destinations.is_empty()
+    }
+}
+
+/// Sends the server at `address` its queue, one delta at a time, until
+/// `stop` or until its queue is dropped (a resize's route changed); notes
+/// how its deliveries go in `delivery`, for the cut's choice between
+/// waiting and dropping.
+pub(super) async fn deliver(
+    sender: Arc<Sender>,
+    address: String,
+    client: DeltaClient,
+    mut rx: mpsc::Receiver<Outgoing>,
+    delivery: Arc<Delivery>,
+    stop: CancellationToken,
+) {
+    let mut warned: Option<Instant> = None;
+    let mut failures = 0u64;
+    loop {
+        let outgoing = tokio::select! {
+            o = rx.recv() => o,
+            () = stop.cancelled() => return,
+        };
+        let Some(outgoing) = outgoing else {
+            return;
+        };
+        let mut whole = true;
+        for part in outgoing.parts {
+            let sent = tokio::select! {
+                sent = client.apply(part) => sent,
+                () = stop.cancelled() => return,
+            };
+            if let Err(err) = sent {
+                // The rest of this delta is of no use to it now: it sees
+                // the gap at the next and copies.
+                failures += 1;
+                sender.delivery_failed(outgoing.shard, &address, &err);
+                if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                    tracing::warn!(server = %address, shard = outgoing.shard, %err, failures, "a delta did not reach a receiving server");
+                    warned = Some(Instant::now());
+                    failures = 0;
+                }
+                whole = false;
+                break;
+            }
+        }
+        if whole {
+            delivery
+                .last_ok_ms
+                .store(sender.now_ms().max(1), Ordering::Relaxed);
+            delivery.failing.store(false, Ordering::Relaxed);
+        } else {
+            delivery.failing.store(true, Ordering::Relaxed);
+        }
+        sender.room_made();
     }
 }

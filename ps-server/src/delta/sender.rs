@@ -50,9 +50,6 @@ use crate::table::changes::{Taken, unix_ms};
 /// leading several shards queues as many per shard).
 pub const QUEUE_DELTAS: usize = 4;
 
-/// How often a warning about one serving server is logged at most.
-const WARN_EVERY: Duration = Duration::from_secs(10);
-
 /// How long a serving server with a full queue may go without a delta
 /// arriving and still hold cuts back: ten intervals, and at least 5 s (a
 /// busy server's call of several megabytes; the call timeout is 10 s).
@@ -334,7 +331,8 @@ impl Sender {
                 self.channel_config.clone(),
                 transport.clone(),
             ));
-            deliveries.spawn(Arc::clone(self).deliver(
+            deliveries.spawn(super::route::deliver(
+                Arc::clone(self),
                 dest.address.clone(),
                 client,
                 rx,
@@ -345,7 +343,7 @@ impl Sender {
     }
 
     /// Milliseconds since the sender was made.
-    fn now_ms(&self) -> u64 {
+    pub(super) fn now_ms(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
@@ -512,60 +510,19 @@ impl Sender {
         Some((*mark, self.store.take_changes(&writing)))
     }
 
-    /// Sends one serving server its queue, one delta at a time, until
-    /// `stop`.
-    async fn deliver(
-        self: Arc<Self>,
-        address: String,
-        client: DeltaClient,
-        mut rx: mpsc::Receiver<Outgoing>,
-        delivery: Arc<super::route::Delivery>,
-        stop: CancellationToken,
-    ) {
-        let mut warned: Option<Instant> = None;
-        let mut failures = 0u64;
-        loop {
-            let outgoing = tokio::select! {
-                o = rx.recv() => o,
-                () = stop.cancelled() => return,
-            };
-            let Some(outgoing) = outgoing else {
-                return;
-            };
-            let mut whole = true;
-            for part in outgoing.parts {
-                let sent = tokio::select! {
-                    sent = client.apply(part) => sent,
-                    () = stop.cancelled() => return,
-                };
-                if let Err(err) = sent {
-                    // The rest of this delta is of no use to it now: it
-                    // sees the gap at the next and copies.
-                    failures += 1;
-                    if let Some(c) = self.counters.get(&outgoing.shard) {
-                        c.failed.fetch_add(1, Ordering::Relaxed);
-                        *c.last_error.locked() = format!("{address}: {err}");
-                    }
-                    metrics::counter!("tessera_ps_delta_failed_total").increment(1);
-                    if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
-                        tracing::warn!(server = %address, shard = outgoing.shard, %err, failures, "a delta did not reach a serving server");
-                        warned = Some(Instant::now());
-                        failures = 0;
-                    }
-                    whole = false;
-                    break;
-                }
-            }
-            if whole {
-                let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-                delivery.last_ok_ms.store(now_ms.max(1), Ordering::Relaxed);
-                delivery.failing.store(false, Ordering::Relaxed);
-            } else {
-                delivery.failing.store(true, Ordering::Relaxed);
-            }
-            // A cut waiting for this queue's room may go now.
-            self.room.notify_one();
+    /// Notes that a delta of `shard` did not reach `address`.
+    pub(super) fn delivery_failed(&self, shard: u32, address: &str, err: &dyn std::fmt::Display) {
+        if let Some(c) = self.counters.get(&shard) {
+            c.failed.fetch_add(1, Ordering::Relaxed);
+            *c.last_error.locked() = format!("{address}: {err}");
         }
+        metrics::counter!("tessera_ps_delta_failed_total").increment(1);
+    }
+
+    /// A delivery finished a delta: a cut waiting for its queue's room
+    /// may go now.
+    pub(super) fn room_made(&self) {
+        self.room.notify_one();
     }
 }
 
