@@ -622,6 +622,19 @@ async fn start_gated() -> (Gated, Vec<(u32, u32, String)>, tokio::task::JoinHand
     (gated, layout, task)
 }
 
+/// A training server of one shard whose deltas go, every 20 ms, to the
+/// gated serving server of `layout`.
+async fn training_to_gated(layout: &[(u32, u32, String)]) -> InProcess {
+    InProcess::start(&PsServerConfig {
+        listen: free_addr(),
+        num_shards: 1,
+        shards: vec![0],
+        delta: delta_to(layout, 1, 20),
+        ..base(TransportKind::Tcp)
+    })
+    .await
+}
+
 /// A serving server that is slow but keeping up (its first delta held
 /// while the training server cuts every 20 ms, well past its queue of 4)
 /// gets every change in fewer, larger deltas, numbered without a gap: no
@@ -630,14 +643,7 @@ async fn start_gated() -> (Gated, Vec<(u32, u32, String)>, tokio::task::JoinHand
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
     let (gated, layout, serving_task) = start_gated().await;
-    let training = InProcess::start(&PsServerConfig {
-        listen: free_addr(),
-        num_shards: 1,
-        shards: vec![0],
-        delta: delta_to(&layout, 1, 20),
-        ..base(TransportKind::Tcp)
-    })
-    .await;
+    let training = training_to_gated(&layout).await;
     let mut pushed = std::collections::BTreeSet::new();
     let mut round = 0u64;
     let push = |round: u64| {
@@ -731,14 +737,7 @@ async fn a_stalled_serving_server_loses_deltas_instead_of_holding_the_stream() {
     let (gated, layout, serving_task) = start_gated().await;
     // (The bound runs from the sender's start, after this.)
     let started = Instant::now();
-    let training = InProcess::start(&PsServerConfig {
-        listen: free_addr(),
-        num_shards: 1,
-        shards: vec![0],
-        delta: delta_to(&layout, 1, 20),
-        ..base(TransportKind::Tcp)
-    })
-    .await;
+    let training = training_to_gated(&layout).await;
     gated.arrived.notified().await;
     let bound = tessera_ps_server::delta::stall_bound(20);
     let deadline = started + bound + Duration::from_secs(30);

@@ -79,6 +79,16 @@ async fn fetch_new(new: &InProcess, key: u64) -> Result<Vec<u8>, RpcError> {
         .map(|r| r.values.to_vec())
 }
 
+/// The resize feed `server` reports (none while closed).
+async fn feed_of(server: &InProcess) -> Option<tessera_proto::v1::ServingHealth> {
+    server
+        .data
+        .health(HealthRequest {})
+        .await
+        .unwrap()
+        .serving_feed
+}
+
 async fn map(coord: &EtcdCoordinator) -> ShardMap {
     coord.shard_map().await.unwrap().unwrap().0
 }
@@ -238,13 +248,8 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
             "{streams:?}"
         );
     }
-    let feed = c
-        .new
-        .data
-        .health(HealthRequest {})
+    let feed = feed_of(&c.new)
         .await
-        .unwrap()
-        .serving_feed
         .expect("a receiving primary reports its feed");
     assert_eq!(feed.source_shards, OLD);
     assert!(feed.sources.iter().all(|s| s.copies >= 1), "{feed:?}");
@@ -262,16 +267,7 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // the old shards stop keeping changes.
     c.coord.update_shard_map(ShardMap::cancel).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while c
-        .new
-        .data
-        .health(HealthRequest {})
-        .await
-        .unwrap()
-        .serving_feed
-        .is_some()
-        || c.old.iter().any(|s| s.store.tracks_changes())
-    {
+    while feed_of(&c.new).await.is_some() || c.old.iter().any(|s| s.store.tracks_changes()) {
         assert!(
             Instant::now() < deadline,
             "the resize's streams never ended"

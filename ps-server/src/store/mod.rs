@@ -65,6 +65,9 @@ pub struct Store {
     /// Per hosted shard: whether it receives its keys in a resize now
     /// (`crate::reshard`), and so serves no Fetch or Push.
     receiving: HashMap<u32, std::sync::atomic::AtomicBool>,
+    /// How many of them receive now: the Fetch and Push paths read this
+    /// one word, and look a shard up only during a resize.
+    receiving_count: std::sync::atomic::AtomicUsize,
 }
 
 impl Store {
@@ -121,6 +124,7 @@ impl Store {
                 .iter()
                 .map(|&s| (s, std::sync::atomic::AtomicBool::new(false)))
                 .collect(),
+            receiving_count: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -131,6 +135,13 @@ impl Store {
         if let Some(flag) = self.receiving.get(&shard) {
             let was = flag.swap(receiving, std::sync::atomic::Ordering::SeqCst);
             if was != receiving {
+                if receiving {
+                    self.receiving_count
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                } else {
+                    self.receiving_count
+                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                }
                 tracing::info!(shard, receiving, "shard receiving keys in a resize");
             }
         }
@@ -138,9 +149,13 @@ impl Store {
 
     /// Whether `shard` receives its keys in a resize now.
     pub fn receiving(&self, shard: u32) -> bool {
-        self.receiving
-            .get(&shard)
-            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
+        self.receiving_count
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+            && self
+                .receiving
+                .get(&shard)
+                .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// How many times keeping changes was switched
