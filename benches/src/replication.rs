@@ -142,6 +142,7 @@ fn request(worker: u64, sequence: u64) -> PushRequest {
     let mut wire = Vec::new();
     put_f32s(&mut wire, &grads);
     PushRequest {
+        num_shards: 0,
         table: "emb".into(),
         shard: 0,
         keys: (0..KEYS).map(|k| k * 17 + sequence % 5).collect(),

@@ -114,6 +114,15 @@ pub struct Resize {
     /// The receiving shards in step with the keys they receive (while
     /// copying), sorted.
     pub ready: Vec<u32>,
+    /// The operator holds the cut-over ([`ShardMap::plan_held`]) until
+    /// [`ShardMap::release`]: the receiving shards copy and follow, and
+    /// stay in step, but ownership does not move.
+    #[serde(default)]
+    pub hold: bool,
+    /// The receiving shards whose primary serves the moved keys (after
+    /// the cut-over), sorted: the giving shards stop streaming to them.
+    #[serde(default)]
+    pub opened: Vec<u32>,
 }
 
 /// Where a resize stands (module docs).
@@ -181,6 +190,9 @@ pub enum ResizeError {
         /// The receiving shards not ready.
         missing: Vec<u32>,
     },
+    /// The operator holds the cut-over.
+    #[error("the operator holds the cut-over (`tessera reshard --cut-over` releases it)")]
+    Held,
 }
 
 impl ShardMap {
@@ -199,6 +211,29 @@ impl ShardMap {
         self.resize
             .as_ref()
             .filter(|r| !matches!(r.state, ResizeState::Done | ResizeState::Cancelled))
+    }
+
+    /// Plans a resize to `to` shards whose cut-over waits for the
+    /// operator's [`ShardMap::release`] (`tessera reshard --to M --hold`):
+    /// for a cut-over at a chosen moment, after checking the new servers.
+    pub fn plan_held(&self, to: u32) -> Result<Self, ResizeError> {
+        let mut next = self.plan(to)?;
+        if let Some(r) = &mut next.resize {
+            r.hold = true;
+        }
+        Ok(next)
+    }
+
+    /// Lets a held resize cut over once every receiving shard is ready.
+    pub fn release(&self) -> Result<Self, ResizeError> {
+        self.step(
+            "be released",
+            &[ResizeState::Planned, ResizeState::Copying],
+            |r| {
+                r.hold = false;
+                Ok(())
+            },
+        )
     }
 
     /// Plans a resize to `to` shards.
@@ -226,6 +261,8 @@ impl ShardMap {
                 to,
                 state: ResizeState::Planned,
                 ready: Vec::new(),
+                hold: false,
+                opened: Vec::new(),
             }),
         })
     }
@@ -261,9 +298,12 @@ impl ShardMap {
     }
 
     /// Moves ownership to the new count: every receiving shard must be
-    /// ready.
+    /// ready, and the cut-over not held.
     pub fn cut_over(&self) -> Result<Self, ResizeError> {
         let mut next = self.step("cut over", &[ResizeState::Copying], |r| {
+            if r.hold {
+                return Err(ResizeError::Held);
+            }
             let missing: Vec<u32> = r
                 .receiving()
                 .filter(|s| r.ready.binary_search(s).is_err())
@@ -278,6 +318,30 @@ impl ShardMap {
             next.num_shards = r.to;
         }
         Ok(next)
+    }
+
+    /// Receiving shard `shard`'s primary holds every moved key and serves
+    /// them (after the cut-over).
+    pub fn handle_opened(&self, shard: u32) -> Result<Self, ResizeError> {
+        self.step("report a shard opened", &[ResizeState::CutOver], |r| {
+            if !r.receiving().any(|s| s == shard) {
+                return Err(ResizeError::NotReceiving {
+                    shard,
+                    from: r.from,
+                    to: r.to,
+                });
+            }
+            match r.opened.binary_search(&shard) {
+                Ok(_) => Err(ResizeError::WrongState {
+                    state: r.state,
+                    action: "report a shard opened twice",
+                }),
+                Err(at) => {
+                    r.opened.insert(at, shard);
+                    Ok(())
+                }
+            }
+        })
     }
 
     /// The old owners have dropped the moved keys: the resize is done.
@@ -383,8 +447,16 @@ mod tests {
             .unwrap();
         assert_eq!(both.active().unwrap().ready, vec![2]);
         let both = both.handle_ready(3, true).unwrap();
+        assert!(both.handle_opened(2).is_err(), "opened before the cut-over");
         let cut = both.cut_over().unwrap();
         assert_eq!(cut.num_shards, 4);
+        let cut = cut.handle_opened(3).unwrap().handle_opened(2).unwrap();
+        assert_eq!(cut.active().unwrap().opened, vec![2, 3]);
+        assert!(cut.handle_opened(2).is_err(), "opened twice");
+        assert!(matches!(
+            cut.handle_opened(1),
+            Err(ResizeError::NotReceiving { shard: 1, .. })
+        ));
         assert!(matches!(
             cut.cancel(),
             Err(ResizeError::WrongState {
@@ -444,6 +516,25 @@ mod tests {
     }
 
     #[test]
+    fn a_held_resize_cuts_over_only_once_released() {
+        let ready = ShardMap::new(2)
+            .plan_held(3)
+            .unwrap()
+            .start_copying()
+            .unwrap()
+            .handle_ready(2, true)
+            .unwrap();
+        assert!(ready.active().unwrap().hold);
+        assert_eq!(ready.cut_over().unwrap_err(), ResizeError::Held);
+        let released = ready.release().unwrap();
+        assert_eq!(released.cut_over().unwrap().num_shards, 3);
+        // A record written before `hold` existed reads as not held.
+        let old = r#"{"version":3,"num_shards":2,"resize":{"id":2,"from":2,"to":3,"state":"copying","ready":[]}}"#;
+        let map: ShardMap = serde_json::from_str(old).unwrap();
+        assert!(!map.active().unwrap().hold);
+    }
+
+    #[test]
     fn the_record_round_trips_as_json() {
         let map = ShardMap::new(2).plan(3).unwrap().start_copying().unwrap();
         let text = serde_json::to_string(&map).unwrap();
@@ -461,6 +552,9 @@ mod tests {
         CutOver,
         Finish,
         Cancel,
+        Hold(u32),
+        Release,
+        Opened(u32),
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -471,6 +565,9 @@ mod tests {
             Just(Step::CutOver),
             Just(Step::Finish),
             Just(Step::Cancel),
+            (0u32..8).prop_map(Step::Hold),
+            Just(Step::Release),
+            (0u32..8).prop_map(Step::Opened),
         ]
     }
 
@@ -491,6 +588,9 @@ mod tests {
                     Step::CutOver => map.cut_over(),
                     Step::Finish => map.finish(),
                     Step::Cancel => map.cancel(),
+                    Step::Hold(to) => map.plan_held(to),
+                    Step::Release => map.release(),
+                    Step::Opened(shard) => map.handle_opened(shard),
                 };
                 let Ok(next) = next else { continue };
                 prop_assert_eq!(next.version, map.version + 1);
@@ -500,10 +600,16 @@ mod tests {
                     prop_assert_eq!(next.num_shards, r.to);
                     let before = map.active().unwrap();
                     prop_assert!(before.receiving().all(|s| before.ready.contains(&s)));
+                    prop_assert!(!before.hold, "a held resize cut over");
                 }
                 if let Some(r) = &next.resize {
                     prop_assert!(r.ready.windows(2).all(|w| w[0] < w[1]));
                     prop_assert!(r.ready.iter().all(|s| r.receiving().any(|x| x == *s)));
+                    prop_assert!(r.opened.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(r.opened.iter().all(|s| r.receiving().any(|x| x == *s)));
+                    if !r.opened.is_empty() {
+                        prop_assert!(matches!(r.state, ResizeState::CutOver | ResizeState::Done));
+                    }
                     if r.state == ResizeState::Cancelled {
                         prop_assert_eq!(next.num_shards, r.from);
                     }

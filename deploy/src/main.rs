@@ -147,9 +147,10 @@ enum Command {
         tls: TlsArgs,
     },
     /// Change a running cluster's shard count (etcd mode): plan a resize
-    /// to `--to M` shards, `--cancel` the one in progress before its
-    /// cut-over, or show where the shard map stands (the default). The
-    /// servers carry the resize out; this tool only writes the plan.
+    /// to `--to M` shards (`--hold`: its cut-over waits for `--cut-over`),
+    /// `--cancel` the one in progress before its cut-over, or show where
+    /// the shard map stands (the default). The servers carry the resize
+    /// out; this tool only writes the plan.
     Reshard {
         /// Cluster description (TOML) whose `[coordinator]` names etcd
         /// and the cluster; built-in defaults without it.
@@ -164,8 +165,16 @@ enum Command {
         #[arg(long)]
         cluster: Option<String>,
         /// Plan a resize to this many shards.
-        #[arg(long, conflicts_with = "cancel")]
+        #[arg(long, conflicts_with_all = ["cancel", "cut_over"])]
         to: Option<u32>,
+        /// With `--to`: the new shards copy and follow, but ownership
+        /// moves only once released with `--cut-over`.
+        #[arg(long, requires = "to")]
+        hold: bool,
+        /// Release a held resize: it cuts over once every receiving shard
+        /// is in step.
+        #[arg(long, conflicts_with = "cancel")]
+        cut_over: bool,
         /// Cancel the resize in progress (refused after its cut-over).
         #[arg(long)]
         cancel: bool,
@@ -293,6 +302,8 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             endpoints,
             cluster,
             to,
+            hold,
+            cut_over,
             cancel,
             json,
         } => {
@@ -308,10 +319,13 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             if let Some(cluster) = cluster {
                 coordinator.cluster = cluster;
             }
-            let action = match (to, cancel) {
-                (Some(to), _) => tessera_deploy::reshard::Action::To(to),
-                (None, true) => tessera_deploy::reshard::Action::Cancel,
-                (None, false) => tessera_deploy::reshard::Action::Status,
+            use tessera_deploy::reshard::Action;
+            let action = match (to, cut_over, cancel) {
+                (Some(to), _, _) if hold => Action::ToHeld(to),
+                (Some(to), _, _) => Action::To(to),
+                (None, true, _) => Action::CutOver,
+                (None, false, true) => Action::Cancel,
+                (None, false, false) => Action::Status,
             };
             let map = tessera_deploy::reshard::run(&coordinator, action).await?;
             #[allow(clippy::print_stdout)]

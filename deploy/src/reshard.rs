@@ -16,6 +16,10 @@ use tessera_coord::{CoordError, CoordinatorConfig, EtcdCoordinator, ResizeState,
 pub enum Action {
     /// Plan a resize to this many shards.
     To(u32),
+    /// Plan one whose cut-over waits for [`Action::CutOver`].
+    ToHeld(u32),
+    /// Release a held resize's cut-over.
+    CutOver,
     /// Cancel the resize in progress (before its cut-over).
     Cancel,
     /// Say where the map stands.
@@ -28,6 +32,8 @@ pub async fn run(config: &CoordinatorConfig, action: Action) -> Result<ShardMap,
     let coord = EtcdCoordinator::connect(config).await?;
     match action {
         Action::To(to) => coord.update_shard_map(|map| map.plan(to)).await,
+        Action::ToHeld(to) => coord.update_shard_map(|map| map.plan_held(to)).await,
+        Action::CutOver => coord.update_shard_map(ShardMap::release).await,
         Action::Cancel => coord.update_shard_map(ShardMap::cancel).await,
         Action::Status => {
             coord
@@ -53,7 +59,7 @@ pub fn describe(map: &ShardMap) -> String {
         let state = match r.state {
             ResizeState::Planned => "planned (nothing moved yet)",
             ResizeState::Copying => "copying the moving keys",
-            ResizeState::CutOver => "cut over (the old owners drop the moved keys)",
+            ResizeState::CutOver => "cut over (the new owners serve the moved keys)",
             ResizeState::Done => "done",
             ResizeState::Cancelled => "cancelled (the map is as it was)",
         };
@@ -62,6 +68,9 @@ pub fn describe(map: &ShardMap) -> String {
             "\nresize {} -> {} shards (planned at version {}): {state}",
             r.from, r.to, r.id
         );
+        if map.active().is_some() && r.hold {
+            out.push_str("; the cut-over is held (`tessera reshard --cut-over` releases it)");
+        }
         if map.active().is_some() {
             let receiving: Vec<u32> = r.receiving().collect();
             let _ = write!(
@@ -74,6 +83,17 @@ pub fn describe(map: &ShardMap) -> String {
                     list(&r.ready)
                 }
             );
+            if r.state == ResizeState::CutOver {
+                let _ = write!(
+                    out,
+                    "; serving the moved keys: {}",
+                    if r.opened.is_empty() {
+                        "none yet".to_owned()
+                    } else {
+                        list(&r.opened)
+                    }
+                );
+            }
         }
     }
     out
@@ -108,6 +128,12 @@ mod tests {
             "shard map version 4: keys routed to 2 shards\n\
              resize 2 -> 4 shards (planned at version 2): copying the moving keys\n  \
              receiving shards 2, 3; in step: 3"
+        );
+        let held = map.plan_held(3).unwrap();
+        assert!(
+            describe(&held).ends_with("; the cut-over is held (`tessera reshard --cut-over` releases it)\n  receiving shards 2; in step: none yet"),
+            "{}",
+            describe(&held)
         );
         let cancelled = copying.cancel().unwrap();
         assert!(

@@ -388,6 +388,8 @@ fn shard_map_of(h: &tessera_proto::v1::ShardMapHealth) -> tessera_coord::ShardMa
             to: h.resize_to,
             state,
             ready: h.ready.clone(),
+            hold: h.hold,
+            opened: h.opened.clone(),
         }),
     }
 }
@@ -694,6 +696,8 @@ mod tests {
             resize_to: 3,
             ready: Vec::new(),
             resize_id: 2,
+            hold: false,
+            opened: Vec::new(),
         };
         assert_eq!(shard_map_of(&health), planned);
         assert_eq!(a.shard_map, Some(planned));

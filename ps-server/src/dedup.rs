@@ -88,6 +88,25 @@ pub struct WorkerWindow {
     pub bits: Vec<u64>,
 }
 
+impl WorkerWindow {
+    /// Whether this window says Push `sequence` was applied: `Ok(true)`
+    /// or `Ok(false)`, or `Err(lowest)` when it lies below the window
+    /// (unknown: `lowest` is the lowest sequence still tracked). A window
+    /// from the network may have any number of words: bits past them
+    /// read as not applied.
+    pub fn applied(&self, sequence: u64) -> Result<bool, u64> {
+        if sequence > self.highest {
+            return Ok(false);
+        }
+        let offset = self.highest - sequence;
+        if offset >= WINDOW {
+            return Err(self.highest - WINDOW + 1);
+        }
+        let word = self.bits.get((offset / 64) as usize).copied().unwrap_or(0);
+        Ok(word & (1 << (offset % 64)) != 0)
+    }
+}
+
 #[derive(Debug)]
 struct Window {
     highest: u64,
@@ -303,6 +322,36 @@ impl PushDedup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_saved_window_answers_what_its_shard_applied() {
+        let d = PushDedup::new(DedupLimits {
+            max_workers: 4,
+            idle_expiry: Duration::from_secs(60),
+        });
+        let now = Instant::now();
+        for seq in [5, 7, 1030, 1100] {
+            assert_eq!(d.admit(9, seq, now), Admission::Apply);
+        }
+        let saved = d.snapshot();
+        let w = saved.iter().find(|w| w.worker == 9).unwrap();
+        assert_eq!(w.applied(1100), Ok(true));
+        assert_eq!(w.applied(1030), Ok(true));
+        assert_eq!(w.applied(1031), Ok(false));
+        assert_eq!(w.applied(2000), Ok(false), "above the highest: not applied");
+        assert_eq!(
+            w.applied(7),
+            Err(1100 - WINDOW + 1),
+            "below the window: unknown"
+        );
+        // A short or empty window from the network reads as not applied.
+        let short = WorkerWindow {
+            worker: 9,
+            highest: 1100,
+            bits: Vec::new(),
+        };
+        assert_eq!(short.applied(1100), Ok(false));
+    }
 
     fn dedup(max_workers: usize) -> PushDedup {
         PushDedup::new(DedupLimits {

@@ -24,11 +24,25 @@
 //!   stall bound if longer) or, fallen behind (twice that), not ready
 //!   again. Losing the lead closes its feed; the new primary copies.
 //!
+//! - **The cut-over** (every receiving shard ready, none held): a
+//!   receiving primary writes it (a compare-and-swap on the map). Every
+//!   server of a giving shard then fences the moved keys under the
+//!   shard's write lock (`store/resize.rs`): their Fetches and Pushes are
+//!   refused with `KeysMoved`, and the giving primary's cuts from then on
+//!   are marked fenced (a copy taken after the fence too). A receiving
+//!   primary that applied every giving shard's fenced delta opens its
+//!   shard: its feed closes, the shard takes a stream position as a gap,
+//!   which cuts its replicas off so that they copy it, and it serves.
+//!   Until a copy of a receiving shard holds a position past 0 it does
+//!   not serve (a replica that has not copied from the opened primary, a
+//!   primary promoted before opening, which follows the giving shards
+//!   anew); the giving shards keep their moved rows and stream on.
+//!
 //! Why the delta stream and not the replication stream: see the design in
 //! `tessera_coord::shard_map`. Built so far: growing (shrinking is
-//! planned and cancelled, but nothing moves for it yet) up to the copying
-//! state; the cut-over (fencing the moving keys at the giving primaries,
-//! the last delta, redirects) is the next step.
+//! planned and cancelled, but nothing moves for it yet) through the
+//! cut-over; exactly-once across it (the giving shards' dedup windows),
+//! workers following the map and finishing the resize are the next steps.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,6 +127,9 @@ impl Resharding {
     /// One look at the resize in progress.
     async fn step(&self, map: Option<&ShardMap>) {
         let resize = map.and_then(ShardMap::active).filter(|r| r.to > r.from);
+        if let Some(map) = map {
+            self.fence(map).await;
+        }
         let num_shards = self.store.num_shards();
         // Receiving: a server of the new count hosting a receiving shard.
         let receiving: Vec<u32> = match resize {
@@ -123,9 +140,15 @@ impl Resharding {
             _ => Vec::new(),
         };
         // Its rows are incomplete until the cut-over: no copy of it serves
-        // (the cut-over, once built, opens it; a cancel does now).
+        // until it opens (a cancel opens it too). After the cut-over a
+        // copy at position 0 has not opened yet: its primary still
+        // follows the giving shards' fenced deltas, or its replica has
+        // not copied from the opened primary yet (`Resharding::open`).
+        let cut_over = resize.is_some_and(|r| r.state == ResizeState::CutOver);
         for &shard in self.store.hosted() {
-            self.store.set_receiving(shard, receiving.contains(&shard));
+            let closed = receiving.contains(&shard)
+                && (!cut_over || self.store.version(shard).unwrap_or_default().position == 0);
+            self.store.set_receiving(shard, closed);
         }
         let Some(resize) = resize else {
             self.give(None);
@@ -136,6 +159,7 @@ impl Resharding {
         let leads: Vec<u32> = receiving
             .iter()
             .copied()
+            .filter(|&s| self.store.receiving(s))
             .filter(|&s| self.replication.leading_epoch(s, now).is_some())
             .collect();
         if leads.is_empty() {
@@ -143,6 +167,15 @@ impl Resharding {
         } else {
             self.receive(Some(resize.to));
             self.drive(resize, &leads).await;
+        }
+        if cut_over {
+            let opened: Vec<u32> = receiving
+                .iter()
+                .copied()
+                .filter(|&s| !self.store.receiving(s))
+                .filter(|&s| self.replication.leading_epoch(s, now).is_some())
+                .collect();
+            self.report_opened(resize, &opened).await;
         }
         // Giving: the primary of a giving shard, of the old count.
         let gives = num_shards == resize.from
@@ -165,14 +198,42 @@ impl Resharding {
         }
     }
 
+    /// As a server of a giving shard (any copy of it) in a growth that
+    /// cut over: fences the keys that moved, under the shard's write lock
+    /// (`store/resize.rs`). The fence stays once the resize is done: the
+    /// keys belong elsewhere. Set on every copy, so that a replica
+    /// promoted later refuses them from its first Push (it sees the map
+    /// long before a failover can make it primary: the watch delivers in
+    /// milliseconds, a lease runs for seconds).
+    async fn fence(&self, map: &ShardMap) {
+        let Some(r) = map.resize.as_ref().filter(|r| {
+            r.to > r.from
+                && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
+                && self.store.num_shards() == r.from
+        }) else {
+            return;
+        };
+        for shard in r.giving() {
+            if self.store.moved(shard).is_some() {
+                continue;
+            }
+            if let Some(writing) = self.store.lock_shard_async(shard).await {
+                self.store.set_moved(&writing, Some((r.to, map.version)));
+            }
+        }
+    }
+
     /// As the primary of receiving shards `leads`: moves a planned resize
-    /// to copying, and reports each shard ready or not.
+    /// to copying, reports each shard ready or not, cuts over once every
+    /// receiving shard is ready, and after the cut-over opens its shards
+    /// once it holds every giving shard's fenced delta.
     async fn drive(&self, resize: &Resize, leads: &[u32]) {
         match resize.state {
             ResizeState::Planned => {
                 self.update("start copying", |m| m.start_copying()).await;
             }
             ResizeState::Copying => {
+                let mut all_ready = true;
                 for &shard in leads {
                     let ready = resize.ready.binary_search(&shard).is_ok();
                     let within = if ready {
@@ -181,6 +242,7 @@ impl Resharding {
                         self.in_step_within
                     };
                     let in_step = self.in_step(resize, within);
+                    all_ready &= in_step;
                     if ready != in_step {
                         tracing::info!(
                             shard,
@@ -192,8 +254,100 @@ impl Resharding {
                             .await;
                     }
                 }
+                let others_ready = resize
+                    .receiving()
+                    .filter(|s| !leads.contains(s))
+                    .all(|s| resize.ready.binary_search(&s).is_ok());
+                if all_ready && others_ready && !resize.hold && self.led(resize).await {
+                    // Compared on the revision read: a shard that fell
+                    // out of step meanwhile wrote `ready` again, and the
+                    // cut-over is refused.
+                    self.update("cut over", ShardMap::cut_over).await;
+                }
             }
+            ResizeState::CutOver if self.fenced(resize) => self.open(resize, leads).await,
             _ => {}
+        }
+    }
+
+    /// Whether every receiving shard has a primary in etcd (a `ready`
+    /// outlives the restart of the server that wrote it; a shard being
+    /// led again copies anew, and opens only once it holds every giving
+    /// shard's fenced delta, whenever the cut-over came).
+    async fn led(&self, resize: &Resize) -> bool {
+        match self.coord.primaries().await {
+            Ok((primaries, _)) => resize.receiving().all(|s| primaries.contains_key(&s)),
+            Err(err) => {
+                tracing::debug!(%err, "reading the receiving shards' primaries failed; the cut-over waits");
+                false
+            }
+        }
+    }
+
+    /// Whether this server's feed holds every giving shard's fenced delta
+    /// (or a copy taken after its fence), none being copied.
+    fn fenced(&self, resize: &Resize) -> bool {
+        let Some(feed) = &self.feed else {
+            return false;
+        };
+        let health = feed.health();
+        health.source_shards == resize.from
+            && resize.giving().all(|g| {
+                health
+                    .sources
+                    .iter()
+                    .any(|s| s.source_shard == g && s.fenced && !s.copying)
+            })
+    }
+
+    /// Opens the receiving shards `leads` after the cut-over: the giving
+    /// shards' deduplication windows at their fences are read from the
+    /// feed, the feed closes (no delta still being applied), then, under
+    /// each shard's write lock, its replicas are cut off to copy it from
+    /// here (the rows came outside its stream), it takes the windows and
+    /// it serves. A resize feed writes a
+    /// shard only while it receives (`delta/feed/write.rs`), so no row
+    /// still on its way lands after its first Push.
+    async fn open(&self, resize: &Resize, leads: &[u32]) {
+        let Some(feed) = &self.feed else {
+            return;
+        };
+        let windows = feed.fenced_windows().await;
+        feed.close_for_resize().await;
+        for &shard in leads {
+            let Some(mut writing) = self.store.lock_shard_async(shard).await else {
+                continue;
+            };
+            match self.replication.restart_replicas(&mut writing) {
+                Some(version) => {
+                    // Before its first Push: a part retried across the
+                    // cut-over leaves out the keys a giving shard applied
+                    // it to (`store/resize.rs`).
+                    self.store
+                        .set_origin_windows(shard, resize.from, windows.clone());
+                    self.store.set_receiving(shard, false);
+                    drop(writing);
+                    tracing::info!(shard, %version, "a receiving shard holds every moved key and serves them; its replicas copy it");
+                    metrics::counter!("tessera_ps_resize_opened_total").increment(1);
+                }
+                None => {
+                    tracing::info!(
+                        shard,
+                        "lost the lead of a receiving shard before opening it; the new primary follows the giving shards"
+                    );
+                }
+            }
+        }
+    }
+
+    /// As the primary of opened receiving shards `opened`: says so in the
+    /// map (the giving shards stop streaming to them).
+    async fn report_opened(&self, resize: &Resize, opened: &[u32]) {
+        for &shard in opened {
+            if resize.opened.binary_search(&shard).is_err() {
+                self.update("report opened", |m| m.handle_opened(shard))
+                    .await;
+            }
         }
     }
 
@@ -232,7 +386,10 @@ impl Resharding {
     async fn receivers(&self, resize: &Resize) -> Result<Vec<(String, Vec<u32>)>, CoordError> {
         let (primaries, _) = self.coord.primaries().await?;
         let mut servers: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
-        for shard in resize.receiving() {
+        for shard in resize
+            .receiving()
+            .filter(|s| resize.opened.binary_search(s).is_err())
+        {
             if let Some((record, _)) = primaries.get(&shard) {
                 servers
                     .entry(record.address.clone())

@@ -17,6 +17,20 @@ impl From<StoreError> for Status {
     fn from(err: StoreError) -> Self {
         let message = err.to_string();
         match err {
+            StoreError::Moved {
+                shard,
+                num_shards,
+                map_version,
+                ..
+            } => Status::with_details(
+                tessera_rpc::Code::Aborted,
+                message,
+                prost::Message::encode_to_vec(&v1::KeysMoved {
+                    shard,
+                    num_shards,
+                    map_version,
+                }),
+            ),
             StoreError::UnknownTable(_) => Status::not_found(message),
             StoreError::GradientLength { .. }
             | StoreError::TooManyKeys { .. }
@@ -27,6 +41,7 @@ impl From<StoreError> for Status {
             | StoreError::BadExpiry { .. }
             | StoreError::DeltaLength { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
+            StoreError::NotCutOver { .. } => Status::unavailable(message),
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode
@@ -164,16 +179,20 @@ impl v1::ParameterServer for PsService {
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
         refuse_receiving(&self.store, request.shard)?;
-        let checked = self.store.check_push(
-            &request.table,
-            request.shard,
-            &request.keys,
-            &request.gradients,
-            PushId {
-                worker: request.worker_id,
-                sequence: request.sequence,
-            },
-        )?;
+        let request = without_applied_at_origins(&self.store, request)?;
+        let checked = self
+            .store
+            .check_push(
+                &request.table,
+                request.shard,
+                &request.keys,
+                &request.gradients,
+                PushId {
+                    worker: request.worker_id,
+                    sequence: request.sequence,
+                },
+            )?
+            .split_by(request.num_shards);
         // Admission, application and the stream position under the
         // shard's write lock: Pushes take their positions in the order they
         // change the rows, and no role change falls between.
@@ -274,6 +293,42 @@ impl v1::ParameterServer for PsService {
 
 /// A shard that receives its keys in a resize is not served until the
 /// resize's cut-over: `UNAVAILABLE`, which callers try elsewhere.
+/// A Push part retried across a resize's cut-over, first sent split by
+/// the old count: the keys whose old shard applied it before the fence
+/// are left out (`store/resize.rs`); the rest is applied, and the part is
+/// recorded here as applied. Gradients that do not fit the keys are left
+/// for the Push's own checks to refuse.
+fn without_applied_at_origins(store: &Store, request: PushRequest) -> Result<PushRequest, Status> {
+    let id = PushId {
+        worker: request.worker_id,
+        sequence: request.sequence,
+    };
+    let Some(mask) = store.applied_at_origins(&request.table, request.shard, &request.keys, id)?
+    else {
+        return Ok(request);
+    };
+    let n = request.keys.len();
+    let row = request.gradients.len().checked_div(n).unwrap_or(0);
+    if n == 0 || row * n != request.gradients.len() {
+        return Ok(request);
+    }
+    let mut keys = Vec::with_capacity(n);
+    let mut gradients = Vec::with_capacity(request.gradients.len());
+    for (i, (&key, &applied)) in request.keys.iter().zip(&mask).enumerate() {
+        if !applied {
+            keys.push(key);
+            gradients.extend_from_slice(&request.gradients[i * row..(i + 1) * row]);
+        }
+    }
+    metrics::counter!("tessera_ps_resize_retried_keys_left_out_total")
+        .increment((n - keys.len()) as u64);
+    Ok(PushRequest {
+        keys,
+        gradients: gradients.into(),
+        ..request
+    })
+}
+
 fn refuse_receiving(store: &Store, shard: u32) -> Result<(), Status> {
     if store.receiving(shard) {
         return Err(Status::unavailable(format!(
@@ -303,6 +358,8 @@ fn shard_map_health(map: &tessera_coord::ShardMap) -> v1::ShardMapHealth {
         health.resize_to = r.to;
         health.ready.clone_from(&r.ready);
         health.resize_id = r.id;
+        health.hold = r.hold;
+        health.opened.clone_from(&r.opened);
     }
     health
 }

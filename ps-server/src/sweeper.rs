@@ -47,6 +47,12 @@ fn step(
         store.advance_clock(writing, table, unix_secs());
         return Step::NotPrimary;
     };
+    // A shard receiving keys in a resize holds the giving shards' rows as
+    // they sweep them (their removals come in their deltas); its own
+    // stream starts at the cut-over (`crate::reshard`).
+    if store.receiving(writing.shard()) {
+        return Step::NotPrimary;
+    }
     let Some(expired) = store.expire_step(writing, table, unix_secs(), slots) else {
         return Step::NoTable;
     };

@@ -37,6 +37,7 @@ async fn push(server: &InProcess, sequence: u64) {
     server
         .data
         .push(PushRequest {
+            num_shards: 0,
             table: "emb".into(),
             shard: 0,
             keys: (0..8).collect(),

@@ -60,6 +60,7 @@ async fn an_admin_checkpoint_survives_a_restart_and_corruption_is_refused() {
         server
             .data
             .push(PushRequest {
+                num_shards: 0,
                 table: "emb".into(),
                 shard: 0,
                 keys: keys.clone(),
@@ -138,6 +139,7 @@ async fn a_graceful_stop_saves_a_last_checkpoint() {
     server
         .data
         .push(PushRequest {
+            num_shards: 0,
             table: "emb".into(),
             shard: 0,
             keys: keys.clone(),

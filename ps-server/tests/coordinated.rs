@@ -292,6 +292,7 @@ fn push_of(keys: Vec<u64>, step: u64, worker: u64) -> PushRequest {
         .map(|i| ((i as u64 * 13 + step * 7) % 17) as f32 - 8.0)
         .collect();
     PushRequest {
+        num_shards: 0,
         table: tessera_test_support::pair::PAIR_TABLE.into(),
         shard: 0,
         keys,

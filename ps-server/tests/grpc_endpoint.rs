@@ -62,6 +62,7 @@ async fn failure_pattern_the_grpc_endpoint_takes_the_servers_message_size_and_re
     // A Push of about 8 MiB of gradients.
     let keys = keys_of_shard(0, 1, (8 << 20) / (dim * 4));
     let push = PushRequest {
+        num_shards: 0,
         table: "embeddings".into(),
         shard: 0,
         keys: keys.clone(),

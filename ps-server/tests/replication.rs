@@ -545,6 +545,7 @@ async fn replicas_of_a_table_with_a_row_limit_evict_what_the_primary_evicts() {
         primary
             .data
             .push(PushRequest {
+                num_shards: 0,
                 table: "emb".into(),
                 shard: 0,
                 keys,
@@ -626,6 +627,7 @@ async fn a_long_copy_under_a_steady_push_load_converges() {
         primary
             .data
             .push(PushRequest {
+                num_shards: 0,
                 table: "emb".into(),
                 shard: 0,
                 keys: chunk.to_vec(),
@@ -654,6 +656,7 @@ async fn a_long_copy_under_a_steady_push_load_converges() {
                 let keys: Vec<u64> = (0..8).map(|i| (pushed * 8 + i) % 60_000).collect();
                 let grads = vec![0.25f32; keys.len() * 4];
                 data.push(PushRequest {
+                    num_shards: 0,
                     table: "emb".into(),
                     shard: 0,
                     keys,

@@ -1,11 +1,17 @@
 //! Growing a cluster's shard count (issue 39), in-process with etcd, as
-//! far as it is built: an operator plans 2 -> 3 shards; the server of the
-//! new shard moves the resize to copying; both old shards' primaries
-//! stream it their moving rows (whole: optimizer state and update counts)
-//! while Pushes go on; the new shard reports ready, and its rows are the
-//! old primaries', bit for bit, once the Pushes stop. A cancel stops the
-//! streams and closes the new server's feed; planned again, the resize
-//! starts over with copies and comes back in step.
+//! far as it is built: an operator plans 2 -> 3 shards, the cut-over
+//! held; the primary of the new shard (two servers, two replica groups)
+//! moves the resize to copying; both old shards' primaries stream it
+//! their moving rows (whole: optimizer state and update counts) while
+//! Pushes go on; the new shard reports ready, and its rows are the old
+//! primaries', bit for bit, once the Pushes stop; held, it does not cut
+//! over. A cancel stops the streams and closes the new server's feed.
+//! Planned again without a hold, under Pushes: the resize starts over
+//! with copies, comes back in step and cuts over by itself; the old
+//! shards refuse the moved keys from then on (`KeysMoved`), the new
+//! primary serves them once it holds both old shards' fenced deltas, with
+//! every Push applied before the fence and none after, and its replica
+//! copies the shard from it.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -16,10 +22,11 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use prost::Message as _;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
-use tessera_ps_server::config::{DeltaConfig, OptimizerConfig};
+use tessera_ps_server::config::{DeltaConfig, OptimizerConfig, PeerConfig};
 use tessera_ps_server::table::ExpiryConfig;
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Code, RpcError};
@@ -52,12 +59,30 @@ fn server(etcd: &Etcd, cluster: &str, num_shards: u32, shard: u32) -> PsServerCo
     }
 }
 
+/// A server of the new shard in replica group `group`, its peer of the
+/// other group at `peer`.
+fn new_server(etcd: &Etcd, cluster: &str, listen: &str, group: u32, peer: &str) -> PsServerConfig {
+    PsServerConfig {
+        listen: listen.to_owned(),
+        replica_group: group,
+        replica_groups: 2,
+        peers: vec![PeerConfig {
+            address: peer.to_owned(),
+            replica_group: 1 - group,
+            shards: vec![OLD],
+        }],
+        ..server(etcd, cluster, NEW, OLD)
+    }
+}
+
 /// A Push of `step` to `keys` of old shard `shard`.
 fn push(step: u64, shard: u32, keys: &[u64]) -> PushRequest {
     let grads: Vec<f32> = (0..keys.len() * DIM)
         .map(|i| ((i as u64 * 13 + step * 7) % 17) as f32 - 8.0)
         .collect();
     PushRequest {
+        // Split by the old count, as a worker on the old map does.
+        num_shards: OLD,
         table: "emb".into(),
         shard,
         keys: keys.to_vec(),
@@ -67,16 +92,32 @@ fn push(step: u64, shard: u32, keys: &[u64]) -> PushRequest {
     }
 }
 
-/// A Fetch of `key` at the new shard's server.
-async fn fetch_new(new: &InProcess, key: u64) -> Result<Vec<u8>, RpcError> {
-    new.data
+/// A Fetch of `key` of `shard` at `server`.
+async fn fetch_at(server: &InProcess, shard: u32, key: u64) -> Result<Vec<u8>, RpcError> {
+    server
+        .data
         .fetch(FetchRequest {
             table: "emb".into(),
-            shard: OLD,
+            shard,
             keys: vec![key],
         })
         .await
         .map(|r| r.values.to_vec())
+}
+
+/// A Fetch of `key` at a server of the new shard.
+async fn fetch_new(new: &InProcess, key: u64) -> Result<Vec<u8>, RpcError> {
+    fetch_at(new, OLD, key).await
+}
+
+/// The `KeysMoved` of a refusal, if it is one.
+fn keys_moved(err: &RpcError) -> Option<tessera_proto::v1::KeysMoved> {
+    match err {
+        RpcError::Status(status) if status.code() == Code::Aborted => {
+            tessera_proto::v1::KeysMoved::decode(status.details().clone()).ok()
+        }
+        _ => None,
+    }
 }
 
 /// The resize feed `server` reports (none while closed).
@@ -102,7 +143,8 @@ fn rows(server: &InProcess, shard: u32, keys: &[u64]) -> (Vec<u64>, Vec<u8>, Vec
 
 struct Cluster {
     old: Vec<InProcess>,
-    new: InProcess,
+    /// The new shard's two servers.
+    news: Vec<InProcess>,
     coord: EtcdCoordinator,
     /// Per old shard: its keys, and those of them that move.
     keys: Vec<(Vec<u64>, Vec<u64>)>,
@@ -110,6 +152,18 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// The new shard's primary (waits for one).
+    async fn new_primary(&self) -> &InProcess {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(p) = self.news.iter().find(|s| s.replication.is_primary(OLD)) {
+                return p;
+            }
+            assert!(Instant::now() < deadline, "the new shard has no primary");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn push_all(&mut self) {
         self.step += 1;
         for (shard, server) in self.old.iter().enumerate() {
@@ -137,13 +191,14 @@ impl Cluster {
     /// Waits until the new shard's rows are the old primaries' moving
     /// rows, bit for bit (Pushes stopped).
     async fn wait_equal(&self) {
+        let new = self.new_primary().await;
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let mut equal = true;
             for (shard, server) in self.old.iter().enumerate() {
                 let moving = &self.keys[shard].1;
                 let want = rows(server, shard as u32, moving);
-                let got = rows(&self.new, OLD, moving);
+                let got = rows(new, OLD, moving);
                 if got != want {
                     equal = false;
                     assert!(
@@ -197,13 +252,20 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
             mine.len()
         );
     }
-    // The operator plans 3 shards; the new shard's server starts.
-    let planned = coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
-    let new = InProcess::start(&server(&etcd, cluster, NEW, OLD)).await;
-    wait_serving(&new.addr).await;
+    // The operator plans 3 shards, the cut-over held; the new shard's
+    // two servers start.
+    let planned = coord.update_shard_map(|m| m.plan_held(NEW)).await.unwrap();
+    let (a, b) = (free_addr(), free_addr());
+    let mut news = Vec::new();
+    for (group, (me, peer)) in [(&a, &b), (&b, &a)].into_iter().enumerate() {
+        news.push(InProcess::start(&new_server(&etcd, cluster, me, group as u32, peer)).await);
+    }
+    for server in &news {
+        wait_serving(&server.addr).await;
+    }
     let mut c = Cluster {
         old,
-        new,
+        news,
         coord,
         keys,
         step: 0,
@@ -220,17 +282,41 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // Pushes go on at the old shards while the new one copies and
     // follows, until the new shard reports ready.
     c.push_until_ready(planned.version).await;
-    assert_eq!(
-        map(&c.coord).await.num_shards,
-        OLD,
-        "routing changes only at the cut-over"
+    // Held: no cut-over however long it stays ready.
+    let held_until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < held_until {
+        c.push_all().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = map(&c.coord).await;
+    assert_eq!(m.num_shards, OLD, "routing changes only at the cut-over");
+    // A part split by the new count waits for the cut-over at an old
+    // shard (retried meanwhile).
+    let staying: Vec<u64> = c.keys[0]
+        .0
+        .iter()
+        .copied()
+        .filter(|k| !c.keys[0].1.contains(k))
+        .collect();
+    let mut early = push(c.step + 1, 0, &staying);
+    early.num_shards = NEW;
+    match c.old[0].data.push(early).await {
+        Err(RpcError::Status(status)) => assert_eq!(status.code(), Code::Unavailable, "{status:?}"),
+        other => panic!("a part split by the new count was taken before the fence: {other:?}"),
+    }
+    assert!(
+        m.resize
+            .as_ref()
+            .is_some_and(|r| r.state == ResizeState::Copying && r.hold),
+        "a held resize cut over: {m:?}"
     );
     c.wait_equal().await;
     // Every Push counted: shard 0's keys had all of them, shard 1's all
     // but the 30 to shard 0 alone.
+    let new = c.new_primary().await;
     for (shard, (_, moving)) in c.keys.iter().enumerate() {
         let want = if shard == 0 { c.step } else { c.step - 30 };
-        let steps = rows(&c.new, OLD, moving).3;
+        let steps = rows(new, OLD, moving).3;
         assert!(
             steps.iter().all(|&s| u64::from(s) == want),
             "shard {shard}: {steps:?}"
@@ -248,26 +334,33 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
             "{streams:?}"
         );
     }
-    let feed = feed_of(&c.new)
+    let feed = feed_of(new)
         .await
         .expect("a receiving primary reports its feed");
     assert_eq!(feed.source_shards, OLD);
-    assert!(feed.sources.iter().all(|s| s.copies >= 1), "{feed:?}");
-    // Its rows are incomplete until the cut-over: it serves none.
+    assert!(
+        feed.sources.iter().all(|s| s.copies >= 1 && !s.fenced),
+        "{feed:?}"
+    );
+    // Its rows are incomplete until the cut-over: no copy serves.
     let key = c.keys[0].1[0];
-    match fetch_new(&c.new, key).await {
-        Err(RpcError::Status(status)) => {
-            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-            assert!(status.message().contains("resize"), "{status:?}");
+    for server in &c.news {
+        match fetch_new(server, key).await {
+            Err(RpcError::Status(status)) => {
+                assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+                assert!(status.message().contains("resize"), "{status:?}");
+            }
+            other => panic!("a receiving shard served a Fetch: {other:?}"),
         }
-        other => panic!("a receiving shard served a Fetch: {other:?}"),
     }
 
     // A cancel: the streams to the new shard end, its feed closes, and
     // the old shards stop keeping changes.
     c.coord.update_shard_map(ShardMap::cancel).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while feed_of(&c.new).await.is_some() || c.old.iter().any(|s| s.store.tracks_changes()) {
+    while feed_of(c.new_primary().await).await.is_some()
+        || c.old.iter().any(|s| s.store.tracks_changes())
+    {
         assert!(
             Instant::now() < deadline,
             "the resize's streams never ended"
@@ -278,20 +371,186 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // Cancelled, the new server serves its shard again (nobody routes to
     // it: the operator stops it).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while fetch_new(&c.new, key).await.is_err() {
-        assert!(Instant::now() < deadline, "still refusing after the cancel");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for server in &c.news {
+        while fetch_new(server, key).await.is_err() {
+            assert!(Instant::now() < deadline, "still refusing after the cancel");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
-    // Planned again, with Pushes meanwhile: the new shard starts over
-    // (copies) and is in step again.
+    // Planned again, not held, with Pushes going on: the new shard starts
+    // over (copies), is in step again, and the resize cuts over by
+    // itself. From the fence on, each old shard refuses whole Pushes that
+    // name a moved key; its other keys go on.
     c.push_all().await;
+    // Push `x` reaches old shard 0 only, before the fence (its answer to
+    // the worker, say, is lost; shard 1's part is sent after the fence).
+    c.step += 1;
+    let x = c.step;
+    c.old[0].data.push(push(x, 0, &c.keys[0].0)).await.unwrap();
     let again = c.coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
-    c.push_until_ready(again.version).await;
-    c.wait_equal().await;
-    let Cluster { old, new, .. } = c;
-    new.stop().await;
-    for server in old {
+    let mut applied = [c.step, c.step - 31];
+    let mut refused = [0u64; OLD as usize];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while refused.iter().any(|&r| r < 3) {
+        assert!(
+            Instant::now() < deadline,
+            "never cut over: {:?}",
+            map(&c.coord).await
+        );
+        c.step += 1;
+        for shard in 0..OLD as usize {
+            let (mine, moving) = &c.keys[shard];
+            match c.old[shard]
+                .data
+                .push(push(c.step, shard as u32, mine))
+                .await
+            {
+                Ok(_) => applied[shard] += 1,
+                Err(err) => {
+                    let moved = keys_moved(&err).unwrap_or_else(|| panic!("{err:?}"));
+                    assert_eq!((moved.shard, moved.num_shards), (shard as u32, NEW));
+                    assert!(moved.map_version > again.version, "{moved:?}");
+                    refused[shard] += 1;
+                    // The keys that stay are pushed on their own.
+                    let staying: Vec<u64> = mine
+                        .iter()
+                        .copied()
+                        .filter(|k| !moving.contains(k))
+                        .collect();
+                    let mut staying_push = push(c.step, shard as u32, &staying);
+                    staying_push.worker_id = 12;
+                    c.old[shard].data.push(staying_push).await.unwrap();
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let m = map(&c.coord).await;
+    assert_eq!(m.num_shards, NEW, "{m:?}");
+    assert_eq!(
+        m.resize.as_ref().map(|r| (r.id, r.state)),
+        Some((again.version, ResizeState::CutOver))
+    );
+    // A Fetch of a moved key at an old shard is refused too, naming the
+    // count; a key that stays is served.
+    let moved_key = c.keys[1].1[0];
+    let err = fetch_at(&c.old[1], 1, moved_key).await.unwrap_err();
+    assert_eq!(keys_moved(&err).map(|m| m.num_shards), Some(NEW), "{err:?}");
+    let staying = c.keys[1]
+        .0
+        .iter()
+        .copied()
+        .find(|k| !c.keys[1].1.contains(k))
+        .unwrap();
+    fetch_at(&c.old[1], 1, staying).await.unwrap();
+
+    // The new primary serves once it holds both fenced deltas: then its
+    // moved rows are the old primaries' (which no Push changes any
+    // more), with every Push applied before the fence counted once.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new = loop {
+        let new = c.new_primary().await;
+        if fetch_new(new, key).await.is_ok() {
+            break new;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new shard never opened: {:?}",
+            feed_of(new).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    for (shard, server) in c.old.iter().enumerate() {
+        let moving = &c.keys[shard].1;
+        let want = rows(server, shard as u32, moving);
+        assert_eq!(
+            rows(new, OLD, moving),
+            want,
+            "old shard {shard}'s moved rows"
+        );
+        assert!(
+            want.3.iter().all(|&s| u64::from(s) == applied[shard]),
+            "shard {shard}: {:?} != {}",
+            want.3,
+            applied[shard]
+        );
+    }
+    assert!(
+        feed_of(new).await.is_none(),
+        "the feed closes once the shard opens"
+    );
+    // It says so in the map, and the old shards stop streaming to it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let opened = map(&c.coord)
+            .await
+            .resize
+            .is_some_and(|r| r.opened == [OLD]);
+        if opened && c.old.iter().all(|s| !s.store.tracks_changes()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the resize's streams never ended after the shard opened"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Pushes to the moved keys go to the new shard now.
+    let moved_all: Vec<u64> = c.keys.iter().flat_map(|(_, m)| m.iter().copied()).collect();
+    let mut sorted = moved_all.clone();
+    sorted.sort_unstable();
+    let mut to_new = push(c.step + 1, OLD, &sorted);
+    to_new.worker_id = 13;
+    to_new.num_shards = NEW;
+    new.data.push(to_new).await.unwrap();
+    let steps_of = |server: &InProcess, shard: usize| rows(server, OLD, &c.keys[shard].1).3;
+    let before = [steps_of(new, 0), steps_of(new, 1)];
+    assert!(before[0].iter().all(|&s| u64::from(s) == applied[0] + 1));
+    // Push `x` retried, split by the new count: its part to the new shard
+    // holds both old shards' moved keys; old shard 0 applied it before
+    // the fence (its window at the fence came with its last delta), old
+    // shard 1 never did. Only shard 1's keys are applied, once.
+    for attempt in 0..2 {
+        let mut retry = push(x, OLD, &sorted);
+        retry.num_shards = NEW;
+        new.data.push(retry).await.unwrap();
+        assert_eq!(
+            steps_of(new, 0),
+            before[0],
+            "attempt {attempt}: applied twice"
+        );
+        let plus_one: Vec<u32> = before[1].iter().map(|s| s + 1).collect();
+        assert_eq!(steps_of(new, 1), plus_one, "attempt {attempt}");
+    }
+    // Its part to old shard 0 (the keys that stay) is a duplicate there.
+    let staying0: Vec<u64> = c.keys[0]
+        .0
+        .iter()
+        .copied()
+        .filter(|k| !c.keys[0].1.contains(k))
+        .collect();
+    let mut retry0 = push(x, 0, &staying0);
+    retry0.num_shards = NEW;
+    assert!(c.old[0].data.push(retry0).await.unwrap().duplicate);
+    // Its replica copies the shard from it (the moved rows came outside
+    // the stream) and then serves the same rows.
+    let replica = c.news.iter().find(|s| !std::ptr::eq(*s, new)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if fetch_new(replica, key).await.is_ok()
+            && rows(replica, OLD, &sorted) == rows(new, OLD, &sorted)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new shard's replica never copied it"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let Cluster { old, news, .. } = c;
+    for server in news.into_iter().chain(old) {
         server.stop().await;
     }
 }

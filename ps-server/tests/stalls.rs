@@ -53,6 +53,7 @@ async fn pushes_waiting_for_a_held_shard_lock_do_not_stop_fetches() {
         .map(|i| {
             let data = server.data.clone();
             let request = PushRequest {
+                num_shards: 0,
                 table: "embeddings".into(),
                 shard: 0,
                 keys: keys.clone(),

@@ -92,6 +92,7 @@ async fn roles_on_the_tessera_endpoint(transport: TransportKind) {
     let data = ParameterServerClient::new(worker.clone());
     for step in 1..=5u64 {
         data.push(PushRequest {
+            num_shards: 0,
             table: "emb".into(),
             shard: 0,
             keys: vec![1, 2, 3],

@@ -58,6 +58,7 @@ pub fn pair_push(step: u64, keys: u64, worker_id: u64) -> PushRequest {
         .map(|i| ((i as u64 * 13 + step * 7) % 17) as f32 - 8.0)
         .collect();
     PushRequest {
+        num_shards: 0,
         table: PAIR_TABLE.into(),
         shard: 0,
         keys,

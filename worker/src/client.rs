@@ -523,6 +523,7 @@ impl PsClient {
                 buf.set_len(len);
                 write_f32s(&mut buf, sums);
                 let request = PushRequest {
+                    num_shards: self.num_shards,
                     table: table.clone(),
                     shard: group.shard,
                     keys: group.keys.clone(),

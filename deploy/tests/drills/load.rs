@@ -41,6 +41,7 @@ pub(super) async fn fill(data: &ParameterServerClient, shard: u32, num_shards: u
     let keys = keys_of_shard(shard, num_shards, BIG_ROWS as usize);
     for (i, chunk) in keys.chunks(10_000).enumerate() {
         data.push(PushRequest {
+            num_shards: 0,
             table: "big".into(),
             shard,
             keys: chunk.to_vec(),
@@ -130,6 +131,7 @@ impl Load {
                         let ended = Instant::now();
                         if n.is_multiple_of(4) {
                             data.push(PushRequest {
+                                num_shards: 0,
                                 table: "big".into(),
                                 shard,
                                 keys: keys[..32].to_vec(),

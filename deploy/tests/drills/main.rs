@@ -382,6 +382,7 @@ async fn fencing(transport: TransportKind) {
                     sequence += 1;
                     let answer = client
                         .push(tessera_proto::v1::PushRequest {
+                            num_shards: 0,
                             table: TABLE.into(),
                             shard: 0,
                             keys: vec![1_000 + i as u64],
@@ -502,6 +503,7 @@ async fn kill_during_checkpoint(transport: TransportKind) {
     wait_role(&b, ShardRole::Replica, Duration::from_secs(30)).await;
     let data = data_client(&a, transport);
     let push = |step: u64| tessera_proto::v1::PushRequest {
+        num_shards: 0,
         table: TABLE.into(),
         shard: 0,
         keys: vec![step % 7, 100 + step],

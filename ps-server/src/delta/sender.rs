@@ -82,6 +82,9 @@ pub struct Mark {
     /// The store's generation of change keeping the stream started under
     /// (`Store::changes_generation`): another one starts a new stream.
     pub changes: u64,
+    /// The cut came after a resize's cut-over fenced the shard's moving
+    /// keys (`Store::set_moved`): it holds every change to them.
+    pub fenced: bool,
 }
 
 #[derive(Debug, Default)]
@@ -431,6 +434,16 @@ impl Sender {
         oldest_ms: u64,
         taken_ms: u64,
     ) {
+        // A resize's fenced cuts carry the giving shard's deduplication
+        // windows at the fence (on each delta's last part).
+        let windows = if mark.fenced && route.whole_rows {
+            self.store
+                .fenced_windows(shard)
+                .map(|w| super::windows::to_wire(&w))
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         for dest in &route.destinations {
             let tables: Vec<DeltaTable> = per_shard
                 .iter()
@@ -459,6 +472,12 @@ impl Sender {
                     optimizer_state: route.whole_rows,
                     num_shards: route.num_shards,
                     shards: dest.shards.clone(),
+                    fenced: mark.fenced,
+                    windows: if i + 1 == n {
+                        windows.clone()
+                    } else {
+                        Vec::new()
+                    },
                 })
                 .collect();
             if let Err(mpsc::error::TrySendError::Full(_)) =
@@ -501,12 +520,14 @@ impl Sender {
                 epoch,
                 position,
                 changes,
+                fenced: false,
             };
             drop(self.store.take_changes(&writing));
             tracing::info!(shard, epoch, stream = %format_args!("{:#x}", mark.stream), "delta stream starts");
         }
         mark.seq += 1;
         mark.position = position;
+        mark.fenced = writing.moved().is_some();
         Some((*mark, self.store.take_changes(&writing)))
     }
 

@@ -117,8 +117,16 @@ impl Sources {
             seq: mark.seq,
             epoch: mark.epoch,
             position: mark.position,
+            fenced: mark.fenced,
             ..DeltaCopyResponse::default()
         };
+        // A fenced copy's first page carries the windows at the fence.
+        if mark.fenced
+            && request.session == 0
+            && let Some(windows) = store.fenced_windows(request.source_shard)
+        {
+            response.windows = super::windows::to_wire(&windows);
+        }
         let (mut t, mut row) = (request.table as usize, request.row);
         let mut bytes = 0usize;
         let mut scanned = 0u64;
@@ -182,7 +190,10 @@ impl Sources {
                     store.hosted()
                 ))
             })?;
-            let mark = sender.map(|s| s.mark(shard)).unwrap_or_default();
+            let mut mark = sender.map(|s| s.mark(shard)).unwrap_or_default();
+            // Taken after a resize fenced the moving keys: the copy holds
+            // every change to them.
+            mark.fenced = writing.moved().is_some();
             (store.snapshot_shard(&writing), mark)
         };
         let id = self.next.fetch_add(2, Ordering::Relaxed);

@@ -188,6 +188,26 @@ impl Replication {
         }
     }
 
+    /// Starts the replicas of the shard `writing` locks over from this
+    /// primary's rows, which changed outside its stream (a resize's
+    /// receiving shard opening at the cut-over: `crate::reshard`). The
+    /// shard takes the next stream position as a gap: every attached
+    /// replica is cut off at it, and one attaching later holds an older
+    /// version; either copies the shard. Returns the new version, or
+    /// `None` (nothing changed) when this server does not lead the shard.
+    pub fn restart_replicas(&self, writing: &mut crate::store::ShardGuard<'_>) -> Option<Version> {
+        let shard = writing.shard();
+        let epoch = self.leading_epoch(shard, std::time::Instant::now())?;
+        let version = writing.version().next(epoch);
+        writing.set_version(version);
+        for forwarder in &self.forwarders {
+            if forwarder.shards.contains(&shard) {
+                forwarder.cut_off_for_resize(shard, version.epoch, version.position);
+            }
+        }
+        Some(version)
+    }
+
     /// What acknowledging a duplicate of a Push already applied to `shard`
     /// (now at `version`, under `epoch`) waits for: its original may still
     /// be on its way to the replicas, so every confirmed replica must

@@ -160,6 +160,9 @@ pub(crate) enum CutOff {
     Lag,
     /// It did not confirm a Push within `replica_timeout_ms`.
     Timeout,
+    /// The primary's rows changed outside the stream: a resize's
+    /// receiving shard opening (`crate::reshard`).
+    Resize,
 }
 
 /// How a wait for a replica's confirmation ended.
@@ -293,11 +296,22 @@ impl Forwarder {
         let reason = match why {
             CutOff::Lag => "lag",
             CutOff::Timeout => "timeout",
+            CutOff::Resize => "resize",
         };
         metrics::counter!("tessera_ps_replication_cutoffs_total", "reason" => reason).increment(1);
         tracing::warn!(peer = %self.addr, shard, reason, max_lag = self.settings.max_lag, "replica cut off from the shard until it copies it again");
         self.progress.notify_waiters();
         self.wake.notify_one();
+    }
+
+    /// Cuts the replica off from `shard` at `position` if it is attached
+    /// (the primary's rows changed outside the stream): it attaches again
+    /// and copies the shard.
+    pub fn cut_off_for_resize(&self, shard: u32, epoch: u64, position: u64) {
+        let mut queue = lock(&self.queue);
+        if queue.shards.get(&shard).is_some_and(|a| a.attached) {
+            self.cut_off_locked(&mut queue, shard, epoch, position, CutOff::Resize);
+        }
     }
 
     /// Cuts the replica off from `shard` if its attachment is still

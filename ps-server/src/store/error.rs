@@ -54,6 +54,37 @@ pub enum StoreError {
         /// The shards this server hosts.
         hosted: Vec<u32>,
     },
+    /// A key of the request moved to another shard in a resize of the
+    /// cluster's shard count (the cut-over fenced it here).
+    #[error(
+        "key {key} moved from shard {shard} to shard {to} when the cluster grew to {num_shards} shards (shard map version {map_version}): route it by the new map"
+    )]
+    Moved {
+        /// The first moved key of the request.
+        key: u64,
+        /// The shard asked.
+        shard: u32,
+        /// The shard count keys are routed by now.
+        num_shards: u32,
+        /// The key's shard now.
+        to: u32,
+        /// The shard-map version that moved it.
+        map_version: u64,
+    },
+    /// A Push split by another shard count than this shard's, before a
+    /// resize to that count fenced the shard (`PushRequest.num_shards`):
+    /// retried shortly, it is taken once the cut-over reaches the shard.
+    #[error(
+        "the Push was split by {split_by} shards; shard {shard} routes keys by {num_shards} until a resize to {split_by} cuts over here (retry shortly)"
+    )]
+    NotCutOver {
+        /// The shard asked.
+        shard: u32,
+        /// The count the Push was split by.
+        split_by: u32,
+        /// The shard's count.
+        num_shards: u32,
+    },
     /// A key does not belong to the shard named in the request.
     #[error("key {key} belongs to shard {actual}, not to shard {shard}")]
     WrongShard {

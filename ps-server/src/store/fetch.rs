@@ -117,6 +117,8 @@ impl Store {
         keys: &'a [u64],
     ) -> Result<CheckedFetch<'a>, StoreError> {
         let (table_ref, state) = self.shard_state(table, shard, keys)?;
+        // Keys a resize moved away are served by their new shard.
+        self.check_moved(shard, keys)?;
         let row_bytes = table_ref.config().dim as usize * F32_BYTES;
         match keys.len().checked_mul(row_bytes) {
             Some(bytes) if bytes <= self.max_response_bytes => Ok(CheckedFetch {

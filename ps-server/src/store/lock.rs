@@ -20,6 +20,13 @@ pub(super) struct Writer {
     /// Async waiters registered (a release notifies only if some are).
     waiting: AtomicUsize,
     released: tokio::sync::Notify,
+    /// The keys of the shard that moved away in a resize: those the
+    /// jump hash routes elsewhere under this shard count (0: none moved).
+    /// Set under the lock ([`ShardGuard::set_moved`]), so that a Push
+    /// applied under it is either before the fence or refused.
+    pub(super) moved_to: std::sync::atomic::AtomicU32,
+    /// The shard-map version that moved them.
+    pub(super) moved_version: std::sync::atomic::AtomicU64,
 }
 
 /// The write lock of one shard (see [`Store`]), with its version.
@@ -28,7 +35,7 @@ pub struct ShardGuard<'a> {
     shard: u32,
     /// `Some` until dropped: released before the waiters are woken.
     version: Option<MutexGuard<'a, Version>>,
-    writer: &'a Writer,
+    pub(super) writer: &'a Writer,
 }
 
 impl Drop for ShardGuard<'_> {
@@ -52,6 +59,16 @@ impl ShardGuard<'_> {
     /// The version of the shard's rows.
     pub fn version(&self) -> Version {
         self.version.as_deref().copied().unwrap_or_default()
+    }
+
+    /// The shard count the shard's keys are routed by after a resize moved
+    /// some of them away, and the map version that did (`None`: none
+    /// moved).
+    pub fn moved(&self) -> Option<(u32, u64)> {
+        match self.writer.moved_to.load(AtomicOrdering::SeqCst) {
+            0 => None,
+            to => Some((to, self.writer.moved_version.load(AtomicOrdering::SeqCst))),
+        }
     }
 
     /// Sets the version of the shard's rows (after changing them).

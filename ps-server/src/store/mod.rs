@@ -10,6 +10,7 @@ mod expire;
 mod fetch;
 mod lock;
 mod push;
+mod resize;
 #[cfg(test)]
 mod tests;
 
@@ -26,6 +27,7 @@ use self::fetch::RESPONSE_OVERHEAD;
 pub use self::lock::ShardGuard;
 use self::lock::Writer;
 pub use self::push::{CheckedPush, PushId, PushOutcome};
+pub use self::resize::TableWindows;
 use crate::config::{Mode, PsServerConfig};
 use crate::image::{ShardSnapshot, TableShape};
 pub use crate::table::Table;
@@ -62,12 +64,9 @@ pub struct Store {
     /// Moves on each time keeping changes is switched on or off: a
     /// stream cut under another generation starts anew (`delta/sender.rs`).
     changes_generation: std::sync::atomic::AtomicU64,
-    /// Per hosted shard: whether it receives its keys in a resize now
-    /// (`crate::reshard`), and so serves no Fetch or Push.
-    receiving: HashMap<u32, std::sync::atomic::AtomicBool>,
-    /// How many of them receive now: the Fetch and Push paths read this
-    /// one word, and look a shard up only during a resize.
-    receiving_count: std::sync::atomic::AtomicUsize,
+    /// What a resize of the cluster's shard count does to the shards
+    /// (`resize.rs`).
+    resize: resize::Resizing,
 }
 
 impl Store {
@@ -119,43 +118,8 @@ impl Store {
             changes_on,
             delta_configured,
             changes_generation: std::sync::atomic::AtomicU64::new(0),
-            receiving: config
-                .shards
-                .iter()
-                .map(|&s| (s, std::sync::atomic::AtomicBool::new(false)))
-                .collect(),
-            receiving_count: std::sync::atomic::AtomicUsize::new(0),
+            resize: resize::Resizing::new(&config.shards),
         }
-    }
-
-    /// Marks `shard` as receiving its keys in a resize (or no longer):
-    /// while it does, its rows are incomplete and it serves no Fetch or
-    /// Push ([`Store::receiving`]). A no-op for a shard not hosted.
-    pub fn set_receiving(&self, shard: u32, receiving: bool) {
-        if let Some(flag) = self.receiving.get(&shard) {
-            let was = flag.swap(receiving, std::sync::atomic::Ordering::SeqCst);
-            if was != receiving {
-                if receiving {
-                    self.receiving_count
-                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                } else {
-                    self.receiving_count
-                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-                }
-                tracing::info!(shard, receiving, "shard receiving keys in a resize");
-            }
-        }
-    }
-
-    /// Whether `shard` receives its keys in a resize now.
-    pub fn receiving(&self, shard: u32) -> bool {
-        self.receiving_count
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-            && self
-                .receiving
-                .get(&shard)
-                .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// How many times keeping changes was switched

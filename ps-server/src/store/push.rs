@@ -50,12 +50,27 @@ pub struct CheckedPush<'a> {
     keys: &'a [u64],
     gradients: &'a [u8],
     id: PushId,
+    /// The store's shard count.
+    num_shards: u32,
+    /// The shard count the worker split it by (0: not said).
+    split_by: u32,
 }
 
 impl CheckedPush<'_> {
     /// The shard it goes to.
     pub fn shard(&self) -> u32 {
         self.shard
+    }
+
+    /// Notes the shard count the worker split the Push by
+    /// (`PushRequest.num_shards`; 0: not said). A count other than the
+    /// store's is taken only once a resize to it fenced the shard's
+    /// moving keys (`store/resize.rs`); before, the Push is refused as
+    /// [`StoreError::NotCutOver`], which the worker retries.
+    #[must_use]
+    pub fn split_by(mut self, num_shards: u32) -> Self {
+        self.split_by = num_shards;
+        self
     }
 
     /// Applies it as the shard's primary did (a replica following its
@@ -141,6 +156,22 @@ impl CheckedPush<'_> {
         secs: u64,
     ) -> Result<PushOutcome, StoreError> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
+        // Checked again under the lock: the fence may have come since
+        // `check_push` (`store/resize.rs`).
+        let moved = writing.moved();
+        if let Some(moved) = moved {
+            super::resize::refuse_moved(self.shard, self.keys, moved)?;
+        }
+        if self.split_by != 0
+            && self.split_by != self.num_shards
+            && moved.map(|(to, _)| to) != Some(self.split_by)
+        {
+            return Err(StoreError::NotCutOver {
+                shard: self.shard,
+                split_by: self.split_by,
+                num_shards: self.num_shards,
+            });
+        }
         let id = self.id;
         let (admission, applied) = self.table.apply(
             writing,
@@ -275,6 +306,8 @@ impl Store {
             keys,
             gradients,
             id,
+            num_shards: self.num_shards,
+            split_by: 0,
         })
     }
 }

@@ -19,6 +19,10 @@ struct Copied {
     seq: u64,
     epoch: u64,
     position: u64,
+    /// Taken after a resize's giving shard fenced its moving keys, and
+    /// that shard's deduplication windows at the fence.
+    fenced: bool,
+    windows: Vec<TableWindows>,
     rows: u64,
     /// When it was asked for (its rows are at least that fresh).
     asked: Instant,
@@ -62,6 +66,10 @@ impl Feed {
                     guard.rows_applied += mark.rows;
                     guard.epoch = mark.epoch;
                     guard.position = mark.position;
+                    guard.fenced |= mark.fenced;
+                    if !mark.windows.is_empty() {
+                        guard.windows = mark.windows;
+                    }
                     metrics::counter!("tessera_ps_serving_copies_total").increment(1);
                     tracing::info!(source_shard = shard, from = %from, rows = mark.rows, took = ?mark.took, "copied a training shard's rows");
                     let resume =
@@ -122,13 +130,14 @@ impl Feed {
                 })
                 .await;
         }
-        let (mark, rows) = copied?;
-        let (stream, seq, epoch, position) = mark;
+        let (first, rows) = copied?;
         Ok(Copied {
-            stream,
-            seq,
-            epoch,
-            position,
+            stream: first.stream,
+            seq: first.seq,
+            epoch: first.epoch,
+            position: first.position,
+            fenced: first.fenced,
+            windows: first.windows,
             rows,
             asked: started,
             took: started.elapsed(),
@@ -137,7 +146,7 @@ impl Feed {
 
     /// The pages of one copy, written as they come; then the rows of that
     /// training shard the copy did not hold are removed. Returns the
-    /// copy's mark (stream, seq, epoch, position) and rows.
+    /// copy's first page without its rows (its mark) and the rows.
     async fn copy_pages(
         &self,
         shard: u32,
@@ -146,7 +155,7 @@ impl Feed {
         generation: u64,
         client: &DeltaClient,
         session: &mut u64,
-    ) -> Result<((u64, u64, u64, u64), u64), FeedError> {
+    ) -> Result<(tessera_proto::v1::DeltaCopyResponse, u64), FeedError> {
         let mut request = DeltaCopyRequest {
             source_shard: shard,
             num_shards: self.store.num_shards(),
@@ -158,28 +167,30 @@ impl Feed {
         let mut mark = None;
         let mut rows = 0u64;
         loop {
-            let page = client
+            let mut page = client
                 .copy(request.clone())
                 .await
                 .map_err(|source| FeedError::Rpc {
                     addr: from.to_owned(),
                     source,
                 })?;
-            if mark.is_none() {
-                mark = Some((page.stream, page.seq, page.epoch, page.position));
-            }
+            let tables = std::mem::take(&mut page.tables);
             *session = page.session;
-            rows += page.tables.iter().map(|t| t.keys.len() as u64).sum::<u64>();
+            let (done, next_table, next_row) = (page.done, page.next_table, page.next_row);
+            if mark.is_none() {
+                mark = Some(page);
+            }
+            rows += tables.iter().map(|t| t.keys.len() as u64).sum::<u64>();
             if self.generation.load(Ordering::SeqCst) != generation {
                 return Err(FeedError::Reset);
             }
-            self.write(page.tables, Some(Arc::clone(&seen))).await?;
-            if page.done {
+            self.write(tables, Some(Arc::clone(&seen))).await?;
+            if done {
                 break;
             }
-            request.session = page.session;
-            request.table = page.next_table;
-            request.row = page.next_row;
+            request.session = *session;
+            request.table = next_table;
+            request.row = next_row;
         }
         // Rows of this training shard that it no longer has (removed
         // while this server was out of the stream).
@@ -188,11 +199,13 @@ impl Feed {
         }
         let store = Arc::clone(&self.store);
         let source_shards = self.source_shards.load(Ordering::Relaxed).max(1);
+        let resize = self.resize_gate.is_some();
         let removed = tokio::task::spawn_blocking(move || {
             let seen = seen.locked();
             let mut removed = 0usize;
             for &serving in store.hosted() {
-                let Some(writing) = store.lock_shard(serving) else {
+                // A resize feed's copy writes only the receiving shards.
+                let Ok(writing) = lock_for_feed(&store, serving, resize) else {
                     continue;
                 };
                 let names: Vec<String> = store.tables().map(|t| t.config().name.clone()).collect();

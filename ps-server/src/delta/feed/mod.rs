@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{
     DeltaClient, DeltaCopyRequest, DeltaRequest, DeltaResponse, DeltaTable, ServingHealth,
-    SourceFeed,
+    SourceFeed, TableWindows,
 };
 use tessera_rpc::sync::LockExt;
 use tessera_rpc::{Channel, ChannelConfig, RpcError, Status, Transport};
@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 mod copy;
 mod write;
 
-use self::write::write_tables;
+use self::write::{lock_for_feed, write_tables};
 use super::follower::{Follower, Header, Verdict};
 use crate::store::{Store, StoreError};
 use crate::table::changes::unix_ms;
@@ -86,6 +86,12 @@ struct Slot {
     copy_running: bool,
     /// The stream carries optimizer state.
     optimizer_state: bool,
+    /// A resize's giving shard: a delta or copy cut after it fenced its
+    /// moving keys was applied (every change to them is here).
+    fenced: bool,
+    /// Its deduplication windows at the fence, as the fenced delta or
+    /// copy carried them.
+    windows: Vec<TableWindows>,
     warned: Option<Instant>,
 }
 
@@ -145,21 +151,58 @@ impl Feed {
     /// deltas again and forgets the streams followed (a later resize
     /// starts with copies). A no-op on a serving server's feed.
     pub fn open_for_resize(&self, num_shards: Option<u32>) {
+        drop(self.switch_resize(num_shards));
+    }
+
+    /// The deduplication windows each giving shard had at its fence, by
+    /// giving shard, as its fenced delta or copy carried them (a resize
+    /// feed's; read before [`Feed::close_for_resize`]).
+    pub async fn fenced_windows(&self) -> Vec<(u32, crate::store::TableWindows)> {
+        let slots: Vec<(u32, Arc<tokio::sync::Mutex<Slot>>)> = self
+            .slots
+            .locked()
+            .iter()
+            .map(|(&s, slot)| (s, Arc::clone(slot)))
+            .collect();
+        let mut out = Vec::new();
+        for (shard, slot) in slots {
+            let slot = slot.lock().await;
+            if slot.fenced && self.current(&slot) {
+                out.push((shard, super::windows::from_wire(&slot.windows)));
+            }
+        }
+        out.sort_by_key(|(s, _)| *s);
+        out
+    }
+
+    /// Closes a resize feed (as `open_for_resize(None)`) and waits until
+    /// no delta of it is being applied any more: a receiving primary
+    /// that serves from then on has rows no later delta changes.
+    pub async fn close_for_resize(&self) {
+        for slot in self.switch_resize(None) {
+            drop(slot.lock().await);
+        }
+    }
+
+    /// Switches the resize gate; returns the slots of the streams
+    /// followed until then (empty when nothing changed).
+    fn switch_resize(&self, num_shards: Option<u32>) -> Vec<Arc<tokio::sync::Mutex<Slot>>> {
         let Some(gate) = &self.resize_gate else {
-            return;
+            return Vec::new();
         };
         let mut gate = gate.locked();
         if *gate == num_shards {
-            return;
+            return Vec::new();
         }
         *gate = num_shards;
         // Whatever was followed belongs to another resize (or none): a
         // copy or an apply still running for it writes nothing more, and
         // the next resize's streams start with copies.
         self.generation.fetch_add(1, Ordering::SeqCst);
-        self.slots.locked().clear();
+        let slots = self.slots.locked().drain().map(|(_, slot)| slot).collect();
         *self.status.locked() = Published::default();
         self.source_shards.store(0, Ordering::Relaxed);
+        slots
     }
 
     /// Whether deltas routed by `num_shards` are taken now.
@@ -416,6 +459,10 @@ impl Feed {
                 if request.last {
                     slot.epoch = request.epoch;
                     slot.position = request.position;
+                    slot.fenced |= request.fenced;
+                    if request.fenced && !request.windows.is_empty() {
+                        slot.windows = request.windows;
+                    }
                     if request.oldest_change_unix_ms > 0 {
                         let delay = unix_ms().saturating_sub(request.oldest_change_unix_ms);
                         slot.delay_ms = delay;
@@ -442,7 +489,8 @@ impl Feed {
             return Ok(());
         }
         let store = Arc::clone(&self.store);
-        tokio::task::spawn_blocking(move || write_tables(&store, &tables, seen.as_deref()))
+        let resize = self.resize_gate.is_some();
+        tokio::task::spawn_blocking(move || write_tables(&store, &tables, seen.as_deref(), resize))
             .await
             .map_err(|err| FeedError::Task(err.to_string()))?
     }
@@ -477,6 +525,7 @@ impl Feed {
                 copying: slot.follower.copying(),
                 rows_applied: slot.rows_applied,
                 copies: slot.copies,
+                fenced: slot.fenced,
             },
         );
         metrics::gauge!("tessera_ps_serving_position", "source_shard" => shard.to_string())

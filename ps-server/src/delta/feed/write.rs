@@ -3,12 +3,33 @@
 
 use super::*;
 
+/// The write lock of `shard` for a feed's rows. A resize feed writes a
+/// shard only while it receives keys: the receiving primary opens the
+/// shard (`crate::reshard`) under this lock, so that no row of a delta
+/// or copy still on its way lands after its first Push.
+pub(super) fn lock_for_feed(
+    store: &Store,
+    shard: u32,
+    resize: bool,
+) -> Result<crate::store::ShardGuard<'_>, FeedError> {
+    let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
+        shard,
+        hosted: store.hosted().to_vec(),
+    })?;
+    if resize && !store.receiving(shard) {
+        return Err(FeedError::Reset);
+    }
+    Ok(writing)
+}
+
 /// Writes rows and removals of `tables` into `store`, each chunk's rows
-/// under their serving shard's write lock.
+/// under their serving shard's write lock (`resize`: a resize feed's, see
+/// [`lock_for_feed`]).
 pub(super) fn write_tables(
     store: &Store,
     tables: &[DeltaTable],
     seen: Option<&Seen>,
+    resize: bool,
 ) -> Result<(), FeedError> {
     let n = store.num_shards();
     for table in tables {
@@ -60,10 +81,7 @@ pub(super) fn write_tables(
         {
             // One serving shard (the sender routes per shard, so nearly
             // always): the rows as they came, no copy.
-            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
-                shard,
-                hosted: store.hosted().to_vec(),
-            })?;
+            let writing = lock_for_feed(store, shard, resize)?;
             store.put_whole_rows(
                 &writing,
                 &table.name,
@@ -76,10 +94,7 @@ pub(super) fn write_tables(
             by_shard.clear();
         }
         for (shard, rows) in by_shard {
-            let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
-                shard,
-                hosted: store.hosted().to_vec(),
-            })?;
+            let writing = lock_for_feed(store, shard, resize)?;
             let keys: Vec<u64> = rows.iter().map(|&i| table.keys[i]).collect();
             let mut values = Vec::with_capacity(rows.len() * row_bytes);
             let mut state = Vec::with_capacity(rows.len() * state_bytes);
@@ -112,9 +127,11 @@ pub(super) fn write_tables(
             removed.entry(shard_for_key(k, n)).or_default().push(k);
         }
         for (shard, keys) in removed {
-            if let Some(writing) = store.lock_shard(shard) {
-                store.remove_rows(&writing, &table.name, &keys)?;
+            if !store.hosted().contains(&shard) {
+                continue;
             }
+            let writing = lock_for_feed(store, shard, resize)?;
+            store.remove_rows(&writing, &table.name, &keys)?;
         }
         if let Some(seen) = seen {
             seen.locked()

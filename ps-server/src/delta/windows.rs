@@ -1,0 +1,70 @@
+//! A giving shard's Push deduplication windows at a resize's fence
+//! (`store/resize.rs`), as its fenced deltas and copies carry them to the
+//! receiving shards (`DeltaRequest.windows`, `DeltaCopyResponse.windows`).
+
+use tessera_proto::v1;
+
+use crate::dedup::{WINDOW, WorkerWindow};
+use crate::store::TableWindows;
+
+/// Words of one window (more from the network are dropped).
+const WORDS: usize = (WINDOW / 64) as usize;
+
+/// The windows as the wire carries them.
+pub fn to_wire(windows: &TableWindows) -> Vec<v1::TableWindows> {
+    windows
+        .iter()
+        .map(|(table, list)| v1::TableWindows {
+            table: table.clone(),
+            windows: list
+                .iter()
+                .map(|w| v1::DedupWindow {
+                    worker: w.worker,
+                    highest: w.highest,
+                    bits: w.bits.clone(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// The windows a fenced delta or copy carried.
+pub fn from_wire(windows: &[v1::TableWindows]) -> TableWindows {
+    windows
+        .iter()
+        .map(|t| {
+            (
+                t.table.clone(),
+                t.windows
+                    .iter()
+                    .map(|w| WorkerWindow {
+                        worker: w.worker,
+                        highest: w.highest,
+                        bits: w.bits.iter().copied().take(WORDS).collect(),
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_round_trip_and_oversized_ones_are_cut() {
+        let windows: TableWindows = vec![(
+            "emb".into(),
+            vec![WorkerWindow {
+                worker: 7,
+                highest: 90,
+                bits: vec![5; WORDS],
+            }],
+        )];
+        assert_eq!(from_wire(&to_wire(&windows)), windows);
+        let mut wire = to_wire(&windows);
+        wire[0].windows[0].bits = vec![1; WORDS * 100];
+        assert_eq!(from_wire(&wire)[0].1[0].bits.len(), WORDS);
+    }
+}

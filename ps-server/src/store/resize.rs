@@ -1,0 +1,408 @@
+//! What a resize of the cluster's shard count (`crate::reshard`) does to
+//! a server's shards: a shard that **receives** keys serves no Fetch or
+//! Push until its rows are complete, and a shard whose keys **moved**
+//! away at the cut-over refuses them from then on, naming the count they
+//! are routed by now (`StoreError::Moved`, answered `ABORTED` with a
+//! `KeysMoved`).
+//!
+//! The fence of moved keys is set under the shard's write lock
+//! ([`Store::set_moved`]) and a primary checks it under the lock before
+//! it applies a Push (`CheckedPush::apply_at`): every Push to a moving
+//! key is either applied before the fence, and so in the giving shard's
+//! last delta cut after it, or refused. A replica applies what its
+//! primary forwards without the check (the primary decided). Fetches
+//! check it too ([`Store::check_fetch`]). Each check costs one atomic
+//! load when no resize is under way.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tessera_proto::sharding::shard_for_key;
+use tessera_rpc::sync::LockExt;
+
+use super::{PushId, ShardGuard, Store, StoreError};
+use crate::dedup::WorkerWindow;
+
+/// A shard's Push deduplication windows, per table, as they were at a
+/// moment (the fence of a resize).
+pub type TableWindows = Vec<(String, Vec<WorkerWindow>)>;
+
+/// What a receiving shard knows of the Pushes its giving shards applied
+/// before the fence: their windows, by giving shard and table, and the
+/// count that names a key's giving shard.
+#[derive(Debug)]
+struct Origins {
+    from: u32,
+    windows: HashMap<(u32, String), HashMap<u64, WorkerWindow>>,
+}
+
+/// A store's shards in a resize (module docs).
+#[derive(Debug)]
+pub(super) struct Resizing {
+    /// Per hosted shard: whether it receives its keys in a resize now,
+    /// and so serves no Fetch or Push.
+    receiving: HashMap<u32, AtomicBool>,
+    /// How many of them receive now: the Fetch and Push paths read this
+    /// one word, and look a shard up only during a resize.
+    receiving_count: AtomicUsize,
+    /// How many hosted shards have moved keys fenced (as
+    /// `receiving_count`).
+    moved_count: AtomicUsize,
+    /// Per fenced shard: its deduplication windows at the fence, which
+    /// its last deltas and copies carry to the receiving shards.
+    fenced_windows: Mutex<HashMap<u32, Arc<TableWindows>>>,
+    /// Per receiving shard: its giving shards' windows at their fences.
+    origins: Mutex<HashMap<u32, Arc<Origins>>>,
+    /// How many shards hold origins (as `receiving_count`).
+    origins_count: AtomicUsize,
+}
+
+impl Resizing {
+    pub(super) fn new(shards: &[u32]) -> Self {
+        Self {
+            receiving: shards
+                .iter()
+                .map(|&s| (s, AtomicBool::new(false)))
+                .collect(),
+            receiving_count: AtomicUsize::new(0),
+            moved_count: AtomicUsize::new(0),
+            fenced_windows: Mutex::new(HashMap::new()),
+            origins: Mutex::new(HashMap::new()),
+            origins_count: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Store {
+    /// Marks `shard` as receiving its keys in a resize (or no longer):
+    /// while it does, its rows are incomplete and it serves no Fetch or
+    /// Push ([`Store::receiving`]). A no-op for a shard not hosted.
+    pub fn set_receiving(&self, shard: u32, receiving: bool) {
+        if let Some(flag) = self.resize.receiving.get(&shard) {
+            let was = flag.swap(receiving, Ordering::SeqCst);
+            if was != receiving {
+                if receiving {
+                    self.resize.receiving_count.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    self.resize.receiving_count.fetch_sub(1, Ordering::SeqCst);
+                }
+                tracing::info!(shard, receiving, "shard receiving keys in a resize");
+            }
+        }
+    }
+
+    /// Whether `shard` receives its keys in a resize now.
+    pub fn receiving(&self, shard: u32) -> bool {
+        self.resize.receiving_count.load(Ordering::Relaxed) > 0
+            && self
+                .resize
+                .receiving
+                .get(&shard)
+                .is_some_and(|f| f.load(Ordering::SeqCst))
+    }
+
+    /// Fences the keys of the locked shard that a resize moved away: from
+    /// now on those `shard_for_key(key, num_shards)` routes elsewhere are
+    /// refused ([`StoreError::Moved`], naming `map_version`); `None`
+    /// lifts the fence.
+    pub fn set_moved(&self, writing: &ShardGuard<'_>, moved: Option<(u32, u64)>) {
+        let was = writing.moved();
+        if was == moved {
+            return;
+        }
+        let (to, version) = moved.unwrap_or((0, 0));
+        // The windows as they are now, under the lock: every Push they
+        // name was split by the old count (`CheckedPush::split_by`), so
+        // it held its moving keys here.
+        let shard = writing.shard();
+        if moved.is_some() {
+            let windows: TableWindows = self
+                .tables
+                .values()
+                .filter_map(|t| {
+                    let state = t.shard(shard)?;
+                    Some((t.config().name.clone(), state.dedup.snapshot()))
+                })
+                .collect();
+            self.resize
+                .fenced_windows
+                .locked()
+                .insert(shard, Arc::new(windows));
+        } else {
+            self.resize.fenced_windows.locked().remove(&shard);
+        }
+        writing
+            .writer
+            .moved_version
+            .store(version, Ordering::SeqCst);
+        writing.writer.moved_to.store(to, Ordering::SeqCst);
+        match (was.is_some(), moved.is_some()) {
+            (false, true) => {
+                self.resize.moved_count.fetch_add(1, Ordering::SeqCst);
+            }
+            (true, false) => {
+                self.resize.moved_count.fetch_sub(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+        tracing::info!(
+            shard = writing.shard(),
+            num_shards = to,
+            map_version = version,
+            "keys moved away in a resize are fenced"
+        );
+    }
+
+    /// The shard count `shard`'s keys are routed by after a resize moved
+    /// some away, and the map version that did (`None`: none moved).
+    pub fn moved(&self, shard: u32) -> Option<(u32, u64)> {
+        if self.resize.moved_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let writer = self.writers.get(&shard)?;
+        match writer.moved_to.load(Ordering::SeqCst) {
+            0 => None,
+            to => Some((to, writer.moved_version.load(Ordering::SeqCst))),
+        }
+    }
+
+    /// The deduplication windows `shard` had when a resize fenced its
+    /// moving keys (`None`: not fenced).
+    pub fn fenced_windows(&self, shard: u32) -> Option<Arc<TableWindows>> {
+        self.resize.fenced_windows.locked().get(&shard).cloned()
+    }
+
+    /// Gives receiving shard `shard` the windows its giving shards had at
+    /// their fences (`windows`: by giving shard, of `from` shards), for
+    /// [`Store::applied_at_origins`]; an empty list forgets them.
+    pub fn set_origin_windows(&self, shard: u32, from: u32, windows: Vec<(u32, TableWindows)>) {
+        let mut origins = self.resize.origins.locked();
+        let had = if windows.is_empty() {
+            origins.remove(&shard).is_some()
+        } else {
+            let mut by: HashMap<(u32, String), HashMap<u64, WorkerWindow>> = HashMap::new();
+            for (origin, tables) in windows {
+                for (table, list) in tables {
+                    by.entry((origin, table))
+                        .or_default()
+                        .extend(list.into_iter().map(|w| (w.worker, w)));
+                }
+            }
+            origins
+                .insert(shard, Arc::new(Origins { from, windows: by }))
+                .is_some()
+        };
+        let has = origins.contains_key(&shard);
+        match (had, has) {
+            (false, true) => {
+                self.resize.origins_count.fetch_add(1, Ordering::SeqCst);
+            }
+            (true, false) => {
+                self.resize.origins_count.fetch_sub(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+    }
+
+    /// Which of `keys` (of `table` on receiving shard `shard`) the Push
+    /// `id` was applied to already, at the giving shard that held them
+    /// before a resize's cut-over: a part retried across the cut-over,
+    /// first sent split by the old count. `None` when none was (nothing
+    /// to leave out), else a mask over `keys`. A sequence below a giving
+    /// shard's window cannot be told apart and is refused, as it would
+    /// be there.
+    pub fn applied_at_origins(
+        &self,
+        table: &str,
+        shard: u32,
+        keys: &[u64],
+        id: PushId,
+    ) -> Result<Option<Vec<bool>>, StoreError> {
+        if self.resize.origins_count.load(Ordering::Relaxed) == 0
+            || id.worker == 0
+            || id.sequence == 0
+        {
+            return Ok(None);
+        }
+        let Some(origins) = self.resize.origins.locked().get(&shard).cloned() else {
+            return Ok(None);
+        };
+        // Per giving shard: whether it applied the Push (asked once).
+        let mut verdicts: HashMap<u32, bool> = HashMap::new();
+        let mut mask = Vec::with_capacity(keys.len());
+        let mut any = false;
+        for &key in keys {
+            let origin = shard_for_key(key, origins.from);
+            let applied = match verdicts.get(&origin) {
+                Some(&v) => v,
+                None => {
+                    let window = origins
+                        .windows
+                        .get(&(origin, table.to_owned()))
+                        .and_then(|w| w.get(&id.worker));
+                    let v = match window.map(|w| w.applied(id.sequence)) {
+                        None | Some(Ok(false)) => false,
+                        Some(Ok(true)) => true,
+                        Some(Err(lowest)) => {
+                            return Err(StoreError::SequenceTooOld {
+                                worker: id.worker,
+                                sequence: id.sequence,
+                                lowest,
+                            });
+                        }
+                    };
+                    verdicts.insert(origin, v);
+                    v
+                }
+            };
+            any |= applied;
+            mask.push(applied);
+        }
+        Ok(any.then_some(mask))
+    }
+
+    /// Refuses `keys` of `shard` if one of them moved away.
+    pub(super) fn check_moved(&self, shard: u32, keys: &[u64]) -> Result<(), StoreError> {
+        match self.moved(shard) {
+            Some(moved) => refuse_moved(shard, keys, moved),
+            None => Ok(()),
+        }
+    }
+}
+
+/// [`StoreError::Moved`] for the first of `keys` that `moved` (a shard
+/// count and a map version) routes away from `shard`.
+pub(super) fn refuse_moved(shard: u32, keys: &[u64], moved: (u32, u64)) -> Result<(), StoreError> {
+    let (num_shards, map_version) = moved;
+    match keys
+        .iter()
+        .find(|&&k| shard_for_key(k, num_shards) != shard)
+    {
+        Some(&key) => Err(StoreError::Moved {
+            key,
+            shard,
+            num_shards,
+            to: shard_for_key(key, num_shards),
+            map_version,
+        }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Mode;
+    use crate::store::PushId;
+    use crate::store::tests::config;
+
+    #[test]
+    fn moved_keys_are_refused_and_the_others_served() {
+        let store = Store::new(&config(Mode::Training));
+        let (moving, staying): (Vec<u64>, Vec<u64>) = (0u64..400)
+            .filter(|&k| shard_for_key(k, 2) == 0)
+            .partition(|&k| shard_for_key(k, 3) == 2);
+        assert!(!moving.is_empty() && !staying.is_empty());
+        let grads = vec![0u8; moving.len() * 3 * 4];
+        store
+            .push("t", 0, &moving, &grads, PushId::default())
+            .unwrap();
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved(&writing, Some((3, 7)));
+        }
+        assert_eq!(store.moved(0), Some((3, 7)));
+        assert_eq!(store.moved(1), None);
+        for err in [
+            store.fetch("t", 0, &moving).map(|_| ()).unwrap_err(),
+            store
+                .push("t", 0, &moving, &grads, PushId::default())
+                .map(|_| ())
+                .unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    err,
+                    StoreError::Moved {
+                        shard: 0,
+                        num_shards: 3,
+                        to: 2,
+                        map_version: 7,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+        }
+        // The keys that stay are served as before.
+        assert!(store.fetch("t", 0, &staying).is_ok());
+        let grads = vec![0u8; staying.len() * 3 * 4];
+        assert!(
+            store
+                .push("t", 0, &staying, &grads, PushId::default())
+                .is_ok()
+        );
+        // A Push checked before the fence is refused under the lock; a
+        // replica applies what its primary forwarded, fence or not.
+        let grads = vec![0u8; moving.len() * 3 * 4];
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved(&writing, None);
+        }
+        let checked = store
+            .check_push("t", 0, &moving, &grads, PushId::default())
+            .unwrap();
+        let writing = store.lock_shard(0).unwrap();
+        store.set_moved(&writing, Some((3, 8)));
+        assert!(matches!(
+            checked.apply(&writing, std::time::Instant::now()),
+            Err(StoreError::Moved { map_version: 8, .. })
+        ));
+        let id = PushId {
+            worker: 1,
+            sequence: 1,
+        };
+        store
+            .check_push("t", 0, &moving, &grads, id)
+            .unwrap()
+            .apply_replicated(&writing, &[], &[], std::time::Instant::now(), 0)
+            .unwrap();
+    }
+
+    #[test]
+    fn a_push_split_by_a_new_count_waits_for_the_fence() {
+        let store = Store::new(&config(Mode::Training));
+        let staying: Vec<u64> = (0u64..400)
+            .filter(|&k| shard_for_key(k, 2) == 0 && shard_for_key(k, 3) == 0)
+            .collect();
+        let grads = vec![0u8; staying.len() * 3 * 4];
+        let push = |split_by| {
+            let writing = store.lock_shard(0).unwrap();
+            store
+                .check_push("t", 0, &staying, &grads, PushId::default())
+                .unwrap()
+                .split_by(split_by)
+                .apply(&writing, std::time::Instant::now())
+                .map(|_| ())
+        };
+        // The shard's own count, or none said: taken.
+        push(2).unwrap();
+        push(0).unwrap();
+        assert!(matches!(
+            push(3),
+            Err(StoreError::NotCutOver {
+                shard: 0,
+                split_by: 3,
+                num_shards: 2
+            })
+        ));
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved(&writing, Some((3, 5)));
+        }
+        push(3).unwrap();
+        push(2).unwrap();
+        assert!(matches!(push(4), Err(StoreError::NotCutOver { .. })));
+    }
+}
