@@ -60,6 +60,15 @@ use crate::store::Store;
 /// and out of step).
 const EVERY: Duration = Duration::from_secs(1);
 
+/// Resolves when `feed` applied a giving shard's fenced delta or copy
+/// (never without a feed).
+async fn fenced_applied(feed: Option<&Feed>) {
+    match feed {
+        Some(feed) => feed.fenced_applied().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// A server's part in resizes (module docs).
 #[derive(Debug)]
 pub struct Resharding {
@@ -115,6 +124,9 @@ impl Resharding {
                     }
                 }
                 _ = ticks.tick() => {}
+                // A giving shard's last delta is in: open without waiting
+                // for the tick.
+                () = fenced_applied(self.feed.as_deref()) => {}
                 () = stop.cancelled() => break,
             }
             let map = self.map.borrow_and_update().clone();

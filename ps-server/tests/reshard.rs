@@ -26,52 +26,26 @@ use prost::Message as _;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
-use tessera_ps_server::config::{DeltaConfig, OptimizerConfig, PeerConfig};
+use tessera_ps_server::TableConfig;
+use tessera_ps_server::config::OptimizerConfig;
 use tessera_ps_server::table::ExpiryConfig;
-use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Code, RpcError};
-use tessera_test_support::{Etcd, InProcess, etcd_coordination, free_addr, wait_serving, wire};
+use tessera_test_support::{
+    Etcd, InProcess, etcd_coordination, resize_pair, resize_server, wait_serving, wire,
+};
 
 const DIM: usize = 8;
 const OLD: u32 = 2;
 const NEW: u32 = 3;
 
-fn server(etcd: &Etcd, cluster: &str, num_shards: u32, shard: u32) -> PsServerConfig {
-    PsServerConfig {
-        listen: free_addr(),
-        num_shards,
-        shards: vec![shard],
-        coordinator: etcd_coordination(etcd, cluster, 2000),
-        // Deltas every 50 ms (no serving fleet: only a resize uses them).
-        delta: DeltaConfig {
-            interval_ms: 50,
-            ..DeltaConfig::default()
-        },
-        tables: vec![TableConfig {
-            optimizer: OptimizerConfig::adam(0.01),
-            // Expiry counted in each shard's own Pushes: the new shard
-            // gets rows of two counts (shard 0 pushed 30 times more), and
-            // must not expire shard 1's rows as 30 Pushes old.
-            expiry: Some(ExpiryConfig::after_pushes(20)),
-            ..TableConfig::new("emb", DIM as u32)
-        }],
-        ..PsServerConfig::default()
-    }
-}
-
-/// A server of the new shard in replica group `group`, its peer of the
-/// other group at `peer`.
-fn new_server(etcd: &Etcd, cluster: &str, listen: &str, group: u32, peer: &str) -> PsServerConfig {
-    PsServerConfig {
-        listen: listen.to_owned(),
-        replica_group: group,
-        replica_groups: 2,
-        peers: vec![PeerConfig {
-            address: peer.to_owned(),
-            replica_group: 1 - group,
-            shards: vec![OLD],
-        }],
-        ..server(etcd, cluster, NEW, OLD)
+/// The one table: Adam, with expiry counted in each shard's own Pushes:
+/// the new shard gets rows of two counts (shard 0 pushed 30 times more),
+/// and must not expire shard 1's rows as 30 Pushes old.
+fn table() -> TableConfig {
+    TableConfig {
+        optimizer: OptimizerConfig::adam(0.01),
+        expiry: Some(ExpiryConfig::after_pushes(20)),
+        ..TableConfig::new("emb", DIM as u32)
     }
 }
 
@@ -223,7 +197,7 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     let cluster = "grow";
     let mut old = Vec::new();
     for shard in 0..OLD {
-        old.push(InProcess::start(&server(&etcd, cluster, OLD, shard)).await);
+        old.push(InProcess::start(&resize_server(&etcd, cluster, OLD, shard, &table())).await);
     }
     for server in &old {
         wait_serving(&server.addr).await;
@@ -255,10 +229,9 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // The operator plans 3 shards, the cut-over held; the new shard's
     // two servers start.
     let planned = coord.update_shard_map(|m| m.plan_held(NEW)).await.unwrap();
-    let (a, b) = (free_addr(), free_addr());
     let mut news = Vec::new();
-    for (group, (me, peer)) in [(&a, &b), (&b, &a)].into_iter().enumerate() {
-        news.push(InProcess::start(&new_server(&etcd, cluster, me, group as u32, peer)).await);
+    for config in resize_pair(&etcd, cluster, NEW, OLD, &table()) {
+        news.push(InProcess::start(&config).await);
     }
     for server in &news {
         wait_serving(&server.addr).await;

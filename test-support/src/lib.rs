@@ -17,6 +17,7 @@ pub mod pki;
 pub mod process;
 pub mod proxy;
 pub mod rdma;
+pub mod resize;
 pub mod rows;
 pub mod server;
 
@@ -31,6 +32,7 @@ pub use pair::{etcd_coordination, pair_config, pair_push};
 pub use pki::TestPki;
 pub use process::PsProcess;
 pub use proxy::FaultProxy;
+pub use resize::{resize_pair, resize_server};
 pub use rows::{f32s, keys_of_shard, wire};
 pub use server::InProcess;
 use tessera_transport::sync::LockExt;

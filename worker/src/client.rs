@@ -12,17 +12,19 @@ use tessera_proto::sharding::primary_group;
 use tessera_proto::v1::{
     FetchRequest, HealthRequest, HealthResponse, ParameterServerClient, PushRequest,
 };
-use tessera_rpc::{
-    Channel, ChannelConfig, Endpoint, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, RpcError,
-    Transport, Validate,
-};
+use tessera_rpc::{Channel, Endpoint, ReplicaEndpoint, ReplicaSet, RpcError, Transport, Validate};
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
 use crate::primary::Primaries;
 use crate::push::{PartFailure, PushFailure, PushId, SpecError};
+use crate::routing::{self, Routing, replica_set_config};
 use crate::spread::InFlight;
+
+/// How many times a request that ran into a resize (`KeysMoved`) is split
+/// anew and sent again.
+const MOVED_TRIES: usize = 3;
 
 /// Rows returned by a Fetch, in the caller's key order.
 #[derive(Debug, Clone, PartialEq)]
@@ -186,13 +188,16 @@ pub enum WorkerError {
 /// still applied exactly once.
 #[derive(Debug)]
 pub struct PsClient {
-    num_shards: u32,
-    /// `fetchers[shard]`: the shard's replica set.
-    fetchers: Vec<ParameterServerClient>,
+    /// The shard count and each shard's Fetch path (`routing.rs`).
+    routing: Arc<Routing>,
     /// Every shard's primary as known now, and the Push path to it.
     primaries: Arc<Primaries>,
-    /// The coordinator's watch of the primaries, when there is one.
-    _watch: Option<AbortOnDropHandle<()>>,
+    /// The coordinator's watches of the primaries and of the shard map,
+    /// when there is one.
+    _watch: Vec<AbortOnDropHandle<()>>,
+    /// How long a request waits for a resize it ran into (`KeysMoved`)
+    /// to reach this worker's routing.
+    moved_wait: Duration,
     push_timeout: Duration,
     attempt_timeout: Duration,
     /// This client's id in Push deduplication (random, never 0).
@@ -215,7 +220,7 @@ impl PsClient {
         // channels.
         let transport =
             Transport::new(channel_config.transport.clone()).map_err(WorkerError::Transport)?;
-        let mut channels: HashMap<&str, Channel> = HashMap::new();
+        let mut channels: HashMap<String, Channel> = HashMap::new();
         let mut servers = Vec::new();
         let groups = config.replica_groups();
         let mut primaries = vec![String::new(); config.num_shards as usize];
@@ -223,7 +228,7 @@ impl PsClient {
         let mut endpoints = vec![Vec::new(); config.num_shards as usize];
         for server in &config.servers {
             let channel = channels
-                .entry(server.address.as_str())
+                .entry(server.address.clone())
                 .or_insert_with(|| {
                     let channel = Channel::with_transport(
                         &server.address,
@@ -287,18 +292,32 @@ impl PsClient {
         ));
         // The coordinator's watch needs a runtime; without one (a client
         // built outside tokio) the servers' redirects still lead the way.
-        let watch = (config.coordinator.is_etcd() && tokio::runtime::Handle::try_current().is_ok())
-            .then(|| {
-                AbortOnDropHandle::new(crate::primary::watch(
-                    Arc::clone(&primaries),
-                    config.coordinator.clone(),
-                ))
-            });
-        Ok(Self {
-            num_shards: config.num_shards,
+        let routing = Arc::new(Routing::new(
+            config,
             fetchers,
+            Arc::clone(&primaries),
+            channel_config.clone(),
+            transport.clone(),
+            channels,
+        ));
+        let mut watch = Vec::new();
+        if config.coordinator.is_etcd() && tokio::runtime::Handle::try_current().is_ok() {
+            watch.push(AbortOnDropHandle::new(crate::primary::watch(
+                Arc::clone(&primaries),
+                config.coordinator.clone(),
+            )));
+            watch.push(AbortOnDropHandle::new(crate::routing::follow(
+                Arc::clone(&routing),
+                config.coordinator.clone(),
+            )));
+        }
+        Ok(Self {
+            routing,
             primaries,
             _watch: watch,
+            moved_wait: Duration::from_millis(
+                config.push_timeout_ms.max(config.request_timeout_ms),
+            ),
             push_timeout: Duration::from_millis(config.push_timeout_ms),
             attempt_timeout: Duration::from_millis(config.request_timeout_ms),
             worker_id: rand::random::<u64>().max(1),
@@ -314,16 +333,23 @@ impl PsClient {
         self.worker_id
     }
 
-    /// Total shards.
+    /// Total shards (the count keys are routed by now: a resize of the
+    /// cluster changes it, see `routing.rs`).
     pub fn num_shards(&self) -> u32 {
-        self.num_shards
+        self.routing.layout().num_shards
     }
 
     /// The replica set each shard's Fetches go through (for its
     /// quarantine list and which transport each replica is reached over).
-    pub fn replica_set(&self, shard: u32) -> Option<&ReplicaSet> {
-        match self.fetchers.get(shard as usize)?.endpoint() {
-            Endpoint::Replicas(set) => Some(set),
+    pub fn replica_set(&self, shard: u32) -> Option<ReplicaSet> {
+        match self
+            .routing
+            .layout()
+            .fetchers
+            .get(shard as usize)?
+            .endpoint()
+        {
+            Endpoint::Replicas(set) => Some(set.clone()),
             Endpoint::Channel(_) => None,
         }
     }
@@ -338,21 +364,55 @@ impl PsClient {
     pub fn plan_fetch(&self, table: &str, keys: &[u64]) -> PlannedFetch {
         PlannedFetch {
             table: table.to_owned(),
-            plan: FetchPlan::new(keys, self.num_shards),
+            plan: FetchPlan::new(keys, self.num_shards()),
         }
     }
 
-    /// Sends a planned Fetch (as [`PsClient::fetch`]).
+    /// Sends a planned Fetch (as [`PsClient::fetch`]). Planned before the
+    /// cluster grew, or answered that keys moved, it is split anew by the
+    /// count routed by now (waiting, within the call's time, for the
+    /// resize to reach this worker).
     pub async fn fetch_planned(&self, planned: &PlannedFetch) -> Result<Rows, WorkerError> {
-        let PlannedFetch { table, plan } = planned;
+        let mut plan = std::borrow::Cow::Borrowed(&planned.plan);
+        for _ in 0..MOVED_TRIES {
+            let routed = self.num_shards();
+            if plan.num_shards() != routed {
+                plan = std::borrow::Cow::Owned(plan.resplit(routed));
+            }
+            match self.fetch_split(&planned.table, &plan).await {
+                Err(WorkerError::Rpc { source, .. })
+                    if routing::moved(&source)
+                        .is_some_and(|m| m.num_shards > plan.num_shards()) =>
+                {
+                    let to = routing::moved(&source).map_or(0, |m| m.num_shards);
+                    if !self.routing.wait_for(to, self.moved_wait).await {
+                        return Err(WorkerError::Rpc {
+                            shard: 0,
+                            addr: String::new(),
+                            source,
+                        });
+                    }
+                }
+                other => return other,
+            }
+        }
+        self.fetch_split(&planned.table, &plan).await
+    }
+
+    /// Sends the sub-requests of `plan` (split by the count routed by).
+    async fn fetch_split(&self, table: &str, plan: &FetchPlan) -> Result<Rows, WorkerError> {
+        let layout = self.routing.layout();
         let calls = plan.groups().iter().map(|group| {
-            let client = &self.fetchers[group.shard as usize];
+            let client = layout.fetchers.get(group.shard as usize);
             let request = FetchRequest {
-                table: table.clone(),
+                table: table.to_owned(),
                 shard: group.shard,
                 keys: group.keys.clone(),
             };
             async move {
+                let Some(client) = client else {
+                    return Err(WorkerError::NoPrimary(group.shard));
+                };
                 client
                     .fetch(request)
                     .await
@@ -408,12 +468,12 @@ impl PsClient {
         let tables = crate::push::merge_specs(specs)?;
         let mut parts = Vec::with_capacity(tables.len());
         for table in &tables {
-            let plan = PushPlan::new(&table.keys, &table.gradients, table.dim, self.num_shards)
+            let plan = PushPlan::new(&table.keys, &table.gradients, table.dim, self.num_shards())
                 .ok_or(WorkerError::GradientLength {
-                    keys: table.keys.len(),
-                    dim: table.dim,
-                    gradients: table.gradients.len(),
-                })?;
+                keys: table.keys.len(),
+                dim: table.dim,
+                gradients: table.gradients.len(),
+            })?;
             parts.push((table.table.to_owned(), plan));
         }
         Ok(PlannedPush { parts })
@@ -450,7 +510,7 @@ impl PsClient {
         gradients: &[f32],
         dim: usize,
     ) -> Result<PlannedPush, WorkerError> {
-        let plan = PushPlan::new(keys, gradients, dim, self.num_shards).ok_or(
+        let plan = PushPlan::new(keys, gradients, dim, self.num_shards()).ok_or(
             WorkerError::GradientLength {
                 keys: keys.len(),
                 dim,
@@ -509,6 +569,53 @@ impl PsClient {
         // nothing yet.
         let _in_flight = self.in_flight.enter(id.0).await;
         let deadline = Instant::now() + self.push_timeout;
+        let mut plans = std::borrow::Cow::Borrowed(plans);
+        let mut tries = 0;
+        loop {
+            // Planned before the cluster grew: split anew by the count
+            // routed by now.
+            let routed = self.num_shards();
+            if plans.iter().any(|(_, p)| p.num_shards != routed) {
+                plans = std::borrow::Cow::Owned(
+                    plans
+                        .iter()
+                        .map(|(t, p)| (t.clone(), p.resplit(routed).unwrap_or_else(|| p.clone())))
+                        .collect(),
+                );
+            }
+            let failure = match self.send_split(id, &plans, deadline).await {
+                Err(WorkerError::Push(failure)) => failure,
+                other => return other,
+            };
+            // Keys moved to a new shard (a resize cut over): once routed by
+            // the new count, every part goes again under the same id; those
+            // applied already are duplicates, at their shard or, for moved
+            // keys, at the new one (it holds the old shards' windows).
+            let to = failure
+                .failed
+                .iter()
+                .filter_map(|f| routing::moved(&f.source))
+                .map(|m| m.num_shards)
+                .max()
+                .filter(|&to| to > routed);
+            let left = deadline.saturating_duration_since(Instant::now());
+            match to {
+                Some(to) if tries < MOVED_TRIES && self.routing.wait_for(to, left).await => {
+                    tries += 1;
+                }
+                _ => return Err(WorkerError::Push(failure)),
+            }
+        }
+    }
+
+    /// Sends every part of `plans` once (each following its shard's
+    /// primary until `deadline`) and waits for all of them.
+    async fn send_split(
+        &self,
+        id: PushId,
+        plans: &[(String, PushPlan)],
+        deadline: Instant,
+    ) -> Result<(), WorkerError> {
         let mut calls = Vec::new();
         for (table, plan) in plans {
             for (group, sums) in &plan.groups {
@@ -523,7 +630,7 @@ impl PsClient {
                 buf.set_len(len);
                 write_f32s(&mut buf, sums);
                 let request = PushRequest {
-                    num_shards: self.num_shards,
+                    num_shards: plan.num_shards,
                     table: table.clone(),
                     shard: group.shard,
                     keys: group.keys.clone(),
@@ -573,26 +680,5 @@ impl PsClient {
             (addr.clone(), client.health(HealthRequest {}).await)
         });
         futures::future::join_all(calls).await
-    }
-}
-
-/// The replica-set settings of the worker's configuration for `replicas`.
-fn replica_set_config(
-    config: &WorkerConfig,
-    channel: &ChannelConfig,
-    replicas: Vec<ReplicaEndpoint>,
-) -> ReplicaSetConfig {
-    ReplicaSetConfig {
-        replicas,
-        local_domain: config
-            .replica_group
-            .map(|g| g.to_string())
-            .unwrap_or_default(),
-        call_timeout_ms: config.call_timeout_ms,
-        channel: channel.clone(),
-        retry: config.retry,
-        budget: config.budget,
-        quarantine: config.quarantine,
-        seed: None,
     }
 }

@@ -9,6 +9,7 @@ pub mod freshness;
 pub mod plan;
 pub mod primary;
 pub mod push;
+pub mod routing;
 pub mod spread;
 pub mod workload;
 

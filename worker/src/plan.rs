@@ -31,6 +31,8 @@ struct Slot {
 pub struct FetchPlan {
     groups: Vec<ShardKeys>,
     slots: Vec<Slot>,
+    /// The shard count it was split by.
+    num_shards: u32,
 }
 
 /// Why answers could not be merged.
@@ -160,7 +162,27 @@ impl FetchPlan {
     /// Plans a Fetch of `keys` over `num_shards` shards.
     pub fn new(keys: &[u64], num_shards: u32) -> Self {
         let (groups, slots) = group_keys(keys, num_shards);
-        Self { groups, slots }
+        Self {
+            groups,
+            slots,
+            num_shards,
+        }
+    }
+
+    /// The shard count it was split by.
+    pub fn num_shards(&self) -> u32 {
+        self.num_shards
+    }
+
+    /// The same Fetch split by `num_shards` (the cluster's shard count
+    /// changed since it was planned).
+    pub fn resplit(&self, num_shards: u32) -> Self {
+        let keys: Vec<u64> = self
+            .slots
+            .iter()
+            .map(|s| self.groups[s.group as usize].keys[s.row as usize])
+            .collect();
+        Self::new(&keys, num_shards)
     }
 
     /// One sub-request per shard touched.
@@ -238,6 +260,8 @@ pub struct PushPlan {
     /// One sub-request per shard touched: its keys and their summed
     /// gradients (`keys.len() * dim` values).
     pub groups: Vec<(ShardKeys, Vec<f32>)>,
+    /// The shard count it was split by.
+    pub num_shards: u32,
 }
 
 impl PushPlan {
@@ -248,7 +272,25 @@ impl PushPlan {
             return None;
         }
         let (groups, slots) = group_keys(keys, num_shards);
-        Some(Self::summed(groups, &slots, gradients, dim))
+        Some(Self::summed(groups, &slots, gradients, dim, num_shards))
+    }
+
+    /// The same Push split by `num_shards` (the cluster's shard count
+    /// changed since it was planned): the summed gradient of every key,
+    /// grouped anew. `None` for a plan without keys.
+    pub fn resplit(&self, num_shards: u32) -> Option<Self> {
+        let keys: Vec<u64> = self
+            .groups
+            .iter()
+            .flat_map(|(g, _)| g.keys.iter().copied())
+            .collect();
+        let sums: Vec<f32> = self
+            .groups
+            .iter()
+            .flat_map(|(_, s)| s.iter().copied())
+            .collect();
+        let dim = sums.len().checked_div(keys.len())?;
+        Self::new(&keys, &sums, dim, num_shards)
     }
 
     /// Plans a Push of the gradients of the rows `fetch` returned
@@ -265,12 +307,19 @@ impl PushPlan {
             &fetch.slots,
             gradients,
             dim,
+            fetch.num_shards,
         ))
     }
 
     /// Each group's gradients: row i of `gradients` added into the row of
     /// `slots[i]`. `gradients` holds `slots.len() * dim` values.
-    fn summed(groups: Vec<ShardKeys>, slots: &[Slot], gradients: &[f32], dim: usize) -> Self {
+    fn summed(
+        groups: Vec<ShardKeys>,
+        slots: &[Slot],
+        gradients: &[f32],
+        dim: usize,
+        num_shards: u32,
+    ) -> Self {
         let mut sums: Vec<Vec<f32>> = groups
             .iter()
             .map(|g| vec![0f32; g.keys.len() * dim])
@@ -286,6 +335,7 @@ impl PushPlan {
         }
         Self {
             groups: groups.into_iter().zip(sums).collect(),
+            num_shards,
         }
     }
 }
@@ -303,6 +353,44 @@ mod tests {
             put_f32s(&mut out, &[k as f32, k as f32 + 0.5]);
         }
         (2, out)
+    }
+
+    #[test]
+    fn a_plan_split_again_by_a_new_count_keeps_the_keys_and_sums() {
+        let keys: Vec<u64> = (0..200).chain(0..50).collect();
+        let fetch = FetchPlan::new(&keys, 2);
+        let again = fetch.resplit(3);
+        assert_eq!(again.num_shards(), 3);
+        assert_eq!(again.groups().len(), 3);
+        assert_eq!(again.len(), keys.len());
+        let answers: Vec<(u32, Vec<u8>)> = again.groups().iter().map(answer).collect();
+        let direct: Vec<(u32, Vec<u8>)> = FetchPlan::new(&keys, 3)
+            .groups()
+            .iter()
+            .map(answer)
+            .collect();
+        assert_eq!(
+            again.merge(&answers),
+            FetchPlan::new(&keys, 3).merge(&direct)
+        );
+        for g in again.groups() {
+            assert!(g.keys.iter().all(|&k| shard_for_key(k, 3) == g.shard));
+        }
+        // A Push: every key's sum survives the new split.
+        let grads: Vec<f32> = (0..keys.len() * 2).map(|i| i as f32).collect();
+        let push = PushPlan::new(&keys, &grads, 2, 2).unwrap();
+        let moved = push.resplit(3).unwrap();
+        assert_eq!(moved.num_shards, 3);
+        let sums = |p: &PushPlan| -> HashMap<u64, Vec<f32>> {
+            p.groups
+                .iter()
+                .flat_map(|(g, s)| g.keys.iter().copied().zip(s.chunks(2).map(<[f32]>::to_vec)))
+                .collect()
+        };
+        assert_eq!(sums(&moved), sums(&push));
+        for (g, _) in &moved.groups {
+            assert!(g.keys.iter().all(|&k| shard_for_key(k, 3) == g.shard));
+        }
     }
 
     #[test]

@@ -39,7 +39,7 @@
 //! replica died, and sends it again while the primary is still waiting.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tessera_rpc::sync::lock;
 
@@ -54,18 +54,25 @@ struct Known {
     epoch: u64,
 }
 
+/// One shard: its primary as known now, and its servers.
+#[derive(Debug)]
+struct Shard {
+    known: Mutex<Known>,
+    /// The servers hosting it, in configuration order.
+    hosts: Vec<String>,
+}
+
 /// Every shard's primary as this worker knows it (module docs).
 pub struct Primaries {
     /// The longest wait for a replica any primary said it may hold a
     /// Push for (`PushResponse.replica_wait_ms`): each attempt gets it on
     /// top of the attempt timeout.
     replica_wait_ms: std::sync::atomic::AtomicU64,
-    known: Vec<Mutex<Known>>,
+    /// Every shard (more once the cluster grew: [`Primaries::grow`]).
+    shards: RwLock<Vec<Arc<Shard>>>,
     /// Woken whenever a shard's primary is learned: Pushes waiting out a
     /// backoff go to it at once.
     learned: tokio::sync::Notify,
-    /// The servers hosting each shard, in configuration order.
-    hosts: Vec<Vec<String>>,
     /// A client for every server Pushes may go to: the configured ones,
     /// and primaries learned that are not configured.
     clients: Mutex<HashMap<String, ParameterServerClient>>,
@@ -78,8 +85,7 @@ pub struct Primaries {
 impl std::fmt::Debug for Primaries {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Primaries")
-            .field("known", &self.known)
-            .field("hosts", &self.hosts)
+            .field("shards", &self.shards)
             .finish_non_exhaustive()
     }
 }
@@ -107,21 +113,70 @@ impl Primaries {
     ) -> Self {
         Self {
             replica_wait_ms: std::sync::atomic::AtomicU64::new(0),
-            known: initial
-                .into_iter()
-                .map(|addr| Mutex::new(Known { addr, epoch: 0 }))
-                .collect(),
+            shards: RwLock::new(
+                initial
+                    .into_iter()
+                    .zip(hosts.into_iter().chain(std::iter::repeat_with(Vec::new)))
+                    .map(|(addr, hosts)| {
+                        Arc::new(Shard {
+                            known: Mutex::new(Known { addr, epoch: 0 }),
+                            hosts,
+                        })
+                    })
+                    .collect(),
+            ),
             learned: tokio::sync::Notify::new(),
-            hosts,
             configured: clients.len(),
             clients: Mutex::new(clients),
             connect,
         }
     }
 
+    fn shard(&self, shard: u32) -> Option<Arc<Shard>> {
+        self.shards
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(shard as usize)
+            .cloned()
+    }
+
+    /// How many shards it knows.
+    pub fn len(&self) -> usize {
+        self.shards
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    /// Whether it knows no shard.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds the shards of a grown cluster: `hosts[shard]` for each shard
+    /// beyond those known (their first server is tried first; a server's
+    /// redirect or the coordinator names the primary). Shards known keep
+    /// their primary and servers.
+    pub fn grow(&self, hosts: Vec<Vec<String>>) {
+        let mut shards = self
+            .shards
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for hosts in hosts.into_iter().skip(shards.len()) {
+            shards.push(Arc::new(Shard {
+                known: Mutex::new(Known {
+                    addr: hosts.first().cloned().unwrap_or_default(),
+                    epoch: 0,
+                }),
+                hosts,
+            }));
+        }
+    }
+
     /// The primary of `shard` as known now, and its epoch.
     pub fn current(&self, shard: u32) -> Option<(String, u64)> {
-        let known = lock(self.known.get(shard as usize)?);
+        let entry = self.shard(shard)?;
+        let known = lock(&entry.known);
         Some((known.addr.clone(), known.epoch))
     }
 
@@ -129,9 +184,10 @@ impl Primaries {
     /// one known and `addr` is a server address (`host:port`); returns
     /// whether it did.
     pub fn learn(&self, shard: u32, addr: &str, epoch: u64) -> bool {
-        let Some(known) = self.known.get(shard as usize) else {
+        let Some(entry) = self.shard(shard) else {
             return false;
         };
+        let known = &entry.known;
         let stale =
             |known: &Known| epoch < known.epoch || (epoch == known.epoch && known.addr == addr);
         // Checked before connecting: a stale name costs no client.
@@ -185,9 +241,13 @@ impl Primaries {
 
     /// The server of `shard` after `addr`, round the shard's servers.
     fn next_host(&self, shard: u32, addr: &str) -> String {
-        let Some(hosts) = self.hosts.get(shard as usize).filter(|h| !h.is_empty()) else {
+        let Some(entry) = self.shard(shard) else {
             return addr.to_owned();
         };
+        let hosts = &entry.hosts;
+        if hosts.is_empty() {
+            return addr.to_owned();
+        }
         let at = hosts.iter().position(|h| h == addr).map_or(0, |i| i + 1);
         hosts[at % hosts.len()].clone()
     }
@@ -229,7 +289,11 @@ impl Primaries {
                 Err(error) => error,
             };
             let hint = match &error {
-                RpcError::Status(status) if !status.details().is_empty() => {
+                // ABORTED carries a `KeysMoved` (a resize moved the keys:
+                // the caller splits the Push anew), never a redirect.
+                RpcError::Status(status)
+                    if !status.details().is_empty() && status.code() != Code::Aborted =>
+                {
                     NotPrimary::decode(status.details().clone()).ok()
                 }
                 _ => None,
@@ -393,6 +457,19 @@ mod tests {
         // A primary outside the configuration is connected to.
         assert!(p.learn(0, "10.0.0.9:7070", 5));
         assert_eq!(p.current(0), Some(("10.0.0.9:7070".into(), 5)));
+    }
+
+    #[test]
+    fn a_grown_cluster_adds_shards_and_keeps_those_known() {
+        let p = primaries();
+        assert!(p.learn(0, "b:1", 3));
+        assert!(!p.learn(1, "d:1", 1), "no shard 1 yet");
+        p.grow(vec![vec!["x:1".into()], vec!["d:1".into(), "e:1".into()]]);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p.current(0), Some(("b:1".into(), 3)), "kept");
+        assert_eq!(p.current(1), Some(("d:1".into(), 0)));
+        assert_eq!(p.next_after(1, "d:1", 0), ("e:1".into(), 0));
+        assert!(p.learn(1, "e:1", 2));
     }
 
     #[test]

@@ -66,7 +66,10 @@ impl Feed {
                     guard.rows_applied += mark.rows;
                     guard.epoch = mark.epoch;
                     guard.position = mark.position;
-                    guard.fenced |= mark.fenced;
+                    if mark.fenced && !guard.fenced {
+                        guard.fenced = true;
+                        self.fenced.notify_one();
+                    }
                     if !mark.windows.is_empty() {
                         guard.windows = mark.windows;
                     }

@@ -131,6 +131,9 @@ pub struct Feed {
     /// Moves on each time a resize feed opens or closes: slots (and the
     /// copies and applies of slots) of an older generation write nothing.
     generation: AtomicU64,
+    /// Told when a giving shard's fenced delta or copy is applied (a
+    /// receiving primary may open its shard now: `crate::reshard`).
+    fenced: tokio::sync::Notify,
 }
 
 impl Feed {
@@ -152,6 +155,12 @@ impl Feed {
     /// starts with copies). A no-op on a serving server's feed.
     pub fn open_for_resize(&self, num_shards: Option<u32>) {
         drop(self.switch_resize(num_shards));
+    }
+
+    /// Resolves once a giving shard's fenced delta or copy was applied
+    /// since the last time it resolved.
+    pub async fn fenced_applied(&self) {
+        self.fenced.notified().await;
     }
 
     /// The deduplication windows each giving shard had at its fence, by
@@ -246,6 +255,7 @@ impl Feed {
             weak: weak.clone(),
             resize_gate,
             generation: AtomicU64::new(0),
+            fenced: tokio::sync::Notify::new(),
         })
     }
 
@@ -459,7 +469,10 @@ impl Feed {
                 if request.last {
                     slot.epoch = request.epoch;
                     slot.position = request.position;
-                    slot.fenced |= request.fenced;
+                    if request.fenced && !slot.fenced {
+                        slot.fenced = true;
+                        self.fenced.notify_one();
+                    }
                     if request.fenced && !request.windows.is_empty() {
                         slot.windows = request.windows;
                     }

@@ -1,0 +1,294 @@
+//! What the worker routes keys by: the cluster's shard count and each
+//! shard's Fetch path, and how both follow a resize of the shard count
+//! (issue 39; the servers' side is `tessera_coord::shard_map`).
+//!
+//! A worker starts from its configuration. In etcd mode it also follows
+//! the cluster's shard map (the coordinator's watch of one key): when a
+//! resize cuts over to more shards, it reads the servers of the new
+//! shards from the members etcd lists (every server registers its
+//! address, replica group and shards) and their primaries, adds a Fetch
+//! path for each new shard ([`Routing::grow`]) and the new shards to its
+//! Push path ([`crate::primary::Primaries::grow`]), and routes by the new
+//! count from then on. A server that moved keys away answers a request
+//! for them `ABORTED` with a `KeysMoved`; the client then waits (within
+//! the call's time) until it routes by that count and sends the request
+//! again, split anew ([`moved`], `client.rs`). Requests split by the old
+//! count and retried across the cut-over are applied exactly once: the
+//! servers keep the old shards' deduplication windows at the cut-over
+//! (`ps-server/src/store/resize.rs`).
+//!
+//! Shrinking is not followed yet: a map with fewer shards is logged and
+//! left alone (the servers do not shrink either).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use prost::Message as _;
+use tessera_coord::{CoordinatorConfig, EtcdCoordinator, MemberRecord, ShardMap};
+use tessera_proto::v1::{KeysMoved, ParameterServerClient};
+use tessera_rpc::sync::LockExt;
+use tessera_rpc::{
+    Channel, ChannelConfig, Code, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, RpcError,
+    Transport,
+};
+
+use crate::config::WorkerConfig;
+use crate::primary::Primaries;
+
+/// The shard count and each shard's Fetch path, as routed by now.
+#[derive(Debug)]
+pub struct Layout {
+    /// The shard count keys are split by.
+    pub num_shards: u32,
+    /// `fetchers[shard]`: the shard's replica set.
+    pub fetchers: Vec<ParameterServerClient>,
+}
+
+/// The worker's routing (module docs).
+pub struct Routing {
+    layout: RwLock<Arc<Layout>>,
+    /// The shard count routed by, for waiters ([`Routing::wait_for`]).
+    count: tokio::sync::watch::Sender<u32>,
+    primaries: Arc<Primaries>,
+    config: WorkerConfig,
+    channel_config: ChannelConfig,
+    transport: Transport,
+    /// One channel per server, shared by every shard it hosts.
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl std::fmt::Debug for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routing")
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Routing {
+    /// Routing by `config`'s shard count over `fetchers` (one per shard)
+    /// and `primaries`; a grown cluster's new shards are reached over
+    /// `transport` with `channel_config`, through `channels` (the
+    /// configured servers').
+    pub fn new(
+        config: &WorkerConfig,
+        fetchers: Vec<ParameterServerClient>,
+        primaries: Arc<Primaries>,
+        channel_config: ChannelConfig,
+        transport: Transport,
+        channels: HashMap<String, Channel>,
+    ) -> Self {
+        Self {
+            layout: RwLock::new(Arc::new(Layout {
+                num_shards: config.num_shards,
+                fetchers,
+            })),
+            count: tokio::sync::watch::Sender::new(config.num_shards),
+            primaries,
+            config: config.clone(),
+            channel_config,
+            transport,
+            channels: Mutex::new(channels),
+        }
+    }
+
+    /// The layout routed by now.
+    pub fn layout(&self) -> Arc<Layout> {
+        Arc::clone(
+            &self
+                .layout
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Routes by `num_shards` from now on, reaching the new shards through
+    /// the servers `members` lists for them. Returns whether it grew: not
+    /// for a count it routes by already (or fewer: shrinking is not
+    /// followed), nor while a new shard has no server listed (the next
+    /// look tries again).
+    pub fn grow(&self, num_shards: u32, members: &[MemberRecord]) -> bool {
+        let now = self.layout();
+        if num_shards <= now.num_shards {
+            if num_shards < now.num_shards {
+                tracing::warn!(
+                    routed = now.num_shards,
+                    map = num_shards,
+                    "the cluster's shard map names fewer shards; shrinking is not followed yet"
+                );
+            }
+            return false;
+        }
+        // The servers of each new shard, own replica group first, then by
+        // group and address (as a configuration lists them).
+        let mut hosts: BTreeMap<u32, Vec<&MemberRecord>> = BTreeMap::new();
+        for member in members {
+            for &shard in &member.shards {
+                if (now.num_shards..num_shards).contains(&shard) {
+                    hosts.entry(shard).or_default().push(member);
+                }
+            }
+        }
+        if (now.num_shards..num_shards).any(|s| !hosts.contains_key(&s)) {
+            tracing::info!(
+                num_shards,
+                "a new shard has no server registered yet; routing stays as it is for now"
+            );
+            return false;
+        }
+        let mut fetchers = now.fetchers.clone();
+        let mut all_hosts: Vec<Vec<String>> = vec![Vec::new(); now.num_shards as usize];
+        for (_, mut servers) in hosts {
+            servers.sort_by_key(|m| (m.replica_group, m.address.clone()));
+            all_hosts.push(servers.iter().map(|m| m.address.clone()).collect());
+            fetchers.push(self.fetcher(&servers));
+        }
+        self.primaries.grow(all_hosts);
+        *self
+            .layout
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(Layout {
+            num_shards,
+            fetchers,
+        });
+        self.count.send_replace(num_shards);
+        tracing::info!(
+            num_shards,
+            "the cluster grew: keys are routed by the new shard count"
+        );
+        true
+    }
+
+    /// The Fetch path of a new shard over `servers`.
+    fn fetcher(&self, servers: &[&MemberRecord]) -> ParameterServerClient {
+        let mut channels = self.channels.locked();
+        let (replicas, channels): (Vec<_>, Vec<_>) = servers
+            .iter()
+            .map(|m| {
+                let channel = channels
+                    .entry(m.address.clone())
+                    .or_insert_with(|| {
+                        Channel::with_transport(
+                            &m.address,
+                            self.channel_config.clone(),
+                            self.transport.clone(),
+                        )
+                    })
+                    .clone();
+                (
+                    ReplicaEndpoint {
+                        addr: m.address.clone(),
+                        domain: m.replica_group.to_string(),
+                    },
+                    channel,
+                )
+            })
+            .unzip();
+        ParameterServerClient::new(ReplicaSet::over_channels(
+            replica_set_config(&self.config, &self.channel_config, replicas),
+            channels,
+            self.transport.clone(),
+        ))
+    }
+
+    /// Waits until keys are routed by at least `num_shards` shards, for
+    /// at most `within`; returns whether they are.
+    pub async fn wait_for(&self, num_shards: u32, within: Duration) -> bool {
+        let mut count = self.count.subscribe();
+        tokio::time::timeout(within, count.wait_for(|&n| n >= num_shards))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
+/// The replica-set settings of the worker's configuration for `replicas`.
+pub fn replica_set_config(
+    config: &WorkerConfig,
+    channel: &ChannelConfig,
+    replicas: Vec<ReplicaEndpoint>,
+) -> ReplicaSetConfig {
+    ReplicaSetConfig {
+        replicas,
+        local_domain: config
+            .replica_group
+            .map(|g| g.to_string())
+            .unwrap_or_default(),
+        call_timeout_ms: config.call_timeout_ms,
+        channel: channel.clone(),
+        retry: config.retry,
+        budget: config.budget,
+        quarantine: config.quarantine,
+        seed: None,
+    }
+}
+
+/// The `KeysMoved` of a server's refusal: the keys asked for moved to
+/// another shard in a resize (`None`: another error).
+pub fn moved(error: &RpcError) -> Option<KeysMoved> {
+    match error {
+        RpcError::Status(status) if status.code() == Code::Aborted => {
+            KeysMoved::decode(status.details().clone()).ok()
+        }
+        _ => None,
+    }
+}
+
+/// Follows the cluster's shard map in etcd until the returned task is
+/// dropped (aborted): each map that routes by more shards grows
+/// `routing`, with the new shards' servers and primaries read from etcd.
+pub fn follow(routing: Arc<Routing>, config: CoordinatorConfig) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if let Err(err) = follow_once(&routing, &config).await {
+                tracing::info!(%err, "following the shard map failed; trying again");
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    })
+}
+
+async fn follow_once(
+    routing: &Routing,
+    config: &CoordinatorConfig,
+) -> Result<(), tessera_coord::CoordError> {
+    let coord = EtcdCoordinator::connect(config).await?;
+    let (tx, mut maps) = tokio::sync::watch::channel::<Option<ShardMap>>(None);
+    let follow = coord.follow_shard_map(tx, Duration::from_millis(500));
+    tokio::pin!(follow);
+    // A map whose count is not routed by yet (a new shard's servers not
+    // registered), looked at again each second.
+    let mut pending: Option<u32> = None;
+    loop {
+        tokio::select! {
+            () = &mut follow => return Ok(()),
+            changed = maps.changed() => {
+                if changed.is_err() {
+                    return Ok(());
+                }
+                pending = maps.borrow_and_update().as_ref().map(|m| m.num_shards);
+            }
+            () = tokio::time::sleep(Duration::from_secs(1)), if pending.is_some() => {}
+        }
+        let Some(num_shards) = pending else {
+            continue;
+        };
+        if num_shards <= routing.layout().num_shards {
+            pending = None;
+            let _ = routing.grow(num_shards, &[]);
+            continue;
+        }
+        let members = coord.members().await?;
+        if routing.grow(num_shards, &members) {
+            pending = None;
+            let (primaries, _) = coord.primaries().await?;
+            for (shard, (record, _)) in primaries {
+                routing
+                    .primaries
+                    .learn(shard, &record.address, record.epoch);
+            }
+        }
+    }
+}
