@@ -17,7 +17,7 @@ use etcd_client::{
 use crate::config::CoordinatorConfig;
 use crate::endpoints::Members;
 use crate::keys::{InStepRecord, Keys, MemberRecord, PrimaryRecord};
-use crate::shard_map::ShardMap;
+use crate::shard_map::{ResizeState, ShardMap};
 
 /// Why a coordinator operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -417,9 +417,10 @@ impl EtcdCoordinator {
 
     /// The cluster's shard map, written as `ShardMap::new(num_shards)` by
     /// the first server to start; a server configured with another count
-    /// than the map routes by (or, during a resize, than its target) is
-    /// refused ([`CoordError::ShardCount`]): it would look for its keys
-    /// on the wrong shards.
+    /// than the map routes by (or, during a resize, than its target; or,
+    /// after a growth cut over, than its old count: a giving shard's
+    /// server) is refused ([`CoordError::ShardCount`]): it would look for
+    /// its keys on the wrong shards.
     pub async fn join_shard_map(&self, num_shards: u32) -> Result<ShardMap, CoordError> {
         loop {
             let map = match self.shard_map().await? {
@@ -434,7 +435,22 @@ impl EtcdCoordinator {
                 }
             };
             let target = map.active().map(|r| r.to);
-            if map.num_shards != num_shards && target != Some(num_shards) {
+            // The old count of a growth that cut over (or is done): a
+            // giving shard's server keeps its shard id and serves the keys
+            // that stayed, the moved ones fenced (`crate::shard_map`).
+            let grown_from = map
+                .resize
+                .as_ref()
+                .filter(|r| {
+                    r.to > r.from
+                        && r.to == map.num_shards
+                        && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
+                })
+                .map(|r| r.from);
+            if map.num_shards != num_shards
+                && target != Some(num_shards)
+                && grown_from != Some(num_shards)
+            {
                 return Err(CoordError::ShardCount {
                     map: map.num_shards,
                     version: map.version,

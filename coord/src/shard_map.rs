@@ -35,17 +35,16 @@
 //! keys move only into the new shards `n..m`; shrinking, only out of the
 //! shards `m..n`.
 //!
-//! ## How rows move (the design; issue 39 builds it in steps)
+//! ## How rows move (growth is built; shrinking is the next step)
 //!
-//! Built so far: this record and its transitions, the operator's tool
-//! (`tessera reshard`), servers that refuse a count the map does not name
-//! and follow the map through a watch of its key
-//! (`EtcdCoordinator::follow_shard_map`, reported in Health and `tessera
-//! status`), and growing up to the cut-over: the copy and the stream
-//! below, readiness, receiving shards closed to Fetches and Pushes
-//! (`ps-server/src/reshard.rs`). The cut-over, exactly-once across it,
-//! workers switching maps, the end of a resize and shrinking are the next
-//! steps.
+//! Built: this record and its transitions, the operator's tool
+//! (`tessera reshard`, with `--hold` and `--cut-over`), servers that
+//! refuse a count the map does not name and follow the map through a
+//! watch of its key (`EtcdCoordinator::follow_shard_map`, reported in
+//! Health and `tessera status`), growing through the cut-over
+//! (`ps-server/src/reshard.rs`), and workers that follow the map
+//! (`worker/src/routing.rs`). Not built: `finish` (the old owners dropping
+//! the moved rows), shrinking.
 //!
 //! - **Copy and follow through the delta stream, not the replication
 //!   stream.** A receiving shard's primary copies the moving keys from
@@ -58,30 +57,51 @@
 //!   carry per-request indices (evictions, admissions) that a key filter
 //!   would have to re-base; the delta stream is state-based (rows as they
 //!   are now), idempotent, routed by key and recovers a gap by copying.
+//!   Every copy of a receiving shard refuses Fetches and Pushes meanwhile.
 //! - **Cut-over.** Once every receiving shard reports ready (in step
-//!   within a delta), one compare-and-swap writes `CutOver` with the new
-//!   count (the writer checks first that each ready shard's primary still
-//!   holds its key: a `ready` outlives a restart). Each giving primary,
-//!   seeing it, fences the moving keys under its shard lock (their Pushes
-//!   and Fetches answered with a redirect naming the map version, as
-//!   `NotPrimary` names a primary) and cuts one last delta of them, marked
-//!   fenced; the mark is also in copies taken after the fence, so a
-//!   receiver that lost the last delta and copies still knows it is
-//!   complete. From the fence on the giving shard leaves the moving rows
-//!   as they are (its expiry sweep and its evictions pass them over), so
-//!   such a copy holds them all. The receiving primary takes their Pushes
-//!   only once it has applied every giving shard's fenced delta (until
-//!   then it answers `UNAVAILABLE`, which workers retry), and then cuts its
-//!   replicas off, so that they copy the shard from it as any replica out
-//!   of step does. Only the moving keys pause, for about one delta.
+//!   within a delta) and the operator does not hold it, a receiving
+//!   primary writes `CutOver` with the new count (one compare-and-swap:
+//!   a shard that fell out of step meanwhile wrote `ready` again, and the
+//!   write loses). Every copy of a giving shard, seeing it, fences the
+//!   moving keys under its shard lock: their Pushes and Fetches are
+//!   refused with a `KeysMoved` naming the count (a replica still applies
+//!   what its primary forwarded). The giving primary's cuts from then on
+//!   are marked fenced, and so are copies taken after the fence, so a
+//!   receiver that lost a delta and copies still knows it is complete.
+//!   A receiving primary that applied every giving shard's fenced delta
+//!   (or copy) opens its shard: its feed closes, the shard takes a stream
+//!   position as a gap, which cuts its replicas off so that they copy the
+//!   shard from it, and it serves; it records the position in `opened`.
+//!   A copy of a receiving shard serves only once it holds that position
+//!   (a replica that copied the opened primary, or was promoted from
+//!   one). The giving shards stop streaming to opened shards. Only the
+//!   moving keys pause, from the fence for about one delta interval.
+//!   Removals at a giving shard between the fence and the opening
+//!   (evictions, expiry) reach the receiving shard with the fenced deltas.
 //! - **Exactly once.** A worker's Push id is shared by its per-shard
-//!   parts, so the receiving shard keeps the giving shards' dedup
-//!   windows apart (keyed by origin shard and worker, shipped with the
-//!   last delta), and a part retried across the cut-over names its
-//!   origin: a part applied at one giving shard must not make its sibling
-//!   from another giving shard look applied.
-//! - **Workers** follow the same key (the version) and re-plan by the new
-//!   count; a redirect also tells them to read the map.
+//!   parts, and a Push names the count it was split by. A giving shard
+//!   takes parts split by the new count only once every receiving shard
+//!   opened, so until then its deduplication windows name only Pushes
+//!   split by the old count, each of whose parts held all its keys of the
+//!   shard, moving ones included. Its fenced deltas carry those windows;
+//!   the receiving primary keeps them per giving shard and leaves out of
+//!   a retried part the keys whose giving shard applied it. A part
+//!   applied at one giving shard does not make its sibling from another
+//!   giving shard look applied.
+//! - **Workers** follow the same key, read the new shards' servers from
+//!   etcd at the cut-over and split by the new count; a `KeysMoved` makes
+//!   a request wait for that and go again, split anew.
+//! - **Restarts.** A server of the old count may start after the
+//!   cut-over (it keeps its shard id and the keys that stayed); every
+//!   server sets the fence and its receiving shards from the map before
+//!   it serves.
+//!
+//! Known limits: the giving windows live in the receiving primary's
+//! memory only (a failover of a receiving shard within a Push timeout of
+//! its opening may apply a part retried across the cut-over twice); a
+//! receiving primary that dies after opening, before any replica copied
+//! it, leaves the shard to a copy that cannot serve until an operator
+//! intervenes.
 
 use serde::{Deserialize, Serialize};
 
@@ -120,9 +140,12 @@ pub struct Resize {
     #[serde(default)]
     pub hold: bool,
     /// The receiving shards whose primary serves the moved keys (after
-    /// the cut-over), sorted: the giving shards stop streaming to them.
+    /// the cut-over), each with the stream position it opened at: the
+    /// giving shards stop streaming to them, and a copy of the shard
+    /// serves only once it holds that position (it copied the opened
+    /// primary's rows).
     #[serde(default)]
-    pub opened: Vec<u32>,
+    pub opened: std::collections::BTreeMap<u32, u64>,
 }
 
 /// Where a resize stands (module docs).
@@ -262,7 +285,7 @@ impl ShardMap {
                 state: ResizeState::Planned,
                 ready: Vec::new(),
                 hold: false,
-                opened: Vec::new(),
+                opened: Default::default(),
             }),
         })
     }
@@ -321,8 +344,8 @@ impl ShardMap {
     }
 
     /// Receiving shard `shard`'s primary holds every moved key and serves
-    /// them (after the cut-over).
-    pub fn handle_opened(&self, shard: u32) -> Result<Self, ResizeError> {
+    /// them (after the cut-over), from stream position `position` on.
+    pub fn handle_opened(&self, shard: u32, position: u64) -> Result<Self, ResizeError> {
         self.step("report a shard opened", &[ResizeState::CutOver], |r| {
             if !r.receiving().any(|s| s == shard) {
                 return Err(ResizeError::NotReceiving {
@@ -331,16 +354,14 @@ impl ShardMap {
                     to: r.to,
                 });
             }
-            match r.opened.binary_search(&shard) {
-                Ok(_) => Err(ResizeError::WrongState {
+            if r.opened.contains_key(&shard) {
+                return Err(ResizeError::WrongState {
                     state: r.state,
                     action: "report a shard opened twice",
-                }),
-                Err(at) => {
-                    r.opened.insert(at, shard);
-                    Ok(())
-                }
+                });
             }
+            r.opened.insert(shard, position);
+            Ok(())
         })
     }
 
@@ -447,14 +468,24 @@ mod tests {
             .unwrap();
         assert_eq!(both.active().unwrap().ready, vec![2]);
         let both = both.handle_ready(3, true).unwrap();
-        assert!(both.handle_opened(2).is_err(), "opened before the cut-over");
+        assert!(
+            both.handle_opened(2, 1).is_err(),
+            "opened before the cut-over"
+        );
         let cut = both.cut_over().unwrap();
         assert_eq!(cut.num_shards, 4);
-        let cut = cut.handle_opened(3).unwrap().handle_opened(2).unwrap();
-        assert_eq!(cut.active().unwrap().opened, vec![2, 3]);
-        assert!(cut.handle_opened(2).is_err(), "opened twice");
+        let cut = cut
+            .handle_opened(3, 1)
+            .unwrap()
+            .handle_opened(2, 5)
+            .unwrap();
+        assert_eq!(
+            cut.active().unwrap().opened.iter().collect::<Vec<_>>(),
+            [(&2, &5), (&3, &1)]
+        );
+        assert!(cut.handle_opened(2, 6).is_err(), "opened twice");
         assert!(matches!(
-            cut.handle_opened(1),
+            cut.handle_opened(1, 1),
             Err(ResizeError::NotReceiving { shard: 1, .. })
         ));
         assert!(matches!(
@@ -590,7 +621,7 @@ mod tests {
                     Step::Cancel => map.cancel(),
                     Step::Hold(to) => map.plan_held(to),
                     Step::Release => map.release(),
-                    Step::Opened(shard) => map.handle_opened(shard),
+                    Step::Opened(shard) => map.handle_opened(shard, 1),
                 };
                 let Ok(next) = next else { continue };
                 prop_assert_eq!(next.version, map.version + 1);
@@ -605,8 +636,7 @@ mod tests {
                 if let Some(r) = &next.resize {
                     prop_assert!(r.ready.windows(2).all(|w| w[0] < w[1]));
                     prop_assert!(r.ready.iter().all(|s| r.receiving().any(|x| x == *s)));
-                    prop_assert!(r.opened.windows(2).all(|w| w[0] < w[1]));
-                    prop_assert!(r.opened.iter().all(|s| r.receiving().any(|x| x == *s)));
+                    prop_assert!(r.opened.keys().all(|s| r.receiving().any(|x| x == *s)));
                     if !r.opened.is_empty() {
                         prop_assert!(matches!(r.state, ResizeState::CutOver | ResizeState::Done));
                     }

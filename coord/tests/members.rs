@@ -185,4 +185,27 @@ async fn servers_join_the_shard_map_and_another_count_is_refused() {
             .unwrap()
     );
     assert_eq!(coord.join_shard_map(6).await.unwrap().num_shards, 4);
+    // Once it cut over, a server of the old count (a giving shard's)
+    // joins too, and still after it is done; another count does not.
+    let (map, revision) = coord.shard_map().await.unwrap().unwrap();
+    let mut cut = map.start_copying().unwrap();
+    for shard in 4..6 {
+        cut = cut.handle_ready(shard, true).unwrap();
+    }
+    let cut = cut.cut_over().unwrap();
+    assert!(coord.write_shard_map(&cut, revision).await.unwrap());
+    assert_eq!(coord.join_shard_map(4).await.unwrap().num_shards, 6);
+    let (map, revision) = coord.shard_map().await.unwrap().unwrap();
+    assert!(
+        coord
+            .write_shard_map(&map.finish().unwrap(), revision)
+            .await
+            .unwrap()
+    );
+    assert_eq!(coord.join_shard_map(4).await.unwrap().num_shards, 6);
+    assert!(coord.join_shard_map(6).await.is_ok());
+    assert!(matches!(
+        coord.join_shard_map(5).await,
+        Err(tessera_coord::CoordError::ShardCount { map: 6, .. })
+    ));
 }

@@ -90,7 +90,7 @@ pub fn describe(map: &ShardMap) -> String {
                     if r.opened.is_empty() {
                         "none yet".to_owned()
                     } else {
-                        list(&r.opened)
+                        list(&r.opened.keys().copied().collect::<Vec<_>>())
                     }
                 );
             }

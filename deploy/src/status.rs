@@ -389,7 +389,9 @@ fn shard_map_of(h: &tessera_proto::v1::ShardMapHealth) -> tessera_coord::ShardMa
             state,
             ready: h.ready.clone(),
             hold: h.hold,
-            opened: h.opened.clone(),
+            // Health names the shards only (their positions are the
+            // servers' business).
+            opened: h.opened.iter().map(|&s| (s, 0)).collect(),
         }),
     }
 }
@@ -697,7 +699,7 @@ mod tests {
             ready: Vec::new(),
             resize_id: 2,
             hold: false,
-            opened: Vec::new(),
+            opened: Default::default(),
         };
         assert_eq!(shard_map_of(&health), planned);
         assert_eq!(a.shard_map, Some(planned));

@@ -124,6 +124,11 @@ impl PsServer {
         let replication =
             Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
         let coordination = Coordination::prepare(config, &replication, fence).await?;
+        // A server started during a resize: its receiving shards and the
+        // fence of moved keys, before it serves anything.
+        if config.mode == Mode::Training {
+            reshard::prepare(&store, coordination.shard_map().borrow().as_ref());
+        }
         // In etcd mode a training server may give keys to a resize, and
         // take them in one: it has both ends of the delta stream.
         let resizes = config.mode == Mode::Training && config.coordinator.is_etcd();

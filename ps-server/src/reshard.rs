@@ -29,25 +29,29 @@
 //!   server of a giving shard then fences the moved keys under the
 //!   shard's write lock (`store/resize.rs`): their Fetches and Pushes are
 //!   refused with `KeysMoved`, and the giving primary's cuts from then on
-//!   are marked fenced (a copy taken after the fence too). A receiving
-//!   primary that applied every giving shard's fenced delta opens its
-//!   shard: its feed closes, the shard takes a stream position as a gap,
-//!   which cuts its replicas off so that they copy it, and it serves.
-//!   Until a copy of a receiving shard holds a position past 0 it does
-//!   not serve (a replica that has not copied from the opened primary, a
-//!   primary promoted before opening, which follows the giving shards
-//!   anew); the giving shards keep their moved rows and stream on.
+//!   are marked fenced (a copy taken after the fence too) and carry its
+//!   deduplication windows. A receiving primary that applied every giving
+//!   shard's fenced delta opens its shard: its feed closes, it keeps the
+//!   windows (`Store::applied_at_origins`), the shard takes a stream
+//!   position as a gap, which cuts its replicas off so that they copy it,
+//!   and it serves; it writes the position to the map (`opened`), and
+//!   the giving shards stop streaming to it. A copy of a receiving shard
+//!   serves only once it holds that position. Giving shards take Pushes
+//!   split by the new count only once every receiving shard opened.
+//! - **At start** ([`prepare`]), before a server serves, the receiving
+//!   flags and the fence are set from the map it joined, so a server
+//!   (re)started during a resize serves nothing against them.
 //!
-//! Why the delta stream and not the replication stream: see the design in
-//! `tessera_coord::shard_map`. Built so far: growing (shrinking is
-//! planned and cancelled, but nothing moves for it yet) through the
-//! cut-over; exactly-once across it (the giving shards' dedup windows),
-//! workers following the map and finishing the resize are the next steps.
+//! Why the delta stream and not the replication stream, and the known
+//! limits: see the design in `tessera_coord::shard_map`. Built: growing,
+//! through the cut-over. Next: finishing a resize (the old owners
+//! dropping the moved rows), shrinking.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_coord::{CoordError, EtcdCoordinator, Resize, ResizeError, ResizeState, ShardMap};
+use tessera_rpc::sync::LockExt;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -82,6 +86,90 @@ pub struct Resharding {
     /// to count as in step (twice that, once reported ready, before it
     /// counts as behind: a slow receiver does not flip back and forth).
     in_step_within: Duration,
+    /// The receiving shards this server opened as their primary, with
+    /// the resize (its id) and the stream position they opened at, until
+    /// the map says so (`Resize::opened`).
+    opened: std::sync::Mutex<Vec<(u64, u32, u64)>>,
+}
+
+/// Whether each hosted shard of `store` receives keys now as `map` says
+/// (no copy of it serves): a receiving shard of a growth in progress, of
+/// a server of the new count, from the plan until its copy holds the
+/// moved keys. After the cut-over that is once the map names the
+/// position its primary opened it at and this copy holds it (a replica
+/// copied the opened primary's rows; a primary promoted from such a
+/// replica), or, on the primary that opened it, until the map says so
+/// (`opened_here`: shard and position).
+fn receiving_now(
+    store: &Store,
+    map: Option<&ShardMap>,
+    opened_here: &[(u32, u64)],
+) -> Vec<(u32, bool)> {
+    let resize = map
+        .and_then(ShardMap::active)
+        .filter(|r| r.to > r.from && store.num_shards() == r.to);
+    store
+        .hosted()
+        .iter()
+        .map(|&shard| {
+            let closed = resize.is_some_and(|r| {
+                if !r.receiving().any(|s| s == shard) {
+                    return false;
+                }
+                if r.state != ResizeState::CutOver {
+                    return true;
+                }
+                let held = store.version(shard).unwrap_or_default().position;
+                let at = r.opened.get(&shard).copied().or_else(|| {
+                    opened_here
+                        .iter()
+                        .find(|(s, _)| *s == shard)
+                        .map(|&(_, p)| p)
+                });
+                at.is_none_or(|at| held < at)
+            });
+            (shard, closed)
+        })
+        .collect()
+}
+
+/// The fence `map` calls for on `store`'s giving shards: the count the
+/// moved keys are routed by, the map's version, and whether Pushes split
+/// by that count are taken (every receiving shard opened); `None` unless
+/// a growth from this server's count cut over (or is done).
+fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool)> {
+    let r = map.resize.as_ref().filter(|r| {
+        r.to > r.from
+            && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
+            && store.num_shards() == r.from
+    })?;
+    // Pushes split by the new count wait until every receiving shard
+    // serves: until then a giving shard's windows name only Pushes split
+    // by the old count, whatever copy of it sends them
+    // (`store/resize.rs`).
+    let open = r.state == ResizeState::Done || r.receiving().all(|s| r.opened.contains_key(&s));
+    let giving = r.giving().filter(|s| store.hosted().contains(s)).collect();
+    Some((giving, r.to, map.version, open))
+}
+
+/// Sets what `map` calls for on `store` before the server serves (the
+/// driver keeps it up to date from then on): which shards receive keys,
+/// and the fence of moved keys, so that a server started or restarted
+/// during a resize serves nothing and applies no Push against them.
+pub fn prepare(store: &Store, map: Option<&ShardMap>) {
+    for (shard, closed) in receiving_now(store, map, &[]) {
+        store.set_receiving(shard, closed);
+    }
+    if let Some((giving, to, version, open)) = map.and_then(|m| fence_of(store, m)) {
+        for shard in giving {
+            if let Some(writing) = store.lock_shard(shard) {
+                if store.moved(shard).is_none() {
+                    store.set_moved(&writing, Some((to, version)));
+                }
+                store.set_moved_open(&writing, open);
+            }
+        }
+    }
 }
 
 impl Resharding {
@@ -109,6 +197,7 @@ impl Resharding {
             in_step_within: (interval * 3 + Duration::from_secs(1)).max(crate::delta::stall_bound(
                 u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
             )),
+            opened: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -151,17 +240,17 @@ impl Resharding {
                 .collect(),
             _ => Vec::new(),
         };
-        // Its rows are incomplete until the cut-over: no copy of it serves
-        // until it opens (a cancel opens it too). After the cut-over a
-        // copy at position 0 has not opened yet: its primary still
-        // follows the giving shards' fenced deltas, or its replica has
-        // not copied from the opened primary yet (`Resharding::open`).
-        let cut_over = resize.is_some_and(|r| r.state == ResizeState::CutOver);
-        for &shard in self.store.hosted() {
-            let closed = receiving.contains(&shard)
-                && (!cut_over || self.store.version(shard).unwrap_or_default().position == 0);
+        let opened_here: Vec<(u32, u64)> = {
+            let mut opened = self.opened.locked();
+            opened.retain(|(id, _, _)| resize.is_some_and(|r| r.id == *id));
+            opened.iter().map(|&(_, s, p)| (s, p)).collect()
+        };
+        // Its rows are incomplete until it opens: no copy of it serves
+        // (a cancel opens it too).
+        for (shard, closed) in receiving_now(&self.store, map, &opened_here) {
             self.store.set_receiving(shard, closed);
         }
+        let cut_over = resize.is_some_and(|r| r.state == ResizeState::CutOver);
         let Some(resize) = resize else {
             self.give(None);
             self.receive(None);
@@ -181,13 +270,7 @@ impl Resharding {
             self.drive(resize, &leads).await;
         }
         if cut_over {
-            let opened: Vec<u32> = receiving
-                .iter()
-                .copied()
-                .filter(|&s| !self.store.receiving(s))
-                .filter(|&s| self.replication.leading_epoch(s, now).is_some())
-                .collect();
-            self.report_opened(resize, &opened).await;
+            self.report_opened(resize, &opened_here).await;
         }
         // Giving: the primary of a giving shard, of the old count.
         let gives = num_shards == resize.from
@@ -218,19 +301,19 @@ impl Resharding {
     /// long before a failover can make it primary: the watch delivers in
     /// milliseconds, a lease runs for seconds).
     async fn fence(&self, map: &ShardMap) {
-        let Some(r) = map.resize.as_ref().filter(|r| {
-            r.to > r.from
-                && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
-                && self.store.num_shards() == r.from
-        }) else {
+        let Some((giving, to, version, open)) = fence_of(&self.store, map) else {
             return;
         };
-        for shard in r.giving() {
-            if self.store.moved(shard).is_some() {
+        for shard in giving {
+            let fenced = self.store.moved(shard).is_some();
+            if fenced && self.store.new_count_open(shard) == open {
                 continue;
             }
             if let Some(writing) = self.store.lock_shard_async(shard).await {
-                self.store.set_moved(&writing, Some((r.to, map.version)));
+                if !fenced {
+                    self.store.set_moved(&writing, Some((to, version)));
+                }
+                self.store.set_moved_open(&writing, open);
             }
         }
     }
@@ -313,7 +396,7 @@ impl Resharding {
     }
 
     /// Opens the receiving shards `leads` after the cut-over: the giving
-    /// shards' deduplication windows at their fences are read from the
+    /// shards' deduplication windows (fenced deltas carry them) are read from the
     /// feed, the feed closes (no delta still being applied), then, under
     /// each shard's write lock, its replicas are cut off to copy it from
     /// here (the rows came outside its stream), it takes the windows and
@@ -337,6 +420,9 @@ impl Resharding {
                     // it to (`store/resize.rs`).
                     self.store
                         .set_origin_windows(shard, resize.from, windows.clone());
+                    self.opened
+                        .locked()
+                        .push((resize.id, shard, version.position));
                     self.store.set_receiving(shard, false);
                     drop(writing);
                     tracing::info!(shard, %version, "a receiving shard holds every moved key and serves them; its replicas copy it");
@@ -352,12 +438,13 @@ impl Resharding {
         }
     }
 
-    /// As the primary of opened receiving shards `opened`: says so in the
-    /// map (the giving shards stop streaming to them).
-    async fn report_opened(&self, resize: &Resize, opened: &[u32]) {
-        for &shard in opened {
-            if resize.opened.binary_search(&shard).is_err() {
-                self.update("report opened", |m| m.handle_opened(shard))
+    /// As the primary that opened receiving shards `opened` (shard and
+    /// position): says so in the map (the giving shards stop streaming to
+    /// them; their copies serve once they hold the position).
+    async fn report_opened(&self, resize: &Resize, opened: &[(u32, u64)]) {
+        for &(shard, position) in opened {
+            if !resize.opened.contains_key(&shard) {
+                self.update("report opened", |m| m.handle_opened(shard, position))
                     .await;
             }
         }
@@ -400,7 +487,7 @@ impl Resharding {
         let mut servers: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for shard in resize
             .receiving()
-            .filter(|s| resize.opened.binary_search(s).is_err())
+            .filter(|s| !resize.opened.contains_key(s))
         {
             if let Some((record, _)) = primaries.get(&shard) {
                 servers

@@ -359,7 +359,7 @@ fn shard_map_health(map: &tessera_coord::ShardMap) -> v1::ShardMapHealth {
         health.ready.clone_from(&r.ready);
         health.resize_id = r.id;
         health.hold = r.hold;
-        health.opened.clone_from(&r.opened);
+        health.opened = r.opened.keys().copied().collect();
     }
     health
 }

@@ -599,8 +599,14 @@ impl PsClient {
                 .max()
                 .filter(|&to| to > routed);
             let left = deadline.saturating_duration_since(Instant::now());
+            // Not deduplicated (id 0): the parts applied would be applied
+            // again; the caller decides.
             match to {
-                Some(to) if tries < MOVED_TRIES && self.routing.wait_for(to, left).await => {
+                Some(to)
+                    if id.0 != 0
+                        && tries < MOVED_TRIES
+                        && self.routing.wait_for(to, left).await =>
+                {
                     tries += 1;
                 }
                 _ => return Err(WorkerError::Push(failure)),

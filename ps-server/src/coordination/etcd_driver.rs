@@ -37,6 +37,8 @@ enum Done {
 /// The etcd coordination of one server (module docs).
 #[derive(Debug)]
 pub(super) struct Driver {
+    /// The shard map as read when joining it (`None`: not read).
+    joined: Option<tessera_coord::ShardMap>,
     coord: EtcdCoordinator,
     replication: Arc<Replication>,
     fence: Arc<Fence>,
@@ -57,18 +59,24 @@ impl Driver {
         // does not start; one that cannot read the map now (etcd not up
         // yet) starts as before, unchecked, and says so: its sessions wait
         // for etcd anyway.
-        match coord.join_shard_map(config.num_shards).await {
-            Ok(map) => tracing::info!(
-                num_shards = map.num_shards,
-                version = map.version,
-                "joined the cluster's shard map"
-            ),
+        let joined = match coord.join_shard_map(config.num_shards).await {
+            Ok(map) => {
+                tracing::info!(
+                    num_shards = map.num_shards,
+                    version = map.version,
+                    "joined the cluster's shard map"
+                );
+                Some(map)
+            }
             Err(err @ CoordError::ShardCount { .. }) => return Err(err),
-            Err(err) => tracing::warn!(
-                %err,
-                "the cluster's shard map could not be read at start; this server's num_shards is not checked against it"
-            ),
-        }
+            Err(err) => {
+                tracing::warn!(
+                    %err,
+                    "the cluster's shard map could not be read at start; this server's num_shards is not checked against it"
+                );
+                None
+            }
+        };
         let timeout = Duration::from_millis(config.coordinator.failover_timeout_ms);
         let me = config.advertised().to_owned();
         let elections = config
@@ -82,6 +90,7 @@ impl Driver {
             })
             .collect();
         Ok(Self {
+            joined,
             coord,
             replication,
             fence,
@@ -94,6 +103,11 @@ impl Driver {
             elections,
             shutdown_grace: Duration::from_millis(config.replication.replica_timeout_ms),
         })
+    }
+
+    /// The shard map as read when joining it.
+    pub fn joined(&self) -> Option<&tessera_coord::ShardMap> {
+        self.joined.as_ref()
     }
 
     /// Its client of the cluster's etcd.

@@ -98,6 +98,8 @@ impl Coordination {
                 let driver =
                     etcd_driver::Driver::new(config, Arc::clone(replication), fence).await?;
                 etcd = Some(driver.coordinator().clone());
+                // Known from the start (the watch follows from `start`).
+                map_tx.send_replace(driver.joined().cloned());
                 Plan::Etcd(Some(Box::new(driver)), Some(map_tx))
             }
         };

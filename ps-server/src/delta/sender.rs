@@ -435,12 +435,9 @@ impl Sender {
         taken_ms: u64,
     ) {
         // A resize's fenced cuts carry the giving shard's deduplication
-        // windows at the fence (on each delta's last part).
+        // windows (on each delta's last part: `store/resize.rs`).
         let windows = if mark.fenced && route.whole_rows {
-            self.store
-                .fenced_windows(shard)
-                .map(|w| super::windows::to_wire(&w))
-                .unwrap_or_default()
+            super::windows::to_wire(&self.store.dedup_windows(shard))
         } else {
             Vec::new()
         };

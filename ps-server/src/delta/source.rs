@@ -120,12 +120,10 @@ impl Sources {
             fenced: mark.fenced,
             ..DeltaCopyResponse::default()
         };
-        // A fenced copy's first page carries the windows at the fence.
-        if mark.fenced
-            && request.session == 0
-            && let Some(windows) = store.fenced_windows(request.source_shard)
-        {
-            response.windows = super::windows::to_wire(&windows);
+        // A fenced copy's first page carries the shard's deduplication
+        // windows (`store/resize.rs`).
+        if mark.fenced && request.session == 0 && request.optimizer_state {
+            response.windows = super::windows::to_wire(&store.dedup_windows(request.source_shard));
         }
         let (mut t, mut row) = (request.table as usize, request.row);
         let mut bytes = 0usize;

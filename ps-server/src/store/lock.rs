@@ -27,6 +27,9 @@ pub(super) struct Writer {
     pub(super) moved_to: std::sync::atomic::AtomicU32,
     /// The shard-map version that moved them.
     pub(super) moved_version: std::sync::atomic::AtomicU64,
+    /// Every receiving shard serves the moved keys now: Pushes split by
+    /// the new count are taken ([`ShardGuard::new_count_open`]).
+    pub(super) moved_open: std::sync::atomic::AtomicBool,
 }
 
 /// The write lock of one shard (see [`Store`]), with its version.
@@ -69,6 +72,14 @@ impl ShardGuard<'_> {
             0 => None,
             to => Some((to, self.writer.moved_version.load(AtomicOrdering::SeqCst))),
         }
+    }
+
+    /// Whether Pushes split by the count the keys moved to are taken: only
+    /// once every receiving shard serves them, so that until then the
+    /// shard's deduplication windows name only Pushes split by the old
+    /// count (`store/resize.rs`).
+    pub fn new_count_open(&self) -> bool {
+        self.writer.moved_open.load(AtomicOrdering::SeqCst)
     }
 
     /// Sets the version of the shard's rows (after changing them).

@@ -65,7 +65,8 @@ impl CheckedPush<'_> {
     /// Notes the shard count the worker split the Push by
     /// (`PushRequest.num_shards`; 0: not said). A count other than the
     /// store's is taken only once a resize to it fenced the shard's
-    /// moving keys (`store/resize.rs`); before, the Push is refused as
+    /// moving keys and every receiving shard serves them
+    /// (`store/resize.rs`); before, the Push is refused as
     /// [`StoreError::NotCutOver`], which the worker retries.
     #[must_use]
     pub fn split_by(mut self, num_shards: u32) -> Self {
@@ -164,7 +165,7 @@ impl CheckedPush<'_> {
         }
         if self.split_by != 0
             && self.split_by != self.num_shards
-            && moved.map(|(to, _)| to) != Some(self.split_by)
+            && !(moved.map(|(to, _)| to) == Some(self.split_by) && writing.new_count_open())
         {
             return Err(StoreError::NotCutOver {
                 shard: self.shard,

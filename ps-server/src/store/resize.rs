@@ -24,13 +24,12 @@ use tessera_rpc::sync::LockExt;
 use super::{PushId, ShardGuard, Store, StoreError};
 use crate::dedup::WorkerWindow;
 
-/// A shard's Push deduplication windows, per table, as they were at a
-/// moment (the fence of a resize).
+/// A shard's Push deduplication windows, per table.
 pub type TableWindows = Vec<(String, Vec<WorkerWindow>)>;
 
 /// What a receiving shard knows of the Pushes its giving shards applied
-/// before the fence: their windows, by giving shard and table, and the
-/// count that names a key's giving shard.
+/// split by the old count: their windows, by giving shard and table, and
+/// the count that names a key's giving shard.
 #[derive(Debug)]
 struct Origins {
     from: u32,
@@ -49,10 +48,8 @@ pub(super) struct Resizing {
     /// How many hosted shards have moved keys fenced (as
     /// `receiving_count`).
     moved_count: AtomicUsize,
-    /// Per fenced shard: its deduplication windows at the fence, which
-    /// its last deltas and copies carry to the receiving shards.
-    fenced_windows: Mutex<HashMap<u32, Arc<TableWindows>>>,
-    /// Per receiving shard: its giving shards' windows at their fences.
+    /// Per receiving shard: its giving shards' windows, as their fenced
+    /// deltas carried them.
     origins: Mutex<HashMap<u32, Arc<Origins>>>,
     /// How many shards hold origins (as `receiving_count`).
     origins_count: AtomicUsize,
@@ -67,7 +64,6 @@ impl Resizing {
                 .collect(),
             receiving_count: AtomicUsize::new(0),
             moved_count: AtomicUsize::new(0),
-            fenced_windows: Mutex::new(HashMap::new()),
             origins: Mutex::new(HashMap::new()),
             origins_count: AtomicUsize::new(0),
         }
@@ -112,26 +108,6 @@ impl Store {
             return;
         }
         let (to, version) = moved.unwrap_or((0, 0));
-        // The windows as they are now, under the lock: every Push they
-        // name was split by the old count (`CheckedPush::split_by`), so
-        // it held its moving keys here.
-        let shard = writing.shard();
-        if moved.is_some() {
-            let windows: TableWindows = self
-                .tables
-                .values()
-                .filter_map(|t| {
-                    let state = t.shard(shard)?;
-                    Some((t.config().name.clone(), state.dedup.snapshot()))
-                })
-                .collect();
-            self.resize
-                .fenced_windows
-                .locked()
-                .insert(shard, Arc::new(windows));
-        } else {
-            self.resize.fenced_windows.locked().remove(&shard);
-        }
         writing
             .writer
             .moved_version
@@ -167,14 +143,43 @@ impl Store {
         }
     }
 
-    /// The deduplication windows `shard` had when a resize fenced its
-    /// moving keys (`None`: not fenced).
-    pub fn fenced_windows(&self, shard: u32) -> Option<Arc<TableWindows>> {
-        self.resize.fenced_windows.locked().get(&shard).cloned()
+    /// Whether `shard` takes Pushes split by the count its keys moved to.
+    pub fn new_count_open(&self, shard: u32) -> bool {
+        self.writers
+            .get(&shard)
+            .is_some_and(|w| w.moved_open.load(Ordering::SeqCst))
     }
 
-    /// Gives receiving shard `shard` the windows its giving shards had at
-    /// their fences (`windows`: by giving shard, of `from` shards), for
+    /// Lets the locked shard take Pushes split by the count its keys
+    /// moved to (`open`: every receiving shard serves them now), or not.
+    pub fn set_moved_open(&self, writing: &ShardGuard<'_>, open: bool) {
+        if writing.writer.moved_open.swap(open, Ordering::SeqCst) != open {
+            tracing::info!(
+                shard = writing.shard(),
+                open,
+                "Pushes split by the new shard count are taken"
+            );
+        }
+    }
+
+    /// `shard`'s Push deduplication windows now, per table: what its
+    /// fenced deltas and copies carry to the receiving shards. Until
+    /// every receiving shard serves the moved keys they name only Pushes
+    /// split by the old count ([`ShardGuard::new_count_open`]), whose
+    /// parts held all their keys of the shard, moving ones included.
+    pub fn dedup_windows(&self, shard: u32) -> TableWindows {
+        self.tables
+            .values()
+            .filter_map(|t| {
+                let state = t.shard(shard)?;
+                Some((t.config().name.clone(), state.dedup.snapshot()))
+            })
+            .collect()
+    }
+
+    /// Gives receiving shard `shard` its giving shards' windows as their
+    /// fenced deltas carried them (`windows`: by giving shard, of `from`
+    /// shards), for
     /// [`Store::applied_at_origins`]; an empty list forgets them.
     pub fn set_origin_windows(&self, shard: u32, from: u32, windows: Vec<(u32, TableWindows)>) {
         let mut origins = self.resize.origins.locked();
@@ -401,6 +406,15 @@ mod tests {
             let writing = store.lock_shard(0).unwrap();
             store.set_moved(&writing, Some((3, 5)));
         }
+        // Fenced, but the receiving shards do not serve yet: its windows
+        // must name only Pushes split by the old count.
+        assert!(matches!(push(3), Err(StoreError::NotCutOver { .. })));
+        push(2).unwrap();
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved_open(&writing, true);
+        }
+        assert!(store.new_count_open(0));
         push(3).unwrap();
         push(2).unwrap();
         assert!(matches!(push(4), Err(StoreError::NotCutOver { .. })));

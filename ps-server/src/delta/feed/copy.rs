@@ -20,7 +20,7 @@ struct Copied {
     epoch: u64,
     position: u64,
     /// Taken after a resize's giving shard fenced its moving keys, and
-    /// that shard's deduplication windows at the fence.
+    /// that shard's deduplication windows then.
     fenced: bool,
     windows: Vec<TableWindows>,
     rows: u64,
@@ -66,13 +66,13 @@ impl Feed {
                     guard.rows_applied += mark.rows;
                     guard.epoch = mark.epoch;
                     guard.position = mark.position;
+                    // As of this copy (another primary of the giving shard
+                    // may not have fenced yet).
                     if mark.fenced && !guard.fenced {
-                        guard.fenced = true;
                         self.fenced.notify_one();
                     }
-                    if !mark.windows.is_empty() {
-                        guard.windows = mark.windows;
-                    }
+                    guard.fenced = mark.fenced;
+                    guard.windows = mark.windows;
                     metrics::counter!("tessera_ps_serving_copies_total").increment(1);
                     tracing::info!(source_shard = shard, from = %from, rows = mark.rows, took = ?mark.took, "copied a training shard's rows");
                     let resume =

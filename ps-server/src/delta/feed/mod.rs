@@ -89,7 +89,7 @@ struct Slot {
     /// A resize's giving shard: a delta or copy cut after it fenced its
     /// moving keys was applied (every change to them is here).
     fenced: bool,
-    /// Its deduplication windows at the fence, as the fenced delta or
+    /// Its deduplication windows, as the last fenced delta or
     /// copy carried them.
     windows: Vec<TableWindows>,
     warned: Option<Instant>,
