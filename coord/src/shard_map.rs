@@ -96,9 +96,12 @@
 //!   server sets the fence and its receiving shards from the map before
 //!   it serves.
 //!
-//! Known limits: the giving windows live in the receiving primary's
-//! memory only (a failover of a receiving shard within a Push timeout of
-//! its opening may apply a part retried across the cut-over twice); a
+//! The giving shards' windows travel with every copy of the receiving
+//! shard (a replica's, a recovering primary's: `SyncResponse.origins`),
+//! so a part retried across the cut-over is applied once whichever copy
+//! leads. Known limits: checkpoints do not hold them (a receiving shard
+//! restarted from its checkpoint within a Push timeout of its opening may
+//! apply such a part twice); a
 //! receiving primary that dies after opening, before any replica copied
 //! it, leaves the shard to a copy that cannot serve until an operator
 //! intervenes.

@@ -11,7 +11,11 @@
 //! shards refuse the moved keys from then on (`KeysMoved`), the new
 //! primary serves them once it holds both old shards' fenced deltas, with
 //! every Push applied before the fence and none after, and its replica
-//! copies the shard from it.
+//! copies the shard from it. Pushes retried across the cut-over (split by
+//! the new count) leave out the keys their old shard applied, at the new
+//! primary and, after it stops, at its replica that took over; a server
+//! of an old shard restarted after the cut-over refuses the moved keys
+//! from its first request.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -361,8 +365,13 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     c.step += 1;
     let x = c.step;
     c.old[0].data.push(push(x, 0, &c.keys[0].0)).await.unwrap();
+    // Push `y` likewise; it is retried only after the new shard's
+    // primary fails over.
+    c.step += 1;
+    let y = c.step;
+    c.old[0].data.push(push(y, 0, &c.keys[0].0)).await.unwrap();
     let again = c.coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
-    let mut applied = [c.step, c.step - 31];
+    let mut applied = [c.step, c.step - 32];
     let mut refused = [0u64; OLD as usize];
     let deadline = Instant::now() + Duration::from_secs(60);
     while refused.iter().any(|&r| r < 3) {
@@ -524,10 +533,32 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     }
     let Cluster {
         mut old,
-        news,
+        mut news,
         keys,
         ..
     } = c;
+    // The new shard's primary stops; its replica leads. It kept the old
+    // shards' windows with its copy: Push `y`, applied at old shard 0
+    // before the fence and retried only now, split by 3, is applied to
+    // old shard 1's keys alone.
+    let at = news
+        .iter()
+        .position(|s| s.replication.is_primary(OLD))
+        .unwrap();
+    news.remove(at).stop().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !news[0].replication.is_primary(OLD) || fetch_new(&news[0], key).await.is_err() {
+        assert!(Instant::now() < deadline, "the replica never took over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let steps_at = |shard: usize| rows(&news[0], OLD, &keys[shard].1).3;
+    let before = [steps_at(0), steps_at(1)];
+    let mut retry = push(y, OLD, &sorted);
+    retry.num_shards = NEW;
+    news[0].data.push(retry).await.unwrap();
+    assert_eq!(steps_at(0), before[0], "applied twice after the failover");
+    let plus_one: Vec<u32> = before[1].iter().map(|s| s + 1).collect();
+    assert_eq!(steps_at(1), plus_one);
     // A server of old shard 1 started after the cut-over (configured with
     // the old count, as its config still says) joins, and refuses the
     // moved keys from its first request: it fenced them before serving.

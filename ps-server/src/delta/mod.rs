@@ -67,4 +67,6 @@ pub use self::route::ResizePlan;
 pub use self::sender::{Mark, QUEUE_DELTAS, Sender, stall_bound};
 pub use self::service::DeltaService;
 pub use self::source::Sources;
-pub use self::windows::{from_wire as windows_from_wire, to_wire as windows_to_wire};
+pub use self::windows::{
+    from_wire as windows_from_wire, origins_from_wire, origins_to_wire, to_wire as windows_to_wire,
+};

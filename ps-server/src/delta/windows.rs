@@ -48,6 +48,33 @@ pub fn from_wire(windows: &[v1::TableWindows]) -> TableWindows {
         .collect()
 }
 
+/// A receiving shard's giving shards' windows (`from`: the count before
+/// the resize) as a shard copy carries them (`SyncResponse.origins`).
+pub fn origins_to_wire(from: u32, giving: &[(u32, TableWindows)]) -> v1::OriginWindows {
+    v1::OriginWindows {
+        from,
+        giving: giving
+            .iter()
+            .map(|(shard, tables)| v1::GivingWindows {
+                shard: *shard,
+                tables: to_wire(tables),
+            })
+            .collect(),
+    }
+}
+
+/// [`origins_to_wire`]'s inverse.
+pub fn origins_from_wire(origins: &v1::OriginWindows) -> (u32, Vec<(u32, TableWindows)>) {
+    (
+        origins.from,
+        origins
+            .giving
+            .iter()
+            .map(|g| (g.shard, from_wire(&g.tables)))
+            .collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -273,8 +273,11 @@ impl Replication {
         from: &str,
         own: Version,
     ) -> Result<Version, CopyError> {
-        let fetched = self.fetch_copy(shard, from, own, false).await?;
-        let Some(copy) = fetched.copy else {
+        let mut fetched = self.fetch_copy(shard, from, own, false).await?;
+        let Some(copy) = fetched.copy.take() else {
+            if let Some(writing) = self.store.lock_shard_async(shard).await {
+                fetched.keep_origins(&self.store, &writing);
+            }
             return Ok(own);
         };
         let bytes = copy.bytes;
@@ -296,6 +299,7 @@ impl Replication {
             }
             let (rows, old_rows) = copy.install(&self.store, &writing, Instant::now());
             writing.set_version(fetched.version);
+            fetched.keep_origins(&self.store, &writing);
             drop(state);
             drop(writing);
             drop(old_rows);

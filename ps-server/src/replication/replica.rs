@@ -532,6 +532,7 @@ impl Replication {
                 own: writing.version(),
             });
         }
+        fetched.keep_origins(&self.store, &writing);
         let copied = fetched.copy.as_ref().map(|copy| copy.bytes);
         let (rows, old_rows) = match fetched.copy {
             Some(copy) => {

@@ -124,6 +124,10 @@ impl Replication {
             state.known_epoch
         };
         drop(state);
+        let origins = self
+            .store
+            .origin_windows(shard)
+            .map(|(from, giving)| crate::delta::origins_to_wire(from, &giving));
         if caller == version && request.attach {
             tracing::info!(shard, replica = %request.replica, %version, "replica attached, in step");
             return Ok(SyncResponse {
@@ -132,6 +136,7 @@ impl Replication {
                 version: Some(version.into()),
                 total_bytes: 0,
                 attachment,
+                origins,
             });
         }
         // A cut under the lock (a reference per row); every chunk is
@@ -147,6 +152,7 @@ impl Replication {
             version: Some(version.into()),
             total_bytes,
             attachment,
+            origins,
         })
     }
 }

@@ -122,6 +122,19 @@ pub(crate) struct Fetched {
     pub copy: Option<Staged>,
     /// The attachment the source made (when attaching).
     pub attachment: u64,
+    /// A receiving shard's giving shards' windows, as the source keeps
+    /// them (`Store::origin_windows`).
+    pub origins: Option<(u32, Vec<(u32, crate::store::TableWindows)>)>,
+}
+
+impl Fetched {
+    /// Keeps the copy's giving shards' windows on the shard `writing`
+    /// locks (a copy installed, or found in step).
+    pub(crate) fn keep_origins(&self, store: &Store, writing: &ShardGuard<'_>) {
+        if let Some((from, giving)) = &self.origins {
+            store.set_origin_windows(writing.shard(), *from, giving.clone());
+        }
+    }
 }
 
 impl Replication {
@@ -168,6 +181,7 @@ impl Replication {
             version,
             copy,
             attachment: answer.attachment,
+            origins: answer.origins.as_ref().map(crate::delta::origins_from_wire),
         })
     }
 }

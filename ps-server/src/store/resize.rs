@@ -210,6 +210,24 @@ impl Store {
         }
     }
 
+    /// The windows receiving shard `shard` keeps of its giving shards
+    /// (the count before the resize, and by giving shard), as
+    /// [`Store::set_origin_windows`] takes them: a copy of the shard
+    /// carries them.
+    pub fn origin_windows(&self, shard: u32) -> Option<(u32, Vec<(u32, TableWindows)>)> {
+        let origins = self.resize.origins.locked().get(&shard).cloned()?;
+        let mut by: std::collections::BTreeMap<u32, TableWindows> = Default::default();
+        for ((origin, table), workers) in &origins.windows {
+            let mut list: Vec<WorkerWindow> = workers.values().cloned().collect();
+            list.sort_by_key(|w| w.worker);
+            by.entry(*origin).or_default().push((table.clone(), list));
+        }
+        for tables in by.values_mut() {
+            tables.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        Some((origins.from, by.into_iter().collect()))
+    }
+
     /// Which of `keys` (of `table` on receiving shard `shard`) the Push
     /// `id` was applied to already, at the giving shard that held them
     /// before a resize's cut-over: a part retried across the cut-over,
