@@ -42,9 +42,11 @@
 //! refuse a count the map does not name and follow the map through a
 //! watch of its key (`EtcdCoordinator::follow_shard_map`, reported in
 //! Health and `tessera status`), growing through the cut-over
-//! (`ps-server/src/reshard.rs`), and workers that follow the map
-//! (`worker/src/routing.rs`). Not built: `finish` (the old owners dropping
-//! the moved rows), shrinking.
+//! (`ps-server/src/reshard.rs`) to done (once every receiving shard
+//! opened; the old owners then drop the moved rows), and workers that
+//! follow the map (`worker/src/routing.rs`). Not built: shrinking, and a
+//! second resize after a growth (the old shards' servers still route by
+//! the old count).
 //!
 //! - **Copy and follow through the delta stream, not the replication
 //!   stream.** A receiving shard's primary copies the moving keys from
@@ -219,6 +221,12 @@ pub enum ResizeError {
     /// The operator holds the cut-over.
     #[error("the operator holds the cut-over (`tessera reshard --cut-over` releases it)")]
     Held,
+    /// Not every receiving shard serves its moved keys yet.
+    #[error("shards {missing:?} do not serve the keys they received yet")]
+    NotOpened {
+        /// The receiving shards not opened.
+        missing: Vec<u32>,
+    },
 }
 
 impl ShardMap {
@@ -368,9 +376,17 @@ impl ShardMap {
         })
     }
 
-    /// The old owners have dropped the moved keys: the resize is done.
+    /// Every receiving shard serves its moved keys: the resize is done,
+    /// and the old owners drop the moved rows.
     pub fn finish(&self) -> Result<Self, ResizeError> {
         self.step("finish", &[ResizeState::CutOver], |r| {
+            let missing: Vec<u32> = r
+                .receiving()
+                .filter(|s| !r.opened.contains_key(s))
+                .collect();
+            if !missing.is_empty() {
+                return Err(ResizeError::NotOpened { missing });
+            }
             r.state = ResizeState::Done;
             Ok(())
         })
@@ -491,6 +507,11 @@ mod tests {
             cut.handle_opened(1, 1),
             Err(ResizeError::NotReceiving { shard: 1, .. })
         ));
+        let half = both.cut_over().unwrap().handle_opened(3, 1).unwrap();
+        assert_eq!(
+            half.finish().unwrap_err(),
+            ResizeError::NotOpened { missing: vec![2] }
+        );
         assert!(matches!(
             cut.cancel(),
             Err(ResizeError::WrongState {
@@ -640,6 +661,9 @@ mod tests {
                     prop_assert!(r.ready.windows(2).all(|w| w[0] < w[1]));
                     prop_assert!(r.ready.iter().all(|s| r.receiving().any(|x| x == *s)));
                     prop_assert!(r.opened.keys().all(|s| r.receiving().any(|x| x == *s)));
+                    if r.state == ResizeState::Done {
+                        prop_assert!(r.receiving().all(|s| r.opened.contains_key(&s)));
+                    }
                     if !r.opened.is_empty() {
                         prop_assert!(matches!(r.state, ResizeState::CutOver | ResizeState::Done));
                     }

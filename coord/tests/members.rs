@@ -198,7 +198,13 @@ async fn servers_join_the_shard_map_and_another_count_is_refused() {
     let (map, revision) = coord.shard_map().await.unwrap().unwrap();
     assert!(
         coord
-            .write_shard_map(&map.finish().unwrap(), revision)
+            .write_shard_map(
+                &map.handle_opened(4, 1)
+                    .and_then(|m| m.handle_opened(5, 1))
+                    .and_then(|m| m.finish())
+                    .unwrap(),
+                revision
+            )
             .await
             .unwrap()
     );

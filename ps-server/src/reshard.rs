@@ -43,9 +43,13 @@
 //!   (re)started during a resize serves nothing against them.
 //!
 //! Why the delta stream and not the replication stream, and the known
-//! limits: see the design in `tessera_coord::shard_map`. Built: growing,
-//! through the cut-over. Next: finishing a resize (the old owners
-//! dropping the moved rows), shrinking.
+//! limits: see the design in `tessera_coord::shard_map`.
+//! - **Done**: once every receiving shard opened, a receiving primary
+//!   writes it, and every copy of a giving shard drops the moved rows
+//!   (`Store::drop_moved_rows`; the fence stays).
+//!
+//! Built: growing, to done. Next: shrinking, and the old shards' servers
+//! taking the new count so that another resize can follow.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -90,6 +94,8 @@ pub struct Resharding {
     /// the resize (its id) and the stream position they opened at, until
     /// the map says so (`Resize::opened`).
     opened: std::sync::Mutex<Vec<(u64, u32, u64)>>,
+    /// The resizes (ids) whose moved rows this server dropped.
+    dropped: std::sync::Mutex<Vec<u64>>,
 }
 
 /// Whether each hosted shard of `store` receives keys now as `map` says
@@ -105,9 +111,11 @@ fn receiving_now(
     map: Option<&ShardMap>,
     opened_here: &[(u32, u64)],
 ) -> Vec<(u32, bool)> {
-    let resize = map
-        .and_then(ShardMap::active)
-        .filter(|r| r.to > r.from && store.num_shards() == r.to);
+    // The last resize, done included: a replica that has not copied its
+    // opened primary yet does not serve after the resize is done either.
+    let resize = map.and_then(|m| m.resize.as_ref()).filter(|r| {
+        r.to > r.from && store.num_shards() == r.to && r.state != ResizeState::Cancelled
+    });
     store
         .hosted()
         .iter()
@@ -116,7 +124,7 @@ fn receiving_now(
                 if !r.receiving().any(|s| s == shard) {
                     return false;
                 }
-                if r.state != ResizeState::CutOver {
+                if matches!(r.state, ResizeState::Planned | ResizeState::Copying) {
                     return true;
                 }
                 let held = store.version(shard).unwrap_or_default().position;
@@ -198,6 +206,7 @@ impl Resharding {
                 u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
             )),
             opened: std::sync::Mutex::new(Vec::new()),
+            dropped: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -230,6 +239,7 @@ impl Resharding {
         let resize = map.and_then(ShardMap::active).filter(|r| r.to > r.from);
         if let Some(map) = map {
             self.fence(map).await;
+            self.drop_moved(map).await;
         }
         let num_shards = self.store.num_shards();
         // Receiving: a server of the new count hosting a receiving shard.
@@ -271,6 +281,15 @@ impl Resharding {
         }
         if cut_over {
             self.report_opened(resize, &opened_here).await;
+            // Every receiving shard serves: the resize is done (any of
+            // their primaries writes it).
+            let all_opened = resize.receiving().all(|s| resize.opened.contains_key(&s));
+            let leads_one = receiving
+                .iter()
+                .any(|&s| self.replication.leading_epoch(s, now).is_some());
+            if all_opened && leads_one {
+                self.update("finish", ShardMap::finish).await;
+            }
         }
         // Giving: the primary of a giving shard, of the old count.
         let gives = num_shards == resize.from
@@ -316,6 +335,36 @@ impl Resharding {
                 self.store.set_moved_open(&writing, open);
             }
         }
+    }
+
+    /// As a server of a giving shard (any copy of it) once a growth is
+    /// done: drops the rows that moved, once per resize (they are fenced:
+    /// nothing reads or changes them; `store/resize.rs`).
+    async fn drop_moved(&self, map: &ShardMap) {
+        let Some(r) = map.resize.as_ref().filter(|r| {
+            r.state == ResizeState::Done && r.to > r.from && self.store.num_shards() == r.from
+        }) else {
+            return;
+        };
+        if self.dropped.locked().contains(&r.id) {
+            return;
+        }
+        let (store, to) = (Arc::clone(&self.store), r.to);
+        let giving: Vec<u32> = r.giving().filter(|s| store.hosted().contains(s)).collect();
+        let dropped = tokio::task::spawn_blocking(move || {
+            giving
+                .iter()
+                .map(|&shard| store.drop_moved_rows(shard, to))
+                .sum::<usize>()
+        })
+        .await
+        .unwrap_or(0);
+        tracing::info!(
+            resize = r.id,
+            rows = dropped,
+            "dropped the rows a finished resize moved away"
+        );
+        self.dropped.locked().push(r.id);
     }
 
     /// As the primary of receiving shards `leads`: moves a planned resize

@@ -96,10 +96,10 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
         step().await;
         acked += 1;
         let map = coord.shard_map().await.unwrap().unwrap().0;
-        let opened = map
-            .resize
-            .as_ref()
-            .is_some_and(|r| r.state == ResizeState::CutOver && r.opened.keys().eq([&OLD]));
+        let opened = map.resize.as_ref().is_some_and(|r| {
+            matches!(r.state, ResizeState::CutOver | ResizeState::Done)
+                && r.opened.keys().eq([&OLD])
+        });
         if opened && client.num_shards() == NEW {
             after += 1;
         }

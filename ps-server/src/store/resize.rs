@@ -285,6 +285,30 @@ impl Store {
         Ok(any.then_some(mask))
     }
 
+    /// Drops the rows of `shard` whose keys `num_shards` routes elsewhere
+    /// (a finished growth's moved rows, fenced): per table, the keys are
+    /// found under one hold of the shard's lock, then removed 4,096 per
+    /// hold, so Pushes of the keys that stay wait little. Returns the rows
+    /// dropped. Blocking.
+    pub fn drop_moved_rows(&self, shard: u32, num_shards: u32) -> usize {
+        let names: Vec<String> = self.tables.keys().cloned().collect();
+        let mut dropped = 0;
+        for name in names {
+            let keys = match self.lock_shard(shard) {
+                Some(writing) => {
+                    self.keys_where(&writing, &name, |k| shard_for_key(k, num_shards) != shard)
+                }
+                None => return dropped,
+            };
+            for chunk in keys.chunks(4096) {
+                if let Some(writing) = self.lock_shard(shard) {
+                    dropped += self.remove_rows(&writing, &name, chunk).unwrap_or(0);
+                }
+            }
+        }
+        dropped
+    }
+
     /// Refuses `keys` of `shard` if one of them moved away.
     pub(super) fn check_moved(&self, shard: u32, keys: &[u64]) -> Result<(), StoreError> {
         match self.moved(shard) {
