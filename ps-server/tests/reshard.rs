@@ -195,58 +195,71 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Two old shards' servers, a resize to 3 planned (its cut-over held
+    /// when `held`), and the new shard's two servers; returns the version
+    /// that planned it.
+    async fn start(etcd: &Etcd, cluster: &str, held: bool) -> (Self, u64) {
+        let mut old = Vec::new();
+        for shard in 0..OLD {
+            old.push(InProcess::start(&resize_server(etcd, cluster, OLD, shard, &table())).await);
+        }
+        for server in &old {
+            wait_serving(&server.addr).await;
+        }
+        let coord = EtcdCoordinator::connect(&etcd_coordination(etcd, cluster, 2000))
+            .await
+            .unwrap();
+        let keys: Vec<(Vec<u64>, Vec<u64>)> = (0..OLD)
+            .map(|shard| {
+                let mine: Vec<u64> = (0..900)
+                    .filter(|&k| shard_for_key(k, OLD) == shard)
+                    .collect();
+                let moving = mine
+                    .iter()
+                    .copied()
+                    .filter(|&k| shard_for_key(k, NEW) == OLD)
+                    .collect();
+                (mine, moving)
+            })
+            .collect();
+        for (mine, moving) in &keys {
+            assert!(
+                moving.len() * 5 > mine.len() && moving.len() * 2 < mine.len(),
+                "about a third moves: {} of {}",
+                moving.len(),
+                mine.len()
+            );
+        }
+        let planned = coord
+            .update_shard_map(|m| if held { m.plan_held(NEW) } else { m.plan(NEW) })
+            .await
+            .unwrap();
+        let mut news = Vec::new();
+        for config in resize_pair(etcd, cluster, NEW, OLD, &table()) {
+            news.push(InProcess::start(&config).await);
+        }
+        for server in &news {
+            wait_serving(&server.addr).await;
+        }
+        let c = Self {
+            old,
+            news,
+            coord,
+            keys,
+            step: 0,
+        };
+        (c, planned.version)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     let etcd = Etcd::start();
     let cluster = "grow";
-    let mut old = Vec::new();
-    for shard in 0..OLD {
-        old.push(InProcess::start(&resize_server(&etcd, cluster, OLD, shard, &table())).await);
-    }
-    for server in &old {
-        wait_serving(&server.addr).await;
-    }
-    let coord = EtcdCoordinator::connect(&etcd_coordination(&etcd, cluster, 2000))
-        .await
-        .unwrap();
-    let keys: Vec<(Vec<u64>, Vec<u64>)> = (0..OLD)
-        .map(|shard| {
-            let mine: Vec<u64> = (0..900)
-                .filter(|&k| shard_for_key(k, OLD) == shard)
-                .collect();
-            let moving = mine
-                .iter()
-                .copied()
-                .filter(|&k| shard_for_key(k, NEW) == OLD)
-                .collect();
-            (mine, moving)
-        })
-        .collect();
-    for (mine, moving) in &keys {
-        assert!(
-            moving.len() * 5 > mine.len() && moving.len() * 2 < mine.len(),
-            "about a third moves: {} of {}",
-            moving.len(),
-            mine.len()
-        );
-    }
     // The operator plans 3 shards, the cut-over held; the new shard's
     // two servers start.
-    let planned = coord.update_shard_map(|m| m.plan_held(NEW)).await.unwrap();
-    let mut news = Vec::new();
-    for config in resize_pair(&etcd, cluster, NEW, OLD, &table()) {
-        news.push(InProcess::start(&config).await);
-    }
-    for server in &news {
-        wait_serving(&server.addr).await;
-    }
-    let mut c = Cluster {
-        old,
-        news,
-        coord,
-        keys,
-        step: 0,
-    };
+    let (mut c, planned) = Cluster::start(&etcd, cluster, true).await;
     for _ in 0..3 {
         c.push_all().await;
     }
@@ -258,7 +271,7 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
 
     // Pushes go on at the old shards while the new one copies and
     // follows, until the new shard reports ready.
-    c.push_until_ready(planned.version).await;
+    c.push_until_ready(planned).await;
     // Held: no cut-over however long it stays ready.
     let held_until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < held_until {
@@ -587,6 +600,76 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     split_new.num_shards = NEW;
     again.data.push(split_new).await.unwrap();
     for server in news.into_iter().chain(old).chain([again]) {
+        server.stop().await;
+    }
+}
+
+/// A resize interrupted while copying: the new shard's primary stops; its
+/// replica (which followed nothing) leads, copies the moving rows anew and
+/// is in step again; released, the resize cuts over, the new primary opens
+/// and the resize is done, the moved rows bit for bit the old primaries'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resize_whose_new_primary_stops_while_copying_completes() {
+    let etcd = Etcd::start();
+    let (mut c, planned) = Cluster::start(&etcd, "grow-interrupted", true).await;
+    for _ in 0..3 {
+        c.push_all().await;
+    }
+    c.push_until_ready(planned).await;
+    let at = c
+        .news
+        .iter()
+        .position(|s| s.replication.is_primary(OLD))
+        .unwrap();
+    c.news.remove(at).stop().await;
+    // The replica leads and follows both old shards anew (copies).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        c.push_all().await;
+        let feed = if c.news[0].replication.is_primary(OLD) {
+            feed_of(&c.news[0]).await
+        } else {
+            None
+        };
+        let in_step = feed.is_some_and(|f| {
+            f.sources.len() == OLD as usize && f.sources.iter().all(|s| s.copies >= 1 && !s.copying)
+        });
+        if in_step {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new primary never followed the old shards"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    c.push_until_ready(planned).await;
+    c.wait_equal().await;
+    let frozen: Vec<_> = (0..OLD as usize)
+        .map(|shard| rows(&c.old[shard], shard as u32, &c.keys[shard].1))
+        .collect();
+    // Released (no Push meanwhile): it cuts over, opens and is done.
+    c.coord.update_shard_map(ShardMap::release).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !map(&c.coord)
+        .await
+        .resize
+        .is_some_and(|r| r.state == ResizeState::Done)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "never done: {:?}",
+            map(&c.coord).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let new = c.new_primary().await;
+    for (shard, want) in frozen.into_iter().enumerate() {
+        assert_eq!(rows(new, OLD, &c.keys[shard].1), want, "old shard {shard}");
+    }
+    fetch_new(new, c.keys[0].1[0]).await.unwrap();
+    let Cluster { old, news, .. } = c;
+    for server in news.into_iter().chain(old) {
         server.stop().await;
     }
 }
