@@ -44,9 +44,9 @@
 //! Health and `tessera status`), growing through the cut-over
 //! (`ps-server/src/reshard.rs`) to done (once every receiving shard
 //! opened; the old owners then drop the moved rows), and workers that
-//! follow the map (`worker/src/routing.rs`). Not built: shrinking, and a
-//! second resize after a growth (the old shards' servers still route by
-//! the old count).
+//! follow the map (`worker/src/routing.rs`); once a growth is done the
+//! old shards' servers route by its count, so another can follow. Not
+//! built: shrinking.
 //!
 //! - **Copy and follow through the delta stream, not the replication
 //!   stream.** A receiving shard's primary copies the moving keys from
@@ -65,9 +65,11 @@
 //!   primary writes `CutOver` with the new count (one compare-and-swap:
 //!   a shard that fell out of step meanwhile wrote `ready` again, and the
 //!   write loses). Every copy of a giving shard, seeing it, fences the
-//!   moving keys under its shard lock: their Pushes and Fetches are
-//!   refused with a `KeysMoved` naming the count (a replica still applies
-//!   what its primary forwarded). The giving primary's cuts from then on
+//!   moving keys under its shard lock: their Pushes are refused with a
+//!   `KeysMoved` naming the count (a replica still applies what its
+//!   primary forwarded), and their Fetches once every receiving shard
+//!   serves (until then nobody writes them, and the old shard serves
+//!   them). The giving primary's cuts from then on
 //!   are marked fenced, and so are copies taken after the fence, so a
 //!   receiver that lost a delta and copies still knows it is complete.
 //!   A receiving primary that applied every giving shard's fenced delta
@@ -90,9 +92,13 @@
 //!   a retried part the keys whose giving shard applied it. A part
 //!   applied at one giving shard does not make its sibling from another
 //!   giving shard look applied.
-//! - **Workers** follow the same key, read the new shards' servers from
-//!   etcd at the cut-over and split by the new count; a `KeysMoved` makes
-//!   a request wait for that and go again, split anew.
+//! - **Workers** follow the same key and, once every receiving shard
+//!   serves, read the new shards' servers from etcd and split by the new
+//!   count; a `KeysMoved` makes a request wait for that and go again,
+//!   split anew.
+//! - **Done**: the old owners drop the moved rows and route by the new
+//!   count from then on (the fence stays and widens with a later
+//!   growth), so another resize can follow.
 //! - **Restarts.** A server of the old count may start after the
 //!   cut-over (it keeps its shard id and the keys that stayed); every
 //!   server sets the fence and its receiving shards from the map before

@@ -46,10 +46,11 @@
 //! limits: see the design in `tessera_coord::shard_map`.
 //! - **Done**: once every receiving shard opened, a receiving primary
 //!   writes it, and every copy of a giving shard drops the moved rows
-//!   (`Store::drop_moved_rows`; the fence stays).
+//!   (`Store::drop_moved_rows`) and routes by the new count from then on
+//!   (`Store::adopt_num_shards`; the fence stays, widened by a later
+//!   growth), so that another resize can follow.
 //!
-//! Built: growing, to done. Next: shrinking, and the old shards' servers
-//! taking the new count so that another resize can follow.
+//! Built: growing, to done, one resize after another. Next: shrinking.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -149,7 +150,7 @@ fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool)>
     let r = map.resize.as_ref().filter(|r| {
         r.to > r.from
             && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
-            && store.num_shards() == r.from
+            && gave(store, r)
     })?;
     // Pushes split by the new count wait until every receiving shard
     // serves: until then a giving shard's windows name only Pushes split
@@ -158,6 +159,13 @@ fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool)>
     let open = r.state == ResizeState::Done || r.receiving().all(|s| r.opened.contains_key(&s));
     let giving = r.giving().filter(|s| store.hosted().contains(s)).collect();
     Some((giving, r.to, map.version, open))
+}
+
+/// Whether `store`'s shards are of `r`'s old count: routed by it, or
+/// configured with it (a server that took the count `r` grew to keeps
+/// its fence).
+fn gave(store: &Store, r: &Resize) -> bool {
+    store.num_shards() == r.from || store.configured_shards() == r.from
 }
 
 /// Sets what `map` calls for on `store` before the server serves (the
@@ -171,7 +179,7 @@ pub fn prepare(store: &Store, map: Option<&ShardMap>) {
     if let Some((giving, to, version, open)) = map.and_then(|m| fence_of(store, m)) {
         for shard in giving {
             if let Some(writing) = store.lock_shard(shard) {
-                if store.moved(shard).is_none() {
+                if store.moved(shard).map(|(n, _)| n) != Some(to) {
                     store.set_moved(&writing, Some((to, version)));
                 }
                 store.set_moved_open(&writing, open);
@@ -324,7 +332,10 @@ impl Resharding {
             return;
         };
         for shard in giving {
-            let fenced = self.store.moved(shard).is_some();
+            // Fenced for this resize's count (an earlier growth's fence is
+            // widened: its moved keys route elsewhere under the new count
+            // too).
+            let fenced = self.store.moved(shard).is_some_and(|(n, _)| n == to);
             if fenced && self.store.new_count_open(shard) == open {
                 continue;
             }
@@ -341,9 +352,11 @@ impl Resharding {
     /// done: drops the rows that moved, once per resize (they are fenced:
     /// nothing reads or changes them; `store/resize.rs`).
     async fn drop_moved(&self, map: &ShardMap) {
-        let Some(r) = map.resize.as_ref().filter(|r| {
-            r.state == ResizeState::Done && r.to > r.from && self.store.num_shards() == r.from
-        }) else {
+        let Some(r) = map
+            .resize
+            .as_ref()
+            .filter(|r| r.state == ResizeState::Done && r.to > r.from && gave(&self.store, r))
+        else {
             return;
         };
         if self.dropped.locked().contains(&r.id) {
@@ -364,6 +377,9 @@ impl Resharding {
             rows = dropped,
             "dropped the rows a finished resize moved away"
         );
+        // What remains of each giving shard is that shard of the new
+        // count: route by it, so that another resize can follow.
+        self.store.adopt_num_shards(r.to);
         self.dropped.locked().push(r.id);
     }
 

@@ -433,19 +433,6 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
             && matches!(r.state, ResizeState::CutOver | ResizeState::Done)),
         "{m:?}"
     );
-    // A Fetch of a moved key at an old shard is refused too, naming the
-    // count; a key that stays is served.
-    let moved_key = c.keys[1].1[0];
-    let err = fetch_at(&c.old[1], 1, moved_key).await.unwrap_err();
-    assert_eq!(keys_moved(&err).map(|m| m.num_shards), Some(NEW), "{err:?}");
-    let staying = c.keys[1]
-        .0
-        .iter()
-        .copied()
-        .find(|k| !c.keys[1].1.contains(k))
-        .unwrap();
-    fetch_at(&c.old[1], 1, staying).await.unwrap();
-
     // The new primary serves once it holds both fenced deltas: then its
     // moved rows are the old primaries' (which no Push changes any
     // more), with every Push applied before the fence counted once.
@@ -500,6 +487,20 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Once the new shard serves, a Fetch of a moved key at an old shard
+    // is refused too, naming the count (until then the old shard served
+    // it: nobody wrote it); a key that stays is served.
+    let moved_key = c.keys[1].1[0];
+    let err = fetch_at(&c.old[1], 1, moved_key).await.unwrap_err();
+    assert_eq!(keys_moved(&err).map(|m| m.num_shards), Some(NEW), "{err:?}");
+    let staying = c.keys[1]
+        .0
+        .iter()
+        .copied()
+        .find(|k| !c.keys[1].1.contains(k))
+        .unwrap();
+    fetch_at(&c.old[1], 1, staying).await.unwrap();
+
     // Pushes to the moved keys go to the new shard now.
     let moved_all: Vec<u64> = c.keys.iter().flat_map(|(_, m)| m.iter().copied()).collect();
     let mut sorted = moved_all.clone();

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use prost::Message as _;
-use tessera_coord::{CoordinatorConfig, EtcdCoordinator, MemberRecord, ShardMap};
+use tessera_coord::{CoordinatorConfig, EtcdCoordinator, MemberRecord, ResizeState, ShardMap};
 use tessera_proto::v1::{KeysMoved, ParameterServerClient};
 use tessera_rpc::sync::LockExt;
 use tessera_rpc::{
@@ -250,6 +250,23 @@ pub fn follow(routing: Arc<Routing>, config: CoordinatorConfig) -> tokio::task::
     })
 }
 
+/// The count to route by as `map` says: its count once every receiving
+/// shard of a resize serves (a growth's new shards open about one delta
+/// interval after the cut-over; until then the old shards still serve the
+/// moved keys' Fetches, and their Pushes wait for the opening), the
+/// count before it meanwhile.
+fn routed_count(map: &ShardMap) -> u32 {
+    match map.resize.as_ref() {
+        Some(r)
+            if r.state == ResizeState::CutOver
+                && r.receiving().any(|s| !r.opened.contains_key(&s)) =>
+        {
+            r.from
+        }
+        _ => map.num_shards,
+    }
+}
+
 async fn follow_once(
     routing: &Routing,
     config: &CoordinatorConfig,
@@ -268,7 +285,7 @@ async fn follow_once(
                 if changed.is_err() {
                     return Ok(());
                 }
-                pending = maps.borrow_and_update().as_ref().map(|m| m.num_shards);
+                pending = maps.borrow_and_update().as_ref().map(routed_count);
             }
             () = tokio::time::sleep(Duration::from_secs(1)), if pending.is_some() => {}
         }

@@ -1,9 +1,11 @@
-//! A worker through a resize of the cluster's shard count (issue 39):
-//! a trainer pushes and fetches without pause while 2 shards grow to 3;
-//! the worker follows the shard map in etcd, routes by 3 shards once the
-//! resize cuts over, and no call fails. At the end every key's update
-//! count at the shard that owns it now is the number of Pushes the worker
-//! had acknowledged: none lost, none applied twice across the cut-over.
+//! A worker through resizes of the cluster's shard count (issue 39): a
+//! trainer pushes and fetches without pause while 2 shards grow to 3, and
+//! then to 4 (the old shards' servers, configured with 2, take 3 when the
+//! first growth is done, so the second can follow). The worker follows
+//! the shard map in etcd and routes by each new count once its resize
+//! cuts over; no call fails. After each growth every key's update count
+//! at the shard that owns it now is the number of Pushes the worker had
+//! acknowledged: none lost, none applied twice across the cut-overs.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -67,8 +69,14 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
     let grads = vec![0.25f32; keys.len() * DIM];
     let mut acked = 0u64;
     let step = || async {
-        client.push("emb", &keys, &grads, DIM).await.unwrap();
-        let rows = client.fetch("emb", &keys).await.unwrap();
+        client
+            .push("emb", &keys, &grads, DIM)
+            .await
+            .unwrap_or_else(|err| panic!("push: {err}"));
+        let rows = client
+            .fetch("emb", &keys)
+            .await
+            .unwrap_or_else(|err| panic!("fetch: {err}"));
         assert_eq!(rows.len(), keys.len());
     };
     for _ in 0..5 {
@@ -76,56 +84,61 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
         acked += 1;
     }
 
-    // The operator plans 3 shards; the new shard's two servers start.
-    coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
-    let mut news = Vec::new();
-    for config in resize_pair(&etcd, cluster, NEW, OLD, &table()) {
-        news.push(InProcess::start(&config).await);
-    }
-    // Training goes on through the copy and the cut-over, until the
-    // worker routes by 3 shards and the new shard serves, and a while
-    // after.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut after = 0;
-    while after < 10 {
-        assert!(
-            Instant::now() < deadline,
-            "never cut over: {:?}",
-            coord.shard_map().await
-        );
-        step().await;
-        acked += 1;
-        let map = coord.shard_map().await.unwrap().unwrap().0;
-        let opened = map.resize.as_ref().is_some_and(|r| {
-            matches!(r.state, ResizeState::CutOver | ResizeState::Done)
-                && r.opened.keys().eq([&OLD])
-        });
-        if opened && client.num_shards() == NEW {
-            after += 1;
+    // Servers by shard (each shard's servers; the primary is found
+    // when counting).
+    let mut servers: Vec<Vec<InProcess>> = old.into_iter().map(|s| vec![s]).collect();
+    // Twice: 2 -> 3, then 3 -> 4 (the old shards' servers, configured
+    // with 2, took 3 when the first growth was done).
+    for to in [NEW, NEW + 1] {
+        let from = to - 1;
+        // The operator plans it; the new shard's two servers start.
+        coord.update_shard_map(|m| m.plan(to)).await.unwrap();
+        let mut pair = Vec::new();
+        for config in resize_pair(&etcd, cluster, to, from, &table()) {
+            pair.push(InProcess::start(&config).await);
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // Every key counted each acknowledged Push once, where it lives now.
-    let primary = news
-        .iter()
-        .find(|s| s.replication.is_primary(OLD))
-        .expect("the new shard has a primary");
-    for &key in &keys {
-        let shard = shard_for_key(key, NEW);
-        let owner = if shard == OLD {
-            primary
-        } else {
-            &old[shard as usize]
-        };
-        let steps = owner
-            .store
-            .read_rows("emb", shard, &[key], true)
-            .unwrap()
-            .steps;
-        assert_eq!(steps, [acked as u32], "key {key} (shard {shard} of {NEW})");
+        servers.push(pair);
+        // Training goes on through the copy and the cut-over, until the
+        // resize is done, the worker routes by the new count, and a
+        // while after.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut after = 0;
+        while after < 10 {
+            assert!(
+                Instant::now() < deadline,
+                "never done: {:?}",
+                coord.shard_map().await
+            );
+            step().await;
+            acked += 1;
+            let map = coord.shard_map().await.unwrap().unwrap().0;
+            let done = map
+                .resize
+                .as_ref()
+                .is_some_and(|r| r.to == to && r.state == ResizeState::Done);
+            if done && client.num_shards() == to {
+                after += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Every key counted each acknowledged Push once, where it lives
+        // now.
+        for &key in &keys {
+            let shard = shard_for_key(key, to);
+            let owner = servers[shard as usize]
+                .iter()
+                .find(|s| s.replication.is_primary(shard))
+                .expect("every shard has a primary");
+            let steps = owner
+                .store
+                .read_rows("emb", shard, &[key], true)
+                .unwrap()
+                .steps;
+            assert_eq!(steps, [acked as u32], "key {key} (shard {shard} of {to})");
+        }
     }
     drop(client);
-    for s in news.into_iter().chain(old) {
+    for s in servers.into_iter().flatten() {
         s.stop().await;
     }
 }

@@ -68,10 +68,10 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
             reads: VERSION,
         }));
     }
-    if manifest.num_shards != store.num_shards() {
+    if manifest.num_shards != store.configured_shards() {
         return Err(mismatch(Difference::Shards {
             saved: manifest.num_shards,
-            configured: store.num_shards(),
+            configured: store.configured_shards(),
         }));
     }
     let mut loaded = LoadedCheckpoint {

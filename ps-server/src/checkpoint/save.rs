@@ -61,7 +61,7 @@ fn write_checkpoint(
     let mut manifest = Manifest {
         version: VERSION,
         created_unix_ms: created,
-        num_shards: store.num_shards(),
+        num_shards: store.configured_shards(),
         tables: Vec::new(),
         files: Vec::new(),
         shards: Vec::new(),

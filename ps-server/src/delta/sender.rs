@@ -82,9 +82,10 @@ pub struct Mark {
     /// The store's generation of change keeping the stream started under
     /// (`Store::changes_generation`): another one starts a new stream.
     pub changes: u64,
-    /// The cut came after a resize's cut-over fenced the shard's moving
-    /// keys (`Store::set_moved`): it holds every change to them.
-    pub fenced: bool,
+    /// The count a resize's cut-over had fenced the shard's moving keys
+    /// for when the cut was made (`Store::set_moved`; 0: none): a cut to
+    /// receivers of that count holds every change to the keys they get.
+    pub fenced: u32,
 }
 
 #[derive(Debug, Default)]
@@ -436,7 +437,10 @@ impl Sender {
     ) {
         // A resize's fenced cuts carry the giving shard's deduplication
         // windows (on each delta's last part: `store/resize.rs`).
-        let windows = if mark.fenced && route.whole_rows {
+        // Fenced for this route's count (an earlier resize's fence, which
+        // stays, says nothing about this one's).
+        let fenced = mark.fenced != 0 && mark.fenced == route.num_shards;
+        let windows = if fenced && route.whole_rows {
             super::windows::to_wire(&self.store.dedup_windows(shard))
         } else {
             Vec::new()
@@ -469,7 +473,7 @@ impl Sender {
                     optimizer_state: route.whole_rows,
                     num_shards: route.num_shards,
                     shards: dest.shards.clone(),
-                    fenced: mark.fenced,
+                    fenced,
                     windows: if i + 1 == n {
                         windows.clone()
                     } else {
@@ -517,14 +521,14 @@ impl Sender {
                 epoch,
                 position,
                 changes,
-                fenced: false,
+                fenced: 0,
             };
             drop(self.store.take_changes(&writing));
             tracing::info!(shard, epoch, stream = %format_args!("{:#x}", mark.stream), "delta stream starts");
         }
         mark.seq += 1;
         mark.position = position;
-        mark.fenced = writing.moved().is_some();
+        mark.fenced = writing.moved().map_or(0, |(to, _)| to);
         Some((*mark, self.store.take_changes(&writing)))
     }
 

@@ -117,12 +117,12 @@ impl Sources {
             seq: mark.seq,
             epoch: mark.epoch,
             position: mark.position,
-            fenced: mark.fenced,
+            fenced: mark.fenced != 0 && mark.fenced == request.num_shards,
             ..DeltaCopyResponse::default()
         };
         // A fenced copy's first page carries the shard's deduplication
         // windows (`store/resize.rs`).
-        if mark.fenced && request.session == 0 && request.optimizer_state {
+        if response.fenced && request.session == 0 && request.optimizer_state {
             response.windows = super::windows::to_wire(&store.dedup_windows(request.source_shard));
         }
         let (mut t, mut row) = (request.table as usize, request.row);
@@ -191,7 +191,7 @@ impl Sources {
             let mut mark = sender.map(|s| s.mark(shard)).unwrap_or_default();
             // Taken after a resize fenced the moving keys: the copy holds
             // every change to them.
-            mark.fenced = writing.moved().is_some();
+            mark.fenced = writing.moved().map_or(0, |(to, _)| to);
             (store.snapshot_shard(&writing), mark)
         };
         let id = self.next.fetch_add(2, Ordering::Relaxed);

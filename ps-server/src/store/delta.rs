@@ -192,7 +192,7 @@ impl Store {
             return Err(length("stamps", keys.len(), stamps.len()));
         }
         for &key in keys {
-            let actual = shard_for_key(key, self.num_shards);
+            let actual = shard_for_key(key, self.num_shards());
             if actual != shard {
                 return Err(StoreError::WrongShard { key, shard, actual });
             }

@@ -117,8 +117,12 @@ impl Store {
         keys: &'a [u64],
     ) -> Result<CheckedFetch<'a>, StoreError> {
         let (table_ref, state) = self.shard_state(table, shard, keys)?;
-        // Keys a resize moved away are served by their new shard.
-        self.check_moved(shard, keys)?;
+        // Keys a resize moved away are served by their new shard once it
+        // serves; until then nobody writes them (their Pushes are refused
+        // here, and the new shard takes none), so they are served here.
+        if self.new_count_open(shard) {
+            self.check_moved(shard, keys)?;
+        }
         let row_bytes = table_ref.config().dim as usize * F32_BYTES;
         match keys.len().checked_mul(row_bytes) {
             Some(bytes) if bytes <= self.max_response_bytes => Ok(CheckedFetch {

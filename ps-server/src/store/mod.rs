@@ -44,7 +44,13 @@ use crate::table::{ShardState, dedup_limits};
 #[derive(Debug)]
 pub struct Store {
     mode: Mode,
-    num_shards: u32,
+    /// The shard count keys are routed by: the configured one, or the
+    /// target of a growth this server's shards gave keys to, once it is
+    /// done ([`Store::adopt_num_shards`]).
+    num_shards: std::sync::atomic::AtomicU32,
+    /// The configured count (what checkpoints record, so that a restart
+    /// with the same configuration loads them).
+    configured_shards: u32,
     hosted: Vec<u32>,
     max_keys: u32,
     /// Most bytes the rows of one Fetch may take: `max_message_size` less
@@ -85,7 +91,8 @@ impl Store {
         let wake_at = usize::try_from(config.delta.max_rows).unwrap_or(usize::MAX);
         Self {
             mode: config.mode,
-            num_shards: config.num_shards,
+            num_shards: std::sync::atomic::AtomicU32::new(config.num_shards),
+            configured_shards: config.num_shards,
             max_keys: config.max_keys_per_request,
             max_response_bytes: usize::try_from(
                 config.max_message_size.saturating_sub(RESPONSE_OVERHEAD),
@@ -201,7 +208,12 @@ impl Store {
 
     /// Total shards of the model.
     pub fn num_shards(&self) -> u32 {
-        self.num_shards
+        self.num_shards.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The configured shard count (checkpoints record it).
+    pub fn configured_shards(&self) -> u32 {
+        self.configured_shards
     }
 
     /// Hosted shards, sorted.
@@ -268,8 +280,13 @@ impl Store {
         // A misrouted key would be stored on the wrong shard and silently
         // diverge from its real row: refuse the whole request instead.
         for &key in keys {
-            let actual = shard_for_key(key, self.num_shards);
+            let actual = shard_for_key(key, self.num_shards());
             if actual != shard {
+                // A key a resize moved away (this shard took the new
+                // count): the caller follows a `KeysMoved`.
+                if let Some(moved) = self.moved(shard) {
+                    resize::refuse_moved(shard, &[key], moved)?;
+                }
                 return Err(StoreError::WrongShard { key, shard, actual });
             }
         }

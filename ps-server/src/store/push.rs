@@ -163,8 +163,10 @@ impl CheckedPush<'_> {
         if let Some(moved) = moved {
             super::resize::refuse_moved(self.shard, self.keys, moved)?;
         }
-        if self.split_by != 0
-            && self.split_by != self.num_shards
+        // A count below the shard's own is an older one (a shard that took
+        // a finished growth's count): its keys were checked against this
+        // shard's own count, and moved ones refused above.
+        if self.split_by > self.num_shards
             && !(moved.map(|(to, _)| to) == Some(self.split_by) && writing.new_count_open())
         {
             return Err(StoreError::NotCutOver {
@@ -307,7 +309,7 @@ impl Store {
             keys,
             gradients,
             id,
-            num_shards: self.num_shards,
+            num_shards: self.num_shards(),
             split_by: 0,
         })
     }

@@ -143,6 +143,25 @@ impl Store {
         }
     }
 
+    /// Routes keys by `num_shards` from now on: the target of a finished
+    /// growth whose moved rows this server's giving shards dropped (their
+    /// shard ids and staying keys are those of the new count). The fence
+    /// stays, so a moved key is still answered `KeysMoved`. Checkpoints
+    /// keep recording the configured count. Only a larger count is taken.
+    pub fn adopt_num_shards(&self, num_shards: u32) -> bool {
+        let was = self.num_shards.fetch_max(num_shards, Ordering::SeqCst);
+        if was < num_shards {
+            tracing::info!(
+                was,
+                num_shards,
+                "routing keys by a finished growth's shard count"
+            );
+            true
+        } else {
+            false
+        }
+    }
+
     /// Whether `shard` takes Pushes split by the count its keys moved to.
     pub fn new_count_open(&self, shard: u32) -> bool {
         self.writers
@@ -361,6 +380,13 @@ mod tests {
         }
         assert_eq!(store.moved(0), Some((3, 7)));
         assert_eq!(store.moved(1), None);
+        // Until the receiving shards serve, a Fetch of a moved key is
+        // served here (nobody writes it); its Push is refused at once.
+        assert!(store.fetch("t", 0, &moving).is_ok());
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved_open(&writing, true);
+        }
         for err in [
             store.fetch("t", 0, &moving).map(|_| ()).unwrap_err(),
             store
