@@ -109,7 +109,12 @@
 //! so a part retried across the cut-over is applied once whichever copy
 //! leads. Known limits: checkpoints do not hold them (a receiving shard
 //! restarted from its checkpoint within a Push timeout of its opening may
-//! apply such a part twice); a
+//! apply such a part twice); between the map saying every receiving
+//! shard serves and an old server seeing it, a worker still on the old
+//! count may read a moved key's older value there (as at a replica);
+//! checkpoints record the configured count, so a server restarts after
+//! a second resize only once its configuration names the count it took;
+//! a
 //! receiving primary that dies after opening, before any replica copied
 //! it, leaves the shard to a copy that cannot serve until an operator
 //! intervenes.

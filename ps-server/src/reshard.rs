@@ -48,7 +48,10 @@
 //!   writes it, and every copy of a giving shard drops the moved rows
 //!   (`Store::drop_moved_rows`) and routes by the new count from then on
 //!   (`Store::adopt_num_shards`; the fence stays, widened by a later
-//!   growth), so that another resize can follow.
+//!   growth), so that another resize can follow. A server catches up
+//!   from the map's count, not from seeing `done` (the map may have moved
+//!   on to the next resize), and a copy installed from a source that had
+//!   not dropped the rows yet drops them on arrival.
 //!
 //! Built: growing, to done, one resize after another. Next: shrinking.
 
@@ -95,8 +98,6 @@ pub struct Resharding {
     /// the resize (its id) and the stream position they opened at, until
     /// the map says so (`Resize::opened`).
     opened: std::sync::Mutex<Vec<(u64, u32, u64)>>,
-    /// The resizes (ids) whose moved rows this server dropped.
-    dropped: std::sync::Mutex<Vec<u64>>,
 }
 
 /// Whether each hosted shard of `store` receives keys now as `map` says
@@ -214,7 +215,6 @@ impl Resharding {
                 u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
             )),
             opened: std::sync::Mutex::new(Vec::new()),
-            dropped: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -246,8 +246,8 @@ impl Resharding {
     async fn step(&self, map: Option<&ShardMap>) {
         let resize = map.and_then(ShardMap::active).filter(|r| r.to > r.from);
         if let Some(map) = map {
+            self.catch_up(map).await;
             self.fence(map).await;
-            self.drop_moved(map).await;
         }
         let num_shards = self.store.num_shards();
         // Receiving: a server of the new count hosting a receiving shard.
@@ -348,39 +348,42 @@ impl Resharding {
         }
     }
 
-    /// As a server of a giving shard (any copy of it) once a growth is
-    /// done: drops the rows that moved, once per resize (they are fenced:
-    /// nothing reads or changes them; `store/resize.rs`).
-    async fn drop_moved(&self, map: &ShardMap) {
-        let Some(r) = map
-            .resize
-            .as_ref()
-            .filter(|r| r.state == ResizeState::Done && r.to > r.from && gave(&self.store, r))
-        else {
-            return;
-        };
-        if self.dropped.locked().contains(&r.id) {
+    /// As a server whose shards gave keys in a growth that is over (done,
+    /// whether this server saw it or the map moved on to another resize):
+    /// fences the keys that moved for the count they are routed by now,
+    /// drops their rows (nothing reads or changes them), and routes by
+    /// that count, so that another resize can follow. The count is the
+    /// one before the resize in progress, or the map's.
+    async fn catch_up(&self, map: &ShardMap) {
+        let target = map.active().map_or(map.num_shards, |r| r.from);
+        if target <= self.store.num_shards() {
             return;
         }
-        let (store, to) = (Arc::clone(&self.store), r.to);
-        let giving: Vec<u32> = r.giving().filter(|s| store.hosted().contains(s)).collect();
+        let (store, version) = (Arc::clone(&self.store), map.version);
         let dropped = tokio::task::spawn_blocking(move || {
-            giving
-                .iter()
-                .map(|&shard| store.drop_moved_rows(shard, to))
-                .sum::<usize>()
+            let mut dropped = 0;
+            for &shard in store.hosted() {
+                if let Some(writing) = store.lock_shard(shard) {
+                    if store.moved(shard).is_none_or(|(n, _)| n < target) {
+                        store.set_moved(&writing, Some((target, version)));
+                    }
+                    if store.moved(shard).is_some_and(|(n, _)| n == target) {
+                        store.set_moved_open(&writing, true);
+                    }
+                }
+                dropped += store.drop_moved_rows(shard, target);
+            }
+            dropped
         })
         .await
         .unwrap_or(0);
         tracing::info!(
-            resize = r.id,
+            num_shards = target,
             rows = dropped,
-            "dropped the rows a finished resize moved away"
+            "dropped the rows finished growths moved away"
         );
-        // What remains of each giving shard is that shard of the new
-        // count: route by it, so that another resize can follow.
-        self.store.adopt_num_shards(r.to);
-        self.dropped.locked().push(r.id);
+        // What remains of each shard is that shard of the new count.
+        self.store.adopt_num_shards(target);
     }
 
     /// As the primary of receiving shards `leads`: moves a planned resize

@@ -125,6 +125,7 @@ impl Sources {
         if response.fenced && request.session == 0 && request.optimizer_state {
             response.windows = super::windows::to_wire(&store.dedup_windows(request.source_shard));
         }
+        let num_shards = store.num_shards();
         let (mut t, mut row) = (request.table as usize, request.row);
         let mut bytes = 0usize;
         let mut scanned = 0u64;
@@ -143,7 +144,11 @@ impl Sources {
                     at += 1;
                     scanned += 1;
                     let key = r.key();
-                    if wanted[shard_for_key(key, request.num_shards) as usize] {
+                    // Only rows this shard owns (a copy installed after a
+                    // finished growth may hold moved ones for a while).
+                    if wanted[shard_for_key(key, request.num_shards) as usize]
+                        && shard_for_key(key, num_shards) == request.source_shard
+                    {
                         out.keys.push(key);
                         let from = values.len();
                         values.resize(from + row_bytes, 0);

@@ -134,6 +134,10 @@ impl Fetched {
         if let Some((from, giving)) = &self.origins {
             store.set_origin_windows(writing.shard(), *from, giving.clone());
         }
+        // A copy of a shard whose keys moved away may still hold rows a
+        // finished growth moved (its source had not dropped them yet):
+        // they go now, as they did here.
+        store.drop_unrouted(writing);
     }
 }
 

@@ -328,6 +328,25 @@ impl Store {
         dropped
     }
 
+    /// Drops the rows of the shard `writing` locks that its count does not
+    /// route to it, if a resize moved keys away from it (a copy just
+    /// installed that still held a finished growth's moved rows); one
+    /// scan under the lock the caller holds anyway. Returns the rows.
+    pub fn drop_unrouted(&self, writing: &ShardGuard<'_>) -> usize {
+        let shard = writing.shard();
+        if self.moved(shard).is_none() {
+            return 0;
+        }
+        let num_shards = self.num_shards();
+        let names: Vec<String> = self.tables.keys().cloned().collect();
+        let mut dropped = 0;
+        for name in names {
+            let keys = self.keys_where(writing, &name, |k| shard_for_key(k, num_shards) != shard);
+            dropped += self.remove_rows(writing, &name, &keys).unwrap_or(0);
+        }
+        dropped
+    }
+
     /// Refuses `keys` of `shard` if one of them moved away.
     pub(super) fn check_moved(&self, shard: u32, keys: &[u64]) -> Result<(), StoreError> {
         match self.moved(shard) {
