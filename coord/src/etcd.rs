@@ -66,6 +66,18 @@ pub enum CoordError {
         /// The configured count.
         configured: u32,
     },
+    /// This server is configured with the count a shrink in progress goes
+    /// to: it may start once the shrink is done (until then the remaining
+    /// shards' servers keep the old count).
+    #[error(
+        "a shrink from {from} to {to} shards is in progress; a server configured with num_shards = {to} may start once it is done (`tessera reshard` shows it)"
+    )]
+    ShrinkInProgress {
+        /// The count before the shrink.
+        from: u32,
+        /// The count it goes to (this server's).
+        to: u32,
+    },
     /// The cluster has no shard map yet: no server of it has started in
     /// etcd mode.
     #[error(
@@ -434,22 +446,33 @@ impl EtcdCoordinator {
                     continue;
                 }
             };
-            let target = map.active().map(|r| r.to);
-            // The old count of a growth that cut over (or is done): a
+            // A growth's target may join from the plan on (its new
+            // servers). A shrink's may not until it is done: a copy of a
+            // remaining shard must refuse the keys it receives until it
+            // holds them, which only a server of the old count does.
+            let target = map.active().filter(|r| r.to > r.from).map(|r| r.to);
+            if let Some(r) = map.active().filter(|r| r.to < r.from && r.to == num_shards) {
+                return Err(CoordError::ShrinkInProgress {
+                    from: r.from,
+                    to: r.to,
+                });
+            }
+            // The old count of a resize that cut over (or is done): a
             // giving shard's server keeps its shard id and serves the keys
-            // that stayed, the moved ones fenced (`crate::shard_map`).
-            let grown_from = map
+            // that stayed (a growth's) or none (a shrink's), the moved ones
+            // fenced; a shrink's receiving server serves its own keys and
+            // those it received (`crate::shard_map`).
+            let resized_from = map
                 .resize
                 .as_ref()
                 .filter(|r| {
-                    r.to > r.from
-                        && r.to == map.num_shards
+                    r.to == map.num_shards
                         && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
                 })
                 .map(|r| r.from);
             if map.num_shards != num_shards
                 && target != Some(num_shards)
-                && grown_from != Some(num_shards)
+                && resized_from != Some(num_shards)
             {
                 return Err(CoordError::ShardCount {
                     map: map.num_shards,

@@ -35,7 +35,7 @@
 //! keys move only into the new shards `n..m`; shrinking, only out of the
 //! shards `m..n`.
 //!
-//! ## How rows move (growth is built; shrinking is the next step)
+//! ## How rows move
 //!
 //! Built: this record and its transitions, the operator's tool
 //! (`tessera reshard`, with `--hold` and `--cut-over`), servers that
@@ -45,8 +45,8 @@
 //! (`ps-server/src/reshard.rs`) to done (once every receiving shard
 //! opened; the old owners then drop the moved rows), and workers that
 //! follow the map (`worker/src/routing.rs`); once a growth is done the
-//! old shards' servers route by its count, so another can follow. Not
-//! built: shrinking.
+//! old shards' servers route by its count, so another can follow; and
+//! shrinking, the same way with the differences below.
 //!
 //! - **Copy and follow through the delta stream, not the replication
 //!   stream.** A receiving shard's primary copies the moving keys from
@@ -103,6 +103,21 @@
 //!   cut-over (it keeps its shard id and the keys that stayed); every
 //!   server sets the fence and its receiving shards from the map before
 //!   it serves.
+//!
+//! **Shrinking** from `n` to `m` moves every key of shards `m..n` into
+//! shards `0..m`, whose own keys stay. So the receiving shards are
+//! servers of the old count that keep serving their own keys: a copy of
+//! one refuses only the keys it receives (and Pushes split by `m`) until
+//! it opens; the giving shards are fenced whole at the cut-over. A
+//! receiving shard's own deduplication window named Pushes split by `n`
+//! until its opening, when it is kept as one more origin window (the
+//! shard itself) and a new one starts; from then on the shard takes only
+//! parts split by `m` (one split by `n` is answered `KeysMoved`, and the
+//! worker splits the Push anew), so a retried part leaves out the keys
+//! whose old shard, itself included, applied it, and the new window
+//! catches a second retry. Once done, the giving shards drop their rows
+//! and their servers are stopped; a cancel drops the rows the receiving
+//! shards took.
 //!
 //! The giving shards' windows travel with every copy of the receiving
 //! shard (a replica's, a recovering primary's: `SyncResponse.origins`),

@@ -96,4 +96,21 @@ async fn an_operator_plans_refuses_a_second_and_cancels_a_resize() {
     let (ok, out, err) = tokio::task::block_in_place(|| reshard(&etcd, cluster, &["--to", "4"]));
     assert!(ok, "{err}");
     assert!(out.contains("resize 2 -> 4 shards"), "{out}");
+
+    // A shrink: the remaining shard receives; a server of the count it
+    // goes to may not join until it is done, one of the old count may.
+    tokio::task::block_in_place(|| reshard(&etcd, cluster, &["--cancel"]));
+    let (ok, out, err) = tokio::task::block_in_place(|| reshard(&etcd, cluster, &["--to", "1"]));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("resize 2 -> 1 shards") && out.contains("receiving shards 0"),
+        "{out}"
+    );
+    let err = coord.join_shard_map(1).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("a shrink from 2 to 1 shards is in progress"),
+        "{err}"
+    );
+    coord.join_shard_map(2).await.unwrap();
 }

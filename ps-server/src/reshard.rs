@@ -53,7 +53,19 @@
 //!   on to the next resize), and a copy installed from a source that had
 //!   not dropped the rows yet drops them on arrival.
 //!
-//! Built: growing, to done, one resize after another. Next: shrinking.
+//! - **Shrinking** (`n` to `m` < `n`): the receiving shards are the
+//!   remaining ones, on servers of the old count, and keep serving their
+//!   own keys: each copy refuses only the keys it receives until it
+//!   opens (`shrink_now`, `store/resize.rs`); its primary's feed
+//!   copies and follows the given-away shards as a growth's new primary
+//!   does. At the opening the shard also keeps its own deduplication
+//!   window with the giving shards' and starts a new one, and routes by
+//!   `m` (a Push split by `n` is split anew). The giving shards are
+//!   fenced whole at the cut-over and drop their rows once done; a
+//!   server whose every shard remains takes `m` then
+//!   (`Resharding::catch_up`); a cancel drops the rows taken.
+//!
+//! Built: growing and shrinking, to done, one resize after another.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,6 +110,9 @@ pub struct Resharding {
     /// the resize (its id) and the stream position they opened at, until
     /// the map says so (`Resize::opened`).
     opened: std::sync::Mutex<Vec<(u64, u32, u64)>>,
+    /// The shards this server gave away whole in a finished shrink and
+    /// dropped the rows of.
+    retired: std::sync::Mutex<std::collections::BTreeSet<u32>>,
 }
 
 /// Whether each hosted shard of `store` receives keys now as `map` says
@@ -123,35 +138,126 @@ fn receiving_now(
         .iter()
         .map(|&shard| {
             let closed = resize.is_some_and(|r| {
-                if !r.receiving().any(|s| s == shard) {
+                if !r.receiving().any(|s| s == shard) || given_away(store, shard) {
                     return false;
                 }
                 if matches!(r.state, ResizeState::Planned | ResizeState::Copying) {
                     return true;
                 }
-                let held = store.version(shard).unwrap_or_default().position;
-                let at = r.opened.get(&shard).copied().or_else(|| {
-                    opened_here
-                        .iter()
-                        .find(|(s, _)| *s == shard)
-                        .map(|&(_, p)| p)
-                });
-                at.is_none_or(|at| held < at)
+                !holds_opened(store, r, shard, opened_here)
             });
             (shard, closed)
         })
         .collect()
 }
 
+/// Whether this copy of receiving shard `shard` holds the position its
+/// primary opened it at in `r` (the map's `opened`, or `opened_here` on
+/// the primary that opened it, until the map says so).
+fn holds_opened(store: &Store, r: &Resize, shard: u32, opened_here: &[(u32, u64)]) -> bool {
+    let held = store.version(shard).unwrap_or_default().position;
+    let at = r.opened.get(&shard).copied().or_else(|| {
+        opened_here
+            .iter()
+            .find(|(s, _)| *s == shard)
+            .map(|&(_, p)| p)
+    });
+    at.is_some_and(|at| held >= at)
+}
+
+/// Whether `shard` of `store` was given away whole in a shrink (its keys
+/// fenced, from the cut-over, for a count that has no such shard): it
+/// takes no part in a later resize.
+fn given_away(store: &Store, shard: u32) -> bool {
+    store.moved(shard).is_some_and(|(to, _)| shard >= to)
+}
+
+/// What a shrink `map` names calls for on each hosted shard of `store`
+/// that receives keys in it: the count it receives keys of, not opened
+/// on this copy yet (`incoming`: its own keys served, the incoming ones
+/// refused, a resize feed writes them), or the count it routes by since
+/// it opened here (`routes_by`, with the resize's id: the shard's fence
+/// is set to it too); both `None` for any other shard, a
+/// cancelled shrink, or a server that took the shrunk count. Opened here
+/// as in [`receiving_now`].
+fn shrink_now(
+    store: &Store,
+    map: Option<&ShardMap>,
+    opened_here: &[(u32, u64)],
+) -> Vec<ShrinkState> {
+    let resize = map.and_then(|m| m.resize.as_ref()).filter(|r| {
+        r.to < r.from && store.num_shards() == r.from && r.state != ResizeState::Cancelled
+    });
+    store
+        .hosted()
+        .iter()
+        .map(|&shard| {
+            let Some(r) = resize.filter(|r| shard < r.to && !given_away(store, shard)) else {
+                return (shard, None, None);
+            };
+            if matches!(r.state, ResizeState::Planned | ResizeState::Copying) {
+                return (shard, Some(r.to), None);
+            }
+            if holds_opened(store, r, shard, opened_here) {
+                (shard, None, Some((r.to, r.id)))
+            } else {
+                (shard, Some(r.to), None)
+            }
+        })
+        .collect()
+}
+
+/// Sets each shard's shrink state as `states` ([`shrink_now`]) says,
+/// under its write lock where it changes; returns the shards that
+/// stopped receiving without opening (a cancel: the caller drops the
+/// rows they took). A shrunk count a shard routes by stays until the
+/// store takes it (`Resharding::catch_up`), even once the map has moved
+/// on to another resize.
+fn set_shrink_state(store: &Store, states: &[ShrinkState]) -> Vec<u32> {
+    let mut cancelled = Vec::new();
+    for &(shard, incoming, routes_by) in states {
+        let count = routes_by.map(|(to, _)| to);
+        let opens = count.is_some() && store.routes_by(shard) != count;
+        if store.incoming(shard) == incoming && !opens {
+            continue;
+        }
+        if let Some(writing) = store.lock_shard(shard) {
+            if writing.incoming().is_some() && incoming.is_none() && routes_by.is_none() {
+                cancelled.push(shard);
+            }
+            if let Some((to, id)) = routes_by {
+                open_shrunk(store, &writing, to, id);
+            }
+            store.set_incoming(&writing, incoming);
+        }
+    }
+    cancelled
+}
+
+/// Makes the locked shard, receiving keys in a shrink to `to` (resize
+/// `id`), route by `to` on this copy: a key `to` routes elsewhere is
+/// answered `KeysMoved` (the fence of an earlier growth, which named
+/// keys that come back now, is replaced). The caller clears the shard's
+/// incoming count after this (a Push checked against neither count is
+/// refused).
+fn open_shrunk(store: &Store, writing: &crate::store::ShardGuard<'_>, to: u32, id: u64) {
+    store.set_routes_by(writing, Some(to));
+    store.set_moved(writing, Some((to, id)));
+    store.set_moved_open(writing, true);
+}
+
+/// A hosted shard, the count it receives keys of in a shrink, and the
+/// count (and resize id) it routes by since the shrink opened here.
+type ShrinkState = (u32, Option<u32>, Option<(u32, u64)>);
+
 /// The fence `map` calls for on `store`'s giving shards: the count the
 /// moved keys are routed by, the map's version, and whether Pushes split
 /// by that count are taken (every receiving shard opened); `None` unless
-/// a growth from this server's count cut over (or is done).
+/// a resize from this server's count cut over (or is done). A shrink's
+/// giving shards are fenced whole: no key routes to them any more.
 fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool)> {
     let r = map.resize.as_ref().filter(|r| {
-        r.to > r.from
-            && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
-            && gave(store, r)
+        matches!(r.state, ResizeState::CutOver | ResizeState::Done) && gave(store, r)
     })?;
     // Pushes split by the new count wait until every receiving shard
     // serves: until then a giving shard's windows name only Pushes split
@@ -176,6 +282,20 @@ fn gave(store: &Store, r: &Resize) -> bool {
 pub fn prepare(store: &Store, map: Option<&ShardMap>) {
     for (shard, closed) in receiving_now(store, map, &[]) {
         store.set_receiving(shard, closed);
+    }
+    set_shrink_state(store, &shrink_now(store, map, &[]));
+    // A checkpoint taken while a shrink that was cancelled since copied
+    // rows here holds rows of keys this server does not route to it.
+    let cancelled = map.and_then(|m| m.resize.as_ref()).filter(|r| {
+        r.to < r.from && r.state == ResizeState::Cancelled && store.num_shards() == r.from
+    });
+    if let Some(r) = cancelled {
+        for &shard in store.hosted().iter().filter(|&&s| s < r.to) {
+            let dropped = store.drop_moved_rows(shard, store.num_shards());
+            if dropped > 0 {
+                tracing::info!(shard, rows = dropped, "a cancelled shrink's rows dropped");
+            }
+        }
     }
     if let Some((giving, to, version, open)) = map.and_then(|m| fence_of(store, m)) {
         for shard in giving {
@@ -215,6 +335,7 @@ impl Resharding {
                 u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
             )),
             opened: std::sync::Mutex::new(Vec::new()),
+            retired: std::sync::Mutex::new(Default::default()),
         }
     }
 
@@ -244,18 +365,24 @@ impl Resharding {
 
     /// One look at the resize in progress.
     async fn step(&self, map: Option<&ShardMap>) {
-        let resize = map.and_then(ShardMap::active).filter(|r| r.to > r.from);
+        let resize = map.and_then(ShardMap::active);
         if let Some(map) = map {
             self.catch_up(map).await;
             self.fence(map).await;
         }
         let num_shards = self.store.num_shards();
-        // Receiving: a server of the new count hosting a receiving shard.
+        // Receiving: a server of the new count hosting a receiving shard
+        // (growing), or of the old count hosting a remaining one
+        // (shrinking).
         let receiving: Vec<u32> = match resize {
-            Some(r) if num_shards == r.to => r
-                .receiving()
-                .filter(|s| self.store.hosted().contains(s))
-                .collect(),
+            Some(r)
+                if (r.to > r.from && num_shards == r.to)
+                    || (r.to < r.from && num_shards == r.from) =>
+            {
+                r.receiving()
+                    .filter(|&s| self.store.hosted().contains(&s) && !given_away(&self.store, s))
+                    .collect()
+            }
             _ => Vec::new(),
         };
         let opened_here: Vec<(u32, u64)> = {
@@ -268,6 +395,19 @@ impl Resharding {
         for (shard, closed) in receiving_now(&self.store, map, &opened_here) {
             self.store.set_receiving(shard, closed);
         }
+        // A shrink's receiving shards keep serving their own keys.
+        let states = shrink_now(&self.store, map, &opened_here);
+        let store = Arc::clone(&self.store);
+        let shrinking = tokio::task::spawn_blocking(move || {
+            // Cancelled: the rows taken for it are not this shard's.
+            for shard in set_shrink_state(&store, &states) {
+                let dropped = store.drop_moved_rows(shard, store.num_shards());
+                tracing::info!(shard, rows = dropped, "a cancelled shrink's rows dropped");
+            }
+        });
+        if let Err(err) = shrinking.await {
+            tracing::warn!(%err, "setting the shards' shrink state failed");
+        }
         let cut_over = resize.is_some_and(|r| r.state == ResizeState::CutOver);
         let Some(resize) = resize else {
             self.give(None);
@@ -278,7 +418,7 @@ impl Resharding {
         let leads: Vec<u32> = receiving
             .iter()
             .copied()
-            .filter(|&s| self.store.receiving(s))
+            .filter(|&s| self.store.taking_rows(s))
             .filter(|&s| self.replication.leading_epoch(s, now).is_some())
             .collect();
         if leads.is_empty() {
@@ -356,7 +496,13 @@ impl Resharding {
     /// one before the resize in progress, or the map's.
     async fn catch_up(&self, map: &ShardMap) {
         let target = map.active().map_or(map.num_shards, |r| r.from);
-        if target <= self.store.num_shards() {
+        let own = self.store.num_shards();
+        // Fewer shards: a shrink from this server's count is over (or a
+        // growth's new server is ahead of the map: nothing to do there).
+        if target < own {
+            self.catch_up_shrunk(target).await;
+        }
+        if target <= own {
             return;
         }
         let (store, version) = (Arc::clone(&self.store), map.version);
@@ -384,6 +530,53 @@ impl Resharding {
         );
         // What remains of each shard is that shard of the new count.
         self.store.adopt_num_shards(target);
+    }
+
+    /// As a server of a shrink to `target` that is over (the map routes
+    /// by `target`, whatever resize it moved on to): a shard given away
+    /// whole (fenced at the cut-over) drops its rows once every remaining
+    /// shard serves them (its servers are to be stopped), and a server
+    /// whose other shards all opened on this copy routes by `target` from
+    /// now on, as one started with it would. Nothing for a server that
+    /// took no part (a growth's new server, ahead of the map).
+    async fn catch_up_shrunk(&self, target: u32) {
+        let store = Arc::clone(&self.store);
+        let retire: Vec<u32> = {
+            let mut retired = self.retired.locked();
+            store
+                .hosted()
+                .iter()
+                .copied()
+                .filter(|&s| given_away(&store, s) && store.new_count_open(s) && retired.insert(s))
+                .collect()
+        };
+        let hosted = store.hosted();
+        let adopt = hosted.iter().any(|&s| store.routes_by(s) == Some(target))
+            && hosted
+                .iter()
+                .all(|&s| given_away(&store, s) || store.routes_by(s) == Some(target));
+        if retire.is_empty() && !adopt {
+            return;
+        }
+        tokio::task::spawn_blocking(move || {
+            for shard in retire {
+                let dropped = store.drop_moved_rows(shard, target);
+                tracing::info!(
+                    shard,
+                    rows = dropped,
+                    "a shard given away in a finished shrink dropped its rows; stop its servers"
+                );
+            }
+            if adopt && store.adopt_shrunk_count(target) {
+                for &shard in store.hosted() {
+                    if let Some(writing) = store.lock_shard(shard) {
+                        store.set_routes_by(&writing, None);
+                    }
+                }
+            }
+        })
+        .await
+        .unwrap_or(());
     }
 
     /// As the primary of receiving shards `leads`: moves a planned resize
@@ -485,13 +678,26 @@ impl Resharding {
                 Some(version) => {
                     // Before its first Push: a part retried across the
                     // cut-over leaves out the keys a giving shard applied
-                    // it to (`store/resize.rs`).
-                    self.store
-                        .set_origin_windows(shard, resize.from, windows.clone());
+                    // it to (`store/resize.rs`). A shrink's receiving
+                    // shard keeps its own window as one of them, and
+                    // starts a new one for Pushes split by the new count.
+                    let mut windows = windows.clone();
+                    let shrink = resize.to < resize.from;
+                    if shrink {
+                        windows.push((shard, self.store.dedup_windows(shard)));
+                        windows.sort_by_key(|(s, _)| *s);
+                        self.store.clear_dedup(&writing);
+                    }
+                    self.store.set_origin_windows(shard, resize.from, windows);
                     self.opened
                         .locked()
                         .push((resize.id, shard, version.position));
-                    self.store.set_receiving(shard, false);
+                    if shrink {
+                        open_shrunk(&self.store, &writing, resize.to, resize.id);
+                        self.store.set_incoming(&writing, None);
+                    } else {
+                        self.store.set_receiving(shard, false);
+                    }
                     drop(writing);
                     tracing::info!(shard, %version, "a receiving shard holds every moved key and serves them; its replicas copy it");
                     metrics::counter!("tessera_ps_resize_opened_total").increment(1);

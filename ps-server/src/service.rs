@@ -22,15 +22,10 @@ impl From<StoreError> for Status {
                 num_shards,
                 map_version,
                 ..
-            } => Status::with_details(
-                tessera_rpc::Code::Aborted,
-                message,
-                prost::Message::encode_to_vec(&v1::KeysMoved {
-                    shard,
-                    num_shards,
-                    map_version,
-                }),
-            ),
+            } => keys_moved(message, shard, num_shards, map_version),
+            StoreError::Resplit {
+                shard, num_shards, ..
+            } => keys_moved(message, shard, num_shards, 0),
             StoreError::UnknownTable(_) => Status::not_found(message),
             StoreError::GradientLength { .. }
             | StoreError::TooManyKeys { .. }
@@ -41,7 +36,9 @@ impl From<StoreError> for Status {
             | StoreError::BadExpiry { .. }
             | StoreError::DeltaLength { .. } => Status::invalid_argument(message),
             StoreError::OutputLength { .. } => Status::internal(message),
-            StoreError::NotCutOver { .. } => Status::unavailable(message),
+            StoreError::NotCutOver { .. } | StoreError::NotOpened { .. } => {
+                Status::unavailable(message)
+            }
             StoreError::ShardNotHosted { .. }
             | StoreError::WrongShard { .. }
             | StoreError::InferenceMode
@@ -52,6 +49,20 @@ impl From<StoreError> for Status {
             | StoreError::ShardFull { .. } => Status::resource_exhausted(message),
         }
     }
+}
+
+/// `ABORTED` with a `KeysMoved`: the keys are routed by `num_shards` now
+/// (the worker splits the request anew).
+fn keys_moved(message: String, shard: u32, num_shards: u32, map_version: u64) -> Status {
+    Status::with_details(
+        tessera_rpc::Code::Aborted,
+        message,
+        prost::Message::encode_to_vec(&v1::KeysMoved {
+            shard,
+            num_shards,
+            map_version,
+        }),
+    )
 }
 
 /// Serves Fetch, Push and Health from a shared [`Store`]; Pushes are
@@ -179,6 +190,19 @@ impl v1::ParameterServer for PsService {
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
         refuse_receiving(&self.store, request.shard)?;
+        // Split by the count a shrink goes to, before this copy opened:
+        // refused before the windows are read, which the opening sets
+        // before it lets such Pushes in (`store/resize.rs`).
+        if let Some(to) = self.store.incoming(request.shard)
+            && request.num_shards == to
+        {
+            return Err(StoreError::NotCutOver {
+                shard: request.shard,
+                split_by: to,
+                num_shards: self.store.route_count(request.shard),
+            }
+            .into());
+        }
         let request = without_applied_at_origins(&self.store, request)?;
         let checked = self
             .store

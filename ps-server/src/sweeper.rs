@@ -50,7 +50,7 @@ fn step(
     // A shard receiving keys in a resize holds the giving shards' rows as
     // they sweep them (their removals come in their deltas); its own
     // stream starts at the cut-over (`crate::reshard`).
-    if store.receiving(writing.shard()) {
+    if store.taking_rows(writing.shard()) {
         return Step::NotPrimary;
     }
     let Some(expired) = store.expire_step(writing, table, unix_secs(), slots) else {

@@ -26,7 +26,6 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use prost::Message as _;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
@@ -35,7 +34,8 @@ use tessera_ps_server::config::OptimizerConfig;
 use tessera_ps_server::table::ExpiryConfig;
 use tessera_rpc::{Code, RpcError};
 use tessera_test_support::{
-    Etcd, InProcess, etcd_coordination, resize_pair, resize_server, wait_serving, wire,
+    Etcd, InProcess, etcd_coordination, keys_moved, resize_pair, resize_server, shard_map_now,
+    wait_serving, wire,
 };
 
 const DIM: usize = 8;
@@ -88,16 +88,6 @@ async fn fetch_new(new: &InProcess, key: u64) -> Result<Vec<u8>, RpcError> {
     fetch_at(new, OLD, key).await
 }
 
-/// The `KeysMoved` of a refusal, if it is one.
-fn keys_moved(err: &RpcError) -> Option<tessera_proto::v1::KeysMoved> {
-    match err {
-        RpcError::Status(status) if status.code() == Code::Aborted => {
-            tessera_proto::v1::KeysMoved::decode(status.details().clone()).ok()
-        }
-        _ => None,
-    }
-}
-
 /// The resize feed `server` reports (none while closed).
 async fn feed_of(server: &InProcess) -> Option<tessera_proto::v1::ServingHealth> {
     server
@@ -109,7 +99,7 @@ async fn feed_of(server: &InProcess) -> Option<tessera_proto::v1::ServingHealth>
 }
 
 async fn map(coord: &EtcdCoordinator) -> ShardMap {
-    coord.shard_map().await.unwrap().unwrap().0
+    shard_map_now(coord).await
 }
 
 /// Rows as compared: values, optimizer state and update counts (expiry

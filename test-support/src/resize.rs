@@ -2,8 +2,12 @@
 //! coordination, deltas every 50 ms (a resize streams its moving rows
 //! over them), one table.
 
+use prost::Message as _;
+use tessera_coord::{EtcdCoordinator, ShardMap};
+use tessera_proto::v1::KeysMoved;
 use tessera_ps_server::config::{DeltaConfig, PeerConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_rpc::{Code, RpcError};
 
 use crate::{Etcd, etcd_coordination, free_addr};
 
@@ -53,4 +57,27 @@ pub fn resize_pair(
         ..resize_server(etcd, cluster, num_shards, shard, table)
     };
     [one(0, &a, &b), one(1, &b, &a)]
+}
+
+/// The `KeysMoved` of a server's refusal (`ABORTED`: the keys are routed
+/// by another count now), if it is one.
+pub fn keys_moved(err: &RpcError) -> Option<KeysMoved> {
+    match err {
+        RpcError::Status(status) if status.code() == Code::Aborted => {
+            KeysMoved::decode(status.details().clone()).ok()
+        }
+        _ => None,
+    }
+}
+
+/// The cluster's shard map as etcd holds it now.
+///
+/// # Panics
+///
+/// If etcd cannot be read or holds no map (a test's set-up failed).
+pub async fn shard_map_now(coord: &EtcdCoordinator) -> ShardMap {
+    match coord.shard_map().await {
+        Ok(Some((map, _))) => map,
+        other => panic!("no shard map in etcd: {other:?}"),
+    }
 }

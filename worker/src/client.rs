@@ -382,10 +382,13 @@ impl PsClient {
             match self.fetch_split(&planned.table, &plan).await {
                 Err(WorkerError::Rpc { source, .. })
                     if routing::moved(&source)
-                        .is_some_and(|m| m.num_shards > plan.num_shards()) =>
+                        .is_some_and(|m| m.num_shards != plan.num_shards()) =>
                 {
-                    let to = routing::moved(&source).map_or(0, |m| m.num_shards);
-                    if !self.routing.wait_for(to, self.moved_wait).await {
+                    if !self
+                        .routing
+                        .wait_for_change(plan.num_shards(), self.moved_wait)
+                        .await
+                    {
                         return Err(WorkerError::Rpc {
                             shard: 0,
                             addr: String::new(),
@@ -591,21 +594,18 @@ impl PsClient {
             // the new count, every part goes again under the same id; those
             // applied already are duplicates, at their shard or, for moved
             // keys, at the new one (it holds the old shards' windows).
-            let to = failure
+            let moved = failure
                 .failed
                 .iter()
                 .filter_map(|f| routing::moved(&f.source))
-                .map(|m| m.num_shards)
-                .max()
-                .filter(|&to| to > routed);
+                .any(|m| m.num_shards != routed);
             let left = deadline.saturating_duration_since(Instant::now());
             // Not deduplicated (id 0): the parts applied would be applied
             // again; the caller decides.
-            match to {
-                Some(to)
-                    if id.0 != 0
-                        && tries < MOVED_TRIES
-                        && self.routing.wait_for(to, left).await =>
+            match moved {
+                true if id.0 != 0
+                    && tries < MOVED_TRIES
+                    && self.routing.wait_for_change(routed, left).await =>
                 {
                     tries += 1;
                 }

@@ -173,6 +173,15 @@ impl Primaries {
         }
     }
 
+    /// Forgets the shards from `len` on (a shrunk cluster's shards given
+    /// away): a later growth learns their servers anew.
+    pub fn truncate(&self, len: usize) {
+        self.shards
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .truncate(len);
+    }
+
     /// The primary of `shard` as known now, and its epoch.
     pub fn current(&self, shard: u32) -> Option<(String, u64)> {
         let entry = self.shard(shard)?;

@@ -7,7 +7,7 @@
 //! resize cuts over to more shards, it reads the servers of the new
 //! shards from the members etcd lists (every server registers its
 //! address, replica group and shards) and their primaries, adds a Fetch
-//! path for each new shard ([`Routing::grow`]) and the new shards to its
+//! path for each new shard ([`Routing::resize`]) and the new shards to its
 //! Push path ([`crate::primary::Primaries::grow`]), and routes by the new
 //! count from then on. A server that moved keys away answers a request
 //! for them `ABORTED` with a `KeysMoved`; the client then waits (within
@@ -17,8 +17,11 @@
 //! servers keep the old shards' deduplication windows at the cut-over
 //! (`ps-server/src/store/resize.rs`).
 //!
-//! Shrinking is not followed yet: a map with fewer shards is logged and
-//! left alone (the servers do not shrink either).
+//! A shrink is followed the same way: once every remaining shard serves
+//! the keys it received, the worker drops the Fetch and Push paths of the
+//! shards given away and routes by the smaller count; a remaining shard
+//! answers a Push part split by the old count after it opened with a
+//! `KeysMoved` too, and the Push goes again, split anew.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -48,7 +51,7 @@ pub struct Layout {
 /// The worker's routing (module docs).
 pub struct Routing {
     layout: RwLock<Arc<Layout>>,
-    /// The shard count routed by, for waiters ([`Routing::wait_for`]).
+    /// The shard count routed by, for waiters ([`Routing::wait_for_change`]).
     count: tokio::sync::watch::Sender<u32>,
     primaries: Arc<Primaries>,
     config: WorkerConfig,
@@ -103,22 +106,26 @@ impl Routing {
         )
     }
 
-    /// Routes by `num_shards` from now on, reaching the new shards through
-    /// the servers `members` lists for them. Returns whether it grew: not
-    /// for a count it routes by already (or fewer: shrinking is not
-    /// followed), nor while a new shard has no server listed (the next
-    /// look tries again).
-    pub fn grow(&self, num_shards: u32, members: &[MemberRecord]) -> bool {
+    /// Routes by `num_shards` from now on: a grown cluster's new shards
+    /// are reached through the servers `members` lists for them; a shrunk
+    /// cluster's shards beyond it are forgotten. Returns whether it
+    /// changed: not for the count it routes by already, nor while a new
+    /// shard has no server listed (the next look tries again).
+    pub fn resize(&self, num_shards: u32, members: &[MemberRecord]) -> bool {
         let now = self.layout();
-        if num_shards <= now.num_shards {
-            if num_shards < now.num_shards {
-                tracing::warn!(
-                    routed = now.num_shards,
-                    map = num_shards,
-                    "the cluster's shard map names fewer shards; shrinking is not followed yet"
-                );
-            }
+        if num_shards == now.num_shards || num_shards == 0 {
             return false;
+        }
+        if num_shards < now.num_shards {
+            let mut fetchers = now.fetchers.clone();
+            fetchers.truncate(num_shards as usize);
+            self.primaries.truncate(num_shards as usize);
+            self.route_by(num_shards, fetchers);
+            tracing::info!(
+                num_shards,
+                "the cluster shrank: keys are routed by the new shard count"
+            );
+            return true;
         }
         // The servers of each new shard, own replica group first, then by
         // group and address (as a configuration lists them).
@@ -145,6 +152,17 @@ impl Routing {
             fetchers.push(self.fetcher(&servers));
         }
         self.primaries.grow(all_hosts);
+        self.route_by(num_shards, fetchers);
+        tracing::info!(
+            num_shards,
+            "the cluster grew: keys are routed by the new shard count"
+        );
+        true
+    }
+
+    /// Routes by `num_shards` over `fetchers` from now on, and wakes the
+    /// requests waiting for a change.
+    fn route_by(&self, num_shards: u32, fetchers: Vec<ParameterServerClient>) {
         *self
             .layout
             .write()
@@ -153,11 +171,6 @@ impl Routing {
             fetchers,
         });
         self.count.send_replace(num_shards);
-        tracing::info!(
-            num_shards,
-            "the cluster grew: keys are routed by the new shard count"
-        );
-        true
     }
 
     /// The Fetch path of a new shard over `servers`.
@@ -192,11 +205,12 @@ impl Routing {
         ))
     }
 
-    /// Waits until keys are routed by at least `num_shards` shards, for
-    /// at most `within`; returns whether they are.
-    pub async fn wait_for(&self, num_shards: u32, within: Duration) -> bool {
+    /// Waits until keys are routed by another count than `num_shards`
+    /// (a resize reached this worker), for at most `within`; returns
+    /// whether they are.
+    pub async fn wait_for_change(&self, num_shards: u32, within: Duration) -> bool {
         let mut count = self.count.subscribe();
-        tokio::time::timeout(within, count.wait_for(|&n| n >= num_shards))
+        tokio::time::timeout(within, count.wait_for(|&n| n != num_shards))
             .await
             .is_ok_and(|r| r.is_ok())
     }
@@ -235,8 +249,9 @@ pub fn moved(error: &RpcError) -> Option<KeysMoved> {
 }
 
 /// Follows the cluster's shard map in etcd until the returned task is
-/// dropped (aborted): each map that routes by more shards grows
-/// `routing`, with the new shards' servers and primaries read from etcd.
+/// dropped (aborted): each map that routes by another count resizes
+/// `routing`, a grown cluster's new shards' servers and primaries read
+/// from etcd.
 pub fn follow(routing: Arc<Routing>, config: CoordinatorConfig) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
@@ -294,11 +309,11 @@ async fn follow_once(
         };
         if num_shards <= routing.layout().num_shards {
             pending = None;
-            let _ = routing.grow(num_shards, &[]);
+            let _ = routing.resize(num_shards, &[]);
             continue;
         }
         let members = coord.members().await?;
-        if routing.grow(num_shards, &members) {
+        if routing.resize(num_shards, &members) {
             pending = None;
             let (primaries, _) = coord.primaries().await?;
             for (shard, (record, _)) in primaries {

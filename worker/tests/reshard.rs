@@ -1,11 +1,14 @@
 //! A worker through resizes of the cluster's shard count (issue 39): a
-//! trainer pushes and fetches without pause while 2 shards grow to 3, and
+//! trainer pushes and fetches without pause while 2 shards grow to 3,
 //! then to 4 (the old shards' servers, configured with 2, take 3 when the
-//! first growth is done, so the second can follow). The worker follows
-//! the shard map in etcd and routes by each new count once its resize
-//! cuts over; no call fails. After each growth every key's update count
-//! at the shard that owns it now is the number of Pushes the worker had
-//! acknowledged: none lost, none applied twice across the cut-overs.
+//! first growth is done, so the second can follow), then shrink back to
+//! 3 (shard 3 gives its keys to the others, which serve their own keys
+//! throughout). The worker follows the shard map in etcd and routes by
+//! each new count once its resize's receiving shards serve; no call
+//! fails. After each resize every key's update count at the shard that
+//! owns it now is the number of Pushes the worker had acknowledged: none
+//! lost, none applied twice across the cut-overs; and every copy of a
+//! shard comes to hold its primary's rows.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -87,17 +90,19 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
     // Servers by shard (each shard's servers; the primary is found
     // when counting).
     let mut servers: Vec<Vec<InProcess>> = old.into_iter().map(|s| vec![s]).collect();
-    // Twice: 2 -> 3, then 3 -> 4 (the old shards' servers, configured
-    // with 2, took 3 when the first growth was done).
-    for to in [NEW, NEW + 1] {
-        let from = to - 1;
-        // The operator plans it; the new shard's two servers start.
+    // 2 -> 3, then 3 -> 4 (the old shards' servers, configured with 2,
+    // took 3 when the first growth was done), then back to 3.
+    for to in [NEW, NEW + 1, NEW] {
+        let from = coord.shard_map().await.unwrap().unwrap().0.num_shards;
+        // The operator plans it; a growth's new shard's two servers start.
         coord.update_shard_map(|m| m.plan(to)).await.unwrap();
-        let mut pair = Vec::new();
-        for config in resize_pair(&etcd, cluster, to, from, &table()) {
-            pair.push(InProcess::start(&config).await);
+        if to > from {
+            let mut pair = Vec::new();
+            for config in resize_pair(&etcd, cluster, to, from, &table()) {
+                pair.push(InProcess::start(&config).await);
+            }
+            servers.push(pair);
         }
-        servers.push(pair);
         // Training goes on through the copy and the cut-over, until the
         // resize is done, the worker routes by the new count, and a
         // while after.
@@ -135,6 +140,36 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
                 .unwrap()
                 .steps;
             assert_eq!(steps, [acked as u32], "key {key} (shard {shard} of {to})");
+        }
+        // Every other copy of a shard comes to hold its primary's rows
+        // (a receiving shard's replicas copy it after its opening).
+        for shard in 0..to {
+            let copies = &servers[shard as usize];
+            let mine: Vec<u64> = keys
+                .iter()
+                .copied()
+                .filter(|&k| shard_for_key(k, to) == shard)
+                .collect();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            'copies: loop {
+                let Some(primary) = copies.iter().find(|s| s.replication.is_primary(shard)) else {
+                    panic!("shard {shard} has no primary");
+                };
+                let want = primary.store.read_rows("emb", shard, &mine, true).unwrap();
+                let equal = copies.iter().all(|c| {
+                    c.store
+                        .read_rows("emb", shard, &mine, true)
+                        .is_ok_and(|r| r.values == want.values && r.steps == want.steps)
+                });
+                if equal {
+                    break 'copies;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "a copy of shard {shard} never held its primary's rows"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     }
     drop(client);

@@ -125,7 +125,7 @@ impl Sources {
         if response.fenced && request.session == 0 && request.optimizer_state {
             response.windows = super::windows::to_wire(&store.dedup_windows(request.source_shard));
         }
-        let num_shards = store.num_shards();
+        let num_shards = store.route_count(request.source_shard);
         let (mut t, mut row) = (request.table as usize, request.row);
         let mut bytes = 0usize;
         let mut scanned = 0u64;

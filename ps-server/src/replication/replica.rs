@@ -508,7 +508,7 @@ impl Replication {
         shard: u32,
         target: &str,
         attachment: u64,
-        fetched: sync::Fetched,
+        mut fetched: sync::Fetched,
         started: Instant,
     ) -> Result<(), CopyError> {
         let (Some(cell), Some(mut writing)) = (self.cell(shard), self.store.lock_shard(shard))
@@ -532,15 +532,17 @@ impl Replication {
                 own: writing.version(),
             });
         }
-        fetched.keep_origins(&self.store, &writing);
-        let copied = fetched.copy.as_ref().map(|copy| copy.bytes);
-        let (rows, old_rows) = match fetched.copy {
+        let copy = fetched.copy.take();
+        let copied = copy.as_ref().map(|copy| copy.bytes);
+        let (rows, old_rows) = match copy {
             Some(copy) => {
                 let (rows, old) = copy.install(&self.store, &writing, Instant::now());
                 (Some(rows), old)
             }
             None => (None, Vec::new()),
         };
+        // After the install: what it drops is in the copy.
+        fetched.keep_origins(&self.store, &writing);
         writing.set_version(offered);
         state.learn(fetched.epoch, target);
         state.has_copy = true;

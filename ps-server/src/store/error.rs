@@ -57,7 +57,7 @@ pub enum StoreError {
     /// A key of the request moved to another shard in a resize of the
     /// cluster's shard count (the cut-over fenced it here).
     #[error(
-        "key {key} moved from shard {shard} to shard {to} when the cluster grew to {num_shards} shards (shard map version {map_version}): route it by the new map"
+        "key {key} moved from shard {shard} to shard {to} when the cluster was resized to {num_shards} shards (shard map version {map_version}): route it by the new map"
     )]
     Moved {
         /// The first moved key of the request.
@@ -83,6 +83,34 @@ pub enum StoreError {
         /// The count the Push was split by.
         split_by: u32,
         /// The shard's count.
+        num_shards: u32,
+    },
+    /// A key this shard receives in a shrink of the cluster, asked before
+    /// the shard holds every moved row (this copy has not opened):
+    /// retried shortly, or at the copy that opened.
+    #[error(
+        "key {key} comes to shard {shard} when the cluster shrinks to {num_shards} shards; this copy serves it once it holds the moved rows (retry shortly)"
+    )]
+    NotOpened {
+        /// The first such key of the request.
+        key: u64,
+        /// The shard asked.
+        shard: u32,
+        /// The count the cluster shrinks to.
+        num_shards: u32,
+    },
+    /// A Push split by the count before a shrink, at a shard that routes
+    /// by the shrunk count now: the worker splits it anew (answered
+    /// `ABORTED` with a `KeysMoved`, as [`StoreError::Moved`]).
+    #[error(
+        "the Push was split by {split_by} shards; shard {shard} routes keys by {num_shards} since the cluster shrank: split it anew"
+    )]
+    Resplit {
+        /// The shard asked.
+        shard: u32,
+        /// The count the Push was split by.
+        split_by: u32,
+        /// The count the shard routes by.
         num_shards: u32,
     },
     /// A key does not belong to the shard named in the request.

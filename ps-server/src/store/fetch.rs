@@ -120,6 +120,11 @@ impl Store {
         // Keys a resize moved away are served by their new shard once it
         // serves; until then nobody writes them (their Pushes are refused
         // here, and the new shard takes none), so they are served here.
+        // Keys this shard receives in a shrink: once this copy holds them
+        // (an earlier growth's fence may name them moved away).
+        if let Some(to) = self.incoming(shard) {
+            super::resize::refuse_incoming(shard, keys, self.route_count(shard), to)?;
+        }
         if self.new_count_open(shard) {
             self.check_moved(shard, keys)?;
         }

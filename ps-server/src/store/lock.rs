@@ -30,6 +30,15 @@ pub(super) struct Writer {
     /// Every receiving shard serves the moved keys now: Pushes split by
     /// the new count are taken ([`ShardGuard::new_count_open`]).
     pub(super) moved_open: std::sync::atomic::AtomicBool,
+    /// A shrink in which this shard receives keys, not opened on this
+    /// copy yet: the count those keys are routed by (0: none). Its own
+    /// keys are served; the incoming ones are refused until it opens
+    /// (`store/resize.rs`).
+    pub(super) incoming_to: std::sync::atomic::AtomicU32,
+    /// The count this shard routes keys by once a shrink opened on this
+    /// copy (0: the store's). Set under the lock, with `incoming_to`
+    /// cleared.
+    pub(super) routes_by: std::sync::atomic::AtomicU32,
 }
 
 /// The write lock of one shard (see [`Store`]), with its version.
@@ -80,6 +89,24 @@ impl ShardGuard<'_> {
     /// count (`store/resize.rs`).
     pub fn new_count_open(&self) -> bool {
         self.writer.moved_open.load(AtomicOrdering::SeqCst)
+    }
+
+    /// The count the shard receives keys of in a shrink not opened on
+    /// this copy yet (`None`: none).
+    pub fn incoming(&self) -> Option<u32> {
+        match self.writer.incoming_to.load(AtomicOrdering::SeqCst) {
+            0 => None,
+            to => Some(to),
+        }
+    }
+
+    /// The count the shard routes keys by after a shrink opened on this
+    /// copy (`None`: the store's).
+    pub fn routes_by(&self) -> Option<u32> {
+        match self.writer.routes_by.load(AtomicOrdering::SeqCst) {
+            0 => None,
+            to => Some(to),
+        }
     }
 
     /// Sets the version of the shard's rows (after changing them).

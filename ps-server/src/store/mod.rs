@@ -279,9 +279,20 @@ impl Store {
         }
         // A misrouted key would be stored on the wrong shard and silently
         // diverge from its real row: refuse the whole request instead.
+        let num_shards = self.route_count(shard);
         for &key in keys {
-            let actual = shard_for_key(key, self.num_shards());
+            let actual = shard_for_key(key, num_shards);
             if actual != shard {
+                // A key this shard receives in a shrink: a replica applies
+                // it as forwarded; a primary refuses it under the lock, a
+                // Fetch at once, until this copy opens. (An earlier
+                // growth's fence names it moved away: it comes back.)
+                if self
+                    .incoming(shard)
+                    .is_some_and(|to| shard_for_key(key, to) == shard)
+                {
+                    continue;
+                }
                 // A key a resize moved away (this shard took the new
                 // count): the caller follows a `KeysMoved`.
                 if let Some(moved) = self.moved(shard) {

@@ -50,10 +50,12 @@ pub struct CheckedPush<'a> {
     keys: &'a [u64],
     gradients: &'a [u8],
     id: PushId,
-    /// The store's shard count.
+    /// The shard's count at the check (`Store::route_count`).
     num_shards: u32,
     /// The shard count the worker split it by (0: not said).
     split_by: u32,
+    /// The count before the store's last shrink (`Store::shrunk_from`).
+    shrunk_from: u32,
 }
 
 impl CheckedPush<'_> {
@@ -159,20 +161,46 @@ impl CheckedPush<'_> {
         debug_assert_eq!(writing.shard(), self.shard, "another shard's lock");
         // Checked again under the lock: the fence may have come since
         // `check_push` (`store/resize.rs`).
+        // Keys this shard receives in a shrink that has not opened here
+        // (`store/resize.rs`; an earlier growth's fence may name them
+        // moved away); and Pushes split by that count wait for it.
+        if let Some(to) = writing.incoming() {
+            super::resize::refuse_incoming(self.shard, self.keys, self.num_shards, to)?;
+            if self.split_by == to {
+                return Err(StoreError::NotCutOver {
+                    shard: self.shard,
+                    split_by: self.split_by,
+                    num_shards: self.num_shards,
+                });
+            }
+        }
         let moved = writing.moved();
         if let Some(moved) = moved {
             super::resize::refuse_moved(self.shard, self.keys, moved)?;
         }
         // A count below the shard's own is an older one (a shard that took
         // a finished growth's count): its keys were checked against this
-        // shard's own count, and moved ones refused above.
-        if self.split_by > self.num_shards
-            && !(moved.map(|(to, _)| to) == Some(self.split_by) && writing.new_count_open())
-        {
-            return Err(StoreError::NotCutOver {
-                shard: self.shard,
-                split_by: self.split_by,
-                num_shards: self.num_shards,
+        // shard's own count, and moved ones refused above. A larger one is
+        // a growth's, taken once it opened here, or, where a shrink opened
+        // (the shard's count may have changed since the check), the count
+        // before it: split anew.
+        let own = writing.routes_by().unwrap_or(self.num_shards);
+        let growing_to = moved.map(|(to, _)| to) == Some(self.split_by);
+        if self.split_by > own && !(growing_to && writing.new_count_open()) {
+            let before_shrink =
+                writing.routes_by().is_some() || (!growing_to && self.split_by <= self.shrunk_from);
+            return Err(if before_shrink {
+                StoreError::Resplit {
+                    shard: self.shard,
+                    split_by: self.split_by,
+                    num_shards: own,
+                }
+            } else {
+                StoreError::NotCutOver {
+                    shard: self.shard,
+                    split_by: self.split_by,
+                    num_shards: self.num_shards,
+                }
             });
         }
         let id = self.id;
@@ -309,8 +337,9 @@ impl Store {
             keys,
             gradients,
             id,
-            num_shards: self.num_shards(),
+            num_shards: self.route_count(shard),
             split_by: 0,
+            shrunk_from: self.shrunk_from(),
         })
     }
 }

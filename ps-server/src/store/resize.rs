@@ -13,6 +13,20 @@
 //! primary forwards without the check (the primary decided). Fetches
 //! check it too ([`Store::check_fetch`]). Each check costs one atomic
 //! load when no resize is under way.
+//!
+//! **Shrinking** keeps the receiving shards serving: a shard that
+//! receives keys in a shrink serves its own keys throughout, and refuses
+//! only the incoming ones ([`StoreError::NotOpened`], `UNAVAILABLE`)
+//! until this copy of it opens ([`Store::set_incoming`]); a Push's
+//! incoming keys are refused by the primary under the shard's lock, as
+//! the fence is checked, while a replica applies what its primary
+//! forwarded. From the opening the shard routes by the shrunk count
+//! ([`Store::set_routes_by`]): its Pushes split by the old count are
+//! answered [`StoreError::Resplit`] (`ABORTED` with a `KeysMoved`), so
+//! that its deduplication window holds, from the opening on, only Pushes
+//! split by the new count; what it held before is kept with the giving
+//! shards' windows ([`Store::applied_at_origins`], origin: the shard
+//! itself).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -53,6 +67,13 @@ pub(super) struct Resizing {
     origins: Mutex<HashMap<u32, Arc<Origins>>>,
     /// How many shards hold origins (as `receiving_count`).
     origins_count: AtomicUsize,
+    /// How many hosted shards receive keys in a shrink or route by a
+    /// shrunk count (as `receiving_count`).
+    shrinking_count: AtomicUsize,
+    /// The count before the last shrink this store took
+    /// ([`Store::adopt_shrunk_count`]; 0: none): a Push split by it or
+    /// fewer, more than the store's count, is split anew.
+    shrunk_from: std::sync::atomic::AtomicU32,
 }
 
 impl Resizing {
@@ -66,6 +87,8 @@ impl Resizing {
             moved_count: AtomicUsize::new(0),
             origins: Mutex::new(HashMap::new()),
             origins_count: AtomicUsize::new(0),
+            shrinking_count: AtomicUsize::new(0),
+            shrunk_from: std::sync::atomic::AtomicU32::new(0),
         }
     }
 }
@@ -96,6 +119,117 @@ impl Store {
                 .receiving
                 .get(&shard)
                 .is_some_and(|f| f.load(Ordering::SeqCst))
+    }
+
+    /// Makes the locked shard receive the keys `to` routes to it in a
+    /// shrink (`Some`), not opened on this copy yet, or no longer
+    /// (`None`): until then its own keys are served and the incoming
+    /// ones refused (module docs). A resize feed writes it meanwhile.
+    pub fn set_incoming(&self, writing: &ShardGuard<'_>, to: Option<u32>) {
+        let was = writing.incoming();
+        if was == to {
+            return;
+        }
+        writing
+            .writer
+            .incoming_to
+            .store(to.unwrap_or(0), Ordering::SeqCst);
+        self.count_shrinking(was.is_some() || writing.routes_by().is_some(), writing);
+        tracing::info!(
+            shard = writing.shard(),
+            shrinks_to = to.unwrap_or(0),
+            "shard receiving keys in a shrink"
+        );
+    }
+
+    /// Makes the locked shard route keys by `to` (a shrink opened on this
+    /// copy: it holds every moved row), or by the store's count again
+    /// (`None`).
+    pub fn set_routes_by(&self, writing: &ShardGuard<'_>, to: Option<u32>) {
+        let was = writing.routes_by();
+        if was == to {
+            return;
+        }
+        writing
+            .writer
+            .routes_by
+            .store(to.unwrap_or(0), Ordering::SeqCst);
+        self.count_shrinking(was.is_some() || writing.incoming().is_some(), writing);
+        tracing::info!(
+            shard = writing.shard(),
+            num_shards = to.unwrap_or_else(|| self.num_shards()),
+            "shard routes keys by a shrunk count"
+        );
+    }
+
+    /// Keeps `shrinking_count` after a change of the locked shard's shrink
+    /// state (`was`: whether it had any before).
+    fn count_shrinking(&self, was: bool, writing: &ShardGuard<'_>) {
+        let is = writing.incoming().is_some() || writing.routes_by().is_some();
+        match (was, is) {
+            (false, true) => {
+                self.resize.shrinking_count.fetch_add(1, Ordering::SeqCst);
+            }
+            (true, false) => {
+                self.resize.shrinking_count.fetch_sub(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+    }
+
+    /// The count `shard` receives keys of in a shrink not opened on this
+    /// copy yet.
+    pub fn incoming(&self, shard: u32) -> Option<u32> {
+        if self.resize.shrinking_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        match self.writers.get(&shard)?.incoming_to.load(Ordering::SeqCst) {
+            0 => None,
+            to => Some(to),
+        }
+    }
+
+    /// The shrunk count `shard` routes by since a shrink opened on this
+    /// copy, if one did (and the store has not taken it).
+    pub fn routes_by(&self, shard: u32) -> Option<u32> {
+        if self.resize.shrinking_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        match self.writers.get(&shard)?.routes_by.load(Ordering::SeqCst) {
+            0 => None,
+            to => Some(to),
+        }
+    }
+
+    /// The count `shard`'s keys are routed by here: the store's, or a
+    /// shrunk one from the shrink's opening on this copy.
+    pub fn route_count(&self, shard: u32) -> u32 {
+        if self.resize.shrinking_count.load(Ordering::Relaxed) > 0
+            && let Some(writer) = self.writers.get(&shard)
+        {
+            match writer.routes_by.load(Ordering::SeqCst) {
+                0 => {}
+                to => return to,
+            }
+        }
+        self.num_shards()
+    }
+
+    /// Whether a resize feed may write `shard` now: it receives keys,
+    /// in a growth (not served) or a shrink (its own keys served).
+    pub fn taking_rows(&self, shard: u32) -> bool {
+        self.receiving(shard) || self.incoming(shard).is_some()
+    }
+
+    /// Makes the locked shard's deduplication windows start empty (a
+    /// shrink's opening: what they held is kept as the shard's own
+    /// origin windows first, [`Store::set_origin_windows`]).
+    pub fn clear_dedup(&self, writing: &ShardGuard<'_>) {
+        for table in self.tables.values() {
+            if let Some(state) = table.shard(writing.shard()) {
+                state.dedup.clear();
+            }
+        }
     }
 
     /// Fences the keys of the locked shard that a resize moved away: from
@@ -160,6 +294,30 @@ impl Store {
         } else {
             false
         }
+    }
+
+    /// Routes keys by `num_shards`, fewer than now, from now on: the
+    /// target of a finished shrink whose every hosted shard opened on
+    /// this copy (each routes by it already, [`Store::set_routes_by`];
+    /// the caller clears that once this is taken). Returns whether it was.
+    pub fn adopt_shrunk_count(&self, num_shards: u32) -> bool {
+        let was = self.num_shards.fetch_min(num_shards, Ordering::SeqCst);
+        if was > num_shards {
+            self.resize.shrunk_from.store(was, Ordering::SeqCst);
+            tracing::info!(
+                was,
+                num_shards,
+                "routing keys by a finished shrink's shard count"
+            );
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The count before the last shrink this store took (0: none).
+    pub fn shrunk_from(&self) -> u32 {
+        self.resize.shrunk_from.load(Ordering::Relaxed)
     }
 
     /// Whether `shard` takes Pushes split by the count its keys moved to.
@@ -331,17 +489,22 @@ impl Store {
     /// Drops the rows of the shard `writing` locks that its count does not
     /// route to it, if a resize moved keys away from it (a copy just
     /// installed that still held a finished growth's moved rows); one
-    /// scan under the lock the caller holds anyway. Returns the rows.
+    /// scan under the lock the caller holds anyway. The keys it receives
+    /// in a shrink stay. Returns the rows.
     pub fn drop_unrouted(&self, writing: &ShardGuard<'_>) -> usize {
         let shard = writing.shard();
         if self.moved(shard).is_none() {
             return 0;
         }
-        let num_shards = self.num_shards();
+        let num_shards = self.route_count(shard);
+        let incoming = writing.incoming();
         let names: Vec<String> = self.tables.keys().cloned().collect();
         let mut dropped = 0;
         for name in names {
-            let keys = self.keys_where(writing, &name, |k| shard_for_key(k, num_shards) != shard);
+            let keys = self.keys_where(writing, &name, |k| {
+                shard_for_key(k, num_shards) != shard
+                    && incoming.is_none_or(|to| shard_for_key(k, to) != shard)
+            });
             dropped += self.remove_rows(writing, &name, &keys).unwrap_or(0);
         }
         dropped
@@ -353,6 +516,28 @@ impl Store {
             Some(moved) => refuse_moved(shard, keys, moved),
             None => Ok(()),
         }
+    }
+}
+
+/// [`StoreError::NotOpened`] for the first of `keys` that `num_shards`
+/// (the shard's count before a shrink) routes away from `shard`: one it
+/// receives in a shrink to `to` not opened here.
+pub(super) fn refuse_incoming(
+    shard: u32,
+    keys: &[u64],
+    num_shards: u32,
+    to: u32,
+) -> Result<(), StoreError> {
+    match keys
+        .iter()
+        .find(|&&k| shard_for_key(k, num_shards) != shard)
+    {
+        Some(&key) => Err(StoreError::NotOpened {
+            key,
+            shard,
+            num_shards: to,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -460,6 +645,125 @@ mod tests {
             .unwrap()
             .apply_replicated(&writing, &[], &[], std::time::Instant::now(), 0)
             .unwrap();
+    }
+
+    /// A shrink from 3 to 2 shards at remaining shard 0: its own keys
+    /// are served throughout; the keys it receives (from shard 2) only
+    /// once it opens, and a Push split by 2 waits for that; a replica
+    /// applies forwarded Pushes of them. From the opening it routes by 2:
+    /// a Push split by 3 is answered `Resplit`, and a Push retried split
+    /// by 2 leaves out the keys the shard applied it to before, by the
+    /// window it kept of itself, not those shard 2 had not applied.
+    #[test]
+    fn a_shrink_receiving_shard_serves_its_own_keys_and_the_others_once_open() {
+        let store = Store::new(&crate::PsServerConfig {
+            num_shards: 3,
+            shards: vec![0, 2],
+            ..config(Mode::Training)
+        });
+        let own: Vec<u64> = (0u64..400).filter(|&k| shard_for_key(k, 3) == 0).collect();
+        let incoming: Vec<u64> = (0u64..400)
+            .filter(|&k| shard_for_key(k, 3) == 2 && shard_for_key(k, 2) == 0)
+            .collect();
+        assert!(!own.is_empty() && !incoming.is_empty());
+        let grads = |keys: &[u64]| vec![0u8; keys.len() * 3 * 4];
+        let id = |sequence| PushId {
+            worker: 5,
+            sequence,
+        };
+        let push = |keys: &[u64], split_by, sequence| {
+            let g = grads(keys);
+            let writing = store.lock_shard(0).unwrap();
+            store
+                .check_push("t", 0, keys, &g, id(sequence))
+                .map(|c| c.split_by(split_by))
+                .and_then(|c| c.apply(&writing, std::time::Instant::now()))
+        };
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_incoming(&writing, Some(2));
+        }
+        assert!(store.taking_rows(0) && !store.taking_rows(2));
+        // Its own keys: served, and Pushed (split by the old count).
+        assert!(store.fetch("t", 0, &own).is_ok());
+        push(&own, 3, 1).unwrap();
+        // The incoming ones: not yet.
+        assert!(matches!(
+            store.fetch("t", 0, &incoming),
+            Err(StoreError::NotOpened {
+                shard: 0,
+                num_shards: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
+            push(&incoming, 2, 2),
+            Err(StoreError::NotOpened { .. })
+        ));
+        assert!(matches!(
+            push(&own, 2, 3),
+            Err(StoreError::NotCutOver { split_by: 2, .. })
+        ));
+        // A key of neither count's shard 0 is misrouted as ever.
+        let other: Vec<u64> = (0u64..400)
+            .filter(|&k| shard_for_key(k, 2) == 1)
+            .take(1)
+            .collect();
+        assert!(matches!(
+            store.fetch("t", 0, &other),
+            Err(StoreError::WrongShard { .. })
+        ));
+        // A replica applies what its primary forwarded.
+        {
+            let g = grads(&incoming);
+            let writing = store.lock_shard(0).unwrap();
+            store
+                .check_push("t", 0, &incoming, &g, PushId::default())
+                .unwrap()
+                .apply_replicated(&writing, &[], &[], std::time::Instant::now(), 0)
+                .unwrap();
+        }
+        // Opened: its own window kept as an origin, a new one started.
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_origin_windows(0, 3, vec![(0, store.dedup_windows(0))]);
+            store.clear_dedup(&writing);
+            store.set_routes_by(&writing, Some(2));
+            store.set_incoming(&writing, None);
+        }
+        assert_eq!(store.route_count(0), 2);
+        assert_eq!(store.route_count(2), 3);
+        assert!(!store.taking_rows(0));
+        assert!(store.fetch("t", 0, &incoming).is_ok());
+        assert!(matches!(
+            push(&own, 3, 4),
+            Err(StoreError::Resplit {
+                shard: 0,
+                split_by: 3,
+                num_shards: 2
+            })
+        ));
+        // Push 1 retried split by 2, with a key that came from shard 2:
+        // the own keys are left out (applied here before), that one not.
+        let mut both = own.clone();
+        both.push(incoming[0]);
+        let mask = store
+            .applied_at_origins("t", 0, &both, id(1))
+            .unwrap()
+            .unwrap();
+        assert!(mask[..own.len()].iter().all(|&m| m));
+        assert!(!mask[own.len()]);
+        // The new window does not hold it: the rest is applied.
+        assert!(!push(&incoming[..1], 2, 1).unwrap().duplicate);
+        assert!(push(&incoming[..1], 2, 1).unwrap().duplicate);
+        // The store takes the count once the shrink is done.
+        assert!(store.adopt_shrunk_count(2));
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_routes_by(&writing, None);
+        }
+        assert_eq!(store.route_count(0), 2);
+        assert!(store.fetch("t", 0, &incoming).is_ok());
     }
 
     #[test]

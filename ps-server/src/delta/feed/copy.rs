@@ -161,7 +161,7 @@ impl Feed {
     ) -> Result<(tessera_proto::v1::DeltaCopyResponse, u64), FeedError> {
         let mut request = DeltaCopyRequest {
             source_shard: shard,
-            num_shards: self.store.num_shards(),
+            num_shards: self.route_count(),
             shards: self.store.hosted().to_vec(),
             optimizer_state: with_state,
             ..DeltaCopyRequest::default()

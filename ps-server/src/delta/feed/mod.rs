@@ -214,6 +214,16 @@ impl Feed {
         slots
     }
 
+    /// The shard count rows are routed by here: a resize feed's target
+    /// (a shrink's receiving server has more shards itself until it
+    /// opens), else the store's.
+    fn route_count(&self) -> u32 {
+        self.resize_gate
+            .as_ref()
+            .and_then(|gate| *gate.locked())
+            .unwrap_or_else(|| self.store.num_shards())
+    }
+
     /// Whether deltas routed by `num_shards` are taken now.
     fn admits(&self, num_shards: u32) -> bool {
         self.resize_gate
@@ -355,11 +365,11 @@ impl Feed {
                 request.source_shard, request.source_shards
             )));
         }
-        if request.num_shards != self.store.num_shards() {
+        if request.num_shards != self.route_count() {
             return Err(Status::failed_precondition(format!(
                 "the training fleet routes rows to {} serving shards; this serving fleet has {} (delta.num_shards must equal the serving fleet's num_shards)",
                 request.num_shards,
-                self.store.num_shards()
+                self.route_count()
             )));
         }
         let mut shards = request.shards.clone();
@@ -503,9 +513,12 @@ impl Feed {
         }
         let store = Arc::clone(&self.store);
         let resize = self.resize_gate.is_some();
-        tokio::task::spawn_blocking(move || write_tables(&store, &tables, seen.as_deref(), resize))
-            .await
-            .map_err(|err| FeedError::Task(err.to_string()))?
+        let n = self.route_count();
+        tokio::task::spawn_blocking(move || {
+            write_tables(&store, &tables, seen.as_deref(), n, resize)
+        })
+        .await
+        .map_err(|err| FeedError::Task(err.to_string()))?
     }
 
     fn warn(&self, slot: &mut Slot, shard: u32, err: &dyn std::fmt::Display) {

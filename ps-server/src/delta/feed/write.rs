@@ -16,22 +16,22 @@ pub(super) fn lock_for_feed(
         shard,
         hosted: store.hosted().to_vec(),
     })?;
-    if resize && !store.receiving(shard) {
+    if resize && !store.taking_rows(shard) {
         return Err(FeedError::Reset);
     }
     Ok(writing)
 }
 
 /// Writes rows and removals of `tables` into `store`, each chunk's rows
-/// under their serving shard's write lock (`resize`: a resize feed's, see
-/// [`lock_for_feed`]).
+/// under the write lock of the shard `n` shards route them to (`resize`:
+/// a resize feed's, see [`lock_for_feed`]).
 pub(super) fn write_tables(
     store: &Store,
     tables: &[DeltaTable],
     seen: Option<&Seen>,
+    n: u32,
     resize: bool,
 ) -> Result<(), FeedError> {
-    let n = store.num_shards();
     for table in tables {
         let row_bytes = store.row_bytes(&table.name)?;
         let state_bytes = if table.keys.is_empty() {
