@@ -156,6 +156,9 @@ pub struct Cluster {
     stop_timeout: Duration,
     /// Stopped (dropped) after the servers.
     etcd: Option<LocalEtcd>,
+    /// The first training server's configuration, from which a grown
+    /// cluster's new servers are made ([`Cluster::add_shard`]).
+    template: Option<PsServerConfig>,
 }
 
 fn spawn_server(
@@ -356,6 +359,7 @@ impl Cluster {
             run_dir: run_dir.to_owned(),
             stop_timeout: Duration::from_millis(config.stop_timeout_ms),
             etcd: None,
+            template: None,
         };
         let outcome = tokio::select! {
             outcome = cluster.spawn_all(config, &binary, placements) => outcome,
@@ -514,6 +518,9 @@ impl Cluster {
                         interval_secs: config.checkpoint_interval_secs,
                         ..CheckpointConfig::default()
                     };
+                }
+                if self.template.is_none() {
+                    self.template = Some(server_config.clone());
                 }
                 let what = format!("ps-server group {group} shard {shard} ({address})");
                 let (config_path, log, child) =
@@ -756,6 +763,106 @@ impl Cluster {
         self.servers
             .iter()
             .position(|s| s.serving && s.group == group && s.shard == shard)
+    }
+
+    /// Starts the servers of new shard `shard` of a cluster growing to
+    /// `num_shards` shards (etcd mode, after `tessera reshard --to`
+    /// planned it), one per replica group, each the others' replication
+    /// peer, configured as the cluster's first servers were, on free
+    /// ports of its host; returns their indices in [`Cluster::servers`].
+    /// They take part in the resize by themselves (`ps-server`'s
+    /// `reshard`); workers learn of them from etcd.
+    pub fn add_shard(&mut self, shard: u32, num_shards: u32) -> Result<Vec<usize>, LaunchError> {
+        let Some(template) = self.template.clone() else {
+            return Err(LaunchError::Spawn {
+                what: format!("shard {shard}'s servers"),
+                source: std::io::Error::other("the cluster has no training server to copy"),
+            });
+        };
+        let host = template
+            .listen
+            .rsplit_once(':')
+            .map_or("127.0.0.1", |(host, _)| host)
+            .to_owned();
+        let groups = template.replica_groups.max(1);
+        let ports = free_ports(&host, groups as usize).map_err(|source| LaunchError::Spawn {
+            what: "port probes".into(),
+            source,
+        })?;
+        let addresses: Vec<String> = ports.iter().map(|p| format!("{host}:{p}")).collect();
+        let binary = self
+            .servers
+            .iter()
+            .find(|s| !s.serving)
+            .map(|s| s.binary.clone())
+            .unwrap_or_default();
+        let mut added = Vec::new();
+        for group in 0..groups {
+            let address = addresses[group as usize].clone();
+            let peers = (0..groups)
+                .filter(|&g| g != group)
+                .map(|g| PeerConfig {
+                    address: addresses[g as usize].clone(),
+                    replica_group: g,
+                    shards: vec![shard],
+                })
+                .collect();
+            let stem = format!("ps-g{group}-s{shard}");
+            let mut config = PsServerConfig {
+                listen: address.clone(),
+                num_shards,
+                shards: vec![shard],
+                replica_group: group,
+                peers,
+                ..template.clone()
+            };
+            if config.checkpoint.dir.is_some() {
+                config.checkpoint.dir = Some(self.run_dir.join("checkpoints").join(&stem));
+            }
+            let what = format!("ps-server group {group} shard {shard} ({address})");
+            let (config_path, log, child) =
+                self.write_and_spawn(&stem, &config, &[], &binary, &what)?;
+            added.push(self.servers.len());
+            self.servers.push(ServerProcess {
+                serving: false,
+                group,
+                shard,
+                address,
+                log,
+                config_path,
+                binary: binary.clone(),
+                prefix: Vec::new(),
+                child: Some(child),
+            });
+        }
+        Ok(added)
+    }
+
+    /// Writes `num_shards` into the configuration of every training server
+    /// whose shard it keeps (after a resize is done, as an operator
+    /// would: a server restarted from then on joins with the count it
+    /// routes by; one configured with a count two resizes back is
+    /// refused). Servers of shards a shrink gave away keep theirs.
+    pub fn set_num_shards(&mut self, num_shards: u32) -> Result<(), LaunchError> {
+        for server in self
+            .servers
+            .iter()
+            .filter(|s| !s.serving && s.shard < num_shards)
+        {
+            let path = &server.config_path;
+            let unreadable = |err: String| LaunchError::Write {
+                path: path.clone(),
+                source: std::io::Error::other(err),
+            };
+            let text = std::fs::read_to_string(path).map_err(|err| unreadable(err.to_string()))?;
+            let mut config: PsServerConfig =
+                toml::from_str(&text).map_err(|err| unreadable(err.to_string()))?;
+            config.num_shards = num_shards;
+            let text = toml::to_string(&config).map_err(|err| unreadable(err.to_string()))?;
+            write_file(path, &text)?;
+        }
+        self.worker_config.num_shards = num_shards;
+        Ok(())
     }
 
     /// SIGKILLs server `index` and reaps it (a crash; nothing is handed

@@ -32,6 +32,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 mod attack;
 mod load;
+mod reshard;
 mod serving;
 mod soak;
 mod trainer;
@@ -220,6 +221,16 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
         }
     }
     cluster.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_tcp_reshard_2_3_4_3_under_a_trainer_and_a_ranker() {
+    reshard::reshard_under_load(TransportKind::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_rdma_reshard_2_3_4_3_under_a_trainer_and_a_ranker() {
+    reshard::reshard_under_load(TransportKind::Rdma).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
