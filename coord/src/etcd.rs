@@ -78,6 +78,21 @@ pub enum CoordError {
         /// The count it goes to (this server's).
         to: u32,
     },
+    /// This server hosts a shard the growth in progress takes keys from,
+    /// and is configured with the growth's target count: it may start
+    /// with the old count now, or with the new one once the growth is
+    /// done.
+    #[error(
+        "a growth from {from} to {to} shards is in progress and shard {shard} gives keys in it: its servers keep num_shards = {from} until it is done (`tessera reshard` shows it)"
+    )]
+    GrowthInProgress {
+        /// The count before the growth.
+        from: u32,
+        /// The count it goes to (this server's).
+        to: u32,
+        /// The old shard this server hosts.
+        shard: u32,
+    },
     /// The cluster has no shard map yet: no server of it has started in
     /// etcd mode.
     #[error(
@@ -433,7 +448,16 @@ impl EtcdCoordinator {
     /// after a growth cut over, than its old count: a giving shard's
     /// server) is refused ([`CoordError::ShardCount`]): it would look for
     /// its keys on the wrong shards.
-    pub async fn join_shard_map(&self, num_shards: u32) -> Result<ShardMap, CoordError> {
+    ///
+    /// A server hosting `shards` with a growth's target count may join
+    /// during the growth only if it hosts none of the old shards (those
+    /// keep the old count, and their fence, until the growth is done:
+    /// [`CoordError::GrowthInProgress`]).
+    pub async fn join_shard_map(
+        &self,
+        num_shards: u32,
+        shards: &[u32],
+    ) -> Result<ShardMap, CoordError> {
         loop {
             let map = match self.shard_map().await? {
                 Some((map, _)) => map,
@@ -455,6 +479,15 @@ impl EtcdCoordinator {
                 return Err(CoordError::ShrinkInProgress {
                     from: r.from,
                     to: r.to,
+                });
+            }
+            if let Some(r) = map.active().filter(|r| r.to > r.from && r.to == num_shards)
+                && let Some(&shard) = shards.iter().find(|&&s| s < r.from)
+            {
+                return Err(CoordError::GrowthInProgress {
+                    from: r.from,
+                    to: r.to,
+                    shard,
                 });
             }
             // The old count of a resize that cut over (or is done): a

@@ -165,10 +165,10 @@ async fn servers_join_the_shard_map_and_another_count_is_refused() {
     let mut config = config(&etcd);
     config.cluster = "join-test".into();
     let coord = EtcdCoordinator::connect(&config).await.unwrap();
-    let map = coord.join_shard_map(4).await.unwrap();
+    let map = coord.join_shard_map(4, &[]).await.unwrap();
     assert_eq!((map.num_shards, map.version), (4, 1));
-    assert_eq!(coord.join_shard_map(4).await.unwrap(), map);
-    match coord.join_shard_map(3).await {
+    assert_eq!(coord.join_shard_map(4, &[]).await.unwrap(), map);
+    match coord.join_shard_map(3, &[]).await {
         Err(tessera_coord::CoordError::ShardCount {
             map: 4,
             configured: 3,
@@ -184,7 +184,7 @@ async fn servers_join_the_shard_map_and_another_count_is_refused() {
             .await
             .unwrap()
     );
-    assert_eq!(coord.join_shard_map(6).await.unwrap().num_shards, 4);
+    assert_eq!(coord.join_shard_map(6, &[]).await.unwrap().num_shards, 4);
     // Once it cut over, a server of the old count (a giving shard's)
     // joins too, and still after it is done; another count does not.
     let (map, revision) = coord.shard_map().await.unwrap().unwrap();
@@ -194,7 +194,7 @@ async fn servers_join_the_shard_map_and_another_count_is_refused() {
     }
     let cut = cut.cut_over().unwrap();
     assert!(coord.write_shard_map(&cut, revision).await.unwrap());
-    assert_eq!(coord.join_shard_map(4).await.unwrap().num_shards, 6);
+    assert_eq!(coord.join_shard_map(4, &[]).await.unwrap().num_shards, 6);
     let (map, revision) = coord.shard_map().await.unwrap().unwrap();
     assert!(
         coord
@@ -208,10 +208,10 @@ async fn servers_join_the_shard_map_and_another_count_is_refused() {
             .await
             .unwrap()
     );
-    assert_eq!(coord.join_shard_map(4).await.unwrap().num_shards, 6);
-    assert!(coord.join_shard_map(6).await.is_ok());
+    assert_eq!(coord.join_shard_map(4, &[]).await.unwrap().num_shards, 6);
+    assert!(coord.join_shard_map(6, &[]).await.is_ok());
     assert!(matches!(
-        coord.join_shard_map(5).await,
+        coord.join_shard_map(5, &[]).await,
         Err(tessera_coord::CoordError::ShardCount { map: 6, .. })
     ));
 }

@@ -4,6 +4,7 @@
 pub mod cluster;
 pub mod config;
 pub mod reshard;
+pub mod resizing;
 pub mod soak;
 pub mod status;
 

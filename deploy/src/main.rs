@@ -427,7 +427,7 @@ async fn up(
             temp.path().to_owned()
         }
     };
-    let cluster = Cluster::start_until(&config, &dir, interrupt.recv()).await?;
+    let mut cluster = Cluster::start_until(&config, &dir, interrupt.recv()).await?;
     print_cluster(&cluster);
     println!(
         "{} ps-server(s) healthy; worker config: {}",
@@ -441,7 +441,14 @@ async fn up(
         );
     }
     println!("Press Ctrl-C to stop.");
-    interrupt.recv().await;
+    if config.coordinator.is_etcd() {
+        // `tessera reshard --to M` resizes it: new shards' servers are
+        // started here, given-away ones stopped.
+        let coordinator = cluster.worker_config().coordinator.clone();
+        tessera_deploy::resizing::follow(&mut cluster, &coordinator, interrupt.recv()).await;
+    } else {
+        interrupt.recv().await;
+    }
     println!("stopping...");
     cluster.stop().await?;
     println!("all servers stopped");

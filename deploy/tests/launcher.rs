@@ -559,3 +559,96 @@ fn a_signal_during_the_demo_stops_its_cluster() {
     let left: Vec<_> = std::fs::read_dir(&temp_root).unwrap().flatten().collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// `tessera up` follows its cluster's resizes (etcd mode): planned with
+/// `tessera reshard --to 3`, it starts the new shard's servers and the
+/// resize runs to done, after which the configurations say 3; shrunk back
+/// to 2, it stops the given-away shard's servers once done.
+#[test]
+fn up_starts_a_growths_new_servers_and_stops_a_shrinks_given_away_ones() {
+    if !Path::new(&tessera_coord::etcd_bin(None)).is_file() {
+        eprintln!(
+            "SKIPPED up_starts_a_growths_new_servers_and_stops_a_shrinks_given_away_ones: no etcd binary"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "num_shards = 2\nreplica_groups = 2\nlocal_etcd = true\n\
+         [coordinator]\nkind = \"etcd\"\n[[tables]]\nname = \"emb\"\ndim = 4\n",
+    )
+    .unwrap();
+    let out = dir.path().join("up.out");
+    let mut launcher = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["up", "--config"])
+            .arg(&config)
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .env("TESSERA_PS_SERVER_BIN", ps_server_bin())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_file(
+        &run_dir.join("worker.toml"),
+        &mut launcher.0,
+        Duration::from_secs(60),
+    );
+    let worker: tessera_worker::WorkerConfig =
+        toml::from_str(&std::fs::read_to_string(run_dir.join("worker.toml")).unwrap()).unwrap();
+    let endpoints = worker.coordinator.endpoints.join(",");
+    let reshard = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["reshard", "--endpoints", &endpoints, "--cluster"])
+            .arg(&worker.coordinator.cluster)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "tessera reshard {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let wait_done = |to: u32, printed: &str| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let map: tessera_coord::ShardMap = serde_json::from_str(&reshard(&["--json"])).unwrap();
+            let done = map
+                .resize
+                .as_ref()
+                .is_some_and(|r| r.to == to && r.state == tessera_coord::ResizeState::Done);
+            let said = std::fs::read_to_string(&out).unwrap_or_default();
+            if done && said.contains(printed) {
+                return said;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "resize to {to} not done (or not followed): {map:?}\n{said}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    reshard(&["--to", "3"]);
+    let said = wait_done(3, "resize to 3 shards done");
+    assert!(
+        said.contains("started ps-server group 0 shard 2")
+            && said.contains("started ps-server group 1 shard 2"),
+        "{said}"
+    );
+    let server_config = std::fs::read_to_string(run_dir.join("ps-g0-s0.toml")).unwrap();
+    assert!(server_config.contains("num_shards = 3"), "{server_config}");
+    reshard(&["--to", "2"]);
+    wait_done(
+        2,
+        "shard 2 was given away in the shrink: its servers stopped",
+    );
+    signal(&launcher.0, "-INT");
+    let status = wait_exit(&mut launcher.0, Duration::from_secs(60));
+    assert!(status.success(), "{status}");
+}

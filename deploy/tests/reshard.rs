@@ -50,7 +50,7 @@ async fn an_operator_plans_refuses_a_second_and_cancels_a_resize() {
     })
     .await
     .unwrap();
-    coord.join_shard_map(2).await.unwrap();
+    coord.join_shard_map(2, &[0]).await.unwrap();
     let (ok, out, err) = tokio::task::block_in_place(|| reshard(&etcd, cluster, &[]));
     assert!(ok, "{err}");
     assert_eq!(out.trim(), "shard map version 1: keys routed to 2 shards");
@@ -106,11 +106,24 @@ async fn an_operator_plans_refuses_a_second_and_cancels_a_resize() {
         out.contains("resize 2 -> 1 shards") && out.contains("receiving shards 0"),
         "{out}"
     );
-    let err = coord.join_shard_map(1).await.unwrap_err();
+    let err = coord.join_shard_map(1, &[0]).await.unwrap_err();
     assert!(
         err.to_string()
             .contains("a shrink from 2 to 1 shards is in progress"),
         "{err}"
     );
-    coord.join_shard_map(2).await.unwrap();
+    coord.join_shard_map(2, &[0]).await.unwrap();
+    // A growth: an old shard's server keeps the old count until it is
+    // done; a new shard's may start with the new one.
+    tokio::task::block_in_place(|| reshard(&etcd, cluster, &["--cancel"]));
+    let (ok, _, err) = tokio::task::block_in_place(|| reshard(&etcd, cluster, &["--to", "3"]));
+    assert!(ok, "{err}");
+    let err = coord.join_shard_map(3, &[1]).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("shard 1 gives keys in it: its servers keep num_shards = 2"),
+        "{err}"
+    );
+    coord.join_shard_map(3, &[2]).await.unwrap();
+    coord.join_shard_map(2, &[1]).await.unwrap();
 }

@@ -665,6 +665,9 @@ impl Resharding {
     /// shard only while it receives (`delta/feed/write.rs`), so no row
     /// still on its way lands after its first Push.
     async fn open(&self, resize: &Resize, leads: &[u32]) {
+        // Tests hold every opening here to stop a resize between its
+        // cut-over and its opening (`tests/reshard_states.rs`).
+        fail::fail_point!("reshard::open", |_| ());
         let Some(feed) = &self.feed else {
             return;
         };

@@ -81,3 +81,32 @@ pub async fn shard_map_now(coord: &EtcdCoordinator) -> ShardMap {
         other => panic!("no shard map in etcd: {other:?}"),
     }
 }
+
+/// One server for each of shards `0..num_shards` of etcd cluster
+/// `cluster` (as [`resize_server`]), each serving, and a coordinator
+/// client of the cluster (the operator's, in a test).
+///
+/// # Panics
+///
+/// If etcd cannot be reached (a test's set-up failed).
+pub async fn resize_servers(
+    etcd: &Etcd,
+    cluster: &str,
+    num_shards: u32,
+    table: &TableConfig,
+) -> (Vec<crate::InProcess>, EtcdCoordinator) {
+    let mut servers = Vec::new();
+    for shard in 0..num_shards {
+        servers.push(
+            crate::InProcess::start(&resize_server(etcd, cluster, num_shards, shard, table)).await,
+        );
+    }
+    for s in &servers {
+        crate::wait_serving(&s.addr).await;
+    }
+    let coord = match EtcdCoordinator::connect(&etcd_coordination(etcd, cluster, 2000)).await {
+        Ok(coord) => coord,
+        Err(err) => panic!("etcd: {err}"),
+    };
+    (servers, coord)
+}

@@ -13,13 +13,11 @@
 
 use std::time::{Duration, Instant};
 
-use tessera_coord::{EtcdCoordinator, ResizeState};
+use tessera_coord::ResizeState;
 use tessera_proto::sharding::shard_for_key;
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
-use tessera_test_support::{
-    Etcd, InProcess, etcd_coordination, resize_pair, resize_server, wait_serving,
-};
+use tessera_test_support::{Etcd, InProcess, etcd_coordination, resize_pair, resize_servers};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
 
 const DIM: usize = 4;
@@ -38,16 +36,7 @@ fn table() -> TableConfig {
 async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
     let etcd = Etcd::start();
     let cluster = "grow-worker";
-    let mut old = Vec::new();
-    for shard in 0..OLD {
-        old.push(InProcess::start(&resize_server(&etcd, cluster, OLD, shard, &table())).await);
-    }
-    for s in &old {
-        wait_serving(&s.addr).await;
-    }
-    let coord = EtcdCoordinator::connect(&etcd_coordination(&etcd, cluster, 2000))
-        .await
-        .unwrap();
+    let (old, coord) = resize_servers(&etcd, cluster, OLD, &table()).await;
     // The worker knows only the old servers; etcd tells it the rest.
     let client = PsClient::new(&WorkerConfig {
         num_shards: OLD,

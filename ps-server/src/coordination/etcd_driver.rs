@@ -59,7 +59,10 @@ impl Driver {
         // does not start; one that cannot read the map now (etcd not up
         // yet) starts as before, unchecked, and says so: its sessions wait
         // for etcd anyway.
-        let joined = match coord.join_shard_map(config.num_shards).await {
+        let joined = match coord
+            .join_shard_map(config.num_shards, &config.shards)
+            .await
+        {
             Ok(map) => {
                 tracing::info!(
                     num_shards = map.num_shards,
@@ -68,7 +71,11 @@ impl Driver {
                 );
                 Some(map)
             }
-            Err(err @ CoordError::ShardCount { .. }) => return Err(err),
+            Err(
+                err @ (CoordError::ShardCount { .. }
+                | CoordError::ShrinkInProgress { .. }
+                | CoordError::GrowthInProgress { .. }),
+            ) => return Err(err),
             Err(err) => {
                 tracing::warn!(
                     %err,

@@ -1,0 +1,192 @@
+//! Resizes interrupted in the states `tests/reshard.rs` and the drill do
+//! not stop in (issue 39), in-process with etcd: a server of an old shard
+//! restarted while the resize is only planned, and a growth whose new
+//! primary stops after the cut-over, before it opened its shard (a fail
+//! point, `reshard::open`, holds every opening until the test lifts it):
+//! the new shard's replica leads, follows the old shards anew from their
+//! fenced copies and opens; the resize is done, the moved rows bit for
+//! bit the old primaries' at the fence.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
+use tessera_proto::sharding::shard_for_key;
+use tessera_proto::v1::{FetchRequest, PushRequest};
+use tessera_ps_server::TableConfig;
+use tessera_ps_server::config::OptimizerConfig;
+use tessera_test_support::{
+    Etcd, InProcess, keys_moved, resize_pair, resize_server, resize_servers, shard_map_now,
+    wait_serving, wire,
+};
+
+const DIM: usize = 4;
+const OLD: u32 = 2;
+const NEW: u32 = 3;
+
+fn table() -> TableConfig {
+    TableConfig {
+        optimizer: OptimizerConfig::adam(0.01),
+        ..TableConfig::new("emb", DIM as u32)
+    }
+}
+
+fn keys_of(shard: u32) -> Vec<u64> {
+    (0..600)
+        .filter(|&k| shard_for_key(k, OLD) == shard)
+        .collect()
+}
+
+fn moving(shard: u32) -> Vec<u64> {
+    keys_of(shard)
+        .into_iter()
+        .filter(|&k| shard_for_key(k, NEW) == OLD)
+        .collect()
+}
+
+fn push(step: u64, shard: u32) -> PushRequest {
+    let keys = keys_of(shard);
+    let grads: Vec<f32> = (0..keys.len() * DIM)
+        .map(|i| ((i as u64 * 7 + step) % 9) as f32 - 4.0)
+        .collect();
+    PushRequest {
+        num_shards: OLD,
+        table: "emb".into(),
+        shard,
+        keys,
+        gradients: Bytes::from(wire(&grads)),
+        worker_id: 3,
+        sequence: step,
+    }
+}
+
+/// Values, optimizer state and update counts of `keys` of `shard`.
+fn rows(server: &InProcess, shard: u32, keys: &[u64]) -> (Vec<u64>, Vec<u8>, Vec<u8>, Vec<u32>) {
+    let r = server.store.read_rows("emb", shard, keys, true).unwrap();
+    (r.keys, r.values, r.state, r.steps)
+}
+
+async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = shard_map_now(coord).await;
+        if done(&m) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never {what}: {m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening_completes() {
+    let etcd = Etcd::start();
+    let cluster = "grow-states";
+    let (mut old, coord) = resize_servers(&etcd, cluster, OLD, &table()).await;
+    let mut step = 0;
+    for _ in 0..3 {
+        step += 1;
+        for (shard, server) in old.iter().enumerate() {
+            server.data.push(push(step, shard as u32)).await.unwrap();
+        }
+    }
+
+    // Planned: old shard 0's server restarts (its rows come back from
+    // nowhere: no checkpoint, no replica; only its keys' Pushes from now
+    // on are compared), and the resize goes on once the new servers come.
+    coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
+    let config0 = tessera_ps_server::PsServerConfig {
+        listen: old[0].addr.clone(),
+        ..resize_server(&etcd, cluster, OLD, 0, &table())
+    };
+    old.remove(0).stop().await;
+    old.insert(0, InProcess::start(&config0).await);
+    wait_serving(&old[0].addr).await;
+    assert_eq!(
+        shard_map_now(&coord).await.active().map(|r| r.state),
+        Some(ResizeState::Planned)
+    );
+
+    // No shard opens until the fail point is lifted.
+    fail::cfg("reshard::open", "return").unwrap();
+    let mut news = Vec::new();
+    for config in resize_pair(&etcd, cluster, NEW, OLD, &table()) {
+        news.push(InProcess::start(&config).await);
+    }
+    // Pushes until the cut-over; the fence refuses the moved keys then.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = shard_map_now(&coord).await;
+        if m.active().is_some_and(|r| r.state == ResizeState::CutOver) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never cut over: {m:?}");
+        step += 1;
+        for (shard, server) in old.iter().enumerate() {
+            match server.data.push(push(step, shard as u32)).await {
+                Ok(_) => {}
+                Err(err) if keys_moved(&err).is_some() => {}
+                Err(err) => panic!("push: {err}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Every old server fenced the moved keys: their rows are final.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while old
+        .iter()
+        .any(|s| s.store.moved(s.store.hosted()[0]).is_none())
+    {
+        assert!(Instant::now() < deadline, "an old shard never fenced");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let frozen: Vec<_> = (0..OLD)
+        .map(|shard| rows(&old[shard as usize], shard, &moving(shard)))
+        .collect();
+    // Held at the opening for a while: still cut over, nothing opened.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let m = shard_map_now(&coord).await;
+    assert!(
+        m.active()
+            .is_some_and(|r| r.state == ResizeState::CutOver && r.opened.is_empty()),
+        "{m:?}"
+    );
+    // The new primary stops before opening; its replica leads.
+    let at = news
+        .iter()
+        .position(|s| s.replication.is_primary(OLD))
+        .expect("the new shard has a primary");
+    news.remove(at).stop().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !news[0].replication.is_primary(OLD) {
+        assert!(Instant::now() < deadline, "the replica never led");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fail::remove("reshard::open");
+    wait_map(&coord, "done", |m| {
+        m.resize
+            .as_ref()
+            .is_some_and(|r| r.state == ResizeState::Done)
+    })
+    .await;
+    for (shard, want) in frozen.into_iter().enumerate() {
+        assert_eq!(
+            rows(&news[0], OLD, &moving(shard as u32)),
+            want,
+            "old shard {shard}'s moved rows"
+        );
+    }
+    news[0]
+        .data
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: OLD,
+            keys: moving(0),
+        })
+        .await
+        .unwrap();
+    for s in news.into_iter().chain(old) {
+        s.stop().await;
+    }
+}
