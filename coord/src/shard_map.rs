@@ -127,9 +127,9 @@
 //! apply such a part twice); between the map saying every receiving
 //! shard serves and an old server seeing it, a worker still on the old
 //! count may read a moved key's older value there (as at a replica);
-//! checkpoints record the configured count, so a server restarts after
-//! a second resize only once its configuration names the count it took;
-//! a
+//! a server configured with a count two resizes back is refused at its
+//! start (checkpoints record the count a server routes by, and load
+//! under another configured count in etcd mode); a
 //! receiving primary that dies after opening, before any replica copied
 //! it, leaves the shard to a copy that cannot serve until an operator
 //! intervenes.

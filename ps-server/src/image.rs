@@ -77,6 +77,8 @@ pub struct TableSnapshot {
 pub struct LoadedCheckpoint {
     /// Where it was read from.
     pub path: PathBuf,
+    /// The shard count its rows are routed by.
+    pub num_shards: u32,
     /// (table name, shard) -> image.
     pub shards: Vec<(String, u32, ShardImage)>,
     /// shard -> the version it was saved at.

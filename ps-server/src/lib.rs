@@ -105,7 +105,9 @@ impl PsServer {
             // Verified whole before anything is installed; the server does
             // not listen until it is.
             let started = std::time::Instant::now();
-            match checkpoint::load_latest(&store, dir)? {
+            // In etcd mode a checkpoint saved under a finished resize's
+            // count (or the one before it) is the shard's too.
+            match checkpoint::load_latest(&store, dir, config.coordinator.is_etcd())? {
                 Some(loaded) => {
                     let path = loaded.path.clone();
                     store.install(loaded);

@@ -5,7 +5,10 @@
 //! point, `reshard::open`, holds every opening until the test lifts it):
 //! the new shard's replica leads, follows the old shards anew from their
 //! fenced copies and opens; the resize is done, the moved rows bit for
-//! bit the old primaries' at the fence.
+//! bit the old primaries' at the fence. And a server of an old shard
+//! restarted after a growth, its configuration saying the new count, from
+//! a checkpoint saved under the old one: it loads it, drops the moved
+//! rows and serves the staying ones as they were.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -13,7 +16,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
-use tessera_proto::v1::{FetchRequest, PushRequest};
+use tessera_proto::v1::{CheckpointRequest, FetchRequest, PushRequest};
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
 use tessera_test_support::{
@@ -187,6 +190,96 @@ async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening
         .await
         .unwrap();
     for s in news.into_iter().chain(old) {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_shard_restarts_with_the_new_count_from_a_checkpoint_of_the_old_one() {
+    let etcd = Etcd::start();
+    let cluster = "grow-checkpoint";
+    let dir = tempfile::tempdir().unwrap();
+    let with_checkpoints =
+        |config: tessera_ps_server::PsServerConfig| tessera_ps_server::PsServerConfig {
+            checkpoint: tessera_ps_server::config::CheckpointConfig {
+                dir: Some(dir.path().to_owned()),
+                ..Default::default()
+            },
+            ..config
+        };
+    let mut old = vec![
+        InProcess::start(&with_checkpoints(resize_server(
+            &etcd,
+            cluster,
+            OLD,
+            0,
+            &table(),
+        )))
+        .await,
+        InProcess::start(&resize_server(&etcd, cluster, OLD, 1, &table())).await,
+    ];
+    for s in &old {
+        wait_serving(&s.addr).await;
+    }
+    for step in 1..=3 {
+        for (shard, server) in old.iter().enumerate() {
+            server.data.push(push(step, shard as u32)).await.unwrap();
+        }
+    }
+    // Saved under 2 shards, before the growth.
+    old[0].admin.checkpoint(CheckpointRequest {}).await.unwrap();
+    let staying: Vec<u64> = keys_of(0)
+        .into_iter()
+        .filter(|&k| shard_for_key(k, NEW) == 0)
+        .collect();
+    let before = rows(&old[0], 0, &staying);
+    let coord = tessera_coord::EtcdCoordinator::connect(&tessera_test_support::etcd_coordination(
+        &etcd, cluster, 2000,
+    ))
+    .await
+    .unwrap();
+    coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
+    let mut news = Vec::new();
+    for config in resize_pair(&etcd, cluster, NEW, OLD, &table()) {
+        news.push(InProcess::start(&config).await);
+    }
+    wait_map(&coord, "done", |m| {
+        m.resize
+            .as_ref()
+            .is_some_and(|r| r.state == ResizeState::Done)
+    })
+    .await;
+    // Restarted with the new count in its configuration.
+    let config = tessera_ps_server::PsServerConfig {
+        listen: old[0].addr.clone(),
+        ..with_checkpoints(resize_server(&etcd, cluster, NEW, 0, &table()))
+    };
+    // A crash: no last checkpoint (a graceful stop saves one, under the
+    // count it took); the latest one is from before the growth.
+    old.remove(0).crash();
+    let again = InProcess::start(&config).await;
+    wait_serving(&again.addr).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while again.store.num_shards() != NEW || !rows(&again, 0, &moving(0)).0.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted server never took the new count: {} shards, {} moved rows",
+            again.store.num_shards(),
+            rows(&again, 0, &moving(0)).0.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(rows(&again, 0, &staying), before);
+    again
+        .data
+        .fetch(FetchRequest {
+            table: "emb".into(),
+            shard: 0,
+            keys: staying,
+        })
+        .await
+        .unwrap();
+    for s in news.into_iter().chain(old).chain([again]) {
         s.stop().await;
     }
 }

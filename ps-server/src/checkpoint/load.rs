@@ -14,7 +14,16 @@ use crate::version::Version;
 
 /// Reads and verifies the checkpoint `LATEST` names in `dir` against
 /// `store`'s tables and shards. `Ok(None)` when `dir` has no checkpoint.
-pub fn load_latest(store: &Store, dir: &Path) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
+///
+/// `other_counts`: a checkpoint saved under another shard count than the
+/// configured one is loaded too, and the store routes by its count
+/// (etcd mode, where the cluster's shard map reconciles the two after a
+/// resize: `crate::reshard`); otherwise it is refused.
+pub fn load_latest(
+    store: &Store,
+    dir: &Path,
+    other_counts: bool,
+) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
     let latest = dir.join(LATEST);
     let name = match fs::read_to_string(&latest) {
         Ok(name) => name.trim().to_owned(),
@@ -32,11 +41,15 @@ pub fn load_latest(store: &Store, dir: &Path) -> Result<Option<LoadedCheckpoint>
             why: Corruption::LatestName(name),
         });
     }
-    load(store, &dir.join(name)).map(Some)
+    load(store, &dir.join(name), other_counts).map(Some)
 }
 
 /// Reads and verifies the checkpoint at `path` (see the module docs).
-pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+pub fn load(
+    store: &Store,
+    path: &Path,
+    other_counts: bool,
+) -> Result<LoadedCheckpoint, CheckpointError> {
     let manifest_path = path.join(MANIFEST);
     let text = match fs::read(&manifest_path) {
         Ok(text) => text,
@@ -68,7 +81,9 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
             reads: VERSION,
         }));
     }
-    if manifest.num_shards != store.configured_shards() {
+    if manifest.num_shards != store.configured_shards()
+        && !(other_counts && manifest.num_shards > 0)
+    {
         return Err(mismatch(Difference::Shards {
             saved: manifest.num_shards,
             configured: store.configured_shards(),
@@ -76,6 +91,7 @@ pub fn load(store: &Store, path: &Path) -> Result<LoadedCheckpoint, CheckpointEr
     }
     let mut loaded = LoadedCheckpoint {
         path: path.to_owned(),
+        num_shards: manifest.num_shards,
         saved_at_secs: manifest.created_unix_ms / 1000,
         shards: Vec::new(),
         versions: store

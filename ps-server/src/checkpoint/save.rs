@@ -61,7 +61,9 @@ fn write_checkpoint(
     let mut manifest = Manifest {
         version: VERSION,
         created_unix_ms: created,
-        num_shards: store.configured_shards(),
+        // The count its rows are routed by: a server that took a finished
+        // resize's count saves that (`Store::num_shards`).
+        num_shards: store.num_shards(),
         tables: Vec::new(),
         files: Vec::new(),
         shards: Vec::new(),

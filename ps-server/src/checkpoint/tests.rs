@@ -122,7 +122,7 @@ fn a_checkpoint_restores_values_state_and_dedup_bit_identically() {
     let info = save(&store, dir.path(), 3).unwrap();
     assert_eq!(info.rows, 2 * 2 * 40);
     let restored = Store::new(&config());
-    restored.install(load_latest(&restored, dir.path()).unwrap().unwrap());
+    restored.install(load_latest(&restored, dir.path(), false).unwrap().unwrap());
     let bits = |images: Vec<(String, u32, ShardImage)>| {
         images
             .into_iter()
@@ -170,7 +170,7 @@ fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
         let info = save(&store, dir.path(), 3).unwrap();
         damage(&info.path);
         let fresh = Store::new(&config());
-        let err = load_latest(&fresh, dir.path()).unwrap_err();
+        let err = load_latest(&fresh, dir.path(), false).unwrap_err();
         assert!(expect(&err), "unexpected: {err:?}");
     };
     let file_is = |err_path: &Path, name: &str| err_path.file_name().is_some_and(|f| f == name);
@@ -232,7 +232,7 @@ fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
     save(&store, dir.path(), 3).unwrap();
     let mut other = config();
     other.tables[0].dim = 4;
-    let err = load_latest(&Store::new(&other), dir.path()).unwrap_err();
+    let err = load_latest(&Store::new(&other), dir.path(), false).unwrap_err();
     assert!(
         matches!(
             &err,
@@ -243,14 +243,54 @@ fn partial_corrupt_and_mismatched_checkpoints_are_refused() {
     );
     other = config();
     other.tables[1].optimizer = OptimizerConfig::adagrad(0.1);
-    assert!(load_latest(&Store::new(&other), dir.path()).is_err());
+    assert!(load_latest(&Store::new(&other), dir.path(), false).is_err());
+}
+
+/// A checkpoint saved under another shard count: refused in static mode;
+/// in etcd mode (`other_counts`) loaded, and the store routes by its
+/// count (a server restarted with a finished resize's count in its
+/// configuration, or the one before it: the shard map reconciles them).
+#[test]
+fn a_checkpoint_of_another_count_loads_only_where_the_map_reconciles_it() {
+    let store = trained_store();
+    let dir = tempfile::tempdir().unwrap();
+    save(&store, dir.path(), 3).unwrap();
+    let other = PsServerConfig {
+        num_shards: 3,
+        ..config()
+    };
+    let err = load_latest(&Store::new(&other), dir.path(), false).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CheckpointError::Mismatch {
+                why: Difference::Shards {
+                    saved: 2,
+                    configured: 3
+                },
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let restored = Store::new(&other);
+    restored.install(load_latest(&restored, dir.path(), true).unwrap().unwrap());
+    assert_eq!(restored.num_shards(), 2);
+    assert_eq!(images(&restored), images(&store));
+    // A store that took a finished growth's count saves that count.
+    assert!(store.adopt_num_shards(4));
+    let dir = tempfile::tempdir().unwrap();
+    save(&store, dir.path(), 3).unwrap();
+    let fresh = Store::new(&config());
+    fresh.install(load_latest(&fresh, dir.path(), true).unwrap().unwrap());
+    assert_eq!(fresh.num_shards(), 4);
 }
 
 #[test]
 fn no_checkpoint_is_not_an_error_and_old_ones_are_pruned() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::new(&config());
-    assert!(load_latest(&store, dir.path()).unwrap().is_none());
+    assert!(load_latest(&store, dir.path(), false).unwrap().is_none());
     for _ in 0..5 {
         save(&store, dir.path(), 2).unwrap();
     }
@@ -265,7 +305,7 @@ fn no_checkpoint_is_not_an_error_and_old_ones_are_pruned() {
         })
         .count();
     assert_eq!(kept, 2);
-    assert!(load_latest(&store, dir.path()).unwrap().is_some());
+    assert!(load_latest(&store, dir.path(), false).unwrap().is_some());
 }
 
 /// Pushes that add 1 to *every* row of a shard, saved while they run:
@@ -296,7 +336,7 @@ fn a_checkpoint_under_concurrent_pushes_is_consistent_per_shard() {
     for _ in 0..5 {
         let info = save(&store, dir.path(), 10).unwrap();
         let fresh = Store::new(&config());
-        let loaded = load(&fresh, &info.path).unwrap();
+        let loaded = load(&fresh, &info.path, false).unwrap();
         for (table, shard, image) in &loaded.shards {
             if table != "counter" || image.rows.is_empty() {
                 continue;
@@ -347,7 +387,7 @@ fn a_clock_stepping_back_cannot_prune_the_new_checkpoint() {
                 .into_owned()
         ]
     );
-    let loaded = load_latest(&Store::new(&config()), dir.path())
+    let loaded = load_latest(&Store::new(&config()), dir.path(), false)
         .unwrap()
         .unwrap();
     assert_eq!(loaded.path, info.path);
@@ -372,7 +412,7 @@ fn pruning_never_removes_the_checkpoint_latest_names() {
     let kept = entries(dir.path(), "ckpt-");
     assert_eq!(kept.len(), 2, "{kept:?}");
     assert!(kept.contains(&name), "{kept:?}");
-    let loaded = load_latest(&Store::new(&config()), dir.path()).unwrap();
+    let loaded = load_latest(&Store::new(&config()), dir.path(), false).unwrap();
     assert_eq!(loaded.unwrap().path, first.path);
 }
 
@@ -389,7 +429,7 @@ fn a_failed_save_removes_its_files_and_leaves_latest_alone() {
         "{failed:?}"
     );
     assert_eq!(entries(dir.path(), ".tmp-"), Vec::<String>::new());
-    let loaded = load_latest(&Store::new(&config()), dir.path()).unwrap();
+    let loaded = load_latest(&Store::new(&config()), dir.path(), false).unwrap();
     assert_eq!(loaded.unwrap().path, good.path);
     // Numbers go on from the highest present.
     let next = save(&store, dir.path(), 5).unwrap();
@@ -431,7 +471,7 @@ fn stamps_survive_a_checkpoint_and_a_restart_holds_what_a_replica_holds() {
     let dir = tempfile::tempdir().unwrap();
     save(&store, dir.path(), 3).unwrap();
     let restored = Store::new(&config);
-    restored.install(load_latest(&restored, dir.path()).unwrap().unwrap());
+    restored.install(load_latest(&restored, dir.path(), false).unwrap().unwrap());
     let stamps = |store: &Store| {
         let table = store.table("counter").unwrap();
         let mut out: Vec<(u64, u32)> = Vec::new();

@@ -235,6 +235,18 @@ impl Store {
     /// its rows, and each shard's version as saved.
     pub fn install(&self, checkpoint: crate::image::LoadedCheckpoint) {
         let now = Instant::now();
+        // Saved under another count (a finished resize's, or the one before
+        // it): its rows are routed by that count, and so is the store until
+        // the shard map says otherwise (`crate::reshard`).
+        if checkpoint.num_shards != 0 && checkpoint.num_shards != self.num_shards() {
+            tracing::info!(
+                saved = checkpoint.num_shards,
+                configured = self.configured_shards(),
+                "the checkpoint was saved under another shard count; routing by it until the shard map reconciles them"
+            );
+            self.num_shards
+                .store(checkpoint.num_shards, std::sync::atomic::Ordering::SeqCst);
+        }
         for (shard, version) in checkpoint.versions {
             if let Some(mut guard) = self.lock_shard(shard) {
                 guard.set_version(version);
