@@ -807,7 +807,17 @@ impl Cluster {
                     shards: vec![shard],
                 })
                 .collect();
-            let stem = format!("ps-g{group}-s{shard}");
+            // A shard added again (given away earlier) gets files of its own:
+            // the old checkpoints are another count's rows.
+            let before = self
+                .servers
+                .iter()
+                .filter(|s| !s.serving && s.group == group && s.shard == shard)
+                .count();
+            let stem = match before {
+                0 => format!("ps-g{group}-s{shard}"),
+                n => format!("ps-g{group}-s{shard}-{n}"),
+            };
             let mut config = PsServerConfig {
                 listen: address.clone(),
                 num_shards,

@@ -12,8 +12,11 @@
 //!   would before a restart, and after a shrink stops the servers of the
 //!   shards given away (they hold no rows by then).
 //!
-//! A cancelled growth's new servers are left running (a plan to the same
-//! count uses them again). The decisions are a sans-IO [`Follower`]
+//! Once no resize is in progress, the servers of shards the map has no
+//! more are stopped (a shrink's given-away shards, a cancelled growth's
+//! new ones), and the count is written whenever it differs from the
+//! configurations' (the launcher acts on the map's count, not on seeing a
+//! resize end). The decisions are a sans-IO [`Follower`]
 //! ([`Follower::handle_map`] takes a map and the shards that have
 //! servers, and returns [`Action`]s); [`follow`] reads the map and runs
 //! them.
@@ -21,7 +24,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tessera_coord::{CoordinatorConfig, EtcdCoordinator, ResizeState, ShardMap};
+use tessera_coord::{CoordinatorConfig, EtcdCoordinator, ShardMap};
 
 use crate::Cluster;
 
@@ -37,46 +40,57 @@ pub enum Action {
     },
     /// Write `0` into the remaining servers' configurations.
     WriteCount(u32),
-    /// Stop the servers of a shard a finished shrink gave away.
+    /// Stop the servers of a shard the map has no more (a finished
+    /// shrink gave it away, or a cancelled growth added it).
     Stop(u32),
 }
 
 /// The launcher's decisions as the map changes (module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Follower {
-    /// The resize (its id) whose end was acted on.
-    finished: Option<u64>,
+    /// The count the servers' configurations say.
+    written: u32,
 }
 
 impl Follower {
-    /// What to do for `map`, with servers (running or not) for the
-    /// shards in `shards`.
-    pub fn handle_map(&mut self, map: &ShardMap, shards: &BTreeSet<u32>) -> Vec<Action> {
-        let Some(r) = &map.resize else {
-            return Vec::new();
-        };
-        match r.state {
-            ResizeState::Planned | ResizeState::Copying | ResizeState::CutOver if r.to > r.from => {
-                (r.from..r.to)
-                    .filter(|s| !shards.contains(s))
+    /// A follower of a cluster whose servers are configured with
+    /// `num_shards`.
+    pub fn new(num_shards: u32) -> Self {
+        Self {
+            written: num_shards,
+        }
+    }
+
+    /// What to do for `map`, with servers running for the shards in
+    /// `running`. Acts on the map's count, not on seeing a resize end
+    /// (the next one may be planned before a read sees it done).
+    pub fn handle_map(&mut self, map: &ShardMap, running: &BTreeSet<u32>) -> Vec<Action> {
+        if let Some(r) = map.active() {
+            if r.to > r.from {
+                return (r.from..r.to)
+                    .filter(|s| !running.contains(s))
                     .map(|shard| Action::Start {
                         shard,
                         num_shards: r.to,
                     })
-                    .collect()
+                    .collect();
             }
-            ResizeState::Done if self.finished != Some(r.id) => {
-                self.finished = Some(r.id);
-                let mut actions = vec![Action::WriteCount(r.to)];
-                actions.extend(
-                    (r.to..r.from)
-                        .filter(|s| shards.contains(s))
-                        .map(Action::Stop),
-                );
-                actions
-            }
-            _ => Vec::new(),
+            return Vec::new();
         }
+        let mut actions = Vec::new();
+        if self.written != map.num_shards {
+            self.written = map.num_shards;
+            actions.push(Action::WriteCount(map.num_shards));
+        }
+        // Shards the map has no more: given away in a shrink, or a
+        // cancelled growth's new ones.
+        actions.extend(
+            running
+                .iter()
+                .filter(|&&s| s >= map.num_shards)
+                .map(|&s| Action::Stop(s)),
+        );
+        actions
     }
 }
 
@@ -90,9 +104,8 @@ pub async fn follow(
     stop: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(stop);
-    let mut follower = Follower::default();
+    let mut follower = Follower::new(cluster.worker_config().num_shards);
     let mut coord = None;
-    let mut stopped: BTreeSet<u32> = BTreeSet::new();
     loop {
         tokio::select! {
             () = &mut stop => return,
@@ -116,7 +129,7 @@ pub async fn follow(
         let shards: BTreeSet<u32> = cluster
             .servers()
             .iter()
-            .filter(|s| !s.serving)
+            .filter(|s| !s.serving && s.pid().is_some())
             .map(|s| s.shard)
             .collect();
         for action in follower.handle_map(&map, &shards) {
@@ -143,7 +156,7 @@ pub async fn follow(
                         "resize to {num_shards} shards done; the configurations were not updated: {err}"
                     ),
                 },
-                Action::Stop(shard) if stopped.insert(shard) => {
+                Action::Stop(shard) => {
                     let indices: Vec<usize> = cluster
                         .servers()
                         .iter()
@@ -155,9 +168,11 @@ pub async fn follow(
                         cluster.signal(index, nix::sys::signal::Signal::SIGTERM);
                         cluster.wait_exit(index).await;
                     }
-                    println!("shard {shard} was given away in the shrink: its servers stopped");
+                    println!(
+                        "shard {shard} is not in the cluster's {} shards (given away in a shrink, or a cancelled growth's): its servers stopped",
+                        map.num_shards
+                    );
                 }
-                Action::Stop(_) => {}
             }
         }
     }
@@ -172,8 +187,8 @@ mod tests {
     }
 
     #[test]
-    fn a_growth_starts_its_new_shards_once_and_a_shrink_stops_the_given_away_ones() {
-        let mut f = Follower::default();
+    fn a_growth_starts_its_new_shards_and_a_shrink_stops_the_given_away_ones() {
+        let mut f = Follower::new(2);
         let map = ShardMap::new(2);
         assert!(f.handle_map(&map, &shards(&[0, 1])).is_empty());
         let planned = map.plan(4).unwrap();
@@ -209,11 +224,11 @@ mod tests {
             f.handle_map(&done, &shards(&[0, 1, 2, 3])).is_empty(),
             "once"
         );
-        // A shrink: nothing to start; once done, the count and the stops.
-        let shrink = done.plan(2).unwrap();
-        assert!(f.handle_map(&shrink, &shards(&[0, 1, 2, 3])).is_empty());
-        let shrunk = shrink
-            .start_copying()
+        // A shrink planned before the done map was read: the count is
+        // written once no resize is in progress, the given-away stopped.
+        let shrunk = done
+            .plan(2)
+            .and_then(|m| m.start_copying())
             .and_then(|m| m.handle_ready(0, true))
             .and_then(|m| m.handle_ready(1, true))
             .and_then(|m| m.cut_over())
@@ -221,12 +236,28 @@ mod tests {
             .and_then(|m| m.handle_opened(1, 9))
             .and_then(|m| m.finish())
             .unwrap();
+        let mut late = Follower::new(4);
+        assert!(
+            late.handle_map(&done.plan(2).unwrap(), &shards(&[0, 1, 2, 3]))
+                .is_empty()
+        );
         assert_eq!(
-            f.handle_map(&shrunk, &shards(&[0, 1, 2, 3])),
+            late.handle_map(&shrunk, &shards(&[0, 1, 2, 3])),
             [Action::WriteCount(2), Action::Stop(2), Action::Stop(3)]
         );
-        // A cancelled growth's servers stay.
+        // Stopped: a later growth back to 3 starts shard 2 anew.
+        assert_eq!(
+            late.handle_map(&shrunk.plan(3).unwrap(), &shards(&[0, 1])),
+            [Action::Start {
+                shard: 2,
+                num_shards: 3
+            }]
+        );
+        // A cancelled growth's new servers are stopped.
         let cancelled = shrunk.plan(3).unwrap().cancel().unwrap();
-        assert!(f.handle_map(&cancelled, &shards(&[0, 1, 2, 3])).is_empty());
+        assert_eq!(
+            late.handle_map(&cancelled, &shards(&[0, 1, 2])),
+            [Action::Stop(2)]
+        );
     }
 }

@@ -105,9 +105,11 @@ impl PsServer {
             // Verified whole before anything is installed; the server does
             // not listen until it is.
             let started = std::time::Instant::now();
-            // In etcd mode a checkpoint saved under a finished resize's
-            // count (or the one before it) is the shard's too.
-            match checkpoint::load_latest(&store, dir, config.coordinator.is_etcd())? {
+            // A training server in etcd mode may load a checkpoint saved
+            // under a finished resize's count (or the one before it); the
+            // shard map must name that count (checked once it is read).
+            let other_counts = config.mode == Mode::Training && config.coordinator.is_etcd();
+            match checkpoint::load_latest(&store, dir, other_counts)? {
                 Some(loaded) => {
                     let path = loaded.path.clone();
                     store.install(loaded);
@@ -129,7 +131,19 @@ impl PsServer {
         // A server started during a resize: its receiving shards and the
         // fence of moved keys, before it serves anything.
         if config.mode == Mode::Training {
-            reshard::prepare(&store, coordination.shard_map().borrow().as_ref());
+            let map = coordination.shard_map().borrow().clone();
+            // A checkpoint of another count than the configured one: only
+            // one the map's last resize reconciles (`crate::reshard`).
+            if store.num_shards() != config.num_shards
+                && !reshard::reconciles(map.as_ref(), store.num_shards())
+            {
+                return Err(PsError::CheckpointCount {
+                    saved: store.num_shards(),
+                    configured: config.num_shards,
+                    map: map.map(|m| m.num_shards),
+                });
+            }
+            reshard::prepare(&store, map.as_ref());
         }
         // In etcd mode a training server may give keys to a resize, and
         // take them in one: it has both ends of the delta stream.
@@ -529,6 +543,19 @@ pub enum PsError {
     /// The coordinator could not be set up.
     #[error(transparent)]
     Coordinator(#[from] tessera_coord::CoordError),
+    /// The checkpoint restored was saved under a shard count the
+    /// cluster's shard map does not reconcile with the configured one.
+    #[error(
+        "the checkpoint restored was saved with num_shards = {saved} and this server is configured with {configured}; the cluster's shard map ({map:?} shards) names neither in its last resize: move the checkpoint away, or configure {saved}"
+    )]
+    CheckpointCount {
+        /// The checkpoint's count.
+        saved: u32,
+        /// The configured count.
+        configured: u32,
+        /// The map's count, if it was read.
+        map: Option<u32>,
+    },
     /// The gRPC endpoint could not listen.
     #[error("grpc_listen = {addr}: {source}")]
     GrpcBind {

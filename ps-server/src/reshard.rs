@@ -275,6 +275,23 @@ fn gave(store: &Store, r: &Resize) -> bool {
     store.num_shards() == r.from || store.configured_shards() == r.from
 }
 
+/// Whether `map` reconciles a store that routes by `saved` shards (a
+/// checkpoint saved under another count than the configured one): the
+/// map's count, or either count of its last resize that was not
+/// cancelled (a growth's old count: the moved rows are dropped at the
+/// first look, `Resharding::catch_up`; a shrink's old count: its
+/// remaining shards route by the new one once they hold their opening
+/// position, `shrink_now`). Anything else (a map of another cluster's
+/// history, a checkpoint two resizes back) is not.
+pub fn reconciles(map: Option<&ShardMap>, saved: u32) -> bool {
+    map.is_some_and(|m| {
+        m.num_shards == saved
+            || m.resize.as_ref().is_some_and(|r| {
+                r.state != ResizeState::Cancelled && (r.from == saved || r.to == saved)
+            })
+    })
+}
+
 /// Sets what `map` calls for on `store` before the server serves (the
 /// driver keeps it up to date from then on): which shards receive keys,
 /// and the fence of moved keys, so that a server started or restarted

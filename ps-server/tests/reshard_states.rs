@@ -24,6 +24,10 @@ use tessera_test_support::{
     wait_serving, wire,
 };
 
+/// The fail point is process-wide: under a runner that runs a binary's
+/// tests on threads (not nextest), one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const DIM: usize = 4;
 const OLD: u32 = 2;
 const NEW: u32 = 3;
@@ -84,6 +88,7 @@ async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening_completes() {
+    let _serial = SERIAL.lock().await;
     let etcd = Etcd::start();
     let cluster = "grow-states";
     let (mut old, coord) = resize_servers(&etcd, cluster, OLD, &table()).await;
@@ -196,6 +201,7 @@ async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_shard_restarts_with_the_new_count_from_a_checkpoint_of_the_old_one() {
+    let _serial = SERIAL.lock().await;
     let etcd = Etcd::start();
     let cluster = "grow-checkpoint";
     let dir = tempfile::tempdir().unwrap();
@@ -282,4 +288,49 @@ async fn an_old_shard_restarts_with_the_new_count_from_a_checkpoint_of_the_old_o
     for s in news.into_iter().chain(old).chain([again]) {
         s.stop().await;
     }
+}
+
+/// A checkpoint saved under a count that the cluster's shard map does not
+/// name (another cluster's, or etcd's data lost): the server refuses to
+/// start rather than route by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_a_count_the_map_does_not_name_is_refused() {
+    let _serial = SERIAL.lock().await;
+    let etcd = Etcd::start();
+    let dir = tempfile::tempdir().unwrap();
+    let with_checkpoints =
+        |config: tessera_ps_server::PsServerConfig| tessera_ps_server::PsServerConfig {
+            checkpoint: tessera_ps_server::config::CheckpointConfig {
+                dir: Some(dir.path().to_owned()),
+                ..Default::default()
+            },
+            ..config
+        };
+    let first = InProcess::start(&with_checkpoints(resize_server(
+        &etcd,
+        "first",
+        OLD,
+        0,
+        &table(),
+    )))
+    .await;
+    wait_serving(&first.addr).await;
+    first.data.push(push(1, 0)).await.unwrap();
+    first.stop().await;
+    // A fresh cluster of 3 shards: its map names 3 only.
+    let err = InProcess::try_start(&with_checkpoints(resize_server(
+        &etcd,
+        "fresh",
+        NEW,
+        0,
+        &table(),
+    )))
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("saved with num_shards = 2")
+            && err.to_string().contains("configured with 3"),
+        "{err}"
+    );
 }

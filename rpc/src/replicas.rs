@@ -336,13 +336,7 @@ impl ReplicaSet {
                     }
                     *was = now_excluded;
                 }
-                // Replicas whose connection failed in this call.
-                let unreached: Vec<usize> = failures
-                    .iter()
-                    .filter(|(_, f)| matches!(f, AttemptFailure::Connect | AttemptFailure::Lost))
-                    .map(|&(i, _)| i)
-                    .collect();
-                let pick = selector.pick_for_attempt(&tried, &unreached, &excluded, now, rng);
+                let pick = selector.pick_for_attempt(&tried, &excluded, now, rng);
                 if let Some(i) = pick {
                     selector.start(i);
                 }

@@ -48,8 +48,9 @@ pub struct Store {
     /// target of a growth this server's shards gave keys to, once it is
     /// done ([`Store::adopt_num_shards`]).
     num_shards: std::sync::atomic::AtomicU32,
-    /// The configured count (what checkpoints record, so that a restart
-    /// with the same configuration loads them).
+    /// The configured count (a giving shard's server of a growth is
+    /// recognised by it after it took the new count; checkpoints record
+    /// `num_shards`, the count the rows are routed by).
     configured_shards: u32,
     hosted: Vec<u32>,
     max_keys: u32,

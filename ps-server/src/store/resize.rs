@@ -281,7 +281,7 @@ impl Store {
     /// growth whose moved rows this server's giving shards dropped (their
     /// shard ids and staying keys are those of the new count). The fence
     /// stays, so a moved key is still answered `KeysMoved`. Checkpoints
-    /// keep recording the configured count. Only a larger count is taken.
+    /// record it from then on. Only a larger count is taken.
     pub fn adopt_num_shards(&self, num_shards: u32) -> bool {
         let was = self.num_shards.fetch_max(num_shards, Ordering::SeqCst);
         if was < num_shards {

@@ -182,19 +182,16 @@ impl ReplicaSelector {
     }
 
     /// Picks the replica for a call's next attempt at `now`, given the
-    /// replicas the call `tried` already (in order), those whose
-    /// connection failed in this call (`unreached`: it could not connect,
-    /// or the connection broke) and those the quarantine `excluded`
-    /// (indexed like the replicas; missing entries count as excluded). In
-    /// this order of preference:
+    /// replicas the call `tried` already (in order) and those the
+    /// quarantine `excluded` (indexed like the replicas; missing entries
+    /// count as excluded). In this order of preference:
     ///
     /// 1. not tried, not down, not quarantined;
     /// 2. not tried, not down (the quarantine never empties a set);
     /// 3. not tried (every replica left is backing off: try one rather than
     ///    fail without trying);
-    /// 4. every replica was tried: one that is not down and was reached in
-    ///    this call, preferring one that did not fail last; then one that
-    ///    is not down, preferring one that did not fail last;
+    /// 4. every replica was tried: one that is not down, preferring one
+    ///    that did not fail last;
     /// 5. any but the one that failed last, then that one (a set of one
     ///    replica retries on it: a fresh connection if its connection
     ///    broke).
@@ -202,14 +199,10 @@ impl ReplicaSelector {
     /// Step 4 keeps a replica known to be unreachable from taking a call's
     /// attempts while a reachable one is there: with a primary killed and
     /// its replica slow once, the retry went back to the dead address,
-    /// found it refused, and the call used up its attempts there; and so
-    /// it did once the dead one's backoff (250 ms) had run out while the
-    /// replica's attempt timed out (1 s), until a replica whose connection
-    /// failed in the call came after one that was merely slow in it.
+    /// found it refused, and the call used up its attempts there.
     pub fn pick_for_attempt(
         &self,
         tried: &[usize],
-        unreached: &[usize],
         excluded: &[bool],
         now: Instant,
         rng: &mut impl Rng,
@@ -217,7 +210,6 @@ impl ReplicaSelector {
         let untried = |i: usize| !tried.contains(&i);
         let up = |i: usize| !self.is_down(i, now);
         let not_last = |i: usize| tried.last() != Some(&i);
-        let reached = |i: usize| !unreached.contains(&i);
         self.pick(
             |i, _| untried(i) && up(i) && !excluded.get(i).copied().unwrap_or(true),
             now,
@@ -225,8 +217,6 @@ impl ReplicaSelector {
         )
         .or_else(|| self.pick(|i, _| untried(i) && up(i), now, rng))
         .or_else(|| self.pick(|i, _| untried(i), now, rng))
-        .or_else(|| self.pick(|i, _| up(i) && reached(i) && not_last(i), now, rng))
-        .or_else(|| self.pick(|i, _| up(i) && reached(i), now, rng))
         .or_else(|| self.pick(|i, _| up(i) && not_last(i), now, rng))
         .or_else(|| self.pick(|i, _| up(i), now, rng))
         .or_else(|| self.pick(|i, _| not_last(i), now, rng))
@@ -568,27 +558,17 @@ mod tests {
         for tried in [[0, 1], [1, 0]] {
             for _ in 0..100 {
                 assert_eq!(
-                    selector.pick_for_attempt(&tried, &[0], &[false, false], soon, &mut rng),
+                    selector.pick_for_attempt(&tried, &[false, false], soon, &mut rng),
                     Some(1),
                     "tried {tried:?}"
                 );
             }
         }
-        // Its backoff ran out while the replica's attempt timed out: the
-        // replica again, slow once, rather than the one whose connection
-        // broke in this call (the suite saw this Fetch give up again).
+        // Once its backoff ran out, the primary is worth a try again, as
+        // the one that did not fail last.
         let later = t0() + Duration::from_secs(1);
-        for _ in 0..100 {
-            assert_eq!(
-                selector.pick_for_attempt(&[0, 1], &[0], &[false, false], later, &mut rng),
-                Some(1)
-            );
-        }
-        // In a call where it was not the one that failed on its
-        // connection, it is worth a try again, as the one that did not
-        // fail last.
         assert_eq!(
-            selector.pick_for_attempt(&[0, 1], &[], &[false, false], later, &mut rng),
+            selector.pick_for_attempt(&[0, 1], &[false, false], later, &mut rng),
             Some(0)
         );
     }
@@ -606,7 +586,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(12);
         let now = t0();
         let mut pick = |selector: &ReplicaSelector, tried: &[usize], excluded: &[bool]| {
-            selector.pick_for_attempt(tried, &[], excluded, now, &mut rng)
+            selector.pick_for_attempt(tried, excluded, now, &mut rng)
         };
         // Not tried and not quarantined first.
         for _ in 0..50 {
