@@ -373,6 +373,11 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     c.step += 1;
     let y = c.step;
     c.old[0].data.push(push(y, 0, &c.keys[0].0)).await.unwrap();
+    // The opening is held (a fail point, process-wide) until the old
+    // primaries' moved rows are read below: once the new shard opens the
+    // resize is soon done and they are dropped (a suite run under load
+    // read them after that).
+    fail::cfg("reshard::open", "return").unwrap();
     let again = c.coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
     let mut applied = [c.step, c.step - 32];
     let mut refused = [0u64; OLD as usize];
@@ -416,6 +421,7 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     let frozen: Vec<_> = (0..OLD as usize)
         .map(|shard| rows(&c.old[shard], shard as u32, &c.keys[shard].1))
         .collect();
+    fail::remove("reshard::open");
     let m = map(&c.coord).await;
     assert_eq!(m.num_shards, NEW, "{m:?}");
     assert!(
