@@ -103,6 +103,13 @@ impl ReshardTrainer {
         }
     }
 
+    /// Keys written so far: every hot key (the ranker and the trainer
+    /// have read them all within the first seconds) and every step's
+    /// marker (a training Fetch makes the rows it reads).
+    fn written(&self) -> u64 {
+        HOT + self.pushed.lock().unwrap().len() as u64
+    }
+
     async fn stop(self) -> Vec<Pushed> {
         self.stop.store(true, Ordering::Relaxed);
         for task in self.tasks {
@@ -344,19 +351,21 @@ pub async fn reshard_under_load(transport: TransportKind) {
             cluster.servers()[victim].group,
             coord.map().await.resize.map(|r| r.state)
         );
+        // A shrink's moving rows are every row of its given-away shards,
+        // read while it copies (they drop them once it is done).
+        let shrink_share = if to < from {
+            Some(moved_rows(&cluster, from, to).await as f64 / trainer.written() as f64)
+        } else {
+            None
+        };
         cluster.kill(victim).await;
         tokio::time::sleep(Duration::from_secs(4)).await;
         cluster.restart(victim).unwrap();
-        // Until done; the share moved is read at the cut-over.
-        let mut moved_share = None;
+        // Until done.
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let m = coord.map().await;
             let r = m.resize.clone().unwrap();
-            if moved_share.is_none() && matches!(r.state, ResizeState::CutOver | ResizeState::Done)
-            {
-                moved_share = Some(moved_now(&cluster, from, to).await);
-            }
             if r.state == ResizeState::Done {
                 break;
             }
@@ -366,6 +375,13 @@ pub async fn reshard_under_load(transport: TransportKind) {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // A growth's moving rows are every row its new shards hold once
+        // it is done (with the new keys routed there since, in the same
+        // share).
+        let moved_share = match shrink_share {
+            Some(share) => share,
+            None => moved_rows(&cluster, from, to).await as f64 / trainer.written() as f64,
+        };
         // The operator's part once it is done: the servers' configurations
         // say the count they route by now.
         cluster.set_num_shards(to).unwrap();
@@ -375,7 +391,7 @@ pub async fn reshard_under_load(transport: TransportKind) {
             took: started.elapsed(),
             planner_killed_after_write,
             killed,
-            moved_share: moved_share.unwrap_or(0.0),
+            moved_share,
         });
         // Training goes on a while at the new count.
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -468,31 +484,16 @@ pub async fn reshard_under_load(transport: TransportKind) {
     cluster.stop().await.unwrap();
 }
 
-/// The share of the rows that move in a resize from `from` to `to`, read
-/// at its cut-over, when both sides hold them: the rows of the shards of
-/// only one count (a growth's new shards, a shrink's given-away ones)
-/// against those of the shards of both, which hold every row then (the
-/// old shards have not dropped the moved rows yet; the remaining ones
-/// hold those they received).
-async fn moved_now(cluster: &Cluster, from: u32, to: u32) -> f64 {
-    let mut moved = 0u64;
-    let mut total = 0u64;
-    for shard in 0..from.max(to) {
-        let Some(index) = primary_of(cluster, shard).await else {
-            continue;
-        };
-        let rows = rows_at(&cluster.servers()[index].address).await;
-        if shard >= from.min(to) {
-            moved += rows;
-        } else {
-            total += rows;
+/// The rows of the shards of only one of the counts `from` and `to` (a
+/// growth's new shards, a shrink's given-away ones), at their primaries.
+async fn moved_rows(cluster: &Cluster, from: u32, to: u32) -> u64 {
+    let mut moved = 0;
+    for shard in from.min(to)..from.max(to) {
+        if let Some(index) = primary_of(cluster, shard).await {
+            moved += rows_at(&cluster.servers()[index].address).await;
         }
     }
-    if total == 0 {
-        0.0
-    } else {
-        moved as f64 / total as f64
-    }
+    moved
 }
 
 #[derive(Debug, Default)]
