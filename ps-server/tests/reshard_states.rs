@@ -39,6 +39,20 @@ fn table() -> TableConfig {
     }
 }
 
+/// `config` with its checkpoints in `dir`.
+fn with_checkpoints(
+    config: tessera_ps_server::PsServerConfig,
+    dir: &std::path::Path,
+) -> tessera_ps_server::PsServerConfig {
+    tessera_ps_server::PsServerConfig {
+        checkpoint: tessera_ps_server::config::CheckpointConfig {
+            dir: Some(dir.to_owned()),
+            ..Default::default()
+        },
+        ..config
+    }
+}
+
 fn keys_of(shard: u32) -> Vec<u64> {
     (0..600)
         .filter(|&k| shard_for_key(k, OLD) == shard)
@@ -205,14 +219,7 @@ async fn an_old_shard_restarts_with_the_new_count_from_a_checkpoint_of_the_old_o
     let etcd = Etcd::start();
     let cluster = "grow-checkpoint";
     let dir = tempfile::tempdir().unwrap();
-    let with_checkpoints =
-        |config: tessera_ps_server::PsServerConfig| tessera_ps_server::PsServerConfig {
-            checkpoint: tessera_ps_server::config::CheckpointConfig {
-                dir: Some(dir.path().to_owned()),
-                ..Default::default()
-            },
-            ..config
-        };
+    let with_checkpoints = |config| with_checkpoints(config, dir.path());
     let mut old = vec![
         InProcess::start(&with_checkpoints(resize_server(
             &etcd,
@@ -298,14 +305,7 @@ async fn a_checkpoint_of_a_count_the_map_does_not_name_is_refused() {
     let _serial = SERIAL.lock().await;
     let etcd = Etcd::start();
     let dir = tempfile::tempdir().unwrap();
-    let with_checkpoints =
-        |config: tessera_ps_server::PsServerConfig| tessera_ps_server::PsServerConfig {
-            checkpoint: tessera_ps_server::config::CheckpointConfig {
-                dir: Some(dir.path().to_owned()),
-                ..Default::default()
-            },
-            ..config
-        };
+    let with_checkpoints = |config| with_checkpoints(config, dir.path());
     let first = InProcess::start(&with_checkpoints(resize_server(
         &etcd,
         "first",
