@@ -16,11 +16,12 @@
 //!   primaries, epochs, transport and replication lag
 //!   ([`tessera_deploy::status`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
+use tessera_coord::CoordinatorConfig;
 use tessera_deploy::{Cluster, ClusterConfig};
 use tessera_rpc::{RdmaProvider, TransportKind};
 use tessera_worker::PsClient;
@@ -153,7 +154,9 @@ enum Command {
     /// out; this tool only writes the plan.
     Reshard {
         /// Cluster description (TOML) whose `[coordinator]` names etcd
-        /// and the cluster; built-in defaults without it.
+        /// and the cluster, or a run directory of `tessera up` (its
+        /// `worker.toml` names the cluster's etcd, a local one included);
+        /// built-in defaults without it.
         #[arg(long)]
         config: Option<PathBuf>,
         /// etcd's client endpoints, comma-separated (instead of the
@@ -243,6 +246,20 @@ fn load(path: Option<&PathBuf>) -> Result<ClusterConfig, BoxError> {
     })
 }
 
+/// The coordinator `tessera reshard` writes to: a run directory of
+/// `tessera up` names its cluster's etcd in `worker.toml` (a local etcd
+/// listens on a port picked at start, which the cluster description does
+/// not know); a file is a cluster description.
+fn reshard_coordinator(path: Option<&Path>) -> Result<CoordinatorConfig, BoxError> {
+    match path {
+        Some(dir) if dir.is_dir() => {
+            Ok(tessera_worker::WorkerConfig::load(&dir.join("worker.toml"))?.coordinator)
+        }
+        Some(file) => Ok(ClusterConfig::load(file)?.coordinator),
+        None => Ok(ClusterConfig::default().coordinator),
+    }
+}
+
 /// SIGINT and SIGTERM, caught from the launcher's first step: a signal
 /// during a start or a demo stops what was started (and removes the
 /// temporary run directory) instead of killing the launcher and leaving
@@ -307,7 +324,7 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             cancel,
             json,
         } => {
-            let mut coordinator = load(config.as_ref())?.coordinator;
+            let mut coordinator = reshard_coordinator(config.as_deref())?;
             if !endpoints.is_empty() {
                 coordinator.endpoints = endpoints;
             } else if !coordinator.is_etcd() {

@@ -598,13 +598,12 @@ fn up_starts_a_growths_new_servers_and_stops_a_shrinks_given_away_ones() {
         &mut launcher.0,
         Duration::from_secs(60),
     );
-    let worker: tessera_worker::WorkerConfig =
-        toml::from_str(&std::fs::read_to_string(run_dir.join("worker.toml")).unwrap()).unwrap();
-    let endpoints = worker.coordinator.endpoints.join(",");
+    // `--config RUN_DIR`: the run directory's worker.toml names the
+    // local etcd, which listens on a port picked at start.
     let reshard = |args: &[&str]| {
         let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["reshard", "--endpoints", &endpoints, "--cluster"])
-            .arg(&worker.coordinator.cluster)
+            .args(["reshard", "--config"])
+            .arg(&run_dir)
             .args(args)
             .output()
             .unwrap();
