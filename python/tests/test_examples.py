@@ -2,6 +2,8 @@
 loss falls."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,19 @@ def load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_guides_session_runs_as_a_script(cluster):
+    # docs/src/guides/python.md shows this file whole (the docs test checks
+    # that it is the same).
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "session.py"), str(cluster.worker_config), Cluster.EMBEDDINGS],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("fetched (3, 16), pushed "), run.stdout
+    # One line per server of the 2 x 2 cluster, each a health answer.
+    assert len(lines) == 5 and all("'serving': True" in line for line in lines[1:]), run.stdout
 
 
 def test_numpy_logistic_regression_learns(client):

@@ -2,6 +2,8 @@
 //! groups.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
 use std::sync::Arc;
 
 use tessera_proto::sharding::shard_for_key;
@@ -39,16 +41,7 @@ async fn cluster_over(transport: TransportKind) -> Cluster {
         ..PsServerConfig::default()
     };
     let servers = InProcessCluster::start(2, 2, &base).await;
-    let endpoints = servers
-        .layout
-        .servers
-        .iter()
-        .map(|(group, shard, address)| ServerEndpoint {
-            address: address.clone(),
-            shards: vec![*shard],
-            replica_group: *group,
-        })
-        .collect();
+    let endpoints = common::endpoints(&servers);
     Cluster {
         config: WorkerConfig {
             transport,
