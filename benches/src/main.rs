@@ -495,6 +495,9 @@ fn report(
 fn main() -> Result<(), BoxError> {
     tessera_rpc::observe::init_logging("warn");
     let cli = Cli::parse();
+    if tessera_config::parse_only() {
+        return Ok(());
+    }
     match cli.command {
         Command::All { quick, out, only } => {
             tessera_benches::all::run(quick, &out, &only).map_err(|e| e.to_string().into())

@@ -13,6 +13,19 @@ use std::path::Path;
 
 use serde::de::DeserializeOwned;
 
+/// The environment variable that makes Tessera's binaries stop right after
+/// parsing their command line: exit code 0, while a command line their
+/// parser refuses still exits 2 with its message. The docs test
+/// (`deploy/tests/docs.rs`) runs every command the book shows this way, so
+/// that the book cannot name a flag the binaries no longer take.
+pub const PARSE_ONLY_ENV: &str = "TESSERA_PARSE_ONLY";
+
+/// Whether this process was started only to parse its command line
+/// ([`PARSE_ONLY_ENV`] set).
+pub fn parse_only() -> bool {
+    std::env::var_os(PARSE_ONLY_ENV).is_some()
+}
+
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -222,9 +222,13 @@ impl TlsArgs {
 
 fn main() -> ExitCode {
     tessera_rpc::observe::init_logging("warn");
+    let cli = Cli::parse();
+    if tessera_config::parse_only() {
+        return ExitCode::SUCCESS;
+    }
     let result = tokio::runtime::Runtime::new()
         .map_err(|err| err.into())
-        .and_then(|runtime| runtime.block_on(run(Cli::parse())));
+        .and_then(|runtime| runtime.block_on(run(cli)));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -12,7 +12,7 @@ locally and pushes it, and the servers apply it with the table's optimizer.
 The table must have dim 1, start from zeros, and learn with adagrad whose
 ``initial_accumulator`` is small (1e-4): a batch's gradient for one
 feature is small, and TensorFlow's default accumulator of 0.1 would shrink
-its steps tenfold. The README's Python section has the table. The data is
+its steps tenfold. docs/src/guides/python.md has the table. The data is
 synthetic, drawn from a hidden weight vector, so the loss falls towards
 what that vector allows. ``train`` returns the mean loss of each step.
 """

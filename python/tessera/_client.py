@@ -110,7 +110,7 @@ class Client(_Base):
         client = tessera.Client("run/worker.toml", call_timeout_ms=500,
                                 transport="rdma", rdma={"provider": "soft"})
 
-    The keys are the worker's (README, "Configuration reference",
+    The keys are the worker's (docs/src/reference/configuration.md,
     ``worker``); an unknown or invalid one raises
     :class:`tessera.InvalidArgument` naming it.
 

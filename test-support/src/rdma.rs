@@ -5,7 +5,7 @@
 //! instead: `scripts/dev vm-test` sets it inside a Soft-RoCE VM, and
 //! `scripts/dev hw-test` on a host with an RDMA device. A test about the soft
 //! NIC itself (its fault dice, its port file, its link rate) keeps
-//! [`TransportConfig::soft_rdma`] and says why in its doc; the README lists
+//! [`TransportConfig::soft_rdma`] and says why in its doc; docs/src/development.md lists
 //! both sets.
 //!
 //! An unknown value panics rather than falling back to the soft NIC: a run

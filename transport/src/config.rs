@@ -212,7 +212,7 @@ pub struct RdmaConfig {
     /// a third of `event`'s context switches in the parameter-server
     /// workloads, is level with or ahead of it on their latency, throughput
     /// and CPU, and carries more 512-byte messages per second at every
-    /// queue-pair count from 1 to 256 (README, "Which driver"). `event` or
+    /// queue-pair count from 1 to 256 (docs/src/performance.md, "Which driver"). `event` or
     /// `busy` threads are for hosts with cores to spare for them, and for
     /// applications that create the transport outside a tokio runtime
     /// (with `runtime` that is refused, naming this setting).

@@ -93,7 +93,11 @@ enum Command {
 
 fn main() -> ExitCode {
     tessera_rpc::observe::init_logging("warn");
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    if tessera_config::parse_only() {
+        return ExitCode::SUCCESS;
+    }
+    match run(cli) {
         Ok(code) => code,
         Err(err) => {
             #[allow(clippy::print_stderr)]

@@ -268,7 +268,7 @@ pub struct PsServerConfig {
     /// What accepted connections may hold and for how long (`[inbound]`:
     /// `max_bytes`, `max_connection_bytes`, `frame_timeout_ms`,
     /// `handshake_timeout_ms`, `idle_timeout_ms`, `max_connections`; see
-    /// the README's "Limits").
+    /// docs/src/reference/configuration.md, "Limits").
     pub inbound: InboundConfig,
     /// Requests one connection may have in flight; more are answered
     /// `ResourceExhausted`. Default 1024.
@@ -278,7 +278,7 @@ pub struct PsServerConfig {
     /// server's own calls to its peers (replication, which therefore
     /// presents this server's certificate), and on the gRPC endpoint.
     /// Default: off, for one host or a network only the fleet reaches;
-    /// a fleet turns it on (see the README's "Security").
+    /// a fleet turns it on (see docs/src/concepts/security.md).
     pub tls: Option<TlsConfig>,
     /// The roles callers' certificates must give to use the Admin and
     /// Replication services (`[roles]`), checked when `[tls]` is on.

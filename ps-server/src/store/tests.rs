@@ -590,7 +590,7 @@ fn a_replica_holding_a_row_the_primary_left_out_is_told_apart() {
 /// `f32` one like a random walk: about `sqrt(n) / 2` units, and under `5 *
 /// sqrt(n) / 2` units (of the largest value) for every one of many rows.
 /// That bound, `5 * sqrt(n) * 2^-12` for `f16` and `5 * sqrt(n) * 2^-9` for
-/// `bf16` of the largest value, is the one the README states.
+/// `bf16` of the largest value, is the one docs/src/concepts/row-store.md states.
 #[test]
 fn narrow_storage_follows_the_f32_reference_within_the_stated_tolerance() {
     use crate::table::Storage;
