@@ -776,7 +776,8 @@ fn literal(text: &str) -> Json {
 /// Equal as configuration values: numbers within float rounding.
 fn same(a: &Json, b: &Json) -> bool {
     match (a, b) {
-        (Json::Number(x), Json::Number(y)) => {
+        (Json::Number(x), Json::Number(y)) if x.is_f64() || y.is_f64() => {
+            // A float is written in decimal and stored as f32 or f64.
             let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
             (x - y).abs() <= 1e-6 * x.abs().max(y.abs())
         }
@@ -826,7 +827,32 @@ fn configurations() -> Vec<(&'static str, Json, Vec<Json>)> {
     let server = tessera_ps_server::PsServerConfig::default();
     let worker = tessera_worker::WorkerConfig::default();
     let up = tessera_deploy::ClusterConfig::default();
+    let transport_sample =
+        parse::<tessera_rpc::TransportConfig>("transport", &format!("{TLS}{RDMA}"));
     vec![
+        (
+            "transport",
+            json(&tessera_rpc::TransportConfig::default()),
+            vec![json(&transport_sample)],
+        ),
+        (
+            "channel",
+            json(&tessera_rpc::ChannelConfig::default()),
+            Vec::new(),
+        ),
+        (
+            "server",
+            json(&tessera_rpc::ServerConfig::default()),
+            Vec::new(),
+        ),
+        (
+            "replica-set",
+            json(&tessera_rpc::ReplicaSetConfig::default()),
+            vec![json(&parse::<tessera_rpc::ReplicaSetConfig>(
+                "replica-set",
+                "seed = 1\n[[replicas]]\naddr = \"a\"\n",
+            ))],
+        ),
         (
             "ps-server",
             json(&server),
@@ -930,5 +956,33 @@ fn the_configuration_reference_names_every_key_with_its_default() {
         wrong.is_empty(),
         "the configuration reference and the code differ:\n{}",
         wrong.join("\n")
+    );
+}
+
+#[test]
+fn defaults_compare_integers_exactly_and_floats_to_their_rounding() {
+    assert!(same(&literal("4194304"), &serde_json::json!(4194304)));
+    assert!(!same(&literal("4194305"), &serde_json::json!(4194304)));
+    // 0.01 as an f32, widened.
+    assert!(same(
+        &literal("0.01"),
+        &serde_json::json!(0.009999999776482582)
+    ));
+    assert!(!same(&literal("0.02"), &serde_json::json!(0.01)));
+    // An inline table may leave out fields that keep their defaults.
+    assert!(same(
+        &literal("{ kind = \"sgd\" }"),
+        &serde_json::json!({"kind": "sgd", "learning_rate": 0.01})
+    ));
+    assert!(!same(
+        &literal("{ kind = \"adam\" }"),
+        &serde_json::json!({"kind": "sgd"})
+    ));
+    let keys = code_keys(&[serde_json::json!({
+        "a": 1, "b": {"c": null}, "d": [{"e": 1}, {"f": 2}], "g": [1, 2], "h": []
+    })]);
+    assert_eq!(
+        keys.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["a", "b.c", "d[].e", "d[].f", "g", "h"]
     );
 }
