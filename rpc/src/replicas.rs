@@ -307,6 +307,9 @@ impl ReplicaSet {
         // Each failed attempt's replica and failure, for the log of a call
         // that gives up (allocated only once an attempt failed).
         let mut failures: Vec<(usize, AttemptFailure)> = Vec::new();
+        // Replicas that turned this call away (an attempt that did no work:
+        // a refused dial, `Unavailable`).
+        let mut turned_away: Vec<usize> = Vec::new();
         loop {
             attempt += 1;
             counted += 1;
@@ -429,12 +432,16 @@ impl ReplicaSet {
                 metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
             }
             failures.push((i, failure));
-            let untried = tried.len() < self.channels.len();
+            if failure.did_no_work() && !turned_away.contains(&i) {
+                turned_away.push(i);
+            }
+            // Somewhere else to go: a replica not tried yet, or one tried
+            // that did not turn the call away (it may answer now).
+            let elsewhere = (0..self.channels.len()).any(|j| j != i && !turned_away.contains(&j));
             let State { budget, rng, .. } = &mut *state;
-            match self
-                .policy
-                .decide(counted, failure, safe, untried, deadline, now, budget, rng)
-            {
+            match self.policy.decide(
+                counted, failure, safe, elsewhere, deadline, now, budget, rng,
+            ) {
                 RetryDecision::Redirect => {
                     counted -= 1;
                     metrics::counter!(crate::observe::CLIENT_REDIRECTS, "method" => method)

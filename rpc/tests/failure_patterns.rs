@@ -693,3 +693,74 @@ mod replica_set {
         server.shutdown().await;
     }
 }
+
+/// Failure pattern 14 (the drills `drill_rdma_kill_the_primary_...` and
+/// `drill_rdma_ack_primary_failover_...`, about one run in twenty): a
+/// Fetch's attempt on a killed primary lost its connection, its retry on
+/// the replica failed (timed out under load), and the third attempt went
+/// back to the dead primary, whose backoff had run out, was refused, and
+/// counted: the Fetch gave up with its attempts used up while the replica
+/// served. A refused attempt now moves on for free to a replica that has
+/// not turned the call away, tried or not. Here: two attempts at most, the
+/// dead replica preferred (the caller's domain), the live one losing its
+/// first answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_pattern_a_refusal_after_every_replica_was_tried_is_not_an_attempt() {
+    use tessera_rpc::policy::RetryPolicyConfig;
+    use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
+    let t = TransportConfig::default();
+    let live = start(server_config(&t)).await;
+    let proxy = tessera_test_support::FaultProxy::start(live.addr.clone()).await;
+    // A port nobody listens on: every dial is refused.
+    let dead = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    proxy.lose_responses(1);
+    let set = ReplicaSet::new(
+        ReplicaSetConfig {
+            replicas: vec![
+                ReplicaEndpoint {
+                    addr: dead.clone(),
+                    domain: "near".into(),
+                },
+                ReplicaEndpoint {
+                    addr: proxy.addr.clone(),
+                    domain: "far".into(),
+                },
+            ],
+            local_domain: "near".into(),
+            channel: ChannelConfig {
+                request_timeout_ms: 2000,
+                ..channel_config(&t)
+            },
+            retry: RetryPolicyConfig {
+                probability: 1.0,
+                connection_failure_probability: 1.0,
+                max_attempts: 2,
+                ..RetryPolicyConfig::default()
+            },
+            seed: Some(14),
+            ..ReplicaSetConfig::default()
+        },
+        Transport::new(t.clone()).unwrap(),
+    );
+    let method = ECHO_DESCRIPTOR.methods[0].id;
+    let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
+        &EchoRequest {
+            payload: Bytes::from_static(b"once"),
+            ..EchoRequest::default()
+        },
+    )));
+    // The dead replica refuses (free), the live one loses its answer (the
+    // first counted attempt), the dead one refuses again (free now too),
+    // and the live one answers (the second).
+    let answer = set
+        .call_raw(method, body, true, Duration::from_secs(5))
+        .await
+        .expect("the live replica answers the call's second attempt");
+    let reply: EchoResponse = prost::Message::decode(answer).unwrap();
+    assert_eq!(&reply.payload[..], b"once");
+    assert_eq!(proxy.lost(), 1, "the live replica's first answer was lost");
+    live.shutdown().await;
+}

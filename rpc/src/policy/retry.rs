@@ -23,13 +23,19 @@
 //! anywhere (a dial that failed or was refused, a listener that is gone, a
 //! request never handed to the transport, or a server that answered
 //! `Unavailable`: not ready for the shard, shutting down, starting) is
-//! moved to a replica the call has not tried yet at once and always
+//! moved at once and always to another replica that has not turned the
+//! call away: one not tried yet, or one tried whose attempt did work (it
+//! timed out or lost its connection, and may answer now)
 //! ([`RetryDecision::Redirect`]): no coin, no token, and it does not count
 //! as an attempt. Such a failure is the replica's state, not the
 //! request's or the load's (like gRPC's transparent retry of a request the
 //! server never processed, or a primary's redirect), and it costs the
 //! other replica nothing it would not have done anyway. It is bounded by
-//! the replicas: once every replica was tried, the rules above decide.
+//! the replicas: once every replica turned the call away, the rules above
+//! decide. (Counting it once every replica was tried made a Fetch give up
+//! in a drill: the killed primary's connection lost, the replica slow once,
+//! then the dead primary again, its backoff run out, refused: the third
+//! attempt, while the replica served.)
 
 use std::time::{Duration, Instant};
 
@@ -116,8 +122,8 @@ impl AttemptFailure {
 /// What to do after a failed attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryDecision {
-    /// Try a replica not tried yet by this call, at once: the attempt did
-    /// no work (module docs). Drew no coin and no token, and does not
+    /// Try another replica that has not turned this call away, at once:
+    /// the attempt did no work (module docs). Drew no coin and no token, and does not
     /// count as an attempt.
     Redirect,
     /// Try again (preferably on another replica).
@@ -167,15 +173,16 @@ impl RetryPolicy {
     /// that ended in a [`RetryDecision::Redirect`] are not counted) failed
     /// with `failure`. `safe` says whether a second application is
     /// harmless (idempotent method, or a request id the server
-    /// deduplicates); `untried` whether the call has a replica it has not
-    /// tried yet; `deadline` is the caller's.
+    /// deduplicates); `elsewhere` whether the call has another replica
+    /// that has not turned it away (not tried yet, or tried with an attempt
+    /// that did work); `deadline` is the caller's.
     #[allow(clippy::too_many_arguments)]
     pub fn decide(
         &self,
         attempt: u32,
         failure: AttemptFailure,
         safe: bool,
-        untried: bool,
+        elsewhere: bool,
         deadline: Instant,
         now: Instant,
         budget: &mut RetryBudget,
@@ -186,7 +193,7 @@ impl RetryPolicy {
         }
         let left = deadline.saturating_duration_since(now);
         let time_left = left >= Duration::from_millis(self.config.min_remaining_ms);
-        if failure.did_no_work() && untried && time_left {
+        if failure.did_no_work() && elsewhere && time_left {
             return RetryDecision::Redirect;
         }
         if attempt >= self.config.max_attempts {
@@ -353,7 +360,7 @@ mod tests {
     }
 
     #[test]
-    fn work_free_failures_go_to_an_untried_replica_without_coin_or_token() {
+    fn work_free_failures_go_elsewhere_without_coin_or_token() {
         let now = Instant::now();
         let later = now + Duration::from_secs(1);
         // A coin that never retries and an empty budget: only a redirect
@@ -373,9 +380,9 @@ mod tests {
             now,
         );
         let mut rng = StdRng::seed_from_u64(3);
-        let mut decide = |failure, safe, untried, deadline| {
+        let mut decide = |failure, safe, elsewhere, deadline| {
             never.decide(
-                1, failure, safe, untried, deadline, now, &mut empty, &mut rng,
+                1, failure, safe, elsewhere, deadline, now, &mut empty, &mut rng,
             )
         };
         for failure in [AttemptFailure::Connect, AttemptFailure::Refused] {
@@ -386,7 +393,8 @@ mod tests {
                     "{failure:?}, safe {safe}"
                 );
             }
-            // Every replica tried: the ordinary rules (here: one attempt).
+            // Every replica turned the call away: the ordinary rules (here:
+            // one attempt).
             assert_eq!(
                 decide(failure, true, false, later),
                 RetryDecision::GiveUp(GiveUp::AttemptsUsedUp)
