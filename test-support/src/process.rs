@@ -14,26 +14,48 @@ use tessera_ps_server::PsServerConfig;
 /// --workspace` builds it (with the `failpoints` feature the tests turn
 /// on), and build it the same way when it is missing (saying so).
 pub fn ps_server_bin() -> PathBuf {
+    built(
+        Path::new("ps-server"),
+        &[
+            "-p",
+            "tessera-ps-server",
+            "--bin",
+            "ps-server",
+            "--features",
+            "failpoints",
+        ],
+    )
+}
+
+/// The example `name` of `package` as a user runs it:
+/// `target/<profile>/examples/<name>`. `cargo test --all-targets` builds
+/// examples as tests (`examples/<name>-<hash>`, a test harness, not the
+/// program), so this builds the program with cargo when it is missing
+/// (saying so), as a clean checkout's first suite run finds it.
+pub fn example_bin(package: &str, name: &str) -> PathBuf {
+    built(
+        &Path::new("examples").join(name),
+        &["-p", package, "--example", name],
+    )
+}
+
+/// `path` under this build's profile directory (`target/<profile>/`, the
+/// parent of the test binary's `deps/`), built with `cargo build ARGS`
+/// when it is missing.
+fn built(path: &Path, args: &[&str]) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_owned();
-    let path = profile_dir.join("ps-server");
+    let path = profile_dir.join(path);
     if !path.is_file() {
         eprintln!("{} missing: building it with cargo", path.display());
         let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args([
-                "build",
-                "-p",
-                "tessera-ps-server",
-                "--bin",
-                "ps-server",
-                "--features",
-                "failpoints",
-            ])
+            .arg("build")
+            .args(args)
             .status()
             .unwrap();
-        assert!(status.success(), "building ps-server failed");
+        assert!(status.success(), "cargo build {args:?} failed");
     }
-    assert!(path.is_file(), "no ps-server at {}", path.display());
+    assert!(path.is_file(), "nothing at {}", path.display());
     path
 }
 

@@ -5,28 +5,14 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::TransportKind;
 use tessera_test_support::InProcessCluster;
+use tessera_test_support::process::example_bin;
 use tessera_worker::{PsClient, WorkerConfig};
-
-/// `target/<profile>/examples/train`, built with the tests
-/// (`--all-targets`).
-fn example_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let path = profile_dir.join("examples").join("train");
-    assert!(
-        path.is_file(),
-        "no example binary at {}: build it with `cargo build -p tessera-worker --example train`",
-        path.display()
-    );
-    path
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rust_guides_training_loop_runs_and_applies_each_push_once() {
@@ -54,7 +40,7 @@ async fn the_rust_guides_training_loop_runs_and_applies_each_push_once() {
     std::fs::write(&config_path, toml::to_string(&config).unwrap()).unwrap();
 
     let output = tokio::task::spawn_blocking(move || {
-        Command::new(example_bin())
+        Command::new(example_bin("tessera-worker", "train"))
             .arg(&config_path)
             .arg("20")
             .output()
