@@ -36,7 +36,12 @@
 //! quietly, then while a checkpoint (cut under the lock, every row encoded
 //! as the row file has it and written to a file) and while a replica copy
 //! (the cut's rows encoded in 1 MiB pieces and handed to another thread)
-//! run: Push p50/p99 during each against quiet.
+//! run: Push p50/p99 during each against quiet. Two controls run between
+//! quiet and the snapshots, with no cut open: a spinner on the other core
+//! (work without memory traffic) and a reader streaming through 256 MiB
+//! over and over (memory traffic without saves), so that the report shows
+//! what a busy second core alone costs a Push on this machine, apart from
+//! what the snapshot's saves add.
 //!
 //! Keys are `i * 0x9E3779B97F4A7C15`, distinct; random draws use a fixed
 //! seed.
@@ -803,6 +808,31 @@ fn snapshot_run(
     let quiet_from = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(plan.quiet_secs));
     let quiet_to = Instant::now();
+    // Controls: the other core busy without a snapshot, first with a
+    // spinner (no memory traffic), then with a reader streaming through
+    // memory as a snapshot's reader does (no cut: no saves).
+    let (busy_from, busy_to) = beside(plan.quiet_secs, |stop| {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        while !stop.load(Ordering::Relaxed) {
+            for _ in 0..1024 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+            }
+            std::hint::black_box(x);
+        }
+    });
+    let stream = vec![1u64; STREAM_BYTES / 8];
+    let (stream_from, stream_to) = beside(plan.quiet_secs, |stop| {
+        let mut sum = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            for piece in stream.chunks(1 << 15) {
+                sum = sum.wrapping_add(piece.iter().copied().fold(0, u64::wrapping_add));
+            }
+            std::hint::black_box(sum);
+        }
+    });
+    drop(stream);
     // A checkpoint: the cut under the lock, then encoded into a file.
     let dir = tempfile::tempdir()?;
     let ckpt_from = Instant::now();
@@ -844,6 +874,8 @@ fn snapshot_run(
             sorted(window().map(|(_, us, w)| (us - w).max(0.0)).collect()),
         )
     };
+    let (busy, _) = during(busy_from, busy_to);
+    let (streamed, _) = during(stream_from, stream_to);
     let ((quiet, quiet_cpu), (ckpt, ckpt_cpu), (copy, copy_cpu)) = (
         during(quiet_from, quiet_to),
         during(ckpt_from, ckpt_to),
@@ -872,6 +904,10 @@ fn snapshot_run(
         "quiet_pushes": quiet.len(),
         "quiet_push_p50_us": quantile(&quiet, 0.5),
         "quiet_push_p99_us": q99,
+        "busy_push_p99_us": quantile(&busy, 0.99),
+        "busy_p99_x_quiet": ratio(&busy, q99),
+        "stream_push_p99_us": quantile(&streamed, 0.99),
+        "stream_p99_x_quiet": ratio(&streamed, q99),
         "checkpoint_pushes": ckpt.len(),
         "checkpoint_push_p99_us": quantile(&ckpt, 0.99),
         "checkpoint_push_max_us": ckpt.last().copied().unwrap_or(0.0),
@@ -886,6 +922,24 @@ fn snapshot_run(
         "copy_push_on_cpu_p99_us": quantile(&copy_cpu, 0.99),
         "copy_on_cpu_p99_x_quiet": ratio(&copy_cpu, q99_cpu),
     }))
+}
+
+/// Bytes the streaming control reads over and over (more than the last
+/// level cache, as a snapshot's reader reads rows it never read before).
+const STREAM_BYTES: usize = 256 << 20;
+
+/// Runs `work` on another thread for `secs` (it returns once the flag is
+/// set); the window it ran in.
+fn beside(secs: f64, work: impl FnOnce(&AtomicBool) + Send) -> (Instant, Instant) {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| work(&stop));
+        let from = Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        let to = Instant::now();
+        stop.store(true, Ordering::Relaxed);
+        (from, to)
+    })
 }
 
 /// A cut under the shard's lock, and how long the lock was held for it
@@ -1043,19 +1097,23 @@ pub fn markdown(rows: &[Value]) -> String {
         .collect();
     if !snaps.is_empty() {
         out.push_str(
-            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet, then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread); the cut's figure is how long it held the shard's lock, which every Push waits for; on CPU: p99 of each Push less the time its thread waited for a CPU.\n\n\
-             | table | store | rows | lock held for the cut µs | checkpoint s | Push p99 quiet µs | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs | on CPU: quiet / checkpoint / copy µs |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            "\nSnapshots under Pushes (1,000 random rows per Push under the shard's lock): quiet; beside two controls that take no snapshot, a spinner on the other core (no memory traffic) and a reader streaming through 256 MiB over and over (memory traffic, no saves); then during a checkpoint (cut, encode, write a file) and a copy (cut, encode in 1 MiB pieces to another thread); the cut's figure is how long it held the shard's lock, which every Push waits for; on CPU: p99 of each Push less the time its thread waited for a CPU.\n\n\
+             | table | store | rows | lock held for the cut µs | checkpoint s | Push p99 quiet µs | beside a spinner µs (x quiet) | beside a reader µs (x quiet) | during checkpoint µs | x quiet | max µs | copy s | during copy µs | x quiet | max µs | on CPU: quiet / checkpoint / copy µs |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
         for r in snaps {
             out.push_str(&format!(
-                "| {} | {} | {} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} |\n",
+                "| {} | {} | {} | {:.0} | {:.2} | {:.0} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} |\n",
                 r["table"].as_str().unwrap_or(""),
                 r["store"].as_str().unwrap_or(""),
                 r["rows"],
                 f(r, "cut_us"),
                 f(r, "checkpoint_secs"),
                 f(r, "quiet_push_p99_us"),
+                f(r, "busy_push_p99_us"),
+                f(r, "busy_p99_x_quiet"),
+                f(r, "stream_push_p99_us"),
+                f(r, "stream_p99_x_quiet"),
                 f(r, "checkpoint_push_p99_us"),
                 f(r, "checkpoint_p99_x_quiet"),
                 f(r, "checkpoint_push_max_us"),
