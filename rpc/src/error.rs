@@ -101,9 +101,16 @@ pub enum NoReplica {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LinkClosed {
-    /// The server closed it (stopping or restarting).
+    /// The server closed it (stopping or restarting) without saying it
+    /// had answered every request it read: an unanswered call may have
+    /// been applied.
     #[error("closed by the server")]
     ByServer,
+    /// A stopping server closed it after answering every request it read
+    /// ([`crate::wire::FLAG_DRAINED`]): an unanswered call was never read
+    /// and did no work.
+    #[error("closed by a stopping server before it read the request")]
+    Drained,
     /// The server sent a request where only answers may come.
     #[error("the server sent a request on a client connection")]
     RequestFromServer,

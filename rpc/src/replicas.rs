@@ -22,7 +22,7 @@ use crate::policy::{
     AttemptFailure, GiveUp, Quarantine, QuarantineConfig, Replica, ReplicaSelector, RetryBudget,
     RetryBudgetConfig, RetryDecision, RetryPolicy, RetryPolicyConfig,
 };
-use crate::{CallOptions, Channel, ChannelConfig, Code, MethodDescriptor, RpcError};
+use crate::{CallOptions, Channel, ChannelConfig, Code, LinkClosed, MethodDescriptor, RpcError};
 use tessera_config::{ConfigError, Validate, invalid};
 
 /// One replica of the set.
@@ -501,6 +501,10 @@ fn classify(err: &RpcError) -> AttemptFailure {
             AttemptFailure::Connect
         }
         RpcError::Status(status) if status.code() == Code::Unavailable => AttemptFailure::Refused,
+        // A stopping server closed the link without reading the request.
+        RpcError::ConnectionLost { reason, .. } if matches!(**reason, LinkClosed::Drained) => {
+            AttemptFailure::Refused
+        }
         RpcError::ConnectionLost { .. } => AttemptFailure::Lost,
         RpcError::DeadlineExceeded(_) => AttemptFailure::TimedOut,
         _ => AttemptFailure::Status,

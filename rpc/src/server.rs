@@ -343,6 +343,9 @@ async fn serve_connection(
     // for `DRAIN_QUIET` (a client that saw the going-away flag sends no
     // more; requests already on their way are still answered).
     let mut quiet_until = tokio::time::Instant::now();
+    // Drained: every request read here was answered and no more are read,
+    // which the last message says (`FLAG_DRAINED`).
+    let mut drained = false;
     loop {
         let idle = inflight.is_empty();
         let message = tokio::select! {
@@ -355,7 +358,10 @@ async fn serve_connection(
                 continue;
             }
             () = inflight.wait(), if draining && !idle => continue,
-            () = tokio::time::sleep_until(quiet_until), if draining && idle => break,
+            () = tokio::time::sleep_until(quiet_until), if draining && idle => {
+                drained = true;
+                break;
+            }
             message = receiver.recv() => message,
         };
         if draining {
@@ -570,6 +576,21 @@ async fn serve_connection(
             )
             .await;
         }));
+    }
+    // Every answer was handed to the sender before this (the handlers are
+    // done, refusals were sent inline), and a connection delivers in
+    // order: a request the client still waits on after this message was
+    // never read. Not sent when the grace period ran out (handlers were
+    // dropped, perhaps after applying their request).
+    if drained && !abort.is_cancelled() {
+        match send_pool.alloc_copy(&RpcHeader::drained().encode()) {
+            Ok(buf) => {
+                if let Err(err) = sender.send(Message::from(buf.freeze())).await {
+                    tracing::debug!(%peer, %err, "drained notice not sent; connection closed");
+                }
+            }
+            Err(err) => tracing::warn!(%err, "no send-pool memory for a drained notice"),
+        }
     }
     // A graceful stop is done with this connection once its answers have
     // left, not once they were handed to the transport (an RDMA engine

@@ -43,6 +43,17 @@ pub const FLAG_STATUS_DETAILS: u8 = 0x01;
 /// on it are still answered there.
 pub const FLAG_GOING_AWAY: u8 = 0x02;
 
+/// Flag of a stopping server's last message on a connection (a response
+/// with request id 0, status `Ok` and no body, [`RpcHeader::drained`]),
+/// sent once every request it read there has been answered and it reads
+/// no more: a request the client is still waiting on was never read, so
+/// it did no work and may go elsewhere whatever its method (HTTP/2's
+/// GOAWAY says the same with a last stream id). Without it a client
+/// cannot tell a drained connection's end from a crashed server's, whose
+/// unanswered requests may have been applied. Builds before it ignore the
+/// flag and count the message as a late answer.
+pub const FLAG_DRAINED: u8 = 0x04;
+
 /// The body of an error response with `message` and `details`, and the
 /// header flags that go with it.
 pub fn encode_status_body(message: &str, details: &[u8]) -> (u8, Bytes) {
@@ -148,6 +159,26 @@ impl RpcHeader {
         }
     }
 
+    /// A stopping server's last message on a connection
+    /// ([`FLAG_DRAINED`], with [`FLAG_GOING_AWAY`]).
+    pub fn drained() -> Self {
+        Self {
+            kind: Kind::Response,
+            flags: FLAG_GOING_AWAY | FLAG_DRAINED,
+            status: 0,
+            service: 0,
+            method: 0,
+            deadline_micros: 0,
+            request_id: 0,
+        }
+    }
+
+    /// Whether this is a stopping server's last message on a connection
+    /// ([`FLAG_DRAINED`]).
+    pub fn is_drained(&self) -> bool {
+        self.kind == Kind::Response && self.flags & FLAG_DRAINED != 0
+    }
+
     /// The remaining deadline carried by this header, if any.
     pub fn deadline(&self) -> Option<Duration> {
         (self.deadline_micros != 0).then(|| Duration::from_micros(u64::from(self.deadline_micros)))
@@ -239,6 +270,22 @@ mod tests {
             (Kind::Response, 7, 3, 99, 5)
         );
         assert_eq!(request.deadline(), None);
+    }
+
+    #[test]
+    fn the_drained_notice_round_trips_and_no_answer_is_one() {
+        let (decoded, body) =
+            RpcHeader::decode(&Bytes::copy_from_slice(&RpcHeader::drained().encode())).unwrap();
+        assert!(decoded.is_drained());
+        assert!(decoded.flags & FLAG_GOING_AWAY != 0);
+        assert_eq!((decoded.request_id, body.len()), (0, 0));
+        let request = RpcHeader::request(7, 3, 99, None);
+        let mut answer = RpcHeader::response(&request, 0);
+        answer.flags = FLAG_GOING_AWAY | FLAG_STATUS_DETAILS;
+        assert!(!answer.is_drained());
+        let mut asking = request;
+        asking.flags = FLAG_DRAINED;
+        assert!(!asking.is_drained(), "only a response says it");
     }
 
     proptest! {

@@ -137,6 +137,13 @@ pub(super) async fn read_responses(
             Ok(Some(message)) => {
                 shared.silence.handle_heard();
                 match RpcHeader::decode(&message) {
+                    // The server answered every request it read here and
+                    // reads no more: the calls still waiting were never
+                    // read (work-free; `replicas` sends them elsewhere).
+                    Ok((header, _)) if header.is_drained() => {
+                        going_away = true;
+                        break LinkClosed::Drained;
+                    }
                     Ok((header, body)) if header.kind == Kind::Response => {
                         if header.flags & crate::wire::FLAG_GOING_AWAY != 0 && !going_away {
                             // No new calls here; the outstanding ones are

@@ -99,8 +99,10 @@ pub enum AttemptFailure {
     /// No connection could be made: the request was never sent.
     Connect,
     /// The server answered `Unavailable` without acting on the request
-    /// (starting, stopping, a replica catching up): as safe as `Connect`,
-    /// but says nothing against the node's health.
+    /// (starting, stopping, a replica catching up), or a stopping server
+    /// closed the connection having answered every request it read
+    /// ([`crate::LinkClosed::Drained`]): as safe as `Connect`, but says
+    /// nothing against the node's health.
     Refused,
     /// The connection broke after the request was sent: it may or may not
     /// have been applied.
