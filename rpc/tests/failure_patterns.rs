@@ -167,7 +167,6 @@ async fn failure_pattern_a_stopping_server_answers_at_once(t: TransportConfig) {
 /// never retries and an empty budget lose no call of 32 concurrent callers
 /// (non-idempotent ones) while a replica stops, stays away and comes back.
 async fn failure_pattern_a_work_free_failure_costs_no_call_whatever_the_budget(t: TransportConfig) {
-    use tessera_rpc::policy::{RetryBudgetConfig, RetryPolicyConfig};
     use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
     let mut a = start(server_config(&t)).await;
     let b = start(server_config(&t)).await;
@@ -185,19 +184,8 @@ async fn failure_pattern_a_work_free_failure_costs_no_call_whatever_the_budget(t
                 request_timeout_ms: 2000,
                 ..channel_config(&t)
             },
-            retry: RetryPolicyConfig {
-                probability: 0.0,
-                connection_failure_probability: 0.0,
-                max_attempts: 1,
-                ..RetryPolicyConfig::default()
-            },
-            budget: RetryBudgetConfig {
-                max_tokens: 0.0,
-                reserve_per_sec: 0.0,
-                ..RetryBudgetConfig::default()
-            },
             seed: Some(13),
-            ..ReplicaSetConfig::default()
+            ..never_retrying()
         },
         Transport::new(t.clone()).unwrap(),
     );
@@ -748,21 +736,15 @@ async fn failure_pattern_a_refusal_after_every_replica_was_tried_is_not_an_attem
         Transport::new(t.clone()).unwrap(),
     );
     let method = ECHO_DESCRIPTOR.methods[0].id;
-    let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
-        &EchoRequest {
-            payload: Bytes::from_static(b"once"),
-            ..EchoRequest::default()
-        },
-    )));
     // The dead replica refuses (free), the live one loses its answer (the
     // first counted attempt), the dead one refuses again (free now too),
     // and the live one answers (the second).
     let answer = set
-        .call_raw(method, body, true, Duration::from_secs(5))
+        .call_raw(method, echo_body(0), true, Duration::from_secs(5))
         .await
         .expect("the live replica answers the call's second attempt");
     let reply: EchoResponse = prost::Message::decode(answer).unwrap();
-    assert_eq!(&reply.payload[..], b"once");
+    assert_eq!(&reply.payload[..], b"hello");
     assert_eq!(proxy.lost(), 1, "the live replica's first answer was lost");
     live.shutdown().await;
 }
@@ -826,27 +808,10 @@ async fn failure_pattern_a_drained_connection_ends_with_a_notice_after_its_answe
 /// other replica with no retry allowed, no budget and a method that is
 /// not idempotent; the link's end names the drain.
 async fn failure_pattern_a_call_waiting_on_a_drained_connection_goes_elsewhere(t: TransportConfig) {
-    use tessera_rpc::policy::{RetryBudgetConfig, RetryPolicyConfig};
-    use tessera_rpc::wire::RpcHeader;
     use tessera_rpc::{LinkClosed, ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
     let live = start(server_config(&t)).await;
     let transport = Transport::new(t.clone()).unwrap();
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let draining = listener.local_addr().unwrap().to_string();
-    let fake = tokio::spawn(async move {
-        let mut connection = listener.accept().await.unwrap();
-        let request = connection.receiver.recv().await.unwrap().unwrap();
-        let drained = RpcHeader::drained().encode();
-        connection
-            .sender
-            .send(tessera_transport::Message::from(Bytes::copy_from_slice(
-                &drained,
-            )))
-            .await
-            .unwrap();
-        connection.sender.flushed().await;
-        RpcHeader::decode(&request).unwrap().0.request_id
-    });
+    let (draining, fake) = drained_after_one_request(&transport).await;
     let endpoint = |addr: &str, domain: &str| ReplicaEndpoint {
         addr: addr.to_owned(),
         domain: domain.into(),
@@ -856,52 +821,22 @@ async fn failure_pattern_a_call_waiting_on_a_drained_connection_goes_elsewhere(t
             replicas: vec![endpoint(&draining, "near"), endpoint(&live.addr, "far")],
             local_domain: "near".into(),
             channel: channel_config(&t),
-            retry: RetryPolicyConfig {
-                probability: 0.0,
-                connection_failure_probability: 0.0,
-                max_attempts: 1,
-                ..RetryPolicyConfig::default()
-            },
-            budget: RetryBudgetConfig {
-                max_tokens: 0.0,
-                reserve_per_sec: 0.0,
-                ..RetryBudgetConfig::default()
-            },
             seed: Some(15),
-            ..ReplicaSetConfig::default()
+            ..never_retrying()
         },
         Transport::new(t.clone()).unwrap(),
     );
     let method = ECHO_DESCRIPTOR.methods[0].id;
-    let body = tessera_transport::Message::from(Bytes::from(prost::Message::encode_to_vec(
-        &EchoRequest {
-            payload: Bytes::from_static(b"elsewhere"),
-            ..EchoRequest::default()
-        },
-    )));
     let answer = set
-        .call_raw(method, body, false, Duration::from_secs(5))
+        .call_raw(method, echo_body(0), false, Duration::from_secs(5))
         .await
         .expect("the call goes to the live replica");
     let reply: EchoResponse = prost::Message::decode(answer).unwrap();
-    assert_eq!(&reply.payload[..], b"elsewhere");
+    assert_eq!(&reply.payload[..], b"hello");
     assert_ne!(fake.await.unwrap(), 0, "the draining server had the call");
 
     // A channel to such a server names the drain as the link's end.
-    let listener = transport.listen("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        let mut connection = listener.accept().await.unwrap();
-        let _request = connection.receiver.recv().await.unwrap();
-        let drained = RpcHeader::drained().encode();
-        let _ = connection
-            .sender
-            .send(tessera_transport::Message::from(Bytes::copy_from_slice(
-                &drained,
-            )))
-            .await;
-        connection.sender.flushed().await;
-    });
+    let (addr, _fake) = drained_after_one_request(&transport).await;
     let echo = EchoClient::new(Channel::connect(&addr, channel_config(&t)).await.unwrap());
     let err = echo
         .echo(EchoRequest {
@@ -915,4 +850,48 @@ async fn failure_pattern_a_call_waiting_on_a_drained_connection_goes_elsewhere(t
         "{err:?}"
     );
     live.shutdown().await;
+}
+
+/// A replica set's settings that never retry a call that may have done
+/// work: no retry coin, one attempt, an empty budget. Only work-free
+/// failures move a call on.
+fn never_retrying() -> tessera_rpc::ReplicaSetConfig {
+    use tessera_rpc::policy::{RetryBudgetConfig, RetryPolicyConfig};
+    tessera_rpc::ReplicaSetConfig {
+        retry: RetryPolicyConfig {
+            probability: 0.0,
+            connection_failure_probability: 0.0,
+            max_attempts: 1,
+            ..RetryPolicyConfig::default()
+        },
+        budget: RetryBudgetConfig {
+            max_tokens: 0.0,
+            reserve_per_sec: 0.0,
+            ..RetryBudgetConfig::default()
+        },
+        ..tessera_rpc::ReplicaSetConfig::default()
+    }
+}
+
+/// A server that reads one request, does not answer it and says it
+/// drained the connection: its address, and the request's id once said.
+async fn drained_after_one_request(
+    transport: &Transport,
+) -> (String, tokio::task::JoinHandle<u64>) {
+    use tessera_rpc::wire::RpcHeader;
+    let listener = transport.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let mut connection = listener.accept().await.unwrap();
+        let request = connection.receiver.recv().await.unwrap().unwrap();
+        let drained = Bytes::copy_from_slice(&RpcHeader::drained().encode());
+        connection
+            .sender
+            .send(tessera_transport::Message::from(drained))
+            .await
+            .unwrap();
+        connection.sender.flushed().await;
+        RpcHeader::decode(&request).unwrap().0.request_id
+    });
+    (addr, task)
 }

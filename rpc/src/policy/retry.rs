@@ -125,8 +125,8 @@ impl AttemptFailure {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryDecision {
     /// Try another replica that has not turned this call away, at once:
-    /// the attempt did no work (module docs). Drew no coin and no token, and does not
-    /// count as an attempt.
+    /// the attempt did no work (module docs). Drew no coin and no token,
+    /// and does not count as an attempt.
     Redirect,
     /// Try again (preferably on another replica).
     Retry,
