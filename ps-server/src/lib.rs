@@ -169,6 +169,7 @@ impl PsServer {
         };
         let resharding = coordination.etcd().filter(|_| resizes).map(|coord| {
             reshard::Resharding::new(
+                config.advertised().to_owned(),
                 coord,
                 coordination.shard_map(),
                 Arc::clone(&store),

@@ -77,7 +77,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::delta::{Feed, ResizePlan, Sender};
 use crate::replication::Replication;
-use crate::store::Store;
+use crate::store::{OriginSet, Store};
 
 /// How often the resize is looked at besides the map's changes (the
 /// receiving shards' servers may come and go; a shard's feed falls in
@@ -93,9 +93,26 @@ async fn fenced_applied(feed: Option<&Feed>) {
     }
 }
 
+/// Whether fail point `name` stalls the server at address `me` (its
+/// `return` argument names the server; always false without the
+/// `failpoints` feature).
+fn stalled_here(name: &str, me: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        fail::eval(name, |arg| arg.as_deref() == Some(me)).unwrap_or(false)
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = (name, me);
+        false
+    }
+}
+
 /// A server's part in resizes (module docs).
 #[derive(Debug)]
 pub struct Resharding {
+    /// This server's advertised address.
+    me: String,
     coord: EtcdCoordinator,
     map: watch::Receiver<Option<ShardMap>>,
     store: Arc<Store>,
@@ -330,7 +347,9 @@ impl Resharding {
     /// The part of the server whose `store`, `replication`, delta
     /// `sender` and resize `feed` these are, following `map` and writing
     /// through `coord`; deltas are cut every `interval`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
+        me: String,
         coord: EtcdCoordinator,
         map: watch::Receiver<Option<ShardMap>>,
         store: Arc<Store>,
@@ -339,7 +358,12 @@ impl Resharding {
         feed: Option<Arc<Feed>>,
         interval: Duration,
     ) -> Self {
+        // Its resize state was set from the map it joined (`prepare`);
+        // from now on a shard it leads waits for its looks.
+        let version = map.borrow().as_ref().map_or(0, |m| m.version);
+        store.follow_resizes(version);
         Self {
+            me,
             coord,
             map,
             store,
@@ -382,6 +406,11 @@ impl Resharding {
 
     /// One look at the resize in progress.
     async fn step(&self, map: Option<&ShardMap>) {
+        // Tests stall one server's look (the fail point's argument names
+        // it) to hold its resize state behind the map.
+        if stalled_here("reshard::step", &self.me) {
+            return;
+        }
         let resize = map.and_then(ShardMap::active);
         if let Some(map) = map {
             self.catch_up(map).await;
@@ -424,6 +453,13 @@ impl Resharding {
         });
         if let Err(err) = shrinking.await {
             tracing::warn!(%err, "setting the shards' shrink state failed");
+            return;
+        }
+        // The fence, the receiving and shrink states and the count stand
+        // as `map` says: a shard led from now on may take Pushes
+        // (`Store::resize_state_reaches`).
+        if let Some(map) = map {
+            self.store.set_resize_state_version(map.version);
         }
         let cut_over = resize.is_some_and(|r| r.state == ResizeState::CutOver);
         let Some(resize) = resize else {
@@ -694,6 +730,12 @@ impl Resharding {
             let Some(mut writing) = self.store.lock_shard_async(shard).await else {
                 continue;
             };
+            // A copy of the primary that opened the shard in this resize
+            // (it stopped before the map said so): the windows of that
+            // opening stand as they are, the shard's own window of a
+            // shrink among them; its present window holds only Pushes
+            // split by the new count.
+            let again = self.store.opened_in(shard, resize.id);
             match self.replication.restart_replicas(&mut writing) {
                 Some(version) => {
                     // Before its first Push: a part retried across the
@@ -701,14 +743,28 @@ impl Resharding {
                     // it to (`store/resize.rs`). A shrink's receiving
                     // shard keeps its own window as one of them, and
                     // starts a new one for Pushes split by the new count.
-                    let mut windows = windows.clone();
                     let shrink = resize.to < resize.from;
-                    if shrink {
-                        windows.push((shard, self.store.dedup_windows(shard)));
-                        windows.sort_by_key(|(s, _)| *s);
-                        self.store.clear_dedup(&writing);
+                    if again {
+                        tracing::info!(
+                            shard,
+                            "a receiving shard copied from the primary that opened it opens again with that opening's windows"
+                        );
+                    } else {
+                        let mut giving = windows.clone();
+                        if shrink {
+                            giving.push((shard, self.store.dedup_windows(shard)));
+                            giving.sort_by_key(|(s, _)| *s);
+                            self.store.clear_dedup(&writing);
+                        }
+                        self.store.set_origin_windows(
+                            shard,
+                            OriginSet {
+                                from: resize.from,
+                                resize: resize.id,
+                                giving,
+                            },
+                        );
                     }
-                    self.store.set_origin_windows(shard, resize.from, windows);
                     self.opened
                         .locked()
                         .push((resize.id, shard, version.position));
@@ -736,6 +792,9 @@ impl Resharding {
     /// position): says so in the map (the giving shards stop streaming to
     /// them; their copies serve once they hold the position).
     async fn report_opened(&self, resize: &Resize, opened: &[(u32, u64)]) {
+        // Tests stop a primary between its opening and this report
+        // (`tests/reshard_failover.rs`).
+        fail::fail_point!("reshard::report_opened", |_| ());
         for &(shard, position) in opened {
             if !resize.opened.contains_key(&shard) {
                 self.update("report opened", |m| m.handle_opened(shard, position))

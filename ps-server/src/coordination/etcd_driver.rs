@@ -346,10 +346,39 @@ impl Driver {
                             return;
                         }
                     };
-                    let ok = match replication
+                    let recovered = replication
                         .recover(shard, &servers, Patience::Until(deadline), in_step.as_ref())
+                        .await;
+                    // The fence of a resize's cut-over that the last
+                    // primary acted on (its fenced delta may have opened
+                    // a receiving shard already) must stand here before
+                    // a Push is taken: the map read now, after the lead
+                    // was won, names every cut-over it saw.
+                    let recovered = match recovered {
+                        Ok(r) => match resize_state_caught_up(
+                            &coord,
+                            replication.store(),
+                            Instant::now() + patience,
+                        )
                         .await
-                    {
+                        {
+                            Ok(()) => Ok(r),
+                            Err(why) => {
+                                tracing::warn!(
+                                    shard,
+                                    epoch,
+                                    why,
+                                    "the resize state is behind the shard map; resigning"
+                                );
+                                metrics::counter!("tessera_ps_promotions_waited_out_total")
+                                    .increment(1);
+                                let _ = done.send(Done::Recovered(shard, epoch, false));
+                                return;
+                            }
+                        },
+                        Err(err) => Err(err),
+                    };
+                    let ok = match recovered {
                         Ok(recovered) => {
                             if recovered.lost > 0 {
                                 metrics::counter!("tessera_ps_failover_lost_pushes_total")
@@ -444,6 +473,34 @@ impl Driver {
 }
 
 /// Feeds one observation of `shard`'s key into its election.
+/// Waits until `store`'s resize state (the fence of moved keys, the
+/// receiving and shrink states: `crate::reshard`) was set from the shard
+/// map as etcd holds it now, or `deadline`. A server whose resize
+/// follower is stalled (a watch that lags, a long drop of an earlier
+/// growth's rows) does not lead until it caught up: as primary it could
+/// otherwise take a Push to a key its old primary fenced, whose new
+/// shard already opened without it (an acknowledged Push lost). Nothing
+/// to wait for without a follower (serving) or a map.
+async fn resize_state_caught_up(
+    coord: &EtcdCoordinator,
+    store: &crate::store::Store,
+    deadline: Instant,
+) -> Result<(), &'static str> {
+    if store.resize_state_version().is_none() {
+        return Ok(());
+    }
+    let version = match coord.shard_map().await {
+        Ok(Some((map, _))) => map.version,
+        Ok(None) => return Ok(()),
+        Err(_) => return Err("the shard map could not be read"),
+    };
+    if store.resize_state_reaches(version, deadline).await {
+        Ok(())
+    } else {
+        Err("not caught up with the shard map within the failover timeout")
+    }
+}
+
 fn observe(
     election: &mut Election,
     replication: &Replication,

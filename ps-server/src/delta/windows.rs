@@ -5,7 +5,7 @@
 use tessera_proto::v1;
 
 use crate::dedup::{WINDOW, WorkerWindow};
-use crate::store::TableWindows;
+use crate::store::{OriginSet, TableWindows};
 
 /// Words of one window (more from the network are dropped).
 const WORDS: usize = (WINDOW / 64) as usize;
@@ -50,10 +50,12 @@ pub fn from_wire(windows: &[v1::TableWindows]) -> TableWindows {
 
 /// A receiving shard's giving shards' windows (`from`: the count before
 /// the resize) as a shard copy carries them (`SyncResponse.origins`).
-pub fn origins_to_wire(from: u32, giving: &[(u32, TableWindows)]) -> v1::OriginWindows {
+pub fn origins_to_wire(set: &OriginSet) -> v1::OriginWindows {
     v1::OriginWindows {
-        from,
-        giving: giving
+        from: set.from,
+        resize: set.resize,
+        giving: set
+            .giving
             .iter()
             .map(|(shard, tables)| v1::GivingWindows {
                 shard: *shard,
@@ -64,15 +66,16 @@ pub fn origins_to_wire(from: u32, giving: &[(u32, TableWindows)]) -> v1::OriginW
 }
 
 /// [`origins_to_wire`]'s inverse.
-pub fn origins_from_wire(origins: &v1::OriginWindows) -> (u32, Vec<(u32, TableWindows)>) {
-    (
-        origins.from,
-        origins
+pub fn origins_from_wire(origins: &v1::OriginWindows) -> OriginSet {
+    OriginSet {
+        from: origins.from,
+        resize: origins.resize,
+        giving: origins
             .giving
             .iter()
             .map(|g| (g.shard, from_wire(&g.tables)))
             .collect(),
-    )
+    }
 }
 
 #[cfg(test)]

@@ -194,6 +194,11 @@ impl Replication {
         })
     }
 
+    /// The store whose shards it replicates.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
     /// This server's address as its peers know it.
     pub fn me(&self) -> &str {
         &self.me

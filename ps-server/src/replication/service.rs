@@ -127,7 +127,7 @@ impl Replication {
         let origins = self
             .store
             .origin_windows(shard)
-            .map(|(from, giving)| crate::delta::origins_to_wire(from, &giving));
+            .map(|set| crate::delta::origins_to_wire(&set));
         if caller == version && request.attach {
             tracing::info!(shard, replica = %request.replica, %version, "replica attached, in step");
             return Ok(SyncResponse {

@@ -124,15 +124,15 @@ pub(crate) struct Fetched {
     pub attachment: u64,
     /// A receiving shard's giving shards' windows, as the source keeps
     /// them (`Store::origin_windows`).
-    pub origins: Option<(u32, Vec<(u32, crate::store::TableWindows)>)>,
+    pub origins: Option<crate::store::OriginSet>,
 }
 
 impl Fetched {
     /// Keeps the copy's giving shards' windows on the shard `writing`
     /// locks (a copy installed, or found in step).
     pub(crate) fn keep_origins(&self, store: &Store, writing: &ShardGuard<'_>) {
-        if let Some((from, giving)) = &self.origins {
-            store.set_origin_windows(writing.shard(), *from, giving.clone());
+        if let Some(set) = &self.origins {
+            store.set_origin_windows(writing.shard(), set.clone());
         }
         // A copy of a shard whose keys moved away may still hold rows a
         // finished growth moved (its source had not dropped them yet):

@@ -27,7 +27,7 @@ use self::fetch::RESPONSE_OVERHEAD;
 pub use self::lock::ShardGuard;
 use self::lock::Writer;
 pub use self::push::{CheckedPush, PushId, PushOutcome};
-pub use self::resize::TableWindows;
+pub use self::resize::{OriginSet, TableWindows};
 use crate::config::{Mode, PsServerConfig};
 use crate::image::{ShardSnapshot, TableShape};
 pub use crate::table::Table;

@@ -47,7 +47,23 @@ pub type TableWindows = Vec<(String, Vec<WorkerWindow>)>;
 #[derive(Debug)]
 struct Origins {
     from: u32,
+    /// The resize the shard opened in (0: not known, a copy from a
+    /// release that did not say).
+    resize: u64,
     windows: HashMap<(u32, String), HashMap<u64, WorkerWindow>>,
+}
+
+/// The windows a receiving shard keeps of its giving shards at its
+/// opening ([`Store::set_origin_windows`]), as a copy of it carries them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OriginSet {
+    /// The shard count before the resize (it names each key's old shard).
+    pub from: u32,
+    /// The resize the shard opened in (`Resize::id`; 0: not known).
+    pub resize: u64,
+    /// By giving shard (a shrink's remaining shard among them: its own
+    /// window before the opening), per table.
+    pub giving: Vec<(u32, TableWindows)>,
 }
 
 /// A store's shards in a resize (module docs).
@@ -67,6 +83,11 @@ pub(super) struct Resizing {
     origins: Mutex<HashMap<u32, Arc<Origins>>>,
     /// How many shards hold origins (as `receiving_count`).
     origins_count: AtomicUsize,
+    /// The shard-map version the store's resize state (receiving flags,
+    /// shrink state, the fence of moved keys, a finished growth's count)
+    /// was last set from; `None` while no resize follower runs (static
+    /// coordination, a serving server): [`Store::resize_state_reaches`].
+    state_version: tokio::sync::watch::Sender<Option<u64>>,
     /// How many hosted shards receive keys in a shrink or route by a
     /// shrunk count (as `receiving_count`).
     shrinking_count: AtomicUsize,
@@ -87,6 +108,7 @@ impl Resizing {
             moved_count: AtomicUsize::new(0),
             origins: Mutex::new(HashMap::new()),
             origins_count: AtomicUsize::new(0),
+            state_version: tokio::sync::watch::Sender::new(None),
             shrinking_count: AtomicUsize::new(0),
             shrunk_from: std::sync::atomic::AtomicU32::new(0),
         }
@@ -355,16 +377,16 @@ impl Store {
     }
 
     /// Gives receiving shard `shard` its giving shards' windows as their
-    /// fenced deltas carried them (`windows`: by giving shard, of `from`
-    /// shards), for
-    /// [`Store::applied_at_origins`]; an empty list forgets them.
-    pub fn set_origin_windows(&self, shard: u32, from: u32, windows: Vec<(u32, TableWindows)>) {
+    /// fenced deltas carried them (`set.giving`: by giving shard, of
+    /// `set.from` shards), for [`Store::applied_at_origins`], replacing
+    /// any it held; an empty list forgets them.
+    pub fn set_origin_windows(&self, shard: u32, set: OriginSet) {
         let mut origins = self.resize.origins.locked();
-        let had = if windows.is_empty() {
+        let had = if set.giving.is_empty() {
             origins.remove(&shard).is_some()
         } else {
             let mut by: HashMap<(u32, String), HashMap<u64, WorkerWindow>> = HashMap::new();
-            for (origin, tables) in windows {
+            for (origin, tables) in set.giving {
                 for (table, list) in tables {
                     by.entry((origin, table))
                         .or_default()
@@ -372,7 +394,14 @@ impl Store {
                 }
             }
             origins
-                .insert(shard, Arc::new(Origins { from, windows: by }))
+                .insert(
+                    shard,
+                    Arc::new(Origins {
+                        from: set.from,
+                        resize: set.resize,
+                        windows: by,
+                    }),
+                )
                 .is_some()
         };
         let has = origins.contains_key(&shard);
@@ -387,11 +416,10 @@ impl Store {
         }
     }
 
-    /// The windows receiving shard `shard` keeps of its giving shards
-    /// (the count before the resize, and by giving shard), as
+    /// The windows receiving shard `shard` keeps of its giving shards, as
     /// [`Store::set_origin_windows`] takes them: a copy of the shard
     /// carries them.
-    pub fn origin_windows(&self, shard: u32) -> Option<(u32, Vec<(u32, TableWindows)>)> {
+    pub fn origin_windows(&self, shard: u32) -> Option<OriginSet> {
         let origins = self.resize.origins.locked().get(&shard).cloned()?;
         let mut by: std::collections::BTreeMap<u32, TableWindows> = Default::default();
         for ((origin, table), workers) in &origins.windows {
@@ -402,7 +430,66 @@ impl Store {
         for tables in by.values_mut() {
             tables.sort_by(|a, b| a.0.cmp(&b.0));
         }
-        Some((origins.from, by.into_iter().collect()))
+        Some(OriginSet {
+            from: origins.from,
+            resize: origins.resize,
+            giving: by.into_iter().collect(),
+        })
+    }
+
+    /// Whether this copy of `shard` opened in resize `resize` (a nonzero
+    /// id): it keeps the windows of that resize's opening, set here or
+    /// copied from the primary that opened it. A shrink's remaining
+    /// shard moved its own window among them then and started a new one:
+    /// opening it again must keep both as they are.
+    pub fn opened_in(&self, shard: u32, resize: u64) -> bool {
+        resize != 0
+            && self
+                .resize
+                .origins
+                .locked()
+                .get(&shard)
+                .is_some_and(|o| o.resize == resize)
+    }
+
+    /// A resize follower runs for this store from shard-map `version`
+    /// on (`crate::reshard`): [`Store::resize_state_reaches`] waits for
+    /// it from now on.
+    pub fn follow_resizes(&self, version: u64) {
+        self.resize.state_version.send_replace(Some(version));
+    }
+
+    /// The store's resize state was set from shard-map `version` (the
+    /// resize follower's look at it); never moves back.
+    pub fn set_resize_state_version(&self, version: u64) {
+        self.resize.state_version.send_if_modified(|at| match at {
+            Some(at) if *at < version => {
+                *at = version;
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// The shard-map version the store's resize state was last set from
+    /// (`None`: no resize follower).
+    pub fn resize_state_version(&self) -> Option<u64> {
+        *self.resize.state_version.borrow()
+    }
+
+    /// Waits until the store's resize state was set from shard-map
+    /// `version` or a later one, or `deadline`; whether it was (always
+    /// without a resize follower). A server taking the lead of a shard
+    /// waits for the version it read from etcd after winning the lead:
+    /// the fence of a cut-over its last primary acted on is then in
+    /// place before it applies a Push (`coordination/etcd_driver.rs`).
+    pub async fn resize_state_reaches(&self, version: u64, deadline: std::time::Instant) -> bool {
+        let mut at = self.resize.state_version.subscribe();
+        let reached = at.wait_for(|v| v.is_none_or(|v| v >= version));
+        matches!(
+            tokio::time::timeout_at(deadline.into(), reached).await,
+            Ok(Ok(_))
+        )
     }
 
     /// Which of `keys` (of `table` on receiving shard `shard`) the Push
@@ -726,7 +813,14 @@ mod tests {
         // Opened: its own window kept as an origin, a new one started.
         {
             let writing = store.lock_shard(0).unwrap();
-            store.set_origin_windows(0, 3, vec![(0, store.dedup_windows(0))]);
+            store.set_origin_windows(
+                0,
+                OriginSet {
+                    from: 3,
+                    resize: 9,
+                    giving: vec![(0, store.dedup_windows(0))],
+                },
+            );
             store.clear_dedup(&writing);
             store.set_routes_by(&writing, Some(2));
             store.set_incoming(&writing, None);
