@@ -7,8 +7,11 @@
 //! ```text
 //!            plan(m)            every new shard ready        cut_over done
 //!   (none) ─────────> Planned ─> Copying ───────────────> CutOver ─────────> Done
-//!                        │          │
-//!                        └──────────┴── cancel ──> Cancelled   (the map stays n)
+//!                        │          │                        │
+//!                        └──────────┴── cancel ──> Cancelled ┘ (the map is n again;
+//!                                                    after the cut-over only while
+//!                                                    no receiving shard claimed its
+//!                                                    opening)
 //! ```
 //!
 //! - **Planned**: the operator (`tessera reshard --to M`) wrote the plan;
@@ -22,8 +25,19 @@
 //!   to the new count under a new version: old owners refuse the moved
 //!   keys from then on and redirect.
 //! - **Done** / **Cancelled**: the resize is over; a new one may be
-//!   planned. Cancelling is allowed only before the cut-over: after it,
-//!   the moved keys' Pushes have gone to the new owners.
+//!   planned. Cancelling is allowed before the cut-over, and after it
+//!   while no receiving shard claimed its opening ([`ShardMap::handle_opening`]):
+//!   the way out of a resize that one giving shard cannot finish (down
+//!   with no replica, cut off from a receiving shard), since no
+//!   receiving shard opens without every giving shard's fenced delta.
+//!   It is safe: a receiving primary opens only after its claim is
+//!   written, compared on the revision it read, so a cancel and an
+//!   opening cannot both win; until a shard opens, no copy of any
+//!   receiving shard has taken a Push of a moved key (it serves none),
+//!   and no worker routes by the new count (it waits for every opening);
+//!   the giving shards refused the moved keys since their fence, so
+//!   their rows are the truth, and lifting the fence resumes them where
+//!   they stopped. Once a claim is written the resize can only finish.
 //!
 //! This module is sans-IO: each transition takes the record and returns
 //! the next, or says why not; the caller writes it with a compare on the
@@ -177,6 +191,11 @@ pub struct Resize {
     /// primary's rows).
     #[serde(default)]
     pub opened: std::collections::BTreeMap<u32, u64>,
+    /// The receiving shards whose primary claimed the opening (after the
+    /// cut-over, before it opens the shard): a cancel is refused from the
+    /// first claim on (module docs).
+    #[serde(default)]
+    pub opening: std::collections::BTreeSet<u32>,
 }
 
 /// Where a resize stands (module docs).
@@ -191,7 +210,8 @@ pub enum ResizeState {
     CutOver,
     /// Finished: the old owners dropped the moved keys.
     Done,
-    /// Given up before the cut-over: the map is as it was.
+    /// Given up (before the cut-over, or after it while no receiving
+    /// shard claimed its opening): the map is as it was.
     Cancelled,
 }
 
@@ -252,6 +272,13 @@ pub enum ResizeError {
     NotOpened {
         /// The receiving shards not opened.
         missing: Vec<u32>,
+    },
+    /// Receiving shards claimed their opening: the resize can only
+    /// finish.
+    #[error("shards {shards:?} are opening or opened: the resize can only finish now")]
+    Opening {
+        /// The receiving shards that claimed their opening.
+        shards: Vec<u32>,
     },
 }
 
@@ -323,6 +350,7 @@ impl ShardMap {
                 ready: Vec::new(),
                 hold: false,
                 opened: Default::default(),
+                opening: Default::default(),
             }),
         })
     }
@@ -418,17 +446,51 @@ impl ShardMap {
         })
     }
 
-    /// Gives the resize up, before its cut-over: the map is as it was.
+    /// Receiving shard `shard`'s primary is about to open it (after the
+    /// cut-over): from now on the resize can only finish. Claiming again
+    /// changes nothing.
+    pub fn handle_opening(&self, shard: u32) -> Result<Self, ResizeError> {
+        self.step("claim a shard's opening", &[ResizeState::CutOver], |r| {
+            if !r.receiving().any(|s| s == shard) {
+                return Err(ResizeError::NotReceiving {
+                    shard,
+                    from: r.from,
+                    to: r.to,
+                });
+            }
+            r.opening.insert(shard);
+            Ok(())
+        })
+    }
+
+    /// Gives the resize up: the map routes by the count before it. Before
+    /// the cut-over always; after it while no receiving shard claimed its
+    /// opening (module docs: the giving shards lift their fence).
     pub fn cancel(&self) -> Result<Self, ResizeError> {
-        self.step(
+        let mut next = self.step(
             "be cancelled",
-            &[ResizeState::Planned, ResizeState::Copying],
+            &[
+                ResizeState::Planned,
+                ResizeState::Copying,
+                ResizeState::CutOver,
+            ],
             |r| {
+                let claimed: std::collections::BTreeSet<u32> =
+                    r.opening.iter().chain(r.opened.keys()).copied().collect();
+                if !claimed.is_empty() {
+                    return Err(ResizeError::Opening {
+                        shards: claimed.into_iter().collect(),
+                    });
+                }
                 r.state = ResizeState::Cancelled;
                 r.ready.clear();
                 Ok(())
             },
-        )
+        )?;
+        if let Some(r) = &next.resize {
+            next.num_shards = r.from;
+        }
+        Ok(next)
     }
 
     /// The next map: the active resize changed by `change`, allowed only
@@ -538,13 +600,10 @@ mod tests {
             half.finish().unwrap_err(),
             ResizeError::NotOpened { missing: vec![2] }
         );
-        assert!(matches!(
-            cut.cancel(),
-            Err(ResizeError::WrongState {
-                state: ResizeState::CutOver,
-                ..
-            })
-        ));
+        assert_eq!(
+            cut.cancel().unwrap_err(),
+            ResizeError::Opening { shards: vec![2, 3] }
+        );
         let done = cut.finish().unwrap();
         assert!(done.active().is_none());
         assert_eq!(done.num_shards, 4);
@@ -616,6 +675,51 @@ mod tests {
     }
 
     #[test]
+    fn a_cut_over_resize_is_cancelled_until_a_receiving_shard_claims_its_opening() {
+        let cut = ShardMap::new(2)
+            .plan(3)
+            .unwrap()
+            .start_copying()
+            .unwrap()
+            .handle_ready(2, true)
+            .unwrap()
+            .cut_over()
+            .unwrap();
+        assert_eq!(cut.num_shards, 3);
+        // No shard claimed: the way out, back to 2.
+        let back = cut.cancel().unwrap();
+        assert_eq!(back.num_shards, 2);
+        assert_eq!(back.resize.as_ref().unwrap().state, ResizeState::Cancelled);
+        assert!(back.active().is_none());
+        // Claimed: it can only finish.
+        let claimed = cut.handle_opening(2).unwrap();
+        assert_eq!(
+            claimed.handle_opening(2).unwrap().active(),
+            claimed.active()
+        );
+        assert!(matches!(
+            claimed.handle_opening(0),
+            Err(ResizeError::NotReceiving { shard: 0, .. })
+        ));
+        assert_eq!(
+            claimed.cancel().unwrap_err(),
+            ResizeError::Opening { shards: vec![2] }
+        );
+        // Cancelled, a claim is refused (a receiving primary that read the
+        // cut-over before the cancel does not open).
+        assert!(matches!(
+            back.handle_opening(2),
+            Err(ResizeError::NoResize | ResizeError::WrongState { .. })
+        ));
+        // A map written before the claims existed reads as none claimed.
+        let text = serde_json::to_string(&cut)
+            .unwrap()
+            .replace(",\"opening\":[]", "");
+        assert!(!text.contains("opening"), "{text}");
+        assert_eq!(serde_json::from_str::<ShardMap>(&text).unwrap(), cut);
+    }
+
+    #[test]
     fn the_record_round_trips_as_json() {
         let map = ShardMap::new(2).plan(3).unwrap().start_copying().unwrap();
         let text = serde_json::to_string(&map).unwrap();
@@ -636,6 +740,7 @@ mod tests {
         Hold(u32),
         Release,
         Opened(u32),
+        Opening(u32),
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -649,6 +754,7 @@ mod tests {
             (0u32..8).prop_map(Step::Hold),
             Just(Step::Release),
             (0u32..8).prop_map(Step::Opened),
+            (0u32..8).prop_map(Step::Opening),
         ]
     }
 
@@ -672,16 +778,24 @@ mod tests {
                     Step::Hold(to) => map.plan_held(to),
                     Step::Release => map.release(),
                     Step::Opened(shard) => map.handle_opened(shard, 1),
+                    Step::Opening(shard) => map.handle_opening(shard),
                 };
                 let Ok(next) = next else { continue };
                 prop_assert_eq!(next.version, map.version + 1);
                 if next.num_shards != map.num_shards {
                     let r = next.resize.as_ref().unwrap();
-                    prop_assert_eq!(r.state, ResizeState::CutOver);
-                    prop_assert_eq!(next.num_shards, r.to);
                     let before = map.active().unwrap();
-                    prop_assert!(before.receiving().all(|s| before.ready.contains(&s)));
-                    prop_assert!(!before.hold, "a held resize cut over");
+                    if r.state == ResizeState::Cancelled {
+                        // A cancel after the cut-over, before any claim.
+                        prop_assert_eq!(before.state, ResizeState::CutOver);
+                        prop_assert_eq!(next.num_shards, r.from);
+                        prop_assert!(before.opening.is_empty() && before.opened.is_empty());
+                    } else {
+                        prop_assert_eq!(r.state, ResizeState::CutOver);
+                        prop_assert_eq!(next.num_shards, r.to);
+                        prop_assert!(before.receiving().all(|s| before.ready.contains(&s)));
+                        prop_assert!(!before.hold, "a held resize cut over");
+                    }
                 }
                 if let Some(r) = &next.resize {
                     prop_assert!(r.ready.windows(2).all(|w| w[0] < w[1]));
@@ -695,6 +809,7 @@ mod tests {
                     }
                     if r.state == ResizeState::Cancelled {
                         prop_assert_eq!(next.num_shards, r.from);
+                        prop_assert!(r.opening.is_empty() && r.opened.is_empty(), "a claimed resize cancelled");
                     }
                 }
                 map = next;

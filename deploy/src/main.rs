@@ -149,7 +149,9 @@ enum Command {
     },
     /// Change a running cluster's shard count (etcd mode): plan a resize
     /// to `--to M` shards (`--hold`: its cut-over waits for `--cut-over`),
-    /// `--cancel` the one in progress before its cut-over, or show where
+    /// `--cancel` the one in progress (after its cut-over too, while no
+    /// receiving shard claimed its opening: the way out of a resize one
+    /// old shard cannot finish), or show where
     /// the shard map stands (the default). The servers carry the resize
     /// out; this tool only writes the plan.
     Reshard {
@@ -178,7 +180,8 @@ enum Command {
         /// is in step.
         #[arg(long, conflicts_with = "cancel")]
         cut_over: bool,
-        /// Cancel the resize in progress (refused after its cut-over).
+        /// Cancel the resize in progress (after its cut-over only while no
+        /// receiving shard claimed its opening).
         #[arg(long)]
         cancel: bool,
         /// Print the shard map as JSON instead of words.

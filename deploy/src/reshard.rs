@@ -1,5 +1,6 @@
 //! `tessera reshard`: an operator's handle on a cluster's shard map (etcd
-//! mode). It plans a resize, cancels one before its cut-over, or says
+//! mode). It plans a resize, cancels one (after its cut-over too, while
+//! no receiving shard claimed its opening), or says
 //! where the map stands; the resize itself is carried by the servers,
 //! through the state machine stored in etcd (`tessera_coord::shard_map`),
 //! so that the tool may exit, or die, at any point without leaving the
@@ -20,7 +21,8 @@ pub enum Action {
     ToHeld(u32),
     /// Release a held resize's cut-over.
     CutOver,
-    /// Cancel the resize in progress (before its cut-over).
+    /// Cancel the resize in progress (after its cut-over only while no
+    /// receiving shard claimed its opening).
     Cancel,
     /// Say where the map stands.
     Status,
@@ -93,6 +95,11 @@ pub fn describe(map: &ShardMap) -> String {
                         list(&r.opened.keys().copied().collect::<Vec<_>>())
                     }
                 );
+                if r.opening.is_empty() && r.opened.is_empty() {
+                    out.push_str(
+                        "\n  no receiving shard claimed its opening: `tessera reshard --cancel` still gives it up",
+                    );
+                }
             }
         }
     }

@@ -392,6 +392,7 @@ fn shard_map_of(h: &tessera_proto::v1::ShardMapHealth) -> tessera_coord::ShardMa
             // Health names the shards only (their positions are the
             // servers' business).
             opened: h.opened.iter().map(|&s| (s, 0)).collect(),
+            opening: Default::default(),
         }),
     }
 }

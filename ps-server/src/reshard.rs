@@ -415,6 +415,7 @@ impl Resharding {
         if let Some(map) = map {
             self.catch_up(map).await;
             self.fence(map).await;
+            self.unfence(map).await;
         }
         let num_shards = self.store.num_shards();
         // Receiving: a server of the new count hosting a receiving shard
@@ -724,6 +725,12 @@ impl Resharding {
         let Some(feed) = &self.feed else {
             return;
         };
+        // Claimed in the map first, compared on its revision: a cancel
+        // after the cut-over and this opening cannot both win
+        // (`tessera_coord::shard_map`).
+        if !self.claim_opening(resize, leads).await {
+            return;
+        }
         let windows = feed.fenced_windows().await;
         feed.close_for_resize().await;
         for &shard in leads {
@@ -784,6 +791,75 @@ impl Resharding {
                         "lost the lead of a receiving shard before opening it; the new primary follows the giving shards"
                     );
                 }
+            }
+        }
+    }
+
+    /// Writes the claim of opening receiving shards `leads` in `resize`
+    /// (those the map does not name yet); whether the map names them all
+    /// now, in that resize, still cut over.
+    async fn claim_opening(&self, resize: &Resize, leads: &[u32]) -> bool {
+        for &shard in leads {
+            if resize.opening.contains(&shard) || resize.opened.contains_key(&shard) {
+                continue;
+            }
+            let id = resize.id;
+            let claimed = self
+                .coord
+                .update_shard_map(|m| {
+                    if m.active().map(|r| r.id) != Some(id) {
+                        return Err(ResizeError::NoResize);
+                    }
+                    m.handle_opening(shard)
+                })
+                .await;
+            match claimed {
+                Ok(map) => {
+                    tracing::info!(
+                        shard,
+                        version = map.version,
+                        "claimed a receiving shard's opening"
+                    );
+                }
+                Err(err) => {
+                    tracing::info!(shard, %err, "a receiving shard's opening not claimed; it does not open");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// As a server of a giving shard of a resize cancelled after its
+    /// cut-over (no receiving shard opened, `tessera_coord::shard_map`):
+    /// lifts the fence it set for it, so the moved keys are served here
+    /// again, from the rows their Pushes left before the fence. A store
+    /// that took a finished growth's count keeps the fence of that count.
+    async fn unfence(&self, map: &ShardMap) {
+        let Some(r) = map
+            .resize
+            .as_ref()
+            .filter(|r| r.state == ResizeState::Cancelled && gave(&self.store, r))
+        else {
+            return;
+        };
+        for &shard in self.store.hosted() {
+            let set_in_it = self
+                .store
+                .moved(shard)
+                .is_some_and(|(to, version)| to == r.to && version > r.id);
+            if !set_in_it {
+                continue;
+            }
+            if let Some(writing) = self.store.lock_shard_async(shard).await {
+                let own = self.store.num_shards();
+                let before = (own != self.store.configured_shards()).then_some((own, map.version));
+                self.store.set_moved(&writing, before);
+                self.store.set_moved_open(&writing, before.is_some());
+                tracing::info!(
+                    shard,
+                    "a resize cancelled after its cut-over: the moved keys are served here again"
+                );
             }
         }
     }

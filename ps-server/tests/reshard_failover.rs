@@ -358,3 +358,87 @@ async fn a_giving_replica_whose_resize_follower_stalls_takes_no_push_of_a_moved_
     new.stop().await;
     c.stop().await;
 }
+
+/// Hole 3: a growth that one giving shard cannot finish after the
+/// cut-over (its resize follower stalled: it never fences, so its
+/// fenced delta never comes and the new shard never opens) is cancelled:
+/// the giving shard that fenced lifts its fence and takes the moved
+/// keys' Pushes again, the map routes by the old count, and every
+/// acknowledged Push is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_growth_stuck_after_its_cut_over_is_cancelled_and_the_old_shards_serve_again() {
+    let _serial = SERIAL.lock().await;
+    let etcd = Etcd::start();
+    let (from, to) = (2, 3);
+    let cluster = "grow-stuck";
+    let mut c = Cluster::start(&etcd, cluster, from).await;
+    for _ in 0..3 {
+        c.push_all().await;
+    }
+    c.coord.update_shard_map(|m| m.plan_held(to)).await.unwrap();
+    let new = InProcess::start(&resize_server(&etcd, cluster, to, 2, &table())).await;
+    c.push_until_ready(&[2]).await;
+    // Shard 1's server never looks at the map again: it does not fence.
+    fail::cfg("reshard::step", &format!("return({})", c.others[0].addr)).unwrap();
+    c.coord.update_shard_map(ShardMap::release).await.unwrap();
+    wait_map(&c.coord, "cut over", |m| {
+        m.active().is_some_and(|r| r.state == ResizeState::CutOver)
+    })
+    .await;
+    wait_until("shard 0 fenced", async || {
+        c.primary(0).store.moved(0).is_some()
+    })
+    .await;
+    let moving: Vec<u64> = keys(0, from)
+        .into_iter()
+        .filter(|&k| shard_for_key(k, to) == 2)
+        .collect();
+    let err = c
+        .primary(0)
+        .data
+        .push(push(c.step + 1, 0, &moving, from))
+        .await
+        .unwrap_err();
+    assert!(keys_moved(&err).is_some(), "{err:?}");
+    // Stuck: the new shard has no fenced delta of shard 1, so it neither
+    // claims nor opens.
+    let m = shard_map_now(&c.coord).await;
+    let r = m.active().unwrap();
+    assert!(r.opening.is_empty() && r.opened.is_empty(), "{m:?}");
+    assert!(
+        new.store.receiving(2),
+        "the new shard serves without every fenced delta"
+    );
+
+    // The way out.
+    let cancelled = c.coord.update_shard_map(ShardMap::cancel).await.unwrap();
+    assert_eq!(cancelled.num_shards, from);
+    wait_until("shard 0 lifted its fence", async || {
+        c.primary(0).store.moved(0).is_none()
+    })
+    .await;
+    fail::remove("reshard::step");
+    // The moved keys' Pushes go to their old shard again, under the
+    // old count; a Push refused at the fence goes again and is applied
+    // once.
+    c.step += 1;
+    let step = c.step;
+    let answer = c
+        .primary(0)
+        .data
+        .push(push(step, 0, &moving, from))
+        .await
+        .unwrap();
+    assert!(!answer.duplicate);
+    for &key in &moving {
+        *c.counts.get_mut(&key).unwrap() += 1;
+    }
+    c.push_all().await;
+    for shard in 0..from {
+        c.audit(c.primary(shard), shard, from);
+    }
+    // A resize may be planned again.
+    c.coord.update_shard_map(|m| m.plan_held(to)).await.unwrap();
+    new.stop().await;
+    c.stop().await;
+}

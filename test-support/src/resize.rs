@@ -64,7 +64,9 @@ pub fn resize_pair(
 pub fn keys_moved(err: &RpcError) -> Option<KeysMoved> {
     match err {
         RpcError::Status(status) if status.code() == Code::Aborted => {
-            KeysMoved::decode(status.details().clone()).ok()
+            KeysMoved::decode(status.details().clone())
+                .ok()
+                .filter(|m| m.num_shards > 0)
         }
         _ => None,
     }

@@ -384,9 +384,10 @@ impl PsClient {
                     if routing::moved(&source)
                         .is_some_and(|m| m.num_shards != plan.num_shards()) =>
                 {
+                    let fenced_at = routing::moved(&source).map_or(0, |m| m.map_version);
                     if !self
                         .routing
-                        .wait_for_change(plan.num_shards(), self.moved_wait)
+                        .wait_for_change(plan.num_shards(), fenced_at, self.moved_wait)
                         .await
                     {
                         return Err(WorkerError::Rpc {
@@ -594,18 +595,21 @@ impl PsClient {
             // the new count, every part goes again under the same id; those
             // applied already are duplicates, at their shard or, for moved
             // keys, at the new one (it holds the old shards' windows).
-            let moved = failure
+            let fenced_at = failure
                 .failed
                 .iter()
                 .filter_map(|f| routing::moved(&f.source))
-                .any(|m| m.num_shards != routed);
+                .filter(|m| m.num_shards != routed)
+                .map(|m| m.map_version)
+                .max();
             let left = deadline.saturating_duration_since(Instant::now());
             // Not deduplicated (id 0): the parts applied would be applied
             // again; the caller decides.
-            match moved {
-                true if id.0 != 0
-                    && tries < MOVED_TRIES
-                    && self.routing.wait_for_change(routed, left).await =>
+            match fenced_at {
+                Some(fenced_at)
+                    if id.0 != 0
+                        && tries < MOVED_TRIES
+                        && self.routing.wait_for_change(routed, fenced_at, left).await =>
                 {
                     tries += 1;
                 }

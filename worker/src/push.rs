@@ -59,15 +59,19 @@ pub struct PartFailure {
 
 impl PartFailure {
     /// Whether sending the Push again under the same id can succeed: the
-    /// part timed out, its connection broke, or no primary was reachable
-    /// within the Push's deadline. A refusal on the request's merits
-    /// (unknown table, wrong dimension, a sequence below the window) is
-    /// not.
+    /// part timed out, its connection broke, no primary was reachable
+    /// within the Push's deadline, or a resize moved its keys and did not
+    /// reach this worker in time (`ABORTED` with a `KeysMoved`: the part
+    /// was not applied, and the Push goes again split by the count routed
+    /// by then; its parts applied already are duplicates). A refusal on
+    /// the request's merits (unknown table, wrong dimension, a sequence
+    /// below the window) is not.
     pub fn retriable(&self) -> bool {
-        matches!(
-            self.source.code(),
-            Code::Unavailable | Code::DeadlineExceeded
-        )
+        match self.source.code() {
+            Code::Unavailable | Code::DeadlineExceeded => true,
+            Code::Aborted => crate::routing::moved(&self.source).is_some(),
+            _ => false,
+        }
     }
 }
 
@@ -213,6 +217,38 @@ mod tests {
             gradients,
             dim: 1,
         }
+    }
+
+    fn part(source: RpcError) -> PartFailure {
+        PartFailure {
+            table: "t".into(),
+            shard: 0,
+            addr: "a".into(),
+            source,
+        }
+    }
+
+    #[test]
+    fn a_part_refused_because_its_keys_moved_is_retriable_other_refusals_are_not() {
+        use prost::Message as _;
+        let moved = tessera_proto::v1::KeysMoved {
+            shard: 0,
+            num_shards: 3,
+            map_version: 7,
+        };
+        let status = |code, details: Vec<u8>| {
+            RpcError::Status(tessera_rpc::Status::with_details(code, "x", details))
+        };
+        assert!(part(status(Code::Aborted, moved.encode_to_vec())).retriable());
+        assert!(!part(status(Code::Aborted, Vec::new())).retriable());
+        assert!(!part(status(Code::InvalidArgument, moved.encode_to_vec())).retriable());
+        assert!(part(status(Code::Unavailable, Vec::new())).retriable());
+        let failure = PushFailure {
+            id: PushId(1),
+            acknowledged: vec![("t".into(), 1)],
+            failed: vec![part(status(Code::Aborted, moved.encode_to_vec()))],
+        };
+        assert!(failure.retriable(), "some parts applied, the rest moved");
     }
 
     #[test]

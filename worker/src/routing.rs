@@ -53,6 +53,12 @@ pub struct Routing {
     layout: RwLock<Arc<Layout>>,
     /// The shard count routed by, for waiters ([`Routing::wait_for_change`]).
     count: tokio::sync::watch::Sender<u32>,
+    /// The version of the last shard map seen with no resize past its
+    /// cut-over and unfinished (none, done, or cancelled): a request
+    /// refused at a fence set at an earlier version waits no more once
+    /// this passes it (a resize cancelled after its cut-over lifts its
+    /// fence, and the count does not change).
+    settled: tokio::sync::watch::Sender<u64>,
     primaries: Arc<Primaries>,
     config: WorkerConfig,
     channel_config: ChannelConfig,
@@ -88,6 +94,7 @@ impl Routing {
                 fetchers,
             })),
             count: tokio::sync::watch::Sender::new(config.num_shards),
+            settled: tokio::sync::watch::Sender::new(0),
             primaries,
             config: config.clone(),
             channel_config,
@@ -206,13 +213,37 @@ impl Routing {
     }
 
     /// Waits until keys are routed by another count than `num_shards`
-    /// (a resize reached this worker), for at most `within`; returns
-    /// whether they are.
-    pub async fn wait_for_change(&self, num_shards: u32, within: Duration) -> bool {
+    /// (a resize reached this worker), or a map later than `fenced_at`
+    /// (the version of the fence a request ran into) has no resize under
+    /// way past its cut-over (it was cancelled: the fence is lifted), for
+    /// at most `within`; returns whether either happened.
+    pub async fn wait_for_change(&self, num_shards: u32, fenced_at: u64, within: Duration) -> bool {
         let mut count = self.count.subscribe();
-        tokio::time::timeout(within, count.wait_for(|&n| n != num_shards))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        let mut settled = self.settled.subscribe();
+        let changed = async {
+            tokio::select! {
+                r = count.wait_for(|&n| n != num_shards) => r.is_ok(),
+                r = settled.wait_for(|&v| fenced_at > 0 && v > fenced_at) => r.is_ok(),
+            }
+        };
+        tokio::time::timeout(within, changed).await.unwrap_or(false)
+    }
+
+    /// Notes shard map `map` as followed ([`Routing::wait_for_change`]).
+    fn note_map(&self, map: &ShardMap) {
+        let under_way = map
+            .resize
+            .as_ref()
+            .is_some_and(|r| r.state == ResizeState::CutOver);
+        if !under_way {
+            self.settled.send_if_modified(|v| {
+                let newer = map.version > *v;
+                if newer {
+                    *v = map.version;
+                }
+                newer
+            });
+        }
     }
 }
 
@@ -241,8 +272,12 @@ pub fn replica_set_config(
 /// another shard in a resize (`None`: another error).
 pub fn moved(error: &RpcError) -> Option<KeysMoved> {
     match error {
+        // A count of 0 is no `KeysMoved` (an ABORTED without details
+        // decodes as one).
         RpcError::Status(status) if status.code() == Code::Aborted => {
-            KeysMoved::decode(status.details().clone()).ok()
+            KeysMoved::decode(status.details().clone())
+                .ok()
+                .filter(|m| m.num_shards > 0)
         }
         _ => None,
     }
@@ -300,7 +335,11 @@ async fn follow_once(
                 if changed.is_err() {
                     return Ok(());
                 }
-                pending = maps.borrow_and_update().as_ref().map(routed_count);
+                let map = maps.borrow_and_update().clone();
+                if let Some(map) = &map {
+                    routing.note_map(map);
+                }
+                pending = map.as_ref().map(routed_count);
             }
             () = tokio::time::sleep(Duration::from_secs(1)), if pending.is_some() => {}
         }

@@ -1,0 +1,121 @@
+//! A worker through a resize that cannot finish (issue 57, hole 3): 2
+//! shards grow to 3, and after the cut-over shard 1's server stops
+//! looking at the shard map (a fail point naming it), so it never fences
+//! and the new shard never opens. A Push that ran into shard 0's fence
+//! waits; the operator cancels the resize; the Push goes again split by
+//! the old count and is applied once, without waiting out its timeout.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_coord::{ResizeState, ShardMap};
+use tessera_proto::sharding::shard_for_key;
+use tessera_ps_server::TableConfig;
+use tessera_ps_server::config::OptimizerConfig;
+use tessera_test_support::{
+    Etcd, InProcess, etcd_coordination, resize_server, resize_servers, shard_map_now,
+};
+use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
+
+const DIM: usize = 4;
+
+fn table() -> TableConfig {
+    TableConfig {
+        optimizer: OptimizerConfig::adam(0.01),
+        ..TableConfig::new("emb", DIM as u32)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_held_by_a_stuck_resize_completes_once_it_is_cancelled() {
+    let etcd = Etcd::start();
+    let cluster = "grow-cancelled";
+    let (old, coord) = resize_servers(&etcd, cluster, 2, &table()).await;
+    let client = Arc::new(
+        PsClient::new(&WorkerConfig {
+            num_shards: 2,
+            servers: old
+                .iter()
+                .enumerate()
+                .map(|(shard, s)| ServerEndpoint {
+                    address: s.addr.clone(),
+                    shards: vec![shard as u32],
+                    replica_group: 0,
+                })
+                .collect(),
+            coordinator: etcd_coordination(&etcd, cluster, 2000),
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 5000,
+            call_timeout_ms: 10_000,
+            push_timeout_ms: 30_000,
+            ..WorkerConfig::default()
+        })
+        .unwrap(),
+    );
+    let keys: Vec<u64> = (0..400).collect();
+    let grads = vec![0.25f32; keys.len() * DIM];
+    let mut acked = 0u32;
+    for _ in 0..3 {
+        client.push("emb", &keys, &grads, DIM).await.unwrap();
+        acked += 1;
+    }
+    coord.update_shard_map(|m| m.plan_held(3)).await.unwrap();
+    let new = InProcess::start(&resize_server(&etcd, cluster, 3, 2, &table())).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        client.push("emb", &keys, &grads, DIM).await.unwrap();
+        acked += 1;
+        let m = shard_map_now(&coord).await;
+        if m.active().is_some_and(|r| r.ready == [2]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fail::cfg("reshard::step", &format!("return({})", old[1].addr)).unwrap();
+    coord.update_shard_map(ShardMap::release).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while old[0].store.moved(0).is_none() {
+        assert!(Instant::now() < deadline, "shard 0 never fenced");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        shard_map_now(&coord).await.active().map(|r| r.state),
+        Some(ResizeState::CutOver)
+    );
+    // Held at shard 0's fence: it cannot finish while the resize is
+    // stuck.
+    let pushing = {
+        let (client, keys, grads) = (Arc::clone(&client), keys.clone(), grads.clone());
+        tokio::spawn(async move { client.push("emb", &keys, &grads, DIM).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!pushing.is_finished(), "a Push went through a stuck resize");
+    let cancelled_at = Instant::now();
+    coord.update_shard_map(ShardMap::cancel).await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(15), pushing)
+        .await
+        .expect("the Push waited on after the cancel")
+        .unwrap();
+    outcome.unwrap_or_else(|err| panic!("push: {err}"));
+    acked += 1;
+    assert!(cancelled_at.elapsed() < Duration::from_secs(15));
+    fail::remove("reshard::step");
+    client.push("emb", &keys, &grads, DIM).await.unwrap();
+    acked += 1;
+    assert_eq!(client.num_shards(), 2);
+    for &key in &keys {
+        let shard = shard_for_key(key, 2);
+        let steps = old[shard as usize]
+            .store
+            .read_rows("emb", shard, &[key], true)
+            .unwrap()
+            .steps;
+        assert_eq!(steps, [acked], "key {key} (shard {shard})");
+    }
+    new.stop().await;
+    for s in old {
+        s.stop().await;
+    }
+}
