@@ -243,6 +243,18 @@ pub struct RdmaConfig {
     /// far above scheduling hiccups, well below the minute an operator
     /// would otherwise wait.
     pub keepalive_timeout_ms: u64,
+    /// How long a peer may leave the destinations it was granted (a CTS
+    /// sent for its request to send) unwritten, in milliseconds: once no
+    /// large message has arrived for this long while a grant is out, the
+    /// connection fails, and the grants' memory and inbound budget go with
+    /// it (once its queue pair is in error, so no late write lands in
+    /// reused memory). Default 30000: a granted message waits at most for
+    /// its socket's earlier ones (each socket asks at most 4 ahead, so
+    /// 4 x `max_message_size`, 256 MiB by default: 0.2 s at 10 Gb/s, 20 s
+    /// at 100 Mb/s), and the peer starts writing as soon as it has the
+    /// CTS; a peer that wrote nothing for 30 s holds the budget other
+    /// peers need. At least 1000, at most 3600000.
+    pub grant_timeout_ms: u64,
     /// Shared receive queues (§6.2.2): each I/O thread posts one queue of
     /// `srq_depth` receives that all its QPs take from, instead of a queue
     /// of `recv_queue_depth` per QP. Memory no longer grows with the number
@@ -348,6 +360,7 @@ impl Default for RdmaConfig {
             window_target_delay_us: 100,
             keepalive_interval_ms: 1000,
             keepalive_timeout_ms: 10_000,
+            grant_timeout_ms: 30_000,
             srq: false,
             srq_depth: 4096,
             cq_depth: 32768,
@@ -481,6 +494,12 @@ impl Validate for RdmaConfig {
             return Err(invalid(
                 "keepalive_timeout_ms",
                 "must be 0 (off) or at least twice keepalive_interval_ms",
+            ));
+        }
+        if !(1000..=3_600_000).contains(&self.grant_timeout_ms) {
+            return Err(invalid(
+                "grant_timeout_ms",
+                "must be between 1000 and 3600000 (an hour)",
             ));
         }
         if self.srq && self.srq_depth < 16 {
@@ -730,6 +749,13 @@ mod tests {
             ..RdmaConfig::default()
         };
         assert!(one_write.validate().is_ok());
+        for ms in [0, 999, 3_600_001] {
+            let grant = RdmaConfig {
+                grant_timeout_ms: ms,
+                ..RdmaConfig::default()
+            };
+            assert_eq!(key(grant).as_deref(), Some("rdma.grant_timeout_ms"), "{ms}");
+        }
     }
 
     #[test]

@@ -505,6 +505,7 @@ impl RdmaRuntime {
                 chunk_bytes: rdma.stripe_chunk_bytes,
                 ..StripeConfig::default()
             }),
+            grant_timeout: Some(Duration::from_millis(rdma.grant_timeout_ms)),
         };
         let mut engine = Engine::new(
             engine_config,

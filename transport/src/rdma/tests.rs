@@ -13,6 +13,7 @@ use crate::rdma::window::WindowConfig;
 use crate::verbs::soft::{SoftDevice, SoftFabric, SoftFaults};
 use crate::verbs::{CompletionQueue, Device, QpCaps, QueuePair, WorkCompletion};
 
+mod data_plane;
 mod offers;
 mod stateful;
 

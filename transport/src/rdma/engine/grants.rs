@@ -16,8 +16,9 @@ impl Engine {
     /// Grants waiting requests to send, in order, while they fit in
     /// `max_granted_bytes` (and the server's budget, for an accepted
     /// connection): allocates each destination and queues its CTS. `now`
-    /// (when known) schedules a retry while the server's budget is short.
-    pub(super) fn grant_waiting(&mut self, now: Option<Instant>) -> Result<(), EngineError> {
+    /// schedules a retry while the server's budget is short, and starts
+    /// the grant timeout's clock if no grant was out.
+    pub(super) fn grant_waiting(&mut self, now: Instant) -> Result<(), EngineError> {
         self.inbound_retry = None;
         while let Some(&(msg_id, socket, size)) = self.waiting_rts.front() {
             let fits = self.granted_bytes + size <= self.config.max_granted_bytes
@@ -39,7 +40,7 @@ impl Engine {
                         // waiting for the budget stays on its driver's
                         // ready list: `waits_for_budget`), or within
                         // `INBOUND_RETRY` of `now` when the driver sleeps.
-                        self.inbound_retry = Some(now.unwrap_or_else(Instant::now) + INBOUND_RETRY);
+                        self.inbound_retry = Some(now + INBOUND_RETRY);
                         break;
                     }
                 },
@@ -53,6 +54,7 @@ impl Engine {
             let keys = self.rail_keys(&dest);
             self.granted_bytes += size;
             self.incoming.insert(msg_id, (socket, dest, permit));
+            self.grant_idle_since.get_or_insert(now);
             self.control.push_back(Control::Cts {
                 msg_id,
                 addr,
@@ -100,17 +102,86 @@ impl Engine {
         keys
     }
 
-    /// After the engine failed (its queue pair in error): the buffers of
-    /// its grants and offers, if their keys on other rails were told
-    /// (empty otherwise). The peer's queue pairs on those rails live on
-    /// and may still write a chunk into them, so the owner holds them a
-    /// while before they go back to the pool, instead of freeing them
-    /// with the engine.
+    /// Once its owner is done with the engine (it failed, or it panicked:
+    /// then whatever state the panic left, and the engine is never called
+    /// again) and its queue pair is in error: the buffers of its grants
+    /// and offers, if their keys on other rails were told (empty
+    /// otherwise). The peer's queue pairs on those rails live on and may
+    /// still write a chunk into them through this side's queue pairs on
+    /// those rails, so the owner keeps them from the pool until those
+    /// queue pairs are in error too (`io/late.rs`), instead of freeing
+    /// them with the engine. Their permits of the inbound budget go now.
+    /// Before, a panicked engine (never marked failed) kept nothing.
     pub fn take_exposed(&mut self) -> Vec<PoolBuf> {
-        if !self.failed || !self.exposed_rail_keys {
+        if !self.exposed_rail_keys {
             return Vec::new();
         }
+        self.offered.clear();
+        self.offered_bytes = 0;
+        self.granted_bytes = 0;
         self.incoming.drain().map(|(_, (_, buf, _))| buf).collect()
+    }
+
+    /// Grants by CTS out now (offers, which wait for a socket's next
+    /// message by design, are not counted: they never draw on the inbound
+    /// budget, hold at most half of `max_granted_bytes`, never keep a
+    /// request from being granted, and go when their socket closes).
+    fn grants_out(&self) -> usize {
+        self.incoming.len().saturating_sub(self.offered.len())
+    }
+
+    /// A large message arrived at `now`: the peer is writing its grants,
+    /// so the grant timeout's clock starts again (or stops, none left).
+    pub(super) fn grant_progress(&mut self, now: Instant) {
+        self.grant_idle_since = (self.grants_out() > 0).then_some(now);
+    }
+
+    /// When the grant timeout runs out, if a grant is out.
+    pub(super) fn grant_deadline(&self) -> Option<Instant> {
+        let timeout = self.config.grant_timeout?;
+        if self.grants_out() == 0 {
+            return None;
+        }
+        Some(self.grant_idle_since? + timeout)
+    }
+
+    /// Whether the grant timeout ran out at `now` (issue 57, hole 9): a
+    /// peer that took destinations and wrote none of them for
+    /// `grant_timeout` holds their bytes (`max_granted_bytes`) and, on a
+    /// server, the inbound budget other peers need; the engine then fails
+    /// with [`EngineError::GrantTimeout`]. The clock runs from the first
+    /// grant out, and starts again at each large message that arrives (a
+    /// grant waits, legitimately, for its socket's earlier messages).
+    ///
+    /// Revoking a grant is failing the engine, on purpose: the one sound
+    /// way to take a destination back from a peer that may still write
+    /// into it. Its owner moves the queue pair to error, after which no
+    /// write of the peer's lands through it; the grants' buffers stay with
+    /// the engine (`Engine::fail`'s rule) until the owner destroys the
+    /// queue pair, so no late write lands in memory handed to someone
+    /// else; their inbound permits and bytes go with the engine then.
+    /// Invalidating only the grant's window was the other option, but an
+    /// unconfined grant has no key of its own to invalidate (its key is
+    /// the pool's), and a confined peer's write into an invalidated window
+    /// fails its queue pair anyway. Grants whose keys on other rails were
+    /// told are held past that until the partners' queue pairs are in
+    /// error too (`io/late.rs`). Before, such a grant was held for the
+    /// engine's life.
+    pub(super) fn grant_timed_out(&mut self, now: Instant) -> bool {
+        let Some(deadline) = self.grant_deadline() else {
+            return false;
+        };
+        if now < deadline {
+            return false;
+        }
+        let waited = self
+            .grant_idle_since
+            .map_or(Duration::ZERO, |since| now.saturating_duration_since(since));
+        self.fail(EngineError::GrantTimeout {
+            waited,
+            grants: self.grants_out(),
+        });
+        true
     }
 
     /// Grants of this engine (an accepted connection's) also draw on the

@@ -117,6 +117,8 @@ impl Engine {
             // is taken again.
             stripe.give_back(range.start + length, range.len - length);
         }
+        // Cannot overflow: `addr + len` was checked when the destination
+        // came (`receive::check_destination`), and `range` lies within `len`.
         let remote_addr = addr as usize + range.start;
         let op = if last {
             SendOp::WriteWithImm {

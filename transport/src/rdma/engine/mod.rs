@@ -26,8 +26,11 @@
 //!    of send work requests per call), [`Engine::poll_event`] (messages,
 //!    socket changes, its failure), and [`Engine::poll_timeout`] (when to
 //!    call `handle_timeout` next). An engine that failed emits
-//!    [`EngineEvent::Failed`] last; [`Engine::take_held`] then gives the
-//!    events held for invalidations once its queue pair is in error.
+//!    [`EngineEvent::Failed`], and after it only
+//!    [`EngineEvent::StripeDone`] answers for other engines' chunks, as
+//!    the completions of its queue pair (flushed, now) come back: keep
+//!    feeding them. [`Engine::take_held`] then gives the events held for
+//!    invalidations once its queue pair is in error.
 //! 4. Before its queue pair is destroyed, [`Engine::release_windows`]
 //!    (rxe waits 50 s for windows still bound on a QP being destroyed);
 //!    the engine itself, owning every buffer the NIC may touch, goes
@@ -172,6 +175,9 @@ pub struct Engine {
     /// When a request to send waiting for the server's budget is tried
     /// again (set while one waits for it).
     inbound_retry: Option<Instant>,
+    /// Since when no grant has been written while one is out (CTS sent,
+    /// its message not arrived): the grant timeout's clock (`grants.rs`).
+    grant_idle_since: Option<Instant>,
     /// Requests to send over the budget, in arrival order: (message id,
     /// socket, size).
     waiting_rts: VecDeque<(u32, SocketId, u64)>,
@@ -266,6 +272,7 @@ impl Engine {
             retiring: VecDeque::new(),
             inbound: None,
             inbound_retry: None,
+            grant_idle_since: None,
             waiting_rts: VecDeque::new(),
             consumed_slots: Vec::new(),
             spare: Vec::new(),
@@ -414,6 +421,9 @@ impl Engine {
         self.active.clear();
         self.awaiting_cts.clear();
         self.events.push_back(EngineEvent::Failed(error));
+        // Other engines' chunks: those with nothing posted are answered
+        // now, the rest as their writes' completions come (`stripes.rs`).
+        self.settle_stripes(None);
     }
 
     pub(super) fn alloc(pool: &Pool, len: usize) -> Result<PoolBuf, EngineError> {
@@ -428,7 +438,7 @@ impl Engine {
             return None;
         }
         if self.inbound_retry.is_some()
-            && let Err(err) = self.grant_waiting(Some(now))
+            && let Err(err) = self.grant_waiting(now)
         {
             self.fail(err);
             return None;
@@ -481,22 +491,30 @@ impl Engine {
         if self.failed || !self.peer_ready {
             return None;
         }
-        match (self.keepalive_deadline(), self.inbound_retry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.keepalive_deadline(),
+            self.inbound_retry,
+            self.grant_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Time has passed: sends a keepalive when due, and fails the engine if
-    /// the peer's stood still for the timeout.
+    /// the peer's stood still for the timeout, or left its grants unwritten
+    /// for the grant timeout.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.failed || !self.peer_ready {
             return;
         }
         if self.inbound_retry.is_some_and(|at| now >= at)
-            && let Err(err) = self.grant_waiting(Some(now))
+            && let Err(err) = self.grant_waiting(now)
         {
             self.fail(err);
+            return;
+        }
+        if self.grant_timed_out(now) {
             return;
         }
         self.keepalive_timeout(now);
@@ -505,10 +523,12 @@ impl Engine {
     /// Feeds a work completion of this engine's QP.
     pub fn handle_completion(&mut self, completion: &WorkCompletion, now: Instant) {
         if self.failed {
+            self.completed_after_failure(completion);
             return;
         }
         if completion.status != WcStatus::Success {
             self.fail(completion_error(completion));
+            self.completed_after_failure(completion);
             return;
         }
         // By the id, not the opcode (see `wr_id`).
@@ -538,7 +558,7 @@ impl Engine {
                 };
                 self.consumed_slots.push(slot);
                 self.credits.consumed();
-                if let Err(err) = self.received(completion, buf) {
+                if let Err(err) = self.received(completion, buf, now) {
                     self.fail(err);
                 }
             }
@@ -547,8 +567,13 @@ impl Engine {
 
     /// Feeds a receive completion of the shared receive queue for this
     /// engine's QP, with the buffer it landed in (the owner of the queue
-    /// maps `wr_id` to it).
-    pub fn handle_shared_receive(&mut self, completion: &WorkCompletion, buf: PoolBuf) {
+    /// maps `wr_id` to it), at `now`.
+    pub fn handle_shared_receive(
+        &mut self,
+        completion: &WorkCompletion,
+        buf: PoolBuf,
+        now: Instant,
+    ) {
         if self.failed {
             return;
         }
@@ -559,8 +584,23 @@ impl Engine {
             self.fail(completion_error(completion));
             return;
         }
-        if let Err(err) = self.received(completion, buf) {
+        if let Err(err) = self.received(completion, buf, now) {
             self.fail(err);
+        }
+    }
+}
+
+impl Engine {
+    /// A completion of a failed engine's queue pair (in error: the rest of
+    /// what was posted comes back flushed). Only the send queue's matter:
+    /// they retire the ring, and with it the writes of other engines'
+    /// chunks, which are answered once none of their writes can still be
+    /// carried out (`stripes.rs`).
+    fn completed_after_failure(&mut self, completion: &WorkCompletion) {
+        if let WrKind::Send(wr_id) = wr_id::classify(completion.wr_id) {
+            self.ring.complete(wr_id);
+            let placed = completion.status == WcStatus::Success;
+            self.settle_stripes(Some((wr_id, placed)));
         }
     }
 }

@@ -76,7 +76,12 @@ impl Engine {
         {
             return;
         }
-        let size = offer_size(len);
+        // Never room for more than the largest message taken (an offer
+        // has a quarter to spare; that room must not invite a message the
+        // limit refuses).
+        let most = PREFIX_LEN
+            .saturating_add(usize::try_from(self.config.max_message_size).unwrap_or(usize::MAX));
+        let size = offer_size(len).min(most);
         let bytes = size as u64;
         if self.offered_bytes + bytes > self.config.max_granted_bytes / 2
             || self.granted_bytes + bytes > self.config.max_granted_bytes
@@ -139,6 +144,14 @@ impl Engine {
             // goes with the engine (`Engine::fail`'s rule).
             return Err(EngineError::Protocol(Violation::OfferOverrun { len, room }));
         }
+        // The limit holds for offered messages as for requests to send
+        // (`receive.rs`); the buffer stays, as above.
+        if len > self.config.max_message_size {
+            return Err(EngineError::Protocol(Violation::TooLarge {
+                size: len,
+                max: self.config.max_message_size,
+            }));
+        }
         let (socket, dest, permit) = self.incoming.remove(&id).ok_or(unknown)?;
         let size = dest.len() as u64;
         self.granted_bytes = self.granted_bytes.saturating_sub(size);
@@ -193,6 +206,8 @@ impl Engine {
         if offer.id & OFFER_BIT == 0 {
             return Err(EngineError::Protocol(Violation::NotAnOffer(offer.id)));
         }
+        // Messages go to `addr + offset` within the offer's size.
+        super::receive::check_destination(offer.addr, offer.size)?;
         if !self.config.offers {
             return Ok(());
         }

@@ -54,12 +54,14 @@ impl Engine {
         &mut self,
         completion: &WorkCompletion,
         buf: PoolBuf,
+        now: Instant,
     ) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
             if msg_id & OFFER_BIT != 0 {
                 self.received_offered(msg_id)?;
-                return self.grant_waiting(None);
+                self.grant_progress(now);
+                return self.grant_waiting(now);
             }
             let (socket, message, permit) = self
                 .incoming
@@ -81,7 +83,8 @@ impl Engine {
                 after,
             );
             self.offer_after(socket, len);
-            self.grant_waiting(None)?;
+            self.grant_progress(now);
+            self.grant_waiting(now)?;
             return Ok(());
         }
         // The completion's length is the peer's word: checked before any
@@ -133,7 +136,7 @@ impl Engine {
                 }
                 self.waiting_rts
                     .push_back((header.msg_id, header.socket, size));
-                self.grant_waiting(None)?;
+                self.grant_waiting(now)?;
             }
             ControlKind::Cts { addr, rkey } => {
                 let keys = decode_rail_keys(&buf[..len], HEADER_LEN);
@@ -147,6 +150,11 @@ impl Engine {
                 if let Some(tx) = self.sockets.get_mut(&socket)
                     && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == header.msg_id)
                 {
+                    // The address is the peer's word: every WRITE goes to
+                    // `addr + offset` within the message, so a destination
+                    // that wraps is refused here, once, and the sums in
+                    // `large.rs` and `stripes.rs` cannot overflow.
+                    check_destination(addr, transfer.message.len as u64)?;
                     transfer.dest = Some((addr, rkey));
                     transfer.rail_keys = keys;
                     self.schedule(socket);
@@ -229,6 +237,19 @@ impl Engine {
         if !self.config.shared_receives && self.spare.len() < self.recv_slots.len() {
             self.spare.push(buf);
         }
+    }
+}
+
+/// A destination of `len` bytes at `addr` (the peer's word) whose last byte
+/// lies within the address space: every write to it goes to `addr + offset`
+/// with `offset < len`, which then cannot overflow.
+pub(super) fn check_destination(addr: u64, len: u64) -> Result<(), EngineError> {
+    match addr.checked_add(len) {
+        Some(_) => Ok(()),
+        None => Err(EngineError::Protocol(Violation::AddressOverflow {
+            addr,
+            len,
+        })),
     }
 }
 

@@ -28,10 +28,11 @@
 //! rails share a message in proportion to what they carry, and a slow or
 //! loaded rail takes fewer chunks.
 //!
-//! **A rail failing.** A partner that fails reports its chunks not
-//! written (`ok = false`, after its queue pair is in error, so no late
-//! write of it lands), and the home writes those ranges itself, or hands
-//! them to another partner: the message is not lost, and the caller never
+//! **A rail failing.** A partner that fails (or panics) reports its
+//! chunks not written (`ok = false`) once none of their writes can still
+//! be carried out: as its queue pair's flushes come back, or when its
+//! owner destroys the queue pair ([`Engine::settle_stripes`]), and the
+//! home writes those ranges itself, or hands them to another partner: the message is not lost, and the caller never
 //! learns of it. A rewrite of bytes already placed is harmless (the same
 //! bytes, and the receiver is not told before the WRITE_WITH_IMM). If the
 //! home fails, the message fails with its socket, as any other.
@@ -354,6 +355,8 @@ impl Engine {
                                 rail,
                                 token,
                                 chunk: StripeChunk {
+                                    // Within the destination, whose end
+                                    // was checked not to wrap (`receive.rs`).
                                     remote_addr: addr + offset as u64,
                                     rkey,
                                     parts: slices(&transfer.message.parts, offset, len, usize::MAX),
@@ -420,141 +423,9 @@ impl Engine {
             self.stripes.work.push_back(done.socket);
         }
     }
-
-    /// Chunk `token` of engine `origin` (the owner's name for it) to write
-    /// on this engine's queue pair; answered with
-    /// [`EngineEvent::StripeDone`] once its writes completed, or at once
-    /// (`ok = false`) by a failed engine.
-    pub fn handle_stripe_writes(&mut self, origin: u64, token: u64, chunk: StripeChunk) {
-        if self.failed {
-            self.events.push_back(EngineEvent::StripeDone {
-                origin,
-                token,
-                ok: false,
-            });
-            return;
-        }
-        self.stripes.foreign.push_back(Foreign {
-            origin,
-            token,
-            chunk,
-            offset: 0,
-        });
-        if !self.stripes.scheduled {
-            self.stripes.scheduled = true;
-            self.active.push_back(STRIPES);
-        }
-    }
-
-    /// Engine `origin` failed: its chunks not yet queued here are dropped
-    /// (no one waits for them).
-    pub fn cancel_stripes(&mut self, origin: u64) {
-        self.stripes.foreign.retain(|f| f.origin != origin);
-    }
-
-    /// After this engine failed and its queue pair is in error: the chunks
-    /// of other engines it had and did not wholly write, (origin, token)
-    /// each, to be answered `ok = false` (their origins write them
-    /// again).
-    pub fn take_abandoned_stripes(&mut self) -> Vec<(u64, u64)> {
-        let mut abandoned: Vec<(u64, u64)> = self
-            .stripes
-            .acks
-            .drain(..)
-            .map(|(_, origin, token)| (origin, token))
-            .collect();
-        abandoned.extend(self.stripes.foreign.drain(..).map(|f| (f.origin, f.token)));
-        abandoned
-    }
-
-    /// The foreign chunks' turn: one WRITE of the first chunk.
-    pub(super) fn stripe_turn(&mut self) -> Result<Turn, EngineError> {
-        let max_sge = self.config.max_sge as usize;
-        let rail = self.config.rail;
-        let Some(front) = self.stripes.foreign.front() else {
-            return Ok(Turn::Done);
-        };
-        let room = self.fragment_size.min(front.chunk.len - front.offset);
-        let parts = slices(&front.chunk.parts, front.offset, room, max_sge);
-        let sges: Option<Vec<Sge>> = parts.iter().map(|p| Self::sge(p, rail)).collect();
-        let Some(sges) = sges else {
-            // Not in memory this rail registered: its origin writes it.
-            if let Some(front) = self.stripes.foreign.pop_front() {
-                self.events.push_back(EngineEvent::StripeDone {
-                    origin: front.origin,
-                    token: front.token,
-                    ok: false,
-                });
-            }
-            return Ok(Turn::Fragment);
-        };
-        let length: usize = sges.iter().map(|s| s.len as usize).sum();
-        if !self.window.admit(length) {
-            return Ok(Turn::NoWindow);
-        }
-        let Some(front) = self.stripes.foreign.front_mut() else {
-            return Ok(Turn::Done);
-        };
-        let op = SendOp::Write {
-            remote_addr: front.chunk.remote_addr as usize + front.offset,
-            rkey: front.chunk.rkey,
-        };
-        front.offset += length;
-        let whole = front.offset >= front.chunk.len || length == 0;
-        self.window.add(length);
-        let id = self.ring.push(RingEntry {
-            wr: SendWr {
-                wr_id: 0,
-                op,
-                sges,
-                signaled: false,
-            },
-            keep: parts,
-            bytes: length,
-        });
-        self.stats.striped_bytes += length as u64;
-        if whole && let Some(done) = self.stripes.foreign.pop_front() {
-            self.stripes.acks.push_back((id, done.origin, done.token));
-        }
-        Ok(Turn::Fragment)
-    }
-
-    /// `socket`'s home writes wait for its writes in flight to complete.
-    pub(super) fn stripes_throttled(&mut self, socket: SocketId) {
-        if !self.stripes.throttled.contains(&socket) {
-            self.stripes.throttled.push(socket);
-        }
-    }
-
-    /// The foreign chunks lost their turn (nothing left, or blocked).
-    pub(super) fn stripes_unscheduled(&mut self) {
-        self.stripes.scheduled = false;
-    }
-
-    /// Send requests up to `wr_id` completed: the foreign chunks whose last
-    /// WRITE was among them are placed.
-    pub(super) fn ack_stripes(&mut self, wr_id: u64) {
-        for socket in std::mem::take(&mut self.stripes.throttled) {
-            self.schedule(socket);
-        }
-        while let Some(&(id, origin, token)) = self.stripes.acks.front() {
-            if id > wr_id {
-                break;
-            }
-            self.stripes.acks.pop_front();
-            self.events.push_back(EngineEvent::StripeDone {
-                origin,
-                token,
-                ok: true,
-            });
-        }
-    }
-
-    /// Nothing of other engines' chunks queued or unacknowledged.
-    pub(super) fn stripes_idle(&self) -> bool {
-        self.stripes.foreign.is_empty() && self.stripes.acks.is_empty()
-    }
 }
+
+mod partner;
 
 #[cfg(test)]
 mod tests {

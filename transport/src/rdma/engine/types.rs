@@ -58,6 +58,12 @@ pub struct EngineConfig {
     /// Striping of large messages over the queue pairs of other rails to
     /// the same peer (`stripes.rs`); `None`: off. Default off.
     pub stripe: Option<StripeConfig>,
+    /// How long grants may stand unwritten: while a destination granted by
+    /// CTS is out and no large message has arrived for this long, the
+    /// engine fails with [`EngineError::GrantTimeout`] (`grants.rs`).
+    /// `None`: never. Default `None` (the transport sets it from
+    /// `rdma.grant_timeout_ms`).
+    pub grant_timeout: Option<Duration>,
 }
 
 /// How large messages are striped over rails (`stripes.rs`).
@@ -108,6 +114,7 @@ impl Default for EngineConfig {
             rail: 0,
             rails: 1,
             stripe: None,
+            grant_timeout: None,
         }
     }
 }
@@ -187,6 +194,15 @@ pub enum EngineError {
     /// Posting work requests failed ([`Engine::handle_post_error`]).
     #[error("posting to the queue pair failed: {0}")]
     Post(crate::verbs::VerbsError),
+    /// The peer left its grants unwritten for the grant timeout: it took
+    /// destinations and wrote none of them (`grants.rs`).
+    #[error("the peer wrote none of its {grants} grants for {waited:?}")]
+    GrantTimeout {
+        /// How long no grant was written.
+        waited: Duration,
+        /// Grants it held.
+        grants: usize,
+    },
     /// The engine's code panicked (a bug); the I/O thread failed it alone.
     #[error("the engine panicked (a bug); this connection is failed, the others are not")]
     Panicked,
@@ -344,4 +360,13 @@ pub enum Violation {
     /// An `Offer` too short to carry its size.
     #[error("an offer of {0} bytes, too short for its size")]
     ShortOffer(usize),
+    /// A destination (a CTS's or an `Offer`'s) whose last byte lies past
+    /// the end of the address space: `addr + len` wraps.
+    #[error("a destination of {len} bytes at {addr:#x} wraps past the address space")]
+    AddressOverflow {
+        /// The address the peer told.
+        addr: u64,
+        /// The bytes to be written there.
+        len: u64,
+    },
 }

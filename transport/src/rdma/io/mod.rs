@@ -27,9 +27,11 @@
 //! holds `send_queue_depth` permits, returned as its messages are wholly
 //! handed to the NIC.
 
+mod late;
 mod metrics;
 mod runtime;
 mod shared_receives;
+mod slot;
 mod thread;
 mod worker;
 

@@ -8,16 +8,23 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use super::late::{LateWrites, Routes};
 use super::metrics::{EngineMetrics, IoStats};
-use super::{
-    Attached, BACKLOG_LIMIT, Command, IoThread, ORPHAN_LIMIT, SharedReceives, SocketSlot,
-    WeakIoThread, new_socket,
+use super::slot::{
+    EngineSlot, NEXT_ORIGIN, deliver_backlog, fail_sockets, isolated, mark, to_backlog,
 };
-use crate::rdma::engine::{EngineEvent, SocketId};
+use super::{
+    Attached, BACKLOG_LIMIT, Command, IoThread, ORPHAN_LIMIT, SharedReceives, WeakIoThread,
+    new_socket,
+};
+use crate::TransportError;
+use crate::rdma::engine::EngineEvent;
 use crate::verbs::{CompletionQueue, WorkCompletion};
-use crate::{Connection, TransportError};
+
+#[cfg(test)]
+mod tests;
 
 /// A post of `attached`'s QP failed: the QP goes to ERROR (what was posted
 /// is flushed back) and the engine fails, failing its sockets; before, the
@@ -30,170 +37,6 @@ fn post_failed(attached: &mut Attached, err: crate::verbs::VerbsError) {
         tracing::warn!(peer = %attached.peer, err = %modify, "moving the queue pair to error failed");
     }
     attached.engine.handle_post_error(err);
-}
-
-/// Runs `f` on `slot`; if it panics, the panic stops here: that engine
-/// fails (its QP to error, each socket and pending open an error, the
-/// slot never called again and dropped once its sockets have their error)
-/// and the thread goes on serving its other engines. A panic is a bug; it
-/// is logged as an error (once per engine) and counted
-/// (`tessera_rdma_engine_panics_total`).
-fn isolated<R>(
-    slot: &mut EngineSlot,
-    io: Option<&IoThread>,
-    f: impl FnOnce(&mut EngineSlot) -> R,
-) -> Option<R> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *slot))) {
-        Ok(result) => Some(result),
-        Err(payload) => {
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(peer = %slot.attached.peer, panic = %what, "rdma engine panicked: that connection fails, the others go on");
-            metrics::counter!("tessera_rdma_engine_panics_total").increment(1);
-            slot.panicked = true;
-            slot.attached.alive.store(false, Ordering::Release);
-            if let Err(err) = slot.attached.qp.fail() {
-                tracing::warn!(peer = %slot.attached.peer, %err, "moving the queue pair to error failed");
-            }
-            if let Some(io) = io {
-                io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
-            }
-            fail_sockets(
-                &mut slot.opening,
-                &mut slot.sockets,
-                &crate::rdma::engine::EngineError::Panicked,
-            );
-            for s in slot.sockets.values_mut() {
-                deliver_backlog(s);
-            }
-            None
-        }
-    }
-}
-
-/// A message for a socket's application, or the end of its stream, into
-/// the socket's backlog (other events are not for the backlog).
-fn to_backlog(sockets: &mut HashMap<SocketId, SocketSlot>, event: EngineEvent) {
-    match event {
-        EngineEvent::Message { socket, bytes } => {
-            if let Some(s) = sockets.get_mut(&socket)
-                && s.deliver.is_some()
-            {
-                s.backlog.push_back(Ok(bytes));
-            }
-        }
-        EngineEvent::Closed(socket) => {
-            if let Some(s) = sockets.get_mut(&socket) {
-                s.rx_closed = true;
-            }
-        }
-        _ => {}
-    }
-}
-
-/// A failed engine's pending opens and sockets get `err`: senders stop
-/// (their permits close), and each open receiver gets it as its last item.
-fn fail_sockets(
-    opening: &mut HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
-    sockets: &mut HashMap<SocketId, SocketSlot>,
-    err: &crate::rdma::engine::EngineError,
-) {
-    for (_, reply) in opening.drain() {
-        let _ = reply.send(Err(TransportError::rdma_error(err.clone())));
-    }
-    for s in sockets.values_mut() {
-        s.permits.close();
-        if s.deliver.is_some() && !s.rx_closed {
-            s.backlog
-                .push_back(Err(TransportError::rdma_error(err.clone())));
-            s.rx_closed = true;
-        }
-    }
-}
-
-/// Hands `socket`'s backlog to its application as far as it takes it, and
-/// lets go of a receiver whose stream has ended; whether anything went.
-fn deliver_backlog(socket: &mut SocketSlot) -> bool {
-    let mut delivered = false;
-    while let Some(item) = socket.backlog.pop_front() {
-        let Some(deliver) = &socket.deliver else {
-            socket.backlog.clear();
-            delivered = true;
-            break;
-        };
-        match deliver.try_send(item) {
-            Ok(()) => delivered = true,
-            Err(mpsc::error::TrySendError::Full(item)) => {
-                socket.backlog.push_front(item);
-                break;
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                // The application dropped its receiver: what it held is
-                // gone, which counts as progress (an engine held at
-                // `BACKLOG_LIMIT` may repost its receives now; before, it
-                // left the ready list with them unposted and stalled).
-                socket.deliver = None;
-                socket.backlog.clear();
-                delivered = true;
-                break;
-            }
-        }
-    }
-    if socket.rx_closed && socket.backlog.is_empty() {
-        socket.deliver = None;
-    }
-    delivered
-}
-
-struct EngineSlot {
-    metrics: EngineMetrics,
-    attached: Attached,
-    sockets: HashMap<SocketId, SocketSlot>,
-    /// Sockets this end opened, waiting for the peer's answer.
-    opening: HashMap<SocketId, oneshot::Sender<Result<Connection, TransportError>>>,
-    /// Whether a socket was ever opened on it.
-    had_socket: bool,
-    /// Its engine panicked: it is failed and never called again.
-    panicked: bool,
-    /// It is on the worker's ready list.
-    ready: bool,
-    /// Its engine's deadline as it was after the engine last ran.
-    deadline: Option<Instant>,
-    /// Its name as the origin of chunks it hands to partners (unique in
-    /// the process).
-    origin: u64,
-    /// Engines on other rails to the same peer (`rdma/partners.rs`).
-    partners: Vec<super::Partner>,
-}
-
-/// Names of engines as origins of chunks (`stripes.rs`).
-static NEXT_ORIGIN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
-/// How long the buffers of a failed engine's grants stay out of the pool
-/// when their keys on other rails were told (`Engine::take_exposed`): a
-/// chunk the peer's queue pair on another rail posted before it learnt of
-/// the failure may still land. 5 s: a queue pair's own retries give up
-/// within about that on the default transport timeouts.
-const LATE_WRITE_HOLD: Duration = Duration::from_secs(5);
-
-impl EngineSlot {
-    /// Puts this engine (`qpn`) on the ready list, once.
-    fn list(&mut self, qpn: u32, ready: &mut Vec<u32>) {
-        if !self.ready {
-            self.ready = true;
-            ready.push(qpn);
-        }
-    }
-}
-
-/// Puts engine `qpn`, if there is one, on the ready list (once).
-fn mark(engines: &mut HashMap<u32, EngineSlot>, ready: &mut Vec<u32>, qpn: u32) {
-    if let Some(slot) = engines.get_mut(&qpn) {
-        slot.list(qpn, ready);
-    }
 }
 
 // Field order is drop order: the engines (and their QPs) go before the
@@ -237,10 +80,10 @@ pub(super) struct Worker {
     engine_visits: u64,
     /// Where the answers for chunks of other drivers' engines go, by the
     /// origin's name: its driver and QP number (`stripes.rs`).
-    origins: HashMap<u64, (IoThread, u32)>,
+    origins: Routes,
     /// Buffers of failed engines held until late writes cannot land
-    /// ([`LATE_WRITE_HOLD`]).
-    late: std::collections::VecDeque<(Instant, Vec<crate::pool::PoolBuf>)>,
+    /// (`late.rs`).
+    late: LateWrites,
 }
 
 /// Rounds a direct send runs at most before it leaves the rest to the
@@ -278,8 +121,8 @@ impl Worker {
             completions: Vec::with_capacity(64),
             rounds: 0,
             engine_visits: 0,
-            origins: HashMap::new(),
-            late: std::collections::VecDeque::new(),
+            origins: Routes::default(),
+            late: LateWrites::default(),
         }
     }
 
@@ -420,10 +263,8 @@ impl Worker {
         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
         let panic_on_len = self.panic_on_len;
         let totals = Arc::clone(&self.stats);
-        let origins = &self.origins;
-        while self.late.front().is_some_and(|(until, _)| now >= *until) {
-            self.late.pop_front();
-        }
+        let origins = &mut self.origins;
+        self.late.release();
         // What a round cut short by a panic left unvisited goes first (its
         // engines are still marked ready, so nothing else would list them).
         self.ready.append(&mut self.visiting);
@@ -470,13 +311,31 @@ impl Worker {
             if (slot.panicked || slot.attached.engine.is_failed()) && !holding {
                 if !slot.panicked {
                     slot.metrics.update(&slot.attached.engine, &self.stats);
-                    let exposed = slot.attached.engine.take_exposed();
-                    if !exposed.is_empty() {
-                        self.late.push_back((now + LATE_WRITE_HOLD, exposed));
-                    }
                 }
+                // What outlives the engine, a panicked one's too (its state
+                // is what the panic left; taking it out cannot make it
+                // worse, and a second panic here leaves it all with it):
+                // its grants whose keys on other rails were told, and the
+                // chunks of other engines it did not answer (issue 57,
+                // holes 6 and 7: before, a panicked engine freed the first
+                // at once and never answered the second, so their origins
+                // waited for ever).
+                let engine = &mut slot.attached.engine;
+                let (exposed, abandoned) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        (engine.take_exposed(), engine.take_abandoned_stripes())
+                    }))
+                    .unwrap_or_default();
+                let guards = slot.partners.iter().map(|p| Arc::clone(&p.alive)).collect();
                 metrics::gauge!("tessera_rdma_qps_open").decrement(1.0);
-                self.engines.remove(&qpn);
+                // The queue pair is destroyed with the slot: no write of it
+                // can be carried out any more, so the chunks it did not
+                // answer may be written again by their origins.
+                drop(self.engines.remove(&qpn));
+                for (origin, token) in abandoned {
+                    origins.answer(origin, token, false);
+                }
+                self.late.hold(exposed, guards);
                 removed = true;
                 continue;
             }
@@ -592,7 +451,7 @@ impl Worker {
         match (shared, crate::rdma::wr_id::classify(completion.wr_id)) {
             (Some(shared), crate::rdma::wr_id::WrKind::SharedRecv(index)) => {
                 match shared.take(index) {
-                    Some(buf) => engine.handle_shared_receive(completion, buf),
+                    Some(buf) => engine.handle_shared_receive(completion, buf, now),
                     None => tracing::warn!(
                         wr_id = completion.wr_id,
                         "completion for an unknown shared receive"
@@ -611,7 +470,7 @@ impl Worker {
         io: Option<&IoThread>,
         totals: &IoStats,
         panic_on_len: Option<usize>,
-        origins: &HashMap<u64, (IoThread, u32)>,
+        origins: &mut Routes,
     ) -> bool {
         let mut progress = false;
         let now = Instant::now();
@@ -730,19 +589,20 @@ impl Worker {
                 }
                 EngineEvent::Closed(socket) => to_backlog(sockets, EngineEvent::Closed(socket)),
                 EngineEvent::StripeDone { origin, token, ok } => {
-                    if let Some((io, qpn)) = origins.get(&origin) {
-                        io.submit(Command::StripeDone {
-                            qpn: *qpn,
-                            token,
-                            ok,
-                        });
-                    }
+                    origins.answer(origin, token, ok);
                 }
                 EngineEvent::Failed(crate::rdma::engine::EngineError::Unused) => {
+                    // Not alive once its QP takes no more writes (`late.rs`);
+                    // the QP is destroyed with the slot, next.
+                    if let Err(err) = attached.qp.fail() {
+                        tracing::warn!(peer = %attached.peer, %err, "moving the queue pair to error failed");
+                    }
+                    if !partners.is_empty() {
+                        attached.qp.quiesce();
+                    }
                     attached.alive.store(false, Ordering::Release);
                 }
                 EngineEvent::Failed(err) => {
-                    attached.alive.store(false, Ordering::Release);
                     metrics::counter!("tessera_rdma_engine_failures_total").increment(1);
                     if matches!(err, crate::rdma::engine::EngineError::PeerDead(_)) {
                         tracing::warn!(peer = %attached.peer, %err, "rdma peer declared dead");
@@ -754,31 +614,36 @@ impl Worker {
                     if let Some(io) = io {
                         io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
                     }
+                    if matches!(err, crate::rdma::engine::EngineError::GrantTimeout { .. }) {
+                        // The peer's doing: said once per peer per interval.
+                        metrics::counter!("tessera_rdma_grant_timeouts_total").increment(1);
+                        if let Some(suppressed) = crate::warn_limit::allow(attached.peer.ip()) {
+                            tracing::warn!(peer = %attached.peer, %err, suppressed, "rdma peer left its grants unwritten: the connection fails");
+                        }
+                    }
                     tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
                     // Messages that arrived whole but wait for their
                     // window's invalidation go first, once the QP is in
                     // error and quiet: no write can land in them any more.
-                    // Without such messages the error goes at once (a peer
-                    // frozen in the middle of a copy does not hold it up).
                     if let Err(err) = attached.qp.fail() {
                         tracing::warn!(peer = %attached.peer, %err, "moving the queue pair to error failed");
                     }
                     let held = attached.engine.take_held();
-                    if !held.is_empty() {
+                    // Quiet first where a write could still be landing in
+                    // what it hands on (a held message) or in a partner's
+                    // grants (`late.rs`); without either the error goes at
+                    // once (a peer frozen in the middle of a copy does not
+                    // hold it up).
+                    if !held.is_empty() || !partners.is_empty() {
                         attached.qp.quiesce();
                     }
-                    // Its QP in error: chunks of other engines it did not
-                    // write go back to be written by their own, and its
-                    // own chunks on other rails are no longer wanted.
-                    for (origin, token) in attached.engine.take_abandoned_stripes() {
-                        if let Some((io, qpn)) = origins.get(&origin) {
-                            io.submit(Command::StripeDone {
-                                qpn: *qpn,
-                                token,
-                                ok: false,
-                            });
-                        }
-                    }
+                    // Not alive only now: a partner's buffers held for late
+                    // writes through this QP wait for it (`late.rs`).
+                    attached.alive.store(false, Ordering::Release);
+                    // Chunks of other engines it did not write are answered
+                    // by the engine as its QP's flushes come back, or when
+                    // the QP is destroyed (`settle_stripes`); its own chunks
+                    // on other rails are no longer wanted.
                     for partner in partners.iter() {
                         partner.io.submit(Command::StripeCancel {
                             qpn: partner.qpn,
@@ -923,19 +788,14 @@ impl Worker {
                 chunk,
                 reply,
             } => {
-                let answer = reply.clone();
-                self.origins.insert(origin, reply);
+                self.origins.handed_in(origin, reply);
                 let taken = self.with_engine(qpn, |slot| {
                     slot.attached
                         .engine
                         .handle_stripe_writes(origin, token, chunk);
                 });
                 if taken.is_none() {
-                    answer.0.submit(Command::StripeDone {
-                        qpn: answer.1,
-                        token,
-                        ok: false,
-                    });
+                    self.origins.answer(origin, token, false);
                 }
             }
             Command::StripeDone { qpn, token, ok } => {
@@ -944,7 +804,7 @@ impl Worker {
                 });
             }
             Command::StripeCancel { qpn, origin } => {
-                self.origins.remove(&origin);
+                self.origins.cancel(origin);
                 self.with_engine(qpn, |slot| slot.attached.engine.cancel_stripes(origin));
             }
             Command::Event(event) => {
