@@ -362,6 +362,14 @@ impl Resharding {
         // from now on a shard it leads waits for its looks.
         let version = map.borrow().as_ref().map_or(0, |m| m.version);
         store.follow_resizes(version);
+        // A receiving shard opens about a delta interval after the
+        // cut-over, once the fenced deltas are in: a copy that has not
+        // heard of it within the in-step bound stops serving the keys it
+        // fenced (`Store::moved_reads_over`).
+        let in_step_within = (interval * 3 + Duration::from_secs(1)).max(
+            crate::delta::stall_bound(u64::try_from(interval.as_millis()).unwrap_or(u64::MAX)),
+        );
+        store.bound_moved_reads(in_step_within);
         Self {
             me,
             coord,
@@ -372,9 +380,7 @@ impl Resharding {
             feed,
             // A giving primary may hold a cut back for a receiver that
             // keeps up for as long as its stall bound.
-            in_step_within: (interval * 3 + Duration::from_secs(1)).max(crate::delta::stall_bound(
-                u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
-            )),
+            in_step_within,
             opened: std::sync::Mutex::new(Vec::new()),
             retired: std::sync::Mutex::new(Default::default()),
         }
@@ -781,6 +787,8 @@ impl Resharding {
                     } else {
                         self.store.set_receiving(shard, false);
                     }
+                    // Its serving fleet copies it as it opened.
+                    self.store.restart_streams();
                     drop(writing);
                     tracing::info!(shard, %version, "a receiving shard holds every moved key and serves them; its replicas copy it");
                     metrics::counter!("tessera_ps_resize_opened_total").increment(1);

@@ -396,8 +396,18 @@ impl Sender {
                 changes.clone()
             };
             let (num_shards, whole) = (route.num_shards, route.whole_rows);
+            let serving = std::ptr::eq(*route, &self.serving);
+            // The serving fleet gets nothing of a growth's new shard until
+            // it opens (then a new stream, which it copies), and nothing of
+            // the keys a resize moved away after their fence (their
+            // removal here, an eviction or an expiry, is not theirs to
+            // follow: their new shard's stream carries them).
+            if serving && self.store.receiving(shard) {
+                continue;
+            }
+            let owned_by = (serving && mark.fenced != 0).then_some(mark.fenced);
             let rows_of = tokio::task::spawn_blocking(move || {
-                read_and_route(&store, shard, changes, num_shards, whole)
+                read_and_route(&store, shard, changes, num_shards, whole, owned_by)
             })
             .await;
             let (per_shard, rows, oldest_ms) = match rows_of {
@@ -557,11 +567,18 @@ fn read_and_route(
     changes: Vec<(String, Taken)>,
     num_shards: u32,
     with_state: bool,
+    owned_by: Option<u32>,
 ) -> Result<(Vec<Vec<DeltaTable>>, u64, u64), crate::store::StoreError> {
     let mut per_shard: Vec<Vec<DeltaTable>> = vec![Vec::new(); num_shards as usize];
     let mut rows = 0u64;
     let mut oldest = 0u64;
-    for (name, taken) in changes {
+    for (name, mut taken) in changes {
+        // Only the keys `owned_by` routes to this shard (a fence's count).
+        if let Some(count) = owned_by {
+            taken
+                .keys
+                .retain(|&k| tessera_proto::sharding::shard_for_key(k, count) == shard);
+        }
         if taken.keys.is_empty() {
             continue;
         }

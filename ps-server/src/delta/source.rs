@@ -99,6 +99,15 @@ impl Sources {
                 }
             }
         }
+        // A growth's new shard holds only part of its rows until it opens:
+        // a serving fleet copies it once it does (its first delta after
+        // the opening is a gap to the serving fleet, `sender.rs`).
+        if request.serving && store.receiving(request.source_shard) {
+            return Err(Status::unavailable(format!(
+                "shard {} receives its keys in a resize; copy it once it serves them",
+                request.source_shard
+            )));
+        }
         let session = match request.session {
             0 => self.start(store, sender, request.source_shard)?,
             id => id,
@@ -125,7 +134,14 @@ impl Sources {
         if response.fenced && request.session == 0 && request.optimizer_state {
             response.windows = super::windows::to_wire(&store.dedup_windows(request.source_shard));
         }
-        let num_shards = store.route_count(request.source_shard);
+        // A serving fleet's copy after the fence leaves the moved keys
+        // out: their new shard serves them, and frozen here they would
+        // overwrite the fresher values its stream gave the serving fleet.
+        let num_shards = match (request.serving, mark.fenced) {
+            (true, fenced) if fenced != 0 => fenced,
+            _ => store.route_count(request.source_shard),
+        };
+        response.routed_by = num_shards;
         let (mut t, mut row) = (request.table as usize, request.row);
         let mut bytes = 0usize;
         let mut scanned = 0u64;

@@ -119,13 +119,15 @@ impl Store {
         let (table_ref, state) = self.shard_state(table, shard, keys)?;
         // Keys a resize moved away are served by their new shard once it
         // serves; until then nobody writes them (their Pushes are refused
-        // here, and the new shard takes none), so they are served here.
+        // here, and the new shard takes none), so they are served here,
         // Keys this shard receives in a shrink: once this copy holds them
         // (an earlier growth's fence may name them moved away).
         if let Some(to) = self.incoming(shard) {
             super::resize::refuse_incoming(shard, keys, self.route_count(shard), to)?;
         }
-        if self.new_count_open(shard) {
+        // Served here from the fence for at most the stale-read bound
+        // (`Store::moved_reads_over`).
+        if self.new_count_open(shard) || self.moved_reads_over(shard, std::time::Instant::now()) {
             self.check_moved(shard, keys)?;
         }
         let row_bytes = table_ref.config().dim as usize * F32_BYTES;

@@ -27,6 +27,9 @@ pub(super) struct Writer {
     pub(super) moved_to: std::sync::atomic::AtomicU32,
     /// The shard-map version that moved them.
     pub(super) moved_version: std::sync::atomic::AtomicU64,
+    /// When this copy fenced them: it serves their Fetches for at most
+    /// the store's stale-read bound after (`store/resize.rs`).
+    pub(super) moved_since: Mutex<Option<std::time::Instant>>,
     /// Every receiving shard serves the moved keys now: Pushes split by
     /// the new count are taken ([`ShardGuard::new_count_open`]).
     pub(super) moved_open: std::sync::atomic::AtomicBool,

@@ -138,6 +138,16 @@ impl Store {
             .load(std::sync::atomic::Ordering::SeqCst)
     }
 
+    /// Moves the generation of change keeping on: the next cut of every
+    /// shard starts a new stream, which its receivers copy. A receiving
+    /// shard calls it when it opens in a resize: the rows its resize feed
+    /// wrote were never changes of its stream (`store/delta.rs`), so the
+    /// serving fleet gets them only by copying.
+    pub fn restart_streams(&self) {
+        self.changes_generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Whether the keys every Push, expiry and row-creating Fetch changes
     /// are kept for a delta stream now (`table/changes.rs`).
     pub fn tracks_changes(&self) -> bool {

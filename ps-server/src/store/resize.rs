@@ -83,6 +83,10 @@ pub(super) struct Resizing {
     origins: Mutex<HashMap<u32, Arc<Origins>>>,
     /// How many shards hold origins (as `receiving_count`).
     origins_count: AtomicUsize,
+    /// Fetches of keys fenced on a copy are answered there for at most
+    /// this long after its fence (`None`: until every receiving shard
+    /// serves, as the map says); [`Store::moved_reads_over`].
+    stale_reads: Mutex<Option<std::time::Duration>>,
     /// The shard-map version the store's resize state (receiving flags,
     /// shrink state, the fence of moved keys, a finished growth's count)
     /// was last set from; `None` while no resize follower runs (static
@@ -109,6 +113,7 @@ impl Resizing {
             origins: Mutex::new(HashMap::new()),
             origins_count: AtomicUsize::new(0),
             state_version: tokio::sync::watch::Sender::new(None),
+            stale_reads: Mutex::new(None),
             shrinking_count: AtomicUsize::new(0),
             shrunk_from: std::sync::atomic::AtomicU32::new(0),
         }
@@ -264,6 +269,8 @@ impl Store {
             return;
         }
         let (to, version) = moved.unwrap_or((0, 0));
+        // A fence set anew (or widened) starts the stale-read bound again.
+        *writing.writer.moved_since.locked() = moved.map(|_| std::time::Instant::now());
         writing
             .writer
             .moved_version
@@ -450,6 +457,36 @@ impl Store {
                 .locked()
                 .get(&shard)
                 .is_some_and(|o| o.resize == resize)
+    }
+
+    /// Bounds how long after its fence a copy answers Fetches of the
+    /// keys a resize moved away ([`Store::moved_reads_over`]).
+    pub fn bound_moved_reads(&self, bound: std::time::Duration) {
+        *self.resize.stale_reads.locked() = Some(bound);
+    }
+
+    /// Whether the Fetches of `shard`'s fenced keys are refused at `now`
+    /// although the map has not said every receiving shard serves them
+    /// (`new_count_open`) on this copy: its fence is older than the
+    /// stale-read bound. Until then nobody writes them (their Pushes are
+    /// refused here, and a receiving shard takes none before every one
+    /// opened), so what this copy holds is their value, and after the
+    /// opening their value at most the bound old. A copy that does not
+    /// hear of the opening (cut off from etcd, a watch that lags) would
+    /// otherwise serve it for as long as that lasts; refused, a worker
+    /// still on the old count waits for its routing to move on.
+    pub fn moved_reads_over(&self, shard: u32, now: std::time::Instant) -> bool {
+        if self.resize.moved_count.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let Some(bound) = *self.resize.stale_reads.locked() else {
+            return false;
+        };
+        self.writers.get(&shard).is_some_and(|w| {
+            w.moved_since
+                .locked()
+                .is_some_and(|since| now.saturating_duration_since(since) >= bound)
+        })
     }
 
     /// A resize follower runs for this store from shard-map `version`
@@ -732,6 +769,54 @@ mod tests {
             .unwrap()
             .apply_replicated(&writing, &[], &[], std::time::Instant::now(), 0)
             .unwrap();
+    }
+
+    /// Hole 5 of issue 57: a copy that fenced keys and never hears that
+    /// their new shard serves them (cut off from etcd) answers their
+    /// Fetches for the stale-read bound after its fence, then refuses
+    /// them; the keys that stay are served throughout, and a fence lifted
+    /// or set anew starts over.
+    #[test]
+    fn fenced_keys_are_read_here_for_the_stale_read_bound_only() {
+        use std::time::{Duration, Instant};
+        let store = Store::new(&config(Mode::Training));
+        let (moving, staying): (Vec<u64>, Vec<u64>) = (0u64..400)
+            .filter(|&k| shard_for_key(k, 2) == 0)
+            .partition(|&k| shard_for_key(k, 3) == 2);
+        let grads = vec![0u8; moving.len() * 3 * 4];
+        store
+            .push("t", 0, &moving, &grads, PushId::default())
+            .unwrap();
+        let bound = Duration::from_secs(10);
+        store.bound_moved_reads(bound);
+        let before = Instant::now();
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved(&writing, Some((3, 7)));
+        }
+        let after = Instant::now();
+        assert!(!store.moved_reads_over(0, after));
+        assert!(!store.moved_reads_over(0, before + bound - Duration::from_millis(1)));
+        assert!(store.moved_reads_over(0, after + bound));
+        assert!(
+            !store.moved_reads_over(1, after + bound),
+            "shard 1 fenced nothing"
+        );
+        assert!(store.fetch("t", 0, &moving).is_ok());
+        // A bound already over: refused now, without the map's word.
+        store.bound_moved_reads(Duration::ZERO);
+        assert!(matches!(
+            store.fetch("t", 0, &moving).map(|_| ()),
+            Err(StoreError::Moved { to: 2, .. })
+        ));
+        assert!(store.fetch("t", 0, &staying).is_ok());
+        // Lifted (a cancel after the cut-over): served again.
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved(&writing, None);
+        }
+        assert!(!store.moved_reads_over(0, after + bound));
+        assert!(store.fetch("t", 0, &moving).is_ok());
     }
 
     /// A shrink from 3 to 2 shards at remaining shard 0: its own keys

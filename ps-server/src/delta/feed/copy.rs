@@ -164,6 +164,7 @@ impl Feed {
             num_shards: self.route_count(),
             shards: self.store.hosted().to_vec(),
             optimizer_state: with_state,
+            serving: self.resize_gate.is_none(),
             ..DeltaCopyRequest::default()
         };
         let seen: Arc<Seen> = Arc::new(Mutex::new(HashMap::new()));
@@ -201,7 +202,13 @@ impl Feed {
             return Err(FeedError::Reset);
         }
         let store = Arc::clone(&self.store);
-        let source_shards = self.source_shards.load(Ordering::Relaxed).max(1);
+        // The rows the copy stands for: those the source routes to itself
+        // by the count it says (after a resize's fence, the moved keys
+        // are its new shard's), else the training fleet's count.
+        let source_shards = match mark.as_ref().map_or(0, |m| m.routed_by) {
+            0 => self.source_shards.load(Ordering::Relaxed).max(1),
+            routed_by => routed_by,
+        };
         let resize = self.resize_gate.is_some();
         let removed = tokio::task::spawn_blocking(move || {
             let seen = seen.locked();
