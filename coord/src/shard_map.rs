@@ -134,13 +134,16 @@
 //! shards took.
 //!
 //! The giving shards' windows travel with every copy of the receiving
-//! shard (a replica's, a recovering primary's: `SyncResponse.origins`),
-//! so a part retried across the cut-over is applied once whichever copy
-//! leads. Known limits: checkpoints do not hold them (a receiving shard
+//! shard (a replica's, a recovering primary's: `SyncResponse.origins`,
+//! tagged with the resize), so a part retried across the cut-over is
+//! applied once whichever copy leads, one that copied an opened primary
+//! opening again with them as they are. A server that wins a shard's
+//! lead takes no Push until its fence and receiving states were set from
+//! the map it read after the win (`ps-server/src/coordination/etcd_driver.rs`). Known limits: checkpoints do not hold them (a receiving shard
 //! restarted from its checkpoint within a Push timeout of its opening may
-//! apply such a part twice); between the map saying every receiving
-//! shard serves and an old server seeing it, a worker still on the old
-//! count may read a moved key's older value there (as at a replica);
+//! apply such a part twice); a worker still on the old count may read a
+//! moved key's older value at an old copy for at most the in-step bound
+//! after that copy fenced (`Store::moved_reads_over`; as at a replica);
 //! a server configured with a count two resizes back is refused at its
 //! start (checkpoints record the count a server routes by, and load
 //! under another configured count in etcd mode); a
