@@ -46,8 +46,15 @@ pub(crate) struct PoolInner {
     pub(crate) config: PoolConfig,
     access: Access,
     /// One hook per rail (device), the first the primary: every region is
-    /// registered with each ([`Region::keys`]).
-    hooks: Vec<Arc<dyn RegistrationHook>>,
+    /// registered with each ([`Region::keys`]). Emptied once the pool is
+    /// closed and its last region released: this state outlives the pool
+    /// (it is leaked), and a hook holds its device (for the soft NIC its
+    /// shared memory, for ibverbs its context and protection domain), so
+    /// before, every pool ever made kept its devices open for the rest of
+    /// the process (found by `rdma/io/worker/model.rs`, whose thousands of
+    /// runs ran out of mappings). Locked only to register or deregister a
+    /// region (a block's worth of allocations), never per allocation.
+    hooks: Mutex<Vec<Arc<dyn RegistrationHook>>>,
     classes: Vec<Mutex<ClassLists>>,
     dedicated: Mutex<DedicatedCache>,
     registered: AtomicU64,
@@ -93,7 +100,7 @@ impl PoolInner {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             config,
             access,
-            hooks,
+            hooks: Mutex::new(hooks),
             classes,
             dedicated: Mutex::new(DedicatedCache::default()),
             registered: AtomicU64::new(0),
@@ -120,6 +127,27 @@ impl PoolInner {
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         self.trim();
+        self.drop_hooks_if_done();
+    }
+
+    /// The hooks, cloned (not held locked while a provider registers).
+    fn hooks(&self) -> Vec<Arc<dyn RegistrationHook>> {
+        lock(&self.hooks).clone()
+    }
+
+    /// A closed pool with nothing registered any more lets go of its hooks
+    /// (and their devices): no handle is left to allocate with, so none
+    /// registers again.
+    fn drop_hooks_if_done(&self) {
+        if self.is_closed() && self.registered.load(Ordering::Acquire) == 0 {
+            lock(&self.hooks).clear();
+        }
+    }
+
+    /// Hooks held now (0 once a closed pool let go of them).
+    #[cfg(test)]
+    pub(crate) fn hook_count(&self) -> usize {
+        lock(&self.hooks).len()
     }
 
     pub(crate) fn id(&self) -> u64 {
@@ -178,7 +206,7 @@ impl PoolInner {
     /// them and maps them in the page map.
     fn acquire(&self, len: usize, align: usize) -> Result<Box<Region>, PoolError> {
         self.reserve(len)?;
-        let shares = self.hooks.iter().any(|hook| hook.shares_memory());
+        let shares = self.hooks().iter().any(|hook| hook.shares_memory());
         let (memory, shared) = if shares {
             match os::map_shared_aligned(len, align) {
                 Some((memory, fd)) => (Some(memory), Some(fd)),
@@ -223,10 +251,11 @@ impl PoolInner {
         len: usize,
         shared: Option<std::os::fd::OwnedFd>,
     ) -> Result<Vec<RegisteredRegion>, PoolError> {
-        let mut keys = Vec::with_capacity(self.hooks.len());
+        let hooks = self.hooks();
+        let mut keys = Vec::with_capacity(hooks.len());
         let mut shared = shared;
-        for (rail, hook) in self.hooks.iter().enumerate() {
-            let last = rail + 1 == self.hooks.len();
+        for (rail, hook) in hooks.iter().enumerate() {
+            let last = rail + 1 == hooks.len();
             let registered = match shared.take() {
                 Some(fd) if last => hook.register_shared(base, len, self.access, fd),
                 Some(fd) => match fd.try_clone() {
@@ -246,7 +275,7 @@ impl PoolInner {
             match registered {
                 Ok(region) => keys.push(region),
                 Err(err) => {
-                    for (hook, keys) in self.hooks.iter().zip(&keys) {
+                    for (hook, keys) in hooks.iter().zip(&keys) {
                         hook.deregister(base, len, keys);
                     }
                     return Err(PoolError::Registration(err));
@@ -260,7 +289,7 @@ impl PoolInner {
     #[allow(clippy::boxed_local)] // the box is what the page map pointed at
     fn release(&self, region: Box<Region>) {
         page_map::remove(region.base, region.len);
-        for (hook, keys) in self.hooks.iter().zip(&region.keys) {
+        for (hook, keys) in self.hooks().iter().zip(&region.keys) {
             hook.deregister(region.base, region.len, keys);
         }
         // No buffer refers to the region any more: blocks are released only
@@ -272,6 +301,7 @@ impl PoolInner {
             .fetch_sub(region.len as u64, Ordering::AcqRel)
             - region.len as u64;
         self.registered_gauge.set(now as f64);
+        self.drop_hooks_if_done();
     }
 
     /// Moves up to `count` free objects of `class` into `out`, growing the

@@ -364,3 +364,25 @@ fn a_pool_on_rails_registers_on_each_and_unwinds_a_refusal() {
         assert_eq!(err.key(), Some("rdma.devices"));
     }
 }
+
+/// A pool's hooks (and the devices they hold) go once the pool is dropped
+/// and its last region released, not with the process: the pool's shared
+/// state is leaked by design, and before, the hooks with it, so every
+/// pool ever made kept its devices open (the soft NIC's memory mappings
+/// ran out after a few thousand transports in one process).
+#[test]
+fn a_dropped_pool_lets_go_of_its_hooks_once_its_buffers_are_back() {
+    let (pool, hook) = pool();
+    let inner = pool.inner();
+    let buf = pool.alloc(4096).unwrap();
+    let big = pool.alloc(8 << 20).unwrap();
+    drop(pool);
+    assert_eq!(inner.hook_count(), 1, "a buffer outlives the pool");
+    drop(big);
+    assert_eq!(inner.hook_count(), 1);
+    // A closed pool's objects go straight back as they are freed.
+    drop(buf);
+    assert_eq!(inner.hook_count(), 0, "the closed pool kept its hooks");
+    assert_eq!(Arc::strong_count(&hook), 1);
+    assert_eq!(hook.registrations(), hook.deregistrations());
+}

@@ -212,6 +212,20 @@ impl Engine {
             .collect()
     }
 
+    /// Every range the peer may write into now, as (address, length): its
+    /// grants and offers (a failed engine's too: they stay with it until
+    /// it is dropped), and withdrawn offers waiting for their window's
+    /// invalidation.
+    #[cfg(test)]
+    pub(crate) fn destinations(&self) -> Vec<(usize, usize)> {
+        self.incoming
+            .values()
+            .map(|(_, buf, _)| buf)
+            .chain(self.retiring.iter().map(|(_, buf)| buf))
+            .map(|buf| (buf.as_ptr() as usize, buf.len()))
+            .collect()
+    }
+
     /// Bytes granted to the peer for large messages now, and requests to
     /// send waiting for budget.
     pub fn granted(&self) -> (u64, usize) {

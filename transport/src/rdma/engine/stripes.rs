@@ -427,6 +427,22 @@ impl Engine {
 
 mod partner;
 
+impl Engine {
+    /// Striping's bookkeeping, for tests that check it drains: chunks
+    /// handed out and not answered (by token, and as the rails' counts
+    /// sum them), chunks not yet polled by the owner, and other engines'
+    /// chunks held here (queued, or written and waiting for completion).
+    #[cfg(test)]
+    pub(crate) fn stripe_counts(&self) -> [usize; 4] {
+        [
+            self.stripes.delegated.len(),
+            self.stripes.out.values().sum(),
+            self.stripes.ready.len(),
+            self.stripes.foreign.len() + self.stripes.acks.len(),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

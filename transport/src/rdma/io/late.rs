@@ -144,6 +144,16 @@ impl LateWrites {
         });
     }
 
+    /// The held buffers, as (address, length).
+    #[cfg(test)]
+    pub(super) fn ranges(&self) -> Vec<(usize, usize)> {
+        self.held
+            .iter()
+            .flat_map(|h| &h.buffers)
+            .map(|b| (b.as_ptr() as usize, b.len()))
+            .collect()
+    }
+
     /// Buffers held now.
     #[cfg(test)]
     pub(super) fn buffers(&self) -> usize {

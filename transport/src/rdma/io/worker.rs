@@ -24,7 +24,30 @@ use crate::rdma::engine::EngineEvent;
 use crate::verbs::{CompletionQueue, WorkCompletion};
 
 #[cfg(test)]
+mod model;
+#[cfg(test)]
+mod testkit;
+#[cfg(test)]
 mod tests;
+
+/// A worker's clock for what its engines decide by time (timers, grants,
+/// the window): the real one, or in tests one moved by hand
+/// (`worker/model.rs`), so that a timer fires at the step a test picks.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Clock {
+    #[cfg(test)]
+    fixed: Option<Instant>,
+}
+
+impl Clock {
+    fn now(self) -> Instant {
+        #[cfg(test)]
+        if let Some(now) = self.fixed {
+            return now;
+        }
+        Instant::now()
+    }
+}
 
 /// A post of `attached`'s QP failed: the QP goes to ERROR (what was posted
 /// is flushed back) and the engine fails, failing its sockets; before, the
@@ -84,6 +107,7 @@ pub(super) struct Worker {
     /// Buffers of failed engines held until late writes cannot land
     /// (`late.rs`).
     late: LateWrites,
+    clock: Clock,
 }
 
 /// Rounds a direct send runs at most before it leaves the rest to the
@@ -123,6 +147,7 @@ impl Worker {
             engine_visits: 0,
             origins: Routes::default(),
             late: LateWrites::default(),
+            clock: Clock::default(),
         }
     }
 
@@ -206,7 +231,7 @@ impl Worker {
             }
         }
         // Completions, dispatched by QP number.
-        let now = Instant::now();
+        let now = self.clock.now();
         if self.poll_completions(now) {
             progress = true;
         }
@@ -264,6 +289,7 @@ impl Worker {
         let panic_on_len = self.panic_on_len;
         let totals = Arc::clone(&self.stats);
         let origins = &mut self.origins;
+        let clock = self.clock;
         self.late.release();
         // What a round cut short by a panic left unvisited goes first (its
         // engines are still marked ready, so nothing else would list them).
@@ -283,7 +309,7 @@ impl Worker {
             if !slot.panicked {
                 let io = io.as_ref();
                 worked = isolated(slot, io, |slot| {
-                    Self::drive(qpn, slot, io, &totals, panic_on_len, origins)
+                    Self::drive(qpn, slot, io, &totals, panic_on_len, origins, clock)
                 }) == Some(true);
             }
             if slot.panicked {
@@ -369,7 +395,7 @@ impl Worker {
     /// the sleeper ([`CompletionQueue::wake`]).
     pub(super) fn arm(&mut self) -> bool {
         self.cq.arm();
-        !self.queue.is_empty() || self.poll_completions(Instant::now())
+        !self.queue.is_empty() || self.poll_completions(self.clock.now())
     }
 
     /// Polls a batch of completions and hands each to its engine; whether
@@ -471,9 +497,10 @@ impl Worker {
         totals: &IoStats,
         panic_on_len: Option<usize>,
         origins: &mut Routes,
+        clock: Clock,
     ) -> bool {
         let mut progress = false;
-        let now = Instant::now();
+        let now = clock.now();
         let backlog: usize = slot.sockets.values().map(|s| s.backlog.len()).sum();
         let EngineSlot {
             attached,
@@ -704,7 +731,7 @@ impl Worker {
                     origin: NEXT_ORIGIN.fetch_add(1, Ordering::Relaxed),
                     partners: Vec::new(),
                 };
-                let now = Instant::now();
+                let now = self.clock.now();
                 let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
                 for completion in self.orphans.remove(&qpn).unwrap_or_default() {
                     if slot.panicked {
@@ -767,9 +794,8 @@ impl Worker {
                 });
             }
             Command::PeerReady { qpn, info } => {
-                self.with_engine(qpn, |slot| {
-                    slot.attached.engine.peer_ready(info, Instant::now())
-                });
+                let now = self.clock.now();
+                self.with_engine(qpn, |slot| slot.attached.engine.peer_ready(info, now));
             }
             Command::PeerClosed { qpn } => {
                 self.with_engine(qpn, |slot| slot.attached.engine.handle_peer_closed());

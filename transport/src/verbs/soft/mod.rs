@@ -55,8 +55,46 @@ pub use port::SoftPort;
 pub use qp::SoftQp;
 pub use srq::SoftSrq;
 
+/// Where the soft NIC's WRITEs land, for tests that check each one
+/// against what the receiver holds out to its peer (`rdma/io/worker/
+/// model.rs`): the WRITEs (and WRITE_WITH_IMMs) carried out on this thread
+/// while it records, as (address, length) in the peer's memory.
 #[cfg(test)]
-mod tests;
+pub(crate) mod tap {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static WRITES: RefCell<Option<Vec<(usize, usize)>>> = const { RefCell::new(None) };
+    }
+
+    /// Starts recording this thread's writes (dropping any recorded).
+    pub(crate) fn record() {
+        WRITES.with(|w| *w.borrow_mut() = Some(Vec::new()));
+    }
+
+    /// The writes recorded since the last call (recording goes on).
+    pub(crate) fn take() -> Vec<(usize, usize)> {
+        WRITES.with(|w| {
+            w.borrow_mut()
+                .as_mut()
+                .map(std::mem::take)
+                .unwrap_or_default()
+        })
+    }
+
+    /// Stops recording.
+    pub(crate) fn stop() {
+        WRITES.with(|w| *w.borrow_mut() = None);
+    }
+
+    pub(super) fn wrote(addr: usize, len: usize) {
+        WRITES.with(|w| {
+            if let Some(writes) = w.borrow_mut().as_mut() {
+                writes.push((addr, len));
+            }
+        });
+    }
+}
 
 /// A send pool (local access) and a receive pool (remote write) registered
 /// with `device`, named after `name` (tests of the soft NIC and the engine).
@@ -89,3 +127,6 @@ pub(crate) fn test_pools_with(
     };
     (pool("send", Access::LocalOnly), pool("recv", recv_access))
 }
+
+#[cfg(test)]
+mod tests;

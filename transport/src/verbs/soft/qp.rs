@@ -476,6 +476,8 @@ impl SoftQpInner {
                     return WcStatus::RemoteAccessError;
                 };
                 copy_gather(gather, target.addr);
+                #[cfg(test)]
+                super::tap::wrote(remote_addr, total);
                 WcStatus::Success
             }
             SendOp::WriteWithImm {
@@ -497,6 +499,8 @@ impl SoftQpInner {
                     return WcStatus::RemoteAccessError;
                 };
                 copy_gather(gather, target.addr);
+                #[cfg(test)]
+                super::tap::wrote(remote_addr, total);
                 if !complete_peer(
                     recv.wr_id,
                     WcStatus::Success,

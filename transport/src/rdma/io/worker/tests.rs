@@ -9,15 +9,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use super::testkit::{attached, caps, fake_driver, worker};
 use super::*;
 use crate::pool::{Access, Pool, PoolBuf, PoolConfig};
 use crate::rdma::control::{ControlHeader, ControlKind};
 use crate::rdma::engine::{Engine, EngineConfig, PeerInfo, Role, StripeChunk, StripeConfig};
-use crate::rdma::io::{Attached, Partner};
+use crate::rdma::io::Partner;
 use crate::verbs::soft::{SoftDevice, SoftFabric, SoftFaults};
-use crate::verbs::{AsyncEvent, Device, QpCaps, QueuePair, SendOp, SendWr, Sge};
+use crate::verbs::{AsyncEvent, Device, QueuePair, SendOp, SendWr, Sge};
 
 /// The origin's QP number, as the answers name it.
 const ORIGIN_QPN: u32 = 5;
@@ -43,15 +44,6 @@ struct Rig {
     _fabric: SoftFabric,
 }
 
-fn caps() -> QpCaps {
-    QpCaps {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_sge: 4,
-        rnr_retry: 0,
-    }
-}
-
 /// A worker with one engine (`config`; its receive pool on two rails with
 /// `two_rails`) connected to a bare queue pair with receives posted.
 fn rig(faults: SoftFaults, config: &EngineConfig, two_rails: bool) -> Rig {
@@ -71,11 +63,13 @@ fn rig(faults: SoftFaults, config: &EngineConfig, two_rails: bool) -> Rig {
     }
     let (_, remote_pool) = crate::verbs::soft::test_pools_with(&remote, "r", Access::RemoteWrite);
     let cq = device.create_cq(1024).unwrap();
-    let qp = device.create_qp(cq.clone(), cq.clone(), caps()).unwrap();
+    let qp = device
+        .create_qp(cq.clone(), cq.clone(), caps(64, 64))
+        .unwrap();
     qp.init().unwrap();
     let remote_cq = remote.create_cq(1024).unwrap();
     let remote_qp = remote
-        .create_qp(remote_cq.clone(), remote_cq, caps())
+        .create_qp(remote_cq.clone(), remote_cq, caps(64, 64))
         .unwrap();
     remote_qp.init().unwrap();
     let mut engine = Engine::new(
@@ -98,51 +92,20 @@ fn rig(faults: SoftFaults, config: &EngineConfig, two_rails: bool) -> Rig {
     remote_qp.post_recv(&wrs).unwrap();
     qp.connect(&remote_qp.endpoint()).unwrap();
     remote_qp.connect(&qp.endpoint()).unwrap();
-    let (commands, queue) = mpsc::unbounded_channel();
-    let stats = Arc::new(IoStats::default());
-    let handle = IoThread {
-        commands,
-        cq: cq.clone(),
-        srq: None,
-        stats: Arc::clone(&stats),
-        direct: None,
-    };
-    let mut worker = Worker::new(cq.clone(), None, queue, stats, None);
-    worker.set_handle(handle.downgrade());
-    let (answer_tx, answers) = mpsc::unbounded_channel();
-    let origin = IoThread {
-        commands: answer_tx,
-        cq,
-        srq: None,
-        stats: Arc::new(IoStats::default()),
-        direct: None,
-    };
+    let (worker, handle) = worker(cq.clone());
+    let (origin, answers) = fake_driver(cq);
     let (accepts, accepted) = mpsc::channel(4);
     let qpn = qp.qpn();
-    let alive = Arc::new(AtomicBool::new(true));
     let info = PeerInfo {
         recv_depth: 32,
         recv_buffer: 16 << 10,
         keepalive_slot: None,
         shared_receives: false,
     };
-    let attached = Attached {
-        qp,
-        engine,
-        peer: "127.0.0.1:9".parse().unwrap(),
-        alive: Arc::clone(&alive),
-        accepts: Some(accepts),
-        _control: oneshot::channel().0,
-        max_message_size: config.max_message_size,
-        // One message fills a socket's channel: an application that does
-        // not read holds the engine (`holding`).
-        send_queue_depth: 1,
-        _cq_room: crate::rdma::cq_budget::CqBudget::new(4096, 0)
-            .reserve(128)
-            .unwrap(),
-        close_when_unused: false,
-        identity: None,
-    };
+    // One message fills a socket's channel: an application that does not
+    // read holds the engine (`holding`).
+    let (attached, view) = attached(qp, engine, Some(accepts), config.max_message_size, 1);
+    let alive = view.alive;
     handle.submit(Command::Attach(Box::new(attached)));
     handle.submit(Command::PeerReady { qpn, info });
     let mut rig = Rig {
