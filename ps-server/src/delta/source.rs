@@ -323,6 +323,58 @@ mod tests {
         );
     }
 
+    /// A serving fleet's copy of a shard that still receives its keys in
+    /// a resize is refused until it opens (its rows are partial); once
+    /// the shard fenced keys a resize moved away, a serving copy leaves
+    /// them out and says it routes by the fence's count, while a copy for
+    /// a resize's receiving shard still holds them (issue 57, hole 4).
+    #[test]
+    fn a_serving_copy_waits_for_the_opening_and_leaves_fenced_keys_out() {
+        let store = store();
+        let sources = Sources::default();
+        let serving = DeltaCopyRequest {
+            source_shard: 0,
+            num_shards: 1,
+            shards: vec![0],
+            serving: true,
+            ..DeltaCopyRequest::default()
+        };
+        store.set_receiving(0, true);
+        let refused = sources.page(&store, None, &serving).unwrap_err();
+        assert_eq!(refused.code(), tessera_rpc::Code::Unavailable);
+        store.set_receiving(0, false);
+        let keys = |page: &DeltaCopyResponse| -> Vec<u64> {
+            assert!(page.done);
+            let mut keys: Vec<u64> = page.tables.iter().flat_map(|t| t.keys.clone()).collect();
+            keys.sort_unstable();
+            keys
+        };
+        let whole = sources.page(&store, None, &serving).unwrap();
+        assert_eq!(keys(&whole), (0..1000).collect::<Vec<u64>>());
+        assert_eq!(whole.routed_by, 1);
+        {
+            let writing = store.lock_shard(0).unwrap();
+            store.set_moved(&writing, Some((2, 5)));
+        }
+        let fenced = sources.page(&store, None, &serving).unwrap();
+        let staying: Vec<u64> = (0..1000).filter(|&k| shard_for_key(k, 2) == 0).collect();
+        assert!(staying.len() < 1000);
+        assert_eq!(keys(&fenced), staying);
+        assert_eq!(fenced.routed_by, 2);
+        let for_resize = sources
+            .page(
+                &store,
+                None,
+                &DeltaCopyRequest {
+                    serving: false,
+                    ..serving
+                },
+            )
+            .unwrap();
+        assert_eq!(keys(&for_resize).len(), 1000);
+        assert_eq!(for_resize.routed_by, 1);
+    }
+
     /// A session is let go when its caller gives up (`release`), and
     /// when it has been idle; beyond the limit a new one is refused
     /// rather than an open one ended.
