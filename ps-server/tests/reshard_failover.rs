@@ -18,7 +18,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::PushRequest;
@@ -26,7 +25,7 @@ use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, keys_moved, resize_pair, resize_server, shard_map_now,
-    wait_serving, wire,
+    split_push, wait_map, wait_serving,
 };
 
 /// The fail points are process-wide: under a runner that runs a binary's
@@ -34,6 +33,11 @@ use tessera_test_support::{
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const DIM: usize = 4;
+
+/// A Push of `step` to `keys` of `shard`, split by `split_by`.
+fn push(step: u64, shard: u32, keys: &[u64], split_by: u32) -> PushRequest {
+    split_push(DIM, step, shard, keys, split_by)
+}
 
 fn table() -> TableConfig {
     TableConfig {
@@ -49,40 +53,20 @@ fn keys(shard: u32, num_shards: u32) -> Vec<u64> {
         .collect()
 }
 
-/// A Push of `step` to `keys` of `shard`, split by `split_by`.
-fn push(step: u64, shard: u32, keys: &[u64], split_by: u32) -> PushRequest {
-    let grads: Vec<f32> = (0..keys.len() * DIM)
-        .map(|i| ((i as u64 * 5 + step * 3) % 11) as f32 - 5.0)
-        .collect();
-    PushRequest {
-        num_shards: split_by,
-        table: "emb".into(),
-        shard,
-        keys: keys.to_vec(),
-        gradients: Bytes::from(wire(&grads)),
-        worker_id: 7,
-        sequence: step,
-    }
-}
-
-async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let m = shard_map_now(coord).await;
-        if done(&m) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "never {what}: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(40);
     while !done().await {
         assert!(Instant::now() < deadline, "never {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Shard 0's keys (of `from`) that a growth to `to` moves to shard `from`.
+fn moving(from: u32, to: u32) -> Vec<u64> {
+    keys(0, from)
+        .into_iter()
+        .filter(|&k| shard_for_key(k, to) == from)
+        .collect()
 }
 
 /// A cluster of `from` shards, shard 0 on a primary and a replica, the
@@ -162,6 +146,33 @@ impl Cluster {
         }
     }
 
+    /// Three Pushes of every key, then a growth to `to` planned held with
+    /// the new shard's server, Pushes going on until it is ready; the new
+    /// server.
+    async fn grow_until_ready(&mut self, etcd: &Etcd, cluster: &str, to: u32) -> InProcess {
+        for _ in 0..3 {
+            self.push_all().await;
+        }
+        self.coord
+            .update_shard_map(|m| m.plan_held(to))
+            .await
+            .unwrap();
+        let new = InProcess::start(&resize_server(etcd, cluster, to, self.from, &table())).await;
+        let receiving: Vec<u32> = (self.from..to).collect();
+        self.push_until_ready(&receiving).await;
+        new
+    }
+
+    /// Where shard 0's primary and replica are in `pair`.
+    fn pair_roles(&self) -> (usize, usize) {
+        let p = self
+            .pair
+            .iter()
+            .position(|s| s.replication.is_primary(0))
+            .unwrap();
+        (p, 1 - p)
+    }
+
     /// Every key of `shard` of `num_shards` at `server` has as many
     /// updates as Pushes were acknowledged for it.
     fn audit(&self, server: &InProcess, shard: u32, num_shards: u32) {
@@ -206,12 +217,7 @@ async fn a_shrinks_primary_killed_between_its_opening_and_its_report_loses_no_wi
     fail::cfg("reshard::report_opened", "return").unwrap();
     let id = shard_map_now(&c.coord).await.resize.unwrap().id;
     c.coord.update_shard_map(ShardMap::release).await.unwrap();
-    let p = c
-        .pair
-        .iter()
-        .position(|s| s.replication.is_primary(0))
-        .unwrap();
-    let r = 1 - p;
+    let (p, r) = c.pair_roles();
     // Opened at the primary, and its replica copied it since (the kept
     // windows, its own among them, travel with the copy).
     wait_until("the primary opened", async || {
@@ -277,22 +283,9 @@ async fn a_giving_replica_whose_resize_follower_stalls_takes_no_push_of_a_moved_
     let (from, to) = (2, 3);
     let cluster = "grow-stalled";
     let mut c = Cluster::start(&etcd, cluster, from).await;
-    for _ in 0..3 {
-        c.push_all().await;
-    }
-    c.coord.update_shard_map(|m| m.plan_held(to)).await.unwrap();
-    let new = InProcess::start(&resize_server(&etcd, cluster, to, 2, &table())).await;
-    c.push_until_ready(&[2]).await;
-    let p = c
-        .pair
-        .iter()
-        .position(|s| s.replication.is_primary(0))
-        .unwrap();
-    let r = 1 - p;
-    let moving: Vec<u64> = keys(0, from)
-        .into_iter()
-        .filter(|&k| shard_for_key(k, to) == 2)
-        .collect();
+    let new = c.grow_until_ready(&etcd, cluster, to).await;
+    let (p, r) = c.pair_roles();
+    let moving = moving(from, to);
     let staying: Vec<u64> = keys(0, from)
         .into_iter()
         .filter(|&k| shard_for_key(k, to) == 0)
@@ -372,12 +365,7 @@ async fn a_growth_stuck_after_its_cut_over_is_cancelled_and_the_old_shards_serve
     let (from, to) = (2, 3);
     let cluster = "grow-stuck";
     let mut c = Cluster::start(&etcd, cluster, from).await;
-    for _ in 0..3 {
-        c.push_all().await;
-    }
-    c.coord.update_shard_map(|m| m.plan_held(to)).await.unwrap();
-    let new = InProcess::start(&resize_server(&etcd, cluster, to, 2, &table())).await;
-    c.push_until_ready(&[2]).await;
+    let new = c.grow_until_ready(&etcd, cluster, to).await;
     // Shard 1's server never looks at the map again: it does not fence.
     fail::cfg("reshard::step", &format!("return({})", c.others[0].addr)).unwrap();
     c.coord.update_shard_map(ShardMap::release).await.unwrap();
@@ -389,10 +377,7 @@ async fn a_growth_stuck_after_its_cut_over_is_cancelled_and_the_old_shards_serve
         c.primary(0).store.moved(0).is_some()
     })
     .await;
-    let moving: Vec<u64> = keys(0, from)
-        .into_iter()
-        .filter(|&k| shard_for_key(k, to) == 2)
-        .collect();
+    let moving = moving(from, to);
     let err = c
         .primary(0)
         .data

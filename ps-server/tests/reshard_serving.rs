@@ -20,7 +20,8 @@ use tessera_proto::v1::{HealthRequest, PushRequest};
 use tessera_ps_server::config::{DeltaConfig, OptimizerConfig, ServingServer};
 use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
 use tessera_test_support::{
-    Etcd, InProcess, etcd_coordination, free_addr, resize_server, shard_map_now, wait_serving, wire,
+    Etcd, InProcess, etcd_coordination, free_addr, resize_server, shard_map_now, wait_map,
+    wait_serving, wire,
 };
 
 const FROM: u32 = 2;
@@ -189,18 +190,6 @@ async fn copies_of(serving: &InProcess, source: u32) -> u64 {
             .map(|s| s.copies)
             .sum()
     })
-}
-
-async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let m = shard_map_now(coord).await;
-        if done(&m) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "never {what}: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

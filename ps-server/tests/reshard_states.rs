@@ -14,14 +14,14 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
+use tessera_coord::ResizeState;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{CheckpointRequest, FetchRequest, PushRequest};
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
 use tessera_test_support::{
     Etcd, InProcess, keys_moved, resize_pair, resize_server, resize_servers, shard_map_now,
-    wait_serving, wire,
+    wait_map, wait_serving, wire,
 };
 
 /// The fail point is process-wide: under a runner that runs a binary's
@@ -86,18 +86,6 @@ fn push(step: u64, shard: u32) -> PushRequest {
 fn rows(server: &InProcess, shard: u32, keys: &[u64]) -> (Vec<u64>, Vec<u8>, Vec<u8>, Vec<u32>) {
     let r = server.store.read_rows("emb", shard, keys, true).unwrap();
     (r.keys, r.values, r.state, r.steps)
-}
-
-async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let m = shard_map_now(coord).await;
-        if done(&m) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "never {what}: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

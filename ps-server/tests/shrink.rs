@@ -25,7 +25,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
@@ -34,33 +33,22 @@ use tessera_ps_server::config::OptimizerConfig;
 use tessera_rpc::{Code, RpcError};
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, keys_moved, resize_pair, resize_server, shard_map_now,
-    wait_serving, wire,
+    split_push, wait_serving,
 };
 
 const DIM: usize = 4;
 const FROM: u32 = 3;
 const TO: u32 = 2;
 
+/// A Push of `step` to `keys` of `shard`, split by `split_by`.
+fn push(step: u64, shard: u32, keys: &[u64], split_by: u32) -> PushRequest {
+    split_push(DIM, step, shard, keys, split_by)
+}
+
 fn table() -> TableConfig {
     TableConfig {
         optimizer: OptimizerConfig::adam(0.01),
         ..TableConfig::new("emb", DIM as u32)
-    }
-}
-
-/// A Push of `step` to `keys` of `shard`, split by `split_by`.
-fn push(step: u64, shard: u32, keys: &[u64], split_by: u32) -> PushRequest {
-    let grads: Vec<f32> = (0..keys.len() * DIM)
-        .map(|i| ((i as u64 * 5 + step * 3) % 11) as f32 - 5.0)
-        .collect();
-    PushRequest {
-        num_shards: split_by,
-        table: "emb".into(),
-        shard,
-        keys: keys.to_vec(),
-        gradients: Bytes::from(wire(&grads)),
-        worker_id: 7,
-        sequence: step,
     }
 }
 

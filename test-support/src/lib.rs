@@ -32,7 +32,9 @@ pub use pair::{etcd_coordination, pair_config, pair_push};
 pub use pki::TestPki;
 pub use process::PsProcess;
 pub use proxy::FaultProxy;
-pub use resize::{keys_moved, resize_pair, resize_server, resize_servers, shard_map_now};
+pub use resize::{
+    keys_moved, resize_pair, resize_server, resize_servers, shard_map_now, split_push, wait_map,
+};
 pub use rows::{f32s, keys_of_shard, wire};
 pub use server::InProcess;
 use tessera_transport::sync::LockExt;

@@ -112,3 +112,44 @@ pub async fn resize_servers(
     };
     (servers, coord)
 }
+
+/// Waits (up to 40 s) until the shard map etcd holds satisfies `done`.
+///
+/// # Panics
+///
+/// If it never does, naming `what` and the last map.
+pub async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    loop {
+        let m = shard_map_now(coord).await;
+        if done(&m) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "never {what}: {m:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// A Push of step `step` (worker 7, sequence `step`) to `keys` of
+/// `shard` in table `emb` of dimension `dim`, split by `split_by` shards;
+/// its gradients vary with the step.
+pub fn split_push(
+    dim: usize,
+    step: u64,
+    shard: u32,
+    keys: &[u64],
+    split_by: u32,
+) -> tessera_proto::v1::PushRequest {
+    let grads: Vec<f32> = (0..keys.len() * dim)
+        .map(|i| ((i as u64 * 5 + step * 3) % 11) as f32 - 5.0)
+        .collect();
+    tessera_proto::v1::PushRequest {
+        num_shards: split_by,
+        table: "emb".into(),
+        shard,
+        keys: keys.to_vec(),
+        gradients: bytes::Bytes::from(crate::wire(&grads)),
+        worker_id: 7,
+        sequence: step,
+    }
+}

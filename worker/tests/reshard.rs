@@ -11,14 +11,15 @@
 //! shard comes to hold its primary's rows.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use tessera_coord::ResizeState;
 use tessera_proto::sharding::shard_for_key;
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
-use tessera_test_support::{Etcd, InProcess, etcd_coordination, resize_pair, resize_servers};
-use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
+use tessera_test_support::{Etcd, InProcess, resize_pair, resize_servers};
 
 const DIM: usize = 4;
 const OLD: u32 = 2;
@@ -38,25 +39,7 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
     let cluster = "grow-worker";
     let (old, coord) = resize_servers(&etcd, cluster, OLD, &table()).await;
     // The worker knows only the old servers; etcd tells it the rest.
-    let client = PsClient::new(&WorkerConfig {
-        num_shards: OLD,
-        servers: old
-            .iter()
-            .enumerate()
-            .map(|(shard, s)| ServerEndpoint {
-                address: s.addr.clone(),
-                shards: vec![shard as u32],
-                replica_group: 0,
-            })
-            .collect(),
-        coordinator: etcd_coordination(&etcd, cluster, 2000),
-        connect_timeout_ms: 2000,
-        request_timeout_ms: 5000,
-        call_timeout_ms: 10_000,
-        push_timeout_ms: 20_000,
-        ..WorkerConfig::default()
-    })
-    .unwrap();
+    let client = common::resize_client(&etcd, cluster, &old, 20_000);
     let keys: Vec<u64> = (0..KEYS).collect();
     let grads = vec![0.25f32; keys.len() * DIM];
     let mut acked = 0u64;

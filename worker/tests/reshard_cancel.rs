@@ -6,6 +6,8 @@
 //! the old count and is applied once, without waiting out its timeout.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,10 +15,7 @@ use tessera_coord::{ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
-use tessera_test_support::{
-    Etcd, InProcess, etcd_coordination, resize_server, resize_servers, shard_map_now,
-};
-use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig};
+use tessera_test_support::{Etcd, InProcess, resize_server, resize_servers, shard_map_now};
 
 const DIM: usize = 4;
 
@@ -32,27 +31,7 @@ async fn a_push_held_by_a_stuck_resize_completes_once_it_is_cancelled() {
     let etcd = Etcd::start();
     let cluster = "grow-cancelled";
     let (old, coord) = resize_servers(&etcd, cluster, 2, &table()).await;
-    let client = Arc::new(
-        PsClient::new(&WorkerConfig {
-            num_shards: 2,
-            servers: old
-                .iter()
-                .enumerate()
-                .map(|(shard, s)| ServerEndpoint {
-                    address: s.addr.clone(),
-                    shards: vec![shard as u32],
-                    replica_group: 0,
-                })
-                .collect(),
-            coordinator: etcd_coordination(&etcd, cluster, 2000),
-            connect_timeout_ms: 2000,
-            request_timeout_ms: 5000,
-            call_timeout_ms: 10_000,
-            push_timeout_ms: 30_000,
-            ..WorkerConfig::default()
-        })
-        .unwrap(),
-    );
+    let client = Arc::new(common::resize_client(&etcd, cluster, &old, 30_000));
     let keys: Vec<u64> = (0..400).collect();
     let grads = vec![0.25f32; keys.len() * DIM];
     let mut acked = 0u32;

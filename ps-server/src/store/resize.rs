@@ -84,9 +84,9 @@ pub(super) struct Resizing {
     /// How many shards hold origins (as `receiving_count`).
     origins_count: AtomicUsize,
     /// Fetches of keys fenced on a copy are answered there for at most
-    /// this long after its fence (`None`: until every receiving shard
-    /// serves, as the map says); [`Store::moved_reads_over`].
-    stale_reads: Mutex<Option<std::time::Duration>>,
+    /// this many milliseconds after its fence (`u64::MAX`: until every
+    /// receiving shard serves, as the map says); [`Store::moved_reads_over`].
+    stale_reads_ms: std::sync::atomic::AtomicU64,
     /// The shard-map version the store's resize state (receiving flags,
     /// shrink state, the fence of moved keys, a finished growth's count)
     /// was last set from; `None` while no resize follower runs (static
@@ -113,7 +113,7 @@ impl Resizing {
             origins: Mutex::new(HashMap::new()),
             origins_count: AtomicUsize::new(0),
             state_version: tokio::sync::watch::Sender::new(None),
-            stale_reads: Mutex::new(None),
+            stale_reads_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             shrinking_count: AtomicUsize::new(0),
             shrunk_from: std::sync::atomic::AtomicU32::new(0),
         }
@@ -462,7 +462,10 @@ impl Store {
     /// Bounds how long after its fence a copy answers Fetches of the
     /// keys a resize moved away ([`Store::moved_reads_over`]).
     pub fn bound_moved_reads(&self, bound: std::time::Duration) {
-        *self.resize.stale_reads.locked() = Some(bound);
+        self.resize.stale_reads_ms.store(
+            u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// Whether the Fetches of `shard`'s fenced keys are refused at `now`
@@ -479,8 +482,9 @@ impl Store {
         if self.resize.moved_count.load(Ordering::Relaxed) == 0 {
             return false;
         }
-        let Some(bound) = *self.resize.stale_reads.locked() else {
-            return false;
+        let bound = match self.resize.stale_reads_ms.load(Ordering::Relaxed) {
+            u64::MAX => return false,
+            ms => std::time::Duration::from_millis(ms),
         };
         self.writers.get(&shard).is_some_and(|w| {
             w.moved_since
