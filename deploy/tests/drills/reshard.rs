@@ -228,11 +228,13 @@ async fn primary_of(cluster: &Cluster, shard: u32) -> Option<usize> {
 
 /// Plans the resize to `to` with a `tessera reshard` process SIGKILLed
 /// as it runs; planned again, whole, if the kill came before its write.
-/// Returns whether the killed one had written it.
+/// `hold`: its cut-over waits for [`release_cut_over`]. Returns whether
+/// the killed one had written it.
 async fn plan_killing_the_planner(
     cluster: &Cluster,
     coord: &MapReader,
     to: u32,
+    hold: bool,
     kill_after: Duration,
 ) -> bool {
     let config = &cluster.worker_config().coordinator;
@@ -246,6 +248,9 @@ async fn plan_killing_the_planner(
             "--to",
             &to.to_string(),
         ]);
+        if hold {
+            cmd.arg("--hold");
+        }
     };
     let before = coord.map().await.version;
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_tessera"));
@@ -273,6 +278,25 @@ async fn plan_killing_the_planner(
     assert!(status.success(), "tessera reshard --to {to} failed");
     assert!(planned(&coord.map().await));
     false
+}
+
+/// `tessera reshard --cut-over`: the held resize cuts over.
+async fn release_cut_over(cluster: &Cluster) {
+    let config = &cluster.worker_config().coordinator;
+    let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "reshard",
+            "--endpoints",
+            &config.endpoints.join(","),
+            "--cluster",
+            &config.cluster,
+            "--cut-over",
+        ])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "tessera reshard --cut-over failed");
 }
 
 /// One resize's figures.
@@ -321,8 +345,19 @@ pub async fn reshard_under_load(transport: TransportKind) {
     for (to, kill_after) in [(3u32, 5), (4, 40), (3, 150)] {
         let from = coord.map().await.num_shards;
         let started = Instant::now();
-        let planner_killed_after_write =
-            plan_killing_the_planner(&cluster, &coord, to, Duration::from_millis(kill_after)).await;
+        // A shrink's copy of its given-away rows can be over in less
+        // time than one look at the map takes (a growth's waits for its
+        // new servers to start): it is planned held, so that the kill
+        // below comes while it copies, and released after the restart.
+        let hold = to < from;
+        let planner_killed_after_write = plan_killing_the_planner(
+            &cluster,
+            &coord,
+            to,
+            hold,
+            Duration::from_millis(kill_after),
+        )
+        .await;
         if to > from {
             cluster.add_shard(from, to).unwrap();
         }
@@ -361,6 +396,9 @@ pub async fn reshard_under_load(transport: TransportKind) {
         cluster.kill(victim).await;
         tokio::time::sleep(Duration::from_secs(4)).await;
         cluster.restart(victim).unwrap();
+        if hold {
+            release_cut_over(&cluster).await;
+        }
         // Until done.
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
