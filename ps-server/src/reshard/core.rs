@@ -1,0 +1,520 @@
+//! The resize's decisions on one server, sans-IO: [`ReshardCore::look`]
+//! takes what the server knows at one look (the shard map, the shards it
+//! leads, its resize feed's health), sets the store's resize state as the
+//! map calls for (fence, receiving and shrink states, catching up with a
+//! finished resize), and returns the [`Action`]s that need the network:
+//! shard-map writes, opening receiving shards, streaming to receivers or
+//! taking their deltas. The driver ([`super::Resharding`]) gathers the
+//! look and carries the actions out; the control-plane simulation runs
+//! the same core for many servers in virtual time.
+//!
+//! Call order, per look: [`ReshardCore::look`], then the actions in the
+//! order returned; for [`Action::Open`], after the claim is written and
+//! the feed's fenced windows read and the feed closed, each shard under
+//! its write lock with its replicas cut off: [`ReshardCore::open_shard`].
+//! The core reads no clock: the in-step bound is compared with the ages
+//! the feed's health reports, and the leads are judged by the caller.
+//!
+//! It locks shards with the store's blocking lock: the driver calls it off
+//! the runtime's workers.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tessera_coord::{Resize, ResizeState, ShardMap};
+
+use super::state::{
+    fence_of, gave, given_away, open_shrunk, receiving_now, set_shrink_state, shrink_now,
+};
+use crate::store::{OriginSet, ShardGuard, Store, TableWindows};
+use crate::version::Version;
+
+/// What a server knows at one look ([`ReshardCore::look`]).
+#[derive(Debug, Clone, Default)]
+pub struct Look {
+    /// The shard map, as the watch last delivered it.
+    pub map: Option<ShardMap>,
+    /// The hosted shards this server leads now (its lease valid, not
+    /// handing over).
+    pub leads: Vec<u32>,
+    /// Its resize feed's health (`None`: no feed).
+    pub feed: Option<tessera_proto::v1::ServingHealth>,
+}
+
+/// One shard-map transition a look asks for, written as a
+/// compare-and-swap on the revision read (losing it is fine: the next
+/// look acts on what is there).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    /// Planned to copying ([`ShardMap::start_copying`]).
+    StartCopying,
+    /// A receiving shard in step with the giving shards, or fallen behind
+    /// ([`ShardMap::handle_ready`]).
+    Ready {
+        /// The receiving shard.
+        shard: u32,
+        /// In step.
+        in_step: bool,
+    },
+    /// Every receiving shard ready ([`ShardMap::cut_over`]); the driver
+    /// writes it only if every receiving shard has a primary in etcd (a
+    /// `ready` outlives the restart of the server that wrote it).
+    CutOver,
+    /// A receiving shard opened at a stream position
+    /// ([`ShardMap::handle_opened`]).
+    Opened {
+        /// The shard.
+        shard: u32,
+        /// The position its primary opened it at.
+        position: u64,
+    },
+    /// Every receiving shard opened ([`ShardMap::finish`]).
+    Finish,
+}
+
+impl Transition {
+    /// The transition applied to `map`.
+    pub fn apply(&self, map: &ShardMap) -> Result<ShardMap, tessera_coord::ResizeError> {
+        match *self {
+            Self::StartCopying => map.start_copying(),
+            Self::Ready { shard, in_step } => map.handle_ready(shard, in_step),
+            Self::CutOver => map.cut_over(),
+            Self::Opened { shard, position } => map.handle_opened(shard, position),
+            Self::Finish => map.finish(),
+        }
+    }
+
+    /// For logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::StartCopying => "start copying",
+            Self::Ready { .. } => "report ready",
+            Self::CutOver => "cut over",
+            Self::Opened { .. } => "report opened",
+            Self::Finish => "finish",
+        }
+    }
+}
+
+/// What a look asks the driver to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Write a transition.
+    Update(Transition),
+    /// Open receiving shards `shards` of `resize` (this server leads
+    /// them, and its feed holds every giving shard's fenced delta): claim
+    /// each opening in the map (a compare-and-swap naming `resize`; none
+    /// opens unless every claim holds), read the feed's fenced windows,
+    /// close the feed, then [`ReshardCore::open_shard`] each.
+    Open {
+        /// The resize, as the map named it.
+        resize: Resize,
+        /// The shards.
+        shards: Vec<u32>,
+    },
+    /// Stream deltas routed by the resize's new count to the primaries of
+    /// its receiving shards that did not open yet (etcd's primary keys),
+    /// or stop streaming (`None`).
+    Give(Option<Resize>),
+    /// Take a resize's deltas routed by this count, or refuse them.
+    Receive(Option<u32>),
+}
+
+/// A server's part in resizes, without I/O (module docs).
+#[derive(Debug)]
+pub struct ReshardCore {
+    /// How old a giving shard's last applied delta may be for its stream
+    /// to count as in step (twice that, once reported ready, before it
+    /// counts as behind: a slow receiver does not flip back and forth).
+    in_step_within: Duration,
+    /// The receiving shards this server opened as their primary, with
+    /// the resize (its id) and the stream position they opened at, until
+    /// the map says so (`Resize::opened`).
+    opened: Vec<(u64, u32, u64)>,
+    /// The shards this server gave away whole in a finished shrink and
+    /// dropped the rows of.
+    retired: BTreeSet<u32>,
+}
+
+impl ReshardCore {
+    /// A core whose receiving shards count as in step with a giving
+    /// shard applied within `in_step_within`.
+    pub fn new(in_step_within: Duration) -> Self {
+        Self {
+            in_step_within,
+            opened: Vec::new(),
+            retired: BTreeSet::new(),
+        }
+    }
+
+    /// The in-step bound.
+    pub fn in_step_within(&self) -> Duration {
+        self.in_step_within
+    }
+
+    /// One look at the resize in progress: sets `store`'s resize state as
+    /// `look.map` calls for, and returns what needs the network, in order.
+    pub fn look(&mut self, store: &Store, look: &Look) -> Vec<Action> {
+        let map = look.map.as_ref();
+        let resize = map.and_then(ShardMap::active);
+        if let Some(map) = map {
+            self.catch_up(store, map);
+            fence(store, map);
+            unfence(store, map);
+        }
+        let num_shards = store.num_shards();
+        // Receiving: a server of the new count hosting a receiving shard
+        // (growing), or of the old count hosting a remaining one
+        // (shrinking).
+        let receiving: Vec<u32> = match resize {
+            Some(r)
+                if (r.to > r.from && num_shards == r.to)
+                    || (r.to < r.from && num_shards == r.from) =>
+            {
+                r.receiving()
+                    .filter(|&s| store.hosted().contains(&s) && !given_away(store, s))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        self.opened
+            .retain(|(id, _, _)| resize.is_some_and(|r| r.id == *id));
+        let opened_here: Vec<(u32, u64)> = self.opened.iter().map(|&(_, s, p)| (s, p)).collect();
+        // Its rows are incomplete until it opens: no copy of it serves
+        // (a cancel opens it too).
+        for (shard, closed) in receiving_now(store, map, &opened_here) {
+            store.set_receiving(shard, closed);
+        }
+        // A shrink's receiving shards keep serving their own keys;
+        // cancelled, the rows taken for it are not this shard's.
+        for shard in set_shrink_state(store, &shrink_now(store, map, &opened_here)) {
+            let dropped = store.drop_moved_rows(shard, store.num_shards());
+            tracing::info!(shard, rows = dropped, "a cancelled shrink's rows dropped");
+        }
+        // The fence, the receiving and shrink states and the count stand
+        // as `map` says: a shard led from now on may take Pushes
+        // (`Store::resize_state_reaches`).
+        if let Some(map) = map {
+            store.set_resize_state_version(map.version);
+        }
+        let Some(resize) = resize else {
+            return vec![Action::Give(None), Action::Receive(None)];
+        };
+        let mut actions = Vec::new();
+        let leads: Vec<u32> = receiving
+            .iter()
+            .copied()
+            .filter(|&s| store.taking_rows(s) && look.leads.contains(&s))
+            .collect();
+        if leads.is_empty() {
+            actions.push(Action::Receive(None));
+        } else {
+            actions.push(Action::Receive(Some(resize.to)));
+            self.drive(resize, &leads, look.feed.as_ref(), &mut actions);
+        }
+        if resize.state == ResizeState::CutOver {
+            // Opened on an earlier look: said in the map now (the giving
+            // shards stop streaming to them; their copies serve once they
+            // hold the position).
+            for &(shard, position) in &opened_here {
+                if !resize.opened.contains_key(&shard) {
+                    actions.push(Action::Update(Transition::Opened { shard, position }));
+                }
+            }
+            // Every receiving shard serves: the resize is done (any of
+            // their primaries writes it).
+            let all_opened = resize.receiving().all(|s| resize.opened.contains_key(&s));
+            let leads_one = receiving.iter().any(|s| look.leads.contains(s));
+            if all_opened && leads_one {
+                actions.push(Action::Update(Transition::Finish));
+            }
+        }
+        // Giving: the primary of a giving shard, of the old count.
+        let gives = num_shards == resize.from
+            && matches!(resize.state, ResizeState::Copying | ResizeState::CutOver)
+            && resize.giving().any(|s| look.leads.contains(&s));
+        actions.push(Action::Give(gives.then(|| resize.clone())));
+        actions
+    }
+
+    /// As the primary of receiving shards `leads`: moves a planned resize
+    /// to copying, reports each shard ready or not, cuts over once every
+    /// receiving shard is ready, and after the cut-over opens its shards
+    /// once its feed holds every giving shard's fenced delta.
+    fn drive(
+        &self,
+        resize: &Resize,
+        leads: &[u32],
+        feed: Option<&tessera_proto::v1::ServingHealth>,
+        actions: &mut Vec<Action>,
+    ) {
+        match resize.state {
+            ResizeState::Planned => actions.push(Action::Update(Transition::StartCopying)),
+            ResizeState::Copying => {
+                let mut all_ready = true;
+                for &shard in leads {
+                    let ready = resize.ready.binary_search(&shard).is_ok();
+                    let within = if ready {
+                        self.in_step_within * 2
+                    } else {
+                        self.in_step_within
+                    };
+                    let in_step = in_step(feed, resize, within);
+                    all_ready &= in_step;
+                    if ready != in_step {
+                        tracing::info!(
+                            shard,
+                            in_step,
+                            "a receiving shard's rows are {} the giving shards'",
+                            if in_step { "in step with" } else { "behind" }
+                        );
+                        actions.push(Action::Update(Transition::Ready { shard, in_step }));
+                    }
+                }
+                let others_ready = resize
+                    .receiving()
+                    .filter(|s| !leads.contains(s))
+                    .all(|s| resize.ready.binary_search(&s).is_ok());
+                if all_ready && others_ready && !resize.hold {
+                    // Compared on the revision read: a shard that fell
+                    // out of step meanwhile wrote `ready` again, and the
+                    // cut-over is refused.
+                    actions.push(Action::Update(Transition::CutOver));
+                }
+            }
+            ResizeState::CutOver if fenced(feed, resize) => actions.push(Action::Open {
+                resize: resize.clone(),
+                shards: leads.to_vec(),
+            }),
+            _ => {}
+        }
+    }
+
+    /// Opens receiving shard `writing` locks in `resize` (its primary,
+    /// every giving shard's fenced delta applied, the feed closed): its
+    /// replicas were cut off at `version` (they copy it from here; the
+    /// rows came outside its stream), it keeps the giving shards'
+    /// deduplication windows `windows` and serves. A copy of the primary
+    /// that opened the shard in this resize (it stopped before the map
+    /// said so) keeps the windows of that opening as they are, the
+    /// shard's own window of a shrink among them: its present window
+    /// holds only Pushes split by the new count.
+    pub fn open_shard(
+        &mut self,
+        store: &Store,
+        writing: &ShardGuard<'_>,
+        resize: &Resize,
+        version: Version,
+        windows: &[(u32, TableWindows)],
+    ) {
+        let shard = writing.shard();
+        // Before its first Push: a part retried across the cut-over
+        // leaves out the keys a giving shard applied it to
+        // (`store/resize.rs`). A shrink's receiving shard keeps its own
+        // window as one of them, and starts a new one for Pushes split by
+        // the new count.
+        let shrink = resize.to < resize.from;
+        if store.opened_in(shard, resize.id) {
+            tracing::info!(
+                shard,
+                "a receiving shard copied from the primary that opened it opens again with that opening's windows"
+            );
+        } else {
+            let mut giving = windows.to_vec();
+            if shrink {
+                giving.push((shard, store.dedup_windows(shard)));
+                giving.sort_by_key(|(s, _)| *s);
+                store.clear_dedup(writing);
+            }
+            store.set_origin_windows(
+                shard,
+                OriginSet {
+                    from: resize.from,
+                    resize: resize.id,
+                    giving,
+                },
+            );
+        }
+        self.opened.push((resize.id, shard, version.position));
+        if shrink {
+            open_shrunk(store, writing, resize.to, resize.id);
+            store.set_incoming(writing, None);
+        } else {
+            store.set_receiving(shard, false);
+        }
+        // Its serving fleet copies it as it opened.
+        store.restart_streams();
+        tracing::info!(shard, %version, "a receiving shard holds every moved key and serves them; its replicas copy it");
+        metrics::counter!("tessera_ps_resize_opened_total").increment(1);
+    }
+
+    /// As a server whose shards gave keys in a growth that is over (done,
+    /// whether this server saw it or the map moved on to another resize):
+    /// fences the keys that moved for the count they are routed by now,
+    /// drops their rows (nothing reads or changes them), and routes by
+    /// that count, so that another resize can follow. The count is the
+    /// one before the resize in progress, or the map's.
+    fn catch_up(&mut self, store: &Store, map: &ShardMap) {
+        let target = map.active().map_or(map.num_shards, |r| r.from);
+        let own = store.num_shards();
+        // Fewer shards: a shrink from this server's count is over (or a
+        // growth's new server is ahead of the map: nothing to do there).
+        if target < own {
+            self.catch_up_shrunk(store, target);
+        }
+        if target <= own {
+            return;
+        }
+        let mut dropped = 0;
+        for &shard in store.hosted() {
+            if let Some(writing) = store.lock_shard(shard) {
+                if store.moved(shard).is_none_or(|(n, _)| n < target) {
+                    store.set_moved(&writing, Some((target, map.version)));
+                }
+                if store.moved(shard).is_some_and(|(n, _)| n == target) {
+                    store.set_moved_open(&writing, true);
+                }
+            }
+            dropped += store.drop_moved_rows(shard, target);
+        }
+        tracing::info!(
+            num_shards = target,
+            rows = dropped,
+            "dropped the rows finished growths moved away"
+        );
+        // What remains of each shard is that shard of the new count.
+        store.adopt_num_shards(target);
+    }
+
+    /// As a server of a shrink to `target` that is over (the map routes
+    /// by `target`, whatever resize it moved on to): a shard given away
+    /// whole (fenced at the cut-over) drops its rows once every remaining
+    /// shard serves them (its servers are to be stopped), and a server
+    /// whose other shards all opened on this copy routes by `target` from
+    /// now on, as one started with it would. Nothing for a server that
+    /// took no part (a growth's new server, ahead of the map).
+    fn catch_up_shrunk(&mut self, store: &Store, target: u32) {
+        let retire: Vec<u32> = store
+            .hosted()
+            .iter()
+            .copied()
+            .filter(|&s| given_away(store, s) && store.new_count_open(s) && self.retired.insert(s))
+            .collect();
+        let hosted = store.hosted();
+        let adopt = hosted.iter().any(|&s| store.routes_by(s) == Some(target))
+            && hosted
+                .iter()
+                .all(|&s| given_away(store, s) || store.routes_by(s) == Some(target));
+        for shard in retire {
+            let dropped = store.drop_moved_rows(shard, target);
+            tracing::info!(
+                shard,
+                rows = dropped,
+                "a shard given away in a finished shrink dropped its rows; stop its servers"
+            );
+        }
+        if adopt && store.adopt_shrunk_count(target) {
+            for &shard in store.hosted() {
+                if let Some(writing) = store.lock_shard(shard) {
+                    store.set_routes_by(&writing, None);
+                }
+            }
+        }
+    }
+}
+
+/// As a server of a giving shard (any copy of it) in a resize that cut
+/// over: fences the keys that moved, under the shard's write lock
+/// (`store/resize.rs`). The fence stays once the resize is done: the keys
+/// belong elsewhere. Set on every copy, so that a replica promoted later
+/// refuses them from its first Push (it sees the map long before a
+/// failover can make it primary: the watch delivers in milliseconds, a
+/// lease runs for seconds; and it takes the lead only once its resize
+/// state reached the map it read after winning).
+fn fence(store: &Store, map: &ShardMap) {
+    let Some((giving, to, version, open)) = fence_of(store, map) else {
+        return;
+    };
+    for shard in giving {
+        // Fenced for this resize's count (an earlier growth's fence is
+        // widened: its moved keys route elsewhere under the new count
+        // too).
+        let fenced = store.moved(shard).is_some_and(|(n, _)| n == to);
+        if fenced && store.new_count_open(shard) == open {
+            continue;
+        }
+        if let Some(writing) = store.lock_shard(shard) {
+            if !fenced {
+                store.set_moved(&writing, Some((to, version)));
+            }
+            store.set_moved_open(&writing, open);
+        }
+    }
+}
+
+/// As a server of a giving shard of a resize cancelled after its
+/// cut-over (no receiving shard opened, `tessera_coord::shard_map`): lifts
+/// the fence it set for it, so the moved keys are served here again,
+/// from the rows their Pushes left before the fence. A store that took a
+/// finished growth's count keeps the fence of that count.
+fn unfence(store: &Store, map: &ShardMap) {
+    let Some(r) = map
+        .resize
+        .as_ref()
+        .filter(|r| r.state == ResizeState::Cancelled && gave(store, r))
+    else {
+        return;
+    };
+    for &shard in store.hosted() {
+        let set_in_it = store
+            .moved(shard)
+            .is_some_and(|(to, version)| to == r.to && version > r.id);
+        if !set_in_it {
+            continue;
+        }
+        if let Some(writing) = store.lock_shard(shard) {
+            let own = store.num_shards();
+            let before = (own != store.configured_shards()).then_some((own, map.version));
+            store.set_moved(&writing, before);
+            store.set_moved_open(&writing, before.is_some());
+            tracing::info!(
+                shard,
+                "a resize cancelled after its cut-over: the moved keys are served here again"
+            );
+        }
+    }
+}
+
+/// Whether the feed whose health is `feed` follows every giving shard of
+/// `resize`, none being copied, each applied within `within`.
+fn in_step(
+    feed: Option<&tessera_proto::v1::ServingHealth>,
+    resize: &Resize,
+    within: Duration,
+) -> bool {
+    let Some(health) = feed else {
+        return false;
+    };
+    let within = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
+    health.source_shards == resize.from
+        && resize.giving().all(|g| {
+            health.sources.iter().any(|s| {
+                s.source_shard == g && s.seq > 0 && !s.copying && s.applied_age_ms <= within
+            })
+        })
+}
+
+/// Whether the feed whose health is `feed` holds every giving shard's
+/// fenced delta (or a copy taken after its fence), none being copied.
+fn fenced(feed: Option<&tessera_proto::v1::ServingHealth>, resize: &Resize) -> bool {
+    let Some(health) = feed else {
+        return false;
+    };
+    health.source_shards == resize.from
+        && resize.giving().all(|g| {
+            health
+                .sources
+                .iter()
+                .any(|s| s.source_shard == g && s.fenced && !s.copying)
+        })
+}
