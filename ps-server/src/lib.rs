@@ -9,6 +9,8 @@ pub mod config;
 pub mod coordination;
 pub mod dedup;
 pub mod delta;
+#[cfg(test)]
+mod dst;
 pub mod grpc_health;
 mod grpc_limits;
 pub mod image;

@@ -189,21 +189,7 @@ impl v1::ParameterServer for PsService {
         _context: RequestContext,
         request: PushRequest,
     ) -> Result<PushResponse, Status> {
-        refuse_receiving(&self.store, request.shard)?;
-        // Split by the count a shrink goes to, before this copy opened:
-        // refused before the windows are read, which the opening sets
-        // before it lets such Pushes in (`store/resize.rs`).
-        if let Some(to) = self.store.incoming(request.shard)
-            && request.num_shards == to
-        {
-            return Err(StoreError::NotCutOver {
-                shard: request.shard,
-                split_by: to,
-                num_shards: self.store.route_count(request.shard),
-            }
-            .into());
-        }
-        let request = without_applied_at_origins(&self.store, request)?;
+        let request = screen_push(&self.store, request)?;
         let checked = self
             .store
             .check_push(
@@ -322,6 +308,27 @@ impl v1::ParameterServer for PsService {
 /// are left out (`store/resize.rs`); the rest is applied, and the part is
 /// recorded here as applied. Gradients that do not fit the keys are left
 /// for the Push's own checks to refuse.
+/// What a Push meets before its checks, as the resize has it: refused on a
+/// shard still receiving its keys, or split by the count a shrink goes to
+/// before this copy opened (refused before the windows are read, which
+/// the opening sets before it lets such Pushes in, `store/resize.rs`);
+/// otherwise its keys a giving shard applied it to before the cut-over
+/// are left out. The control-plane simulation screens its Pushes here too.
+pub(crate) fn screen_push(store: &Store, request: PushRequest) -> Result<PushRequest, Status> {
+    refuse_receiving(store, request.shard)?;
+    if let Some(to) = store.incoming(request.shard)
+        && request.num_shards == to
+    {
+        return Err(StoreError::NotCutOver {
+            shard: request.shard,
+            split_by: to,
+            num_shards: store.route_count(request.shard),
+        }
+        .into());
+    }
+    without_applied_at_origins(store, request)
+}
+
 fn without_applied_at_origins(store: &Store, request: PushRequest) -> Result<PushRequest, Status> {
     let id = PushId {
         worker: request.worker_id,

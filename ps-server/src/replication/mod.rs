@@ -79,6 +79,8 @@ pub use self::in_step::{InStepWriter, eligible};
 pub use self::recovery::{Patience, Recovered, RecoveryError};
 pub use self::service::ReplicationService;
 pub use self::sync::CopyError;
+#[cfg(test)]
+pub(crate) use self::{copy_stream::CopySource, sync::Stager};
 
 use self::forward::{ForwardSettings, Forwarder};
 use self::shard::ShardCell;

@@ -120,6 +120,13 @@ impl Resizing {
     }
 }
 
+/// Whether a resize state set from map version `at` (`None`: no resize
+/// follower) reached `version`: the lead gate's test
+/// (`coordination/etcd_driver.rs`).
+fn state_reached(at: Option<u64>, version: u64) -> bool {
+    at.is_none_or(|at| at >= version)
+}
+
 impl Store {
     /// Marks `shard` as receiving its keys in a resize (or no longer):
     /// while it does, its rows are incomplete and it serves no Fetch or
@@ -526,11 +533,18 @@ impl Store {
     /// place before it applies a Push (`coordination/etcd_driver.rs`).
     pub async fn resize_state_reaches(&self, version: u64, deadline: std::time::Instant) -> bool {
         let mut at = self.resize.state_version.subscribe();
-        let reached = at.wait_for(|v| v.is_none_or(|v| v >= version));
+        let reached = at.wait_for(|&v| state_reached(v, version));
         matches!(
             tokio::time::timeout_at(deadline.into(), reached).await,
             Ok(Ok(_))
         )
+    }
+
+    /// Whether the store's resize state was set from shard-map `version`
+    /// or a later one now (always without a resize follower): what
+    /// [`Store::resize_state_reaches`] waits for.
+    pub fn resize_state_reached(&self, version: u64) -> bool {
+        state_reached(self.resize_state_version(), version)
     }
 
     /// Which of `keys` (of `table` on receiving shard `shard`) the Push
