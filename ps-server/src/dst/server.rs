@@ -503,7 +503,31 @@ impl World {
             leads: s.leading(now).map(|_| vec![s.shard]).unwrap_or_default(),
             feed: s.health(now),
         };
+        let state = |s: &Server| {
+            (
+                s.store.num_shards(),
+                s.store.moved(s.shard),
+                s.store.new_count_open(s.shard),
+                s.store.routes_by(s.shard),
+                s.store.incoming(s.shard),
+                s.store.receiving(s.shard),
+            )
+        };
+        let before = state(s);
+        if std::env::var_os("TESSERA_DST_LOOKS").is_some() {
+            let seen = s.seen.as_ref().map(|m| m.version);
+            self.log(format!("{i} looks at {seen:?}: {before:?}"));
+        }
+        let s = &mut self.servers[i];
         let actions = s.core.look(&s.store, &look);
+        let after = state(s);
+        if before != after {
+            self.log(format!(
+                "{i} (shard {}) resize state (count, moved, open, routes by, incoming, receiving) {after:?}",
+                self.servers[i].shard
+            ));
+        }
+        let s = &mut self.servers[i];
         for action in actions {
             let connected = self.servers[i].connected(now);
             match action {
@@ -744,6 +768,11 @@ impl World {
             }
         };
         self.trace.record_u64(position);
+        self.log(format!(
+            "{i} applied part {worker}:{seq} {:?} of shard {shard} at {position}{}",
+            screened.keys,
+            if fresh { "" } else { " (duplicate)" }
+        ));
         let followers: Vec<usize> = match &mut self.servers[i].role {
             Role::Primary {
                 followers, pending, ..

@@ -456,12 +456,26 @@ impl World {
         match map.active() {
             None => {
                 if let Some(r) = &map.resize
-                    && r.state == ResizeState::Done
-                    && r.to < r.from
+                    && r.state == ResizeState::Cancelled
+                    && r.to > r.from
                 {
-                    // Stop the given-away shard's servers.
-                    for s in self.servers.iter_mut().filter(|s| s.shard >= r.to) {
+                    // A cancelled growth's new servers are stopped.
+                    for s in self.servers.iter_mut().filter(|s| s.shard >= r.from) {
                         s.retire();
+                    }
+                }
+                if let Some(r) = &map.resize
+                    && r.state == ResizeState::Done
+                {
+                    // The operator's part once it is done (the resharding
+                    // chapter): the servers' configurations say the count
+                    // they route by now, and a shrink's given-away
+                    // shard's servers are stopped.
+                    for s in self.servers.iter_mut().filter(|s| !s.retired) {
+                        s.count = r.to;
+                        if s.shard >= r.to {
+                            s.retire();
+                        }
                     }
                 }
                 if now_faulting && self.resizes < 3 {
@@ -699,6 +713,7 @@ impl World {
                 part.1 = true;
                 if push.moved_at.is_none() && push.parts.values().all(|p| p.1) {
                     let keys = push.keys.clone();
+                    self.log(format!("worker {w} Push {seq} {keys:?} acknowledged"));
                     self.trace.record_u64(seq);
                     self.workers[w].acked.insert(seq, keys);
                     self.workers[w].push = None;
@@ -714,6 +729,14 @@ impl World {
             PartOutcome::Retry => {
                 part.2 += 1;
                 let attempt = part.2;
+                if self.etcd.map.num_shards != push.split_by {
+                    // Given up on (the client's deadline), and tried
+                    // again by the trainer under its id, split by the
+                    // count routed by now.
+                    push.moved_at = Some(0);
+                    self.resplit_when_moved(w);
+                    return;
+                }
                 let d = Duration::from_millis(self.sim.rng().random_range(20..120));
                 self.at(d, Event::AttemptTimeout(w, seq, shard, attempt));
             }

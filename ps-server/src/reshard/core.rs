@@ -161,6 +161,7 @@ impl ReshardCore {
             self.catch_up(store, map);
             fence(store, map);
             unfence(store, map);
+            lift_stale_fence(store, map);
         }
         let num_shards = store.num_shards();
         // Receiving: a server of the new count hosting a receiving shard
@@ -480,6 +481,42 @@ fn unfence(store: &Store, map: &ShardMap) {
             tracing::info!(
                 shard,
                 "a resize cancelled after its cut-over: the moved keys are served here again"
+            );
+        }
+    }
+}
+
+/// Lifts a fence no resize calls for any more on a copy that missed the
+/// resize that undid it: its watch delivers the newest map, not each one
+/// (a copy cut off from etcd through a growth to `n` and the shrink back
+/// holds the growth's fence for `n` shards while the map routes by its
+/// own count again, and would refuse its own keys for good). A fence
+/// stands where its count is the store's (a finished growth taken, a
+/// shrink's count taken), the count a shrink opened here routes by, or a
+/// resize from this store's count that cut over names it; a shard given
+/// away whole keeps its fence.
+fn lift_stale_fence(store: &Store, map: &ShardMap) {
+    let cut_over_to = fence_of(store, map).map(|(_, to, _, _)| to);
+    let own = store.num_shards();
+    for &shard in store.hosted() {
+        let Some((n, _)) = store.moved(shard) else {
+            continue;
+        };
+        if n == own
+            || store.routes_by(shard) == Some(n)
+            || cut_over_to == Some(n)
+            || given_away(store, shard)
+        {
+            continue;
+        }
+        if let Some(writing) = store.lock_shard(shard) {
+            let before = (own != store.configured_shards()).then_some((own, map.version));
+            store.set_moved(&writing, before);
+            store.set_moved_open(&writing, before.is_some());
+            tracing::info!(
+                shard,
+                stale = n,
+                "a fence no resize calls for any more lifted (this copy missed the resize that undid it)"
             );
         }
     }

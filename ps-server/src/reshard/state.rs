@@ -15,7 +15,11 @@ use crate::store::Store;
 /// position its primary opened it at and this copy holds it (a replica
 /// copied the opened primary's rows; a primary promoted from such a
 /// replica), or, on the primary that opened it, until the map says so
-/// (`opened_here`: shard and position).
+/// (`opened_here`: shard and position). A growth cancelled (before any
+/// receiving shard claimed its opening) leaves its receiving shards
+/// closed: the map routes no key to them, and a worker that has not seen
+/// the cancel would have a Push split by the new count acknowledged on a
+/// shard about to be stopped.
 pub(crate) fn receiving_now(
     store: &Store,
     map: Option<&ShardMap>,
@@ -23,9 +27,9 @@ pub(crate) fn receiving_now(
 ) -> Vec<(u32, bool)> {
     // The last resize, done included: a replica that has not copied its
     // opened primary yet does not serve after the resize is done either.
-    let resize = map.and_then(|m| m.resize.as_ref()).filter(|r| {
-        r.to > r.from && store.num_shards() == r.to && r.state != ResizeState::Cancelled
-    });
+    let resize = map
+        .and_then(|m| m.resize.as_ref())
+        .filter(|r| r.to > r.from && store.num_shards() == r.to);
     store
         .hosted()
         .iter()
@@ -34,7 +38,10 @@ pub(crate) fn receiving_now(
                 if !r.receiving().any(|s| s == shard) || given_away(store, shard) {
                     return false;
                 }
-                if matches!(r.state, ResizeState::Planned | ResizeState::Copying) {
+                if matches!(
+                    r.state,
+                    ResizeState::Planned | ResizeState::Copying | ResizeState::Cancelled
+                ) {
                     return true;
                 }
                 !holds_opened(store, r, shard, opened_here)
@@ -216,5 +223,36 @@ pub fn prepare(store: &Store, map: Option<&ShardMap>) {
                 store.set_moved_open(&writing, open);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PsServerConfig, TableConfig};
+
+    fn new_server() -> Store {
+        Store::new(&PsServerConfig {
+            num_shards: 3,
+            shards: vec![2],
+            tables: vec![TableConfig::new("t", 1)],
+            ..PsServerConfig::default()
+        })
+    }
+
+    #[test]
+    fn a_cancelled_growths_new_shard_stays_closed() {
+        let store = new_server();
+        let planned = ShardMap::new(2).plan(3).unwrap();
+        assert_eq!(receiving_now(&store, Some(&planned), &[]), vec![(2, true)]);
+        let copying = planned.start_copying().unwrap();
+        let cancelled = copying.cancel().unwrap();
+        // Before the fix it served: a worker still splitting by 3 had its
+        // Push applied and acknowledged on a shard the map routes nothing
+        // to (found by the control-plane simulation, seed 5).
+        assert_eq!(
+            receiving_now(&store, Some(&cancelled), &[]),
+            vec![(2, true)]
+        );
     }
 }
