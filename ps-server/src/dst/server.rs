@@ -527,7 +527,6 @@ impl World {
                 self.servers[i].shard
             ));
         }
-        let s = &mut self.servers[i];
         for action in actions {
             let connected = self.servers[i].connected(now);
             match action {
