@@ -633,6 +633,10 @@ impl World {
             }
             s.core.open_shard(&store, &w, resize, version, &windows);
             drop(w);
+            // Its replicas are cut off: none is in step until it copies
+            // the opened shard (`Forwarder::cut_off_for_resize`).
+            let high = self.acked_high.entry(shard).or_default();
+            *high = (*high).max(version.position);
             self.log(format!("{i} opened shard {shard} at {version}"));
             self.trace.record_u64(version.position);
             self.count("openings");

@@ -165,8 +165,10 @@ pub struct World {
     pub etcd: Etcd,
     pub servers: Vec<Server>,
     workers: Vec<Worker>,
-    /// The highest stream position acknowledged per shard (the election
-    /// model: a replica below it would lose an acknowledged Push).
+    /// The highest stream position a copy must hold to take a shard's
+    /// lead (the election model: an acknowledged Push, or an opening,
+    /// which cuts the replicas off so that none is in step until it
+    /// copies the opened shard).
     pub acked_high: BTreeMap<u32, u64>,
     /// When each link last delivered (FIFO per link).
     links: BTreeMap<(u64, u64), SimTime>,

@@ -158,7 +158,7 @@ impl ReshardCore {
         let map = look.map.as_ref();
         let resize = map.and_then(ShardMap::active);
         if let Some(map) = map {
-            self.catch_up(store, map);
+            self.catch_up(store, map, &look.leads);
             fence(store, map);
             unfence(store, map);
             lift_stale_fence(store, map);
@@ -355,13 +355,13 @@ impl ReshardCore {
     /// drops their rows (nothing reads or changes them), and routes by
     /// that count, so that another resize can follow. The count is the
     /// one before the resize in progress, or the map's.
-    fn catch_up(&mut self, store: &Store, map: &ShardMap) {
+    fn catch_up(&mut self, store: &Store, map: &ShardMap, leads: &[u32]) {
         let target = map.active().map_or(map.num_shards, |r| r.from);
         let own = store.num_shards();
         // Fewer shards: a shrink from this server's count is over (or a
         // growth's new server is ahead of the map: nothing to do there).
         if target < own {
-            self.catch_up_shrunk(store, target);
+            self.catch_up_shrunk(store, map, target, leads);
         }
         if target <= own {
             return;
@@ -394,7 +394,7 @@ impl ReshardCore {
     /// whose other shards all opened on this copy routes by `target` from
     /// now on, as one started with it would. Nothing for a server that
     /// took no part (a growth's new server, ahead of the map).
-    fn catch_up_shrunk(&mut self, store: &Store, target: u32) {
+    fn catch_up_shrunk(&mut self, store: &Store, map: &ShardMap, target: u32, leads: &[u32]) {
         let retire: Vec<u32> = store
             .hosted()
             .iter()
@@ -402,6 +402,36 @@ impl ReshardCore {
             .filter(|&s| given_away(store, s) && store.new_count_open(s) && self.retired.insert(s))
             .collect();
         let hosted = store.hosted();
+        let own = store.num_shards();
+        let shrink_in_map = map
+            .resize
+            .as_ref()
+            .is_some_and(|r| r.from == own && r.to == target && r.state != ResizeState::Cancelled);
+        if !shrink_in_map {
+            // The map moved on past the shrink before this copy's look
+            // placed it, but the copy holds the opening (it copied the
+            // primary that opened the shard: the opening's origin windows
+            // came with it): it routes by the shrunk count, as one that
+            // saw the shrink would.
+            for &shard in hosted {
+                let opened = store
+                    .origin_windows(shard)
+                    .filter(|o| o.from == own)
+                    .map(|o| o.resize);
+                if shard >= target
+                    || given_away(store, shard)
+                    || store.routes_by(shard) == Some(target)
+                {
+                    continue;
+                }
+                if let Some(id) = opened
+                    && let Some(writing) = store.lock_shard(shard)
+                {
+                    open_shrunk(store, &writing, target, id);
+                    store.set_incoming(&writing, None);
+                }
+            }
+        }
         let adopt = hosted.iter().any(|&s| store.routes_by(s) == Some(target))
             && hosted
                 .iter()
@@ -420,6 +450,59 @@ impl ReshardCore {
                     store.set_routes_by(&writing, None);
                 }
             }
+            return;
+        }
+        // The shrink is no longer the map's last resize, and a remaining
+        // shard (a growth's new server, ahead of the map, hosts none)
+        // never opened on this copy: it missed the whole shrink (its
+        // watch delivers the newest map, not each one), so `shrink_now`
+        // cannot place it any more, and nothing in the map says which
+        // position holds the keys the shrink brought to it.
+        if adopt || shrink_in_map {
+            return;
+        }
+        let missed: Vec<u32> = hosted
+            .iter()
+            .copied()
+            .filter(|&s| s < target && !given_away(store, s) && store.routes_by(s) != Some(target))
+            .collect();
+        if missed.is_empty() {
+            return;
+        }
+        if let Some(&led) = missed.iter().find(|s| leads.contains(s)) {
+            // A primary cannot copy from itself: it waits for another copy
+            // to lead (it could not have opened the shrink it missed).
+            tracing::error!(
+                shard = led,
+                num_shards = target,
+                "this primary missed a whole shrink and cannot tell whether it holds the keys it brought; it waits for the lead to move"
+            );
+            return;
+        }
+        // A replica forgets its version, so that its stream breaks and it
+        // copies the shard whole from its primary (which opened it), and
+        // takes the count.
+        for &shard in &missed {
+            if let Some(mut writing) = store.lock_shard(shard) {
+                writing.set_version(crate::version::Version::default());
+                store.set_routes_by(&writing, None);
+                store.set_incoming(&writing, None);
+            }
+        }
+        if store.adopt_shrunk_count(target) {
+            for &shard in &missed {
+                if let Some(writing) = store.lock_shard(shard) {
+                    let fence =
+                        (target != store.configured_shards()).then_some((target, map.version));
+                    store.set_moved(&writing, fence);
+                    store.set_moved_open(&writing, fence.is_some());
+                }
+            }
+            tracing::warn!(
+                num_shards = target,
+                shards = ?missed,
+                "this copy missed a whole shrink: it takes the count and copies its shards anew"
+            );
         }
     }
 }
