@@ -516,7 +516,18 @@ impl World {
         let before = state(s);
         if std::env::var_os("TESSERA_DST_LOOKS").is_some() {
             let seen = s.seen.as_ref().map(|m| m.version);
-            self.log(format!("{i} looks at {seen:?}: {before:?}"));
+            let key: u64 = std::env::var("TESSERA_DST_KEY")
+                .ok()
+                .and_then(|k| k.parse().ok())
+                .unwrap_or(0);
+            let row = s
+                .store
+                .read_rows(TABLE, s.shard, &[key], false)
+                .ok()
+                .map(|r| r.values);
+            self.log(format!(
+                "{i} looks at {seen:?}: {before:?} key {key}: {row:?}"
+            ));
         }
         let s = &mut self.servers[i];
         let actions = s.core.look(&s.store, &look);
@@ -880,6 +891,15 @@ impl World {
     /// the order of the giving copies' versions.
     fn apply_cut(&mut self, i: usize, cut: Cut) {
         let now = self.now();
+        let line = std::env::var_os("TESSERA_DST_CUTS").map(|_| {
+            format!(
+                "{i} took shard {}'s cut at {} ({} rows{})",
+                cut.giving,
+                cut.version,
+                cut.rows.keys.len(),
+                if cut.fenced { ", fenced" } else { "" }
+            )
+        });
         let s = &mut self.servers[i];
         let Some(feed) = s.feed.as_mut() else {
             return;
@@ -920,6 +940,9 @@ impl World {
                 .or_insert((0, Version::default(), false, None, now));
         *entry = (entry.0 + 1, cut.version, cut.fenced, cut.windows, now);
         self.trace.record_u64(cut.version.position);
+        if let Some(line) = line {
+            self.log(line);
+        }
     }
 }
 

@@ -632,10 +632,21 @@ impl Store {
     /// route to it, if a resize moved keys away from it (a copy just
     /// installed that still held a finished growth's moved rows); one
     /// scan under the lock the caller holds anyway. The keys it receives
-    /// in a shrink stay. Returns the rows.
+    /// in a shrink stay. Returns the rows. Nothing is dropped where the
+    /// copy holds an opening newer than this store's fence (its origin
+    /// windows name a resize planned after the fence was set): the store's
+    /// resize state lags the map (its looks stalled through a shrink), so
+    /// what routes here is not known yet, and the rows the shrink brought
+    /// would go with the rest.
     pub fn drop_unrouted(&self, writing: &ShardGuard<'_>) -> usize {
         let shard = writing.shard();
-        if self.moved(shard).is_none() {
+        let Some((_, fenced_at)) = self.moved(shard) else {
+            return 0;
+        };
+        if self
+            .origin_windows(shard)
+            .is_some_and(|o| o.resize > fenced_at)
+        {
             return 0;
         }
         let num_shards = self.route_count(shard);
@@ -787,6 +798,49 @@ mod tests {
             .unwrap()
             .apply_replicated(&writing, &[], &[], std::time::Instant::now(), 0)
             .unwrap();
+    }
+
+    /// Found by the control-plane simulation (seed 248): a replica whose
+    /// looks stalled through a shrink still held an older growth's fence
+    /// when it installed a copy of its opened primary, and dropped the
+    /// rows the shrink brought as not routed here (its primary then
+    /// died: the keys' Pushes were lost). A copy holding an opening newer
+    /// than the fence keeps them.
+    #[test]
+    fn a_copy_of_a_newer_opening_keeps_its_rows_on_a_lagging_store() {
+        // A server of 3 shards that has not seen the shrink to 2.
+        let store = Store::new(&crate::PsServerConfig {
+            num_shards: 3,
+            ..config(Mode::Training)
+        });
+        // Routed to shard 0 by 2 shards, to shard 2 by 3: a shrink from 3
+        // brought them to shard 0 (the copy installed holds them).
+        let came: Vec<u64> = (0u64..400)
+            .filter(|&k| shard_for_key(k, 2) == 0 && shard_for_key(k, 3) == 2)
+            .collect();
+        let writing = store.lock_shard(0).unwrap();
+        store.set_incoming(&writing, Some(2));
+        store
+            .put_rows(&writing, "t", &came, &vec![0u8; came.len() * 3 * 4], &[])
+            .unwrap();
+        store.set_incoming(&writing, None);
+        // An older growth's fence (a growth to 3 at map version 5).
+        store.set_moved(&writing, Some((3, 5)));
+        // The copy's origins: a shrink planned at version 9 opened it.
+        store.set_origin_windows(
+            0,
+            OriginSet {
+                from: 3,
+                resize: 9,
+                giving: vec![(2, vec![("t".to_owned(), Vec::new())])],
+            },
+        );
+        assert_eq!(store.drop_unrouted(&writing), 0);
+        assert_eq!(store.read_rows("t", 0, &came, false).unwrap().keys, came);
+        // Once the store's state caught up (a fence of that resize or
+        // later), rows it does not route here go.
+        store.set_moved(&writing, Some((3, 12)));
+        assert_eq!(store.drop_unrouted(&writing), came.len());
     }
 
     /// Hole 5 of issue 57: a copy that fenced keys and never hears that
