@@ -366,6 +366,14 @@ impl ReshardCore {
         if target <= own {
             return;
         }
+        // A shrink from the count taken is the map's last resize: a
+        // remaining shard's copy may hold the keys it brings (a copy of the
+        // primary that opened it, installed before this look): they stay.
+        let shrink_to = map
+            .resize
+            .as_ref()
+            .filter(|r| r.from == target && r.to < target && r.state != ResizeState::Cancelled)
+            .map(|r| r.to);
         let mut dropped = 0;
         for &shard in store.hosted() {
             if let Some(writing) = store.lock_shard(shard) {
@@ -376,7 +384,9 @@ impl ReshardCore {
                     store.set_moved_open(&writing, true);
                 }
             }
-            dropped += store.drop_moved_rows(shard, target);
+            let mut counts = vec![target];
+            counts.extend(shrink_to.filter(|&to| shard < to));
+            dropped += store.drop_rows_routed_elsewhere(shard, &counts);
         }
         tracing::info!(
             num_shards = target,

@@ -610,13 +610,20 @@ impl Store {
     /// hold, so Pushes of the keys that stay wait little. Returns the rows
     /// dropped. Blocking.
     pub fn drop_moved_rows(&self, shard: u32, num_shards: u32) -> usize {
+        self.drop_rows_routed_elsewhere(shard, &[num_shards])
+    }
+
+    /// [`Store::drop_moved_rows`] keeping the rows of keys any of `counts`
+    /// routes to `shard` (a growth's moved rows dropped on a copy that
+    /// also holds a shrink's incoming ones). Blocking.
+    pub fn drop_rows_routed_elsewhere(&self, shard: u32, counts: &[u32]) -> usize {
         let names: Vec<String> = self.tables.keys().cloned().collect();
         let mut dropped = 0;
         for name in names {
             let keys = match self.lock_shard(shard) {
-                Some(writing) => {
-                    self.keys_where(&writing, &name, |k| shard_for_key(k, num_shards) != shard)
-                }
+                Some(writing) => self.keys_where(&writing, &name, |k| {
+                    counts.iter().all(|&n| shard_for_key(k, n) != shard)
+                }),
                 None => return dropped,
             };
             for chunk in keys.chunks(4096) {
