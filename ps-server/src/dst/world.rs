@@ -683,9 +683,20 @@ impl World {
             .filter(|p| p.seq == seq && p.moved_at.is_none())
             .and_then(|p| p.parts.get(&shard))
             .is_some_and(|part| !part.1 && part.2 == attempt);
-        if current {
-            self.send_part(w, shard);
+        if !current {
+            return;
         }
+        let count = self.etcd.map.num_shards;
+        if let Some(push) = self.workers[w].push.as_mut()
+            && push.split_by != count
+        {
+            // Given up on (the client's deadline), and tried again by the
+            // trainer under its id, split by the count routed by now.
+            push.moved_at = Some(0);
+            self.resplit_when_moved(w);
+            return;
+        }
+        self.send_part(w, shard);
     }
 
     fn worker_answer(&mut self, w: usize, msg: Msg) {

@@ -587,7 +587,7 @@ fn unfence(store: &Store, map: &ShardMap) {
 /// stands where its count is the store's (a finished growth taken, a
 /// shrink's count taken), the count a shrink opened here routes by, or a
 /// resize from this store's count that cut over names it; a shard given
-/// away whole keeps its fence.
+/// away whole keeps its fence while the map routes by the shrunk count.
 fn lift_stale_fence(store: &Store, map: &ShardMap) {
     let cut_over_to = fence_of(store, map).map(|(_, to, _, _)| to);
     let own = store.num_shards();
@@ -595,10 +595,13 @@ fn lift_stale_fence(store: &Store, map: &ShardMap) {
         let Some((n, _)) = store.moved(shard) else {
             continue;
         };
+        // Given away whole: stands while the map routes by the shrunk
+        // count (until the servers are stopped); a shrink cancelled after
+        // its cut-over that this copy missed leaves it stale.
         if n == own
             || store.routes_by(shard) == Some(n)
             || cut_over_to == Some(n)
-            || given_away(store, shard)
+            || (given_away(store, shard) && map.num_shards == n)
         {
             continue;
         }
