@@ -207,7 +207,21 @@ impl ReshardCore {
             .copied()
             .filter(|&s| store.taking_rows(s) && look.leads.contains(&s))
             .collect();
-        if leads.is_empty() {
+        // A copy of the primary that opened the shard in this resize (it
+        // stopped before the map said so) holds every moved key and the
+        // Pushes taken since: it opens again at once, and its rows are not
+        // written by a feed (a giving shard's fenced rows would overwrite
+        // those Pushes).
+        let (again, leads): (Vec<u32>, Vec<u32>) = leads.into_iter().partition(|&s| {
+            resize.state == ResizeState::CutOver && store.opened_in(s, resize.id)
+        });
+        if !again.is_empty() {
+            actions.push(Action::Receive(None));
+            actions.push(Action::Open {
+                resize: resize.clone(),
+                shards: again,
+            });
+        } else if leads.is_empty() {
             actions.push(Action::Receive(None));
         } else {
             actions.push(Action::Receive(Some(resize.to)));
