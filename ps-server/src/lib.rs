@@ -169,6 +169,14 @@ impl PsServer {
             _ if resizes => Some(delta::Feed::for_resizes(Arc::clone(&store), &transport)),
             _ => None,
         };
+        if let Some(feed) = feed.as_ref().filter(|_| config.mode != Mode::Serving) {
+            let replication = Arc::clone(&replication);
+            feed.check_leads(delta::LeadCheck::new(move |shard| {
+                replication
+                    .leading_epoch(shard, std::time::Instant::now())
+                    .is_some()
+            }));
+        }
         let resharding = coordination.etcd().filter(|_| resizes).map(|coord| {
             reshard::Resharding::new(
                 config.advertised().to_owned(),

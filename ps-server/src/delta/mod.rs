@@ -60,7 +60,7 @@ mod service;
 mod source;
 mod windows;
 
-pub use self::feed::{Feed, FeedError};
+pub use self::feed::{Feed, FeedError, LeadCheck};
 pub use self::follower::{Follower, Header, MAX_HELD_BYTES, Resume, Verdict};
 pub use self::parts::{CHUNK_BYTES, PART_BYTES, route as route_rows};
 pub use self::route::ResizePlan;

@@ -904,7 +904,13 @@ impl World {
         let Some(feed) = s.feed.as_mut() else {
             return;
         };
-        if feed.to != cut.to_count || s.shard != cut.dest || !s.store.taking_rows(cut.dest) {
+        // A resize feed writes a shard only while it receives and this
+        // server leads it (`delta/feed/write.rs`).
+        if feed.to != cut.to_count
+            || s.shard != cut.dest
+            || !s.store.taking_rows(cut.dest)
+            || !matches!(&s.role, Role::Primary { fence_until, .. } if now < *fence_until)
+        {
             return;
         }
         if feed

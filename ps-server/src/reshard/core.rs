@@ -212,9 +212,9 @@ impl ReshardCore {
         // Pushes taken since: it opens again at once, and its rows are not
         // written by a feed (a giving shard's fenced rows would overwrite
         // those Pushes).
-        let (again, leads): (Vec<u32>, Vec<u32>) = leads.into_iter().partition(|&s| {
-            resize.state == ResizeState::CutOver && store.opened_in(s, resize.id)
-        });
+        let (again, leads): (Vec<u32>, Vec<u32>) = leads
+            .into_iter()
+            .partition(|&s| resize.state == ResizeState::CutOver && store.opened_in(s, resize.id));
         if !again.is_empty() {
             actions.push(Action::Receive(None));
             actions.push(Action::Open {

@@ -209,13 +209,13 @@ impl Feed {
             0 => self.source_shards.load(Ordering::Relaxed).max(1),
             routed_by => routed_by,
         };
-        let resize = self.resize_gate.is_some();
+        let resize = self.resize_check();
         let removed = tokio::task::spawn_blocking(move || {
             let seen = seen.locked();
             let mut removed = 0usize;
             for &serving in store.hosted() {
                 // A resize feed's copy writes only the receiving shards.
-                let Ok(writing) = lock_for_feed(&store, serving, resize) else {
+                let Ok(writing) = lock_for_feed(&store, serving, resize.as_ref()) else {
                     continue;
                 };
                 let names: Vec<String> = store.tables().map(|t| t.config().name.clone()).collect();

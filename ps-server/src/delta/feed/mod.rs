@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 mod copy;
 mod write;
 
+pub use self::write::LeadCheck;
 use self::write::{lock_for_feed, write_tables};
 use super::follower::{Follower, Header, Verdict};
 use crate::store::{Store, StoreError};
@@ -134,6 +135,9 @@ pub struct Feed {
     /// Told when a giving shard's fenced delta or copy is applied (a
     /// receiving primary may open its shard now: `crate::reshard`).
     fenced: tokio::sync::Notify,
+    /// Whether this server leads a shard (a resize feed writes only the
+    /// shards it leads); every shard until set.
+    leads: std::sync::OnceLock<LeadCheck>,
 }
 
 impl Feed {
@@ -147,6 +151,23 @@ impl Feed {
     /// [`Feed::open_for_resize`].
     pub fn for_resizes(store: Arc<Store>, transport: &Transport) -> Arc<Self> {
         Self::build(store, 0, transport, Some(Mutex::new(None)))
+    }
+
+    /// Makes a resize feed write only the shards `leads` says this server
+    /// leads (the replication's lease: `lib.rs`); set once.
+    pub fn check_leads(&self, leads: LeadCheck) {
+        let _ = self.leads.set(leads);
+    }
+
+    /// A resize feed's lead check (`None` on a serving server's feed).
+    fn resize_check(&self) -> Option<LeadCheck> {
+        self.resize_gate.as_ref()?;
+        Some(
+            self.leads
+                .get()
+                .cloned()
+                .unwrap_or_else(|| LeadCheck::new(|_| true)),
+        )
     }
 
     /// Takes deltas routed by `num_shards` (a resize's target, in which a
@@ -264,6 +285,7 @@ impl Feed {
             stop: CancellationToken::new(),
             weak: weak.clone(),
             resize_gate,
+            leads: std::sync::OnceLock::new(),
             generation: AtomicU64::new(0),
             fenced: tokio::sync::Notify::new(),
         })
@@ -512,10 +534,10 @@ impl Feed {
             return Ok(());
         }
         let store = Arc::clone(&self.store);
-        let resize = self.resize_gate.is_some();
+        let resize = self.resize_check();
         let n = self.route_count();
         tokio::task::spawn_blocking(move || {
-            write_tables(&store, &tables, seen.as_deref(), n, resize)
+            write_tables(&store, &tables, seen.as_deref(), n, resize.as_ref())
         })
         .await
         .map_err(|err| FeedError::Task(err.to_string()))?

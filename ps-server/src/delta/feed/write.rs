@@ -3,34 +3,63 @@
 
 use super::*;
 
-/// The write lock of `shard` for a feed's rows. A resize feed writes a
-/// shard only while it receives keys: the receiving primary opens the
-/// shard (`crate::reshard`) under this lock, so that no row of a delta
-/// or copy still on its way lands after its first Push.
-pub(super) fn lock_for_feed(
-    store: &Store,
+/// The write lock of `shard` for a feed's rows. A resize feed (`resize`:
+/// its lead check) writes a shard only while it receives keys and this
+/// server leads it: the receiving primary opens the shard
+/// (`crate::reshard`) under this lock, so that no row of a delta or copy
+/// still on its way lands after its first Push, and a primary that lost
+/// the lead (paused, its lease run out) writes nothing its replicas'
+/// stream does not carry when it wakes to deltas that waited for it
+/// (its copy would differ from the new primary's at the same version).
+pub(super) fn lock_for_feed<'a>(
+    store: &'a Store,
     shard: u32,
-    resize: bool,
-) -> Result<crate::store::ShardGuard<'_>, FeedError> {
+    resize: Option<&LeadCheck>,
+) -> Result<crate::store::ShardGuard<'a>, FeedError> {
     let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
         shard,
         hosted: store.hosted().to_vec(),
     })?;
-    if resize && !store.taking_rows(shard) {
+    if let Some(leads) = resize
+        && (!store.taking_rows(shard) || !leads.leads(shard))
+    {
         return Err(FeedError::Reset);
     }
     Ok(writing)
 }
 
+/// Whether this server leads a shard now (a resize feed's writes,
+/// [`Feed::check_leads`]).
+#[derive(Clone)]
+pub struct LeadCheck(Arc<dyn Fn(u32) -> bool + Send + Sync>);
+
+impl LeadCheck {
+    /// A check answered by `leads`.
+    pub fn new(leads: impl Fn(u32) -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(leads))
+    }
+
+    /// Whether this server leads `shard` now.
+    pub fn leads(&self, shard: u32) -> bool {
+        (self.0)(shard)
+    }
+}
+
+impl std::fmt::Debug for LeadCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeadCheck")
+    }
+}
+
 /// Writes rows and removals of `tables` into `store`, each chunk's rows
 /// under the write lock of the shard `n` shards route them to (`resize`:
-/// a resize feed's, see [`lock_for_feed`]).
+/// a resize feed's lead check, see [`lock_for_feed`]).
 pub(super) fn write_tables(
     store: &Store,
     tables: &[DeltaTable],
     seen: Option<&Seen>,
     n: u32,
-    resize: bool,
+    resize: Option<&LeadCheck>,
 ) -> Result<(), FeedError> {
     for table in tables {
         let row_bytes = store.row_bytes(&table.name)?;
@@ -141,4 +170,39 @@ pub(super) fn write_tables(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PsServerConfig, TableConfig};
+
+    /// Found by the control-plane simulation (seed 1182): a receiving
+    /// primary paused past its lease woke to the deltas that waited for it
+    /// and wrote them, outside its replicas' stream, after the new primary
+    /// had opened the shard: its copy differed at the same version.
+    #[test]
+    fn a_resize_feed_writes_only_a_receiving_shard_this_server_leads() {
+        let store = Store::new(&PsServerConfig {
+            num_shards: 3,
+            shards: vec![2],
+            tables: vec![TableConfig::new("t", 1)],
+            ..PsServerConfig::default()
+        });
+        store.set_receiving(2, true);
+        let leads = LeadCheck::new(|_| true);
+        let lost = LeadCheck::new(|_| false);
+        assert!(lock_for_feed(&store, 2, Some(&leads)).is_ok());
+        assert!(matches!(
+            lock_for_feed(&store, 2, Some(&lost)),
+            Err(FeedError::Reset)
+        ));
+        // A serving server's feed has no such check.
+        assert!(lock_for_feed(&store, 2, None).is_ok());
+        store.set_receiving(2, false);
+        assert!(matches!(
+            lock_for_feed(&store, 2, Some(&leads)),
+            Err(FeedError::Reset)
+        ));
+    }
 }
