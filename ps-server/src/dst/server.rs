@@ -3,6 +3,8 @@
 //! around them (module docs of [`super`]).
 
 use std::collections::BTreeMap;
+
+use rand::Rng;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -545,6 +547,14 @@ impl World {
                     if !connected {
                         continue;
                     }
+                    if matches!(t, Transition::Opened { .. }) && self.buggify(0.3) {
+                        // Its report is late: cut off from etcd just
+                        // after the opening (`reshard::report_opened`).
+                        self.count("opening reported late");
+                        let d = Duration::from_millis(self.sim.rng().random_range(300..2000));
+                        self.servers[i].cut_off_until = now.checked_add(d);
+                        continue;
+                    }
                     if t == Transition::CutOver {
                         let led = self.etcd.map.active().is_some_and(|r| {
                             r.receiving().all(|s| self.etcd.primary(s, now).is_some())
@@ -554,8 +564,11 @@ impl World {
                         }
                     }
                     let before = self.etcd.map.clone();
-                    self.update_map(|m| t.apply(m));
+                    let written = self.update_map(|m| t.apply(m));
                     self.note_resize(&before);
+                    if written && t == Transition::CutOver && self.buggify(0.3) {
+                        self.stall_a_giving_replica();
+                    }
                 }
                 Action::Open { resize, shards } => {
                     if connected {
@@ -580,6 +593,38 @@ impl World {
                 }
                 Action::Receive(None) => self.servers[i].feed = None,
             }
+        }
+    }
+
+    /// At a cut-over: a replica of a giving shard stops looking at the
+    /// map for a while (its watch stalls: `reshard::step`), and its
+    /// primary is killed or paused soon after, so that the replica may
+    /// win the lead before its store is fenced.
+    fn stall_a_giving_replica(&mut self) {
+        let now = self.now();
+        let Some(r) = self.etcd.map.active().cloned() else {
+            return;
+        };
+        let giving: Vec<u32> = r.giving().collect();
+        let shard = giving[self.sim.rng().random_range(0..giving.len())];
+        let Some((primary, _)) = self.etcd.primary(shard, now) else {
+            return;
+        };
+        let replicas: Vec<usize> = (0..self.servers.len())
+            .filter(|&j| j != primary && self.servers[j].up && self.servers[j].serves_shard(shard))
+            .collect();
+        let Some(&replica) = replicas.first() else {
+            return;
+        };
+        self.count("giving replica stalled at a cut-over");
+        let d = Duration::from_millis(self.sim.rng().random_range(1000..6000));
+        self.servers[replica].stalled_until = now.checked_add(d);
+        let d = Duration::from_millis(self.sim.rng().random_range(0..500));
+        if self.sim.rng().random_bool(0.5) {
+            self.at(d, Event::Kill(primary));
+        } else {
+            let until = now.checked_add(d + Duration::from_millis(2500));
+            self.servers[primary].paused_until = until;
         }
     }
 
@@ -651,6 +696,12 @@ impl World {
             self.log(format!("{i} opened shard {shard} at {version}"));
             self.trace.record_u64(version.position);
             self.count("openings");
+            if self.buggify(0.25) {
+                // Killed once its replica may have copied the opened
+                // shard, perhaps before it said so in the map.
+                let d = Duration::from_millis(self.sim.rng().random_range(50..600));
+                self.at(d, Event::Kill(i));
+            }
         }
         self.resolve(i);
     }

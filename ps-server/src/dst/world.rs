@@ -58,6 +58,8 @@ pub enum Event {
     Heal(usize, Heal),
     /// The operator looks at the resize.
     Operator,
+    /// A placed fault: kill a server.
+    Kill(usize),
 }
 
 /// A fault that ends.
@@ -402,6 +404,7 @@ impl World {
             Event::Nemesis => self.nemesis(),
             Event::Heal(i, Heal::Restart) => self.restart(i),
             Event::Operator => self.operator(),
+            Event::Kill(i) => self.kill(i, "kill placed after an opening or a cut-over"),
         }
     }
 
@@ -524,27 +527,7 @@ impl World {
             let i = candidates[self.sim.rng().random_range(0..candidates.len())];
             let now = self.now();
             match self.sim.rng().random_range(0..4) {
-                0 => {
-                    // Killed only while another copy holds the shard:
-                    // with none, nothing could recover it (a checkpoint
-                    // would, which this harness leaves out).
-                    let shard = self.servers[i].shard;
-                    let other_holds = self.servers.iter().enumerate().any(|(j, s)| {
-                        j != i
-                            && s.up
-                            && s.serves_shard(shard)
-                            && s.version_position()
-                                >= self.acked_high.get(&shard).copied().unwrap_or(0)
-                            && s.paused_until.is_none_or(|u| u <= now)
-                    });
-                    if other_holds {
-                        self.log(format!("kill {i}"));
-                        self.count("kill");
-                        self.servers[i].kill();
-                        let after = Duration::from_millis(self.sim.rng().random_range(500..4000));
-                        self.at(after, Event::Heal(i, Heal::Restart));
-                    }
-                }
+                0 => self.kill(i, "kill"),
                 1 => {
                     self.count("pause");
                     let d = Duration::from_millis(self.sim.rng().random_range(300..4000));
@@ -564,6 +547,38 @@ impl World {
         }
         let next = Duration::from_millis(self.sim.rng().random_range(200..1500));
         self.at(next, Event::Nemesis);
+    }
+
+    /// Kills server `i` (restarted 0.5-4 s later), only while another
+    /// copy holds its shard: with none, nothing could recover it (a
+    /// checkpoint would, which this harness leaves out).
+    pub fn kill(&mut self, i: usize, kind: &'static str) {
+        let now = self.now();
+        if !self.faults_on || !self.servers[i].up || self.servers[i].retired {
+            return;
+        }
+        let shard = self.servers[i].shard;
+        let other_holds = self.servers.iter().enumerate().any(|(j, s)| {
+            j != i
+                && s.up
+                && s.serves_shard(shard)
+                && s.version_position() >= self.acked_high.get(&shard).copied().unwrap_or(0)
+                && s.paused_until.is_none_or(|u| u <= now)
+        });
+        if other_holds {
+            self.log(format!("kill {i} ({kind})"));
+            self.count(kind);
+            self.servers[i].kill();
+            let after = Duration::from_millis(self.sim.rng().random_range(500..4000));
+            self.at(after, Event::Heal(i, Heal::Restart));
+        }
+    }
+
+    /// A fault placed where the resize is at its most delicate (the
+    /// nemesis's random timing rarely lands in a window of milliseconds),
+    /// with probability `p` while faults run: FoundationDB's "buggify".
+    pub fn buggify(&mut self, p: f64) -> bool {
+        self.faults_on && self.sim.rng().random_bool(p)
     }
 
     fn heal_all(&mut self) {
