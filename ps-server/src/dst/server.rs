@@ -516,12 +516,8 @@ impl World {
             )
         };
         let before = state(s);
-        if std::env::var_os("TESSERA_DST_LOOKS").is_some() {
+        if let Some(key) = self.log_looks {
             let seen = s.seen.as_ref().map(|m| m.version);
-            let key: u64 = std::env::var("TESSERA_DST_KEY")
-                .ok()
-                .and_then(|k| k.parse().ok())
-                .unwrap_or(0);
             let row = s
                 .store
                 .read_rows(TABLE, s.shard, &[key], false)
@@ -942,7 +938,7 @@ impl World {
     /// the order of the giving copies' versions.
     fn apply_cut(&mut self, i: usize, cut: Cut) {
         let now = self.now();
-        let line = std::env::var_os("TESSERA_DST_CUTS").map(|_| {
+        let line = self.log_cuts.then(|| {
             format!(
                 "{i} took shard {}'s cut at {} ({} rows{})",
                 cut.giving,

@@ -180,6 +180,11 @@ pub struct World {
     /// Resizes planned so far.
     resizes: u32,
     logging: bool,
+    /// `TESSERA_DST_LOG=looks`: every look, with the row of key
+    /// `TESSERA_DST_KEY` (default 0) on that server.
+    pub log_looks: Option<u64>,
+    /// `TESSERA_DST_LOG=cuts`: every resize cut a feed takes.
+    pub log_cuts: bool,
 }
 
 /// Endpoints of a link: servers by index, workers after them.
@@ -211,8 +216,20 @@ impl World {
             },
             faults_on: true,
             resizes: 0,
-            logging: std::env::var_os("TESSERA_DST_LOG").is_some(),
+            logging: false,
+            log_looks: None,
+            log_cuts: false,
         };
+        // Read once: nothing in a run reads the environment after this.
+        if let Ok(log) = std::env::var("TESSERA_DST_LOG") {
+            world.logging = true;
+            let key = std::env::var("TESSERA_DST_KEY")
+                .ok()
+                .and_then(|k| k.parse().ok())
+                .unwrap_or(0);
+            world.log_looks = log.contains("looks").then_some(key);
+            world.log_cuts = log.contains("cuts");
+        }
         for shard in 0..2 {
             for _ in 0..2 {
                 world.add_server(shard, 2);
