@@ -502,7 +502,10 @@ impl World {
         let s = &mut self.servers[i];
         let look = Look {
             map: s.seen.clone(),
-            leads: s.leading(now).map(|_| vec![s.shard]).unwrap_or_default(),
+            leads: s
+                .leading(now)
+                .map(|e| vec![(s.shard, e)])
+                .unwrap_or_default(),
             feed: s.health(now),
         };
         let state = |s: &Server| {

@@ -35,10 +35,22 @@ pub struct Look {
     /// The shard map, as the watch last delivered it.
     pub map: Option<ShardMap>,
     /// The hosted shards this server leads now (its lease valid, not
-    /// handing over).
-    pub leads: Vec<u32>,
+    /// handing over), each with the epoch it leads it in.
+    pub leads: Vec<(u32, u64)>,
     /// Its resize feed's health (`None`: no feed).
     pub feed: Option<tessera_proto::v1::ServingHealth>,
+}
+
+impl Look {
+    /// Whether this server leads `shard` now.
+    pub fn leads(&self, shard: u32) -> bool {
+        self.leads.iter().any(|&(s, _)| s == shard)
+    }
+
+    /// The shards this server leads now.
+    pub fn led(&self) -> Vec<u32> {
+        self.leads.iter().map(|&(s, _)| s).collect()
+    }
 }
 
 /// One shard-map transition a look asks for, written as a
@@ -134,6 +146,9 @@ pub struct ReshardCore {
     /// The shards this server gave away whole in a finished shrink and
     /// dropped the rows of.
     retired: BTreeSet<u32>,
+    /// The resize and the receiving shards (with the epoch each was led
+    /// in) the feed was opened for; `None` while closed.
+    fed: Option<(u64, Vec<(u32, u64)>)>,
 }
 
 impl ReshardCore {
@@ -144,6 +159,7 @@ impl ReshardCore {
             in_step_within,
             opened: Vec::new(),
             retired: BTreeSet::new(),
+            fed: None,
         }
     }
 
@@ -158,7 +174,7 @@ impl ReshardCore {
         let map = look.map.as_ref();
         let resize = map.and_then(ShardMap::active);
         if let Some(map) = map {
-            self.catch_up(store, map, &look.leads);
+            self.catch_up(store, map, &look.led());
             fence(store, map);
             unfence(store, map);
             lift_stale_fence(store, map);
@@ -199,13 +215,14 @@ impl ReshardCore {
             store.set_resize_state_version(map.version);
         }
         let Some(resize) = resize else {
+            self.fed = None;
             return vec![Action::Give(None), Action::Receive(None)];
         };
         let mut actions = Vec::new();
         let leads: Vec<u32> = receiving
             .iter()
             .copied()
-            .filter(|&s| store.taking_rows(s) && look.leads.contains(&s))
+            .filter(|&s| store.taking_rows(s) && look.leads(s))
             .collect();
         // A copy of the primary that opened the shard in this resize (it
         // stopped before the map said so) holds every moved key and the
@@ -215,14 +232,31 @@ impl ReshardCore {
         let (again, leads): (Vec<u32>, Vec<u32>) = leads
             .into_iter()
             .partition(|&s| resize.state == ResizeState::CutOver && store.opened_in(s, resize.id));
+        let terms: Vec<(u32, u64)> = look
+            .leads
+            .iter()
+            .copied()
+            .filter(|(s, _)| leads.contains(s))
+            .collect();
         if !again.is_empty() {
+            self.fed = None;
             actions.push(Action::Receive(None));
             actions.push(Action::Open {
                 resize: resize.clone(),
                 shards: again,
             });
         } else if leads.is_empty() {
+            self.fed = None;
             actions.push(Action::Receive(None));
+        } else if self.fed.as_ref() != Some(&(resize.id, terms.clone())) {
+            // The lead was taken (or taken again) since the feed opened:
+            // what it applied was written under another term, and a copy
+            // of the last primary may have replaced those rows since (a
+            // look stalled through the term between): it starts over, and
+            // its health counts from the next look.
+            self.fed = Some((resize.id, terms));
+            actions.push(Action::Receive(None));
+            actions.push(Action::Receive(Some(resize.to)));
         } else {
             actions.push(Action::Receive(Some(resize.to)));
             self.drive(resize, &leads, look.feed.as_ref(), &mut actions);
@@ -239,7 +273,7 @@ impl ReshardCore {
             // Every receiving shard serves: the resize is done (any of
             // their primaries writes it).
             let all_opened = resize.receiving().all(|s| resize.opened.contains_key(&s));
-            let leads_one = receiving.iter().any(|s| look.leads.contains(s));
+            let leads_one = receiving.iter().any(|&s| look.leads(s));
             if all_opened && leads_one {
                 actions.push(Action::Update(Transition::Finish));
             }
@@ -247,7 +281,7 @@ impl ReshardCore {
         // Giving: the primary of a giving shard, of the old count.
         let gives = num_shards == resize.from
             && matches!(resize.state, ResizeState::Copying | ResizeState::CutOver)
-            && resize.giving().any(|s| look.leads.contains(&s));
+            && resize.giving().any(|s| look.leads(s));
         actions.push(Action::Give(gives.then(|| resize.clone())));
         actions
     }

@@ -214,7 +214,7 @@ impl Resharding {
                 .hosted()
                 .iter()
                 .copied()
-                .filter(|&s| self.replication.leading_epoch(s, now).is_some())
+                .filter_map(|s| Some((s, self.replication.leading_epoch(s, now)?)))
                 .collect(),
             feed: self.feed.as_ref().map(|f| f.health()),
         };
