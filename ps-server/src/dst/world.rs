@@ -147,6 +147,9 @@ struct Push {
     parts: BTreeMap<u32, (Vec<u64>, bool, u64)>,
     /// Waiting for the map to move past this version, then split anew.
     moved_at: Option<u64>,
+    /// Attempts sent, over every split: an answer names its attempt, so
+    /// one to an earlier split's part is told from the current one's.
+    attempts: u64,
 }
 
 #[derive(Debug)]
@@ -650,6 +653,7 @@ impl World {
             keys,
             split_by,
             moved_at: None,
+            attempts: 0,
         };
         self.workers[w].push = Some(push);
         let shards: Vec<u32> = self.workers[w]
@@ -675,7 +679,8 @@ impl World {
         if part.1 {
             return;
         }
-        part.2 += 1;
+        push.attempts += 1;
+        part.2 = push.attempts;
         let attempt = part.2;
         let keys = part.0.clone();
         let (seq, split_by) = (push.seq, push.split_by);
@@ -767,12 +772,14 @@ impl World {
                 }
             }
             PartOutcome::Moved(version) => {
-                part.2 += 1;
+                push.attempts += 1;
+                part.2 = push.attempts;
                 push.moved_at = Some(push.moved_at.unwrap_or(0).max(version));
                 self.resplit_when_moved(w);
             }
             PartOutcome::Retry => {
-                part.2 += 1;
+                push.attempts += 1;
+                part.2 = push.attempts;
                 let attempt = part.2;
                 if self.etcd.map.num_shards != push.split_by {
                     // Given up on (the client's deadline), and tried
