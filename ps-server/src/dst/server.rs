@@ -565,7 +565,7 @@ impl World {
                     let before = self.etcd.map.clone();
                     let written = self.update_map(|m| t.apply(m));
                     self.note_resize(&before);
-                    if written && t == Transition::CutOver && self.buggify(0.3) {
+                    if written && t == Transition::CutOver && self.buggify(0.6) {
                         self.stall_a_giving_replica();
                     }
                 }
@@ -695,7 +695,7 @@ impl World {
             self.log(format!("{i} opened shard {shard} at {version}"));
             self.trace.record_u64(version.position);
             self.count("openings");
-            if self.buggify(0.25) {
+            if self.buggify(0.5) {
                 // Killed once its replica may have copied the opened
                 // shard, perhaps before it said so in the map.
                 let d = Duration::from_millis(self.sim.rng().random_range(50..600));
