@@ -198,7 +198,7 @@ impl ReshardCore {
             .retain(|(id, _, _)| resize.is_some_and(|r| r.id == *id));
         let opened_here: Vec<(u32, u64)> = self.opened.iter().map(|&(_, s, p)| (s, p)).collect();
         // Its rows are incomplete until it opens: no copy of it serves
-        // (a cancel opens it too).
+        // (nor after a cancel: nothing is routed to it).
         for (shard, closed) in receiving_now(store, map, &opened_here) {
             store.set_receiving(shard, closed);
         }
