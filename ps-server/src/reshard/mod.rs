@@ -67,11 +67,11 @@
 //!
 //! Built: growing and shrinking, to done, one resize after another.
 //!
-//! The decisions are a sans-IO core ([`core::ReshardCore`]: the map, the
+//! The decisions are a sans-IO core ([`ReshardCore`]: the map, the
 //! leads and the feed's health in, the store's resize state set and the
 //! network's part out as actions), with what the map calls for on a store
-//! as pure functions ([`state`]); [`Resharding`] is its driver, and the
-//! control-plane simulation (`sim.rs`) another.
+//! as pure functions (`state.rs`); [`Resharding`] is its driver, and the
+//! control-plane simulation (`crate::dst`, test-only) another.
 
 mod core;
 mod state;
