@@ -562,9 +562,7 @@ impl World {
                             continue;
                         }
                     }
-                    let before = self.etcd.map.clone();
                     let written = self.update_map(|m| t.apply(m));
-                    self.note_resize(&before);
                     if written && t == Transition::CutOver && self.buggify(0.6) {
                         self.stall_a_giving_replica();
                     }
@@ -624,17 +622,6 @@ impl World {
         } else {
             let until = now.checked_add(d + Duration::from_millis(2500));
             self.servers[primary].paused_until = until;
-        }
-    }
-
-    fn note_resize(&mut self, before: &ShardMap) {
-        let after = self.etcd.map.clone();
-        if let (Some(b), Some(a)) = (&before.resize, &after.resize)
-            && a.id == b.id
-            && a.state != b.state
-            && a.state == tessera_coord::ResizeState::Done
-        {
-            self.count("resizes done by servers");
         }
     }
 

@@ -602,7 +602,6 @@ impl World {
     }
 
     fn heal_all(&mut self) {
-        let now = self.now();
         for i in 0..self.servers.len() {
             let s = &mut self.servers[i];
             s.paused_until = None;
@@ -612,7 +611,6 @@ impl World {
                 self.restart(i);
             }
         }
-        let _ = now;
     }
 
     fn restart(&mut self, i: usize) {
