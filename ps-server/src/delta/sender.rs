@@ -86,6 +86,10 @@ pub struct Mark {
     /// for when the cut was made (`Store::set_moved`; 0: none): a cut to
     /// receivers of that count holds every change to the keys they get.
     pub fenced: u32,
+    /// The shard-map version that fence was set at: receivers in a
+    /// resize planned after it (an earlier resize to the same count was
+    /// cancelled, and this copy kept its fence) do not take it for theirs.
+    pub fenced_at: u64,
 }
 
 #[derive(Debug, Default)]
@@ -484,6 +488,7 @@ impl Sender {
                     num_shards: route.num_shards,
                     shards: dest.shards.clone(),
                     fenced,
+                    fenced_at: if fenced { mark.fenced_at } else { 0 },
                     windows: if i + 1 == n {
                         windows.clone()
                     } else {
@@ -532,13 +537,14 @@ impl Sender {
                 position,
                 changes,
                 fenced: 0,
+                fenced_at: 0,
             };
             drop(self.store.take_changes(&writing));
             tracing::info!(shard, epoch, stream = %format_args!("{:#x}", mark.stream), "delta stream starts");
         }
         mark.seq += 1;
         mark.position = position;
-        mark.fenced = writing.moved().map_or(0, |(to, _)| to);
+        (mark.fenced, mark.fenced_at) = writing.moved().unwrap_or_default();
         Some((*mark, self.store.take_changes(&writing)))
     }
 

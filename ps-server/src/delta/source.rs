@@ -129,6 +129,9 @@ impl Sources {
             fenced: mark.fenced != 0 && mark.fenced == request.num_shards,
             ..DeltaCopyResponse::default()
         };
+        if response.fenced {
+            response.fenced_at = mark.fenced_at;
+        }
         // A fenced copy's first page carries the shard's deduplication
         // windows (`store/resize.rs`).
         if response.fenced && request.session == 0 && request.optimizer_state {
@@ -212,7 +215,7 @@ impl Sources {
             let mut mark = sender.map(|s| s.mark(shard)).unwrap_or_default();
             // Taken after a resize fenced the moving keys: the copy holds
             // every change to them.
-            mark.fenced = writing.moved().map_or(0, |(to, _)| to);
+            (mark.fenced, mark.fenced_at) = writing.moved().unwrap_or_default();
             (store.snapshot_shard(&writing), mark)
         };
         let id = self.next.fetch_add(2, Ordering::Relaxed);
@@ -367,12 +370,30 @@ mod tests {
                 None,
                 &DeltaCopyRequest {
                     serving: false,
-                    ..serving
+                    ..serving.clone()
                 },
             )
             .unwrap();
         assert_eq!(keys(&for_resize).len(), 1000);
         assert_eq!(for_resize.routed_by, 1);
+        assert!(!for_resize.fenced);
+        assert_eq!(for_resize.fenced_at, 0);
+        // A copy for the fence's count says the fence's map version: a
+        // resize planned after it (an earlier one to that count was
+        // cancelled) does not open on it.
+        let for_fence = sources
+            .page(
+                &store,
+                None,
+                &DeltaCopyRequest {
+                    serving: false,
+                    num_shards: 2,
+                    ..serving
+                },
+            )
+            .unwrap();
+        assert!(for_fence.fenced);
+        assert_eq!(for_fence.fenced_at, 5);
     }
 
     /// A session is let go when its caller gives up (`release`), and

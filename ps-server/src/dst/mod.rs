@@ -27,8 +27,10 @@
 //!   acknowledged Push: the forward stream's guarantee, which the
 //!   replication drills test; then it waits for the lead gate), the
 //!   forward stream and whole-shard copies, the resize feed (each cut a
-//!   giving primary's moving rows whole, marked fenced once its store is
-//!   fenced, with its windows), and the workers (a Push split by the
+//!   giving primary's moving rows whole, taken as a copy: the giving
+//!   shard's rows it lacks are removed, and a new primary's cuts replace
+//!   an old one's whatever their versions; marked with the fence's map
+//!   version once its store is fenced, with its windows), and the workers (a Push split by the
 //!   count they read, each part following its shard's primary, all parts
 //!   again under the same id once the count moved, retried until
 //!   acknowledged).

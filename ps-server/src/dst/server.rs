@@ -56,9 +56,21 @@ pub enum Role {
 struct Feed {
     from: u32,
     to: u32,
-    /// Giving shard -> (cuts applied, source version, fenced, windows,
-    /// applied at).
-    sources: BTreeMap<u32, (u64, Version, bool, Option<TableWindows>, SimTime)>,
+    /// By giving shard: what its cuts left here.
+    sources: BTreeMap<u32, Source>,
+}
+
+/// What a receiving primary's feed holds of one giving shard.
+#[derive(Debug)]
+struct Source {
+    cuts: u64,
+    /// The giving primary's term and version of the last cut.
+    at: (u64, Version),
+    /// The map version of the fence the last cut was taken under (`None`:
+    /// not fenced), and the windows it carried.
+    fenced_at: Option<u64>,
+    windows: Option<TableWindows>,
+    applied: SimTime,
 }
 
 /// A giving primary's cut for one receiving shard.
@@ -67,8 +79,15 @@ pub struct Cut {
     pub giving: u32,
     pub to_count: u32,
     pub dest: u32,
+    /// The epoch the giving primary leads its shard under: a new one is
+    /// a new stream (`delta/feed`), which the receiver copies whatever
+    /// its version (a primary's rows may hold Pushes its successor never
+    /// saw, and the successor's version can be lower).
+    pub term: u64,
     pub version: Version,
-    pub fenced: bool,
+    /// Taken after the giving shard fenced the keys moving to `to_count`:
+    /// the map version it set the fence at (`Store::moved`).
+    pub fenced_at: Option<u64>,
     pub windows: Option<TableWindows>,
     pub rows: DeltaRows,
 }
@@ -201,11 +220,12 @@ impl Server {
             sources: feed
                 .sources
                 .iter()
-                .map(|(&g, (seq, _, fenced, _, at))| SourceFeed {
+                .map(|(&g, source)| SourceFeed {
                     source_shard: g,
-                    seq: *seq,
-                    fenced: *fenced,
-                    applied_age_ms: now.saturating_since(*at).as_millis() as u64,
+                    seq: source.cuts,
+                    fenced: source.fenced_at.is_some(),
+                    fenced_at: source.fenced_at.unwrap_or(0),
+                    applied_age_ms: now.saturating_since(source.applied).as_millis() as u64,
                     ..SourceFeed::default()
                 })
                 .collect(),
@@ -443,16 +463,22 @@ impl World {
         if !resize.giving().any(|s| s == g) {
             return;
         }
+        let Some(term) = self.servers[i].leading(now) else {
+            return;
+        };
         let store = Arc::clone(&self.servers[i].store);
-        let (fenced, windows, keys, version) = {
+        let (fenced_at, windows, keys, version) = {
             let Some(w) = store.lock_shard(g) else {
                 return;
             };
-            let fenced = store.moved(g).is_some_and(|(n, _)| n == resize.to);
-            let windows = fenced.then(|| store.dedup_windows(g));
+            let fenced_at = store
+                .moved(g)
+                .filter(|&(n, _)| n == resize.to)
+                .map(|(_, at)| at);
+            let windows = fenced_at.map(|_| store.dedup_windows(g));
             let to = resize.to;
             let keys = store.keys_where(&w, TABLE, |k| shard_for_key(k, to) != g);
-            (fenced, windows, keys, w.version())
+            (fenced_at, windows, keys, w.version())
         };
         let Ok(rows) = store.read_rows(TABLE, g, &keys, true) else {
             return;
@@ -472,8 +498,9 @@ impl World {
                     giving: g,
                     to_count: resize.to,
                     dest,
+                    term,
                     version,
-                    fenced,
+                    fenced_at,
                     windows: windows.clone(),
                     rows: part,
                 })),
@@ -652,8 +679,10 @@ impl World {
             .map(|f| {
                 f.sources
                     .into_iter()
-                    .filter_map(|(g, (_, _, fenced, w, _))| {
-                        fenced.then_some((g, w.unwrap_or_default()))
+                    .filter_map(|(g, source)| {
+                        source
+                            .fenced_at
+                            .map(|_| (g, source.windows.unwrap_or_default()))
                     })
                     .collect()
             })
@@ -934,7 +963,11 @@ impl World {
                 cut.giving,
                 cut.version,
                 cut.rows.keys.len(),
-                if cut.fenced { ", fenced" } else { "" }
+                if cut.fenced_at.is_some() {
+                    ", fenced"
+                } else {
+                    ""
+                }
             )
         });
         let s = &mut self.servers[i];
@@ -953,7 +986,7 @@ impl World {
         if feed
             .sources
             .get(&cut.giving)
-            .is_some_and(|src| src.1 > cut.version)
+            .is_some_and(|src| src.at > (cut.term, cut.version))
         {
             return;
         }
@@ -962,6 +995,17 @@ impl World {
                 return;
             };
             let rows = &cut.rows;
+            // A cut holds every moving row of its giving shard, as a
+            // copy does: the giving shard's rows it lacks are gone
+            // there (`delta/feed/copy.rs`), such as a row only a Push
+            // its last primary never replicated made.
+            let from = feed.from;
+            let gone = s.store.keys_where(&w, TABLE, |k| {
+                shard_for_key(k, from) == cut.giving && !rows.keys.contains(&k)
+            });
+            if s.store.remove_rows(&w, TABLE, &gone).is_err() {
+                return;
+            }
             if s.store
                 .put_whole_rows(
                     &w,
@@ -977,11 +1021,17 @@ impl World {
                 return;
             }
         }
-        let entry =
-            feed.sources
-                .entry(cut.giving)
-                .or_insert((0, Version::default(), false, None, now));
-        *entry = (entry.0 + 1, cut.version, cut.fenced, cut.windows, now);
+        let cuts = feed.sources.get(&cut.giving).map_or(0, |s| s.cuts);
+        feed.sources.insert(
+            cut.giving,
+            Source {
+                cuts: cuts + 1,
+                at: (cut.term, cut.version),
+                fenced_at: cut.fenced_at,
+                windows: cut.windows,
+                applied: now,
+            },
+        );
         self.trace.record_u64(cut.version.position);
         if let Some(line) = line {
             self.log(line);

@@ -24,7 +24,8 @@ use std::time::Duration;
 use tessera_coord::{Resize, ResizeState, ShardMap};
 
 use super::state::{
-    fence_of, gave, given_away, open_shrunk, receiving_now, set_shrink_state, shrink_now,
+    fence_of, fence_of_resize, fenced_for, gave, given_away, open_shrunk, receiving_now,
+    set_shrink_state, shrink_now,
 };
 use crate::store::{OriginSet, ShardGuard, Store, TableWindows};
 use crate::version::Version;
@@ -405,6 +406,21 @@ impl ReshardCore {
     /// one before the resize in progress, or the map's.
     fn catch_up(&mut self, store: &Store, map: &ShardMap, leads: &[u32]) {
         let target = map.active().map_or(map.num_shards, |r| r.from);
+        // A shrink that opened on this copy and is over, though the map
+        // routes by this store's count again: its looks stalled through
+        // the shrink's end and a whole growth back (the watch delivers the
+        // newest map, not each one). It takes the shrunk count first, as
+        // it would have at the shrink's end, then catches up the growth;
+        // routing by the shrunk count it refused every Push split by the
+        // map's for good (control-plane simulation, seed 13296).
+        if let Some(shrunk) = shrunk_here(store)
+            && shrunk < target
+            && !map
+                .active()
+                .is_some_and(|r| r.from == store.num_shards() && r.to == shrunk)
+        {
+            self.catch_up_shrunk(store, map, shrunk, leads);
+        }
         let own = store.num_shards();
         // Fewer shards: a shrink from this server's count is over (or a
         // growth's new server is ahead of the map: nothing to do there).
@@ -574,14 +590,14 @@ impl ReshardCore {
 /// lease runs for seconds; and it takes the lead only once its resize
 /// state reached the map it read after winning).
 fn fence(store: &Store, map: &ShardMap) {
-    let Some((giving, to, version, open)) = fence_of(store, map) else {
+    let Some((giving, to, version, open, id)) = fence_of_resize(store, map) else {
         return;
     };
     for shard in giving {
-        // Fenced for this resize's count (an earlier growth's fence is
-        // widened: its moved keys route elsewhere under the new count
-        // too).
-        let fenced = store.moved(shard).is_some_and(|(n, _)| n == to);
+        // Fenced for this resize (an earlier growth's fence is widened:
+        // its moved keys route elsewhere under the new count too; a
+        // cancelled one's to the same count is set anew).
+        let fenced = fenced_for(store, shard, to, id);
         if fenced && store.new_count_open(shard) == open {
             continue;
         }
@@ -666,6 +682,21 @@ fn lift_stale_fence(store: &Store, map: &ShardMap) {
     }
 }
 
+/// The count every hosted shard this copy keeps routes by since a shrink
+/// opened here (`None`: none, or some shard does not).
+fn shrunk_here(store: &Store) -> Option<u32> {
+    let mut kept = store
+        .hosted()
+        .iter()
+        .copied()
+        .filter(|&s| !given_away(store, s))
+        .map(|s| store.routes_by(s));
+    let first = kept.next()??;
+    kept.all(|n| n == Some(first))
+        .then_some(first)
+        .filter(|&n| n < store.num_shards())
+}
+
 /// Whether the feed whose health is `feed` follows every giving shard of
 /// `resize`, none being copied, each applied within `within`.
 fn in_step(
@@ -687,15 +718,149 @@ fn in_step(
 
 /// Whether the feed whose health is `feed` holds every giving shard's
 /// fenced delta (or a copy taken after its fence), none being copied.
+/// The fence must be this resize's: one set before it was planned is an
+/// earlier, cancelled resize's to the same count that a copy of the
+/// giving shard kept (its looks stalled through the cancel), and its cuts
+/// miss the Pushes the other copies took after the cancel. A sender
+/// before the fence's version was sent says 0: its count is trusted.
 fn fenced(feed: Option<&tessera_proto::v1::ServingHealth>, resize: &Resize) -> bool {
     let Some(health) = feed else {
         return false;
     };
     health.source_shards == resize.from
         && resize.giving().all(|g| {
-            health
-                .sources
-                .iter()
-                .any(|s| s.source_shard == g && s.fenced && !s.copying)
+            health.sources.iter().any(|s| {
+                s.source_shard == g
+                    && s.fenced
+                    && (s.fenced_at == 0 || s.fenced_at > resize.id)
+                    && !s.copying
+            })
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PsServerConfig, TableConfig};
+    use tessera_proto::v1::{ServingHealth, SourceFeed};
+
+    /// A growth 2 -> 3 cancelled after its cut-over, planned again and
+    /// cut over again.
+    fn again() -> (ShardMap, ShardMap) {
+        let cut_over = |map: ShardMap| {
+            map.start_copying()
+                .and_then(|m| m.handle_ready(2, true))
+                .and_then(|m| m.cut_over())
+                .unwrap()
+        };
+        let first = cut_over(ShardMap::new(2).plan(3).unwrap());
+        let second = cut_over(first.cancel().unwrap().plan(3).unwrap());
+        (first, second)
+    }
+
+    fn feed(fenced_at: u64) -> ServingHealth {
+        ServingHealth {
+            source_shards: 2,
+            sources: (0..2)
+                .map(|g| SourceFeed {
+                    source_shard: g,
+                    seq: 1,
+                    fenced: true,
+                    fenced_at,
+                    ..SourceFeed::default()
+                })
+                .collect(),
+            ..ServingHealth::default()
+        }
+    }
+
+    #[test]
+    fn a_fence_a_cancelled_resize_left_does_not_open_the_next_one() {
+        let (first, second) = again();
+        let resize = second.resize.as_ref().unwrap();
+        // Cut under the first growth's fence, which a copy of the giving
+        // shard kept through the cancel: its rows miss the Pushes the
+        // other copies took after it (control-plane simulation, seed
+        // 8571: the new shard opened on them and lost six Pushes).
+        assert!(!fenced(Some(&feed(first.version)), resize));
+        assert!(fenced(Some(&feed(second.version)), resize));
+        // A sender before the fence's version was sent: the count alone.
+        assert!(fenced(Some(&feed(0)), resize));
+    }
+
+    #[test]
+    fn a_copy_that_missed_a_shrinks_end_and_the_growth_back_routes_by_the_map() {
+        let store = Store::new(&PsServerConfig {
+            num_shards: 3,
+            shards: vec![1],
+            tables: vec![TableConfig::new("t", 1)],
+            ..PsServerConfig::default()
+        });
+        let shrink = ShardMap::new(3)
+            .plan(2)
+            .and_then(|m| m.start_copying())
+            .and_then(|m| m.handle_ready(0, true))
+            .and_then(|m| m.handle_ready(1, true))
+            .and_then(|m| m.cut_over())
+            .and_then(|m| m.handle_opening(1))
+            .unwrap();
+        let opened = shrink.handle_opened(1, 7).unwrap();
+        // Shard 1 opened on this copy (it copied the primary that opened
+        // it), which routes by 2 from then on.
+        let mut core = ReshardCore::new(Duration::from_secs(1));
+        {
+            let writing = store.lock_shard(1).unwrap();
+            open_shrunk(&store, &writing, 2, shrink.resize.as_ref().unwrap().id);
+        }
+        core.look(
+            &store,
+            &Look {
+                map: Some(opened.clone()),
+                ..Look::default()
+            },
+        );
+        assert_eq!(store.routes_by(1), Some(2));
+        // Its looks stall through the shrink's end and a whole growth
+        // back to 3 (shard 1 gives keys to the new shard 2).
+        let grown = opened
+            .handle_opened(0, 9)
+            .and_then(|m| m.finish())
+            .and_then(|m| m.plan(3))
+            .and_then(|m| m.start_copying())
+            .and_then(|m| m.handle_ready(2, true))
+            .and_then(|m| m.cut_over())
+            .and_then(|m| m.handle_opening(2))
+            .and_then(|m| m.handle_opened(2, 1))
+            .and_then(|m| m.finish())
+            .unwrap();
+        core.look(
+            &store,
+            &Look {
+                map: Some(grown.clone()),
+                ..Look::default()
+            },
+        );
+        // Before the fix it kept routing by 2 and refused every Push
+        // split by 3 for good (control-plane simulation, seed 13296).
+        assert_eq!(store.routes_by(1), None);
+        assert_eq!(store.num_shards(), 3);
+        assert_eq!(store.moved(1).map(|(n, _)| n), Some(3));
+    }
+
+    #[test]
+    fn a_giving_copy_sets_a_cancelled_resizes_fence_anew() {
+        let store = Store::new(&PsServerConfig {
+            num_shards: 2,
+            shards: vec![0],
+            tables: vec![TableConfig::new("t", 1)],
+            ..PsServerConfig::default()
+        });
+        let (first, second) = again();
+        fence(&store, &first);
+        assert_eq!(store.moved(0), Some((3, first.version)));
+        // Its looks stalled through the cancel: the next look is at the
+        // second cut-over, to the same count.
+        fence(&store, &second);
+        assert_eq!(store.moved(0), Some((3, second.version)));
+    }
 }

@@ -156,6 +156,14 @@ pub(crate) type ShrinkState = (u32, Option<u32>, Option<(u32, u64)>);
 /// a resize from this server's count cut over (or is done). A shrink's
 /// giving shards are fenced whole: no key routes to them any more.
 pub(crate) fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool)> {
+    fence_of_resize(store, map).map(|(giving, to, version, open, _)| (giving, to, version, open))
+}
+
+/// As [`fence_of`], with the resize's id.
+pub(crate) fn fence_of_resize(
+    store: &Store,
+    map: &ShardMap,
+) -> Option<(Vec<u32>, u32, u64, bool, u64)> {
     let r = map.resize.as_ref().filter(|r| {
         matches!(r.state, ResizeState::CutOver | ResizeState::Done) && gave(store, r)
     })?;
@@ -165,7 +173,17 @@ pub(crate) fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, 
     // (`store/resize.rs`).
     let open = r.state == ResizeState::Done || r.receiving().all(|s| r.opened.contains_key(&s));
     let giving = r.giving().filter(|s| store.hosted().contains(s)).collect();
-    Some((giving, r.to, map.version, open))
+    Some((giving, r.to, map.version, open, r.id))
+}
+
+/// Whether `shard`'s fence is the one resize `id` to `to` calls for: of
+/// that count, and set since the resize was planned. A fence of the same
+/// count set earlier is an earlier resize's that was cancelled and that
+/// this copy kept (its looks stalled through the cancel): it is set anew,
+/// so that the version its cuts carry is this resize's
+/// (`DeltaRequest.fenced_at`).
+pub(crate) fn fenced_for(store: &Store, shard: u32, to: u32, id: u64) -> bool {
+    store.moved(shard).is_some_and(|(n, at)| n == to && at > id)
 }
 
 /// Whether `store`'s shards are of `r`'s old count: routed by it, or
@@ -214,10 +232,10 @@ pub fn prepare(store: &Store, map: Option<&ShardMap>) {
             }
         }
     }
-    if let Some((giving, to, version, open)) = map.and_then(|m| fence_of(store, m)) {
+    if let Some((giving, to, version, open, id)) = map.and_then(|m| fence_of_resize(store, m)) {
         for shard in giving {
             if let Some(writing) = store.lock_shard(shard) {
-                if store.moved(shard).map(|(n, _)| n) != Some(to) {
+                if !fenced_for(store, shard, to, id) {
                     store.set_moved(&writing, Some((to, version)));
                 }
                 store.set_moved_open(&writing, open);

@@ -22,6 +22,8 @@ struct Copied {
     /// Taken after a resize's giving shard fenced its moving keys, and
     /// that shard's deduplication windows then.
     fenced: bool,
+    /// The fence's shard-map version (0: a source before it was sent).
+    fenced_at: u64,
     windows: Vec<TableWindows>,
     rows: u64,
     /// When it was asked for (its rows are at least that fresh).
@@ -72,6 +74,7 @@ impl Feed {
                         self.fenced.notify_one();
                     }
                     guard.fenced = mark.fenced;
+                    guard.fenced_at = mark.fenced_at;
                     guard.windows = mark.windows;
                     metrics::counter!("tessera_ps_serving_copies_total").increment(1);
                     tracing::info!(source_shard = shard, from = %from, rows = mark.rows, took = ?mark.took, "copied a training shard's rows");
@@ -140,6 +143,7 @@ impl Feed {
             epoch: first.epoch,
             position: first.position,
             fenced: first.fenced,
+            fenced_at: first.fenced_at,
             windows: first.windows,
             rows,
             asked: started,

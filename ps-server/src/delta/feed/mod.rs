@@ -90,6 +90,10 @@ struct Slot {
     /// A resize's giving shard: a delta or copy cut after it fenced its
     /// moving keys was applied (every change to them is here).
     fenced: bool,
+    /// The shard-map version of the newest such fence (0: a sender
+    /// before it was sent): a resize planned after it is not opened by
+    /// it (`reshard/core.rs`).
+    fenced_at: u64,
     /// Its deduplication windows, as the last fenced delta or
     /// copy carried them.
     windows: Vec<TableWindows>,
@@ -501,9 +505,12 @@ impl Feed {
                 if request.last {
                     slot.epoch = request.epoch;
                     slot.position = request.position;
-                    if request.fenced && !slot.fenced {
-                        slot.fenced = true;
-                        self.fenced.notify_one();
+                    if request.fenced {
+                        slot.fenced_at = slot.fenced_at.max(request.fenced_at);
+                        if !slot.fenced {
+                            slot.fenced = true;
+                            self.fenced.notify_one();
+                        }
                     }
                     if request.fenced && !request.windows.is_empty() {
                         slot.windows = request.windows;
@@ -574,6 +581,7 @@ impl Feed {
                 rows_applied: slot.rows_applied,
                 copies: slot.copies,
                 fenced: slot.fenced,
+                fenced_at: slot.fenced_at,
             },
         );
         metrics::gauge!("tessera_ps_serving_position", "source_shard" => shard.to_string())
