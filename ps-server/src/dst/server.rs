@@ -209,7 +209,9 @@ impl Server {
         self.paused_until.is_some_and(|u| u > now)
     }
 
-    fn connected(&self, now: SimTime) -> bool {
+    /// Whether it reaches etcd at `now` (itself not cut off; etcd up is
+    /// the world's part: `World::connected`).
+    pub fn reaches_etcd(&self, now: SimTime) -> bool {
         self.cut_off_until.is_none_or(|u| u <= now)
     }
 
@@ -254,7 +256,7 @@ impl World {
         }
         self.servers[i].ticks += 1;
         let shard = self.servers[i].shard;
-        let connected = self.servers[i].connected(now);
+        let connected = self.connected(i, now);
         let lease_end = now.checked_add(LEASE).unwrap_or(now);
         let fence_end = now.checked_add(LEASE - FENCE_MARGIN).unwrap_or(now);
         match &mut self.servers[i].role {
@@ -522,7 +524,7 @@ impl World {
         if s.stalled_until.is_some_and(|u| u > now) {
             return;
         }
-        let connected = s.connected(now);
+        let connected = self.connected(i, now);
         if connected {
             self.servers[i].seen = Some(self.etcd.map.clone());
         }
@@ -567,7 +569,7 @@ impl World {
             ));
         }
         for action in actions {
-            let connected = self.servers[i].connected(now);
+            let connected = self.connected(i, now);
             match action {
                 Action::Update(t) => {
                     if !connected {

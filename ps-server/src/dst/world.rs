@@ -60,6 +60,8 @@ pub enum Event {
     Operator,
     /// A placed fault: kill a server.
     Kill(usize),
+    /// A worker's routing watch delivers a map (version, count).
+    WorkerWatch(usize, u64, u32),
 }
 
 /// A fault that ends.
@@ -125,6 +127,16 @@ pub struct Etcd {
     pub primaries: BTreeMap<u32, (usize, u64, SimTime)>,
     /// The last epoch granted per shard.
     pub epochs: BTreeMap<u32, u64>,
+    /// Down (every member) until then: no write, no lease kept or won,
+    /// no watch delivered.
+    pub down_until: Option<SimTime>,
+}
+
+impl Etcd {
+    /// Whether it answers at `now`.
+    pub fn up(&self, now: SimTime) -> bool {
+        self.down_until.is_none_or(|u| u <= now)
+    }
 }
 
 impl Etcd {
@@ -159,6 +171,12 @@ struct Worker {
     push: Option<Push>,
     /// Acknowledged Pushes' keys, by sequence: the audit's record.
     acked: BTreeMap<u64, Vec<u64>>,
+    /// Pushes in flight when the worker restarted, never acknowledged:
+    /// each applied once or not at all (the audit's range).
+    abandoned: Vec<Vec<u64>>,
+    /// The map its routing watch last delivered (version, count): it
+    /// splits by that count, which may lag etcd's.
+    seen: (u64, u32),
 }
 
 /// The world.
@@ -207,6 +225,7 @@ impl World {
                 map: ShardMap::new(2),
                 primaries: BTreeMap::new(),
                 epochs: BTreeMap::new(),
+                down_until: None,
             },
             servers: Vec::new(),
             workers: Vec::new(),
@@ -244,6 +263,8 @@ impl World {
                 next_seq: 1,
                 push: None,
                 acked: BTreeMap::new(),
+                abandoned: Vec::new(),
+                seen: (world.etcd.map.version, world.etcd.map.num_shards),
             });
             world.at(Duration::from_millis(300), Event::Worker(w));
         }
@@ -327,6 +348,9 @@ impl World {
         &mut self,
         step: impl FnOnce(&ShardMap) -> Result<ShardMap, ResizeError>,
     ) -> bool {
+        if !self.etcd.up(self.now()) {
+            return false;
+        }
         match step(&self.etcd.map) {
             Ok(map) => {
                 if let (Some(b), Some(a)) = (&self.etcd.map.resize, &map.resize)
@@ -345,6 +369,36 @@ impl World {
                 for i in 0..self.servers.len() {
                     let delay = Duration::from_millis(self.sim.rng().random_range(1..40));
                     self.at(delay, Event::Look(i));
+                }
+                // The workers' watches: most deliver within milliseconds,
+                // some lag for seconds (Pushes split by the count before
+                // keep coming after a cut-over).
+                // Most of all at a cut-over: a worker splitting by the old
+                // count past a failover of a giving shard is where a
+                // primary leading before its store fenced would take a
+                // moved key (hole 2).
+                let (version, count) = (self.etcd.map.version, self.etcd.map.num_shards);
+                let cut_over = self
+                    .etcd
+                    .map
+                    .active()
+                    .is_some_and(|r| r.state == ResizeState::CutOver);
+                let (p, lag) = if cut_over {
+                    (0.5, 1500..5000)
+                } else {
+                    (0.1, 300..3000)
+                };
+                for w in 0..self.workers.len() {
+                    let ms = if self.buggify(p) {
+                        self.count("worker watch lagging");
+                        self.sim.rng().random_range(lag.clone())
+                    } else {
+                        self.sim.rng().random_range(1..40)
+                    };
+                    self.at(
+                        Duration::from_millis(ms),
+                        Event::WorkerWatch(w, version, count),
+                    );
                 }
                 true
             }
@@ -375,7 +429,12 @@ impl World {
         if !settled {
             violations.push(super::Violation::Stuck(self.stuck_why()));
         }
-        violations.extend(super::audit::audit(&self, &self.acked_record()));
+        let abandoned: Vec<Vec<u64>> = self
+            .workers
+            .iter()
+            .flat_map(|w| w.abandoned.iter().cloned())
+            .collect();
+        violations.extend(super::audit::audit(&self, &self.acked_record(), &abandoned));
         self.run.violations = violations;
         self.run.pushes = self.workers.iter().map(|w| w.acked.len() as u64).sum();
         self.trace.record_u64(self.run.pushes);
@@ -425,6 +484,12 @@ impl World {
             Event::Heal(i, Heal::Restart) => self.restart(i),
             Event::Operator => self.operator(),
             Event::Kill(i) => self.kill(i, "kill placed after an opening or a cut-over"),
+            Event::WorkerWatch(w, version, count) => {
+                let worker = &mut self.workers[w];
+                if version > worker.seen.0 {
+                    worker.seen = (version, count);
+                }
+            }
         }
     }
 
@@ -540,12 +605,23 @@ impl World {
         if !self.faults_on {
             return;
         }
+        let now = self.now();
+        if self.sim.rng().random_bool(0.03) {
+            // etcd down whole: no lease kept, no map written or watched.
+            self.count("etcd down");
+            let d = Duration::from_millis(self.sim.rng().random_range(500..5000));
+            let until = now.checked_add(d);
+            self.etcd.down_until = self.etcd.down_until.max(until);
+            self.log(format!("etcd down for {d:?}"));
+        } else if self.sim.rng().random_bool(0.05) {
+            let w = self.sim.rng().random_range(0..self.workers.len());
+            self.restart_worker(w);
+        }
         let candidates: Vec<usize> = (0..self.servers.len())
             .filter(|&i| self.servers[i].up && !self.servers[i].retired)
             .collect();
         if !candidates.is_empty() {
             let i = candidates[self.sim.rng().random_range(0..candidates.len())];
-            let now = self.now();
             match self.sim.rng().random_range(0..4) {
                 0 => self.kill(i, "kill"),
                 1 => {
@@ -601,7 +677,33 @@ impl World {
         self.faults_on && self.sim.rng().random_bool(p)
     }
 
+    /// Whether server `i` reaches etcd at `now`.
+    pub fn connected(&self, i: usize, now: SimTime) -> bool {
+        self.etcd.up(now) && self.servers[i].reaches_etcd(now)
+    }
+
+    /// A trainer process restarted: its Push in flight is abandoned
+    /// (never acknowledged, perhaps applied in part), and it pushes on as
+    /// a new worker (a new id; sequences go on, so late answers to the
+    /// old one are told apart).
+    fn restart_worker(&mut self, w: usize) {
+        self.count("worker restarts");
+        let worker = &mut self.workers[w];
+        if let Some(push) = worker.push.take() {
+            worker.abandoned.push(push.keys);
+            self.count("Pushes abandoned");
+        }
+        let worker = &mut self.workers[w];
+        worker.id += 2;
+        let id = worker.id;
+        self.log(format!("worker {w} restarts as {id}"));
+        self.trace.record_u64(id);
+        let think = Duration::from_millis(self.sim.rng().random_range(50..500));
+        self.at(think, Event::Worker(w));
+    }
+
     fn heal_all(&mut self) {
+        self.etcd.down_until = None;
         for i in 0..self.servers.len() {
             let s = &mut self.servers[i];
             s.paused_until = None;
@@ -643,7 +745,7 @@ impl World {
         }
         let seq = self.workers[w].next_seq;
         self.workers[w].next_seq += 1;
-        let split_by = self.etcd.map.num_shards;
+        let split_by = self.workers[w].seen.1;
         let keys: Vec<u64> = keys.into_iter().collect();
         let push = Push {
             seq,
@@ -721,7 +823,7 @@ impl World {
         if !current {
             return;
         }
-        let count = self.etcd.map.num_shards;
+        let count = self.workers[w].seen.1;
         if let Some(push) = self.workers[w].push.as_mut()
             && push.split_by != count
         {
@@ -744,6 +846,7 @@ impl World {
         else {
             return;
         };
+        let seen_count = self.workers[w].seen.1;
         let Some(push) = self.workers[w].push.as_mut() else {
             return;
         };
@@ -779,7 +882,7 @@ impl World {
                 push.attempts += 1;
                 part.2 = push.attempts;
                 let attempt = part.2;
-                if self.etcd.map.num_shards != push.split_by {
+                if seen_count != push.split_by {
                     // Given up on (the client's deadline), and tried
                     // again by the trainer under its id, split by the
                     // count routed by now.
@@ -797,8 +900,7 @@ impl World {
     /// the one it was split by (and reached the fence's version), every
     /// part goes again under the same id, split by the new count.
     fn resplit_when_moved(&mut self, w: usize) {
-        let map = &self.etcd.map;
-        let (version, count) = (map.version, map.num_shards);
+        let (version, count) = self.workers[w].seen;
         let Some(push) = self.workers[w].push.as_mut() else {
             return;
         };
