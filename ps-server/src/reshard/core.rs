@@ -758,6 +758,16 @@ mod tests {
         (first, second)
     }
 
+    /// A server of `num_shards` hosting `shard`.
+    fn server(num_shards: u32, shard: u32) -> Store {
+        Store::new(&PsServerConfig {
+            num_shards,
+            shards: vec![shard],
+            tables: vec![TableConfig::new("t", 1)],
+            ..PsServerConfig::default()
+        })
+    }
+
     fn feed(fenced_at: u64) -> ServingHealth {
         ServingHealth {
             source_shards: 2,
@@ -790,12 +800,7 @@ mod tests {
 
     #[test]
     fn a_copy_that_missed_a_shrinks_end_and_the_growth_back_routes_by_the_map() {
-        let store = Store::new(&PsServerConfig {
-            num_shards: 3,
-            shards: vec![1],
-            tables: vec![TableConfig::new("t", 1)],
-            ..PsServerConfig::default()
-        });
+        let store = server(3, 1);
         let shrink = ShardMap::new(3)
             .plan(2)
             .and_then(|m| m.start_copying())
@@ -849,12 +854,7 @@ mod tests {
 
     #[test]
     fn a_giving_copy_sets_a_cancelled_resizes_fence_anew() {
-        let store = Store::new(&PsServerConfig {
-            num_shards: 2,
-            shards: vec![0],
-            tables: vec![TableConfig::new("t", 1)],
-            ..PsServerConfig::default()
-        });
+        let store = server(2, 0);
         let (first, second) = again();
         fence(&store, &first);
         assert_eq!(store.moved(0), Some((3, first.version)));
