@@ -1,0 +1,42 @@
+//! A packet-level model of an RDMA fabric, for simulations that run
+//! Tessera's real RDMA engine over hundreds of hosts in virtual time
+//! (issue 58). It builds on [`tessera_sim`] (the clock, the seeded random
+//! stream, the event queue) and, like the engine, is sans-IO: each part
+//! takes events with the time passed in and says what follows, and the
+//! simulation turns that into future events.
+//!
+//! # What is here
+//!
+//! - [`params`]: every parameter of the model, each defaulted to a
+//!   published source (the HPCC ns-3 simulator's presets, the DCQCN
+//!   paper) and validated, with errors that name the field.
+//! - [`mmu`]: a switch's memory management unit: a shared buffer with
+//!   per-ingress reserves and dynamic thresholds, PFC (XOFF/XON per
+//!   ingress port, with headroom for the bytes in flight while a pause
+//!   travels) and ECN marking at the egress queues (Kmin/Kmax/Pmax).
+//! - [`pause`]: the PFC pause log: every pause of every port, with its
+//!   duration, and the first one (Table 4's measure).
+//!
+//! # Why a model of its own
+//!
+//! The fabric simulators with PFC, ECN and DCQCN are ns-3 based (the HPCC
+//! simulator, its forks): C++, not embeddable in a Rust process that runs
+//! thousands of real `Engine`s, and their clock is a global. The model
+//! here follows the HPCC simulator's switch (its shared-buffer MMU is
+//! the Broadcom-style one most RoCE studies use) so that its figures can
+//! be compared with theirs; the code is written from its description,
+//! not copied.
+//!
+//! # Known gaps
+//!
+//! One lossless traffic class (the paper's RDMA runs in one); no
+//! per-priority queues, no buffer carving per egress port, no cut-through
+//! switching (a packet is forwarded once whole).
+
+pub mod mmu;
+pub mod params;
+pub mod pause;
+
+pub use mmu::{Admission, Mmu, Pfc};
+pub use params::{EcnParams, LinkParams, ParamsError, SwitchParams};
+pub use pause::PauseLog;
