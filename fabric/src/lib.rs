@@ -16,6 +16,8 @@
 //!   travels) and ECN marking at the egress queues (Kmin/Kmax/Pmax).
 //! - [`pause`]: the PFC pause log: every pause of every port, with its
 //!   duration, and the first one (Table 4's measure).
+//! - [`dcqcn`]: DCQCN's rate control at a sending NIC (the paper's
+//!   "hardware congestion control").
 //!
 //! # Why a model of its own
 //!
@@ -33,10 +35,12 @@
 //! per-priority queues, no buffer carving per egress port, no cut-through
 //! switching (a packet is forwarded once whole).
 
+pub mod dcqcn;
 pub mod mmu;
 pub mod params;
 pub mod pause;
 
+pub use dcqcn::{Dcqcn, DcqcnParams};
 pub use mmu::{Admission, Mmu, Pfc};
 pub use params::{EcnParams, LinkParams, ParamsError, SwitchParams};
 pub use pause::PauseLog;
