@@ -14,6 +14,8 @@
 //!   per-ingress reserves and dynamic thresholds, PFC (XOFF/XON per
 //!   ingress port, with headroom for the bytes in flight while a pause
 //!   travels) and ECN marking at the egress queues (Kmin/Kmax/Pmax).
+//! - [`port`]: an egress port: packets serialized at the link's rate,
+//!   one after another, held while the peer pauses it.
 //! - [`pause`]: the PFC pause log: every pause of every port, with its
 //!   duration, and the first one (Table 4's measure).
 //! - [`dcqcn`]: DCQCN's rate control at a sending NIC (the paper's
@@ -39,8 +41,10 @@ pub mod dcqcn;
 pub mod mmu;
 pub mod params;
 pub mod pause;
+pub mod port;
 
 pub use dcqcn::{Dcqcn, DcqcnParams};
 pub use mmu::{Admission, Mmu, Pfc};
 pub use params::{EcnParams, LinkParams, ParamsError, SwitchParams};
 pub use pause::PauseLog;
+pub use port::{Port, Transmit};
