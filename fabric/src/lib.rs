@@ -16,6 +16,8 @@
 //!   travels) and ECN marking at the egress queues (Kmin/Kmax/Pmax).
 //! - [`port`]: an egress port: packets serialized at the link's rate,
 //!   one after another, held while the peer pauses it.
+//! - [`tor`]: one top-of-rack switch with its hosts, and an incast
+//!   towards one of them run on the parts above.
 //! - [`pause`]: the PFC pause log: every pause of every port, with its
 //!   duration, and the first one (Table 4's measure).
 //! - [`dcqcn`]: DCQCN's rate control at a sending NIC (the paper's
@@ -42,6 +44,7 @@ pub mod mmu;
 pub mod params;
 pub mod pause;
 pub mod port;
+pub mod tor;
 
 pub use dcqcn::{Dcqcn, DcqcnParams};
 pub use mmu::{Admission, Mmu, Pfc};
