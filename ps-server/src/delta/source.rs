@@ -364,16 +364,22 @@ mod tests {
         assert!(staying.len() < 1000);
         assert_eq!(keys(&fenced), staying);
         assert_eq!(fenced.routed_by, 2);
-        let for_resize = sources
-            .page(
-                &store,
-                None,
-                &DeltaCopyRequest {
-                    serving: false,
-                    ..serving.clone()
-                },
-            )
-            .unwrap();
+        // A copy for a resize's receiving shard, whose feed routes by
+        // `num_shards`.
+        let for_resize_by = |num_shards| {
+            sources
+                .page(
+                    &store,
+                    None,
+                    &DeltaCopyRequest {
+                        serving: false,
+                        num_shards,
+                        ..serving.clone()
+                    },
+                )
+                .unwrap()
+        };
+        let for_resize = for_resize_by(1);
         assert_eq!(keys(&for_resize).len(), 1000);
         assert_eq!(for_resize.routed_by, 1);
         assert!(!for_resize.fenced);
@@ -381,17 +387,7 @@ mod tests {
         // A copy for the fence's count says the fence's map version: a
         // resize planned after it (an earlier one to that count was
         // cancelled) does not open on it.
-        let for_fence = sources
-            .page(
-                &store,
-                None,
-                &DeltaCopyRequest {
-                    serving: false,
-                    num_shards: 2,
-                    ..serving
-                },
-            )
-            .unwrap();
+        let for_fence = for_resize_by(2);
         assert!(for_fence.fenced);
         assert_eq!(for_fence.fenced_at, 5);
     }

@@ -24,8 +24,8 @@ use std::time::Duration;
 use tessera_coord::{Resize, ResizeState, ShardMap};
 
 use super::state::{
-    fence_of, fence_of_resize, fenced_for, gave, given_away, open_shrunk, receiving_now,
-    set_shrink_state, shrink_now,
+    fence_of, fenced_for, gave, given_away, open_shrunk, receiving_now, set_shrink_state,
+    shrink_now,
 };
 use crate::store::{OriginSet, ShardGuard, Store, TableWindows};
 use crate::version::Version;
@@ -590,7 +590,7 @@ impl ReshardCore {
 /// lease runs for seconds; and it takes the lead only once its resize
 /// state reached the map it read after winning).
 fn fence(store: &Store, map: &ShardMap) {
-    let Some((giving, to, version, open, id)) = fence_of_resize(store, map) else {
+    let Some((giving, to, version, open, id)) = fence_of(store, map) else {
         return;
     };
     for shard in giving {
@@ -653,7 +653,7 @@ fn unfence(store: &Store, map: &ShardMap) {
 /// resize from this store's count that cut over names it; a shard given
 /// away whole keeps its fence while the map routes by the shrunk count.
 fn lift_stale_fence(store: &Store, map: &ShardMap) {
-    let cut_over_to = fence_of(store, map).map(|(_, to, _, _)| to);
+    let cut_over_to = fence_of(store, map).map(|(_, to, _, _, _)| to);
     let own = store.num_shards();
     for &shard in store.hosted() {
         let Some((n, _)) = store.moved(shard) else {

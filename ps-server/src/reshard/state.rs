@@ -154,16 +154,9 @@ pub(crate) type ShrinkState = (u32, Option<u32>, Option<(u32, u64)>);
 /// moved keys are routed by, the map's version, and whether Pushes split
 /// by that count are taken (every receiving shard opened); `None` unless
 /// a resize from this server's count cut over (or is done). A shrink's
-/// giving shards are fenced whole: no key routes to them any more.
-pub(crate) fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool)> {
-    fence_of_resize(store, map).map(|(giving, to, version, open, _)| (giving, to, version, open))
-}
-
-/// As [`fence_of`], with the resize's id.
-pub(crate) fn fence_of_resize(
-    store: &Store,
-    map: &ShardMap,
-) -> Option<(Vec<u32>, u32, u64, bool, u64)> {
+/// giving shards are fenced whole: no key routes to them any more. As
+/// (giving shards hosted here, count, map version, open, resize id).
+pub(crate) fn fence_of(store: &Store, map: &ShardMap) -> Option<(Vec<u32>, u32, u64, bool, u64)> {
     let r = map.resize.as_ref().filter(|r| {
         matches!(r.state, ResizeState::CutOver | ResizeState::Done) && gave(store, r)
     })?;
@@ -232,7 +225,7 @@ pub fn prepare(store: &Store, map: Option<&ShardMap>) {
             }
         }
     }
-    if let Some((giving, to, version, open, id)) = map.and_then(|m| fence_of_resize(store, m)) {
+    if let Some((giving, to, version, open, id)) = map.and_then(|m| fence_of(store, m)) {
         for shard in giving {
             if let Some(writing) = store.lock_shard(shard) {
                 if !fenced_for(store, shard, to, id) {
