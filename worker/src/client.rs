@@ -19,7 +19,7 @@ use crate::config::{ConfigError, WorkerConfig};
 use crate::plan::{FetchPlan, MergeError, PushPlan};
 use crate::primary::Primaries;
 use crate::push::{PartFailure, PushFailure, PushId, SpecError};
-use crate::routing::{self, Routing, replica_set_config};
+use crate::routing::{self, LiftBackoff, Routing, Waited, replica_set_config};
 use crate::spread::InFlight;
 
 /// How many times a request that ran into a resize (`KeysMoved`) is split
@@ -374,33 +374,49 @@ impl PsClient {
     /// resize to reach this worker).
     pub async fn fetch_planned(&self, planned: &PlannedFetch) -> Result<Rows, WorkerError> {
         let mut plan = std::borrow::Cow::Borrowed(&planned.plan);
-        for _ in 0..MOVED_TRIES {
+        let deadline = Instant::now() + self.moved_wait;
+        let mut lifted = LiftBackoff::new();
+        let mut tries = 0;
+        loop {
             let routed = self.num_shards();
             if plan.num_shards() != routed {
                 plan = std::borrow::Cow::Owned(plan.resplit(routed));
             }
-            match self.fetch_split(&planned.table, &plan).await {
+            if tries == MOVED_TRIES {
+                return self.fetch_split(&planned.table, &plan).await;
+            }
+            let source = match self.fetch_split(&planned.table, &plan).await {
                 Err(WorkerError::Rpc { source, .. })
                     if routing::moved(&source)
                         .is_some_and(|m| m.num_shards != plan.num_shards()) =>
                 {
-                    let fenced_at = routing::moved(&source).map_or(0, |m| m.map_version);
-                    if !self
-                        .routing
-                        .wait_for_change(plan.num_shards(), fenced_at, self.moved_wait)
-                        .await
-                    {
-                        return Err(WorkerError::Rpc {
-                            shard: 0,
-                            addr: String::new(),
-                            source,
-                        });
-                    }
+                    source
                 }
                 other => return other,
+            };
+            let fenced_at = routing::moved(&source).map_or(0, |m| m.map_version);
+            let left = deadline.saturating_duration_since(Instant::now());
+            let lost = |source| WorkerError::Rpc {
+                shard: 0,
+                addr: String::new(),
+                source,
+            };
+            match self
+                .routing
+                .wait_for_change(plan.num_shards(), fenced_at, left)
+                .await
+            {
+                Waited::Resplit => tries += 1,
+                Waited::Lifted => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(lost(source));
+                    }
+                    tokio::time::sleep(lifted.next(left)).await;
+                }
+                Waited::TimedOut => return Err(lost(source)),
             }
         }
-        self.fetch_split(&planned.table, &plan).await
     }
 
     /// Sends the sub-requests of `plan` (split by the count routed by).
@@ -575,6 +591,8 @@ impl PsClient {
         let deadline = Instant::now() + self.push_timeout;
         let mut plans = std::borrow::Cow::Borrowed(plans);
         let mut tries = 0;
+        // Its resize cancelled, a fence the server has yet to lift.
+        let mut lifted = LiftBackoff::new();
         loop {
             // Planned before the cluster grew: split anew by the count
             // routed by now.
@@ -602,18 +620,22 @@ impl PsClient {
                 .filter(|m| m.num_shards != routed)
                 .map(|m| m.map_version)
                 .max();
-            let left = deadline.saturating_duration_since(Instant::now());
             // Not deduplicated (id 0): the parts applied would be applied
             // again; the caller decides.
-            match fenced_at {
-                Some(fenced_at)
-                    if id.0 != 0
-                        && tries < MOVED_TRIES
-                        && self.routing.wait_for_change(routed, fenced_at, left).await =>
-                {
-                    tries += 1;
+            let Some(fenced_at) = fenced_at.filter(|_| id.0 != 0 && tries < MOVED_TRIES) else {
+                return Err(WorkerError::Push(failure));
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.routing.wait_for_change(routed, fenced_at, left).await {
+                Waited::Resplit => tries += 1,
+                Waited::Lifted => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(WorkerError::Push(failure));
+                    }
+                    tokio::time::sleep(lifted.next(left)).await;
                 }
-                _ => return Err(WorkerError::Push(failure)),
+                Waited::TimedOut => return Err(WorkerError::Push(failure)),
             }
         }
     }

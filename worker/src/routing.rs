@@ -22,6 +22,11 @@
 //! shards given away and routes by the smaller count; a remaining shard
 //! answers a Push part split by the old count after it opened with a
 //! `KeysMoved` too, and the Push goes again, split anew.
+//!
+//! A resize cancelled after its cut-over lifts its fences with the same
+//! count: a worker that sees the cancel before the refusing server does
+//! sends the request again after short, doubling pauses
+//! ([`LiftBackoff`]) until the server follows, within the call's time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -46,6 +51,53 @@ pub struct Layout {
     pub num_shards: u32,
     /// `fetchers[shard]`: the shard's replica set.
     pub fetchers: Vec<ParameterServerClient>,
+}
+
+/// What a request refused at a fence saw while it waited
+/// ([`Routing::wait_for_change`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    /// Keys are routed by another count now: split the request anew.
+    Resplit,
+    /// The map lifted the fence (its resize was cancelled) and the count
+    /// is the same: the server that refused may not have seen the cancel
+    /// yet, so the request goes again after a pause ([`LiftBackoff`]).
+    Lifted,
+    /// Neither within the time given.
+    TimedOut,
+}
+
+/// The pauses of a request that goes again to a server still holding a
+/// fence its map lifted: the server follows the same map a moment later
+/// (its resize loop lifts the fence when it sees the cancel), so the
+/// pauses start short and double to a cap, and the caller's deadline
+/// bounds them, not a count.
+#[derive(Debug)]
+pub struct LiftBackoff {
+    next: Duration,
+}
+
+impl LiftBackoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const CAP: Duration = Duration::from_millis(500);
+
+    /// The first pause is the shortest.
+    pub fn new() -> Self {
+        Self { next: Self::FIRST }
+    }
+
+    /// The next pause, at most `left`.
+    pub fn next(&mut self, left: Duration) -> Duration {
+        let pause = self.next.min(left);
+        self.next = (self.next * 2).min(Self::CAP);
+        pause
+    }
+}
+
+impl Default for LiftBackoff {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// The worker's routing (module docs).
@@ -216,8 +268,13 @@ impl Routing {
     /// (a resize reached this worker), or a map later than `fenced_at`
     /// (the version of the fence a request ran into) has no resize under
     /// way past its cut-over (it was cancelled: the fence is lifted), for
-    /// at most `within`; returns whether either happened.
-    pub async fn wait_for_change(&self, num_shards: u32, fenced_at: u64, within: Duration) -> bool {
+    /// at most `within`, and says which.
+    pub async fn wait_for_change(
+        &self,
+        num_shards: u32,
+        fenced_at: u64,
+        within: Duration,
+    ) -> Waited {
         let mut count = self.count.subscribe();
         let mut settled = self.settled.subscribe();
         let changed = async {
@@ -226,7 +283,11 @@ impl Routing {
                 r = settled.wait_for(|&v| fenced_at > 0 && v > fenced_at) => r.is_ok(),
             }
         };
-        tokio::time::timeout(within, changed).await.unwrap_or(false)
+        match tokio::time::timeout(within, changed).await {
+            Ok(true) if *self.count.borrow() != num_shards => Waited::Resplit,
+            Ok(true) => Waited::Lifted,
+            Ok(false) | Err(_) => Waited::TimedOut,
+        }
     }
 
     /// Notes shard map `map` as followed ([`Routing::wait_for_change`]).
@@ -361,5 +422,24 @@ async fn follow_once(
                     .learn(shard, &record.address, record.epoch);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lifted_fences_pauses_double_to_a_cap_and_never_pass_the_time_left() {
+        let mut backoff = LiftBackoff::new();
+        let long = Duration::from_secs(60);
+        let pauses: Vec<u64> = (0..8)
+            .map(|_| backoff.next(long).as_millis() as u64)
+            .collect();
+        assert_eq!(pauses, [10, 20, 40, 80, 160, 320, 500, 500]);
+        assert_eq!(
+            backoff.next(Duration::from_millis(3)),
+            Duration::from_millis(3)
+        );
     }
 }

@@ -106,12 +106,15 @@ async fn fenced_applied(feed: Option<&Feed>) {
 }
 
 /// Whether fail point `name` stalls the server at address `me` (its
-/// `return` argument names the server; always false without the
-/// `failpoints` feature).
+/// `return` argument names the server, or several separated by commas;
+/// always false without the `failpoints` feature).
 fn stalled_here(name: &str, me: &str) -> bool {
     #[cfg(feature = "failpoints")]
     {
-        fail::eval(name, |arg| arg.as_deref() == Some(me)).unwrap_or(false)
+        fail::eval(name, |arg| {
+            arg.is_some_and(|a| a.split(',').any(|a| a == me))
+        })
+        .unwrap_or(false)
     }
     #[cfg(not(feature = "failpoints"))]
     {
