@@ -16,8 +16,21 @@
 //!   travels) and ECN marking at the egress queues (Kmin/Kmax/Pmax).
 //! - [`port`]: an egress port: packets serialized at the link's rate,
 //!   one after another, held while the peer pauses it.
-//! - [`tor`]: one top-of-rack switch with its hosts, and an incast
-//!   towards one of them run on the parts above.
+//! - [`switch`]: a switch: egress ports over the MMU, PFC frames out,
+//!   ECN marks on data packets.
+//! - [`rnic`]: a host's NIC: RC queue pairs that packetize the work
+//!   requests an engine posts, schedule them round robin (paced by DCQCN
+//!   when on), acknowledge, go back N, answer receiver-not-ready, and
+//!   place each message in registered memory when its last packet
+//!   arrives (`tessera_transport::verbs::sim` checks keys and bounds as
+//!   rxe does).
+//! - [`net`]: NICs and switches wired as one ToR or a leaf-spine with
+//!   ECMP, and the events that move packets and PFC frames between them.
+//! - [`cluster`]: Tessera's real RDMA engines on the simulated hosts,
+//!   driven through their `handle_*`/`poll_*` surface in virtual time.
+//! - [`incast`]: the paper's incast (Table 4, Figure 15) on them.
+//! - [`tor`]: one top-of-rack switch with bare NICs sending raw flows
+//!   (no engine): the fabric model alone, for its own checks.
 //! - [`pause`]: the PFC pause log: every pause of every port, with its
 //!   duration, and the first one (Table 4's measure).
 //! - [`dcqcn`]: DCQCN's rate control at a sending NIC (the paper's
@@ -35,15 +48,26 @@
 //!
 //! # Known gaps
 //!
-//! One lossless traffic class (the paper's RDMA runs in one); no
-//! per-priority queues, no buffer carving per egress port, no cut-through
-//! switching (a packet is forwarded once whole).
+//! One lossless traffic class (the paper's RDMA runs in one), so CNPs and
+//! acknowledgements queue behind data (switches usually give CNPs a
+//! priority of their own); no per-priority queues, no buffer carving per
+//! egress port, no cut-through switching (a packet is forwarded once
+//! whole). Hosts' CPUs take no time: an engine handles a completion the
+//! moment its NIC produces it. Engines run unconfined (their peers write
+//! with region keys; the NIC model supports memory windows, the cluster
+//! does not bind them yet). PFC frames take a link delay and no wire
+//! time.
 
+pub mod cluster;
 pub mod dcqcn;
+pub mod incast;
 pub mod mmu;
+pub mod net;
 pub mod params;
 pub mod pause;
 pub mod port;
+pub mod rnic;
+pub mod switch;
 pub mod tor;
 
 pub use dcqcn::{Dcqcn, DcqcnParams};

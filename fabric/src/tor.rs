@@ -2,10 +2,10 @@
 //! each of hosts 1..=N to host 0, in virtual time on the fabric model
 //! (the NICs' egress ports, the switch's MMU and egress ports, PFC, ECN
 //! and, optionally, DCQCN at the senders). The hosts are bare NICs
-//! sending a message as fast as their rate allows; the real engine on
-//! top of them comes later (issue 58). It answers the question of the
-//! paper's Table 4 for raw flows: how many senders before the first PFC
-//! pause.
+//! sending a message as fast as their rate allows, with no engine and no
+//! RC protocol ([`crate::incast`] runs the real engines): the fabric
+//! model's own answer to the paper's Table 4 question for raw flows, how
+//! many senders before the first PFC pause.
 //!
 //! Gaps (besides the crate's): a CNP reaches its sender after two link
 //! delays, queued nowhere; a PFC frame takes one link delay and no wire

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::config::{Devices, RdmaProvider, TransportConfig};
+use crate::config::{RdmaProvider, TransportConfig};
 use crate::error::TransportError;
 use crate::verbs::Device;
 
@@ -77,6 +77,7 @@ fn open_soft(config: &TransportConfig) -> Result<Vec<Arc<dyn Device>>, Transport
 /// are skipped and logged), or the one `device` (the first if unset).
 #[cfg(feature = "ibverbs")]
 fn open_ibverbs(config: &TransportConfig) -> Result<Vec<Arc<dyn Device>>, TransportError> {
+    use crate::config::Devices;
     use crate::verbs::ibverbs::{IbvDevice, device_names};
     let rdma = &config.rdma;
     let open = |name: Option<&str>| {

@@ -28,6 +28,7 @@ pub mod limits;
 pub mod memlock;
 pub mod notify;
 pub mod port;
+pub mod sim;
 pub mod soft;
 
 pub use events::{AsyncEvent, EventHandler, EventWatch};
