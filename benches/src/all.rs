@@ -316,6 +316,46 @@ pub const BENCHES: &[Bench] = &[
         }],
     },
     Bench {
+        name: "fabric",
+        about: "the paper's incast at fabric scale in virtual time: Tessera's real engines on a simulated leaf-spine with PFC (paper Table 4, Fig. 15)",
+        figures: &[
+            Figure {
+                filter: &[("scenario", "table4")],
+                x: "window",
+                y: "servers_before_pfc",
+                x_label: "send window, bytes",
+                y_label: "servers before the first PFC pause (log)",
+                y_log: true,
+                ..figure(
+                    "fabric-table4.png",
+                    "fabric: servers before PFC by window (Table 4)",
+                )
+            },
+            Figure {
+                filter: &[("scenario", "fig15")],
+                x: "window",
+                y: "pull_p99_us",
+                x_label: "send window, bytes",
+                y_label: "Pull p99, µs",
+                ..figure(
+                    "fabric-fig15-latency.png",
+                    "fabric: Pull p99 by window (Fig. 15b)",
+                )
+            },
+            Figure {
+                filter: &[("scenario", "fig15")],
+                x: "window",
+                y: "pfc_pause_us",
+                x_label: "send window, bytes",
+                y_label: "PFC pause time summed over ports, µs",
+                ..figure(
+                    "fabric-fig15-pauses.png",
+                    "fabric: PFC pause time by window",
+                )
+            },
+        ],
+    },
+    Bench {
         name: "qps",
         about: "512-byte message rate by number of QPs (paper Fig. 11)",
         figures: &[Figure {

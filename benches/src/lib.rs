@@ -5,6 +5,7 @@ pub mod all;
 pub mod alloc;
 pub mod echo;
 pub mod engine;
+pub mod fabric;
 pub mod plot;
 pub mod ps;
 pub mod rails;

@@ -147,6 +147,24 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 4096, 8192, 16384])]
         windows: Vec<usize>,
     },
+    /// The paper's fabric-scale experiments (Table 4, Figure 15) in
+    /// virtual time: Tessera's real engines on a simulated leaf-spine
+    /// (issue 58).
+    Fabric {
+        /// Fewer Pulls per run and a smaller Figure 15 (Table 4 still
+        /// goes up to 2,048 servers).
+        #[arg(long)]
+        quick: bool,
+        /// Write `fabric.json` and `fabric.md` here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// The seed of every run.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// The largest incast Table 4 tries.
+        #[arg(long)]
+        max_servers: Option<u32>,
+    },
     /// 512-byte message rate vs number of QPs (Figure 11).
     Qps {
         #[command(flatten)]
@@ -635,6 +653,21 @@ fn main() -> Result<(), BoxError> {
                     "peak_inflight_per_sender_max",
                 ],
             )
+        }
+        Command::Fabric {
+            quick,
+            out,
+            seed,
+            max_servers,
+        } => {
+            let meta = tessera_benches::report::Meta::collect("fabric");
+            let mut plan = tessera_benches::fabric::Plan::new(quick, seed);
+            if let Some(max) = max_servers {
+                plan.max_servers = max.max(1);
+            }
+            let rows = tessera_benches::fabric::run_plan(&plan)?;
+            let table = tessera_benches::fabric::markdown(&plan, &rows);
+            report(&meta, out.as_deref(), &rows, &table)
         }
         Command::Qps { common, qps } => {
             let tuning = common.tuning.tuning()?;

@@ -34,6 +34,7 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
         "fragment",
         "hol",
         "incast",
+        "fabric",
         "qps",
         "replication",
         "recovery",
@@ -76,6 +77,35 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
     assert!(
         largest["bytes_per_added_row_vs_payload"].as_f64().unwrap() > 1.0,
         "{largest}"
+    );
+    // fabric: Table 4's trend (issue 58): the servers an incast holds
+    // before the first PFC pause grow with every smaller window, at least
+    // tenfold from none to 4 KB; and Figure 15's rows carry their fields.
+    let fabric: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fabric.json")).unwrap())
+            .unwrap();
+    let rows = fabric["rows"].as_array().unwrap();
+    let before = |window: serde_json::Value| {
+        rows.iter()
+            .find(|r| r["scenario"] == "table4" && r["window"] == window)
+            .and_then(|r| r["servers_before_pfc"].as_u64())
+            .unwrap()
+    };
+    let counts: Vec<u64> = [
+        serde_json::json!("none"),
+        serde_json::json!(16384),
+        serde_json::json!(8192),
+        serde_json::json!(4096),
+    ]
+    .into_iter()
+    .map(before)
+    .collect();
+    assert!(counts.windows(2).all(|w| w[0] < w[1]), "{counts:?}");
+    assert!(counts[3] >= 10 * counts[0], "{counts:?}");
+    assert_eq!(
+        rows.iter().filter(|r| r["scenario"] == "fig15").count(),
+        4,
+        "{rows:?}"
     );
     // Every figure the report embeds is a PNG next to it.
     let figures: Vec<&str> = report

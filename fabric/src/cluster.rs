@@ -215,6 +215,12 @@ impl Cluster {
         self.sim.now().to_instant(self.origin)
     }
 
+    /// Events handled so far (the network's, the engines' timers, the
+    /// application's).
+    pub fn events(&self) -> u64 {
+        self.sim.delivered()
+    }
+
     /// The network (its counters, its pause log, its NICs).
     pub fn net(&self) -> &Network {
         &self.net
@@ -271,16 +277,28 @@ impl Cluster {
     /// Connects host `a` (the dialer) to host `b`: a queue pair on each
     /// NIC and an engine on each, ready (the handshake's outcome).
     pub fn connect(&mut self, a: HostId, b: HostId) -> Result<(ConnId, ConnId), ClusterError> {
+        let config = self.engine.clone();
+        self.connect_with(a, b, config)
+    }
+
+    /// [`Cluster::connect`] with engines of `config` instead of the
+    /// cluster's.
+    pub fn connect_with(
+        &mut self,
+        a: HostId,
+        b: HostId,
+        config: EngineConfig,
+    ) -> Result<(ConnId, ConnId), ClusterError> {
         let now = self.now();
         let at = self.instant();
         let mut ends = Vec::new();
         for (h, role) in [(a, Role::Dialer), (b, Role::Acceptor)] {
             let (send, recv) = self.pools(h)?;
-            let engine = Engine::new(self.engine.clone(), send, recv, role, at)?;
+            let engine = Engine::new(config.clone(), send, recv, role, at)?;
             let qpn = self
                 .net
                 .nic_mut(h)
-                .create_qp(self.engine.send_queue_depth, 0, now);
+                .create_qp(config.send_queue_depth, 0, now);
             ends.push((h, qpn, engine));
         }
         let (hb, qb, mut eb) = ends
@@ -298,7 +316,7 @@ impl Cluster {
             }
         }
         let info = |e: &Engine| PeerInfo {
-            recv_depth: self.engine.recv_queue_depth,
+            recv_depth: config.recv_queue_depth,
             recv_buffer: u32::try_from(e.recv_buffer_size()).unwrap_or(u32::MAX),
             keepalive_slot: e.keepalive_slot(),
             shared_receives: false,

@@ -25,7 +25,7 @@
 
 use rand::Rng;
 
-use crate::params::{LinkParams, SwitchParams};
+use crate::params::{LinkParams, MAX_FRAME_BYTES, SwitchParams};
 
 /// What the MMU does with an arriving packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +89,10 @@ impl Mmu {
                 Port {
                     ingress: 0,
                     headroom_used: 0,
-                    headroom: link.bdp_bytes().saturating_mul(params.headroom_bdps),
+                    headroom: link
+                        .bdp_bytes()
+                        .saturating_mul(params.headroom_bdps)
+                        .saturating_add(params.headroom_frames.saturating_mul(MAX_FRAME_BYTES)),
                     alpha_shift: shift,
                     paused: false,
                     egress: 0,
@@ -298,7 +301,7 @@ mod tests {
         // Eight ports sharing, each may hold T = (F - 8 T) / 8 of the
         // pool F left after reserves and headroom: T = F / 16, where the
         // first of them pauses.
-        let pool = 1_000_000 - 9 * (3 * 3_125 + 4 * 1024);
+        let pool = 1_000_000 - 9 * (3 * 3_125 + 2 * MAX_FRAME_BYTES + 4 * 1024);
         let share = pool / 16;
         for port in 1..9 {
             let held = mmu.shared_of(port);
@@ -321,7 +324,7 @@ mod tests {
         // made the port pause); what is in flight when the XOFF went
         // follows it there, not dropped.
         let headroom = mmu.headroom(1);
-        assert_eq!(headroom, 3 * 3_125);
+        assert_eq!(headroom, 3 * 3_125 + 2 * MAX_FRAME_BYTES);
         assert_eq!(mmu.ingress_bytes(1).1, MTU);
         let fits = headroom / MTU;
         for _ in 1..fits {

@@ -39,6 +39,10 @@ pub enum ParamsError {
     },
 }
 
+/// The largest frame on the wire, bytes: a 4,096-byte payload with the
+/// RoCE v2 headers (62 bytes, [`crate::rnic::RnicParams::header_bytes`]).
+pub const MAX_FRAME_BYTES: u64 = 4096 + 62;
+
 /// A link: its rate and propagation delay (one way).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkParams {
@@ -159,6 +163,14 @@ pub struct SwitchParams {
     /// flight, the peer finishing its packet, the bytes already on the
     /// wire). Default 3 (HPCC topology builder).
     pub headroom_bdps: u64,
+    /// Whole frames of headroom on top: the frame the peer is sending when
+    /// the XOFF arrives and the one the switch was receiving when it sent
+    /// it (IEEE 802.1Qbb's sizing counts two maximum frames beside twice
+    /// the link's delay). Default 2 frames of [`MAX_FRAME_BYTES`]: 3 BDPs
+    /// of a 25 Gbit/s, 1 us link are 9.4 KB, and with a 4 KB MTU what can
+    /// arrive after an XOFF (2 us of the line rate and a frame being
+    /// finished) comes to about 10.4 KB.
+    pub headroom_frames: u64,
     /// The dynamic threshold: an ingress port may use 2^-shift of the
     /// free shared buffer. Default 3 (1/8) for ports at the NIC rate, one
     /// less per doubling of a port's rate above it (HPCC topology
@@ -181,6 +193,7 @@ impl SwitchParams {
             reserve_bytes: 4 * 1024,
             resume_offset_bytes: 3 * 1024,
             headroom_bdps: 3,
+            headroom_frames: 2,
             alpha_shift: 3,
             pfc: true,
             ecn: EcnParams::hpcc_preset(nic_rate_bps),

@@ -18,6 +18,8 @@ pub struct PauseLog {
     total_ns: u64,
     longest_ns: u64,
     first: Option<(SimTime, PortId)>,
+    /// Per port: pauses and time paused (closed pauses).
+    per_port: BTreeMap<PortId, (u64, u64)>,
 }
 
 impl PauseLog {
@@ -29,6 +31,7 @@ impl PauseLog {
         }
         self.open.insert(port, now);
         self.count += 1;
+        self.per_port.entry(port).or_default().0 += 1;
         if self.first.is_none() {
             self.first = Some((now, port));
         }
@@ -38,6 +41,8 @@ impl PauseLog {
     pub fn handle_resume(&mut self, port: PortId, now: SimTime) {
         if let Some(since) = self.open.remove(&port) {
             self.close(since, now);
+            let ns = now.as_nanos().saturating_sub(since.as_nanos());
+            self.per_port.entry(port).or_default().1 += ns;
         }
     }
 
@@ -68,6 +73,12 @@ impl PauseLog {
             longest = longest.max(ns);
         }
         (total, longest)
+    }
+
+    /// Each port that paused: (port, pauses, time paused in pauses that
+    /// ended), in port order.
+    pub fn per_port(&self) -> impl Iterator<Item = (PortId, u64, u64)> + '_ {
+        self.per_port.iter().map(|(&p, &(n, ns))| (p, n, ns))
     }
 
     /// Ports paused now.

@@ -6,12 +6,14 @@
 //! # Call order
 //!
 //! [`Switch::handle_arrival`] for a packet whole at an ingress port and
-//! routed to an egress port (it may say to pause the ingress's peer);
+//! routed to an egress port (it may say to pause or resume the ingress's
+//! peer);
 //! [`Switch::handle_pfc`] when a peer pauses or resumes an egress port;
 //! then [`Switch::poll_transmit`] for the egress port at the time passed
 //! in, which sends its next packet if the wire is free (it may say to
 //! resume an ingress's peer), and [`Switch::poll_timeout`] for when to
-//! call it again.
+//! call it again. Every PFC frame either returns must reach the peer:
+//! the MMU's state and the peer's must not part.
 
 use rand::Rng;
 
@@ -32,8 +34,8 @@ pub struct PfcFrame {
 /// What became of an arriving packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arrival {
-    /// Queued at its egress port; a pause for its ingress's peer if the
-    /// MMU calls for one.
+    /// Queued at its egress port; a PFC frame for its ingress's peer if
+    /// the MMU's state for that port changed.
     Queued(Option<PfcFrame>),
     /// Dropped (no room: PFC off, or headroom overrun).
     Dropped,
@@ -77,11 +79,18 @@ impl Switch {
             return Arrival::Dropped;
         }
         self.ports[egress].handle_enqueue((packet, ingress), bytes);
-        let pfc = (self.mmu.poll_pfc(ingress) == Some(Pfc::Pause)).then_some(PfcFrame {
+        Arrival::Queued(self.pfc_of(ingress))
+    }
+
+    /// The PFC frame `ingress` sends now, if its state changed: either
+    /// way, whatever changed it (an arrival can end a pause when the pool
+    /// has grown since; a departure can start one when the pool has
+    /// shrunk), so that the peer always knows the state the MMU holds.
+    fn pfc_of(&mut self, ingress: usize) -> Option<PfcFrame> {
+        self.mmu.poll_pfc(ingress).map(|pfc| PfcFrame {
             port: ingress,
-            pause: true,
-        });
-        Arrival::Queued(pfc)
+            pause: pfc == Pfc::Pause,
+        })
     }
 
     /// The peer on `port` paused (`true`) or resumed it.
@@ -90,8 +99,8 @@ impl Switch {
     }
 
     /// The next packet out of `egress` at `now`, ECN-marked by the queue
-    /// it leaves (data packets only), with a resume for its ingress's
-    /// peer if its leaving calls for one.
+    /// it leaves (data packets only), with a PFC frame for its ingress's
+    /// peer if its leaving changed that port's state.
     pub fn poll_transmit(
         &mut self,
         egress: usize,
@@ -105,10 +114,7 @@ impl Switch {
             self.marked += 1;
         }
         self.mmu.handle_departure(ingress, egress, t.bytes);
-        let pfc = (self.mmu.poll_pfc(ingress) == Some(Pfc::Resume)).then_some(PfcFrame {
-            port: ingress,
-            pause: false,
-        });
+        let pfc = self.pfc_of(ingress);
         Some((
             Transmit {
                 packet,
@@ -138,5 +144,87 @@ impl Switch {
     /// Bytes queued at `egress`.
     pub fn queued_bytes(&self, egress: usize) -> u64 {
         self.mmu.egress_bytes(egress)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rnic::PacketKind;
+    use rand::SeedableRng;
+
+    fn packet(bytes: u64) -> Packet {
+        Packet {
+            src: 1,
+            dst: 0,
+            src_qp: 0,
+            dst_qp: 0,
+            wire_bytes: bytes,
+            ecn: false,
+            kind: PacketKind::Cnp,
+        }
+    }
+
+    fn drain_one(sw: &mut Switch, egress: usize, now: &mut u64) -> Option<PfcFrame> {
+        let rng = &mut rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        *now = (*now).max(sw.poll_timeout(egress).unwrap_or(*now));
+        let (t, pfc) = sw.poll_transmit(egress, *now, rng).unwrap();
+        *now = t.leaves_at;
+        pfc
+    }
+
+    #[test]
+    fn an_arrival_that_ends_a_pause_says_so() {
+        // Ports 2..=9 fill part of a small buffer, then port 1 (towards
+        // port 0) until it is paused. Port 1 drains to its last headroom
+        // byte and stays paused; then the others' bytes leave, the
+        // free pool grows, and the next arrival at port 1 finds itself
+        // well under its threshold: that arrival must resume port 1's
+        // peer (it once went unsaid, and the peer stayed paused while
+        // the switch thought it free, or the other way round).
+        let params = SwitchParams {
+            buffer_bytes: 600_000,
+            ..SwitchParams::default()
+        };
+        let mut sw = Switch::new(params, vec![LinkParams::default(); 12], 25_000_000_000);
+        // Ports 2..=9 fill part of the pool (each under its threshold),
+        // towards port 10.
+        for port in 2..10 {
+            for _ in 0..10 {
+                assert_eq!(
+                    sw.handle_arrival(port, 10, packet(1086)),
+                    Arrival::Queued(None)
+                );
+            }
+        }
+        let mut sent = 0;
+        loop {
+            sent += 1;
+            assert!(sent < 1_000, "never paused");
+            if sw.handle_arrival(1, 0, packet(1086))
+                == Arrival::Queued(Some(PfcFrame {
+                    port: 1,
+                    pause: true,
+                }))
+            {
+                break;
+            }
+        }
+        let mut now = 0;
+        while sw.mmu.ingress_bytes(1).1 > 0 {
+            assert_eq!(drain_one(&mut sw, 0, &mut now), None, "still paused");
+        }
+        assert!(sw.mmu.paused(1));
+        while sw.mmu.egress_bytes(10) > 0 {
+            drain_one(&mut sw, 10, &mut now);
+        }
+        assert_eq!(
+            sw.handle_arrival(1, 0, packet(64)),
+            Arrival::Queued(Some(PfcFrame {
+                port: 1,
+                pause: false
+            }))
+        );
+        assert!(!sw.mmu.paused(1));
     }
 }
