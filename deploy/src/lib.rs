@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod plan;
 pub mod reshard;
 pub mod resizing;
 pub mod soak;

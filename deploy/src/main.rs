@@ -124,6 +124,40 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Which send windows (`rdma.window_bytes`) keep the fabric free of
+    /// PFC pauses for an incast of `--servers` answers towards one worker,
+    /// and at what Pull latency and goodput: the fabric simulator (the
+    /// real RDMA engine on a simulated leaf-spine) run once per window.
+    PlanWindow {
+        /// Servers answering each Pull (the fan-in).
+        #[arg(long)]
+        servers: u32,
+        /// Answer sizes in bytes: mean,p99 (a log-normal).
+        #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = vec![20_000.0, 50_000.0])]
+        message_sizes: Vec<f64>,
+        /// Every link's rate, Gbit/s.
+        #[arg(long, default_value_t = 25.0)]
+        link_gbps: f64,
+        /// Windows to try, bytes or `none`, comma-separated.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "none,65536,32768,16384,8192,4096,2048"
+        )]
+        windows: Vec<String>,
+        /// Pulls the worker keeps outstanding.
+        #[arg(long, default_value_t = 4)]
+        pulls_in_flight: u32,
+        /// Pulls per run.
+        #[arg(long, default_value_t = 8)]
+        pulls: u32,
+        /// The simulation's seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the plans as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the built-in cluster configuration as TOML.
     PrintConfig,
     /// Operate a running ps-server or worker (over Tessera RPC on TCP).
@@ -358,6 +392,46 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
                     println!("{}", serde_json::to_string_pretty(&map)?);
                 } else {
                     println!("{}", tessera_deploy::reshard::describe(&map));
+                }
+            }
+            Ok(())
+        }
+        Command::PlanWindow {
+            servers,
+            message_sizes,
+            link_gbps,
+            windows,
+            pulls_in_flight,
+            pulls,
+            seed,
+            json,
+        } => {
+            let windows = windows
+                .iter()
+                .map(|w| match w.trim() {
+                    "none" | "0" => Ok(0),
+                    bytes => bytes.parse::<usize>().map_err(|_| {
+                        format!("--windows: `{bytes}` is neither a byte count nor `none`")
+                    }),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let req = tessera_deploy::plan::PlanRequest {
+                servers,
+                mean_bytes: message_sizes.first().copied().unwrap_or(20_000.0),
+                p99_bytes: message_sizes.get(1).copied().unwrap_or(50_000.0),
+                link_gbps,
+                windows,
+                pulls_in_flight,
+                pulls,
+                seed,
+            };
+            let plans = tessera_deploy::plan::plan(&req)?;
+            #[allow(clippy::print_stdout)]
+            {
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&plans)?);
+                } else {
+                    print!("{}", tessera_deploy::plan::table(&req, &plans));
                 }
             }
             Ok(())

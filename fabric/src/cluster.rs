@@ -295,10 +295,12 @@ impl Cluster {
         for (h, role) in [(a, Role::Dialer), (b, Role::Acceptor)] {
             let (send, recv) = self.pools(h)?;
             let engine = Engine::new(config.clone(), send, recv, role, at)?;
+            // RNR retries without end, as the transport asks of its
+            // queue pairs (credits make an RNR impossible anyway).
             let qpn = self
                 .net
                 .nic_mut(h)
-                .create_qp(config.send_queue_depth, 0, now);
+                .create_qp(config.send_queue_depth, 7, now);
             ends.push((h, qpn, engine));
         }
         let (hb, qb, mut eb) = ends

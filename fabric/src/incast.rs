@@ -19,6 +19,7 @@
 use rand::Rng;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use tessera_transport::TransportConfig;
 use tessera_transport::rdma::engine::EngineConfig;
 
 use std::collections::HashMap;
@@ -89,7 +90,7 @@ pub struct IncastRun {
     pub sizes: MessageSizes,
     /// Pulls the worker keeps outstanding.
     pub pulls_in_flight: u32,
-    /// Pulls in all.
+    /// Pulls in all (`u32::MAX`: as many as `until_ns` allows).
     pub pulls: u32,
     /// Bytes of each request (the keys asked for).
     pub request_bytes: usize,
@@ -158,17 +159,17 @@ impl IncastRun {
         };
     }
 
-    /// The engines' configuration: the transport's defaults with this
-    /// window, and 16 receives per queue pair (the worker holds one
+    /// The engines' configuration: what a transport of the default
+    /// configuration runs (`rdma::connection::engine_config`: keepalive,
+    /// grant timeout, offers and all) with this window, and 16 receives
+    /// per queue pair (the worker holds one
     /// engine per server: 2,000 of them at the default 64 would pin a
     /// gigabyte of receive buffers for a few messages each).
     pub fn engine_config(&self) -> EngineConfig {
-        let mut engine = EngineConfig {
-            recv_queue_depth: 16,
-            ..EngineConfig::default()
-        };
-        engine.window.max_bytes = self.window;
-        engine
+        let mut transport = TransportConfig::default();
+        transport.rdma.recv_queue_depth = 16;
+        transport.rdma.window_bytes = self.window;
+        tessera_transport::rdma::connection::engine_config(&transport, 0, 1, false)
     }
 }
 
@@ -427,7 +428,11 @@ pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
         drops: stats.drops,
         retransmitted,
         bytes,
-        lost: run.pulls - completed,
+        lost: if run.pulls == u32::MAX {
+            0
+        } else {
+            run.pulls - completed
+        },
         pull_latencies_ns: latencies,
         done_ns,
         victim_bytes,
@@ -508,6 +513,18 @@ mod tests {
         // worker's 25 Gbit/s port: about 0.4 ms at line rate.
         assert!((300_000..1_000_000).contains(&o.done_ns), "{o:?}");
         assert!(o.victim_bytes > 0);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_bytes_and_another_seed_other_sizes() {
+        let mut r = IncastRun::new(24, 8192, 5);
+        r.pulls = 3;
+        let a = format!("{:?}", run(&r).unwrap());
+        assert_eq!(a, format!("{:?}", run(&r).unwrap()));
+        r.seed = 6;
+        let b = run(&r).unwrap();
+        assert_ne!(a, format!("{b:?}"));
+        assert_eq!(b.lost, 0);
     }
 
     #[test]

@@ -69,6 +69,7 @@ pub mod port;
 pub mod rnic;
 pub mod switch;
 pub mod tor;
+pub mod training;
 
 pub use dcqcn::{Dcqcn, DcqcnParams};
 pub use mmu::{Admission, Mmu, Pfc};

@@ -477,36 +477,12 @@ impl RdmaRuntime {
             // credits make a receiver-not-ready impossible anyway.
             rnr_retry: 7,
         };
-        let engine_config = EngineConfig {
-            send_queue_depth: rdma.send_queue_depth,
-            recv_queue_depth: rdma.recv_queue_depth,
-            small_message_limit: rdma.small_message_limit,
-            fragment_size: rdma.fragment_size,
-            max_sge: caps.max_sge,
-            max_message_size: self.config.max_message_size,
-            window: WindowConfig {
-                max_bytes: rdma.window_bytes,
-                adaptive: rdma.window_adaptive,
-                target_delay: Duration::from_micros(rdma.window_target_delay_us),
-            },
-            keepalive: (rdma.keepalive_timeout_ms > 0).then(|| KeepaliveConfig {
-                interval: Duration::from_millis(rdma.keepalive_interval_ms),
-                timeout: Duration::from_millis(rdma.keepalive_timeout_ms),
-            }),
-            rts_ahead: 4,
-            max_granted_bytes: self.config.inbound.connection_bytes(),
-            shared_receives: rdma.srq,
-            // Both ends speak the same protocol version, which has them.
-            offers: true,
-            rail: self.rail,
-            rails: self.partners.rails(),
-            stripe: self.partners.striping().then(|| StripeConfig {
-                min_bytes: rdma.stripe_min_bytes,
-                chunk_bytes: rdma.stripe_chunk_bytes,
-                ..StripeConfig::default()
-            }),
-            grant_timeout: Some(Duration::from_millis(rdma.grant_timeout_ms)),
-        };
+        let engine_config = engine_config(
+            &self.config,
+            self.rail,
+            self.partners.rails(),
+            self.partners.striping(),
+        );
         let mut engine = Engine::new(
             engine_config,
             self.pools.0.clone(),
@@ -756,6 +732,51 @@ async fn open_socket(engine: &EngineRef) -> Result<Connection, TransportError> {
     opened
         .await
         .map_err(|_| TransportError::rdma_error(RdmaError::ThreadStopped))?
+}
+
+/// The engine configuration a transport of `config` runs on rail `rail`
+/// of `rails`, striping large messages over them when `striping`: what
+/// every RDMA connection builds its engine from, and what the fabric
+/// simulator runs (`tessera-fabric`), so that a simulated engine is
+/// configured as a deployed one.
+pub fn engine_config(
+    config: &TransportConfig,
+    rail: usize,
+    rails: usize,
+    striping: bool,
+) -> EngineConfig {
+    let rdma = &config.rdma;
+    EngineConfig {
+        send_queue_depth: rdma.send_queue_depth,
+        recv_queue_depth: rdma.recv_queue_depth,
+        small_message_limit: rdma.small_message_limit,
+        fragment_size: rdma.fragment_size,
+        // What the queue pairs are created with.
+        max_sge: 4,
+        max_message_size: config.max_message_size,
+        window: WindowConfig {
+            max_bytes: rdma.window_bytes,
+            adaptive: rdma.window_adaptive,
+            target_delay: Duration::from_micros(rdma.window_target_delay_us),
+        },
+        keepalive: (rdma.keepalive_timeout_ms > 0).then(|| KeepaliveConfig {
+            interval: Duration::from_millis(rdma.keepalive_interval_ms),
+            timeout: Duration::from_millis(rdma.keepalive_timeout_ms),
+        }),
+        rts_ahead: 4,
+        max_granted_bytes: config.inbound.connection_bytes(),
+        shared_receives: rdma.srq,
+        // Both ends speak the same protocol version, which has them.
+        offers: true,
+        rail,
+        rails,
+        stripe: striping.then(|| StripeConfig {
+            min_bytes: rdma.stripe_min_bytes,
+            chunk_bytes: rdma.stripe_chunk_bytes,
+            ..StripeConfig::default()
+        }),
+        grant_timeout: Some(Duration::from_millis(rdma.grant_timeout_ms)),
+    }
 }
 
 #[cfg(test)]
