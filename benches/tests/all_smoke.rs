@@ -102,11 +102,13 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
     .collect();
     assert!(counts.windows(2).all(|w| w[0] < w[1]), "{counts:?}");
     assert!(counts[3] >= 10 * counts[0], "{counts:?}");
-    assert_eq!(
-        rows.iter().filter(|r| r["scenario"] == "fig15").count(),
-        4,
-        "{rows:?}"
-    );
+    for (scenario, n) in [("fig15", 4), ("table7", 2), ("speed", 1)] {
+        assert_eq!(
+            rows.iter().filter(|r| r["scenario"] == scenario).count(),
+            n,
+            "{scenario}: {rows:?}"
+        );
+    }
     // Every figure the report embeds is a PNG next to it.
     let figures: Vec<&str> = report
         .lines()
