@@ -64,16 +64,26 @@ fn matches(row: &Value, filter: &[(&str, &str)]) -> bool {
 }
 
 /// The points of each series: (name, [(x, y)]), with the category names
-/// when x is a string.
+/// when an x is a string (then every x is one).
 #[allow(clippy::type_complexity)]
 fn series_of(rows: &[Value], figure: &Figure) -> (Vec<(String, Vec<(f64, f64)>)>, Vec<String>) {
     let mut categories: Vec<String> = Vec::new();
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    // One string among the x values (a window of `none` beside byte
+    // counts) makes every x a category, in the rows' order.
+    let categorical = rows
+        .iter()
+        .filter(|r| matches(r, figure.filter))
+        .any(|r| r[figure.x].is_string());
     for row in rows.iter().filter(|r| matches(r, figure.filter)) {
         let Some(y) = row[figure.y].as_f64() else {
             continue;
         };
-        let x = match &row[figure.x] {
+        let x_value = match &row[figure.x] {
+            Value::Number(n) if categorical => Value::String(n.to_string()),
+            other => other.clone(),
+        };
+        let x = match &x_value {
             Value::String(name) => {
                 let at = categories
                     .iter()
@@ -285,6 +295,20 @@ mod tests {
         assert_eq!(series.len(), 2);
         assert_eq!(series[0].0, "tcp");
         assert_eq!(series[0].1, vec![(32.0, 20.0), (1024.0, 30.0)]);
+    }
+
+    #[test]
+    fn a_string_among_numbers_makes_every_x_a_category() {
+        // fabric's windows: `none`, then byte counts (they once drew as
+        // one bar, the numbers lost).
+        let rows = vec![
+            json!({"test": "latency", "transport": "rdma", "size": "none", "p50_us": 1.0}),
+            json!({"test": "latency", "transport": "rdma", "size": 16384, "p50_us": 2.0}),
+            json!({"test": "latency", "transport": "rdma", "size": 4096, "p50_us": 3.0}),
+        ];
+        let (series, categories) = series_of(&rows, &FIGURE);
+        assert_eq!(categories, ["none", "16384", "4096"]);
+        assert_eq!(series[0].1, vec![(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]);
     }
 
     #[test]
