@@ -133,7 +133,7 @@ enum Command {
         #[arg(long)]
         servers: u32,
         /// Answer sizes in bytes: mean,p99 (a log-normal).
-        #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = vec![20_000.0, 50_000.0])]
+        #[arg(long, value_delimiter = ',', default_values_t = vec![20_000.0, 50_000.0])]
         message_sizes: Vec<f64>,
         /// Every link's rate, Gbit/s.
         #[arg(long, default_value_t = 25.0)]
@@ -415,10 +415,16 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
                     }),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            let [mean_bytes, p99_bytes] = message_sizes[..] else {
+                return Err(format!(
+                    "--message-sizes takes two values, mean,p99 in bytes; got {message_sizes:?}"
+                )
+                .into());
+            };
             let req = tessera_deploy::plan::PlanRequest {
                 servers,
-                mean_bytes: message_sizes.first().copied().unwrap_or(20_000.0),
-                p99_bytes: message_sizes.get(1).copied().unwrap_or(50_000.0),
+                mean_bytes,
+                p99_bytes,
                 link_gbps,
                 windows,
                 pulls_in_flight,

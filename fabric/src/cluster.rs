@@ -364,6 +364,37 @@ impl Cluster {
         Ok(socket)
     }
 
+    /// Opens a socket on each of `dialers` and runs until each is
+    /// accepted, accepting every socket peers open meanwhile: the sockets
+    /// in `dialers`' order (`None`: not accepted within a second of
+    /// virtual time).
+    pub fn open_all(&mut self, dialers: &[ConnId]) -> Result<Vec<Option<SocketId>>, ClusterError> {
+        let mut sockets = vec![None; dialers.len()];
+        let index: std::collections::HashMap<ConnId, usize> =
+            dialers.iter().enumerate().map(|(i, &c)| (c, i)).collect();
+        for &d in dialers {
+            self.open(d)?;
+        }
+        let mut accepted = 0;
+        let limit = self.now() + 1_000_000_000;
+        while accepted < dialers.len() {
+            let Some((_, event)) = self.next(limit) else {
+                break;
+            };
+            match event {
+                AppEvent::Opened { conn, socket } => self.accept(conn, socket)?,
+                AppEvent::Accepted { conn, socket } => {
+                    if let Some(&i) = index.get(&conn) {
+                        sockets[i] = Some(socket);
+                        accepted += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(sockets)
+    }
+
     /// Accepts `socket`, which the peer opened, on `conn`.
     pub fn accept(&mut self, conn: ConnId, socket: SocketId) -> Result<(), ClusterError> {
         self.conn_mut(conn)?.engine.accept_socket(socket);

@@ -24,8 +24,6 @@ use tessera_transport::rdma::engine::EngineConfig;
 
 use std::collections::HashMap;
 
-use tessera_transport::rdma::engine::SocketId;
-
 use crate::cluster::{AppEvent, Cluster, ClusterConfig, ClusterError, ConnId};
 use crate::net::{NetParams, Topology};
 
@@ -99,6 +97,9 @@ pub struct IncastRun {
     /// Virtual time the run may take from its first Pull, ns (Pulls not
     /// done by then are counted lost).
     pub until_ns: u64,
+    /// End the run at the first PFC pause (all Table 4 asks of a run;
+    /// the Pulls left are then counted lost).
+    pub stop_at_pause: bool,
     /// The seed (sizes, ECN marks).
     pub seed: u64,
 }
@@ -127,6 +128,7 @@ impl IncastRun {
             request_bytes: 512,
             victim: true,
             until_ns: 10_000_000_000,
+            stop_at_pause: false,
             seed,
         };
         run.set_servers(servers);
@@ -243,37 +245,6 @@ pub fn quantile(values: &[u64], q: f64) -> u64 {
 /// Bytes of each victim message; two are kept outstanding.
 const VICTIM_MESSAGE: usize = 256 << 10;
 
-/// Opens a socket on each of `dialers` (connection ends) and runs until
-/// every one is accepted; returns them in order.
-fn open_all(
-    cluster: &mut Cluster,
-    dialers: &[ConnId],
-) -> Result<Vec<Option<SocketId>>, ClusterError> {
-    let mut sockets = vec![None; dialers.len()];
-    let index: HashMap<ConnId, usize> = dialers.iter().enumerate().map(|(i, &c)| (c, i)).collect();
-    for &d in dialers {
-        cluster.open(d)?;
-    }
-    let mut accepted = 0;
-    let limit = cluster.now() + 1_000_000_000;
-    while accepted < dialers.len() {
-        let Some((_, event)) = cluster.next(limit) else {
-            break;
-        };
-        match event {
-            AppEvent::Opened { conn, socket } => cluster.accept(conn, socket)?,
-            AppEvent::Accepted { conn, socket } => {
-                if let Some(&i) = index.get(&conn) {
-                    sockets[i] = Some(socket);
-                    accepted += 1;
-                }
-            }
-            _ => {}
-        }
-    }
-    Ok(sockets)
-}
-
 /// Runs one incast (module docs).
 pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
     let mut cluster = Cluster::new(ClusterConfig {
@@ -307,7 +278,7 @@ pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
     };
     let mut dialers = worker_ends.clone();
     dialers.extend(victim.map(|(v, _)| v));
-    let sockets = open_all(&mut cluster, &dialers)?;
+    let sockets = cluster.open_all(&dialers)?;
     // A server answers on the socket the request came on; the worker's
     // socket to server i is sockets[i].
     let t0 = cluster.now();
@@ -351,6 +322,9 @@ pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
         let Some((t, event)) = cluster.next(limit) else {
             break;
         };
+        if run.stop_at_pause && cluster.net().pauses().count() > pauses_before {
+            break;
+        }
         let AppEvent::Message {
             conn,
             socket,
@@ -459,6 +433,7 @@ pub fn servers_before_pause(
     let pauses = |servers: u32| -> Result<bool, ClusterError> {
         let mut r = base.clone();
         r.set_servers(servers);
+        r.stop_at_pause = true;
         Ok(run(&r)?.pauses > 0)
     };
     let mut lo = 0;

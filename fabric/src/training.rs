@@ -176,25 +176,12 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
             ends: Vec::with_capacity(p as usize),
         });
     }
-    // Every trainer's sockets, opened and accepted.
-    for &d in &dialers {
-        cluster.open(d)?;
-    }
-    let mut accepted = 0;
-    let setup = cluster.now() + 1_000_000_000;
-    while accepted < dialers.len() {
-        let Some((_, event)) = cluster.next(setup) else {
-            break;
-        };
-        match event {
-            AppEvent::Opened { conn, socket } => cluster.accept(conn, socket)?,
-            AppEvent::Accepted { conn, socket } => {
-                if let Some(Some(End::Trainer(tr))) = ends_of.get(conn) {
-                    trainers[*tr as usize].ends.push((conn, socket));
-                    accepted += 1;
-                }
-            }
-            _ => {}
+    // Every trainer's sockets, opened and accepted (dialers run trainer
+    // by trainer, server by server).
+    let sockets = cluster.open_all(&dialers)?;
+    for (&conn, socket) in dialers.iter().zip(sockets) {
+        if let (Some(socket), Some(Some(End::Trainer(tr)))) = (socket, ends_of.get(conn)) {
+            trainers[*tr as usize].ends.push((conn, socket));
         }
     }
     let t0 = cluster.now();
