@@ -100,9 +100,6 @@ impl Default for SimMemory {
     }
 }
 
-/// Where a SEND's receive landed: its bytes.
-pub type Placed = u32;
-
 impl SimMemory {
     /// A host with nothing registered.
     pub fn new() -> Self {
@@ -194,7 +191,7 @@ impl SimMemory {
         source: &SimMemory,
         gather: &[(usize, usize)],
         recv: Sge,
-    ) -> Result<Placed, WcStatus> {
+    ) -> Result<u32, WcStatus> {
         let total: usize = gather.iter().map(|&(_, len)| len).sum();
         if total > recv.len as usize {
             return Err(WcStatus::LocalLengthError);
