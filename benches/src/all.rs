@@ -317,7 +317,7 @@ pub const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "fabric",
-        about: "the paper's incast at fabric scale in virtual time: Tessera's real engines on a simulated leaf-spine with PFC (paper Table 4, Fig. 15)",
+        about: "the paper's incast and training fleet at fabric scale in virtual time: Tessera's real engines on a simulated leaf-spine with PFC (paper Table 4, Fig. 15, Table 7), and the simulator calibrated against a real soft-NIC incast",
         figures: &[
             Figure {
                 filter: &[("scenario", "table4")],

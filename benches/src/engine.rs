@@ -14,6 +14,7 @@
 //! name them) that the binary writes to `<bench>.json` and `<bench>.md`.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
@@ -147,23 +148,45 @@ pub async fn hol(
 
 /// One sender of an incast: its own transport (device, engine), messages
 /// of 20–50 KiB, `depth` outstanding, for `secs`.
+/// The message sizes an incast sender of `seed` cycles through: 8 drawn
+/// uniformly from 20 to 50 KiB (the fabric simulator's calibration sends
+/// the very same).
+pub fn incast_sizes(seed: u64) -> Vec<usize> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..8)
+        .map(|_| rng.random_range(20 << 10..=50 << 10))
+        .collect()
+}
+
+/// An incast sender's transport configuration (the simulator's
+/// calibration runs its engines with the very same).
+pub fn incast_config(window: usize, tuning: &Tuning) -> TransportConfig {
+    let mut config = rdma(WITH_FRAGMENTS, tuning);
+    config.rdma.window_bytes = window;
+    config
+}
+
 async fn incast_sender(
     addr: String,
     window: usize,
     seed: u64,
     secs: f64,
     tuning: Tuning,
-) -> Result<(u64, Vec<u64>, u64), BoxError> {
-    let mut config = rdma(WITH_FRAGMENTS, &tuning);
-    config.rdma.window_bytes = window;
-    let transport = Transport::new(config)?;
+    ready: Arc<tokio::sync::Barrier>,
+) -> Result<SenderRun, BoxError> {
+    let transport = Transport::new(incast_config(window, &tuning))?;
     let mut conn = transport.connect(&addr).await?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let buffers: Vec<_> = (0..8)
-        .map(|_| payload(&transport, rng.random_range(20 << 10..=50 << 10), ACK))
+    let buffers: Vec<_> = incast_sizes(seed)
+        .into_iter()
+        .map(|len| payload(&transport, len, ACK))
         .collect::<Result<_, _>>()?;
+    // Every sender connected before any sends: connecting is not part of
+    // the measured time.
+    ready.wait().await;
+    let started = Instant::now();
+    let mut ended = started;
     let depth = 4;
-    let until = Instant::now() + Duration::from_secs_f64(secs);
+    let until = started + Duration::from_secs_f64(secs);
     let mut sent_at = VecDeque::new();
     let mut bytes = 0u64;
     let mut latencies = Vec::new();
@@ -182,13 +205,31 @@ async fn incast_sender(
         if ack.len() != ACK_LEN {
             return Err("bad acknowledgement".into());
         }
-        latencies.push(nanos(sent.elapsed()));
+        ended = Instant::now();
+        latencies.push(nanos(ended - sent));
         bytes += len as u64;
     }
     // The counters are refreshed every 100 ms.
     tokio::time::sleep(Duration::from_millis(150)).await;
     let peak = transport.rdma_stats().map_or(0, |s| s.peak_in_flight_bytes);
-    Ok((bytes, latencies, peak))
+    Ok(SenderRun {
+        bytes,
+        latencies,
+        peak,
+        started,
+        ended,
+    })
+}
+
+/// What one incast sender measured.
+struct SenderRun {
+    bytes: u64,
+    latencies: Vec<u64>,
+    peak: u64,
+    /// When it began sending (all began together).
+    started: Instant,
+    /// Its last acknowledgement.
+    ended: Instant,
 }
 
 /// `senders` senders towards one receiver, for each window size (0 = off).
@@ -206,7 +247,7 @@ pub async fn incast(
             },
             tuning,
         )?;
-        let started = Instant::now();
+        let ready = Arc::new(tokio::sync::Barrier::new(senders));
         let tasks: Vec<_> = (0..senders)
             .map(|s| {
                 tokio::spawn(incast_sender(
@@ -215,6 +256,7 @@ pub async fn incast(
                     s as u64 + 1,
                     secs,
                     *tuning,
+                    ready.clone(),
                 ))
             })
             .collect();
@@ -222,24 +264,36 @@ pub async fn incast(
         let mut hist = histogram()?;
         let mut peak_sum = 0u64;
         let mut peak_max = 0u64;
+        let mut span: Option<(Instant, Instant)> = None;
+        let (mut least, mut most) = (u64::MAX, 0u64);
         for task in tasks {
-            let (b, latencies, peak) = task.await??;
-            bytes += b;
-            for l in latencies {
+            let run = task.await??;
+            bytes += run.bytes;
+            least = least.min(run.bytes);
+            most = most.max(run.bytes);
+            for l in run.latencies {
                 hist.record(l)?;
             }
-            peak_sum += peak;
-            peak_max = peak_max.max(peak);
+            peak_sum += run.peak;
+            peak_max = peak_max.max(run.peak);
+            span = Some(match span {
+                None => (run.started, run.ended),
+                Some((a, b)) => (a.min(run.started), b.max(run.ended)),
+            });
         }
-        let elapsed = started.elapsed().as_secs_f64();
+        // From the first send to the last acknowledgement.
+        let elapsed = span.map_or(0.0, |(a, b)| (b - a).as_secs_f64());
         rows.push(json!({
             "bench": "incast",
             "test": "incast",
             "senders": senders,
             "window_bytes": window,
-            "goodput_gbytes_per_sec": bytes as f64 / elapsed / 1e9,
+            "link_mbps": tuning.link_mbps,
+            "goodput_gbytes_per_sec": bytes as f64 / elapsed.max(1e-9) / 1e9,
             "p50_us": us(hist.value_at_quantile(0.5) as f64),
             "p99_us": us(hist.value_at_quantile(0.99) as f64),
+            // How evenly the receiver's link was shared (1: evenly).
+            "sender_bytes_min_over_max": least as f64 / most.max(1) as f64,
             "peak_inflight_bytes": peak_sum,
             "peak_inflight_per_sender_max": peak_max,
             "bound_bytes": if window == 0 { Value::Null } else { json!(senders * window) },

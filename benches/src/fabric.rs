@@ -11,6 +11,11 @@
 //! - `table7`: the paper's training fleet (124 servers x 346 trainers;
 //!   quick: 16 x 48), DCQCN alone against DCQCN and the
 //!   window: Fetch and Push p99, PFC pause time, retransmissions.
+//! - `calibration`: `tessera-bench incast` run for real (8 senders over
+//!   soft NICs whose links run at `calibration.0` Mbit/s) and the same
+//!   incast in the simulator (same sizes in the same order, same engine
+//!   configuration, same link rate), by window: goodput and p50/p99, and
+//!   their ratios `*_sim_vs_measured`.
 //! - `speed`: the simulator's own speed, a 1,000-server incast for 100 ms
 //!   of virtual time (10 ms quick), in events per second and wall time.
 //!
@@ -21,6 +26,7 @@
 use std::time::Instant;
 
 use serde_json::{Value, json};
+use tessera_fabric::calibration::{self, CalibrationRun};
 use tessera_fabric::incast::{IncastRun, run, servers_before_pause};
 use tessera_fabric::training::{self, TrainingRun};
 
@@ -44,7 +50,15 @@ pub struct Plan {
     /// Table 7's fleet: servers, trainers, virtual time in ns, the window
     /// of `hw+window`.
     pub table7: (u32, u32, u64, usize),
+    /// The calibration: link rate in Mbit/s, seconds per window, senders
+    /// (`None`: not run).
+    pub calibration: Option<(u64, f64, usize)>,
+    /// The scenarios to run (all by default).
+    pub scenarios: Vec<&'static str>,
 }
+
+/// Every scenario, in the order they run.
+pub const SCENARIOS: [&str; 5] = ["table4", "fig15", "table7", "calibration", "speed"];
 
 impl Plan {
     /// The full run, or the quick one (fewer Pulls per run and a smaller
@@ -66,7 +80,34 @@ impl Plan {
             } else {
                 (124, 346, 50_000_000, 4096)
             },
+            // 250 Mbit/s: a 35 KB message is 1.1 ms on the link, so the
+            // host's own time per message on two shared cores (tens to a
+            // few hundred microseconds) is small beside it.
+            calibration: Some((250, if quick { 0.5 } else { 2.0 }, 8)),
+            scenarios: SCENARIOS.to_vec(),
         }
+    }
+
+    /// Runs only `names` (all when empty); an unknown name is refused.
+    pub fn only(&mut self, names: &[String]) -> Result<(), BoxError> {
+        if names.is_empty() {
+            return Ok(());
+        }
+        let mut scenarios = Vec::new();
+        for name in names {
+            match SCENARIOS.iter().find(|s| **s == name.as_str()) {
+                Some(s) => scenarios.push(*s),
+                None => {
+                    return Err(format!("--only {name}: allowed: {}", SCENARIOS.join(", ")).into());
+                }
+            }
+        }
+        self.scenarios = scenarios;
+        Ok(())
+    }
+
+    fn runs(&self, scenario: &str) -> bool {
+        self.scenarios.contains(&scenario)
     }
 }
 
@@ -92,7 +133,7 @@ fn window_name(window: usize) -> Value {
 /// Runs the plan: Table 4's rows, then Figure 15's.
 pub fn run_plan(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     let mut rows = Vec::new();
-    for &window in &plan.windows {
+    for &window in plan.windows.iter().filter(|_| plan.runs("table4")) {
         let started = Instant::now();
         let mut base = IncastRun::new(1, window, plan.seed);
         base.pulls = plan.pulls;
@@ -108,7 +149,7 @@ pub fn run_plan(plan: &Plan) -> Result<Vec<Value>, BoxError> {
             "wall_s": started.elapsed().as_secs_f64(),
         }));
     }
-    for &window in &plan.windows {
+    for &window in plan.windows.iter().filter(|_| plan.runs("fig15")) {
         let started = Instant::now();
         let mut r = IncastRun::new(plan.fig15_servers, window, plan.seed);
         r.pulls = plan.pulls;
@@ -134,7 +175,8 @@ pub fn run_plan(plan: &Plan) -> Result<Vec<Value>, BoxError> {
         }));
     }
     let (servers, trainers, virtual_ns, window) = plan.table7;
-    for (control, window) in [("hw", 0), ("hw+window", window)] {
+    let controls = [("hw", 0), ("hw+window", window)];
+    for (control, window) in controls.into_iter().filter(|_| plan.runs("table7")) {
         let started = Instant::now();
         let r = TrainingRun::new(servers, trainers, window, virtual_ns, plan.seed);
         let o = training::run(&r)?;
@@ -169,6 +211,13 @@ pub fn run_plan(plan: &Plan) -> Result<Vec<Value>, BoxError> {
             "wall_s": wall,
         }));
     }
+    if let Some((link_mbps, secs, senders)) = plan.calibration.filter(|_| plan.runs("calibration"))
+    {
+        rows.extend(calibration(plan, link_mbps, secs, senders)?);
+    }
+    if !plan.runs("speed") {
+        return Ok(rows);
+    }
     let (servers, virtual_ns) = plan.speed;
     let started = Instant::now();
     let mut r = IncastRun::new(servers, 0, plan.seed);
@@ -189,6 +238,79 @@ pub fn run_plan(plan: &Plan) -> Result<Vec<Value>, BoxError> {
         "wall_s": wall,
         "bound_s": 600,
     }));
+    Ok(rows)
+}
+
+/// `tessera-bench incast` for real at `link_mbps`, then the same in the
+/// simulator, for each window of the plan.
+fn calibration(
+    plan: &Plan,
+    link_mbps: u64,
+    secs: f64,
+    senders: usize,
+) -> Result<Vec<Value>, BoxError> {
+    let tuning = crate::transport::Tuning {
+        polling: tessera_transport::Polling::Busy,
+        spin_us: 50,
+        io_threads: 1,
+        link_mbps,
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    let measured =
+        runtime.block_on(crate::engine::incast(senders, &plan.windows, secs, &tuning))?;
+    let sizes: Vec<Vec<usize>> = (0..senders)
+        .map(|s| crate::engine::incast_sizes(s as u64 + 1))
+        .collect();
+    let mut rows = Vec::new();
+    for (&window, real) in plan.windows.iter().zip(&measured) {
+        let started = Instant::now();
+        let run = CalibrationRun::new(
+            sizes.clone(),
+            link_mbps,
+            crate::engine::incast_config(window, &tuning),
+            (secs * 1e9) as u64,
+            plan.seed,
+        );
+        let o = calibration::run(&run)?;
+        let wall = started.elapsed().as_secs_f64();
+        let real_mbps = real["goodput_gbytes_per_sec"].as_f64().unwrap_or(0.0) * 8e3;
+        let real_p50 = real["p50_us"].as_f64().unwrap_or(0.0);
+        let real_p99 = real["p99_us"].as_f64().unwrap_or(0.0);
+        let sim_mbps = o.goodput_bytes_per_sec() * 8.0 / 1e6;
+        let sim_p50 = o.latency_quantile(0.5) as f64 / 1e3;
+        let sim_p99 = o.latency_quantile(0.99) as f64 / 1e3;
+        let real_share = real["sender_bytes_min_over_max"].as_f64().unwrap_or(0.0);
+        // Little's law: what the mean latency must be with 4 messages of
+        // the mean size outstanding per sender at the measured goodput.
+        let outstanding: f64 = sizes
+            .iter()
+            .map(|s| 4.0 * s.iter().sum::<usize>() as f64 / s.len().max(1) as f64)
+            .sum();
+        let real_little_us = outstanding * 8.0 / real_mbps.max(1e-9);
+        let ratio = |sim: f64, real: f64| if real > 0.0 { sim / real } else { f64::NAN };
+        rows.push(json!({
+            "bench": "fabric",
+            "scenario": "calibration",
+            "window": window_name(window),
+            "link_mbps": link_mbps,
+            "senders": senders,
+            "measured_goodput_mbps": real_mbps,
+            "sim_goodput_mbps": sim_mbps,
+            "goodput_sim_vs_measured": ratio(sim_mbps, real_mbps),
+            "measured_p50_us": real_p50,
+            "sim_p50_us": sim_p50,
+            "p50_sim_vs_measured": ratio(sim_p50, real_p50),
+            "measured_p99_us": real_p99,
+            "sim_p99_us": sim_p99,
+            "p99_sim_vs_measured": ratio(sim_p99, real_p99),
+            "measured_little_us": real_little_us,
+            "measured_sender_min_over_max": real_share,
+            "sim_sender_min_over_max": o.sender_bytes_min_over_max(),
+            "sim_pfc_pauses": o.pauses,
+            "secs": secs,
+            "wall_s": wall,
+        }));
+    }
     Ok(rows)
 }
 
@@ -268,6 +390,35 @@ pub fn markdown(plan: &Plan, rows: &[Value]) -> String {
             "wall_s",
         ],
     ));
+    let calibration: Vec<Value> = rows
+        .iter()
+        .filter(|r| r["scenario"] == "calibration")
+        .cloned()
+        .collect();
+    if let Some((link_mbps, secs, senders)) = plan.calibration {
+        out.push('\n');
+        out.push_str(&crate::engine::markdown(
+            &format!(
+                "fabric, calibration: `tessera-bench incast` measured ({senders} senders over soft NICs at {link_mbps} Mbit/s, 4 outstanding each, 20-50 KiB, {secs} s per window) beside the same incast simulated (same sizes in the same order, same engine configuration, one ToR at {link_mbps} Mbit/s); ratios are simulated over measured"
+            ),
+            &calibration,
+            &[
+                "window",
+                "measured_goodput_mbps",
+                "sim_goodput_mbps",
+                "goodput_sim_vs_measured",
+                "measured_p50_us",
+                "sim_p50_us",
+                "p50_sim_vs_measured",
+                "measured_p99_us",
+                "sim_p99_us",
+                "p99_sim_vs_measured",
+                "measured_little_us",
+                "measured_sender_min_over_max",
+                "sim_sender_min_over_max",
+            ],
+        ));
+    }
     let speed: Vec<Value> = rows
         .iter()
         .filter(|r| r["scenario"] == "speed")

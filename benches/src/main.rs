@@ -147,9 +147,9 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 4096, 8192, 16384])]
         windows: Vec<usize>,
     },
-    /// The paper's fabric-scale experiments (Table 4, Figure 15) in
-    /// virtual time: Tessera's real engines on a simulated leaf-spine
-    /// (issue 58).
+    /// The paper's fabric-scale experiments (Table 4, Figure 15, Table 7)
+    /// in virtual time: Tessera's real engines on a simulated leaf-spine
+    /// (issue 58), and the simulator's calibration against a real run.
     Fabric {
         /// Fewer Pulls per run and a smaller Figure 15 (Table 4 still
         /// goes up to 2,048 servers).
@@ -164,6 +164,10 @@ enum Command {
         /// The largest incast Table 4 tries.
         #[arg(long)]
         max_servers: Option<u32>,
+        /// Only these scenarios (`table4`, `fig15`, `table7`,
+        /// `calibration`, `speed`; default: all).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// 512-byte message rate vs number of QPs (Figure 11).
     Qps {
@@ -475,6 +479,9 @@ struct TuningArgs {
     /// RDMA I/O threads per process.
     #[arg(long, default_value_t = 1)]
     io_threads: usize,
+    /// The soft devices' link rate, Mbit/s each way (0: unlimited).
+    #[arg(long, default_value_t = 0)]
+    link_mbps: u64,
 }
 
 impl TuningArgs {
@@ -484,6 +491,7 @@ impl TuningArgs {
             polling,
             spin_us: self.spin_us,
             io_threads: self.io_threads.max(1),
+            link_mbps: self.link_mbps,
         })
     }
 }
@@ -659,12 +667,14 @@ fn main() -> Result<(), BoxError> {
             out,
             seed,
             max_servers,
+            only,
         } => {
             let meta = tessera_benches::report::Meta::collect("fabric");
             let mut plan = tessera_benches::fabric::Plan::new(quick, seed);
             if let Some(max) = max_servers {
                 plan.max_servers = max.max(1);
             }
+            plan.only(&only)?;
             let rows = tessera_benches::fabric::run_plan(&plan)?;
             let table = tessera_benches::fabric::markdown(&plan, &rows);
             report(&meta, out.as_deref(), &rows, &table)

@@ -72,6 +72,7 @@ impl Kind {
                 config.rdma.polling = tuning.polling;
                 config.rdma.spin_us = tuning.spin_us;
                 config.rdma.io_threads = tuning.io_threads;
+                config.rdma.soft_link_mbps = tuning.link_mbps;
                 config.rdma.confine_remote_writes = matches!(self, Kind::RdmaSoft { .. });
                 config
             }
@@ -111,6 +112,9 @@ pub struct Tuning {
     pub spin_us: u64,
     /// I/O threads per process.
     pub io_threads: usize,
+    /// The soft devices' link rate, Mbit/s each way (`soft_link_mbps`;
+    /// 0: unlimited, a copy in memory).
+    pub link_mbps: u64,
 }
 
 impl Tuning {
@@ -128,6 +132,8 @@ impl Tuning {
             self.spin_us.to_string(),
             "--io-threads".into(),
             self.io_threads.to_string(),
+            "--link-mbps".into(),
+            self.link_mbps.to_string(),
         ]
     }
 }

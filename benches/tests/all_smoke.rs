@@ -102,7 +102,24 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
     .collect();
     assert!(counts.windows(2).all(|w| w[0] < w[1]), "{counts:?}");
     assert!(counts[3] >= 10 * counts[0], "{counts:?}");
-    for (scenario, n) in [("fig15", 4), ("table7", 2), ("speed", 1)] {
+    // The calibration ran the real incast and the simulated one: each
+    // row has both sides and their ratios (how close they come is the
+    // full run's report, not a check a debug build can hold).
+    for row in rows.iter().filter(|r| r["scenario"] == "calibration") {
+        for field in ["goodput", "p50", "p99"] {
+            let ratio = row[format!("{field}_sim_vs_measured")].as_f64().unwrap();
+            assert!(ratio.is_finite() && ratio > 0.0, "{row}");
+        }
+        let sim = row["sim_goodput_mbps"].as_f64().unwrap();
+        let link = row["link_mbps"].as_f64().unwrap();
+        assert!(sim > 0.9 * link && sim <= link, "{row}");
+    }
+    for (scenario, n) in [
+        ("fig15", 4),
+        ("table7", 2),
+        ("calibration", 4),
+        ("speed", 1),
+    ] {
         assert_eq!(
             rows.iter().filter(|r| r["scenario"] == scenario).count(),
             n,

@@ -29,6 +29,9 @@
 //! - [`cluster`]: Tessera's real RDMA engines on the simulated hosts,
 //!   driven through their `handle_*`/`poll_*` surface in virtual time.
 //! - [`incast`]: the paper's incast (Table 4, Figure 15) on them.
+//! - [`training`]: the paper's training fleet (Table 7) on them.
+//! - [`calibration`]: `tessera-bench incast`'s real run over soft NICs
+//!   at a set link rate, replayed here, so the two can be compared.
 //! - [`tor`]: one top-of-rack switch with bare NICs sending raw flows
 //!   (no engine): the fabric model alone, for its own checks.
 //! - [`pause`]: the PFC pause log: every pause of every port, with its
@@ -58,6 +61,7 @@
 //! does not bind them yet). PFC frames take a link delay and no wire
 //! time.
 
+pub mod calibration;
 pub mod cluster;
 pub mod dcqcn;
 pub mod incast;
