@@ -30,7 +30,7 @@ use crate::net::{NetParams, Topology};
 /// One training run.
 #[derive(Debug, Clone)]
 pub struct TrainingRun {
-    /// The fabric (servers are hosts 0..P, trainers P..P+T).
+    /// The fabric (hosts placed by `placement`).
     pub net: NetParams,
     /// Parameter servers.
     pub servers: u32,
@@ -44,8 +44,44 @@ pub struct TrainingRun {
     pub compute_ns: u64,
     /// Virtual time the run takes, ns.
     pub until_ns: u64,
+    /// Where servers and trainers sit.
+    pub placement: Placement,
     /// The seed.
     pub seed: u64,
+}
+
+/// Where a fleet's servers and trainers sit on the leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Servers on the first hosts (hence the first leaves, 16 to a leaf),
+    /// trainers after them: racks of servers and racks of trainers.
+    #[default]
+    Grouped,
+    /// Servers spread evenly over all hosts, trainers in between: every
+    /// rack holds both, in the fleet's proportion.
+    Interleaved,
+}
+
+impl Placement {
+    /// The hosts of `servers` servers and `trainers` trainers, in order.
+    pub fn hosts(self, servers: u32, trainers: u32) -> (Vec<u32>, Vec<u32>) {
+        let total = servers + trainers;
+        match self {
+            Placement::Grouped => ((0..servers).collect(), (servers..total).collect()),
+            Placement::Interleaved => {
+                let server_hosts: Vec<u32> = (0..servers)
+                    .map(|s| {
+                        let h = u64::from(s) * u64::from(total) / u64::from(servers.max(1));
+                        u32::try_from(h).unwrap_or(u32::MAX)
+                    })
+                    .collect();
+                let trainer_hosts = (0..total)
+                    .filter(|h| server_hosts.binary_search(h).is_err())
+                    .collect();
+                (server_hosts, trainer_hosts)
+            }
+        }
+    }
 }
 
 impl TrainingRun {
@@ -67,6 +103,7 @@ impl TrainingRun {
             sizes: MessageSizes::default(),
             compute_ns: 1_000_000,
             until_ns,
+            placement: Placement::Grouped,
             seed,
         }
     }
@@ -155,12 +192,13 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
     })?;
     let mut rng = ChaCha8Rng::seed_from_u64(run.seed ^ 0x7a1e);
     let (p, t) = (run.servers, run.trainers);
+    let (server_host, trainer_host) = run.placement.hosts(p, t);
     let mut ends_of: Vec<Option<End>> = Vec::new();
     let mut trainers: Vec<Trainer> = Vec::with_capacity(t as usize);
     let mut dialers = Vec::new();
     for tr in 0..t {
         for s in 0..p {
-            let (a, b) = cluster.connect(p + tr, s)?;
+            let (a, b) = cluster.connect(trainer_host[tr as usize], server_host[s as usize])?;
             let need = a.max(b) + 1;
             if ends_of.len() < need {
                 ends_of.resize(need, None);
@@ -214,7 +252,7 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
                 } else {
                     Phase::Fetching
                 };
-                let host = p + tr as u32;
+                let host = trainer_host[tr];
                 for i in 0..trainers[tr].ends.len() {
                     let (conn, socket) = trainers[tr].ends[i];
                     let len = if push {
@@ -236,7 +274,7 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
                     // Push's gradients: the first byte says which.
                     let fetch = bytes.first() == Some(&0xf0);
                     let len = if fetch { run.sizes.draw(&mut rng) } else { 64 };
-                    let m = cluster.message(s, len, 0xa0)?;
+                    let m = cluster.message(server_host[s as usize], len, 0xa0)?;
                     cluster.send(conn, socket, m)?;
                 }
                 Some(End::Trainer(tr)) => {
@@ -298,6 +336,25 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interleaved_placement_puts_servers_in_every_rack_in_proportion() {
+        let (servers, trainers) = Placement::Interleaved.hosts(124, 346);
+        let mut all: Vec<u32> = servers.iter().chain(&trainers).copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..470).collect::<Vec<_>>());
+        // 30 leaves of 16 (the last one short): 4 or 5 servers on each.
+        let mut per_leaf = [0u32; 30];
+        for h in &servers {
+            per_leaf[(*h / PER_LEAF) as usize] += 1;
+        }
+        assert!(
+            per_leaf[..29].iter().all(|&n| (4..=5).contains(&n)),
+            "{per_leaf:?}"
+        );
+        let (grouped, _) = Placement::Grouped.hosts(124, 346);
+        assert_eq!(grouped, (0..124).collect::<Vec<_>>());
+    }
 
     #[test]
     fn a_small_fleet_trains_in_steps_with_every_fetch_and_push_answered() {
