@@ -14,7 +14,8 @@
 //!   PFC pause time, drops and retransmissions; once with the switches'
 //!   headroom sized by IEEE 802.1Qbb's rule (lossless) and once a
 //!   headroom of one bandwidth-delay product (`short`: a pause can lose
-//!   packets, as the paper's fabric did without the window).
+//!   packets, as the paper's fabric did without the window); and once
+//!   more with synchronous steps (every trainer Pushes at once).
 //! - `calibration`: `tessera-bench incast` run for real (8 senders over
 //!   soft NICs whose links run at `calibration.0` Mbit/s) and the same
 //!   incast in the simulator (same sizes in the same order, same engine
@@ -234,11 +235,20 @@ pub fn run_plan(plan: &Plan) -> Result<Vec<Value>, BoxError> {
 fn table7(plan: &Plan) -> Result<Vec<Value>, BoxError> {
     let t7 = plan.table7;
     let mut rows = Vec::new();
-    for headroom in ["ieee", "short"] {
+    // Trainers on their own steps, in a lossless fabric and a lossy one;
+    // then in synchronous steps (every trainer's Push at once), lossless,
+    // for half as long again so that two whole steps fit.
+    let configs = [
+        ("staggered", "ieee", t7.virtual_ns),
+        ("staggered", "short", t7.virtual_ns),
+        ("synchronous", "ieee", t7.virtual_ns * 3 / 2),
+    ];
+    for (steps, headroom, virtual_ns) in configs {
         for (control, window) in [("hw", 0), ("hw+window", t7.window)] {
             let started = Instant::now();
-            let mut r = TrainingRun::new(t7.servers, t7.trainers, window, t7.virtual_ns, plan.seed);
+            let mut r = TrainingRun::new(t7.servers, t7.trainers, window, virtual_ns, plan.seed);
             r.compute_ns = t7.compute_ns;
+            r.synchronous = steps == "synchronous";
             // Every rack holds servers and trainers: with servers grouped
             // 16 to a leaf, 346 trainers' 4 KB each towards one leaf are
             // 22 MB, far over its 8 MB buffer, and pauses are certain
@@ -253,7 +263,7 @@ fn table7(plan: &Plan) -> Result<Vec<Value>, BoxError> {
             }
             let o = training::run(&r)?;
             let wall = started.elapsed().as_secs_f64();
-            let per_30s = 30e9 / t7.virtual_ns as f64;
+            let per_30s = 30e9 / virtual_ns as f64;
             let (paper_fetch, paper_push, paper_pause, paper_naks) = match control {
                 "hw" => (1_040_000.0, 1_120_000.0, 1_000_000.0, 3000.0),
                 _ => (338_000.0, 268_000.0, 0.0, 0.0),
@@ -263,6 +273,7 @@ fn table7(plan: &Plan) -> Result<Vec<Value>, BoxError> {
                 "scenario": "table7",
                 "control": control,
                 "headroom": headroom,
+                "steps": steps,
                 "window": window_name(window),
                 "servers": t7.servers,
                 "trainers": t7.trainers,
@@ -284,7 +295,7 @@ fn table7(plan: &Plan) -> Result<Vec<Value>, BoxError> {
                 "paper_push_p99_us": paper_push,
                 "paper_pfc_pause_us_per_30s": paper_pause,
                 "paper_naks_per_30s": paper_naks,
-                "virtual_ms": t7.virtual_ns as f64 / 1e6,
+                "virtual_ms": virtual_ns as f64 / 1e6,
                 "events_per_s": o.events as f64 / wall.max(1e-9),
                 "wall_s": wall,
             }));
@@ -423,7 +434,7 @@ pub fn markdown(plan: &Plan, rows: &[Value]) -> String {
     out.push('\n');
     out.push_str(&crate::engine::markdown(
         &format!(
-            "fabric, Table 7: {} servers x {} trainers on the same leaf-spine, servers spread over the racks, DCQCN on at every NIC (hw) and with Tessera's {}-byte send window too (hw+window); each trainer Fetches from every server, computes {} ms, Pushes to every server (starts staggered), for {} ms of virtual time; p99s of the trainers' calls (calls under way at the end at their age), PFC pause time summed over ports and retransmitted packets, both scaled to 30 s, beside the paper's production figures (its NAKs per 30 s beside the retransmissions); headroom `ieee`: 3 BDPs and 2 frames (lossless), `short`: 1 BDP (a pause can lose packets)",
+            "fabric, Table 7: {} servers x {} trainers on the same leaf-spine, servers spread over the racks, DCQCN on at every NIC (hw) and with Tessera's {}-byte send window too (hw+window); each trainer Fetches from every server, computes {} ms, Pushes to every server, in steps of its own from a random start (staggered) or all together after a barrier (synchronous), for {} ms of virtual time (synchronous: half as long again); p99s of the trainers' calls (calls under way at the end at their age), PFC pause time summed over ports and retransmitted packets, both scaled to 30 s, beside the paper's production figures (its NAKs per 30 s beside the retransmissions); headroom `ieee`: 3 BDPs and 2 frames (lossless), `short`: 1 BDP (a pause can lose packets)",
             t7.servers,
             t7.trainers,
             t7.window,
@@ -432,6 +443,7 @@ pub fn markdown(plan: &Plan, rows: &[Value]) -> String {
         ),
         &table7,
         &[
+            "steps",
             "headroom",
             "control",
             "fetches",

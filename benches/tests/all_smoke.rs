@@ -116,7 +116,7 @@ fn all_quick_writes_every_result_to_the_schema_and_a_report_with_figures() {
     }
     for (scenario, n) in [
         ("fig15", 4),
-        ("table7", 4),
+        ("table7", 6),
         ("calibration", 4),
         ("speed", 1),
     ] {

@@ -9,7 +9,9 @@
 //! drawn from the paper's training distribution (20 KB mean, 50 KB p99);
 //! a request carries one key (8 bytes) per 256-byte row asked for, an
 //! acknowledgement 64 bytes. Trainers start at random instants in the
-//! first step's time so that they do not march in step.
+//! first step's time so that they do not march in step, or, with
+//! `synchronous`, all at once and again after every step's last Push
+//! (a barrier, as synchronous training has).
 //!
 //! Two controls are compared, as in the paper: `hw` (DCQCN at every NIC
 //! and PFC in the fabric, no software window) and `hw+window` (the same
@@ -46,6 +48,10 @@ pub struct TrainingRun {
     pub until_ns: u64,
     /// Where servers and trainers sit.
     pub placement: Placement,
+    /// Synchronous steps: every trainer starts each step at once, after
+    /// the last one's Push (a barrier, as synchronous training has);
+    /// otherwise each trainer runs its own steps from a random start.
+    pub synchronous: bool,
     /// The seed.
     pub seed: u64,
 }
@@ -104,6 +110,7 @@ impl TrainingRun {
             compute_ns: 1_000_000,
             until_ns,
             placement: Placement::Grouped,
+            synchronous: false,
             seed,
         }
     }
@@ -229,11 +236,15 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
         .pauses()
         .paused_ns(tessera_sim::SimTime::from_nanos(t0))
         .0;
-    // Staggered starts over one step's worth of compute.
+    // Staggered starts over one step's worth of compute, or all at once.
     for tr in 0..t {
-        let at = t0 + rng.random_range(0..run.compute_ns.max(1));
+        let at = match run.synchronous {
+            true => t0,
+            false => t0 + rng.random_range(0..run.compute_ns.max(1)),
+        };
         cluster.wake_at(at, u64::from(tr));
     }
+    let mut at_barrier = 0u32;
     let end = t0.saturating_add(run.until_ns);
     let mut out = TrainingOutcome::default();
     // Wake tokens: trainer index for "start a Fetch", + (1 << 32) for
@@ -293,7 +304,17 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
                         Phase::Pushing => {
                             out.push_ns.push(took);
                             trainer.phase = Phase::Waiting;
-                            cluster.wake_at(now, u64::from(tr));
+                            if !run.synchronous {
+                                cluster.wake_at(now, u64::from(tr));
+                            } else {
+                                at_barrier += 1;
+                                if at_barrier == t {
+                                    at_barrier = 0;
+                                    for tr in 0..t {
+                                        cluster.wake_at(now, u64::from(tr));
+                                    }
+                                }
+                            }
                         }
                         Phase::Waiting | Phase::Computing => {}
                     }
@@ -354,6 +375,23 @@ mod tests {
         );
         let (grouped, _) = Placement::Grouped.hosts(124, 346);
         assert_eq!(grouped, (0..124).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn synchronous_trainers_wait_for_each_other_at_every_step() {
+        let mut r = TrainingRun::new(4, 6, 4096, 20_000_000, 3);
+        r.synchronous = true;
+        let o = run(&r).unwrap();
+        assert_eq!((o.failed, o.drops), (0, 0), "{o:?}");
+        // Every step has all six trainers' Fetches: a whole number of
+        // steps (a Fetch under way at the end counts at its age, and a
+        // step's Fetches all start before any of its Pushes ends).
+        assert!(o.fetch_ns.len() >= 6 * 5, "{}", o.fetch_ns.len());
+        assert_eq!(o.fetch_ns.len() % 6, 0, "{}", o.fetch_ns.len());
+        // Staggered, the counts need not be multiples of six.
+        r.synchronous = false;
+        let staggered = run(&r).unwrap();
+        assert_ne!(staggered.fetch_ns, o.fetch_ns);
     }
 
     #[test]
