@@ -125,9 +125,6 @@ enum Command {
         /// Rail counts.
         #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
         counts: Vec<usize>,
-        /// Each soft device's link rate, Mbit/s.
-        #[arg(long, default_value_t = 1000)]
-        link_mbps: u64,
         /// Connections sending at once.
         #[arg(long, default_value_t = 8)]
         sockets: usize,
@@ -479,7 +476,8 @@ struct TuningArgs {
     /// RDMA I/O threads per process.
     #[arg(long, default_value_t = 1)]
     io_threads: usize,
-    /// The soft devices' link rate, Mbit/s each way (0: unlimited).
+    /// The soft devices' link rate, Mbit/s each way (0: unlimited;
+    /// `rails` takes 1,000 then).
     #[arg(long, default_value_t = 0)]
     link_mbps: u64,
 }
@@ -610,11 +608,16 @@ fn main() -> Result<(), BoxError> {
         Command::Rails {
             common,
             counts,
-            link_mbps,
             sockets,
             rounds,
         } => {
             let tuning = common.tuning.tuning()?;
+            // Each soft device's link rate (`--link-mbps`): 1,000 Mbit/s
+            // unless given, so that the rails, not the CPU, set the rate.
+            let link_mbps = match tuning.link_mbps {
+                0 => 1000,
+                given => given,
+            };
             let secs = common.secs();
             let rounds = if common.quick { 1 } else { rounds };
             run_engine_bench(
