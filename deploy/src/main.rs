@@ -169,7 +169,8 @@ enum Command {
     },
     /// Every server of a cluster in one table: state, replica group,
     /// shards, primaries, epochs, transport, replication lag. Exits 1 when
-    /// a server does not answer or does not serve every hosted shard.
+    /// a server does not answer or does not serve every hosted shard
+    /// (with `--in-step`, also while a copy is not in step).
     Status {
         /// Run directories of `tessera up` (their worker.toml lists the
         /// servers) or server addresses (`host:port`).
@@ -178,6 +179,12 @@ enum Command {
         /// Print the statuses as JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Exit 0 only once every replica is in step with its primary
+        /// (holds every Push the primary acknowledged) and every primary
+        /// has all its replicas in step: what a rolling restart waits for
+        /// before it stops the next server.
+        #[arg(long)]
+        in_step: bool,
         #[command(flatten)]
         tls: TlsArgs,
     },
@@ -348,7 +355,12 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
             demo(config, duration_secs, &transports, &mut interrupt).await
         }
         Command::Admin { action, tls } => admin(action, tls.config().as_ref()).await,
-        Command::Status { targets, json, tls } => status(&targets, json, tls.config()).await,
+        Command::Status {
+            targets,
+            json,
+            in_step,
+            tls,
+        } => status(&targets, json, in_step, tls.config()).await,
         Command::Doctor {
             config,
             transport,
@@ -456,6 +468,7 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
 async fn status(
     targets: &[String],
     json: bool,
+    in_step: bool,
     tls: Option<tessera_rpc::TlsConfig>,
 ) -> Result<(), BoxError> {
     let mut addresses = Vec::new();
@@ -484,14 +497,18 @@ async fn status(
             }
         }
     }
-    let bad = statuses
-        .iter()
-        .filter(|s| !s.reachable || !s.serving)
-        .count();
-    if bad > 0 {
+    let problems = tessera_deploy::status::problems(&statuses, in_step);
+    if !problems.is_empty() {
         return Err(format!(
-            "{bad} of {} servers unreachable or not serving",
-            statuses.len()
+            "{} of {} servers {}: {}",
+            problems.len(),
+            statuses.len(),
+            if in_step {
+                "unreachable, not serving or not in step"
+            } else {
+                "unreachable or not serving"
+            },
+            problems.join("; ")
         )
         .into());
     }

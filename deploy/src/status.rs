@@ -537,9 +537,102 @@ pub fn format_table(statuses: &[ServerStatus]) -> String {
     out
 }
 
+/// What keeps `tessera status` from exiting 0, a line per server: one
+/// that did not answer or does not serve every shard it hosts, and with
+/// `in_step`, one with a copy not in step (a replica behind its
+/// primary's stream or still copying, a primary with a replica not in
+/// step). Serving is not being in step: a replica serves reads once it
+/// holds a copy, before it has every Push its primary acknowledged.
+pub fn problems(statuses: &[ServerStatus], in_step: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    for s in statuses {
+        if !s.reachable {
+            out.push(format!(
+                "{}: unreachable ({})",
+                s.address,
+                s.error.as_deref().unwrap_or("no answer")
+            ));
+            continue;
+        }
+        if !s.serving {
+            out.push(format!("{}: {}", s.address, s.state));
+            continue;
+        }
+        if !in_step {
+            continue;
+        }
+        let behind: Vec<String> = s
+            .shard_health
+            .iter()
+            .filter_map(|h| match h.role.as_str() {
+                "replica" if !h.in_step || h.syncing => {
+                    Some(format!("shard {} replica not in step", h.shard))
+                }
+                "primary" if h.replicas_in_step < h.replicas => Some(format!(
+                    "shard {} primary with {} of {} replicas in step",
+                    h.shard, h.replicas_in_step, h.replicas
+                )),
+                _ => None,
+            })
+            .collect();
+        if !behind.is_empty() {
+            out.push(format!("{}: {}", s.address, behind.join(", ")));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shard(role: &str, in_step: bool, replicas: (usize, usize)) -> ShardStatus {
+        ShardStatus {
+            shard: 0,
+            role: role.into(),
+            epoch: 1,
+            primary: "10.0.0.1:7000".into(),
+            in_step,
+            syncing: false,
+            stream_age_ms: 0,
+            max_replica_lag_pushes: 0,
+            replicas_in_step: replicas.0,
+            replicas: replicas.1,
+            fenced: false,
+        }
+    }
+
+    #[test]
+    fn serving_is_not_in_step_and_in_step_waits_for_every_copy() {
+        // A replica that serves reads but is behind its primary's stream,
+        // and its primary that counts it out of step.
+        let mut replica = serving(None);
+        replica.address = "10.0.0.2:7000".into();
+        replica.primary_of = Vec::new();
+        replica.shard_health = vec![shard("replica", false, (0, 0))];
+        let mut primary = serving(None);
+        primary.shard_health = vec![shard("primary", false, (0, 1))];
+        let fleet = [primary.clone(), replica.clone()];
+        assert_eq!(problems(&fleet, false), Vec::<String>::new());
+        let why = problems(&fleet, true);
+        assert_eq!(why.len(), 2, "{why:?}");
+        assert!(why[0].contains("0 of 1 replicas in step"), "{why:?}");
+        assert!(why[1].contains("replica not in step"), "{why:?}");
+        // Once in step, both ways say 0.
+        replica.shard_health = vec![shard("replica", true, (0, 0))];
+        primary.shard_health = vec![shard("primary", false, (1, 1))];
+        assert!(problems(&[primary, replica], true).is_empty());
+        // Not answering or not serving fails either way.
+        let mut recovering = serving(None);
+        recovering.serving = false;
+        recovering.state = "RECOVERING".into();
+        let down = ServerStatus::unreachable("10.0.0.3:7000", "refused".into());
+        assert_eq!(
+            problems(&[recovering.clone(), down.clone()], false).len(),
+            2
+        );
+        assert_eq!(problems(&[recovering, down], true).len(), 2);
+    }
 
     fn serving(checkpoint: Option<CheckpointStatus>) -> ServerStatus {
         ServerStatus {

@@ -986,3 +986,53 @@ fn defaults_compare_integers_exactly_and_floats_to_their_rounding() {
         ["a", "b.c", "d[].e", "d[].f", "g", "h"]
     );
 }
+
+/// Statements of the manual that the code can check, each beside the
+/// code that makes it true.
+#[test]
+fn the_manual_says_how_a_narrow_table_stores_its_optimizer_state() {
+    use tessera_ps_server::table::rows::layout::{RowLayout, Storage};
+    // The code: a narrow table's record holds its values and its
+    // optimizer state in 16 bits each, whichever narrow format it uses
+    // (dim 64, Adam's 128 words of state).
+    let wide = RowLayout::new(64, 128, Storage::F32, false).words();
+    for storage in [Storage::F16, Storage::Bf16] {
+        let narrow = RowLayout::new(64, 128, storage, false).words();
+        assert_eq!(wide - narrow, (64 + 128) / 2, "{storage:?}");
+    }
+    // (That the 16 bits are bf16's is the row store's own test,
+    // `narrow_storage_rounds_values_and_keeps_the_state_in_bf16`.)
+    // The manual: the configuration reference and the row store's page.
+    let reference =
+        std::fs::read_to_string(repo().join("docs/src/reference/configuration.md")).unwrap();
+    let row = reference
+        .lines()
+        .find(|l| l.starts_with("| `tables[].storage`"))
+        .expect("the reference has a row for tables[].storage");
+    assert!(
+        row.contains("optimizer state of a narrow table is stored as `bf16`"),
+        "{row}"
+    );
+    for page in manual() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        assert!(
+            !text.contains("optimizer state stays `f32`"),
+            "{} says the optimizer state of a narrow table stays f32",
+            page.display()
+        );
+    }
+}
+
+/// `tessera status` exits 0 once every copy serves; `--in-step` once every
+/// copy is in step. The upgrade procedure waits for the second.
+#[test]
+fn the_upgrade_procedure_waits_for_copies_in_step() {
+    let upgrades = std::fs::read_to_string(repo().join("docs/src/operations/upgrades.md")).unwrap();
+    assert!(
+        upgrades.contains("Wait until `tessera status --in-step` exits 0"),
+        "upgrades.md"
+    );
+    let roll = std::fs::read_to_string(repo().join("scripts/roll")).unwrap();
+    assert!(roll.contains("status --in-step"), "scripts/roll");
+    // What each way of asking counts is `status::problems`' unit test.
+}
