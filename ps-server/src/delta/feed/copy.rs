@@ -235,7 +235,7 @@ impl Feed {
             removed
         })
         .await
-        .map_err(|err| FeedError::Task(err.to_string()))?;
+        .map_err(FeedError::Task)?;
         if removed > 0 {
             tracing::info!(
                 source_shard = shard,

@@ -65,9 +65,10 @@ pub enum FeedError {
     /// copy ran: its rows are of no use now.
     #[error("the feed was reset during the copy")]
     Reset,
-    /// The blocking task applying rows died.
+    /// The blocking task applying rows died (panicked or was cancelled);
+    /// the cause is kept as the runtime gave it.
     #[error("applying rows failed: {0}")]
-    Task(String),
+    Task(#[source] tokio::task::JoinError),
 }
 
 /// One training shard as this server follows it.
@@ -547,7 +548,7 @@ impl Feed {
             write_tables(&store, &tables, seen.as_deref(), n, resize.as_ref())
         })
         .await
-        .map_err(|err| FeedError::Task(err.to_string()))?
+        .map_err(FeedError::Task)?
     }
 
     fn warn(&self, slot: &mut Slot, shard: u32, err: &dyn std::fmt::Display) {
@@ -603,5 +604,24 @@ impl Feed {
         });
         self.fresh_until
             .store(until.unwrap_or(0), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_dead_apply_task_keeps_its_cause_as_the_source() {
+        let join = tokio::task::spawn_blocking(|| -> () { panic!("row apply died") })
+            .await
+            .unwrap_err();
+        let err = FeedError::Task(join);
+        let source = std::error::Error::source(&err).expect("a source");
+        let join = source
+            .downcast_ref::<tokio::task::JoinError>()
+            .expect("the runtime's JoinError");
+        assert!(join.is_panic(), "{err}");
+        assert!(err.to_string().starts_with("applying rows failed"), "{err}");
     }
 }
