@@ -1,3 +1,12 @@
+//! The transport's configuration: [`TransportConfig`] (which transport,
+//! message limits, pools, inbound budget, TLS) and its `[rdma]` table
+//! [`RdmaConfig`] (provider, devices and rails, queue depths, fragments,
+//! the send window, keepalive, polling), each field with its default and
+//! the reason for it. Loading validates every field and names the key of
+//! the first one that is wrong (`tessera_config::Validate`); the engine's
+//! own settings are derived from these by
+//! `rdma::connection::engine_config`.
+
 use std::fmt;
 use std::str::FromStr;
 

@@ -1,3 +1,11 @@
+//! A soft device and the fabric it sits on: [`SoftFabric`] (the devices
+//! that can reach each other, this process's or every process's of the
+//! host), [`SoftDevice`] (the verbs `Device`: CQs, QPs,
+//! SRQs, memory registration into the shared region table, memory
+//! windows, async events), its seeded fault injection ([`SoftFaults`]),
+//! its profile ([`SoftProfile`]: limits and port) and its counters
+//! ([`SoftStats`]).
+
 use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;

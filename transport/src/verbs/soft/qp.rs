@@ -1,3 +1,13 @@
+//! The soft NIC's RC queue pair: its state machine (RESET, INIT, RTR, RTS,
+//! error), its send queue executed in the posting thread (SEND into the
+//! receive the peer posted first, WRITE and WRITE_WITH_IMM into the
+//! peer's registered memory after the key, rights and bounds checks,
+//! memory-window binds and invalidations), its completions, the link's
+//! admission of each SEND or WRITE (`port.rs`), and the stalls behind a
+//! receiver-not-ready NAK or a busy link that `retry.rs` retries. A
+//! destroyed QP waits for a peer still copying into it before its memory
+//! goes.
+
 use crate::sync::LockExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
