@@ -148,6 +148,10 @@ pub async fn hol(
 
 /// One sender of an incast: its own transport (device, engine), messages
 /// of 20–50 KiB, `depth` outstanding, for `secs`.
+/// Messages each incast sender keeps outstanding (the simulator's
+/// calibration keeps as many).
+pub const INCAST_DEPTH: usize = 4;
+
 /// The message sizes an incast sender of `seed` cycles through: 8 drawn
 /// uniformly from 20 to 50 KiB (the fabric simulator's calibration sends
 /// the very same).
@@ -185,7 +189,7 @@ async fn incast_sender(
     ready.wait().await;
     let started = Instant::now();
     let mut ended = started;
-    let depth = 4;
+    let depth = INCAST_DEPTH;
     let until = started + Duration::from_secs_f64(secs);
     let mut sent_at = VecDeque::new();
     let mut bytes = 0u64;

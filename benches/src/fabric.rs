@@ -327,13 +327,14 @@ fn calibration(
     let mut rows = Vec::new();
     for (&window, real) in plan.windows.iter().zip(&measured) {
         let started = Instant::now();
-        let run = CalibrationRun::new(
+        let mut run = CalibrationRun::new(
             sizes.clone(),
             link_mbps,
             crate::engine::incast_config(window, &tuning),
             (secs * 1e9) as u64,
             plan.seed,
         );
+        run.depth = crate::engine::INCAST_DEPTH;
         let o = calibration::run(&run)?;
         let wall = started.elapsed().as_secs_f64();
         let real_mbps = real["goodput_gbytes_per_sec"].as_f64().unwrap_or(0.0) * 8e3;
@@ -343,11 +344,12 @@ fn calibration(
         let sim_p50 = o.latency_quantile(0.5) as f64 / 1e3;
         let sim_p99 = o.latency_quantile(0.99) as f64 / 1e3;
         let real_share = real["sender_bytes_min_over_max"].as_f64().unwrap_or(0.0);
-        // Little's law: what the mean latency must be with 4 messages of
-        // the mean size outstanding per sender at the measured goodput.
+        // Little's law: what the mean latency must be with `depth`
+        // messages of the mean size outstanding per sender at the
+        // measured goodput.
         let outstanding: f64 = sizes
             .iter()
-            .map(|s| 4.0 * s.iter().sum::<usize>() as f64 / s.len().max(1) as f64)
+            .map(|s| run.depth as f64 * s.iter().sum::<usize>() as f64 / s.len().max(1) as f64)
             .sum();
         let real_little_us = outstanding * 8.0 / real_mbps.max(1e-9);
         let ratio = |sim: f64, real: f64| if real > 0.0 { sim / real } else { f64::NAN };
@@ -465,10 +467,11 @@ pub fn markdown(plan: &Plan, rows: &[Value]) -> String {
         .cloned()
         .collect();
     if let Some((link_mbps, secs, senders)) = plan.calibration {
+        let depth = crate::engine::INCAST_DEPTH;
         out.push('\n');
         out.push_str(&crate::engine::markdown(
             &format!(
-                "fabric, calibration: `tessera-bench incast` measured ({senders} senders over soft NICs at {link_mbps} Mbit/s, 4 outstanding each, 20-50 KiB, {secs} s per window) beside the same incast simulated (same sizes in the same order, same engine configuration, one ToR at {link_mbps} Mbit/s); ratios are simulated over measured"
+                "fabric, calibration: `tessera-bench incast` measured ({senders} senders over soft NICs at {link_mbps} Mbit/s, {depth} outstanding each, 20-50 KiB, {secs} s per window) beside the same incast simulated (same sizes in the same order, same engine configuration, one ToR at {link_mbps} Mbit/s); ratios are simulated over measured"
             ),
             &calibration,
             &[

@@ -189,11 +189,7 @@ pub fn run(run: &CalibrationRun) -> Result<CalibrationOutcome, ClusterError> {
             break;
         };
         match event {
-            AppEvent::Message {
-                conn,
-                socket,
-                bytes,
-            } => match index.get(&conn) {
+            AppEvent::Message { conn, socket, .. } => match index.get(&conn) {
                 // An acknowledgement at a sender.
                 Some(&i) => {
                     let sender = &mut senders[i];
@@ -209,7 +205,6 @@ pub fn run(run: &CalibrationRun) -> Result<CalibrationOutcome, ClusterError> {
                 }
                 // A message at the receiver: acknowledge it.
                 None => {
-                    drop(bytes);
                     let m = cluster.message(0, ACK_BYTES, 0xac)?;
                     cluster.send(conn, socket, m)?;
                 }
