@@ -51,10 +51,10 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use tessera_proto::sharding::splitmix64;
-use tessera_ps_server::config::{OptimizerConfig, PsServerConfig, TableConfig};
-use tessera_ps_server::table::expiry::SWEEP_STEP_SLOTS;
-use tessera_ps_server::table::{AdmissionConfig, ExpiryConfig};
-use tessera_ps_server::{PushId, Store};
+use tessera_store::config::{OptimizerConfig, StoreConfig, TableConfig};
+use tessera_store::table::expiry::SWEEP_STEP_SLOTS;
+use tessera_store::table::{AdmissionConfig, ExpiryConfig};
+use tessera_store::{PushId, Store};
 
 use crate::transport::BoxError;
 
@@ -222,11 +222,11 @@ fn run_case(plan: &Plan, zipf: &Zipf, case: &Case) -> Result<Measured, BoxError>
         expiry: case.expiry,
         ..TableConfig::new("t", 8)
     };
-    let config = PsServerConfig {
+    let config = StoreConfig {
         num_shards: 1,
         shards: vec![0],
         tables: vec![table],
-        ..PsServerConfig::default()
+        ..StoreConfig::default()
     };
     let store = Store::new(&config);
     let at = AtomicU64::new(0);
@@ -294,7 +294,7 @@ fn push_stream(
         if expiring {
             marks.0.fetch_add(1, Ordering::AcqRel);
             let guard = store.lock_shard(0).ok_or("no shard")?;
-            let secs = tessera_ps_server::table::expiry::unix_secs();
+            let secs = tessera_store::table::expiry::unix_secs();
             if sweep {
                 store.expire_step(&guard, "t", secs, SWEEP_STEP_SLOTS);
             }

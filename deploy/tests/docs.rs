@@ -991,7 +991,7 @@ fn defaults_compare_integers_exactly_and_floats_to_their_rounding() {
 /// code that makes it true.
 #[test]
 fn the_manual_says_how_a_narrow_table_stores_its_optimizer_state() {
-    use tessera_ps_server::table::rows::layout::{RowLayout, Storage};
+    use tessera_ps_server::rows::layout::{RowLayout, Storage};
     // The code: a narrow table's record holds its values and its
     // optimizer state in 16 bits each, whichever narrow format it uses
     // (dim 64, Adam's 128 words of state).

@@ -9,12 +9,12 @@ use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tessera_proto::v1::{FetchRequest, PushRequest};
 use tessera_ps_server::config::{Initializer, NonFinite, OptimizerConfig};
-use tessera_ps_server::{PsServerConfig, PushId, Store, TableConfig};
+use tessera_ps_server::{PushId, Store, StoreConfig, TableConfig};
 
 fn store() -> &'static Store {
     static STORE: OnceLock<Store> = OnceLock::new();
     STORE.get_or_init(|| {
-        Store::new(&PsServerConfig {
+        Store::new(&StoreConfig {
             num_shards: 2,
             shards: vec![0, 1],
             max_keys_per_request: 4096,
@@ -31,7 +31,7 @@ fn store() -> &'static Store {
                     ..TableConfig::new("c", 2)
                 },
             ],
-            ..PsServerConfig::default()
+            ..StoreConfig::default()
         })
     })
 }

@@ -11,7 +11,9 @@ pub mod sharding;
 /// Workers keep the ids they have in flight within half of it.
 pub const DEDUP_WINDOW: u64 = 1024;
 
-/// Messages and stubs of `tessera.ps.v1`, generated from `ps.proto`.
+/// Messages and stubs of `tessera.ps.v1`, generated from `ps.proto`
+/// (the `stubs` feature, on by default).
+#[cfg(feature = "stubs")]
 #[allow(missing_docs, clippy::all)]
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/tessera.ps.v1.rs"));

@@ -12,8 +12,8 @@ use tessera_proto::v1::{
 };
 use tessera_rpc::{RequestContext, Status};
 
-use crate::checkpoint::{self, CheckpointError};
-use crate::store::Store;
+use tessera_store::checkpoint::{self, CheckpointError};
+use tessera_store::store::Store;
 
 /// Serves `Admin` over a shared [`Store`].
 #[derive(Debug, Clone)]
@@ -206,14 +206,14 @@ impl v1::Admin for AdminService {
                     store.snapshot_shard(&cut)
                 };
                 for (table, rows) in &snapshot.tables {
-                    let (count, digest) = crate::rowfile::digest_snapshot(rows);
+                    let (count, digest) = tessera_store::rowfile::digest_snapshot(rows);
                     out.push(ShardDigest {
                         table: table.name.clone(),
                         shard,
-                        version: Some(snapshot.version.into()),
+                        version: Some(crate::wire::version_to_wire(snapshot.version)),
                         rows: count,
                         digest,
-                        values_digest: crate::rowfile::values_digest(rows),
+                        values_digest: tessera_store::rowfile::values_digest(rows),
                     });
                 }
             }
@@ -229,14 +229,13 @@ impl v1::Admin for AdminService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::PsServerConfig;
 
     /// An RPC handler abandoned at its deadline must not release the
     /// one-at-a-time guard while its blocking save keeps running.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_save_whose_caller_gave_up_still_holds_off_the_next() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(Store::new(&PsServerConfig::default()));
+        let store = Arc::new(Store::new(&crate::config::StoreConfig::default()));
         store.fetch("embeddings", 0, &[1, 2, 3]).unwrap();
         let checkpoints = Checkpointer::new(Arc::clone(&store), dir.path().to_owned(), 5);
         fail::cfg("checkpoint::after_shard_file", "pause").unwrap();

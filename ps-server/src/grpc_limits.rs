@@ -331,7 +331,7 @@ impl GrpcLimits {
     pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
     /// The limits of `config`.
-    pub(crate) fn of(config: &crate::PsServerConfig) -> Self {
+    pub(crate) fn of(config: &crate::config::PsServerConfig) -> Self {
         Self {
             max_requests_per_connection: config.max_requests_per_connection,
             request_timeout: config.inbound.frame_timeout(),

@@ -4,24 +4,24 @@
 //! gRPC.
 
 mod admin;
-pub mod checkpoint;
 pub mod config;
 pub mod coordination;
-pub mod dedup;
 pub mod delta;
 #[cfg(test)]
 mod dst;
+pub mod fence;
 pub mod grpc_health;
 mod grpc_limits;
-pub mod image;
 pub mod replication;
 pub mod reshard;
-pub mod rowfile;
 mod service;
-pub mod store;
 mod sweeper;
-pub mod table;
-pub mod version;
+pub mod wire;
+
+// The shard engine (`tessera-store`), re-exported for this crate's users
+// under the paths it had when it was part of this crate. The modules here
+// import it as `tessera_store::...`.
+pub use tessera_store::{checkpoint, dedup, image, rowfile, rows, store, table, version};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -42,7 +42,7 @@ pub use coordination::Coordination;
 pub use replication::{Replication, ReplicationService};
 pub use version::Version;
 
-pub use config::{ConfigError, Mode, PsServerConfig, TableConfig};
+pub use config::{ConfigError, Mode, PsServerConfig, StoreConfig, TableConfig};
 pub use service::PsService;
 pub use store::{PushId, PushOutcome, Store, StoreError};
 
@@ -93,7 +93,7 @@ impl PsServer {
     /// Validates `config`, creates the store and binds the listener.
     pub async fn bind(config: &PsServerConfig) -> Result<Self, PsError> {
         config.validate()?;
-        let store = Arc::new(Store::new(config));
+        let store = Arc::new(Store::new(&config.store()));
         let checkpoints = config.checkpoint.dir.as_ref().map(|dir| {
             Arc::new(Checkpointer::new(
                 Arc::clone(&store),

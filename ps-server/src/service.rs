@@ -11,43 +11,22 @@ use tessera_rpc::{RequestContext, Status};
 
 use crate::config::Mode;
 use crate::replication::Replication;
-use crate::store::{PushId, Store, StoreError};
+use tessera_store::store::{ErrorKind, PushId, Store, StoreError};
 
-impl From<StoreError> for Status {
-    fn from(err: StoreError) -> Self {
-        let message = err.to_string();
-        match err {
-            StoreError::Moved {
-                shard,
-                num_shards,
-                map_version,
-                ..
-            } => keys_moved(message, shard, num_shards, map_version),
-            StoreError::Resplit {
-                shard, num_shards, ..
-            } => keys_moved(message, shard, num_shards, 0),
-            StoreError::UnknownTable(_) => Status::not_found(message),
-            StoreError::GradientLength { .. }
-            | StoreError::TooManyKeys { .. }
-            | StoreError::SequenceImplausible { .. }
-            | StoreError::NonFiniteGradient { .. }
-            | StoreError::BadEvictions { .. }
-            | StoreError::BadAdmissions { .. }
-            | StoreError::BadExpiry { .. }
-            | StoreError::DeltaLength { .. } => Status::invalid_argument(message),
-            StoreError::OutputLength { .. } => Status::internal(message),
-            StoreError::NotCutOver { .. } | StoreError::NotOpened { .. } => {
-                Status::unavailable(message)
-            }
-            StoreError::ShardNotHosted { .. }
-            | StoreError::WrongShard { .. }
-            | StoreError::InferenceMode
-            | StoreError::ServingMode
-            | StoreError::SequenceTooOld { .. } => Status::failed_precondition(message),
-            StoreError::DedupFull { .. }
-            | StoreError::ResponseTooLarge { .. }
-            | StoreError::ShardFull { .. } => Status::resource_exhausted(message),
-        }
+/// The status a store's refusal is answered with.
+pub(crate) fn store_status(err: StoreError) -> Status {
+    let message = err.to_string();
+    if let Some((shard, num_shards, map_version)) = err.moved_to() {
+        return keys_moved(message, shard, num_shards, map_version);
+    }
+    match err.kind() {
+        ErrorKind::NotFound => Status::not_found(message),
+        ErrorKind::InvalidArgument => Status::invalid_argument(message),
+        ErrorKind::Unavailable => Status::unavailable(message),
+        ErrorKind::FailedPrecondition => Status::failed_precondition(message),
+        ErrorKind::ResourceExhausted => Status::resource_exhausted(message),
+        // `moved_to` names every moved refusal.
+        ErrorKind::Moved | ErrorKind::Internal => Status::internal(message),
     }
 }
 
@@ -171,13 +150,14 @@ impl v1::ParameterServer for PsService {
         // reserve more than a message.
         let checked = self
             .store
-            .check_fetch(&request.table, request.shard, &request.keys)?;
+            .check_fetch(&request.table, request.shard, &request.keys)
+            .map_err(store_status)?;
         let len = checked.bytes();
         let mut values = context.send_pool.alloc(len).map_err(|err| {
             Status::resource_exhausted(format!("no memory for {len} bytes of rows: {err}"))
         })?;
         values.set_len(len);
-        let dim = checked.fetch_into(&mut values)?;
+        let dim = checked.fetch_into(&mut values).map_err(store_status)?;
         Ok(FetchResponse {
             dim,
             values: values.freeze(),
@@ -201,7 +181,8 @@ impl v1::ParameterServer for PsService {
                     worker: request.worker_id,
                     sequence: request.sequence,
                 },
-            )?
+            )
+            .map_err(store_status)?
             .split_by(request.num_shards);
         // Admission, application and the stream position under the
         // shard's write lock: Pushes take their positions in the order they
@@ -214,12 +195,13 @@ impl v1::ParameterServer for PsService {
                 .ok_or_else(|| StoreError::ShardNotHosted {
                     shard: request.shard,
                     hosted: self.store.hosted().to_vec(),
-                })?;
+                })
+                .map_err(store_status)?;
             // The time of admission is taken under the lock: waiting for it
             // (behind a copy of the shard) must not age the fence check.
             let now = Instant::now();
             let epoch = self.replication.admit_push(request.shard, now)?;
-            let outcome = checked.apply(&writing, now)?;
+            let outcome = checked.apply(&writing, now).map_err(store_status)?;
             let ticket = if outcome.duplicate {
                 self.replication
                     .duplicate_ticket(request.shard, epoch, writing.version())
@@ -319,12 +301,11 @@ pub(crate) fn screen_push(store: &Store, request: PushRequest) -> Result<PushReq
     if let Some(to) = store.incoming(request.shard)
         && request.num_shards == to
     {
-        return Err(StoreError::NotCutOver {
+        return Err(store_status(StoreError::NotCutOver {
             shard: request.shard,
             split_by: to,
             num_shards: store.route_count(request.shard),
-        }
-        .into());
+        }));
     }
     without_applied_at_origins(store, request)
 }
@@ -334,7 +315,9 @@ fn without_applied_at_origins(store: &Store, request: PushRequest) -> Result<Pus
         worker: request.worker_id,
         sequence: request.sequence,
     };
-    let Some(mask) = store.applied_at_origins(&request.table, request.shard, &request.keys, id)?
+    let Some(mask) = store
+        .applied_at_origins(&request.table, request.shard, &request.keys, id)
+        .map_err(store_status)?
     else {
         return Ok(request);
     };

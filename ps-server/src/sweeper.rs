@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::replication::Replication;
-use crate::store::Store;
-use crate::table::expiry::{SWEEP_STEP_SLOTS, unix_secs};
+use tessera_store::store::Store;
+use tessera_store::table::expiry::{SWEEP_STEP_SLOTS, unix_secs};
 
 /// How often the sweeper wakes: its steps are spread over the second.
 const TICK: Duration = Duration::from_millis(50);
@@ -39,7 +39,7 @@ enum Step {
 fn step(
     store: &Store,
     replication: &Replication,
-    writing: &mut crate::store::ShardGuard<'_>,
+    writing: &mut tessera_store::store::ShardGuard<'_>,
     table: &str,
     slots: usize,
 ) -> Step {

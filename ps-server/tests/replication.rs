@@ -253,7 +253,10 @@ async fn a_restarted_primary_recovers_the_replicas_copy_instead_of_rolling_back(
     assert_eq!(rows(&primary).await.unwrap(), trained, "rolled back");
     let shard = &health.shard_health[0];
     assert!(shard.epoch > before.epoch, "a new epoch: {shard:?}");
-    assert_eq!(Version::from(shard.version.unwrap()), before);
+    assert_eq!(
+        tessera_ps_server::wire::version_from_wire(shard.version.unwrap()),
+        before
+    );
     assert_eq!(primary.replication.syncs(), 1, "recovered by one copy");
     // A Push the old primary applied is still a duplicate: the windows came
     // with the copy.
@@ -289,7 +292,9 @@ async fn a_primary_refuses_to_overwrite_a_newer_copy() {
         .sync(SyncRequest {
             shard: 0,
             replica: b.clone(),
-            version: Some(Version::new(99, 1000).into()),
+            version: Some(tessera_ps_server::wire::version_to_wire(Version::new(
+                99, 1000,
+            ))),
             attach: true,
         })
         .await

@@ -22,7 +22,7 @@ mod message;
 #[allow(unsafe_code)]
 pub mod pool;
 pub mod rdma;
-pub mod sync;
+pub use tessera_sync as sync;
 pub mod tcp;
 pub mod tls;
 // The verbs providers are the other place allowed `unsafe`: a software

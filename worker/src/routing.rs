@@ -15,7 +15,7 @@
 //! again, split anew ([`moved`], `client.rs`). Requests split by the old
 //! count and retried across the cut-over are applied exactly once: the
 //! servers keep the old shards' deduplication windows at the cut-over
-//! (`ps-server/src/store/resize.rs`).
+//! (`store/src/store/resize.rs`).
 //!
 //! A shrink is followed the same way: once every remaining shard serves
 //! the keys it received, the worker drops the Fetch and Push paths of the

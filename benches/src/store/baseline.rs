@@ -160,7 +160,7 @@ mod tests {
             );
             most = most.max(moved.unwrap_or(0));
         }
-        let bound = tessera_ps_server::table::rows::index::MIGRATE_PER_INSERT;
+        let bound = tessera_store::rows::index::MIGRATE_PER_INSERT;
         assert!(
             most > 100 * bound,
             "one insert moved {most} rows (the slab store's bound: {bound})"

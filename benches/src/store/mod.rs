@@ -57,8 +57,8 @@ use tessera_transport::sync::LockExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
-use tessera_ps_server::config::{Initializer, OptimizerConfig};
-use tessera_ps_server::table::{EvictionPolicy, RowLayout, ShardRows, Storage};
+use tessera_store::config::{Initializer, OptimizerConfig};
+use tessera_store::table::{EvictionPolicy, RowLayout, ShardRows, Storage};
 
 use crate::report::quantile;
 use crate::transport::BoxError;
@@ -316,7 +316,7 @@ impl Bench {
 
 /// A snapshot of either store.
 enum Cut {
-    Slab(tessera_ps_server::table::RowsSnapshot),
+    Slab(tessera_store::table::RowsSnapshot),
     Old(Vec<(u64, Arc<baseline::RowData>)>),
 }
 

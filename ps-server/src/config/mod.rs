@@ -4,7 +4,6 @@ mod checkpoint;
 mod delta;
 mod replication;
 
-use std::collections::HashSet;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -18,176 +17,10 @@ use tessera_rpc::{
 pub use self::checkpoint::CheckpointConfig;
 pub use self::delta::{DeltaConfig, ServingConfig, ServingServer};
 pub use self::replication::{AckMode, PeerConfig, ReplicationConfig};
-pub use crate::table::{EvictionPolicy, Initializer, OptimizerConfig, Storage};
-
-/// How a server fills rows it has never seen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// Missing rows are initialised deterministically from `seed` and
-    /// stored; Push is accepted.
-    #[default]
-    Training,
-    /// Missing rows read as zeros and are not stored; Push is refused.
-    Inference,
-    /// As `inference`, and the rows come from a training fleet's delta
-    /// stream (`crate::delta`): every server stands alone (no peers, no
-    /// coordinator), fed by the training primaries directly.
-    Serving,
-}
-
-impl Mode {
-    /// Whether Pushes are refused and missing rows read as zeros.
-    pub fn read_only(self) -> bool {
-        matches!(self, Mode::Inference | Mode::Serving)
-    }
-}
-
-/// One embedding table.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TableConfig {
-    /// Table name, as used in Fetch and Push.
-    pub name: String,
-    /// Values per row.
-    pub dim: u32,
-    /// How new rows start (`{ kind = "zeros" | "uniform" | "normal", ... }`).
-    /// Default uniform in ±0.01.
-    #[serde(default)]
-    pub initializer: Initializer,
-    /// Seed of the initializer. Default: the server's `seed`. Every
-    /// replica of a shard must use the same.
-    #[serde(default)]
-    pub seed: Option<u64>,
-    /// The optimizer Pushes apply (`{ kind = "sgd" | "adagrad" | "adam",
-    /// learning_rate = ..., ... }`). Default SGD with learning rate 0.01.
-    #[serde(default)]
-    pub optimizer: OptimizerConfig,
-    /// Rows per hosted shard at most; beyond it rows are evicted by
-    /// `eviction`. Default: no limit (a table that fits in memory should
-    /// never lose rows).
-    #[serde(default)]
-    pub max_rows: Option<u64>,
-    /// `lru` (least recently used) or `lfu` (least frequently updated).
-    /// Default `lru`: a row nobody reads any more is the cheapest to lose.
-    #[serde(default)]
-    pub eviction: EvictionPolicy,
-    /// How values are stored: `f32`, `f16` or `bf16` (half the bytes;
-    /// optimizer math runs in `f32` and rounds once per update, the
-    /// optimizer state stays `f32`, Fetches answer `f32`). Default `f32`:
-    /// exactly what was computed; choose a narrow one for a table whose
-    /// model tolerates 2^-11 (`f16`) or 2^-8 (`bf16`) relative rounding
-    /// per update.
-    #[serde(default)]
-    pub storage: Storage,
-    /// What a Push with NaN or infinite gradients gets: `reject` (the whole
-    /// Push is refused) or `clip` (NaN becomes 0, every value is clamped to
-    /// ±`gradient_clip`). Default `reject`: a NaN gradient is a bug
-    /// upstream, and one applied NaN poisons a row for good.
-    #[serde(default)]
-    pub non_finite: NonFinite,
-    /// Largest gradient magnitude with `non_finite = "clip"`. Default 1000.
-    #[serde(default = "default_gradient_clip")]
-    pub gradient_clip: f32,
-    /// Feature admission (`table/admission.rs`): a row is created for an
-    /// id only once it has been pushed `min_pushes` times (`{ kind =
-    /// "count", min_pushes = 2 }`, counted in a sketch of
-    /// `4 * sketch_width` bytes per shard) or with probability `p` per
-    /// Push (`{ kind = "probability", p = 0.1 }`); earlier Pushes of it
-    /// are dropped, Fetches of it answer the initializer's values. Default
-    /// none: every pushed id gets a row (a table whose ids all matter).
-    #[serde(default)]
-    pub admission: Option<crate::table::AdmissionConfig>,
-    /// Expiry (`table/expiry.rs`): rows not pushed for `after_secs`
-    /// seconds (`{ after_secs = 604800 }`) or while
-    /// `after_pushes_to_shard` Pushes reached their shard are removed by
-    /// a background sweep on the shard's primary (`refresh = "access"`:
-    /// Fetches keep rows too; `sweep_rows_per_sec`, default 1,000,000,
-    /// paces it). Costs 4 bytes per row. Default none: rows stay until a
-    /// row limit evicts them.
-    #[serde(default)]
-    pub expiry: Option<crate::table::ExpiryConfig>,
-}
-
-fn default_gradient_clip() -> f32 {
-    1000.0
-}
-
-/// What happens to non-finite gradients (see [`TableConfig::non_finite`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum NonFinite {
-    /// The Push is refused.
-    #[default]
-    Reject,
-    /// NaN -> 0, values clamped to ±`gradient_clip`.
-    Clip,
-}
-
-impl TableConfig {
-    /// A table with every setting at its default.
-    pub fn new(name: impl Into<String>, dim: u32) -> Self {
-        Self {
-            name: name.into(),
-            dim,
-            initializer: Initializer::default(),
-            seed: None,
-            optimizer: OptimizerConfig::default(),
-            max_rows: None,
-            eviction: EvictionPolicy::default(),
-            storage: Storage::default(),
-            non_finite: NonFinite::default(),
-            gradient_clip: default_gradient_clip(),
-            admission: None,
-            expiry: None,
-        }
-    }
-
-    fn validate(&self, i: usize) -> Result<(), ConfigError> {
-        if self.name.is_empty() {
-            return Err(invalid(format!("tables[{i}].name"), "must not be empty"));
-        }
-        if self.dim == 0 || self.dim > MAX_DIM {
-            return Err(invalid(
-                format!("tables[{i}].dim"),
-                format!("{} is outside 1..={MAX_DIM}", self.dim),
-            ));
-        }
-        self.initializer
-            .validate(&format!("tables[{i}].initializer"))?;
-        self.optimizer.validate(&format!("tables[{i}].optimizer"))?;
-        if self.max_rows == Some(0) {
-            return Err(invalid(
-                format!("tables[{i}].max_rows"),
-                "must be at least 1 (leave it out for no limit)",
-            ));
-        }
-        if let Some(max) = self.max_rows
-            && max > crate::table::MAX_SHARD_ROWS
-        {
-            return Err(invalid(
-                format!("tables[{i}].max_rows"),
-                format!(
-                    "{max} exceeds the {} rows a shard of a table holds",
-                    crate::table::MAX_SHARD_ROWS
-                ),
-            ));
-        }
-        if !(self.gradient_clip.is_finite() && self.gradient_clip > 0.0) {
-            return Err(invalid(
-                format!("tables[{i}].gradient_clip"),
-                format!("{} must be a positive number", self.gradient_clip),
-            ));
-        }
-        if let Some(admission) = &self.admission {
-            admission.validate(&format!("tables[{i}]"))?;
-        }
-        if let Some(expiry) = &self.expiry {
-            expiry.validate(&format!("tables[{i}]"))?;
-        }
-        Ok(())
-    }
-}
+pub use tessera_store::config::{
+    EvictionPolicy, Initializer, KeepChanges, MAX_DIM, Mode, NonFinite, OptimizerConfig, Storage,
+    StoreConfig, TableConfig,
+};
 
 /// Configuration of one ps-server process.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -373,10 +206,6 @@ impl Default for PsServerConfig {
     }
 }
 
-/// Most values per row: beyond this a single row would be larger than any
-/// sane embedding and a Fetch of a few keys could exceed message limits.
-pub const MAX_DIM: u32 = 65_536;
-
 impl PsServerConfig {
     /// The replica group holding the primary of `shard`.
     pub fn primary_group(&self, shard: u32) -> u32 {
@@ -425,6 +254,30 @@ impl PsServerConfig {
         tessera_config::read(path)
     }
 
+    /// The store this configuration describes: its tables and shards, and
+    /// whether it keeps changed keys for a stream (always with `[delta]`
+    /// on a training server; for resizes on one in etcd mode).
+    pub fn store(&self) -> StoreConfig {
+        let keep_changes = match self.mode {
+            Mode::Training if self.delta.enabled() => KeepChanges::Always,
+            Mode::Training if self.coordinator.is_etcd() => KeepChanges::ForResizes,
+            _ => KeepChanges::Never,
+        };
+        StoreConfig {
+            mode: self.mode,
+            seed: self.seed,
+            num_shards: self.num_shards,
+            shards: self.shards.clone(),
+            tables: self.tables.clone(),
+            max_keys_per_request: self.max_keys_per_request,
+            max_message_size: self.max_message_size,
+            dedup_max_workers: self.dedup_max_workers,
+            dedup_idle_secs: self.dedup_idle_secs,
+            keep_changes,
+            changes_wake_rows: self.delta.max_rows,
+        }
+    }
+
     /// The RPC server settings this configuration implies.
     pub fn server_config(&self) -> ServerConfig {
         ServerConfig {
@@ -448,46 +301,9 @@ impl PsServerConfig {
 
 impl Validate for PsServerConfig {
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.num_shards == 0 {
-            return Err(invalid("num_shards", "must be at least 1"));
-        }
-        if self.shards.is_empty() {
-            return Err(invalid("shards", "a server must host at least one shard"));
-        }
-        let mut seen = HashSet::new();
-        for (i, &shard) in self.shards.iter().enumerate() {
-            if shard >= self.num_shards {
-                return Err(invalid(
-                    format!("shards[{i}]"),
-                    format!(
-                        "shard {shard} does not exist (num_shards = {})",
-                        self.num_shards
-                    ),
-                ));
-            }
-            if !seen.insert(shard) {
-                return Err(invalid(
-                    format!("shards[{i}]"),
-                    format!("shard {shard} is listed twice"),
-                ));
-            }
-        }
-        if self.tables.is_empty() {
-            return Err(invalid("tables", "at least one table is required"));
-        }
-        let mut names = HashSet::new();
-        for (i, table) in self.tables.iter().enumerate() {
-            table.validate(i)?;
-            if !names.insert(table.name.as_str()) {
-                return Err(invalid(
-                    format!("tables[{i}].name"),
-                    format!("table `{}` is declared twice", table.name),
-                ));
-            }
-        }
-        if self.max_keys_per_request == 0 {
-            return Err(invalid("max_keys_per_request", "must be at least 1"));
-        }
+        // The store's keys (shards, tables, request bounds) sit at the
+        // top level of this file, so its errors name them as written.
+        self.store().validate()?;
         if self.replica_groups == 0 {
             return Err(invalid("replica_groups", "must be at least 1"));
         }
@@ -565,9 +381,6 @@ impl Validate for PsServerConfig {
                 "peers",
                 format!("lists this server itself ({})", self.advertised()),
             ));
-        }
-        if self.dedup_max_workers == 0 {
-            return Err(invalid("dedup_max_workers", "must be at least 1"));
         }
         if self.checkpoint.keep == 0 {
             return Err(invalid("checkpoint.keep", "must be at least 1"));

@@ -23,8 +23,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::election::{Action, Election, Phase};
-use super::fence::Fence;
 use crate::config::PsServerConfig;
+use crate::fence::Fence;
 use crate::replication::{Patience, Replication};
 
 /// Something a spawned task finished.
@@ -483,7 +483,7 @@ impl Driver {
 /// to wait for without a follower (serving) or a map.
 async fn resize_state_caught_up(
     coord: &EtcdCoordinator,
-    store: &crate::store::Store,
+    store: &tessera_store::store::Store,
     deadline: Instant,
 ) -> Result<(), &'static str> {
     if store.resize_state_version().is_none() {
@@ -494,7 +494,11 @@ async fn resize_state_caught_up(
         Ok(None) => return Ok(()),
         Err(_) => return Err("the shard map could not be read"),
     };
-    if store.resize_state_reaches(version, deadline).await {
+    let reached = store.resize_state_reaches(version);
+    if tokio::time::timeout_at(deadline.into(), reached)
+        .await
+        .is_ok()
+    {
         Ok(())
     } else {
         Err("not caught up with the shard map within the failover timeout")

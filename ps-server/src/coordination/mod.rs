@@ -15,7 +15,7 @@
 //!   each shard's primary holds the shard's primary key on its lease, and
 //!   its epoch comes from etcd. When the key disappears, one replica wins
 //!   the campaign for it, recovers and leads; the old primary is fenced
-//!   ([`fence`]) and, when it comes back, follows the new one. See
+//!   ([`crate::fence`]) and, when it comes back, follows the new one. See
 //!   [`election`] for one server's part in it and `tessera_coord` for why
 //!   etcd. The server also follows the cluster's shard map
 //!   (`tessera_coord::shard_map`, a watch of its key) and reports it in
@@ -23,13 +23,12 @@
 
 pub mod election;
 mod etcd_driver;
-pub mod fence;
 mod fixed;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use fence::{Fence, FenceCore};
+pub use crate::fence::{Fence, FenceCore};
 use tessera_coord::{CoordError, CoordinatorKind, ShardMap};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

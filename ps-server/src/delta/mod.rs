@@ -58,7 +58,6 @@ mod route;
 mod sender;
 mod service;
 mod source;
-mod windows;
 
 pub use self::feed::{Feed, FeedError, LeadCheck};
 pub use self::follower::{Follower, Header, MAX_HELD_BYTES, Resume, Verdict};
@@ -67,6 +66,3 @@ pub use self::route::ResizePlan;
 pub use self::sender::{Mark, QUEUE_DELTAS, Sender, stall_bound};
 pub use self::service::DeltaService;
 pub use self::source::Sources;
-pub use self::windows::{
-    from_wire as windows_from_wire, origins_from_wire, origins_to_wire, to_wire as windows_to_wire,
-};

@@ -6,7 +6,7 @@ use tessera_proto::rows::F32_BYTES;
 use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::DeltaTable;
 
-use crate::store::DeltaRows;
+use tessera_store::store::DeltaRows;
 
 /// Bytes of rows in one [`DeltaTable`] at most: a serving server applies
 /// one under its shard's write lock.

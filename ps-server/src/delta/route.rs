@@ -15,8 +15,6 @@ use tessera_proto::v1::{DeltaClient, DeltaRequest};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::sender::Sender;
-
 /// How often a warning about one receiving server is logged at most.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -124,12 +122,24 @@ impl Route {
     }
 }
 
+/// What a delivery tells the sender that queued it (`sender.rs`
+/// implements it): defined here, under the delivery loop, so that the loop
+/// does not reach up into the sender for it.
+pub(super) trait Reports: Send + Sync {
+    /// A delta of `shard` did not reach `address`.
+    fn delivery_failed(&self, shard: u32, address: &str, err: &dyn std::fmt::Display);
+    /// Milliseconds on the sender's clock.
+    fn now_ms(&self) -> u64;
+    /// A delivery finished a delta: a cut waiting for room may go.
+    fn room_made(&self);
+}
+
 /// Sends the server at `address` its queue, one delta at a time, until
 /// `stop` or until its queue is dropped (a resize's route changed); notes
 /// how its deliveries go in `delivery`, for the cut's choice between
 /// waiting and dropping.
 pub(super) async fn deliver(
-    sender: Arc<Sender>,
+    sender: Arc<dyn Reports>,
     address: String,
     client: DeltaClient,
     mut rx: mpsc::Receiver<Outgoing>,

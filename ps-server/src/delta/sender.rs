@@ -40,11 +40,11 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::parts::{pack, route};
-use super::route::{Destination, Outgoing, ResizePlan, Route};
+use super::route::{Destination, Outgoing, Reports, ResizePlan, Route};
 use crate::config::DeltaConfig;
 use crate::replication::Replication;
-use crate::store::Store;
-use crate::table::changes::{Taken, unix_ms};
+use tessera_store::store::Store;
+use tessera_store::table::changes::{Taken, unix_ms};
 
 /// Deltas of one shard queued for one serving server at most (a server
 /// leading several shards queues as many per shard).
@@ -339,8 +339,9 @@ impl Sender {
                 self.channel_config.clone(),
                 transport.clone(),
             ));
+            let reports: Arc<dyn Reports> = Arc::clone(self) as Arc<Sender>;
             deliveries.spawn(super::route::deliver(
-                Arc::clone(self),
+                reports,
                 dest.address.clone(),
                 client,
                 rx,
@@ -455,7 +456,7 @@ impl Sender {
         // stays, says nothing about this one's).
         let fenced = mark.fenced != 0 && mark.fenced == route.num_shards;
         let windows = if fenced && route.whole_rows {
-            super::windows::to_wire(&self.store.dedup_windows(shard))
+            crate::wire::windows_to_wire(&self.store.dedup_windows(shard))
         } else {
             Vec::new()
         };
@@ -547,21 +548,6 @@ impl Sender {
         (mark.fenced, mark.fenced_at) = writing.moved().unwrap_or_default();
         Some((*mark, self.store.take_changes(&writing)))
     }
-
-    /// Notes that a delta of `shard` did not reach `address`.
-    pub(super) fn delivery_failed(&self, shard: u32, address: &str, err: &dyn std::fmt::Display) {
-        if let Some(c) = self.counters.get(&shard) {
-            c.failed.fetch_add(1, Ordering::Relaxed);
-            *c.last_error.locked() = format!("{address}: {err}");
-        }
-        metrics::counter!("tessera_ps_delta_failed_total").increment(1);
-    }
-
-    /// A delivery finished a delta: a cut waiting for its queue's room
-    /// may go now.
-    pub(super) fn room_made(&self) {
-        self.room.notify_one();
-    }
 }
 
 /// The rows of `changes` on `shard` as they are now, routed to the
@@ -574,7 +560,7 @@ fn read_and_route(
     num_shards: u32,
     with_state: bool,
     owned_by: Option<u32>,
-) -> Result<(Vec<Vec<DeltaTable>>, u64, u64), crate::store::StoreError> {
+) -> Result<(Vec<Vec<DeltaTable>>, u64, u64), tessera_store::store::StoreError> {
     let mut per_shard: Vec<Vec<DeltaTable>> = vec![Vec::new(); num_shards as usize];
     let mut rows = 0u64;
     let mut oldest = 0u64;
@@ -593,7 +579,7 @@ fn read_and_route(
         }
         let table = store
             .table(&name)
-            .ok_or_else(|| crate::store::StoreError::UnknownTable(name.clone()))?;
+            .ok_or_else(|| tessera_store::store::StoreError::UnknownTable(name.clone()))?;
         let dim = table.config().dim as usize;
         let state_len = dim * table.config().optimizer.slots();
         let read = store.read_rows(&name, shard, &taken.keys, with_state)?;
@@ -606,4 +592,22 @@ fn read_and_route(
         }
     }
     Ok((per_shard, rows, oldest))
+}
+
+impl Reports for Sender {
+    fn delivery_failed(&self, shard: u32, address: &str, err: &dyn std::fmt::Display) {
+        if let Some(c) = self.counters.get(&shard) {
+            c.failed.fetch_add(1, Ordering::Relaxed);
+            *c.last_error.locked() = format!("{address}: {err}");
+        }
+        metrics::counter!("tessera_ps_delta_failed_total").increment(1);
+    }
+
+    fn now_ms(&self) -> u64 {
+        Sender::now_ms(self)
+    }
+
+    fn room_made(&self) {
+        self.room.notify_one();
+    }
 }

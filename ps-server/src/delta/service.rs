@@ -7,7 +7,7 @@ use tessera_proto::v1::{self, DeltaCopyRequest, DeltaCopyResponse, DeltaRequest,
 use tessera_rpc::{RequestContext, Status};
 
 use super::{Feed, Sender, Sources};
-use crate::store::Store;
+use tessera_store::store::Store;
 
 /// The `Delta` service of a server.
 #[derive(Debug, Clone)]

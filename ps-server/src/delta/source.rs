@@ -3,7 +3,7 @@
 //! under its write lock with the stream's mark (`sender.rs`), read page
 //! by page, each page the rows whose keys the asking server hosts.
 //!
-//! A snapshot costs nothing per row (`table/rows/slab.rs`), so the lock
+//! A snapshot costs nothing per row (`tessera_store`'s `rows/slab.rs`), so the lock
 //! is held for a moment; pages are read from it while Pushes go on. A
 //! session idle for [`SESSION_IDLE`] is dropped, and at most
 //! [`MAX_SESSIONS`] are open (the oldest goes first).
@@ -19,8 +19,8 @@ use tessera_rpc::Status;
 use tessera_rpc::sync::LockExt;
 
 use super::sender::{Mark, Sender};
-use crate::image::ShardSnapshot;
-use crate::store::Store;
+use tessera_store::image::ShardSnapshot;
+use tessera_store::store::Store;
 
 /// How long an unused copy session is kept (its snapshot holds a copy of
 /// every row Pushes change meanwhile).
@@ -135,7 +135,8 @@ impl Sources {
         // A fenced copy's first page carries the shard's deduplication
         // windows (`store/resize.rs`).
         if response.fenced && request.session == 0 && request.optimizer_state {
-            response.windows = super::windows::to_wire(&store.dedup_windows(request.source_shard));
+            response.windows =
+                crate::wire::windows_to_wire(&store.dedup_windows(request.source_shard));
         }
         // A serving fleet's copy after the fence leaves the moved keys
         // out: their new shard serves them, and frozen here they would
@@ -241,14 +242,14 @@ impl Sources {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Mode, PsServerConfig, TableConfig};
-    use crate::store::PushId;
+    use crate::config::{Mode, StoreConfig, TableConfig};
+    use tessera_store::store::PushId;
 
     fn store() -> Store {
-        let store = Store::new(&PsServerConfig {
+        let store = Store::new(&StoreConfig {
             mode: Mode::Training,
             tables: vec![TableConfig::new("t", 2)],
-            ..PsServerConfig::default()
+            ..StoreConfig::default()
         });
         let keys: Vec<u64> = (0..1000).collect();
         let grads = vec![0u8; keys.len() * 2 * 4];

@@ -28,7 +28,7 @@ pub enum Violation {
 }
 
 /// Reads key `key`'s value at `store`'s `shard` (0 without a row).
-fn value(store: &crate::store::Store, shard: u32, key: u64) -> Option<f32> {
+fn value(store: &tessera_store::store::Store, shard: u32, key: u64) -> Option<f32> {
     let rows = store.read_rows(TABLE, shard, &[key], false).ok()?;
     if rows.keys.is_empty() {
         return Some(0.0);

@@ -12,14 +12,14 @@
 //! are a sans-IO core ([`crate::reshard::ReshardCore`]), so the harness
 //! runs the real code where the safety argument lives:
 //!
-//! - *real*: each server's [`Store`](crate::store::Store) (rows, deduplication windows, the
+//! - *real*: each server's [`Store`](tessera_store::store::Store) (rows, deduplication windows, the
 //!   fence, receiving and shrink states, origin windows, the opening's
 //!   windows), its [`ReshardCore`] (every look and every opening), the
 //!   Push screen and checks the service runs ([`crate::service`]), the
-//!   replica's apply ([`crate::store::CheckedPush::apply_replicated`]),
+//!   replica's apply ([`tessera_store::store::CheckedPush::apply_replicated`]),
 //!   the copy stream's codec and install, the shard map's transitions
 //!   ([`tessera_coord::ShardMap`]) and the lead gate's test
-//!   ([`crate::store::Store::resize_state_reached`]);
+//!   ([`tessera_store::store::Store::resize_state_reached`]);
 //! - *modelled* ([`world`]): etcd (one map under compare-and-swap,
 //!   primary keys with leases, a watch delivered late or stalled), the
 //!   network (latency, FIFO per link, messages to a dead server lost),

@@ -17,11 +17,12 @@ use super::world::{
     Event, FENCE_MARGIN, GATE_TIMEOUT, LEASE, LOOK_EVERY, Msg, PartOutcome, REPLICA_TIMEOUT, TABLE,
     TICK, World,
 };
-use crate::config::{Initializer, Mode, OptimizerConfig, PsServerConfig, TableConfig};
-use crate::replication::{CopySource, Stager};
+use crate::config::{Initializer, Mode, OptimizerConfig, StoreConfig, TableConfig};
+use crate::replication::Stager;
 use crate::reshard::{Action, Look, ReshardCore, Transition};
-use crate::store::{DeltaRows, PushId, Store, StoreError, TableWindows};
-use crate::version::Version;
+use tessera_store::copy_stream::CopySource;
+use tessera_store::store::{DeltaRows, PushId, Store, StoreError, TableWindows};
+use tessera_store::version::Version;
 
 /// The delta interval the servers cut at.
 const INTERVAL: Duration = Duration::from_millis(100);
@@ -113,8 +114,8 @@ pub struct Server {
     ticks: u64,
 }
 
-fn config(shard: u32, count: u32) -> PsServerConfig {
-    PsServerConfig {
+fn config(shard: u32, count: u32) -> StoreConfig {
+    StoreConfig {
         mode: Mode::Training,
         num_shards: count,
         shards: vec![shard],
@@ -123,7 +124,7 @@ fn config(shard: u32, count: u32) -> PsServerConfig {
             initializer: Initializer::Zeros,
             ..TableConfig::new(TABLE, 1)
         }],
-        ..PsServerConfig::default()
+        ..StoreConfig::default()
     }
 }
 
@@ -897,7 +898,7 @@ impl World {
         epoch: u64,
         position: u64,
         request: &PushRequest,
-        outcome: &crate::store::PushOutcome,
+        outcome: &tessera_store::store::PushOutcome,
     ) {
         let s = &self.servers[i];
         if !matches!(s.role, Role::Replica) || s.shard != request.shard {

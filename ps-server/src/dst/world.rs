@@ -16,7 +16,7 @@ use super::server::{Role, Server};
 /// How long a primary's lease runs without a renewal.
 pub const LEASE: Duration = Duration::from_secs(2);
 /// How long before its lease ends a primary stops taking Pushes (its
-/// fence: `coordination/fence.rs`).
+/// fence: `fence.rs`).
 pub const FENCE_MARGIN: Duration = Duration::from_millis(300);
 /// How long a new primary waits for its resize state to reach the map it
 /// read after winning before it resigns (the failover timeout).
@@ -94,7 +94,7 @@ pub enum Msg {
         epoch: u64,
         position: u64,
         request: PushRequest,
-        outcome: crate::store::PushOutcome,
+        outcome: tessera_store::store::PushOutcome,
     },
     /// A replica applied a forwarded Push up to `position`.
     ForwardAck {

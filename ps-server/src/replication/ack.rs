@@ -14,7 +14,7 @@ use super::Replication;
 use super::forward::{Confirmation, Forwarder};
 use super::shard::Role;
 use crate::config::AckMode;
-use crate::version::Version;
+use tessera_store::version::Version;
 
 /// Why this server does not take a Push for a shard now.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -134,7 +134,7 @@ impl Replication {
         shard: u32,
         version: Version,
         push: &PushRequest,
-        outcome: &crate::store::PushOutcome,
+        outcome: &tessera_store::store::PushOutcome,
     ) -> AckTicket {
         let mut ticket = AckTicket {
             shard,
@@ -170,7 +170,12 @@ impl Replication {
     /// `version` (it removed `expired`), for the replicas. Nothing waits
     /// for it: a replica that misses it is out of step and copies the
     /// shard again. Called under the shard's write lock, in stream order.
-    pub fn record_expiry(&self, shard: u32, version: Version, expired: &crate::store::Expired) {
+    pub fn record_expiry(
+        &self,
+        shard: u32,
+        version: Version,
+        expired: &tessera_store::store::Expired,
+    ) {
         let mut shared = None;
         for forwarder in &self.forwarders {
             if forwarder.shards.contains(&shard) {
@@ -195,7 +200,10 @@ impl Replication {
     /// replica is cut off at it, and one attaching later holds an older
     /// version; either copies the shard. Returns the new version, or
     /// `None` (nothing changed) when this server does not lead the shard.
-    pub fn restart_replicas(&self, writing: &mut crate::store::ShardGuard<'_>) -> Option<Version> {
+    pub fn restart_replicas(
+        &self,
+        writing: &mut tessera_store::store::ShardGuard<'_>,
+    ) -> Option<Version> {
         let shard = writing.shard();
         let epoch = self.leading_epoch(shard, std::time::Instant::now())?;
         let version = writing.version().next(epoch);

@@ -23,7 +23,7 @@ impl Replication {
                     shard,
                     role: state.health_role() as i32,
                     epoch: state.known_epoch,
-                    version: Some(version.into()),
+                    version: Some(crate::wire::version_to_wire(version)),
                     primary: state.known_primary.clone().unwrap_or_default(),
                     ..ShardHealth::default()
                 };

@@ -8,7 +8,7 @@
 //! shard's stream and its own **epoch**, and queues it for every replica
 //! attached to the shard (`forward`); a replica applies the positions
 //! strictly in order. A copy of a shard is identified by its
-//! [`Version`](crate::version::Version): the epoch and position of the last
+//! [`Version`](tessera_store::version::Version): the epoch and position of the last
 //! Push it applied. Who the primary is and where epochs come from is the
 //! coordination's business (`crate::coordination`): fixed in static mode,
 //! leases in etcd otherwise; this module carries out its decisions
@@ -52,7 +52,6 @@
 //!   acknowledged under two epochs.
 
 mod ack;
-pub(crate) mod copy_stream;
 mod forward;
 mod health;
 mod in_step;
@@ -74,19 +73,19 @@ use tessera_rpc::{Channel, ChannelConfig, Transport};
 use tokio_util::sync::CancellationToken;
 
 pub use self::ack::{AckTicket, Refusal};
-pub use self::copy_stream::{CopyDecoder, CopyItem, StreamError};
 pub use self::in_step::{InStepWriter, eligible};
 pub use self::recovery::{Patience, Recovered, RecoveryError};
 pub use self::service::ReplicationService;
 pub use self::sync::CopyError;
 #[cfg(test)]
-pub(crate) use self::{copy_stream::CopySource, sync::Stager};
+pub(crate) use self::sync::Stager;
+pub use tessera_store::copy_stream::{CopyDecoder, CopyItem, StreamError};
 
 use self::forward::{ForwardSettings, Forwarder};
 use self::shard::ShardCell;
 use crate::config::{AckMode, PeerConfig, PsServerConfig};
-use crate::coordination::Fence;
-use crate::store::Store;
+use crate::fence::Fence;
+use tessera_store::store::Store;
 
 /// The replication state of one server (module docs).
 #[derive(Debug)]

@@ -28,7 +28,7 @@ use super::shard::Role;
 /// out (with a coordinator, once the patience runs out).
 const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 use super::sync::CopyError;
-use crate::version::Version;
+use tessera_store::version::Version;
 
 /// How long a recovery waits for the other servers of the shard.
 #[derive(Debug, Clone)]
@@ -157,7 +157,7 @@ impl Replication {
         let mut newest_epoch = own.epoch.max(self.known_epoch(shard));
         let mut best: Option<(&String, Version)> = None;
         for (addr, status) in &statuses {
-            let version: Version = status.version.unwrap_or_default().into();
+            let version = crate::wire::version_from_wire(status.version.unwrap_or_default());
             newest_epoch = newest_epoch.max(status.known_epoch).max(version.epoch);
             if status.hosted && best.is_none_or(|(_, v)| version > v) {
                 best = Some((addr, version));
@@ -182,7 +182,7 @@ impl Replication {
         let lost = statuses
             .values()
             .filter_map(|s| s.primary_head)
-            .map(Version::from)
+            .map(crate::wire::version_from_wire)
             .filter(|head| head.epoch >= version.epoch)
             .map(|head| head.position.saturating_sub(version.position))
             .max()

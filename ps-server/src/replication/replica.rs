@@ -19,8 +19,8 @@ use tessera_proto::v1::{
 use super::Replication;
 use super::shard::{Follow, Role};
 use super::sync::{self, CopyError};
-use crate::store::PushId;
-use crate::version::Version;
+use tessera_store::store::PushId;
+use tessera_store::version::Version;
 
 /// What a replica does with one shard of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -294,7 +294,7 @@ impl Replication {
     /// it has released both.
     fn apply_locked(
         &self,
-        writing: &mut crate::store::ShardGuard<'_>,
+        writing: &mut tessera_store::store::ShardGuard<'_>,
         state: &mut super::shard::StateGuard<'_>,
         sender: &str,
         epoch: u64,
@@ -320,7 +320,7 @@ impl Replication {
             return Entry::Resync;
         }
         if let Some(expired) = &entry.expired {
-            let expired = crate::store::Expired {
+            let expired = tessera_store::store::Expired {
                 table: expired.table.clone(),
                 keys: expired.keys.clone(),
                 pass_done: false,
@@ -345,20 +345,20 @@ impl Replication {
                     },
                 )
             } else {
-                Err(crate::store::StoreError::ShardNotHosted {
+                Err(tessera_store::store::StoreError::ShardNotHosted {
                     shard: push.shard,
                     hosted: vec![entry.shard],
                 })
             };
-            let evictions: Vec<crate::table::Eviction> = entry
+            let evictions: Vec<tessera_store::table::Eviction> = entry
                 .evicted_before
                 .iter()
                 .zip(&entry.evicted_keys)
-                .map(|(&before, &key)| crate::table::Eviction { before, key })
+                .map(|(&before, &key)| tessera_store::table::Eviction { before, key })
                 .collect();
             let applied = checked.and_then(|checked| {
                 if entry.evicted_before.len() != entry.evicted_keys.len() {
-                    return Err(crate::store::StoreError::BadEvictions {
+                    return Err(tessera_store::store::StoreError::BadEvictions {
                         keys: push.keys.len(),
                     });
                 }
@@ -612,10 +612,10 @@ impl Replication {
         let state = cell.lock();
         ShardStatusResponse {
             hosted: true,
-            version: Some(version.into()),
+            version: Some(crate::wire::version_to_wire(version)),
             known_epoch: state.known_epoch,
             primary_head: match &state.role {
-                Role::Replica(f) => Some(f.head.into()),
+                Role::Replica(f) => Some(crate::wire::version_to_wire(f.head)),
                 _ => None,
             },
             in_step_epoch: state.in_step_epoch(version.position),

@@ -8,7 +8,7 @@ use tessera_proto::v1::NotPrimary;
 
 use super::shard::{Follow, Role, ShardState};
 use super::{RecoveryError, Replication};
-use crate::version::Version;
+use tessera_store::version::Version;
 
 impl Replication {
     /// Steps down from `state` (under the shard's write lock): the

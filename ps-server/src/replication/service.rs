@@ -10,10 +10,9 @@ use tessera_proto::v1::{
 use tessera_rpc::{RequestContext, Status};
 
 use super::Replication;
-use super::copy_stream::CopySource;
 use super::shard::Role;
 use super::sync;
-use crate::version::Version;
+use tessera_store::copy_stream::CopySource;
 
 /// The `Replication` RPC service of a server.
 #[derive(Debug, Clone)]
@@ -89,7 +88,7 @@ impl Replication {
             )));
         };
         let state = cell.lock();
-        let caller: Version = request.version.unwrap_or_default().into();
+        let caller = crate::wire::version_from_wire(request.version.unwrap_or_default());
         let version = writing.version();
         let mut attachment = 0;
         if caller > version {
@@ -127,13 +126,13 @@ impl Replication {
         let origins = self
             .store
             .origin_windows(shard)
-            .map(|set| crate::delta::origins_to_wire(&set));
+            .map(|set| crate::wire::origins_to_wire(&set));
         if caller == version && request.attach {
             tracing::info!(shard, replica = %request.replica, %version, "replica attached, in step");
             return Ok(SyncResponse {
                 session: 0,
                 epoch,
-                version: Some(version.into()),
+                version: Some(crate::wire::version_to_wire(version)),
                 total_bytes: 0,
                 attachment,
                 origins,
@@ -149,7 +148,7 @@ impl Replication {
         Ok(SyncResponse {
             session,
             epoch,
-            version: Some(version.into()),
+            version: Some(crate::wire::version_to_wire(version)),
             total_bytes,
             attachment,
             origins,

@@ -3,7 +3,7 @@
 //! its view of the primary's stream.
 //!
 //! Lock order: a caller that needs both takes the store's shard write lock
-//! ([`crate::store::Store::lock_shard`]) before a cell's state; every
+//! ([`tessera_store::store::Store::lock_shard`]) before a cell's state; every
 //! change of role happens under both, so that a Push (which holds the write
 //! lock from its admission to its stream position) never straddles one.
 
@@ -14,7 +14,7 @@ use tessera_rpc::sync::LockExt;
 
 use tessera_proto::v1::{self, NotPrimary};
 
-use crate::version::Version;
+use tessera_store::version::Version;
 
 /// A replica's view of the primary it follows.
 #[derive(Debug, Clone, PartialEq, Eq)]

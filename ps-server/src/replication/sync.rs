@@ -6,11 +6,11 @@
 //! every row, so the copy holds whole Pushes only and matches its version,
 //! and the lock is held for a reference per row), and keeps it as a
 //! *session* ([`Sessions`]) that the caller fetches in 1 MiB chunks
-//! (`SyncChunk`), each encoded when asked ([`super::copy_stream`]): no
+//! (`SyncChunk`), each encoded when asked ([`tessera_store::copy_stream`]): no
 //! message approaches the transport's limit, and the copy never exists as
 //! one blob. The stream is the number of tables (u32), then per table, by
 //! name: the name's length (u32) and bytes, the row file's length (u64)
-//! and bytes ([`crate::rowfile`]).
+//! and bytes ([`tessera_store::rowfile`]).
 //!
 //! The caller decodes each chunk as it comes into rows staged beside its
 //! own ([`Staged`]), changing nothing it serves, then swaps them in under
@@ -29,13 +29,11 @@ use tessera_proto::v1::{ReplicationClient, SyncChunkRequest, SyncRequest, SyncRe
 use tessera_rpc::{RpcError, Status};
 
 use super::Replication;
-use super::copy_stream::{CopyDecoder, CopyItem, CopySource};
-use crate::image::TableShape;
-#[cfg(test)]
-use crate::image::{ShardImage, ShardSnapshot};
-use crate::rowfile;
-use crate::store::{ShardGuard, Store};
-use crate::version::Version;
+use tessera_store::copy_stream::{CopyDecoder, CopyItem, CopySource};
+use tessera_store::image::TableShape;
+use tessera_store::rowfile;
+use tessera_store::store::{ShardGuard, Store};
+use tessera_store::version::Version;
 
 /// Bytes per `SyncChunk` answer: well under any message limit, large
 /// enough that a big shard takes few round trips.
@@ -84,7 +82,7 @@ pub enum CopyError {
     DuplicateTable(String),
     /// The copy's stream does not decode.
     #[error(transparent)]
-    Stream(super::copy_stream::StreamError),
+    Stream(tessera_store::copy_stream::StreamError),
     /// The copy is older than the caller's own (a replica never copies
     /// from an older copy).
     #[error("the copy at {offered} is older than this server's at {own}")]
@@ -106,7 +104,7 @@ pub enum CopyError {
         /// The table.
         table: String,
         /// Why.
-        source: crate::table::StripeFull,
+        source: tessera_store::table::StripeFull,
     },
 }
 
@@ -124,7 +122,7 @@ pub(crate) struct Fetched {
     pub attachment: u64,
     /// A receiving shard's giving shards' windows, as the source keeps
     /// them (`Store::origin_windows`).
-    pub origins: Option<crate::store::OriginSet>,
+    pub origins: Option<tessera_store::store::OriginSet>,
 }
 
 impl Fetched {
@@ -160,7 +158,7 @@ impl Replication {
             .sync(SyncRequest {
                 shard,
                 replica: self.me.clone(),
-                version: Some(own.into()),
+                version: Some(crate::wire::version_to_wire(own)),
                 attach,
             })
             .await
@@ -168,7 +166,7 @@ impl Replication {
                 addr: from.to_owned(),
                 source,
             })?;
-        let version: Version = answer.version.unwrap_or_default().into();
+        let version = crate::wire::version_from_wire(answer.version.unwrap_or_default());
         if version < own {
             return Err(CopyError::Older {
                 offered: version,
@@ -185,76 +183,9 @@ impl Replication {
             version,
             copy,
             attachment: answer.attachment,
-            origins: answer.origins.as_ref().map(crate::delta::origins_from_wire),
+            origins: answer.origins.as_ref().map(crate::wire::origins_from_wire),
         })
     }
-}
-
-/// Every table's rows of a shard snapshot, as one blob (module docs; tests:
-/// servers encode chunk by chunk, [`CopySource`]).
-#[cfg(test)]
-pub(crate) fn encode_blob(snapshot: &ShardSnapshot) -> Vec<u8> {
-    let files = rowfile::encode_shard(snapshot);
-    let mut blob = Vec::with_capacity(
-        4 + files
-            .iter()
-            .map(|(n, f, _)| n.len() + f.len() + 12)
-            .sum::<usize>(),
-    );
-    blob.extend_from_slice(&(files.len() as u32).to_le_bytes());
-    for (name, bytes, _) in files {
-        blob.extend_from_slice(&(name.len() as u32).to_le_bytes());
-        blob.extend_from_slice(name.as_bytes());
-        blob.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-        blob.extend_from_slice(&bytes);
-    }
-    blob
-}
-
-/// Parses a blob into each table's image, checking every table against
-/// `store`'s configuration (tests: servers decode chunk by chunk).
-#[cfg(test)]
-pub(crate) fn decode(
-    store: &Store,
-    mut data: &[u8],
-) -> Result<Vec<(String, ShardImage)>, CopyError> {
-    fn take<'a>(n: usize, data: &mut &'a [u8]) -> Result<&'a [u8], CopyError> {
-        if data.len() < n {
-            return Err(CopyError::Truncated);
-        }
-        let (head, rest) = data.split_at(n);
-        *data = rest;
-        Ok(head)
-    }
-    let mut count = [0u8; 4];
-    count.copy_from_slice(take(4, &mut data)?);
-    let mut out = Vec::new();
-    for _ in 0..u32::from_le_bytes(count) {
-        let mut len = [0u8; 4];
-        len.copy_from_slice(take(4, &mut data)?);
-        let name = std::str::from_utf8(take(u32::from_le_bytes(len) as usize, &mut data)?)
-            .map_err(|_| CopyError::BadName)?
-            .to_owned();
-        let mut len = [0u8; 8];
-        len.copy_from_slice(take(8, &mut data)?);
-        let len = usize::try_from(u64::from_le_bytes(len)).map_err(|_| CopyError::Truncated)?;
-        let bytes = take(len, &mut data)?;
-        let table = store
-            .table(&name)
-            .ok_or_else(|| CopyError::UnknownTable(name.clone()))?;
-        let config = table.config();
-        let image = rowfile::decode(bytes, config.dim, config.optimizer.slots() as u32).map_err(
-            |source| CopyError::Rows {
-                table: name.clone(),
-                source,
-            },
-        )?;
-        out.push((name, image));
-    }
-    if !data.is_empty() {
-        return Err(CopyError::Trailing(data.len()));
-    }
-    Ok(out)
 }
 
 /// A copy downloaded into rows of its own, beside the live ones: the old
@@ -274,8 +205,8 @@ pub(crate) struct Staged {
 #[derive(Debug)]
 struct StagedTable {
     name: String,
-    rows: crate::table::ShardRows,
-    dedup: Vec<crate::dedup::WorkerWindow>,
+    rows: tessera_store::table::ShardRows,
+    dedup: Vec<tessera_store::dedup::WorkerWindow>,
     /// The stamp of a copied row without one (a table expiring
     /// `after_secs`: the time the copy arrived; 0 otherwise).
     unstamped: u32,
@@ -290,7 +221,7 @@ impl Staged {
         store: &Store,
         guard: &ShardGuard<'_>,
         now: Instant,
-    ) -> (usize, Vec<crate::table::ShardRows>) {
+    ) -> (usize, Vec<tessera_store::table::ShardRows>) {
         let shard = guard.shard();
         let mut rows = 0;
         let mut old = Vec::new();
@@ -430,8 +361,8 @@ impl Staged {
                     return Err(CopyError::DuplicateTable(name));
                 }
                 let unstamped = match table.config().expiry.map(|e| e.bound()) {
-                    Some(bound @ crate::table::expiry::Bound::Secs(_)) => {
-                        bound.now(crate::table::expiry::unix_secs(), 0)
+                    Some(bound @ tessera_store::table::expiry::Bound::Secs(_)) => {
+                        bound.now(tessera_store::table::expiry::unix_secs(), 0)
                     }
                     _ => 0,
                 };
@@ -580,12 +511,12 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{OptimizerConfig, PsServerConfig, TableConfig};
-    use crate::store::PushId;
+    use crate::config::{OptimizerConfig, StoreConfig, TableConfig};
     use tessera_proto::rows::put_f32s;
+    use tessera_store::store::PushId;
 
     fn store() -> Store {
-        Store::new(&PsServerConfig {
+        Store::new(&StoreConfig {
             tables: vec![
                 TableConfig {
                     optimizer: OptimizerConfig::adam(0.1),
@@ -593,8 +524,14 @@ mod tests {
                 },
                 TableConfig::new("b", 2),
             ],
-            ..PsServerConfig::default()
+            ..StoreConfig::default()
         })
+    }
+
+    /// Every table's rows of shard 0, as a copy streams them.
+    fn blob(store: &Store) -> Vec<u8> {
+        let source = CopySource::new(store.snapshot_shard(&store.lock_shard(0).unwrap()));
+        source.read_at(0, usize::try_from(source.total_bytes()).unwrap())
     }
 
     #[test]
@@ -609,7 +546,7 @@ mod tests {
         source
             .push("a", 0, &(0..10).collect::<Vec<_>>(), &grads, id)
             .unwrap();
-        let blob = encode_blob(&source.snapshot_shard(&source.lock_shard(0).unwrap()));
+        let bytes = blob(&source);
         let target = store();
         // Rows the copy does not have disappear.
         let mut one = Vec::new();
@@ -618,17 +555,14 @@ mod tests {
         // Staged from chunks of any size, then swapped in.
         let target = Arc::new(target);
         let mut stager = Stager::new(Arc::clone(&target));
-        for chunk in blob.chunks(7) {
+        for chunk in bytes.chunks(7) {
             stager.feed(chunk).unwrap();
         }
         let staged = stager.finish().unwrap();
-        assert_eq!((staged.rows, staged.bytes), (10, blob.len() as u64));
+        assert_eq!((staged.rows, staged.bytes), (10, bytes.len() as u64));
         let (rows, _old) = staged.install(&target, &target.lock_shard(0).unwrap(), Instant::now());
         assert_eq!(rows, 10);
-        assert_eq!(
-            encode_blob(&target.snapshot_shard(&target.lock_shard(0).unwrap())).len(),
-            blob.len()
-        );
+        assert_eq!(blob(&target).len(), bytes.len());
         assert_eq!(target.table("b").unwrap().rows(), 0);
         assert_eq!(
             target.fetch("a", 0, &[4]).unwrap(),
@@ -640,16 +574,18 @@ mod tests {
                 .unwrap()
                 .duplicate
         );
-        // Every truncation is refused.
-        for cut in 0..blob.len() {
-            assert!(decode(&target, &blob[..cut]).is_err(), "cut at {cut}");
+        // Every truncation is refused, and so is a byte past the end.
+        let stage = |part: &[u8]| {
+            let mut stager = Stager::new(Arc::clone(&target));
+            stager.feed(part)?;
+            stager.finish().map(drop)
+        };
+        for cut in 0..bytes.len() {
+            assert!(stage(&bytes[..cut]).is_err(), "cut at {cut}");
         }
-        let mut longer = blob.clone();
+        let mut longer = bytes.clone();
         longer.push(0);
-        assert!(matches!(
-            decode(&target, &longer),
-            Err(CopyError::Trailing(1))
-        ));
+        assert!(stage(&longer).is_err());
     }
 
     #[test]

@@ -27,8 +27,8 @@ use super::state::{
     fence_of, fenced_for, gave, given_away, open_shrunk, receiving_now, set_shrink_state,
     shrink_now,
 };
-use crate::store::{OriginSet, ShardGuard, Store, TableWindows};
-use crate::version::Version;
+use tessera_store::store::{OriginSet, ShardGuard, Store, TableWindows};
+use tessera_store::version::Version;
 
 /// What a server knows at one look ([`ReshardCore::look`]).
 #[derive(Debug, Clone, Default)]
@@ -558,7 +558,7 @@ impl ReshardCore {
         // takes the count.
         for &shard in &missed {
             if let Some(mut writing) = store.lock_shard(shard) {
-                writing.set_version(crate::version::Version::default());
+                writing.set_version(tessera_store::version::Version::default());
                 store.set_routes_by(&writing, None);
                 store.set_incoming(&writing, None);
             }
@@ -741,7 +741,7 @@ fn fenced(feed: Option<&tessera_proto::v1::ServingHealth>, resize: &Resize) -> b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{PsServerConfig, TableConfig};
+    use crate::config::{StoreConfig, TableConfig};
     use tessera_proto::v1::{ServingHealth, SourceFeed};
 
     /// A growth 2 -> 3 cancelled after its cut-over, planned again and
@@ -760,11 +760,11 @@ mod tests {
 
     /// A server of `num_shards` hosting `shard`.
     fn server(num_shards: u32, shard: u32) -> Store {
-        Store::new(&PsServerConfig {
+        Store::new(&StoreConfig {
             num_shards,
             shards: vec![shard],
             tables: vec![TableConfig::new("t", 1)],
-            ..PsServerConfig::default()
+            ..StoreConfig::default()
         })
     }
 

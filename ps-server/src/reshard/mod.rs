@@ -89,7 +89,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::delta::{Feed, ResizePlan, Sender};
 use crate::replication::Replication;
-use crate::store::Store;
+use tessera_store::store::Store;
 
 /// How often the resize is looked at besides the map's changes (the
 /// receiving shards' servers may come and go; a shard's feed falls in

@@ -6,7 +6,7 @@
 
 use tessera_coord::{Resize, ResizeState, ShardMap};
 
-use crate::store::Store;
+use tessera_store::store::Store;
 
 /// Whether each hosted shard of `store` receives keys now as `map` says
 /// (no copy of it serves): a receiving shard of a growth in progress, of
@@ -140,7 +140,12 @@ pub(crate) fn set_shrink_state(store: &Store, states: &[ShrinkState]) -> Vec<u32
 /// keys that come back now, is replaced). The caller clears the shard's
 /// incoming count after this (a Push checked against neither count is
 /// refused).
-pub(crate) fn open_shrunk(store: &Store, writing: &crate::store::ShardGuard<'_>, to: u32, id: u64) {
+pub(crate) fn open_shrunk(
+    store: &Store,
+    writing: &tessera_store::store::ShardGuard<'_>,
+    to: u32,
+    id: u64,
+) {
     store.set_routes_by(writing, Some(to));
     store.set_moved(writing, Some((to, id)));
     store.set_moved_open(writing, true);
@@ -240,14 +245,14 @@ pub fn prepare(store: &Store, map: Option<&ShardMap>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{PsServerConfig, TableConfig};
+    use crate::config::{StoreConfig, TableConfig};
 
     fn new_server() -> Store {
-        Store::new(&PsServerConfig {
+        Store::new(&StoreConfig {
             num_shards: 3,
             shards: vec![2],
             tables: vec![TableConfig::new("t", 1)],
-            ..PsServerConfig::default()
+            ..StoreConfig::default()
         })
     }
 

@@ -34,8 +34,8 @@ mod write;
 pub use self::write::LeadCheck;
 use self::write::{lock_for_feed, write_tables};
 use super::follower::{Follower, Header, Verdict};
-use crate::store::{Store, StoreError};
-use crate::table::changes::unix_ms;
+use tessera_store::store::{Store, StoreError};
+use tessera_store::table::changes::unix_ms;
 
 /// The keys a copy held, by table.
 type Seen = Mutex<HashMap<String, HashSet<u64>>>;
@@ -192,7 +192,7 @@ impl Feed {
     /// The deduplication windows each giving shard had at its fence, by
     /// giving shard, as its fenced delta or copy carried them (a resize
     /// feed's; read before [`Feed::close_for_resize`]).
-    pub async fn fenced_windows(&self) -> Vec<(u32, crate::store::TableWindows)> {
+    pub async fn fenced_windows(&self) -> Vec<(u32, tessera_store::store::TableWindows)> {
         let slots: Vec<(u32, Arc<tokio::sync::Mutex<Slot>>)> = self
             .slots
             .locked()
@@ -203,7 +203,7 @@ impl Feed {
         for (shard, slot) in slots {
             let slot = slot.lock().await;
             if slot.fenced && self.current(&slot) {
-                out.push((shard, super::windows::from_wire(&slot.windows)));
+                out.push((shard, crate::wire::windows_from_wire(&slot.windows)));
             }
         }
         out.sort_by_key(|(s, _)| *s);

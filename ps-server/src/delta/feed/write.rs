@@ -15,7 +15,7 @@ pub(super) fn lock_for_feed<'a>(
     store: &'a Store,
     shard: u32,
     resize: Option<&LeadCheck>,
-) -> Result<crate::store::ShardGuard<'a>, FeedError> {
+) -> Result<tessera_store::store::ShardGuard<'a>, FeedError> {
     let writing = store.lock_shard(shard).ok_or(StoreError::ShardNotHosted {
         shard,
         hosted: store.hosted().to_vec(),
@@ -175,7 +175,7 @@ pub(super) fn write_tables(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{PsServerConfig, TableConfig};
+    use crate::config::{StoreConfig, TableConfig};
 
     /// Found by the control-plane simulation (seed 1182): a receiving
     /// primary paused past its lease woke to the deltas that waited for it
@@ -183,11 +183,11 @@ mod tests {
     /// had opened the shard: its copy differed at the same version.
     #[test]
     fn a_resize_feed_writes_only_a_receiving_shard_this_server_leads() {
-        let store = Store::new(&PsServerConfig {
+        let store = Store::new(&StoreConfig {
             num_shards: 3,
             shards: vec![2],
             tables: vec![TableConfig::new("t", 1)],
-            ..PsServerConfig::default()
+            ..StoreConfig::default()
         });
         store.set_receiving(2, true);
         let leads = LeadCheck::new(|_| true);
