@@ -267,6 +267,27 @@ fn free_ports(host: &str, n: usize) -> Result<Vec<u16>, std::io::Error> {
         .collect()
 }
 
+/// Creates the run directory, and removes a previous run's `worker.toml`
+/// and `ranker.toml` from it: they are written once every server of this
+/// run answers, so a script that waits for them must not find an old
+/// cluster's files instead.
+fn prepare_run_dir(run_dir: &Path) -> Result<(), LaunchError> {
+    std::fs::create_dir_all(run_dir).map_err(|source| LaunchError::Write {
+        path: run_dir.to_owned(),
+        source,
+    })?;
+    for name in ["worker.toml", "ranker.toml"] {
+        let path = run_dir.join(name);
+        match std::fs::remove_file(&path) {
+            Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
+                return Err(LaunchError::Write { path, source });
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Writes `text` to `path` whole or not at all: into a temporary file
 /// beside it, then renamed over it, so a reader that sees the file (a
 /// script waiting for `worker.toml`) never reads it half written.
@@ -348,10 +369,7 @@ impl Cluster {
         interrupted: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
     ) -> Result<Self, LaunchError> {
         let binary = find_ps_server(config)?;
-        std::fs::create_dir_all(run_dir).map_err(|source| LaunchError::Write {
-            path: run_dir.to_owned(),
-            source,
-        })?;
+        prepare_run_dir(run_dir)?;
         let mut cluster = Cluster {
             servers: Vec::new(),
             worker_config: WorkerConfig::default(),
@@ -968,6 +986,22 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A script waiting for `worker.toml` in a run directory used before
+    /// does not find the last run's file.
+    #[test]
+    fn a_previous_runs_worker_files_are_removed_and_the_rest_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        prepare_run_dir(&run).unwrap();
+        for name in ["worker.toml", "ranker.toml", "ps-g0-s0.log"] {
+            std::fs::write(run.join(name), "old").unwrap();
+        }
+        prepare_run_dir(&run).unwrap();
+        assert!(!run.join("worker.toml").exists());
+        assert!(!run.join("ranker.toml").exists());
+        assert!(run.join("ps-g0-s0.log").exists());
+    }
 
     /// A server that lost its port says so in its log, in the words the
     /// ps-server binary uses; any other early exit is not retried.
