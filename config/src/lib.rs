@@ -8,6 +8,45 @@
 //! TOML parsing is the `toml` crate's (with serde): its errors already point
 //! at the line and key of a malformed or mistyped value, so parse errors are
 //! passed through as they are.
+//!
+//! A component's settings as Tessera writes them: defaults, unknown keys
+//! refused, and a check that names the key it refuses:
+//!
+//! ```
+//! use serde::Deserialize;
+//! use tessera_config::{ConfigError, Validate, invalid};
+//!
+//! #[derive(Deserialize)]
+//! #[serde(default, deny_unknown_fields)]
+//! struct CacheConfig {
+//!     /// Entries kept. Default 1,024.
+//!     entries: u32,
+//! }
+//!
+//! impl Default for CacheConfig {
+//!     fn default() -> Self {
+//!         Self { entries: 1024 }
+//!     }
+//! }
+//!
+//! impl Validate for CacheConfig {
+//!     fn validate(&self) -> Result<(), ConfigError> {
+//!         if self.entries == 0 {
+//!             return Err(invalid("entries", "must be at least 1"));
+//!         }
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("cache.toml");
+//! std::fs::write(&path, "entries = 0\n")?;
+//! let refused = tessera_config::load::<CacheConfig>(&path).err().map(|e| e.to_string());
+//! assert!(refused.is_some_and(|e| e.contains("entries")));
+//! # Ok(())
+//! # }
+//! ```
 
 use std::path::Path;
 

@@ -27,6 +27,23 @@
 //! members, see `endpoints.rs`), and [`LocalEtcd`], a local etcd of one
 //! or three members for a one-host cluster, a test or a drill. The decisions (when to campaign, fencing,
 //! recovery) are the ps-server's.
+//!
+//! The shard map's resize state machine, as etcd stores it and `tessera
+//! reshard` moves it (every step a new version, a step out of order
+//! refused):
+//!
+//! ```
+//! use tessera_coord::{ResizeState, ShardMap};
+//!
+//! let map = ShardMap::new(4);
+//! let planned = map.plan(8)?;
+//! assert_eq!(planned.version, map.version + 1);
+//! assert_eq!(planned.resize.as_ref().map(|r| r.state), Some(ResizeState::Planned));
+//! assert!(planned.plan(16).is_err(), "one resize at a time");
+//! let cancelled = planned.cancel()?;
+//! assert_eq!(cancelled.num_shards, 4);
+//! # Ok::<(), tessera_coord::ResizeError>(())
+//! ```
 
 mod config;
 mod endpoints;

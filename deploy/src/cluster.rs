@@ -267,6 +267,120 @@ fn free_ports(host: &str, n: usize) -> Result<Vec<u16>, std::io::Error> {
         .collect()
 }
 
+/// Where each training server runs: as given (one per server), or all on
+/// the cluster's `host`.
+fn placements_for(
+    config: &ClusterConfig,
+    placements: Option<Vec<Placement>>,
+    servers: usize,
+) -> Result<Vec<Placement>, LaunchError> {
+    match placements {
+        Some(placements) if placements.len() != servers => Err(LaunchError::Placements {
+            given: placements.len(),
+            servers,
+        }),
+        Some(placements) => Ok(placements),
+        None => Ok(vec![
+            Placement {
+                host: config.host.clone(),
+                ..Placement::default()
+            };
+            servers
+        ]),
+    }
+}
+
+/// The port of each training server, then of each of `serving` serving
+/// servers: from `base_port` up, or free ones probed on `host` (servers
+/// placed on other hosts take [`PLACED_PORT`]).
+fn ports_for(
+    config: &ClusterConfig,
+    placements: &[Placement],
+    serving: usize,
+) -> Result<Vec<u16>, LaunchError> {
+    let servers = placements.len();
+    let placed = placements.iter().any(|p| p.host != config.host);
+    let probe_failed = |source| LaunchError::Spawn {
+        what: "port probes".into(),
+        source,
+    };
+    if config.base_port == 0 && placed {
+        let mut ports = vec![PLACED_PORT; servers];
+        ports.extend(free_ports(&config.host, serving).map_err(probe_failed)?);
+        Ok(ports)
+    } else if config.base_port == 0 {
+        free_ports(&config.host, servers + serving).map_err(probe_failed)
+    } else {
+        // Validation guarantees base_port + index <= 65535.
+        Ok((0..servers + serving)
+            .map(|index| config.base_port + index as u16)
+            .collect())
+    }
+}
+
+/// The training servers' `[delta]`: a stream to every serving server.
+fn serving_delta(
+    serving: &crate::config::ServingFleetConfig,
+    layout: &[(u32, u32, String)],
+) -> tessera_ps_server::config::DeltaConfig {
+    tessera_ps_server::config::DeltaConfig {
+        num_shards: serving.num_shards,
+        servers: layout
+            .iter()
+            .map(|(_, s, a)| tessera_ps_server::config::ServingServer {
+                address: a.clone(),
+                shards: vec![*s],
+            })
+            .collect(),
+        interval_ms: serving.interval_ms,
+        max_rows: serving.max_rows,
+        ..tessera_ps_server::config::DeltaConfig::default()
+    }
+}
+
+/// The configuration of the training server of `(group, shard)` at
+/// `address`: every other server of `layout` is a peer.
+fn training_server(
+    config: &ClusterConfig,
+    layout: &[(u32, u32, String)],
+    (group, shard, address): (u32, u32, &str),
+    placement: &Placement,
+) -> PsServerConfig {
+    let peers = layout
+        .iter()
+        .filter(|(_, _, other)| other != address)
+        .map(|(g, s, a)| PeerConfig {
+            address: a.clone(),
+            replica_group: *g,
+            shards: vec![*s],
+        })
+        .collect();
+    PsServerConfig {
+        listen: address.to_owned(),
+        transport: config.transport,
+        rdma: RdmaConfig {
+            soft_port_file: placement
+                .soft_port_file
+                .clone()
+                .or_else(|| config.rdma.soft_port_file.clone()),
+            ..config.rdma.clone()
+        },
+        mode: config.mode,
+        seed: config.seed,
+        num_shards: config.num_shards,
+        shards: vec![shard],
+        replica_group: group,
+        replica_groups: config.replica_groups,
+        peers,
+        tables: config.tables.clone(),
+        replication: ReplicationConfig {
+            ack: config.ack,
+            ..ReplicationConfig::default()
+        },
+        ..PsServerConfig::default()
+    }
+}
+
 /// Creates the run directory, and removes a previous run's `worker.toml`
 /// and `ranker.toml` from it: they are written once every server of this
 /// run answers, so a script that waits for them must not find an old
@@ -398,62 +512,14 @@ impl Cluster {
         binary: &Path,
         placements: Option<Vec<Placement>>,
     ) -> Result<(), LaunchError> {
-        let mut coordinator = config.coordinator.clone();
-        if coordinator.is_etcd() && config.local_etcd {
-            let bin = tessera_coord::etcd_bin(config.etcd_bin.as_deref());
-            let etcd = LocalEtcd::start_members_on(
-                &bin,
-                &self.run_dir.join("etcd"),
-                config.local_etcd_members,
-                &config.host,
-                Duration::from_secs(20),
-            )?;
-            coordinator.endpoints = etcd.endpoints().to_vec();
-            self.etcd = Some(etcd);
-        }
+        let coordinator = self.start_local_etcd(config)?;
         // Every server's address first: each one's configuration lists the
         // others as its replication peers.
         let servers = (config.replica_groups * config.num_shards) as usize;
-        let placements = match placements {
-            Some(placements) if placements.len() != servers => {
-                return Err(LaunchError::Placements {
-                    given: placements.len(),
-                    servers,
-                });
-            }
-            Some(placements) => placements,
-            None => vec![
-                Placement {
-                    host: config.host.clone(),
-                    ..Placement::default()
-                };
-                servers
-            ],
-        };
-        let placed = placements.iter().any(|p| p.host != config.host);
+        let placements = placements_for(config, placements, servers)?;
         // The serving fleet's servers (on `host`) after the training ones.
         let serving_servers = config.serving.as_ref().map_or(0, |s| s.servers() as usize);
-        let all = servers + serving_servers;
-        let mut ports: Vec<u16> = if config.base_port == 0 && placed {
-            let mut ports = vec![PLACED_PORT; servers];
-            ports.extend(free_ports(&config.host, serving_servers).map_err(|source| {
-                LaunchError::Spawn {
-                    what: "port probes".into(),
-                    source,
-                }
-            })?);
-            ports
-        } else if config.base_port == 0 {
-            free_ports(&config.host, all).map_err(|source| LaunchError::Spawn {
-                what: "port probes".into(),
-                source,
-            })?
-        } else {
-            // Validation guarantees base_port + index <= 65535.
-            (0..all)
-                .map(|index| config.base_port + index as u16)
-                .collect()
-        };
+        let mut ports = ports_for(config, &placements, serving_servers)?;
         let serving_ports = ports.split_off(servers);
         let serving_layout: Vec<(u32, u32, String)> = match &config.serving {
             None => Vec::new(),
@@ -468,19 +534,7 @@ impl Cluster {
         }
         let delta = match &config.serving {
             None => tessera_ps_server::config::DeltaConfig::default(),
-            Some(serving) => tessera_ps_server::config::DeltaConfig {
-                num_shards: serving.num_shards,
-                servers: serving_layout
-                    .iter()
-                    .map(|(_, s, a)| tessera_ps_server::config::ServingServer {
-                        address: a.clone(),
-                        shards: vec![*s],
-                    })
-                    .collect(),
-                interval_ms: serving.interval_ms,
-                max_rows: serving.max_rows,
-                ..tessera_ps_server::config::DeltaConfig::default()
-            },
+            Some(serving) => serving_delta(serving, &serving_layout),
         };
         let mut layout = Vec::new();
         for group in 0..config.replica_groups {
@@ -493,73 +547,43 @@ impl Cluster {
         let mut endpoints = Vec::new();
         for (index, (group, shard, address)) in layout.clone().into_iter().enumerate() {
             let placement = &placements[index];
-            {
-                let peers = layout
-                    .iter()
-                    .filter(|(_, _, other)| *other != address)
-                    .map(|(g, s, a)| PeerConfig {
-                        address: a.clone(),
-                        replica_group: *g,
-                        shards: vec![*s],
-                    })
-                    .collect();
-                let mut server_config = PsServerConfig {
-                    listen: address.clone(),
-                    transport: config.transport,
-                    rdma: RdmaConfig {
-                        soft_port_file: placement
-                            .soft_port_file
-                            .clone()
-                            .or_else(|| config.rdma.soft_port_file.clone()),
-                        ..config.rdma.clone()
-                    },
-                    mode: config.mode,
-                    seed: config.seed,
-                    num_shards: config.num_shards,
-                    shards: vec![shard],
-                    replica_group: group,
-                    replica_groups: config.replica_groups,
-                    peers,
-                    tables: config.tables.clone(),
-                    coordinator: coordinator.clone(),
-                    replication: ReplicationConfig {
-                        ack: config.ack,
-                        ..ReplicationConfig::default()
-                    },
-                    delta: delta.clone(),
-                    ..PsServerConfig::default()
-                };
-                let stem = format!("ps-g{group}-s{shard}");
-                if config.checkpoint_interval_secs > 0 {
-                    server_config.checkpoint = CheckpointConfig {
+            let stem = format!("ps-g{group}-s{shard}");
+            let server_config = PsServerConfig {
+                coordinator: coordinator.clone(),
+                delta: delta.clone(),
+                checkpoint: if config.checkpoint_interval_secs > 0 {
+                    CheckpointConfig {
                         dir: Some(self.run_dir.join("checkpoints").join(&stem)),
                         interval_secs: config.checkpoint_interval_secs,
                         ..CheckpointConfig::default()
-                    };
-                }
-                if self.template.is_none() {
-                    self.template = Some(server_config.clone());
-                }
-                let what = format!("ps-server group {group} shard {shard} ({address})");
-                let (config_path, log, child) =
-                    self.write_and_spawn(&stem, &server_config, &placement.prefix, binary, &what)?;
-                endpoints.push(ServerEndpoint {
-                    address: address.clone(),
-                    shards: vec![shard],
-                    replica_group: group,
-                });
-                self.servers.push(ServerProcess {
-                    serving: false,
-                    group,
-                    shard,
-                    address,
-                    log,
-                    config_path,
-                    binary: binary.to_owned(),
-                    prefix: placement.prefix.clone(),
-                    child: Some(child),
-                });
+                    }
+                } else {
+                    CheckpointConfig::default()
+                },
+                ..training_server(config, &layout, (group, shard, &address), placement)
+            };
+            if self.template.is_none() {
+                self.template = Some(server_config.clone());
             }
+            let what = format!("ps-server group {group} shard {shard} ({address})");
+            let (config_path, log, child) =
+                self.write_and_spawn(&stem, &server_config, &placement.prefix, binary, &what)?;
+            endpoints.push(ServerEndpoint {
+                address: address.clone(),
+                shards: vec![shard],
+                replica_group: group,
+            });
+            self.servers.push(ServerProcess {
+                serving: false,
+                group,
+                shard,
+                address,
+                log,
+                config_path,
+                binary: binary.to_owned(),
+                prefix: placement.prefix.clone(),
+                child: Some(child),
+            });
         }
         self.worker_config = WorkerConfig {
             transport: config.transport,
@@ -578,6 +602,34 @@ impl Cluster {
         }
         self.wait_healthy(Duration::from_millis(config.startup_timeout_ms))
             .await?;
+        self.write_worker_files()
+    }
+
+    /// The coordinator the servers use: the configured one, or, with
+    /// `local_etcd`, the members of an etcd this launcher starts.
+    fn start_local_etcd(
+        &mut self,
+        config: &ClusterConfig,
+    ) -> Result<tessera_coord::CoordinatorConfig, LaunchError> {
+        let mut coordinator = config.coordinator.clone();
+        if coordinator.is_etcd() && config.local_etcd {
+            let bin = tessera_coord::etcd_bin(config.etcd_bin.as_deref());
+            let etcd = LocalEtcd::start_members_on(
+                &bin,
+                &self.run_dir.join("etcd"),
+                config.local_etcd_members,
+                &config.host,
+                Duration::from_secs(20),
+            )?;
+            coordinator.endpoints = etcd.endpoints().to_vec();
+            self.etcd = Some(etcd);
+        }
+        Ok(coordinator)
+    }
+
+    /// Writes `ranker.toml` (with a serving fleet) and then `worker.toml`:
+    /// last, since its presence tells scripts the cluster is up.
+    fn write_worker_files(&self) -> Result<(), LaunchError> {
         if let Some(serving) = &self.serving_config {
             let path = self.run_dir.join("ranker.toml");
             let text = toml::to_string(serving).map_err(|err| LaunchError::Write {
@@ -591,9 +643,7 @@ impl Cluster {
             path: worker_path.clone(),
             source: std::io::Error::other(err),
         })?;
-        // Written last: its presence tells scripts the cluster is up.
-        write_file(&worker_path, &text)?;
-        Ok(())
+        write_file(&worker_path, &text)
     }
 
     /// Writes `server_config` to `<stem>.toml` in the run directory and

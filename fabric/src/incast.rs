@@ -245,14 +245,23 @@ pub fn quantile(values: &[u64], q: f64) -> u64 {
 /// Bytes of each victim message; two are kept outstanding.
 const VICTIM_MESSAGE: usize = 256 << 10;
 
-/// Runs one incast (module docs).
-pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
-    let mut cluster = Cluster::new(ClusterConfig {
-        net: run.net,
-        engine: run.engine_config(),
-        seed: run.seed,
-    })?;
-    let mut sizes_rng = ChaCha8Rng::seed_from_u64(run.seed ^ 0x5eed_5153);
+/// The incast's connections: the worker to each server, and the victim's
+/// (a bandwidth test, not Tessera traffic: no window), each with its
+/// socket open.
+struct Fleet {
+    /// The worker's connection to server i.
+    worker_ends: Vec<ConnId>,
+    /// Server i's end of its connection from the worker.
+    server_of: HashMap<ConnId, usize>,
+    /// Which server a worker's connection goes to.
+    worker_index: HashMap<ConnId, usize>,
+    /// The victim's two ends.
+    victim: Option<(ConnId, ConnId)>,
+    /// The worker's socket to server i is `sockets[i]`; the victim's last.
+    sockets: Vec<Option<tessera_transport::rdma::engine::SocketId>>,
+}
+
+fn connect(cluster: &mut Cluster, run: &IncastRun) -> Result<Fleet, ClusterError> {
     let n = run.servers as usize;
     // The worker dialed each server.
     let mut worker_ends = Vec::with_capacity(n);
@@ -279,6 +288,31 @@ pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
     let mut dialers = worker_ends.clone();
     dialers.extend(victim.map(|(v, _)| v));
     let sockets = cluster.open_all(&dialers)?;
+    Ok(Fleet {
+        worker_ends,
+        server_of,
+        worker_index,
+        victim,
+        sockets,
+    })
+}
+
+/// Runs one incast (module docs).
+pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
+    let mut cluster = Cluster::new(ClusterConfig {
+        net: run.net,
+        engine: run.engine_config(),
+        seed: run.seed,
+    })?;
+    let mut sizes_rng = ChaCha8Rng::seed_from_u64(run.seed ^ 0x5eed_5153);
+    let n = run.servers as usize;
+    let Fleet {
+        worker_ends,
+        server_of,
+        worker_index,
+        victim,
+        sockets,
+    } = connect(&mut cluster, run)?;
     // A server answers on the socket the request came on; the worker's
     // socket to server i is sockets[i].
     let t0 = cluster.now();
@@ -373,24 +407,6 @@ pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
     let net = cluster.net();
     let stats = net.stats();
     let log = net.pauses();
-    let mut pauses_by_tier = [0; 3];
-    for ((switch, port), n, _) in log.per_port() {
-        let tier = match net.params().topology {
-            Topology::LeafSpine {
-                leaves, per_leaf, ..
-            } => {
-                if switch >= leaves {
-                    2
-                } else if port >= per_leaf {
-                    1
-                } else {
-                    0
-                }
-            }
-            Topology::Tor { .. } => 0,
-        };
-        pauses_by_tier[tier] += n;
-    }
     Ok(IncastOutcome {
         first_pause_ns: (log.count() > pauses_before)
             .then(|| log.first().map(|(t, _)| t.as_nanos().saturating_sub(t0)))
@@ -411,8 +427,32 @@ pub fn run(run: &IncastRun) -> Result<IncastOutcome, ClusterError> {
         done_ns,
         victim_bytes,
         events,
-        pauses_by_tier,
+        pauses_by_tier: pauses_by_tier(net),
     })
+}
+
+/// PFC pauses by the tier of the port that sent them: a ToR's port to a
+/// host (0), a leaf's uplink (1), a spine's port (2).
+fn pauses_by_tier(net: &crate::net::Network) -> [u64; 3] {
+    let mut tiers = [0; 3];
+    for ((switch, port), n, _) in net.pauses().per_port() {
+        let tier = match net.params().topology {
+            Topology::LeafSpine {
+                leaves, per_leaf, ..
+            } => {
+                if switch >= leaves {
+                    2
+                } else if port >= per_leaf {
+                    1
+                } else {
+                    0
+                }
+            }
+            Topology::Tor { .. } => 0,
+        };
+        tiers[tier] += n;
+    }
+    tiers
 }
 
 fn retransmissions(cluster: &Cluster) -> u64 {

@@ -865,6 +865,25 @@ impl Rnic {
         });
     }
 
+    /// The notification point: a CNP for a marked packet, one per queue
+    /// pair per `cnp_interval_ns`.
+    fn notify_congestion(&mut self, packet: &Packet, now: u64) {
+        let qp = &mut self.qps[packet.dst_qp as usize];
+        let interval = self.params.cnp_interval_ns;
+        if qp
+            .last_cnp
+            .is_none_or(|at| now.saturating_sub(at) >= interval)
+        {
+            qp.last_cnp = Some(now);
+            self.stats.cnps_sent += 1;
+            self.reply(packet, PacketKind::Cnp);
+        }
+    }
+
+    /// A data packet at the responder: in order it is taken (a receive
+    /// consumed where its operation needs one, its bytes placed at its
+    /// last packet, acknowledged every `ack_every` packets and at the
+    /// last); a duplicate is acknowledged again, a gap NAKed once.
     fn handle_data(
         &mut self,
         packet: &Packet,
@@ -875,18 +894,8 @@ impl Rnic {
         now: u64,
     ) {
         let qpn = packet.dst_qp;
-        // The notification point.
         if packet.ecn {
-            let qp = &mut self.qps[qpn as usize];
-            let interval = self.params.cnp_interval_ns;
-            if qp
-                .last_cnp
-                .is_none_or(|at| now.saturating_sub(at) >= interval)
-            {
-                qp.last_cnp = Some(now);
-                self.stats.cnps_sent += 1;
-                self.reply(packet, PacketKind::Cnp);
-            }
+            self.notify_congestion(packet, now);
         }
         let qp = &mut self.qps[qpn as usize];
         if psn < qp.expected_psn {

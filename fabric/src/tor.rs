@@ -97,176 +97,232 @@ struct Host {
 
 /// Runs the incast to its end (or 1 s of virtual time).
 pub fn run_incast(cfg: &IncastConfig) -> IncastReport {
-    let n = cfg.senders as usize;
-    let mtu = cfg.mtu.max(1);
-    let mut sim: Simulator<Event> = Simulator::new(cfg.seed);
-    let mut marks = ChaCha8Rng::seed_from_u64(cfg.seed);
-    // Switch port i faces host i.
-    let mut mmu = Mmu::new(cfg.switch, &vec![cfg.link; n + 1], cfg.link.rate_bps);
-    let mut to_receiver: Port<(Packet, usize)> = Port::new(cfg.link);
-    let mut pauses = PauseLog::default();
-    let mut hosts: Vec<Host> = (0..=n)
-        .map(|_| Host {
-            port: Port::new(cfg.link),
-            rate: cfg.dcqcn.map(|p| Dcqcn::new(p, 0)),
-            next_start: 0,
-            last_cnp: None,
-        })
-        .collect();
-    for (h, host) in hosts.iter_mut().enumerate().skip(1) {
-        let mut left = cfg.message_bytes;
-        while left > 0 {
-            let bytes = left.min(mtu);
-            left -= bytes;
-            host.port.handle_enqueue(
-                Packet {
-                    src: h as u32,
-                    bytes,
-                    ecn: false,
-                },
-                bytes,
-            );
-        }
-        let _ = sim.schedule_at(SimTime::ZERO, Event::HostSend(h as u32));
-    }
-    let total = cfg.message_bytes * u64::from(cfg.senders);
-    let mut report = IncastReport::default();
+    let mut incast = Incast::new(cfg);
     let end = SimTime::from_nanos(1_000_000_000);
-    let at = |ns: u64| SimTime::from_nanos(ns);
-    while let Some(due) = sim.next_event_until(end) {
-        report.events += 1;
+    while let Some(due) = incast.sim.next_event_until(end) {
+        incast.report.events += 1;
         let now = due.at.as_nanos();
         match due.event {
-            Event::HostSend(h) => {
-                let host = &mut hosts[h as usize];
-                if now < host.next_start {
-                    let _ = sim.schedule_at(at(host.next_start), Event::HostSend(h));
-                    continue;
-                }
-                let Some(t) = host.port.poll_transmit(now) else {
-                    continue;
-                };
-                // Paced at the flow's rate: the next start is one
-                // packet's time at that rate after this one's.
-                let rate = host
-                    .rate
-                    .as_ref()
-                    .map_or(cfg.link.rate_bps, Dcqcn::rate_bps)
-                    .max(1);
-                let gap = LinkParams {
-                    rate_bps: rate,
-                    ..cfg.link
-                }
-                .serialize_ns(t.bytes);
-                host.next_start = now + gap;
-                if let Some(rate) = host.rate.as_mut() {
-                    rate.handle_sent(t.bytes, now);
-                }
-                let _ = sim.schedule_at(at(t.arrives_at), Event::AtSwitch(t.packet));
-                if host.port.poll_timeout().is_some() {
-                    let next = t.leaves_at.max(host.next_start);
-                    let _ = sim.schedule_at(at(next), Event::HostSend(h));
-                }
-            }
-            Event::AtSwitch(packet) => {
-                let ingress = packet.src as usize;
-                if mmu.handle_arrival(ingress, 0, packet.bytes) == Admission::Dropped {
-                    report.drops += 1;
-                    continue;
-                }
-                if mmu.poll_pfc(ingress) == Some(Pfc::Pause) {
-                    pauses.handle_pause((0, packet.src), due.at);
-                    let _ = sim.schedule_at(
-                        at(now + cfg.link.delay_ns),
-                        Event::PfcAtHost(packet.src, true),
-                    );
-                }
-                let idle = to_receiver.poll_timeout().is_none();
-                to_receiver.handle_enqueue((packet, ingress), packet.bytes);
-                if idle {
-                    let _ = sim.schedule_at(due.at, Event::SwitchSend);
-                }
-            }
-            Event::SwitchSend => {
-                let Some(t) = to_receiver.poll_transmit(now) else {
-                    if let Some(next) = to_receiver.poll_timeout() {
-                        let _ = sim.schedule_at(at(next.max(now)), Event::SwitchSend);
-                    }
-                    continue;
-                };
-                let (mut packet, ingress) = t.packet;
-                packet.ecn = mmu.ecn_mark(0, &mut marks);
-                mmu.handle_departure(ingress, 0, packet.bytes);
-                if mmu.poll_pfc(ingress) == Some(Pfc::Resume) {
-                    pauses.handle_resume((0, packet.src), due.at);
-                    let _ = sim.schedule_at(
-                        at(now + cfg.link.delay_ns),
-                        Event::PfcAtHost(packet.src, false),
-                    );
-                }
-                let _ = sim.schedule_at(at(t.arrives_at), Event::AtReceiver(packet));
-                if let Some(next) = to_receiver.poll_timeout() {
-                    let _ = sim.schedule_at(at(next), Event::SwitchSend);
-                }
-            }
-            Event::AtReceiver(packet) => {
-                report.delivered_bytes += packet.bytes;
-                if report.delivered_bytes >= total && report.done_ns.is_none() {
-                    report.done_ns = Some(now);
-                }
-                let host = &mut hosts[packet.src as usize];
-                if packet.ecn
-                    && let Some(params) = cfg.dcqcn.as_ref()
-                    && host.rate.is_some()
-                {
-                    // The notification point: one CNP per flow per
-                    // decrease interval.
-                    let interval = params.decrease_interval_ns;
-                    if host
-                        .last_cnp
-                        .is_none_or(|last| now.saturating_sub(last) >= interval)
-                    {
-                        host.last_cnp = Some(now);
-                        report.cnps += 1;
-                        let _ = sim
-                            .schedule_at(at(now + 2 * cfg.link.delay_ns), Event::Cnp(packet.src));
-                    }
-                }
-            }
+            Event::HostSend(h) => incast.host_send(h, now),
+            Event::AtSwitch(packet) => incast.at_switch(packet, due.at),
+            Event::SwitchSend => incast.switch_send(due.at),
+            Event::AtReceiver(packet) => incast.at_receiver(packet, now),
             Event::PfcAtHost(h, pause) => {
-                let host = &mut hosts[h as usize];
+                let host = &mut incast.hosts[h as usize];
                 host.port.handle_pfc(pause);
                 if !pause && host.port.poll_timeout().is_some() {
-                    let _ = sim.schedule_at(due.at, Event::HostSend(h));
+                    let _ = incast.sim.schedule_at(due.at, Event::HostSend(h));
                 }
             }
-            Event::Cnp(h) => {
-                if let Some(rate) = hosts[h as usize].rate.as_mut() {
-                    rate.handle_cnp(now);
-                    if let Some(next) = rate.poll_timeout() {
-                        let _ = sim.schedule_at(at(next.max(now)), Event::RateTimer(h));
-                    }
-                }
-            }
-            Event::RateTimer(h) => {
-                if let Some(rate) = hosts[h as usize].rate.as_mut()
-                    && rate.poll_timeout().is_some_and(|next| next <= now)
-                {
-                    rate.handle_timeout(now);
-                    if let Some(next) = rate.poll_timeout() {
-                        let _ = sim.schedule_at(at(next.max(now)), Event::RateTimer(h));
-                    }
-                }
-            }
+            Event::Cnp(h) => incast.rate_event(h, now, true),
+            Event::RateTimer(h) => incast.rate_event(h, now, false),
         }
-        if report.done_ns.is_some() {
+        if incast.report.done_ns.is_some() {
             break;
         }
     }
-    report.first_pause_ns = pauses.first().map(|(t, _)| t.as_nanos());
-    report.pauses = pauses.count();
-    report.paused_ns = pauses.paused_ns(sim.now()).0;
+    let mut report = incast.report;
+    report.first_pause_ns = incast.pauses.first().map(|(t, _)| t.as_nanos());
+    report.pauses = incast.pauses.count();
+    report.paused_ns = incast.pauses.paused_ns(incast.sim.now()).0;
     report
+}
+
+fn at(ns: u64) -> SimTime {
+    SimTime::from_nanos(ns)
+}
+
+/// One incast's state: the senders, the switch and its port to the
+/// receiver, as [`run_incast`] moves them event by event.
+struct Incast<'a> {
+    cfg: &'a IncastConfig,
+    sim: Simulator<Event>,
+    marks: ChaCha8Rng,
+    mmu: Mmu,
+    to_receiver: Port<(Packet, usize)>,
+    pauses: PauseLog,
+    hosts: Vec<Host>,
+    total: u64,
+    report: IncastReport,
+}
+
+impl<'a> Incast<'a> {
+    /// Every sender with its whole message queued, each starting at 0.
+    fn new(cfg: &'a IncastConfig) -> Self {
+        let n = cfg.senders as usize;
+        let mtu = cfg.mtu.max(1);
+        let mut sim: Simulator<Event> = Simulator::new(cfg.seed);
+        // Switch port i faces host i.
+        let mut hosts: Vec<Host> = (0..=n)
+            .map(|_| Host {
+                port: Port::new(cfg.link),
+                rate: cfg.dcqcn.map(|p| Dcqcn::new(p, 0)),
+                next_start: 0,
+                last_cnp: None,
+            })
+            .collect();
+        for (h, host) in hosts.iter_mut().enumerate().skip(1) {
+            let mut left = cfg.message_bytes;
+            while left > 0 {
+                let bytes = left.min(mtu);
+                left -= bytes;
+                host.port.handle_enqueue(
+                    Packet {
+                        src: h as u32,
+                        bytes,
+                        ecn: false,
+                    },
+                    bytes,
+                );
+            }
+            let _ = sim.schedule_at(SimTime::ZERO, Event::HostSend(h as u32));
+        }
+        Self {
+            cfg,
+            sim,
+            marks: ChaCha8Rng::seed_from_u64(cfg.seed),
+            mmu: Mmu::new(cfg.switch, &vec![cfg.link; n + 1], cfg.link.rate_bps),
+            to_receiver: Port::new(cfg.link),
+            pauses: PauseLog::default(),
+            hosts,
+            total: cfg.message_bytes * u64::from(cfg.senders),
+            report: IncastReport::default(),
+        }
+    }
+
+    /// Host `h` sends its next packet, paced at its flow's rate.
+    fn host_send(&mut self, h: u32, now: u64) {
+        let host = &mut self.hosts[h as usize];
+        if now < host.next_start {
+            let _ = self
+                .sim
+                .schedule_at(at(host.next_start), Event::HostSend(h));
+            return;
+        }
+        let Some(t) = host.port.poll_transmit(now) else {
+            return;
+        };
+        // Paced at the flow's rate: the next start is one
+        // packet's time at that rate after this one's.
+        let rate = host
+            .rate
+            .as_ref()
+            .map_or(self.cfg.link.rate_bps, Dcqcn::rate_bps)
+            .max(1);
+        let gap = LinkParams {
+            rate_bps: rate,
+            ..self.cfg.link
+        }
+        .serialize_ns(t.bytes);
+        host.next_start = now + gap;
+        if let Some(rate) = host.rate.as_mut() {
+            rate.handle_sent(t.bytes, now);
+        }
+        let _ = self
+            .sim
+            .schedule_at(at(t.arrives_at), Event::AtSwitch(t.packet));
+        if host.port.poll_timeout().is_some() {
+            let next = t.leaves_at.max(host.next_start);
+            let _ = self.sim.schedule_at(at(next), Event::HostSend(h));
+        }
+    }
+
+    /// A packet reaches the switch: admitted or dropped, pausing its
+    /// ingress once over its threshold, queued to the receiver.
+    fn at_switch(&mut self, packet: Packet, due: SimTime) {
+        let now = due.as_nanos();
+        let ingress = packet.src as usize;
+        if self.mmu.handle_arrival(ingress, 0, packet.bytes) == Admission::Dropped {
+            self.report.drops += 1;
+            return;
+        }
+        if self.mmu.poll_pfc(ingress) == Some(Pfc::Pause) {
+            self.pauses.handle_pause((0, packet.src), due);
+            let _ = self.sim.schedule_at(
+                at(now + self.cfg.link.delay_ns),
+                Event::PfcAtHost(packet.src, true),
+            );
+        }
+        let idle = self.to_receiver.poll_timeout().is_none();
+        self.to_receiver
+            .handle_enqueue((packet, ingress), packet.bytes);
+        if idle {
+            let _ = self.sim.schedule_at(due, Event::SwitchSend);
+        }
+    }
+
+    /// The switch sends its next packet to the receiver, marking it by
+    /// its queue, and resumes an ingress back under its threshold.
+    fn switch_send(&mut self, due: SimTime) {
+        let now = due.as_nanos();
+        let Some(t) = self.to_receiver.poll_transmit(now) else {
+            if let Some(next) = self.to_receiver.poll_timeout() {
+                let _ = self.sim.schedule_at(at(next.max(now)), Event::SwitchSend);
+            }
+            return;
+        };
+        let (mut packet, ingress) = t.packet;
+        packet.ecn = self.mmu.ecn_mark(0, &mut self.marks);
+        self.mmu.handle_departure(ingress, 0, packet.bytes);
+        if self.mmu.poll_pfc(ingress) == Some(Pfc::Resume) {
+            self.pauses.handle_resume((0, packet.src), due);
+            let _ = self.sim.schedule_at(
+                at(now + self.cfg.link.delay_ns),
+                Event::PfcAtHost(packet.src, false),
+            );
+        }
+        let _ = self
+            .sim
+            .schedule_at(at(t.arrives_at), Event::AtReceiver(packet));
+        if let Some(next) = self.to_receiver.poll_timeout() {
+            let _ = self.sim.schedule_at(at(next), Event::SwitchSend);
+        }
+    }
+
+    /// A packet reaches the receiver: counted, and a CNP for a marked one
+    /// (one per flow per decrease interval).
+    fn at_receiver(&mut self, packet: Packet, now: u64) {
+        self.report.delivered_bytes += packet.bytes;
+        if self.report.delivered_bytes >= self.total && self.report.done_ns.is_none() {
+            self.report.done_ns = Some(now);
+        }
+        let host = &mut self.hosts[packet.src as usize];
+        if packet.ecn
+            && let Some(params) = self.cfg.dcqcn.as_ref()
+            && host.rate.is_some()
+        {
+            // The notification point: one CNP per flow per
+            // decrease interval.
+            let interval = params.decrease_interval_ns;
+            if host
+                .last_cnp
+                .is_none_or(|last| now.saturating_sub(last) >= interval)
+            {
+                host.last_cnp = Some(now);
+                self.report.cnps += 1;
+                let _ = self
+                    .sim
+                    .schedule_at(at(now + 2 * self.cfg.link.delay_ns), Event::Cnp(packet.src));
+            }
+        }
+    }
+
+    /// Host `h`'s rate control gets a CNP (`cnp`) or its timer fires.
+    fn rate_event(&mut self, h: u32, now: u64, cnp: bool) {
+        let Some(rate) = self.hosts[h as usize].rate.as_mut() else {
+            return;
+        };
+        if cnp {
+            rate.handle_cnp(now);
+        } else if rate.poll_timeout().is_some_and(|next| next <= now) {
+            rate.handle_timeout(now);
+        } else {
+            return;
+        }
+        if let Some(next) = rate.poll_timeout() {
+            let _ = self.sim.schedule_at(at(next.max(now)), Event::RateTimer(h));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -190,16 +190,16 @@ enum End {
     Server(u32),
 }
 
-/// Runs one training fleet (module docs).
-pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
-    let mut cluster = Cluster::new(ClusterConfig {
-        net: run.net,
-        engine: run.engine_config(),
-        seed: run.seed,
-    })?;
-    let mut rng = ChaCha8Rng::seed_from_u64(run.seed ^ 0x7a1e);
-    let (p, t) = (run.servers, run.trainers);
-    let (server_host, trainer_host) = run.placement.hosts(p, t);
+/// Every trainer's connection to every server, with its socket open and
+/// accepted (dialers run trainer by trainer, server by server): which end
+/// each connection id is, and the trainers with their ends.
+fn connect(
+    cluster: &mut Cluster,
+    p: u32,
+    t: u32,
+    server_host: &[u32],
+    trainer_host: &[u32],
+) -> Result<(Vec<Option<End>>, Vec<Trainer>), ClusterError> {
     let mut ends_of: Vec<Option<End>> = Vec::new();
     let mut trainers: Vec<Trainer> = Vec::with_capacity(t as usize);
     let mut dialers = Vec::new();
@@ -229,6 +229,20 @@ pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
             trainers[*tr as usize].ends.push((conn, socket));
         }
     }
+    Ok((ends_of, trainers))
+}
+
+/// Runs one training fleet (module docs).
+pub fn run(run: &TrainingRun) -> Result<TrainingOutcome, ClusterError> {
+    let mut cluster = Cluster::new(ClusterConfig {
+        net: run.net,
+        engine: run.engine_config(),
+        seed: run.seed,
+    })?;
+    let mut rng = ChaCha8Rng::seed_from_u64(run.seed ^ 0x7a1e);
+    let (p, t) = (run.servers, run.trainers);
+    let (server_host, trainer_host) = run.placement.hosts(p, t);
+    let (ends_of, mut trainers) = connect(&mut cluster, p, t, &server_host, &trainer_host)?;
     let t0 = cluster.now();
     let pauses_before = cluster.net().pauses().count();
     let paused_before = cluster

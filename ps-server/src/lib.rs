@@ -2,6 +2,31 @@
 //! serves `Fetch`, `Push` and `Health`, and `Admin` (checkpoints,
 //! statistics) — see `proto/ps.proto` — over Tessera RPC and, optionally,
 //! gRPC.
+//!
+//! `ps-server` is the binary most users run (`ps-server --config FILE`);
+//! the library starts the same server inside a program or a test:
+//!
+//! ```
+//! use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let server = PsServer::bind(&PsServerConfig {
+//!     listen: "127.0.0.1:0".into(),
+//!     tables: vec![TableConfig::new("emb", 8)],
+//!     ..PsServerConfig::default()
+//! })
+//! .await?;
+//! assert_ne!(server.local_addr().port(), 0);
+//! // The rows themselves live in the shard engine (`tessera-store`).
+//! assert_eq!(server.store().table("emb").map(|t| t.rows()), Some(0));
+//! // Serves until the future given resolves (a signal, in a binary:
+//! // `tessera_rpc::shutdown_signal()`), then drains its connections.
+//! let stopped = server.serve(async {}).await;
+//! # drop(stopped);
+//! # Ok(())
+//! # }
+//! ```
 
 mod admin;
 pub mod config;
@@ -89,6 +114,177 @@ impl std::fmt::Debug for GrpcEndpoint {
     }
 }
 
+/// Restores the newest checkpoint of `checkpoint.dir` into `store`,
+/// verified whole before anything is installed (the server does not
+/// listen until it is).
+fn restore_checkpoint(store: &Store, config: &PsServerConfig) -> Result<(), PsError> {
+    if let Some(dir) = &config.checkpoint.dir
+        && config.checkpoint.restore
+    {
+        let started = std::time::Instant::now();
+        // A training server in etcd mode may load a checkpoint saved
+        // under a finished resize's count (or the one before it); the
+        // shard map must name that count (checked once it is read).
+        let other_counts = config.mode == Mode::Training && config.coordinator.is_etcd();
+        match checkpoint::load_latest(store, dir, other_counts)? {
+            Some(loaded) => {
+                let path = loaded.path.clone();
+                store.install(loaded);
+                tracing::info!(path = %path.display(), took = ?started.elapsed(), "checkpoint restored");
+            }
+            None => tracing::info!(dir = %dir.display(), "no checkpoint to restore"),
+        }
+    }
+    Ok(())
+}
+
+/// A training server started during a resize: its receiving shards and
+/// the fence of moved keys, before it serves anything; and a checkpoint of
+/// another count than the configured one only where the map's last resize
+/// reconciles it (`crate::reshard`).
+fn prepare_for_resizes(
+    store: &Store,
+    config: &PsServerConfig,
+    coordination: &Coordination,
+) -> Result<(), PsError> {
+    if config.mode == Mode::Training {
+        let map = coordination.shard_map().borrow().clone();
+        // A checkpoint of another count than the configured one: only
+        // one the map's last resize reconciles (`crate::reshard`).
+        if store.num_shards() != config.num_shards
+            && !reshard::reconciles(map.as_ref(), store.num_shards())
+        {
+            return Err(PsError::CheckpointCount {
+                saved: store.num_shards(),
+                configured: config.num_shards,
+                map: map.map(|m| m.num_shards),
+            });
+        }
+        reshard::prepare(store, map.as_ref());
+    }
+    Ok(())
+}
+
+/// The two ends of the delta stream a server has: the sender (a training
+/// server with `[delta]`, or one in etcd mode, which may give keys to a
+/// resize) and the feed (a serving server's, or a training server's in
+/// etcd mode, which may take keys in one).
+fn delta_ends(
+    config: &PsServerConfig,
+    store: &Arc<Store>,
+    replication: &Arc<Replication>,
+    transport: &Transport,
+) -> (Option<Arc<delta::Sender>>, Option<Arc<delta::Feed>>) {
+    let resizes = config.mode == Mode::Training && config.coordinator.is_etcd();
+    let sender =
+        (config.mode == Mode::Training && (config.delta.enabled() || resizes)).then(|| {
+            delta::Sender::new(
+                Arc::clone(store),
+                Arc::clone(replication),
+                &config.delta,
+                config.advertised().to_owned(),
+                transport,
+            )
+        });
+    let feed = match config.mode {
+        Mode::Serving => Some(delta::Feed::new(
+            Arc::clone(store),
+            config.serving.max_delay_ms,
+            transport,
+        )),
+        _ if resizes => Some(delta::Feed::for_resizes(Arc::clone(store), transport)),
+        _ => None,
+    };
+    if let Some(feed) = feed.as_ref().filter(|_| config.mode != Mode::Serving) {
+        let replication = Arc::clone(replication);
+        feed.check_leads(delta::LeadCheck::new(move |shard| {
+            replication
+                .leading_epoch(shard, std::time::Instant::now())
+                .is_some()
+        }));
+    }
+    (sender, feed)
+}
+
+/// The gRPC endpoint at `addr`: the same services over HTTP/2.
+async fn bind_grpc(
+    addr: &str,
+    config: &PsServerConfig,
+    service: &PsService,
+    admin: &AdminService,
+    transport: &Transport,
+) -> Result<GrpcEndpoint, PsError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| PsError::GrpcBind {
+            addr: addr.to_owned(),
+            source,
+        })?;
+    tracing::info!(addr = ?listener.local_addr().ok(), "gRPC endpoint listening");
+    let max_message = usize::try_from(config.max_message_size).unwrap_or(usize::MAX);
+    Ok(GrpcEndpoint {
+        listener,
+        limits: grpc_limits::GrpcLimits::of(config),
+        inbound: config.inbound.clone(),
+        tls: transport.tls().map(|tls| tls.h2_acceptor()),
+        service: ParameterServerGrpc::service(
+            Arc::new(service.clone()),
+            transport.send_pool().clone(),
+            max_message,
+        ),
+        admin: tonic::service::interceptor::InterceptedService::new(
+            AdminGrpc::service(
+                Arc::new(admin.clone()),
+                transport.send_pool().clone(),
+                max_message,
+            ),
+            grpc_limits::RoleCheck::new(
+                transport.tls_enabled().then(|| config.roles.admin.clone()),
+            ),
+        ),
+    })
+}
+
+/// The server's Tessera RPC services. With TLS, who may call is said by
+/// certificates: workers Fetch and Push; only operators' tools (admin)
+/// take checkpoints, and only the fleet's servers (replication) write to
+/// replicas.
+fn rpc_services(
+    builder: tessera_rpc::ServerBuilder,
+    tls: bool,
+    config: &PsServerConfig,
+    service: PsService,
+    admin: AdminService,
+    replication: &Arc<Replication>,
+    deltas: delta::DeltaService,
+) -> Result<tessera_rpc::ServerBuilder, PsError> {
+    let mut builder = builder
+        .add_service(ParameterServerServer::new(service))?
+        .add_service(AdminServer::new(admin))?
+        .add_service(ReplicationServer::new(ReplicationService::new(Arc::clone(
+            replication,
+        ))))?
+        .add_service(DeltaServer::new(deltas))?;
+    if tls {
+        builder = builder
+            .require_role(
+                tessera_proto::v1::ADMIN_DESCRIPTOR.name,
+                &config.roles.admin,
+            )?
+            .require_role(
+                tessera_proto::v1::REPLICATION_DESCRIPTOR.name,
+                &config.roles.replication,
+            )?
+            // Deltas write a serving fleet's rows, and copies read a
+            // training shard's: servers of the fleets only.
+            .require_role(
+                tessera_proto::v1::DELTA_DESCRIPTOR.name,
+                &config.roles.replication,
+            )?;
+    }
+    Ok(builder)
+}
+
 impl PsServer {
     /// Validates `config`, creates the store and binds the listener.
     pub async fn bind(config: &PsServerConfig) -> Result<Self, PsError> {
@@ -101,25 +297,7 @@ impl PsServer {
                 config.checkpoint.keep,
             ))
         });
-        if let Some(dir) = &config.checkpoint.dir
-            && config.checkpoint.restore
-        {
-            // Verified whole before anything is installed; the server does
-            // not listen until it is.
-            let started = std::time::Instant::now();
-            // A training server in etcd mode may load a checkpoint saved
-            // under a finished resize's count (or the one before it); the
-            // shard map must name that count (checked once it is read).
-            let other_counts = config.mode == Mode::Training && config.coordinator.is_etcd();
-            match checkpoint::load_latest(&store, dir, other_counts)? {
-                Some(loaded) => {
-                    let path = loaded.path.clone();
-                    store.install(loaded);
-                    tracing::info!(path = %path.display(), took = ?started.elapsed(), "checkpoint restored");
-                }
-                None => tracing::info!(dir = %dir.display(), "no checkpoint to restore"),
-            }
-        }
+        restore_checkpoint(&store, config)?;
         let server_config = config.server_config();
         // Built here rather than by the server so that the gRPC endpoint
         // builds its responses in the same send pool, and replication
@@ -130,53 +308,11 @@ impl PsServer {
         let replication =
             Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
         let coordination = Coordination::prepare(config, &replication, fence).await?;
-        // A server started during a resize: its receiving shards and the
-        // fence of moved keys, before it serves anything.
-        if config.mode == Mode::Training {
-            let map = coordination.shard_map().borrow().clone();
-            // A checkpoint of another count than the configured one: only
-            // one the map's last resize reconciles (`crate::reshard`).
-            if store.num_shards() != config.num_shards
-                && !reshard::reconciles(map.as_ref(), store.num_shards())
-            {
-                return Err(PsError::CheckpointCount {
-                    saved: store.num_shards(),
-                    configured: config.num_shards,
-                    map: map.map(|m| m.num_shards),
-                });
-            }
-            reshard::prepare(&store, map.as_ref());
-        }
+        prepare_for_resizes(&store, config, &coordination)?;
         // In etcd mode a training server may give keys to a resize, and
         // take them in one: it has both ends of the delta stream.
         let resizes = config.mode == Mode::Training && config.coordinator.is_etcd();
-        let sender =
-            (config.mode == Mode::Training && (config.delta.enabled() || resizes)).then(|| {
-                delta::Sender::new(
-                    Arc::clone(&store),
-                    Arc::clone(&replication),
-                    &config.delta,
-                    config.advertised().to_owned(),
-                    &transport,
-                )
-            });
-        let feed = match config.mode {
-            Mode::Serving => Some(delta::Feed::new(
-                Arc::clone(&store),
-                config.serving.max_delay_ms,
-                &transport,
-            )),
-            _ if resizes => Some(delta::Feed::for_resizes(Arc::clone(&store), &transport)),
-            _ => None,
-        };
-        if let Some(feed) = feed.as_ref().filter(|_| config.mode != Mode::Serving) {
-            let replication = Arc::clone(&replication);
-            feed.check_leads(delta::LeadCheck::new(move |shard| {
-                replication
-                    .leading_epoch(shard, std::time::Instant::now())
-                    .is_some()
-            }));
-        }
+        let (sender, feed) = delta_ends(config, &store, &replication, &transport);
         let resharding = coordination.etcd().filter(|_| resizes).map(|coord| {
             reshard::Resharding::new(
                 config.advertised().to_owned(),
@@ -205,70 +341,18 @@ impl PsServer {
         let admin = AdminService::new(Arc::clone(&store), checkpoints.clone());
         let grpc = match &config.grpc_listen {
             None => None,
-            Some(addr) => {
-                let listener = tokio::net::TcpListener::bind(addr)
-                    .await
-                    .map_err(|source| PsError::GrpcBind {
-                        addr: addr.clone(),
-                        source,
-                    })?;
-                tracing::info!(addr = ?listener.local_addr().ok(), "gRPC endpoint listening");
-                Some(GrpcEndpoint {
-                    listener,
-                    limits: grpc_limits::GrpcLimits::of(config),
-                    inbound: config.inbound.clone(),
-                    tls: transport.tls().map(|tls| tls.h2_acceptor()),
-                    service: ParameterServerGrpc::service(
-                        Arc::new(service.clone()),
-                        transport.send_pool().clone(),
-                        usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
-                    ),
-                    admin: tonic::service::interceptor::InterceptedService::new(
-                        AdminGrpc::service(
-                            Arc::new(admin.clone()),
-                            transport.send_pool().clone(),
-                            usize::try_from(config.max_message_size).unwrap_or(usize::MAX),
-                        ),
-                        grpc_limits::RoleCheck::new(
-                            transport.tls_enabled().then(|| config.roles.admin.clone()),
-                        ),
-                    ),
-                })
-            }
+            Some(addr) => Some(bind_grpc(addr, config, &service, &admin, &transport).await?),
         };
         let tls = transport.tls_enabled();
-        let mut builder = Server::builder(server_config)
-            .transport(transport)
-            .add_service(ParameterServerServer::new(service))?
-            .add_service(AdminServer::new(admin))?
-            .add_service(ReplicationServer::new(ReplicationService::new(Arc::clone(
-                &replication,
-            ))))?
-            .add_service(DeltaServer::new(delta::DeltaService::new(
-                Arc::clone(&store),
-                feed.clone(),
-                sender.clone(),
-            )))?;
-        // With TLS, who may call is said by certificates: workers Fetch
-        // and Push; only operators' tools (admin) take checkpoints, and
-        // only the fleet's servers (replication) write to replicas.
-        if tls {
-            builder = builder
-                .require_role(
-                    tessera_proto::v1::ADMIN_DESCRIPTOR.name,
-                    &config.roles.admin,
-                )?
-                .require_role(
-                    tessera_proto::v1::REPLICATION_DESCRIPTOR.name,
-                    &config.roles.replication,
-                )?
-                // Deltas write a serving fleet's rows, and copies read a
-                // training shard's: servers of the fleets only.
-                .require_role(
-                    tessera_proto::v1::DELTA_DESCRIPTOR.name,
-                    &config.roles.replication,
-                )?;
-        }
+        let builder = rpc_services(
+            Server::builder(server_config).transport(transport),
+            tls,
+            config,
+            service,
+            admin,
+            &replication,
+            delta::DeltaService::new(Arc::clone(&store), feed.clone(), sender.clone()),
+        )?;
         let server = builder.bind(&config.listen).await?;
         tracing::info!(
             addr = %server.local_addr(),

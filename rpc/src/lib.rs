@@ -10,6 +10,64 @@
 //! (connection timeout and request timeout, separately), status codes and
 //! graceful shutdown. It never names a transport implementation detail: it
 //! sees only whole messages.
+//!
+//! A service's server and a call to it. `tessera-rpc-build` writes the
+//! descriptor, the dispatcher and a typed client from a `.proto` file (the
+//! guide "Defining your own service" walks through it); here they are
+//! written by hand, with raw bytes for messages:
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use tessera_rpc::codegen::{BoxFuture, Bytes, Message};
+//! use tessera_rpc::{
+//!     Channel, ChannelConfig, MethodDescriptor, RequestContext, Server, ServerConfig, Service,
+//!     ServiceDescriptor, Status, method_id, service_tag,
+//! };
+//!
+//! static ECHO: ServiceDescriptor = ServiceDescriptor {
+//!     name: "demo.Echo",
+//!     methods: &[MethodDescriptor {
+//!         name: "Echo",
+//!         path: "/demo.Echo/Echo",
+//!         id: method_id("/demo.Echo/Echo"),
+//!         service: service_tag("demo.Echo"),
+//!         idempotent: true,
+//!     }],
+//! };
+//!
+//! struct Echo;
+//!
+//! impl Service for Echo {
+//!     fn descriptor(&self) -> &'static ServiceDescriptor {
+//!         &ECHO
+//!     }
+//!     fn call(&self, _: u32, _: RequestContext, body: Bytes) -> BoxFuture<'static, Result<Message, Status>> {
+//!         Box::pin(async move { Ok(Message::from(body)) })
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let server = Server::builder(ServerConfig::default())
+//!     .add_service(Echo)?
+//!     .bind("127.0.0.1:0")
+//!     .await?;
+//! let addr = server.local_addr().to_string();
+//! let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+//! let serving = tokio::spawn(server.serve_with_shutdown(async move { let _ = stopped.await; }));
+//!
+//! let channel = Channel::connect(addr, ChannelConfig::default()).await?;
+//! let timeout = Duration::from_secs(5);
+//! let answer = channel
+//!     .call_raw(ECHO.methods[0].id, Message::from(b"hello".to_vec()), Instant::now() + timeout, timeout)
+//!     .await?;
+//! assert_eq!(&answer[..], b"hello");
+//!
+//! let _ = stop.send(());
+//! serving.await?;
+//! # Ok(())
+//! # }
+//! ```
 
 mod channel;
 pub mod codegen;

@@ -287,6 +287,104 @@ impl ReplicaSet {
             .await
     }
 
+    /// The replica for the next attempt of a call that tried `tried`:
+    /// quarantined ones excluded, one readmitted from quarantine starting
+    /// afresh (what got it excluded says nothing of it now). `None`: an
+    /// empty set.
+    fn pick(&self, tried: &[usize]) -> Option<usize> {
+        let mut state = self.state();
+        let now = Instant::now();
+        let State {
+            selector,
+            quarantine,
+            rng,
+            seen_readmissions,
+            was_excluded,
+            ..
+        } = &mut *state;
+        let excluded: Vec<bool> = selector
+            .replicas()
+            .iter()
+            .map(|r| quarantine.is_excluded(&r.addr, now))
+            .collect();
+        for (i, (&now_excluded, was)) in excluded.iter().zip(was_excluded.iter_mut()).enumerate() {
+            if *was && !now_excluded {
+                selector.reset(i);
+            }
+            *was = now_excluded;
+        }
+        let pick = selector.pick_for_attempt(tried, &excluded, now, rng);
+        if let Some(i) = pick {
+            selector.start(i);
+        }
+        let readmissions = quarantine.readmissions();
+        if readmissions > *seen_readmissions {
+            metrics::counter!(crate::observe::QUARANTINE_READMISSIONS)
+                .increment(readmissions - *seen_readmissions);
+            *seen_readmissions = readmissions;
+        }
+        pick
+    }
+
+    /// What replica `i`'s failed attempt (started at `attempt_started`)
+    /// teaches its selector and quarantine: the failure's class and the
+    /// replica's address, or `None` for a failure that is final for the
+    /// call (a request too large for any replica).
+    fn learn(
+        &self,
+        state: &mut State,
+        i: usize,
+        err: &RpcError,
+        attempt_started: Instant,
+        now: Instant,
+    ) -> Option<(AttemptFailure, String)> {
+        let failure = classify(err);
+        let fault = is_server_fault(err);
+        // One reset with fifty calls in flight, or one failed dial with
+        // thirty callers waiting, is one failure of the replica.
+        let event = err.event();
+        let repeated = event.is_some() && state.last_event[i] == event;
+        if event.is_some() {
+            state.last_event[i] = event;
+        }
+        if matches!(err, RpcError::MessageTooLarge { .. }) {
+            state.selector.abandon(i);
+            return None;
+        }
+        match failure {
+            // No latency sample from a failed or refused connection; the
+            // replica backs off instead.
+            AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost
+                if repeated =>
+            {
+                state.selector.abandon(i)
+            }
+            AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost => {
+                state.selector.connection_failed(i, now)
+            }
+            // Fast and useless: a sample of at least an attempt's time.
+            _ if fault => state
+                .selector
+                .fault(i, now - attempt_started, self.attempt_timeout, now),
+            _ => state.selector.finish(i, now - attempt_started, now),
+        }
+        let addr = state.selector.replicas()[i].addr.clone();
+        let ejection = match failure {
+            _ if repeated => None,
+            AttemptFailure::Connect => state.quarantine.record_connect_failure(&addr, now),
+            AttemptFailure::Lost | AttemptFailure::TimedOut => {
+                state.quarantine.record_request_failure(&addr, now)
+            }
+            _ if fault => state.quarantine.record_request_failure(&addr, now),
+            _ => None,
+        };
+        if let Some(ejection) = ejection {
+            tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
+            metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
+        }
+        Some((failure, addr))
+    }
+
     async fn call(
         &self,
         method: &'static str,
@@ -313,44 +411,7 @@ impl ReplicaSet {
         loop {
             attempt += 1;
             counted += 1;
-            let picked = {
-                let mut state = self.state();
-                let now = Instant::now();
-                let State {
-                    selector,
-                    quarantine,
-                    rng,
-                    seen_readmissions,
-                    was_excluded,
-                    ..
-                } = &mut *state;
-                let excluded: Vec<bool> = selector
-                    .replicas()
-                    .iter()
-                    .map(|r| quarantine.is_excluded(&r.addr, now))
-                    .collect();
-                // A replica readmitted from quarantine starts afresh: what
-                // got it excluded says nothing of it now.
-                for (i, (&now_excluded, was)) in
-                    excluded.iter().zip(was_excluded.iter_mut()).enumerate()
-                {
-                    if *was && !now_excluded {
-                        selector.reset(i);
-                    }
-                    *was = now_excluded;
-                }
-                let pick = selector.pick_for_attempt(&tried, &excluded, now, rng);
-                if let Some(i) = pick {
-                    selector.start(i);
-                }
-                let readmissions = quarantine.readmissions();
-                if readmissions > *seen_readmissions {
-                    metrics::counter!(crate::observe::QUARANTINE_READMISSIONS)
-                        .increment(readmissions - *seen_readmissions);
-                    *seen_readmissions = readmissions;
-                }
-                pick
-            };
+            let picked = self.pick(&tried);
             let Some(i) = picked else {
                 // An empty set.
                 return Err(last_error.unwrap_or(RpcError::NoReplica(NoReplica::EmptySet)));
@@ -377,60 +438,18 @@ impl ReplicaSet {
             pending.replica = None;
             let now = Instant::now();
             let mut state = self.state();
-            let failure = match &result {
+            let (failure, addr) = match &result {
                 Ok(_) => {
                     state.selector.finish(i, now - attempt_started, now);
                     state.budget.on_success(now);
                     return result;
                 }
-                Err(err) => classify(err),
+                Err(err) => match self.learn(&mut state, i, err, attempt_started, now) {
+                    Some(learned) => learned,
+                    // The request's fault, and final: no replica would take it.
+                    None => return result,
+                },
             };
-            let fault = result.as_ref().err().is_some_and(is_server_fault);
-            // One reset with fifty calls in flight, or one failed dial with
-            // thirty callers waiting, is one failure of the replica.
-            let event = result.as_ref().err().and_then(RpcError::event);
-            let repeated = event.is_some() && state.last_event[i] == event;
-            if event.is_some() {
-                state.last_event[i] = event;
-            }
-            if matches!(result, Err(RpcError::MessageTooLarge { .. })) {
-                // The request's fault, and final: no replica would take it.
-                state.selector.abandon(i);
-                return result;
-            }
-            match failure {
-                // No latency sample from a failed or refused connection;
-                // the replica backs off instead.
-                AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost
-                    if repeated =>
-                {
-                    state.selector.abandon(i)
-                }
-                AttemptFailure::Connect | AttemptFailure::Refused | AttemptFailure::Lost => {
-                    state.selector.connection_failed(i, now)
-                }
-                // Fast and useless: a sample of at least an attempt's time.
-                _ if fault => {
-                    state
-                        .selector
-                        .fault(i, now - attempt_started, self.attempt_timeout, now)
-                }
-                _ => state.selector.finish(i, now - attempt_started, now),
-            }
-            let addr = state.selector.replicas()[i].addr.clone();
-            let ejection = match failure {
-                _ if repeated => None,
-                AttemptFailure::Connect => state.quarantine.record_connect_failure(&addr, now),
-                AttemptFailure::Lost | AttemptFailure::TimedOut => {
-                    state.quarantine.record_request_failure(&addr, now)
-                }
-                _ if fault => state.quarantine.record_request_failure(&addr, now),
-                _ => None,
-            };
-            if let Some(ejection) = ejection {
-                tracing::warn!(replica = %addr, until = ?ejection.until, "replica quarantined");
-                metrics::counter!(crate::observe::QUARANTINE_EJECTIONS).increment(1);
-            }
             failures.push((i, failure));
             if failure.did_no_work() && !turned_away.contains(&i) {
                 turned_away.push(i);

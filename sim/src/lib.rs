@@ -33,6 +33,18 @@
 //! not depend on an executor's scheduling. The random stream is ChaCha8
 //! (`rand_chacha`): its output for a seed is specified, so a seed's run
 //! does not change when `rand`'s default generator does.
+//!
+//! ```
+//! use tessera_sim::{SimTime, Simulator};
+//!
+//! let mut sim: Simulator<&str> = Simulator::new(7);
+//! sim.schedule_at(SimTime::from_nanos(2_000), "second")?;
+//! sim.schedule_at(SimTime::from_nanos(1_000), "first")?;
+//! let first = sim.next_event().map(|due| (due.at, due.event));
+//! assert_eq!(first, Some((SimTime::from_nanos(1_000), "first")));
+//! assert_eq!(sim.now(), SimTime::from_nanos(1_000));
+//! # Ok::<(), tessera_sim::SimError>(())
+//! ```
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};

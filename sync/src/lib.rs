@@ -14,6 +14,15 @@
 //!
 //! (`parking_lot`'s locks do not poison at all; std's are kept to avoid a
 //! second lock implementation beside tokio's and std's.)
+//!
+//! ```
+//! use std::sync::Mutex;
+//! use tessera_sync::LockExt;
+//!
+//! let counter = Mutex::new(0);
+//! *counter.locked() += 1;
+//! assert_eq!(*counter.locked(), 1);
+//! ```
 
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 

@@ -10,6 +10,34 @@
 //! in the configuration, so the RPC layer is written once: TCP ([`tcp`]) and
 //! RDMA ([`rdma`]: engines on RC queue pairs, driven by I/O threads, over
 //! the verbs providers in [`verbs`]).
+//!
+//! One message each way over TCP (`kind = "rdma"` with the `soft`
+//! provider runs the same code over the RDMA engine):
+//!
+//! ```
+//! use tessera_transport::{Message, Transport, TransportConfig};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let transport = Transport::new(TransportConfig::default())?;
+//! let listener = transport.listen("127.0.0.1:0").await?;
+//! let addr = listener.local_addr()?.to_string();
+//! let echo = tokio::spawn(async move {
+//!     let mut conn = listener.accept().await?;
+//!     while let Some(bytes) = conn.receiver.recv().await? {
+//!         conn.sender.send(Message::from(bytes)).await?;
+//!     }
+//!     Ok::<_, tessera_transport::TransportError>(())
+//! });
+//! let mut conn = transport.connect(&addr).await?;
+//! conn.sender.send(Message::from(b"ping".to_vec())).await?;
+//! let answer = conn.receiver.recv().await?;
+//! assert_eq!(answer.as_deref(), Some(&b"ping"[..]));
+//! drop(conn);
+//! echo.await??;
+//! # Ok(())
+//! # }
+//! ```
 
 mod config;
 mod connection;

@@ -108,10 +108,21 @@ pub(crate) fn generate_service(
 ) -> std::fmt::Result {
     let full = full_name(service);
     check_methods(service, &full);
-    let name = &service.name;
-    let descriptor = format!("{}_DESCRIPTOR", upper_snake(name));
+    let descriptor = format!("{}_DESCRIPTOR", upper_snake(&service.name));
+    generate_descriptor(service, &full, &descriptor, idempotent, buf)?;
+    generate_client(service, &full, &descriptor, bytes_fields, idempotent, buf)?;
+    generate_server_trait(service, &full, buf)?;
+    generate_dispatcher(service, &full, &descriptor, bytes_fields, buf)
+}
 
-    // Descriptor.
+/// The service's descriptor: its name, and each method's path and wire id.
+fn generate_descriptor(
+    service: &Service,
+    full: &str,
+    descriptor: &str,
+    idempotent: &HashSet<String>,
+    buf: &mut String,
+) -> std::fmt::Result {
     writeln!(
         buf,
         "/// Descriptor of `{full}`: its methods and their wire ids."
@@ -134,8 +145,19 @@ pub(crate) fn generate_service(
     }
     writeln!(buf, "    ],")?;
     writeln!(buf, "}};")?;
+    Ok(())
+}
 
-    // Client.
+/// The typed client, over a channel or a replica set.
+fn generate_client(
+    service: &Service,
+    full: &str,
+    descriptor: &str,
+    bytes_fields: &HashMap<String, Vec<BytesField>>,
+    idempotent: &HashSet<String>,
+    buf: &mut String,
+) -> std::fmt::Result {
+    let name = &service.name;
     doc_lines(&service.comments, "", buf);
     if !service.comments.leading.is_empty() {
         writeln!(buf, "///")?;
@@ -176,14 +198,18 @@ pub(crate) fn generate_service(
             method,
             index,
             idempotent.contains(&path),
-            &descriptor,
+            descriptor,
             bytes_fields,
             buf,
         )?;
     }
     writeln!(buf, "}}")?;
+    Ok(())
+}
 
-    // Server trait.
+/// The trait a server implements, a method per RPC.
+fn generate_server_trait(service: &Service, full: &str, buf: &mut String) -> std::fmt::Result {
+    let name = &service.name;
     doc_lines(&service.comments, "", buf);
     if !service.comments.leading.is_empty() {
         writeln!(buf, "///")?;
@@ -208,8 +234,19 @@ pub(crate) fn generate_service(
         )?;
     }
     writeln!(buf, "}}")?;
+    Ok(())
+}
 
-    // Dispatcher.
+/// The dispatcher that routes requests by method id to the trait's
+/// methods, decoding requests and encoding responses.
+fn generate_dispatcher(
+    service: &Service,
+    full: &str,
+    descriptor: &str,
+    bytes_fields: &HashMap<String, Vec<BytesField>>,
+    buf: &mut String,
+) -> std::fmt::Result {
+    let name = &service.name;
     writeln!(
         buf,
         "/// Routes Tessera requests for `{full}` to a [`{name}`] implementation."

@@ -468,69 +468,11 @@ impl RdmaRuntime {
     ) -> Result<EngineRef, TransportError> {
         let rdma = &self.config.rdma;
         let (io, cq_room) = self.thread()?;
-        let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
-        let caps = QpCaps {
-            max_send_wr: rdma.send_queue_depth,
-            max_recv_wr: rdma.recv_queue_depth,
-            max_sge: 4,
-            // The peer may use a shared receive queue; with dedicated ones
-            // credits make a receiver-not-ready impossible anyway.
-            rnr_retry: 7,
-        };
-        let engine_config = engine_config(
-            &self.config,
-            self.rail,
-            self.partners.rails(),
-            self.partners.striping(),
-        );
-        let mut engine = Engine::new(
-            engine_config,
-            self.pools.0.clone(),
-            self.pools.1.clone(),
-            role,
-            Instant::now(),
-        )
-        .map_err(TransportError::rdma_error)?;
-        if role == Role::Acceptor
-            && let Some(budget) = &self.inbound
-        {
-            engine.set_inbound_budget(budget.clone());
-        }
+        let mut engine = self.new_engine(role)?;
         // The QP after the engine: on every early return below, locals drop
         // in reverse, so the QP (which may hold the engine's receive
         // buffers) goes before the engine that owns them.
-        let qp = match io.srq() {
-            Some(srq) => {
-                self.device
-                    .create_qp_on_srq(Arc::clone(io.cq()), Arc::clone(io.cq()), srq, caps)
-            }
-            None => self
-                .device
-                .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps),
-        }
-        .map_err(failed)?;
-        // INIT before the first receives: real providers (rxe, hns) refuse
-        // receives on a QP in RESET.
-        qp.init().map_err(failed)?;
-        // Confinement: the peer writes only through windows bound for
-        // its grants (the receive pool has no remote access of its own).
-        // Allocated after the QP they will be bound on: a process that dies
-        // without closing its connections has its verbs objects destroyed
-        // by the kernel newest first, so its windows go before its QP (rxe
-        // waits 50 s for a window still bound on a QP being destroyed, and
-        // the dying process with it). None is bound before the engine is
-        // attached, so an early return below drops them in any order.
-        if rdma.confine_remote_writes {
-            let windows = (0..rdma.windows_per_connection)
-                .map(|_| self.device.alloc_window())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(failed)?;
-            engine.set_windows(windows);
-        }
-        // Receives go up before the peer can learn of them.
-        if let Some(wrs) = engine.poll_recv_post() {
-            qp.post_recv(&wrs).map_err(failed)?;
-        }
+        let qp = self.new_qp(&io, &mut engine)?;
         let mine = Hello {
             version: PROTOCOL_VERSION,
             endpoint: qp.endpoint(),
@@ -542,46 +484,7 @@ impl RdmaRuntime {
             rail: u8::try_from(self.rail).unwrap_or(0),
             instance: self.partners.instance(),
         };
-        // Three legs, so that neither side sends before the other's QP is
-        // connected (a SEND into a QP that is not ready is lost, and an RC
-        // QP retries it until it gives up): the listener connects before it
-        // answers, the dialer confirms once it has connected too.
-        let mut raw = [0u8; HELLO_LEN];
-        let check = |raw: &[u8; HELLO_LEN]| -> Result<Hello, TransportError> {
-            let theirs = Hello::decode(raw)?;
-            if theirs.version != PROTOCOL_VERSION {
-                return Err(TransportError::rdma_error(HandshakeError::Version {
-                    peer: theirs.version,
-                    ours: PROTOCOL_VERSION,
-                }));
-            }
-            Ok(theirs)
-        };
-        let theirs = match role {
-            Role::Dialer => {
-                stream.write_all(&mine.encode()).await?;
-                stream.flush().await?;
-                stream.read_exact(&mut raw).await?;
-                let theirs = check(&raw)?;
-                qp.connect(&theirs.endpoint).map_err(failed)?;
-                stream.write_all(&[READY]).await?;
-                stream.flush().await?;
-                theirs
-            }
-            Role::Acceptor => {
-                // A stranger (a TCP-transport client, a port scanner) is
-                // turned away at its first bytes rather than at the
-                // handshake timeout.
-                stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
-                if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
-                    return Err(TransportError::rdma_error(HandshakeError::NotTessera));
-                }
-                stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
-                let theirs = check(&raw)?;
-                qp.connect(&theirs.endpoint).map_err(failed)?;
-                theirs
-            }
-        };
+        let theirs = exchange_hellos(&mut stream, role, &mine, &*qp).await?;
         let info = PeerInfo {
             recv_depth: theirs.recv_depth,
             recv_buffer: theirs.recv_buffer,
@@ -617,42 +520,9 @@ impl RdmaRuntime {
             return Err(TransportError::rdma_error(RdmaError::ThreadStopped));
         }
         if role == Role::Acceptor {
-            // Until the dialer confirms, the engine is attached but not
-            // ready (no timers, no keepalive): if this future is dropped
-            // (the handshake bound) or fails, the I/O thread must still be
-            // told, or the QP, its windows and its CQ room stay for ever.
-            let mut unconfirmed = DetachUnlessConfirmed {
-                io: io.clone(),
-                qpn,
-                armed: true,
-            };
-            let confirmed = async {
-                stream.write_all(&mine.encode()).await?;
-                stream.flush().await?;
-                let mut ready = [0u8; 1];
-                stream.read_exact(&mut ready).await?;
-                if ready[0] != READY {
-                    return Err(TransportError::rdma_error(HandshakeError::NotConfirmed));
-                }
-                Ok(())
-            };
-            confirmed.await?;
-            unconfirmed.armed = false;
-            io.submit(Command::PeerReady { qpn, info });
+            confirm(&mut stream, &mine, &io, qpn, info).await?;
         }
-        // The handshake connection is the peer's liveness line: when it
-        // closes, the engine fails at once.
-        let watcher = io.clone();
-        tokio::spawn(async move {
-            let mut stream = stream;
-            let mut byte = [0u8; 1];
-            tokio::select! {
-                _ = stream.read(&mut byte) => {
-                    watcher.submit(Command::PeerClosed { qpn });
-                }
-                _ = stopped => {}
-            }
-        });
+        watch_control(stream, io.clone(), qpn, stopped);
         // Ready on both ends: its rail's engines to the same peer may hand
         // it chunks, and it them.
         self.partners.join(
@@ -665,6 +535,83 @@ impl RdmaRuntime {
             },
         );
         Ok(EngineRef { io, qpn, alive })
+    }
+
+    /// A new engine of this rail for a connection in `role`; an acceptor's
+    /// draws on the listener's inbound budget.
+    fn new_engine(&self, role: Role) -> Result<Engine, TransportError> {
+        let engine_config = engine_config(
+            &self.config,
+            self.rail,
+            self.partners.rails(),
+            self.partners.striping(),
+        );
+        let mut engine = Engine::new(
+            engine_config,
+            self.pools.0.clone(),
+            self.pools.1.clone(),
+            role,
+            Instant::now(),
+        )
+        .map_err(TransportError::rdma_error)?;
+        if role == Role::Acceptor
+            && let Some(budget) = &self.inbound
+        {
+            engine.set_inbound_budget(budget.clone());
+        }
+        Ok(engine)
+    }
+
+    /// The engine's queue pair on `io`'s completion queue (and shared
+    /// receive queue), in INIT, with the engine's memory windows and first
+    /// receives: receives go up before the peer can learn of them.
+    fn new_qp(
+        &self,
+        io: &IoThread,
+        engine: &mut Engine,
+    ) -> Result<Arc<dyn crate::verbs::QueuePair>, TransportError> {
+        let rdma = &self.config.rdma;
+        let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
+        let caps = QpCaps {
+            max_send_wr: rdma.send_queue_depth,
+            max_recv_wr: rdma.recv_queue_depth,
+            max_sge: 4,
+            // The peer may use a shared receive queue; with dedicated ones
+            // credits make a receiver-not-ready impossible anyway.
+            rnr_retry: 7,
+        };
+        let qp = match io.srq() {
+            Some(srq) => {
+                self.device
+                    .create_qp_on_srq(Arc::clone(io.cq()), Arc::clone(io.cq()), srq, caps)
+            }
+            None => self
+                .device
+                .create_qp(Arc::clone(io.cq()), Arc::clone(io.cq()), caps),
+        }
+        .map_err(failed)?;
+        // INIT before the first receives: real providers (rxe, hns) refuse
+        // receives on a QP in RESET.
+        qp.init().map_err(failed)?;
+        // Confinement: the peer writes only through windows bound for
+        // its grants (the receive pool has no remote access of its own).
+        // Allocated after the QP they will be bound on: a process that dies
+        // without closing its connections has its verbs objects destroyed
+        // by the kernel newest first, so its windows go before its QP (rxe
+        // waits 50 s for a window still bound on a QP being destroyed, and
+        // the dying process with it). None is bound before the engine is
+        // attached, so an early return drops them in any order.
+        if rdma.confine_remote_writes {
+            let windows = (0..rdma.windows_per_connection)
+                .map(|_| self.device.alloc_window())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(failed)?;
+            engine.set_windows(windows);
+        }
+        if let Some(wrs) = engine.poll_recv_post() {
+            qp.post_recv(&wrs).map_err(failed)?;
+        }
+        Ok(qp)
     }
 
     /// Makes sure this rail has an engine to `addr` (dials one if not), for
@@ -777,6 +724,102 @@ pub fn engine_config(
         }),
         grant_timeout: Some(Duration::from_millis(rdma.grant_timeout_ms)),
     }
+}
+
+/// The first two legs of the handshake: the hellos, each side's QP
+/// connected to the other's. Three legs in all, so that neither side sends
+/// before the other's QP is connected (a SEND into a QP that is not ready
+/// is lost, and an RC QP retries it until it gives up): the listener
+/// connects before it answers, the dialer confirms once it has connected
+/// too ([`confirm`] is the acceptor's part of that).
+async fn exchange_hellos(
+    stream: &mut BoxStream,
+    role: Role,
+    mine: &Hello,
+    qp: &dyn crate::verbs::QueuePair,
+) -> Result<Hello, TransportError> {
+    let failed = |e: crate::verbs::VerbsError| TransportError::rdma_error(e);
+    let mut raw = [0u8; HELLO_LEN];
+    let check = |raw: &[u8; HELLO_LEN]| -> Result<Hello, TransportError> {
+        let theirs = Hello::decode(raw)?;
+        if theirs.version != PROTOCOL_VERSION {
+            return Err(TransportError::rdma_error(HandshakeError::Version {
+                peer: theirs.version,
+                ours: PROTOCOL_VERSION,
+            }));
+        }
+        Ok(theirs)
+    };
+    match role {
+        Role::Dialer => {
+            stream.write_all(&mine.encode()).await?;
+            stream.flush().await?;
+            stream.read_exact(&mut raw).await?;
+            let theirs = check(&raw)?;
+            qp.connect(&theirs.endpoint).map_err(failed)?;
+            stream.write_all(&[READY]).await?;
+            stream.flush().await?;
+            Ok(theirs)
+        }
+        Role::Acceptor => {
+            // A stranger (a TCP-transport client, a port scanner) is
+            // turned away at its first bytes rather than at the handshake
+            // timeout.
+            stream.read_exact(&mut raw[..HELLO_MAGIC.len()]).await?;
+            if &raw[..HELLO_MAGIC.len()] != HELLO_MAGIC {
+                return Err(TransportError::rdma_error(HandshakeError::NotTessera));
+            }
+            stream.read_exact(&mut raw[HELLO_MAGIC.len()..]).await?;
+            let theirs = check(&raw)?;
+            qp.connect(&theirs.endpoint).map_err(failed)?;
+            Ok(theirs)
+        }
+    }
+}
+
+/// The acceptor's last leg: answers with its hello and waits for the
+/// dialer's confirmation, then lets its engine send. Until the dialer
+/// confirms, the engine is attached but not ready (no timers, no
+/// keepalive): if this future is dropped (the handshake bound) or fails,
+/// the I/O thread must still be told, or the QP, its windows and its CQ
+/// room stay for ever.
+async fn confirm(
+    stream: &mut BoxStream,
+    mine: &Hello,
+    io: &IoThread,
+    qpn: u32,
+    info: PeerInfo,
+) -> Result<(), TransportError> {
+    let mut unconfirmed = DetachUnlessConfirmed {
+        io: io.clone(),
+        qpn,
+        armed: true,
+    };
+    stream.write_all(&mine.encode()).await?;
+    stream.flush().await?;
+    let mut ready = [0u8; 1];
+    stream.read_exact(&mut ready).await?;
+    if ready[0] != READY {
+        return Err(TransportError::rdma_error(HandshakeError::NotConfirmed));
+    }
+    unconfirmed.armed = false;
+    io.submit(Command::PeerReady { qpn, info });
+    Ok(())
+}
+
+/// The handshake connection is the peer's liveness line: when it closes,
+/// the engine fails at once; it is dropped when the engine goes
+/// (`stopped`).
+fn watch_control(mut stream: BoxStream, io: IoThread, qpn: u32, stopped: oneshot::Receiver<()>) {
+    tokio::spawn(async move {
+        let mut byte = [0u8; 1];
+        tokio::select! {
+            _ = stream.read(&mut byte) => {
+                io.submit(Command::PeerClosed { qpn });
+            }
+            _ = stopped => {}
+        }
+    });
 }
 
 #[cfg(test)]

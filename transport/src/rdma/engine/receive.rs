@@ -58,34 +58,7 @@ impl Engine {
     ) -> Result<(), EngineError> {
         if let WcKind::RecvWithImm(msg_id) = completion.kind {
             self.recycle(buf);
-            if msg_id & OFFER_BIT != 0 {
-                self.received_offered(msg_id)?;
-                self.grant_progress(now);
-                return self.grant_waiting(now);
-            }
-            let (socket, message, permit) = self
-                .incoming
-                .remove(&msg_id)
-                .ok_or(EngineError::Protocol(Violation::UnknownMessage(msg_id)))?;
-            self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
-            // Confined: the window dies before the message is handed on,
-            // so the peer cannot change it once the application has it.
-            let after = self
-                .windows
-                .release_grant(msg_id)
-                .map(|invalidate| self.push_local(invalidate));
-            // The server's budget stays held while the message's bytes live,
-            // as on TCP.
-            let len = message.len();
-            self.deliver_after(
-                socket,
-                crate::inbound::budgeted(message, [permit, None]),
-                after,
-            );
-            self.offer_after(socket, len);
-            self.grant_progress(now);
-            self.grant_waiting(now)?;
-            return Ok(());
+            return self.received_large(msg_id, now);
         }
         // The completion's length is the peer's word: checked before any
         // use (before, a length past the buffer was clamped for decoding
@@ -107,77 +80,17 @@ impl Engine {
             }
             ControlKind::Rts { size } => {
                 self.recycle(buf);
-                if header.msg_id & OFFER_BIT != 0 {
-                    return Err(EngineError::Protocol(Violation::MessageIdInOfferRange(
-                        header.msg_id,
-                    )));
-                }
-                if size > self.config.max_message_size {
-                    return Err(EngineError::Protocol(Violation::TooLarge {
-                        size,
-                        max: self.config.max_message_size,
-                    }));
-                }
-                // A message id already granted (or waiting): its buffer's
-                // address and key are the peer's, which may still write
-                // into it, so it is never replaced (and so freed); the
-                // engine fails.
-                if self.incoming.contains_key(&header.msg_id)
-                    || self.waiting_rts.iter().any(|w| w.0 == header.msg_id)
-                {
-                    return Err(EngineError::Protocol(Violation::RequestAgain(
-                        header.msg_id,
-                    )));
-                }
-                if self.waiting_rts.len() >= MAX_WAITING_RTS {
-                    return Err(EngineError::Protocol(Violation::TooManyRequests(
-                        MAX_WAITING_RTS,
-                    )));
-                }
-                self.waiting_rts
-                    .push_back((header.msg_id, header.socket, size));
-                self.grant_waiting(now)?;
+                self.received_rts(header.msg_id, header.socket, size, now)?;
             }
             ControlKind::Cts { addr, rkey } => {
                 let keys = decode_rail_keys(&buf[..len], HEADER_LEN);
                 self.recycle(buf);
-                let socket =
-                    self.awaiting_cts
-                        .remove(&header.msg_id)
-                        .ok_or(EngineError::Protocol(Violation::UnknownClearToSend(
-                            header.msg_id,
-                        )))?;
-                if let Some(tx) = self.sockets.get_mut(&socket)
-                    && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == header.msg_id)
-                {
-                    // The address is the peer's word: every WRITE goes to
-                    // `addr + offset` within the message, so a destination
-                    // that wraps is refused here, once, and the sums in
-                    // `large.rs` and `stripes.rs` cannot overflow.
-                    check_destination(addr, transfer.message.len as u64)?;
-                    transfer.dest = Some((addr, rkey));
-                    transfer.rail_keys = keys;
-                    self.schedule(socket);
-                }
+                self.received_cts(header.msg_id, addr, rkey, keys)?;
             }
             ControlKind::Credit => self.recycle(buf),
             ControlKind::Open => {
                 self.recycle(buf);
-                let socket = header.socket;
-                let theirs = match self.role {
-                    Role::Dialer => socket & ACCEPTOR_BIT != 0,
-                    Role::Acceptor => socket & ACCEPTOR_BIT == 0,
-                };
-                if !theirs
-                    || socket & !ACCEPTOR_BIT == 0
-                    || socket == super::stripes::STRIPES
-                    || self.open.contains(&socket)
-                {
-                    return Err(EngineError::Protocol(Violation::NotItsSocket(socket)));
-                }
-                self.open.insert(socket);
-                self.sockets.insert(socket, SocketTx::default());
-                self.events.push_back(EngineEvent::Opened(socket));
+                self.received_open(header.socket)?;
             }
             ControlKind::Accept => {
                 self.recycle(buf);
@@ -224,6 +137,124 @@ impl Engine {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The end of a large message (a WRITE_WITH_IMM naming it), or of a
+    /// message written into an offer: handed on once its window is
+    /// invalidated, and its grant's room given to the next.
+    fn received_large(&mut self, msg_id: u32, now: Instant) -> Result<(), EngineError> {
+        if msg_id & OFFER_BIT != 0 {
+            self.received_offered(msg_id)?;
+            self.grant_progress(now);
+            return self.grant_waiting(now);
+        }
+        let (socket, message, permit) = self
+            .incoming
+            .remove(&msg_id)
+            .ok_or(EngineError::Protocol(Violation::UnknownMessage(msg_id)))?;
+        self.granted_bytes = self.granted_bytes.saturating_sub(message.len() as u64);
+        // Confined: the window dies before the message is handed on,
+        // so the peer cannot change it once the application has it.
+        let after = self
+            .windows
+            .release_grant(msg_id)
+            .map(|invalidate| self.push_local(invalidate));
+        // The server's budget stays held while the message's bytes live,
+        // as on TCP.
+        let len = message.len();
+        self.deliver_after(
+            socket,
+            crate::inbound::budgeted(message, [permit, None]),
+            after,
+        );
+        self.offer_after(socket, len);
+        self.grant_progress(now);
+        self.grant_waiting(now)?;
+        Ok(())
+    }
+
+    /// A request to send a large message of `size` bytes on `socket`:
+    /// queued for a grant, within the bounds a peer may ask for.
+    fn received_rts(
+        &mut self,
+        msg_id: u32,
+        socket: SocketId,
+        size: u64,
+        now: Instant,
+    ) -> Result<(), EngineError> {
+        if msg_id & OFFER_BIT != 0 {
+            return Err(EngineError::Protocol(Violation::MessageIdInOfferRange(
+                msg_id,
+            )));
+        }
+        if size > self.config.max_message_size {
+            return Err(EngineError::Protocol(Violation::TooLarge {
+                size,
+                max: self.config.max_message_size,
+            }));
+        }
+        // A message id already granted (or waiting): its buffer's
+        // address and key are the peer's, which may still write
+        // into it, so it is never replaced (and so freed); the
+        // engine fails.
+        if self.incoming.contains_key(&msg_id) || self.waiting_rts.iter().any(|w| w.0 == msg_id) {
+            return Err(EngineError::Protocol(Violation::RequestAgain(msg_id)));
+        }
+        if self.waiting_rts.len() >= MAX_WAITING_RTS {
+            return Err(EngineError::Protocol(Violation::TooManyRequests(
+                MAX_WAITING_RTS,
+            )));
+        }
+        self.waiting_rts.push_back((msg_id, socket, size));
+        self.grant_waiting(now)?;
+        Ok(())
+    }
+
+    /// The peer's clear-to-send for large message `msg_id`: where to write
+    /// it (`addr`, `rkey`; `keys` on the other rails).
+    fn received_cts(
+        &mut self,
+        msg_id: u32,
+        addr: u64,
+        rkey: u32,
+        keys: Vec<u32>,
+    ) -> Result<(), EngineError> {
+        let socket = self
+            .awaiting_cts
+            .remove(&msg_id)
+            .ok_or(EngineError::Protocol(Violation::UnknownClearToSend(msg_id)))?;
+        if let Some(tx) = self.sockets.get_mut(&socket)
+            && let Some(transfer) = tx.large.iter_mut().find(|l| l.msg_id == msg_id)
+        {
+            // The address is the peer's word: every WRITE goes to
+            // `addr + offset` within the message, so a destination
+            // that wraps is refused here, once, and the sums in
+            // `large.rs` and `stripes.rs` cannot overflow.
+            check_destination(addr, transfer.message.len as u64)?;
+            transfer.dest = Some((addr, rkey));
+            transfer.rail_keys = keys;
+            self.schedule(socket);
+        }
+        Ok(())
+    }
+
+    /// The peer opens `socket`: one of the peer's numbers, not open yet.
+    fn received_open(&mut self, socket: SocketId) -> Result<(), EngineError> {
+        let theirs = match self.role {
+            Role::Dialer => socket & ACCEPTOR_BIT != 0,
+            Role::Acceptor => socket & ACCEPTOR_BIT == 0,
+        };
+        if !theirs
+            || socket & !ACCEPTOR_BIT == 0
+            || socket == super::stripes::STRIPES
+            || self.open.contains(&socket)
+        {
+            return Err(EngineError::Protocol(Violation::NotItsSocket(socket)));
+        }
+        self.open.insert(socket);
+        self.sockets.insert(socket, SocketTx::default());
+        self.events.push_back(EngineEvent::Opened(socket));
         Ok(())
     }
 

@@ -27,6 +27,7 @@
 //! holds `send_queue_depth` permits, returned as its messages are wholly
 //! handed to the NIC.
 
+mod drive;
 mod late;
 mod metrics;
 mod runtime;

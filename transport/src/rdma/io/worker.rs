@@ -12,16 +12,15 @@ use tokio::sync::mpsc;
 
 use super::late::{LateWrites, Routes};
 use super::metrics::{EngineMetrics, IoStats};
-use super::slot::{
-    EngineSlot, NEXT_ORIGIN, deliver_backlog, fail_sockets, isolated, mark, to_backlog,
-};
-use super::{
-    Attached, BACKLOG_LIMIT, Command, IoThread, ORPHAN_LIMIT, SharedReceives, WeakIoThread,
-    new_socket,
-};
+use super::slot::{EngineSlot, NEXT_ORIGIN, deliver_backlog, isolated, mark};
+use super::{BACKLOG_LIMIT, Command, ORPHAN_LIMIT, SharedReceives, WeakIoThread};
 use crate::TransportError;
-use crate::rdma::engine::EngineEvent;
 use crate::verbs::{CompletionQueue, WorkCompletion};
+
+// What the tests name through `super::*`, unused here since `drive.rs`
+// took the engines' events.
+#[cfg(test)]
+use super::{Attached, IoThread};
 
 #[cfg(test)]
 mod model;
@@ -47,19 +46,6 @@ impl Clock {
         }
         Instant::now()
     }
-}
-
-/// A post of `attached`'s QP failed: the QP goes to ERROR (what was posted
-/// is flushed back) and the engine fails, failing its sockets; before, the
-/// error was logged and the engine waited forever for completions of work
-/// requests that were never posted.
-fn post_failed(attached: &mut Attached, err: crate::verbs::VerbsError) {
-    tracing::warn!(peer = %attached.peer, %err, "rdma post failed: the connection fails");
-    metrics::counter!("tessera_rdma_post_failures_total").increment(1);
-    if let Err(modify) = attached.qp.fail() {
-        tracing::warn!(peer = %attached.peer, err = %modify, "moving the queue pair to error failed");
-    }
-    attached.engine.handle_post_error(err);
 }
 
 // Field order is drop order: the engines (and their QPs) go before the
@@ -217,74 +203,108 @@ impl Worker {
     /// whether anything happened, or `None` once no handle to this worker
     /// is left (its driver stops).
     pub(super) fn round(&mut self) -> Option<bool> {
+        let mut progress = self.take_commands()?;
+        // Completions, dispatched by QP number.
+        let now = self.clock.now();
+        progress |= self.poll_completions(now);
+        self.repost_shared();
+        progress |= self.fire_timers(now);
+        let (worked, removed) = self.visit_ready();
+        progress |= worked;
+        self.metrics_stale |= progress;
+        // Updated at least every METRICS_INTERVAL while busy, and once more
+        // as the worker goes idle (an idle worker's counts would otherwise
+        // wait for its next timer; with keepalive off, for ever). Messages
+        // are counted before delivery besides (`drive.rs`).
+        if removed
+            || self.engines.len() as u64 != self.stats.qps_open.load(Ordering::Relaxed)
+            || now.saturating_duration_since(self.last_metrics) >= METRICS_INTERVAL
+            || (self.metrics_stale && !progress)
+        {
+            self.update_metrics();
+        }
+        Some(progress)
+    }
+
+    /// Handles the queued commands: whether there were any, or `None` once
+    /// no transport and no sender refers to this worker.
+    fn take_commands(&mut self) -> Option<bool> {
         let mut progress = false;
-        // Commands.
         loop {
             match self.queue.try_recv() {
                 Ok(command) => {
                     progress = true;
                     self.handle_command(command);
                 }
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                // No transport and no sender refers to this worker.
+                Err(mpsc::error::TryRecvError::Empty) => return Some(progress),
                 Err(mpsc::error::TryRecvError::Disconnected) => return None,
             }
         }
-        // Completions, dispatched by QP number.
-        let now = self.clock.now();
-        if self.poll_completions(now) {
-            progress = true;
-        }
-        // Shared receives are not reposted while the applications are
-        // behind: senders then meet receiver-not-ready and retry (the
-        // shared queue's backpressure, as credits are a dedicated one's).
-        // An engine holding messages is always on the ready list, so the
-        // list gives the whole backlog.
-        if let Some(shared) = &mut self.shared {
-            let engines = &self.engines;
-            let backlog: usize = self
-                .ready
-                .iter()
-                .filter_map(|qpn| engines.get(qpn))
-                .flat_map(|e| e.sockets.values())
-                .map(|s| s.backlog.len())
-                .sum();
-            if backlog < BACKLOG_LIMIT
-                && let Err(err) = shared.repost()
+    }
+
+    /// Reposts the shared receive queue's buffers, unless the applications
+    /// are behind: senders then meet receiver-not-ready and retry (the
+    /// shared queue's backpressure, as credits are a dedicated one's). An
+    /// engine holding messages is always on the ready list, so the list
+    /// gives the whole backlog.
+    fn repost_shared(&mut self) {
+        let Some(shared) = &mut self.shared else {
+            return;
+        };
+        let engines = &self.engines;
+        let backlog: usize = self
+            .ready
+            .iter()
+            .filter_map(|qpn| engines.get(qpn))
+            .flat_map(|e| e.sockets.values())
+            .map(|s| s.backlog.len())
+            .sum();
+        if backlog < BACKLOG_LIMIT
+            && let Err(err) = shared.repost()
+        {
+            // Said at most once a second: a queue that keeps failing would
+            // say it every round.
+            if self
+                .last_repost_warning
+                .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
             {
-                // Said at most once a second: a queue that keeps
-                // failing would say it every round.
-                if self
-                    .last_repost_warning
-                    .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
-                {
-                    tracing::warn!(%err, "reposting shared receives failed");
-                    self.last_repost_warning = Some(Instant::now());
-                }
-                metrics::counter!("tessera_rdma_srq_repost_failures_total").increment(1);
+                tracing::warn!(%err, "reposting shared receives failed");
+                self.last_repost_warning = Some(Instant::now());
+            }
+            metrics::counter!("tessera_rdma_srq_repost_failures_total").increment(1);
+        }
+    }
+
+    /// Runs the timers of the engines whose deadline has come; whether the
+    /// earliest had. A deadline that moved later since brings a harmless
+    /// early look (engines check their own deadlines); the next one is the
+    /// earliest of the rest, and of those that run this round once they
+    /// have.
+    fn fire_timers(&mut self, now: Instant) -> bool {
+        if self.next_timer.is_none_or(|at| now < at) {
+            return false;
+        }
+        let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
+        let mut next: Option<Instant> = None;
+        for (qpn, slot) in self.engines.iter_mut().filter(|(_, s)| !s.panicked) {
+            if slot.deadline.is_some_and(|at| now >= at) {
+                isolated(slot, io.as_ref(), |slot| {
+                    slot.attached.engine.handle_timeout(now)
+                });
+                slot.list(*qpn, &mut self.ready);
+            } else if let Some(at) = slot.deadline {
+                next = Some(next.map_or(at, |n| n.min(at)));
             }
         }
-        // Timers: the engines whose deadline has come. A deadline that
-        // moved later since brings a harmless early look (engines check
-        // their own deadlines); the next one is the earliest of the rest,
-        // and of those that run this round once they have.
-        if self.next_timer.is_some_and(|at| now >= at) {
-            let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
-            let mut next: Option<Instant> = None;
-            for (qpn, slot) in self.engines.iter_mut().filter(|(_, s)| !s.panicked) {
-                if slot.deadline.is_some_and(|at| now >= at) {
-                    isolated(slot, io.as_ref(), |slot| {
-                        slot.attached.engine.handle_timeout(now)
-                    });
-                    slot.list(*qpn, &mut self.ready);
-                } else if let Some(at) = slot.deadline {
-                    next = Some(next.map_or(at, |n| n.min(at)));
-                }
-            }
-            self.next_timer = next;
-            progress = true;
-        }
-        // Each engine on the ready list: post, collect events, deliver.
+        self.next_timer = next;
+        true
+    }
+
+    /// Drives each engine on the ready list (`drive.rs`) and removes the
+    /// failed ones once their sockets have their error. Returns whether
+    /// any did something, and whether any was removed.
+    fn visit_ready(&mut self) -> (bool, bool) {
+        let mut progress = false;
         let io = self.self_handle.as_ref().and_then(WeakIoThread::upgrade);
         let panic_on_len = self.panic_on_len;
         let totals = Arc::clone(&self.stats);
@@ -309,7 +329,7 @@ impl Worker {
             if !slot.panicked {
                 let io = io.as_ref();
                 worked = isolated(slot, io, |slot| {
-                    Self::drive(qpn, slot, io, &totals, panic_on_len, origins, clock)
+                    super::drive::drive(qpn, slot, io, &totals, panic_on_len, origins, clock.now())
                 }) == Some(true);
             }
             if slot.panicked {
@@ -373,20 +393,7 @@ impl Worker {
             }
         }
         self.visiting.clear();
-        drop(io);
-        self.metrics_stale |= progress;
-        // Updated at least every METRICS_INTERVAL while busy, and once more
-        // as the worker goes idle (before, an idle worker's counts waited for
-        // its next timer; with keepalive off, for ever). Messages are counted
-        // before delivery besides (`drive`).
-        if removed
-            || self.engines.len() as u64 != self.stats.qps_open.load(Ordering::Relaxed)
-            || now.saturating_duration_since(self.last_metrics) >= METRICS_INTERVAL
-            || (self.metrics_stale && !progress)
-        {
-            self.update_metrics();
-        }
-        Some(progress)
+        (progress, removed)
     }
 
     /// Arms the completion queue for sleeping and looks once more; true if
@@ -486,222 +493,6 @@ impl Worker {
             }
             _ => engine.handle_completion(completion, now),
         }
-    }
-
-    /// Posts what the engine has, and hands its events on. Returns whether
-    /// anything happened.
-    fn drive(
-        qpn: u32,
-        slot: &mut EngineSlot,
-        io: Option<&IoThread>,
-        totals: &IoStats,
-        panic_on_len: Option<usize>,
-        origins: &mut Routes,
-        clock: Clock,
-    ) -> bool {
-        let mut progress = false;
-        let now = clock.now();
-        let backlog: usize = slot.sockets.values().map(|s| s.backlog.len()).sum();
-        let EngineSlot {
-            attached,
-            sockets,
-            opening,
-            had_socket,
-            metrics,
-            origin,
-            partners,
-            ..
-        } = slot;
-        if !sockets.is_empty() {
-            *had_socket = true;
-        }
-        if backlog < BACKLOG_LIMIT
-            && let Some(wrs) = attached.engine.poll_recv_post()
-        {
-            progress = true;
-            if let Err(err) = attached.qp.post_recv(&wrs) {
-                post_failed(attached, err);
-            }
-        }
-        // One batch per engine per round: completions (the answers to what
-        // was sent) are polled between batches.
-        if let Some(batch) = attached.engine.poll_transmit(now) {
-            progress = true;
-            if let Err(err) = attached.qp.post_send(&batch) {
-                post_failed(attached, err);
-            }
-        }
-        // Chunks for the other rails' engines (`stripes.rs`); one whose
-        // engine is gone comes back at once, to be written here.
-        while let Some(delegation) = attached.engine.poll_delegation() {
-            progress = true;
-            let partner = partners
-                .iter()
-                .find(|p| p.rail == delegation.rail && p.is_alive());
-            let handed = match (partner, io) {
-                (Some(partner), Some(io)) => partner.io.submit(Command::StripeWrites {
-                    qpn: partner.qpn,
-                    origin: *origin,
-                    token: delegation.token,
-                    chunk: delegation.chunk,
-                    reply: (io.clone(), qpn),
-                }),
-                _ => false,
-            };
-            if !handed {
-                attached.engine.handle_stripe_done(delegation.token, false);
-            }
-        }
-        // Counted before they are handed on: a message the application has
-        // is in the transport's counters (before, they were brought up to
-        // date every 100 ms of work, and not once the worker went idle: the
-        // ibverbs two-process test read 7 messages sent and 6 received after
-        // all 7 echoes had arrived).
-        let mut counted = false;
-        while let Some(event) = attached.engine.poll_event() {
-            if !std::mem::replace(&mut counted, true) {
-                metrics.count(&attached.engine, totals);
-            }
-            progress = true;
-            match event {
-                EngineEvent::Message { socket, bytes } => {
-                    // The drill knob: what a bug in the engine would do.
-                    if panic_on_len == Some(bytes.len()) {
-                        panic!(
-                            "injected panic: soft_faults.panic_on_message_len = {}",
-                            bytes.len()
-                        );
-                    }
-                    to_backlog(sockets, EngineEvent::Message { socket, bytes });
-                }
-                EngineEvent::Sent(socket) => {
-                    if let Some(s) = sockets.get(&socket) {
-                        s.permits.add_permits(1);
-                    }
-                }
-                EngineEvent::Opened(socket) => {
-                    let accepted = match (io, &attached.accepts) {
-                        (Some(io), Some(accepts)) => {
-                            let connection = new_socket(io, qpn, socket, attached, sockets);
-                            accepts.try_send(connection).is_ok()
-                        }
-                        _ => false,
-                    };
-                    if accepted {
-                        attached.engine.accept_socket(socket);
-                    } else {
-                        tracing::debug!(peer = %attached.peer, "no listener takes the socket: refused");
-                        sockets.remove(&socket);
-                        attached.engine.refuse_socket(socket);
-                    }
-                }
-                EngineEvent::Accepted(socket) => {
-                    if let (Some(reply), Some(io)) = (opening.remove(&socket), io) {
-                        let connection = new_socket(io, qpn, socket, attached, sockets);
-                        // A caller that gave up drops the connection, which
-                        // closes the socket again.
-                        let _ = reply.send(Ok(connection));
-                    }
-                }
-                EngineEvent::Refused(socket) => {
-                    if let Some(reply) = opening.remove(&socket) {
-                        let _ = reply.send(Err(TransportError::Connect {
-                            addr: attached.peer.to_string(),
-                            source: std::io::Error::new(
-                                std::io::ErrorKind::ConnectionRefused,
-                                "the peer has no listener for new connections",
-                            ),
-                        }));
-                    }
-                }
-                EngineEvent::Closed(socket) => to_backlog(sockets, EngineEvent::Closed(socket)),
-                EngineEvent::StripeDone { origin, token, ok } => {
-                    origins.answer(origin, token, ok);
-                }
-                EngineEvent::Failed(crate::rdma::engine::EngineError::Unused) => {
-                    // Not alive once its QP takes no more writes (`late.rs`);
-                    // the QP is destroyed with the slot, next.
-                    if let Err(err) = attached.qp.fail() {
-                        tracing::warn!(peer = %attached.peer, %err, "moving the queue pair to error failed");
-                    }
-                    if !partners.is_empty() {
-                        attached.qp.quiesce();
-                    }
-                    attached.alive.store(false, Ordering::Release);
-                }
-                EngineEvent::Failed(err) => {
-                    metrics::counter!("tessera_rdma_engine_failures_total").increment(1);
-                    if matches!(err, crate::rdma::engine::EngineError::PeerDead(_)) {
-                        tracing::warn!(peer = %attached.peer, %err, "rdma peer declared dead");
-                        metrics::counter!("tessera_rdma_keepalive_failures_total").increment(1);
-                        if let Some(io) = io {
-                            io.stats.keepalive_failures.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    if let Some(io) = io {
-                        io.stats.engines_failed.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if matches!(err, crate::rdma::engine::EngineError::GrantTimeout { .. }) {
-                        // The peer's doing: said once per peer per interval.
-                        metrics::counter!("tessera_rdma_grant_timeouts_total").increment(1);
-                        if let Some(suppressed) = crate::warn_limit::allow(attached.peer.ip()) {
-                            tracing::warn!(peer = %attached.peer, %err, suppressed, "rdma peer left its grants unwritten: the connection fails");
-                        }
-                    }
-                    tracing::debug!(peer = %attached.peer, %err, "rdma engine failed");
-                    // Messages that arrived whole but wait for their
-                    // window's invalidation go first, once the QP is in
-                    // error and quiet: no write can land in them any more.
-                    if let Err(err) = attached.qp.fail() {
-                        tracing::warn!(peer = %attached.peer, %err, "moving the queue pair to error failed");
-                    }
-                    let held = attached.engine.take_held();
-                    // Quiet first where a write could still be landing in
-                    // what it hands on (a held message) or in a partner's
-                    // grants (`late.rs`); without either the error goes at
-                    // once (a peer frozen in the middle of a copy does not
-                    // hold it up).
-                    if !held.is_empty() || !partners.is_empty() {
-                        attached.qp.quiesce();
-                    }
-                    // Not alive only now: a partner's buffers held for late
-                    // writes through this QP wait for it (`late.rs`).
-                    attached.alive.store(false, Ordering::Release);
-                    // Chunks of other engines it did not write are answered
-                    // by the engine as its QP's flushes come back, or when
-                    // the QP is destroyed (`settle_stripes`); its own chunks
-                    // on other rails are no longer wanted.
-                    for partner in partners.iter() {
-                        partner.io.submit(Command::StripeCancel {
-                            qpn: partner.qpn,
-                            origin: *origin,
-                        });
-                    }
-                    for held in held {
-                        to_backlog(sockets, held);
-                    }
-                    fail_sockets(opening, sockets, &err);
-                }
-            }
-        }
-        // Deliver what the applications can take.
-        for s in sockets.values_mut() {
-            if deliver_backlog(s) {
-                progress = true;
-            }
-        }
-        sockets.retain(|_, s| !(s.tx_closed && s.deliver.is_none()));
-        if attached.close_when_unused
-            && *had_socket
-            && sockets.is_empty()
-            && opening.is_empty()
-            && !attached.engine.is_failed()
-            && attached.engine.is_idle()
-        {
-            attached.engine.handle_unused();
-            progress = true;
-        }
-        progress
     }
 
     /// Runs `f` on engine `qpn` unless it is gone or panicked, isolated

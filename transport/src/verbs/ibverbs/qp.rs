@@ -281,74 +281,8 @@ impl QueuePair for IbvQp {
         let mut list: Vec<ibv_send_wr> = (0..wrs.len())
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
-        for (i, wr) in wrs.iter().enumerate() {
-            let entry = &mut list[i];
-            entry.wr_id = wr.wr_id;
-            entry.sg_list = sges[i].as_mut_ptr();
-            entry.num_sge = sges[i].len() as i32;
-            entry.send_flags = if wr.signaled {
-                ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
-            let bytes: u64 = wr.sges.iter().map(|s| u64::from(s.len)).sum();
-            if bytes > 0 && bytes <= u64::from(self.inline) {
-                entry.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-            }
-            match wr.op {
-                SendOp::Send => entry.opcode = ibv_wr_opcode::IBV_WR_SEND,
-                SendOp::Write { remote_addr, rkey } => {
-                    entry.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-                    entry.wr.rdma = rdma_t {
-                        remote_addr: remote_addr as u64,
-                        rkey,
-                    };
-                }
-                SendOp::WriteWithImm {
-                    remote_addr,
-                    rkey,
-                    imm,
-                } => {
-                    entry.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
-                    entry.wr.rdma = rdma_t {
-                        remote_addr: remote_addr as u64,
-                        rkey,
-                    };
-                    entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t {
-                        imm_data: imm.to_be(),
-                    };
-                }
-                SendOp::BindWindow {
-                    window,
-                    rkey,
-                    addr,
-                    len,
-                    lkey: _,
-                    region,
-                } => {
-                    entry.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-                    entry.num_sge = 0;
-                    entry.bind_mw_tso_union = bind_mw_tso_union_t {
-                        bind_mw: bind_mw_t {
-                            mw: window as *mut ibv_mw,
-                            rkey,
-                            bind_info: ibv_mw_bind_info {
-                                mr: region as *mut ibv_mr,
-                                addr: addr as u64,
-                                length: len as u64,
-                                mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
-                            },
-                        },
-                    };
-                }
-                SendOp::Invalidate { rkey } => {
-                    entry.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
-                    entry.num_sge = 0;
-                    entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t {
-                        invalidated_rkey: rkey,
-                    };
-                }
-            }
+        for ((entry, wr), sges) in list.iter_mut().zip(wrs).zip(sges.iter_mut()) {
+            fill_send_wr(entry, wr, sges, self.inline);
         }
         // Link the list (one doorbell for all of it).
         for i in 0..list.len() - 1 {
@@ -426,6 +360,78 @@ impl QueuePair for IbvQp {
         );
         *self.state.locked() = QpState::Error;
         result
+    }
+}
+
+/// Translates `wr` into libibverbs' `entry` (zeroed before), its gather
+/// list pointing into `sges`, which must outlive the post; a send of at
+/// most `inline` bytes goes inline.
+fn fill_send_wr(entry: &mut ibv_send_wr, wr: &SendWr, sges: &mut [ibv_sge], inline: u32) {
+    entry.wr_id = wr.wr_id;
+    entry.sg_list = sges.as_mut_ptr();
+    entry.num_sge = sges.len() as i32;
+    entry.send_flags = if wr.signaled {
+        ibv_send_flags::IBV_SEND_SIGNALED.0
+    } else {
+        0
+    };
+    let bytes: u64 = wr.sges.iter().map(|s| u64::from(s.len)).sum();
+    if bytes > 0 && bytes <= u64::from(inline) {
+        entry.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+    }
+    match wr.op {
+        SendOp::Send => entry.opcode = ibv_wr_opcode::IBV_WR_SEND,
+        SendOp::Write { remote_addr, rkey } => {
+            entry.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            entry.wr.rdma = rdma_t {
+                remote_addr: remote_addr as u64,
+                rkey,
+            };
+        }
+        SendOp::WriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        } => {
+            entry.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+            entry.wr.rdma = rdma_t {
+                remote_addr: remote_addr as u64,
+                rkey,
+            };
+            entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t {
+                imm_data: imm.to_be(),
+            };
+        }
+        SendOp::BindWindow {
+            window,
+            rkey,
+            addr,
+            len,
+            lkey: _,
+            region,
+        } => {
+            entry.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+            entry.num_sge = 0;
+            entry.bind_mw_tso_union = bind_mw_tso_union_t {
+                bind_mw: bind_mw_t {
+                    mw: window as *mut ibv_mw,
+                    rkey,
+                    bind_info: ibv_mw_bind_info {
+                        mr: region as *mut ibv_mr,
+                        addr: addr as u64,
+                        length: len as u64,
+                        mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+                    },
+                },
+            };
+        }
+        SendOp::Invalidate { rkey } => {
+            entry.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+            entry.num_sge = 0;
+            entry.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t {
+                invalidated_rkey: rkey,
+            };
+        }
     }
 }
 
