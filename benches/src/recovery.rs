@@ -41,10 +41,6 @@ use crate::echo::{BenchClient, BenchServer, EchoService, Payload};
 use crate::out_line;
 use crate::transport::{BoxError, histogram, micros};
 
-#[allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
-#[path = "../../test-support/src/proxy.rs"]
-mod proxy;
-
 /// The transports compared.
 const TRANSPORTS: [(&str, TransportKind); 2] = [
     ("tcp", TransportKind::Tcp),
@@ -169,7 +165,7 @@ async fn overhead(
 /// break, time until the channel is back on RDMA after the repair).
 async fn fallback_cycle(probe: Duration) -> Result<(Duration, Duration), BoxError> {
     let server = serve(TransportKind::Rdma, "127.0.0.1:0").await?;
-    let proxy = proxy::FaultProxy::start(server.addr.clone()).await;
+    let proxy = tessera_test_support::proxy::FaultProxy::start(server.addr.clone()).await;
     let channel = Channel::lazy(
         &proxy.addr,
         ChannelConfig {

@@ -10,9 +10,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_proto::sharding::shard_for_key;
+use tessera_test_support::wait::{Waiting, eventually_blocking};
 use tessera_worker::{PsClient, WorkerConfig};
 
 mod common;
@@ -26,17 +27,15 @@ fn ps_server_bin() -> PathBuf {
 }
 
 fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while !path.is_file() {
+    eventually_blocking(timeout, "the cluster up", || {
+        if path.is_file() {
+            return Ok(());
+        }
         if let Some(status) = child.try_wait().unwrap() {
             panic!("launcher exited early: {status}");
         }
-        assert!(
-            Instant::now() < deadline,
-            "cluster not up after {timeout:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        Err(format!("no {} yet", path.display()))
+    });
 }
 
 #[test]
@@ -150,14 +149,9 @@ fn up_starts_and_stops_a_2x2_cluster() {
         .status()
         .unwrap();
     assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let exit = loop {
-        if let Some(exit) = launcher.0.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(Instant::now() < deadline, "launcher did not stop");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let exit = eventually_blocking(Duration::from_secs(30), "the launcher stopping", || {
+        launcher.0.try_wait().unwrap().ok_or("still running")
+    });
     assert!(exit.success(), "{exit}");
     for server in &worker.servers {
         assert!(
@@ -235,18 +229,14 @@ fn admin_calls_report_health_stats_and_save_a_checkpoint() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let started = Instant::now();
-    let health = loop {
-        let (ok, stdout, _) = tessera(&["health", &addr]);
-        if ok {
-            break stdout;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "server never came up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let health = eventually_blocking(
+        Duration::from_secs(30),
+        "the server up (`tessera admin health` answering)",
+        || {
+            let (ok, stdout, stderr) = tessera(&["health", &addr]);
+            if ok { Ok(stdout) } else { Err(stderr) }
+        },
+    );
     assert!(health.contains("SERVER_STATE_SERVING"), "{health}");
     assert!(health.contains("table embeddings: dim 16"), "{health}");
     // One server alone: the primary of its shard, at its first epoch.
@@ -299,29 +289,16 @@ fn processes_where(wanted: impl Fn(&str) -> bool) -> Vec<i32> {
 
 /// Waits until no process mentions `path`, at most `timeout`.
 fn wait_until_gone(path: &Path, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
+    eventually_blocking(timeout, "every server stopped", || {
         let left = processes_mentioning(path);
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "servers still running after {timeout:?}: {left:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        if left.is_empty() { Ok(()) } else { Err(left) }
+    });
 }
 
 fn wait_exit(child: &mut std::process::Child, timeout: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "the launcher did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_blocking(timeout, "the launcher exiting", || {
+        child.try_wait().unwrap().ok_or("still running")
+    })
 }
 
 fn signal(child: &std::process::Child, signal: &str) {
@@ -406,12 +383,13 @@ fn a_signal_during_start_up_stops_every_server_and_removes_the_run_dir() {
         .spawn()
         .unwrap();
     // As soon as the first server runs.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while processes_mentioning(&temp_root).is_empty() {
+    eventually_blocking(Duration::from_secs(60), "a first server started", || {
+        if !processes_mentioning(&temp_root).is_empty() {
+            return Ok(());
+        }
         assert!(launcher.try_wait().unwrap().is_none(), "launcher exited");
-        assert!(Instant::now() < deadline, "no server started");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+        Err("no server process yet")
+    });
     signal(&launcher, "-TERM");
     let exit = wait_exit(&mut launcher, Duration::from_secs(30));
     assert!(!exit.success(), "an interrupted start is a failure: {exit}");
@@ -503,14 +481,14 @@ fn the_local_etcd_stops_when_its_launcher_is_killed() {
     launcher.kill().unwrap();
     launcher.wait().unwrap();
     wait_until_gone(&run_dir, Duration::from_secs(15));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !processes_with(&marker).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the local etcd {etcd:?} outlived its launcher by 15 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually_blocking(
+        Duration::from_secs(15),
+        &format!("the local etcd {etcd:?} stopped with its launcher"),
+        || {
+            let left = processes_with(&marker);
+            if left.is_empty() { Ok(()) } else { Err(left) }
+        },
+    );
     // The next local etcd started on this host removes the data the killed
     // launcher's left behind.
     let next = tessera_coord::LocalEtcd::start(
@@ -615,7 +593,10 @@ fn up_starts_a_growths_new_servers_and_stops_a_shrinks_given_away_ones() {
         String::from_utf8_lossy(&output.stdout).into_owned()
     };
     let wait_done = |to: u32, printed: &str| {
-        let deadline = Instant::now() + Duration::from_secs(90);
+        let mut waiting = Waiting::new(
+            Duration::from_secs(90),
+            &format!("the resize to {to} done (and followed by the launcher)"),
+        );
         loop {
             let map: tessera_coord::ShardMap = serde_json::from_str(&reshard(&["--json"])).unwrap();
             let done = map
@@ -626,11 +607,10 @@ fn up_starts_a_growths_new_servers_and_stops_a_shrinks_given_away_ones() {
             if done && said.contains(printed) {
                 return said;
             }
-            assert!(
-                Instant::now() < deadline,
-                "resize to {to} not done (or not followed): {map:?}\n{said}"
-            );
-            std::thread::sleep(Duration::from_millis(200));
+            waiting.tick_blocking(format_args!("{map:?}\n{said}"));
+            // Each look runs `tessera reshard`: keep them about 200 ms
+            // apart, as before (the tick waits 20 ms of them).
+            std::thread::sleep(Duration::from_millis(180));
         }
     };
     reshard(&["--to", "3"]);

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tessera_proto::rows::put_f32s;
@@ -14,6 +14,7 @@ use tessera_proto::v1::{CheckpointRequest, FetchRequest, PushRequest, StatsReque
 use tessera_ps_server::config::{CheckpointConfig, OptimizerConfig};
 use tessera_ps_server::{PsError, PsServerConfig, TableConfig};
 use tessera_test_support::InProcess;
+use tessera_test_support::wait::eventually;
 
 fn config(dir: &Path, interval_secs: u64) -> PsServerConfig {
     PsServerConfig {
@@ -111,14 +112,18 @@ async fn periodic_checkpoints_appear_while_serving() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&config(dir.path(), 1)).await.unwrap();
     rows(&server, &[1, 2, 3]).await;
-    let started = Instant::now();
-    while !dir.path().join("LATEST").exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "no periodic checkpoint"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        Duration::from_secs(10),
+        "a periodic checkpoint (LATEST) appears",
+        || async {
+            if dir.path().join("LATEST").exists() {
+                Ok(())
+            } else {
+                Err("no LATEST yet")
+            }
+        },
+    )
+    .await;
     server.stop().await;
 }
 

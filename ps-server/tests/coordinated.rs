@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use tessera_proto::v1::{DigestRequest, HealthResponse, PushRequest, ShardRole};
 use tessera_ps_server::PsServerConfig;
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, free_addr, pair_config, pair_push, wait_for_health,
     wait_replicas_in_step, wait_serving,
@@ -42,21 +43,18 @@ async fn wait_role(addr: &str, want: ShardRole, timeout: Duration) -> HealthResp
 }
 
 async fn converged(a: &InProcess, b: &InProcess) {
-    let started = Instant::now();
-    loop {
-        let (x, y) = (
-            a.admin.digest(DigestRequest {}).await.unwrap(),
-            b.admin.digest(DigestRequest {}).await.unwrap(),
-        );
-        if x == y {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "{x:?} vs {y:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "the two servers' digests agree",
+        || async {
+            let (x, y) = (
+                a.admin.digest(DigestRequest {}).await.unwrap(),
+                b.admin.digest(DigestRequest {}).await.unwrap(),
+            );
+            if x == y { Ok(()) } else { Err((x, y)) }
+        },
+    )
+    .await;
 }
 
 /// Two servers of shard 0 in `cluster`: `first` (group 0, the preferred
@@ -433,7 +431,8 @@ async fn expiry_decisions_survive_a_failover_and_every_copy_holds_the_same_rows(
     .await;
     let (first, second) = (&pair.first, &pair.second);
     // The sweep goes on after the last Push until nothing is left to
-    // expire: wait for the rows to stop changing, then compare copies.
+    // expire: wait for it to leave only the ids pushed lately, then
+    // compare copies.
     let stats = |server: &InProcess| {
         let admin = server.admin.clone();
         async move {
@@ -445,20 +444,19 @@ async fn expiry_decisions_survive_a_failover_and_every_copy_holds_the_same_rows(
                 .clone()
         }
     };
-    let started = Instant::now();
-    let mut last = stats(second).await;
-    loop {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let now = stats(second).await;
-        if now.rows == last.rows && now.rows_expired == last.rows_expired {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the sweep never settles"
-        );
-        last = now;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the sweep leaves only the ids pushed lately",
+        || async {
+            let now = stats(second).await;
+            if now.rows == 21 * 12 {
+                Ok(())
+            } else {
+                Err(now)
+            }
+        },
+    )
+    .await;
     converged(first, second).await;
     let (shard, replica) = (stats(second).await, stats(first).await);
     eprintln!(
@@ -528,19 +526,17 @@ async fn a_server_reports_the_shard_map_as_it_changes() {
     let wait_for = |want: u64| {
         let addr = a.clone();
         async move {
-            let deadline = std::time::Instant::now() + Duration::from_secs(20);
-            loop {
-                if let Some(map) = map_of(addr.clone()).await
-                    && map.version >= want
-                {
-                    return map;
-                }
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "the server never reported version {want} of the shard map"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            eventually(
+                Duration::from_secs(20),
+                &format!("the server reports version {want} of the shard map"),
+                || async {
+                    match map_of(addr.clone()).await {
+                        Some(map) if map.version >= want => Ok(map),
+                        other => Err(other),
+                    }
+                },
+            )
+            .await
         }
     };
     let first = wait_for(1).await;

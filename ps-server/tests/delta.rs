@@ -24,6 +24,7 @@ use tessera_ps_server::config::{
 };
 use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
 use tessera_rpc::{Code, RequestContext, RpcError, Server, ServerConfig, Status, TransportKind};
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{InProcess, f32s, free_addr, keys_of_shard, wait_serving, wire};
 
 const TRAINING_SHARDS: u32 = 2;
@@ -181,7 +182,12 @@ async fn wait_converged_groups(
     groups: usize,
     what: &str,
 ) {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // `Waiting`, not `eventually`: the feeds of every server are asked
+    // only once the deadline has passed, to show in the failure.
+    let mut waiting = Waiting::new(
+        Duration::from_secs(60),
+        &format!("{what}: the serving fleet converges"),
+    );
     let per_group = serving.len() / groups;
     loop {
         let want = fleet_digest(&training.iter().collect::<Vec<_>>()).await;
@@ -198,21 +204,16 @@ async fn wait_converged_groups(
             assert!(want.iter().all(|(_, _, rows)| *rows > 0), "{what}: no rows");
             return;
         }
-        if Instant::now() >= deadline {
-            let mut feeds = Vec::new();
+        // Seen: the training fleet's digests, the last serving group's,
+        // and (once expired) each server's streams and feed.
+        let mut feeds = Vec::new();
+        if waiting.expired() {
             for server in training.iter().chain(serving) {
                 let h = server.data.health(HealthRequest {}).await.unwrap();
-                feeds.push(format!(
-                    "{}: {:?} {:?}",
-                    server.addr, h.delta_streams, h.serving_feed
-                ));
+                feeds.push((server.addr.clone(), h.delta_streams, h.serving_feed));
             }
-            panic!(
-                "{what}: the serving fleet did not converge: training {want:?}, serving {last:?}\n{}",
-                feeds.join("\n")
-            );
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        waiting.tick((want, last, feeds)).await;
     }
 }
 
@@ -319,14 +320,18 @@ async fn serving_follows_training(kind: TransportKind) {
         push_round(&training, 7, 250).await;
         wait_converged(&training, &serving, "after a training restart").await;
         // Its rows are in before its count of copies moves.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while copies(&serving).await < copies_before + serving.len() as u64 {
-            assert!(
-                Instant::now() < deadline,
-                "not every serving server copied the new stream"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let want = copies_before + serving.len() as u64;
+        eventually(
+            Duration::from_secs(30),
+            "every serving server copies the new stream",
+            || async {
+                match copies(&serving).await {
+                    n if n >= want => Ok(()),
+                    n => Err(format!("{n} copies, {want} wanted")),
+                }
+            },
+        )
+        .await;
     } else {
         eprintln!(
             "restarts skipped over RDMA in-process (see the comment above; the serving drill restarts processes over RDMA)"
@@ -342,22 +347,26 @@ async fn serving_follows_training(kind: TransportKind) {
     // holds rows of training shard 0 alone, and still follows shard 1's
     // stream.) A copy may be under way at any one moment on a slow host
     // (the VM suite's), so it waits for a report without one.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let health = serving[0].data.health(HealthRequest {}).await.unwrap();
-        let feed = health
-            .serving_feed
-            .expect("a serving server reports its feed");
-        assert_eq!(feed.source_shards, TRAINING_SHARDS);
-        assert_eq!(feed.sources.len(), TRAINING_SHARDS as usize);
-        if feed.sources.iter().all(|s| s.seq > 0 && !s.copying)
-            && feed.sources.iter().map(|s| s.rows_applied).sum::<u64>() > 0
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{feed:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "serving server 0 follows every stream and copies none",
+        || async {
+            let health = serving[0].data.health(HealthRequest {}).await.unwrap();
+            let feed = health
+                .serving_feed
+                .expect("a serving server reports its feed");
+            assert_eq!(feed.source_shards, TRAINING_SHARDS);
+            assert_eq!(feed.sources.len(), TRAINING_SHARDS as usize);
+            if feed.sources.iter().all(|s| s.seq > 0 && !s.copying)
+                && feed.sources.iter().map(|s| s.rows_applied).sum::<u64>() > 0
+            {
+                Ok(())
+            } else {
+                Err(feed)
+            }
+        },
+    )
+    .await;
     let health = training[1].data.health(HealthRequest {}).await.unwrap();
     assert_eq!(health.delta_streams.len(), 1);
     assert!(health.delta_streams[0].rows_sent > 0);
@@ -425,20 +434,27 @@ async fn a_freshness_bound_refuses_fetches_while_the_stream_is_not_in() {
     }
     push_round(&training, 0, 50).await;
     wait_converged(&training, &serving, "with a bound").await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while fetch(&serving[0]).await.is_err() {
-        assert!(Instant::now() < deadline, "never fresh");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the serving server is fresh (serves a Fetch)",
+        || async { fetch(&serving[0]).await.map(drop) },
+    )
+    .await;
     // The training fleet stops: within the bound, Fetches are refused.
     for server in training {
         server.stop().await;
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while fetch(&serving[0]).await.is_ok() {
-        assert!(Instant::now() < deadline, "still fresh without a stream");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the serving server without a stream refuses Fetches",
+        || async {
+            match fetch(&serving[0]).await {
+                Ok(_) => Err("a Fetch was served"),
+                Err(_) => Ok(()),
+            }
+        },
+    )
+    .await;
     for server in serving {
         server.stop().await;
     }
@@ -668,7 +684,10 @@ async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
     // copy the shard as of it) reaches it and is held there.
     gated.arrived.notified().await;
     // Changes go on until a cut has waited, and a few rounds more.
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut waiting = Waiting::new(
+        Duration::from_secs(30),
+        "a cut waits, and 5 rounds of Pushes after it",
+    );
     let mut after_wait = 0;
     while after_wait < 5 {
         round += 1;
@@ -680,31 +699,33 @@ async fn a_slow_serving_server_gets_larger_deltas_not_gaps() {
         if s.waited > 0 {
             after_wait += 1;
         }
-        assert!(Instant::now() < deadline, "no cut waited: {s:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting.tick(&s).await;
     }
     // Let it go: every change arrives, in deltas numbered 1, 2, 3, ...
     gated.gate.add_permits(1 << 20);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got: std::collections::BTreeSet<u64> = gated
-            .seen
-            .lock()
-            .unwrap()
-            .iter()
-            .flat_map(|(.., keys)| keys.iter().copied())
-            .collect();
-        if pushed.is_subset(&got) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} pushed keys arrived",
-            got.len(),
-            pushed.len()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "every pushed key arrives",
+        || async {
+            let got: std::collections::BTreeSet<u64> = gated
+                .seen
+                .lock()
+                .unwrap()
+                .iter()
+                .flat_map(|(.., keys)| keys.iter().copied())
+                .collect();
+            if pushed.is_subset(&got) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} of {} pushed keys arrived",
+                    got.len(),
+                    pushed.len()
+                ))
+            }
+        },
+    )
+    .await;
     let s = stream(&training).await;
     assert_eq!((s.dropped, s.failed), (0, 0), "{s:?}");
     let seen = gated.seen.lock().unwrap().clone();
@@ -740,16 +761,17 @@ async fn a_stalled_serving_server_loses_deltas_instead_of_holding_the_stream() {
     let training = training_to_gated(&layout).await;
     gated.arrived.notified().await;
     let bound = tessera_ps_server::delta::stall_bound(20);
-    let deadline = started + bound + Duration::from_secs(30);
-    let s = loop {
-        let health = training.data.health(HealthRequest {}).await.unwrap();
-        let s = health.delta_streams.first().cloned().unwrap_or_default();
-        if s.dropped > 0 {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "never dropped: {s:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    // The deadline runs from `started`, as the bound does.
+    let s = eventually(
+        (bound + Duration::from_secs(30)).saturating_sub(started.elapsed()),
+        "the stream drops the stalled server's deltas",
+        || async {
+            let health = training.data.health(HealthRequest {}).await.unwrap();
+            let s = health.delta_streams.first().cloned().unwrap_or_default();
+            if s.dropped > 0 { Ok(s) } else { Err(s) }
+        },
+    )
+    .await;
     assert!(s.waited > 0, "{s:?}");
     assert!(
         started.elapsed() >= bound,

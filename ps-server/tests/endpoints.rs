@@ -9,13 +9,14 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServer, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, ChannelConfig};
 use tessera_test_support::free_port;
+use tessera_test_support::wait::eventually;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A `PYTHONPATH` under which `import grpc, grpc_tools` works: the
@@ -158,19 +159,16 @@ async fn the_binary_exposes_rpc_metrics_to_prometheus() {
         request_timeout_ms: 5000,
         ..ChannelConfig::default()
     };
-    let started = Instant::now();
-    let client = loop {
-        if let Ok(channel) =
-            Channel::connect(format!("127.0.0.1:{rpc_port}"), channel_config.clone()).await
-        {
-            break ParameterServerClient::new(channel);
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "server never came up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let client = eventually(
+        Duration::from_secs(20),
+        "the server comes up (takes a connection)",
+        || async {
+            Channel::connect(format!("127.0.0.1:{rpc_port}"), channel_config.clone())
+                .await
+                .map(ParameterServerClient::new)
+        },
+    )
+    .await;
     for _ in 0..3 {
         client
             .fetch(FetchRequest {

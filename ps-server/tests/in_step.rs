@@ -21,6 +21,7 @@ use tessera_proto::v1::{ParameterServerClient, PushRequest, ShardRole};
 use tessera_ps_server::PsServerConfig;
 use tessera_rpc::{CallOptions, Channel};
 use tessera_test_support::health::patient;
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{
     Etcd, PsProcess, etcd_coordination, free_addr, health, pair_config, pair_push, wait_for_health,
     wait_replicas_in_step, wait_serving,
@@ -104,25 +105,23 @@ async fn a_replica_back_from_a_restart_does_not_lead_from_its_stale_copy_while_t
     // Back: one of them leads with every acknowledged Push.
     first.signal(Signal::SIGCONT);
     let started = Instant::now();
-    let (leader, position) = loop {
-        let mut found = None;
-        for addr in [&a, &b] {
-            if let Ok(h) = health(addr).await
-                && let (ShardRole::Primary, position) = shard_role(&h)
-                && !h.shard_health[0].fenced
-            {
-                found = Some((addr.clone(), position));
+    let (leader, position) = eventually(
+        Duration::from_secs(30),
+        "a primary (not fenced) after the pause's end",
+        || async {
+            let mut found = None;
+            for addr in [&a, &b] {
+                if let Ok(h) = health(addr).await
+                    && let (ShardRole::Primary, position) = shard_role(&h)
+                    && !h.shard_health[0].fenced
+                {
+                    found = Some((addr.clone(), position));
+                }
             }
-        }
-        if let Some(found) = found {
-            break found;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "no primary within 30 s of the pause's end"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+            found.ok_or("neither server leads unfenced")
+        },
+    )
+    .await;
     eprintln!(
         "after the pause: {leader} leads at position {position} ({:?} after SIGCONT)",
         started.elapsed()

@@ -17,6 +17,7 @@ use tessera_proto::v1::{
 use tessera_ps_server::config::{AckMode, ReplicationConfig};
 use tessera_ps_server::{PsServerConfig, Version};
 use tessera_rpc::{Code, RpcError};
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{
     FaultProxy, InProcess, PsProcess, free_addr, pair_config, pair_push, wait_replicas_in_step,
     wait_serving, wire,
@@ -73,19 +74,16 @@ async fn digests(server: &InProcess) -> Vec<(Option<tessera_proto::v1::ShardVers
 /// Push forwarded and applied, bit for bit (rows, optimizer state and
 /// deduplication windows).
 async fn converged(primary: &InProcess, replica: &InProcess) {
-    let started = Instant::now();
-    loop {
-        let (a, b) = (digests(primary).await, digests(replica).await);
-        if a == b {
-            assert_eq!(rows(primary).await.unwrap(), rows(replica).await.unwrap());
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the replica never converged: {a:?} vs {b:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "the replica converges (the primary's versions and digests)",
+        || async {
+            let (a, b) = (digests(primary).await, digests(replica).await);
+            if a == b { Ok(()) } else { Err((a, b)) }
+        },
+    )
+    .await;
+    assert_eq!(rows(primary).await.unwrap(), rows(replica).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -351,21 +349,20 @@ async fn processes_converge(a: &str, b: &str) {
         )
     };
     let (a, b) = (admin(a), admin(b));
-    let started = Instant::now();
-    loop {
-        if let (Ok(x), Ok(y)) = (
-            a.digest(DigestRequest {}).await,
-            b.digest(DigestRequest {}).await,
-        ) && x == y
-        {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the replica process never converged"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the replica process converges (digests agree)",
+        || async {
+            match (
+                a.digest(DigestRequest {}).await,
+                b.digest(DigestRequest {}).await,
+            ) {
+                (Ok(x), Ok(y)) if x == y => Ok(()),
+                (x, y) => Err((x, y)),
+            }
+        },
+    )
+    .await;
 }
 
 /// A replica that stops hearing its primary's stream (here: the path
@@ -678,18 +675,23 @@ async fn a_long_copy_under_a_steady_push_load_converges() {
     // In step (by the replica's own account, with its copy in) while the
     // Pushes go on.
     let started = Instant::now();
-    loop {
-        let health = tessera_test_support::health(&b).await.unwrap();
-        if replica.replication.syncs() >= 1 && health.shard_health.iter().all(|s| s.in_step) {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(40),
-            "the replica never came into step under load ({} cut-offs)",
-            primary.replication.cutoffs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(40),
+        "the replica comes into step under load",
+        || async {
+            let health = tessera_test_support::health(&b).await.unwrap();
+            if replica.replication.syncs() >= 1 && health.shard_health.iter().all(|s| s.in_step) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} copies, {} cut-offs",
+                    replica.replication.syncs(),
+                    primary.replication.cutoffs()
+                ))
+            }
+        },
+    )
+    .await;
     let in_step_after = started.elapsed();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let pushed = pusher.await.unwrap();

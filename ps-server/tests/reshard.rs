@@ -33,6 +33,7 @@ use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
 use tessera_ps_server::table::ExpiryConfig;
 use tessera_rpc::{Code, RpcError};
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, keys_moved, resize_pair, resize_server, shard_map_now,
     wait_serving, wire,
@@ -122,14 +123,17 @@ struct Cluster {
 impl Cluster {
     /// The new shard's primary (waits for one).
     async fn new_primary(&self) -> &InProcess {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(p) = self.news.iter().find(|s| s.replication.is_primary(OLD)) {
-                return p;
-            }
-            assert!(Instant::now() < deadline, "the new shard has no primary");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(
+            Duration::from_secs(20),
+            "the new shard has a primary",
+            || async {
+                self.news
+                    .iter()
+                    .find(|s| s.replication.is_primary(OLD))
+                    .ok_or("neither of its servers is primary")
+            },
+        )
+        .await
     }
 
     async fn push_all(&mut self) {
@@ -143,7 +147,7 @@ impl Cluster {
     /// Pushes until the new shard is reported ready in the resize
     /// planned at `id`.
     async fn push_until_ready(&mut self, id: u64) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut waiting = Waiting::new(Duration::from_secs(30), "the new shard is reported ready");
         loop {
             self.push_all().await;
             let m = map(&self.coord).await;
@@ -151,8 +155,7 @@ impl Cluster {
             if resize.id == id && resize.state == ResizeState::Copying && resize.ready == [OLD] {
                 return;
             }
-            assert!(Instant::now() < deadline, "never ready: {m:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            waiting.tick(&m).await;
         }
     }
 
@@ -160,28 +163,26 @@ impl Cluster {
     /// rows, bit for bit (Pushes stopped).
     async fn wait_equal(&self) {
         let new = self.new_primary().await;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let mut equal = true;
-            for (shard, server) in self.old.iter().enumerate() {
-                let moving = &self.keys[shard].1;
-                let want = rows(server, shard as u32, moving);
-                let got = rows(new, OLD, moving);
-                if got != want {
-                    equal = false;
-                    assert!(
-                        Instant::now() < deadline,
-                        "the new shard's rows of old shard {shard} never caught up: {} of {} held",
-                        got.0.len(),
-                        moving.len()
-                    );
+        eventually(
+            Duration::from_secs(20),
+            "the new shard's rows catch up with the old primaries' moving rows",
+            || async {
+                for (shard, server) in self.old.iter().enumerate() {
+                    let moving = &self.keys[shard].1;
+                    let want = rows(server, shard as u32, moving);
+                    let got = rows(new, OLD, moving);
+                    if got != want {
+                        return Err(format!(
+                            "old shard {shard}'s rows differ: {} of {} held",
+                            got.0.len(),
+                            moving.len()
+                        ));
+                    }
                 }
-            }
-            if equal {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+                Ok(())
+            },
+        )
+        .await;
     }
 }
 
@@ -337,16 +338,21 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // A cancel: the streams to the new shard end, its feed closes, and
     // the old shards stop keeping changes.
     c.coord.update_shard_map(ShardMap::cancel).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while feed_of(c.new_primary().await).await.is_some()
-        || c.old.iter().any(|s| s.store.tracks_changes())
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the resize's streams never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "the resize's streams end",
+        || async {
+            let feed = feed_of(c.new_primary().await).await;
+            if feed.is_some() {
+                return Err(format!("the new primary's feed is open: {feed:?}"));
+            }
+            if c.old.iter().any(|s| s.store.tracks_changes()) {
+                return Err("an old shard still keeps changes".to_owned());
+            }
+            Ok(())
+        },
+    )
+    .await;
     assert_eq!(map(&c.coord).await.num_shards, OLD);
     // Cancelled, the new server still serves nothing (nobody routes to
     // it: the operator stops it). Serving, it acknowledged a Push split by
@@ -384,13 +390,11 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     let again = c.coord.update_shard_map(|m| m.plan(NEW)).await.unwrap();
     let mut applied = [c.step, c.step - 32];
     let mut refused = [0u64; OLD as usize];
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut waiting = Waiting::new(
+        Duration::from_secs(60),
+        "the resize cuts over (each old shard refuses the moved keys 3 times)",
+    );
     while refused.iter().any(|&r| r < 3) {
-        assert!(
-            Instant::now() < deadline,
-            "never cut over: {:?}",
-            map(&c.coord).await
-        );
         c.step += 1;
         for shard in 0..OLD as usize {
             let (mine, moving) = &c.keys[shard];
@@ -417,7 +421,9 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        if refused.iter().any(|&r| r < 3) {
+            waiting.tick((refused, map(&c.coord).await)).await;
+        }
     }
     // The old primaries' moved rows, frozen by the fence (the new shard
     // holds them once it serves, and they are dropped once it is done).
@@ -435,19 +441,18 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // The new primary serves once it holds both fenced deltas: then its
     // moved rows are the old primaries' (which no Push changes any
     // more), with every Push applied before the fence counted once.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let new = loop {
-        let new = c.new_primary().await;
-        if fetch_new(new, key).await.is_ok() {
-            break new;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the new shard never opened: {:?}",
-            feed_of(new).await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let new = eventually(
+        Duration::from_secs(30),
+        "the new shard opens (serves a Fetch)",
+        || async {
+            let new = c.new_primary().await;
+            match fetch_new(new, key).await {
+                Ok(_) => Ok(new),
+                Err(err) => Err((err, feed_of(new).await)),
+            }
+        },
+    )
+    .await;
     for (shard, want) in frozen.into_iter().enumerate() {
         let moving = &c.keys[shard].1;
         assert_eq!(
@@ -468,24 +473,25 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     );
     // It says so in the map, the old shards stop streaming to it, the
     // resize is done, and the old shards drop the moved rows.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let done = map(&c.coord)
-            .await
-            .resize
-            .is_some_and(|r| r.opened.keys().eq([&OLD]) && r.state == ResizeState::Done);
-        let dropped =
-            (0..OLD as usize).all(|s| rows(&c.old[s], s as u32, &c.keys[s].1).0.is_empty());
-        if done && dropped && c.old.iter().all(|s| !s.store.tracks_changes()) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the resize never finished after the shard opened: {:?}",
-            c.coord.shard_map().await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "the resize finishes after the shard opened",
+        || async {
+            let m = map(&c.coord).await;
+            let done = m
+                .resize
+                .as_ref()
+                .is_some_and(|r| r.opened.keys().eq([&OLD]) && r.state == ResizeState::Done);
+            let dropped =
+                (0..OLD as usize).all(|s| rows(&c.old[s], s as u32, &c.keys[s].1).0.is_empty());
+            if done && dropped && c.old.iter().all(|s| !s.store.tracks_changes()) {
+                Ok(())
+            } else {
+                Err(m)
+            }
+        },
+    )
+    .await;
     // Once the new shard serves, a Fetch of a moved key at an old shard
     // is refused too, naming the count (until then the old shard served
     // it: nobody wrote it); a key that stays is served.
@@ -540,19 +546,20 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
     // Its replica copies the shard from it (the moved rows came outside
     // the stream) and then serves the same rows.
     let replica = c.news.iter().find(|s| !std::ptr::eq(*s, new)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if fetch_new(replica, key).await.is_ok()
-            && rows(replica, OLD, &sorted) == rows(new, OLD, &sorted)
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the new shard's replica never copied it"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the new shard's replica copies it",
+        || async {
+            if let Err(err) = fetch_new(replica, key).await {
+                return Err(format!("the replica refuses a Fetch: {err:?}"));
+            }
+            if rows(replica, OLD, &sorted) != rows(new, OLD, &sorted) {
+                return Err("the replica's rows differ from the primary's".to_owned());
+            }
+            Ok(())
+        },
+    )
+    .await;
     let Cluster {
         mut old,
         mut news,
@@ -568,11 +575,20 @@ async fn a_new_shard_copies_and_follows_its_moving_rows_until_ready() {
         .position(|s| s.replication.is_primary(OLD))
         .unwrap();
     news.remove(at).stop().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !news[0].replication.is_primary(OLD) || fetch_new(&news[0], key).await.is_err() {
-        assert!(Instant::now() < deadline, "the replica never took over");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the replica takes over",
+        || async {
+            if !news[0].replication.is_primary(OLD) {
+                return Err("it is not primary".to_owned());
+            }
+            match fetch_new(&news[0], key).await {
+                Ok(_) => Ok(()),
+                Err(err) => Err(format!("it refuses a Fetch: {err:?}")),
+            }
+        },
+    )
+    .await;
     let steps_at = |shard: usize| rows(&news[0], OLD, &keys[shard].1).3;
     let before = [steps_at(0), steps_at(1)];
     let mut retry = push(y, OLD, &sorted);
@@ -623,7 +639,10 @@ async fn a_resize_whose_new_primary_stops_while_copying_completes() {
         .unwrap();
     c.news.remove(at).stop().await;
     // The replica leads and follows both old shards anew (copies).
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut waiting = Waiting::new(
+        Duration::from_secs(30),
+        "the new primary follows the old shards",
+    );
     loop {
         c.push_all().await;
         let feed = if c.news[0].replication.is_primary(OLD) {
@@ -631,17 +650,13 @@ async fn a_resize_whose_new_primary_stops_while_copying_completes() {
         } else {
             None
         };
-        let in_step = feed.is_some_and(|f| {
+        let in_step = feed.as_ref().is_some_and(|f| {
             f.sources.len() == OLD as usize && f.sources.iter().all(|s| s.copies >= 1 && !s.copying)
         });
         if in_step {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the new primary never followed the old shards"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting.tick(feed).await;
     }
     c.push_until_ready(planned).await;
     c.wait_equal().await;
@@ -650,19 +665,18 @@ async fn a_resize_whose_new_primary_stops_while_copying_completes() {
         .collect();
     // Released (no Push meanwhile): it cuts over, opens and is done.
     c.coord.update_shard_map(ShardMap::release).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !map(&c.coord)
-        .await
-        .resize
-        .is_some_and(|r| r.state == ResizeState::Done)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "never done: {:?}",
-            map(&c.coord).await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(Duration::from_secs(30), "the resize is done", || async {
+        let m = map(&c.coord).await;
+        if m.resize
+            .as_ref()
+            .is_some_and(|r| r.state == ResizeState::Done)
+        {
+            Ok(())
+        } else {
+            Err(m)
+        }
+    })
+    .await;
     let new = c.new_primary().await;
     for (shard, want) in frozen.into_iter().enumerate() {
         assert_eq!(rows(new, OLD, &c.keys[shard].1), want, "old shard {shard}");

@@ -23,6 +23,7 @@ use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::PushRequest;
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, keys_moved, resize_pair, resize_server, shard_map_now,
     split_push, wait_map, wait_serving,
@@ -53,11 +54,12 @@ fn keys(shard: u32, num_shards: u32) -> Vec<u64> {
         .collect()
 }
 
+/// Waits until `done` holds. A `Waiting` loop, not `eventually`: `done` is
+/// an `AsyncFnMut`, whose futures borrow it.
 async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut waiting = Waiting::new(Duration::from_secs(40), what);
     while !done().await {
-        assert!(Instant::now() < deadline, "never {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting.tick("it did not hold").await;
     }
 }
 
@@ -133,7 +135,10 @@ impl Cluster {
 
     /// Pushes until the resize planned (held) has `ready` ready.
     async fn push_until_ready(&mut self, ready: &[u32]) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut waiting = Waiting::new(
+            Duration::from_secs(30),
+            &format!("shards {ready:?} are reported ready"),
+        );
         loop {
             self.push_all().await;
             let m = shard_map_now(&self.coord).await;
@@ -141,8 +146,7 @@ impl Cluster {
             if r.state == ResizeState::Copying && r.ready == ready {
                 return;
             }
-            assert!(Instant::now() < deadline, "never ready: {m:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            waiting.tick(&m).await;
         }
     }
 
@@ -305,18 +309,18 @@ async fn a_giving_replica_whose_resize_follower_stalls_takes_no_push_of_a_moved_
     c.pair.remove(p).crash();
     let replica_addr = c.pair[0].addr.clone();
     // The replica wins the lead (its primary key in etcd) ...
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (primaries, _) = c.coord.primaries().await.unwrap();
-        if primaries
-            .get(&0)
-            .is_some_and(|(record, _)| record.address == replica_addr)
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the replica never campaigned");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the replica campaigns (holds shard 0's primary key)",
+        || async {
+            let (primaries, _) = c.coord.primaries().await.unwrap();
+            match primaries.get(&0) {
+                Some((record, _)) if record.address == replica_addr => Ok(()),
+                other => Err(other.map(|(record, _)| record.address.clone())),
+            }
+        },
+    )
+    .await;
     // ... and for longer than its recovery may wait (the failover
     // timeout, 2 s) takes no Push of a moved key.
     let until = Instant::now() + Duration::from_secs(4);

@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
@@ -19,6 +19,7 @@ use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{HealthRequest, PushRequest};
 use tessera_ps_server::config::{DeltaConfig, OptimizerConfig, ServingServer};
 use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, free_addr, resize_server, shard_map_now, wait_map,
     wait_serving, wire,
@@ -147,37 +148,33 @@ fn rows(server: &InProcess, table: &str, shard: u32, keys: &[u64]) -> BTreeMap<u
 /// `num_shards`).
 async fn wait_matches(serving: &InProcess, owners: &[&InProcess], num_shards: u32, what: &str) {
     let all: Vec<u64> = (0..KEYS).collect();
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let mut equal = true;
-        let mut diff = String::new();
-        for table in ["emb", "small"] {
-            let mut want = BTreeMap::new();
-            for (s, owner) in owners.iter().enumerate() {
-                want.extend(rows(owner, table, s as u32, &keys_of(s as u32, num_shards)));
+    eventually(
+        Duration::from_secs(40),
+        &format!("{what}: the serving fleet holds the owners' rows"),
+        || async {
+            let mut diff = String::new();
+            for table in ["emb", "small"] {
+                let mut want = BTreeMap::new();
+                for (s, owner) in owners.iter().enumerate() {
+                    want.extend(rows(owner, table, s as u32, &keys_of(s as u32, num_shards)));
+                }
+                let got = rows(serving, table, 0, &all);
+                if got != want {
+                    let missing = want.keys().filter(|k| !got.contains_key(k)).count();
+                    let extra = got.keys().filter(|k| !want.contains_key(k)).count();
+                    let differ = want
+                        .iter()
+                        .filter(|(k, v)| got.get(k).is_some_and(|g| g != *v))
+                        .count();
+                    diff += &format!(
+                        "{table}: {missing} rows missing, {extra} extra, {differ} differ; "
+                    );
+                }
             }
-            let got = rows(serving, table, 0, &all);
-            if got != want {
-                equal = false;
-                let missing = want.keys().filter(|k| !got.contains_key(k)).count();
-                let extra = got.keys().filter(|k| !want.contains_key(k)).count();
-                let differ = want
-                    .iter()
-                    .filter(|(k, v)| got.get(k).is_some_and(|g| g != *v))
-                    .count();
-                diff +=
-                    &format!("{table}: {missing} rows missing, {extra} extra, {differ} differ; ");
-            }
-        }
-        if equal {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: the serving fleet does not hold the owners' rows: {diff}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            if diff.is_empty() { Ok(()) } else { Err(diff) }
+        },
+    )
+    .await;
 }
 
 /// Copies the serving server took of training shard `source`.
@@ -224,7 +221,7 @@ async fn a_serving_fleet_holds_each_keys_owner_row_through_a_growth() {
     // The growth, with the new shard streaming to the serving fleet too.
     coord.update_shard_map(|m| m.plan_held(TO)).await.unwrap();
     let new = InProcess::start(&training(&etcd, cluster, TO, 2, &serving_addr)).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut waiting = Waiting::new(Duration::from_secs(30), "the new shard is reported ready");
     loop {
         round += 1;
         push_old(&old, round).await;
@@ -232,15 +229,17 @@ async fn a_serving_fleet_holds_each_keys_owner_row_through_a_growth() {
         if m.active().is_some_and(|r| r.ready == [2]) {
             break;
         }
-        assert!(Instant::now() < deadline, "never ready: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting.tick(&m).await;
     }
     coord.update_shard_map(ShardMap::release).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while old[0].store.moved(0).is_none() {
-        assert!(Instant::now() < deadline, "shard 0 never fenced");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(Duration::from_secs(30), "shard 0 fences", || async {
+        if old[0].store.moved(0).is_some() {
+            Ok(())
+        } else {
+            Err("not fenced")
+        }
+    })
+    .await;
     // Old shard 0 looks no more: it keeps its moved rows.
     fail::cfg("reshard::step", &format!("return({})", old[0].addr)).unwrap();
     wait_map(&coord, "done", |m| {
@@ -295,12 +294,20 @@ async fn a_serving_fleet_holds_each_keys_owner_row_through_a_growth() {
     // after the new shard's rows arrived.
     let before = copies_of(&serving_server, 0).await;
     old[0].store.restart_streams();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while copies_of(&serving_server, 0).await == before {
-        assert!(Instant::now() < deadline, "never copied old shard 0 again");
+    let mut waiting = Waiting::new(
+        Duration::from_secs(30),
+        "the serving server copies old shard 0 again",
+    );
+    loop {
+        let copies = copies_of(&serving_server, 0).await;
+        if copies != before {
+            break;
+        }
         round += 1;
         push(&old[0], "emb", 8, 0, FROM, keys_of(0, TO), round).await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        waiting
+            .tick(format!("{copies} copies of old shard 0, as before"))
+            .await;
     }
     wait_matches(
         &serving_server,
@@ -311,14 +318,17 @@ async fn a_serving_fleet_holds_each_keys_owner_row_through_a_growth() {
     .await;
 
     fail::remove("reshard::step");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !rows(&old[0], "emb", 0, &moved).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "shard 0 never dropped its moved rows"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "shard 0 drops its moved rows",
+        || async {
+            match rows(&old[0], "emb", 0, &moved).len() {
+                0 => Ok(()),
+                held => Err(format!("{held} moved rows held")),
+            }
+        },
+    )
+    .await;
     wait_matches(
         &serving_server,
         &owners,

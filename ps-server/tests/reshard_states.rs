@@ -11,7 +11,7 @@
 //! rows and serves the staying ones as they were.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tessera_coord::ResizeState;
@@ -19,6 +19,7 @@ use tessera_proto::sharding::shard_for_key;
 use tessera_proto::v1::{CheckpointRequest, FetchRequest, PushRequest};
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{
     Etcd, InProcess, keys_moved, resize_pair, resize_server, resize_servers, shard_map_now,
     wait_map, wait_serving, wire,
@@ -125,13 +126,12 @@ async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening
         news.push(InProcess::start(&config).await);
     }
     // Pushes until the cut-over; the fence refuses the moved keys then.
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut waiting = Waiting::new(Duration::from_secs(30), "the resize cuts over");
     loop {
         let m = shard_map_now(&coord).await;
         if m.active().is_some_and(|r| r.state == ResizeState::CutOver) {
             break;
         }
-        assert!(Instant::now() < deadline, "never cut over: {m:?}");
         step += 1;
         for (shard, server) in old.iter().enumerate() {
             match server.data.push(push(step, shard as u32)).await {
@@ -140,17 +140,24 @@ async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening
                 Err(err) => panic!("push: {err}"),
             }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting.tick(&m).await;
     }
     // Every old server fenced the moved keys: their rows are final.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while old
-        .iter()
-        .any(|s| s.store.moved(s.store.hosted()[0]).is_none())
-    {
-        assert!(Instant::now() < deadline, "an old shard never fenced");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(
+        Duration::from_secs(10),
+        "every old shard fences the moved keys",
+        || async {
+            if old
+                .iter()
+                .any(|s| s.store.moved(s.store.hosted()[0]).is_none())
+            {
+                Err("an old shard has not fenced")
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .await;
     let frozen: Vec<_> = (0..OLD)
         .map(|shard| rows(&old[shard as usize], shard, &moving(shard)))
         .collect();
@@ -168,11 +175,14 @@ async fn a_growth_interrupted_while_planned_and_between_its_cut_over_and_opening
         .position(|s| s.replication.is_primary(OLD))
         .expect("the new shard has a primary");
     news.remove(at).stop().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !news[0].replication.is_primary(OLD) {
-        assert!(Instant::now() < deadline, "the replica never led");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(Duration::from_secs(30), "the replica leads", || async {
+        if news[0].replication.is_primary(OLD) {
+            Ok(())
+        } else {
+            Err("it is not primary")
+        }
+    })
+    .await;
     fail::remove("reshard::open");
     wait_map(&coord, "done", |m| {
         m.resize
@@ -260,16 +270,21 @@ async fn an_old_shard_restarts_with_the_new_count_from_a_checkpoint_of_the_old_o
     old.remove(0).crash();
     let again = InProcess::start(&config).await;
     wait_serving(&again.addr).await;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while again.store.num_shards() != NEW || !rows(&again, 0, &moving(0)).0.is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the restarted server never took the new count: {} shards, {} moved rows",
-            again.store.num_shards(),
-            rows(&again, 0, &moving(0)).0.len()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "the restarted server takes the new count and drops the moved rows",
+        || async {
+            let shards = again.store.num_shards();
+            if shards != NEW {
+                return Err(format!("{shards} shards"));
+            }
+            match rows(&again, 0, &moving(0)).0.len() {
+                0 => Ok(()),
+                moved => Err(format!("{moved} moved rows")),
+            }
+        },
+    )
+    .await;
     assert_eq!(rows(&again, 0, &staying), before);
     again
         .data

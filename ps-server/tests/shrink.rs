@@ -23,7 +23,7 @@
 )]
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_coord::{EtcdCoordinator, ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
@@ -31,6 +31,7 @@ use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
 use tessera_rpc::{Code, RpcError};
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{
     Etcd, InProcess, etcd_coordination, keys_moved, resize_pair, resize_server, shard_map_now,
     split_push, wait_serving,
@@ -141,7 +142,10 @@ impl Cluster {
     /// Pushes until the resize planned at `id` has both remaining shards
     /// ready.
     async fn push_until_ready(&mut self, id: u64) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut waiting = Waiting::new(
+            Duration::from_secs(30),
+            "both remaining shards are reported ready",
+        );
         loop {
             self.push_all().await;
             let m = map(&self.coord).await;
@@ -149,21 +153,20 @@ impl Cluster {
             if r.id == id && r.state == ResizeState::Copying && r.ready == [0, 1] {
                 return;
             }
-            assert!(Instant::now() < deadline, "never ready: {m:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            waiting.tick(&m).await;
         }
     }
 
     async fn wait_for(&self, what: &str, done: impl Fn(&ShardMap) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let m = map(&self.coord).await;
-            if done(&m) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "never {what}: {m:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(
+            Duration::from_secs(30),
+            &format!("shard map: {what}"),
+            || async {
+                let m = map(&self.coord).await;
+                if done(&m) { Ok(()) } else { Err(m) }
+            },
+        )
+        .await;
     }
 
     /// Every key's update count at the primary of its shard of `num_shards`
@@ -244,14 +247,17 @@ async fn a_shrink_serves_the_remaining_shards_throughout_and_applies_each_push_o
 
     // Cancelled: the copied rows go, the shards serve as before.
     c.coord.update_shard_map(ShardMap::cancel).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while rows_held(c.primary(0)).await != own0.len() as u64 {
-        assert!(
-            Instant::now() < deadline,
-            "a cancelled shrink's rows stayed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "a cancelled shrink's copied rows go",
+        || async {
+            match rows_held(c.primary(0)).await {
+                held if held == own0.len() as u64 => Ok(()),
+                held => Err(format!("shard 0 holds {held} rows, {} its own", own0.len())),
+            }
+        },
+    )
+    .await;
     c.push_all().await;
     c.audit(FROM);
 
@@ -271,11 +277,14 @@ async fn a_shrink_serves_the_remaining_shards_throughout_and_applies_each_push_o
     }
     c.coord.update_shard_map(ShardMap::release).await.unwrap();
     c.wait_for("cut over", |m| m.num_shards == TO).await;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while c.primary(2).store.moved(2).is_none() {
-        assert!(Instant::now() < deadline, "shard 2 was never fenced");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(Duration::from_secs(20), "shard 2 is fenced", || async {
+        if c.primary(2).store.moved(2).is_some() {
+            Ok(())
+        } else {
+            Err("not fenced")
+        }
+    })
+    .await;
     // `z` reaches shard 2 after the fence: refused, to be split anew.
     assert_eq!(
         moved_to(
@@ -321,11 +330,17 @@ async fn a_shrink_serves_the_remaining_shards_throughout_and_applies_each_push_o
     }
     c.audit(TO);
     // Shard 2 is fenced whole and drops its rows once done.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while rows_held(c.primary(2)).await != 0 {
-        assert!(Instant::now() < deadline, "shard 2 kept its rows");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        "shard 2 drops its rows",
+        || async {
+            match rows_held(c.primary(2)).await {
+                0 => Ok(()),
+                held => Err(format!("{held} rows held")),
+            }
+        },
+    )
+    .await;
     assert_eq!(moved_to(fetch(c.primary(2), 2, &incoming[..1]).await), TO);
     // Pushes go on, split by 2.
     for _ in 0..3 {
@@ -339,27 +354,28 @@ async fn a_shrink_serves_the_remaining_shards_throughout_and_applies_each_push_o
     c.audit(TO);
     // Shard 0's replica copied its primary (the moved rows included).
     let keys0 = Cluster::keys(0, TO);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let want = c
-            .primary(0)
-            .store
-            .read_rows("emb", 0, &keys0, true)
-            .unwrap();
-        let equal = c.servers[0].iter().all(|s| {
-            s.store
+    eventually(
+        Duration::from_secs(30),
+        "shard 0's replica catches up with its primary",
+        || async {
+            let want = c
+                .primary(0)
+                .store
                 .read_rows("emb", 0, &keys0, true)
-                .is_ok_and(|r| r.values == want.values && r.state == want.state)
-        });
-        if equal {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "shard 0's replica never caught up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+                .unwrap();
+            let equal = c.servers[0].iter().all(|s| {
+                s.store
+                    .read_rows("emb", 0, &keys0, true)
+                    .is_ok_and(|r| r.values == want.values && r.state == want.state)
+            });
+            if equal {
+                Ok(())
+            } else {
+                Err("the replica's rows differ from the primary's")
+            }
+        },
+    )
+    .await;
     // Its primary stops; the replica leads, and `z` retried once more
     // is a duplicate there.
     let at = c.servers[0]
@@ -367,13 +383,20 @@ async fn a_shrink_serves_the_remaining_shards_throughout_and_applies_each_push_o
         .position(|s| s.replication.is_primary(0))
         .unwrap();
     c.servers[0].remove(at).stop().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !c.servers[0][0].replication.is_primary(0)
-        || fetch(&c.servers[0][0], 0, &keys0).await.is_err()
-    {
-        assert!(Instant::now() < deadline, "the replica never took over");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(30),
+        "the replica takes over",
+        || async {
+            if !c.servers[0][0].replication.is_primary(0) {
+                return Err("it is not primary".to_owned());
+            }
+            match fetch(&c.servers[0][0], 0, &keys0).await {
+                Ok(()) => Ok(()),
+                Err(err) => Err(format!("it refuses a Fetch: {err:?}")),
+            }
+        },
+    )
+    .await;
     let answer = c.servers[0][0]
         .data
         .push(push(z, 0, &keys0, TO))

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use tessera_proto::rows::put_f32s;
 use tessera_proto::v1::{FetchRequest, HealthRequest, PushRequest};
 use tessera_ps_server::PsServerConfig;
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{InProcess, keys_of_shard};
 
 /// The server runs on this test's runtime (two threads). With the lock of
@@ -65,15 +66,17 @@ async fn pushes_waiting_for_a_held_shard_lock_do_not_stop_fetches() {
         })
         .collect();
     // Every Push waits for the lock before the Fetch is sent.
-    let started = std::time::Instant::now();
-    while server.store.waiting_for_lock(0) < 8 {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{} Pushes wait for the lock as tasks",
-            server.store.waiting_for_lock(0)
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually(
+        Duration::from_secs(10),
+        "8 Pushes wait for the lock as tasks",
+        || async {
+            match server.store.waiting_for_lock(0) {
+                waiting if waiting >= 8 => Ok(()),
+                waiting => Err(format!("{waiting} wait")),
+            }
+        },
+    )
+    .await;
     let fetched = server
         .data
         .fetch(FetchRequest {

@@ -307,10 +307,12 @@ async fn failure_pattern_a_restarting_server_does_not_move_its_destination_to_tc
 async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let (dialled_tx, mut dialled) = tokio::sync::mpsc::unbounded_channel();
     let hold = tokio::spawn(async move {
         let mut held = Vec::new();
         while let Ok((socket, _)) = listener.accept().await {
             held.push(socket);
+            let _ = dialled_tx.send(());
         }
     });
     let t = tessera_test_support::rdma::transport();
@@ -339,8 +341,8 @@ async fn failure_pattern_waiting_for_a_dial_ends_at_the_callers_deadline() {
             .await
         }
     });
-    // The first call holds the dial.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The first call holds the dial (the peer has its connection).
+    dialled.recv().await.unwrap();
     let started = std::time::Instant::now();
     let err = echo
         .echo_with_options(
@@ -444,6 +446,7 @@ mod replica_set {
     use super::*;
     use tessera_rpc::policy::QuarantineConfig;
     use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
+    use tessera_test_support::wait::eventually;
 
     /// Failure pattern 2, client side: a request over the message limit
     /// was classified as a connection failure, tried on every replica and
@@ -532,9 +535,15 @@ mod replica_set {
             &IncrementRequest {},
         )));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let succeeded = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut loops = Vec::new();
         for _ in 0..4 {
-            let (set, body, stop) = (set.clone(), body.clone(), Arc::clone(&stop));
+            let (set, body, stop, succeeded) = (
+                set.clone(),
+                body.clone(),
+                Arc::clone(&stop),
+                Arc::clone(&succeeded),
+            );
             loops.push(tokio::spawn(async move {
                 let (mut ok, mut failed, mut slowest) = (0u32, Vec::new(), Duration::ZERO);
                 while !stop.load(Ordering::Relaxed) {
@@ -543,7 +552,10 @@ mod replica_set {
                         .call_raw(method, body.clone(), false, Duration::from_secs(4))
                         .await
                     {
-                        Ok(_) => ok += 1,
+                        Ok(_) => {
+                            ok += 1;
+                            succeeded.fetch_add(1, Ordering::Relaxed);
+                        }
                         Err(err) => failed.push(err.to_string()),
                     }
                     slowest = slowest.max(started.elapsed());
@@ -551,10 +563,29 @@ mod replica_set {
                 (ok, failed, slowest)
             }));
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Each phase lasts until the callers succeeded 200 more times (a
+        // signal, not a guess of how long that takes on a loaded host).
+        let after_more_calls = |n: u64| {
+            let succeeded = Arc::clone(&succeeded);
+            async move {
+                let target = succeeded.load(Ordering::Relaxed) + n;
+                eventually(
+                    Duration::from_secs(30),
+                    &format!("{n} more successful calls"),
+                    || async {
+                        let now = succeeded.load(Ordering::Relaxed);
+                        if now >= target { Ok(()) } else { Err(now) }
+                    },
+                )
+                .await;
+            }
+        };
+        // Load flows through both replicas before a stops...
+        after_more_calls(200).await;
         let _ = a.stop.take().unwrap().send(());
         a.task.await.unwrap();
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // ...and goes on, all on b, after it stopped.
+        after_more_calls(200).await;
         stop.store(true, Ordering::Relaxed);
         let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
         for l in loops {
@@ -632,15 +663,18 @@ mod replica_set {
         // Until a's handler has all 20 (counted at the client, an attempt
         // may not be on the wire yet: one the connection's end then finds
         // unsent is rightly retried on b, and succeeds).
-        let started = std::time::Instant::now();
-        while a.echo_started.load(Ordering::SeqCst) < 21 {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "{:?}",
-                set.outstanding()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(
+            Duration::from_secs(10),
+            "a's handler running all 20 slow calls (and the first)",
+            || async {
+                if a.echo_started.load(Ordering::SeqCst) >= 21 {
+                    Ok(())
+                } else {
+                    Err(set.outstanding())
+                }
+            },
+        )
+        .await;
         // a goes away with the calls in flight: its connection breaks.
         a.shutdown().await;
         for call in calls {

@@ -206,9 +206,19 @@ async fn server_drops_work_whose_deadline_has_passed(t: TransportConfig) {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded);
-    // Well past the handler's own delay: had the server kept the work, it
-    // would have finished by now.
-    tokio::time::sleep(Duration::from_millis(u64::from(SLOW_MARKER_MS) + 300)).await;
+    // The server dropped the handler at the deadline, before its own
+    // delay ran out: it never completes.
+    tessera_test_support::wait::eventually(
+        Duration::from_secs(5),
+        "the server dropped the expired handler",
+        || async {
+            match server.echo_abandoned.load(Ordering::SeqCst) {
+                0 => Err("still running"),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
     assert_eq!(
         SLOW_MARKER_COMPLETED.load(Ordering::SeqCst),
         0,
@@ -804,18 +814,13 @@ mod replica_set {
     }
 }
 
-// Each user of the shared proxy uses some of its faults.
-#[allow(dead_code)]
-#[path = "../../test-support/src/proxy.rs"]
-mod proxy;
-
 mod recovery {
     use std::time::Instant;
 
-    use super::proxy::FaultProxy;
     use super::*;
     use tessera_rpc::policy::{FallbackConfig, RetryPolicyConfig};
     use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig, TransportKind};
+    use tessera_test_support::proxy::FaultProxy;
 
     fn echo_request(delay_ms: u32) -> EchoRequest {
         EchoRequest {

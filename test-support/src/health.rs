@@ -1,9 +1,11 @@
 //! A server's health, and waiting for it.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_proto::v1::{HealthRequest, HealthResponse, ParameterServerClient};
 use tessera_rpc::{Channel, ChannelConfig, RpcError, TlsConfig};
+
+use crate::wait::eventually;
 
 /// Timeouts for calls of a test to a server on a loaded 2-core host.
 pub fn patient() -> ChannelConfig {
@@ -49,19 +51,14 @@ pub async fn wait_for_health_as(
     timeout: Duration,
     ok: impl Fn(&HealthResponse) -> bool,
 ) -> HealthResponse {
-    let started = Instant::now();
-    loop {
-        let last = match health_as(addr, tls).await {
-            Ok(h) if ok(&h) => return h,
-            Ok(h) => format!("{h:?}"),
-            Err(err) => err.to_string(),
-        };
-        assert!(
-            started.elapsed() < timeout,
-            "{addr}: not {what} after {timeout:?}; last: {last}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(timeout, &format!("{addr}: {what}"), || async {
+        match health_as(addr, tls).await {
+            Ok(h) if ok(&h) => Ok(h),
+            Ok(h) => Err(format!("{h:?}")),
+            Err(err) => Err(err.to_string()),
+        }
+    })
+    .await
 }
 
 /// Waits until the server at `addr` serves every hosted shard and none is

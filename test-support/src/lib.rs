@@ -2,7 +2,8 @@
 //! copy: free ports, keys of a shard and f32 rows, a ps-server in-process
 //! or as a process (started, SIGKILLed, restarted), waiting for a server's
 //! health, a local etcd, a fault-injecting TCP proxy, a throw-away PKI
-//! for TLS, and the RPC layer's record of calls that gave up.
+//! for TLS, the RPC layer's record of calls that gave up, and waiting for
+//! a condition under a deadline (`wait`).
 //!
 //! Everything here panics on failure: it is how a test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
@@ -20,6 +21,7 @@ pub mod rdma;
 pub mod resize;
 pub mod rows;
 pub mod server;
+pub mod wait;
 
 pub use cluster::{InProcessCluster, Layout};
 pub use etcd::Etcd;

@@ -9,6 +9,7 @@ use tessera_ps_server::config::{DeltaConfig, PeerConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Code, RpcError};
 
+use crate::wait::eventually;
 use crate::{Etcd, etcd_coordination, free_addr};
 
 /// The server of shard `shard` of `num_shards` in etcd cluster `cluster`,
@@ -119,15 +120,15 @@ pub async fn resize_servers(
 ///
 /// If it never does, naming `what` and the last map.
 pub async fn wait_map(coord: &EtcdCoordinator, what: &str, done: impl Fn(&ShardMap) -> bool) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
-    loop {
-        let m = shard_map_now(coord).await;
-        if done(&m) {
-            return;
-        }
-        assert!(std::time::Instant::now() < deadline, "never {what}: {m:?}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    eventually(
+        std::time::Duration::from_secs(40),
+        &format!("shard map: {what}"),
+        || async {
+            let m = shard_map_now(coord).await;
+            if done(&m) { Ok(()) } else { Err(m) }
+        },
+    )
+    .await;
 }
 
 /// A Push of step `step` (worker 7, sequence `step`) to `keys` of

@@ -11,6 +11,7 @@
 )]
 
 use bytes::Bytes;
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_transport::pool::lookup;
 use tessera_transport::rdma::EngineError;
 use tessera_transport::{
@@ -802,19 +803,19 @@ async fn connections_beyond_the_completion_queue_are_refused_not_overrun() {
     // and its room comes back. Before: it lived until its peer went away,
     // so its room never came back.
     drop(kept.pop());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut third = loop {
-        match client.connect(&addr).await {
-            Ok(conn) => break conn,
-            Err(TransportError::CompletionQueuesFull { .. })
-                if std::time::Instant::now() < deadline =>
-            {
+    let mut third = eventually(
+        std::time::Duration::from_secs(10),
+        "the closed connection's room back (a third connection accepted)",
+        || async {
+            match client.connect(&addr).await {
+                Ok(conn) => Ok(conn),
                 // The engine ends on its I/O thread's next round.
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                Err(err @ TransportError::CompletionQueuesFull { .. }) => Err(err),
+                Err(err) => panic!("{err}"),
             }
-            Err(err) => panic!("{err}"),
-        }
-    };
+        },
+    )
+    .await;
     let buf = client.send_pool().alloc_copy(b"third").unwrap();
     third
         .sender
@@ -1341,15 +1342,19 @@ fn soft_bytes_moved(name: &str) -> u64 {
 /// Waits (polling the transport's counters, at most 5 s) until `rails`
 /// of its rails have their port down.
 async fn wait_rails_down(transport: &Transport, rails: u64) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while transport.rdma_stats().unwrap().rails_down != rails {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "rails down: {:?}, waited for {rails}",
-            transport.rdma_stats()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    eventually(
+        std::time::Duration::from_secs(5),
+        &format!("{rails} rails with their port down"),
+        || async {
+            let stats = transport.rdma_stats().unwrap();
+            if stats.rails_down == rails {
+                Ok(())
+            } else {
+                Err(stats)
+            }
+        },
+    )
+    .await;
 }
 
 /// One echo of `len` bytes on `conn`.
@@ -1534,17 +1539,23 @@ fn is_seeded(bytes: &[u8], seed: u8) -> bool {
 /// Waits (at most 5 s) until both transports run an engine on each of
 /// their two rails: the connection's partner on the other rail is up.
 async fn wait_partners(client: &Transport, server: &Transport) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     let both = |t: &Transport| t.rail_stats().iter().all(|rail| rail.qps_open >= 1);
-    while !(both(client) && both(server)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no engine on every rail: client {:?}, server {:?}",
-            client.rail_stats(),
-            server.rail_stats()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    eventually(
+        std::time::Duration::from_secs(5),
+        "an engine on every rail of both transports",
+        || async {
+            if both(client) && both(server) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "client {:?}, server {:?}",
+                    client.rail_stats(),
+                    server.rail_stats()
+                ))
+            }
+        },
+    )
+    .await;
 }
 
 /// Striping (issue 36): one connection's large messages are written over
@@ -1666,15 +1677,14 @@ async fn a_rail_failing_under_striped_messages_costs_rewrites_not_messages() {
     std::fs::remove_file(&port).unwrap();
     wait_rails_down(&client, 0).await;
     let before = client.rdma_stats().unwrap().stripe_chunks;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut waiting = Waiting::new(
+        std::time::Duration::from_secs(5),
+        "the rail carrying stripes again",
+    );
     let mut again = client.connect(&addr).await.unwrap();
     let mut k = 0u8;
     while client.rdma_stats().unwrap().stripe_chunks <= before {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the rail never carried stripes again: {:?}",
-            client.rail_stats()
-        );
+        waiting.tick(client.rail_stats()).await;
         again
             .sender
             .send(seeded(&client, 1 << 20, k))

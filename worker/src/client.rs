@@ -333,6 +333,13 @@ impl PsClient {
         self.worker_id
     }
 
+    /// Calls held at a resize's fence now, waiting for the shard map to
+    /// move on (a new count, or the fence lifted): what a resize stuck at
+    /// its cut-over holds up.
+    pub fn calls_held_at_fences(&self) -> usize {
+        self.routing.waiting_for_change()
+    }
+
     /// Total shards (the count keys are routed by now: a resize of the
     /// cluster changes it, see `routing.rs`).
     pub fn num_shards(&self) -> u32 {

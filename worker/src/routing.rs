@@ -290,6 +290,11 @@ impl Routing {
         }
     }
 
+    /// Calls waiting in [`Routing::wait_for_change`] now.
+    pub fn waiting_for_change(&self) -> usize {
+        self.settled.receiver_count()
+    }
+
     /// Notes shard map `map` as followed ([`Routing::wait_for_change`]).
     fn note_map(&self, map: &ShardMap) {
         let under_way = map

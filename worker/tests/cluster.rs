@@ -11,6 +11,7 @@ use tessera_proto::v1::{FetchRequest, ParameterServerClient};
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, RdmaConfig, TransportKind};
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{InProcess, InProcessCluster, f32s};
 use tessera_worker::workload::{self, WorkloadKind};
 use tessera_worker::{PsClient, ServerEndpoint, WorkerConfig, WorkerError, WorkloadConfig};
@@ -130,18 +131,15 @@ async fn push_sums_duplicates_and_reaches_every_replica() {
             .map(|w| w - 0.5 * total)
             .collect();
         for group in 0..2 {
-            let started = std::time::Instant::now();
-            loop {
-                let row = cluster.direct(group * 2 + shard, key).await;
-                if row == expected {
-                    break;
-                }
-                assert!(
-                    started.elapsed() < std::time::Duration::from_secs(10),
-                    "key {key} on replica group {group}: {row:?}, expected {expected:?}"
-                );
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            }
+            eventually(
+                std::time::Duration::from_secs(10),
+                &format!("key {key} on replica group {group} at {expected:?}"),
+                || async {
+                    let row = cluster.direct(group * 2 + shard, key).await;
+                    if row == expected { Ok(()) } else { Err(row) }
+                },
+            )
+            .await;
         }
     }
     let err = client
@@ -253,11 +251,19 @@ async fn fetch_push_and_workloads_over_rdma() {
     // A Fetch may be served by the replica, which sees the Push once
     // forwarding has delivered it.
     let expected: Vec<f32> = before.row(0).iter().map(|w| w - 0.5).collect();
-    let started = std::time::Instant::now();
-    while client.fetch("emb", &keys[..1]).await.unwrap().row(0) != &expected[..] {
-        assert!(started.elapsed() < std::time::Duration::from_secs(10));
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    eventually(
+        std::time::Duration::from_secs(10),
+        "a Fetch seeing the Push (from the primary or the replica)",
+        || async {
+            let rows = client.fetch("emb", &keys[..1]).await.unwrap();
+            if rows.row(0) == &expected[..] {
+                Ok(())
+            } else {
+                Err(rows.row(0).to_vec())
+            }
+        },
+    )
+    .await;
     for kind in [WorkloadKind::Ranker, WorkloadKind::Trainer] {
         let report = workload::run(kind, Arc::clone(&client), &cluster.config.workload).await;
         assert!(report.iterations > 0, "{report:?}");

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{PsServerConfig, TableConfig};
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{FaultProxy, InProcessCluster, keys_of_shard};
 use tessera_worker::{PsClient, PushSpec, ServerEndpoint, WorkerConfig, WorkerError};
 
@@ -156,11 +157,19 @@ async fn a_worker_listing_one_group_pushes_to_primaries_it_does_not_list() {
         Some(cluster.layout.addr(1, 1))
     );
     // Group 0's copies follow their primaries.
-    let started = std::time::Instant::now();
-    while rows(&client, &keys).await != vec![-1.0; keys.len()] {
-        assert!(started.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(
+        Duration::from_secs(10),
+        "group 0's copies holding the Push",
+        || async {
+            let got = rows(&client, &keys).await;
+            if got == vec![-1.0; keys.len()] {
+                Ok(())
+            } else {
+                Err(got)
+            }
+        },
+    )
+    .await;
     cluster.stop().await;
 }
 

@@ -13,12 +13,13 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_coord::ResizeState;
 use tessera_proto::sharding::shard_for_key;
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{Etcd, InProcess, resize_pair, resize_servers};
 
 const DIM: usize = 4;
@@ -78,14 +79,13 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
         // Training goes on through the copy and the cut-over, until the
         // resize is done, the worker routes by the new count, and a
         // while after.
-        let deadline = Instant::now() + Duration::from_secs(60);
+        // Each look takes a training step first: a loop, not a probe.
+        let mut waiting = Waiting::new(
+            Duration::from_secs(60),
+            &format!("the resize to {to} done, and 10 steps routed by {to} shards"),
+        );
         let mut after = 0;
         while after < 10 {
-            assert!(
-                Instant::now() < deadline,
-                "never done: {:?}",
-                coord.shard_map().await
-            );
             step().await;
             acked += 1;
             let map = coord.shard_map().await.unwrap().unwrap().0;
@@ -96,7 +96,7 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
             if done && client.num_shards() == to {
                 after += 1;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            waiting.tick(&map).await;
         }
         // Every key counted each acknowledged Push once, where it lives
         // now.
@@ -122,26 +122,31 @@ async fn a_trainer_goes_on_through_a_resize_and_every_push_counts_once() {
                 .copied()
                 .filter(|&k| shard_for_key(k, to) == shard)
                 .collect();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            'copies: loop {
-                let Some(primary) = copies.iter().find(|s| s.replication.is_primary(shard)) else {
-                    panic!("shard {shard} has no primary");
-                };
-                let want = primary.store.read_rows("emb", shard, &mine, true).unwrap();
-                let equal = copies.iter().all(|c| {
-                    c.store
-                        .read_rows("emb", shard, &mine, true)
-                        .is_ok_and(|r| r.values == want.values && r.steps == want.steps)
-                });
-                if equal {
-                    break 'copies;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "a copy of shard {shard} never held its primary's rows"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            eventually(
+                Duration::from_secs(30),
+                &format!("every copy of shard {shard} holding its primary's rows"),
+                || async {
+                    let Some(primary) = copies.iter().find(|s| s.replication.is_primary(shard))
+                    else {
+                        panic!("shard {shard} has no primary");
+                    };
+                    let want = primary.store.read_rows("emb", shard, &mine, true).unwrap();
+                    let differ = copies
+                        .iter()
+                        .filter(|c| {
+                            !c.store
+                                .read_rows("emb", shard, &mine, true)
+                                .is_ok_and(|r| r.values == want.values && r.steps == want.steps)
+                        })
+                        .count();
+                    if differ == 0 {
+                        Ok(())
+                    } else {
+                        Err(format!("{differ} of {} copies differ", copies.len()))
+                    }
+                },
+            )
+            .await;
         }
     }
     drop(client);

@@ -16,6 +16,7 @@ use tessera_coord::{ResizeState, ShardMap};
 use tessera_proto::sharding::shard_for_key;
 use tessera_ps_server::TableConfig;
 use tessera_ps_server::config::OptimizerConfig;
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{Etcd, InProcess, resize_server, resize_servers, shard_map_now};
 
 const DIM: usize = 4;
@@ -42,7 +43,8 @@ async fn a_push_held_by_a_stuck_resize_completes_once_it_is_cancelled() {
     }
     coord.update_shard_map(|m| m.plan_held(3)).await.unwrap();
     let new = InProcess::start(&resize_server(&etcd, cluster, 3, 2, &table())).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // Each look pushes first: a loop, not a probe.
+    let mut waiting = Waiting::new(Duration::from_secs(30), "the new shard ready");
     loop {
         client.push("emb", &keys, &grads, DIM).await.unwrap();
         acked += 1;
@@ -50,16 +52,18 @@ async fn a_push_held_by_a_stuck_resize_completes_once_it_is_cancelled() {
         if m.active().is_some_and(|r| r.ready == [2]) {
             break;
         }
-        assert!(Instant::now() < deadline, "never ready: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting.tick(&m).await;
     }
     fail::cfg("reshard::step", &format!("return({})", old[1].addr)).unwrap();
     coord.update_shard_map(ShardMap::release).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while old[0].store.moved(0).is_none() {
-        assert!(Instant::now() < deadline, "shard 0 never fenced");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(Duration::from_secs(30), "shard 0 fenced", || async {
+        if old[0].store.moved(0).is_some() {
+            Ok(())
+        } else {
+            Err("shard 0 not moved yet")
+        }
+    })
+    .await;
     assert_eq!(
         shard_map_now(&coord).await.active().map(|r| r.state),
         Some(ResizeState::CutOver)
@@ -70,8 +74,18 @@ async fn a_push_held_by_a_stuck_resize_completes_once_it_is_cancelled() {
         let (client, keys, grads) = (Arc::clone(&client), keys.clone(), grads.clone());
         tokio::spawn(async move { client.push("emb", &keys, &grads, DIM).await })
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!pushing.is_finished(), "a Push went through a stuck resize");
+    eventually(
+        Duration::from_secs(10),
+        "the Push is held at shard 0's fence",
+        || async {
+            match (client.calls_held_at_fences(), pushing.is_finished()) {
+                (0, false) => Err("not held yet"),
+                (_, true) => panic!("a Push went through a stuck resize"),
+                (_, false) => Ok(()),
+            }
+        },
+    )
+    .await;
     // Shard 0's server lags behind the cancel (its looks stall too): the
     // worker sees the fence lifted before the server does, and its Push
     // goes again after a pause rather than fail at a fence the map has

@@ -12,6 +12,7 @@ use rand::SeedableRng;
 use tessera_proto::v1::ShardRole;
 use tessera_ps_server::PsServerConfig;
 use tessera_rpc::{InboundConfig, TransportKind};
+use tessera_test_support::wait::Waiting;
 use tessera_test_support::{Layout, PsProcess};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -91,7 +92,7 @@ async fn loaded_server(transport: TransportKind, base: PsServerConfig) -> Loaded
     fill(&data, 0, 1).await;
     let pid = server.pid().unwrap();
     let load = Load::start_at(data, 0, 1, false, FETCHES_PER_SEC);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    load.flowing().await;
     let before = quiet_window().await;
     let rss_before = rss_mib(pid);
     Loaded {
@@ -171,7 +172,10 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
     let mut sent = 0usize;
     // Bounded, generously: the attackers' process is the last to get this
     // host's CPU (each is checked against its own announcement below).
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut waiting = Waiting::new(
+        Duration::from_secs(90),
+        "every attacker closed by the server",
+    );
     loop {
         tokio::select! {
             line = reports.next_line() => match line.expect("the attackers' report") {
@@ -192,14 +196,14 @@ async fn stalled_and_partial_senders(transport: TransportKind) {
                 }
                 None => break,
             },
-            () = tokio::time::sleep(Duration::from_millis(20)) => {
+            // Fails the drill once the deadline has passed; else 20 ms
+            // without a report: a sample of the server's RSS.
+            () = waiting.tick(format!(
+                "{} of {} attackers closed by the server",
+                closed.len() + late,
+                STALLED + PARTIAL
+            )) => {
                 peak = peak.max(rss_mib(pid));
-                assert!(
-                    Instant::now() < deadline,
-                    "{} of {} attackers closed by the server",
-                    closed.len() + late,
-                    STALLED + PARTIAL
-                );
             }
         }
     }

@@ -4,7 +4,7 @@
 //! run without one); the primary's memory while it serves a copy.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
@@ -18,6 +18,7 @@ use tessera_ps_server::PsServerConfig;
 use tessera_ps_server::config::{OptimizerConfig, TableConfig};
 use tessera_rpc::{Channel, TransportKind};
 use tessera_test_support::health::patient;
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{Layout, PsProcess, keys_of_shard, wire};
 
 use super::ONE_AT_A_TIME;
@@ -75,6 +76,8 @@ pub(super) const FETCHES_PER_SEC: u64 = 400;
 /// latency, counted from when it was due, with the time it ended.
 pub(super) struct Load {
     stop: Arc<AtomicBool>,
+    /// Fetches answered so far.
+    answered: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<Vec<(Instant, Duration)>>,
 }
 
@@ -97,9 +100,11 @@ impl Load {
         per_sec: u64,
     ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicU64::new(0));
         let present = Arc::new(keys_of_shard(shard, num_shards, BIG_ROWS as usize));
         let task = tokio::spawn({
             let stop = Arc::clone(&stop);
+            let answered = Arc::clone(&answered);
             async move {
                 let mut rng = SmallRng::seed_from_u64(5);
                 let mut fresh_keys = keys_of_shard(shard, num_shards, 3 * BIG_ROWS as usize)
@@ -120,6 +125,7 @@ impl Load {
                         keys.extend(fresh_keys.by_ref().take(FRESH));
                     }
                     let data = data.clone();
+                    let answered = Arc::clone(&answered);
                     calls.spawn(async move {
                         data.fetch(FetchRequest {
                             table: "big".into(),
@@ -129,6 +135,7 @@ impl Load {
                         .await
                         .unwrap();
                         let ended = Instant::now();
+                        answered.fetch_add(1, Ordering::Relaxed);
                         if n.is_multiple_of(4) {
                             data.push(PushRequest {
                                 num_shards: 0,
@@ -148,7 +155,26 @@ impl Load {
                 calls.join_all().await
             }
         });
-        Self { stop, task }
+        Self {
+            stop,
+            answered,
+            task,
+        }
+    }
+
+    /// Waits until the load flows: 100 Fetches answered.
+    pub(super) async fn flowing(&self) {
+        eventually(
+            Duration::from_secs(30),
+            "the load flowing (100 Fetches answered)",
+            || async {
+                match self.answered.load(Ordering::Relaxed) {
+                    n if n >= 100 => Ok(()),
+                    n => Err(n),
+                }
+            },
+        )
+        .await;
     }
 
     pub(super) async fn stop(self) -> Vec<(Instant, Duration)> {
@@ -243,7 +269,7 @@ async fn fetches_during_a_checkpoint(transport: TransportKind) {
     let load = Load::start(data.clone(), 0, 1, true);
     let admin = AdminClient::new(Channel::lazy(&addr, patient()).unwrap());
     // Warm-up, then quiet windows and checkpoints in turn.
-    tokio::time::sleep(QUIET).await;
+    load.flowing().await;
     let mut quiet = vec![quiet_window().await];
     let mut events = Vec::new();
     let mut saves = Vec::new();
@@ -302,7 +328,7 @@ async fn a_copy_of_a_large_shard(transport: TransportKind) {
     wait_role(&b, ShardRole::Replica, Duration::from_secs(30)).await;
     let pid = primary.pid().unwrap();
     let load = Load::start(data.clone(), 0, 1, false);
-    tokio::time::sleep(QUIET).await;
+    load.flowing().await;
     let before = quiet_window().await;
     let rss_before = rss_mib(pid);
     let cut = Instant::now();
@@ -394,7 +420,37 @@ async fn row_limited_replicas_agree(transport: TransportKind) {
     let cluster = Cluster::start(&config, dir.path()).await.unwrap();
     let client = worker_client(&cluster);
     let trainer = Trainer::start(Arc::clone(&client), 4);
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Until the limit was reached and both groups served Fetches (what the
+    // drill asserts below, from the same stats).
+    eventually(
+        Duration::from_secs(60),
+        "evictions at the primaries and Fetches served by both groups",
+        || async {
+            let mut evictions = 0;
+            let mut fetches_by_group = [0u64; 2];
+            for server in cluster.servers().iter().filter(|s| s.shard < 2) {
+                let admin = AdminClient::new(Channel::lazy(&server.address, patient()).unwrap());
+                let stats = match admin.stats(StatsRequest {}).await {
+                    Ok(stats) => stats,
+                    Err(e) => return Err(format!("{}: {e}", server.address)),
+                };
+                for s in &stats.shards {
+                    fetches_by_group[server.group as usize] += s.fetches;
+                    if server.group == 0 {
+                        evictions += s.evictions;
+                    }
+                }
+            }
+            if evictions > 0 && fetches_by_group.iter().all(|&f| f > 0) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{evictions} evictions, Fetches by group {fetches_by_group:?}"
+                ))
+            }
+        },
+    )
+    .await;
     let (records, _) = trainer.stop().await;
     let identical = wait_identical(&cluster).await;
     let mut evictions = 0;

@@ -23,7 +23,8 @@ use tessera_ps_server::config::{AckMode, CoordinatorConfig, CoordinatorKind};
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, TransportKind};
 use tessera_test_support::health::patient;
-use tessera_test_support::{Etcd, FaultProxy, Layout, PsProcess};
+use tessera_test_support::wait::eventually;
+use tessera_test_support::{Etcd, FaultProxy, Layout, PsProcess, wait_for_health};
 
 /// One drill at a time per process (a runner that runs a binary's tests
 /// on threads would otherwise overlap their loads and their figures;
@@ -101,6 +102,17 @@ fn cluster_config(
 /// (no quarantine, retries into its timeout) loses far more than half.
 const RECOVERED: f64 = 0.5;
 
+/// The position of the copy of shard 0 that a server's Health reports (0
+/// when it reports none).
+fn shard0_position(health: &tessera_proto::v1::HealthResponse) -> u64 {
+    health
+        .shard_health
+        .iter()
+        .find(|s| s.shard == 0)
+        .and_then(|s| s.version)
+        .map_or(0, |v| v.position)
+}
+
 /// Drills 1 and 2: SIGKILL shard 0's primary under the trainer, measure
 /// the failover; restart it without a checkpoint and check every copy.
 async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
@@ -131,7 +143,16 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
     if leader == victim_addr {
         eprintln!("shard 0 was handed back to the restarted server (a lease lapsed under load)");
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Pushes flow with the restarted server: its copy of shard 0 moves
+    // past where the leader stood once the shard settled.
+    let settled_at = shard0_position(&tessera_test_support::health(&leader).await.unwrap());
+    wait_for_health(
+        &victim_addr,
+        "applying shard 0's Pushes after its restart",
+        Duration::from_secs(30),
+        |h| shard0_position(h) > settled_at,
+    )
+    .await;
     let (records, steps) = trainer.stop().await;
 
     // The first acknowledgement of shard 0 by its new primary.
@@ -269,11 +290,17 @@ async fn static_restart_recovers(transport: TransportKind) {
     let client = worker_client(&cluster);
     let victim = cluster.index_of(0, 0).unwrap();
     let replica = cluster.index_of(1, 0).unwrap();
+    let replica_addr = cluster.servers()[replica].address.clone();
     let trainer = Trainer::start(Arc::clone(&client), 4);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_for_health(
+        &replica_addr,
+        "the replica holding Pushes",
+        Duration::from_secs(30),
+        |h| shard0_position(h) >= 50,
+    )
+    .await;
     cluster.kill(victim).await;
     let killed = Instant::now();
-    let replica_addr = cluster.servers()[replica].address.clone();
     let held = tessera_test_support::health(&replica_addr).await.unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     cluster.restart(victim).unwrap();
@@ -281,7 +308,15 @@ async fn static_restart_recovers(transport: TransportKind) {
     wait_role(&victim_addr, ShardRole::Primary, Duration::from_secs(30)).await;
     let back = killed.elapsed();
     let recovered = tessera_test_support::health(&victim_addr).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Pushes flow again through the recovered primary.
+    let recovered_at = shard0_position(&recovered);
+    wait_for_health(
+        &victim_addr,
+        "taking Pushes again after recovering",
+        Duration::from_secs(30),
+        |h| shard0_position(h) > recovered_at + 20,
+    )
+    .await;
     let (records, steps) = trainer.stop().await;
     let copies = wait_identical(&cluster).await;
     let audit = audit(&cluster, &records, transport).await;
@@ -413,12 +448,42 @@ async fn fencing(transport: TransportKind) {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    eventually(
+        Duration::from_secs(10),
+        "Pushes acknowledged by the old primary",
+        || async {
+            match acks.lock().unwrap().len() {
+                n if n >= 20 => Ok(()),
+                n => Err(n),
+            }
+        },
+    )
+    .await;
     let cut = Instant::now();
+    // The highest epoch acknowledged before the cut (acknowledgements
+    // recorded from here on may still be the old primary's, under it).
+    let epoch_before_cut = acks
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|a| a.1)
+        .max()
+        .unwrap_or_default();
     to_etcd.partition(true);
     wait_role(&new, ShardRole::Primary, Duration::from_secs(30)).await;
     let took_over = cut.elapsed();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    eventually(
+        Duration::from_secs(30),
+        "a Push acknowledged under the new epoch",
+        || async {
+            let latest = acks.lock().unwrap().iter().map(|a| a.1).max();
+            match latest {
+                Some(epoch) if epoch > epoch_before_cut => Ok(()),
+                other => Err(other),
+            }
+        },
+    )
+    .await;
     to_etcd.partition(false);
     let healed = Instant::now();
     wait_role(&old, ShardRole::Replica, Duration::from_secs(30)).await;
@@ -532,24 +597,22 @@ async fn kill_during_checkpoint(transport: TransportKind) {
     }
     // The second checkpoint hangs after its first file.
     let stuck = tokio::spawn(async move { admin.checkpoint(CheckpointRequest {}).await });
-    let started = Instant::now();
-    let partial = loop {
-        let found = std::fs::read_dir(&checkpoints)
-            .unwrap()
-            .flatten()
-            .find(|e| e.file_name().to_string_lossy().starts_with(".tmp-ckpt-"))
-            .map(|e| e.path());
-        if let Some(tmp) = found
-            && std::fs::read_dir(&tmp).unwrap().count() >= 1
-        {
-            break tmp;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the checkpoint never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let partial = eventually(
+        Duration::from_secs(30),
+        "the checkpoint started (a file in its .tmp-ckpt- directory)",
+        || async {
+            let found = std::fs::read_dir(&checkpoints)
+                .unwrap()
+                .flatten()
+                .find(|e| e.file_name().to_string_lossy().starts_with(".tmp-ckpt-"))
+                .map(|e| e.path());
+            match found {
+                Some(tmp) if std::fs::read_dir(&tmp).unwrap().count() >= 1 => Ok(tmp),
+                other => Err(other),
+            }
+        },
+    )
+    .await;
     let latest_before = std::fs::read_to_string(checkpoints.join("LATEST")).unwrap();
     let files_written = std::fs::read_dir(&partial).unwrap().count();
     primary.kill();

@@ -31,6 +31,7 @@ use tessera_proto::v1::{FetchRequest, ShardRole};
 use tessera_ps_server::config::{AckMode, CoordinatorKind};
 use tessera_rpc::TransportKind;
 use tessera_test_support::f32s;
+use tessera_test_support::wait::eventually;
 use tessera_worker::{PsClient, WorkerConfig};
 
 use super::trainer::{DIM, TABLE, data_client, wait_identical, wait_settled, worker_client};
@@ -339,7 +340,27 @@ pub async fn reshard_under_load(transport: TransportKind) {
     );
     let trainer = ReshardTrainer::start(Arc::clone(&trainer_client), 2);
     let ranker = Ranker::start(Arc::clone(&ranker_client), call_timeout);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Every key written has a row at its primary: every hot key (read by
+    // the ranker and the trainer) and every step's marker.
+    eventually(
+        Duration::from_secs(30),
+        "a row for every hot key and marker at the primaries of shards 0 and 1",
+        || async {
+            let written = trainer.written();
+            let mut held = 0;
+            for shard in 0..2 {
+                if let Some(index) = primary_of(&cluster, shard).await {
+                    held += rows_at(&cluster.servers()[index].address).await;
+                }
+            }
+            if held >= written {
+                Ok(())
+            } else {
+                Err(format!("{held} rows held, {written} keys written"))
+            }
+        },
+    )
+    .await;
 
     let mut figures = Vec::new();
     for (to, kill_after) in [(3u32, 5), (4, 40), (3, 150)] {
@@ -365,22 +386,22 @@ pub async fn reshard_under_load(transport: TransportKind) {
         // the first remaining shard's (shrinking), killed while copying
         // and restarted once its replica leads.
         let moving = if to > from { from } else { 0 };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let victim = loop {
-            let m = coord.map().await;
-            let copying = m
-                .resize
-                .as_ref()
-                .is_some_and(|r| r.state == ResizeState::Copying);
-            if copying && let Some(index) = primary_of(&cluster, moving).await {
-                break index;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "never copying with a primary: {m:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let victim = eventually(
+            Duration::from_secs(60),
+            "the resize copying, with a primary of the moving shard",
+            || async {
+                let m = coord.map().await;
+                let copying = m
+                    .resize
+                    .as_ref()
+                    .is_some_and(|r| r.state == ResizeState::Copying);
+                if copying && let Some(index) = primary_of(&cluster, moving).await {
+                    return Ok(index);
+                }
+                Err(m)
+            },
+        )
+        .await;
         let killed = format!(
             "shard {moving}'s primary (group {}) in {:?}",
             cluster.servers()[victim].group,
@@ -394,25 +415,36 @@ pub async fn reshard_under_load(transport: TransportKind) {
             None
         };
         cluster.kill(victim).await;
-        tokio::time::sleep(Duration::from_secs(4)).await;
+        eventually(
+            Duration::from_secs(60),
+            &format!("shard {moving}'s replica leading after its primary was killed"),
+            || async {
+                match primary_of(&cluster, moving).await {
+                    Some(index) if index != victim => Ok(()),
+                    other => Err(other),
+                }
+            },
+        )
+        .await;
         cluster.restart(victim).unwrap();
         if hold {
             release_cut_over(&cluster).await;
         }
         // Until done.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let m = coord.map().await;
-            let r = m.resize.clone().unwrap();
-            if r.state == ResizeState::Done {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "resize to {to} never done: {m:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(
+            Duration::from_secs(120),
+            &format!("the resize to {to} done"),
+            || async {
+                let m = coord.map().await;
+                let r = m.resize.clone().unwrap();
+                if r.state == ResizeState::Done {
+                    Ok(())
+                } else {
+                    Err(m)
+                }
+            },
+        )
+        .await;
         // A growth's moving rows are every row its new shards hold once
         // it is done (with the new keys routed there since, in the same
         // share).
@@ -432,7 +464,22 @@ pub async fn reshard_under_load(transport: TransportKind) {
             moved_share,
         });
         // Training goes on a while at the new count.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        let written = trainer.written();
+        eventually(
+            Duration::from_secs(30),
+            &format!("100 more steps with the trainer routing by {to} shards"),
+            || async {
+                let (count, now) = (trainer_client.num_shards(), trainer.written());
+                if count == to && now >= written + 100 {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "routing by {count}, {now} keys written (from {written})"
+                    ))
+                }
+            },
+        )
+        .await;
     }
     let pushed = trainer.stop().await;
     let (ranked, rank_failed) = ranker.stop().await;

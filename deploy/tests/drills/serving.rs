@@ -14,14 +14,18 @@ use std::time::{Duration, Instant};
 
 use tessera_deploy::config::ServingFleetConfig;
 use tessera_deploy::{Cluster, ClusterConfig};
-use tessera_proto::v1::{AdminClient, DigestRequest, ShardRole};
+use tessera_proto::v1::{AdminClient, DigestRequest, HealthResponse, ShardRole};
 use tessera_ps_server::config::{AckMode, CoordinatorKind};
 use tessera_rpc::{Channel, TransportKind};
 use tessera_test_support::health::patient;
+use tessera_test_support::wait::eventually;
+use tessera_test_support::wait_for_health;
 use tessera_worker::freshness::{self, ProbeConfig};
 use tessera_worker::{PsClient, WorkerConfig};
 
-use crate::trainer::{DIM, PushRecord, TABLE, Trainer, audit, wait_role, worker_client};
+use crate::trainer::{
+    DIM, PushRecord, TABLE, Trainer, audit, wait_role, wait_settled, worker_client,
+};
 use crate::{FAILOVER_MS, ONE_AT_A_TIME, cluster_config, label};
 
 /// The delta interval of the drill: short, so that the drill is short.
@@ -48,6 +52,21 @@ fn training(cluster: &Cluster) -> Vec<(String, u32)> {
         .filter(|s| !s.serving)
         .map(|s| (s.address.clone(), s.shard))
         .collect()
+}
+
+/// Whether a serving server's Health says it follows both training shards
+/// with a training position past 0 (training shard 0 from `source0`, where
+/// given: the address of the primary it follows).
+fn follows(h: &HealthResponse, source0: Option<&str>) -> bool {
+    h.serving_feed.as_ref().is_some_and(|feed| {
+        (0..2u32).all(|shard| {
+            feed.sources.iter().any(|s| {
+                s.source_shard == shard
+                    && s.position > 0
+                    && (shard != 0 || source0.is_none_or(|a| s.source == a))
+            })
+        })
+    })
 }
 
 /// The sum of the value digests of `servers` (one copy of a fleet), and
@@ -215,6 +234,17 @@ async fn serving_drill(transport: TransportKind) {
     let victim_addr = cluster.servers()[victim].address.clone();
     wait_role(&victim_addr, ShardRole::Primary, Duration::from_secs(30)).await;
     let serving_victim = cluster.serving_index_of(0, 1).unwrap();
+    let serving_victim_addr = cluster.servers()[serving_victim].address.clone();
+    let serving_addrs: Vec<String> = cluster
+        .servers()
+        .iter()
+        .filter(|s| s.serving)
+        .map(|s| s.address.clone())
+        .collect();
+    // Shard 0's replica (group 1): it takes over when the victim dies.
+    let successor_addr = cluster.servers()[cluster.index_of(1, 0).unwrap()]
+        .address
+        .clone();
 
     let started = Instant::now();
     let trainer = Trainer::start(Arc::clone(&client), 4);
@@ -240,19 +270,64 @@ async fn serving_drill(transport: TransportKind) {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Every serving server follows both training shards, and the rankers
+    // are served.
+    for address in &serving_addrs {
+        wait_for_health(
+            address,
+            "following both training shards",
+            Duration::from_secs(30),
+            |h| follows(h, None),
+        )
+        .await;
+    }
+    eventually(
+        Duration::from_secs(30),
+        "ranker Fetches answered",
+        || async {
+            match rankers.ok.load(Ordering::Relaxed) {
+                0 => Err(0),
+                n => Ok(n),
+            }
+        },
+    )
+    .await;
+    // The figure around the training failover counts the probes from 1 s
+    // before it: the probe has run that long.
+    tokio::time::sleep_until((started + Duration::from_secs(1)).into()).await;
     // The training primary of shard 0 dies: its replica takes over (a new
     // stream, which every serving server copies once).
     let killed = started.elapsed();
     cluster.kill(victim).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_role(&successor_addr, ShardRole::Primary, Duration::from_secs(30)).await;
+    for address in &serving_addrs {
+        wait_for_health(
+            address,
+            "following training shard 0's new primary",
+            Duration::from_secs(30),
+            |h| follows(h, Some(successor_addr.as_str())),
+        )
+        .await;
+    }
     // A serving server dies, and comes back empty: it copies its rows.
     let serving_killed = started.elapsed();
     cluster.kill(serving_victim).await;
     tokio::time::sleep(Duration::from_millis(FAILOVER_MS)).await;
     cluster.restart(serving_victim).unwrap();
     cluster.restart(victim).unwrap();
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    wait_for_health(
+        &serving_victim_addr,
+        "following both training shards after its restart",
+        Duration::from_secs(60),
+        |h| follows(h, None),
+    )
+    .await;
+    // The restarted training server in step again (as a replica; should a
+    // lease lapse under load hand shard 0 back to it, as its primary).
+    wait_settled(&training(&cluster), 0, Duration::from_secs(30)).await;
+    // The figures around each failure count the probes pushed up to 5 s
+    // after it: the trainer and the probe run at least that long.
+    tokio::time::sleep_until((started + serving_killed + Duration::from_secs(5)).into()).await;
     let (records, steps) = trainer.stop().await;
     let _ = stop_probe.send(());
     let delay = probe.await.unwrap();

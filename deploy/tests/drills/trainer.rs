@@ -21,6 +21,7 @@ use tessera_proto::v1::{
 };
 use tessera_rpc::{Channel, TransportKind};
 use tessera_test_support::health::patient;
+use tessera_test_support::wait::{Waiting, eventually};
 use tessera_test_support::{f32s, wait_for_health};
 use tessera_worker::{PsClient, WorkerConfig};
 
@@ -247,8 +248,7 @@ pub async fn wait_role(addr: &str, role: ShardRole, timeout: Duration) {
 /// lease that lapses under load (2 s on a loaded 2-core host) can hand the
 /// shard over again, and that is a correct outcome. Returns the primary.
 pub async fn wait_settled(cluster: &impl Servers, shard: u32, timeout: Duration) -> String {
-    let started = Instant::now();
-    loop {
+    eventually(timeout, &format!("shard {shard} settled"), || async {
         let mut primary = Vec::new();
         let mut unsettled = Vec::new();
         for (address, _) in cluster.servers().iter().filter(|s| s.1 == shard) {
@@ -268,20 +268,21 @@ pub async fn wait_settled(cluster: &impl Servers, shard: u32, timeout: Duration)
             }
         }
         if primary.len() == 1 && unsettled.is_empty() {
-            return primary.remove(0);
+            Ok(primary.remove(0))
+        } else {
+            Err(format!("primaries {primary:?}, not in step {unsettled:?}"))
         }
-        assert!(
-            started.elapsed() < timeout,
-            "shard {shard} not settled after {timeout:?}: primaries {primary:?}, not in step {unsettled:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 /// Every server's digests of every table of its shard: equal within a
 /// shard, and at equal versions. Returns when they are (or panics).
 pub async fn wait_identical(cluster: &impl Servers) -> Vec<(u32, String)> {
-    let started = Instant::now();
+    let mut waiting = Waiting::new(
+        Duration::from_secs(60),
+        "the copies of every shard identical",
+    );
     loop {
         let mut by_shard: HashMap<u32, Vec<_>> = HashMap::new();
         let mut ok = true;
@@ -309,11 +310,10 @@ pub async fn wait_identical(cluster: &impl Servers) -> Vec<(u32, String)> {
                 })
                 .collect();
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "copies never became identical: {by_shard:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        waiting.tick(&by_shard).await;
+        // Each look digests every table of every server: keep them about
+        // 100 ms apart, as before (the tick waits 20 ms of them).
+        tokio::time::sleep(Duration::from_millis(80)).await;
     }
 }
 

@@ -2,20 +2,22 @@
 //! link to its host is down.
 
 use super::*;
+use tessera_test_support::wait::Waiting;
 
 /// Issue 19's drill 1: 2 shards x 2 replica groups, a server per host (4
 /// hosts), a ranker on a fifth. The server of group 0 hosting shard 0 is
-/// SIGKILLed a third of the way into the load: every Fetch of the user
-/// requests still succeeds (from group 1, through the replica set's
-/// retries and quarantine), and the run's p99 is printed.
+/// SIGKILLed once the load is on (the fleet served the ranker's Fetches),
+/// early in its 9 s: every Fetch of the user requests still succeeds (from
+/// group 1, through the replica set's retries and quarantine), and the
+/// run's p99 is printed.
 #[test]
 fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
     let Some(cluster) = NetCluster::create_or_skip(5) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (mut servers, _) = start_fleet(&cluster, 2, dir.path(), 5, &|_, _| inference());
-    // The ranker runs 9 s; the kill comes at 3 s.
+    let (mut servers, addresses) = start_fleet(&cluster, 2, dir.path(), 5, &|_, _| inference());
+    // The ranker runs 9 s; the kill comes once it is served.
     let worker_path = dir.path().join("worker.toml");
     std::fs::write(
         &worker_path,
@@ -24,8 +26,27 @@ fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
     .unwrap();
     let report_path = dir.path().join("ranker.json");
     let mut ranker = start_ranker(&cluster, 5, &worker_path, &report_path);
-    // The drill's schedule: the kill a third of the way in.
-    std::thread::sleep(Duration::from_secs(3));
+    let load_started = Instant::now();
+    // The load is on once the fleet has served the ranker's Fetches (the
+    // servers' own count, asked on their hosts, as drill 2 does).
+    let mut waiting = Waiting::new(
+        Duration::from_secs(20),
+        "the fleet serving the ranker's Fetches",
+    );
+    loop {
+        let served: u64 = fleet(2)
+            .into_iter()
+            .zip(&addresses)
+            .map(|((g, s), address)| fetches_served(&cluster, fleet_host(2, g, s), address))
+            .sum();
+        if served > 0 {
+            break;
+        }
+        waiting.tick_blocking("no Fetch served yet");
+        // Each look runs `tessera admin` on four hosts: keep them about
+        // 100 ms apart (the tick waits 20 ms).
+        std::thread::sleep(Duration::from_millis(80));
+    }
     servers[0].kill();
     let killed = Instant::now();
     let exit = ranker.0.wait().unwrap();
@@ -37,8 +58,9 @@ fn a_server_killed_under_a_ranker_load_costs_no_failed_fetch() {
     let p99 = &report["fetch"];
     eprintln!(
         "drill netns kill-under-ranker: 4 servers on 4 hosts, a ranker on a fifth at 100 requests/s; \
-         group 0's shard-0 server SIGKILLed 3 s in, the load ran {:.1} s more; \
+         group 0's shard-0 server SIGKILLed {:.1} s in, the load ran {:.1} s more; \
          {iterations} user requests, {errors} failed (target 0); Fetch latency over the run: {p99}",
+        (killed - load_started).as_secs_f64(),
         (Instant::now() - killed).as_secs_f64()
     );
     assert!(iterations > 0);
@@ -127,13 +149,15 @@ fn a_link_down_is_quarantined_and_readmitted_after_its_cooldown() {
     let mut ranker = start_ranker(&cluster, 5, &worker_path, &report_path);
     // The load is on once the worker's admin endpoint answers; then a
     // baseline of 2 s (the drill's schedule).
-    let started = Instant::now();
+    let mut waiting = Waiting::new(
+        Duration::from_secs(20),
+        "the ranker's admin endpoint answering",
+    );
     while quarantined(&cluster, 5, &admin).is_none() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the ranker's admin endpoint never answered"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+        waiting.tick_blocking("`tessera admin quarantine` failed");
+        // Each look runs `tessera admin` in the host's namespace: keep
+        // them about 100 ms apart, as before (the tick waits 20 ms).
+        std::thread::sleep(Duration::from_millis(80));
     }
     let load_started = Instant::now();
     std::thread::sleep(Duration::from_secs(2));

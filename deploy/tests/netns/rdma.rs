@@ -1,6 +1,7 @@
 //! Drill 3: the RDMA path to a server breaks while its TCP works.
 
 use super::*;
+use tessera_test_support::wait::eventually;
 
 /// How often drill 3's clients probe RDMA while on TCP: 2 s, so that the
 /// return is measured within the suite's time (the default is 5 s).
@@ -59,14 +60,20 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
                 .unwrap(),
             );
             let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            // Its Fetches answered so far.
+            let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
             let load = tokio::spawn({
-                let (worker, stop) = (Arc::clone(&worker), Arc::clone(&stop));
+                let (worker, stop, answered) =
+                    (Arc::clone(&worker), Arc::clone(&stop), Arc::clone(&answered));
                 async move {
                     let keys: Vec<u64> = (0..64).collect();
                     let (mut ok, mut failed, mut first_error) = (0u64, 0u64, None);
                     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                         match worker.fetch("emb", &keys).await {
-                            Ok(_) => ok += 1,
+                            Ok(_) => {
+                                ok += 1;
+                                answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
                             Err(err) => {
                                 failed += 1;
                                 first_error.get_or_insert(err.to_string());
@@ -104,7 +111,30 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
             };
             call().await.unwrap();
             assert_eq!(channel.current_transport(), Some(TransportKind::Rdma));
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            // The fleet's client is on RDMA to every server, its Fetches
+            // answered.
+            eventually(
+                Duration::from_secs(10),
+                "the fleet client's Fetches answered, over RDMA to every server",
+                || async {
+                    let n = answered.load(std::sync::atomic::Ordering::Relaxed);
+                    let transports: Vec<(String, Option<TransportKind>)> = (0..2)
+                        .filter_map(|shard| worker.replica_set(shard))
+                        .flat_map(|set| set.transports())
+                        .collect();
+                    if n > 0
+                        && transports.len() == 4
+                        && transports
+                            .iter()
+                            .all(|(_, t)| *t == Some(TransportKind::Rdma))
+                    {
+                        Ok(())
+                    } else {
+                        Err((n, transports))
+                    }
+                },
+            )
+            .await;
 
             std::fs::write(port_file(0, 0), b"").unwrap();
             let broken = Instant::now();
@@ -144,7 +174,26 @@ fn a_broken_rdma_path_moves_calls_to_tcp_and_back() {
                 );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             };
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            // The fleet client's channel to the server is back on RDMA too.
+            eventually(
+                Duration::from_secs(10),
+                "the fleet client's channel to the repaired server back on RDMA",
+                || async {
+                    let transports = worker
+                        .replica_set(0)
+                        .map(|set| set.transports())
+                        .unwrap_or_default();
+                    if transports
+                        .iter()
+                        .any(|(addr, t)| *addr == victim && *t == Some(TransportKind::Rdma))
+                    {
+                        Ok(())
+                    } else {
+                        Err(transports)
+                    }
+                },
+            )
+            .await;
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let (fetched, fetch_failed, first_error) = load.await.unwrap();
             eprintln!(

@@ -58,10 +58,13 @@ fn pushes_through_a_flapping_link_are_applied_exactly_once() {
                     }
                 }
             }
-            // A calm second: what was held or retried lands.
-            tokio::time::sleep(Duration::from_secs(1)).await;
             let (records, steps) = trainer.stop().await;
             let answers_lost: u64 = proxies.iter().map(FaultProxy::lost).sum();
+            // Every call has returned; nothing a proxy still holds may land
+            // later: every connection through them reset (what they hold
+            // dropped), and no new one accepted.
+            proxies.iter().for_each(FaultProxy::reset_all);
+            drop(proxies);
             let copies = wait_identical(&fleet_servers).await;
             let audit = audit(&fleet_servers, &records, TransportKind::Tcp).await;
             let failed_steps = steps.iter().filter(|s| !s.ok).count();
@@ -137,6 +140,17 @@ fn shard_role(cluster: &NetCluster, from: usize, server: &str) -> Option<(String
     Some((shard["role"].as_str()?.to_owned(), shard["fenced"] == true))
 }
 
+/// The position of the copy of shard 0 that a server's Health reports (0
+/// when it reports none).
+fn shard0_position(health: &tessera_proto::v1::HealthResponse) -> u64 {
+    health
+        .shard_health
+        .iter()
+        .find(|s| s.shard == 0)
+        .and_then(|s| s.version)
+        .map_or(0, |v| v.position)
+}
+
 /// `failover_timeout_ms` of drill 5: the default.
 const FAILOVER_MS: u64 = 3000;
 
@@ -179,7 +193,13 @@ fn a_primarys_host_cut_off_fails_over_and_the_stale_primary_rejoins() {
             let old_epoch = tessera_test_support::health(&victim).await.unwrap().shard_health[0].epoch;
             let client = trainer_client(|g, s| fleet_address(&cluster, 2, g, s), coordinator);
             let trainer = Trainer::start(Arc::clone(&client), 4);
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            tessera_test_support::wait_for_health(
+                &victim,
+                "the primary of shard 0 taking the trainer's Pushes",
+                Duration::from_secs(30),
+                |h| shard0_position(h) >= 100,
+            )
+            .await;
             cluster.set_link(victim_host, false);
             let down = Instant::now();
             // Asked on its own host, the cut-off primary says it is fenced
@@ -199,7 +219,16 @@ fn a_primarys_host_cut_off_fails_over_and_the_stale_primary_rejoins() {
             let up = Instant::now();
             wait_role(&victim, ShardRole::Replica, Duration::from_secs(30)).await;
             let rejoined = up.elapsed();
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            // Pushes flow to the rejoined server: its copy passes where the
+            // new primary stood once it had rejoined.
+            let primary_at = shard0_position(&tessera_test_support::health(&other).await.unwrap());
+            tessera_test_support::wait_for_health(
+                &victim,
+                "the rejoined server applying the new primary's Pushes",
+                Duration::from_secs(30),
+                |h| shard0_position(h) > primary_at,
+            )
+            .await;
             let (records, steps) = trainer.stop().await;
             let first_new_ack = records
                 .iter()

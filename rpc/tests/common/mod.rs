@@ -52,6 +52,21 @@ pub struct EchoImpl {
     pub started: std::sync::Arc<AtomicU64>,
     /// The peer address of every Echo call (one per client connection).
     pub peers: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<std::net::SocketAddr>>>,
+    /// Echo handlers dropped before they finished (the server gave the
+    /// call up: its deadline passed, or the server stopped).
+    pub abandoned: std::sync::Arc<AtomicU64>,
+}
+
+/// Counts a handler dropped before it finished (see
+/// [`EchoImpl::abandoned`]); disarmed when it finishes.
+struct Unfinished(Option<std::sync::Arc<AtomicU64>>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.0.take() {
+            abandoned.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// Echo calls whose delay of exactly `SLOW_MARKER_MS` ran to completion.
@@ -67,6 +82,7 @@ impl Echo for EchoImpl {
         request: EchoRequest,
     ) -> Result<EchoResponse, Status> {
         self.started.fetch_add(1, Ordering::SeqCst);
+        let mut unfinished = Unfinished(Some(std::sync::Arc::clone(&self.abandoned)));
         self.peers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -86,6 +102,7 @@ impl Echo for EchoImpl {
         if request.delay_ms == SLOW_MARKER_MS {
             SLOW_MARKER_COMPLETED.fetch_add(1, Ordering::SeqCst);
         }
+        unfinished.0 = None;
         let payload = if request.repeat > 1 {
             Bytes::from(request.payload.repeat(request.repeat as usize))
         } else {
@@ -133,6 +150,8 @@ pub struct Running {
     /// The peer address of every Echo call.
     pub echo_peers:
         std::sync::Arc<std::sync::Mutex<std::collections::HashSet<std::net::SocketAddr>>>,
+    /// Echo handlers the server dropped unfinished.
+    pub echo_abandoned: std::sync::Arc<AtomicU64>,
     pub stop: Option<oneshot::Sender<()>>,
     pub task: tokio::task::JoinHandle<()>,
 }
@@ -181,6 +200,7 @@ pub async fn start_at(config: ServerConfig, addr: &str) -> Running {
         addr,
         echo_started: echo.started,
         echo_peers: echo.peers,
+        echo_abandoned: echo.abandoned,
         stop: Some(stop),
         task,
     }

@@ -315,23 +315,31 @@ fn a_checkpoint_under_concurrent_pushes_is_consistent_per_shard() {
     let dir = tempfile::tempdir().unwrap();
     let store = std::sync::Arc::new(Store::new(&config()));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Both pushers and the test: the saves start once each pusher has
+    // applied a Push.
+    let pushed = std::sync::Arc::new(std::sync::Barrier::new(3));
     let mut pushers = Vec::new();
     for shard in 0..2u32 {
-        let (store, stop) = (store.clone(), stop.clone());
+        let (store, stop, pushed) = (store.clone(), stop.clone(), pushed.clone());
         pushers.push(std::thread::spawn(move || {
             let k = keys(shard, 500);
             let grads = wire(&vec![-1.0; k.len() * 2]);
             let mut n = 0u64;
+            let mut told = false;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 store
                     .push("counter", shard, &k, &grads, PushId::default())
                     .unwrap();
                 n += 1;
+                if !told {
+                    pushed.wait();
+                    told = true;
+                }
             }
             n
         }));
     }
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    pushed.wait();
     let mut checked = 0;
     for _ in 0..5 {
         let info = save(&store, dir.path(), 10).unwrap();

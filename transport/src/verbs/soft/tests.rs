@@ -920,8 +920,17 @@ fn a_send_retried_after_receiver_not_ready_lands_once_a_receive_is_posted() {
     let target = filled(&b.recv_pool, 64, 0);
     let posted = sge(&target);
     let b_qp = Arc::clone(&b.qp);
+    let b_device = b.device.clone();
     let poster = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        // The receive goes up only once the SEND has missed at least once.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while b_device.stats().rnr_events < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the SEND never missed a receive (no RNR event within 5 s)"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         b_qp.post_recv(&[RecvWr {
             wr_id: 9,
             sge: posted,
