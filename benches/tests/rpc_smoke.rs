@@ -1,4 +1,4 @@
-//! `tessera-bench rpc` starts its server processes, calls them four ways
+//! `tessera-bench rpc` starts its server processes, calls them five ways
 //! and writes one result object (a smoke run: the figures themselves are
 //! the benchmark's).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -27,7 +27,8 @@ fn quick_rpc_run_measures_every_way_of_both_calls() {
             "floor (bare TCP)",
             "tessera-tcp",
             "tessera-rdma-soft",
-            "grpc (tonic)",
+            "grpc-tuned (tonic, 8/32 MiB windows, same connections)",
+            "grpc (tonic defaults)",
         ] {
             let row = rows
                 .iter()
@@ -38,6 +39,8 @@ fn quick_rpc_run_measures_every_way_of_both_calls() {
                 "p50_us",
                 "p99_us",
                 "calls_per_s",
+                "p50_vs_grpc_tuned",
+                "throughput_vs_grpc_tuned",
                 "p50_vs_grpc",
                 "p50_vs_floor",
             ] {
