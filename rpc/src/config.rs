@@ -1,3 +1,7 @@
+//! The RPC layer's configuration: a client channel's ([`ChannelConfig`]:
+//! timeouts, connections, transport) and a server's ([`ServerConfig`]),
+//! each with documented defaults and a check that names the key.
+
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};

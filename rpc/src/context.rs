@@ -1,3 +1,7 @@
+//! What a handler knows of the request it serves ([`RequestContext`]):
+//! the method, the request id, the deadline, the peer and its identity,
+//! and the send pool to build the answer in.
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

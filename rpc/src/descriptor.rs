@@ -1,3 +1,8 @@
+//! The static description of a service and its methods, as the code
+//! generator emits it: names, paths, wire ids ([`method_id`], a hash of the
+//! path) and service tags ([`service_tag`]), and which methods are
+//! idempotent.
+
 /// Static description of one RPC method, emitted by the code generator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MethodDescriptor {

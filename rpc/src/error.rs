@@ -1,3 +1,7 @@
+//! The RPC layer's errors: what a call returns ([`RpcError`], with why no
+//! replica was left, [`NoReplica`], and why a link closed, [`LinkClosed`]),
+//! and what binding a server returns ([`ServerError`]).
+
 use std::sync::Arc;
 use std::time::Duration;
 

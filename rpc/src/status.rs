@@ -1,3 +1,7 @@
+//! A call's outcome as the wire carries it: a [`Code`] (gRPC's codes, so
+//! that the gRPC endpoint maps one to one) and a [`Status`] with its
+//! message and optional details.
+
 use std::fmt;
 
 use bytes::Bytes;

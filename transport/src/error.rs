@@ -1,3 +1,7 @@
+//! The transport's errors: what sending, receiving, listening and
+//! connecting return ([`TransportError`]) and what the RDMA path adds
+//! ([`RdmaError`]).
+
 use std::io;
 
 /// Errors of the transport layer.

@@ -1,3 +1,6 @@
+//! A whole message as the transport moves it: a list of byte chunks
+//! ([`Message`]) sent as one frame without copying them together first.
+
 use bytes::Bytes;
 
 /// One whole message, as a list of byte chunks sent back to back.

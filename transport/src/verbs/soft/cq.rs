@@ -1,3 +1,7 @@
+//! The soft provider's completion queue ([`SoftCq`]): completions peers
+//! push into a ring in shared memory, the owner's own QPs' completions in a
+//! local queue, and the wake-up a sleeping poller arms.
+
 use crate::sync::LockExt;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -1,3 +1,7 @@
+//! The soft provider's shared receive queue ([`SoftSrq`]): one receive
+//! ring in shared memory that the peers of every QP created on it take
+//! receives from.
+
 use crate::sync::LockExt;
 use std::sync::{Arc, Mutex};
 
