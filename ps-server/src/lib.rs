@@ -125,7 +125,7 @@ fn restore_checkpoint(store: &Store, config: &PsServerConfig) -> Result<(), PsEr
         // A training server in etcd mode may load a checkpoint saved
         // under a finished resize's count (or the one before it); the
         // shard map must name that count (checked once it is read).
-        let other_counts = config.mode == Mode::Training && config.coordinator.is_etcd();
+        let other_counts = config.takes_part_in_resizes();
         match checkpoint::load_latest(store, dir, other_counts)? {
             Some(loaded) => {
                 let path = loaded.path.clone();
@@ -175,7 +175,7 @@ fn delta_ends(
     replication: &Arc<Replication>,
     transport: &Transport,
 ) -> (Option<Arc<delta::Sender>>, Option<Arc<delta::Feed>>) {
-    let resizes = config.mode == Mode::Training && config.coordinator.is_etcd();
+    let resizes = config.takes_part_in_resizes();
     let sender =
         (config.mode == Mode::Training && (config.delta.enabled() || resizes)).then(|| {
             delta::Sender::new(
@@ -309,22 +309,22 @@ impl PsServer {
             Replication::new(Arc::clone(&store), config, &transport, Arc::clone(&fence));
         let coordination = Coordination::prepare(config, &replication, fence).await?;
         prepare_for_resizes(&store, config, &coordination)?;
-        // In etcd mode a training server may give keys to a resize, and
-        // take them in one: it has both ends of the delta stream.
-        let resizes = config.mode == Mode::Training && config.coordinator.is_etcd();
         let (sender, feed) = delta_ends(config, &store, &replication, &transport);
-        let resharding = coordination.etcd().filter(|_| resizes).map(|coord| {
-            reshard::Resharding::new(
-                config.advertised().to_owned(),
-                coord,
-                coordination.shard_map(),
-                Arc::clone(&store),
-                Arc::clone(&replication),
-                sender.clone(),
-                feed.clone(),
-                std::time::Duration::from_millis(config.delta.interval_ms),
-            )
-        });
+        let resharding = coordination
+            .etcd()
+            .filter(|_| config.takes_part_in_resizes())
+            .map(|coord| {
+                reshard::Resharding::new(
+                    config.advertised().to_owned(),
+                    coord,
+                    coordination.shard_map(),
+                    Arc::clone(&store),
+                    Arc::clone(&replication),
+                    sender.clone(),
+                    feed.clone(),
+                    std::time::Duration::from_millis(config.delta.interval_ms),
+                )
+            });
         let service = PsService::new(
             Arc::clone(&store),
             config.replica_group,

@@ -32,6 +32,18 @@ pub async fn health_as(addr: &str, tls: Option<&TlsConfig>) -> Result<HealthResp
         .await
 }
 
+/// The stream position of `shard`'s copy as a server's Health reports it
+/// (0 when it reports none): what a test compares to know a copy took
+/// Pushes.
+pub fn shard_position(health: &HealthResponse, shard: u32) -> u64 {
+    health
+        .shard_health
+        .iter()
+        .find(|s| s.shard == shard)
+        .and_then(|s| s.version)
+        .map_or(0, |v| v.position)
+}
+
 /// Waits until the server at `addr` answers Health with something `ok`
 /// accepts; panics with `what` and the last answer after `timeout`.
 pub async fn wait_for_health(

@@ -22,7 +22,7 @@ use tessera_proto::v1::{AdminClient, CheckpointRequest, ShardRole};
 use tessera_ps_server::config::{AckMode, CoordinatorConfig, CoordinatorKind};
 use tessera_ps_server::{PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, TransportKind};
-use tessera_test_support::health::patient;
+use tessera_test_support::health::{patient, shard_position};
 use tessera_test_support::wait::eventually;
 use tessera_test_support::{Etcd, FaultProxy, Layout, PsProcess, wait_for_health};
 
@@ -102,17 +102,6 @@ fn cluster_config(
 /// (no quarantine, retries into its timeout) loses far more than half.
 const RECOVERED: f64 = 0.5;
 
-/// The position of the copy of shard 0 that a server's Health reports (0
-/// when it reports none).
-fn shard0_position(health: &tessera_proto::v1::HealthResponse) -> u64 {
-    health
-        .shard_health
-        .iter()
-        .find(|s| s.shard == 0)
-        .and_then(|s| s.version)
-        .map_or(0, |v| v.position)
-}
-
 /// Drills 1 and 2: SIGKILL shard 0's primary under the trainer, measure
 /// the failover; restart it without a checkpoint and check every copy.
 async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
@@ -145,12 +134,12 @@ async fn kill_primary_under_a_trainer(transport: TransportKind, ack: AckMode) {
     }
     // Pushes flow with the restarted server: its copy of shard 0 moves
     // past where the leader stood once the shard settled.
-    let settled_at = shard0_position(&tessera_test_support::health(&leader).await.unwrap());
+    let settled_at = shard_position(&tessera_test_support::health(&leader).await.unwrap(), 0);
     wait_for_health(
         &victim_addr,
         "applying shard 0's Pushes after its restart",
         Duration::from_secs(30),
-        |h| shard0_position(h) > settled_at,
+        |h| shard_position(h, 0) > settled_at,
     )
     .await;
     let (records, steps) = trainer.stop().await;
@@ -296,7 +285,7 @@ async fn static_restart_recovers(transport: TransportKind) {
         &replica_addr,
         "the replica holding Pushes",
         Duration::from_secs(30),
-        |h| shard0_position(h) >= 50,
+        |h| shard_position(h, 0) >= 50,
     )
     .await;
     cluster.kill(victim).await;
@@ -309,12 +298,12 @@ async fn static_restart_recovers(transport: TransportKind) {
     let back = killed.elapsed();
     let recovered = tessera_test_support::health(&victim_addr).await.unwrap();
     // Pushes flow again through the recovered primary.
-    let recovered_at = shard0_position(&recovered);
+    let recovered_at = shard_position(&recovered, 0);
     wait_for_health(
         &victim_addr,
         "taking Pushes again after recovering",
         Duration::from_secs(30),
-        |h| shard0_position(h) > recovered_at + 20,
+        |h| shard_position(h, 0) > recovered_at + 20,
     )
     .await;
     let (records, steps) = trainer.stop().await;

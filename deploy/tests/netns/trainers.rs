@@ -2,6 +2,7 @@
 //! through the failover of a primary whose host was cut off.
 
 use super::*;
+use tessera_test_support::health::shard_position;
 
 /// Issue 19's drill 4: a trainer on host 5 pushes to the fleet through a
 /// flapping link: a proxy per server on the trainer's host that, every
@@ -140,17 +141,6 @@ fn shard_role(cluster: &NetCluster, from: usize, server: &str) -> Option<(String
     Some((shard["role"].as_str()?.to_owned(), shard["fenced"] == true))
 }
 
-/// The position of the copy of shard 0 that a server's Health reports (0
-/// when it reports none).
-fn shard0_position(health: &tessera_proto::v1::HealthResponse) -> u64 {
-    health
-        .shard_health
-        .iter()
-        .find(|s| s.shard == 0)
-        .and_then(|s| s.version)
-        .map_or(0, |v| v.position)
-}
-
 /// `failover_timeout_ms` of drill 5: the default.
 const FAILOVER_MS: u64 = 3000;
 
@@ -197,7 +187,7 @@ fn a_primarys_host_cut_off_fails_over_and_the_stale_primary_rejoins() {
                 &victim,
                 "the primary of shard 0 taking the trainer's Pushes",
                 Duration::from_secs(30),
-                |h| shard0_position(h) >= 100,
+                |h| shard_position(h, 0) >= 100,
             )
             .await;
             cluster.set_link(victim_host, false);
@@ -221,12 +211,12 @@ fn a_primarys_host_cut_off_fails_over_and_the_stale_primary_rejoins() {
             let rejoined = up.elapsed();
             // Pushes flow to the rejoined server: its copy passes where the
             // new primary stood once it had rejoined.
-            let primary_at = shard0_position(&tessera_test_support::health(&other).await.unwrap());
+            let primary_at = shard_position(&tessera_test_support::health(&other).await.unwrap(), 0);
             tessera_test_support::wait_for_health(
                 &victim,
                 "the rejoined server applying the new primary's Pushes",
                 Duration::from_secs(30),
-                |h| shard0_position(h) > primary_at,
+                |h| shard_position(h, 0) > primary_at,
             )
             .await;
             let (records, steps) = trainer.stop().await;

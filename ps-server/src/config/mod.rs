@@ -254,13 +254,20 @@ impl PsServerConfig {
         tessera_config::read(path)
     }
 
+    /// Whether this server may give keys to a resize of the cluster's
+    /// shard count, and take them in one: a training server in etcd mode
+    /// (the shard map lives in etcd).
+    pub fn takes_part_in_resizes(&self) -> bool {
+        self.mode == Mode::Training && self.coordinator.is_etcd()
+    }
+
     /// The store this configuration describes: its tables and shards, and
     /// whether it keeps changed keys for a stream (always with `[delta]`
     /// on a training server; for resizes on one in etcd mode).
     pub fn store(&self) -> StoreConfig {
         let keep_changes = match self.mode {
             Mode::Training if self.delta.enabled() => KeepChanges::Always,
-            Mode::Training if self.coordinator.is_etcd() => KeepChanges::ForResizes,
+            Mode::Training if self.takes_part_in_resizes() => KeepChanges::ForResizes,
             _ => KeepChanges::Never,
         };
         StoreConfig {
