@@ -189,17 +189,17 @@ async fn a_call_held_by_a_killed_server_fails_at_once(kind: TransportKind) {
     wait_serving(&victim.addr).await;
     let mut transport = transport(kind);
     transport.rdma.keepalive_timeout_ms = 0;
-    let channel = tessera_rpc::Channel::connect(
+    // The client's transport is kept to read its RDMA counters (below).
+    let transport = Transport::new(transport).unwrap();
+    let channel = tessera_rpc::Channel::with_transport(
         &victim.addr,
         ChannelConfig {
             connect_timeout_ms: 2000,
             request_timeout_ms: 20_000,
-            transport,
             ..ChannelConfig::default()
         },
-    )
-    .await
-    .unwrap();
+        transport.clone(),
+    );
     let client = ParameterServerClient::new(channel);
     let fetch = FetchRequest {
         table: "embeddings".into(),
@@ -237,13 +237,32 @@ async fn a_call_held_by_a_killed_server_fails_at_once(kind: TransportKind) {
         },
     )
     .await;
+    let sent_before = transport.rdma_stats().map_or(0, |s| s.messages_sent);
     let held = tokio::spawn({
         let client = client.clone();
         async move { client.fetch(fetch).await }
     });
-    // Whether the call reached the stopped server before the kill or not,
-    // it must end at once after it: both orders are covered.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The call is held once the request has left the client: over TCP the
+    // kernel holds its bytes for the stopped server; over RDMA the
+    // client's engine counted it sent (its counters are brought up to
+    // date every 100 ms).
+    let victim_addr: std::net::SocketAddr = victim.addr.parse().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the request reached the stopped server",
+        || async {
+            let held = match kind {
+                TransportKind::Rdma => {
+                    transport.rdma_stats().map_or(0, |s| s.messages_sent) > sent_before
+                }
+                _ => tessera_test_support::sockets::accepted_at(victim_addr)
+                    .iter()
+                    .any(|s| s.rx_queue > 0),
+            };
+            if held { Ok(()) } else { Err("not yet") }
+        },
+    )
+    .await;
     victim.kill();
     let killed = Instant::now();
     let outcome = tokio::time::timeout(Duration::from_secs(15), held)

@@ -16,6 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tessera_rpc::{CallOptions, Channel, ChannelConfig, Code, RpcError, ServerConfig};
 use tessera_rpc::{Transport, TransportConfig};
+use tessera_test_support::wait::eventually;
 
 #[macro_use]
 mod common;
@@ -423,10 +424,20 @@ async fn failure_pattern_a_dial_cut_short_by_its_callers_deadline_is_not_shared(
     // The second queues for the lock and gets it 100 ms before its
     // deadline: its dial is cut short.
     let second = tokio::spawn(call(connect_timeout + Duration::from_millis(100)));
-    // The third queues behind it (the lock is fair; a pause to let the
-    // second queue first: were the order the other way round, the third
-    // would dial before the second and pass without showing anything).
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // The third queues behind it (the lock is fair). Were the order the
+    // other way round, the third would dial before the second and pass
+    // without showing anything: it starts once the second is queued.
+    eventually(
+        Duration::from_secs(5),
+        "the second call is queued behind the first's dial",
+        || async {
+            match channel.dial_waiters() {
+                1 => Ok(()),
+                n => Err(n),
+            }
+        },
+    )
+    .await;
     let third = tokio::spawn(call(Duration::from_millis(1500)));
     assert!(first.await.unwrap().0.is_err());
     assert!(second.await.unwrap().0.is_err());

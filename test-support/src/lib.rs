@@ -3,7 +3,8 @@
 //! or as a process (started, SIGKILLed, restarted), waiting for a server's
 //! health, a local etcd, a fault-injecting TCP proxy, a throw-away PKI
 //! for TLS, the RPC layer's record of calls that gave up, and waiting for
-//! a condition under a deadline (`wait`).
+//! a condition under a deadline (`wait`), and the kernel's view of a TCP
+//! connection's queues (`sockets`), to wait on instead of sleeping.
 //!
 //! Everything here panics on failure: it is how a test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
@@ -21,6 +22,7 @@ pub mod rdma;
 pub mod resize;
 pub mod rows;
 pub mod server;
+pub mod sockets;
 pub mod wait;
 
 pub use cluster::{InProcessCluster, Layout};

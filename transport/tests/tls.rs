@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use futures::FutureExt;
-use tessera_test_support::TestPki;
+use tessera_test_support::wait::eventually;
+use tessera_test_support::{TestPki, sockets};
 use tessera_transport::{Listener, Message, TlsConfig, Transport, TransportConfig, TransportError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -236,11 +237,24 @@ async fn a_large_message_crosses_tls_to_a_late_reader() {
     let len = 48 << 20;
     let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     conn.sender.send(Message::from(payload)).await.unwrap();
-    // The writer fills the socket while nobody reads; then the reader
-    // starts. The pause only makes the full socket likely (the test is
-    // valid whatever the order): with it, the writer without a flush lost
-    // the tail (checked against that code).
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // The writer fills the socket while nobody reads; once the kernel
+    // says the peer's window is closed (the writer probes it), the reader
+    // starts. With that order, the writer without a flush lost the tail
+    // (checked against that code).
+    let server: std::net::SocketAddr = addr.parse().unwrap();
+    eventually(
+        std::time::Duration::from_secs(10),
+        "the reader's closed window holds the writer back",
+        || async {
+            let seen = sockets::connected_to(server);
+            if seen.iter().any(|s| s.blocked_on_a_full_peer()) {
+                Ok(())
+            } else {
+                Err(seen)
+            }
+        },
+    )
+    .await;
     let _ = go.send(());
     let (message, _server_conn) = tokio::time::timeout(std::time::Duration::from_secs(20), served)
         .await

@@ -2,7 +2,8 @@
 //! whose failure the callers waiting for it share, and the RDMA-to-TCP
 //! ladder's probes back to RDMA.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -64,9 +65,7 @@ impl Channel {
         // waited for (one failed dial, however many callers: one event).
         let waited = Instant::now();
         let dials_before = self.inner.dials.load(Ordering::Acquire);
-        let Ok(_connecting) =
-            tokio::time::timeout_at(deadline.into(), self.inner.connecting.lock()).await
-        else {
+        let Ok(_connecting) = self.wait_for_dial(deadline).await else {
             return Err(RpcError::ConnectTimeout {
                 addr: self.inner.addr.clone(),
                 timeout: waited.elapsed(),
@@ -181,6 +180,46 @@ fn after_rdma_dial_failure(
 ) -> (Option<LadderStep>, bool) {
     let step = ladder.handle_rdma_failure(now);
     (step, ladder.path() == Path::Tcp)
+}
+
+impl Channel {
+    /// Waits for the dial lock until `deadline`, counted in
+    /// [`Channel::dial_waiters`] from the moment it is queued (its first
+    /// poll that found the lock held) until it has the lock or gives up.
+    async fn wait_for_dial(
+        &self,
+        deadline: Instant,
+    ) -> Result<tokio::sync::MutexGuard<'_, ()>, tokio::time::error::Elapsed> {
+        let mut lock = std::pin::pin!(tokio::time::timeout_at(
+            deadline.into(),
+            self.inner.connecting.lock()
+        ));
+        let mut queued: Option<Queued<'_>> = None;
+        std::future::poll_fn(|cx| {
+            let poll = lock.as_mut().poll(cx);
+            if poll.is_pending() && queued.is_none() {
+                queued = Some(Queued::new(&self.inner.dial_waiters));
+            }
+            poll
+        })
+        .await
+    }
+}
+
+/// One call counted in a channel's dial waiters while it lives.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl<'a> Queued<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl ChannelInner {

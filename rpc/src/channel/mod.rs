@@ -105,6 +105,9 @@ struct ChannelInner {
     /// The lane the next call takes (modulo the lane count).
     next_lane: AtomicUsize,
     connecting: tokio::sync::Mutex<()>,
+    /// Calls queued on `connecting` behind another call's dial (counted
+    /// once queued: the lock is fair, so their order is settled).
+    dial_waiters: AtomicUsize,
     /// Events (dials and links) numbered so far; the last dial's number
     /// is the count of dials, links take the next numbers too.
     dials: AtomicU64,
@@ -163,6 +166,7 @@ impl Channel {
                 lanes: Mutex::new(vec![None; lanes]),
                 next_lane: AtomicUsize::new(0),
                 connecting: tokio::sync::Mutex::new(()),
+                dial_waiters: AtomicUsize::new(0),
                 dials: AtomicU64::new(0),
                 last_failed_dial: Mutex::new(None),
                 next_request_id: AtomicU64::new(1),
@@ -186,6 +190,14 @@ impl Channel {
             .ladder
             .as_ref()
             .is_some_and(|ladder| lock(ladder).path() == Path::Tcp)
+    }
+
+    /// How many calls wait for another call's dial to end (queued in
+    /// arrival order: the first of them dials next if that dial fails).
+    /// A call is counted once it is in the queue, so a caller that sees
+    /// the count rise knows that call is ahead of any call it starts now.
+    pub fn dial_waiters(&self) -> usize {
+        self.inner.dial_waiters.load(Ordering::Acquire)
     }
 
     /// The server address.
