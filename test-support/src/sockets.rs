@@ -80,6 +80,25 @@ pub fn connected_to(remote: SocketAddr) -> Vec<TcpSocket> {
         .collect()
 }
 
+/// Waits (up to `within`) until a connection to `server` is a writer held
+/// back by the server's closed window ([`TcpSocket::blocked_on_a_full_peer`]):
+/// the server has stopped reading and everything it can take is taken.
+pub async fn writer_blocked_by(server: SocketAddr, within: std::time::Duration) {
+    crate::wait::eventually(
+        within,
+        "the reader's closed window holds the writer back",
+        || async {
+            let seen = connected_to(server);
+            if seen.iter().any(TcpSocket::blocked_on_a_full_peer) {
+                Ok(())
+            } else {
+                Err(seen)
+            }
+        },
+    )
+    .await;
+}
+
 fn parse_row(line: &str) -> Option<TcpSocket> {
     let mut fields = line.split_whitespace().skip(1);
     let local = parse_addr(fields.next()?)?;

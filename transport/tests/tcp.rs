@@ -3,7 +3,6 @@
 
 use bytes::Bytes;
 use tessera_test_support::sockets;
-use tessera_test_support::wait::eventually;
 use tessera_transport::pool::lookup;
 use tessera_transport::{Message, Transport, TransportConfig, TransportError};
 use tokio::io::AsyncWriteExt;
@@ -321,20 +320,7 @@ async fn an_aborted_sender_fails_its_sends_and_the_peer_sees_the_end() {
     });
     // Wait until the kernel says so: the connection's writer has bytes
     // queued and probes the peer's closed window.
-    let server: std::net::SocketAddr = addr.parse().unwrap();
-    eventually(
-        std::time::Duration::from_secs(10),
-        "the peer's closed window holds the writer back",
-        || async {
-            let seen = sockets::connected_to(server);
-            if seen.iter().any(|s| s.blocked_on_a_full_peer()) {
-                Ok(())
-            } else {
-                Err(seen)
-            }
-        },
-    )
-    .await;
+    sockets::writer_blocked_by(addr.parse().unwrap(), std::time::Duration::from_secs(10)).await;
     assert!(
         !filler.is_finished(),
         "the peer's window holds the sends back"

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 
 use futures::FutureExt;
-use tessera_test_support::wait::eventually;
 use tessera_test_support::{TestPki, sockets};
 use tessera_transport::{Listener, Message, TlsConfig, Transport, TransportConfig, TransportError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -241,20 +240,7 @@ async fn a_large_message_crosses_tls_to_a_late_reader() {
     // says the peer's window is closed (the writer probes it), the reader
     // starts. With that order, the writer without a flush lost the tail
     // (checked against that code).
-    let server: std::net::SocketAddr = addr.parse().unwrap();
-    eventually(
-        std::time::Duration::from_secs(10),
-        "the reader's closed window holds the writer back",
-        || async {
-            let seen = sockets::connected_to(server);
-            if seen.iter().any(|s| s.blocked_on_a_full_peer()) {
-                Ok(())
-            } else {
-                Err(seen)
-            }
-        },
-    )
-    .await;
+    sockets::writer_blocked_by(addr.parse().unwrap(), std::time::Duration::from_secs(10)).await;
     let _ = go.send(());
     let (message, _server_conn) = tokio::time::timeout(std::time::Duration::from_secs(20), served)
         .await
