@@ -27,13 +27,11 @@ fn config(etcd: &LocalEtcd) -> CoordinatorConfig {
 
 /// The leader, waiting up to 10 s for one.
 fn leader(etcd: &LocalEtcd) -> usize {
-    for _ in 0..200 {
-        if let Some(leader) = etcd.leader() {
-            return leader;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("no etcd leader in 10 s");
+    tessera_test_support::wait::eventually_blocking(
+        Duration::from_secs(10),
+        "an etcd leader",
+        || etcd.leader().ok_or("no leader"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,6 +11,7 @@ use tessera_proto::v1::{FetchRequest, HealthRequest, ParameterServerClient, Push
 use tessera_ps_server::config::{Initializer, OptimizerConfig};
 use tessera_ps_server::{Mode, PsServerConfig, TableConfig};
 use tessera_rpc::{Channel, ChannelConfig, Code, RdmaConfig, TransportConfig, TransportKind};
+use tessera_test_support::wait::eventually;
 use tessera_test_support::{InProcess, PsProcess, f32s, free_addr, keys_of_shard};
 
 /// Which transport a case runs over.
@@ -251,21 +252,24 @@ fn binary_serves_and_stops_on_sigterm() {
         .spawn()
         .unwrap();
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let healthy = runtime.block_on(async {
-        for _ in 0..200 {
-            if let Ok(channel) =
-                Channel::connect(format!("127.0.0.1:{port}"), Over::Tcp.channel()).await
-                && let Ok(health) = ParameterServerClient::new(channel)
-                    .health(HealthRequest {})
-                    .await
-            {
-                return health.serving;
+    runtime.block_on(eventually(
+        Duration::from_secs(10),
+        "ps-server answers Health, serving",
+        || async {
+            let channel = Channel::connect(format!("127.0.0.1:{port}"), Over::Tcp.channel())
+                .await
+                .map_err(|e| e.to_string())?;
+            let health = ParameterServerClient::new(channel)
+                .health(HealthRequest {})
+                .await
+                .map_err(|e| e.to_string())?;
+            if health.serving {
+                Ok(())
+            } else {
+                Err("not serving".to_owned())
             }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        false
-    });
-    assert!(healthy, "ps-server never became healthy");
+        },
+    ));
     let status = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -325,29 +329,28 @@ fn the_binary_serves_a_client_in_another_process_over_rdma() {
     let dir = tempfile::tempdir().unwrap();
     let (mut child, addr) = spawn_rdma_ps_server(Over::Rdma.rdma(), dir.path());
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let rows = runtime.block_on(async {
-        for _ in 0..200 {
-            if let Ok(channel) = Channel::connect(addr.clone(), Over::Rdma.channel()).await {
-                let client = ParameterServerClient::new(channel);
-                if let Ok(rows) = client
-                    .fetch(FetchRequest {
-                        table: "emb".into(),
-                        shard: 1,
-                        keys: shard1_keys(3),
-                    })
-                    .await
-                {
-                    return Some(rows.values.len());
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        None
-    });
+    let rows = runtime.block_on(eventually(
+        Duration::from_secs(10),
+        "a Fetch over RDMA from another process answered",
+        || async {
+            let channel = Channel::connect(addr.clone(), Over::Rdma.channel())
+                .await
+                .map_err(|e| e.to_string())?;
+            let rows = ParameterServerClient::new(channel)
+                .fetch(FetchRequest {
+                    table: "emb".into(),
+                    shard: 1,
+                    keys: shard1_keys(3),
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(rows.values.len())
+        },
+    ));
     child.kill();
     assert_eq!(
         rows,
-        Some(3 * 4 * 4),
+        3 * 4 * 4,
         "three rows of four f32 over RDMA from another process"
     );
 }
@@ -368,35 +371,24 @@ fn a_frozen_server_fails_outstanding_calls_at_keepalive_not_at_their_deadline() 
     channel_config.transport.rdma.keepalive_timeout_ms = 500;
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let outcome = runtime.block_on(async {
-        let mut client = None;
-        for _ in 0..200 {
-            if let Ok(channel) = Channel::connect(addr.clone(), channel_config.clone()).await {
-                let c = ParameterServerClient::new(channel);
-                if c.health(HealthRequest {}).await.is_ok() {
-                    client = Some(c);
-                    break;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        let client = client.expect("ps-server became healthy");
+        let client = eventually(
+            Duration::from_secs(10),
+            "ps-server answers Health",
+            || async {
+                let channel = Channel::connect(addr.clone(), channel_config.clone())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let client = ParameterServerClient::new(channel);
+                client
+                    .health(HealthRequest {})
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(client)
+            },
+        )
+        .await;
         // Freeze it: its TCP connections stay open, only keepalive can tell.
-        child.signal(nix::sys::signal::Signal::SIGSTOP);
-        // The signal takes effect asynchronously: wait until the process is
-        // seen stopped (state `T` in /proc), or a request could still be
-        // answered in between.
-        let stat = format!("/proc/{}/stat", child.pid().unwrap());
-        for _ in 0..1000 {
-            let state = std::fs::read_to_string(&stat).unwrap_or_default();
-            let stopped = state
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next())
-                == Some("T");
-            if stopped {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        child.freeze();
         let started = std::time::Instant::now();
         let result = client
             .fetch_with_options(

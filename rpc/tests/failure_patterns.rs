@@ -457,7 +457,6 @@ mod replica_set {
     use super::*;
     use tessera_rpc::policy::QuarantineConfig;
     use tessera_rpc::{ReplicaEndpoint, ReplicaSet, ReplicaSetConfig};
-    use tessera_test_support::wait::eventually;
 
     /// Failure pattern 2, client side: a request over the message limit
     /// was classified as a connection failure, tried on every replica and

@@ -36,13 +36,7 @@ async fn requests_beyond_the_per_connection_cap_are_refused_unrun(t: TransportCo
         }
     };
     let slow: Vec<_> = (0..4).map(|_| tokio::spawn(call(1500))).collect();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while server.echo_started.load(Ordering::SeqCst) < 4 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("four calls in flight");
+    server.wait_echo_started(4).await;
     let err = call(0).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
     assert!(

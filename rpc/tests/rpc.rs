@@ -621,13 +621,17 @@ async fn every_lane_dials_again_after_its_server_restarted() {
     }
     server.shutdown().await;
     // Both lanes' readers see the close: no usable link is left.
-    let gone = tokio::time::timeout(Duration::from_secs(10), async {
-        while channel.current_transport().is_some() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
+    tessera_test_support::wait::eventually(
+        Duration::from_secs(10),
+        "no usable link is left once the server closed them",
+        || async {
+            match channel.current_transport() {
+                None => Ok(()),
+                Some(kind) => Err(kind),
+            }
+        },
+    )
     .await;
-    assert!(gone.is_ok(), "the closed links are still in use");
     let server = start_at(server_config(&t), &addr).await;
     for _ in 0..4 {
         call().await.unwrap();

@@ -175,6 +175,43 @@ impl PsProcess {
         }
     }
 
+    /// SIGSTOPs it and waits until every thread of it is stopped (state
+    /// `T` in `/proc/<pid>/task/*/stat`): the signal takes effect
+    /// asynchronously, and a request sent before then may still be
+    /// answered. Panics if it is not stopped within 10 s.
+    pub fn freeze(&self) {
+        let Some(pid) = self.pid() else {
+            panic!("{}: freeze of a process that is not running", self.addr);
+        };
+        self.signal(Signal::SIGSTOP);
+        crate::wait::eventually_blocking(
+            std::time::Duration::from_secs(10),
+            "every thread of the process is stopped",
+            || {
+                let running: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+                    .map_err(|e| vec![e.to_string()])?
+                    .flatten()
+                    .filter(|task| {
+                        let stat = std::fs::read_to_string(task.path().join("stat"));
+                        // A thread that ended meanwhile has no stat: not running.
+                        stat.ok().is_some_and(|stat| {
+                            let state = stat
+                                .rsplit_once(") ")
+                                .and_then(|(_, rest)| rest.split(' ').next());
+                            !matches!(state, Some("T" | "t"))
+                        })
+                    })
+                    .map(|task| task.file_name().to_string_lossy().into_owned())
+                    .collect();
+                if running.is_empty() {
+                    Ok(())
+                } else {
+                    Err(running)
+                }
+            },
+        );
+    }
+
     /// Waits for it to exit (after SIGTERM); `None` if it is not running.
     pub fn wait(&mut self) -> Option<std::process::ExitStatus> {
         let mut child = self.child.take()?;

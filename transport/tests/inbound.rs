@@ -152,13 +152,17 @@ async fn a_large_message_waits_unread_for_budget_and_then_arrives_whole() {
     let (stalled, stalled_receivers) = stalled_peers(2, addr, &mut accepted).await;
     // Both stalled frames hold their budget once their first bytes are read.
     let budget = transport.inbound_budget().clone();
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while budget.available() > 0 {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("the stalled frames take the whole budget");
+    tessera_test_support::wait::eventually(
+        Duration::from_secs(5),
+        "the stalled frames take the whole budget",
+        || async {
+            match budget.available() {
+                0 => Ok(()),
+                left => Err(left),
+            }
+        },
+    )
+    .await;
     let legit = transport.connect(&addr.to_string()).await.unwrap();
     let mut served = accepted.recv().await.unwrap();
     let body: Vec<u8> = (0..4 * MIB).map(|i| i as u8).collect();

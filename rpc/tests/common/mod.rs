@@ -160,13 +160,17 @@ impl Running {
     /// Waits (at most 10 s) until the server's Echo handler has begun `n`
     /// calls: the signal a test waits on before it acts on "in flight".
     pub async fn wait_echo_started(&self, n: u64) {
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while self.echo_started.load(Ordering::SeqCst) < n {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        })
-        .await
-        .expect("the server's Echo handler began the calls");
+        tessera_test_support::wait::eventually(
+            Duration::from_secs(10),
+            "the server's Echo handler began the calls",
+            || async {
+                match self.echo_started.load(Ordering::SeqCst) {
+                    started if started >= n => Ok(()),
+                    started => Err(started),
+                }
+            },
+        )
+        .await;
     }
 
     pub async fn shutdown(mut self) {
